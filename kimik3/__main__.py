@@ -1,0 +1,5 @@
+import sys
+
+from kimik3.cli import main
+
+sys.exit(main())

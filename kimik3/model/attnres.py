@@ -1,0 +1,39 @@
+"""Block Attention Residuals (notes §3; numerics as released, DESIGN.md).
+
+Legend: B = batch, T = tokens, N = residual entries, D = model width.
+
+Instead of one running sum, the stream is kept as AttnRes *entries*: the embedding, one summary per
+completed block of ``block_size`` layers, and the running partial sum of the current block. Before
+each mixer and each FFN a learned pseudo-query picks a softmax mixture of the entries:
+
+    keys = RMSNorm(values) (fp32, no weight)    score_n = keys_n · (norm_weight ⊙ query)
+    p = softmax(score) over n                   output = Σ_n p_n · values_n
+
+The norm weight folds into the query, so the pair costs 2·D parameters. Queries start at zero, so
+at initialisation every mix is the plain mean of the entries; since each mix is followed by an
+RMSNorm, the model then behaves as the plain PreNorm residual model with the same weights (up to
+the norms' eps): ``tests/model/test_attnres.py`` checks this.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class AttnResMix(nn.Module):
+    """Softmax mixture over residual entries with a zero-initialised pseudo-query."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.key_norm_weight = nn.Parameter(torch.empty(dim))
+        self.query = nn.Parameter(torch.empty(dim))
+
+    def forward(self, entries: list[torch.Tensor]) -> torch.Tensor:
+        """entries: N tensors [..., D] -> their mixture [..., D] in the entries' dtype."""
+        values_BTND = torch.stack(entries, dim=-2).float()
+        keys_BTND = values_BTND * torch.rsqrt(values_BTND.square().mean(-1, keepdim=True) + self.eps)
+        scores_BTN = keys_BTND @ (self.key_norm_weight.float() * self.query.float())
+        probs_BTN = torch.softmax(scores_BTN, dim=-1)
+        return (probs_BTN.unsqueeze(-2) @ values_BTND).squeeze(-2).to(entries[-1].dtype)

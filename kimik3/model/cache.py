@@ -1,0 +1,82 @@
+"""Inference state the model's forward reads and updates: the hybrid cache.
+
+Legend: B = batch, S = cached tokens, C = MLA cache width (kv_lora_rank + rope slice = 576 in K3),
+H = heads, K = V = KDA head dim, W = conv width.
+
+- MLA layers keep one latent per token: the RMS-normalised kv latent and the unrotated slice.
+  ``MLAState`` is a static [B, max_len, C] buffer (gpt-fast style); the serving engine supplies its
+  own paged object with the same ``append`` contract.
+- KDA layers keep a fixed-size state per sequence, whatever the length: the conv inputs
+  [B, 3·H·K, W-1] and the recurrent state [B, H, K, V] in fp32.
+
+The model never allocates a cache itself; ``K3Cache.allocate`` (or the engine) does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kimik3.config.schema import K3Config
+
+
+@dataclass(slots=True)
+class MLAState:
+    """A contiguous per-layer latent cache; ``append`` returns every cached latent so far."""
+
+    kv_BSC: torch.Tensor
+    length: int = 0
+
+    def append(self, kv_BTC: torch.Tensor) -> torch.Tensor:
+        end = self.length + kv_BTC.shape[1]
+        if end > self.kv_BSC.shape[1]:
+            raise ValueError(f"MLA cache overflow: {end} tokens exceed its capacity {self.kv_BSC.shape[1]}")
+        self.kv_BSC[:, self.length:end] = kv_BTC.to(self.kv_BSC.dtype)
+        self.length = end
+        return self.kv_BSC[:, :end]
+
+
+@dataclass(slots=True)
+class KDAState:
+    """Per-layer KDA state, replaced (not mutated) by each forward."""
+
+    conv_BCW: torch.Tensor
+    recurrent_BHKV: torch.Tensor
+
+
+@dataclass(slots=True)
+class K3Cache:
+    """One state per layer (``MLAState`` or ``KDAState``), plus one for the MTP block if any."""
+
+    layers: list[MLAState | KDAState]
+    seq_len: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @classmethod
+    def allocate(cls, config: K3Config, batch_size: int, max_len: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> "K3Cache":
+        """Zeroed states for ``batch_size`` sequences of up to ``max_len`` tokens."""
+        if max_len > config.max_seq_len:
+            raise ValueError(f"max_len={max_len} exceeds the model's max_seq_len={config.max_seq_len}")
+        heads, head_dim = config.kda.num_heads, config.kda_head_dim
+        layers: list[MLAState | KDAState] = []
+        for spec in config.layer_plan():
+            if spec.mixer == "mla":
+                layers.append(MLAState(torch.zeros(batch_size, max_len, config.mla.cache_width,
+                                                   device=device, dtype=dtype)))
+            else:
+                layers.append(KDAState(
+                    conv_BCW=torch.zeros(batch_size, 3 * heads * head_dim, config.kda.conv_kernel - 1,
+                                         device=device, dtype=dtype),
+                    recurrent_BHKV=torch.zeros(batch_size, heads, head_dim, head_dim,
+                                               device=device, dtype=torch.float32),
+                ))
+        return cls(layers=layers)
+
+    def nbytes(self) -> int:
+        total = 0
+        for state in self.layers:
+            tensors = (state.kv_BSC,) if isinstance(state, MLAState) else (state.conv_BCW, state.recurrent_BHKV)
+            total += sum(t.numel() * t.element_size() for t in tensors)
+        return total

@@ -1,0 +1,59 @@
+"""Causal depthwise short convolution (KDA's q/k/v convs), with a carried state for decoding.
+
+Legend: B = batch, T = tokens, C = channels, W = kernel width.
+
+``y_t = sum_j weight[:, W-1-j] * x_{t-j}``: a left-padded depthwise conv written as W shifted
+multiply-adds, so that packed sequences (``cu_seqlens``) never see a neighbour's tokens and the
+same code serves prefill (T tokens), chunked prefill (T tokens after a state) and decode (T = 1).
+The state is the last W-1 *inputs* of the sequence, [B, C, W-1].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kimik3.model.packing import positions_in_sequence
+
+
+def short_conv(
+    x_BTC: torch.Tensor,
+    weight_CW: torch.Tensor,
+    state_BCW: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    activation: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv (+ SiLU) over T.
+
+    Args:
+        x_BTC: inputs [B, T, C].
+        weight_CW: per-channel kernel [C, W]; ``weight[:, -1]`` multiplies the current token.
+        state_BCW: the previous W-1 inputs [B, C, W-1] (zeros when None); not allowed with
+            ``cu_seqlens``, where every packed sequence starts from zeros.
+        cu_seqlens: [N+1] offsets of packed sequences along T (B must be 1).
+    Returns:
+        (y [B, T, C] in x's dtype, new_state [B, C, W-1]: the last W-1 inputs seen).
+    """
+    batch, length, channels = x_BTC.shape
+    width = weight_CW.shape[1]
+    if weight_CW.shape[0] != channels:
+        raise ValueError(f"short_conv: weight has {weight_CW.shape[0]} channels, x has {channels}")
+    if cu_seqlens is not None and state_BCW is not None:
+        raise ValueError("short_conv: a carried state cannot be combined with packed cu_seqlens")
+    if state_BCW is None:
+        state_BCW = x_BTC.new_zeros(batch, channels, width - 1)
+    elif state_BCW.shape != (batch, channels, width - 1):
+        raise ValueError(f"short_conv: state must be {(batch, channels, width - 1)}, got {tuple(state_BCW.shape)}")
+
+    x_ext = torch.cat([state_BCW.transpose(1, 2).to(x_BTC.dtype), x_BTC], dim=1)  # [B, W-1+T, C]
+    pos = positions_in_sequence(cu_seqlens, length) if cu_seqlens is not None else None
+    y = x_BTC * weight_CW[:, width - 1]
+    for lag in range(1, width):
+        term = x_ext[:, width - 1 - lag: width - 1 - lag + length] * weight_CW[:, width - 1 - lag]
+        if pos is not None:  # tokens lag steps back belong to another sequence
+            term = term * (pos >= lag).to(term.dtype)[None, :, None]
+        y = y + term
+    new_state = x_ext[:, x_ext.shape[1] - (width - 1):].transpose(1, 2)
+    if activation:
+        y = F.silu(y)
+    return y, new_state

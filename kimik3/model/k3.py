@@ -1,0 +1,211 @@
+"""The K3 stack: embedding -> hybrid layers (3 KDA : 1 Gated MLA, dense layer 0, LatentMoE after)
+joined by Block AttnRes -> final mix -> RMSNorm -> head; optional MTP module.
+
+Legend: B = batch, T = tokens, D = model width, V = vocabulary.
+
+Build: parameters are created on the meta device and materialised once (``to_empty``) on the
+target device, then filled by the single ``init_weights``. ``device="meta"`` stops before that,
+so the full 2.78T configuration can be inspected without memory. Default dtype: bf16 on CUDA,
+fp32 elsewhere; the router bias, A_log and dt_bias stay fp32 whatever the dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kimik3.config.schema import K3Config
+from kimik3.model.attnres import AttnResMix
+from kimik3.model.block import K3Block
+from kimik3.model.cache import K3Cache
+from kimik3.model.init import init_weights
+from kimik3.model.moe import Router
+from kimik3.model.mtp import MTPModule
+from kimik3.model.norm import RMSNorm
+from kimik3.model.sampling import sample_next_token
+
+IGNORE_INDEX = -100
+FP32_PARAMS = ("A_log", "dt_bias")  # parameter names kept in fp32 under any model dtype
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """bf16 compute on GPU, fp32 on CPU."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+@dataclass(slots=True)
+class K3Output:
+    logits: torch.Tensor                    # [B, T, V] (or [B, 1, V] with last_only)
+    loss: torch.Tensor | None = None        # main CE + mtp.loss_weight * MTP CE, when labels are given
+    main_loss: torch.Tensor | None = None
+    mtp_loss: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None      # [B, T, D] final hidden state before the final norm
+
+
+class K3ForCausalLM(nn.Module):
+    """Kimi K3 causal language model.
+
+    ``model(input_ids)`` -> ``K3Output`` with ``.logits`` [B, T, vocab]. With ``labels`` (already
+    shifted: ``labels[t]`` is the target of position t, -100 ignored) it also returns the loss.
+    With a ``K3Cache`` it continues the cached sequences (prefill, chunked prefill or decode).
+    """
+
+    def __init__(self, config: K3Config, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, seed: int | None = None):
+        super().__init__()
+        self.config = config
+        with torch.device("meta"):
+            self.embed = nn.Embedding(config.vocab_size, config.dim)
+            self.layers = nn.ModuleList(
+                K3Block(config, spec, config.attn_res.enabled) for spec in config.layer_plan())
+            self.final_mix = AttnResMix(config.dim, config.norm_eps) if config.attn_res.enabled else None
+            self.norm = RMSNorm(config.dim, config.norm_eps)
+            self.lm_head = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
+            self.mtp = MTPModule(config) if config.mtp.num_modules else None
+        device = torch.device(device if device is not None else "cpu")
+        if device.type == "meta":
+            return
+        self.to_empty(device=device)
+        self.cast(dtype or default_dtype(device))
+        generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        init_weights(self, config, generator)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def cast(self, dtype: torch.dtype) -> "K3ForCausalLM":
+        """Cast parameters to ``dtype``, keeping the router bias and the KDA decay params fp32."""
+        for name, param in self.named_parameters():
+            keep = name.rsplit(".", 1)[-1] in FP32_PARAMS
+            param.data = param.data.to(torch.float32 if keep else dtype)
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def routers(self) -> list[Router]:
+        """Every MoE router of the main stack, in layer order."""
+        return [m for m in self.layers.modules() if isinstance(m, Router)]
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                cache: K3Cache | None = None, cu_seqlens: torch.Tensor | None = None,
+                last_only: bool = False) -> K3Output:
+        """input_ids [B, T] int64; cu_seqlens [N+1] for packed sequences (B must be 1)."""
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), "
+                             f"got [{int(input_ids.min())}, {int(input_ids.max())}]")
+        if cu_seqlens is not None:
+            if input_ids.shape[0] != 1:
+                raise ValueError("cu_seqlens packs sequences along T: input_ids must have batch size 1")
+            if cache is not None:
+                raise ValueError("cu_seqlens cannot be combined with a cache")
+        if cache is not None and len(cache.layers) != len(self.layers):
+            raise ValueError(f"cache has {len(cache.layers)} layer states, the model {len(self.layers)} layers")
+
+        stream = self.embed(input_ids)
+        entries: list[torch.Tensor] = []
+        for index, block in enumerate(self.layers):
+            state = cache.layers[index] if cache is not None else None
+            stream, entries = block(stream, entries, state, cu_seqlens)
+        hidden = self.final_mix(entries + [stream]) if self.final_mix is not None else stream
+        if cache is not None:
+            cache.seq_len += input_ids.shape[1]
+
+        logits = self.head(self.norm(hidden[:, -1:] if last_only else hidden))
+        out = K3Output(logits=logits, hidden=hidden)
+        if labels is not None:
+            if last_only:
+                raise ValueError("labels need logits for every position: drop last_only")
+            out.main_loss = cross_entropy(logits, labels)
+            out.loss = out.main_loss
+            if self.mtp is not None and input_ids.shape[1] > 1:
+                out.mtp_loss = self._mtp_loss(hidden, labels, cu_seqlens)
+                out.loss = out.main_loss + self.config.mtp.loss_weight * out.mtp_loss
+        return out
+
+    def _mtp_loss(self, hidden: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        # Position t sees h_t and x_{t+1} (= labels[t]) and predicts x_{t+2} (= labels[t+1]).
+        length = hidden.shape[1] - 1
+        known = labels[:, :length]
+        targets = labels[:, 1:].masked_fill(known == IGNORE_INDEX, IGNORE_INDEX)
+        cu = cu_seqlens.clamp(max=length) if cu_seqlens is not None else None
+        mtp_hidden = self.mtp(hidden[:, :length], self.embed(known.clamp(min=0)), cu)
+        return cross_entropy(self.head(mtp_hidden), targets)
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, eos_token_id: int | None = None,
+                 generator: torch.Generator | None = None,
+                 on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Decode with the hybrid cache: one prefill, then one token per step.
+
+        input_ids [B, T] (all prompts the same length). Returns [B, T + n] with n <= max_new_tokens
+        (fewer when every row has produced ``eos_token_id``). ``on_token`` receives each new [B]
+        column as it is produced (streaming).
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if input_ids.ndim != 2 or input_ids.shape[1] < 1:
+            raise ValueError(f"input_ids must be [batch, tokens>=1], got shape {tuple(input_ids.shape)}")
+        batch, prompt_len = input_ids.shape
+        total = prompt_len + max_new_tokens
+        if total > self.config.max_seq_len:
+            raise ValueError(f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"max_seq_len={self.config.max_seq_len}")
+        was_training = self.training
+        self.eval()
+        cache = K3Cache.allocate(self.config, batch, total, device=self.device, dtype=self.dtype)
+        logits = self(input_ids, cache=cache, last_only=True).logits[:, -1]
+        tokens = [input_ids]
+        finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+        for step in range(max_new_tokens):
+            next_B = sample_next_token(logits, temperature, top_k, top_p, generator)
+            if eos_token_id is not None:
+                next_B = next_B.masked_fill(finished, eos_token_id)
+                finished |= next_B == eos_token_id
+            tokens.append(next_B[:, None])
+            if on_token is not None:
+                on_token(next_B)
+            if bool(finished.all()) or step == max_new_tokens - 1:
+                break
+            logits = self(next_B[:, None], cache=cache).logits[:, -1]
+        self.train(was_training)
+        return torch.cat(tokens, dim=1)
+
+    # ------------------------------------------------------------------ files
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write ``config.json`` and ``model.safetensors`` into ``directory`` (atomically)."""
+        from kimik3.model.pretrained import save_pretrained
+
+        save_pretrained(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, *, device: torch.device | str | None = None,
+                        dtype: torch.dtype | None = None) -> "K3ForCausalLM":
+        """Read a directory written by ``save_pretrained`` (never uses pickle)."""
+        from kimik3.model.pretrained import load_pretrained
+
+        return load_pretrained(cls, directory, device=device, dtype=dtype)
+
+
+def cross_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy in fp32 over labels != -100."""
+    if logits_BTV.shape[:2] != labels_BT.shape:
+        raise ValueError(f"labels shape {tuple(labels_BT.shape)} does not match logits {tuple(logits_BTV.shape[:2])}")
+    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten(), ignore_index=IGNORE_INDEX)

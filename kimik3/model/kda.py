@@ -1,0 +1,98 @@
+"""The Kimi Delta Attention layer (notes §2; numerics as released, DESIGN.md).
+
+Legend: B = batch, T = tokens, D = model width, H = heads, K = V = head dim, R = gate rank.
+
+x -> q, k, v projections -> causal depthwise conv (width 4) -> SiLU; q, k L2-normalised with
+x / sqrt(sum x^2 + 1e-6); forget gate g = g_min * sigmoid(exp(A_log) * (f + dt_bias)) with the
+low-rank f = forget_b(forget_a(x)), so g is in (g_min, 0) = (-5, 0); beta = sigmoid(Linear(x))
+in fp32; the delta-rule recurrence (``kimik3.ops.kda``); per-head RMSNorm (fp32, eps 1e-5,
+weighted) times sigmoid(output_gate(x)); output projection.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kimik3.config.schema import K3Config
+from kimik3.model.cache import KDAState
+from kimik3.model.conv import short_conv
+from kimik3.ops.kda import chunk_kda, recurrent_kda_step
+
+L2_EPS = 1e-6
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + 1e-6) over the last dim, in fp32, cast back."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + L2_EPS)).to(x.dtype)
+
+
+def bounded_gate(raw_BTHK: torch.Tensor, a_log_H: torch.Tensor, dt_bias_HK: torch.Tensor,
+                 g_min: float) -> torch.Tensor:
+    """K3's bounded log-decay g_min * sigmoid(exp(A_log) * (raw + dt_bias)), fp32, in (g_min, 0)."""
+    rate = a_log_H.float().exp()[:, None]
+    return g_min * torch.sigmoid(rate * (raw_BTHK.float() + dt_bias_HK.float()))
+
+
+class KDA(nn.Module):
+    """KDA token mixer: [B, T, D] -> [B, T, D], optionally continuing a ``KDAState``."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.num_heads = config.kda.num_heads
+        self.head_dim = config.kda_head_dim
+        self.g_min = config.kda.g_min
+        self.chunk_size = config.kda.chunk_size
+        d, proj, rank = config.dim, self.num_heads * self.head_dim, config.kda_gate_rank
+        self.q_proj = nn.Linear(d, proj, bias=False)
+        self.k_proj = nn.Linear(d, proj, bias=False)
+        self.v_proj = nn.Linear(d, proj, bias=False)
+        # One depthwise kernel per channel of q, k and v: [3·H·K, W] stored as three parameters.
+        self.q_conv = nn.Parameter(torch.empty(proj, config.kda.conv_kernel))
+        self.k_conv = nn.Parameter(torch.empty(proj, config.kda.conv_kernel))
+        self.v_conv = nn.Parameter(torch.empty(proj, config.kda.conv_kernel))
+        self.forget_a = nn.Linear(d, rank, bias=False)
+        self.forget_b = nn.Linear(rank, proj, bias=False)
+        self.beta_proj = nn.Linear(d, self.num_heads, bias=False)
+        self.output_gate = nn.Linear(d, proj, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads, self.head_dim))
+        self.output_norm_weight = nn.Parameter(torch.empty(self.head_dim))
+        self.norm_eps = config.kda.norm_eps
+        self.o_proj = nn.Linear(proj, d, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, state: KDAState | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        batch, length, _ = x_BTD.shape
+        heads, head_dim = self.num_heads, self.head_dim
+
+        qkv_BTC = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], dim=-1)
+        conv_weight = torch.cat([self.q_conv, self.k_conv, self.v_conv], dim=0).to(qkv_BTC.dtype)
+        qkv_BTC, conv_state = short_conv(qkv_BTC, conv_weight, state.conv_BCW if state is not None else None,
+                                         cu_seqlens=cu_seqlens)
+        q_BTHK, k_BTHK, v_BTHV = (t.unflatten(-1, (heads, head_dim)) for t in qkv_BTC.chunk(3, dim=-1))
+        q_BTHK, k_BTHK = l2_normalize(q_BTHK), l2_normalize(k_BTHK)
+
+        raw_gate = self.forget_b(self.forget_a(x_BTD)).unflatten(-1, (heads, head_dim))
+        g_BTHK = bounded_gate(raw_gate, self.A_log, self.dt_bias, self.g_min)
+        beta_BTH = torch.sigmoid(self.beta_proj(x_BTD).float())
+
+        initial = state.recurrent_BHKV if state is not None else None
+        if state is not None and length == 1:
+            o_BHV, final = recurrent_kda_step(q_BTHK[:, 0], k_BTHK[:, 0], v_BTHV[:, 0], g_BTHK[:, 0],
+                                              beta_BTH[:, 0], initial)
+            o_BTHV = o_BHV[:, None]
+        else:
+            o_BTHV, final = chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH,  # gate and beta stay fp32
+                                      initial_state=initial, output_final_state=state is not None,
+                                      cu_seqlens=cu_seqlens)
+        if state is not None:
+            state.conv_BCW = conv_state.to(state.conv_BCW.dtype)
+            state.recurrent_BHKV = final
+
+        gate_BTHV = self.output_gate(x_BTD).unflatten(-1, (heads, head_dim))
+        normed = F.rms_norm(o_BTHV.float(), (head_dim,), self.output_norm_weight.float(), self.norm_eps)
+        out = (normed * torch.sigmoid(gate_BTHV.float())).to(x_BTD.dtype)
+        return self.o_proj(out.reshape(batch, length, heads * head_dim))

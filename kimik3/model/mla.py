@@ -1,0 +1,116 @@
+"""Gated Multi-head Latent Attention with NoPE (notes §2; numerics as released, DESIGN.md).
+
+Legend: B = batch, T = new tokens, S = all attended tokens (cached + new), D = model width,
+H = heads, N = qk_nope dim, R = the shared 'rope' slice (never rotated: NoPE), V = v head dim,
+C = kv_lora_rank (the latent), Q = q_lora_rank.
+
+q = wq_b(RMSNorm(wq_a(x))); wkv_a(x) = [latent, slice]; k_nope, v = wkv_b(RMSNorm(latent));
+k = [k_nope, slice broadcast to every head]; softmax scale (N + R)^-0.5; causal attention;
+output x sigmoid(gate(x)) channel-wise; wo. The cache holds [RMSNorm(latent), slice]: C + R
+values per token (576 in K3).
+
+Two equivalent paths:
+- ``naive``: expand the latents of all S tokens into per-head keys and values (cheap when T ~ S,
+  i.e. prefill);
+- ``absorbed``: fold wkv_b's key half into the query and its value half into the output, so
+  attention runs directly on the C + R latent (cheap when T << S, i.e. decode).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kimik3.config.schema import K3Config
+from kimik3.model.cache import MLAState
+from kimik3.model.norm import RMSNorm
+from kimik3.model.packing import sequence_ids
+
+
+def attention_mask(length: int, offset: int, total: int, cu_seqlens: torch.Tensor | None,
+                   device: torch.device) -> torch.Tensor | None:
+    """Boolean [T, S] mask (True = may attend); None means plain causal with no offset."""
+    if cu_seqlens is None and offset == 0:
+        return None
+    query = torch.arange(length, device=device)[:, None] + offset
+    key = torch.arange(total, device=device)[None, :]
+    mask = key <= query
+    if cu_seqlens is not None:
+        if offset != 0:
+            raise ValueError("MLA: packed cu_seqlens cannot be combined with a cache")
+        seq = sequence_ids(cu_seqlens, total)
+        mask = mask & (seq[:, None] == seq[None, :])
+    return mask
+
+
+class GatedMLA(nn.Module):
+    """Gated MLA token mixer: [B, T, D] -> [B, T, D], optionally appending to an ``MLAState``."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        m = config.mla
+        self.num_heads = m.num_heads
+        self.nope_dim, self.rope_dim, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        self.kv_lora_rank = m.kv_lora_rank
+        self.scale = m.qk_head_dim ** -0.5
+        d = config.dim
+        self.wq_a = nn.Linear(d, m.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(m.q_lora_rank, config.norm_eps)
+        self.wq_b = nn.Linear(m.q_lora_rank, m.num_heads * m.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(d, m.kv_lora_rank + m.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(m.kv_lora_rank, config.norm_eps)
+        self.wkv_b = nn.Linear(m.kv_lora_rank, m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        self.gate = nn.Linear(d, m.num_heads * m.v_head_dim, bias=False)
+        self.wo = nn.Linear(m.num_heads * m.v_head_dim, d, bias=False)
+
+    def latents(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """What the cache stores for these tokens: [RMSNorm(latent), slice], [B, T, C + R]."""
+        latent, k_slice = self.wkv_a(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        return torch.cat([self.kv_norm(latent), k_slice], dim=-1)
+
+    def forward(self, x_BTD: torch.Tensor, state: MLAState | None = None,
+                cu_seqlens: torch.Tensor | None = None, absorbed: bool | None = None) -> torch.Tensor:
+        """``absorbed=None`` picks the absorbed path for single-token decode, naive otherwise."""
+        batch, length, _ = x_BTD.shape
+        q_BTHK = self.wq_b(self.q_norm(self.wq_a(x_BTD))).unflatten(-1, (self.num_heads, -1))
+        kv_BTC = self.latents(x_BTD)
+        if state is not None:
+            offset = state.length
+            kv_BSC = state.append(kv_BTC).to(x_BTD.dtype)
+        else:
+            offset, kv_BSC = 0, kv_BTC
+        mask = attention_mask(length, offset, kv_BSC.shape[1], cu_seqlens, x_BTD.device)
+        if absorbed is None:
+            absorbed = length == 1 and state is not None
+        attend = self._absorbed if absorbed else self._naive
+        out_BTHV = attend(q_BTHK, kv_BSC, mask)
+        out_BTX = out_BTHV.flatten(-2) * torch.sigmoid(self.gate(x_BTD))
+        return self.wo(out_BTX)
+
+    def _naive(self, q_BTHK: torch.Tensor, kv_BSC: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        latent_BSC, k_slice_BSR = kv_BSC.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv_BSHX = self.wkv_b(latent_BSC).unflatten(-1, (self.num_heads, -1))
+        k_nope_BSHN, v_BSHV = kv_BSHX.split([self.nope_dim, self.v_dim], dim=-1)
+        k_BSHK = torch.cat([k_nope_BSHN, k_slice_BSR[:, :, None].expand(-1, -1, self.num_heads, -1)], dim=-1)
+        out = F.scaled_dot_product_attention(
+            q_BTHK.transpose(1, 2), k_BSHK.transpose(1, 2), v_BSHV.transpose(1, 2),
+            attn_mask=mask, is_causal=mask is None and q_BTHK.shape[1] > 1, scale=self.scale)
+        return out.transpose(1, 2)
+
+    def _absorbed(self, q_BTHK: torch.Tensor, kv_BSC: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        latent_BSC, k_slice_BSR = kv_BSC.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        w_HXC = self.wkv_b.weight.unflatten(0, (self.num_heads, -1))
+        w_uk_HNC, w_uv_HVC = w_HXC.split([self.nope_dim, self.v_dim], dim=1)
+        q_nope_BTHN, q_slice_BTHR = q_BTHK.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_latent_BTHC = torch.einsum("bthn,hnc->bthc", q_nope_BTHN, w_uk_HNC)
+        scores_BHTS = (torch.einsum("bthc,bsc->bhts", q_latent_BTHC, latent_BSC)
+                       + torch.einsum("bthr,bsr->bhts", q_slice_BTHR, k_slice_BSR)).float() * self.scale
+        if mask is None and q_BTHK.shape[1] > 1:
+            length = q_BTHK.shape[1]
+            mask = torch.ones(length, length, dtype=torch.bool, device=q_BTHK.device).tril()
+        if mask is not None:
+            scores_BHTS = scores_BHTS.masked_fill(~mask, float("-inf"))
+        probs_BHTS = torch.softmax(scores_BHTS, dim=-1).to(q_BTHK.dtype)
+        out_latent_BTHC = torch.einsum("bhts,bsc->bthc", probs_BHTS, latent_BSC)
+        return torch.einsum("bthc,hvc->bthv", out_latent_BTHC, w_uv_HVC)

@@ -1,0 +1,122 @@
+"""Stable LatentMoE (notes §4): sigmoid router, latent routed experts, shared experts.
+
+Legend: T = tokens (flattened batch), D = model width, E = routed experts, K = experts per token,
+L = latent width, F = expert hidden width, R = routed rows (T x K, sorted by expert).
+
+Routing (released numerics): router logits in fp32 -> sigmoid scores; the top-k is taken on
+``scores + expert_bias`` but the mixture weights are the *unbiased* scores of the chosen experts,
+normalised to sum to one (x route_scale). The bias therefore moves which experts are chosen,
+never how much each chosen one counts. The router also takes the (k+1)-th biased score (the
+cutoff a non-chosen expert would have to beat); ``cutoff - score`` is an expert's routing margin,
+which Quantile Balancing (``kimik3.train.balance``) turns into the next bias.
+
+Routed path: W_down (D -> L) -> experts (SiTU-GLU in fp32) -> weighted sum -> RMSNorm -> W_up
+(L -> D). Shared experts run at full width on the same input and are added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kimik3.config.schema import K3Config
+from kimik3.model.ffn import GLUFeedForward, situ_glu
+from kimik3.model.norm import RMSNorm
+from kimik3.ops.moe import grouped_mm
+
+
+@dataclass(slots=True)
+class RoutingStats:
+    """What one router call saw, for balancing and metrics (all detached)."""
+
+    loads_E: torch.Tensor            # int64 tokens routed to each expert
+    scores_TE: torch.Tensor | None   # fp32 sigmoid scores (only when the router records them)
+    cutoff_T: torch.Tensor | None    # fp32 (k+1)-th biased score per token (idem)
+
+
+class Router(nn.Module):
+    """Sigmoid top-k router with a selection-only per-expert bias (a persistent fp32 buffer)."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, route_scale: float = 1.0):
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.route_scale = route_scale
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.record_scores = False  # set by the balancer: keep scores and cutoffs of the last call
+        self.last_stats: RoutingStats | None = None
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns fp32 mixture weights [T, K] and int64 expert ids [T, K]."""
+        scores_TE = torch.sigmoid(F.linear(x_TD.float(), self.gate.weight.float()))
+        biased_TE = scores_TE.detach() + self.expert_bias
+        take = min(self.top_k + 1, self.num_experts)
+        top_vals, top_ids = torch.topk(biased_TE, take, dim=-1, sorted=True)
+        ids_TK = top_ids[:, : self.top_k]
+        weights_TK = scores_TE.gather(-1, ids_TK)
+        weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20) * self.route_scale
+
+        loads_E = torch.bincount(ids_TK.flatten(), minlength=self.num_experts)
+        if self.record_scores:
+            cutoff_T = (top_vals[:, self.top_k] if take > self.top_k
+                        else torch.full_like(top_vals[:, 0], float("-inf")))
+            self.last_stats = RoutingStats(loads_E, scores_TE.detach(), cutoff_T.detach())
+        else:
+            self.last_stats = RoutingStats(loads_E, None, None)
+        return weights_TK, ids_TK
+
+
+class RoutedExperts(nn.Module):
+    """``num_experts`` SiTU-GLU experts stored as stacked 3-D weights, run as grouped matmuls."""
+
+    def __init__(self, num_experts: int, latent_dim: int, hidden: int):
+        super().__init__()
+        self.w_gate_ELF = nn.Parameter(torch.empty(num_experts, latent_dim, hidden))
+        self.w_up_ELF = nn.Parameter(torch.empty(num_experts, latent_dim, hidden))
+        self.w_down_EFL = nn.Parameter(torch.empty(num_experts, hidden, latent_dim))
+
+    def forward(self, x_TL: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+        """Weighted sum over each token's experts: [T, L] -> [T, L]."""
+        num_tokens, top_k = ids_TK.shape
+        num_experts = self.w_gate_ELF.shape[0]
+        flat_ids_R = ids_TK.flatten()
+        order_R = torch.argsort(flat_ids_R, stable=True)
+        token_R = order_R // top_k
+        counts_E = torch.bincount(flat_ids_R, minlength=num_experts)
+
+        x_RL = x_TL[token_R]
+        gate_RF = grouped_mm(x_RL, self.w_gate_ELF.to(x_RL.dtype), counts_E)
+        up_RF = grouped_mm(x_RL, self.w_up_ELF.to(x_RL.dtype), counts_E)
+        hidden_RF = situ_glu(gate_RF.float(), up_RF.float())
+        # Mixture weights applied after the experts, in fp32, as released.
+        hidden_RF = (hidden_RF * weights_TK.flatten()[order_R, None]).to(x_RL.dtype)
+        y_RL = grouped_mm(hidden_RF, self.w_down_EFL.to(x_RL.dtype), counts_E)
+        return torch.zeros_like(x_TL).index_add_(0, token_R, y_RL)
+
+
+class LatentMoE(nn.Module):
+    """Stable LatentMoE layer: [..., D] -> [..., D]."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        m = config.moe
+        self.router = Router(config.dim, m.num_experts, m.top_k, m.route_scale)
+        self.routed_down = nn.Linear(config.dim, m.latent_dim, bias=False)
+        self.experts = RoutedExperts(m.num_experts, m.latent_dim, m.expert_hidden)
+        self.routed_norm = RMSNorm(m.latent_dim, config.norm_eps)
+        self.routed_up = nn.Linear(m.latent_dim, config.dim, bias=False)
+        self.shared = GLUFeedForward(config.dim, m.shared_total_hidden) if m.num_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x_TD = x.reshape(-1, shape[-1])
+        weights_TK, ids_TK = self.router(x_TD)
+        routed_TL = self.experts(self.routed_down(x_TD), weights_TK, ids_TK)
+        out_TD = self.routed_up(self.routed_norm(routed_TL))
+        if self.shared is not None:
+            out_TD = out_TD + self.shared(x_TD)
+        return out_TD.reshape(shape)

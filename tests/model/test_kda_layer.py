@@ -1,0 +1,84 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kimik3 import K3Config
+from kimik3.model.cache import KDAState
+from kimik3.model.conv import short_conv
+from kimik3.model.kda import KDA, bounded_gate
+from tests.numerics import rel_rms
+
+
+def _kda(seed=0):
+    torch.manual_seed(seed)
+    config = K3Config.preset("tiny")
+    layer = KDA(config)
+    for name, p in layer.named_parameters():
+        torch.nn.init.normal_(p, std=0.2 if p.ndim > 1 else 0.5)
+    return config, layer
+
+
+def _state(config, batch):
+    h, k = config.kda.num_heads, config.kda_head_dim
+    return KDAState(torch.zeros(batch, 3 * h * k, config.kda.conv_kernel - 1), torch.zeros(batch, h, k, k))
+
+
+def test_short_conv_matches_conv1d_and_continues_from_state():
+    torch.manual_seed(0)
+    x = torch.randn(2, 11, 6)
+    w = torch.randn(6, 4)
+    ref = F.silu(F.conv1d(F.pad(x.transpose(1, 2), (3, 0)), w[:, None], groups=6)).transpose(1, 2)
+    y, _ = short_conv(x, w)
+    torch.testing.assert_close(y, ref)
+    y1, state = short_conv(x[:, :7], w)
+    y2, _ = short_conv(x[:, 7:], w, state)
+    torch.testing.assert_close(torch.cat([y1, y2], 1), ref)
+
+
+def test_gate_is_bounded_in_gmin_zero():
+    raw = torch.tensor([-1e4, -30.0, -1.0, 0.0, 1.0, 30.0, 1e4]).repeat(2, 1).view(1, 7, 2, 1).expand(1, 7, 2, 3)
+    g = bounded_gate(raw, torch.log(torch.tensor([1.0, 16.0])), torch.zeros(2, 3), -5.0)
+    assert torch.isfinite(g).all() and (g >= -5.0).all() and (g <= 0.0).all()
+    assert g.min() == -5.0 and g.max() == 0.0  # saturates at both ends in fp32
+
+
+def test_prefill_then_decode_equals_full_forward():
+    config, layer = _kda()
+    x = torch.randn(2, 40, config.dim)
+    full = layer(x)
+    state = _state(config, 2)
+    parts = [layer(x[:, :17], state), layer(x[:, 17:30], state)]      # prefill, chunked prefill
+    parts += [layer(x[:, t:t + 1], state) for t in range(30, 40)]       # decode steps
+    assert rel_rms(full, torch.cat(parts, 1)) < 1e-5
+
+
+def test_packed_sequences_equal_separate_calls():
+    config, layer = _kda(1)
+    lengths = [1, 70, 3, 1, 9]
+    xs = [torch.randn(1, n, config.dim) for n in lengths]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    packed = layer(torch.cat(xs, 1), cu_seqlens=cu)
+    separate = torch.cat([layer(x) for x in xs], 1)
+    assert rel_rms(separate, packed) < 1e-5
+
+
+def test_causal_including_the_short_conv():
+    config, layer = _kda(2)
+    x = torch.randn(1, 80, config.dim)
+    y = x.clone()
+    y[:, 50:] = torch.randn(1, 30, config.dim)
+    torch.testing.assert_close(layer(x)[:, :50], layer(y)[:, :50])
+
+
+def test_bf16_layer_is_finite_and_close():
+    config, layer = _kda(3)
+    x = torch.randn(1, 70, config.dim)
+    ref = layer(x)
+    out = layer.to(torch.bfloat16)(x.bfloat16())
+    assert torch.isfinite(out).all()
+    assert rel_rms(ref, out.float()) < 5e-2
+
+
+def test_conv_state_cannot_mix_with_packing():
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        short_conv(torch.randn(1, 4, 2), torch.randn(2, 4), torch.zeros(1, 2, 3), cu_seqlens=torch.tensor([0, 4]))

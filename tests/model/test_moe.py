@@ -1,0 +1,109 @@
+import pytest
+import torch
+
+from kimik3 import K3Config
+from kimik3.model.ffn import situ_glu
+from kimik3.model.moe import LatentMoE, Router
+from kimik3.ops.moe import grouped_mm, grouped_mm_loop
+
+
+def _moe(seed=0, **moe_changes):
+    torch.manual_seed(seed)
+    config = K3Config.preset("tiny")
+    moe = LatentMoE(config)
+    for name, p in moe.named_parameters():
+        torch.nn.init.normal_(p, std=0.2) if p.ndim > 1 else torch.nn.init.normal_(p, mean=1.0, std=0.1)
+    return config, moe
+
+
+def test_bias_changes_selection_never_the_mixture_weights():
+    torch.manual_seed(0)
+    router = Router(dim=8, num_experts=6, top_k=2)
+    torch.nn.init.normal_(router.gate.weight)
+    x = torch.randn(50, 8)
+    scores = torch.sigmoid(x @ router.gate.weight.T)
+    for trial in range(4):
+        router.expert_bias.copy_(torch.randn(6) * (0 if trial == 0 else 0.5))
+        weights, ids = router(x)
+        chosen = scores.gather(-1, ids)
+        torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True))
+        # the chosen experts are the top-k of the *biased* scores
+        biased = scores + router.expert_bias
+        assert torch.equal(ids.sort(-1).values, biased.topk(2, -1).indices.sort(-1).values)
+    router.expert_bias.zero_()
+    router.expert_bias[3] = 10.0  # a large bias forces expert 3 into every selection
+    weights, ids = router(x)
+    assert (ids == 3).any(-1).all()
+    chosen = scores.gather(-1, ids)
+    torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True))
+
+
+def test_router_stats_loads_and_margins():
+    torch.manual_seed(1)
+    router = Router(dim=8, num_experts=6, top_k=2)
+    torch.nn.init.normal_(router.gate.weight)
+    router.record_scores = True
+    x = torch.randn(40, 8)
+    _, ids = router(x)
+    stats = router.last_stats
+    assert stats.loads_E.sum() == 40 * 2
+    assert torch.equal(stats.loads_E, torch.bincount(ids.flatten(), minlength=6))
+    biased = stats.scores_TE + router.expert_bias
+    chosen_min = biased.gather(-1, ids).min(-1).values
+    assert (chosen_min >= stats.cutoff_T).all()              # chosen experts beat the cutoff
+    assert torch.allclose(stats.cutoff_T, biased.topk(3, -1).values[:, 2])
+
+
+def test_latent_moe_equals_per_token_reference():
+    config, moe = _moe()
+    x = torch.randn(2, 7, config.dim)
+    out = moe(x)
+    x_TD = x.reshape(-1, config.dim)
+    weights, ids = moe.router(x_TD)
+    latent = moe.routed_down(x_TD)
+    ref = []
+    ex = moe.experts
+    for t in range(x_TD.shape[0]):
+        acc = torch.zeros(config.moe.latent_dim)
+        for w, e in zip(weights[t], ids[t]):
+            h = situ_glu(latent[t] @ ex.w_gate_ELF[e], latent[t] @ ex.w_up_ELF[e])
+            acc = acc + w * (h @ ex.w_down_EFL[e])
+        ref.append(moe.routed_up(moe.routed_norm(acc)) + moe.shared(x_TD[t]))
+    torch.testing.assert_close(out.reshape(-1, config.dim), torch.stack(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_latent_moe_backward_reaches_router_and_experts():
+    config, moe = _moe()
+    x = torch.randn(3, 5, config.dim, requires_grad=True)
+    moe(x).square().sum().backward()
+    assert moe.router.gate.weight.grad.abs().sum() > 0
+    assert moe.experts.w_down_EFL.grad.abs().sum() > 0
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 8], [0, 0, 16, 0], [4, 4, 4, 4]])
+def test_grouped_mm_paths_agree(counts):
+    torch.manual_seed(0)
+    counts_E = torch.tensor(counts)
+    rows = int(counts_E.sum())
+    x = torch.randn(rows, 16, requires_grad=True)   # 16 fp32 = 64 bytes: aligned for _grouped_mm
+    w = torch.randn(4, 16, 8, requires_grad=True)
+    expert_of_row = torch.repeat_interleave(torch.arange(4), counts_E)
+    ref = torch.einsum("ri,rio->ro", x, w[expert_of_row])
+    grad = torch.randn(rows, 8)
+    ref_grads = torch.autograd.grad(ref, (x, w), grad)
+    for fn in (grouped_mm, grouped_mm_loop):
+        out = fn(x, w, counts_E)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        for a, b in zip(torch.autograd.grad(out, (x, w), grad), ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if hasattr(torch, "_grouped_mm"):
+        fused = torch._grouped_mm(x, w, offs=torch.cumsum(counts_E, 0).to(torch.int32))
+        torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_mm_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="features"):
+        grouped_mm(torch.randn(4, 3), torch.randn(2, 5, 2), torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match="counts sum"):
+        grouped_mm(torch.randn(4, 5), torch.randn(2, 5, 2), torch.tensor([2, 1]))

@@ -1,0 +1,1 @@
+"""Compute kernels (attention variants, MoE) used by the Kimi K3 model."""

@@ -1,0 +1,187 @@
+"""Training checkpoints that survive being killed at any moment, stored without pickle.
+
+Layout of a run directory::
+
+    checkpoints/step-000120/   config.json  model.safetensors  tokenizer.json
+                               train_state.safetensors  train_state.json
+    checkpoint -> checkpoints/step-000120          (a symlink, swapped atomically)
+    config.json, model.safetensors, tokenizer.json,
+    train_state.safetensors, train_state.json      (symlinks through ``checkpoint``)
+    metrics.jsonl  loss.png
+
+A checkpoint is written whole into a temporary directory, fsynced and renamed into
+``checkpoints/``; only then does the single ``checkpoint`` symlink move to it, with
+``os.replace``. So a reader always sees one complete checkpoint: the new one or the previous one.
+The top-level names let ``from_pretrained(run_dir)`` and ``kimik3 generate --run`` read the latest
+weights directly.
+
+Training state = tensors (optimizer moments, RNG state) in ``train_state.safetensors`` plus
+everything else in ``train_state.json``: the nested structure of the optimizer state with
+tensors replaced by references, the step and the run's arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from kimik3.model.pretrained import CONFIG_FILE, WEIGHTS_FILE, check_tensors, read_config, state_tensors
+
+TOKENIZER_FILE = "tokenizer.json"
+STATE_TENSORS_FILE = "train_state.safetensors"
+STATE_JSON_FILE = "train_state.json"
+CHECKPOINT_FILES = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, STATE_TENSORS_FILE, STATE_JSON_FILE)
+POINTER = "checkpoint"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, or does not match the run; the message names the file."""
+
+
+# ---------------------------------------------------------------------- nested state <-> (tensors, JSON)
+def flatten_state(obj: Any, tensors: dict[str, torch.Tensor], prefix: str = "s") -> Any:
+    """Replace every tensor in a nested dict/list structure by ``{"tensor": key}``.
+
+    Dicts become ``{"dict": [[key, value], ...]}`` so that int keys (optimizer param ids) survive.
+    """
+    if isinstance(obj, torch.Tensor):
+        key = f"{prefix}"
+        tensors[key] = obj.detach().to("cpu").contiguous()
+        return {"tensor": key}
+    if isinstance(obj, dict):
+        return {"dict": [[k, flatten_state(v, tensors, f"{prefix}.{k}")] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return {"list" if isinstance(obj, list) else "tuple":
+                [flatten_state(v, tensors, f"{prefix}.{i}") for i, v in enumerate(obj)]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return {"value": obj}
+    raise TypeError(f"cannot store a {type(obj).__name__} in a training state")
+
+
+def unflatten_state(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if "tensor" in node:
+        return tensors[node["tensor"]]
+    if "dict" in node:
+        return {k: unflatten_state(v, tensors) for k, v in node["dict"]}
+    if "list" in node:
+        return [unflatten_state(v, tensors) for v in node["list"]]
+    if "tuple" in node:
+        return tuple(unflatten_state(v, tensors) for v in node["tuple"])
+    return node["value"]
+
+
+# ---------------------------------------------------------------------- writing
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, tokenizer_json: str,
+                    train_state: dict[str, Any], keep: int = 2) -> Path:
+    """Write the checkpoint of ``step`` and make it the run's current one. Returns its directory.
+
+    ``train_state`` is any nested structure of dicts, lists, tensors and JSON scalars.
+    """
+    run_dir = Path(run_dir)
+    store = run_dir / "checkpoints"
+    store.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:07d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=store))
+    try:
+        save_file(state_tensors(model), str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "step": str(step)})
+        (tmp / CONFIG_FILE).write_text(model.config.to_json())
+        (tmp / TOKENIZER_FILE).write_text(tokenizer_json)
+        tensors: dict[str, torch.Tensor] = {}
+        structure = flatten_state(train_state, tensors)
+        save_file(tensors, str(tmp / STATE_TENSORS_FILE), metadata={"step": str(step)})
+        (tmp / STATE_JSON_FILE).write_text(json.dumps({"step": step, "state": structure}, indent=1))
+        for file in CHECKPOINT_FILES:
+            with open(tmp / file, "rb") as handle:
+                os.fsync(handle.fileno())
+        final = store / name
+        if final.exists():  # re-saving the same step (e.g. the end of a resumed run)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(store)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    link_tmp = run_dir / f".{POINTER}.{os.getpid()}.tmp"
+    if link_tmp.is_symlink() or link_tmp.exists():
+        link_tmp.unlink()
+    link_tmp.symlink_to(Path("checkpoints") / name)
+    os.replace(link_tmp, run_dir / POINTER)
+    for file in CHECKPOINT_FILES:
+        top = run_dir / file
+        if not top.is_symlink():
+            if top.exists():
+                top.unlink()
+            top.symlink_to(Path(POINTER) / file)
+    _fsync_dir(run_dir)
+
+    old = sorted(p for p in store.glob("step-*") if p.name != name)
+    for stale in old[: max(0, len(old) - (keep - 1))]:
+        shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+# ---------------------------------------------------------------------- reading
+def current_checkpoint(run_dir: str | Path) -> Path:
+    run_dir = Path(run_dir)
+    pointer = run_dir / POINTER
+    if not pointer.exists():
+        raise CheckpointError(f"{pointer}: no checkpoint in {run_dir} (nothing to resume)")
+    return pointer.resolve()
+
+
+def read_state_entry(run_dir: str | Path, key: str) -> Any:
+    """One top-level entry of the current training state that holds no tensors (e.g. the run's args)."""
+    path = current_checkpoint(run_dir) / STATE_JSON_FILE
+    try:
+        entries = dict(json.loads(path.read_text())["state"]["dict"])
+        return unflatten_state(entries[key], {})
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}: malformed training state ({err!r})") from None
+
+
+def load_checkpoint(run_dir: str | Path, model: torch.nn.Module) -> tuple[int, dict[str, Any], str]:
+    """Load weights into ``model`` (in place) and return (step, train_state, tokenizer_json).
+
+    Everything is read and checked before the model is touched, so a bad file changes nothing.
+    """
+    ckpt = current_checkpoint(run_dir)
+    for file in CHECKPOINT_FILES:
+        if not (ckpt / file).is_file():
+            raise CheckpointError(f"{ckpt / file}: missing from the checkpoint")
+    config = read_config(ckpt)
+    if config != model.config:
+        raise CheckpointError(f"{ckpt / CONFIG_FILE}: the checkpoint's config differs from the run's model config")
+    try:
+        weights = load_file(str(ckpt / WEIGHTS_FILE))
+        state_tensor_map = load_file(str(ckpt / STATE_TENSORS_FILE))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{ckpt}: unreadable or truncated safetensors file ({err})") from None
+    check_tensors(model.state_dict(), weights, ckpt / WEIGHTS_FILE)
+    try:
+        meta = json.loads((ckpt / STATE_JSON_FILE).read_text())
+        state = unflatten_state(meta["state"], state_tensor_map)
+        step = int(meta["step"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{ckpt / STATE_JSON_FILE}: malformed training state ({err})") from None
+    tokenizer_json = (ckpt / TOKENIZER_FILE).read_text()
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            tensor.copy_(weights[name])
+    return step, state, tokenizer_json

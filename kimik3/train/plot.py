@@ -1,0 +1,59 @@
+"""``loss.png``: train and validation loss, and expert-load imbalance, over steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _smooth(values: list[float], window: int = 10) -> list[float]:
+    out, acc = [], []
+    for v in values:
+        acc.append(v)
+        if len(acc) > window:
+            acc.pop(0)
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def plot_run(metrics_path: str | Path, out_path: str | Path, unigram: float | None = None) -> Path | None:
+    """Draw the run's curves from ``metrics.jsonl``; returns the PNG path (None without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping loss.png (pip install matplotlib)")
+        return None
+    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    kept = [r for r in records if not r.get("skipped")]
+    if not kept:
+        return None
+    steps = [r["step"] for r in kept]
+    fig, (ax_loss, ax_load) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
+                                           gridspec_kw={"height_ratios": [2, 1]})
+    ax_loss.plot(steps, [r["loss"] for r in kept], color="tab:blue", alpha=0.25, lw=0.8)
+    ax_loss.plot(steps, _smooth([r["loss"] for r in kept]), color="tab:blue", label="train (smoothed)")
+    val = [(r["step"], r["val_loss"]) for r in kept if "val_loss" in r]
+    if val:
+        ax_loss.plot(*zip(*val), "o-", color="tab:orange", label="validation")
+    if unigram is not None:
+        ax_loss.axhline(unigram, color="gray", ls="--", lw=1, label=f"unigram baseline ({unigram:.2f})")
+    ax_loss.set_ylabel("loss (nats/token)")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    loads = [(r["step"], r["expert_load_max_over_mean"]) for r in kept if r.get("expert_load_max_over_mean")]
+    if loads:
+        ax_load.plot(*zip(*loads), color="tab:green")
+        ax_load.axhline(1.0, color="gray", ls=":", lw=1)
+    ax_load.set_ylabel("expert load max/mean")
+    ax_load.set_xlabel("step")
+    ax_load.grid(alpha=0.3)
+    fig.tight_layout()
+    out_path = Path(out_path)
+    tmp = out_path.with_name(f".{out_path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(out_path)
+    return out_path

@@ -1,0 +1,412 @@
+"""The single-machine training loop behind ``kimik3 train``.
+
+One run: corpus -> tokenizer (cached) -> model -> per-head Muon + AdamW -> Quantile Balancing of
+the router biases -> cosine schedule with context-length stages -> checkpoints, metrics, plot.
+
+Exact resume: the batch of step s is a pure function of (seed, s) (``loader.batch_at``), the
+model, optimizer and router biases are checkpointed, and no other state carries across steps, so
+``--resume`` after an interruption reproduces the uninterrupted run's losses bit for bit on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from kimik3.config.schema import K3Config
+from kimik3.model.k3 import K3ForCausalLM
+from kimik3.optim.schedule import cosine_lr, parse_stages, seq_len_at
+from kimik3.train.checkpoint import (
+    STATE_JSON_FILE,
+    CheckpointError,
+    load_checkpoint,
+    read_state_entry,
+    save_checkpoint,
+)
+from kimik3.train.data import Corpus, load_corpus
+from kimik3.train.loader import batch_at, eval_windows
+from kimik3.train.tokenizer import EOS, encode_documents, tokenize_corpus
+
+SAMPLE_PROMPT = "def fibonacci(n):\n"
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. repeated non-finite losses); the last good checkpoint is intact."""
+
+
+@dataclass(slots=True)
+class TrainArgs:
+    """Everything that defines a run; saved with every checkpoint and restored by ``--resume``."""
+
+    preset: str = "tiny"
+    config_path: str | None = None
+    data: str | None = None
+    steps: int | None = None          # None: fit the time budget
+    time_budget_s: float = 300.0
+    out: str | None = None
+    seed: int = 0
+    seq_len: int | None = None        # None: context-length stages
+    stages: str = "0:128,0.4:256,0.8:512"
+    tokens_per_step: int = 4096
+    batch_size: int | None = None     # None: tokens_per_step // seq_len
+    lr: float = 4e-3
+    warmup_fraction: float = 0.05
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    device: str = "cpu"
+    eval_every: int = 25
+    eval_windows: int = 16
+    checkpoint_every: int = 100
+    max_nonfinite: int = 5
+    balance: str = "quantile"         # quantile | sign | none
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.time_budget_s <= 0:
+            raise ValueError(f"--time-budget must be > 0, got {self.time_budget_s}")
+        if self.seq_len is not None and self.seq_len < 2:
+            raise ValueError(f"--seq-len must be >= 2, got {self.seq_len}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.balance not in ("quantile", "sign", "none"):
+            raise ValueError(f"--balance must be quantile, sign or none, got {self.balance!r}")
+        parse_stages(self.stages)
+
+
+@dataclass(slots=True)
+class RunSummary:
+    run_dir: Path
+    steps: int
+    final_loss: float
+    final_val_loss: float | None
+    unigram_val_loss: float
+    tokens_per_s: float
+    sample: str
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def unigram_loss(train_ids: np.ndarray, val_ids: np.ndarray, vocab_size: int) -> float:
+    """Cross-entropy (nats/token) of the add-one unigram model of the train split on val."""
+    counts = np.bincount(train_ids, minlength=vocab_size).astype(np.float64) + 1.0
+    log_p = np.log(counts / counts.sum())
+    return float(-log_p[val_ids].mean())
+
+
+def resolve_model_config(args: TrainArgs) -> K3Config:
+    return K3Config.from_json(args.config_path) if args.config_path else K3Config.preset(args.preset)
+
+
+class Trainer:
+    """Builds everything from ``TrainArgs`` and runs the loop (``run()``)."""
+
+    def __init__(self, args: TrainArgs, resume: str | Path | None = None,
+                 model_factory: Callable[[K3Config, torch.device, int], torch.nn.Module] | None = None,
+                 log: Callable[[str], None] = print):
+        self.log = log
+        self.resume_dir = Path(resume) if resume is not None else None
+        if self.resume_dir is not None:
+            args = self._args_from_run(self.resume_dir, args)
+        args.validate()
+        self.args = args
+        self.device = torch.device(args.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but torch sees no GPU")
+        self.model_config = resolve_model_config(args)
+        self.stages = parse_stages(args.stages)
+
+        # Data first: a bad data path fails before any model is built.
+        self.corpus: Corpus = load_corpus(args.data)
+        tokenized = tokenize_corpus(self.corpus, self.model_config.vocab_size)
+        self.tokenizer = tokenized.tokenizer
+        self.train_ids, self.val_ids = tokenized.train_ids, tokenized.val_ids
+        self.unigram = unigram_loss(self.train_ids, self.val_ids, self.model_config.vocab_size)
+
+        if self.device.type == "cpu":
+            # Decayed KDA states and tiny gradients reach subnormal floats, on which x86 takes a
+            # microcode path up to ~100x slower; flushing them to zero costs nothing measurable.
+            torch.set_flush_denormal(True)
+        torch.manual_seed(args.seed)
+        factory = model_factory or (lambda cfg, dev, seed: K3ForCausalLM(cfg, device=dev, dtype=torch.float32,
+                                                                          seed=seed))
+        self.model = factory(self.model_config, self.device, args.seed)
+        self.model.train()
+        from kimik3.optim import build_param_groups
+
+        self.optimizer = build_param_groups(self.model, lr=args.lr, weight_decay=args.weight_decay)
+        self.balancer = self._build_balancer()
+        self.step = 0
+        self.nonfinite_total = 0
+        self.run_dir = self._prepare_run_dir()
+        if self.resume_dir is not None:
+            self._restore()
+
+    # ------------------------------------------------------------------ setup helpers
+    @staticmethod
+    def _args_from_run(run_dir: Path, overrides: TrainArgs) -> TrainArgs:
+        saved = read_state_entry(run_dir, "args")
+        try:
+            args = TrainArgs(**saved)
+        except TypeError as err:
+            raise CheckpointError(f"{run_dir / STATE_JSON_FILE}: unusable run arguments ({err})") from None
+        args.out = str(run_dir)
+        if overrides.steps is not None:
+            args.steps = overrides.steps
+        args.progress = overrides.progress
+        return args
+
+    def _build_balancer(self):
+        routers = self.model.routers() if hasattr(self.model, "routers") else []
+        if not routers or self.args.balance == "none":
+            return None
+        if self.args.balance == "sign":
+            from kimik3.train.balance import SignBalancer
+
+            return SignBalancer(routers)
+        from kimik3.train.balance import QuantileBalancer
+
+        return QuantileBalancer(routers)
+
+    def _prepare_run_dir(self) -> Path:
+        if self.args.out is None:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            self.args.out = str(Path("runs") / f"{self.model_config.name}-{stamp}")
+        run_dir = Path(self.args.out)
+        if self.resume_dir is None and run_dir.exists() and any(run_dir.iterdir()):
+            raise ValueError(f"output directory {run_dir} is not empty: pass --resume {run_dir} to continue "
+                             "that run, or choose another --out")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir
+
+    def _train_state(self) -> dict[str, Any]:
+        return {
+            "args": dataclasses.asdict(self.args),
+            "optimizer": self.optimizer.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "nonfinite_total": self.nonfinite_total,
+            "corpus_fingerprint": self.corpus.fingerprint,
+        }
+
+    def _restore(self) -> None:
+        step, state, tokenizer_json = load_checkpoint(self.run_dir, self.model)
+        if state.get("corpus_fingerprint") != self.corpus.fingerprint:
+            raise CheckpointError(f"{self.run_dir / STATE_JSON_FILE}: the data changed since this run was "
+                                  "checkpointed; resuming needs the same corpus")
+        from kimik3.train.tokenizer import load_tokenizer_from_json
+
+        saved_tokenizer = load_tokenizer_from_json(tokenizer_json, self.run_dir / "tokenizer.json")
+        if saved_tokenizer.get_vocab_size() > self.model_config.vocab_size:
+            raise CheckpointError(f"{self.run_dir / 'tokenizer.json'}: vocabulary of "
+                                  f"{saved_tokenizer.get_vocab_size()} exceeds the model's "
+                                  f"{self.model_config.vocab_size}")
+        if saved_tokenizer.to_str() != self.tokenizer.to_str():  # re-encode with the run's own tokenizer
+            self.tokenizer = saved_tokenizer
+            self.train_ids = encode_documents(saved_tokenizer, self.corpus.train)
+            self.val_ids = encode_documents(saved_tokenizer, self.corpus.val)
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        self.nonfinite_total = int(state["nonfinite_total"])
+        self.step = step
+        self._truncate_metrics(step)
+        self.log(f"resumed {self.run_dir} at step {step}")
+
+    def _truncate_metrics(self, step: int) -> None:
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
+            path.write_text("".join(line + "\n" for line in kept))
+
+    # ------------------------------------------------------------------ one step
+    def batch_shape(self, step: int, total: int) -> tuple[int, int]:
+        seq = self.args.seq_len or seq_len_at(step, total, self.stages)
+        batch = self.args.batch_size or max(1, self.args.tokens_per_step // seq)
+        return batch, seq
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cpu", enabled=False)
+
+    def train_step(self, step: int, total: int) -> dict[str, Any]:
+        batch, seq = self.batch_shape(step, total)
+        inputs, labels = batch_at(self.train_ids, step, self.args.seed, batch, seq)
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        lr_scale = cosine_lr(step, total, 1.0, max(1, round(self.args.warmup_fraction * total)),
+                             self.args.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["base_lr"] * lr_scale
+
+        start = time.perf_counter()
+        with self._autocast():
+            out = self.model(inputs, labels=labels)
+        loss = out.loss
+        record: dict[str, Any] = {"step": step, "seq_len": seq, "batch_size": batch,
+                                  "lr": self.args.lr * lr_scale}
+        finite = bool(torch.isfinite(loss))
+        if finite:
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
+            finite = bool(torch.isfinite(grad_norm))
+            record["grad_norm"] = float(grad_norm)
+        if finite:
+            self.optimizer.step()
+            balance = self.balancer.step() if self.balancer is not None else {}
+        else:
+            self.nonfinite_total += 1
+            balance = self.balancer.discard() if self.balancer is not None else {}
+        self.optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - start
+
+        record.update(loss=float(loss.detach()), tokens_per_s=inputs.numel() / elapsed, step_time_s=elapsed,
+                      skipped=not finite, nonfinite_total=self.nonfinite_total)
+        if out.main_loss is not None and out.mtp_loss is not None:
+            record.update(main_loss=float(out.main_loss.detach()), mtp_loss=float(out.mtp_loss.detach()))
+        record["expert_load_max_over_mean"] = balance.get("load_max_over_mean_mean", self._router_imbalance())
+        return record
+
+    def _router_imbalance(self) -> float | None:
+        routers = self.model.routers() if hasattr(self.model, "routers") else []
+        values = []
+        for router in routers:
+            if router.last_stats is not None:
+                loads = router.last_stats.loads_E.float()
+                values.append(float(loads.max() / loads.mean().clamp_min(1e-9)))
+        return float(np.mean(values)) if values else None
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        was_training = self.model.training
+        self.model.eval()
+        seq = self.args.seq_len or self.stages[-1].seq_len
+        inputs, labels = eval_windows(self.val_ids, seq, self.args.eval_windows)
+        losses = []
+        for start in range(0, inputs.shape[0], 4):
+            with self._autocast():
+                out = self.model(inputs[start:start + 4].to(self.device), labels=labels[start:start + 4].to(self.device))
+            losses.append(float(out.main_loss if out.main_loss is not None else out.loss))
+        self.model.train(was_training)
+        return float(np.mean(losses))
+
+    # ------------------------------------------------------------------ planning the budget
+    def plan_steps(self) -> int:
+        """Steps that fit the time budget, from the timing of forward+backward passes."""
+        if self.args.steps is not None:
+            return self.args.steps
+        batch, seq = self.batch_shape(0, 1)
+        inputs, labels = batch_at(self.train_ids, 0, self.args.seed, batch, seq)
+        routers = self.model.routers() if hasattr(self.model, "routers") else []
+        timings = []
+        for _ in range(3):
+            start = time.perf_counter()
+            with self._autocast():
+                self.model(inputs.to(self.device), labels=labels.to(self.device)).loss.backward()
+            timings.append(time.perf_counter() - start)
+        self.model.zero_grad(set_to_none=True)
+        if self.balancer is not None:
+            self.balancer.discard()
+        for router in routers:
+            router.last_stats = None
+        step_time = 1.15 * min(timings[1:])  # optimizer, balancing and logging on top
+        budget = self.args.time_budget_s - (time.perf_counter() - self.started) - 10.0
+        evals = 1 + budget / step_time / self.args.eval_every
+        budget -= evals * 0.5 * step_time  # an evaluation costs about half a step
+        steps = max(10, int(budget / step_time))
+        self.log(f"planning {steps} steps (~{step_time:.2f} s each) to fit the {self.args.time_budget_s:.0f} s budget")
+        return steps
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, on_step: Callable[[dict[str, Any]], None] | None = None) -> RunSummary:
+        """Train to ``args.steps`` (planned from the time budget when unset); ``on_step`` sees each record."""
+        self.started = time.perf_counter()
+        a = self.args
+        total = self.plan_steps() if self.resume_dir is None else (a.steps or 0)
+        a.steps = total
+        if self.step >= total:
+            self.log(f"{self.run_dir} is already at step {self.step} >= --steps {total}: nothing to do")
+        self.log(f"data: {self.corpus.description}: {len(self.corpus.train)} train / {len(self.corpus.val)} "
+                 f"val documents, {len(self.train_ids):,} / {len(self.val_ids):,} tokens; unigram val loss "
+                 f"{self.unigram:.3f}")
+        metrics_path = self.run_dir / "metrics.jsonl"
+        history: list[dict[str, Any]] = []
+        consecutive_bad = 0
+        last_val = None
+        progress = _progress(total, self.step, a.progress)
+        try:
+            with open(metrics_path, "a") as metrics_file:
+                while self.step < total:
+                    record = self.train_step(self.step, total)
+                    consecutive_bad = consecutive_bad + 1 if record["skipped"] else 0
+                    if consecutive_bad >= a.max_nonfinite:
+                        raise TrainingError(
+                            f"{consecutive_bad} non-finite losses in a row at step {self.step}: stopping. The last "
+                            f"good checkpoint is intact in {self.run_dir}; try a lower --lr.")
+                    self.step += 1
+                    if self.step % a.eval_every == 0 or self.step == total:
+                        last_val = self.evaluate()
+                        record["val_loss"] = last_val
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
+                    history.append(record)
+                    progress.update(1)
+                    progress.set_postfix(_postfix(record, last_val), refresh=False)
+                    # No checkpoint in the middle of a run of skipped steps: the last one stays the last good one.
+                    if self.step % a.checkpoint_every == 0 and self.step < total and consecutive_bad == 0:
+                        self.save()
+                    if on_step is not None:
+                        on_step(record)
+        finally:
+            progress.close()
+        self.save()
+        from kimik3.train.plot import plot_run
+
+        plot_path = plot_run(metrics_path, self.run_dir / "loss.png", unigram=self.unigram)
+        sample = self.sample(SAMPLE_PROMPT)
+        done = [r for r in history if not r["skipped"]]
+        tokens_per_s = float(np.median([r["tokens_per_s"] for r in done])) if done else 0.0
+        final_loss = float(np.mean([r["loss"] for r in done[-10:]])) if done else float("nan")
+        if history:
+            self.log(f"final train loss {final_loss:.3f}, val loss {last_val:.3f} (unigram baseline "
+                     f"{self.unigram:.3f}), {tokens_per_s:,.0f} tokens/s")
+        self.log(f"sample (greedy, prompt {SAMPLE_PROMPT!r}):\n{SAMPLE_PROMPT}{sample}")
+        self.log(f"run written to {self.run_dir}/: model.safetensors config.json tokenizer.json "
+                 f"train_state.* metrics.jsonl {plot_path.name if plot_path else ''}")
+        return RunSummary(self.run_dir, self.step, final_loss, last_val, self.unigram, tokens_per_s, sample, history)
+
+    def save(self) -> None:
+        save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer.to_str(), self._train_state())
+
+    @torch.no_grad()
+    def sample(self, prompt: str, max_new_tokens: int = 60) -> str:
+        if not hasattr(self.model, "generate"):
+            return ""
+        ids = torch.tensor([self.tokenizer.encode(prompt).ids], device=self.device)
+        eos = self.tokenizer.token_to_id(EOS)
+        out = self.model.generate(ids, max_new_tokens, eos_token_id=eos)
+        return self.tokenizer.decode(out[0, ids.shape[1]:].tolist())
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)
+
+
+def _postfix(record: dict[str, Any], val: float | None) -> dict[str, str]:
+    out = {"loss": f"{record['loss']:.3f}", "val": f"{val:.3f}" if val is not None else "-",
+           "tok/s": f"{record['tokens_per_s']:,.0f}", "lr": f"{record['lr']:.1e}"}
+    imbalance = record.get("expert_load_max_over_mean")
+    if imbalance is not None and math.isfinite(imbalance):
+        out["load"] = f"{imbalance:.2f}"
+    return out

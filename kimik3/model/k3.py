@@ -92,8 +92,8 @@ class K3ForCausalLM(nn.Module):
         return self.embed.weight.device
 
     def routers(self) -> list[Router]:
-        """Every MoE router of the main stack, in layer order."""
-        return [m for m in self.layers.modules() if isinstance(m, Router)]
+        """Every MoE router, in layer order, the MTP module's last (it trains, so it is balanced too)."""
+        return [m for m in self.modules() if isinstance(m, Router)]
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight

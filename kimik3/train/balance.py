@@ -38,7 +38,11 @@ vector shared by 32 experts one update lands near 1.2 and a second one below 1.0
 one update reaches <= 1.05 at E=64-896 (T >= 262k). (2) Sampling: the quantile is read off T tokens, a
 relative load error of about z / sqrt(T*K/E) (z ~ 2.5-3.5 for the largest of E experts), so
 one-step balance within 5% needs a few thousand tokens per expert per step. K3's global batches
-hold far more than that.
+hold far more than that. With small batches the full-gain update also carries one batch's
+sampling noise into the next bias, while the sign update's small fixed steps average over many: at E=16
+K=2 T=4096 (the tiny preset's scale) the steady states are QB 1.12 vs sign 1.10 over a floor of
+1.09 (benchmarks/balance.py --settings 16:2:4096), though sign first spends (bias range)/gamma steps
+getting there.
 
 Histogram estimator: instead of sorting all T x E values (and gathering them across ranks), each
 training forward bins ``required_TE`` into a counts matrix ``histogram_EB`` of B uniform bins over

@@ -9,7 +9,9 @@ time of ``chunk_kda``. Inputs follow the K3 layer: L2-normalised q/k, gates
 g = -5 * sigmoid(.) in (-5, 0), beta = sigmoid(.). Threads: torch's default
 unless --threads is given. On a shared machine the median is sensitive to
 other load (an intra-op parallel region waits for every thread), so the best
-run is printed too.
+run is printed too; --repeat R measures the three paths R times in turn
+(warmup each time) and reports over all R * runs calls, which spreads slow
+spells of other load over all paths.
 
 Shape legend: B batch, T tokens, H heads, K key dim, V value dim.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Tuple
+from typing import List
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +41,8 @@ def make_inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, seed
     return [x.to(dtype) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH)]
 
 
-def time_runs(fn, warmup: int, runs: int) -> Tuple[float, float]:
-    """(median, min) seconds of ``fn()`` over ``runs`` calls after ``warmup`` calls."""
+def time_runs(fn, warmup: int, runs: int) -> List[float]:
+    """Seconds of each of ``runs`` calls of ``fn()`` after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -48,7 +50,7 @@ def time_runs(fn, warmup: int, runs: int) -> Tuple[float, float]:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times)
+    return times
 
 
 def main() -> None:
@@ -62,6 +64,7 @@ def main() -> None:
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=1, help="measure all paths this many times, in turn")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave torch's)")
     ap.add_argument("--keep-denormals", action="store_true",
                     help="do not flush subnormal floats to zero (decayed states reach them, and x86 then "
@@ -89,15 +92,18 @@ def main() -> None:
         o, s = chunk_kda(*leaves, initial_state=h0, output_final_state=True, chunk_size=args.chunk_size)
         (o.float().sum() + s.sum()).backward()
 
-    t_loop = time_runs(loop_fwd, args.warmup, args.runs)
-    t_chunk = time_runs(chunk_fwd, args.warmup, args.runs)
-    t_chunk_fb = time_runs(chunk_fwd_bwd, args.warmup, args.runs)
+    paths = (loop_fwd, chunk_fwd, chunk_fwd_bwd)
+    times: List[List[float]] = [[] for _ in paths]
+    for _ in range(args.repeat):
+        for fn, acc in zip(paths, times):
+            acc.extend(time_runs(fn, args.warmup, args.runs))
+    t_loop, t_chunk, t_chunk_fb = ((statistics.median(t), min(t)) for t in times)
 
     print(
         f"KDA CPU  B={args.B} T={args.T} H={args.H} K={args.K} V={args.V} dtype={args.dtype} "
         f"chunk_size={args.chunk_size} threads={torch.get_num_threads()} "
         f"flush_denormal={not args.keep_denormals} "
-        f"({args.runs} runs after {args.warmup} warmup)"
+        f"({args.repeat} x {args.runs} runs, {args.warmup} warmup each)"
     )
     print(f"{'path':<28}{'median (ms)':>12}{'best (ms)':>12}")
     for name, (med, best) in (

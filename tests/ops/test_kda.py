@@ -324,6 +324,169 @@ def test_saturated_gates(dtype, span, gate):
 
 
 # --------------------------------------------------------------------------
+# unpadded fast path (no cu_seqlens, T a multiple of the chunk size: strided
+# input views, no gather) and the hand-written backward
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("B,T,chunk_size", [(2, 256, 64), (1, 192, 64), (3, 96, 32), (2, 256, 128), (1, 48, 16)])
+@pytest.mark.parametrize("K,V", [(16, 16), (12, 20)])
+def test_fast_path_matches_naive(B, T, chunk_size, K, V):
+    H = 2
+    inputs = make_inputs(B, T, H, K, V, seed=B * T + K)
+    h0 = make_state(B, H, K, V)
+    o_ref, s_ref, g_ref = run_with_grads(naive_recurrent_kda, inputs, h0)
+    o, s, g = run_with_grads(chunk_kda, inputs, h0, chunk_size=chunk_size)
+    assert o.dtype == torch.float32 and s.dtype == torch.float32
+    assert rel_rms(o_ref, o) < 1e-5
+    assert rel_rms(s_ref, s) < 1e-5
+    for name, a, b in zip(GRAD_NAMES, g_ref, g):
+        assert rel_rms(a, b) < 1e-5, name
+
+
+def test_fast_path_equals_packed():
+    # Same sequences through the strided fast path (batch) and the gather path (packed).
+    B, T, H, K, V = 3, 128, 2, 16, 12
+    inputs = make_inputs(B, T, H, K, V, seed=61)
+    h0 = make_state(B, H, K, V)
+    o_b, s_b, g_b = run_with_grads(chunk_kda, inputs, h0)
+    packed = [x.detach().reshape((1, B * T) + tuple(x.shape[2:])).requires_grad_() for x in inputs]
+    h0_p = h0.detach().clone().requires_grad_()
+    o_p, s_p, g_p = run_with_grads(chunk_kda, packed, h0_p, cu_seqlens=_cu([T] * B))
+    torch.testing.assert_close(o_p.reshape(o_b.shape), o_b, rtol=0, atol=1e-6)
+    torch.testing.assert_close(s_p, s_b, rtol=0, atol=1e-6)
+    for name, a, b in zip(GRAD_NAMES, g_b, g_p):
+        assert rel_rms(a, b.reshape(a.shape)) < 1e-6, name
+
+
+def test_fast_path_strided_inputs():
+    # q, k, v as views of one fused projection and g, beta as strided slices,
+    # as the model produces them: same result as contiguous copies.
+    B, T, H, K = 2, 128, 2, 16
+    gen = torch.Generator().manual_seed(71)
+    qkv = F.normalize(torch.randn(B, T, H, 3, K, generator=gen), dim=-1).requires_grad_()
+    gb = torch.randn(B, T, H, K + 1, generator=gen).requires_grad_()
+    q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
+    act = torch.sigmoid(gb)
+    g, beta = (G_MIN * act)[..., :K], act[..., K]
+    assert not any(x.is_contiguous() for x in (q, k, v, g, beta))
+    h0 = make_state(B, H, K, K)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    dense = [x.detach().contiguous().requires_grad_() for x in (q, k, v, g, beta)]
+    o_d, s_d, g_d = run_with_grads(chunk_kda, dense, h0.detach().clone().requires_grad_())
+    torch.testing.assert_close(o, o_d, rtol=0, atol=1e-6)
+    torch.testing.assert_close(s, s_d, rtol=0, atol=1e-6)
+    # Gradients reach the fused leaves through the views.
+    gen = torch.Generator().manual_seed(7)
+    do = torch.randn(o.shape, generator=gen)
+    ds = torch.randn(s.shape, generator=gen)
+    d_qkv, d_gb = torch.autograd.grad((o * do).sum() + (s * ds).sum(), [qkv, gb])
+    for i, name in enumerate(["dq", "dk", "dv"]):
+        assert rel_rms(g_d[i], d_qkv[:, :, :, i]) < 1e-6, name
+    assert torch.isfinite(d_gb).all()
+
+
+@pytest.mark.parametrize("needs", [(False, False, True, False, False), (True, False, False, True, False),
+                                   (False, False, False, False, True)])
+def test_partial_requires_grad(needs):
+    B, T, H, K, V = 1, 128, 2, 16, 16
+    base = [x.detach() for x in make_inputs(B, T, H, K, V, seed=81)]
+    ours = [x.clone().requires_grad_(n) for x, n in zip(base, needs)]
+    ref = [x.clone().requires_grad_(n) for x, n in zip(base, needs)]
+    o, _ = chunk_kda(*ours)
+    o_ref, _ = naive_recurrent_kda(*ref)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(3))
+    got = torch.autograd.grad((o * do).sum(), [x for x in ours if x.requires_grad])
+    want = torch.autograd.grad((o_ref * do).sum(), [x for x in ref if x.requires_grad])
+    for a, b in zip(want, got):
+        assert rel_rms(a, b) < 1e-5
+
+
+def test_no_grad_inputs_build_no_graph():
+    inputs = [x.detach() for x in make_inputs(1, 128, 2, 16, 16, seed=82)]
+    o, s = chunk_kda(*inputs, initial_state=make_state(1, 2, 16, 16).detach(), output_final_state=True)
+    assert not o.requires_grad and not s.requires_grad
+
+
+def test_inplace_input_edit_after_forward_is_not_silent():
+    # The fast path may read the inputs through views: editing one before the
+    # backward must either raise or leave the gradients unchanged.
+    inputs = make_inputs(1, 128, 2, 16, 16, seed=84)
+    o, _ = chunk_kda(*inputs)
+    (want,) = torch.autograd.grad(o.sum(), inputs[1], retain_graph=True)
+    with torch.no_grad():
+        inputs[2].add_(1.0)
+    try:
+        (got,) = torch.autograd.grad(o.sum(), inputs[1])
+    except RuntimeError as err:
+        assert "inplace" in str(err)
+    else:
+        assert torch.equal(got, want)
+
+
+def test_fast_path_bf16_matches_fp32_naive():
+    B, T, H, K, V = 2, 128, 2, 16, 16
+    inputs = make_inputs(B, T, H, K, V, dtype=torch.bfloat16, seed=12)
+    h0 = make_state(B, H, K, V)
+    ref_inputs, ref_h0 = as_fp32_leaves(inputs), h0.detach().clone().requires_grad_()
+    o_ref, s_ref, g_ref = run_with_grads(naive_recurrent_kda, ref_inputs, ref_h0)
+    o, s, g = run_with_grads(chunk_kda, inputs, h0)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert all(gr.dtype == torch.bfloat16 for gr in g[:5])
+    assert rel_rms(o_ref, o) < 5e-3
+    assert rel_rms(s_ref, s) < 5e-3
+    tol = {"dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dg": 2e-2, "dbeta": 2e-2, "dh0": 5e-3}
+    for name, a, b in zip(GRAD_NAMES, g_ref, g):
+        assert rel_rms(a, b) < tol[name], name
+
+
+@pytest.mark.parametrize("p", [1, 40, 64, 100, 127])
+def test_fast_path_causality(p):
+    B, T, H, K, V = 2, 128, 2, 16, 16
+    inputs = make_inputs(B, T, H, K, V, seed=33)
+    other = make_inputs(B, T, H, K, V, seed=34)
+    perturbed = [
+        torch.cat([a.detach()[:, :p], b.detach()[:, p:]], dim=1).requires_grad_() for a, b in zip(inputs, other)
+    ]
+    h0 = make_state(B, H, K, V).detach()
+
+    def past_loss(xs):
+        o, _ = chunk_kda(*xs, initial_state=h0)
+        return o, (o[:, :p] * torch.linspace(-1, 1, V)).sum()
+
+    o1, l1 = past_loss(inputs)
+    o2, l2 = past_loss(perturbed)
+    torch.testing.assert_close(o1[:, :p], o2[:, :p], rtol=0, atol=1e-6)
+    g1 = torch.autograd.grad(l1, inputs)
+    g2 = torch.autograd.grad(l2, perturbed)
+    for name, a, b in zip(GRAD_NAMES, g1, g2):
+        torch.testing.assert_close(a[:, :p], b[:, :p], rtol=0, atol=1e-6, msg=name)
+        assert a[:, p:].abs().max() <= 1e-6, name
+
+
+@pytest.mark.parametrize("span", ["tile", "chunk", "all"])
+def test_fast_path_saturated_gates(span):
+    B, T, H, K, V = 1, 192, 2, 16, 16
+    inputs = make_inputs(B, T, H, K, V, seed=42)
+    sl = {"tile": slice(80, 96), "chunk": slice(64, 128), "all": slice(0, T)}[span]
+    with torch.no_grad():
+        inputs[3][:, sl] = G_MIN
+    h0 = make_state(B, H, K, V)
+    ref_inputs, ref_h0 = as_fp32_leaves(inputs), h0.detach().clone().requires_grad_()
+    o_ref, s_ref, g_ref = run_with_grads(naive_recurrent_kda, ref_inputs, ref_h0)
+    o, s, g = run_with_grads(chunk_kda, inputs, h0)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert all(torch.isfinite(x).all() for x in g)
+    tol = dict.fromkeys(GRAD_NAMES, 1e-5)
+    if span == "all":  # see test_saturated_gates
+        tol["dg"] = 5e-5
+    assert rel_rms(o_ref, o) < 1e-5
+    assert rel_rms(s_ref, s) < 1e-5
+    for name, a, b in zip(GRAD_NAMES, g_ref, g):
+        assert rel_rms(a, b) < tol[name], name
+
+
+# --------------------------------------------------------------------------
 # single-token decode step
 # --------------------------------------------------------------------------
 

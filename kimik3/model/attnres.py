@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kimik3.ops.precision import no_autocast
+
 
 class AttnResMix(nn.Module):
     """Softmax mixture over residual entries with a zero-initialised pseudo-query."""
@@ -32,8 +34,10 @@ class AttnResMix(nn.Module):
 
     def forward(self, entries: list[torch.Tensor]) -> torch.Tensor:
         """entries: N tensors [..., D] -> their mixture [..., D] in the entries' dtype."""
-        values_BTND = torch.stack(entries, dim=-2).float()
-        keys_BTND = values_BTND * torch.rsqrt(values_BTND.square().mean(-1, keepdim=True) + self.eps)
-        scores_BTN = keys_BTND @ (self.key_norm_weight.float() * self.query.float())
-        probs_BTN = torch.softmax(scores_BTN, dim=-1)
-        return (probs_BTN.unsqueeze(-2) @ values_BTND).squeeze(-2).to(entries[-1].dtype)
+        with no_autocast(entries[-1].device):  # the whole mix in fp32, as released
+            values_BTND = torch.stack(entries, dim=-2).float()
+            keys_BTND = values_BTND * torch.rsqrt(values_BTND.square().mean(-1, keepdim=True) + self.eps)
+            scores_BTN = keys_BTND @ (self.key_norm_weight.float() * self.query.float())
+            probs_BTN = torch.softmax(scores_BTN, dim=-1)
+            mixed_BTD = (probs_BTN.unsqueeze(-2) @ values_BTND).squeeze(-2)
+        return mixed_BTD.to(entries[-1].dtype)

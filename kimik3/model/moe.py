@@ -26,6 +26,7 @@ from kimik3.config.schema import K3Config
 from kimik3.model.ffn import GLUFeedForward, situ_glu
 from kimik3.model.norm import RMSNorm
 from kimik3.ops.moe import grouped_mm
+from kimik3.ops.precision import no_autocast
 
 
 @dataclass(slots=True)
@@ -52,7 +53,8 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns fp32 mixture weights [T, K] and int64 expert ids [T, K]."""
-        scores_TE = torch.sigmoid(F.linear(x_TD.float(), self.gate.weight.float()))
+        with no_autocast(x_TD.device):  # router logits in fp32, as released
+            scores_TE = torch.sigmoid(F.linear(x_TD.float(), self.gate.weight.float()))
         biased_TE = scores_TE.detach() + self.expert_bias
         take = min(self.top_k + 1, self.num_experts)
         top_vals, top_ids = torch.topk(biased_TE, take, dim=-1, sorted=True)

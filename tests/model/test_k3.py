@@ -153,3 +153,27 @@ def test_bad_inputs_raise_clear_errors(tiny):
         model.generate(torch.zeros(1, 3, dtype=torch.long), 0)
     with pytest.raises(ValueError, match="max_seq_len"):
         model.generate(torch.zeros(1, 3, dtype=torch.long), config.max_seq_len)
+
+
+def test_fp32_regions_hold_under_autocast(tiny):
+    # Router logits, AttnRes mixes and the KDA recurrence stay fp32 under bf16 autocast (the GPU
+    # training path), and the model trains under it.
+    from kimik3.ops.kda import chunk_kda
+
+    config, model = tiny
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        weights, _ = model.routers()[0](torch.randn(5, config.dim))
+        mixed = model.final_mix([torch.randn(2, 3, config.dim), torch.randn(2, 3, config.dim)])
+        q, k = (torch.nn.functional.normalize(torch.randn(1, 70, 2, 16), dim=-1) for _ in range(2))
+        v, g, beta = torch.randn(1, 70, 2, 16), -5 * torch.rand(1, 70, 2, 16), torch.rand(1, 70, 2)
+        o_autocast, _ = chunk_kda(q, k, v, g, beta)
+    assert weights.dtype == torch.float32 and mixed.dtype == torch.float32
+    torch.testing.assert_close(o_autocast, chunk_kda(q, k, v, g, beta)[0], rtol=0, atol=0)
+    ids = torch.randint(0, config.vocab_size, (1, 40))
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids, labels=ids.roll(-1, 1)).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model.zero_grad(set_to_none=True)
+    model.eval()

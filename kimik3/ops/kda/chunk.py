@@ -122,6 +122,8 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from kimik3.ops.precision import no_autocast
+
 from .naive import check_kda_inputs
 
 __all__ = ["chunk_kda_torch", "SUBTILE"]
@@ -707,7 +709,8 @@ class _ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, state0, scale, plan):  # type: ignore[override]
         keep = any(ctx.needs_input_grad[:6])
-        o, final, saved = _forward(q, k, v, g, beta, state0, plan, keep)
+        with no_autocast(q.device):  # the chunk arithmetic is fp32 by design, also under autocast
+            o, final, saved = _forward(q, k, v, g, beta, state0, plan, keep)
         if keep:
             ctx.plan, ctx.scale = plan, scale
             ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, state0.dtype)
@@ -738,7 +741,8 @@ class _ChunkKDAFunction(torch.autograd.Function):
         if dfinal is None:
             dfinal = torch.zeros(plan.N * H, K, V, device=dev)
         dfinal = dfinal.float().reshape(-1, K, V)
-        dq, dk, dv, dg, dbeta, dstate0 = _backward(f, dO, dfinal, plan)
+        with no_autocast(dev):
+            dq, dk, dv, dg, dbeta, dstate0 = _backward(f, dO, dfinal, plan)
         dt = ctx.dtypes
         grads = [
             _unchunk(dq, plan, dt[0]),

@@ -30,6 +30,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
+from kimik3.ops.precision import no_autocast
+
 __all__ = ["naive_recurrent_kda", "recurrent_kda_step", "check_kda_inputs", "KdaProblem"]
 
 
@@ -149,12 +151,13 @@ def _token_update(
     beta_BH: torch.Tensor,
     state_BHKV: torch.Tensor,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One KDA token on float32 tensors (q already scaled); out of place."""
-    state_BHKV = state_BHKV * g_BHK.exp().unsqueeze(-1)
-    pred_BHV = (k_BHK.unsqueeze(-2) @ state_BHKV).squeeze(-2)
-    delta_BHV = beta_BH.unsqueeze(-1) * (v_BHV - pred_BHV)
-    state_BHKV = state_BHKV + k_BHK.unsqueeze(-1) * delta_BHV.unsqueeze(-2)
-    o_BHV = (q_BHK.unsqueeze(-2) @ state_BHKV).squeeze(-2)
+    """One KDA token on float32 tensors (q already scaled); out of place, fp32 even under autocast."""
+    with no_autocast(q_BHK.device):
+        state_BHKV = state_BHKV * g_BHK.exp().unsqueeze(-1)
+        pred_BHV = (k_BHK.unsqueeze(-2) @ state_BHKV).squeeze(-2)
+        delta_BHV = beta_BH.unsqueeze(-1) * (v_BHV - pred_BHV)
+        state_BHKV = state_BHKV + k_BHK.unsqueeze(-1) * delta_BHV.unsqueeze(-2)
+        o_BHV = (q_BHK.unsqueeze(-2) @ state_BHKV).squeeze(-2)
     return o_BHV, state_BHKV
 
 

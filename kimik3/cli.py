@@ -26,7 +26,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     train_args = TrainArgs(
         preset=args.preset, config_path=args.config, data=args.data, steps=args.steps,
         time_budget_s=args.time_budget, out=args.out, seed=args.seed, seq_len=args.seq_len,
-        batch_size=args.batch_size, lr=args.lr, device=args.device, balance=args.balance,
+        batch_size=args.batch_size, lr=args.lr, device=args.device, balance=args.balance, qb_rate=args.qb_rate,
         progress=not args.no_progress)
     Trainer(train_args, resume=args.resume).run()
     return 0
@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default="cpu")
     t.add_argument("--balance", default="quantile", choices=["quantile", "sign", "none"],
                    help="router-bias balancing: Quantile Balancing (K3), DeepSeek-V3 sign update, or none")
+    t.add_argument("--qb-rate", type=float, default=1.0,
+                   help="fraction of the way to the quantile bias per step (1: K3's one-shot update)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train)
 

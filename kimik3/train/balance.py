@@ -405,6 +405,9 @@ class QuantileBalancer(_RouterBalancer):
     interpolation. ``threshold``: ``"others"`` (default, exact) or ``"cutoff"`` (the torchtitan
     port's (K+1)-th score); see the module docstring. ``group``: process group of the data-parallel
     ranks whose tokens are pooled (default: the whole world when torch.distributed is initialised).
+    ``rate``: the fraction of the way to the quantile bias taken per step; 1.0 (default) is K3's
+    one-shot update, right at K3's batch sizes; below 1 it averages the sampling noise of small
+    batches (a few thousand tokens per step) over about 1/rate steps.
     ``keep_scores``: leave ``router.last_stats.scores_TE``/``cutoff_T`` in place after binning
     (by default they are dropped: autograd holds the scores only until backward, and keeping
     them would hold L x T x E fp32 through the optimizer step).
@@ -420,9 +423,12 @@ class QuantileBalancer(_RouterBalancer):
     """
 
     def __init__(self, routers: Sequence[Router], num_bins: int = 1000, *, threshold: str = "others",
-                 group=None, keep_scores: bool = False):
+                 group=None, keep_scores: bool = False, rate: float = 1.0):
         if not isinstance(num_bins, int) or num_bins < 2:
             raise ValueError(f"num_bins must be an int >= 2, got {num_bins!r}")
+        if not 0.0 < rate <= 1.0:
+            raise ValueError(f"rate must be in (0, 1], got {rate!r}")
+        self.rate = rate
         _check_threshold(threshold)
         super().__init__(routers, group=group)
         self.num_bins = num_bins
@@ -480,7 +486,8 @@ class QuantileBalancer(_RouterBalancer):
             old_E = router.expert_bias
             seen = histogram_EB[0].sum() > 0
             # torch.where, not an `if`, so a router that saw nothing costs no host sync.
-            new_E = torch.where(seen, _centred(quantile_E).to(old_E.dtype), old_E)
+            target_E = _centred(quantile_E).to(old_E.dtype)
+            new_E = torch.where(seen, old_E + self.rate * (target_E - old_E), old_E)
             changes.append((new_E - old_E).abs().max())
             old_E.copy_(new_E)
         change = float(torch.stack(changes).max()) if changes else 0.0

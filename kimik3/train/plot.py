@@ -33,8 +33,10 @@ def plot_run(metrics_path: str | Path, out_path: str | Path, unigram: float | No
     steps = [r["step"] for r in kept]
     fig, (ax_loss, ax_load) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
                                            gridspec_kw={"height_ratios": [2, 1]})
-    ax_loss.plot(steps, [r["loss"] for r in kept], color="tab:blue", alpha=0.25, lw=0.8)
-    ax_loss.plot(steps, _smooth([r["loss"] for r in kept]), color="tab:blue", label="train (smoothed)")
+    # The next-token loss, comparable with validation (the optimised loss adds the weighted MTP term).
+    train = [r.get("main_loss", r["loss"]) for r in kept]
+    ax_loss.plot(steps, train, color="tab:blue", alpha=0.25, lw=0.8)
+    ax_loss.plot(steps, _smooth(train), color="tab:blue", label="train next-token loss (smoothed)")
     val = [(r["step"], r["val_loss"]) for r in kept if "val_loss" in r]
     if val:
         ax_loss.plot(*zip(*val), "o-", color="tab:orange", label="validation")

@@ -68,6 +68,7 @@ class TrainArgs:
     checkpoint_every: int = 100
     max_nonfinite: int = 5
     balance: str = "quantile"         # quantile | sign | none
+    qb_rate: float = 1.0              # Quantile Balancing step fraction (1.0: K3's one-shot update)
     progress: bool = True
 
     def validate(self) -> None:
@@ -81,6 +82,8 @@ class TrainArgs:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not 0.0 < self.qb_rate <= 1.0:
+            raise ValueError(f"--qb-rate must be in (0, 1], got {self.qb_rate}")
         if self.balance not in ("quantile", "sign", "none"):
             raise ValueError(f"--balance must be quantile, sign or none, got {self.balance!r}")
         parse_stages(self.stages)
@@ -177,7 +180,7 @@ class Trainer:
             return SignBalancer(routers)
         from kimik3.train.balance import QuantileBalancer
 
-        return QuantileBalancer(routers)
+        return QuantileBalancer(routers, rate=self.args.qb_rate)
 
     def _prepare_run_dir(self) -> Path:
         if self.args.out is None:
@@ -376,10 +379,11 @@ class Trainer:
         sample = self.sample(SAMPLE_PROMPT)
         done = [r for r in history if not r["skipped"]]
         tokens_per_s = float(np.median([r["tokens_per_s"] for r in done])) if done else 0.0
-        final_loss = float(np.mean([r["loss"] for r in done[-10:]])) if done else float("nan")
+        # The next-token loss (the optimised loss adds the weighted MTP term), comparable with val.
+        final_loss = float(np.mean([r.get("main_loss", r["loss"]) for r in done[-10:]])) if done else float("nan")
         if history:
-            self.log(f"final train loss {final_loss:.3f}, val loss {last_val:.3f} (unigram baseline "
-                     f"{self.unigram:.3f}), {tokens_per_s:,.0f} tokens/s")
+            self.log(f"final train loss {final_loss:.3f} (next-token, last 10 steps), val loss {last_val:.3f} "
+                     f"(unigram baseline {self.unigram:.3f}), {tokens_per_s:,.0f} tokens/s")
         self.log(f"sample (temperature 0.8, prompt {SAMPLE_PROMPT!r}):\n{SAMPLE_PROMPT}{sample}")
         self.log(f"run written to {self.run_dir}/: model.safetensors config.json tokenizer.json "
                  f"train_state.* metrics.jsonl {plot_path.name if plot_path else ''}")

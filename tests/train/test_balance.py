@@ -385,3 +385,20 @@ def test_two_gloo_ranks_equal_one_process_over_all_tokens(tmp_path):
             assert torch.equal(got["biases"][step], single_biases[step]), f"rank {rank} step {step}"
             assert got["metrics"][step] == single_metrics[step]
     assert time.perf_counter() - started < 15.0, "over the CI budget: mark this test slow"
+
+
+def test_rate_takes_that_fraction_of_the_step_to_the_quantile_bias():
+    torch.manual_seed(3)
+    full, half = Router(dim=8, num_experts=8, top_k=2), Router(dim=8, num_experts=8, top_k=2)
+    half.load_state_dict(full.state_dict())
+    start = torch.randn(8) * 0.1
+    start -= start.mean()
+    for router in (full, half):
+        router.expert_bias.copy_(start)
+    x = torch.randn(4096, 8) * 3
+    qb_full, qb_half = QuantileBalancer([full]), QuantileBalancer([half], rate=0.5)
+    full(x), half(x)
+    qb_full.step(), qb_half.step()
+    torch.testing.assert_close(half.expert_bias, start + 0.5 * (full.expert_bias - start))
+    with pytest.raises(ValueError, match="rate"):
+        QuantileBalancer([full], rate=0.0)

@@ -258,13 +258,11 @@ def test_varlen_equal_lengths_equals_batch():
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fn", [chunk_kda, naive_recurrent_kda], ids=["chunk", "naive"])
-@pytest.mark.parametrize("p", [1, 40, 64, 100])
-def test_causality(fn, p):
-    B, T, H, K, V = 1, 150, 2, 16, 16
-    inputs = make_inputs(B, T, H, K, V, seed=31)
-    other = make_inputs(B, T, H, K, V, seed=32)
-    # Same values before p, different tokens and gates from p on.
+def check_causal(fn, B: int, T: int, p: int, seeds: tuple[int, int]) -> None:
+    """Inputs from position p on replaced: outputs and gradients before p unchanged, none after."""
+    H, K, V = 2, 16, 16
+    inputs = make_inputs(B, T, H, K, V, seed=seeds[0])
+    other = make_inputs(B, T, H, K, V, seed=seeds[1])
     perturbed = [
         torch.cat([a.detach()[:, :p], b.detach()[:, p:]], dim=1).requires_grad_() for a, b in zip(inputs, other)
     ]
@@ -282,6 +280,12 @@ def test_causality(fn, p):
     for name, a, b in zip(GRAD_NAMES, g1, g2):
         torch.testing.assert_close(a[:, :p], b[:, :p], rtol=0, atol=1e-6, msg=name)
         assert a[:, p:].abs().max() <= 1e-6, name
+
+
+@pytest.mark.parametrize("fn", [chunk_kda, naive_recurrent_kda], ids=["chunk", "naive"])
+@pytest.mark.parametrize("p", [1, 40, 64, 100])
+def test_causality(fn, p):
+    check_causal(fn, B=1, T=150, p=p, seeds=(31, 32))
 
 
 # --------------------------------------------------------------------------
@@ -442,26 +446,7 @@ def test_fast_path_bf16_matches_fp32_naive():
 
 @pytest.mark.parametrize("p", [1, 40, 64, 100, 127])
 def test_fast_path_causality(p):
-    B, T, H, K, V = 2, 128, 2, 16, 16
-    inputs = make_inputs(B, T, H, K, V, seed=33)
-    other = make_inputs(B, T, H, K, V, seed=34)
-    perturbed = [
-        torch.cat([a.detach()[:, :p], b.detach()[:, p:]], dim=1).requires_grad_() for a, b in zip(inputs, other)
-    ]
-    h0 = make_state(B, H, K, V).detach()
-
-    def past_loss(xs):
-        o, _ = chunk_kda(*xs, initial_state=h0)
-        return o, (o[:, :p] * torch.linspace(-1, 1, V)).sum()
-
-    o1, l1 = past_loss(inputs)
-    o2, l2 = past_loss(perturbed)
-    torch.testing.assert_close(o1[:, :p], o2[:, :p], rtol=0, atol=1e-6)
-    g1 = torch.autograd.grad(l1, inputs)
-    g2 = torch.autograd.grad(l2, perturbed)
-    for name, a, b in zip(GRAD_NAMES, g1, g2):
-        torch.testing.assert_close(a[:, :p], b[:, :p], rtol=0, atol=1e-6, msg=name)
-        assert a[:, p:].abs().max() <= 1e-6, name
+    check_causal(chunk_kda, B=2, T=128, p=p, seeds=(33, 34))
 
 
 @pytest.mark.parametrize("span", ["tile", "chunk", "all"])

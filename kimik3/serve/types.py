@@ -7,7 +7,8 @@ engine speaks only these to the scheduler, so each side can be tested against a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import AsyncIterator
+from typing import Any, Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -70,6 +71,9 @@ class GenerationRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    # Token positions where a message of the prompt ends (from the chat template): places where a
+    # later request is likely to diverge, so the prefix cache may checkpoint them on first sight.
+    boundary_hints: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -84,3 +88,48 @@ class TokenEvent:
     finished: bool = False
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of an engine's (or a router's, summed) state, for /metrics and /health."""
+
+    running: int = 0                  # sequences in prefill or decode
+    waiting: int = 0                  # admitted to the queue, not yet holding cache
+    cache_blocks_used: int = 0        # MLA physical blocks in use (live sequences + cached prefixes)
+    cache_blocks_total: int = 0
+    checkpoints_used: int = 0         # KDA prefix checkpoints held
+    checkpoints_total: int = 0
+    prefix_queries: int = 0           # prefix-cache lookups
+    prefix_hits: int = 0              # lookups that restored a checkpoint
+    prompt_tokens: int = 0            # cumulative
+    cached_prompt_tokens: int = 0     # cumulative prompt tokens served from the cache
+    completion_tokens: int = 0        # cumulative
+    cost_usd: float = 0.0             # cumulative, at K3's prices
+    rejected: int = 0                 # requests refused by admission control
+
+    @property
+    def cache_usage(self) -> float:
+        return self.cache_blocks_used / self.cache_blocks_total if self.cache_blocks_total else 0.0
+
+
+class EngineLike(Protocol):
+    """What the HTTP server needs from an engine (``LLMEngine``, a ``ReplicaRouter`` or a fake).
+
+    ``generate`` validates and admits the request *before* yielding anything: it raises
+    ``RequestTooLong`` (400) or ``AdmissionRejected`` (429) on the first ``__anext__``; then it
+    yields ``TokenEvent`` s, the last with ``finished=True``. Closing the iterator early (client
+    gone) aborts the request and frees its cache. Detokenisation and stop strings are the
+    engine's job: ``TokenEvent.text`` is ready to send.
+    """
+
+    model_name: str
+    max_context: int
+    tokenizer: Any                    # tokenizers.Tokenizer: .encode(text).ids, .decode(ids)
+    eos_token_id: int | None
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...

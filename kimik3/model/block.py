@@ -15,7 +15,7 @@ from torch import nn
 
 from kimik3.config.schema import K3Config, LayerSpec
 from kimik3.model.attnres import AttnResMix
-from kimik3.model.cache import KDAState, MLAState
+from kimik3.model.cache import KDAState, LatentCache
 from kimik3.model.ffn import GLUFeedForward
 from kimik3.model.kda import KDA
 from kimik3.model.mla import GatedMLA
@@ -37,7 +37,7 @@ class K3Block(nn.Module):
         self.ffn_mix = AttnResMix(config.dim, config.norm_eps) if attn_res else None
 
     def forward(self, stream: torch.Tensor, entries: list[torch.Tensor],
-                state: KDAState | MLAState | None = None,
+                state: KDAState | LatentCache | None = None,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """stream [B, T, D] -> (next stream, AttnRes entries); entries stay [] without AttnRes."""
         if not self.attn_res:

@@ -5,7 +5,8 @@ H = heads, K = V = KDA head dim, W = conv width.
 
 - MLA layers keep one latent per token: the RMS-normalised kv latent and the unrotated slice.
   ``MLAState`` is a static [B, max_len, C] buffer (gpt-fast style); the serving engine supplies its
-  own paged object with the same ``append`` contract.
+  own paged object (``kimik3.serve.paged_cache``) with the same ``attend`` contract: store the new
+  latents, return every latent the new tokens may see plus the boolean mask that says which.
 - KDA layers keep a fixed-size state per sequence, whatever the length: the conv inputs
   [B, 3·H·K, W-1] and the recurrent state [B, H, K, V] in fp32.
 
@@ -15,10 +16,19 @@ The model never allocates a cache itself; ``K3Cache.allocate`` (or the engine) d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from kimik3.config.schema import K3Config
+
+
+class LatentCache(Protocol):
+    """What an MLA layer needs from its cache: store new latents, return what they may attend to."""
+
+    def attend(self, kv_BTC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (latents [B, S, C], boolean mask [T, S] or [B, 1, T, S], True = may attend; None =
+        plain causal over S = T)."""
 
 
 @dataclass(slots=True)
@@ -36,6 +46,18 @@ class MLAState:
         self.length = end
         return self.kv_BSC[:, :end]
 
+    def attend(self, kv_BTC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append, then return (all latents [B, S, C], mask [T, S] or None for plain causal).
+
+        Every row shares one length here, so the mask only shifts causality by the offset."""
+        offset = self.length
+        kv_BSC = self.append(kv_BTC)
+        length, total = kv_BTC.shape[1], kv_BSC.shape[1]
+        if offset == 0:
+            return kv_BSC, None
+        query = torch.arange(length, device=kv_BSC.device)[:, None] + offset
+        return kv_BSC, torch.arange(total, device=kv_BSC.device)[None, :] <= query
+
 
 @dataclass(slots=True)
 class KDAState:
@@ -49,7 +71,7 @@ class KDAState:
 class K3Cache:
     """One state per layer (``MLAState`` or ``KDAState``), plus one for the MTP block if any."""
 
-    layers: list[MLAState | KDAState]
+    layers: list[LatentCache | KDAState]
     seq_len: int = 0
     extra: dict[str, object] = field(default_factory=dict)
 

@@ -23,29 +23,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from kimik3.config.schema import K3Config
-from kimik3.model.cache import MLAState
+from kimik3.model.cache import LatentCache
 from kimik3.model.norm import RMSNorm
 from kimik3.model.packing import sequence_ids
 
 
-def attention_mask(length: int, offset: int, total: int, cu_seqlens: torch.Tensor | None,
-                   device: torch.device) -> torch.Tensor | None:
-    """Boolean [T, S] mask (True = may attend); None means plain causal with no offset."""
-    if cu_seqlens is None and offset == 0:
+def packed_causal_mask(total: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """Boolean [T, T] mask (True = may attend) for packed sequences; None means plain causal."""
+    if cu_seqlens is None:
         return None
-    query = torch.arange(length, device=device)[:, None] + offset
-    key = torch.arange(total, device=device)[None, :]
-    mask = key <= query
-    if cu_seqlens is not None:
-        if offset != 0:
-            raise ValueError("MLA: packed cu_seqlens cannot be combined with a cache")
-        seq = sequence_ids(cu_seqlens, total)
-        mask = mask & (seq[:, None] == seq[None, :])
-    return mask
+    position = torch.arange(total, device=device)
+    seq = sequence_ids(cu_seqlens, total)
+    return (position[None, :] <= position[:, None]) & (seq[:, None] == seq[None, :])
 
 
 class GatedMLA(nn.Module):
-    """Gated MLA token mixer: [B, T, D] -> [B, T, D], optionally appending to an ``MLAState``."""
+    """Gated MLA token mixer: [B, T, D] -> [B, T, D], optionally attending through a latent cache
+    (``MLAState`` or the serving engine's paged view)."""
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -69,18 +63,20 @@ class GatedMLA(nn.Module):
         latent, k_slice = self.wkv_a(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         return torch.cat([self.kv_norm(latent), k_slice], dim=-1)
 
-    def forward(self, x_BTD: torch.Tensor, state: MLAState | None = None,
+    def forward(self, x_BTD: torch.Tensor, state: LatentCache | None = None,
                 cu_seqlens: torch.Tensor | None = None, absorbed: bool | None = None) -> torch.Tensor:
         """``absorbed=None`` picks the absorbed path for single-token decode, naive otherwise."""
         batch, length, _ = x_BTD.shape
         q_BTHK = self.wq_b(self.q_norm(self.wq_a(x_BTD))).unflatten(-1, (self.num_heads, -1))
         kv_BTC = self.latents(x_BTD)
         if state is not None:
-            offset = state.length
-            kv_BSC = state.append(kv_BTC).to(x_BTD.dtype)
+            if cu_seqlens is not None:
+                raise ValueError("MLA: packed cu_seqlens cannot be combined with a cache")
+            kv_BSC, mask = state.attend(kv_BTC)   # mask [T, S] or per-row [B, 1, T, S]
+            kv_BSC = kv_BSC.to(x_BTD.dtype)
         else:
-            offset, kv_BSC = 0, kv_BTC
-        mask = attention_mask(length, offset, kv_BSC.shape[1], cu_seqlens, x_BTD.device)
+            kv_BSC = kv_BTC
+            mask = packed_causal_mask(length, cu_seqlens, x_BTD.device)
         if absorbed is None:
             absorbed = length == 1 and state is not None
         attend = self._absorbed if absorbed else self._naive

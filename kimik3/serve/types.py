@@ -10,13 +10,9 @@ from dataclasses import dataclass, field
 from collections.abc import AsyncIterator
 from typing import Any, Literal, Protocol
 
+from kimik3.serve.cost import request_cost
+
 FinishReason = Literal["stop", "length", "abort"]
-
-# K3's published prices, USD per million tokens (the map's SERVING box).
-PRICE_CACHED_INPUT = 0.30
-PRICE_UNCACHED_INPUT = 3.00
-PRICE_OUTPUT = 15.00
-
 
 class AdmissionRejected(Exception):
     """The engine's queue is full: the request was refused (HTTP 429), nothing was allocated."""
@@ -57,13 +53,6 @@ class Usage:
     @property
     def cost_usd(self) -> float:
         return request_cost(self.prompt_tokens, self.cached_tokens, self.completion_tokens)
-
-
-def request_cost(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> float:
-    """USD at K3's prices: cached prompt tokens, uncached prompt tokens, output tokens."""
-    uncached = prompt_tokens - cached_tokens
-    return (cached_tokens * PRICE_CACHED_INPUT + uncached * PRICE_UNCACHED_INPUT
-            + completion_tokens * PRICE_OUTPUT) / 1e6
 
 
 @dataclass(slots=True)

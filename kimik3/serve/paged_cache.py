@@ -1,0 +1,202 @@
+"""The engine's hybrid cache: MLA latents in paged physical blocks, KDA states in a slot pool.
+
+Legend: N = physical blocks, P = tokens per physical block, C = MLA cache width (576 in K3),
+B = sequences in a step, T = new tokens per sequence, S = tokens attended, Z = KDA slots.
+
+- ``BlockAllocator`` is bookkeeping only: a free list and reference counts. A block is shared by
+  every sequence and prefix checkpoint that references it and returns to the free list when the
+  last reference goes.
+- ``LatentPool`` holds one [N, P, C] tensor per MLA layer. A sequence owns a *block table*
+  (block ids, in order); token position p lives in block ``table[p // P]`` at offset ``p % P``.
+- ``PagedLatentView`` is what one MLA layer sees during one forward: it scatters the new latents
+  into their slots and gathers, per row, every latent up to that row's length, with a mask that
+  hides padding and the future. Rows of a decode batch have different lengths; that is the point.
+- ``StatePool`` holds the fixed-size KDA state (conv inputs + fp32 recurrent state) of every KDA
+  layer in Z slots: live sequences and prefix checkpoints each take one slot. Gather before a
+  forward, scatter after; a checkpoint is a slot-to-slot copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kimik3.config.schema import K3Config
+from kimik3.model.cache import K3Cache, KDAState
+
+
+class OutOfBlocks(RuntimeError):
+    """The allocator cannot satisfy a request; the scheduler checks before asking, so this is a bug."""
+
+
+class BlockAllocator:
+    """Free list + reference counts over ``num_blocks`` physical block ids."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))   # pop() hands out low ids first
+        self._refs = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise OutOfBlocks(f"asked for {count} blocks, {len(self._free)} free of {self.num_blocks}")
+        blocks = [self._free.pop() for _ in range(count)]
+        for block in blocks:
+            self._refs[block] = 1
+        return blocks
+
+    def incref(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            if self._refs[block] < 1:
+                raise RuntimeError(f"block {block} is free: cannot share it")
+            self._refs[block] += 1
+
+    def decref(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            if self._refs[block] < 1:
+                raise RuntimeError(f"block {block} released more often than it was referenced")
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free.append(block)
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
+
+class LatentPool:
+    """MLA latents of every MLA layer: ``tensors[i]`` is [N, P, C] for the i-th MLA layer."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, width: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.block_size = block_size
+        self.tensors = [torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device)
+                        for _ in range(num_layers)]
+
+    @staticmethod
+    def block_bytes(num_layers: int, block_size: int, width: int, dtype: torch.dtype) -> int:
+        return num_layers * block_size * width * torch.empty((), dtype=dtype).element_size()
+
+    def copy_prefix(self, src: int, dst: int, tokens: int) -> None:
+        """Copy-on-write of a partly shared block: the first ``tokens`` slots of ``src`` to ``dst``."""
+        for pool in self.tensors:
+            pool[dst, :tokens] = pool[src, :tokens]
+
+    def view(self, layer: int, tables_BN: torch.Tensor, lengths_B: torch.Tensor) -> "PagedLatentView":
+        return PagedLatentView(self.tensors[layer], tables_BN, lengths_B)
+
+
+class PagedLatentView:
+    """One MLA layer's cache for one forward of B rows that already hold ``lengths_B`` tokens.
+
+    ``tables_BN`` are the rows' block tables padded to a common width with any valid block id
+    (padding is never read unmasked)."""
+
+    def __init__(self, pool_NPC: torch.Tensor, tables_BN: torch.Tensor, lengths_B: torch.Tensor):
+        self.pool_NPC = pool_NPC
+        self.tables_BN = tables_BN
+        self.lengths_B = lengths_B
+
+    def _slots(self, positions_BX: torch.Tensor) -> torch.Tensor:
+        block_size = self.pool_NPC.shape[1]
+        blocks = torch.gather(self.tables_BN, 1, positions_BX // block_size)
+        return blocks * block_size + positions_BX % block_size
+
+    def attend(self, kv_BTC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, length, width = kv_BTC.shape
+        device = kv_BTC.device
+        flat = self.pool_NPC.view(-1, width)
+        new_BT = self.lengths_B[:, None] + torch.arange(length, device=device)[None, :]
+        flat[self._slots(new_BT).flatten()] = kv_BTC.reshape(-1, width).to(flat.dtype)
+
+        total = int(self.lengths_B.max()) + length
+        keys_S = torch.arange(total, device=device)
+        capacity = self.tables_BN.shape[1] * self.pool_NPC.shape[1]
+        if total > capacity:
+            raise ValueError(f"paged MLA cache: {total} tokens exceed the block tables' {capacity}")
+        kv_BSC = flat[self._slots(keys_S[None, :].expand(batch, -1)).flatten()].view(batch, total, width)
+        if batch == 1 and int(self.lengths_B[0]) == 0:
+            return kv_BSC, None                                  # a fresh prefill: plain causal
+        mask_BTS = keys_S[None, None, :] <= new_BT[:, :, None]   # causal and inside the row's length
+        return kv_BSC, mask_BTS[:, None]
+
+
+class StatePool:
+    """KDA states of every KDA layer for ``num_slots`` sequences or checkpoints."""
+
+    def __init__(self, config: K3Config, num_slots: int, dtype: torch.dtype, device: torch.device | str):
+        heads, head_dim = config.kda.num_heads, config.kda_head_dim
+        kda_layers = sum(spec.mixer == "kda" for spec in config.layer_plan())
+        self.conv = [torch.zeros(num_slots, 3 * heads * head_dim, config.kda.conv_kernel - 1,
+                                 dtype=dtype, device=device) for _ in range(kda_layers)]
+        self.recurrent = [torch.zeros(num_slots, heads, head_dim, head_dim, dtype=torch.float32, device=device)
+                          for _ in range(kda_layers)]
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.num_slots = num_slots
+
+    @staticmethod
+    def slot_bytes(config: K3Config, dtype: torch.dtype) -> int:
+        """Bytes of one slot: every KDA layer's conv inputs and fp32 recurrent state."""
+        heads, head_dim = config.kda.num_heads, config.kda_head_dim
+        kda_layers = sum(spec.mixer == "kda" for spec in config.layer_plan())
+        conv = 3 * heads * head_dim * (config.kda.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
+        return kda_layers * (conv + heads * head_dim * head_dim * 4)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("KDA state pool exhausted")
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        if slot in self._free:
+            raise RuntimeError(f"KDA slot {slot} freed twice")
+        self._free.append(slot)
+
+    def zero(self, slot: int) -> None:
+        for conv, rec in zip(self.conv, self.recurrent):
+            conv[slot].zero_()
+            rec[slot].zero_()
+
+    def copy(self, src: int, dst: int) -> None:
+        for conv, rec in zip(self.conv, self.recurrent):
+            conv[dst] = conv[src]
+            rec[dst] = rec[src]
+
+    def gather(self, slots_B: torch.Tensor) -> list[KDAState]:
+        return [KDAState(conv[slots_B], rec[slots_B]) for conv, rec in zip(self.conv, self.recurrent)]
+
+    def scatter(self, slots_B: torch.Tensor, states: list[KDAState]) -> None:
+        for conv, rec, state in zip(self.conv, self.recurrent, states):
+            conv[slots_B] = state.conv_BCW.to(conv.dtype)
+            rec[slots_B] = state.recurrent_BHKV
+
+
+def batch_cache(config: K3Config, latents: LatentPool, states: StatePool, slots_B: torch.Tensor,
+                tables_BN: torch.Tensor, lengths_B: torch.Tensor) -> tuple[K3Cache, list[KDAState]]:
+    """The model-facing ``K3Cache`` for one forward over B pooled sequences, and the gathered KDA
+    states to ``scatter`` back once it ran."""
+    kda_states = states.gather(slots_B)
+    layers: list = []
+    mla_index = kda_index = 0
+    for spec in config.layer_plan():
+        if spec.mixer == "mla":
+            layers.append(latents.view(mla_index, tables_BN, lengths_B))
+            mla_index += 1
+        else:
+            layers.append(kda_states[kda_index])
+            kda_index += 1
+    return K3Cache(layers=layers), kda_states

@@ -32,15 +32,64 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def resolve_run(run: str | None) -> Path:
+    """``run`` itself, or the newest run under ./runs that holds a saved model (what `kimik3 train` writes)."""
+    if run is not None:
+        path = Path(run)
+        if not path.is_dir():
+            raise FileNotFoundError(f"run directory {path} does not exist (train one with `kimik3 train`)")
+        return path
+    runs = sorted(Path("runs").glob("*/model.safetensors"), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        raise FileNotFoundError("no trained run under ./runs: train one with `kimik3 train` or pass --run DIR")
+    return runs[-1].parent
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kimik3.serve.engine import LLMEngine
+    from kimik3.serve.memory import EngineConfig
+    from kimik3.serve.router import ReplicaRouter
+    from kimik3.serve.server import serve
+
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    run = resolve_run(args.run)
+    config = EngineConfig(memory_bytes=int(args.memory_mb * 2**20), hash_block=args.hash_block,
+                          physical_block=args.physical_block, max_running=args.max_running,
+                          checkpoints=args.checkpoints, prefix_policy=args.prefix_policy,
+                          max_waiting=args.max_waiting)
+    replicas = [LLMEngine.from_run(run, config, device=args.device) for _ in range(args.replicas)]
+    engine = replicas[0] if len(replicas) == 1 else ReplicaRouter(replicas)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"kimik3 serve: warning: listening on {args.host} without --api-key: anyone who can reach "
+              "this port can use the model", file=sys.stderr)
+    print(f"serving {run} as '{engine.model_name}' on http://{args.host}:{args.port}/v1 "
+          f"({args.replicas} replica(s), {replicas[0].core.layout.num_blocks} cache blocks each)", file=sys.stderr)
+    serve(engine, host=args.host, port=args.port, api_key=args.api_key)
+    return 0
+
+
+def cmd_cost(args: argparse.Namespace) -> int:
+    from kimik3.serve.cost import PRICE_CACHED_INPUT, PRICE_OUTPUT, PRICE_UNCACHED_INPUT, session_cost
+
+    cost = session_cost(args.turns, args.prefix, args.new, args.output, growing=args.growing)
+    print(f"K3 prices per million tokens: cached input ${PRICE_CACHED_INPUT:.2f}, uncached input "
+          f"${PRICE_UNCACHED_INPUT:.2f}, output ${PRICE_OUTPUT:.2f}")
+    print(f"{cost.turns} turns, {args.prefix:,}-token prefix, {args.new:,} new and {args.output:,} output tokens "
+          f"per turn{' (prefix grows each turn)' if args.growing else ''}")
+    print(f"  prompt tokens {cost.prompt_tokens:,}, of which served from the prefix cache {cost.cached_tokens:,}")
+    print(f"  without prefix cache: ${cost.uncached_usd:,.2f}")
+    print(f"  with prefix cache:    ${cost.cached_usd:,.2f}  ({cost.saving:.1f}x cheaper)")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from kimik3.model.k3 import K3ForCausalLM
     from kimik3.train.tokenizer import EOS, load_tokenizer
 
-    run = Path(args.run)
-    if not run.is_dir():
-        raise FileNotFoundError(f"run directory {run} does not exist (train one with `kimik3 train`)")
+    run = resolve_run(args.run)
     tokenizer = load_tokenizer(run / "tokenizer.json")
     model = K3ForCausalLM.from_pretrained(run, device=args.device).eval()
     if tokenizer.get_vocab_size() > model.config.vocab_size:
@@ -98,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="stream a completion from a trained run")
-    g.add_argument("--run", required=True, help="run directory written by kimik3 train")
+    g.add_argument("--run", help="run directory written by kimik3 train (default: the newest under ./runs)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.8)
@@ -107,6 +156,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="cpu")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible server for a trained run (docs/serving.md)")
+    s.add_argument("--run", help="run directory written by kimik3 train (default: the newest under ./runs)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route")
+    s.add_argument("--replicas", type=int, default=1, help="engine replicas behind a cache-affinity router")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--memory-mb", type=float, default=256.0, help="cache budget per replica (MLA blocks + KDA slots)")
+    s.add_argument("--hash-block", type=int, default=16, help="prefix-hash block in tokens (512 at full scale)")
+    s.add_argument("--physical-block", type=int, default=192, help="MLA block in tokens (6144 at full scale)")
+    s.add_argument("--checkpoints", type=int, default=64, help="KDA prefix checkpoints kept (0: no prefix cache)")
+    s.add_argument("--prefix-policy", default="ours", choices=["ours", "vllm", "coarse", "none"])
+    s.add_argument("--max-running", type=int, default=32, help="sequences decoded together")
+    s.add_argument("--max-waiting", type=int, default=128, help="queued requests before answering 429")
+    s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("cost", help="what a multi-turn session costs at K3's prices, with and without prefix cache")
+    c.add_argument("--turns", type=int, default=50)
+    c.add_argument("--prefix", type=int, default=400_000, help="prompt tokens seen before, each turn")
+    c.add_argument("--new", type=int, default=4_000, help="new prompt tokens each turn")
+    c.add_argument("--output", type=int, default=0, help="output tokens each turn")
+    c.add_argument("--growing", action="store_true", help="the prefix grows by each turn's new + output tokens")
+    c.set_defaults(func=cmd_cost)
     return parser
 
 

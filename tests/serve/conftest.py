@@ -2,13 +2,16 @@
 
 import dataclasses
 import inspect
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 from kimik3.config import K3Config
 from kimik3.model.k3 import K3ForCausalLM
+from kimik3.serve.fake_engine import FakeEngine
 from kimik3.train.data import Document
+from tests.serve.http_server import KEY, Server
 from kimik3.train.tokenizer import train_tokenizer
 
 VOCAB = 512
@@ -28,3 +31,16 @@ def serve_model():
     config = dataclasses.replace(K3Config.preset("tiny"), vocab_size=VOCAB, max_seq_len=2048)
     torch.manual_seed(0)
     return K3ForCausalLM(config, device="cpu", dtype=torch.float32, seed=0).eval()
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., Server]]:
+    servers = []
+
+    def start(engine: FakeEngine | None = None, api_key: str | None = KEY) -> Server:
+        servers.append(Server(engine or FakeEngine(), api_key))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()

@@ -1,0 +1,146 @@
+"""``LLMEngine``: the engine core on a worker thread, with an asyncio streaming front.
+
+The core (``scheduler.EngineCore``) is single-threaded; one worker thread owns it and runs steps
+while there is work, sleeping on a condition otherwise. Callers on any thread submit and abort
+under one lock; events travel back to each caller's event loop with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kimik3.model.k3 import K3ForCausalLM
+from kimik3.serve.memory import EngineConfig
+from kimik3.serve.scheduler import EngineCore
+from kimik3.serve.types import EngineStats, GenerationRequest, SamplingParams, TokenEvent
+
+
+class LLMEngine:
+    """Serve one model replica. ``generate`` follows ``types.EngineLike``."""
+
+    def __init__(self, model: K3ForCausalLM, tokenizer: Any, config: EngineConfig | None = None,
+                 model_name: str = "kimik3", eos_token_id: int | None = None):
+        self.core = EngineCore(model, tokenizer, config or EngineConfig(), eos_token_id)
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.max_context = self.core.max_context
+        self._lock = threading.Condition()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name=f"{model_name}-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_run(cls, run_dir: str | Path, config: EngineConfig | None = None,
+                 device: str | torch.device = "cpu", model_name: str | None = None) -> "LLMEngine":
+        """Load ``model.safetensors``/``config.json``/``tokenizer.json`` written by ``kimik3 train``."""
+        from kimik3.train.tokenizer import EOS, load_tokenizer
+
+        run = Path(run_dir)
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            if not (run / name).is_file():
+                raise FileNotFoundError(f"{run / name} is missing: is {run} a run written by `kimik3 train`?")
+        tokenizer = load_tokenizer(run / "tokenizer.json")
+        model = K3ForCausalLM.from_pretrained(run, device=device)
+        return cls(model, tokenizer, config, model_name=model_name or run.name, eos_token_id=tokenizer.token_to_id(EOS))
+
+    # ------------------------------------------------------------------ worker
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and not self.core.has_work():
+                    self._lock.wait()
+                if self._closed:
+                    return
+                try:
+                    self.core.step()
+                except BaseException as error:   # a crashed engine must not hang its callers
+                    self._error = error
+                    self._fail_all(error)
+                    return
+            # Let submitters and aborts in between steps (the lock is not fair otherwise).
+            threading.Event().wait(0)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for seq in list(self.core.waiting) + list(self.core.running):
+            seq.sink(TokenEvent(seq.request.request_id, None, f"[engine error: {error}]",
+                                finished=True, finish_reason="abort"))
+        self.core.waiting.clear()
+        self.core.running.clear()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ submission
+    def submit(self, request: GenerationRequest, sink: Callable[[TokenEvent], None]) -> None:
+        """Queue ``request``; ``sink`` is called on the worker thread with each event.
+        Raises RequestTooLong / AdmissionRejected / ValueError synchronously."""
+        with self._lock:
+            if self._error is not None:
+                raise RuntimeError(f"the engine stopped after an error: {self._error!r}")
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self.core.add(request, sink)
+            self._lock.notify_all()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self.core.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return self.core.stats()
+
+    def prefix_match(self, prompt_ids: list[int]) -> int:
+        """Tokens of ``prompt_ids`` a request sent here now would restore from the prefix cache."""
+        with self._lock:
+            return self.core.prefix_cache.match_length(prompt_ids)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.submit(request, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
+        finished = False
+        try:
+            while not finished:
+                event = await queue.get()
+                finished = event.finished
+                yield event
+        finally:
+            if not finished:   # the consumer went away: free the sequence's cache now
+                self.abort(request.request_id)
+
+    # ------------------------------------------------------------------ blocking helpers
+    def generate_blocking(self, request: GenerationRequest) -> Iterator[TokenEvent]:
+        """The same stream for synchronous callers (CLI, benchmarks, tests)."""
+        import queue as queue_module
+
+        events: queue_module.Queue[TokenEvent] = queue_module.Queue()
+        self.submit(request, events.put)
+        while True:
+            event = events.get()
+            yield event
+            if event.finished:
+                return
+
+    def complete(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                 request_id: str = "blocking") -> tuple[list[int], TokenEvent]:
+        """Run one request to the end: (generated token ids, final event)."""
+        request = GenerationRequest(request_id, list(prompt_ids), params or SamplingParams())
+        tokens: list[int] = []
+        for event in self.generate_blocking(request):
+            if event.token_id is not None:
+                tokens.append(event.token_id)
+            if event.finished:
+                return tokens, event
+        raise AssertionError("unreachable")

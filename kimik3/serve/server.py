@@ -1,0 +1,458 @@
+"""OpenAI-compatible HTTP server over any ``EngineLike`` (the engine, a replica router, a fake).
+
+Routes: ``GET /health``, ``GET /metrics`` (no auth), ``GET /v1/models``, ``GET /v1/models/{id}``,
+``POST /v1/completions``, ``POST /v1/chat/completions``. Errors use OpenAI's body
+``{"error": {"message", "type", "param", "code"}}``; see ``docs/serving.md`` for the full contract.
+
+Every generation runs in its own task (``_Generation``) that pumps the engine's iterator into a
+queue, next to a task that watches the connection: a client that goes away, while queued or
+mid-stream, cancels the pump at once, which aborts the request and closes the iterator so the
+engine frees its cache. The first event is awaited before any response starts, so admission
+failures (429) and too-long prompts (400) come back as plain JSON errors even for streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal, TypeVar
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kimik3.serve import chat
+from kimik3.serve.metrics import CONTENT_TYPE, RequestTrack, ServerMetrics, StatusMiddleware
+from kimik3.serve.types import (AdmissionRejected, EngineLike, GenerationRequest, RequestTooLong, SamplingParams,
+                                TokenEvent, Usage)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"})
+DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
+OFF_LOOP_CHARS = 20_000              # inputs longer than this are tokenised off the event loop
+# Accepted for compatibility only at their "off" value; anything else is a clear 400, not silence.
+UNSUPPORTED = ("best_of", "echo", "logprobs", "top_logprobs", "suffix", "logit_bias", "frequency_penalty",
+               "presence_penalty", "tools", "tool_choice", "functions", "function_call", "response_format")
+
+
+class APIError(Exception):
+    """An error returned to the client in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# -- request bodies -------------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _Body(BaseModel):
+    """Fields both endpoints share. Strict: ``"5"`` is not an integer; unknown fields are kept in
+    ``model_extra`` and ignored unless listed in ``UNSUPPORTED``."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None           # extension
+    seed: int | None = None
+    stop: Any = Field(default=None, validate_default=True)   # -> list[str]
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    user: str | None = None            # accepted, ignored
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: Any) -> list[str]:
+        if v is None or isinstance(v, str):
+            return [] if v is None else [v]
+        if not (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+            raise ValueError("stop must be a string or a list of strings")
+        return v
+
+
+class CompletionBody(_Body):
+    prompt: Any
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, str) or (isinstance(v, list) and all(type(t) is int for t in v)):
+            return v
+        raise ValueError("only one prompt per request is supported (a string or a list of token ids); "
+                         "send one request per prompt" if isinstance(v, list) else
+                         "prompt must be a string or a list of token ids")
+
+
+class ChatBody(_Body):
+    messages: Any
+    max_completion_tokens: int | None = None
+
+
+# -- the engine side of one request ---------------------------------------------------------------------
+class _Generation:
+    """One engine request pumped by its own task, cancelled the moment the client disconnects."""
+
+    def __init__(self, engine: EngineLike, request: GenerationRequest, http: Request, track: RequestTrack) -> None:
+        self.engine, self.request, self.track = engine, request, track
+        self.queue: asyncio.Queue[TokenEvent | APIError | None] = asyncio.Queue()
+        self.pump = asyncio.create_task(self._pump())
+        watch = asyncio.create_task(self._watch(http))
+        self.pump.add_done_callback(lambda _: watch.cancel())
+
+    async def _watch(self, http: Request) -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        self.pump.cancel()
+
+    async def _pump(self) -> None:
+        rid, reason, usage, finished = self.request.request_id, "abort", None, False
+        it = aiter(self.engine.generate(self.request))
+        try:
+            async for event in it:
+                self.track.event(event)
+                self.queue.put_nowait(event)
+                if event.finished:
+                    finished, reason, usage = True, event.finish_reason or "stop", event.usage
+                    break
+        except AdmissionRejected as err:
+            reason = "rejected"
+            self.queue.put_nowait(APIError(429, f"The server is at capacity, retry later ({err})", type="requests",
+                                           code="rate_limit_exceeded", headers={"Retry-After": "1"}))
+        except RequestTooLong as err:
+            reason = "too_long"
+            self.queue.put_nowait(APIError(400, f"The request does not fit the model's context: {err}",
+                                           code="context_length_exceeded"))
+        except Exception as err:  # an engine bug: report it, keep serving
+            log.exception("engine failed on request %s", rid)
+            reason = "error"
+            self.queue.put_nowait(APIError(500, f"The engine failed: {err}", type="server_error"))
+        finally:
+            # Bookkeeping first, without awaiting: a second cancel() must not be able to skip it.
+            if not finished and reason not in ("rejected", "too_long"):
+                try:
+                    self.engine.abort(rid)
+                except Exception:
+                    log.exception("engine.abort(%s) failed", rid)
+            self.track.finish(reason, usage, admitted=reason not in ("rejected", "too_long"))
+            self.queue.put_nowait(None)
+            if hasattr(it, "aclose"):
+                try:
+                    await it.aclose()
+                except Exception:
+                    log.exception("closing the stream of %s failed", rid)
+
+    async def next(self) -> TokenEvent | None:
+        """The next event; ``None`` once the stream ended (finished before, or client gone)."""
+        item = await self.queue.get()
+        if isinstance(item, APIError):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.pump.cancel()
+
+
+# -- response shapes ------------------------------------------------------------------------------------
+def _usage(usage: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}, "cost_usd": usage.cost_usd}
+
+
+class _Shape:
+    """Builds the JSON of one endpoint: ``text_completion`` or ``chat.completion``."""
+
+    def __init__(self, kind: Literal["completions", "chat"], rid: str, model: str, include_usage: bool) -> None:
+        self.chat, self.rid, self.model, self.include_usage = kind == "chat", rid, model, include_usage
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> bytes:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            body = self._head("chat.completion.chunk") | {"choices": [choice]}
+        else:
+            body = self._head("text_completion") | {
+                "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
+        if self.include_usage:
+            body["usage"] = None
+        return _sse(body)
+
+    def usage_chunk(self, usage: Usage) -> bytes:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return _sse(self._head(obj) | {"choices": [], "usage": _usage(usage)})
+
+    def full(self, text: str, finish: str, usage: Usage) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish}
+            return self._head("chat.completion") | {"choices": [choice], "usage": _usage(usage)}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return self._head("text_completion") | {"choices": [choice], "usage": _usage(usage)}
+
+
+def _sse(body: dict[str, Any] | str) -> bytes:
+    data = body if isinstance(body, str) else json.dumps(body, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+async def _stream(gen: _Generation, first: TokenEvent, shape: _Shape) -> AsyncIterator[bytes]:
+    """SSE body: role chunk (chat), text deltas, a finish chunk, optional usage chunk, ``[DONE]``."""
+    prompt_len, tokens = len(gen.request.prompt_ids), 0
+    try:
+        if shape.chat:
+            yield shape.chunk(None, role=True)
+        event: TokenEvent | None = first
+        while event is not None:
+            tokens += event.token_id is not None
+            if event.text:
+                yield shape.chunk(event.text)
+            if event.finished:
+                yield shape.chunk(None, event.finish_reason)
+                if shape.include_usage:
+                    yield shape.usage_chunk(event.usage or Usage(prompt_len, tokens, 0))
+                yield _sse("[DONE]")
+                return
+            event = await gen.next()
+    except APIError as err:  # the engine failed mid-stream: headers are gone, say so in-band
+        yield _sse(err.body())
+        yield _sse("[DONE]")
+    finally:
+        gen.cancel()  # no-op when finished; on a disconnect this aborts the request
+
+
+# -- validation helpers ---------------------------------------------------------------------------------
+def _check_common(body: _Body, model_name: str) -> None:
+    if body.model != model_name:
+        raise APIError(404, f"The model `{body.model}` does not exist or you do not have access to it.",
+                       param="model", code="model_not_found")
+    if body.n not in (None, 1):
+        raise APIError(400, "n > 1 is not supported: send one request per completion", param="n")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    for key, value in (body.model_extra or {}).items():
+        if key in UNSUPPORTED and value not in (None, False, 0, [], {}):
+            raise APIError(400, f"'{key}' is not supported by this server", param=key)
+
+
+def _sampling(body: _Body, max_tokens: int, stop: list[str], max_param: str = "max_tokens") -> SamplingParams:
+    defaults = SamplingParams()
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=defaults.temperature if body.temperature is None else body.temperature,
+            top_p=defaults.top_p if body.top_p is None else body.top_p,
+            top_k=defaults.top_k if body.top_k is None else body.top_k, seed=body.seed, stop=stop)
+    except ValueError as err:
+        field = str(err).split(" ", 1)[0]
+        field = max_param if field == "max_tokens" else field
+        raise APIError(400, str(err), param=field if field in ChatBody.model_fields else None) from None
+
+
+async def _off_loop(chars: int, fn: Callable[[], T]) -> T:
+    """Tokenise a long input in a worker thread: a 400K-token prompt must not stall every stream."""
+    return await asyncio.to_thread(fn) if chars > OFF_LOOP_CHARS else fn()
+
+
+def _check_context(prompt_len: int, max_tokens: int, max_context: int, param: str) -> None:
+    if prompt_len + max_tokens > max_context:
+        raise APIError(400, f"This model's maximum context length is {max_context} tokens. However, you requested "
+                       f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+                       "completion). Please reduce the prompt or max_tokens.", param=param,
+                       code="context_length_exceeded")
+
+
+def _loc(loc: tuple[Any, ...]) -> str | None:
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or None
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    err = exc.errors()[0]
+    param = _loc(tuple(err.get("loc", ())))
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    if err.get("type") == "json_invalid":
+        message, param = "We could not parse the JSON body of your request: it must be a JSON object.", None
+    elif param is None:
+        message = f"The request body must be a JSON object ({msg})."
+    elif err.get("type") == "missing":
+        message = f"Missing required parameter: '{param}'."
+    else:
+        message = f"Invalid value for '{param}': {msg}"
+    return APIError(400, message, param=param).response()
+
+
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = f"Invalid URL ({request.method} {request.url.path})" if exc.status_code == 404 else str(exc.detail)
+    return APIError(exc.status_code, message, code=None).response()
+
+
+class _BearerAuth:
+    """Pure-ASGI check of ``Authorization: Bearer <key>`` on ``/v1`` routes, before the body is read."""
+
+    def __init__(self, app: Callable, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            if not header:
+                error = APIError(401, "You didn't provide an API key: send 'Authorization: Bearer <key>'.",
+                                 code="invalid_api_key")
+            elif scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+            else:
+                error = None
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# -- the app --------------------------------------------------------------------------------------------
+def create_app(engine: EngineLike, api_key: str | None = None) -> FastAPI:
+    """The ASGI app serving ``engine``; ``api_key`` (if set) is required as a Bearer token on /v1."""
+    app = FastAPI(title="Kimi K3", summary="OpenAI-compatible completions over a kimik3 engine")
+    metrics = ServerMetrics(engine)
+    app.state.engine, app.state.metrics = engine, metrics
+    started = int(time.time())
+    vocab_size = getattr(engine.tokenizer, "get_vocab_size", lambda: None)()
+    router = APIRouter(prefix="/v1")
+
+    def model_card() -> dict[str, Any]:
+        return {"id": engine.model_name, "object": "model", "created": started, "owned_by": "kimik3",
+                "max_model_len": engine.max_context}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        stats = engine.stats()
+        return {"status": "ok", "model": engine.model_name, "running": stats.running, "waiting": stats.waiting}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @router.get("/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != engine.model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist or you do not have access to it.",
+                           param="model", code="model_not_found")
+        return model_card()
+
+    async def run(kind: Literal["completions", "chat"], body: _Body, http: Request, arrival: float,
+                  prompt_ids: list[int], hints: list[int], params: SamplingParams) -> Response:
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+        shape = _Shape(kind, rid, engine.model_name, include_usage)
+        track = metrics.track(kind, arrival)
+        gen = _Generation(engine, GenerationRequest(rid, prompt_ids, params, hints), http, track)
+        first = await gen.next()   # raises the 429/400 before any response starts
+        if first is None:
+            return Response(status_code=499)  # client closed the request while it was queued
+        if body.stream:
+            return StreamingResponse(_stream(gen, first, shape), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        texts, event, tokens = [], first, 0
+        try:
+            while event is not None:
+                texts.append(event.text)
+                tokens += event.token_id is not None
+                if event.finished:
+                    usage = event.usage or Usage(len(prompt_ids), tokens, 0)
+                    return JSONResponse(shape.full("".join(texts), event.finish_reason or "stop", usage))
+                event = await gen.next()
+        finally:
+            gen.cancel()
+        return Response(status_code=499)  # client gone mid-generation: nobody reads this
+
+    @router.post("/completions")
+    async def completions(body: CompletionBody, http: Request) -> Response:
+        arrival = time.perf_counter()
+        _check_common(body, engine.model_name)
+        prompt = body.prompt
+        ids = (await _off_loop(len(prompt), lambda: engine.tokenizer.encode(prompt).ids)
+               if isinstance(prompt, str) else list(prompt))
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+        if not ids:  # like OpenAI: an empty prompt means "start a new document"
+            if engine.eos_token_id is None:
+                raise APIError(400, "prompt must not be empty", param="prompt")
+            ids = [engine.eos_token_id]
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        params = _sampling(body, max_tokens, body.stop)
+        _check_context(len(ids), max_tokens, engine.max_context, "prompt")
+        return await run("completions", body, http, arrival, ids, [], params)
+
+    @router.post("/chat/completions")
+    async def chat_completions(body: ChatBody, http: Request) -> Response:
+        arrival = time.perf_counter()
+        _check_common(body, engine.model_name)
+        try:
+            size = len(json.dumps(body.messages)) if isinstance(body.messages, list) else 0
+            ids, hints = await _off_loop(size, lambda: chat.render_ids(engine.tokenizer, body.messages))
+        except ValueError as err:
+            raise APIError(400, str(err), param="messages") from None
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = max(engine.max_context - len(ids), 1) if requested is None else requested
+        stop = body.stop + [chat.CHAT_STOP] if len(body.stop) < 4 and chat.CHAT_STOP not in body.stop else body.stop
+        params = _sampling(body, max_tokens, stop,
+                           "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+        _check_context(len(ids), max_tokens, engine.max_context, "messages")
+        return await run("chat", body, http, arrival, ids, hints, params)
+
+    app.include_router(router)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    if api_key:
+        app.add_middleware(_BearerAuth, api_key=api_key)
+    app.add_middleware(StatusMiddleware, metrics=metrics, routes=ROUTES)  # outermost: sees 401s too
+    return app
+
+
+def serve(engine: EngineLike, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          log_level: str = "info") -> None:
+    """Serve ``engine`` with uvicorn until interrupted."""
+    import uvicorn
+
+    uvicorn.run(create_app(engine, api_key), host=host, port=port, log_level=log_level)

@@ -1,0 +1,231 @@
+"""The serving engine against the plain model: same greedy tokens, prefix hits that skip work,
+admission control, aborts, and no leaked cache."""
+
+import asyncio
+
+import pytest
+import torch
+
+from kimik3.serve.engine import LLMEngine
+from kimik3.serve.memory import EngineConfig
+from kimik3.serve.router import ReplicaRouter
+from kimik3.serve.types import AdmissionRejected, GenerationRequest, RequestTooLong, SamplingParams
+
+GREEDY = dict(temperature=0.0)
+
+
+def make_engine(model, tokenizer, **overrides) -> LLMEngine:
+    settings = dict(memory_bytes=64 * 2**20, hash_block=16, physical_block=192, max_running=8,
+                    checkpoints=16, prefill_chunk=64, max_context=1024)
+    settings.update(overrides)
+    return LLMEngine(model, tokenizer, EngineConfig(**settings), model_name="tiny-test")
+
+
+def reference(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), n, temperature=0.0)
+    return out[0, len(prompt):].tolist()
+
+
+def prompts(count, length, seed=0, vocab=512):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (length + 7 * i,), generator=g).tolist() for i in range(count)]
+
+
+def assert_no_leak(engine: LLMEngine):
+    core = engine.core
+    with engine._lock:
+        core.prefix_cache.clear()
+        assert not core.running and not core.waiting
+        assert core.allocator.num_used == 0, "MLA blocks leaked"
+        assert core.states.num_free == core.states.num_slots, "KDA slots leaked"
+
+
+class Counting:
+    """Counts the tokens the model is asked to compute."""
+
+    def __init__(self, model):
+        self.tokens = 0
+        self.handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.tokens += args[0].numel()
+
+
+def test_ragged_batched_decode_matches_single_sequence_generation(serve_model, serve_tokenizer):
+    engine = make_engine(serve_model, serve_tokenizer, checkpoints=0)
+    try:
+        batch = prompts(5, 23)
+        results = {}
+
+        def run(i):
+            results[i] = engine.complete(batch[i], SamplingParams(max_tokens=12, **GREEDY), request_id=f"r{i}")
+
+        import threading
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(batch))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, prompt in enumerate(batch):
+            tokens, final = results[i]
+            assert final.finish_reason == "length" and final.usage.completion_tokens == 12
+            assert tokens == reference(serve_model, prompt, 12), f"request {i} diverged"
+        assert_no_leak(engine)
+    finally:
+        engine.close()
+
+
+def test_prefix_cache_keeps_greedy_outputs_and_skips_the_cached_prefix(serve_model, serve_tokenizer):
+    """A multi-turn session: each turn's prompt extends the last prompt + reply. With the cache the
+    outputs are identical, later turns report cached tokens, and they compute fewer tokens."""
+    system = prompts(1, 70, seed=3)[0]
+    turns = prompts(4, 20, seed=4)
+    outputs, cached, computed = {}, {}, {}
+    for mode, checkpoints in (("off", 0), ("on", 16)):
+        engine = make_engine(serve_model, serve_tokenizer, checkpoints=checkpoints)
+        counter = Counting(serve_model)
+        try:
+            history = list(system)
+            outputs[mode], cached[mode] = [], []
+            for i, user in enumerate(turns):
+                history += user
+                request = GenerationRequest(f"{mode}{i}", list(history), SamplingParams(max_tokens=9, **GREEDY),
+                                            boundary_hints=[len(system), len(history)])
+                tokens = []
+                for event in engine.generate_blocking(request):
+                    if event.token_id is not None:
+                        tokens.append(event.token_id)
+                    final = event
+                outputs[mode].append(tokens)
+                cached[mode].append(final.usage.cached_tokens)
+                history += tokens
+            computed[mode] = counter.tokens
+            assert_no_leak(engine)
+        finally:
+            counter.handle.remove()
+            engine.close()
+    assert outputs["on"] == outputs["off"]
+    assert cached["off"] == [0, 0, 0, 0]
+    assert all(c > 0 for c in cached["on"][1:]), cached["on"]
+    assert all(c % 16 == 0 for c in cached["on"])
+    assert computed["on"] == computed["off"] - sum(cached["on"])
+
+
+def test_a_hit_inside_a_physical_block_recomputes_nothing_before_it(serve_model, serve_tokenizer):
+    """The seed's token-2560 example scaled down (hash block 16, physical block 192): a prompt
+    sharing the first 80 tokens restores at 80, mid-block, and computes only what follows."""
+    engine = make_engine(serve_model, serve_tokenizer)
+    counter = Counting(serve_model)
+    try:
+        shared = prompts(1, 80, seed=5)[0]
+        first = shared + prompts(1, 40, seed=6)[0]
+        second = shared + prompts(1, 33, seed=7)[0]
+        request = GenerationRequest("a", first, SamplingParams(max_tokens=2, **GREEDY), boundary_hints=[80])
+        list(engine.generate_blocking(request))
+        before = counter.tokens
+        tokens, final = engine.complete(second, SamplingParams(max_tokens=4, **GREEDY), request_id="b")
+        assert final.usage.cached_tokens == 80
+        assert 80 % 192 != 0
+        # prefill computes len(second) - 80 tokens, then 3 decode steps of one token
+        assert counter.tokens - before == len(second) - 80 + 3
+        assert tokens == reference(serve_model, second, 4)
+        assert_no_leak(engine)
+    finally:
+        counter.handle.remove()
+        engine.close()
+
+
+def test_admission_waits_for_memory_and_refuses_past_the_queue_limit(serve_model, serve_tokenizer):
+    # Room for about two 200-token requests' blocks at a time: the rest wait, then run.
+    engine = make_engine(serve_model, serve_tokenizer, memory_bytes=8 * 2**20, max_running=2, checkpoints=0,
+                         max_waiting=3, max_context=400)
+    try:
+        with pytest.raises(RequestTooLong, match="exceeds the context"):
+            engine.submit(GenerationRequest("long", [1] * 399, SamplingParams(max_tokens=2)), lambda e: None)
+        events = []
+        with engine._lock:     # hold the worker so that nothing starts while we queue
+            for i in range(3):
+                engine.core.add(GenerationRequest(f"q{i}", prompts(1, 150, seed=i)[0],
+                                                  SamplingParams(max_tokens=3, **GREEDY)), events.append)
+            with pytest.raises(AdmissionRejected, match="waiting"):
+                engine.core.add(GenerationRequest("q3", [1, 2, 3], SamplingParams(max_tokens=3)), events.append)
+            engine._lock.notify_all()
+        deadline = 200
+        while sum(e.finished for e in events) < 3 and deadline:
+            asyncio.run(asyncio.sleep(0.05))
+            deadline -= 1
+        assert sum(e.finished for e in events) == 3
+        assert engine.stats().rejected == 1
+        assert_no_leak(engine)
+    finally:
+        engine.close()
+
+
+def test_abort_and_closed_stream_free_the_cache(serve_model, serve_tokenizer):
+    engine = make_engine(serve_model, serve_tokenizer)
+
+    async def consume_two_then_leave():
+        stream = engine.generate(GenerationRequest("gone", prompts(1, 40)[0], SamplingParams(max_tokens=500)))
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 2:
+                break
+        await stream.aclose()
+        return seen
+
+    try:
+        assert asyncio.run(consume_two_then_leave()) == 2
+        for _ in range(100):
+            if not engine.core.has_work():
+                break
+            asyncio.run(asyncio.sleep(0.02))
+        assert_no_leak(engine)
+    finally:
+        engine.close()
+
+
+def test_sampling_with_a_seed_is_reproducible_and_stop_strings_end_the_stream(serve_model, serve_tokenizer):
+    engine = make_engine(serve_model, serve_tokenizer)
+    try:
+        prompt = prompts(1, 30)[0]
+        params = dict(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=11)
+        a, _ = engine.complete(prompt, SamplingParams(**params), request_id="s1")
+        b, _ = engine.complete(prompt, SamplingParams(**params), request_id="s2")
+        assert a == b
+        text = serve_tokenizer.decode(a)
+        stop = text[len(text) // 2: len(text) // 2 + 2]
+        if stop.strip() and "\ufffd" not in stop:
+            request = GenerationRequest("s3", prompt, SamplingParams(**params, stop=[stop]))
+            streamed = "".join(e.text for e in engine.generate_blocking(request))
+            assert streamed == text[:text.index(stop)]
+    finally:
+        engine.close()
+
+
+def test_router_sends_a_session_back_to_the_replica_holding_its_prefix(serve_model, serve_tokenizer, monkeypatch):
+    replicas = [make_engine(serve_model, serve_tokenizer) for _ in range(2)]
+    router = ReplicaRouter(replicas, slack=2)
+    try:
+        history = prompts(1, 60, seed=9)[0]
+        request = GenerationRequest("warm", history, SamplingParams(max_tokens=3, **GREEDY), boundary_hints=[48])
+        list(replicas[1].generate_blocking(request))            # replica 1 now holds the prefix
+        follow_up = history + [5] * 20
+        assert replicas[1].prefix_match(follow_up) == 48 and replicas[0].prefix_match(follow_up) == 0
+        assert router.choose(follow_up) == 1 and router.affinity_hits == 1
+        assert router.choose(prompts(1, 30, seed=10)[0]) == 0     # cold: the least loaded (first on ties)
+
+        busy = replicas[1].stats()
+        busy.running = 3
+        monkeypatch.setattr(replicas[1], "stats", lambda: busy)
+        assert router.choose(follow_up) == 0                      # overloaded holder: go elsewhere
+        monkeypatch.undo()
+
+        async def turn():
+            events = [e async for e in router.generate(GenerationRequest("t", follow_up, SamplingParams(max_tokens=3)))]
+            return events[-1]
+        final = asyncio.run(turn())
+        assert final.finished and final.usage.cached_tokens == 48 and router.routed == [0, 1]
+        assert router.stats().cached_prompt_tokens == 48
+    finally:
+        router.close()

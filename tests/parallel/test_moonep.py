@@ -1,0 +1,83 @@
+"""MoonEP execution on gloo ranks equals the single-process LatentMoE, forward and backward."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kimik3.config import K3Config
+from kimik3.model.k3 import K3ForCausalLM
+from kimik3.parallel.moonep import apply_expert_parallel, destinations, native_quota
+from tests.parallel.gloo import run_ranks
+
+TOKENS_PER_RANK = 24
+
+
+def water_filling(loads_E: torch.Tensor, ranks: int) -> torch.Tensor:
+    """Experts laid out in order, the token line cut into equal pieces: balanced, many foreign experts
+    (a stress test of the exchange, independent of the MoonEP planner)."""
+    end = torch.cumsum(loads_E, 0)
+    start = end - loads_E
+    mean = int(loads_E.sum()) // ranks
+    lo = torch.arange(ranks) * mean
+    return (torch.minimum(end[:, None], lo[None, :] + mean) - torch.maximum(start[:, None], lo[None, :])).clamp(min=0)
+
+
+def moe_and_inputs(total_tokens: int):
+    config = K3Config.preset("tiny")
+    model = K3ForCausalLM(config, seed=0)
+    moe = model.layers[1].ffn
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(total_tokens, config.dim, generator=g)
+    # skew the router so that a few experts are hot (the case balancing is for)
+    with torch.no_grad():
+        moe.router.gate.weight[:3] += 0.5 * x.mean(0)
+    upstream = torch.randn(total_tokens, config.dim, generator=g)
+    return moe, x, upstream
+
+
+def _ep_worker(rank: int, world: int, planner: str) -> dict:
+    moe, x, upstream = moe_and_inputs(TOKENS_PER_RANK * world)
+    group = dist.group.WORLD
+    apply_expert_parallel(moe, group, planner=water_filling if planner == "water" else planner)
+    mine = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
+    out = moe(x[mine])
+    (out * upstream[mine]).sum().backward()
+    quota = moe.experts.last_quota
+    grads = {name: p.grad for name, p in moe.named_parameters()}
+    for name, grad in grads.items():
+        if not name.startswith("experts."):
+            dist.all_reduce(grad)       # replicated parameters: the data-parallel sum
+    return {"out": out, "quota": quota, **{f"grad.{k}": v for k, v in grads.items()}}
+
+
+@pytest.mark.parametrize("world,planner", [(2, "none"), (4, "water"), (4, "moonep")])
+def test_expert_parallel_equals_one_process(tmp_path, world, planner):
+    if planner == "moonep":
+        pytest.importorskip("kimik3.parallel.moonep_plan")
+    results = run_ranks(_ep_worker, world, tmp_path, planner)
+    moe, x, upstream = moe_and_inputs(TOKENS_PER_RANK * world)
+    out = moe(x)
+    (out * upstream).sum().backward()
+    experts = moe.experts.w_gate_ELF.shape[0]
+    per_rank = experts // world
+    for rank, got in enumerate(results):
+        torch.testing.assert_close(got["out"], out[rank * TOKENS_PER_RANK:(rank + 1) * TOKENS_PER_RANK],
+                                   rtol=1e-5, atol=1e-6)
+        for name, p in moe.named_parameters():
+            want = p.grad
+            if name.startswith("experts."):
+                want = want[rank * per_rank:(rank + 1) * per_rank]
+            torch.testing.assert_close(got[f"grad.{name}"], want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        computed = got["quota"].sum(0)
+        if planner != "none":   # balanced: every rank computes exactly S x K rows
+            assert torch.all(computed == TOKENS_PER_RANK * moe.router.top_k)
+
+
+def test_destinations_cut_each_experts_pairs_in_source_order():
+    counts_RE = torch.tensor([[3, 1], [2, 2]])          # rank 0: 3 of e0, 1 of e1; rank 1: 2 and 2
+    quota_ER = torch.tensor([[4, 1], [0, 3]])           # e0: 4 rows on rank 0, 1 on rank 1
+    ids_rank1 = torch.tensor([1, 0, 1, 0])
+    dest = destinations(ids_rank1, counts_RE, quota_ER, rank=1)
+    # rank 1's e0 pairs are e0's global pairs 3 and 4 -> ranks 0 and 1; e1's go to rank 1
+    assert dest.tolist() == [1, 0, 1, 1]
+    assert native_quota(torch.tensor([5, 0, 2, 1]), 2).tolist() == [[5, 0], [0, 0], [0, 2], [0, 1]]

@@ -16,10 +16,60 @@ from typing import Optional, Tuple
 
 import torch
 
-from .chunk import SUBTILE, chunk_kda_torch
-from .naive import naive_recurrent_kda, recurrent_kda_step
+import importlib.util
+import os
 
-__all__ = ["chunk_kda", "naive_recurrent_kda", "recurrent_kda_step", "chunk_kda_torch", "SUBTILE"]
+from .chunk import SUBTILE, chunk_kda_torch
+from .naive import check_kda_inputs, naive_recurrent_kda, recurrent_kda_step
+
+__all__ = [
+    "chunk_kda", "naive_recurrent_kda", "recurrent_kda_step", "chunk_kda_torch", "kda_decode",
+    "kda_backend", "SUBTILE",
+]
+
+# Backend override for chunk_kda: "torch", "triton" or "auto" (default).
+BACKEND_ENV = "KIMIK3_KDA_BACKEND"
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def kda_backend(q: torch.Tensor, chunk_size: int = 64, backend: Optional[str] = None) -> str:
+    """The backend ``chunk_kda`` uses for these inputs: "triton" or "torch".
+
+    ``backend`` (else the environment variable KIMIK3_KDA_BACKEND, else "auto"): "auto" picks
+    Triton for CUDA tensors when triton is installed and chunk_size == 64, else torch. "triton"
+    forces the Triton kernels (CPU tensors only work under TRITON_INTERPRET=1); errors are raised,
+    never answered by a fallback.
+    """
+    choice = (backend or os.environ.get(BACKEND_ENV) or "auto").lower()
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"KDA backend must be 'auto', 'torch' or 'triton', got {choice!r}")
+    if choice == "auto":
+        return "triton" if (q.is_cuda and chunk_size == 64 and _triton_available()) else "torch"
+    if choice == "triton":
+        if not _triton_available():
+            raise RuntimeError("KDA backend 'triton' requested but triton is not installed")
+        if chunk_size != 64:
+            raise ValueError(f"the Triton KDA kernels use chunk_size 64, got {chunk_size}")
+    return choice
+
+
+def _torch_preactivations(q, k, g, beta, A_log, dt_bias, g_min, use_gate, use_l2, use_beta_sigmoid):
+    """The optional fused pre-activations in plain torch (fp32 math, cast back like the K3 layer):
+    g = g_min * sigmoid(exp(A_log) * (z + dt_bias)); q, k <- x / sqrt(sum x^2 + 1e-6); beta <- sigmoid(beta)."""
+    if use_gate:
+        H, K = q.shape[-2], q.shape[-1]
+        rate = A_log.float().exp().view(H, 1)
+        g = g_min * torch.sigmoid(rate * (g.float() + dt_bias.float().view(H, K)))
+    if use_l2:
+        q32, k32 = q.float(), k.float()
+        q = (q32 * torch.rsqrt(q32.square().sum(-1, keepdim=True) + 1e-6)).to(q.dtype)
+        k = (k32 * torch.rsqrt(k32.square().sum(-1, keepdim=True) + 1e-6)).to(k.dtype)
+    if use_beta_sigmoid:
+        beta = torch.sigmoid(beta.float())
+    return q, k, g, beta
 
 
 def chunk_kda(
@@ -33,6 +83,14 @@ def chunk_kda(
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     chunk_size: int = 64,
+    *,
+    backend: Optional[str] = None,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    lower_bound: float = -5.0,
+    use_gate_in_kernel: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunkwise KDA; arguments and returns as ``chunk.chunk_kda_torch``.
 
@@ -40,18 +98,45 @@ def chunk_kda(
     initial_state: optional [N, H, K, V]; cu_seqlens: optional [N + 1] ints
     (B == 1). Returns o [B, T, H, V] (v's dtype) and the final state
     [N, H, K, V] float32 (None unless output_final_state).
+
+    Backend: see ``kda_backend`` (CUDA + triton -> Triton kernels, else torch).
+    Optional fused pre-activations (both backends, same math):
+    use_gate_in_kernel: g is the raw gate input z and the log-decay is
+    lower_bound * sigmoid(exp(A_log) * (z + dt_bias)) (A_log [H], dt_bias [H, K]);
+    use_qk_l2norm_in_kernel: q, k are L2-normalised (eps 1e-6 inside the sqrt);
+    use_beta_sigmoid_in_kernel: beta is the raw logit.
     """
-    # Single backend dispatch point: a fused CUDA kernel will be selected here
-    # (by device) once it exists; until then every device runs the torch path.
-    return chunk_kda_torch(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size,
+    which = kda_backend(q, chunk_size, backend)
+    if use_gate_in_kernel and (A_log is None or dt_bias is None):
+        raise ValueError("use_gate_in_kernel needs A_log [H] and dt_bias [H, K]")
+    if which == "torch":
+        q, k, g, beta = _torch_preactivations(q, k, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel,
+                                              use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel)
+        return chunk_kda_torch(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
+            chunk_size=chunk_size,
+        )
+    from .triton_autograd import chunk_kda_triton
+
+    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    return chunk_kda_triton(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, g_min=lower_bound,
+        use_gate_in_kernel=use_gate_in_kernel, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
     )
+
+
+def kda_decode(*args, **kwargs) -> torch.Tensor:
+    """Batched one-token KDA on a state pool (Triton); see ``triton_decode.kda_decode``."""
+    from .triton_decode import kda_decode as _kda_decode
+
+    return _kda_decode(*args, **kwargs)

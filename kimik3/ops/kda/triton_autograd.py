@@ -1,0 +1,122 @@
+"""Autograd wrapper of the Triton KDA forward, and the optional fused pre-activations.
+
+Backward (version 1, HYBRID): the forward runs in Triton; the backward recomputes the chunkwise
+torch path (``chunk.chunk_kda_torch``, whose backward is hand-written and exact to fp32) under
+autograd from the saved inputs, including the fused gate / L2 norm / beta sigmoid pre-activations.
+It is correct (the same numbers as the torch path) but not fast; see benchmarks/NOTES-kda.md.
+
+Also: ``interpreter_dot_fix()`` patches the Triton *interpreter's* tl.dot for bf16 operands (it
+multiplies the raw uint16 storage in Triton 3.6); used by the CPU tests only.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .triton_forward import kda_fwd_triton, make_plan
+
+__all__ = ["chunk_kda_triton", "torch_preactivations", "interpreter_dot_fix"]
+
+
+def torch_preactivations(*args):
+    """The fused pre-activations in torch (``kimik3.ops.kda._torch_preactivations``)."""
+    from . import _torch_preactivations
+
+    return _torch_preactivations(*args)
+
+
+class _TritonKDAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, A_log, dt_bias, scale, cu_seqlens, output_final_state,
+                g_min, use_gate, use_l2, use_beta_sigmoid):  # type: ignore[override]
+        B, T = q.shape[:2]
+        plan = make_plan(B, T, cu_seqlens, q.device)
+        o, ht = kda_fwd_triton(
+            q, k, v, g, beta, scale, h0, output_final_state, plan,
+            A_log=A_log, dt_bias=dt_bias, g_min=g_min,
+            use_gate=use_gate, use_l2=use_l2, use_beta_sigmoid=use_beta_sigmoid,
+        )
+        ctx.save_for_backward(q, k, v, g, beta, h0, A_log, dt_bias)
+        ctx.args = (scale, cu_seqlens, g_min, use_gate, use_l2, use_beta_sigmoid, h0 is not None)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):  # type: ignore[override]
+        # HYBRID backward: recompute with the torch chunk path and differentiate it.
+        from .chunk import chunk_kda_torch
+
+        scale, cu_seqlens, g_min, use_gate, use_l2, use_beta_sigmoid, has_h0 = ctx.args
+        saved = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_() if (x is not None and x.is_floating_point()) else x for x in saved]
+            q, k, v, g, beta, h0, A_log, dt_bias = leaves
+            qq, kk, gg, bb = torch_preactivations(q, k, g, beta, A_log, dt_bias, g_min, use_gate, use_l2,
+                                                  use_beta_sigmoid)
+            o, ht = chunk_kda_torch(qq, kk, v, gg, bb, scale=scale, initial_state=h0,
+                                    output_final_state=dht is not None, cu_seqlens=cu_seqlens)
+            outs, grads_out = [o], [do]
+            if dht is not None:
+                outs.append(ht)
+                grads_out.append(dht)
+            want = [x for x, nd in zip(leaves, ctx.needs_input_grad[:8]) if nd and x is not None]
+            got = torch.autograd.grad(outs, want, grads_out, allow_unused=True) if want else ()
+        it = iter(got)
+        res = [next(it) if (nd and x is not None) else None for x, nd in zip(leaves, ctx.needs_input_grad[:8])]
+        return tuple(res) + (None,) * 7
+
+
+def chunk_kda_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+    *, A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None, g_min: float = -5.0,
+    use_gate_in_kernel: bool = False, use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Triton chunkwise KDA (inputs validated by the caller, ``chunk_kda``)."""
+    K = q.shape[-1]
+    if scale is None:
+        scale = K**-0.5
+    if use_gate_in_kernel and (A_log is None or dt_bias is None):
+        raise ValueError("use_gate_in_kernel needs A_log [H] and dt_bias [H, K] (or [H * K])")
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if use_gate_in_kernel:
+        A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(q.device)
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    return _TritonKDAFunction.apply(
+        q, k, v, g, beta, initial_state, A_log, dt_bias, float(scale), cu_seqlens, bool(output_final_state),
+        float(g_min), bool(use_gate_in_kernel), bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel),
+    )
+
+
+def interpreter_dot_fix() -> None:
+    """Make the Triton interpreter's tl.dot correct for bf16 operands (test helper, idempotent).
+
+    Triton 3.6's interpreter stores bf16 as uint16 and np.matmul's the raw integers. This converts
+    such operands to fp32 first (exact: bf16 -> fp32 is lossless).
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    builder_cls = interp.InterpreterBuilder
+    if getattr(builder_cls, "_kimik3_dot_fixed", False):
+        return
+    orig = builder_cls.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def fix(x):
+            if x.dtype.scalar == tl.bfloat16:
+                data = interp._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+                return interp.TensorHandle(data, tl.float32)
+            return x
+
+        return orig(self, fix(a), fix(b), d, input_precision, max_num_imprecise_acc)
+
+    builder_cls.create_dot = create_dot
+    builder_cls._kimik3_dot_fixed = True

@@ -1,0 +1,140 @@
+"""Batched single-token KDA decode in Triton, on a state pool updated in place.
+
+One token for each of B sequences; each sequence b owns the state ``state_pool[slot[b]]`` of a pool
+[P, H, K, V] fp32. Per (b, h, V block) program: S <- exp(g) * S (rows), S <- S + k (beta (v - S^T k))^T,
+o = S^T (scale q); S is read once and written once (the op is state-bandwidth bound: 2 * K * V * 4
+bytes per (b, h)). A negative slot skips the sequence (o = 0, no state touched), for padded batches.
+
+Optional fusions as the K3 layer computes them: the gate g = g_min * sigmoid(exp(A_log) (z + dt_bias))
+from the raw z, the q/k L2 norm (x / sqrt(sum x^2 + 1e-6), fp32), beta = sigmoid(raw beta).
+Forward only (serving).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["kda_decode"]
+
+# (BV, num_warps) override of the heuristic (set from the benchmark sweep); None = heuristic.
+DEFAULT_BLOCKS = None
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pool_ptr, slot_ptr, o_ptr, alog_ptr, dtb_ptr,
+    H, scale, g_min,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    km = ck < K
+    vm = cv < V
+    slot = tl.load(slot_ptr + i_b).to(tl.int64)
+    ok = slot >= 0
+    slot = tl.maximum(slot, 0)
+    s_off = (slot * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
+    sm = km[:, None] & vm[None, :] & ok
+    S = tl.load(pool_ptr + s_off, mask=sm, other=0.0, eviction_policy="evict_first")
+    base = i_bh.to(tl.int64)
+    q = tl.load(q_ptr + base * K + ck, mask=km, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + base * K + ck, mask=km, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + base * V + cv, mask=vm, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + base * K + ck, mask=km, other=0.0).to(tl.float32)
+    b = tl.load(beta_ptr + base).to(tl.float32)
+    if USE_GATE:
+        a = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
+        dtb = tl.load(dtb_ptr + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
+        g = tl.where(km, g_min * tl.sigmoid(a * (g + dtb)), 0.0)
+    if USE_L2:
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    if USE_BETA_SIG:
+        b = tl.sigmoid(b)
+    # v2: both K-reductions read the *loaded* state in one pass (no dependency between them):
+    #   pred = (e S)^T k,  o = (e S + k delta^T)^T (scale q) = (e S)^T (scale q) + scale (q.k) delta
+    e = tl.exp(g)
+    qs = q * scale
+    pred = tl.sum(S * (e * k)[:, None], axis=0)
+    o1 = tl.sum(S * (e * qs)[:, None], axis=0)
+    delta = b * (v - pred)
+    S = S * e[:, None] + k[:, None] * delta[None, :]
+    tl.store(pool_ptr + s_off, S, mask=sm, eviction_policy="evict_first")
+    o = o1 + tl.sum(qs * k, axis=0) * delta
+    tl.store(o_ptr + base * V + cv, tl.where(ok, o, 0.0).to(o_ptr.dtype.element_ty), mask=vm)
+
+
+def _default_blocks(BK: int, V: int, BH: int):
+    BVF = max(16, triton.next_power_of_2(V))
+    if DEFAULT_BLOCKS is not None:
+        return min(DEFAULT_BLOCKS[0], BVF), DEFAULT_BLOCKS[1]
+    # Enough programs to fill the card at small batch; 8 KB-32 KB of state per program.
+    # H200 sweep (H96 D128, fp32 state; benchmarks/NOTES-kda.md): BV 64 / 4 warps best at B >= 64
+    # (3.72 TB/s at B64, 3.88 at B256; 8 warps: 2.8); B1 ~9 us with BV 32 / 4 warps.
+    BV = min(BVF, 32 if BH < 1024 else 64)
+    while BK * BV > 8192 and BV > 16:
+        BV //= 2
+    num_warps = 4
+    return BV, num_warps
+
+
+def kda_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, slots: torch.Tensor, scale: Optional[float] = None,
+    *, A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None, g_min: float = -5.0,
+    use_gate_in_kernel: bool = False, use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    block_v: Optional[int] = None, num_warps: Optional[int] = None,
+) -> torch.Tensor:
+    """One KDA token for B sequences; updates ``state_pool`` in place and returns o [B, H, V].
+
+    q, k, g: [B, H, K] (g is the raw gate input z when use_gate_in_kernel); v: [B, H, V];
+    beta: [B, H]; state_pool: [P, H, K, V] float32 contiguous; slots: [B] integer indices into the
+    pool (negative: skip). Slots must be distinct (each program owns its state rows).
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, H, K], got {tuple(q.shape)}")
+    B, H, K = q.shape
+    V = v.shape[-1]
+    for name, x, shp in (("k", k, (B, H, K)), ("g", g, (B, H, K)), ("v", v, (B, H, V)), ("beta", beta, (B, H))):
+        if tuple(x.shape) != shp:
+            raise ValueError(f"{name} must have shape {shp}, got {tuple(x.shape)}")
+    if state_pool.dtype != torch.float32 or state_pool.ndim != 4 or tuple(state_pool.shape[1:]) != (H, K, V):
+        raise ValueError(f"state_pool must be float32 [P, {H}, {K}, {V}], got {state_pool.dtype} "
+                         f"{tuple(state_pool.shape)}")
+    if not state_pool.is_contiguous():
+        raise ValueError("state_pool must be contiguous (it is updated in place)")
+    if slots.ndim != 1 or slots.shape[0] != B or slots.is_floating_point():
+        raise ValueError(f"slots must be an integer tensor [B={B}], got {slots.dtype} {tuple(slots.shape)}")
+    if use_gate_in_kernel and (A_log is None or dt_bias is None):
+        raise ValueError("use_gate_in_kernel needs A_log [H] and dt_bias [H, K]")
+    if scale is None:
+        scale = K**-0.5
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    o = torch.empty(B, H, V, device=q.device, dtype=v.dtype)
+    if B == 0:
+        return o
+    BK = max(16, triton.next_power_of_2(K))
+    BV, nw = _default_blocks(BK, V, B * H)
+    BV = block_v or BV
+    nw = num_warps or nw
+    dummy = state_pool
+    _decode_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, v, g, beta, state_pool, slots.contiguous(), o,
+        A_log.contiguous() if use_gate_in_kernel else dummy, dt_bias.contiguous() if use_gate_in_kernel else dummy,
+        H, float(scale), float(g_min),
+        K=K, V=V, BK=BK, BV=BV,
+        USE_GATE=bool(use_gate_in_kernel), USE_L2=bool(use_qk_l2norm_in_kernel),
+        USE_BETA_SIG=bool(use_beta_sigmoid_in_kernel),
+        num_warps=nw,
+    )
+    return o

@@ -1,0 +1,477 @@
+"""Triton forward of chunkwise KDA exploiting K3's gate bound (g >= g_min = -5).
+
+Layout and contract as ``chunk.chunk_kda_torch`` (fla layout: q, k, g [B, T, H, K]; v [B, T, H, V];
+beta [B, T, H]; states [N, H, K, V] fp32; ``cu_seqlens`` packs N sequences into B == 1). Internally
+every call is treated as packed: B rows of T tokens are the sequences [b T, (b + 1) T).
+
+Three kernels (chunk C = 64 tokens, sub-tiles of 16; math as in ``chunk.py``):
+
+1. ``_prep0``  per (chunk, head): optional fused gate g = g_min * sigmoid(exp(A_log) (z + dt_bias)),
+   the within-chunk cumulative log-decay Gamma (fp32, token layout), optional q/k L2 norm and beta
+   sigmoid (written to side buffers only when fused).
+2. ``_intra``  per (chunk, head): Aqk (lower, diagonal included) and diag(beta) Akk (strictly lower)
+   as dense tl.dot matmuls, one 64 x 16 column tile j at a time against the reference
+   eps_j = Gamma at the tile's last token: column factors exp(eps_j - Gamma_s) are in [e^-75, 1] and
+   row factors exp(Gamma_t - eps_j) in (0, e^75] for the rows that are not in tile j's future
+   (rows before the tile are masked to zero *in the exponent*, before exp, so nothing overflows and
+   no tile reads a future token). This is where the bound is used: a 16-token tile accumulates at
+   most 15 * 5 = 75 in log space, so the diagonal tiles need no position-pair loop.
+   Then T = (I + diag(beta) Akk)^-1 by 16 x 16 forward substitution on the diagonal blocks and
+   block forward substitution across row tiles (in place in a scratch buffer), and the WY/UT
+   representation W = T (beta k exp(Gamma)), U = T (beta v).
+3. ``_state_out`` per (sequence, head, V block): the sequential scan over the sequence's chunks,
+   v_new = U - W S, o = scale (q exp(Gamma) S + Aqk v_new), S <- exp(Gamma_C) S + (k exp(Gamma_C - Gamma))^T v_new,
+   with the state kept in fp32 registers (no per-chunk state is written to memory).
+
+Matmul operands are bf16 when q is bf16 (fp32 accumulation), else fp32 at "tf32x3" precision
+(about fp32 accuracy on tensor cores). The small solve matmuls are always fp32 / tf32x3.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+BT = 64  # chunk size (tokens)
+BC = 16  # sub-tile rows: the gate bound makes 16 * 5 = 80 the largest in-tile log-decay
+L2_EPS = 1e-6
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEFAULT_VARIANT = os.environ.get("KIMIK3_KDA_VARIANT", "acsw")  # see kda_fwd_triton
+# Launch overrides (benchmark sweeps; None = heuristic): scan (BV, num_warps[, num_stages]), intra num_warps.
+SCAN_CONFIG: Optional[Tuple[int, int]] = None
+INTRA_WARPS: Optional[int] = None
+# phase-B solve: 0 = v1 forward substitution (default: the only one verified on the H200 so far),
+# 1 = Neumann product (10 dense matmuls; gave an illegal address on the H200 in its first form),
+# 2 = Neumann with the squaring's second operand reloaded from scratch.
+SOLVE = int(os.environ.get("KIMIK3_KDA_SOLVE", "0"))
+SCAN_KT_LOAD = os.environ.get("KIMIK3_KDA_KT_LOAD", "0") == "1"  # scan: load kg transposed from memory
+
+
+def _next_pow2(x: int) -> int:
+    return max(16, triton.next_power_of_2(int(x)))
+
+
+def _dot_dtype(dtype: torch.dtype):
+    return tl.bfloat16 if dtype == torch.bfloat16 else (tl.float16 if dtype == torch.float16 else tl.float32)
+
+
+# --------------------------------------------------------------------------
+# host-side chunk plan
+# --------------------------------------------------------------------------
+
+
+class ChunkPlan(NamedTuple):
+    cu: torch.Tensor  # [N + 1] int32 token offsets (packed)
+    chunk_idx: torch.Tensor  # [NT, 2] int32: (sequence, chunk within sequence)
+    chunk_off: torch.Tensor  # [N + 1] int32: first global chunk of each sequence
+    N: int
+    NT: int
+    seq_lens: Tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=64)
+def _plan_cached(offsets: Tuple[int, ...], device: torch.device) -> ChunkPlan:
+    lens = tuple(b - a for a, b in zip(offsets[:-1], offsets[1:]))
+    idx, off = [], [0]
+    for n, L in enumerate(lens):
+        nc = (L + BT - 1) // BT
+        idx.extend((n, c) for c in range(nc))
+        off.append(off[-1] + nc)
+    ci = torch.tensor(idx if idx else [[0, 0]], dtype=torch.int32).view(-1, 2)
+    return ChunkPlan(
+        torch.tensor(offsets, dtype=torch.int32, device=device),
+        ci.to(device),
+        torch.tensor(off, dtype=torch.int32, device=device),
+        len(lens),
+        len(idx),
+        lens,
+    )
+
+
+def make_plan(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device: torch.device) -> ChunkPlan:
+    if cu_seqlens is None:
+        offsets = tuple(b * T for b in range(B + 1))
+    else:
+        offsets = tuple(int(x) for x in cu_seqlens.tolist())
+    return _plan_cached(offsets, device)
+
+
+# --------------------------------------------------------------------------
+# kernel 1: gate, cumulative log-decay, optional l2 norm / beta sigmoid
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _prep0_kernel(
+    g_ptr, G_ptr, q_ptr, k_ptr, qn_ptr, kn_ptr, beta_ptr, betan_ptr, alog_ptr, dtb_ptr,
+    cu_ptr, cidx_ptr, H, g_min,
+    K: tl.constexpr, BKF: tl.constexpr,
+    USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_n = tl.load(cidx_ptr + 2 * i_t).to(tl.int64)
+    i_c = tl.load(cidx_ptr + 2 * i_t + 1).to(tl.int64)
+    bos = tl.load(cu_ptr + i_n).to(tl.int64)
+    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
+    t0 = bos + i_c * 64
+    L = tl.minimum(64, eos - t0)
+    r = tl.arange(0, 64)
+    c = tl.arange(0, BKF)
+    rv = r < L
+    cm = c < K
+    m = rv[:, None] & cm[None, :]
+    offs = (t0 + r)[:, None] * (H * K) + i_h * K + c[None, :]
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if USE_GATE:
+        a = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
+        dtb = tl.load(dtb_ptr + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
+        g = g_min * tl.sigmoid(a * (g + dtb[None, :]))
+        g = tl.where(m, g, 0.0)
+    G = tl.cumsum(g, axis=0)
+    tl.store(G_ptr + offs, G, mask=m)
+    if USE_L2:
+        q = tl.load(q_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
+        tl.store(qn_ptr + offs, q.to(qn_ptr.dtype.element_ty), mask=m)
+        k = tl.load(k_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+        tl.store(kn_ptr + offs, k.to(kn_ptr.dtype.element_ty), mask=m)
+    if USE_BETA_SIG:
+        bo = (t0 + r) * H + i_h
+        b = tl.load(beta_ptr + bo, mask=rv, other=0.0).to(tl.float32)
+        tl.store(betan_ptr + bo, tl.sigmoid(b), mask=rv)
+
+
+# --------------------------------------------------------------------------
+# kernel 2: intra-chunk matrices, inverse, WY representation
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _intra_kernel(
+    q_ptr, k_ptr, v_ptr, G_ptr, beta_ptr, aqk_ptr, tinv_ptr, w_ptr, u_ptr, qg_ptr, kg_ptr, eg_ptr,
+    cu_ptr, cidx_ptr, H,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DT: tl.constexpr, DTA: tl.constexpr, DTC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
+    SOLVE: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_n = tl.load(cidx_ptr + 2 * i_t).to(tl.int64)
+    i_c = tl.load(cidx_ptr + 2 * i_t + 1).to(tl.int64)
+    bos = tl.load(cu_ptr + i_n).to(tl.int64)
+    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
+    t0 = bos + i_c * 64
+    L = tl.minimum(64, eos - t0)
+    r = tl.arange(0, 64)
+    r16 = tl.arange(0, 16)
+    rv = r < L
+    beta = tl.load(beta_ptr + (t0 + r) * H + i_h, mask=rv, other=0.0).to(tl.float32)
+    # chunk-major 64 x 64 buffers of this (chunk, head)
+    a_base = (i_t * H + i_h) * 4096
+    NEG = float("-inf")
+
+    # ---- phase A: Aqk and diag(beta) Akk, one 64 x 16 column tile at a time -------------------
+    for j in tl.static_range(4):
+        s = j * 16 + r16  # columns of tile j
+        sv = s < L
+        ref = tl.minimum(j * 16 + 15, L - 1)  # eps_j: Gamma at the tile's last (valid) token
+        row_ok = rv & (r >= j * 16)  # rows before tile j are in its past: never read
+        acc_q = tl.zeros([64, 16], dtype=tl.float32)
+        acc_k = tl.zeros([64, 16], dtype=tl.float32)
+        for kb in tl.static_range(0, K, BK):
+            c = kb + tl.arange(0, BK)
+            cm = c < K
+            g_ref = tl.load(G_ptr + (t0 + ref) * (H * K) + i_h * K + c, mask=cm, other=0.0)
+            mr = rv[:, None] & cm[None, :]
+            ro = (t0 + r)[:, None] * (H * K) + i_h * K + c[None, :]
+            Gr = tl.load(G_ptr + ro, mask=mr, other=0.0)
+            qr = tl.load(q_ptr + ro, mask=mr, other=0.0).to(tl.float32)
+            kr = tl.load(k_ptr + ro, mask=mr, other=0.0).to(tl.float32)
+            ms = sv[:, None] & cm[None, :]
+            so = (t0 + s)[:, None] * (H * K) + i_h * K + c[None, :]
+            Gs = tl.load(G_ptr + so, mask=ms, other=0.0)
+            ks = tl.load(k_ptr + so, mask=ms, other=0.0).to(tl.float32)
+            e_r = tl.exp(tl.where(row_ok[:, None] & cm[None, :], Gr - g_ref[None, :], NEG))  # (0, e^75]
+            e_s = tl.exp(tl.where(ms, g_ref[None, :] - Gs, NEG))  # [e^-75, 1]
+            kc = tl.trans((ks * e_s).to(DTA))
+            acc_q += tl.dot((qr * e_r).to(DTA), kc, input_precision=PREC)
+            acc_k += tl.dot((kr * e_r).to(DTA), kc, input_precision=PREC)
+        lower = r[:, None] >= s[None, :]
+        strict = r[:, None] > s[None, :]
+        o2 = a_base + r[:, None] * 64 + s[None, :]
+        tl.store(aqk_ptr + o2, tl.where(lower, acc_q, 0.0))
+        tl.store(tinv_ptr + o2, tl.where(strict, acc_k * beta[:, None], 0.0))
+    tl.debug_barrier()
+
+    # ---- phase B: T = (I + diag(beta) Akk)^-1, in place, by row tiles -------------------------
+    c64 = tl.arange(0, 64)
+    if SOLVE == 0:
+        for i in tl.static_range(4):
+            rows = i * 16 + r16
+            # diagonal block inverse by forward substitution (fla's solve_tril 16 x 16)
+            d_off = a_base + rows[:, None] * 64 + (i * 16 + r16)[None, :]
+            b = -tl.where(r16[:, None] > r16[None, :], tl.load(tinv_ptr + d_off), 0.0)
+            for rr in range(2, 16):
+                a = -tl.load(tinv_ptr + a_base + (i * 16 + rr) * 64 + i * 16 + r16)
+                a = tl.where(r16 < rr, a, 0.0)
+                a = a + tl.sum(a[:, None] * b, 0)
+                b = tl.where((r16 == rr)[:, None], a[None, :], b)
+            dinv = b + (r16[:, None] == r16[None, :]).to(tl.float32)
+            # T_i = Dinv_i (E_i - A_{i,<i} T_{<i})
+            rhs = (c64[None, :] == rows[:, None]).to(tl.float32)
+            if i > 0:
+                a_row = tl.load(tinv_ptr + a_base + rows[:, None] * 64 + c64[None, :],
+                                mask=(c64 < i * 16)[None, :], other=0.0)
+                t_prev = tl.load(tinv_ptr + a_base + c64[:, None] * 64 + c64[None, :],
+                                 mask=(c64 < i * 16)[:, None], other=0.0)
+                rhs -= tl.dot(a_row, t_prev, input_precision="tf32x3")
+            t_i = tl.dot(dinv, rhs, input_precision="tf32x3")
+            tl.debug_barrier()
+            tl.store(tinv_ptr + a_base + rows[:, None] * 64 + c64[None, :], t_i)
+            tl.debug_barrier()
+        t_all = tl.load(tinv_ptr + a_base + r[:, None] * 64 + c64[None, :])
+    else:
+        # ---- phase B (v2): T = (I + A)^-1, A = diag(beta) Akk strictly lower, hence nilpotent (A^64 = 0):
+        # (I + N + ... + N^63) = (I + N)(I + N^2)(I + N^4)(I + N^8)(I + N^16)(I + N^32), N = -A:
+        # 10 dense 64 x 64 matmuls in registers instead of v1's serial 16 x 16 forward substitution
+        # through global scratch (v1: ~60 dependent load/reduce steps per program, 3.3-4.9 ms at K3 shape).
+        nmat = -tl.load(tinv_ptr + a_base + r[:, None] * 64 + c64[None, :])
+        t_all = nmat + (r[:, None] == c64[None, :]).to(tl.float32)
+        for _ in tl.static_range(5):
+            if SOLVE == 2:  # square through scratch: the two dot operands are distinct values
+                tl.debug_barrier()
+                tl.store(tinv_ptr + a_base + r[:, None] * 64 + c64[None, :], nmat)
+                tl.debug_barrier()
+                nmat = tl.dot(nmat, tl.load(tinv_ptr + a_base + r[:, None] * 64 + c64[None, :]), input_precision=SPREC)
+            else:
+                nmat = tl.dot(nmat, nmat, input_precision=SPREC)
+            t_all += tl.dot(t_all, nmat, input_precision=SPREC)
+
+    # ---- phase C: W = T (beta k exp(Gamma)), U = T (beta v) ------------------------------------
+    t_all = t_all.to(DTC)
+    for kb in tl.static_range(0, K, BK):
+        c = kb + tl.arange(0, BK)
+        mr = rv[:, None] & (c < K)[None, :]
+        ro = (t0 + r)[:, None] * (H * K) + i_h * K + c[None, :]
+        Gr = tl.load(G_ptr + ro, mask=mr, other=0.0)
+        kr = tl.load(k_ptr + ro, mask=mr, other=0.0).to(tl.float32)
+        eG = tl.exp(Gr)
+        rk = tl.where(mr, kr * beta[:, None] * eG, 0.0)
+        w = tl.dot(t_all, rk.to(DTC), input_precision=PREC)
+        tl.store(w_ptr + ro, w.to(w_ptr.dtype.element_ty), mask=mr)
+        # scan operands (state-independent, so off the scan's serial path): q exp(Gamma),
+        # k exp(Gamma_C - Gamma) and the chunk decay exp(Gamma_C)
+        g_last = tl.load(G_ptr + (t0 + L - 1) * (H * K) + i_h * K + c, mask=c < K, other=0.0)
+        qr = tl.load(q_ptr + ro, mask=mr, other=0.0).to(tl.float32)
+        tl.store(qg_ptr + ro, tl.where(mr, qr * eG, 0.0).to(qg_ptr.dtype.element_ty), mask=mr)
+        kg = tl.where(mr, kr * tl.exp(g_last[None, :] - Gr), 0.0)
+        tl.store(kg_ptr + ro, kg.to(kg_ptr.dtype.element_ty), mask=mr)
+        tl.store(eg_ptr + (i_t * H + i_h) * K + c, tl.exp(g_last), mask=c < K)
+    for vb in tl.static_range(0, V, BV):
+        c = vb + tl.arange(0, BV)
+        mr = rv[:, None] & (c < V)[None, :]
+        ro = (t0 + r)[:, None] * (H * V) + i_h * V + c[None, :]
+        vr = tl.load(v_ptr + ro, mask=mr, other=0.0).to(tl.float32)
+        u = tl.dot(t_all, (vr * beta[:, None]).to(DTC), input_precision=PREC)
+        tl.store(u_ptr + ro, u.to(u_ptr.dtype.element_ty), mask=mr)
+
+
+# --------------------------------------------------------------------------
+# kernel 3: sequential state scan fused with the output
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _scan_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h, i_c, bos, eos, coff, i_h, H, scale,
+               K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr, ck, cv,
+               DT: tl.constexpr, PREC: tl.constexpr, KT_LOAD: tl.constexpr):
+    """One chunk of the scan: output of chunk i_c and the state after it.
+
+    v2: the gated operands qg = q exp(Gamma), kg = k exp(Gamma_C - Gamma) and exp(Gamma_C) come
+    precomputed from the intra kernel (no exp, no G tile on the serial path; less shared memory).
+    """
+    r = tl.arange(0, 64)
+    c64 = tl.arange(0, 64)
+    km = ck < K
+    vm = cv < V
+    t0 = bos + i_c * 64
+    L = tl.minimum(64, eos - t0)
+    rv = r < L
+    mk = rv[:, None] & km[None, :]
+    mv = rv[:, None] & vm[None, :]
+    ko = (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :]
+    vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
+    w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(DT)
+    u = tl.load(u_ptr + vo, mask=mv, other=0.0).to(tl.float32)
+    qg = tl.load(qg_ptr + ko, mask=mk, other=0.0).to(DT)
+    if KT_LOAD:  # load k exp(Gamma_C - Gamma) already transposed ([K, 64]) instead of tl.trans in registers
+        kgT = tl.load(kg_ptr + (t0 + r)[None, :] * (H * K) + i_h * K + ck[:, None],
+                      mask=km[:, None] & rv[None, :], other=0.0).to(DT)
+    else:
+        kgT = tl.trans(tl.load(kg_ptr + ko, mask=mk, other=0.0).to(DT))
+    eg = tl.load(eg_ptr + ((coff + i_c) * H + i_h) * K + ck, mask=km, other=0.0)
+    a = tl.load(aqk_ptr + ((coff + i_c) * H + i_h) * 4096 + r[:, None] * 64 + c64[None, :])
+    h_dt = h.to(DT)
+    v_new = u - tl.dot(w, h_dt, input_precision=PREC)
+    v_dt = v_new.to(DT)
+    h = h * eg[:, None] + tl.dot(kgT, v_dt, input_precision=PREC)
+    o = tl.dot(qg, h_dt, input_precision=PREC)
+    o += tl.dot(a.to(DT), v_dt, input_precision=PREC)
+    tl.store(o_ptr + vo, (o * scale).to(o_ptr.dtype.element_ty), mask=mv)
+    return h
+
+
+@triton.jit
+def _state_out_kernel(
+    qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h0_ptr, ht_ptr,
+    cu_ptr, coff_ptr, H, scale,
+    K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    INTERP: tl.constexpr, KT_LOAD: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = (i_nh // H).to(tl.int64)
+    i_h = i_nh % H
+    bos = tl.load(cu_ptr + i_n).to(tl.int64)
+    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
+    coff = tl.load(coff_ptr + i_n).to(tl.int64)
+    r = tl.arange(0, 64)
+    ck = tl.arange(0, BKF)
+    cv = i_v * BV + tl.arange(0, BV)
+    km = ck < K
+    vm = cv < V
+    c64 = tl.arange(0, 64)
+    s_off = (i_n * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
+    sm = km[:, None] & vm[None, :]
+    if HAS_H0:
+        h = tl.load(h0_ptr + s_off, mask=sm, other=0.0).to(tl.float32)
+    else:
+        h = tl.zeros([BKF, BV], dtype=tl.float32)
+    NC = tl.cdiv(eos - bos, 64)
+    if INTERP:  # the interpreter cannot range() over a loaded scalar (numpy 2); same body
+        i_c = 0
+        while i_c < NC:
+            h = _scan_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h, i_c, bos, eos, coff, i_h, H, scale,
+                           K, V, BKF, BV, ck, cv, DT, PREC, KT_LOAD)
+            i_c += 1
+    else:
+        for i_c in range(0, NC):
+            h = _scan_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h, i_c, bos, eos, coff, i_h, H, scale,
+                           K, V, BKF, BV, ck, cv, DT, PREC, KT_LOAD)
+    if STORE_HT:
+        tl.store(ht_ptr + s_off, h, mask=sm)
+
+
+# --------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------
+
+
+def _cfg(K: int, V: int):
+    """(BK, BV for intra, BV for the scan, num_warps of the three kernels)."""
+    BKF = _next_pow2(K)
+    BVF = _next_pow2(V)
+    BK = min(64, BKF)
+    BV_intra = min(64, BVF)
+    # scan: the fp32 state [BKF, BV] lives in registers and the tile operands in shared memory;
+    # at K = 128 a BV of 64 with fp32 operands needs > 227 KB when pipelined (seen on the H200)
+    BV_scan = min(64 if BKF <= 64 else 32, BVF)
+    return BKF, BK, BV_intra, BV_scan
+
+
+def kda_fwd_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    scale: float, initial_state: Optional[torch.Tensor], output_final_state: bool,
+    plan: ChunkPlan,
+    A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None, g_min: float = -5.0,
+    use_gate: bool = False, use_l2: bool = False, use_beta_sigmoid: bool = False,
+    return_aux: bool = False, variant: Optional[str] = None,
+):
+    """Forward only. All tensors contiguous on one device. Returns (o, final_state or None[, aux]).
+
+    variant (16-bit inputs only; fp32 inputs always compute in fp32 / tf32x3): which products take
+    16-bit operands. A string of letters, default ``DEFAULT_VARIANT``:
+      'a' the intra-chunk A matrices in tf32 (else 16-bit operands),
+      's' the sequential scan's matmuls in tf32 (else 16-bit; the state is rounded per chunk),
+      'c' the WY products W = T (beta k exp(Gamma)), U = T (beta v) in tf32,
+      'w' W and U stored in fp32 (else in the input dtype).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dev = q.device
+    DT = _dot_dtype(q.dtype)
+    PREC = "tf32x3" if DT == tl.float32 else "tf32"
+    variant = DEFAULT_VARIANT if variant is None else variant
+    DTA = tl.float32 if "a" in variant else DT
+    DTS = tl.float32 if "s" in variant else DT
+    DTC = tl.float32 if "c" in variant else DT
+    BKF, BK, BV_intra, BV_scan = _cfg(K, V)
+    if K > 256 or V > 512:
+        raise ValueError(f"triton KDA supports K <= 256 and V <= 512, got K={K} V={V}")
+    N, NT = plan.N, plan.NT
+    o = torch.empty_like(v)
+    ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    if NT == 0:
+        if ht is not None:
+            ht.copy_(initial_state.float() if initial_state is not None else torch.zeros_like(ht))
+        return (o, ht, None) if return_aux else (o, ht)
+
+    G = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
+    qn, kn, betan = q, k, beta
+    if use_l2:
+        qn, kn = torch.empty_like(q), torch.empty_like(k)
+    if use_beta_sigmoid:
+        betan = torch.empty(beta.shape, device=dev, dtype=torch.float32)
+    dummy = G
+    _prep0_kernel[(NT, H)](
+        g, G, q, k, qn, kn, beta, betan,
+        A_log if use_gate else dummy, dt_bias if use_gate else dummy,
+        plan.cu, plan.chunk_idx, H, float(g_min),
+        K=K, BKF=BKF, USE_GATE=use_gate, USE_L2=use_l2, USE_BETA_SIG=use_beta_sigmoid,
+        num_warps=4 if BKF <= 64 else 8,
+    )
+    # W/U in fp32 when the scan is 16-bit too: a 16-bit W loaded straight into the scan's bf16 dot
+    # gave wrong results / illegal addresses on the H200 (Triton 3.6; variants '', 'a', 'c' at
+    # T2048 H96 D128) while every variant with 'w' or 's' was right -- see NOTES-kda.md.
+    wu_dtype = torch.float32 if (DT == tl.float32 or "w" in variant or DTS != tl.float32) else q.dtype
+    aqk = torch.empty(NT, H, 64, 64, device=dev, dtype=torch.float32)
+    tinv = torch.empty(NT, H, 64, 64, device=dev, dtype=torch.float32)
+    w = torch.empty(B, T, H, K, device=dev, dtype=wu_dtype)
+    u = torch.empty(B, T, H, V, device=dev, dtype=wu_dtype)
+    sc_dtype = torch.float32 if DTS == tl.float32 else q.dtype  # scan operands qg, kg
+    qg = torch.empty(B, T, H, K, device=dev, dtype=sc_dtype)
+    kg = torch.empty(B, T, H, K, device=dev, dtype=sc_dtype)
+    eg = torch.empty(NT, H, K, device=dev, dtype=torch.float32)
+    _intra_kernel[(NT, H)](
+        qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
+        K=K, V=V, BK=BK, BV=BV_intra, DT=DT, DTA=DTA, DTC=DTC, PREC=PREC,
+        SPREC="tf32x3" if (DT == tl.float32 or DTA == tl.float32) else "tf32",
+        SOLVE=SOLVE, num_warps=INTRA_WARPS or (8 if DT != tl.float32 else 4),
+    )
+    # H200 sweep at B1 T8192 H96 D128 (NOTES-kda.md): BV 64 / 4 warps; 2 stages when the operands are
+    # 16-bit (fp32 operands pipelined at BV 64 exceed the 227 KB of shared memory)
+    BV_scan = min(64, _next_pow2(V))
+    scan_warps, scan_stages = 4, (2 if DTS != tl.float32 else 1)
+    if SCAN_CONFIG is not None:
+        BV_scan, scan_warps = min(SCAN_CONFIG[0], _next_pow2(V)), SCAN_CONFIG[1]
+        scan_stages = SCAN_CONFIG[2] if len(SCAN_CONFIG) > 2 else 1
+    h0 = initial_state.float().contiguous() if initial_state is not None else dummy
+    _state_out_kernel[(triton.cdiv(V, BV_scan), N * H)](
+        qg, kg, eg, w, u, aqk, o, h0, ht if ht is not None else dummy,
+        plan.cu, plan.chunk_off, H, float(scale),
+        K=K, V=V, BKF=BKF, BV=BV_scan, DT=DTS, PREC=PREC,
+        HAS_H0=initial_state is not None, STORE_HT=ht is not None, INTERP=INTERPRET, KT_LOAD=SCAN_KT_LOAD,
+        num_warps=scan_warps, num_stages=scan_stages,
+    )
+    if return_aux:
+        return o, ht, dict(G=G, aqk=aqk, tinv=tinv, w=w, u=u, q=qn, k=kn, beta=betan, qg=qg, kg=kg, eg=eg)
+    return o, ht

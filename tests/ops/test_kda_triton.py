@@ -1,0 +1,313 @@
+"""Tests of the Triton KDA kernels (kimik3/ops/kda/triton_*.py) against the fp32 token loop.
+
+On a machine without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set
+below before anything imports the kernels) at tiny shapes; with CUDA they run on the GPU at larger
+shapes (H up to 96, D 128, T up to 1000). Skipped cleanly when triton is not installed.
+
+Error measure: rel_rms(ref, out) = rms(ref - out) / rms(ref), computed in float64 -- the same
+normalised error as fla's ``assert_close`` ratio (get_err_ratio). Tolerances (fla's): o and
+state 5e-3, dq/dk/dv 8e-3, dg/dbeta 2e-2 (initial-state gradient 5e-3).
+
+Backward note: the Triton path's backward is currently the HYBRID one (recomputation through the
+torch chunk path, see triton_autograd.py), so gradient tests check the wiring and the fused
+pre-activations' gradients; they will check Triton backward kernels once those exist.
+
+Shape legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences, P state-pool slots.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules are imported
+
+triton = pytest.importorskip("triton")
+
+from kimik3.ops.kda import (  # noqa: E402
+    _torch_preactivations,
+    chunk_kda,
+    kda_backend,
+    kda_decode,
+    naive_recurrent_kda,
+    recurrent_kda_step,
+)
+
+if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA and TRITON_INTERPRET is not 1 (set before triton was imported)", allow_module_level=True)
+
+DEV = "cuda" if ON_GPU else "cpu"
+G_MIN = -5.0
+TOL = {"o": 5e-3, "state": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dg": 2e-2, "dbeta": 2e-2, "dh0": 5e-3}
+GRAD_NAMES = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_setup():
+    if not ON_GPU:
+        from kimik3.ops.kda.triton_autograd import interpreter_dot_fix
+
+        interpreter_dot_fix()  # the interpreter's tl.dot is wrong for bf16 operands (Triton 3.6)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def rel_rms(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref64, out64 = ref.detach().double(), out.detach().double()
+    return ((ref64 - out64).pow(2).mean().sqrt() / ref64.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def make_inputs(B, T, H, K, V, dtype=torch.float32, seed=0, gate_spread=1.5):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = G_MIN * torch.sigmoid(torch.randn(B, T, H, K, generator=gen) * gate_spread)
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
+    return [x.to(device=DEV, dtype=dtype if i < 3 else torch.float32).requires_grad_()
+            for i, x in enumerate((q, k, v, g, beta))]
+
+
+def make_state(N, H, K, V, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return (0.5 * torch.randn(N, H, K, V, generator=gen)).to(DEV).requires_grad_()
+
+
+def run_with_grads(fn, inputs, h0, seed=7, **kw):
+    o, s = fn(*inputs, initial_state=h0, output_final_state=True, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen).to(DEV)
+    ds = torch.randn(s.shape, generator=gen).to(DEV)
+    leaves = list(inputs) + ([h0] if h0 is not None else [])
+    grads = torch.autograd.grad((o.float() * do).sum() + (s * ds).sum(), leaves)
+    return o, s, list(grads)
+
+
+def fresh(xs):
+    return [x.detach().clone().requires_grad_() for x in xs]
+
+
+def check_against_naive(inputs, h0, cu=None, tol_scale=1.0, grads=True):
+    kw = dict(cu_seqlens=cu) if cu is not None else {}
+    if grads:
+        o_ref, s_ref, g_ref = run_with_grads(naive_recurrent_kda, fresh(inputs), None if h0 is None else fresh([h0])[0], **kw)
+        o, s, g = run_with_grads(chunk_kda, inputs, h0, backend="triton", **kw)
+    else:
+        with torch.no_grad():
+            o_ref, s_ref = naive_recurrent_kda(*inputs, initial_state=h0, output_final_state=True, **kw)
+            o, s = chunk_kda(*inputs, initial_state=h0, output_final_state=True, backend="triton", **kw)
+    assert o.shape == o_ref.shape and o.dtype == o_ref.dtype and s.dtype == torch.float32
+    assert rel_rms(o_ref, o) < TOL["o"] * tol_scale, rel_rms(o_ref, o)
+    assert rel_rms(s_ref, s) < TOL["state"] * tol_scale, rel_rms(s_ref, s)
+    if grads:
+        for name, a, b in zip(GRAD_NAMES, g_ref, g):
+            assert rel_rms(a, b) < TOL[name] * tol_scale, (name, rel_rms(a, b))
+
+
+# --------------------------------------------------------------------------
+# chunk forward (+ gradients) vs naive, fp32
+# --------------------------------------------------------------------------
+
+SMALL = (2, 2, 16, 16) if not ON_GPU else (2, 4, 64, 64)  # B, H, K, V
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65])
+def test_fp32_vs_naive(T):
+    B, H, K, V = SMALL
+    inputs = make_inputs(B, T, H, K, V, seed=T)
+    check_against_naive(inputs, make_state(B, H, K, V))
+
+
+def test_fp32_no_initial_state_no_final():
+    B, H, K, V = SMALL
+    q, k, v, g, beta = make_inputs(B, 70, H, K, V, seed=2)
+    with torch.no_grad():
+        o_ref, _ = naive_recurrent_kda(q, k, v, g, beta, scale=0.3)
+        o, s = chunk_kda(q, k, v, g, beta, scale=0.3, backend="triton")
+    assert s is None
+    assert rel_rms(o_ref, o) < TOL["o"]
+
+
+@pytest.mark.parametrize("K,V", [(24, 40), (40, 24)])
+def test_odd_head_dims(K, V):
+    inputs = make_inputs(1, 65, 2, K, V, seed=K)
+    check_against_naive(inputs, make_state(1, 2, K, V))
+
+
+@pytest.mark.parametrize("lengths", [[1, 1, 3, 64, 65, 2], [1] * 5, [5, 0, 70]], ids=["mixed", "ones", "empty"])
+def test_varlen(lengths):
+    H, K, V = SMALL[1:]
+    T, N = sum(lengths), len(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    inputs = make_inputs(1, T, H, K, V, seed=N)
+    check_against_naive(inputs, make_state(N, H, K, V), cu=cu)
+
+
+@pytest.mark.parametrize("pattern", ["all", "tile", "alternate"])
+def test_gates_at_the_bound(pattern):
+    B, H, K, V = SMALL
+    T = 80
+    q, k, v, g, beta = make_inputs(B, T, H, K, V, seed=5)
+    with torch.no_grad():
+        if pattern == "all":
+            g.fill_(G_MIN)
+        elif pattern == "tile":  # one whole 16-token sub-tile (and more) saturated: in-tile decay e^-80
+            g[:, 16:40] = G_MIN
+        else:
+            g[:, ::2] = G_MIN
+            g[:, 1::2] = -1e-4
+    check_against_naive([q, k, v, g, beta], make_state(B, H, K, V))
+
+
+def test_bf16_inputs():
+    B, H, K, V = SMALL
+    inputs = make_inputs(B, 130, H, K, V, dtype=torch.bfloat16, seed=11)
+    h0 = make_state(B, H, K, V)
+    ref_inputs = [x.detach().float() for x in inputs]
+    with torch.no_grad():
+        o_ref, s_ref = naive_recurrent_kda(*ref_inputs, initial_state=h0, output_final_state=True)
+        o, s = chunk_kda(*inputs, initial_state=h0, output_final_state=True, backend="triton")
+    assert o.dtype == torch.bfloat16
+    # bf16 output rounding alone is ~2e-3; matmul operands in tf32 (default variant 'acsw')
+    assert rel_rms(o_ref, o) < 1e-2, rel_rms(o_ref, o)
+    assert rel_rms(s_ref, s) < 5e-3, rel_rms(s_ref, s)
+
+
+def test_fused_preactivations():
+    """Gate, q/k L2 norm and beta sigmoid fused: values and gradients (raw z, A_log, dt_bias too)."""
+    B, T, H, K, V = 1, 70, 2, SMALL[2], SMALL[3]
+    gen = torch.Generator().manual_seed(3)
+    raw = [torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen),
+           torch.randn(B, T, H, V, generator=gen), torch.randn(B, T, H, K, generator=gen),
+           torch.randn(B, T, H, generator=gen), torch.rand(H, generator=gen) * 2,
+           0.5 * torch.randn(H, K, generator=gen), 0.5 * torch.randn(B, H, K, V, generator=gen)]
+    flags = (True, True, True)
+
+    def run(fn_kind, xs):
+        q, k, v, z, b, a_log, dtb, h0 = xs
+        if fn_kind == "naive":
+            qq, kk, gg, bb = _torch_preactivations(q, k, z, b, a_log, dtb, G_MIN, *flags)
+            return naive_recurrent_kda(qq, kk, v, gg, bb, initial_state=h0, output_final_state=True)
+        return chunk_kda(q, k, v, z, b, initial_state=h0, output_final_state=True, backend="triton",
+                         A_log=a_log, dt_bias=dtb, lower_bound=G_MIN, use_gate_in_kernel=True,
+                         use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+
+    outs = {}
+    for kind in ("naive", "triton"):
+        xs = [x.to(DEV).requires_grad_() for x in raw]
+        o, s = run(kind, xs)
+        gen2 = torch.Generator().manual_seed(9)
+        do, ds = torch.randn(o.shape, generator=gen2).to(DEV), torch.randn(s.shape, generator=gen2).to(DEV)
+        outs[kind] = (o, s, torch.autograd.grad((o * do).sum() + (s * ds).sum(), xs))
+    (o_r, s_r, g_r), (o, s, g) = outs["naive"], outs["triton"]
+    assert rel_rms(o_r, o) < TOL["o"] and rel_rms(s_r, s) < TOL["state"]
+    names = ["dq", "dk", "dv", "dz", "dbeta", "dA_log", "ddt_bias", "dh0"]
+    tols = [8e-3, 8e-3, 8e-3, 2e-2, 2e-2, 2e-2, 2e-2, 5e-3]
+    for name, tol, a, b in zip(names, tols, g_r, g):
+        assert rel_rms(a, b) < tol, (name, rel_rms(a, b))
+
+
+# --------------------------------------------------------------------------
+# decode kernel vs recurrent_kda_step
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("K,V", [(16, 16), (24, 40)])
+def test_decode_vs_step(fused, K, V):
+    B, H, P = 3, 2, 5
+    gen = torch.Generator().manual_seed(K + V)
+    q, k = torch.randn(B, H, K, generator=gen), torch.randn(B, H, K, generator=gen)
+    v, z, b = torch.randn(B, H, V, generator=gen), torch.randn(B, H, K, generator=gen), torch.randn(B, H, generator=gen)
+    a_log, dtb = torch.rand(H, generator=gen), torch.randn(H, K, generator=gen)
+    pool = torch.randn(P, H, K, V, generator=gen)
+    q, k, v, z, b, a_log, dtb, pool = (x.to(DEV) for x in (q, k, v, z, b, a_log, dtb, pool))
+    slots = torch.tensor([3, -1, 0], device=DEV)
+    if fused:
+        qq, kk, gg, bb = _torch_preactivations(q, k, z, b, a_log, dtb, G_MIN, True, True, True)
+    else:
+        qq, kk = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        gg, bb = G_MIN * torch.sigmoid(z), torch.sigmoid(b)
+    ref_pool = pool.clone()
+    if fused:
+        o = kda_decode(q, k, v, z, b, pool, slots, A_log=a_log, dt_bias=dtb, g_min=G_MIN, use_gate_in_kernel=True,
+                       use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    else:
+        o = kda_decode(qq, kk, v, gg, bb, pool, slots)
+    for i, s in enumerate(slots.tolist()):
+        if s < 0:
+            assert torch.equal(o[i], torch.zeros_like(o[i]))
+            continue
+        o_ref, s_ref = recurrent_kda_step(qq[i:i + 1], kk[i:i + 1], v[i:i + 1], gg[i:i + 1], bb[i:i + 1],
+                                          ref_pool[s:s + 1])
+        assert rel_rms(o_ref[0], o[i]) < 1e-5
+        ref_pool[s] = s_ref[0]
+    assert rel_rms(ref_pool, pool) < 1e-6  # untouched slots bit-equal, updated ones to rounding
+
+
+def test_decode_matches_chunk_continuation():
+    """Prefill T tokens with chunk_kda, then decode 3 tokens: equals one naive pass over T + 3."""
+    B, H, K, V = 2, 2, 16, 16
+    q, k, v, g, beta = (x.detach() for x in make_inputs(B, 67, H, K, V, seed=21))
+    with torch.no_grad():
+        o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, output_final_state=True)
+        _, state = chunk_kda(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], output_final_state=True,
+                             backend="triton")
+    pool = torch.zeros(4, H, K, V, device=DEV)
+    slots = torch.tensor([2, 0], device=DEV)
+    pool[slots] = state
+    for t in range(64, 67):
+        o = kda_decode(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], pool, slots)
+        assert rel_rms(o_ref[:, t], o) < 5e-5
+    assert rel_rms(s_ref, pool[slots]) < 5e-5
+
+
+# --------------------------------------------------------------------------
+# dispatch
+# --------------------------------------------------------------------------
+
+
+def test_dispatch(monkeypatch):
+    x = torch.zeros(1, 1, 1, 16)
+    monkeypatch.delenv("KIMIK3_KDA_BACKEND", raising=False)
+    assert kda_backend(x) == "torch"  # CPU tensors: torch path
+    assert kda_backend(x, backend="triton") == "triton"
+    monkeypatch.setenv("KIMIK3_KDA_BACKEND", "torch")
+    assert kda_backend(x.to(DEV), backend=None) == "torch"
+    with pytest.raises(ValueError):
+        kda_backend(x, backend="cuda")
+    with pytest.raises(ValueError):
+        kda_backend(x, chunk_size=32, backend="triton")
+    if ON_GPU:
+        monkeypatch.delenv("KIMIK3_KDA_BACKEND")
+        assert kda_backend(x.cuda()) == "triton"
+        assert kda_backend(x.cuda(), chunk_size=32) == "torch"
+
+
+# --------------------------------------------------------------------------
+# GPU-only: K3 shapes
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not ON_GPU, reason="K3 shapes need the GPU")
+@pytest.mark.parametrize("T", [63, 1000])
+def test_gpu_k3_shape(T):
+    inputs = make_inputs(1, T, 96, 128, 128, seed=T)
+    check_against_naive(inputs, make_state(1, 96, 128, 128), grads=T < 1000)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU only")
+def test_gpu_bf16_k3_shape():
+    inputs = make_inputs(2, 300, 16, 128, 128, dtype=torch.bfloat16, seed=4)
+    h0 = make_state(2, 16, 128, 128)
+    with torch.no_grad():
+        o_ref, s_ref = naive_recurrent_kda(*[x.float() for x in inputs], initial_state=h0, output_final_state=True)
+        o, s = chunk_kda(*inputs, initial_state=h0, output_final_state=True)
+    assert rel_rms(o_ref, o) < 1e-2 and rel_rms(s_ref, s) < 5e-3

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kimik3.model.attnres import AttnResMix
 from kimik3.model.kda import KDA
@@ -273,12 +274,34 @@ class Muon(torch.optim.Optimizer):
                 buf.lerp_(grad, 1.0 - momentum)
                 direction = grad.lerp(buf, momentum) if group["nesterov"] else buf
 
+                sharded = isinstance(p, DTensor)
+                if sharded:  # FSDP2: Newton–Schulz needs every block whole (see _local_part)
+                    direction = direction.full_tensor()
                 ortho_BMN = newton_schulz(layout.to_blocks(direction), group["ns_steps"],
                                           group["ns_coefficients"], group["eps"], ns_dtype)
                 update = layout.from_blocks(ortho_BMN, p.shape)
+                if sharded:
+                    update, p = _local_part(update, p), p.to_local()
                 p.mul_(decay)
                 p.add_(update, alpha=-lr * float(group["rms_scale"]) * layout.lr_ratio)
         return loss
+
+
+def _local_part(full: torch.Tensor, param: "DTensor") -> torch.Tensor:
+    """The part of the full-shape tensor ``full`` that this rank holds of the DTensor ``param``.
+
+    Muon under FSDP2 (DTensor parameters sharded on dim 0): every rank all-gathers the momentum
+    direction (``full_tensor()``), orthogonalises every block of the whole matrix, and applies only
+    its own shard of the update. The redundant Newton–Schulz is the simple choice: it gives exactly
+    the single-process update (same input, same iteration) with one all-gather per matrix and no
+    scatter; giving each rank a subset of whole matrices would divide the Newton–Schulz work by the
+    world size at the price of a second collective, worth it only at scale.
+    """
+    from torch.distributed.tensor import distribute_tensor
+
+    # src_data_rank=None: every rank cuts its own shard from its own (identical) full tensor.
+    return distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
+                             src_data_rank=None).to_local()
 
 
 # --------------------------------------------------------------------------- Muon + AdamW

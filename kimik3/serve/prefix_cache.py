@@ -94,6 +94,18 @@ class Checkpoint:
     chain: tuple[bytes, ...] = ()             # block hashes up to boundary ("ours" only)
     clean: bool = False                       # "ours": cached _clean() and the branch-set version
     clean_ver: int = -1
+    superseded: bytes = b""                   # "ours": the fork point whose newer branch replaced this one
+
+
+@dataclass(slots=True)
+class _Node:
+    """A block of the "ours" request trie (keyed by its chained hash)."""
+
+    next: bytes = b""      # first successor block hash seen (b"" = none yet)
+    marks: int = 0         # turn boundaries (prompt tails, turn ends) at or before this block on its path
+    mark: bool = False     # a turn boundary ends exactly at this block
+    tip: int = 0           # ``marks`` at the end of the latest sequence recorded through this block
+    forked: bool = False   # a request has left the path here once (the old continuation was superseded)
 
 
 @dataclass(slots=True)
@@ -121,7 +133,7 @@ class PrefixCache:
                  physical_block: int | None = None,
                  on_evict: Callable[[Checkpoint], None] | None = None,
                  hasher: BlockHasher | None = None, grace_factor: float = 2.0,
-                 trie_size: int = 1 << 18) -> None:
+                 trie_size: int = 1 << 18, fork_depth_cap: int = 64, prior_forks: float = 4.0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
         if not isinstance(hash_block, int) or hash_block < 1:
@@ -136,6 +148,8 @@ class PrefixCache:
             raise ValueError(f"policy 'oracle' is unbounded by definition; pass capacity=None, got {capacity!r}")
         if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
             raise ValueError(f"capacity must be None or an integer >= 1, got {capacity!r}")
+        if not fork_depth_cap >= 1 or not prior_forks > 0:
+            raise ValueError(f"fork_depth_cap must be >= 1 and prior_forks > 0, got {fork_depth_cap!r}, {prior_forks!r}")
         if not grace_factor > 0 or not trie_size >= 1:
             raise ValueError(f"grace_factor must be > 0 and trie_size >= 1, got {grace_factor!r}, {trie_size!r}")
         if hasher is not None and hasher.hash_block != hash_block:
@@ -149,15 +163,20 @@ class PrefixCache:
         self._roots: set[Checkpoint] = set()        # "ours": stored checkpoints without a stored ancestor
         self._clock = 0
         self._req = 0
-        # "ours": a bounded trie of recently seen request prefixes, as block hash -> first seen next
-        # block hash (b"" = none yet); hashes seen with two different successors are branch points.
-        self._succ: OrderedDict[bytes, bytes] = OrderedDict()
+        # "ours": a bounded trie of recently seen request prefixes, block hash -> _Node (successor,
+        # turn-boundary counts). A request that leaves a path where none left before supersedes the
+        # old continuation; a point left twice is a real branch point (in _branch).
+        self._succ: OrderedDict[bytes, _Node] = OrderedDict()
         self._branch: set[bytes] = set()
         self._branch_ver = 0
         self._trie_size = trie_size
         self._reuse_ema: float | None = None        # mean requests between a checkpoint's uses
         self._grace_factor = grace_factor
         self._plans = self._forks = 0                # "ours": requests planned / that forked a seen path
+        # "ours": how many turn boundaries of the forked path lay beyond each new fork point
+        self._fork_depths = [0] * (fork_depth_cap + 1)
+        self._prior_forks = prior_forks
+        self._resumed = 0                            # fork points left a second time (see plan)
 
     # ---- introspection ------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -225,7 +244,12 @@ class PrefixCache:
         seen while that prefix was seen continuing differently (shared system prompts, forks);
         (2) message-end ``hints`` rounded down, on first sight only (beyond the seen prefix);
         (3) the prompt tail ``floor((len-1)/B)*B`` (a regenerate of the same prompt hits it).
-        Then records the prompt in the trie."""
+        Then records the prompt in the trie, with its tail as a turn boundary.
+
+        A fork where no request left the path before is a *new fork point*: its depth (turn
+        boundaries of the old path beyond it) feeds the fork-depth histogram that :meth:`_victim`
+        uses, and the old continuation's checkpoints are marked ``superseded`` (the session moved
+        on). A request leaving the same point again makes it a real branch point and revives them."""
         self._tick()
         n, B = len(token_ids), self.hash_block
         if not 0 <= start <= n:
@@ -245,12 +269,28 @@ class PrefixCache:
             seen = self._seen_depth(hashes)           # blocks [0, seen) were seen before
             out = {tail}
             self._plans += 1
-            if 0 < seen and (seen < len(hashes) and self._succ[hashes[seen - 1]] not in (b"", hashes[seen])
-                             or seen == len(hashes) and self._succ[hashes[seen - 1]] != b""):
+            h = hashes[seen - 1] if seen else b""
+            node = self._succ[h] if seen else None
+            if node is not None and (seen < len(hashes) and node.next not in (b"", hashes[seen])
+                                     or seen == len(hashes) and node.next != b""):
                 out.add(seen * B)
                 self._forks += 1
+                if not node.forked:       # first fork here: learn its depth, supersede the old branch
+                    node.forked = True
+                    self._fork_depths[min(node.tip - node.marks, len(self._fork_depths) - 1)] += 1
+                    node.next = hashes[seen] if seen < len(hashes) else b""
+                    for c in self._cps.values():
+                        if len(c.chain) > seen and c.chain[seen - 1] == h and not c.superseded:
+                            c.superseded = h
+                elif h not in self._branch:  # left again: a real branch point, its branches revive
+                    self._resumed += 1
+                    self._branch.add(h)
+                    self._branch_ver += 1
+                    for c in self._cps.values():
+                        if c.superseded == h:
+                            c.superseded = b""
             out.update(h // B * B for h in hints if seen * B < h // B * B <= n)
-            self._record(hashes)
+            self._record(hashes, tail // B)
         return sorted(b for b in out if start < b <= n and b > 0)
 
     def want_decode_checkpoint(self, token_ids: Sequence[int]) -> bool:
@@ -265,10 +305,11 @@ class PrefixCache:
 
     def finish(self, token_ids: Sequence[int]) -> None:
         """Request ended: ``ours`` records prompt + output in the trie (so the next turn reads as an
-        extension, not a branch); a private hasher forgets the list (a shared one is its owner's)."""
+        extension, not a branch), its last hash boundary as a turn boundary; a private hasher forgets
+        the list (a shared one is its owner's)."""
         self._tick()
         if self.policy == "ours":
-            self._record(self.hasher(token_ids))
+            self._record(self.hasher(token_ids), (len(token_ids) - 1) // self.hash_block)
         if self._own_hasher:
             self.hasher.forget(token_ids)
 
@@ -282,18 +323,28 @@ class PrefixCache:
                 hi = mid - 1
         return lo
 
-    def _record(self, hashes: list[bytes]) -> None:
-        succ = self._succ
+    def _record(self, hashes: list[bytes], mark: int) -> None:
+        """Record a request's blocks in the trie: successors (a second, different one makes a branch
+        point), a turn boundary after block ``mark`` (0 = none), and the path's tip mark count."""
+        succ, nodes, marks = self._succ, [], 0
         for i, h in enumerate(hashes):
             nxt = hashes[i + 1] if i + 1 < len(hashes) else b""
-            old = succ.get(h)
-            if old is None or (old == b"" and nxt):
-                succ[h] = nxt
-            elif nxt and old != nxt:
-                if h not in self._branch:
+            node = succ.get(h)
+            if node is None:
+                node = succ[h] = _Node(nxt, marks)
+            else:
+                if node.next == b"":
+                    node.next = nxt
+                elif nxt and node.next != nxt and h not in self._branch:
                     self._branch.add(h)
                     self._branch_ver += 1
-            succ.move_to_end(h)
+                succ.move_to_end(h)
+            if i == mark - 1 and not node.mark:
+                node.mark, node.marks = True, node.marks + 1
+            marks = node.marks
+            nodes.append(node)
+        for node in nodes:
+            node.tip = marks
         while len(succ) > self._trie_size:
             h = succ.popitem(last=False)[0]
             if h in self._branch:
@@ -400,14 +451,20 @@ class PrefixCache:
         * not dominated (a session tail, a shared prefix, a seen branch point): the next request
           through it saves ``gain`` = boundary - nearest non-dominated ancestor (what it would
           recompute from there), weighted by ``1 + hits`` so often-hit shared prefixes stay;
-        * dominated (a stored descendant is reached without crossing a seen branch point, so it
-          only serves a *future* fork, e.g. a regenerate of an earlier turn): fork rate (share of
-          requests that left a seen path, Laplace-smoothed) x (nearest child - boundary) / path
-          depth (the chance such a fork lands where it is the best fallback) x (boundary - nearest
-          stored ancestor) (what it then saves).
+        * dominated (a live stored descendant is reached without crossing a real branch point, so
+          it only serves a *future* fork, e.g. a regenerate of an earlier turn): fork rate (share of
+          requests that left a seen path, Laplace-smoothed) x the chance that a fork lands in
+          [boundary, nearest child), where it is the best fallback, x (boundary - nearest stored
+          ancestor) (what it then saves). That chance comes from the online fork-depth histogram:
+          the turn boundaries in the interval sit at known depths below the path's latest tip
+          (``_Node.marks``/``tip``), and it sums their observed shares; it is blended with the
+          uniform-over-tokens prior (interval / path depth) by weight n / (n + prior_forks) after n
+          observed fork points.
 
-        Both are scaled by ``alive``: 1 until the subtree was last used ``grace_factor`` x the mean
-        first-reuse distance ago, then decaying exponentially, so finished sessions drain out.
+        Both are scaled by ``alive``: 1 until the last use -- of the subtree, or for a branch point
+        of the checkpoint itself -- is ``grace_factor`` x the mean first-reuse distance old, then
+        decaying exponentially, so finished sessions drain out; a superseded checkpoint is scaled by
+        the observed resume rate (fork points left again / new fork points, Laplace-smoothed).
         Ties keep the incumbent. Ranking by value rather than recency keeps a stable subset when
         live sessions outnumber the budget, where LRU evicts exactly the session that comes next."""
         cands = [c for c in self._cps.values() if c.pins == 0]
@@ -417,12 +474,14 @@ class PrefixCache:
             return min(cands, key=lambda c: c.last_used)
         grace = float("inf") if self._reuse_ema is None else self._grace_factor * max(self._reuse_ema, 1.0)
         fork_rate = (self._forks + 1) / (self._plans + 2)
+        n_points = sum(self._fork_depths)
+        resume = (self._resumed + 1) / (n_points + 2)   # chance a superseded branch is used again
         info: dict[Checkpoint, tuple[bool, int, int]] = {}
         order: list[Checkpoint] = []
         stack = [(r, 0, 0) for r in self._roots]   # (node, nearest ancestor, nearest kept ancestor)
         while stack:
             c, anc, kept = stack.pop()
-            dom = any(self._clean(d) for d in c.children)
+            dom = any(self._clean(d) and (not d.superseded or c.superseded) for d in c.children)
             info[c] = (dom, anc, kept)
             order.append(c)
             stack.extend((d, c.boundary, kept if dom else c.boundary) for d in c.children)
@@ -432,13 +491,35 @@ class PrefixCache:
             recent[c] = max([c.last_req] + [recent[d] for d in c.children])
             deep[c] = max([c.boundary] + [deep[d] for d in c.children])
 
+        n_obs = n_points
+        learned = n_obs / (n_obs + self._prior_forks)
+        cdf = list(itertools.accumulate(k / max(n_obs, 1) for k in self._fork_depths))
+
+        def at_most(j: int) -> float:          # observed share of new forks with depth <= j
+            return 0.0 if j < 0 else cdf[min(j, len(cdf) - 1)]
+
+        def fork_share(c: Checkpoint, d: Checkpoint) -> float:
+            """Chance that a fork of c's path lands in [c, d), where c is its best fallback."""
+            uniform = (d.boundary - c.boundary) / deep[c]
+            nc, nd = self._succ.get(c.block_hash), self._succ.get(d.block_hash)
+            if not learned or nc is None or nd is None:
+                return uniform
+            # turn boundaries in [c, d) are the path's (lo+1)-th .. hi-th, so a fork at one of
+            # them has tip - hi .. tip - lo - 1 turn boundaries beyond it
+            lo, hi = nc.marks - nc.mark, nd.marks - nd.mark
+            seen = max(0.0, at_most(nc.tip - lo - 1) - at_most(nc.tip - hi - 1))
+            return learned * seen + (1 - learned) * uniform
+
         def value(c: Checkpoint) -> tuple[float, int]:
             dom, anc, kept = info[c]
-            age = self._req - recent[c]
+            # a branch point is alive while requests stop at it; anything else while its subtree is used
+            age = self._req - (c.last_req if not dom and c.children else recent[c])
             alive = 1.0 if age <= grace else math.exp(1.0 - age / grace)
+            if c.superseded:
+                alive *= resume
             if dom:
-                span = min(d.boundary for d in c.children) - c.boundary
-                return (fork_rate * span / deep[c] * (c.boundary - anc) * alive, -c.created)
+                d = min(c.children, key=lambda d: (bool(d.superseded) and not c.superseded, d.boundary))
+                return (fork_rate * fork_share(c, d) * (c.boundary - anc) * alive, -c.created)
             return ((c.boundary - kept) * (1 + c.hits) * alive, -c.created)
 
         return min(cands, key=value)

@@ -88,10 +88,13 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, tokenizer_json: str,
-                    train_state: dict[str, Any], keep: int = 2) -> Path:
+                    train_state: dict[str, Any], keep: int = 2,
+                    weights: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the checkpoint of ``step`` and make it the run's current one. Returns its directory.
 
     ``train_state`` is any nested structure of dicts, lists, tensors and JSON scalars.
+    ``weights``: the full state dict to write instead of ``model``'s own (a sharded model's
+    gathered state, ``full_model_state``); ``model`` then only supplies the config.
     """
     run_dir = Path(run_dir)
     store = run_dir / "checkpoints"
@@ -99,7 +102,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, toke
     name = f"step-{step:07d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=store))
     try:
-        save_file(state_tensors(model), str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "step": str(step)})
+        tensors_out = state_tensors(model) if weights is None else {
+            name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
+        save_file(tensors_out, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "step": str(step)})
         (tmp / CONFIG_FILE).write_text(model.config.to_json())
         (tmp / TOKENIZER_FILE).write_text(tokenizer_json)
         tensors: dict[str, torch.Tensor] = {}
@@ -181,7 +186,90 @@ def load_checkpoint(run_dir: str | Path, model: torch.nn.Module) -> tuple[int, d
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{ckpt / STATE_JSON_FILE}: malformed training state ({err})") from None
     tokenizer_json = (ckpt / TOKENIZER_FILE).read_text()
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            tensor.copy_(weights[name])
+    if _is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        # Every rank read the full file; each keeps its own shard of every DTensor.
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=True))
+    else:
+        with torch.no_grad():
+            for name, tensor in model.state_dict().items():
+                tensor.copy_(weights[name])
     return step, state, tokenizer_json
+
+
+# ---------------------------------------------------------------------- sharded (FSDP2) models
+# A distributed run writes the very files a single process writes: full tensors, the optimizer
+# state in ``MultiOptimizer.state_dict()``'s own layout (param indices, not FQNs). So either kind
+# of run resumes the other, and ``from_pretrained`` reads a distributed run's weights as is.
+def _is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for t in model.state_dict().values())
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict of a possibly sharded model, as CPU tensors on rank 0.
+
+    A collective when the model is sharded: every rank must call it; ranks other than 0 get {}.
+    """
+    if not _is_sharded(model):
+        return {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _gather(obj: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.full_tensor().cpu()
+    if isinstance(obj, dict):
+        return {k: _gather(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_gather(v) for v in obj)
+    return obj
+
+
+def full_optimizer_state(optimizer: Any) -> Any:
+    """``optimizer.state_dict()`` with every DTensor gathered whole (a collective: all ranks call it).
+
+    Works for a torch Optimizer or a ``MultiOptimizer``; the result has the single-process layout.
+    """
+    return _gather(optimizer.state_dict())
+
+
+def _shard_like(value: Any, param: torch.Tensor) -> Any:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if (isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+            and tuple(value.shape) == tuple(param.shape)):
+        return distribute_tensor(value.to(param.to_local().device), param.device_mesh, param.placements,
+                                 src_data_rank=None)
+    return value
+
+
+def _shard_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not any(type(p).__name__ == "DTensor" for p in params):
+        return state_dict
+    per_param = {}
+    for index, entry in state_dict["state"].items():
+        param = params[int(index)]
+        per_param[index] = {key: _shard_like(value, param) for key, value in entry.items()}
+    return {**state_dict, "state": per_param}
+
+
+def load_optimizer_state(optimizer: Any, state_dict: Any) -> None:
+    """Load a full (single-process layout) optimizer state into an optimizer over sharded or plain params.
+
+    Moments whose parameter is a DTensor are cut to this rank's shard first (no communication).
+    """
+    members = getattr(optimizer, "optimizers", None)
+    if members is None:
+        optimizer.load_state_dict(_shard_optimizer_state(optimizer, state_dict))
+        return
+    if isinstance(state_dict, dict) and set(state_dict) == set(members):
+        state_dict = {key: _shard_optimizer_state(members[key], value) for key, value in state_dict.items()}
+    optimizer.load_state_dict(state_dict)

@@ -6,6 +6,14 @@ the router biases -> cosine schedule with context-length stages -> checkpoints, 
 Exact resume: the batch of step s is a pure function of (seed, s) (``loader.batch_at``), the
 model, optimizer and router biases are checkpointed, and no other state carries across steps, so
 ``--resume`` after an interruption reproduces the uninterrupted run's losses bit for bit on CPU.
+
+Distributed (launched by torchrun, or ``kimik3 train --nproc N`` which relaunches through it; see
+docs/parallel.md): every rank builds the same model, ``kimik3.parallel.parallelize`` shards it,
+and each data-parallel rank trains on its own rows of the step's global batch, which is exactly
+the single-process batch of that step; the logged loss is averaged over the ranks, so the losses
+match a single-process run up to reduction order. Rank 0 alone writes metrics, plots and
+checkpoints; checkpoints hold the full (gathered) state, in the single-process format, so either
+kind of run resumes the other.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,10 +33,14 @@ import torch
 from kimik3.config.schema import K3Config
 from kimik3.model.k3 import K3ForCausalLM
 from kimik3.optim.schedule import cosine_lr, parse_stages, seq_len_at
+from kimik3.parallel.mesh import ParallelDims
 from kimik3.train.checkpoint import (
     STATE_JSON_FILE,
     CheckpointError,
+    full_optimizer_state,
+    full_model_state,
     load_checkpoint,
+    load_optimizer_state,
     read_state_entry,
     save_checkpoint,
 )
@@ -117,8 +130,8 @@ class Trainer:
 
     def __init__(self, args: TrainArgs, resume: str | Path | None = None,
                  model_factory: Callable[[K3Config, torch.device, int], torch.nn.Module] | None = None,
-                 log: Callable[[str], None] = print):
-        self.log = log
+                 log: Callable[[str], None] = print, parallel: ParallelDims | None = None,
+                 activation_checkpointing: bool = False):
         self.resume_dir = Path(resume) if resume is not None else None
         if self.resume_dir is not None:
             args = self._args_from_run(self.resume_dir, args)
@@ -127,12 +140,20 @@ class Trainer:
         self.device = torch.device(args.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but torch sees no GPU")
+        self._setup_parallel(parallel)
+        self.log = log if self.rank == 0 else (lambda _: None)
+        if self.rank != 0:
+            args.progress = False
         self.model_config = resolve_model_config(args)
         self.stages = parse_stages(args.stages)
 
         # Data first: a bad data path fails before any model is built.
         self.corpus: Corpus = load_corpus(args.data)
+        if self.distributed and self.rank != 0:
+            self._barrier()  # rank 0 trains (or finds) the cached tokenizer first; the others read it
         tokenized = tokenize_corpus(self.corpus, self.model_config.vocab_size)
+        if self.distributed and self.rank == 0:
+            self._barrier()
         self.tokenizer = tokenized.tokenizer
         self.train_ids, self.val_ids = tokenized.train_ids, tokenized.val_ids
         self.unigram = unigram_loss(self.train_ids, self.val_ids, self.model_config.vocab_size)
@@ -146,6 +167,11 @@ class Trainer:
                                                                           seed=seed))
         self.model = factory(self.model_config, self.device, args.seed)
         self.model.train()
+        if self.distributed or activation_checkpointing:
+            from kimik3.parallel.apply import parallelize
+
+            # Every rank built the same weights from the same seed; FSDP keeps each rank's shard.
+            parallelize(self.model, self.dims, self.mesh, activation_checkpointing=activation_checkpointing)
         from kimik3.optim import build_param_groups
 
         self.optimizer = build_param_groups(self.model, lr=args.lr, weight_decay=args.weight_decay)
@@ -157,6 +183,54 @@ class Trainer:
             self._restore()
 
     # ------------------------------------------------------------------ setup helpers
+    def _setup_parallel(self, parallel: ParallelDims | None) -> None:
+        """Join the process group when launched by torchrun; build the mesh. World 1: nothing to do."""
+        from kimik3.parallel.mesh import build_mesh, dp_rank, init_distributed
+
+        self.distributed = init_distributed(self.device.type)
+        world = torch.distributed.get_world_size() if self.distributed else 1
+        self.dims = parallel if parallel is not None else ParallelDims.for_world(world)
+        self.dims.check_world(world)
+        self.rank = torch.distributed.get_rank() if self.distributed else 0
+        self.mesh = None
+        self.dp_rank = 0
+        if self.distributed:
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            self.mesh = build_mesh(self.dims, self.device.type)
+            self.dp_rank = dp_rank(self.mesh)
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            torch.distributed.barrier()
+
+    def _mean_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """Average of a scalar over the ranks that see different tokens (dp x cp)."""
+        if not self.distributed:
+            return value
+        from kimik3.parallel.mesh import loss_group
+
+        value = value.detach().float().clone()
+        torch.distributed.all_reduce(value, group=loss_group(self.mesh))
+        return value / (self.dims.dp * self.dims.cp)
+
+    def _broadcast_int(self, value: int) -> int:
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        torch.distributed.broadcast(t, src=0)
+        return int(t.item())
+
+    def _broadcast_str(self, value: str) -> str:
+        """Rank 0's string on every rank (bytes through a tensor: no pickle)."""
+        if not self.distributed:
+            return value
+        data = torch.tensor(list(value.encode()), dtype=torch.uint8) if self.rank == 0 else None
+        size = self._broadcast_int(len(data) if data is not None else 0)
+        buf = (data if data is not None else torch.empty(size, dtype=torch.uint8)).to(self.device)
+        torch.distributed.broadcast(buf, src=0)
+        return bytes(buf.cpu().tolist()).decode()
+
     @staticmethod
     def _args_from_run(run_dir: Path, overrides: TrainArgs) -> TrainArgs:
         saved = read_state_entry(run_dir, "args")
@@ -177,26 +251,38 @@ class Trainer:
         if self.args.balance == "sign":
             from kimik3.train.balance import SignBalancer
 
-            return SignBalancer(routers)
+            return SignBalancer(routers, group=self._balance_group())
         from kimik3.train.balance import QuantileBalancer
 
-        return QuantileBalancer(routers, rate=self.args.qb_rate)
+        return QuantileBalancer(routers, rate=self.args.qb_rate, group=self._balance_group())
+
+    def _balance_group(self):
+        if not self.distributed:
+            return None
+        from kimik3.parallel.mesh import balance_group
+
+        return balance_group(self.mesh)
 
     def _prepare_run_dir(self) -> Path:
         if self.args.out is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             self.args.out = str(Path("runs") / f"{self.model_config.name}-{stamp}")
+        self.args.out = self._broadcast_str(self.args.out)  # one run directory, rank 0's
         run_dir = Path(self.args.out)
         if self.resume_dir is None and run_dir.exists() and any(run_dir.iterdir()):
             raise ValueError(f"output directory {run_dir} is not empty: pass --resume {run_dir} to continue "
                              "that run, or choose another --out")
-        run_dir.mkdir(parents=True, exist_ok=True)
+        self._barrier()  # every rank has checked before rank 0 creates anything
+        if self.rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        self._barrier()
         return run_dir
 
     def _train_state(self) -> dict[str, Any]:
         return {
             "args": dataclasses.asdict(self.args),
-            "optimizer": self.optimizer.state_dict(),
+            # Distributed: DTensor moments gathered whole (a collective: every rank calls this).
+            "optimizer": full_optimizer_state(self.optimizer) if self.distributed else self.optimizer.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "nonfinite_total": self.nonfinite_total,
             "corpus_fingerprint": self.corpus.fingerprint,
@@ -218,11 +304,13 @@ class Trainer:
             self.tokenizer = saved_tokenizer
             self.train_ids = encode_documents(saved_tokenizer, self.corpus.train)
             self.val_ids = encode_documents(saved_tokenizer, self.corpus.val)
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.nonfinite_total = int(state["nonfinite_total"])
         self.step = step
-        self._truncate_metrics(step)
+        if self.rank == 0:
+            self._truncate_metrics(step)
+        self._barrier()
         self.log(f"resumed {self.run_dir} at step {step}")
 
     def _truncate_metrics(self, step: int) -> None:
@@ -245,6 +333,16 @@ class Trainer:
     def train_step(self, step: int, total: int) -> dict[str, Any]:
         batch, seq = self.batch_shape(step, total)
         inputs, labels = batch_at(self.train_ids, step, self.args.seed, batch, seq)
+        if self.dims.dp > 1:
+            # This rank's rows of the global batch: together the dp ranks train on the very batch a
+            # single process would, and (every label counted, equal rows per rank) the mean of
+            # their mean losses is the single-process loss.
+            if batch % self.dims.dp:
+                raise ValueError(f"the batch of {batch} sequences does not split over dp={self.dims.dp} ranks: "
+                                 f"choose a --batch-size (or --tokens-per-step) divisible by {self.dims.dp}")
+            rows = batch // self.dims.dp
+            inputs = inputs[self.dp_rank * rows:(self.dp_rank + 1) * rows]
+            labels = labels[self.dp_rank * rows:(self.dp_rank + 1) * rows]
         inputs, labels = inputs.to(self.device), labels.to(self.device)
         lr_scale = cosine_lr(step, total, 1.0, max(1, round(self.args.warmup_fraction * total)),
                              self.args.min_lr_ratio)
@@ -257,10 +355,13 @@ class Trainer:
         loss = out.loss
         record: dict[str, Any] = {"step": step, "seq_len": seq, "batch_size": batch,
                                   "lr": self.args.lr * lr_scale}
-        finite = bool(torch.isfinite(loss))
+        global_loss = self._mean_over_ranks(loss.detach())  # one verdict for every rank
+        finite = bool(torch.isfinite(global_loss))
         if finite:
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):  # DTensor gradients: the norm of the whole model
+                grad_norm = grad_norm.full_tensor()
             finite = bool(torch.isfinite(grad_norm))
             record["grad_norm"] = float(grad_norm)
         if finite:
@@ -272,11 +373,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
 
-        record.update(loss=float(loss.detach()), tokens_per_s=inputs.numel() / elapsed, step_time_s=elapsed,
+        record.update(loss=float(global_loss), tokens_per_s=batch * seq / elapsed, step_time_s=elapsed,
                       elapsed_s=time.perf_counter() - self.started,
                       skipped=not finite, nonfinite_total=self.nonfinite_total)
         if out.main_loss is not None and out.mtp_loss is not None:
-            record.update(main_loss=float(out.main_loss.detach()), mtp_loss=float(out.mtp_loss.detach()))
+            record.update(main_loss=float(self._mean_over_ranks(out.main_loss.detach())),
+                          mtp_loss=float(self._mean_over_ranks(out.mtp_loss.detach())))
         record["expert_load_max_over_mean"] = balance.get("load_max_over_mean_mean", self._router_imbalance())
         return record
 
@@ -310,6 +412,7 @@ class Trainer:
             return self.args.steps
         batch, seq = self.batch_shape(0, 1)
         inputs, labels = batch_at(self.train_ids, 0, self.args.seed, batch, seq)
+        inputs, labels = inputs[:max(1, batch // self.dims.dp)], labels[:max(1, batch // self.dims.dp)]
         routers = self.model.routers() if hasattr(self.model, "routers") else []
         timings = []
         for _ in range(3):
@@ -327,6 +430,7 @@ class Trainer:
         evals = 1 + budget / step_time / self.args.eval_every
         budget -= evals * 0.5 * step_time  # an evaluation costs about half a step
         steps = max(10, int(budget / step_time))
+        steps = self._broadcast_int(steps)  # every rank runs rank 0's plan
         self.log(f"planning {steps} steps (~{step_time:.2f} s each) to fit the {self.args.time_budget_s:.0f} s budget")
         return steps
 
@@ -348,7 +452,7 @@ class Trainer:
         last_val = None
         progress = _progress(total, self.step, a.progress)
         try:
-            with open(metrics_path, "a") as metrics_file:
+            with (open(metrics_path, "a") if self.rank == 0 else open(os.devnull, "w")) as metrics_file:
                 while self.step < total:
                     record = self.train_step(self.step, total)
                     consecutive_bad = consecutive_bad + 1 if record["skipped"] else 0
@@ -375,7 +479,7 @@ class Trainer:
         self.save()
         from kimik3.train.plot import plot_run
 
-        plot_path = plot_run(metrics_path, self.run_dir / "loss.png", unigram=self.unigram)
+        plot_path = plot_run(metrics_path, self.run_dir / "loss.png", unigram=self.unigram) if self.rank == 0 else None
         sample = self.sample(SAMPLE_PROMPT)
         done = [r for r in history if not r["skipped"]]
         tokens_per_s = float(np.median([r["tokens_per_s"] for r in done])) if done else 0.0
@@ -390,7 +494,15 @@ class Trainer:
         return RunSummary(self.run_dir, self.step, final_loss, last_val, self.unigram, tokens_per_s, sample, history)
 
     def save(self) -> None:
-        save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer.to_str(), self._train_state())
+        """Write a checkpoint. Distributed: every rank gathers, rank 0 alone writes, then all wait."""
+        if not self.distributed:
+            save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer.to_str(), self._train_state())
+            return
+        weights = full_model_state(self.model)  # collective; the tensors land on rank 0 only
+        state = self._train_state()             # collective too (optimizer moments)
+        if self.rank == 0:
+            save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer.to_str(), state, weights=weights)
+        self._barrier()
 
     @torch.no_grad()
     def sample(self, prompt: str, max_new_tokens: int = 80) -> str:

@@ -258,6 +258,7 @@ def test_benchmark_small_mode_ours_beats_vllm() -> None:
     (dict(capacity=0), "capacity"),
     (dict(hasher=BlockHasher(32)), "hasher.hash_block"),
     (dict(grace_factor=0.0), "grace_factor"),
+    (dict(prior_forks=0.0), "prior_forks"),
 ])
 def test_bad_constructor_arguments(kwargs: dict, match: str) -> None:
     args = dict(hash_block=B, capacity=4) | kwargs
@@ -273,3 +274,60 @@ def test_bad_call_arguments() -> None:
             cache.insert(seq, bad, None)
     with pytest.raises(ValueError, match="start must be"):
         cache.plan(seq, 65)
+
+
+def engine_turn(cache: PrefixCache, prompt: list[int], out: list[int]) -> tuple[list[int], int]:
+    """One request through the engine protocol; (prompt + output, prefill tokens computed)."""
+    cp = cache.lookup(prompt)
+    start = cp.boundary if cp else 0
+    seq = list(prompt)
+    for bd in cache.plan(seq, start):
+        cache.insert(seq, bd, None)
+    for tok in out:
+        seq.append(tok)
+        if len(seq) % B == 0 and cache.want_decode_checkpoint(seq):
+            cache.insert(seq, len(seq), None)
+    cache.finish(seq)
+    return seq, len(prompt) - start
+
+
+def test_ours_learns_fork_depth_in_turn_boundaries_and_supersedes_the_left_branch() -> None:
+    cache = PrefixCache(B, 64, "ours", on_evict=lambda cp: None)
+    hist, prompts = toks(40), []
+    for t in range(4):
+        prompts.append((len(hist), hist + toks(50, 10 + t)))
+        hist, _ = engine_turn(cache, prompts[-1][1], toks(70, 20 + t))
+    old_tip = max(cache.checkpoints(), key=lambda c: c.boundary)
+    hist, cost = engine_turn(cache, prompts[-1][1], toks(70, 30))       # regenerate the last turn
+    assert cache._fork_depths[1] == 1                   # one turn boundary (its end) lay beyond
+    assert cost < B and old_tip.superseded              # hit its prompt tail; the old output is left
+    before, prompt = prompts[-1]
+    hist, cost = engine_turn(cache, prompt[:before] + toks(50, 40), toks(70, 41))   # edit it
+    assert cache._fork_depths[2] == 1                   # the prompt tail and the turn end lay beyond
+    assert cost < 50 + B                                # hit the previous turn's end
+
+
+def test_ours_keeps_recent_turn_boundaries_for_recent_forks() -> None:
+    """More sessions than the budget holds fallbacks for, with forks that go back to the last turn:
+    learning the fork depth (vs. a prior that never yields to the data) cuts the forks' prefill."""
+    def branch_cost(prior_forks: float) -> int:
+        cache = PrefixCache(B, 12, "ours", on_evict=lambda cp: None, prior_forks=prior_forks)
+        rng = random.Random(0)
+        sessions = [(toks(40, 100 + s), []) for s in range(4)]
+        total = 0
+        for step in range(160):
+            s = step % 4
+            hist, prompts = sessions[s]
+            if len(prompts) >= 2 and rng.random() < 0.3:           # regenerate / edit the last turn
+                before, prompt = prompts.pop()
+                seq = prompt if rng.random() < 0.5 else prompt[:before] + toks(50, 7000 + step)
+                seq, cost = engine_turn(cache, seq, toks(60, 9000 + step))
+                total += cost
+            else:
+                before = len(hist)
+                seq, _ = engine_turn(cache, hist + toks(50, 5000 + step), toks(60, 8000 + step))
+            prompts.append((before, seq[:len(seq) - 60]))
+            sessions[s] = (seq, prompts)
+        return total
+    learned, uniform = branch_cost(4.0), branch_cost(1e12)
+    assert learned < 0.7 * uniform, (learned, uniform)

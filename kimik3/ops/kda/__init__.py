@@ -39,7 +39,10 @@ def kda_backend(q: torch.Tensor, chunk_size: int = 64, backend: Optional[str] = 
     """The backend ``chunk_kda`` uses for these inputs: "triton" or "torch".
 
     ``backend`` (else the environment variable KIMIK3_KDA_BACKEND, else "auto"): "auto" picks
-    Triton for CUDA tensors when triton is installed and chunk_size == 64, else torch. "triton"
+    Triton for CUDA tensors when triton is installed, chunk_size == 64 and no gradient is needed
+    (prefill, evaluation), else torch. Training stays on torch until the Triton backward exists:
+    the current Triton autograd re-runs the torch path for its backward, which costs more than
+    the torch path alone. "triton"
     forces the Triton kernels (CPU tensors only work under TRITON_INTERPRET=1); errors are raised,
     never answered by a fallback.
     """
@@ -47,7 +50,8 @@ def kda_backend(q: torch.Tensor, chunk_size: int = 64, backend: Optional[str] = 
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"KDA backend must be 'auto', 'torch' or 'triton', got {choice!r}")
     if choice == "auto":
-        return "triton" if (q.is_cuda and chunk_size == 64 and _triton_available()) else "torch"
+        needs_grad = torch.is_grad_enabled() and q.requires_grad
+        return "triton" if (q.is_cuda and chunk_size == 64 and not needs_grad and _triton_available()) else "torch"
     if choice == "triton":
         if not _triton_available():
             raise RuntimeError("KDA backend 'triton' requested but triton is not installed")

@@ -9,7 +9,8 @@ Workload (fixed before the policy was tuned; all of it from --seed): one shared 
 uniformly random live session (a finished session is replaced by a new one while any remain).
 A session has U[turns] turns; turn t's prompt = system + history + a new user/tool message of
 U[msg] tokens, and it generates U[out] tokens, which join the history. From the third turn on,
-with probability --branch a turn instead goes back to a uniformly chosen earlier turn k: half
+with probability --branch a turn instead goes back to an earlier turn k (--fork-depth recent, the
+default: the last turn half the time, the one before a quarter, ...; uniform: any earlier turn): half
 the time it *edits* k (history cut to before k's message, a new message), half the time it
 *regenerates* k (history cut to k's prompt, a new output); the session continues from there.
 Token ids are uniform random, so distinct messages never share a hash block by accident.

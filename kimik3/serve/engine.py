@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,7 @@ class LLMEngine:
                     self._fail_all(error)
                     return
             # Let submitters and aborts in between steps (the lock is not fair otherwise).
-            threading.Event().wait(0)
+            time.sleep(0)
 
     def _fail_all(self, error: BaseException) -> None:
         for seq in list(self.core.waiting) + list(self.core.running):

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.numerics import rel_rms
 from kimik3.ops.kda import chunk_kda, naive_recurrent_kda, recurrent_kda_step
 
 G_MIN = -5.0  # K3's gate lower bound; chunk_kda's overflow-free contract
@@ -33,12 +34,6 @@ def _one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
-
-
-def rel_rms(ref: torch.Tensor, out: torch.Tensor) -> float:
-    """rms(ref - out) / rms(ref), computed in float64."""
-    ref64, out64 = ref.detach().double(), out.detach().double()
-    return ((ref64 - out64).pow(2).mean().sqrt() / ref64.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def make_inputs(

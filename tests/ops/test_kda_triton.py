@@ -29,6 +29,7 @@ if not ON_GPU:
 
 triton = pytest.importorskip("triton")
 
+from tests.numerics import rel_rms
 from kimik3.ops.kda import (  # noqa: E402
     _torch_preactivations,
     chunk_kda,
@@ -57,11 +58,6 @@ def _interpreter_setup():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
-
-
-def rel_rms(ref: torch.Tensor, out: torch.Tensor) -> float:
-    ref64, out64 = ref.detach().double(), out.detach().double()
-    return ((ref64 - out64).pow(2).mean().sqrt() / ref64.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def make_inputs(B, T, H, K, V, dtype=torch.float32, seed=0, gate_spread=1.5):

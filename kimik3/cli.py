@@ -20,15 +20,54 @@ def cmd_params(args: argparse.Namespace) -> int:
     return 0
 
 
+def _relaunch(nproc: int, argv: list[str]) -> int:
+    """Run ``kimik3 <argv>`` in ``nproc`` processes through torchrun (torch.distributed.run)."""
+    import os
+    import subprocess
+
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "kimik3", *argv]
+    return subprocess.call(command, env=env)
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    import os
+
+    from kimik3.parallel.mesh import ParallelDims
     from kimik3.train.trainer import TrainArgs, Trainer
 
+    launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    if args.nproc is not None and not launched:
+        if args.nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+        ParallelDims.for_world(args.nproc, dp=args.dp, ep=args.ep, cp=args.cp)  # fail before launching
+        return _relaunch(args.nproc, _without_nproc(args.argv))
+    parallel = None
+    if launched or args.dp is not None or args.ep != 1 or args.cp != 1:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        parallel = ParallelDims.for_world(world, dp=args.dp, ep=args.ep, cp=args.cp)
     train_args = TrainArgs(
         preset=args.preset, config_path=args.config, data=args.data, steps=args.steps,
         time_budget_s=args.time_budget, out=args.out, seed=args.seed, seq_len=args.seq_len,
         batch_size=args.batch_size, lr=args.lr, device=args.device, balance=args.balance, qb_rate=args.qb_rate,
         progress=not args.no_progress)
-    Trainer(train_args, resume=args.resume).run()
+    Trainer(train_args, resume=args.resume, parallel=parallel,
+            activation_checkpointing=args.activation_checkpointing).run()
     return 0
 
 
@@ -144,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--qb-rate", type=float, default=1.0,
                    help="fraction of the way to the quantile bias per step (1: K3's one-shot update)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--nproc", type=int, help="train on N processes (relaunches itself through torchrun; "
+                   "gloo on CPU, nccl on CUDA); under torchrun, leave it out")
+    t.add_argument("--dp", type=int, help="data-parallel degree (default: world size / cp)")
+    t.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides dp; borrows dp ranks)")
+    t.add_argument("--cp", type=int, default=1, help="context-parallel degree (world = dp x cp)")
+    t.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block in backward instead of storing its activations")
     t.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="stream a completion from a trained run")
@@ -186,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for `train --nproc`, which relaunches itself
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as err:

@@ -34,8 +34,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from kimik3.model.attnres import AttnResMix
-from kimik3.model.kda import KDA
 from kimik3.model.k3 import K3ForCausalLM
+from kimik3.model.kda import KDA
 from kimik3.model.mla import GatedMLA
 from kimik3.model.moe import RoutedExperts, Router
 from kimik3.model.norm import RMSNorm
@@ -287,7 +287,7 @@ class Muon(torch.optim.Optimizer):
         return loss
 
 
-def _local_part(full: torch.Tensor, param: "DTensor") -> torch.Tensor:
+def _local_part(full: torch.Tensor, param: DTensor) -> torch.Tensor:
     """The part of the full-shape tensor ``full`` that this rank holds of the DTensor ``param``.
 
     Muon under FSDP2 (DTensor parameters sharded on dim 0): every rank all-gathers the momentum

@@ -37,8 +37,8 @@ from kimik3.parallel.mesh import ParallelDims
 from kimik3.train.checkpoint import (
     STATE_JSON_FILE,
     CheckpointError,
-    full_optimizer_state,
     full_model_state,
+    full_optimizer_state,
     load_checkpoint,
     load_optimizer_state,
     read_state_entry,
@@ -191,6 +191,10 @@ class Trainer:
         world = torch.distributed.get_world_size() if self.distributed else 1
         self.dims = parallel if parallel is not None else ParallelDims.for_world(world)
         self.dims.check_world(world)
+        if self.dims.cp > 1:
+            # KCP's contract: each cp rank feeds its own sequence segment and backpropagates its
+            # share of the loss, summed (not averaged) over cp; the loop does not do that yet.
+            raise NotImplementedError("the trainer does not feed context-parallel sequence shards yet (cp > 1)")
         self.rank = torch.distributed.get_rank() if self.distributed else 0
         self.mesh = None
         self.dp_rank = 0

@@ -1,0 +1,110 @@
+"""``parallelize``: every parallel wrapper, applied from outside the model in one fixed order.
+
+Order (each step wraps what the previous one left; see docs/parallel.md):
+
+1. context parallel (cp > 1): ``kimik3.parallel.kcp.apply_context_parallel(model, cp group)`` -
+   KDA/MLA layers learn to split the sequence over the cp ranks. First, because it changes what
+   the token mixers compute, which everything after it wraps unchanged.
+2. expert parallel (ep > 1): the routed experts are sharded over the "ep" ranks by the MoonEP
+   execution layer (not landed yet: NotImplementedError).
+3. activation checkpointing (optional): per K3 block, with the composable
+   ``torch.distributed._composable.checkpoint`` (hooks, no wrapper module, so parameter names and
+   checkpoints stay the same). Before FSDP so the recomputation runs inside FSDP's unshard.
+4. FSDP2 (``fully_shard``) over the dp x cp ranks, last, as it must see the final module tree and
+   the parameters EP leaves alone.
+
+Single-process (world 1) runs none of this: the trainer calls ``parallelize`` only when
+distributed, or for activation checkpointing alone (``mesh=None``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from kimik3.parallel.mesh import ParallelDims, cp_mesh, fsdp_mesh
+
+
+def apply_context_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh) -> None:
+    try:
+        from kimik3.parallel.kcp import apply_context_parallel as kcp_apply
+    except ImportError as err:  # the KCP layer lands separately
+        raise NotImplementedError(f"context parallel (cp={dims.cp}) needs kimik3.parallel.kcp."
+                                  f"apply_context_parallel, which is not available ({err})") from None
+    kcp_apply(model, cp_mesh(mesh).get_group())
+
+
+def apply_expert_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh) -> None:
+    raise NotImplementedError("expert parallel lands with the MoonEP execution layer")
+
+
+@contextmanager
+def _routers_silent(model: nn.Module):
+    """Recomputation must not be observed twice: mute the routers' forward hooks (the balancer's)."""
+    from kimik3.model.moe import Router
+
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    saved = [dict(r._forward_hooks) for r in routers]
+    for r in routers:
+        r._forward_hooks.clear()
+    try:
+        yield
+    finally:
+        for r, hooks in zip(routers, saved):
+            r._forward_hooks.update(hooks)
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each K3 block (and the MTP block) in backward instead of keeping its activations.
+
+    The recomputed forward re-runs the routers; their forward hooks (Quantile Balancing's
+    histogram) are muted during recomputation so every token is counted once.
+    """
+    from torch.distributed._composable import checkpoint
+
+    blocks = list(model.layers)
+    if getattr(model, "mtp", None) is not None:
+        blocks.append(model.mtp.block)
+    for block in blocks:
+        checkpoint(block, context_fn=lambda b=block: (nullcontext(), _routers_silent(b)))
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, *,
+                activation_checkpointing: bool = False, fsdp_ignore=None) -> nn.Module:
+    """Apply context parallel, expert parallel, activation checkpointing and FSDP2, in that order.
+
+    model: a ``K3ForCausalLM`` (modified in place and returned). mesh: ``build_mesh(dims, ...)``;
+    None only for world size 1 (then only activation checkpointing applies). fsdp_ignore: see
+    ``apply_fsdp``'s ``ignore``.
+    """
+    if mesh is None and dims.world > 1:
+        raise ValueError(f"parallelize: dims {dims} need a mesh (build_mesh)")
+    if dims.cp > 1:
+        apply_context_parallel(model, dims, mesh)
+    if dims.ep > 1:
+        apply_expert_parallel(model, dims, mesh)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if mesh is not None:
+        from kimik3.parallel.fsdp import apply_fsdp
+
+        apply_fsdp(model, fsdp_mesh(mesh), ignore=fsdp_ignore)
+    return model
+
+
+def is_distributed_model(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are DTensors (FSDP2 / EP applied)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+__all__ = [
+    "apply_activation_checkpointing",
+    "apply_context_parallel",
+    "apply_expert_parallel",
+    "is_distributed_model",
+    "parallelize",
+]

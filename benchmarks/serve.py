@@ -1,10 +1,10 @@
 """Serving latency and throughput on the tiny model: TTFT, TPOT, ITL (p50/p99), tokens/s at
 concurrency 1, 8 and 32, measured end to end through the HTTP server with streaming clients.
 
-The peer, measured in the same run on the same requests: one-request-at-a-time serving with the
-model's own ``generate`` (a static cache per request, no continuous batching, no prefix cache),
-which is what serving a research model usually starts as. Clients are the same threads; the peer
-server takes them one by one.
+Each server runs in its own process (as `kimik3 serve` does); the clients (the official
+``openai`` async client) run in this one. The peer, measured in the same run on the same
+requests: the same server with the engine limited to one sequence at a time (``max_running=1``),
+i.e. serving without continuous batching, which is where serving a research model usually starts.
 
     python benchmarks/serve.py                      # random-weight tiny model (no run needed)
     python benchmarks/serve.py --run runs/tiny-...  # a trained run
@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import inspect
 import json
+import multiprocessing as mp
 import socket
 import threading
 import time
@@ -61,31 +62,65 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(engine) -> tuple[str, object]:
+def _server_child(port: int, run: str | None, max_running: int, threads: int, ready) -> None:
+    """The server process: engine + HTTP, as `kimik3 serve` runs it."""
     import uvicorn
 
     from kimik3.serve.server import create_app
 
-    port = free_port()
+    if threads:
+        torch.set_num_threads(threads)
+    if run:
+        engine = LLMEngine.from_run(run, EngineConfig(checkpoints=0, max_running=max_running))
+    else:
+        model, tokenizer, _ = random_tiny()
+        # No EOS: every request produces exactly max_tokens, whatever the server.
+        engine = LLMEngine(model, tokenizer, EngineConfig(checkpoints=0, max_running=max_running),
+                           model_name="tiny-random")
     server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if server.started:
-            break
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", server
+
+    def announce():
+        while not server.started:
+            time.sleep(0.05)
+        ready.put((engine.model_name, min(engine.core.model.config.vocab_size, engine.tokenizer.get_vocab_size())))
+
+    threading.Thread(target=announce, daemon=True).start()
+    server.run()
+
+
+class ServerProcess:
+    """A server in its own process, so that the clients' Python never shares its interpreter lock."""
+
+    def __init__(self, run: str | None, max_running: int, threads: int):
+        ctx = mp.get_context("spawn")
+        self.port = free_port()
+        ready = ctx.Queue()
+        self.process = ctx.Process(target=_server_child, args=(self.port, run, max_running, threads, ready), daemon=True)
+        self.process.start()
+        self.model_name, self.vocab = ready.get(timeout=300)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.join(30)
 
 
 async def one_stream(client: openai.AsyncOpenAI, prompt: list[int], max_tokens: int, model: str) -> dict:
+    """One streaming request: chunk arrival times and the token count the server reports.
+
+    A chunk can carry several tokens (text is held back while a UTF-8 character or a possible
+    stop string is incomplete), so per-token figures use the usage count, not the chunk count."""
     start = time.perf_counter()
     arrivals: list[float] = []
+    tokens = 0
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
-                                             stream=True)
+                                             stream=True, stream_options={"include_usage": True})
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text is not None:
+        if chunk.choices:
             arrivals.append(time.perf_counter())
-    return {"start": start, "arrivals": arrivals, "end": time.perf_counter()}
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return {"start": start, "arrivals": arrivals, "end": time.perf_counter(), "tokens": tokens}
 
 
 async def run_clients(base: str, prompts: list[list[int]], concurrency: int, max_tokens: int, model: str) -> list[dict]:
@@ -103,43 +138,30 @@ async def run_clients(base: str, prompts: list[list[int]], concurrency: int, max
     return results
 
 
-def summarise(results: list[dict], tokens_out: int, wall: float) -> dict:
+def summarise(results: list[dict], wall: float) -> dict:
+    """TTFT: request sent -> first chunk; TPOT: (last chunk - first chunk) / (tokens - 1);
+    ITL: gaps between chunks as the client sees them; throughput: output tokens / wall time."""
     ttft = [r["arrivals"][0] - r["start"] for r in results if r["arrivals"]]
     itl = [b - a for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:])]
-    tpot = [(r["end"] - r["arrivals"][0]) / (len(r["arrivals"]) - 1) for r in results if len(r["arrivals"]) > 1]
+    tpot = [(r["arrivals"][-1] - r["arrivals"][0]) / (r["tokens"] - 1) for r in results
+            if r["arrivals"] and r["tokens"] > 1]
     return {"requests": len(results), "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
             "tpot_p50_ms": 1e3 * percentile(tpot, 0.5), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99),
             "itl_p50_ms": 1e3 * percentile(itl, 0.5), "itl_p99_ms": 1e3 * percentile(itl, 0.99),
-            "tokens_per_s": tokens_out / wall, "wall_s": wall}
+            "tokens_per_s": sum(r["tokens"] for r in results) / wall, "wall_s": wall}
 
 
-def peer_sequential(model: K3ForCausalLM, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
-    """``model.generate`` behind a lock: clients in threads, served one at a time."""
-    lock = threading.Lock()
-    results: list[dict] = []
-    queue = list(prompts)
-
-    def client():
-        while True:
-            try:
-                prompt = queue.pop()          # atomic under the GIL
-            except IndexError:
-                return
-            start = time.perf_counter()
-            arrivals: list[float] = []
-            with lock:
-                model.generate(torch.tensor([prompt]), max_tokens, temperature=0.0,
-                               on_token=lambda _: arrivals.append(time.perf_counter()))
-            results.append({"start": start, "arrivals": arrivals, "end": time.perf_counter()})
-
+def measure(server: ServerProcess, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
+    asyncio.run(run_clients(server.base, prompts[:2], 1, 4, server.model_name))   # warm-up
     begin = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - begin
-    return summarise(results, sum(len(r["arrivals"]) for r in results), wall)
+    results = asyncio.run(run_clients(server.base, prompts, concurrency, max_tokens, server.model_name))
+    return summarise(results, time.perf_counter() - begin)
+
+
+def describe(name: str, r: dict) -> str:
+    return (f"{name}: {r['tokens_per_s']:6.1f} tok/s, TTFT p50/p99 {r['ttft_p50_ms']:6.0f}/{r['ttft_p99_ms']:6.0f} ms, "
+            f"TPOT p50/p99 {r['tpot_p50_ms']:5.1f}/{r['tpot_p99_ms']:5.1f} ms, "
+            f"ITL p50/p99 {r['itl_p50_ms']:5.1f}/{r['itl_p99_ms']:5.1f} ms")
 
 
 def main() -> None:
@@ -149,50 +171,38 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=0, help="requests per level (default: max(16, 2 x concurrency))")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads in the server (0: torch's default)")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
-    if args.run:
-        engine = LLMEngine.from_run(args.run, EngineConfig(checkpoints=0))
-        model = engine.core.model
-    else:
-        model, tokenizer, _ = random_tiny()
-        # No EOS: every request produces exactly max_tokens, for both servers.
-        engine = LLMEngine(model, tokenizer, EngineConfig(checkpoints=0, max_running=64), model_name="tiny-random")
-    vocab = min(model.config.vocab_size, engine.tokenizer.get_vocab_size())
-    base, server = start_server(engine)
-    print(f"server at {base}; torch threads {torch.get_num_threads()}; prompt {args.prompt_len} tokens, "
-          f"{args.max_tokens} output tokens; prefix cache off (distinct random prompts)")
-
-    rows = []
+    levels = []
     generator = torch.Generator().manual_seed(0)
-    for concurrency in args.concurrency:
-        count = args.requests or max(16, 2 * concurrency)
-        prompts = [torch.randint(1, vocab, (args.prompt_len,), generator=generator).tolist() for _ in range(count)]
-        asyncio.run(run_clients(base, prompts[:min(2, count)], 1, 4, engine.model_name))   # warm-up
-        begin = time.perf_counter()
-        results = asyncio.run(run_clients(base, prompts, concurrency, args.max_tokens, engine.model_name))
-        wall = time.perf_counter() - begin
-        ours = summarise(results, sum(len(r["arrivals"]) for r in results), wall)
-        row = {"concurrency": concurrency, "ours": ours}
-        if not args.no_peer:
-            row["peer"] = peer_sequential(model, prompts, concurrency, args.max_tokens)
-            row["throughput_ratio"] = ours["tokens_per_s"] / row["peer"]["tokens_per_s"]
-        rows.append(row)
-        line = (f"c={concurrency:3d} n={count:3d} | ours: {ours['tokens_per_s']:7.1f} tok/s, TTFT p50/p99 "
-                f"{ours['ttft_p50_ms']:7.1f}/{ours['ttft_p99_ms']:7.1f} ms, TPOT p50/p99 {ours['tpot_p50_ms']:6.1f}/"
-                f"{ours['tpot_p99_ms']:6.1f} ms, ITL p50/p99 {ours['itl_p50_ms']:6.1f}/{ours['itl_p99_ms']:6.1f} ms")
+    servers = [("ours", 64)] + ([] if args.no_peer else [("peer", 1)])
+    results: dict[str, list[dict]] = {}
+    for name, max_running in servers:
+        server = ServerProcess(args.run, max_running, args.threads)
+        try:
+            if not levels:
+                for concurrency in args.concurrency:
+                    count = args.requests or max(16, 2 * concurrency)
+                    levels.append((concurrency, [torch.randint(1, server.vocab, (args.prompt_len,),
+                                                               generator=generator).tolist() for _ in range(count)]))
+                print(f"prompt {args.prompt_len} tokens, {args.max_tokens} output tokens, prefix cache off; "
+                      f"ours: continuous batching (max_running 64); peer: the same server one request at a time "
+                      f"(max_running 1, no batching)", flush=True)
+            results[name] = [measure(server, prompts, c, args.max_tokens) for c, prompts in levels]
+        finally:
+            server.stop()
+    rows = []
+    for i, (concurrency, prompts) in enumerate(levels):
+        row = {"concurrency": concurrency, "requests": len(prompts), **{k: v[i] for k, v in results.items()}}
+        line = f"c={concurrency:3d} n={len(prompts):3d} | " + describe("ours", row["ours"])
         if "peer" in row:
-            peer = row["peer"]
-            line += (f" | peer: {peer['tokens_per_s']:7.1f} tok/s, TTFT p50/p99 {peer['ttft_p50_ms']:7.1f}/"
-                     f"{peer['ttft_p99_ms']:7.1f} ms | throughput x{row['throughput_ratio']:.2f}")
+            row["throughput_ratio"] = row["ours"]["tokens_per_s"] / row["peer"]["tokens_per_s"]
+            line += " | " + describe("peer", row["peer"]) + f" | throughput x{row['throughput_ratio']:.2f}"
+        rows.append(row)
         print(line, flush=True)
-    server.should_exit = True
-    engine.close()
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

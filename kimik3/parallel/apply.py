@@ -5,8 +5,11 @@ Order (each step wraps what the previous one left; see docs/parallel.md):
 1. context parallel (cp > 1): ``kimik3.parallel.kcp.apply_context_parallel(model, cp group)`` -
    KDA/MLA layers learn to split the sequence over the cp ranks. First, because it changes what
    the token mixers compute, which everything after it wraps unchanged.
-2. expert parallel (ep > 1): the routed experts are sharded over the "ep" ranks by the MoonEP
-   execution layer (not landed yet: NotImplementedError).
+2. expert parallel (ep > 1): ``kimik3.parallel.moonep.apply_expert_parallel`` keeps each "ep"
+   rank's E/ep routed experts and routes tokens through the MoonEP exchange. The expert weights are
+   then left out of FSDP; their gradients, which the exchange already sums over every token of the
+   ep group, are summed over the ranks holding the same shard (dp/ep x cp) and divided by dp x cp
+   so that they match FSDP's averaged gradients of the other parameters.
 3. activation checkpointing (optional): per K3 block, with the composable
    ``torch.distributed._composable.checkpoint`` (hooks, no wrapper module, so parameter names and
    checkpoints stay the same). Before FSDP so the recomputation runs inside FSDP's unshard.
@@ -36,8 +39,34 @@ def apply_context_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMes
     kcp_apply(model, cp_mesh(mesh).get_group())
 
 
-def apply_expert_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh) -> None:
-    raise NotImplementedError("expert parallel lands with the MoonEP execution layer")
+def apply_expert_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, planner: str = "moonep") -> None:
+    import torch.distributed as dist
+
+    from kimik3.parallel.mesh import ep_mesh, ep_replica_mesh
+    from kimik3.parallel.moonep import EPRoutedExperts
+    from kimik3.parallel.moonep import apply_expert_parallel as moonep_apply
+
+    moonep_apply(model, ep_mesh(mesh), planner=planner)
+    replicas = ep_replica_mesh(mesh).get_group() if dims.world // dims.ep > 1 else None
+    scale = 1.0 / (dims.dp * dims.cp)
+
+    def reduce_grad(param: nn.Parameter) -> None:
+        local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+        if replicas is not None:
+            dist.all_reduce(local, group=replicas)
+        local.mul_(scale)
+
+    for module in model.modules():
+        if isinstance(module, EPRoutedExperts):
+            for param in module.parameters():
+                param.register_post_accumulate_grad_hook(reduce_grad)
+
+
+def is_expert_module(name: str, module: nn.Module) -> bool:
+    """FSDP's ``ignore`` predicate under EP: the MoonEP-sharded routed experts."""
+    from kimik3.parallel.moonep import EPRoutedExperts
+
+    return isinstance(module, EPRoutedExperts)
 
 
 @contextmanager
@@ -90,6 +119,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, *
     if mesh is not None:
         from kimik3.parallel.fsdp import apply_fsdp
 
+        if dims.ep > 1 and fsdp_ignore is None:
+            fsdp_ignore = is_expert_module
         apply_fsdp(model, fsdp_mesh(mesh), ignore=fsdp_ignore)
     return model
 

@@ -115,7 +115,8 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     mesh = init_device_mesh(device_type, (dims.dp // dims.ep, dims.ep, dims.cp), mesh_dim_names=MESH_DIMS)
     # Slicing a flattened dim back out of the root mesh is deprecated: keep the flattened meshes.
     _FLATTENED[mesh] = {"dp": mesh["dp_mod_ep", "ep"]._flatten("dp"),
-                        "dp_cp": mesh["dp_mod_ep", "ep", "cp"]._flatten("dp_cp")}
+                        "dp_cp": mesh["dp_mod_ep", "ep", "cp"]._flatten("dp_cp"),
+                        "ep_replicas": mesh["dp_mod_ep", "cp"]._flatten("ep_replicas")}
     return mesh
 
 
@@ -143,6 +144,11 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def ep_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["ep"]
+
+
+def ep_replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """1-D mesh of the ranks holding the same expert shard (same "ep" coordinate): dp/ep x cp."""
+    return _flat(mesh, "ep_replicas")
 
 
 def cp_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from kimik3.model.ffn import situ_glu
 from kimik3.model.moe import LatentMoE, RoutedExperts
@@ -141,16 +143,17 @@ class EPRoutedExperts(RoutedExperts):
         send = [torch.nonzero(hosted[mine, d]).flatten().tolist() for d in range(ranks)]   # my experts for d
         receive = torch.nonzero(hosted[:, rank]).flatten().tolist()                         # foreign here
         sent = [e for d in range(ranks) for e in send[d]]
-        flat = torch.cat([self.w_gate_ELF.flatten(1), self.w_up_ELF.flatten(1), self.w_down_EFL.flatten(1)], 1)
+        w_gate, w_up, w_down = (_local(w) for w in (self.w_gate_ELF, self.w_up_ELF, self.w_down_EFL))
+        flat = torch.cat([w_gate.flatten(1), w_up.flatten(1), w_down.flatten(1)], 1)
         outgoing = flat[torch.tensor(sent, dtype=torch.long, device=flat.device)] if sent else flat[:0]
         recv_sizes = [int(hosted[d * per_rank:(d + 1) * per_rank, rank].sum()) for d in range(ranks)]
         incoming = _exchange(outgoing, recv_sizes, [len(s) for s in send], self.group)
         latent, hidden = self.w_gate_ELF.shape[1:]
         size = latent * hidden
         gate_f, up_f, down_f = incoming.split([size, size, size], dim=1)
-        stacked = (torch.cat([self.w_gate_ELF, gate_f.view(-1, latent, hidden)]),
-                   torch.cat([self.w_up_ELF, up_f.view(-1, latent, hidden)]),
-                   torch.cat([self.w_down_EFL, down_f.view(-1, hidden, latent)]))
+        stacked = (torch.cat([w_gate, gate_f.view(-1, latent, hidden)]),
+                   torch.cat([w_up, up_f.view(-1, latent, hidden)]),
+                   torch.cat([w_down, down_f.view(-1, hidden, latent)]))
         table_E = torch.full((experts,), -1, dtype=torch.long, device=quota_ER.device)
         table_E[mine] = torch.arange(per_rank, device=quota_ER.device)
         if receive:   # received in owner order = ascending expert id, which `receive` is
@@ -159,15 +162,27 @@ class EPRoutedExperts(RoutedExperts):
         return table_E, stacked
 
 
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts as a plain tensor (DTensor parameters: the local shard, differentiably)."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
 def _exchange(rows: torch.Tensor, recv_sizes: list[int], send_sizes: list[int], group) -> torch.Tensor:
     """Differentiable all_to_all_single along dim 0 (the backward sends gradients back)."""
     out = rows.new_empty((sum(recv_sizes), *rows.shape[1:]))
     return dist_fn.all_to_all_single(out, rows.contiguous(), recv_sizes, send_sizes, group=group)
 
 
-def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, planner: str | Planner = "moonep") -> None:
-    """Keep this rank's E/R experts of every LatentMoE and route through the MoonEP exchange."""
-    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup | DeviceMesh,
+                          planner: str | Planner = "moonep") -> None:
+    """Keep this rank's E/R experts of every LatentMoE and route through the MoonEP exchange.
+
+    ``group``: the EP process group, or a 1-D DeviceMesh over it; with a mesh the expert weights
+    become DTensors sharded on dim 0, so full-state checkpoints gather and scatter them like any
+    FSDP parameter (a distributed run's checkpoint loads in one process and vice versa)."""
+    mesh = group if isinstance(group, DeviceMesh) else None
+    process_group = mesh.get_group() if mesh is not None else group
+    ranks, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
     plan_fn = PLANNERS[planner] if isinstance(planner, str) else planner
     for module in model.modules():
         if not isinstance(module, LatentMoE):
@@ -180,9 +195,12 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, planner: s
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         for name in ("w_gate_ELF", "w_up_ELF", "w_down_EFL"):
             full = getattr(experts_module, name)
-            setattr(experts_module, name, nn.Parameter(full.detach()[mine].clone(), requires_grad=full.requires_grad))
+            local = full.detach()[mine].clone()
+            if mesh is not None:
+                local = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+            setattr(experts_module, name, nn.Parameter(local, requires_grad=full.requires_grad))
         experts_module.__class__ = EPRoutedExperts
-        experts_module.group = group
+        experts_module.group = process_group
         experts_module.num_experts = experts
         experts_module.planner = plan_fn
         experts_module.last_quota = None

@@ -32,6 +32,7 @@ import torch
 
 from kimik3.config.schema import K3Config
 from kimik3.model.k3 import K3ForCausalLM
+from kimik3.optim.clip import clip_grad_norm
 from kimik3.optim.schedule import cosine_lr, parse_stages, seq_len_at
 from kimik3.parallel.mesh import ParallelDims
 from kimik3.train.checkpoint import (
@@ -191,10 +192,6 @@ class Trainer:
         world = torch.distributed.get_world_size() if self.distributed else 1
         self.dims = parallel if parallel is not None else ParallelDims.for_world(world)
         self.dims.check_world(world)
-        if self.dims.cp > 1:
-            # KCP's contract: each cp rank feeds its own sequence segment and backpropagates its
-            # share of the loss, summed (not averaged) over cp; the loop does not do that yet.
-            raise NotImplementedError("the trainer does not feed context-parallel sequence shards yet (cp > 1)")
         self.rank = torch.distributed.get_rank() if self.distributed else 0
         self.mesh = None
         self.dp_rank = 0
@@ -209,14 +206,26 @@ class Trainer:
             torch.distributed.barrier()
 
     def _mean_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        """Average of a scalar over the ranks that see different tokens (dp x cp)."""
+        """The global value of a per-rank loss: summed over the cp ranks (under context parallelism
+        each rank's loss is its *share* of its sequences' loss) and averaged over the dp ranks."""
         if not self.distributed:
             return value
         from kimik3.parallel.mesh import loss_group
 
         value = value.detach().float().clone()
         torch.distributed.all_reduce(value, group=loss_group(self.mesh))
-        return value / (self.dims.dp * self.dims.cp)
+        return value / self.dims.dp
+
+    def _context_shard(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This cp rank's contiguous segment of each [B, T] tensor (labels are already shifted on the
+        whole sequence, as KCP wants); unchanged without context parallelism."""
+        if self.dims.cp == 1:
+            return tensors
+        from kimik3.parallel.kcp import shard_sequence
+        from kimik3.parallel.mesh import cp_mesh
+
+        group = cp_mesh(self.mesh).get_group()
+        return tuple(shard_sequence(t, group, dim=1) for t in tensors)
 
     def _broadcast_int(self, value: int) -> int:
         if not self.distributed:
@@ -347,6 +356,7 @@ class Trainer:
             rows = batch // self.dims.dp
             inputs = inputs[self.dp_rank * rows:(self.dp_rank + 1) * rows]
             labels = labels[self.dp_rank * rows:(self.dp_rank + 1) * rows]
+        inputs, labels = self._context_shard(inputs, labels)
         inputs, labels = inputs.to(self.device), labels.to(self.device)
         lr_scale = cosine_lr(step, total, 1.0, max(1, round(self.args.warmup_fraction * total)),
                              self.args.min_lr_ratio)
@@ -362,10 +372,12 @@ class Trainer:
         global_loss = self._mean_over_ranks(loss.detach())  # one verdict for every rank
         finite = bool(torch.isfinite(global_loss))
         if finite:
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
-            if hasattr(grad_norm, "full_tensor"):  # DTensor gradients: the norm of the whole model
-                grad_norm = grad_norm.full_tensor()
+            # FSDP averages gradients over dp x cp; cp shares must be summed, hence the factor.
+            (loss * self.dims.cp if self.dims.cp > 1 else loss).backward()
+            if self.mesh is not None:   # sharded gradients, possibly on several meshes (FSDP, EP)
+                grad_norm = clip_grad_norm(self.model.parameters(), self.args.grad_clip)
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
             finite = bool(torch.isfinite(grad_norm))
             record["grad_norm"] = float(grad_norm)
         if finite:
@@ -403,9 +415,11 @@ class Trainer:
         inputs, labels = eval_windows(self.val_ids, seq, self.args.eval_windows)
         losses = []
         for start in range(0, inputs.shape[0], 4):
+            window, target = self._context_shard(inputs[start:start + 4], labels[start:start + 4])
             with self._autocast():
-                out = self.model(inputs[start:start + 4].to(self.device), labels=labels[start:start + 4].to(self.device))
-            losses.append(float(out.main_loss if out.main_loss is not None else out.loss))
+                out = self.model(window.to(self.device), labels=target.to(self.device))
+            loss = out.main_loss if out.main_loss is not None else out.loss
+            losses.append(float(self._mean_over_ranks(loss)))   # every dp rank evaluates the same windows
         self.model.train(was_training)
         return float(np.mean(losses))
 
@@ -417,6 +431,7 @@ class Trainer:
         batch, seq = self.batch_shape(0, 1)
         inputs, labels = batch_at(self.train_ids, 0, self.args.seed, batch, seq)
         inputs, labels = inputs[:max(1, batch // self.dims.dp)], labels[:max(1, batch // self.dims.dp)]
+        inputs, labels = self._context_shard(inputs, labels)
         routers = self.model.routers() if hasattr(self.model, "routers") else []
         timings = []
         for _ in range(3):
@@ -514,6 +529,8 @@ class Trainer:
         model mostly repeats one line, which shows less of what it learned."""
         if not hasattr(self.model, "generate"):
             return ""
+        if self.dims.cp > 1:
+            return "(no sample: generation does not run under context parallelism)"
         ids = torch.tensor([self.tokenizer.encode(prompt).ids], device=self.device)
         eos = self.tokenizer.token_to_id(EOS)
         generator = torch.Generator(device=self.device).manual_seed(self.args.seed)

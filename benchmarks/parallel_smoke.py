@@ -24,7 +24,7 @@ from kimik3.model.k3 import K3ForCausalLM  # noqa: E402
 from kimik3.ops.kda import chunk_kda  # noqa: E402
 from kimik3.parallel.kcp import kcp_kda  # noqa: E402
 from kimik3.parallel.moonep import apply_expert_parallel  # noqa: E402
-from kimik3.parallel.moonep_plan import plan  # noqa: E402
+from kimik3.parallel.moonep_plan import plan, planned_quota  # noqa: E402
 
 FAILED: list[str] = []
 
@@ -103,7 +103,19 @@ def planner_latency(device: torch.device) -> None:
         graph.replay()
     torch.cuda.synchronize()
     replay = (time.perf_counter() - start) / 200
-    print(f"MoonEP planner E={experts} R={ranks}: {direct * 1e3:.3f} ms direct, {replay * 1e3:.3f} ms graph replay")
+    planned_quota(loads, ranks)            # captures the layer's graph once
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(200):
+        quota = planned_quota(loads, ranks)
+    torch.cuda.synchronize()
+    api = (time.perf_counter() - start) / 200
+    same = torch.equal(quota, plan(loads, ranks).quota)
+    verdict("planned_quota (CUDA graph) equals plan()", same, f"{api * 1e3:.3f} ms per call")
+    loads2 = loads.roll(17)
+    verdict("planned_quota on new loads", torch.equal(planned_quota(loads2, ranks), plan(loads2, ranks).quota), "")
+    print(f"MoonEP planner E={experts} R={ranks}: {direct * 1e3:.3f} ms direct, {replay * 1e3:.3f} ms graph replay, "
+          f"{api * 1e3:.3f} ms planned_quota (copy in, replay, copy out)")
 
 
 def main() -> None:

@@ -53,7 +53,9 @@ def native_quota(loads_E: torch.Tensor, num_ranks: int) -> torch.Tensor:
 def moonep_quota(loads_E: torch.Tensor, num_ranks: int) -> torch.Tensor:
     from kimik3.parallel.moonep_plan import plan
 
-    return plan(loads_E, num_ranks, check=False).quota   # no host sync on the critical path
+    # No host sync on the critical path. ``moonep_plan.planned_quota`` (the same plan replayed from
+    # a CUDA graph, 10x fewer launches) is not the default until it has run on a GPU.
+    return plan(loads_E, num_ranks, check=False).quota
 
 
 PLANNERS: dict[str, Planner] = {"moonep": moonep_quota, "none": native_quota}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -17,29 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.corpus import write_code_corpus
 from tests.parallel.gloo import run_ranks
 
 RTOL = 1e-4
 
 
-def _code_file(rng: random.Random, index: int) -> str:
-    names = ["alpha", "beta", "gamma", "delta", "value", "items", "total", "count", "result", "node"]
-    lines = [f'"""Module {index}."""', "", "import math", ""]
-    for f in range(rng.randint(6, 12)):
-        a, b = rng.sample(names, 2)
-        lines += [f"def {a}_{f}({a}, {b}=None):", f"    if {b} is None:", f"        {b} = [{rng.randint(0, 9)}]",
-                  f"    for i in range({rng.randint(2, 20)}):", f"        {a} = {a} + i * {rng.randint(1, 5)}",
-                  f"    return math.sqrt(abs({a})) + len({b})", ""]
-    return "\n".join(lines) + "\n"
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    for i in range(40):
-        (root / f"mod_{i:03d}.py").write_text(_code_file(rng, i))
-    return root
+    return write_code_corpus(tmp_path_factory.mktemp("corpus"), 40)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -160,6 +160,14 @@ def test_cp2_matches_single_process(reference, corpus, tmp_path):
     _close(outs[0]["losses"].tolist(), reference[:3])
 
 
+def test_dp2_ep2_cp2_on_four_ranks_matches_single_process(reference, corpus, tmp_path):
+    """All three at once (4 gloo ranks): 2 data-parallel groups, experts over the 2 dp ranks, each
+    sequence over 2 cp ranks (EP weight gradients then also sum over the 2 cp replicas)."""
+    outs = run_ranks(_train_worker, 4, tmp_path, str(corpus), str(tmp_path / "mix"), False, 2, 2, 2)
+    assert all(torch.equal(outs[0]["losses"], o["losses"]) for o in outs)
+    _close(outs[0]["losses"].tolist(), reference[:3])
+
+
 def test_parallel_dims_errors():
     from kimik3.parallel.mesh import ParallelDims
 

@@ -204,8 +204,13 @@ class PrefixCache:
 
     def match_length(self, token_ids: Sequence[int]) -> int:
         """Tokens ``lookup`` would restore now; a pure query (no stats, recency or clock), for routing."""
-        cp = self._find(token_ids)
+        cp = self.peek(token_ids)
         return cp.boundary if cp is not None else 0
+
+    def peek(self, token_ids: Sequence[int]) -> Checkpoint | None:
+        """The checkpoint ``lookup`` would return, as a pure query: a request still waiting for
+        memory is looked at every step, but counted (and its checkpoint refreshed) only once admitted."""
+        return self._find(token_ids)
 
     def lookup(self, token_ids: Sequence[int]) -> Checkpoint | None:
         """Deepest stored boundary ``b <= len-1`` on this prefix (a token is always left to compute)."""

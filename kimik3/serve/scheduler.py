@@ -148,17 +148,20 @@ class EngineCore:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_running:
             seq = self.waiting[0]
-            hit = self.prefix_cache.lookup(seq.tokens)
+            hit = self.prefix_cache.peek(seq.tokens)   # counted by lookup() once admitted
             if hit is not None:
-                self.prefix_cache.acquire(hit)
+                self.prefix_cache.acquire(hit)         # not evicted while we make room
             shared = hit.boundary // self.config.physical_block if hit is not None else 0
             needed = self.blocks_needed(len(seq.tokens) + seq.request.params.max_tokens) - shared
             while self.allocator.num_free < needed and self.prefix_cache.evict_one():
                 pass
+            if hit is not None:
+                self.prefix_cache.release(hit)
             if self.allocator.num_free < needed:
-                if hit is not None:
-                    self.prefix_cache.release(hit)
                 return                               # wait for running sequences to free blocks
+            hit = self.prefix_cache.lookup(seq.tokens)   # the same checkpoint: nothing ran since peek
+            if hit is not None:
+                self.prefix_cache.acquire(hit)
             self.waiting.popleft()
             seq.slot = self.states.allocate()
             if hit is None:

@@ -229,3 +229,26 @@ def test_router_sends_a_session_back_to_the_replica_holding_its_prefix(serve_mod
         assert router.stats().cached_prompt_tokens == 48
     finally:
         router.close()
+
+
+def test_blocks_held_by_checkpoints_are_given_back_when_requests_need_them(serve_model, serve_tokenizer):
+    """A pool too small for every checkpoint's blocks: admission evicts checkpoints to make room,
+    every request completes, each admitted request is counted once by the prefix cache."""
+    engine = make_engine(serve_model, serve_tokenizer, memory_bytes=int(3.4 * 2**20), max_running=2, checkpoints=16,
+                         max_context=600)
+    try:
+        total_blocks = engine.core.layout.num_blocks
+        assert total_blocks < 16     # fewer than the 8 requests x 2 blocks their checkpoints would pin
+        for i in range(8):   # distinct 300-token prompts, each leaving checkpoints that pin 2 blocks
+            prompt = prompts(1, 300, seed=40 + i)[0]
+            request = GenerationRequest(f"p{i}", prompt, SamplingParams(max_tokens=2, **GREEDY),
+                                        boundary_hints=[160, 290])
+            final = list(engine.generate_blocking(request))[-1]
+            assert final.finish_reason == "length"
+        stats = engine.stats()
+        assert stats.prefix_queries == 8
+        assert engine.core.prefix_cache.stats.evictions > 0
+        assert stats.cache_blocks_used <= total_blocks
+        assert_no_leak(engine)
+    finally:
+        engine.close()

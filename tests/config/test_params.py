@@ -1,7 +1,6 @@
 import dataclasses
 
 import pytest
-import torch
 
 from kimik3 import K3Config, K3ForCausalLM, param_counts
 from kimik3.cli import main

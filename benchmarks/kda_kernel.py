@@ -229,7 +229,7 @@ def correct(quick: bool, use_fla: bool):
         log(f"info fla vs naive: o {eo:.2e} state {es:.2e}")
         eo2 = rel(o_f, o)
         verdict("K3 contract ours vs fla (same inputs)", eo2 < 3e-2, f"o {eo2:.2e}")
-    # gradients: ours (hybrid backward) vs fla and vs naive (fp32, medium)
+    # gradients: ours (Triton backward unless KIMIK3_KDA_TRITON_BWD=torch) vs naive (fp32, medium)
     Bg, Tg, Hg = 1, (300 if quick else 1000), 4
     xs, a_log, dtb = k3_inputs(Bg, Tg, Hg, D, dtype=torch.float32, seed=2, requires_grad=True)
     h0 = (0.5 * torch.randn(Bg, Hg, D, D, device="cuda")).requires_grad_()
@@ -329,9 +329,21 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
                 o, _ = f()
                 torch.autograd.grad(o, xg, do)
 
-            fb(lambda: ours_k3(xg, a_log, dtb))
-            row["ours_fwdbwd"] = bench(lambda: fb(lambda: ours_k3(xg, a_log, dtb)), warmup=2, rep=10)
-            log(f"{key} ours fwd+bwd (HYBRID torch backward): {row['ours_fwdbwd']:.3f} ms")
+            # both backwards: the Triton kernels (default) and the v1 HYBRID (torch chunk path recomputed);
+            # KIMIK3_KDA_TRITON_BWD is read at forward time
+            saved_env = os.environ.get("KIMIK3_KDA_TRITON_BWD")
+            for mode, name in (("triton", "ours_fwdbwd"), ("torch", "ours_fwdbwd_hybrid")):
+                os.environ["KIMIK3_KDA_TRITON_BWD"] = mode
+                try:
+                    fb(lambda: ours_k3(xg, a_log, dtb))
+                    row[name] = bench(lambda: fb(lambda: ours_k3(xg, a_log, dtb)), warmup=2, rep=10)
+                    log(f"{key} ours fwd+bwd ({mode} backward): {row[name]:.3f} ms")
+                except Exception as exc:  # noqa: BLE001
+                    verdict(f"{key} ours fwd+bwd ({mode} backward)", False, repr(exc)[:300])
+            if saved_env is None:
+                os.environ.pop("KIMIK3_KDA_TRITON_BWD", None)
+            else:
+                os.environ["KIMIK3_KDA_TRITON_BWD"] = saved_env
             if fla_fn is not None:
                 fb(lambda: fla_k3(fla_fn, xg, a_log, dtb))
                 row["fla_fwdbwd"] = bench(lambda: fb(lambda: fla_k3(fla_fn, xg, a_log, dtb)), warmup=2, rep=10)
@@ -357,6 +369,8 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
                 log(f"ratio fla/ours fwd {row['shape']} [{var or 'bf16'}]: {row['fla_fwd'] / row[k]:.2f}x (target >= 2)")
         if "fla_fwdbwd" in row and "ours_fwdbwd" in row:
             log(f"ratio fla/ours fwd+bwd {row['shape']}: {row['fla_fwdbwd'] / row['ours_fwdbwd']:.2f}x (target >= 1.5)")
+        if "fla_fwdbwd" in row and "ours_fwdbwd_hybrid" in row:
+            log(f"ratio fla/ours fwd+bwd HYBRID {row['shape']}: {row['fla_fwdbwd'] / row['ours_fwdbwd_hybrid']:.2f}x")
 
 
 @section

@@ -40,9 +40,10 @@ def kda_backend(q: torch.Tensor, chunk_size: int = 64, backend: Optional[str] = 
 
     ``backend`` (else the environment variable KIMIK3_KDA_BACKEND, else "auto"): "auto" picks
     Triton for CUDA tensors when triton is installed, chunk_size == 64 and no gradient is needed
-    (prefill, evaluation), else torch. Training stays on torch until the Triton backward exists:
-    the current Triton autograd re-runs the torch path for its backward, which costs more than
-    the torch path alone. "triton"
+    (prefill, evaluation), else torch. Training stays on torch until the Triton backward
+    (``triton_backward.py``, verified only under the interpreter so far) has been checked and
+    timed on a GPU; ``backend="triton"`` uses it (``KIMIK3_KDA_TRITON_BWD=torch`` selects the
+    older hybrid that re-runs the torch path for its backward). "triton"
     forces the Triton kernels (CPU tensors only work under TRITON_INTERPRET=1); errors are raised,
     never answered by a fallback.
     """

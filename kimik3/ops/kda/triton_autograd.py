@@ -1,9 +1,14 @@
 """Autograd wrapper of the Triton KDA forward, and the optional fused pre-activations.
 
-Backward (version 1, HYBRID): the forward runs in Triton; the backward recomputes the chunkwise
-torch path (``chunk.chunk_kda_torch``, whose backward is hand-written and exact to fp32) under
-autograd from the saved inputs, including the fused gate / L2 norm / beta sigmoid pre-activations.
-It is correct (the same numbers as the torch path) but not fast; see benchmarks/NOTES-kda.md.
+Backward (version 2, default): Triton kernels (``triton_backward.kda_bwd_triton``) for the core
+gradients w.r.t. the kernel's q, k, v, g (log-decay), beta and the initial state, from the forward's
+saved intermediates (G, Aqk, T, W, U, qg, kg, exp(Gamma_C)); the fused pre-activations' chain rule
+(gate, q/k L2 norm, beta sigmoid) is applied in torch around it by differentiating
+``torch_preactivations`` recomputed from the saved raw inputs.
+
+``KIMIK3_KDA_TRITON_BWD=torch`` selects version 1, the HYBRID backward: it recomputes the chunkwise
+torch path (``chunk.chunk_kda_torch``, hand-written backward, exact to fp32) under autograd from the
+saved inputs. Correct but slow; kept for A/B comparisons. Read at forward time.
 
 Also: ``interpreter_dot_fix()`` patches the Triton *interpreter's* tl.dot for bf16 operands (it
 multiplies the raw uint16 storage in Triton 3.6); used by the CPU tests only.
@@ -11,13 +16,23 @@ multiplies the raw uint16 storage in Triton 3.6); used by the CPU tests only.
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
 
 from .triton_forward import kda_fwd_triton, make_plan
 
-__all__ = ["chunk_kda_triton", "torch_preactivations", "interpreter_dot_fix"]
+__all__ = ["chunk_kda_triton", "torch_preactivations", "interpreter_dot_fix", "triton_bwd_mode"]
+
+BWD_ENV = "KIMIK3_KDA_TRITON_BWD"  # "triton" (default) or "torch" (the v1 hybrid)
+
+
+def triton_bwd_mode() -> str:
+    mode = os.environ.get(BWD_ENV, "triton").lower()
+    if mode not in ("triton", "torch"):
+        raise ValueError(f"{BWD_ENV} must be 'triton' or 'torch', got {mode!r}")
+    return mode
 
 
 def torch_preactivations(*args):
@@ -33,17 +48,31 @@ class _TritonKDAFunction(torch.autograd.Function):
                 g_min, use_gate, use_l2, use_beta_sigmoid):  # type: ignore[override]
         B, T = q.shape[:2]
         plan = make_plan(B, T, cu_seqlens, q.device)
-        o, ht = kda_fwd_triton(
+        mode = triton_bwd_mode() if any(ctx.needs_input_grad[:8]) else None
+        res = kda_fwd_triton(
             q, k, v, g, beta, scale, h0, output_final_state, plan,
             A_log=A_log, dt_bias=dt_bias, g_min=g_min,
             use_gate=use_gate, use_l2=use_l2, use_beta_sigmoid=use_beta_sigmoid,
+            return_aux=mode == "triton",
         )
-        ctx.save_for_backward(q, k, v, g, beta, h0, A_log, dt_bias)
+        o, ht = res[0], res[1]
+        ctx.mode, ctx.plan = mode, plan
+        if mode == "triton":
+            aux = res[2]
+            keys = ("G", "aqk", "tinv", "w", "u", "qg", "kg", "eg")
+            # the kernel's q, k, beta: the inputs themselves unless the L2 norm / sigmoid was fused
+            extra = [aux["q"] if use_l2 else None, aux["k"] if use_l2 else None,
+                     aux["beta"] if use_beta_sigmoid else None]
+            ctx.save_for_backward(q, k, v, g, beta, h0, A_log, dt_bias, *extra, *(aux[x] for x in keys))
+        else:
+            ctx.save_for_backward(q, k, v, g, beta, h0, A_log, dt_bias)
         ctx.args = (scale, cu_seqlens, g_min, use_gate, use_l2, use_beta_sigmoid, h0 is not None)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):  # type: ignore[override]
+        if ctx.mode == "triton":
+            return _triton_backward(ctx, do, dht)
         # HYBRID backward: recompute with the torch chunk path and differentiate it.
         from .chunk import chunk_kda_torch
 
@@ -65,6 +94,42 @@ class _TritonKDAFunction(torch.autograd.Function):
         it = iter(got)
         res = [next(it) if (nd and x is not None) else None for x, nd in zip(leaves, ctx.needs_input_grad[:8])]
         return tuple(res) + (None,) * 7
+
+
+def _triton_backward(ctx, do, dht):
+    """Triton core backward, then the fused pre-activations' chain rule in torch."""
+    from .triton_backward import kda_bwd_triton
+
+    scale, cu_seqlens, g_min, use_gate, use_l2, use_beta_sigmoid, has_h0 = ctx.args
+    saved = ctx.saved_tensors
+    q, k, v, g, beta, h0, A_log, dt_bias = saved[:8]
+    qn, kn, betan = saved[8:11]
+    G, aqk, tinv, w, u, qg, kg, eg = saved[11:]
+    aux = dict(q=qn if use_l2 else q, k=kn if use_l2 else k, beta=betan if use_beta_sigmoid else beta,
+               G=G, aqk=aqk, tinv=tinv, w=w, u=u, qg=qg, kg=kg, eg=eg)
+    need = ctx.needs_input_grad[:8]
+    dq, dk, dv, dgam, dbeta, dh0 = kda_bwd_triton(
+        do, dht, aux, v, h0, scale, ctx.plan, need_dh0=bool(has_h0 and need[5]))
+    if use_gate or use_l2 or use_beta_sigmoid:
+        # chain rule of the fused pre-activations: differentiate their torch recomputation
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_() if (x is not None and nd) else x
+                      for x, nd in zip((q, k, g, beta, A_log, dt_bias), need[:4] + need[6:8])]
+            outs = torch_preactivations(*leaves[:4], leaves[4], leaves[5], g_min, use_gate, use_l2,
+                                        use_beta_sigmoid)
+            pairs = [(o, d) for o, d in zip(outs, (dq, dk, dgam, dbeta)) if o.requires_grad]
+            want = [x for x in leaves if x is not None and x.requires_grad]
+            got = torch.autograd.grad([p[0] for p in pairs], want, [p[1].to(p[0].dtype) for p in pairs],
+                                      allow_unused=True) if (pairs and want) else ()
+        it = iter(got)
+        gq, gk, gg, gb, ga, gd = [next(it) if (x is not None and x.requires_grad) else None for x in leaves]
+    else:
+        gq, gk, gg, gb, ga, gd = dq, dk, dgam, dbeta, None, None
+    res = [gq, gk, dv, gg, gb, dh0, ga, gd]
+    ref = (q, k, v, g, beta, h0, A_log, dt_bias)
+    out = [None if (not nd or x is None or gx is None) else gx.to(x.dtype).view_as(x)
+           for gx, x, nd in zip(res, ref, need)]
+    return tuple(out) + (None,) * 7
 
 
 def chunk_kda_triton(

@@ -254,6 +254,8 @@ def _intra_kernel(
             else:
                 nmat = tl.dot(nmat, nmat, input_precision=SPREC)
             t_all += tl.dot(t_all, nmat, input_precision=SPREC)
+        tl.debug_barrier()  # T itself in tinv (the Triton backward reads it; SOLVE 0 leaves it there too)
+        tl.store(tinv_ptr + a_base + r[:, None] * 64 + c64[None, :], t_all)
 
     # ---- phase C: W = T (beta k exp(Gamma)), U = T (beta v) ------------------------------------
     t_all = t_all.to(DTC)
@@ -344,12 +346,10 @@ def _state_out_kernel(
     bos = tl.load(cu_ptr + i_n).to(tl.int64)
     eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
     coff = tl.load(coff_ptr + i_n).to(tl.int64)
-    r = tl.arange(0, 64)
     ck = tl.arange(0, BKF)
     cv = i_v * BV + tl.arange(0, BV)
     km = ck < K
     vm = cv < V
-    c64 = tl.arange(0, 64)
     s_off = (i_n * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
     sm = km[:, None] & vm[None, :]
     if HAS_H0:

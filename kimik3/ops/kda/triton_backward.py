@@ -1,0 +1,418 @@
+"""Triton backward of chunkwise KDA (chunk 64, 16-token sub-tiles), exploiting the gate bound.
+
+Math (per chunk, state S entering it; ``chunk.py`` / ``docs/kda.md`` for the forward):
+    Gamma = chunk-local cumsum of g,  qg = q e^Gamma,  kg = k e^(Gamma_C - Gamma),  eg = e^Gamma_C,
+    Rk = beta k e^Gamma,  Rv = beta v,  T = (I + A)^-1 with A[t, s] = beta_t sum_c k_t k_s e^(Gamma_t - Gamma_s)
+    (s < t),  W = T Rk,  U = T Rv,  v_new = U - W S,
+    o = scale (qg S + Aqk v_new),  S' = eg * S + kg^T v_new   (Aqk lower, diagonal included).
+
+Backward, with dO = scale * do and dS' the gradient of the chunk's exit state:
+    dv_new = Aqk^T dO + kg dS'                         (reverse scan, kernel 2)
+    dS     = qg^T dO - W^T dv_new + eg * dS'           (reverse scan, kernel 2)
+    dqg = dO S^T, dkg = v_new dS'^T, deg = rowsum(S * dS'), dAqk = dO v_new^T   (kernel 3)
+    dRv = T^T dv_new, dRk = -dRv S^T, dA = -(dRk W^T + dRv U^T) (strict lower)  (kernel 3)
+    then the chain rule through the exponentials (dGamma = x * dx for every x = y e^(+-Gamma)) and
+    through Aqk / A on dense 16 x 16 blocks (kernel 4), and dg = suffix sum of dGamma over the chunk.
+
+Kernels:
+  1. ``_fwd_h_kernel``   per (sequence, head, V block): re-runs the forward scan from the forward's
+     W, U, kg, eg and stores every chunk's entry state h [NT, H, K, V] fp32 and v_new [B, T, H, V] fp32.
+  2. ``_bwd_dh_kernel``  per (sequence, head, V block): reverse scan; stores dh (gradient of each
+     chunk's exit state) [NT, H, K, V] fp32, dv_new, and d initial_state.
+  3. ``_bwd_wy_kernel``  per (chunk, head): the V-contractions above for every K block; writes dv,
+     the partial dq / dk / dGamma / dbeta, and dAqk, dA [NT, H, 64, 64] fp32.
+  4. ``_bwd_intra_kernel`` per (chunk, head): the gradients through Aqk and A on 16 x 16 blocks (10
+     lower-triangular blocks), row side against the reference Gamma at the row tile's FIRST token,
+     column side against Gamma at the column tile's LAST token: every factor is <= 1 except on the
+     diagonal blocks, where the gate bound keeps it <= e^75 (no position-pair path). Adds the partials,
+     and turns dGamma into dg by a reverse cumsum (tiles processed last to first with a carry).
+
+All matmuls are tl.dot with fp32 accumulation. Operands: fp32 at tf32x3 for fp32 inputs; for 16-bit
+inputs fp32 at tf32 (the interpreter computes exactly either way).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_forward import INTERPRET, ChunkPlan, _next_pow2
+
+BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark sweeps)
+SCAN_BV: Optional[int] = None  # override the V block of the two scans
+
+
+# --------------------------------------------------------------------------
+# kernel 1: per-chunk entry states and v_new (forward scan, no output)
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, coff, i_h, H,
+                K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr):
+    r = tl.arange(0, 64)
+    km = ck < K
+    vm = cv < V
+    t0 = bos + i_c * 64
+    L = tl.minimum(64, eos - t0)
+    rv = r < L
+    mk = rv[:, None] & km[None, :]
+    mv = rv[:, None] & vm[None, :]
+    ko = (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :]
+    vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
+    hoff = ((coff + i_c) * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
+    tl.store(h_ptr + hoff, h, mask=km[:, None] & vm[None, :])
+    w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + vo, mask=mv, other=0.0).to(tl.float32)
+    kgT = tl.trans(tl.load(kg_ptr + ko, mask=mk, other=0.0).to(tl.float32))
+    eg = tl.load(eg_ptr + ((coff + i_c) * H + i_h) * K + ck, mask=km, other=0.0)
+    v_new = u - tl.dot(w, h, input_precision=PREC)
+    tl.store(vn_ptr + vo, v_new, mask=mv)
+    return h * eg[:, None] + tl.dot(kgT, v_new, input_precision=PREC)
+
+
+@triton.jit
+def _fwd_h_kernel(kg_ptr, eg_ptr, w_ptr, u_ptr, h0_ptr, h_ptr, vn_ptr, cu_ptr, coff_ptr, H,
+                  K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
+                  PREC: tl.constexpr, HAS_H0: tl.constexpr, INTERP: tl.constexpr):
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = (i_nh // H).to(tl.int64)
+    i_h = i_nh % H
+    bos = tl.load(cu_ptr + i_n).to(tl.int64)
+    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
+    coff = tl.load(coff_ptr + i_n).to(tl.int64)
+    ck = tl.arange(0, BKF)
+    cv = i_v * BV + tl.arange(0, BV)
+    sm = (ck < K)[:, None] & (cv < V)[None, :]
+    if HAS_H0:
+        h = tl.load(h0_ptr + (i_n * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :], mask=sm, other=0.0)
+    else:
+        h = tl.zeros([BKF, BV], dtype=tl.float32)
+    NC = tl.cdiv(eos - bos, 64)
+    if INTERP:  # the interpreter cannot range() over a loaded scalar (NOTES-kda.md)
+        i_c = 0
+        while i_c < NC:
+            h = _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, coff, i_h, H,
+                            K, V, ck, cv, PREC)
+            i_c += 1
+    else:
+        for i_c in range(0, NC):
+            h = _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, coff, i_h, H,
+                            K, V, ck, cv, PREC)
+
+
+# --------------------------------------------------------------------------
+# kernel 2: reverse scan for the state gradients
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c, bos, eos, coff, i_h, H,
+                 scale, K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr):
+    r = tl.arange(0, 64)
+    km = ck < K
+    vm = cv < V
+    t0 = bos + i_c * 64
+    L = tl.minimum(64, eos - t0)
+    rv = r < L
+    mk = rv[:, None] & km[None, :]
+    mv = rv[:, None] & vm[None, :]
+    ko = (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :]
+    vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
+    hoff = ((coff + i_c) * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
+    tl.store(dh_ptr + hoff, dh, mask=km[:, None] & vm[None, :])  # gradient of this chunk's exit state
+    do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32) * scale
+    qg = tl.load(qg_ptr + ko, mask=mk, other=0.0).to(tl.float32)
+    kg = tl.load(kg_ptr + ko, mask=mk, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(tl.float32)
+    eg = tl.load(eg_ptr + ((coff + i_c) * H + i_h) * K + ck, mask=km, other=0.0)
+    a = tl.load(aqk_ptr + ((coff + i_c) * H + i_h) * 4096 + r[:, None] * 64 + r[None, :])
+    dvn = tl.dot(tl.trans(a), do, input_precision=PREC) + tl.dot(kg, dh, input_precision=PREC)
+    dvn = tl.where(mv, dvn, 0.0)
+    tl.store(dvn_ptr + vo, dvn, mask=mv)
+    dh = dh * eg[:, None] + tl.dot(tl.trans(qg), do, input_precision=PREC) \
+        - tl.dot(tl.trans(w), dvn, input_precision=PREC)
+    return dh
+
+
+@triton.jit
+def _bwd_dh_kernel(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr,
+                   cu_ptr, coff_ptr, H, scale,
+                   K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
+                   PREC: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, INTERP: tl.constexpr):
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = (i_nh // H).to(tl.int64)
+    i_h = i_nh % H
+    bos = tl.load(cu_ptr + i_n).to(tl.int64)
+    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
+    coff = tl.load(coff_ptr + i_n).to(tl.int64)
+    ck = tl.arange(0, BKF)
+    cv = i_v * BV + tl.arange(0, BV)
+    sm = (ck < K)[:, None] & (cv < V)[None, :]
+    s_off = (i_n * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
+    if HAS_DHT:
+        dh = tl.load(dht_ptr + s_off, mask=sm, other=0.0).to(tl.float32)
+    else:
+        dh = tl.zeros([BKF, BV], dtype=tl.float32)
+    NC = tl.cdiv(eos - bos, 64)
+    if INTERP:
+        i_c = NC - 1
+        while i_c >= 0:
+            dh = _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c, bos, eos,
+                              coff, i_h, H, scale, K, V, ck, cv, PREC)
+            i_c -= 1
+    else:
+        for j in range(0, NC):
+            dh = _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dh_ptr, dvn_ptr, dh, NC - 1 - j, bos,
+                              eos, coff, i_h, H, scale, K, V, ck, cv, PREC)
+    if STORE_DH0:
+        tl.store(dh0_ptr + s_off, dh, mask=sm)
+
+
+# --------------------------------------------------------------------------
+# kernel 3: V-contractions per chunk (WY backward), partial dq / dk / dGamma / dbeta, dv, dAqk, dA
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_wy_kernel(
+    q_ptr, k_ptr, v_ptr, G_ptr, beta_ptr, tinv_ptr, w_ptr, u_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
+    dq_ptr, dk_ptr, dG_ptr, dv_ptr, dbeta_ptr, daqk_ptr, da_ptr,
+    cu_ptr, cidx_ptr, H, scale,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_n = tl.load(cidx_ptr + 2 * i_t).to(tl.int64)
+    i_c = tl.load(cidx_ptr + 2 * i_t + 1).to(tl.int64)
+    bos = tl.load(cu_ptr + i_n).to(tl.int64)
+    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
+    t0 = bos + i_c * 64
+    L = tl.minimum(64, eos - t0)
+    r = tl.arange(0, 64)
+    rv = r < L
+    beta = tl.load(beta_ptr + (t0 + r) * H + i_h, mask=rv, other=0.0).to(tl.float32)
+    a_base = (i_t * H + i_h) * 4096
+    tmat = tl.load(tinv_ptr + a_base + r[:, None] * 64 + r[None, :])
+    tmatT = tl.trans(tmat)
+    hb = (i_t * H + i_h) * (K * V)
+    dbeta = tl.zeros([64], dtype=tl.float32)
+    daqk = tl.zeros([64, 64], dtype=tl.float32)
+    da = tl.zeros([64, 64], dtype=tl.float32)
+    for kb in tl.static_range(0, K, BK):
+        ck = kb + tl.arange(0, BK)
+        km = ck < K
+        dqg = tl.zeros([64, BK], dtype=tl.float32)
+        dkg = tl.zeros([64, BK], dtype=tl.float32)
+        drk = tl.zeros([64, BK], dtype=tl.float32)
+        deg = tl.zeros([BK], dtype=tl.float32)
+        for vb in tl.static_range(0, V, BV):
+            cv = vb + tl.arange(0, BV)
+            vm = cv < V
+            mv = rv[:, None] & vm[None, :]
+            vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
+            hoff = hb + ck[:, None] * V + cv[None, :]
+            hm = km[:, None] & vm[None, :]
+            hs = tl.load(h_ptr + hoff, mask=hm, other=0.0)
+            dhs = tl.load(dh_ptr + hoff, mask=hm, other=0.0)
+            do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32) * scale
+            vn = tl.load(vn_ptr + vo, mask=mv, other=0.0)
+            dvn = tl.load(dvn_ptr + vo, mask=mv, other=0.0)
+            drv = tl.dot(tmatT, dvn, input_precision=PREC)
+            hsT = tl.trans(hs)
+            dqg += tl.dot(do, hsT, input_precision=PREC)
+            dkg += tl.dot(vn, tl.trans(dhs), input_precision=PREC)
+            drk -= tl.dot(drv, hsT, input_precision=PREC)
+            deg += tl.sum(hs * dhs, axis=1)
+            if kb == 0:
+                u = tl.load(u_ptr + vo, mask=mv, other=0.0).to(tl.float32)
+                vv = tl.load(v_ptr + vo, mask=mv, other=0.0).to(tl.float32)
+                daqk += tl.dot(do, tl.trans(vn), input_precision=PREC)
+                da -= tl.dot(drv, tl.trans(u), input_precision=PREC)
+                tl.store(dv_ptr + vo, drv * beta[:, None], mask=mv)
+                dbeta += tl.sum(drv * vv, axis=1)
+        mk = rv[:, None] & km[None, :]
+        ko = (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :]
+        q = tl.load(q_ptr + ko, mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + ko, mask=mk, other=0.0).to(tl.float32)
+        G = tl.load(G_ptr + ko, mask=mk, other=0.0)
+        w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(tl.float32)
+        g_last = tl.load(G_ptr + (t0 + L - 1) * (H * K) + i_h * K + ck, mask=km, other=0.0)
+        eG = tl.where(mk, tl.exp(G), 0.0)
+        eC = tl.where(mk, tl.exp(g_last[None, :] - G), 0.0)
+        qg = q * eG
+        kg = k * eC
+        rk = beta[:, None] * k * eG
+        dq = dqg * eG
+        dk = dkg * eC + beta[:, None] * eG * drk
+        dG = dqg * qg - dkg * kg + drk * rk
+        dgc = tl.sum(dkg * kg, axis=0) + deg * tl.exp(g_last)
+        dG += tl.where((r == L - 1)[:, None], dgc[None, :], 0.0)
+        dbeta += tl.sum(drk * k * eG, axis=1)
+        da -= tl.dot(drk, tl.trans(w), input_precision=PREC)
+        tl.store(dq_ptr + ko, dq, mask=mk)
+        tl.store(dk_ptr + ko, dk, mask=mk)
+        tl.store(dG_ptr + ko, dG, mask=mk)
+    o2 = a_base + r[:, None] * 64 + r[None, :]
+    tl.store(daqk_ptr + o2, tl.where(r[:, None] >= r[None, :], daqk, 0.0))
+    tl.store(da_ptr + o2, tl.where(r[:, None] > r[None, :], da, 0.0))
+    tl.store(dbeta_ptr + (t0 + r) * H + i_h, dbeta, mask=rv)
+
+
+# --------------------------------------------------------------------------
+# kernel 4: gradients through Aqk and A on 16 x 16 blocks; dg by suffix sums
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_intra_kernel(
+    q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, dq_ptr, dk_ptr, dG_ptr, dg_ptr, dbeta_ptr,
+    cu_ptr, cidx_ptr, H,
+    K: tl.constexpr, BKF: tl.constexpr, PREC: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_n = tl.load(cidx_ptr + 2 * i_t).to(tl.int64)
+    i_c = tl.load(cidx_ptr + 2 * i_t + 1).to(tl.int64)
+    bos = tl.load(cu_ptr + i_n).to(tl.int64)
+    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
+    t0 = bos + i_c * 64
+    L = tl.minimum(64, eos - t0)
+    r16 = tl.arange(0, 16)
+    ck = tl.arange(0, BKF)
+    km = ck < K
+    a_base = (i_t * H + i_h) * 4096
+    NEG = float("-inf")
+    carry = tl.zeros([BKF], dtype=tl.float32)
+    for ii in tl.static_range(4):
+        i = 3 - ii  # last row tile first: the suffix sum over later tiles is carried
+        rows = i * 16 + r16
+        vi = rows < L
+        mi = vi[:, None] & km[None, :]
+        oi = (t0 + rows)[:, None] * (H * K) + i_h * K + ck[None, :]
+        Gi = tl.load(G_ptr + oi, mask=mi, other=0.0)
+        qi = tl.load(q_ptr + oi, mask=mi, other=0.0).to(tl.float32)
+        ki = tl.load(k_ptr + oi, mask=mi, other=0.0).to(tl.float32)
+        bi = tl.load(beta_ptr + (t0 + rows) * H + i_h, mask=vi, other=0.0).to(tl.float32)
+        # ---- row side: rows of tile i against columns of tiles j <= i, reference Gamma at row 16 i
+        g_n = tl.load(G_ptr + (t0 + i * 16) * (H * K) + i_h * K + ck, mask=km & (i * 16 < L), other=0.0)
+        acc_q = tl.zeros([16, BKF], dtype=tl.float32)
+        acc_b = tl.zeros([16, BKF], dtype=tl.float32)
+        for j in tl.static_range(4):
+            if j <= i:  # (static_range(i + 1) fails under the interpreter; compile-time here)
+                cols = j * 16 + r16
+                vj = cols < L
+                mj = vj[:, None] & km[None, :]
+                oj = (t0 + cols)[:, None] * (H * K) + i_h * K + ck[None, :]
+                Gj = tl.load(G_ptr + oj, mask=mj, other=0.0)
+                kj = tl.load(k_ptr + oj, mask=mj, other=0.0).to(tl.float32)
+                kc = kj * tl.exp(tl.where(mj, g_n[None, :] - Gj, NEG))  # <= 1 for j < i, <= e^75 for j == i
+                bo = a_base + rows[:, None] * 64 + cols[None, :]
+                acc_q += tl.dot(tl.load(daqk_ptr + bo), kc, input_precision=PREC)
+                acc_b += tl.dot(tl.load(da_ptr + bo), kc, input_precision=PREC)
+        er = tl.exp(tl.where(mi, Gi - g_n[None, :], NEG))  # in [e^-75, 1]
+        dq_r = acc_q * er
+        x = acc_b * er  # gradient of the row operand beta k
+        # ---- column side: columns of tile i against rows of tiles m >= i, reference Gamma at its last token
+        g_l = tl.load(G_ptr + (t0 + tl.minimum(i * 16 + 15, L - 1)) * (H * K) + i_h * K + ck, mask=km, other=0.0)
+        acc_c = tl.zeros([16, BKF], dtype=tl.float32)
+        for m in tl.static_range(4):
+            if m >= i:
+                rm = m * 16 + r16
+                vmr = rm < L
+                mm = vmr[:, None] & km[None, :]
+                om = (t0 + rm)[:, None] * (H * K) + i_h * K + ck[None, :]
+                Gm = tl.load(G_ptr + om, mask=mm, other=0.0)
+                qm = tl.load(q_ptr + om, mask=mm, other=0.0).to(tl.float32)
+                km_ = tl.load(k_ptr + om, mask=mm, other=0.0).to(tl.float32)
+                bm = tl.load(beta_ptr + (t0 + rm) * H + i_h, mask=vmr, other=0.0).to(tl.float32)
+                f = tl.exp(tl.where(mm, Gm - g_l[None, :], NEG))  # <= 1 for m > i, <= e^75 for m == i
+                bo = a_base + rm[:, None] * 64 + (i * 16 + r16)[None, :]
+                acc_c += tl.dot(tl.trans(tl.load(daqk_ptr + bo)), qm * f, input_precision=PREC)
+                acc_c += tl.dot(tl.trans(tl.load(da_ptr + bo)), (bm[:, None] * km_) * f, input_precision=PREC)
+        dk_c = acc_c * tl.exp(tl.where(mi, g_l[None, :] - Gi, NEG))  # in [e^-75, 1]
+        # ---- combine with the partials of the WY kernel
+        dq = tl.load(dq_ptr + oi, mask=mi, other=0.0) + dq_r
+        dk = tl.load(dk_ptr + oi, mask=mi, other=0.0) + dk_c + bi[:, None] * x
+        dG = tl.load(dG_ptr + oi, mask=mi, other=0.0) + qi * dq_r + (bi[:, None] * ki) * x - ki * dk_c
+        dG = tl.where(mi, dG, 0.0)
+        db = tl.load(dbeta_ptr + (t0 + rows) * H + i_h, mask=vi, other=0.0) + tl.sum(ki * x, axis=1)
+        tot = tl.sum(dG, axis=0)
+        dg = tot[None, :] - tl.cumsum(dG, axis=0) + dG + carry[None, :]
+        carry += tot
+        tl.store(dq_ptr + oi, dq, mask=mi)
+        tl.store(dk_ptr + oi, dk, mask=mi)
+        tl.store(dg_ptr + oi, dg, mask=mi)
+        tl.store(dbeta_ptr + (t0 + rows) * H + i_h, db, mask=vi)
+
+
+# --------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------
+
+
+def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: torch.Tensor,
+                   initial_state: Optional[torch.Tensor], scale: float, plan: ChunkPlan, need_dh0: bool = True):
+    """Core backward: gradients w.r.t. the kernel's q, k (after any L2 norm), v, g (the log-decay after any
+    fused gate), beta (after any sigmoid) and the initial state, from the forward's ``aux``
+    (``kda_fwd_triton(..., return_aux=True)``). Returns fp32 (dq, dk, dv, dg, dbeta, dh0 or None)."""
+    q, k, G, beta = aux["q"], aux["k"], aux["G"], aux["beta"]
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dev = q.device
+    N, NT = plan.N, plan.NT
+    f32 = dict(device=dev, dtype=torch.float32)
+    dq = torch.zeros(B, T, H, K, **f32)
+    dk = torch.zeros(B, T, H, K, **f32)
+    dg = torch.zeros(B, T, H, K, **f32)
+    dv = torch.zeros(B, T, H, V, **f32)
+    dbeta = torch.zeros(B, T, H, **f32)
+    dh0 = torch.empty(N, H, K, V, **f32) if need_dh0 else None
+    if NT == 0:
+        if dh0 is not None:
+            dh0.copy_(dht.float() if dht is not None else torch.zeros_like(dh0))
+        return dq, dk, dv, dg, dbeta, dh0
+    PREC = "tf32x3" if q.dtype == torch.float32 else "tf32"
+    BKF = _next_pow2(K)
+    BVF = _next_pow2(V)
+    BK, BV = min(64, BKF), min(64, BVF)
+    BVs = min(SCAN_BV or 32, BVF)
+    do = do.contiguous()
+    h = torch.empty(NT, H, K, V, **f32)
+    dh = torch.empty(NT, H, K, V, **f32)
+    vn = torch.empty(B, T, H, V, **f32)
+    dvn = torch.empty(B, T, H, V, **f32)
+    dummy = G
+    grid_s = (triton.cdiv(V, BVs), N * H)
+    h0 = initial_state.float().contiguous() if initial_state is not None else dummy
+    _fwd_h_kernel[grid_s](
+        aux["kg"], aux["eg"], aux["w"], aux["u"], h0, h, vn, plan.cu, plan.chunk_off, H,
+        K=K, V=V, BKF=BKF, BV=BVs, PREC=PREC, HAS_H0=initial_state is not None, INTERP=INTERPRET,
+        num_warps=4,
+    )
+    dht_c = dht.float().contiguous() if dht is not None else dummy
+    _bwd_dh_kernel[grid_s](
+        aux["qg"], aux["kg"], aux["eg"], aux["w"], aux["aqk"], do, dht_c, dh, dvn, dh0 if dh0 is not None else dummy,
+        plan.cu, plan.chunk_off, H, float(scale),
+        K=K, V=V, BKF=BKF, BV=BVs, PREC=PREC, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
+        INTERP=INTERPRET, num_warps=4,
+    )
+    daqk = torch.empty(NT, H, 64, 64, **f32)
+    da = torch.empty(NT, H, 64, 64, **f32)
+    warps = BWD_WARPS or (8 if BKF >= 128 else 4)
+    _bwd_wy_kernel[(NT, H)](
+        q, k, v, G, beta, aux["tinv"], aux["w"], aux["u"], h, dh, vn, dvn, do,
+        dq, dk, dg, dv, dbeta, daqk, da, plan.cu, plan.chunk_idx, H, float(scale),
+        K=K, V=V, BK=BK, BV=BV, PREC=PREC, num_warps=warps,
+    )
+    # dg holds dGamma (partial) here; the intra kernel reads it and writes dg in place (same tile, same CTA)
+    _bwd_intra_kernel[(NT, H)](
+        q, k, G, beta, daqk, da, dq, dk, dg, dg, dbeta, plan.cu, plan.chunk_idx, H,
+        K=K, BKF=BKF, PREC=PREC, num_warps=warps,
+    )
+    return dq, dk, dv, dg, dbeta, dh0

@@ -20,7 +20,8 @@ One MoE layer step, per rank (``EPRoutedExperts.forward``):
     per token, exactly as ``kimik3.model.moe.RoutedExperts`` does on one device.
 
 The all-to-alls take their split sizes on the host (NCCL's ``all_to_all_single`` wants Python
-lists), so each layer copies two [R] count vectors to the host; the planner itself has no host
+lists), so each layer copies two [R] count vectors and the [E, R] "who hosts which foreign expert"
+mask to the host in one transfer (one synchronisation point); the planner itself has no host
 synchronisation. Applied from outside the model by ``apply_expert_parallel``.
 """
 
@@ -111,7 +112,12 @@ class EPRoutedExperts(RoutedExperts):
         send_R = torch.bincount(dest_P, minlength=ranks)
         recv_R = torch.empty_like(send_R)
         dist.all_to_all_single(recv_R, send_R, group=group)
-        send_sizes, recv_sizes = send_R.tolist(), recv_R.tolist()     # host copy: NCCL wants lists
+        owner_E = torch.arange(experts, device=device) // per_rank
+        hosted_ER = (quota_ER > 0) & (owner_E[:, None] != torch.arange(ranks, device=device)[None, :])
+        # The one host synchronisation of the layer: NCCL's all-to-all wants its split sizes as lists.
+        host = torch.cat([send_R, recv_R, hosted_ER.flatten().long()]).cpu()
+        send_sizes, recv_sizes = host[:ranks].tolist(), host[ranks:2 * ranks].tolist()
+        hosted = host[2 * ranks:].view(experts, ranks).bool()
         token_P = order // top_k
         rows_out = _exchange(x_TL[token_P], recv_sizes, send_sizes, group)
         weights_out = _exchange(weights_TK.flatten()[order].float()[:, None], recv_sizes, send_sizes, group)[:, 0]
@@ -119,7 +125,7 @@ class EPRoutedExperts(RoutedExperts):
         dist.all_to_all_single(ids_out, ids_P[order].contiguous(), recv_sizes, send_sizes, group=group)
 
         # 5: foreign experts' weights from their owners
-        table_E, stacked = self._expert_table(quota_ER, rank, ranks, per_rank)
+        table_E, stacked = self._expert_table(hosted, rank, ranks, per_rank, device)
 
         # 6: the experts, as on one device, then the way back
         local_ids = table_E[ids_out]
@@ -134,13 +140,12 @@ class EPRoutedExperts(RoutedExperts):
         back = _exchange(y_NL, send_sizes, recv_sizes, group)
         return torch.zeros_like(x_TL).index_add_(0, token_P, back.to(x_TL.dtype))
 
-    def _expert_table(self, quota_ER: torch.Tensor, rank: int, ranks: int,
-                      per_rank: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Expert id -> row of the local weight stack [natives, then foreign experts sent here]."""
+    def _expert_table(self, hosted: torch.Tensor, rank: int, ranks: int, per_rank: int, device: torch.device
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Expert id -> row of the local weight stack [natives, then foreign experts sent here].
+
+        ``hosted``: host bool [E, R], foreign expert e computes on rank r."""
         experts = self.num_experts
-        owner_E = torch.arange(experts, device=quota_ER.device) // per_rank
-        hosted_ER = (quota_ER > 0) & (owner_E[:, None] != torch.arange(ranks, device=quota_ER.device)[None, :])
-        hosted = hosted_ER.cpu()       # which foreign experts go where: [E, R] booleans, host copy
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         send = [torch.nonzero(hosted[mine, d]).flatten().tolist() for d in range(ranks)]   # my experts for d
         receive = torch.nonzero(hosted[:, rank]).flatten().tolist()                         # foreign here
@@ -156,11 +161,11 @@ class EPRoutedExperts(RoutedExperts):
         stacked = (torch.cat([w_gate, gate_f.view(-1, latent, hidden)]),
                    torch.cat([w_up, up_f.view(-1, latent, hidden)]),
                    torch.cat([w_down, down_f.view(-1, hidden, latent)]))
-        table_E = torch.full((experts,), -1, dtype=torch.long, device=quota_ER.device)
-        table_E[mine] = torch.arange(per_rank, device=quota_ER.device)
+        table_E = torch.full((experts,), -1, dtype=torch.long, device=device)
+        table_E[mine] = torch.arange(per_rank, device=device)
         if receive:   # received in owner order = ascending expert id, which `receive` is
-            table_E[torch.tensor(receive, device=quota_ER.device)] = torch.arange(
-                per_rank, per_rank + len(receive), device=quota_ER.device)
+            table_E[torch.tensor(receive, device=device)] = torch.arange(per_rank, per_rank + len(receive),
+                                                                         device=device)
         return table_E, stacked
 
 

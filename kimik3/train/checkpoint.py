@@ -212,12 +212,21 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The full (unsharded) state dict of a possibly sharded model, as CPU tensors on rank 0.
 
     A collective when the model is sharded: every rank must call it; ranks other than 0 get {}.
+    Each DTensor (FSDP2 shards over dp x cp, MoonEP experts over ep) is gathered whole with
+    ``full_tensor()``, in state-dict order, which is the same on every rank.
     """
     if not _is_sharded(model):
         return {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    keep = dist.get_rank() == 0
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if keep:
+            state[name] = full.detach().to("cpu").contiguous()
+    return state
 
 
 def _gather(obj: Any) -> Any:

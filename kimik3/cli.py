@@ -65,7 +65,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         preset=args.preset, config_path=args.config, data=args.data, steps=args.steps,
         time_budget_s=args.time_budget, out=args.out, seed=args.seed, seq_len=args.seq_len,
         batch_size=args.batch_size, lr=args.lr, device=args.device, balance=args.balance, qb_rate=args.qb_rate,
-        progress=not args.no_progress)
+        ep_planner=args.ep_planner, progress=not args.no_progress)
     Trainer(train_args, resume=args.resume, parallel=parallel,
             activation_checkpointing=args.activation_checkpointing).run()
     return 0
@@ -188,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dp", type=int, help="data-parallel degree (default: world size / cp)")
     t.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides dp; borrows dp ranks)")
     t.add_argument("--cp", type=int, default=1, help="context-parallel degree (world = dp x cp)")
+    t.add_argument("--ep-planner", default="moonep", choices=["moonep", "none"],
+                   help="expert placement under --ep: MoonEP perfect balance, or every expert on its owner")
     t.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block in backward instead of storing its activations")
     t.set_defaults(func=cmd_train)

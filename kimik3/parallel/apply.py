@@ -101,7 +101,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, *,
-                activation_checkpointing: bool = False, fsdp_ignore=None) -> nn.Module:
+                activation_checkpointing: bool = False, fsdp_ignore=None, ep_planner: str = "moonep") -> nn.Module:
     """Apply context parallel, expert parallel, activation checkpointing and FSDP2, in that order.
 
     model: a ``K3ForCausalLM`` (modified in place and returned). mesh: ``build_mesh(dims, ...)``;
@@ -113,7 +113,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, *
     if dims.cp > 1:
         apply_context_parallel(model, dims, mesh)
     if dims.ep > 1:
-        apply_expert_parallel(model, dims, mesh)
+        apply_expert_parallel(model, dims, mesh, planner=ep_planner)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if mesh is not None:

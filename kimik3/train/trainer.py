@@ -82,6 +82,7 @@ class TrainArgs:
     checkpoint_every: int = 100
     max_nonfinite: int = 5
     balance: str = "quantile"         # quantile | sign | none
+    ep_planner: str = "moonep"        # under expert parallelism: moonep (perfect balance) | none (owners only)
     qb_rate: float = 1.0              # Quantile Balancing step fraction (1.0: K3's one-shot update)
     progress: bool = True
 
@@ -100,6 +101,8 @@ class TrainArgs:
             raise ValueError(f"--qb-rate must be in (0, 1], got {self.qb_rate}")
         if self.balance not in ("quantile", "sign", "none"):
             raise ValueError(f"--balance must be quantile, sign or none, got {self.balance!r}")
+        if self.ep_planner not in ("moonep", "none"):
+            raise ValueError(f"--ep-planner must be moonep or none, got {self.ep_planner!r}")
         parse_stages(self.stages)
 
 
@@ -172,7 +175,8 @@ class Trainer:
             from kimik3.parallel.apply import parallelize
 
             # Every rank built the same weights from the same seed; FSDP keeps each rank's shard.
-            parallelize(self.model, self.dims, self.mesh, activation_checkpointing=activation_checkpointing)
+            parallelize(self.model, self.dims, self.mesh, activation_checkpointing=activation_checkpointing,
+                        ep_planner=self.args.ep_planner)
         from kimik3.optim import build_param_groups
 
         self.optimizer = build_param_groups(self.model, lr=args.lr, weight_decay=args.weight_decay)

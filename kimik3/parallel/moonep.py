@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -176,8 +176,8 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
 
 def _exchange(rows: torch.Tensor, recv_sizes: list[int], send_sizes: list[int], group) -> torch.Tensor:
     """Differentiable all_to_all_single along dim 0 (the backward sends gradients back)."""
-    out = rows.new_empty((sum(recv_sizes), *rows.shape[1:]))
-    return dist_fn.all_to_all_single(out, rows.contiguous(), recv_sizes, send_sizes, group=group)
+    out = funcol.all_to_all_single_autograd(rows.contiguous(), recv_sizes, send_sizes, group)
+    return funcol.wait_tensor(out)
 
 
 def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup | DeviceMesh,

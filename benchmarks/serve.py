@@ -62,7 +62,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _server_child(port: int, run: str | None, max_running: int, threads: int, ready) -> None:
+def _server_child(port: int, run: str | None, max_running: int, threads: int, prefill_chunk: int, ready) -> None:
     """The server process: engine + HTTP, as `kimik3 serve` runs it."""
     import uvicorn
 
@@ -71,11 +71,11 @@ def _server_child(port: int, run: str | None, max_running: int, threads: int, re
     if threads:
         torch.set_num_threads(threads)
     if run:
-        engine = LLMEngine.from_run(run, EngineConfig(checkpoints=0, max_running=max_running))
+        engine = LLMEngine.from_run(run, EngineConfig(checkpoints=0, max_running=max_running, prefill_chunk=prefill_chunk))
     else:
         model, tokenizer, _ = random_tiny()
         # No EOS: every request produces exactly max_tokens, whatever the server.
-        engine = LLMEngine(model, tokenizer, EngineConfig(checkpoints=0, max_running=max_running),
+        engine = LLMEngine(model, tokenizer, EngineConfig(checkpoints=0, max_running=max_running, prefill_chunk=prefill_chunk),
                            model_name="tiny-random")
     server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
 
@@ -91,11 +91,11 @@ def _server_child(port: int, run: str | None, max_running: int, threads: int, re
 class ServerProcess:
     """A server in its own process, so that the clients' Python never shares its interpreter lock."""
 
-    def __init__(self, run: str | None, max_running: int, threads: int):
+    def __init__(self, run: str | None, max_running: int, threads: int, prefill_chunk: int = 512):
         ctx = mp.get_context("spawn")
         self.port = free_port()
         ready = ctx.Queue()
-        self.process = ctx.Process(target=_server_child, args=(self.port, run, max_running, threads, ready), daemon=True)
+        self.process = ctx.Process(target=_server_child, args=(self.port, run, max_running, threads, prefill_chunk, ready), daemon=True)
         self.process.start()
         self.model_name, self.vocab = ready.get(timeout=300)
         self.base = f"http://127.0.0.1:{self.port}"
@@ -172,6 +172,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0, help="torch threads in the server (0: torch's default)")
+    parser.add_argument("--prefill-chunk", type=int, default=512, help="engine tokens per prefill forward")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
@@ -181,7 +182,7 @@ def main() -> None:
     servers = [("ours", 64)] + ([] if args.no_peer else [("peer", 1)])
     results: dict[str, list[dict]] = {}
     for name, max_running in servers:
-        server = ServerProcess(args.run, max_running, args.threads)
+        server = ServerProcess(args.run, max_running, args.threads, args.prefill_chunk)
         try:
             if not levels:
                 for concurrency in args.concurrency:

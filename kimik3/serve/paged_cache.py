@@ -136,7 +136,7 @@ class StatePool:
 
     def __init__(self, config: K3Config, num_slots: int, dtype: torch.dtype, device: torch.device | str):
         heads, head_dim = config.kda.num_heads, config.kda_head_dim
-        kda_layers = sum(spec.mixer == "kda" for spec in config.layer_plan())
+        kda_layers = config.num_layers - len(config.mla_layer_indices)
         self.conv = [torch.zeros(num_slots, 3 * heads * head_dim, config.kda.conv_kernel - 1,
                                  dtype=dtype, device=device) for _ in range(kda_layers)]
         self.recurrent = [torch.zeros(num_slots, heads, head_dim, head_dim, dtype=torch.float32, device=device)
@@ -148,7 +148,7 @@ class StatePool:
     def slot_bytes(config: K3Config, dtype: torch.dtype) -> int:
         """Bytes of one slot: every KDA layer's conv inputs and fp32 recurrent state."""
         heads, head_dim = config.kda.num_heads, config.kda_head_dim
-        kda_layers = sum(spec.mixer == "kda" for spec in config.layer_plan())
+        kda_layers = config.num_layers - len(config.mla_layer_indices)
         conv = 3 * heads * head_dim * (config.kda.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
         return kda_layers * (conv + heads * head_dim * head_dim * 4)
 

@@ -82,9 +82,8 @@ class EngineCore:
         self.max_context = min(config.max_context or model.config.max_seq_len, model.config.max_seq_len)
         device, dtype = model.device, model.dtype
         self.layout = plan_cache(model.config, config, dtype)
-        mla_layers = sum(spec.mixer == "mla" for spec in model.config.layer_plan())
         self.allocator = BlockAllocator(self.layout.num_blocks)
-        self.latents = LatentPool(mla_layers, self.layout.num_blocks, config.physical_block,
+        self.latents = LatentPool(len(model.config.mla_layer_indices), self.layout.num_blocks, config.physical_block,
                                   model.config.mla.cache_width, dtype, device)
         self.states = StatePool(model.config, self.layout.num_slots, dtype, device)
         if config.prefix_policy == "oracle":

@@ -209,7 +209,7 @@ class Trainer:
         if self.distributed:
             torch.distributed.barrier()
 
-    def _mean_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+    def _global_loss(self, value: torch.Tensor) -> torch.Tensor:
         """The global value of a per-rank loss: summed over the cp ranks (under context parallelism
         each rank's loss is its *share* of its sequences' loss) and averaged over the dp ranks."""
         if not self.distributed:
@@ -373,7 +373,7 @@ class Trainer:
         loss = out.loss
         record: dict[str, Any] = {"step": step, "seq_len": seq, "batch_size": batch,
                                   "lr": self.args.lr * lr_scale}
-        global_loss = self._mean_over_ranks(loss.detach())  # one verdict for every rank
+        global_loss = self._global_loss(loss.detach())  # one verdict for every rank
         finite = bool(torch.isfinite(global_loss))
         if finite:
             # FSDP averages gradients over dp x cp; cp shares must be summed, hence the factor.
@@ -397,8 +397,8 @@ class Trainer:
                       elapsed_s=time.perf_counter() - self.started,
                       skipped=not finite, nonfinite_total=self.nonfinite_total)
         if out.main_loss is not None and out.mtp_loss is not None:
-            record.update(main_loss=float(self._mean_over_ranks(out.main_loss.detach())),
-                          mtp_loss=float(self._mean_over_ranks(out.mtp_loss.detach())))
+            record.update(main_loss=float(self._global_loss(out.main_loss.detach())),
+                          mtp_loss=float(self._global_loss(out.mtp_loss.detach())))
         record["expert_load_max_over_mean"] = balance.get("load_max_over_mean_mean", self._router_imbalance())
         return record
 
@@ -423,7 +423,7 @@ class Trainer:
             with self._autocast():
                 out = self.model(window.to(self.device), labels=target.to(self.device))
             loss = out.main_loss if out.main_loss is not None else out.loss
-            losses.append(float(self._mean_over_ranks(loss)))   # every dp rank evaluates the same windows
+            losses.append(float(self._global_loss(loss)))   # every dp rank evaluates the same windows
         self.model.train(was_training)
         return float(np.mean(losses))
 

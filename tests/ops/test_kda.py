@@ -158,10 +158,10 @@ def test_initial_state_not_modified():
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("T", [63, 130])
-def test_chunk_bf16_matches_fp32_naive(T):
+@pytest.mark.parametrize("T,seed", [(63, 11), (130, 11), (128, 12)])
+def test_chunk_bf16_matches_fp32_naive(T, seed):
     B, H, K, V = 2, 2, 16, 16
-    inputs = make_inputs(B, T, H, K, V, dtype=torch.bfloat16, seed=11)
+    inputs = make_inputs(B, T, H, K, V, dtype=torch.bfloat16, seed=seed)
     h0 = make_state(B, H, K, V)
     ref_inputs, ref_h0 = as_fp32_leaves(inputs), h0.detach().clone().requires_grad_()
     o_ref, s_ref, g_ref = run_with_grads(naive_recurrent_kda, ref_inputs, ref_h0)
@@ -421,22 +421,6 @@ def test_inplace_input_edit_after_forward_is_not_silent():
         assert "inplace" in str(err)
     else:
         assert torch.equal(got, want)
-
-
-def test_fast_path_bf16_matches_fp32_naive():
-    B, T, H, K, V = 2, 128, 2, 16, 16
-    inputs = make_inputs(B, T, H, K, V, dtype=torch.bfloat16, seed=12)
-    h0 = make_state(B, H, K, V)
-    ref_inputs, ref_h0 = as_fp32_leaves(inputs), h0.detach().clone().requires_grad_()
-    o_ref, s_ref, g_ref = run_with_grads(naive_recurrent_kda, ref_inputs, ref_h0)
-    o, s, g = run_with_grads(chunk_kda, inputs, h0)
-    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
-    assert all(gr.dtype == torch.bfloat16 for gr in g[:5])
-    assert rel_rms(o_ref, o) < 5e-3
-    assert rel_rms(s_ref, s) < 5e-3
-    tol = {"dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dg": 2e-2, "dbeta": 2e-2, "dh0": 5e-3}
-    for name, a, b in zip(GRAD_NAMES, g_ref, g):
-        assert rel_rms(a, b) < tol[name], name
 
 
 @pytest.mark.parametrize("p", [1, 40, 64, 100, 127])

@@ -375,7 +375,7 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
 
 @section
 def profile(shapes, variants):
-    """Per-kernel CUDA time of our forward (torch.profiler), to see which of the 3 kernels dominates."""
+    """Per-kernel CUDA time (torch.profiler) of our forward per variant, then of one forward+backward."""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     B, T, H, D = shapes[0]
@@ -389,6 +389,43 @@ def profile(shapes, variants):
             torch.cuda.synchronize()
         log(f"profile B{B} T{T} H{H} D{D} variant '{var}' (3 calls):")
         log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=40))
+    # forward + backward (default variant, Triton backward): which backward kernel dominates
+    xg = [x.detach().requires_grad_() for x in xs]
+    do = torch.randn_like(xs[2])
+    o, _ = ours_k3(xg, a_log, dtb)
+    torch.autograd.grad(o, xg, do)
+    torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            o, _ = ours_k3(xg, a_log, dtb)
+            torch.autograd.grad(o, xg, do)
+        torch.cuda.synchronize()
+    log(f"profile B{B} T{T} H{H} D{D} fwd+bwd, default variant (2 calls):")
+    log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=40))
+
+
+@section
+def ablate(shapes):
+    """Where the forward's time goes: the forward timed with one phase of the intra kernel skipped
+    (results wrong, timing only), and with the intra kernel at 4 and 8 warps."""
+    import kimik3.ops.kda.triton_forward as tf
+
+    B, T, H, D = shapes[0]
+    xs, a_log, dtb = k3_inputs(B, T, H, D, seed=3)
+    rows = {}
+    for name, abl, warps in (("full", 0, None), ("no solve (phase B)", 1, None), ("no A dots (phase A)", 2, None),
+                             ("no W/U (phase C)", 3, None), ("full, intra 4 warps", 0, 4),
+                             ("full, intra 16 warps", 0, 16)):
+        tf.INTRA_ABLATE, tf.INTRA_WARPS = abl, warps
+        try:
+            ours_k3(xs, a_log, dtb)
+            torch.cuda.synchronize()
+            rows[name] = t = bench(lambda: ours_k3(xs, a_log, dtb))
+            log(f"ablate B{B} T{T} H{H} D{D} {name}: {t:.3f} ms")
+        except Exception as exc:  # noqa: BLE001
+            log(f"ablate {name} failed: {exc!r}"[:300])
+    tf.INTRA_ABLATE, tf.INTRA_WARPS = 0, None
+    RESULTS["timings"]["ablate"] = rows
 
 
 @section
@@ -490,6 +527,8 @@ def main() -> int:
         chunk(shapes[:1] if a.quick else shapes, variants, not a.no_fla, a.quick, a.sweep, not a.no_bwd)
     if "profile" in secs:
         profile(shapes, variants)
+    if "ablate" in secs:
+        ablate(shapes)
     if "decode" in secs:
         decode(batches, a.sweep)
     log(f"\nSUMMARY: {len(RESULTS['pass'])} PASS, {len(RESULTS['fail'])} FAIL in {time.time() - t0:.0f} s")

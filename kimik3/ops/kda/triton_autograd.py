@@ -2,9 +2,8 @@
 
 Backward (version 2, default): Triton kernels (``triton_backward.kda_bwd_triton``) for the core
 gradients w.r.t. the kernel's q, k, v, g (log-decay), beta and the initial state, from the forward's
-saved intermediates (G, Aqk, T, W, U, qg, kg, exp(Gamma_C)); the fused pre-activations' chain rule
-(gate, q/k L2 norm, beta sigmoid) is applied in torch around it by differentiating
-``torch_preactivations`` recomputed from the saved raw inputs.
+saved intermediates (G, Aqk, T, W, U, qg, kg, exp(Gamma_C)), then the fused pre-activations' chain
+rule (gate, q/k L2 norm, beta sigmoid) in one more Triton pass (``triton_preact.py``).
 
 ``KIMIK3_KDA_TRITON_BWD=torch`` selects version 1, the HYBRID backward: it recomputes the chunkwise
 torch path (``chunk.chunk_kda_torch``, hand-written backward, exact to fp32) under autograd from the
@@ -97,8 +96,9 @@ class _TritonKDAFunction(torch.autograd.Function):
 
 
 def _triton_backward(ctx, do, dht):
-    """Triton core backward, then the fused pre-activations' chain rule in torch."""
+    """Triton core backward, then the fused pre-activations' chain rule (Triton)."""
     from .triton_backward import kda_bwd_triton
+    from .triton_preact import preact_bwd_triton
 
     scale, cu_seqlens, g_min, use_gate, use_l2, use_beta_sigmoid, has_h0 = ctx.args
     saved = ctx.saved_tensors
@@ -110,19 +110,9 @@ def _triton_backward(ctx, do, dht):
     need = ctx.needs_input_grad[:8]
     dq, dk, dv, dgam, dbeta, dh0 = kda_bwd_triton(
         do, dht, aux, v, h0, scale, ctx.plan, need_dh0=bool(has_h0 and need[5]))
-    if use_gate or use_l2 or use_beta_sigmoid:
-        # chain rule of the fused pre-activations: differentiate their torch recomputation
-        with torch.enable_grad():
-            leaves = [x.detach().requires_grad_() if (x is not None and nd) else x
-                      for x, nd in zip((q, k, g, beta, A_log, dt_bias), need[:4] + need[6:8])]
-            outs = torch_preactivations(*leaves[:4], leaves[4], leaves[5], g_min, use_gate, use_l2,
-                                        use_beta_sigmoid)
-            pairs = [(o, d) for o, d in zip(outs, (dq, dk, dgam, dbeta)) if o.requires_grad]
-            want = [x for x in leaves if x is not None and x.requires_grad]
-            got = torch.autograd.grad([p[0] for p in pairs], want, [p[1].to(p[0].dtype) for p in pairs],
-                                      allow_unused=True) if (pairs and want) else ()
-        it = iter(got)
-        gq, gk, gg, gb, ga, gd = [next(it) if (x is not None and x.requires_grad) else None for x in leaves]
+    if use_gate or use_l2 or use_beta_sigmoid:  # chain rule of the fused pre-activations, one Triton pass
+        gq, gk, gg, gb, ga, gd = preact_bwd_triton(q, k, g, beta, dq, dk, dgam, dbeta, A_log, dt_bias, g_min,
+                                                   use_gate, use_l2, use_beta_sigmoid)
     else:
         gq, gk, gg, gb, ga, gd = dq, dk, dgam, dbeta, None, None
     res = [gq, gk, dv, gg, gb, dh0, ga, gd]

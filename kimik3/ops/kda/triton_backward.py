@@ -43,6 +43,9 @@ from .triton_forward import INTERPRET, ChunkPlan, _next_pow2
 
 BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark sweeps)
 SCAN_BV: Optional[int] = None  # override the V block of the two scans
+# The scans' fp32 [K, BV] tiles must not be multi-buffered by the loop pipeliner: at K = 128 two or
+# three stages need 240-295 KB of shared memory (> 227 KB on the H200, seen in the first GPU run).
+SCAN_STAGES = 1
 
 
 # --------------------------------------------------------------------------
@@ -393,14 +396,14 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     _fwd_h_kernel[grid_s](
         aux["kg"], aux["eg"], aux["w"], aux["u"], h0, h, vn, plan.cu, plan.chunk_off, H,
         K=K, V=V, BKF=BKF, BV=BVs, PREC=PREC, HAS_H0=initial_state is not None, INTERP=INTERPRET,
-        num_warps=4,
+        num_warps=4, num_stages=SCAN_STAGES,
     )
     dht_c = dht.float().contiguous() if dht is not None else dummy
     _bwd_dh_kernel[grid_s](
         aux["qg"], aux["kg"], aux["eg"], aux["w"], aux["aqk"], do, dht_c, dh, dvn, dh0 if dh0 is not None else dummy,
         plan.cu, plan.chunk_off, H, float(scale),
         K=K, V=V, BKF=BKF, BV=BVs, PREC=PREC, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        INTERP=INTERPRET, num_warps=4,
+        INTERP=INTERPRET, num_warps=4, num_stages=SCAN_STAGES,
     )
     daqk = torch.empty(NT, H, 64, 64, **f32)
     da = torch.empty(NT, H, 64, 64, **f32)

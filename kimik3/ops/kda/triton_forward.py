@@ -48,9 +48,13 @@ SCAN_CONFIG: Optional[Tuple[int, int]] = None
 INTRA_WARPS: Optional[int] = None
 # phase-B solve: 0 = v1 forward substitution (default: the only one verified on the H200 so far),
 # 1 = Neumann product (10 dense matmuls; gave an illegal address on the H200 in its first form),
-# 2 = Neumann with the squaring's second operand reloaded from scratch.
+# 2 = Neumann with the squaring's second operand reloaded from scratch, 3 = 16 x 16 blocks in registers
+# (diagonal inverses by a 16 x 16 Neumann product, then block rows; ``_solve_blocks``).
 SOLVE = int(os.environ.get("KIMIK3_KDA_SOLVE", "0"))
 SCAN_KT_LOAD = os.environ.get("KIMIK3_KDA_KT_LOAD", "0") == "1"  # scan: load kg transposed from memory
+# Timing ablation of the intra kernel (benchmarks only; results are WRONG when non-zero): 1 skips the
+# phase-B solve (T = A), 2 skips phase A's dots, 3 skips phase C (W, U and the scan operands).
+INTRA_ABLATE = 0
 
 
 def _next_pow2(x: int) -> int:
@@ -155,12 +159,69 @@ def _prep0_kernel(
 
 
 @triton.jit
+def _inv16(a, PREC: tl.constexpr):
+    """(I + a)^-1 for a strictly lower 16 x 16 block (nilpotent, a^16 = 0), in registers:
+    (I + n)(I + n^2)(I + n^4)(I + n^8) with n = -a -- six dense 16 x 16 products, no serial row loop."""
+    r16 = tl.arange(0, 16)
+    n = -a
+    p = n + (r16[:, None] == r16[None, :]).to(tl.float32)
+    for _ in tl.static_range(3):
+        n = tl.dot(n, n, input_precision=PREC)
+        p += tl.dot(p, n, input_precision=PREC)
+    return p
+
+
+@triton.jit
+def _mm(a, b, PREC: tl.constexpr):
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _solve_blocks(t_ptr, base, PREC: tl.constexpr):
+    """SOLVE 3: T = (I + A)^-1 for the strictly lower 64 x 64 A stored at t_ptr + base (row-major), by
+    16 x 16 blocks held in registers: diagonal inverses by ``_inv16``, then the block rows
+    T_ij = -D_i sum_{j <= m < i} A_im T_mj. Writes T over A (one barrier) and returns it as 64 x 64."""
+    r16 = tl.arange(0, 16)
+    o = r16[:, None] * 64 + r16[None, :]
+    a10 = tl.load(t_ptr + base + o + 16 * 64)
+    a20 = tl.load(t_ptr + base + o + 32 * 64)
+    a21 = tl.load(t_ptr + base + o + 32 * 64 + 16)
+    a30 = tl.load(t_ptr + base + o + 48 * 64)
+    a31 = tl.load(t_ptr + base + o + 48 * 64 + 16)
+    a32 = tl.load(t_ptr + base + o + 48 * 64 + 32)
+    d0 = _inv16(tl.load(t_ptr + base + o), PREC)
+    d1 = _inv16(tl.load(t_ptr + base + o + 16 * 64 + 16), PREC)
+    d2 = _inv16(tl.load(t_ptr + base + o + 32 * 64 + 32), PREC)
+    d3 = _inv16(tl.load(t_ptr + base + o + 48 * 64 + 48), PREC)
+    t10 = -_mm(d1, _mm(a10, d0, PREC), PREC)
+    t21 = -_mm(d2, _mm(a21, d1, PREC), PREC)
+    t20 = -_mm(d2, _mm(a20, d0, PREC) + _mm(a21, t10, PREC), PREC)
+    t32 = -_mm(d3, _mm(a32, d2, PREC), PREC)
+    t31 = -_mm(d3, _mm(a31, d1, PREC) + _mm(a32, t21, PREC), PREC)
+    t30 = -_mm(d3, _mm(a30, d0, PREC) + _mm(a31, t10, PREC) + _mm(a32, t20, PREC), PREC)
+    tl.debug_barrier()  # every block of A is read before T overwrites it (upper blocks stay zero)
+    tl.store(t_ptr + base + o, d0)
+    tl.store(t_ptr + base + o + 16 * 64, t10)
+    tl.store(t_ptr + base + o + 16 * 64 + 16, d1)
+    tl.store(t_ptr + base + o + 32 * 64, t20)
+    tl.store(t_ptr + base + o + 32 * 64 + 16, t21)
+    tl.store(t_ptr + base + o + 32 * 64 + 32, d2)
+    tl.store(t_ptr + base + o + 48 * 64, t30)
+    tl.store(t_ptr + base + o + 48 * 64 + 16, t31)
+    tl.store(t_ptr + base + o + 48 * 64 + 32, t32)
+    tl.store(t_ptr + base + o + 48 * 64 + 48, d3)
+    tl.debug_barrier()
+    r = tl.arange(0, 64)
+    return tl.load(t_ptr + base + r[:, None] * 64 + r[None, :])
+
+
+@triton.jit
 def _intra_kernel(
     q_ptr, k_ptr, v_ptr, G_ptr, beta_ptr, aqk_ptr, tinv_ptr, w_ptr, u_ptr, qg_ptr, kg_ptr, eg_ptr,
     cu_ptr, cidx_ptr, H,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DT: tl.constexpr, DTA: tl.constexpr, DTC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
-    SOLVE: tl.constexpr,
+    SOLVE: tl.constexpr, ABLATE: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
@@ -202,8 +263,9 @@ def _intra_kernel(
             e_r = tl.exp(tl.where(row_ok[:, None] & cm[None, :], Gr - g_ref[None, :], NEG))  # (0, e^75]
             e_s = tl.exp(tl.where(ms, g_ref[None, :] - Gs, NEG))  # [e^-75, 1]
             kc = tl.trans((ks * e_s).to(DTA))
-            acc_q += tl.dot((qr * e_r).to(DTA), kc, input_precision=PREC)
-            acc_k += tl.dot((kr * e_r).to(DTA), kc, input_precision=PREC)
+            if ABLATE != 2:
+                acc_q += tl.dot((qr * e_r).to(DTA), kc, input_precision=PREC)
+                acc_k += tl.dot((kr * e_r).to(DTA), kc, input_precision=PREC)
         lower = r[:, None] >= s[None, :]
         strict = r[:, None] > s[None, :]
         o2 = a_base + r[:, None] * 64 + s[None, :]
@@ -213,7 +275,11 @@ def _intra_kernel(
 
     # ---- phase B: T = (I + diag(beta) Akk)^-1, in place, by row tiles -------------------------
     c64 = tl.arange(0, 64)
-    if SOLVE == 0:
+    if ABLATE == 1:
+        t_all = tl.load(tinv_ptr + a_base + r[:, None] * 64 + c64[None, :])
+    elif SOLVE == 3:
+        t_all = _solve_blocks(tinv_ptr, a_base, SPREC)
+    elif SOLVE == 0:
         for i in tl.static_range(4):
             rows = i * 16 + r16
             # diagonal block inverse by forward substitution (fla's solve_tril 16 x 16)
@@ -259,6 +325,8 @@ def _intra_kernel(
 
     # ---- phase C: W = T (beta k exp(Gamma)), U = T (beta v) ------------------------------------
     t_all = t_all.to(DTC)
+    if ABLATE == 3:
+        return
     for kb in tl.static_range(0, K, BK):
         c = kb + tl.arange(0, BK)
         mr = rv[:, None] & (c < K)[None, :]
@@ -455,7 +523,7 @@ def kda_fwd_triton(
         qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
         K=K, V=V, BK=BK, BV=BV_intra, DT=DT, DTA=DTA, DTC=DTC, PREC=PREC,
         SPREC="tf32x3" if (DT == tl.float32 or DTA == tl.float32) else "tf32",
-        SOLVE=SOLVE, num_warps=INTRA_WARPS or (8 if DT != tl.float32 else 4),
+        SOLVE=SOLVE, ABLATE=INTRA_ABLATE, num_warps=INTRA_WARPS or (8 if DT != tl.float32 else 4),
     )
     # H200 sweep at B1 T8192 H96 D128 (NOTES-kda.md): BV 64 / 4 warps; 2 stages when the operands are
     # 16-bit (fp32 operands pipelined at BV 64 exceed the 227 KB of shared memory)

@@ -1,0 +1,79 @@
+"""Train with the Triton KDA kernels vs the torch chunk path: same run, same data, same seed.
+
+    python benchmarks/kda_train_check.py [--steps 60] [--preset debug] [--vocab 16384]   # GPU machine
+
+Trains the preset (bf16 autocast on CUDA; the preset's vocabulary cut to --vocab, since the stdlib
+corpus does not fill K3's 164K BPE) twice through the same ``Trainer``: KIMIK3_KDA_BACKEND=torch (the
+peer) and =triton (forward and backward kernels). Prints both loss curves, the median tokens/s of
+each, and PASS when the mean training loss over the last 10 steps agrees within --tol (bf16 noise:
+the two paths round differently, so the curves drift apart by a few hundredths, not more).
+Exits non-zero on FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kimik3.config import K3Config  # noqa: E402
+from kimik3.ops.kda import BACKEND_ENV  # noqa: E402
+from kimik3.train.trainer import TrainArgs, Trainer  # noqa: E402
+
+
+def train(backend: str, args: argparse.Namespace, tmp: Path) -> tuple[list[float], float, float]:
+    os.environ[BACKEND_ENV] = backend
+    config = K3Config.preset(args.preset).to_dict()
+    config["vocab_size"] = args.vocab
+    config_path = tmp / f"{args.preset}-v{args.vocab}.json"
+    config_path.write_text(json.dumps(config))
+    train_args = TrainArgs(config_path=str(config_path), steps=args.steps, seq_len=args.seq_len,
+                           batch_size=args.batch_size, device=args.device, out=str(tmp / backend),
+                           eval_every=args.steps, checkpoint_every=10**9, progress=False)
+    losses: list[float] = []
+    speeds: list[float] = []
+
+    def on_step(record: dict) -> None:
+        losses.append(record["loss"])
+        speeds.append(record["tokens_per_s"])
+
+    summary = Trainer(train_args, log=lambda _: None).run(on_step=on_step)
+    return losses, statistics.median(speeds[2:] or speeds), summary.final_val_loss
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="debug")
+    p.add_argument("--vocab", type=int, default=16384)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tol", type=float, default=0.05, help="allowed |difference| of the last-10-step mean loss")
+    args = p.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {backend: train(backend, args, Path(tmp)) for backend in ("torch", "triton")}
+    (lt, st, vt), (lx, sx, vx) = runs["torch"], runs["triton"]
+    print(f"{args.preset} vocab {args.vocab}, {args.steps} steps of {args.batch_size} x {args.seq_len}, "
+          f"device {args.device}")
+    print(f"{'step':>5}{'torch':>10}{'triton':>10}")
+    for i in range(0, args.steps, max(1, args.steps // 15)):
+        print(f"{i + 1:>5}{lt[i]:>10.4f}{lx[i]:>10.4f}")
+    print(f"{args.steps:>5}{lt[-1]:>10.4f}{lx[-1]:>10.4f}")
+    tail_t, tail_x = statistics.mean(lt[-10:]), statistics.mean(lx[-10:])
+    print(f"val loss: torch {vt:.4f}, triton {vx:.4f}")
+    print(f"tokens/s (median step): torch {st:,.0f}, triton {sx:,.0f}, triton/torch {sx / st:.2f}x")
+    ok = abs(tail_t - tail_x) <= args.tol and all(map(lambda x: x == x, lx))
+    print(f"{'PASS' if ok else 'FAIL'} last-10 mean loss torch {tail_t:.4f} triton {tail_x:.4f} "
+          f"(|diff| {abs(tail_t - tail_x):.4f}, tol {args.tol})")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

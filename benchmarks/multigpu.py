@@ -46,8 +46,9 @@ rank at once (each on its own GPU: the same time as rank 0 alone) and timed on r
 and gradients are the truth the KCP runs are compared with (max abs error / max abs value).
 Memory: a 4K-token probe measures chunk_kda's bytes per token (V = D, and V = 2D as a KCP rank
 carries the transition columns); runs predicted to exceed ``--mem-fraction`` of a GPU are skipped
-on every rank alike. The torch KDA path (the training default) keeps ~2.4 MB per token at H=96,
-D=128 (CPU measurement), so one H200 holds ~32K tokens: when the whole sequence does not fit, T1
+on every rank alike. The torch KDA path keeps ~2.4 MB per token at H=96, D=128 (CPU measurement;
+the Triton kernels, the CUDA default, keep their own amount, which the probe measures), so one H200
+may hold only tens of thousands of tokens: when the whole sequence does not fit, T1
 is measured on the longest prefix T/2^j that does (or ``--single-tokens``) and scaled linearly,
 and one extra KCP run over all ranks at that length checks the errors. speed-up = T1 / TP,
 scaling efficiency = T1 / (P x TP).

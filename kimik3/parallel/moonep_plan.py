@@ -252,9 +252,9 @@ class GraphedPlanner:
     can be captured once and replayed every step: measured 0.18 ms per call at E=896, R=64 on an
     H200 against 1.7 ms launched eagerly (BENCHMARKS.md; that measurement captured ``plan`` by hand).
     ``__call__(loads)`` copies the loads into the captured input buffer, replays, and returns a
-    fresh copy of the quota. CUDA tensors only. This wrapper itself has not yet run on a GPU:
-    ``benchmarks/parallel_smoke.py`` checks it against ``plan`` and times it; until then the EP
-    layer calls ``plan`` eagerly.
+    fresh copy of the quota. CUDA tensors only. ``benchmarks/parallel_smoke.py`` checks it against
+    ``plan`` on fresh loads and times it (0.182 ms per call, copies included, on an H200); the EP
+    layer uses it through ``planned_quota``.
     """
 
     def __init__(self, num_experts: int, num_ranks: int, device: torch.device):

@@ -8,8 +8,8 @@ Error measure: rel_rms(ref, out) = rms(ref - out) / rms(ref), computed in float6
 normalised error as fla's ``assert_close`` ratio (get_err_ratio). Tolerances (fla's): o and
 state 5e-3, dq/dk/dv 8e-3, dg/dbeta 2e-2 (initial-state gradient 5e-3).
 
-Backward: by default the Triton backward kernels (triton_backward.py; the fused pre-activations'
-chain rule in torch around them), so every gradient test below checks those kernels against the
+Backward: by default the Triton backward kernels (triton_backward.py, then triton_preact.py for the
+fused pre-activations' chain rule), so every gradient test below checks those kernels against the
 token loop; KIMIK3_KDA_TRITON_BWD=torch selects the v1 HYBRID backward (torch chunk path recomputed
 under autograd), checked against the Triton one in test_backward_modes_agree.
 
@@ -374,6 +374,7 @@ def test_dispatch(monkeypatch):
     if ON_GPU:
         monkeypatch.delenv("KIMIK3_KDA_BACKEND")
         assert kda_backend(x.cuda()) == "triton"
+        assert kda_backend(x.cuda().requires_grad_()) == "triton"  # training too
         assert kda_backend(x.cuda(), chunk_size=32) == "torch"
 
 

@@ -39,20 +39,17 @@ def kda_backend(q: torch.Tensor, chunk_size: int = 64, backend: Optional[str] = 
     """The backend ``chunk_kda`` uses for these inputs: "triton" or "torch".
 
     ``backend`` (else the environment variable KIMIK3_KDA_BACKEND, else "auto"): "auto" picks
-    Triton for CUDA tensors when triton is installed, chunk_size == 64 and no gradient is needed
-    (prefill, evaluation), else torch. Training stays on torch until the Triton backward
-    (``triton_backward.py``, verified only under the interpreter so far) has been checked and
-    timed on a GPU; ``backend="triton"`` uses it (``KIMIK3_KDA_TRITON_BWD=torch`` selects the
-    older hybrid that re-runs the torch path for its backward). "triton"
-    forces the Triton kernels (CPU tensors only work under TRITON_INTERPRET=1); errors are raised,
-    never answered by a fallback.
+    Triton for CUDA tensors when triton is installed and chunk_size == 64 (forward and backward
+    kernels, verified and timed on the H200: BENCHMARKS.md), else torch. "triton" forces the Triton
+    kernels (CPU tensors only work under TRITON_INTERPRET=1; ``KIMIK3_KDA_TRITON_BWD=torch`` selects
+    the older hybrid backward that re-runs the torch path); errors are raised, never answered by a
+    fallback.
     """
     choice = (backend or os.environ.get(BACKEND_ENV) or "auto").lower()
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"KDA backend must be 'auto', 'torch' or 'triton', got {choice!r}")
     if choice == "auto":
-        needs_grad = torch.is_grad_enabled() and q.requires_grad
-        return "triton" if (q.is_cuda and chunk_size == 64 and not needs_grad and _triton_available()) else "torch"
+        return "triton" if (q.is_cuda and chunk_size == 64 and _triton_available()) else "torch"
     if choice == "triton":
         if not _triton_available():
             raise RuntimeError("KDA backend 'triton' requested but triton is not installed")

@@ -13,6 +13,10 @@ not stop the later ones; exit status 1 if anything FAILed):
                 sigmoid in kernel), plus the roofline floor from counted FLOPs and bytes.
   5. decode     the batched one-token kernel at H96 D128, B in {1, 64, 256}: time and effective state
                 TB/s (2 * B * H * K * V * 4 bytes), over a few block configurations.
+  Not run unless named in --sections: `profile` (torch.profiler per-kernel times of the forward and of
+  one forward+backward) and `ablate` (the forward with one phase of the intra kernel skipped: timing
+  only). `--split 32/4/1,32/4/2` adds the split forward (KIMIK3_KDA_FWD=split) to `chunk`, checked
+  against the fused one and timed forward and forward+backward at each scan config.
 
 Usage (GPU machine):
     python3 benchmarks/kda_kernel.py            # full run (fla autotunes on first call: minutes)
@@ -38,6 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 RESULTS: dict = {"pass": [], "fail": [], "timings": {}, "errors": {}}
 G_MIN = -5.0
 CHECK_VARIANTS = ["", "acsw"]  # --check-variants
+SPLIT_CONFIGS: list = []  # --split: scan (BV, num_warps, num_stages) configs of the split forward to time
 
 
 def log(msg: str) -> None:
@@ -289,6 +294,8 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
         key = f"B{B} T{T} H{H} D{D}"
         row = {"shape": key}
         xs, a_log, dtb = k3_inputs(B, T, H, D, seed=3)
+        import kimik3.ops.kda.triton_forward as tf
+
         for var in variants:
             fn = lambda var=var: ours_k3(xs, a_log, dtb, variant=var)  # noqa: E731
             fn()
@@ -296,6 +303,21 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
             name = f"ours_fwd[{var or 'bf16'}]"
             row[name] = bench(fn)
             log(f"{key} ours fwd variant '{var}': {row[name]:.3f} ms")
+        o_fused = ours_k3(xs, a_log, dtb, final=True) if SPLIT_CONFIGS else None
+        for cfg in SPLIT_CONFIGS:  # the split forward (states-only scan + parallel output), default variant
+            tf.FWD_MODE, tf.SPLIT_CONFIG = "split", cfg
+            try:
+                o_split = ours_k3(xs, a_log, dtb, final=True)
+                e_o, e_s = rel(o_fused[0], o_split[0]), rel(o_fused[1], o_split[1])
+                verdict(f"{key} split forward {cfg} vs fused", e_o < 2e-3 and e_s < 1e-4, f"o {e_o:.2e} state {e_s:.2e}")
+                fn = lambda: ours_k3(xs, a_log, dtb)  # noqa: E731
+                torch.cuda.synchronize()
+                row[f"ours_fwd_split{cfg}"] = t = bench(fn)
+                log(f"{key} ours fwd split, scan (BV, warps, stages)={cfg}: {t:.3f} ms")
+            except Exception as exc:  # noqa: BLE001
+                verdict(f"{key} ours fwd split {cfg}", False, repr(exc)[:300])
+            finally:
+                tf.FWD_MODE, tf.SPLIT_CONFIG = "fused", (32, 4, 2)
         if sweep and (B, T, H, D) == shapes[0]:
             # launch-configuration sweep of the default variant (scan BV / warps, intra warps)
             import kimik3.ops.kda.triton_forward as tf
@@ -332,14 +354,21 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
             # both backwards: the Triton kernels (default) and the v1 HYBRID (torch chunk path recomputed);
             # KIMIK3_KDA_TRITON_BWD is read at forward time
             saved_env = os.environ.get("KIMIK3_KDA_TRITON_BWD")
-            for mode, name in (("triton", "ours_fwdbwd"), ("torch", "ours_fwdbwd_hybrid")):
+            runs = [("triton", "ours_fwdbwd", None), ("torch", "ours_fwdbwd_hybrid", None)]
+            runs += [("triton", f"ours_fwdbwd_split{cfg}", cfg) for cfg in SPLIT_CONFIGS]
+            for mode, name, cfg in runs:
                 os.environ["KIMIK3_KDA_TRITON_BWD"] = mode
+                if cfg is not None:
+                    tf.FWD_MODE, tf.SPLIT_CONFIG = "split", cfg
                 try:
                     fb(lambda: ours_k3(xg, a_log, dtb))
                     row[name] = bench(lambda: fb(lambda: ours_k3(xg, a_log, dtb)), warmup=2, rep=10)
-                    log(f"{key} ours fwd+bwd ({mode} backward): {row[name]:.3f} ms")
+                    log(f"{key} ours fwd+bwd ({mode} backward{', split forward ' + str(cfg) if cfg else ''}): "
+                        f"{row[name]:.3f} ms")
                 except Exception as exc:  # noqa: BLE001
-                    verdict(f"{key} ours fwd+bwd ({mode} backward)", False, repr(exc)[:300])
+                    verdict(f"{key} {name}", False, repr(exc)[:300])
+                finally:
+                    tf.FWD_MODE, tf.SPLIT_CONFIG = "fused", (32, 4, 2)
             if saved_env is None:
                 os.environ.pop("KIMIK3_KDA_TRITON_BWD", None)
             else:
@@ -499,6 +528,9 @@ def main() -> int:
     p.add_argument("--check-variants", default=None, help="comma list checked in 'correct' (default ,acsw)")
     p.add_argument("--no-bwd", action="store_true", help="skip the forward+backward timings")
     p.add_argument("--decode-batches", default=None, help="comma list (default 1,64,256; quick 64)")
+    p.add_argument("--split", default=None,
+                   help="also time the split forward (KIMIK3_KDA_FWD=split) at these scan configs, "
+                        "'BV/warps/stages' separated by commas, e.g. 32/4/1,32/4/2,64/4/2")
     a = p.parse_args()
     if not torch.cuda.is_available():
         log("FAIL no CUDA device")
@@ -511,6 +543,8 @@ def main() -> int:
         variants = ["acsw"] if a.quick else ["", "a", "acs", "acsw"]
     t0 = time.time()
     secs = set(a.sections.split(","))
+    if a.split:
+        SPLIT_CONFIGS[:] = [tuple(int(x) for x in c.split("/")) for c in a.split.split(",")]
     if a.check_variants is not None:
         CHECK_VARIANTS[:] = a.check_variants.split(",")
     if a.decode_batches:

@@ -68,6 +68,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         ep_planner=args.ep_planner, progress=not args.no_progress)
     Trainer(train_args, resume=args.resume, parallel=parallel,
             activation_checkpointing=args.activation_checkpointing).run()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # only after success: a failed rank must not wait here
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 

@@ -58,11 +58,11 @@ class _TritonKDAFunction(torch.autograd.Function):
         ctx.mode, ctx.plan = mode, plan
         if mode == "triton":
             aux = res[2]
-            keys = ("G", "aqk", "tinv", "w", "u", "qg", "kg", "eg")
+            keys = ("G", "aqk", "tinv", "w", "u", "qg", "kg", "eg", "h", "vn")  # h, vn: split forward only
             # the kernel's q, k, beta: the inputs themselves unless the L2 norm / sigmoid was fused
             extra = [aux["q"] if use_l2 else None, aux["k"] if use_l2 else None,
                      aux["beta"] if use_beta_sigmoid else None]
-            ctx.save_for_backward(q, k, v, g, beta, h0, A_log, dt_bias, *extra, *(aux[x] for x in keys))
+            ctx.save_for_backward(q, k, v, g, beta, h0, A_log, dt_bias, *extra, *(aux.get(x) for x in keys))
         else:
             ctx.save_for_backward(q, k, v, g, beta, h0, A_log, dt_bias)
         ctx.args = (scale, cu_seqlens, g_min, use_gate, use_l2, use_beta_sigmoid, h0 is not None)
@@ -104,9 +104,9 @@ def _triton_backward(ctx, do, dht):
     saved = ctx.saved_tensors
     q, k, v, g, beta, h0, A_log, dt_bias = saved[:8]
     qn, kn, betan = saved[8:11]
-    G, aqk, tinv, w, u, qg, kg, eg = saved[11:]
+    G, aqk, tinv, w, u, qg, kg, eg, h, vn = saved[11:]
     aux = dict(q=qn if use_l2 else q, k=kn if use_l2 else k, beta=betan if use_beta_sigmoid else beta,
-               G=G, aqk=aqk, tinv=tinv, w=w, u=u, qg=qg, kg=kg, eg=eg)
+               G=G, aqk=aqk, tinv=tinv, w=w, u=u, qg=qg, kg=kg, eg=eg, h=h, vn=vn)
     need = ctx.needs_input_grad[:8]
     dq, dk, dv, dgam, dbeta, dh0 = kda_bwd_triton(
         do, dht, aux, v, h0, scale, ctx.plan, need_dh0=bool(has_h0 and need[5]))

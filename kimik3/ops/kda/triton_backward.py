@@ -15,8 +15,9 @@ Backward, with dO = scale * do and dS' the gradient of the chunk's exit state:
     through Aqk / A on dense 16 x 16 blocks (kernel 4), and dg = suffix sum of dGamma over the chunk.
 
 Kernels:
-  1. ``_fwd_h_kernel``   per (sequence, head, V block): re-runs the forward scan from the forward's
-     W, U, kg, eg and stores every chunk's entry state h [NT, H, K, V] fp32 and v_new [B, T, H, V] fp32.
+  1. ``_fwd_h_kernel`` (``triton_scan.py``) per (sequence, head, V block): re-runs the forward scan
+     from the forward's W, U, kg, eg and stores every chunk's entry state h [NT, H, K, V] fp32 and
+     v_new [B, T, H, V] fp32 -- skipped when the forward ran split and saved both.
   2. ``_bwd_dh_kernel``  per (sequence, head, V block): reverse scan; stores dh (gradient of each
      chunk's exit state) [NT, H, K, V] fp32, dv_new, and d initial_state.
   3. ``_bwd_wy_kernel``  per (chunk, head): the V-contractions above for every K block; writes dv,
@@ -40,72 +41,13 @@ import triton
 import triton.language as tl
 
 from .triton_forward import INTERPRET, ChunkPlan, _next_pow2
+from .triton_scan import _fwd_h_kernel
 
 BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark sweeps)
 SCAN_BV: Optional[int] = None  # override the V block of the two scans
 # The scans' fp32 [K, BV] tiles must not be multi-buffered by the loop pipeliner: at K = 128 two or
 # three stages need 240-295 KB of shared memory (> 227 KB on the H200, seen in the first GPU run).
 SCAN_STAGES = 1
-
-
-# --------------------------------------------------------------------------
-# kernel 1: per-chunk entry states and v_new (forward scan, no output)
-# --------------------------------------------------------------------------
-
-
-@triton.jit
-def _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, coff, i_h, H,
-                K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr):
-    r = tl.arange(0, 64)
-    km = ck < K
-    vm = cv < V
-    t0 = bos + i_c * 64
-    L = tl.minimum(64, eos - t0)
-    rv = r < L
-    mk = rv[:, None] & km[None, :]
-    mv = rv[:, None] & vm[None, :]
-    ko = (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :]
-    vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
-    hoff = ((coff + i_c) * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
-    tl.store(h_ptr + hoff, h, mask=km[:, None] & vm[None, :])
-    w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + vo, mask=mv, other=0.0).to(tl.float32)
-    kgT = tl.trans(tl.load(kg_ptr + ko, mask=mk, other=0.0).to(tl.float32))
-    eg = tl.load(eg_ptr + ((coff + i_c) * H + i_h) * K + ck, mask=km, other=0.0)
-    v_new = u - tl.dot(w, h, input_precision=PREC)
-    tl.store(vn_ptr + vo, v_new, mask=mv)
-    return h * eg[:, None] + tl.dot(kgT, v_new, input_precision=PREC)
-
-
-@triton.jit
-def _fwd_h_kernel(kg_ptr, eg_ptr, w_ptr, u_ptr, h0_ptr, h_ptr, vn_ptr, cu_ptr, coff_ptr, H,
-                  K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
-                  PREC: tl.constexpr, HAS_H0: tl.constexpr, INTERP: tl.constexpr):
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = (i_nh // H).to(tl.int64)
-    i_h = i_nh % H
-    bos = tl.load(cu_ptr + i_n).to(tl.int64)
-    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
-    coff = tl.load(coff_ptr + i_n).to(tl.int64)
-    ck = tl.arange(0, BKF)
-    cv = i_v * BV + tl.arange(0, BV)
-    sm = (ck < K)[:, None] & (cv < V)[None, :]
-    if HAS_H0:
-        h = tl.load(h0_ptr + (i_n * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :], mask=sm, other=0.0)
-    else:
-        h = tl.zeros([BKF, BV], dtype=tl.float32)
-    NC = tl.cdiv(eos - bos, 64)
-    if INTERP:  # the interpreter cannot range() over a loaded scalar (NOTES-kda.md)
-        i_c = 0
-        while i_c < NC:
-            h = _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, coff, i_h, H,
-                            K, V, ck, cv, PREC)
-            i_c += 1
-    else:
-        for i_c in range(0, NC):
-            h = _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, coff, i_h, H,
-                            K, V, ck, cv, PREC)
 
 
 # --------------------------------------------------------------------------
@@ -386,18 +328,20 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     BK, BV = min(64, BKF), min(64, BVF)
     BVs = min(SCAN_BV or 32, BVF)
     do = do.contiguous()
-    h = torch.empty(NT, H, K, V, **f32)
     dh = torch.empty(NT, H, K, V, **f32)
-    vn = torch.empty(B, T, H, V, **f32)
     dvn = torch.empty(B, T, H, V, **f32)
     dummy = G
     grid_s = (triton.cdiv(V, BVs), N * H)
-    h0 = initial_state.float().contiguous() if initial_state is not None else dummy
-    _fwd_h_kernel[grid_s](
-        aux["kg"], aux["eg"], aux["w"], aux["u"], h0, h, vn, plan.cu, plan.chunk_off, H,
-        K=K, V=V, BKF=BKF, BV=BVs, PREC=PREC, HAS_H0=initial_state is not None, INTERP=INTERPRET,
-        num_warps=4, num_stages=SCAN_STAGES,
-    )
+    h, vn = aux.get("h"), aux.get("vn")
+    if h is None:  # the forward ran fused: recompute the chunks' entry states and v_new
+        h = torch.empty(NT, H, K, V, **f32)
+        vn = torch.empty(B, T, H, V, **f32)
+        h0 = initial_state.float().contiguous() if initial_state is not None else dummy
+        _fwd_h_kernel[grid_s](
+            aux["kg"], aux["eg"], aux["w"], aux["u"], h0, h, vn, dummy, plan.cu, plan.chunk_off, H,
+            K=K, V=V, BKF=BKF, BV=BVs, PREC=PREC, HAS_H0=initial_state is not None, STORE_HT=False,
+            INTERP=INTERPRET, num_warps=4, num_stages=SCAN_STAGES,
+        )
     dht_c = dht.float().contiguous() if dht is not None else dummy
     _bwd_dh_kernel[grid_s](
         aux["qg"], aux["kg"], aux["eg"], aux["w"], aux["aqk"], do, dht_c, dh, dvn, dh0 if dh0 is not None else dummy,

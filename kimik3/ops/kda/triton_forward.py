@@ -19,9 +19,12 @@ Three kernels (chunk C = 64 tokens, sub-tiles of 16; math as in ``chunk.py``):
    Then T = (I + diag(beta) Akk)^-1 by 16 x 16 forward substitution on the diagonal blocks and
    block forward substitution across row tiles (in place in a scratch buffer), and the WY/UT
    representation W = T (beta k exp(Gamma)), U = T (beta v).
-3. ``_state_out`` per (sequence, head, V block): the sequential scan over the sequence's chunks,
+3. the inter-chunk scan (``triton_scan.py``): by default ``_state_out`` per (sequence, head, V block),
+   the sequential scan over the sequence's chunks,
    v_new = U - W S, o = scale (q exp(Gamma) S + Aqk v_new), S <- exp(Gamma_C) S + (k exp(Gamma_C - Gamma))^T v_new,
-   with the state kept in fp32 registers (no per-chunk state is written to memory).
+   with the state kept in fp32 registers (no per-chunk state is written to memory); with
+   ``KIMIK3_KDA_FWD=split`` a states-only scan storing each chunk's entry state, then the output in
+   parallel over chunks.
 
 Matmul operands are bf16 when q is bf16 (fp32 accumulation), else fp32 at "tf32x3" precision
 (about fp32 accuracy on tensor cores). The small solve matmuls are always fp32 / tf32x3.
@@ -36,6 +39,8 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import triton
 import triton.language as tl
+
+from .triton_scan import _fwd_h_kernel, _output_kernel, _state_out_kernel
 
 BT = 64  # chunk size (tokens)
 BC = 16  # sub-tile rows: the gate bound makes 16 * 5 = 80 the largest in-tile log-decay
@@ -52,6 +57,10 @@ INTRA_WARPS: Optional[int] = None
 # (diagonal inverses by a 16 x 16 Neumann product, then block rows; ``_solve_blocks``).
 SOLVE = int(os.environ.get("KIMIK3_KDA_SOLVE", "0"))
 SCAN_KT_LOAD = os.environ.get("KIMIK3_KDA_KT_LOAD", "0") == "1"  # scan: load kg transposed from memory
+# Inter-chunk half (``triton_scan.py``): "fused" (default, measured: scan with the output on its serial
+# path) or "split" (states-only scan storing h, then a parallel output kernel; the backward reuses h).
+FWD_MODE = os.environ.get("KIMIK3_KDA_FWD", "fused")
+SPLIT_CONFIG: Tuple[int, int, int] = (32, 4, 2)  # split mode's scan (BV, num_warps, num_stages)
 # Timing ablation of the intra kernel (benchmarks only; results are WRONG when non-zero): 1 skips the
 # phase-B solve (T = A), 2 skips phase A's dots, 3 skips phase C (W, U and the scan operands).
 INTRA_ABLATE = 0
@@ -355,91 +364,6 @@ def _intra_kernel(
 
 
 # --------------------------------------------------------------------------
-# kernel 3: sequential state scan fused with the output
-# --------------------------------------------------------------------------
-
-
-@triton.jit
-def _scan_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h, i_c, bos, eos, coff, i_h, H, scale,
-               K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr, ck, cv,
-               DT: tl.constexpr, PREC: tl.constexpr, KT_LOAD: tl.constexpr):
-    """One chunk of the scan: output of chunk i_c and the state after it.
-
-    v2: the gated operands qg = q exp(Gamma), kg = k exp(Gamma_C - Gamma) and exp(Gamma_C) come
-    precomputed from the intra kernel (no exp, no G tile on the serial path; less shared memory).
-    """
-    r = tl.arange(0, 64)
-    c64 = tl.arange(0, 64)
-    km = ck < K
-    vm = cv < V
-    t0 = bos + i_c * 64
-    L = tl.minimum(64, eos - t0)
-    rv = r < L
-    mk = rv[:, None] & km[None, :]
-    mv = rv[:, None] & vm[None, :]
-    ko = (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :]
-    vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
-    w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(DT)
-    u = tl.load(u_ptr + vo, mask=mv, other=0.0).to(tl.float32)
-    qg = tl.load(qg_ptr + ko, mask=mk, other=0.0).to(DT)
-    if KT_LOAD:  # load k exp(Gamma_C - Gamma) already transposed ([K, 64]) instead of tl.trans in registers
-        kgT = tl.load(kg_ptr + (t0 + r)[None, :] * (H * K) + i_h * K + ck[:, None],
-                      mask=km[:, None] & rv[None, :], other=0.0).to(DT)
-    else:
-        kgT = tl.trans(tl.load(kg_ptr + ko, mask=mk, other=0.0).to(DT))
-    eg = tl.load(eg_ptr + ((coff + i_c) * H + i_h) * K + ck, mask=km, other=0.0)
-    a = tl.load(aqk_ptr + ((coff + i_c) * H + i_h) * 4096 + r[:, None] * 64 + c64[None, :])
-    h_dt = h.to(DT)
-    v_new = u - tl.dot(w, h_dt, input_precision=PREC)
-    v_dt = v_new.to(DT)
-    h = h * eg[:, None] + tl.dot(kgT, v_dt, input_precision=PREC)
-    o = tl.dot(qg, h_dt, input_precision=PREC)
-    o += tl.dot(a.to(DT), v_dt, input_precision=PREC)
-    tl.store(o_ptr + vo, (o * scale).to(o_ptr.dtype.element_ty), mask=mv)
-    return h
-
-
-@triton.jit
-def _state_out_kernel(
-    qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h0_ptr, ht_ptr,
-    cu_ptr, coff_ptr, H, scale,
-    K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    INTERP: tl.constexpr, KT_LOAD: tl.constexpr,
-):
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = (i_nh // H).to(tl.int64)
-    i_h = i_nh % H
-    bos = tl.load(cu_ptr + i_n).to(tl.int64)
-    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
-    coff = tl.load(coff_ptr + i_n).to(tl.int64)
-    ck = tl.arange(0, BKF)
-    cv = i_v * BV + tl.arange(0, BV)
-    km = ck < K
-    vm = cv < V
-    s_off = (i_n * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
-    sm = km[:, None] & vm[None, :]
-    if HAS_H0:
-        h = tl.load(h0_ptr + s_off, mask=sm, other=0.0).to(tl.float32)
-    else:
-        h = tl.zeros([BKF, BV], dtype=tl.float32)
-    NC = tl.cdiv(eos - bos, 64)
-    if INTERP:  # the interpreter cannot range() over a loaded scalar (numpy 2); same body
-        i_c = 0
-        while i_c < NC:
-            h = _scan_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h, i_c, bos, eos, coff, i_h, H, scale,
-                           K, V, BKF, BV, ck, cv, DT, PREC, KT_LOAD)
-            i_c += 1
-    else:
-        for i_c in range(0, NC):
-            h = _scan_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h, i_c, bos, eos, coff, i_h, H, scale,
-                           K, V, BKF, BV, ck, cv, DT, PREC, KT_LOAD)
-    if STORE_HT:
-        tl.store(ht_ptr + s_off, h, mask=sm)
-
-
-# --------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------
 
@@ -525,6 +449,28 @@ def kda_fwd_triton(
         SPREC="tf32x3" if (DT == tl.float32 or DTA == tl.float32) else "tf32",
         SOLVE=SOLVE, ABLATE=INTRA_ABLATE, num_warps=INTRA_WARPS or (8 if DT != tl.float32 else 4),
     )
+    h0 = initial_state.float().contiguous() if initial_state is not None else dummy
+    if FWD_MODE not in ("fused", "split"):
+        raise ValueError(f"KIMIK3_KDA_FWD must be 'fused' or 'split', got {FWD_MODE!r}")
+    if FWD_MODE == "split":
+        h = torch.empty(NT, H, K, V, device=dev, dtype=torch.float32)
+        vn = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
+        BV_h, warps_h, stages_h = SPLIT_CONFIG
+        BV_h = min(BV_h, _next_pow2(V))
+        _fwd_h_kernel[(triton.cdiv(V, BV_h), N * H)](
+            kg, eg, w, u, h0, h, vn, ht if ht is not None else dummy, plan.cu, plan.chunk_off, H,
+            K=K, V=V, BKF=BKF, BV=BV_h, PREC=PREC, HAS_H0=initial_state is not None, STORE_HT=ht is not None,
+            INTERP=INTERPRET, num_warps=warps_h, num_stages=stages_h,
+        )
+        BV_o = min(64, _next_pow2(V))
+        _output_kernel[(triton.cdiv(V, BV_o), NT, H)](
+            qg, aqk, h, vn, o, plan.cu, plan.chunk_idx, plan.chunk_off, H, float(scale),
+            K=K, V=V, BKF=BKF, BV=BV_o, PREC=PREC, num_warps=4,
+        )
+        if return_aux:
+            return o, ht, dict(G=G, aqk=aqk, tinv=tinv, w=w, u=u, q=qn, k=kn, beta=betan, qg=qg, kg=kg, eg=eg,
+                               h=h, vn=vn)
+        return o, ht
     # H200 sweep at B1 T8192 H96 D128 (NOTES-kda.md): BV 64 / 4 warps; 2 stages when the operands are
     # 16-bit (fp32 operands pipelined at BV 64 exceed the 227 KB of shared memory)
     BV_scan = min(64, _next_pow2(V))
@@ -532,7 +478,6 @@ def kda_fwd_triton(
     if SCAN_CONFIG is not None:
         BV_scan, scan_warps = min(SCAN_CONFIG[0], _next_pow2(V)), SCAN_CONFIG[1]
         scan_stages = SCAN_CONFIG[2] if len(SCAN_CONFIG) > 2 else 1
-    h0 = initial_state.float().contiguous() if initial_state is not None else dummy
     _state_out_kernel[(triton.cdiv(V, BV_scan), N * H)](
         qg, kg, eg, w, u, aqk, o, h0, ht if ht is not None else dummy,
         plan.cu, plan.chunk_off, H, float(scale),

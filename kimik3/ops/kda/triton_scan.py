@@ -1,0 +1,207 @@
+"""The inter-chunk half of the Triton KDA forward: sequential state scans and the chunk output.
+
+Per chunk (C = 64 tokens; W, U, qg = q e^Gamma, kg = k e^(Gamma_C - Gamma), eg = e^Gamma_C and Aqk
+from the intra-chunk kernel in ``triton_forward.py``), with S the state entering the chunk:
+    v_new = U - W S,   o = scale (qg S + Aqk v_new),   S <- eg * S + kg^T v_new.
+
+Two ways to run it (``triton_forward.FWD_MODE``):
+  fused  ``_state_out_kernel`` per (sequence, head, V block): the output is computed on the scan's
+         serial path and no per-chunk state is written (the forward default, measured on the H200).
+  split  ``_fwd_h_kernel`` (states only: stores each chunk's entry state h [NT, H, K, V] fp32 and
+         v_new) then ``_output_kernel``, parallel over (V block, chunk, head). Half the serial work
+         per step and fewer operands in flight (so the loop can be pipelined), at the cost of writing
+         h; the Triton backward reuses h and v_new instead of re-running the scan.
+``_fwd_h_kernel`` is also the backward's state recompute when the forward ran fused.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+# --------------------------------------------------------------------------
+# fused: the sequential state scan with the output on its serial path (forward default)
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _scan_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h, i_c, bos, eos, coff, i_h, H, scale,
+               K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr, ck, cv,
+               DT: tl.constexpr, PREC: tl.constexpr, KT_LOAD: tl.constexpr):
+    """One chunk of the scan: output of chunk i_c and the state after it.
+
+    v2: the gated operands qg = q exp(Gamma), kg = k exp(Gamma_C - Gamma) and exp(Gamma_C) come
+    precomputed from the intra kernel (no exp, no G tile on the serial path; less shared memory).
+    """
+    r = tl.arange(0, 64)
+    c64 = tl.arange(0, 64)
+    km = ck < K
+    vm = cv < V
+    t0 = bos + i_c * 64
+    L = tl.minimum(64, eos - t0)
+    rv = r < L
+    mk = rv[:, None] & km[None, :]
+    mv = rv[:, None] & vm[None, :]
+    ko = (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :]
+    vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
+    w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(DT)
+    u = tl.load(u_ptr + vo, mask=mv, other=0.0).to(tl.float32)
+    qg = tl.load(qg_ptr + ko, mask=mk, other=0.0).to(DT)
+    if KT_LOAD:  # load k exp(Gamma_C - Gamma) already transposed ([K, 64]) instead of tl.trans in registers
+        kgT = tl.load(kg_ptr + (t0 + r)[None, :] * (H * K) + i_h * K + ck[:, None],
+                      mask=km[:, None] & rv[None, :], other=0.0).to(DT)
+    else:
+        kgT = tl.trans(tl.load(kg_ptr + ko, mask=mk, other=0.0).to(DT))
+    eg = tl.load(eg_ptr + ((coff + i_c) * H + i_h) * K + ck, mask=km, other=0.0)
+    a = tl.load(aqk_ptr + ((coff + i_c) * H + i_h) * 4096 + r[:, None] * 64 + c64[None, :])
+    h_dt = h.to(DT)
+    v_new = u - tl.dot(w, h_dt, input_precision=PREC)
+    v_dt = v_new.to(DT)
+    h = h * eg[:, None] + tl.dot(kgT, v_dt, input_precision=PREC)
+    o = tl.dot(qg, h_dt, input_precision=PREC)
+    o += tl.dot(a.to(DT), v_dt, input_precision=PREC)
+    tl.store(o_ptr + vo, (o * scale).to(o_ptr.dtype.element_ty), mask=mv)
+    return h
+
+
+@triton.jit
+def _state_out_kernel(
+    qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h0_ptr, ht_ptr,
+    cu_ptr, coff_ptr, H, scale,
+    K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    INTERP: tl.constexpr, KT_LOAD: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = (i_nh // H).to(tl.int64)
+    i_h = i_nh % H
+    bos = tl.load(cu_ptr + i_n).to(tl.int64)
+    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
+    coff = tl.load(coff_ptr + i_n).to(tl.int64)
+    ck = tl.arange(0, BKF)
+    cv = i_v * BV + tl.arange(0, BV)
+    km = ck < K
+    vm = cv < V
+    s_off = (i_n * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
+    sm = km[:, None] & vm[None, :]
+    if HAS_H0:
+        h = tl.load(h0_ptr + s_off, mask=sm, other=0.0).to(tl.float32)
+    else:
+        h = tl.zeros([BKF, BV], dtype=tl.float32)
+    NC = tl.cdiv(eos - bos, 64)
+    if INTERP:  # the interpreter cannot range() over a loaded scalar (numpy 2); same body
+        i_c = 0
+        while i_c < NC:
+            h = _scan_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h, i_c, bos, eos, coff, i_h, H, scale,
+                           K, V, BKF, BV, ck, cv, DT, PREC, KT_LOAD)
+            i_c += 1
+    else:
+        for i_c in range(0, NC):
+            h = _scan_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h, i_c, bos, eos, coff, i_h, H, scale,
+                           K, V, BKF, BV, ck, cv, DT, PREC, KT_LOAD)
+    if STORE_HT:
+        tl.store(ht_ptr + s_off, h, mask=sm)
+
+
+# --------------------------------------------------------------------------
+# states only: per-chunk entry states and v_new (the backward's recompute; the split forward)
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, coff, i_h, H,
+                K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr):
+    r = tl.arange(0, 64)
+    km = ck < K
+    vm = cv < V
+    t0 = bos + i_c * 64
+    L = tl.minimum(64, eos - t0)
+    rv = r < L
+    mk = rv[:, None] & km[None, :]
+    mv = rv[:, None] & vm[None, :]
+    ko = (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :]
+    vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
+    hoff = ((coff + i_c) * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
+    tl.store(h_ptr + hoff, h, mask=km[:, None] & vm[None, :])
+    w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + vo, mask=mv, other=0.0).to(tl.float32)
+    kgT = tl.trans(tl.load(kg_ptr + ko, mask=mk, other=0.0).to(tl.float32))
+    eg = tl.load(eg_ptr + ((coff + i_c) * H + i_h) * K + ck, mask=km, other=0.0)
+    v_new = u - tl.dot(w, h, input_precision=PREC)
+    tl.store(vn_ptr + vo, v_new, mask=mv)
+    return h * eg[:, None] + tl.dot(kgT, v_new, input_precision=PREC)
+
+
+@triton.jit
+def _fwd_h_kernel(kg_ptr, eg_ptr, w_ptr, u_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr, H,
+                  K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
+                  PREC: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, INTERP: tl.constexpr):
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = (i_nh // H).to(tl.int64)
+    i_h = i_nh % H
+    bos = tl.load(cu_ptr + i_n).to(tl.int64)
+    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
+    coff = tl.load(coff_ptr + i_n).to(tl.int64)
+    ck = tl.arange(0, BKF)
+    cv = i_v * BV + tl.arange(0, BV)
+    sm = (ck < K)[:, None] & (cv < V)[None, :]
+    if HAS_H0:
+        h = tl.load(h0_ptr + (i_n * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :], mask=sm, other=0.0)
+    else:
+        h = tl.zeros([BKF, BV], dtype=tl.float32)
+    NC = tl.cdiv(eos - bos, 64)
+    if INTERP:  # the interpreter cannot range() over a loaded scalar (NOTES-kda.md)
+        i_c = 0
+        while i_c < NC:
+            h = _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, coff, i_h, H,
+                            K, V, ck, cv, PREC)
+            i_c += 1
+    else:
+        for i_c in range(0, NC):
+            h = _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, coff, i_h, H,
+                            K, V, ck, cv, PREC)
+    if STORE_HT:
+        tl.store(ht_ptr + (i_n * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :], h, mask=sm)
+
+
+
+# --------------------------------------------------------------------------
+# output of the split forward: parallel over (chunk, head, V block)
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _output_kernel(qg_ptr, aqk_ptr, h_ptr, vn_ptr, o_ptr, cu_ptr, cidx_ptr, coff_ptr, H, scale,
+                   K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
+                   PREC: tl.constexpr):
+    """o = scale (qg S + Aqk v_new) for one chunk, from the entry state S and v_new the states-only
+    scan stored: the output leaves the scan's serial path."""
+    i_v = tl.program_id(0)
+    i_t = tl.program_id(1).to(tl.int64)
+    i_h = tl.program_id(2)
+    i_n = tl.load(cidx_ptr + 2 * i_t).to(tl.int64)
+    i_c = tl.load(cidx_ptr + 2 * i_t + 1).to(tl.int64)
+    bos = tl.load(cu_ptr + i_n).to(tl.int64)
+    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
+    coff = tl.load(coff_ptr + i_n).to(tl.int64)
+    t0 = bos + i_c * 64
+    L = tl.minimum(64, eos - t0)
+    r = tl.arange(0, 64)
+    ck = tl.arange(0, BKF)
+    cv = i_v * BV + tl.arange(0, BV)
+    rv = r < L
+    km = ck < K
+    vm = cv < V
+    mv = rv[:, None] & vm[None, :]
+    vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
+    qg = tl.load(qg_ptr + (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :], mask=rv[:, None] & km[None, :],
+                 other=0.0).to(tl.float32)
+    h = tl.load(h_ptr + ((coff + i_c) * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :],
+                mask=km[:, None] & vm[None, :], other=0.0)
+    a = tl.load(aqk_ptr + (i_t * H + i_h) * 4096 + r[:, None] * 64 + r[None, :])
+    vn = tl.load(vn_ptr + vo, mask=mv, other=0.0)
+    o = tl.dot(qg, h, input_precision=PREC) + tl.dot(a, vn, input_precision=PREC)
+    tl.store(o_ptr + vo, (o * scale).to(o_ptr.dtype.element_ty), mask=mv)

@@ -165,6 +165,18 @@ def test_kcp_kda_two_ranks(tmp_path):
     check_kda(run_ranks(_kda_worker, 2, tmp_path, lengths, 11, True), lengths, 11, True)
 
 
+def test_kcp_kda_two_ranks_triton_kernels(tmp_path, monkeypatch):
+    """The same split through the Triton kernels (forward and backward, under the interpreter on CPU):
+    KCP's identity-state columns, initial-state and final-state gradients go through them on GPUs."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # inherited by the spawned ranks before triton loads
+    monkeypatch.setenv("KIMIK3_KDA_BACKEND", "triton")
+    lengths = [37, 91]
+    outs = run_ranks(_kda_worker, 2, tmp_path, lengths, 14, True)
+    monkeypatch.setenv("KIMIK3_KDA_BACKEND", "torch")  # the single-process truth: the torch chunk path
+    check_kda(outs, lengths, 14, True)
+
+
 def test_kcp_four_ranks(tmp_path):
     kda_lengths, lengths = [64, 5, 70, 29], [5, 3, 3, 9]  # conv: non-last ranks need W-1 = 3 tokens
     both = run_ranks(_four_worker, 4, tmp_path, kda_lengths, lengths)

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .triton_forward import INTERPRET, ChunkPlan, _next_pow2
-from .triton_scan import _fwd_h_kernel
+from .triton_scan import _chunk_tiles, _fwd_h_kernel, _scan_program
 
 BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark sweeps)
 SCAN_BV: Optional[int] = None  # override the V block of the two scans
@@ -58,18 +58,10 @@ SCAN_STAGES = 1
 @triton.jit
 def _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c, bos, eos, coff, i_h, H,
                  scale, K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr):
-    r = tl.arange(0, 64)
+    r, rv, mk, mv, ko, vo = _chunk_tiles(i_c, bos, eos, i_h, H, K, V, ck, cv)
     km = ck < K
-    vm = cv < V
-    t0 = bos + i_c * 64
-    L = tl.minimum(64, eos - t0)
-    rv = r < L
-    mk = rv[:, None] & km[None, :]
-    mv = rv[:, None] & vm[None, :]
-    ko = (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :]
-    vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
     hoff = ((coff + i_c) * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
-    tl.store(dh_ptr + hoff, dh, mask=km[:, None] & vm[None, :])  # gradient of this chunk's exit state
+    tl.store(dh_ptr + hoff, dh, mask=km[:, None] & (cv < V)[None, :])  # gradient of this chunk's exit state
     do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32) * scale
     qg = tl.load(qg_ptr + ko, mask=mk, other=0.0).to(tl.float32)
     kg = tl.load(kg_ptr + ko, mask=mk, other=0.0).to(tl.float32)
@@ -89,17 +81,7 @@ def _bwd_dh_kernel(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, dh_p
                    cu_ptr, coff_ptr, H, scale,
                    K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
                    PREC: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, INTERP: tl.constexpr):
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = (i_nh // H).to(tl.int64)
-    i_h = i_nh % H
-    bos = tl.load(cu_ptr + i_n).to(tl.int64)
-    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
-    coff = tl.load(coff_ptr + i_n).to(tl.int64)
-    ck = tl.arange(0, BKF)
-    cv = i_v * BV + tl.arange(0, BV)
-    sm = (ck < K)[:, None] & (cv < V)[None, :]
-    s_off = (i_n * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
+    i_h, bos, eos, coff, ck, cv, s_off, sm = _scan_program(cu_ptr, coff_ptr, H, K, V, BKF, BV)
     if HAS_DHT:
         dh = tl.load(dht_ptr + s_off, mask=sm, other=0.0).to(tl.float32)
     else:

@@ -21,6 +21,43 @@ import triton.language as tl
 
 
 # --------------------------------------------------------------------------
+# shared index helpers (inlined by the compiler)
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _scan_program(cu_ptr, coff_ptr, H, K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr):
+    """A scan program's sequence n, head h, token range [bos, eos), first global chunk, state columns
+    (ck over K, cv over this program's V block) and the offsets and mask of its [K, V] state tile."""
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = (i_nh // H).to(tl.int64)
+    i_h = i_nh % H
+    bos = tl.load(cu_ptr + i_n).to(tl.int64)
+    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
+    coff = tl.load(coff_ptr + i_n).to(tl.int64)
+    ck = tl.arange(0, BKF)
+    cv = i_v * BV + tl.arange(0, BV)
+    s_off = (i_n * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
+    sm = (ck < K)[:, None] & (cv < V)[None, :]
+    return i_h, bos, eos, coff, ck, cv, s_off, sm
+
+
+@triton.jit
+def _chunk_tiles(i_c, bos, eos, i_h, H, K: tl.constexpr, V: tl.constexpr, ck, cv):
+    """Chunk i_c of a sequence: its 64 row indices, the valid-row mask, the token-layout offsets and
+    masks of its [64, K] and [64, V] tiles."""
+    r = tl.arange(0, 64)
+    t0 = bos + i_c * 64
+    rv = r < tl.minimum(64, eos - t0)
+    mk = rv[:, None] & (ck < K)[None, :]
+    mv = rv[:, None] & (cv < V)[None, :]
+    ko = (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :]
+    vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
+    return r, rv, mk, mv, ko, vo
+
+
+# --------------------------------------------------------------------------
 # fused: the sequential state scan with the output on its serial path (forward default)
 # --------------------------------------------------------------------------
 
@@ -34,17 +71,9 @@ def _scan_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h, i_c, bos
     v2: the gated operands qg = q exp(Gamma), kg = k exp(Gamma_C - Gamma) and exp(Gamma_C) come
     precomputed from the intra kernel (no exp, no G tile on the serial path; less shared memory).
     """
-    r = tl.arange(0, 64)
-    c64 = tl.arange(0, 64)
+    r, rv, mk, mv, ko, vo = _chunk_tiles(i_c, bos, eos, i_h, H, K, V, ck, cv)
     km = ck < K
-    vm = cv < V
     t0 = bos + i_c * 64
-    L = tl.minimum(64, eos - t0)
-    rv = r < L
-    mk = rv[:, None] & km[None, :]
-    mv = rv[:, None] & vm[None, :]
-    ko = (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :]
-    vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
     w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(DT)
     u = tl.load(u_ptr + vo, mask=mv, other=0.0).to(tl.float32)
     qg = tl.load(qg_ptr + ko, mask=mk, other=0.0).to(DT)
@@ -54,7 +83,7 @@ def _scan_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h, i_c, bos
     else:
         kgT = tl.trans(tl.load(kg_ptr + ko, mask=mk, other=0.0).to(DT))
     eg = tl.load(eg_ptr + ((coff + i_c) * H + i_h) * K + ck, mask=km, other=0.0)
-    a = tl.load(aqk_ptr + ((coff + i_c) * H + i_h) * 4096 + r[:, None] * 64 + c64[None, :])
+    a = tl.load(aqk_ptr + ((coff + i_c) * H + i_h) * 4096 + r[:, None] * 64 + r[None, :])
     h_dt = h.to(DT)
     v_new = u - tl.dot(w, h_dt, input_precision=PREC)
     v_dt = v_new.to(DT)
@@ -73,19 +102,7 @@ def _state_out_kernel(
     DT: tl.constexpr, PREC: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     INTERP: tl.constexpr, KT_LOAD: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = (i_nh // H).to(tl.int64)
-    i_h = i_nh % H
-    bos = tl.load(cu_ptr + i_n).to(tl.int64)
-    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
-    coff = tl.load(coff_ptr + i_n).to(tl.int64)
-    ck = tl.arange(0, BKF)
-    cv = i_v * BV + tl.arange(0, BV)
-    km = ck < K
-    vm = cv < V
-    s_off = (i_n * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
-    sm = km[:, None] & vm[None, :]
+    i_h, bos, eos, coff, ck, cv, s_off, sm = _scan_program(cu_ptr, coff_ptr, H, K, V, BKF, BV)
     if HAS_H0:
         h = tl.load(h0_ptr + s_off, mask=sm, other=0.0).to(tl.float32)
     else:
@@ -113,18 +130,10 @@ def _state_out_kernel(
 @triton.jit
 def _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, coff, i_h, H,
                 K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr):
-    r = tl.arange(0, 64)
+    r, rv, mk, mv, ko, vo = _chunk_tiles(i_c, bos, eos, i_h, H, K, V, ck, cv)
     km = ck < K
-    vm = cv < V
-    t0 = bos + i_c * 64
-    L = tl.minimum(64, eos - t0)
-    rv = r < L
-    mk = rv[:, None] & km[None, :]
-    mv = rv[:, None] & vm[None, :]
-    ko = (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :]
-    vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
     hoff = ((coff + i_c) * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
-    tl.store(h_ptr + hoff, h, mask=km[:, None] & vm[None, :])
+    tl.store(h_ptr + hoff, h, mask=km[:, None] & (cv < V)[None, :])
     w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + vo, mask=mv, other=0.0).to(tl.float32)
     kgT = tl.trans(tl.load(kg_ptr + ko, mask=mk, other=0.0).to(tl.float32))
@@ -138,18 +147,9 @@ def _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, c
 def _fwd_h_kernel(kg_ptr, eg_ptr, w_ptr, u_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr, H,
                   K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
                   PREC: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, INTERP: tl.constexpr):
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = (i_nh // H).to(tl.int64)
-    i_h = i_nh % H
-    bos = tl.load(cu_ptr + i_n).to(tl.int64)
-    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
-    coff = tl.load(coff_ptr + i_n).to(tl.int64)
-    ck = tl.arange(0, BKF)
-    cv = i_v * BV + tl.arange(0, BV)
-    sm = (ck < K)[:, None] & (cv < V)[None, :]
+    i_h, bos, eos, coff, ck, cv, s_off, sm = _scan_program(cu_ptr, coff_ptr, H, K, V, BKF, BV)
     if HAS_H0:
-        h = tl.load(h0_ptr + (i_n * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :], mask=sm, other=0.0)
+        h = tl.load(h0_ptr + s_off, mask=sm, other=0.0)
     else:
         h = tl.zeros([BKF, BV], dtype=tl.float32)
     NC = tl.cdiv(eos - bos, 64)
@@ -164,7 +164,7 @@ def _fwd_h_kernel(kg_ptr, eg_ptr, w_ptr, u_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, c
             h = _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, coff, i_h, H,
                             K, V, ck, cv, PREC)
     if STORE_HT:
-        tl.store(ht_ptr + (i_n * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :], h, mask=sm)
+        tl.store(ht_ptr + s_off, h, mask=sm)
 
 
 

@@ -16,7 +16,8 @@ not stop the later ones; exit status 1 if anything FAILed):
   Not run unless named in --sections: `profile` (torch.profiler per-kernel times of the forward and of
   one forward+backward) and `ablate` (the forward with one phase of the intra kernel skipped: timing
   only). `--split 32/4/1,32/4/2` adds the split forward (KIMIK3_KDA_FWD=split) to `chunk`, checked
-  against the fused one and timed forward and forward+backward at each scan config.
+  against the fused one and timed forward and forward+backward at each scan config; `--wy-split` adds
+  forward+backward with the WY backward split over K blocks (KIMIK3_KDA_WY_SPLIT=1).
 
 Usage (GPU machine):
     python3 benchmarks/kda_kernel.py            # full run (fla autotunes on first call: minutes)
@@ -43,6 +44,7 @@ RESULTS: dict = {"pass": [], "fail": [], "timings": {}, "errors": {}}
 G_MIN = -5.0
 CHECK_VARIANTS = ["", "acsw"]  # --check-variants
 SPLIT_CONFIGS: list = []  # --split: scan (BV, num_warps, num_stages) configs of the split forward to time
+WY_SPLIT = False  # --wy-split: also time fwd+bwd with the WY backward split over K blocks
 
 
 def log(msg: str) -> None:
@@ -354,12 +356,17 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
             # both backwards: the Triton kernels (default) and the v1 HYBRID (torch chunk path recomputed);
             # KIMIK3_KDA_TRITON_BWD is read at forward time
             saved_env = os.environ.get("KIMIK3_KDA_TRITON_BWD")
+            import kimik3.ops.kda.triton_backward as tb
+
             runs = [("triton", "ours_fwdbwd", None), ("torch", "ours_fwdbwd_hybrid", None)]
             runs += [("triton", f"ours_fwdbwd_split{cfg}", cfg) for cfg in SPLIT_CONFIGS]
+            if WY_SPLIT:
+                runs.append(("triton", "ours_fwdbwd_wysplit", None))
             for mode, name, cfg in runs:
                 os.environ["KIMIK3_KDA_TRITON_BWD"] = mode
                 if cfg is not None:
                     tf.FWD_MODE, tf.SPLIT_CONFIG = "split", cfg
+                tb.WY_SPLIT_K = name == "ours_fwdbwd_wysplit"
                 try:
                     fb(lambda: ours_k3(xg, a_log, dtb))
                     row[name] = bench(lambda: fb(lambda: ours_k3(xg, a_log, dtb)), warmup=2, rep=10)
@@ -369,6 +376,7 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
                     verdict(f"{key} {name}", False, repr(exc)[:300])
                 finally:
                     tf.FWD_MODE, tf.SPLIT_CONFIG = "fused", (32, 4, 2)
+                    tb.WY_SPLIT_K = False
             if saved_env is None:
                 os.environ.pop("KIMIK3_KDA_TRITON_BWD", None)
             else:
@@ -528,6 +536,7 @@ def main() -> int:
     p.add_argument("--check-variants", default=None, help="comma list checked in 'correct' (default ,acsw)")
     p.add_argument("--no-bwd", action="store_true", help="skip the forward+backward timings")
     p.add_argument("--decode-batches", default=None, help="comma list (default 1,64,256; quick 64)")
+    p.add_argument("--wy-split", action="store_true", help="also time fwd+bwd with KIMIK3_KDA_WY_SPLIT=1")
     p.add_argument("--split", default=None,
                    help="also time the split forward (KIMIK3_KDA_FWD=split) at these scan configs, "
                         "'BV/warps/stages' separated by commas, e.g. 32/4/1,32/4/2,64/4/2")
@@ -543,6 +552,8 @@ def main() -> int:
         variants = ["acsw"] if a.quick else ["", "a", "acs", "acsw"]
     t0 = time.time()
     secs = set(a.sections.split(","))
+    global WY_SPLIT
+    WY_SPLIT = a.wy_split
     if a.split:
         SPLIT_CONFIGS[:] = [tuple(int(x) for x in c.split("/")) for c in a.split.split(",")]
     if a.check_variants is not None:

@@ -34,6 +34,7 @@ inputs fp32 at tf32 (the interpreter computes exactly either way).
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -48,6 +49,10 @@ SCAN_BV: Optional[int] = None  # override the V block of the two scans
 # The scans' fp32 [K, BV] tiles must not be multi-buffered by the loop pipeliner: at K = 128 two or
 # three stages need 240-295 KB of shared memory (> 227 KB on the H200, seen in the first GPU run).
 SCAN_STAGES = 1
+# WY backward split over K blocks: one program per (chunk, head, BK-column block) with partial dA /
+# dbeta summed in the intra kernel (twice the programs, half the accumulators each; not yet timed on
+# a GPU, hence off by default). Environment: KIMIK3_KDA_WY_SPLIT=1.
+WY_SPLIT_K = os.environ.get("KIMIK3_KDA_WY_SPLIT", "0") == "1"
 
 
 # --------------------------------------------------------------------------
@@ -110,11 +115,17 @@ def _bwd_dh_kernel(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, dh_p
 def _bwd_wy_kernel(
     q_ptr, k_ptr, v_ptr, G_ptr, beta_ptr, tinv_ptr, w_ptr, u_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     dq_ptr, dk_ptr, dG_ptr, dv_ptr, dbeta_ptr, daqk_ptr, da_ptr,
-    cu_ptr, cidx_ptr, H, scale,
+    cu_ptr, cidx_ptr, H, scale, part_beta, part_a,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    KB_PER_PROG: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    """One (chunk, head) and KB_PER_PROG blocks of BK key columns: program_id(2) picks the group of
+    blocks. With one group (the default) this program owns every K column; split over K (``WY_SPLIT_K``)
+    each group writes its own partial dA and dbeta (at part_a / part_beta elements apart), summed by
+    ``_bwd_intra_kernel``, and the K-independent products (dAqk, dv, the U-part of dA) fall to group 0."""
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
+    i_p = tl.program_id(2)
     i_n = tl.load(cidx_ptr + 2 * i_t).to(tl.int64)
     i_c = tl.load(cidx_ptr + 2 * i_t + 1).to(tl.int64)
     bos = tl.load(cu_ptr + i_n).to(tl.int64)
@@ -131,7 +142,8 @@ def _bwd_wy_kernel(
     dbeta = tl.zeros([64], dtype=tl.float32)
     daqk = tl.zeros([64, 64], dtype=tl.float32)
     da = tl.zeros([64, 64], dtype=tl.float32)
-    for kb in tl.static_range(0, K, BK):
+    for kbi in tl.static_range(KB_PER_PROG):
+        kb = (i_p * KB_PER_PROG + kbi) * BK
         ck = kb + tl.arange(0, BK)
         km = ck < K
         dqg = tl.zeros([64, BK], dtype=tl.float32)
@@ -156,7 +168,7 @@ def _bwd_wy_kernel(
             dkg += tl.dot(vn, tl.trans(dhs), input_precision=PREC)
             drk -= tl.dot(drv, hsT, input_precision=PREC)
             deg += tl.sum(hs * dhs, axis=1)
-            if kb == 0:
+            if (kb == 0) if SPLIT else (kbi == 0):  # unsplit: decided at compile time, as before the split
                 u = tl.load(u_ptr + vo, mask=mv, other=0.0).to(tl.float32)
                 vv = tl.load(v_ptr + vo, mask=mv, other=0.0).to(tl.float32)
                 daqk += tl.dot(do, tl.trans(vn), input_precision=PREC)
@@ -186,9 +198,13 @@ def _bwd_wy_kernel(
         tl.store(dk_ptr + ko, dk, mask=mk)
         tl.store(dG_ptr + ko, dG, mask=mk)
     o2 = a_base + r[:, None] * 64 + r[None, :]
-    tl.store(daqk_ptr + o2, tl.where(r[:, None] >= r[None, :], daqk, 0.0))
-    tl.store(da_ptr + o2, tl.where(r[:, None] > r[None, :], da, 0.0))
-    tl.store(dbeta_ptr + (t0 + r) * H + i_h, dbeta, mask=rv)
+    if SPLIT:
+        if i_p == 0:
+            tl.store(daqk_ptr + o2, tl.where(r[:, None] >= r[None, :], daqk, 0.0))
+    else:
+        tl.store(daqk_ptr + o2, tl.where(r[:, None] >= r[None, :], daqk, 0.0))
+    tl.store(da_ptr + i_p * part_a + o2, tl.where(r[:, None] > r[None, :], da, 0.0))
+    tl.store(dbeta_ptr + i_p * part_beta + (t0 + r) * H + i_h, dbeta, mask=rv)
 
 
 # --------------------------------------------------------------------------
@@ -197,10 +213,28 @@ def _bwd_wy_kernel(
 
 
 @triton.jit
+def _parts(ptr, off, stride, NPART: tl.constexpr):
+    """Sum of NPART partial buffers stride elements apart (the K-split WY kernel's dA)."""
+    acc = tl.load(ptr + off)
+    for p in tl.static_range(1, NPART):
+        acc += tl.load(ptr + p * stride + off)
+    return acc
+
+
+@triton.jit
+def _parts_masked(ptr, off, stride, mask, NPART: tl.constexpr):
+    """``_parts`` for a masked row vector (the partial dbeta)."""
+    acc = tl.load(ptr + off, mask=mask, other=0.0)
+    for p in tl.static_range(1, NPART):
+        acc += tl.load(ptr + p * stride + off, mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
 def _bwd_intra_kernel(
-    q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, dq_ptr, dk_ptr, dG_ptr, dg_ptr, dbeta_ptr,
-    cu_ptr, cidx_ptr, H,
-    K: tl.constexpr, BKF: tl.constexpr, PREC: tl.constexpr,
+    q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, dq_ptr, dk_ptr, dG_ptr, dg_ptr, dbeta_in_ptr, dbeta_ptr,
+    cu_ptr, cidx_ptr, H, part_beta, part_a,
+    K: tl.constexpr, BKF: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
@@ -241,7 +275,7 @@ def _bwd_intra_kernel(
                 kc = kj * tl.exp(tl.where(mj, g_n[None, :] - Gj, NEG))  # <= 1 for j < i, <= e^75 for j == i
                 bo = a_base + rows[:, None] * 64 + cols[None, :]
                 acc_q += tl.dot(tl.load(daqk_ptr + bo), kc, input_precision=PREC)
-                acc_b += tl.dot(tl.load(da_ptr + bo), kc, input_precision=PREC)
+                acc_b += tl.dot(_parts(da_ptr, bo, part_a, NPART), kc, input_precision=PREC)
         er = tl.exp(tl.where(mi, Gi - g_n[None, :], NEG))  # in [e^-75, 1]
         dq_r = acc_q * er
         x = acc_b * er  # gradient of the row operand beta k
@@ -261,14 +295,15 @@ def _bwd_intra_kernel(
                 f = tl.exp(tl.where(mm, Gm - g_l[None, :], NEG))  # <= 1 for m > i, <= e^75 for m == i
                 bo = a_base + rm[:, None] * 64 + (i * 16 + r16)[None, :]
                 acc_c += tl.dot(tl.trans(tl.load(daqk_ptr + bo)), qm * f, input_precision=PREC)
-                acc_c += tl.dot(tl.trans(tl.load(da_ptr + bo)), (bm[:, None] * km_) * f, input_precision=PREC)
+                acc_c += tl.dot(tl.trans(_parts(da_ptr, bo, part_a, NPART)), (bm[:, None] * km_) * f,
+                                input_precision=PREC)
         dk_c = acc_c * tl.exp(tl.where(mi, g_l[None, :] - Gi, NEG))  # in [e^-75, 1]
         # ---- combine with the partials of the WY kernel
         dq = tl.load(dq_ptr + oi, mask=mi, other=0.0) + dq_r
         dk = tl.load(dk_ptr + oi, mask=mi, other=0.0) + dk_c + bi[:, None] * x
         dG = tl.load(dG_ptr + oi, mask=mi, other=0.0) + qi * dq_r + (bi[:, None] * ki) * x - ki * dk_c
         dG = tl.where(mi, dG, 0.0)
-        db = tl.load(dbeta_ptr + (t0 + rows) * H + i_h, mask=vi, other=0.0) + tl.sum(ki * x, axis=1)
+        db = _parts_masked(dbeta_in_ptr, (t0 + rows) * H + i_h, part_beta, vi, NPART) + tl.sum(ki * x, axis=1)
         tot = tl.sum(dG, axis=0)
         dg = tot[None, :] - tl.cumsum(dG, axis=0) + dG + carry[None, :]
         carry += tot
@@ -331,17 +366,21 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
         K=K, V=V, BKF=BKF, BV=BVs, PREC=PREC, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
         INTERP=INTERPRET, num_warps=4, num_stages=SCAN_STAGES,
     )
+    nkb = triton.cdiv(K, BK)
+    npart = nkb if WY_SPLIT_K else 1
     daqk = torch.empty(NT, H, 64, 64, **f32)
-    da = torch.empty(NT, H, 64, 64, **f32)
-    warps = BWD_WARPS or (8 if BKF >= 128 else 4)
-    _bwd_wy_kernel[(NT, H)](
+    da = torch.empty(npart, NT, H, 64, 64, **f32)
+    dbeta_parts = dbeta if npart == 1 else torch.empty(npart, B, T, H, **f32)
+    part_a, part_beta = NT * H * 4096, B * T * H
+    warps = BWD_WARPS or (8 if BKF >= 128 and npart == 1 else 4)
+    _bwd_wy_kernel[(NT, H, npart)](
         q, k, v, G, beta, aux["tinv"], aux["w"], aux["u"], h, dh, vn, dvn, do,
-        dq, dk, dg, dv, dbeta, daqk, da, plan.cu, plan.chunk_idx, H, float(scale),
-        K=K, V=V, BK=BK, BV=BV, PREC=PREC, num_warps=warps,
+        dq, dk, dg, dv, dbeta_parts, daqk, da, plan.cu, plan.chunk_idx, H, float(scale), part_beta, part_a,
+        K=K, V=V, BK=BK, BV=BV, PREC=PREC, KB_PER_PROG=nkb // npart, SPLIT=npart > 1, num_warps=warps,
     )
     # dg holds dGamma (partial) here; the intra kernel reads it and writes dg in place (same tile, same CTA)
     _bwd_intra_kernel[(NT, H)](
-        q, k, G, beta, daqk, da, dq, dk, dg, dg, dbeta, plan.cu, plan.chunk_idx, H,
-        K=K, BKF=BKF, PREC=PREC, num_warps=warps,
+        q, k, G, beta, daqk, da, dq, dk, dg, dg, dbeta_parts, dbeta, plan.cu, plan.chunk_idx, H, part_beta, part_a,
+        K=K, BKF=BKF, PREC=PREC, NPART=npart, num_warps=BWD_WARPS or (8 if BKF >= 128 else 4),
     )
     return dq, dk, dv, dg, dbeta, dh0

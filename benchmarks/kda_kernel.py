@@ -15,9 +15,11 @@ not stop the later ones; exit status 1 if anything FAILed):
                 TB/s (2 * B * H * K * V * 4 bytes), over a few block configurations.
   Not run unless named in --sections: `profile` (torch.profiler per-kernel times of the forward and of
   one forward+backward) and `ablate` (the forward with one phase of the intra kernel skipped: timing
-  only). `--split 32/4/1,32/4/2` adds the split forward (KIMIK3_KDA_FWD=split) to `chunk`, checked
-  against the fused one and timed forward and forward+backward at each scan config; `--wy-split` adds
-  forward+backward with the WY backward split over K blocks (KIMIK3_KDA_WY_SPLIT=1).
+  only). `--try` adds kernel-structure experiments to `chunk`, each checked against the default
+  forward on the same inputs and timed forward and forward+backward: a comma list of `+`-joined
+  switches, `scan=BV/warps/stages` (KIMIK3_KDA_FWD=split at that scan config), `intra`
+  (KIMIK3_KDA_INTRA=split), `wy` (KIMIK3_KDA_WY_SPLIT=1), `solve3` (KIMIK3_KDA_SOLVE=3); e.g.
+  `--try scan=32/4/2,intra,wy,intra+wy+scan=32/4/2`.
 
 Usage (GPU machine):
     python3 benchmarks/kda_kernel.py            # full run (fla autotunes on first call: minutes)
@@ -43,8 +45,46 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 RESULTS: dict = {"pass": [], "fail": [], "timings": {}, "errors": {}}
 G_MIN = -5.0
 CHECK_VARIANTS = ["", "acsw"]  # --check-variants
-SPLIT_CONFIGS: list = []  # --split: scan (BV, num_warps, num_stages) configs of the split forward to time
-WY_SPLIT = False  # --wy-split: also time fwd+bwd with the WY backward split over K blocks
+EXPERIMENTS: list = []  # --try: (name, {(module, attribute): value}) kernel-structure overrides
+
+
+def parse_experiment(token: str):
+    """'intra+wy+scan=32/4/2' -> (token, {(module, attribute): value})."""
+    import kimik3.ops.kda.triton_backward as tb
+    import kimik3.ops.kda.triton_forward as tf
+
+    overrides = {}
+    for part in token.split("+"):
+        if part.startswith("scan="):
+            cfg = tuple(int(x) for x in part[5:].split("/"))
+            if len(cfg) != 3:
+                raise SystemExit(f"--try: scan=BV/warps/stages, got {part!r}")
+            overrides[(tf, "FWD_MODE")], overrides[(tf, "SPLIT_CONFIG")] = "split", cfg
+        elif part == "intra":
+            overrides[(tf, "INTRA_MODE")] = "split"
+        elif part == "wy":
+            overrides[(tb, "WY_SPLIT_K")] = True
+        elif part == "solve3":
+            overrides[(tf, "SOLVE")] = 3
+        else:
+            raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra, wy, solve3)")
+    return token, overrides
+
+
+class overridden:
+    """Apply an experiment's module-attribute overrides for a block, restoring them after."""
+
+    def __init__(self, overrides):
+        self.overrides, self.saved = overrides, {}
+
+    def __enter__(self):
+        for (mod, attr), value in self.overrides.items():
+            self.saved[(mod, attr)] = getattr(mod, attr)
+            setattr(mod, attr, value)
+
+    def __exit__(self, *exc):
+        for (mod, attr), value in self.saved.items():
+            setattr(mod, attr, value)
 
 
 def log(msg: str) -> None:
@@ -296,8 +336,6 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
         key = f"B{B} T{T} H{H} D{D}"
         row = {"shape": key}
         xs, a_log, dtb = k3_inputs(B, T, H, D, seed=3)
-        import kimik3.ops.kda.triton_forward as tf
-
         for var in variants:
             fn = lambda var=var: ours_k3(xs, a_log, dtb, variant=var)  # noqa: E731
             fn()
@@ -305,21 +343,20 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
             name = f"ours_fwd[{var or 'bf16'}]"
             row[name] = bench(fn)
             log(f"{key} ours fwd variant '{var}': {row[name]:.3f} ms")
-        o_fused = ours_k3(xs, a_log, dtb, final=True) if SPLIT_CONFIGS else None
-        for cfg in SPLIT_CONFIGS:  # the split forward (states-only scan + parallel output), default variant
-            tf.FWD_MODE, tf.SPLIT_CONFIG = "split", cfg
+        o_ref = ours_k3(xs, a_log, dtb, final=True) if EXPERIMENTS else None
+        for name, overrides in EXPERIMENTS:  # kernel-structure experiments, default precision variant
             try:
-                o_split = ours_k3(xs, a_log, dtb, final=True)
-                e_o, e_s = rel(o_fused[0], o_split[0]), rel(o_fused[1], o_split[1])
-                verdict(f"{key} split forward {cfg} vs fused", e_o < 2e-3 and e_s < 1e-4, f"o {e_o:.2e} state {e_s:.2e}")
-                fn = lambda: ours_k3(xs, a_log, dtb)  # noqa: E731
-                torch.cuda.synchronize()
-                row[f"ours_fwd_split{cfg}"] = t = bench(fn)
-                log(f"{key} ours fwd split, scan (BV, warps, stages)={cfg}: {t:.3f} ms")
+                with overridden(overrides):
+                    o_try = ours_k3(xs, a_log, dtb, final=True)
+                    e_o, e_s = rel(o_ref[0], o_try[0]), rel(o_ref[1], o_try[1])
+                    verdict(f"{key} try [{name}] vs default", e_o < 2e-3 and e_s < 1e-3, f"o {e_o:.2e} state {e_s:.2e}")
+                    fn = lambda: ours_k3(xs, a_log, dtb)  # noqa: E731
+                    torch.cuda.synchronize()
+                    row[f"ours_fwd[{name}]"] = t = bench(fn)
+                log(f"{key} ours fwd [{name}]: {t:.3f} ms")
             except Exception as exc:  # noqa: BLE001
-                verdict(f"{key} ours fwd split {cfg}", False, repr(exc)[:300])
-            finally:
-                tf.FWD_MODE, tf.SPLIT_CONFIG = "fused", (32, 4, 2)
+                verdict(f"{key} ours fwd [{name}]", False, repr(exc)[:300])
+        del o_ref
         if sweep and (B, T, H, D) == shapes[0]:
             # launch-configuration sweep of the default variant (scan BV / warps, intra warps)
             import kimik3.ops.kda.triton_forward as tf
@@ -356,27 +393,17 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
             # both backwards: the Triton kernels (default) and the v1 HYBRID (torch chunk path recomputed);
             # KIMIK3_KDA_TRITON_BWD is read at forward time
             saved_env = os.environ.get("KIMIK3_KDA_TRITON_BWD")
-            import kimik3.ops.kda.triton_backward as tb
-
-            runs = [("triton", "ours_fwdbwd", None), ("torch", "ours_fwdbwd_hybrid", None)]
-            runs += [("triton", f"ours_fwdbwd_split{cfg}", cfg) for cfg in SPLIT_CONFIGS]
-            if WY_SPLIT:
-                runs.append(("triton", "ours_fwdbwd_wysplit", None))
-            for mode, name, cfg in runs:
+            runs = [("triton", "ours_fwdbwd", {}), ("torch", "ours_fwdbwd_hybrid", {})]
+            runs += [("triton", f"ours_fwdbwd[{name}]", overrides) for name, overrides in EXPERIMENTS]
+            for mode, name, overrides in runs:
                 os.environ["KIMIK3_KDA_TRITON_BWD"] = mode
-                if cfg is not None:
-                    tf.FWD_MODE, tf.SPLIT_CONFIG = "split", cfg
-                tb.WY_SPLIT_K = name == "ours_fwdbwd_wysplit"
                 try:
-                    fb(lambda: ours_k3(xg, a_log, dtb))
-                    row[name] = bench(lambda: fb(lambda: ours_k3(xg, a_log, dtb)), warmup=2, rep=10)
-                    log(f"{key} ours fwd+bwd ({mode} backward{', split forward ' + str(cfg) if cfg else ''}): "
-                        f"{row[name]:.3f} ms")
+                    with overridden(overrides):
+                        fb(lambda: ours_k3(xg, a_log, dtb))
+                        row[name] = bench(lambda: fb(lambda: ours_k3(xg, a_log, dtb)), warmup=2, rep=10)
+                    log(f"{key} {name} ({mode} backward): {row[name]:.3f} ms")
                 except Exception as exc:  # noqa: BLE001
                     verdict(f"{key} {name}", False, repr(exc)[:300])
-                finally:
-                    tf.FWD_MODE, tf.SPLIT_CONFIG = "fused", (32, 4, 2)
-                    tb.WY_SPLIT_K = False
             if saved_env is None:
                 os.environ.pop("KIMIK3_KDA_TRITON_BWD", None)
             else:
@@ -536,10 +563,8 @@ def main() -> int:
     p.add_argument("--check-variants", default=None, help="comma list checked in 'correct' (default ,acsw)")
     p.add_argument("--no-bwd", action="store_true", help="skip the forward+backward timings")
     p.add_argument("--decode-batches", default=None, help="comma list (default 1,64,256; quick 64)")
-    p.add_argument("--wy-split", action="store_true", help="also time fwd+bwd with KIMIK3_KDA_WY_SPLIT=1")
-    p.add_argument("--split", default=None,
-                   help="also time the split forward (KIMIK3_KDA_FWD=split) at these scan configs, "
-                        "'BV/warps/stages' separated by commas, e.g. 32/4/1,32/4/2,64/4/2")
+    p.add_argument("--try", dest="experiments", default=None,
+                   help="kernel-structure experiments for `chunk` (module docstring), e.g. scan=32/4/2,intra,wy")
     a = p.parse_args()
     if not torch.cuda.is_available():
         log("FAIL no CUDA device")
@@ -552,10 +577,8 @@ def main() -> int:
         variants = ["acsw"] if a.quick else ["", "a", "acs", "acsw"]
     t0 = time.time()
     secs = set(a.sections.split(","))
-    global WY_SPLIT
-    WY_SPLIT = a.wy_split
-    if a.split:
-        SPLIT_CONFIGS[:] = [tuple(int(x) for x in c.split("/")) for c in a.split.split(",")]
+    if a.experiments:
+        EXPERIMENTS[:] = [parse_experiment(t) for t in a.experiments.split(",")]
     if a.check_variants is not None:
         CHECK_VARIANTS[:] = a.check_variants.split(",")
     if a.decode_batches:

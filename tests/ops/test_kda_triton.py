@@ -181,6 +181,45 @@ def test_split_forward(monkeypatch, case):
         chunk_kda(*inputs, backend="triton", **kw)
 
 
+@pytest.mark.parametrize("case", ["T65", "varlen", "bf16", "solve3", "K100-both-splits"])
+def test_split_intra(monkeypatch, case):
+    """KIMIK3_KDA_INTRA=split (phase A per column tile, B per chunk, C per K / V block: three kernels)
+    vs naive and vs the fused intra kernel on the same inputs, gradients included; with SOLVE 3, and
+    together with the split scan at K = 100 (two K blocks in phase C)."""
+    import kimik3.ops.kda.triton_forward as tf
+
+    H, K, V = SMALL[1:]
+    cu, dtype, B, T, N = None, torch.float32, 2, 65, 2
+    if case == "varlen":
+        lengths = [1, 1, 3, 64, 65, 2]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+        B, T, N = 1, sum(lengths), len(lengths)
+    elif case == "bf16":
+        dtype, T = torch.bfloat16, 130
+    elif case == "solve3":
+        monkeypatch.setattr(tf, "SOLVE", 3)
+    elif case == "K100-both-splits":
+        H, K, V, B, N = 1, 100, 16, 1, 1
+        monkeypatch.setattr(tf, "FWD_MODE", "split")
+    inputs = make_inputs(B, T, H, K, V, dtype=dtype, seed=T)
+    h0 = make_state(N, H, K, V)
+    kw = dict(cu_seqlens=cu) if cu is not None else {}
+    o_f, s_f, g_f = run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
+    monkeypatch.setattr(tf, "INTRA_MODE", "split")
+    if dtype == torch.float32:
+        check_against_naive(inputs, h0, cu=cu)
+    o, s, g = run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    assert rel_rms(o_f, o) < tol and rel_rms(s_f, s) < tol
+    for name, a, b in zip(GRAD_NAMES, g_f, g):
+        assert rel_rms(a, b) < tol, (name, rel_rms(a, b))
+    for attr, bad in (("INTRA_MODE", "nonsense"), ("SOLVE", 1)):
+        with monkeypatch.context() as m:
+            m.setattr(tf, attr, bad)
+            with pytest.raises(ValueError, match="KIMIK3_KDA_"):
+                chunk_kda(*inputs, backend="triton", **kw)
+
+
 @pytest.mark.parametrize("K", [100, 130])
 def test_wy_split_over_k(monkeypatch, K):
     """KIMIK3_KDA_WY_SPLIT=1: the WY backward as one program per 64-column K block (2 and 3 partial dA /

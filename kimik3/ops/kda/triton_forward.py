@@ -18,7 +18,9 @@ Three kernels (chunk C = 64 tokens, sub-tiles of 16; math as in ``chunk.py``):
    most 15 * 5 = 75 in log space, so the diagonal tiles need no position-pair loop.
    Then T = (I + diag(beta) Akk)^-1 by 16 x 16 forward substitution on the diagonal blocks and
    block forward substitution across row tiles (in place in a scratch buffer), and the WY/UT
-   representation W = T (beta k exp(Gamma)), U = T (beta v).
+   representation W = T (beta k exp(Gamma)), U = T (beta v). The three phases are @triton.jit helpers
+   (``_a_tile``, ``_solve``, ``_wy_k_block`` / ``_wy_v_block``): one kernel runs them all by default;
+   ``KIMIK3_KDA_INTRA=split`` runs them as three kernels with more, lighter programs.
 3. the inter-chunk scan (``triton_scan.py``): by default ``_state_out`` per (sequence, head, V block),
    the sequential scan over the sequence's chunks,
    v_new = U - W S, o = scale (q exp(Gamma) S + Aqk v_new), S <- exp(Gamma_C) S + (k exp(Gamma_C - Gamma))^T v_new,
@@ -51,16 +53,19 @@ DEFAULT_VARIANT = os.environ.get("KIMIK3_KDA_VARIANT", "acsw")  # see kda_fwd_tr
 # Launch overrides (benchmark sweeps; None = heuristic): scan (BV, num_warps[, num_stages]), intra num_warps.
 SCAN_CONFIG: Optional[Tuple[int, int]] = None
 INTRA_WARPS: Optional[int] = None
-# phase-B solve: 0 = v1 forward substitution (default: the only one verified on the H200 so far),
-# 1 = Neumann product (10 dense matmuls; gave an illegal address on the H200 in its first form),
-# 2 = Neumann with the squaring's second operand reloaded from scratch, 3 = 16 x 16 blocks in registers
-# (diagonal inverses by a 16 x 16 Neumann product, then block rows; ``_solve_blocks``).
+# phase-B solve: 0 = forward substitution (default, the faster on the H200), 3 = 16 x 16 blocks in
+# registers (diagonal inverses by a 16 x 16 Neumann product, then block rows; ``_solve_blocks``).
+# (64 x 64 Neumann products, once 1 and 2, gave illegal addresses on the H200 and were removed.)
 SOLVE = int(os.environ.get("KIMIK3_KDA_SOLVE", "0"))
 SCAN_KT_LOAD = os.environ.get("KIMIK3_KDA_KT_LOAD", "0") == "1"  # scan: load kg transposed from memory
 # Inter-chunk half (``triton_scan.py``): "fused" (default, measured: scan with the output on its serial
 # path) or "split" (states-only scan storing h, then a parallel output kernel; the backward reuses h).
 FWD_MODE = os.environ.get("KIMIK3_KDA_FWD", "fused")
 SPLIT_CONFIG: Tuple[int, int, int] = (32, 4, 2)  # split mode's scan (BV, num_warps, num_stages)
+# Intra-chunk kernels: "fused" (default, measured: phases A, B, C in one program per (chunk, head)) or
+# "split" (three kernels: A per column tile, B per chunk, C per K / V block; not yet timed on a GPU).
+INTRA_MODE = os.environ.get("KIMIK3_KDA_INTRA", "fused")
+INTRA_SPLIT_WARPS: Tuple[int, int, int] = (4, 4, 4)  # num_warps of the split A, B, C kernels
 # Timing ablation of the intra kernel (benchmarks only; results are WRONG when non-zero): 1 skips the
 # phase-B solve (T = A), 2 skips phase A's dots, 3 skips phase C (W, U and the scan operands).
 INTRA_ABLATE = 0
@@ -225,70 +230,67 @@ def _solve_blocks(t_ptr, base, PREC: tl.constexpr):
 
 
 @triton.jit
-def _intra_kernel(
-    q_ptr, k_ptr, v_ptr, G_ptr, beta_ptr, aqk_ptr, tinv_ptr, w_ptr, u_ptr, qg_ptr, kg_ptr, eg_ptr,
-    cu_ptr, cidx_ptr, H,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DT: tl.constexpr, DTA: tl.constexpr, DTC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
-    SOLVE: tl.constexpr, ABLATE: tl.constexpr,
-):
-    i_t = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
+def _chunk_bounds(i_t, cidx_ptr, cu_ptr):
+    """Chunk i_t of the plan: its first token and its number of valid tokens (<= 64)."""
     i_n = tl.load(cidx_ptr + 2 * i_t).to(tl.int64)
     i_c = tl.load(cidx_ptr + 2 * i_t + 1).to(tl.int64)
     bos = tl.load(cu_ptr + i_n).to(tl.int64)
     eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
     t0 = bos + i_c * 64
-    L = tl.minimum(64, eos - t0)
+    return t0, tl.minimum(64, eos - t0)
+
+
+@triton.jit
+def _a_tile(j, q_ptr, k_ptr, G_ptr, aqk_ptr, tinv_ptr, a_base, t0, L, beta, i_h, H,
+            K: tl.constexpr, BK: tl.constexpr, DTA: tl.constexpr, PREC: tl.constexpr, ABLATE: tl.constexpr):
+    """Phase A for the 64 x 16 column tile j: Aqk (lower) and diag(beta) Akk (strictly lower), against the
+    reference eps_j = Gamma at the tile's last valid token (the gate bound keeps both factors finite)."""
     r = tl.arange(0, 64)
     r16 = tl.arange(0, 16)
     rv = r < L
-    beta = tl.load(beta_ptr + (t0 + r) * H + i_h, mask=rv, other=0.0).to(tl.float32)
-    # chunk-major 64 x 64 buffers of this (chunk, head)
-    a_base = (i_t * H + i_h) * 4096
     NEG = float("-inf")
+    s = j * 16 + r16  # columns of tile j
+    sv = s < L
+    ref = tl.minimum(j * 16 + 15, L - 1)  # eps_j: Gamma at the tile's last (valid) token
+    row_ok = rv & (r >= j * 16)  # rows before tile j are in its past: never read
+    acc_q = tl.zeros([64, 16], dtype=tl.float32)
+    acc_k = tl.zeros([64, 16], dtype=tl.float32)
+    for kb in tl.static_range(0, K, BK):
+        c = kb + tl.arange(0, BK)
+        cm = c < K
+        g_ref = tl.load(G_ptr + (t0 + ref) * (H * K) + i_h * K + c, mask=cm, other=0.0)
+        mr = rv[:, None] & cm[None, :]
+        ro = (t0 + r)[:, None] * (H * K) + i_h * K + c[None, :]
+        Gr = tl.load(G_ptr + ro, mask=mr, other=0.0)
+        qr = tl.load(q_ptr + ro, mask=mr, other=0.0).to(tl.float32)
+        kr = tl.load(k_ptr + ro, mask=mr, other=0.0).to(tl.float32)
+        ms = sv[:, None] & cm[None, :]
+        so = (t0 + s)[:, None] * (H * K) + i_h * K + c[None, :]
+        Gs = tl.load(G_ptr + so, mask=ms, other=0.0)
+        ks = tl.load(k_ptr + so, mask=ms, other=0.0).to(tl.float32)
+        e_r = tl.exp(tl.where(row_ok[:, None] & cm[None, :], Gr - g_ref[None, :], NEG))  # (0, e^75]
+        e_s = tl.exp(tl.where(ms, g_ref[None, :] - Gs, NEG))  # [e^-75, 1]
+        kc = tl.trans((ks * e_s).to(DTA))
+        if ABLATE != 2:
+            acc_q += tl.dot((qr * e_r).to(DTA), kc, input_precision=PREC)
+            acc_k += tl.dot((kr * e_r).to(DTA), kc, input_precision=PREC)
+    o2 = a_base + r[:, None] * 64 + s[None, :]
+    tl.store(aqk_ptr + o2, tl.where(r[:, None] >= s[None, :], acc_q, 0.0))
+    tl.store(tinv_ptr + o2, tl.where(r[:, None] > s[None, :], acc_k * beta[:, None], 0.0))
 
-    # ---- phase A: Aqk and diag(beta) Akk, one 64 x 16 column tile at a time -------------------
-    for j in tl.static_range(4):
-        s = j * 16 + r16  # columns of tile j
-        sv = s < L
-        ref = tl.minimum(j * 16 + 15, L - 1)  # eps_j: Gamma at the tile's last (valid) token
-        row_ok = rv & (r >= j * 16)  # rows before tile j are in its past: never read
-        acc_q = tl.zeros([64, 16], dtype=tl.float32)
-        acc_k = tl.zeros([64, 16], dtype=tl.float32)
-        for kb in tl.static_range(0, K, BK):
-            c = kb + tl.arange(0, BK)
-            cm = c < K
-            g_ref = tl.load(G_ptr + (t0 + ref) * (H * K) + i_h * K + c, mask=cm, other=0.0)
-            mr = rv[:, None] & cm[None, :]
-            ro = (t0 + r)[:, None] * (H * K) + i_h * K + c[None, :]
-            Gr = tl.load(G_ptr + ro, mask=mr, other=0.0)
-            qr = tl.load(q_ptr + ro, mask=mr, other=0.0).to(tl.float32)
-            kr = tl.load(k_ptr + ro, mask=mr, other=0.0).to(tl.float32)
-            ms = sv[:, None] & cm[None, :]
-            so = (t0 + s)[:, None] * (H * K) + i_h * K + c[None, :]
-            Gs = tl.load(G_ptr + so, mask=ms, other=0.0)
-            ks = tl.load(k_ptr + so, mask=ms, other=0.0).to(tl.float32)
-            e_r = tl.exp(tl.where(row_ok[:, None] & cm[None, :], Gr - g_ref[None, :], NEG))  # (0, e^75]
-            e_s = tl.exp(tl.where(ms, g_ref[None, :] - Gs, NEG))  # [e^-75, 1]
-            kc = tl.trans((ks * e_s).to(DTA))
-            if ABLATE != 2:
-                acc_q += tl.dot((qr * e_r).to(DTA), kc, input_precision=PREC)
-                acc_k += tl.dot((kr * e_r).to(DTA), kc, input_precision=PREC)
-        lower = r[:, None] >= s[None, :]
-        strict = r[:, None] > s[None, :]
-        o2 = a_base + r[:, None] * 64 + s[None, :]
-        tl.store(aqk_ptr + o2, tl.where(lower, acc_q, 0.0))
-        tl.store(tinv_ptr + o2, tl.where(strict, acc_k * beta[:, None], 0.0))
-    tl.debug_barrier()
 
-    # ---- phase B: T = (I + diag(beta) Akk)^-1, in place, by row tiles -------------------------
-    c64 = tl.arange(0, 64)
+@triton.jit
+def _solve(tinv_ptr, a_base, SOLVE: tl.constexpr, SPREC: tl.constexpr, ABLATE: tl.constexpr):
+    """Phase B: T = (I + A)^-1 for the strictly lower A at tinv_ptr + a_base, written over A (the Triton
+    backward reads T there); returns T as a 64 x 64 fp32 tile. SOLVE 0: 16 x 16 forward substitution on
+    the diagonal blocks and block forward substitution over the row tiles; 3: ``_solve_blocks``."""
+    r = tl.arange(0, 64)
+    r16 = tl.arange(0, 16)
     if ABLATE == 1:
-        t_all = tl.load(tinv_ptr + a_base + r[:, None] * 64 + c64[None, :])
+        t_all = tl.load(tinv_ptr + a_base + r[:, None] * 64 + r[None, :])
     elif SOLVE == 3:
         t_all = _solve_blocks(tinv_ptr, a_base, SPREC)
-    elif SOLVE == 0:
+    else:
         for i in tl.static_range(4):
             rows = i * 16 + r16
             # diagonal block inverse by forward substitution (fla's solve_tril 16 x 16)
@@ -301,66 +303,130 @@ def _intra_kernel(
                 b = tl.where((r16 == rr)[:, None], a[None, :], b)
             dinv = b + (r16[:, None] == r16[None, :]).to(tl.float32)
             # T_i = Dinv_i (E_i - A_{i,<i} T_{<i})
-            rhs = (c64[None, :] == rows[:, None]).to(tl.float32)
+            rhs = (r[None, :] == rows[:, None]).to(tl.float32)
             if i > 0:
-                a_row = tl.load(tinv_ptr + a_base + rows[:, None] * 64 + c64[None, :],
-                                mask=(c64 < i * 16)[None, :], other=0.0)
-                t_prev = tl.load(tinv_ptr + a_base + c64[:, None] * 64 + c64[None, :],
-                                 mask=(c64 < i * 16)[:, None], other=0.0)
+                a_row = tl.load(tinv_ptr + a_base + rows[:, None] * 64 + r[None, :],
+                                mask=(r < i * 16)[None, :], other=0.0)
+                t_prev = tl.load(tinv_ptr + a_base + r[:, None] * 64 + r[None, :],
+                                 mask=(r < i * 16)[:, None], other=0.0)
                 rhs -= tl.dot(a_row, t_prev, input_precision="tf32x3")
             t_i = tl.dot(dinv, rhs, input_precision="tf32x3")
             tl.debug_barrier()
-            tl.store(tinv_ptr + a_base + rows[:, None] * 64 + c64[None, :], t_i)
+            tl.store(tinv_ptr + a_base + rows[:, None] * 64 + r[None, :], t_i)
             tl.debug_barrier()
-        t_all = tl.load(tinv_ptr + a_base + r[:, None] * 64 + c64[None, :])
-    else:
-        # ---- phase B (v2): T = (I + A)^-1, A = diag(beta) Akk strictly lower, hence nilpotent (A^64 = 0):
-        # (I + N + ... + N^63) = (I + N)(I + N^2)(I + N^4)(I + N^8)(I + N^16)(I + N^32), N = -A:
-        # 10 dense 64 x 64 matmuls in registers instead of v1's serial 16 x 16 forward substitution
-        # through global scratch (v1: ~60 dependent load/reduce steps per program, 3.3-4.9 ms at K3 shape).
-        nmat = -tl.load(tinv_ptr + a_base + r[:, None] * 64 + c64[None, :])
-        t_all = nmat + (r[:, None] == c64[None, :]).to(tl.float32)
-        for _ in tl.static_range(5):
-            if SOLVE == 2:  # square through scratch: the two dot operands are distinct values
-                tl.debug_barrier()
-                tl.store(tinv_ptr + a_base + r[:, None] * 64 + c64[None, :], nmat)
-                tl.debug_barrier()
-                nmat = tl.dot(nmat, tl.load(tinv_ptr + a_base + r[:, None] * 64 + c64[None, :]), input_precision=SPREC)
-            else:
-                nmat = tl.dot(nmat, nmat, input_precision=SPREC)
-            t_all += tl.dot(t_all, nmat, input_precision=SPREC)
-        tl.debug_barrier()  # T itself in tinv (the Triton backward reads it; SOLVE 0 leaves it there too)
-        tl.store(tinv_ptr + a_base + r[:, None] * 64 + c64[None, :], t_all)
+        t_all = tl.load(tinv_ptr + a_base + r[:, None] * 64 + r[None, :])
+    return t_all
 
-    # ---- phase C: W = T (beta k exp(Gamma)), U = T (beta v) ------------------------------------
-    t_all = t_all.to(DTC)
+
+@triton.jit
+def _wy_k_block(kb, t_all, q_ptr, k_ptr, G_ptr, w_ptr, qg_ptr, kg_ptr, eg_ptr, beta, t0, L, i_t, i_h, H,
+                K: tl.constexpr, BK: tl.constexpr, DTC: tl.constexpr, PREC: tl.constexpr):
+    """Phase C, key columns [kb, kb + BK): W = T (beta k exp(Gamma)) and the scan operands, which do not
+    depend on the state (so they stay off the scan's serial path): q exp(Gamma), k exp(Gamma_C - Gamma)
+    and the chunk decay exp(Gamma_C)."""
+    r = tl.arange(0, 64)
+    c = kb + tl.arange(0, BK)
+    mr = (r < L)[:, None] & (c < K)[None, :]
+    ro = (t0 + r)[:, None] * (H * K) + i_h * K + c[None, :]
+    Gr = tl.load(G_ptr + ro, mask=mr, other=0.0)
+    kr = tl.load(k_ptr + ro, mask=mr, other=0.0).to(tl.float32)
+    eG = tl.exp(Gr)
+    rk = tl.where(mr, kr * beta[:, None] * eG, 0.0)
+    w = tl.dot(t_all, rk.to(DTC), input_precision=PREC)
+    tl.store(w_ptr + ro, w.to(w_ptr.dtype.element_ty), mask=mr)
+    g_last = tl.load(G_ptr + (t0 + L - 1) * (H * K) + i_h * K + c, mask=c < K, other=0.0)
+    qr = tl.load(q_ptr + ro, mask=mr, other=0.0).to(tl.float32)
+    tl.store(qg_ptr + ro, tl.where(mr, qr * eG, 0.0).to(qg_ptr.dtype.element_ty), mask=mr)
+    kg = tl.where(mr, kr * tl.exp(g_last[None, :] - Gr), 0.0)
+    tl.store(kg_ptr + ro, kg.to(kg_ptr.dtype.element_ty), mask=mr)
+    tl.store(eg_ptr + (i_t * H + i_h) * K + c, tl.exp(g_last), mask=c < K)
+
+
+@triton.jit
+def _wy_v_block(vb, t_all, v_ptr, u_ptr, beta, t0, L, i_h, H,
+                V: tl.constexpr, BV: tl.constexpr, DTC: tl.constexpr, PREC: tl.constexpr):
+    """Phase C, value columns [vb, vb + BV): U = T (beta v)."""
+    r = tl.arange(0, 64)
+    c = vb + tl.arange(0, BV)
+    mr = (r < L)[:, None] & (c < V)[None, :]
+    ro = (t0 + r)[:, None] * (H * V) + i_h * V + c[None, :]
+    vr = tl.load(v_ptr + ro, mask=mr, other=0.0).to(tl.float32)
+    u = tl.dot(t_all, (vr * beta[:, None]).to(DTC), input_precision=PREC)
+    tl.store(u_ptr + ro, u.to(u_ptr.dtype.element_ty), mask=mr)
+
+
+@triton.jit
+def _intra_kernel(
+    q_ptr, k_ptr, v_ptr, G_ptr, beta_ptr, aqk_ptr, tinv_ptr, w_ptr, u_ptr, qg_ptr, kg_ptr, eg_ptr,
+    cu_ptr, cidx_ptr, H,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DTA: tl.constexpr, DTC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
+    SOLVE: tl.constexpr, ABLATE: tl.constexpr,
+):
+    """Fused intra-chunk kernel, one program per (chunk, head): phases A, B, C in one CTA (the 64 x 64
+    matrices pass through the aqk / tinv buffers of this chunk, behind barriers)."""
+    i_t = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
+    r = tl.arange(0, 64)
+    beta = tl.load(beta_ptr + (t0 + r) * H + i_h, mask=r < L, other=0.0).to(tl.float32)
+    a_base = (i_t * H + i_h) * 4096  # chunk-major 64 x 64 buffers of this (chunk, head)
+    for j in tl.static_range(4):
+        _a_tile(j, q_ptr, k_ptr, G_ptr, aqk_ptr, tinv_ptr, a_base, t0, L, beta, i_h, H, K, BK, DTA, PREC, ABLATE)
+    tl.debug_barrier()
+    t_all = _solve(tinv_ptr, a_base, SOLVE, SPREC, ABLATE).to(DTC)
     if ABLATE == 3:
         return
     for kb in tl.static_range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        mr = rv[:, None] & (c < K)[None, :]
-        ro = (t0 + r)[:, None] * (H * K) + i_h * K + c[None, :]
-        Gr = tl.load(G_ptr + ro, mask=mr, other=0.0)
-        kr = tl.load(k_ptr + ro, mask=mr, other=0.0).to(tl.float32)
-        eG = tl.exp(Gr)
-        rk = tl.where(mr, kr * beta[:, None] * eG, 0.0)
-        w = tl.dot(t_all, rk.to(DTC), input_precision=PREC)
-        tl.store(w_ptr + ro, w.to(w_ptr.dtype.element_ty), mask=mr)
-        # scan operands (state-independent, so off the scan's serial path): q exp(Gamma),
-        # k exp(Gamma_C - Gamma) and the chunk decay exp(Gamma_C)
-        g_last = tl.load(G_ptr + (t0 + L - 1) * (H * K) + i_h * K + c, mask=c < K, other=0.0)
-        qr = tl.load(q_ptr + ro, mask=mr, other=0.0).to(tl.float32)
-        tl.store(qg_ptr + ro, tl.where(mr, qr * eG, 0.0).to(qg_ptr.dtype.element_ty), mask=mr)
-        kg = tl.where(mr, kr * tl.exp(g_last[None, :] - Gr), 0.0)
-        tl.store(kg_ptr + ro, kg.to(kg_ptr.dtype.element_ty), mask=mr)
-        tl.store(eg_ptr + (i_t * H + i_h) * K + c, tl.exp(g_last), mask=c < K)
+        _wy_k_block(kb, t_all, q_ptr, k_ptr, G_ptr, w_ptr, qg_ptr, kg_ptr, eg_ptr, beta, t0, L, i_t, i_h, H,
+                    K, BK, DTC, PREC)
     for vb in tl.static_range(0, V, BV):
-        c = vb + tl.arange(0, BV)
-        mr = rv[:, None] & (c < V)[None, :]
-        ro = (t0 + r)[:, None] * (H * V) + i_h * V + c[None, :]
-        vr = tl.load(v_ptr + ro, mask=mr, other=0.0).to(tl.float32)
-        u = tl.dot(t_all, (vr * beta[:, None]).to(DTC), input_precision=PREC)
-        tl.store(u_ptr + ro, u.to(u_ptr.dtype.element_ty), mask=mr)
+        _wy_v_block(vb, t_all, v_ptr, u_ptr, beta, t0, L, i_h, H, V, BV, DTC, PREC)
+
+
+# The same three phases as three kernels (KIMIK3_KDA_INTRA=split): more programs, fewer live tiles each.
+
+
+@triton.jit
+def _intra_a_kernel(q_ptr, k_ptr, G_ptr, beta_ptr, aqk_ptr, tinv_ptr, cu_ptr, cidx_ptr, H,
+                    K: tl.constexpr, BK: tl.constexpr, DTA: tl.constexpr, PREC: tl.constexpr):
+    """Phase A, one program per (chunk, head, column tile)."""
+    i_t = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    j = tl.program_id(2)
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
+    r = tl.arange(0, 64)
+    beta = tl.load(beta_ptr + (t0 + r) * H + i_h, mask=r < L, other=0.0).to(tl.float32)
+    _a_tile(j, q_ptr, k_ptr, G_ptr, aqk_ptr, tinv_ptr, (i_t * H + i_h) * 4096, t0, L, beta, i_h, H, K, BK, DTA,
+            PREC, 0)
+
+
+@triton.jit
+def _intra_solve_kernel(tinv_ptr, H, SOLVE: tl.constexpr, SPREC: tl.constexpr):
+    """Phase B, one program per (chunk, head): T written over A."""
+    i_t = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    _solve(tinv_ptr, (i_t * H + i_h) * 4096, SOLVE, SPREC, 0)
+
+
+@triton.jit
+def _intra_wy_kernel(q_ptr, k_ptr, v_ptr, G_ptr, beta_ptr, tinv_ptr, w_ptr, u_ptr, qg_ptr, kg_ptr, eg_ptr,
+                     cu_ptr, cidx_ptr, H,
+                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NKB: tl.constexpr,
+                     DTC: tl.constexpr, PREC: tl.constexpr):
+    """Phase C, one program per (chunk, head, K block or V block)."""
+    i_t = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    p = tl.program_id(2)
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
+    r = tl.arange(0, 64)
+    beta = tl.load(beta_ptr + (t0 + r) * H + i_h, mask=r < L, other=0.0).to(tl.float32)
+    t_all = tl.load(tinv_ptr + (i_t * H + i_h) * 4096 + r[:, None] * 64 + r[None, :]).to(DTC)
+    if p < NKB:
+        _wy_k_block(p * BK, t_all, q_ptr, k_ptr, G_ptr, w_ptr, qg_ptr, kg_ptr, eg_ptr, beta, t0, L, i_t, i_h, H,
+                    K, BK, DTC, PREC)
+    else:
+        _wy_v_block((p - NKB) * BV, t_all, v_ptr, u_ptr, beta, t0, L, i_h, H, V, BV, DTC, PREC)
 
 
 # --------------------------------------------------------------------------
@@ -443,12 +509,27 @@ def kda_fwd_triton(
     qg = torch.empty(B, T, H, K, device=dev, dtype=sc_dtype)
     kg = torch.empty(B, T, H, K, device=dev, dtype=sc_dtype)
     eg = torch.empty(NT, H, K, device=dev, dtype=torch.float32)
-    _intra_kernel[(NT, H)](
-        qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
-        K=K, V=V, BK=BK, BV=BV_intra, DT=DT, DTA=DTA, DTC=DTC, PREC=PREC,
-        SPREC="tf32x3" if (DT == tl.float32 or DTA == tl.float32) else "tf32",
-        SOLVE=SOLVE, ABLATE=INTRA_ABLATE, num_warps=INTRA_WARPS or (8 if DT != tl.float32 else 4),
-    )
+    SPREC = "tf32x3" if (DT == tl.float32 or DTA == tl.float32) else "tf32"
+    if SOLVE not in (0, 3):
+        raise ValueError(f"KIMIK3_KDA_SOLVE must be 0 or 3, got {SOLVE}")
+    if INTRA_MODE == "fused":
+        _intra_kernel[(NT, H)](
+            qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
+            K=K, V=V, BK=BK, BV=BV_intra, DTA=DTA, DTC=DTC, PREC=PREC, SPREC=SPREC,
+            SOLVE=SOLVE, ABLATE=INTRA_ABLATE, num_warps=INTRA_WARPS or (8 if DT != tl.float32 else 4),
+        )
+    elif INTRA_MODE == "split":
+        wa, ws, wc = INTRA_SPLIT_WARPS
+        _intra_a_kernel[(NT, H, 4)](qn, kn, G, betan, aqk, tinv, plan.cu, plan.chunk_idx, H,
+                                    K=K, BK=BK, DTA=DTA, PREC=PREC, num_warps=wa)
+        _intra_solve_kernel[(NT, H)](tinv, H, SOLVE=SOLVE, SPREC=SPREC, num_warps=ws)
+        nkb = triton.cdiv(K, BK)
+        _intra_wy_kernel[(NT, H, nkb + triton.cdiv(V, BV_intra))](
+            qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
+            K=K, V=V, BK=BK, BV=BV_intra, NKB=nkb, DTC=DTC, PREC=PREC, num_warps=wc,
+        )
+    else:
+        raise ValueError(f"KIMIK3_KDA_INTRA must be 'fused' or 'split', got {INTRA_MODE!r}")
     h0 = initial_state.float().contiguous() if initial_state is not None else dummy
     if FWD_MODE not in ("fused", "split"):
         raise ValueError(f"KIMIK3_KDA_FWD must be 'fused' or 'split', got {FWD_MODE!r}")

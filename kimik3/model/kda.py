@@ -73,21 +73,25 @@ class KDA(nn.Module):
         qkv_BTC, conv_state = short_conv(qkv_BTC, conv_weight, state.conv_BCW if state is not None else None,
                                          cu_seqlens=cu_seqlens)
         q_BTHK, k_BTHK, v_BTHV = (t.unflatten(-1, (heads, head_dim)) for t in qkv_BTC.chunk(3, dim=-1))
-        q_BTHK, k_BTHK = l2_normalize(q_BTHK), l2_normalize(k_BTHK)
-
-        raw_gate = self.forget_b(self.forget_a(x_BTD)).unflatten(-1, (heads, head_dim))
-        g_BTHK = bounded_gate(raw_gate, self.A_log, self.dt_bias, self.g_min)
-        beta_BTH = torch.sigmoid(self.beta_proj(x_BTD).float())
+        raw_gate_BTHK = self.forget_b(self.forget_a(x_BTD)).unflatten(-1, (heads, head_dim))
+        beta_logit_BTH = self.beta_proj(x_BTD)
 
         initial = state.recurrent_BHKV if state is not None else None
         if state is not None and length == 1:
+            q_BTHK, k_BTHK = l2_normalize(q_BTHK), l2_normalize(k_BTHK)
+            g_BTHK = bounded_gate(raw_gate_BTHK, self.A_log, self.dt_bias, self.g_min)
+            beta_BTH = torch.sigmoid(beta_logit_BTH.float())
             o_BHV, final = recurrent_kda_step(q_BTHK[:, 0], k_BTHK[:, 0], v_BTHV[:, 0], g_BTHK[:, 0],
                                               beta_BTH[:, 0], initial)
             o_BTHV = o_BHV[:, None]
         else:
-            o_BTHV, final = chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH,  # gate and beta stay fp32
+            # The q/k L2 norm, the bounded gate and the beta sigmoid go into the op (same math as
+            # l2_normalize / bounded_gate / sigmoid on the torch path; fused into the Triton kernels).
+            o_BTHV, final = chunk_kda(q_BTHK, k_BTHK, v_BTHV, raw_gate_BTHK, beta_logit_BTH,
                                       initial_state=initial, output_final_state=state is not None,
-                                      cu_seqlens=cu_seqlens)
+                                      cu_seqlens=cu_seqlens, A_log=self.A_log, dt_bias=self.dt_bias,
+                                      lower_bound=self.g_min, use_gate_in_kernel=True,
+                                      use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
         if state is not None:
             state.conv_BCW = conv_state.to(state.conv_BCW.dtype)
             state.recurrent_BHKV = final

@@ -143,7 +143,7 @@ def _bwd_wy_kernel(
     daqk = tl.zeros([64, 64], dtype=tl.float32)
     da = tl.zeros([64, 64], dtype=tl.float32)
     for kbi in tl.static_range(KB_PER_PROG):
-        kb = (i_p * KB_PER_PROG + kbi) * BK
+        kb = ((i_p * KB_PER_PROG + kbi) * BK) if SPLIT else (kbi * BK)  # unsplit: a compile-time constant
         ck = kb + tl.arange(0, BK)
         km = ck < K
         dqg = tl.zeros([64, BK], dtype=tl.float32)

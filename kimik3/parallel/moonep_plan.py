@@ -268,7 +268,9 @@ class GraphedPlanner:
             plan(self.loads, num_ranks, check=False)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # Captured lazily, inside a training step: "thread_local" lets other threads (NCCL's watchdog,
+        # data loaders) keep making CUDA calls while this thread captures.
+        with torch.no_grad(), torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.quota = plan(self.loads, num_ranks, check=False).quota
         self.num_ranks = num_ranks
 

@@ -435,15 +435,9 @@ def _intra_wy_kernel(q_ptr, k_ptr, v_ptr, G_ptr, beta_ptr, tinv_ptr, w_ptr, u_pt
 
 
 def _cfg(K: int, V: int):
-    """(BK, BV for intra, BV for the scan, num_warps of the three kernels)."""
+    """(K padded to a power of two, the K block and the V block of the intra-chunk kernels)."""
     BKF = _next_pow2(K)
-    BVF = _next_pow2(V)
-    BK = min(64, BKF)
-    BV_intra = min(64, BVF)
-    # scan: the fp32 state [BKF, BV] lives in registers and the tile operands in shared memory;
-    # at K = 128 a BV of 64 with fp32 operands needs > 227 KB when pipelined (seen on the H200)
-    BV_scan = min(64 if BKF <= 64 else 32, BVF)
-    return BKF, BK, BV_intra, BV_scan
+    return BKF, min(64, BKF), min(64, _next_pow2(V))
 
 
 def kda_fwd_triton(
@@ -472,9 +466,15 @@ def kda_fwd_triton(
     DTA = tl.float32 if "a" in variant else DT
     DTS = tl.float32 if "s" in variant else DT
     DTC = tl.float32 if "c" in variant else DT
-    BKF, BK, BV_intra, BV_scan = _cfg(K, V)
+    BKF, BK, BV_intra = _cfg(K, V)
     if K > 256 or V > 512:
         raise ValueError(f"triton KDA supports K <= 256 and V <= 512, got K={K} V={V}")
+    if SOLVE not in (0, 3):
+        raise ValueError(f"KIMIK3_KDA_SOLVE must be 0 or 3, got {SOLVE}")
+    if INTRA_MODE not in ("fused", "split"):
+        raise ValueError(f"KIMIK3_KDA_INTRA must be 'fused' or 'split', got {INTRA_MODE!r}")
+    if FWD_MODE not in ("fused", "split"):
+        raise ValueError(f"KIMIK3_KDA_FWD must be 'fused' or 'split', got {FWD_MODE!r}")
     N, NT = plan.N, plan.NT
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
@@ -510,8 +510,6 @@ def kda_fwd_triton(
     kg = torch.empty(B, T, H, K, device=dev, dtype=sc_dtype)
     eg = torch.empty(NT, H, K, device=dev, dtype=torch.float32)
     SPREC = "tf32x3" if (DT == tl.float32 or DTA == tl.float32) else "tf32"
-    if SOLVE not in (0, 3):
-        raise ValueError(f"KIMIK3_KDA_SOLVE must be 0 or 3, got {SOLVE}")
     if INTRA_MODE == "fused":
         _intra_kernel[(NT, H)](
             qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
@@ -528,11 +526,9 @@ def kda_fwd_triton(
             qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
             K=K, V=V, BK=BK, BV=BV_intra, NKB=nkb, DTC=DTC, PREC=PREC, num_warps=wc,
         )
-    else:
-        raise ValueError(f"KIMIK3_KDA_INTRA must be 'fused' or 'split', got {INTRA_MODE!r}")
+    else:  # validated above
+        raise AssertionError(INTRA_MODE)
     h0 = initial_state.float().contiguous() if initial_state is not None else dummy
-    if FWD_MODE not in ("fused", "split"):
-        raise ValueError(f"KIMIK3_KDA_FWD must be 'fused' or 'split', got {FWD_MODE!r}")
     if FWD_MODE == "split":
         h = torch.empty(NT, H, K, V, device=dev, dtype=torch.float32)
         vn = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)

@@ -27,8 +27,9 @@ import triton.language as tl
 
 @triton.jit
 def _scan_program(cu_ptr, coff_ptr, H, K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr):
-    """A scan program's sequence n, head h, token range [bos, eos), first global chunk, state columns
-    (ck over K, cv over this program's V block) and the offsets and mask of its [K, V] state tile."""
+    """A scan program (V block, sequence x head): its head, its sequence's token range [bos, eos) and
+    first global chunk, the state columns (ck over K, cv over this V block) and the offsets and mask
+    of its [K, V] state tile in an [N, H, K, V] tensor."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = (i_nh // H).to(tl.int64)

@@ -156,7 +156,7 @@ def test_split_forward(monkeypatch, case):
     H, K, V = SMALL[1:]
     cu, dtype = None, torch.float32
     if case == "varlen":
-        lengths = [1, 1, 3, 64, 65, 2]
+        lengths = [1, 1, 3, 0, 64, 65, 2]  # an empty segment: its final state is its initial state
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
         B, T, N = 1, sum(lengths), len(lengths)
     else:

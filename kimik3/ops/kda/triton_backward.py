@@ -203,8 +203,9 @@ def _bwd_wy_kernel(
             tl.store(daqk_ptr + o2, tl.where(r[:, None] >= r[None, :], daqk, 0.0))
     else:
         tl.store(daqk_ptr + o2, tl.where(r[:, None] >= r[None, :], daqk, 0.0))
-    tl.store(da_ptr + i_p * part_a + o2, tl.where(r[:, None] > r[None, :], da, 0.0))
-    tl.store(dbeta_ptr + i_p * part_beta + (t0 + r) * H + i_h, dbeta, mask=rv)
+    i_p64 = i_p.to(tl.int64)  # partial offsets can pass 2^31 elements
+    tl.store(da_ptr + i_p64 * part_a + o2, tl.where(r[:, None] > r[None, :], da, 0.0))
+    tl.store(dbeta_ptr + i_p64 * part_beta + (t0 + r) * H + i_h, dbeta, mask=rv)
 
 
 # --------------------------------------------------------------------------
@@ -217,7 +218,7 @@ def _parts(ptr, off, stride, NPART: tl.constexpr):
     """Sum of NPART partial buffers stride elements apart (the K-split WY kernel's dA)."""
     acc = tl.load(ptr + off)
     for p in tl.static_range(1, NPART):
-        acc += tl.load(ptr + p * stride + off)
+        acc += tl.load(ptr + tl.full([], p, tl.int64) * stride + off)  # int64: can pass 2^31
     return acc
 
 
@@ -226,7 +227,7 @@ def _parts_masked(ptr, off, stride, mask, NPART: tl.constexpr):
     """``_parts`` for a masked row vector (the partial dbeta)."""
     acc = tl.load(ptr + off, mask=mask, other=0.0)
     for p in tl.static_range(1, NPART):
-        acc += tl.load(ptr + p * stride + off, mask=mask, other=0.0)
+        acc += tl.load(ptr + tl.full([], p, tl.int64) * stride + off, mask=mask, other=0.0)
     return acc
 
 

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One device call that checks and times the GPU code paths (H200, torch 2.11, Triton 3.6):
+#
+#   bash benchmarks/h200_check.sh [quick|kernels|all]        # logs under $OUT (default ./h200-logs)
+#
+# quick    compile + correctness of every Triton KDA kernel on the GPU (tests/ops/test_kda_triton.py),
+#          and the parallel layers on NCCL world 1 (benchmarks/parallel_smoke.py)     ~3 min
+# kernels  quick + kda_kernel.py at K3's per-layer shape with the structure experiments (--try),
+#          fla 0.6.0 side by side when its wheels are in .whl/                          ~8 min
+# all      kernels + the bf16 training check (Triton kernels vs the torch path)         ~10 min
+#
+# fla (fla_core, flash_linear_attention 0.6.0) and einops travel as wheels in .whl/ (gitignored; see
+# benchmarks/NOTES-kda.md): carry ".whl" in the device call. Each step has its own time limit and
+# writes its log even when it fails; the exit status is non-zero if any step failed.
+set -u
+MODE=${1:-kernels}
+OUT=${OUT:-./h200-logs}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+FLA_ARGS=(--no-fla)
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH && FLA_ARGS=()
+fi
+FAILED=()
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "===== $name (limit ${limit}s): $*"
+  if ! timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; then
+    FAILED+=("$name")
+  fi
+  tail -n 25 "$OUT/$name.log"
+}
+
+step kda_tests 240 python3 -m pytest -q tests/ops/test_kda_triton.py
+step parallel_smoke 90 torchrun --standalone --nproc_per_node 1 benchmarks/parallel_smoke.py
+if [ "$MODE" != quick ]; then
+  step kda_kernel 330 python3 benchmarks/kda_kernel.py --shapes 0 --variants acsw --sections env,ceilings,chunk \
+    --try scan=32/4/1,scan=32/4/2,intra,wy,intra+wy+scan=32/4/2 ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
+fi
+if [ "$MODE" = all ]; then
+  step kda_train_check 170 python3 benchmarks/kda_train_check.py --steps 30
+fi
+echo "===== failed steps: ${FAILED[*]:-none} (logs in $OUT)"
+[ ${#FAILED[@]} -eq 0 ]

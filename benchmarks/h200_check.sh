@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # One device call that checks and times the GPU code paths (H200, torch 2.11, Triton 3.6):
 #
-#   bash benchmarks/h200_check.sh [quick|kernels|all]        # logs under $OUT (default ./h200-logs)
+#   bash benchmarks/h200_check.sh [quick|kernels|train]      # logs under $OUT (default ./h200-logs)
 #
-# quick    compile + correctness of every Triton KDA kernel on the GPU (tests/ops/test_kda_triton.py),
-#          and the parallel layers on NCCL world 1 (benchmarks/parallel_smoke.py)     ~3 min
-# kernels  quick + kda_kernel.py at K3's per-layer shape with the structure experiments (--try),
-#          fla 0.6.0 side by side when its wheels are in .whl/                          ~8 min
-# all      kernels + the bf16 training check (Triton kernels vs the torch path)         ~10 min
+# quick    compile + correctness of every Triton KDA kernel on the GPU (tests/ops/test_kda_triton.py)
+#          and the parallel layers on NCCL world 1 (benchmarks/parallel_smoke.py)      <= 4 min
+# kernels  the Triton tests, then kda_kernel.py at K3's per-layer shape with the structure
+#          experiments (--try), fla 0.6.0 side by side when its wheels are in .whl/    <= 9 min
+# train    the parallel smoke test and the bf16 training check (Triton kernels vs torch) <= 5 min
+# Each mode fits one device call (10 minutes at most).
 #
 # fla (fla_core, flash_linear_attention 0.6.0) and einops travel as wheels in .whl/ (gitignored; see
 # benchmarks/NOTES-kda.md): carry ".whl" in the device call. Each step has its own time limit and
 # writes its log even when it fails; the exit status is non-zero if any step failed.
 set -u
 MODE=${1:-kernels}
+case $MODE in quick|kernels|train) ;; *) echo "usage: $0 [quick|kernels|train]" >&2; exit 2 ;; esac
 OUT=${OUT:-./h200-logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -35,14 +37,18 @@ step() {  # step NAME SECONDS COMMAND...
   tail -n 25 "$OUT/$name.log"
 }
 
-step kda_tests 240 python3 -m pytest -q tests/ops/test_kda_triton.py
-step parallel_smoke 90 torchrun --standalone --nproc_per_node 1 benchmarks/parallel_smoke.py
-if [ "$MODE" != quick ]; then
-  step kda_kernel 330 python3 benchmarks/kda_kernel.py --shapes 0 --variants acsw --sections env,ceilings,chunk \
+if [ "$MODE" != train ]; then
+  step kda_tests 180 python3 -m pytest -q tests/ops/test_kda_triton.py
+fi
+if [ "$MODE" != kernels ]; then
+  step parallel_smoke 60 torchrun --standalone --nproc_per_node 1 benchmarks/parallel_smoke.py
+fi
+if [ "$MODE" = kernels ]; then
+  step kda_kernel 360 python3 benchmarks/kda_kernel.py --shapes 0 --variants acsw --sections env,ceilings,chunk \
     --try scan=32/4/1,scan=32/4/2,intra,wy,intra+wy+scan=32/4/2 ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
 fi
-if [ "$MODE" = all ]; then
-  step kda_train_check 170 python3 benchmarks/kda_train_check.py --steps 30
+if [ "$MODE" = train ]; then
+  step kda_train_check 200 python3 benchmarks/kda_train_check.py --steps 30
 fi
 echo "===== failed steps: ${FAILED[*]:-none} (logs in $OUT)"
 [ ${#FAILED[@]} -eq 0 ]

@@ -5,7 +5,7 @@
 Trains the preset (bf16 autocast on CUDA; the preset's vocabulary cut to --vocab, since the stdlib
 corpus does not fill K3's 164K BPE) twice through the same ``Trainer``: KIMIK3_KDA_BACKEND=torch (the
 peer) and =triton (forward and backward kernels). Prints both loss curves, the median tokens/s of
-each, and PASS when the final validation loss agrees within --tol and the mean training loss over
+each, their peak GPU memory, and PASS when the final validation loss agrees within --tol and the mean training loss over
 the last 10 steps within 2 x --tol (bf16 noise: the two paths round differently, so the curves drift
 apart by a few hundredths; the validation loss, averaged over 16 windows, is the steadier of the two).
 Exits non-zero on FAIL.
@@ -27,8 +27,14 @@ from kimik3.ops.kda import BACKEND_ENV  # noqa: E402
 from kimik3.train.trainer import TrainArgs, Trainer  # noqa: E402
 
 
-def train(backend: str, args: argparse.Namespace, tmp: Path) -> tuple[list[float], float, float]:
+def train(backend: str, args: argparse.Namespace, tmp: Path) -> tuple[list[float], float, float, float]:
+    import torch
+
     os.environ[BACKEND_ENV] = backend
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     config = K3Config.preset(args.preset).to_dict()
     config["vocab_size"] = args.vocab
     config_path = tmp / f"{args.preset}-v{args.vocab}.json"
@@ -44,7 +50,8 @@ def train(backend: str, args: argparse.Namespace, tmp: Path) -> tuple[list[float
         speeds.append(record["tokens_per_s"])
 
     summary = Trainer(train_args, log=lambda _: None).run(on_step=on_step)
-    return losses, statistics.median(speeds[2:] or speeds), summary.final_val_loss
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    return losses, statistics.median(speeds[2:] or speeds), summary.final_val_loss, peak_gib
 
 
 def main() -> None:
@@ -61,7 +68,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         runs = {backend: train(backend, args, Path(tmp)) for backend in ("torch", "triton")}
-    (lt, st, vt), (lx, sx, vx) = runs["torch"], runs["triton"]
+    (lt, st, vt, mt), (lx, sx, vx, mx) = runs["torch"], runs["triton"]
     print(f"{args.preset} vocab {args.vocab}, {args.steps} steps of {args.batch_size} x {args.seq_len}, "
           f"device {args.device}")
     print(f"{'step':>5}{'torch':>10}{'triton':>10}")
@@ -71,6 +78,7 @@ def main() -> None:
     tail_t, tail_x = statistics.mean(lt[-10:]), statistics.mean(lx[-10:])
     print(f"val loss: torch {vt:.4f}, triton {vx:.4f}")
     print(f"tokens/s (median step): torch {st:,.0f}, triton {sx:,.0f}, triton/torch {sx / st:.2f}x")
+    print(f"peak GPU memory: torch {mt:.2f} GiB, triton {mx:.2f} GiB")
     finite = all(x == x for x in lx) and vx == vx
     ok = finite and abs(vt - vx) <= args.tol and abs(tail_t - tail_x) <= 2 * args.tol
     print(f"{'PASS' if ok else 'FAIL'} val loss |diff| {abs(vt - vx):.4f} (tol {args.tol}); last-10 mean loss "

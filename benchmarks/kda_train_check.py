@@ -4,10 +4,11 @@
 
 Trains the preset (bf16 autocast on CUDA; the preset's vocabulary cut to --vocab, since the stdlib
 corpus does not fill K3's 164K BPE) twice through the same ``Trainer``: KIMIK3_KDA_BACKEND=torch (the
-peer) and =triton (forward and backward kernels). Prints both loss curves, the median tokens/s of
-each, their peak GPU memory, and PASS when the final validation loss agrees within --tol and the mean training loss over
-the last 10 steps within 2 x --tol (bf16 noise: the two paths round differently, so the curves drift
-apart by a few hundredths; the validation loss, averaged over 16 windows, is the steadier of the two).
+peer) and =triton (forward and backward kernels). Prints both loss curves, the median tokens/s and
+the peak GPU memory of each, and PASS when the final validation loss agrees within --tol and the mean
+training loss over the last 10 steps within 2 x --tol (bf16 noise: the two paths round differently,
+so the curves drift apart by a few hundredths; the validation loss, averaged over 16 windows, is the
+steadier of the two).
 Exits non-zero on FAIL.
 """
 

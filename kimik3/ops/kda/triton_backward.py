@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .triton_forward import INTERPRET, ChunkPlan, _next_pow2
-from .triton_scan import _chunk_tiles, _fwd_h_kernel, _scan_program
+from .triton_scan import _chunk_bounds, _chunk_tiles, _fwd_h_kernel, _scan_program
 
 BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark sweeps)
 SCAN_BV: Optional[int] = None  # override the V block of the two scans
@@ -126,12 +126,7 @@ def _bwd_wy_kernel(
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_p = tl.program_id(2)
-    i_n = tl.load(cidx_ptr + 2 * i_t).to(tl.int64)
-    i_c = tl.load(cidx_ptr + 2 * i_t + 1).to(tl.int64)
-    bos = tl.load(cu_ptr + i_n).to(tl.int64)
-    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
-    t0 = bos + i_c * 64
-    L = tl.minimum(64, eos - t0)
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
     r = tl.arange(0, 64)
     rv = r < L
     beta = tl.load(beta_ptr + (t0 + r) * H + i_h, mask=rv, other=0.0).to(tl.float32)
@@ -239,12 +234,7 @@ def _bwd_intra_kernel(
 ):
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
-    i_n = tl.load(cidx_ptr + 2 * i_t).to(tl.int64)
-    i_c = tl.load(cidx_ptr + 2 * i_t + 1).to(tl.int64)
-    bos = tl.load(cu_ptr + i_n).to(tl.int64)
-    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
-    t0 = bos + i_c * 64
-    L = tl.minimum(64, eos - t0)
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
     r16 = tl.arange(0, 16)
     ck = tl.arange(0, BKF)
     km = ck < K

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_scan import _fwd_h_kernel, _output_kernel, _state_out_kernel
+from .triton_scan import _chunk_bounds, _fwd_h_kernel, _output_kernel, _state_out_kernel
 
 BT = 64  # chunk size (tokens)
 BC = 16  # sub-tile rows: the gate bound makes 16 * 5 = 80 the largest in-tile log-decay
@@ -132,14 +132,9 @@ def _prep0_kernel(
     K: tl.constexpr, BKF: tl.constexpr,
     USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr,
 ):
-    i_t = tl.program_id(0)
+    i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
-    i_n = tl.load(cidx_ptr + 2 * i_t).to(tl.int64)
-    i_c = tl.load(cidx_ptr + 2 * i_t + 1).to(tl.int64)
-    bos = tl.load(cu_ptr + i_n).to(tl.int64)
-    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
-    t0 = bos + i_c * 64
-    L = tl.minimum(64, eos - t0)
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
     r = tl.arange(0, 64)
     c = tl.arange(0, BKF)
     rv = r < L
@@ -227,17 +222,6 @@ def _solve_blocks(t_ptr, base, PREC: tl.constexpr):
     tl.debug_barrier()
     r = tl.arange(0, 64)
     return tl.load(t_ptr + base + r[:, None] * 64 + r[None, :])
-
-
-@triton.jit
-def _chunk_bounds(i_t, cidx_ptr, cu_ptr):
-    """Chunk i_t of the plan: its first token and its number of valid tokens (<= 64)."""
-    i_n = tl.load(cidx_ptr + 2 * i_t).to(tl.int64)
-    i_c = tl.load(cidx_ptr + 2 * i_t + 1).to(tl.int64)
-    bos = tl.load(cu_ptr + i_n).to(tl.int64)
-    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
-    t0 = bos + i_c * 64
-    return t0, tl.minimum(64, eos - t0)
 
 
 @triton.jit
@@ -541,7 +525,7 @@ def kda_fwd_triton(
         )
         BV_o = min(64, _next_pow2(V))
         _output_kernel[(triton.cdiv(V, BV_o), NT, H)](
-            qg, aqk, h, vn, o, plan.cu, plan.chunk_idx, plan.chunk_off, H, float(scale),
+            qg, aqk, h, vn, o, plan.cu, plan.chunk_idx, H, float(scale),
             K=K, V=V, BKF=BKF, BV=BV_o, PREC=PREC, num_warps=4,
         )
         if return_aux:

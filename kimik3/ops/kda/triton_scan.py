@@ -45,6 +45,18 @@ def _scan_program(cu_ptr, coff_ptr, H, K: tl.constexpr, V: tl.constexpr, BKF: tl
 
 
 @triton.jit
+def _chunk_bounds(i_t, cidx_ptr, cu_ptr):
+    """Chunk i_t of the plan (global chunk index): its first token and its number of valid tokens (<= 64).
+    Per-chunk buffers ([NT, ...]) are indexed by i_t: it equals chunk_off[n] + (chunk within n)."""
+    i_n = tl.load(cidx_ptr + 2 * i_t).to(tl.int64)
+    i_c = tl.load(cidx_ptr + 2 * i_t + 1).to(tl.int64)
+    bos = tl.load(cu_ptr + i_n).to(tl.int64)
+    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
+    t0 = bos + i_c * 64
+    return t0, tl.minimum(64, eos - t0)
+
+
+@triton.jit
 def _chunk_tiles(i_c, bos, eos, i_h, H, K: tl.constexpr, V: tl.constexpr, ck, cv):
     """Chunk i_c of a sequence: its 64 row indices, the valid-row mask, the token-layout offsets and
     masks of its [64, K] and [64, V] tiles."""
@@ -175,7 +187,7 @@ def _fwd_h_kernel(kg_ptr, eg_ptr, w_ptr, u_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, c
 
 
 @triton.jit
-def _output_kernel(qg_ptr, aqk_ptr, h_ptr, vn_ptr, o_ptr, cu_ptr, cidx_ptr, coff_ptr, H, scale,
+def _output_kernel(qg_ptr, aqk_ptr, h_ptr, vn_ptr, o_ptr, cu_ptr, cidx_ptr, H, scale,
                    K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
                    PREC: tl.constexpr):
     """o = scale (qg S + Aqk v_new) for one chunk, from the entry state S and v_new the states-only
@@ -183,13 +195,7 @@ def _output_kernel(qg_ptr, aqk_ptr, h_ptr, vn_ptr, o_ptr, cu_ptr, cidx_ptr, coff
     i_v = tl.program_id(0)
     i_t = tl.program_id(1).to(tl.int64)
     i_h = tl.program_id(2)
-    i_n = tl.load(cidx_ptr + 2 * i_t).to(tl.int64)
-    i_c = tl.load(cidx_ptr + 2 * i_t + 1).to(tl.int64)
-    bos = tl.load(cu_ptr + i_n).to(tl.int64)
-    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
-    coff = tl.load(coff_ptr + i_n).to(tl.int64)
-    t0 = bos + i_c * 64
-    L = tl.minimum(64, eos - t0)
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
     r = tl.arange(0, 64)
     ck = tl.arange(0, BKF)
     cv = i_v * BV + tl.arange(0, BV)
@@ -200,7 +206,7 @@ def _output_kernel(qg_ptr, aqk_ptr, h_ptr, vn_ptr, o_ptr, cu_ptr, cidx_ptr, coff
     vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
     qg = tl.load(qg_ptr + (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :], mask=rv[:, None] & km[None, :],
                  other=0.0).to(tl.float32)
-    h = tl.load(h_ptr + ((coff + i_c) * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :],
+    h = tl.load(h_ptr + (i_t * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :],
                 mask=km[:, None] & vm[None, :], other=0.0)
     a = tl.load(aqk_ptr + (i_t * H + i_h) * 4096 + r[:, None] * 64 + r[None, :])
     vn = tl.load(vn_ptr + vo, mask=mv, other=0.0)

@@ -1,6 +1,9 @@
 """Numeric helpers shared by the tests."""
 
+from typing import List, Optional
+
 import torch
+import torch.nn.functional as F
 
 
 def rel_rms(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -8,3 +11,20 @@ def rel_rms(ref: torch.Tensor, out: torch.Tensor) -> float:
     ref64, out64 = ref.detach().double(), out.detach().double()
     denom = ref64.square().mean().sqrt().clamp_min(1e-30)
     return float((ref64 - out64).square().mean().sqrt() / denom)
+
+
+def kda_inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype = torch.float32, seed: int = 0,
+               gate_spread: float = 1.5, device: str = "cpu",
+               gate_dtype: Optional[torch.dtype] = None) -> List[torch.Tensor]:
+    """Random KDA inputs shaped as the K3 layer produces them: q, k L2-normalised over K; v ~ N(0, 1);
+    g = -5 sigmoid(.) in (-5, 0); beta = sigmoid(.). Leaf tensors with requires_grad=True on ``device``:
+    q, k, v in ``dtype``, g and beta in ``gate_dtype`` (default: ``dtype``)."""
+    gen = torch.Generator().manual_seed(seed)
+    q_BTHK = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k_BTHK = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v_BTHV = torch.randn(B, T, H, V, generator=gen)
+    g_BTHK = -5.0 * torch.sigmoid(torch.randn(B, T, H, K, generator=gen) * gate_spread)
+    beta_BTH = torch.sigmoid(torch.randn(B, T, H, generator=gen))
+    dtypes = [dtype] * 3 + [gate_dtype or dtype] * 2
+    return [x.to(device=device, dtype=dt).requires_grad_()
+            for x, dt in zip((q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH), dtypes)]

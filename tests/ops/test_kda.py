@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.numerics import rel_rms
+from tests.numerics import kda_inputs, rel_rms
 from kimik3.ops.kda import chunk_kda, naive_recurrent_kda, recurrent_kda_step
 
 G_MIN = -5.0  # K3's gate lower bound; chunk_kda's overflow-free contract
@@ -36,28 +36,10 @@ def _one_intra_op_thread():
     torch.set_num_threads(saved)
 
 
-def make_inputs(
-    B: int,
-    T: int,
-    H: int,
-    K: int,
-    V: int,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-    gate_spread: float = 1.5,
-) -> List[torch.Tensor]:
-    """q, k L2-normalised over K; v ~ N(0, 1); g = -5 sigmoid(.) in (-5, 0); beta = sigmoid(.).
-
-    Mirrors how the K3 layer produces its KDA inputs. Returned as leaf
-    tensors of ``dtype`` with requires_grad=True.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    q_BTHK = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    k_BTHK = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    v_BTHV = torch.randn(B, T, H, V, generator=gen)
-    g_BTHK = G_MIN * torch.sigmoid(torch.randn(B, T, H, K, generator=gen) * gate_spread)
-    beta_BTH = torch.sigmoid(torch.randn(B, T, H, generator=gen))
-    return [x.to(dtype).requires_grad_() for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH)]
+def make_inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype = torch.float32, seed: int = 0,
+                gate_spread: float = 1.5) -> List[torch.Tensor]:
+    """``tests.numerics.kda_inputs`` on the CPU, every tensor in ``dtype``."""
+    return kda_inputs(B, T, H, K, V, dtype=dtype, seed=seed, gate_spread=gate_spread)
 
 
 def make_state(N: int, H: int, K: int, V: int, seed: int = 1) -> torch.Tensor:

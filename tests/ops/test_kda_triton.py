@@ -30,7 +30,7 @@ if not ON_GPU:
 
 triton = pytest.importorskip("triton")
 
-from tests.numerics import rel_rms
+from tests.numerics import kda_inputs, rel_rms
 from kimik3.ops.kda import (  # noqa: E402
     _torch_preactivations,
     chunk_kda,
@@ -62,14 +62,9 @@ def _interpreter_setup():
 
 
 def make_inputs(B, T, H, K, V, dtype=torch.float32, seed=0, gate_spread=1.5):
-    gen = torch.Generator().manual_seed(seed)
-    q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    v = torch.randn(B, T, H, V, generator=gen)
-    g = G_MIN * torch.sigmoid(torch.randn(B, T, H, K, generator=gen) * gate_spread)
-    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
-    return [x.to(device=DEV, dtype=dtype if i < 3 else torch.float32).requires_grad_()
-            for i, x in enumerate((q, k, v, g, beta))]
+    """``tests.numerics.kda_inputs`` on DEV, the gate and beta kept in fp32 (as the K3 layer passes them)."""
+    return kda_inputs(B, T, H, K, V, dtype=dtype, seed=seed, gate_spread=gate_spread, device=DEV,
+                      gate_dtype=torch.float32)
 
 
 def make_state(N, H, K, V, seed=1):

@@ -333,8 +333,12 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     PREC = "tf32x3" if q.dtype == torch.float32 else "tf32"
     BKF = _next_pow2(K)
     BVF = _next_pow2(V)
-    BK, BV = min(64, BKF), min(64, BVF)
-    BVs = min(SCAN_BV or 32, BVF)
+    # V blocks of at least 32 columns (masked when V < 32): a V = 16 backward hit an illegal address on
+    # the H200 (Triton 3.6; K = 100 and 130, V = 16), while every V >= 24 shape with 32-column blocks
+    # ran clean. Which of the two (the 16-column blocks or K) triggers it is not yet pinned down:
+    # ``benchmarks/kda_gpu_probe.py`` runs the candidates one process each (NOTES-kda.md).
+    BK, BV = min(64, BKF), min(64, max(32, BVF))
+    BVs = SCAN_BV or 32
     do = do.contiguous()
     dh = torch.empty(NT, H, K, V, **f32)
     dvn = torch.empty(B, T, H, V, **f32)

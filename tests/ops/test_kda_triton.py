@@ -51,14 +51,42 @@ GRAD_NAMES = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter_setup():
+    import contextlib
+
+    from tests.triton_bounds import bounds_checked
+
+    checked = contextlib.nullcontext()
     if not ON_GPU:
         from kimik3.ops.kda.triton_autograd import interpreter_dot_fix
 
         interpreter_dot_fix()  # the interpreter's tl.dot is wrong for bf16 operands (Triton 3.6)
+        checked = bounds_checked()  # every kernel launch in this file: no lane outside its tensors
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
+    with checked:
+        yield
     torch.set_num_threads(saved)
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the interpreter's bounds checker (CPU only)")
+def test_bounds_checker_catches_a_stray_lane():
+    """The checker every interpreted test here runs under: a masked-off lane past the end is allowed
+    (the hardware does not touch it), a masked-in one fails the launch, naming the kernel."""
+    import triton.language as tl
+    from triton.runtime.errors import InterpreterError
+
+    @triton.jit
+    def copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        m = (i < n) if MASKED else (i < BLOCK)
+        tl.store(y_ptr + i, tl.load(x_ptr + i, mask=m, other=0.0), mask=m)
+
+    x = torch.arange(10, dtype=torch.float32)
+    y = torch.zeros(10)
+    copy_kernel[(1,)](x, y, 10, BLOCK=16, MASKED=True)
+    assert torch.equal(x, y)
+    with pytest.raises(InterpreterError, match=r"load outside every tensor argument in copy_kernel \(6 lanes"):
+        copy_kernel[(1,)](x, y, 10, BLOCK=16, MASKED=False)
 
 
 def make_inputs(B, T, H, K, V, dtype=torch.float32, seed=0, gate_spread=1.5):

@@ -3,10 +3,11 @@
 #
 #   bash benchmarks/h200_check.sh [quick|kernels|train]      # logs under $OUT (default ./h200-logs)
 #
-# quick    compile + correctness of every Triton KDA kernel on the GPU (tests/ops/test_kda_triton.py)
-#          and the parallel layers on NCCL world 1 (benchmarks/parallel_smoke.py)      <= 4 min
-# kernels  the Triton tests, then kda_kernel.py at K3's per-layer shape with the structure
-#          experiments (--try), fla 0.6.0 side by side when its wheels are in .whl/    <= 9 min
+# quick    compile + correctness of every Triton KDA kernel on the GPU: kda_gpu_probe.py (one process
+#          per shape, so a fault cannot hide the cases after it), then tests/ops/test_kda_triton.py
+#          (a fresh machine spends most of this compiling)                              <= 9 min
+# kernels  kda_kernel.py at K3's per-layer shape with the structure experiments (--try), fla 0.6.0
+#          side by side when its wheels are in .whl/ (fla's first call autotunes ~100 s) <= 9 min
 # train    the parallel smoke test and the bf16 training check (Triton kernels vs torch) <= 5 min
 # Each mode fits one device call (10 minutes at most).
 #
@@ -37,14 +38,15 @@ step() {  # step NAME SECONDS COMMAND...
   tail -n 25 "$OUT/$name.log"
 }
 
-if [ "$MODE" != train ]; then
-  step kda_tests 180 python3 -m pytest -q tests/ops/test_kda_triton.py
+if [ "$MODE" = quick ]; then
+  step kda_gpu_probe 200 python3 benchmarks/kda_gpu_probe.py
+  step kda_tests 330 python3 -m pytest -q -rf tests/ops/test_kda_triton.py
 fi
-if [ "$MODE" != kernels ]; then
+if [ "$MODE" = train ]; then
   step parallel_smoke 60 torchrun --standalone --nproc_per_node 1 benchmarks/parallel_smoke.py
 fi
 if [ "$MODE" = kernels ]; then
-  step kda_kernel 360 python3 benchmarks/kda_kernel.py --shapes 0 --variants acsw --sections env,ceilings,chunk \
+  step kda_kernel 540 python3 benchmarks/kda_kernel.py --shapes 0 --variants acsw --sections env,ceilings,chunk \
     --try scan=32/4/1,scan=32/4/2,intra,wy,intra+wy+scan=32/4/2 ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
 fi
 if [ "$MODE" = train ]; then

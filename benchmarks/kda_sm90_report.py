@@ -1,0 +1,172 @@
+"""Compile every Triton KDA kernel for the H200 (sm_90a) on a machine without a GPU, and report each one's
+shared memory, registers per thread and register spills, as ptxas reports them.
+
+A screening tool for kernel changes between GPU sessions: the launchers run as usual on small CPU
+tensors, but every launch is intercepted -- the kernel is compiled for ``GPUTarget("cuda", 90, 32)``
+with the launch's own signature, constants and alignment, and never run. ptxas (shipped with Triton)
+then prints registers and spill bytes. What it cannot tell: time. A kernel that spills, or needs more
+than the H200's 227 KB of shared memory, is worth fixing before spending device time on it::
+
+    python benchmarks/kda_sm90_report.py                      # default switches, K = V = 128, fp32 inputs
+    python benchmarks/kda_sm90_report.py --dtype bfloat16 --fwd split --intra split --wy-split
+    python benchmarks/kda_sm90_report.py --json out.json
+
+Needs no GPU; must not run under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+H200_SHARED_BYTES = 232448  # the opt-in maximum per block on sm_90 (227 KB)
+_TORCH_TO_TRITON = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "i32", "int64": "i64",
+                    "uint8": "u8", "bool": "i1"}
+
+
+def _ptxas() -> str:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(path):
+        raise SystemExit(f"ptxas not found at {path}: this Triton wheel does not ship it")
+    return path
+
+
+def ptxas_usage(ptx: str) -> dict:
+    """Registers and spill bytes of the one kernel in ``ptx``, from ``ptxas -v``."""
+    target = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        p = subprocess.run([_ptxas(), f"-arch={target}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                           capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {p.stderr[-2000:]}")
+    regs = re.search(r"Used (\d+) registers", p.stderr)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", p.stderr)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_store_bytes": int(spill.group(1)) if spill else None,
+            "spill_load_bytes": int(spill.group(2)) if spill else None}
+
+
+class Sm90Compiler:
+    """Stands in for ``JITFunction.run``: compiles for sm_90 and records the result instead of launching."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", 90, 32)
+        self.rows: list[dict] = []
+
+    def __call__(self, fn, args, kwargs, grid) -> None:
+        import torch
+        import triton
+        from triton.compiler import ASTSource
+
+        names = fn.arg_names
+        bound = dict(zip(names, args))
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        bound.update(kwargs)
+        constexpr_names = {p.name for p in fn.params if p.is_constexpr}
+        signature, constexprs, attrs = {}, {}, {}
+        for i, name in enumerate(names):
+            value = bound[name]
+            if name in constexpr_names or value is None:
+                signature[name], constexprs[(i,)] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[name] = "*" + _TORCH_TO_TRITON[str(value.dtype).removeprefix("torch.")]
+                if value.data_ptr() % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            elif isinstance(value, bool):
+                signature[name] = "i1"
+            elif isinstance(value, int):
+                if value == 1:  # Triton specialises integer arguments equal to 1
+                    signature[name], constexprs[(i,)] = "constexpr", 1
+                    continue
+                signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+                if value % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            elif isinstance(value, float):
+                signature[name] = "fp32"
+            else:
+                raise TypeError(f"{fn.__name__}: cannot type argument {name}={value!r}")
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        kernel = triton.compile(src, target=self.target, options=options)
+        grid = tuple(grid(bound) if callable(grid) else grid)
+        row = {"kernel": fn.__name__, "grid": list(grid), "num_warps": kernel.metadata.num_warps,
+               "num_stages": kernel.metadata.num_stages, "shared_bytes": kernel.metadata.shared}
+        row.update(ptxas_usage(kernel.asm["ptx"]))
+        self.rows.append(row)
+
+
+def run_kda(args, compiler: Sm90Compiler) -> None:
+    import torch
+    import triton.runtime.jit as jit
+
+    import kimik3.ops.kda.triton_backward as tb
+    import kimik3.ops.kda.triton_forward as tf
+
+    tf.FWD_MODE, tf.INTRA_MODE, tb.WY_SPLIT_K = args.fwd, args.intra, args.wy_split
+    original = jit.JITFunction.run
+
+    def intercepted(self, *a, grid, warmup, **kw):
+        compiler(self, a, kw, grid)
+
+    jit.JITFunction.run = intercepted
+    try:
+        B, T, H, K, V = 1, args.tokens, args.heads, args.head_dim, args.head_dim
+        dtype = getattr(torch, args.dtype)
+        q, k = torch.zeros(B, T, H, K, dtype=dtype), torch.zeros(B, T, H, K, dtype=dtype)
+        v, g = torch.zeros(B, T, H, V, dtype=dtype), torch.zeros(B, T, H, K, dtype=torch.float32)
+        beta, h0 = torch.zeros(B, T, H, dtype=torch.float32), torch.zeros(B, H, K, V)
+        a_log, dt_bias = torch.zeros(H), torch.zeros(H * K)
+        plan = tf.make_plan(B, T, None, q.device)
+        o, ht, aux = tf.kda_fwd_triton(q, k, v, g, beta, K ** -0.5, h0, True, plan, A_log=a_log, dt_bias=dt_bias,
+                                       use_gate=True, use_l2=True, use_beta_sigmoid=True, return_aux=True)
+        tb.kda_bwd_triton(torch.zeros_like(v), torch.zeros_like(h0), aux, v, h0, K ** -0.5, plan)
+    finally:
+        jit.JITFunction.run = original
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--heads", type=int, default=96)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=256, help="tokens of the dummy inputs (the kernels do not depend on it)")
+    p.add_argument("--fwd", default="fused", choices=["fused", "split"])
+    p.add_argument("--intra", default="fused", choices=["fused", "split"])
+    p.add_argument("--wy-split", action="store_true")
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("kda_sm90_report.py compiles for the GPU: unset TRITON_INTERPRET")
+    compiler = Sm90Compiler()
+    run_kda(args, compiler)
+    print(f"sm_90a, K = V = {args.head_dim}, H = {args.heads}, {args.dtype}, fwd {args.fwd}, intra {args.intra}, "
+          f"WY split {args.wy_split}")
+    print("| kernel | grid | warps | stages | shared KB | registers | spill store / load bytes |")
+    print("|---|---|---|---|---|---|---|")
+    worst = 0
+    for r in compiler.rows:
+        flag = " (over the H200's 227 KB)" if r["shared_bytes"] > H200_SHARED_BYTES else ""
+        worst = max(worst, r["spill_store_bytes"] or 0)
+        print(f"| {r['kernel']} | {tuple(r['grid'])} | {r['num_warps']} | {r['num_stages']} | "
+              f"{r['shared_bytes'] / 1024:.1f}{flag} | {r['registers']} | {r['spill_store_bytes']} / {r['spill_load_bytes']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "kernels": compiler.rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

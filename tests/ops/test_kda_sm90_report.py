@@ -1,0 +1,39 @@
+"""benchmarks/kda_sm90_report.py compiles every Triton KDA kernel for sm_90a without a GPU (subprocess:
+the kernels must not be imported under TRITON_INTERPRET=1, which other test modules set)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_sm90_report.py")
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+@pytest.mark.skipif(not os.path.exists(PTXAS), reason="this Triton wheel ships no ptxas")
+def test_every_kernel_compiles_for_sm90(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    out = tmp_path / "report.json"
+    p = subprocess.run([sys.executable, SCRIPT, "--heads", "4", "--head-dim", "32", "--tokens", "64", "--dtype",
+                        "bfloat16", "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())["kernels"]
+    names = [r["kernel"] for r in rows]
+    for kernel in ("_prep0_kernel", "_intra_kernel", "_state_out_kernel", "_fwd_h_kernel", "_bwd_dh_kernel",
+                   "_bwd_wy_kernel", "_bwd_intra_kernel"):
+        assert kernel in names, names
+    for r in rows:
+        assert 0 < r["registers"] <= 255 and r["spill_store_bytes"] is not None, r
+        assert 0 < r["shared_bytes"] <= 232448, r
+
+
+def test_refuses_to_run_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "unset TRITON_INTERPRET" in p.stderr

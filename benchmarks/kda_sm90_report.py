@@ -9,6 +9,7 @@ than the H200's 227 KB of shared memory, is worth fixing before spending device 
 
     python benchmarks/kda_sm90_report.py                      # default switches, K = V = 128, fp32 inputs
     python benchmarks/kda_sm90_report.py --dtype bfloat16 --fwd split --intra split --wy-split
+    python benchmarks/kda_sm90_report.py --set triton_backward.BWD_WARPS=8 --set triton_forward.SCAN_CONFIG=32,4,1
     python benchmarks/kda_sm90_report.py --json out.json
 
 Needs no GPU; must not run under TRITON_INTERPRET=1.
@@ -108,6 +109,24 @@ class Sm90Compiler:
         self.rows.append(row)
 
 
+def parse_override(text: str):
+    """'triton_backward.BWD_WARPS=8' -> ('triton_backward', 'BWD_WARPS', 8); '32,4,1' becomes a tuple."""
+    import kimik3.ops.kda.triton_backward as tb
+    import kimik3.ops.kda.triton_forward as tf
+
+    target, sep, value = text.partition("=")
+    module, dot, attr = target.partition(".")
+    modules = {"triton_forward": tf, "triton_backward": tb}
+    if not sep or not dot or module not in modules or not hasattr(modules[module], attr):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected module.ATTR=value with an existing ATTR of "
+                                         f"{' or '.join(modules)}")
+    try:
+        parts = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: the value must be an int or a comma list of ints") from None
+    return module, attr, parts[0] if len(parts) == 1 else tuple(parts)
+
+
 def run_kda(args, compiler: Sm90Compiler) -> None:
     import torch
     import triton.runtime.jit as jit
@@ -116,6 +135,8 @@ def run_kda(args, compiler: Sm90Compiler) -> None:
     import kimik3.ops.kda.triton_forward as tf
 
     tf.FWD_MODE, tf.INTRA_MODE, tb.WY_SPLIT_K = args.fwd, args.intra, args.wy_split
+    for module, attr, value in args.overrides:
+        setattr({"triton_forward": tf, "triton_backward": tb}[module], attr, value)
     original = jit.JITFunction.run
 
     def intercepted(self, *a, grid, warmup, **kw):
@@ -146,6 +167,9 @@ def main(argv=None) -> int:
     p.add_argument("--fwd", default="fused", choices=["fused", "split"])
     p.add_argument("--intra", default="fused", choices=["fused", "split"])
     p.add_argument("--wy-split", action="store_true")
+    p.add_argument("--set", dest="overrides", action="append", default=[], type=parse_override,
+                   help="module.ATTR=value, module one of triton_forward, triton_backward; value an int or a "
+                        "comma tuple of ints (e.g. triton_backward.BWD_WARPS=8, triton_forward.SCAN_CONFIG=32,4,1)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -153,7 +177,7 @@ def main(argv=None) -> int:
     compiler = Sm90Compiler()
     run_kda(args, compiler)
     print(f"sm_90a, K = V = {args.head_dim}, H = {args.heads}, {args.dtype}, fwd {args.fwd}, intra {args.intra}, "
-          f"WY split {args.wy_split}")
+          f"WY split {args.wy_split}" + "".join(f", {m}.{a}={v}" for m, a, v in args.overrides))
     print("| kernel | grid | warps | stages | shared KB | registers | spill store / load bytes |")
     print("|---|---|---|---|---|---|---|")
     worst = 0

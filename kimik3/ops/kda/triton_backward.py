@@ -130,10 +130,13 @@ def _bwd_wy_kernel(
     r = tl.arange(0, 64)
     rv = r < L
     beta = tl.load(beta_ptr + (t0 + r) * H + i_h, mask=rv, other=0.0).to(tl.float32)
+    # 64-bit offsets only in the scalar bases; the tiles' offsets stay 32-bit (half the registers)
     a_base = (i_t * H + i_h) * 4096
+    kbase = (t0 * H + i_h) * K  # token t0 + row, head i_h, in a [.., H, K] tensor: kbase + row * H * K
+    vbase = (t0 * H + i_h) * V
+    hb = (i_t * H + i_h) * (K * V)
     tmat = tl.load(tinv_ptr + a_base + r[:, None] * 64 + r[None, :])
     tmatT = tl.trans(tmat)
-    hb = (i_t * H + i_h) * (K * V)
     dbeta = tl.zeros([64], dtype=tl.float32)
     daqk = tl.zeros([64, 64], dtype=tl.float32)
     da = tl.zeros([64, 64], dtype=tl.float32)
@@ -149,14 +152,14 @@ def _bwd_wy_kernel(
             cv = vb + tl.arange(0, BV)
             vm = cv < V
             mv = rv[:, None] & vm[None, :]
-            vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
-            hoff = hb + ck[:, None] * V + cv[None, :]
+            vo = r[:, None] * (H * V) + cv[None, :]
+            hoff = ck[:, None] * V + cv[None, :]
             hm = km[:, None] & vm[None, :]
-            hs = tl.load(h_ptr + hoff, mask=hm, other=0.0)
-            dhs = tl.load(dh_ptr + hoff, mask=hm, other=0.0)
-            do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32) * scale
-            vn = tl.load(vn_ptr + vo, mask=mv, other=0.0)
-            dvn = tl.load(dvn_ptr + vo, mask=mv, other=0.0)
+            hs = tl.load(h_ptr + hb + hoff, mask=hm, other=0.0)
+            dhs = tl.load(dh_ptr + hb + hoff, mask=hm, other=0.0)
+            do = tl.load(do_ptr + vbase + vo, mask=mv, other=0.0).to(tl.float32) * scale
+            vn = tl.load(vn_ptr + vbase + vo, mask=mv, other=0.0)
+            dvn = tl.load(dvn_ptr + vbase + vo, mask=mv, other=0.0)
             drv = tl.dot(tmatT, dvn, input_precision=PREC)
             hsT = tl.trans(hs)
             dqg += tl.dot(do, hsT, input_precision=PREC)
@@ -164,18 +167,18 @@ def _bwd_wy_kernel(
             drk -= tl.dot(drv, hsT, input_precision=PREC)
             deg += tl.sum(hs * dhs, axis=1)
             if (kb == 0) if SPLIT else (kbi == 0):  # unsplit: decided at compile time, as before the split
-                u = tl.load(u_ptr + vo, mask=mv, other=0.0).to(tl.float32)
-                vv = tl.load(v_ptr + vo, mask=mv, other=0.0).to(tl.float32)
+                u = tl.load(u_ptr + vbase + vo, mask=mv, other=0.0).to(tl.float32)
+                vv = tl.load(v_ptr + vbase + vo, mask=mv, other=0.0).to(tl.float32)
                 daqk += tl.dot(do, tl.trans(vn), input_precision=PREC)
                 da -= tl.dot(drv, tl.trans(u), input_precision=PREC)
-                tl.store(dv_ptr + vo, drv * beta[:, None], mask=mv)
+                tl.store(dv_ptr + vbase + vo, drv * beta[:, None], mask=mv)
                 dbeta += tl.sum(drv * vv, axis=1)
         mk = rv[:, None] & km[None, :]
-        ko = (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :]
-        q = tl.load(q_ptr + ko, mask=mk, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + ko, mask=mk, other=0.0).to(tl.float32)
-        G = tl.load(G_ptr + ko, mask=mk, other=0.0)
-        w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(tl.float32)
+        ko = r[:, None] * (H * K) + ck[None, :]
+        q = tl.load(q_ptr + kbase + ko, mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + kbase + ko, mask=mk, other=0.0).to(tl.float32)
+        G = tl.load(G_ptr + kbase + ko, mask=mk, other=0.0)
+        w = tl.load(w_ptr + kbase + ko, mask=mk, other=0.0).to(tl.float32)
         g_last = tl.load(G_ptr + (t0 + L - 1) * (H * K) + i_h * K + ck, mask=km, other=0.0)
         eG = tl.where(mk, tl.exp(G), 0.0)
         eC = tl.where(mk, tl.exp(g_last[None, :] - G), 0.0)
@@ -189,9 +192,9 @@ def _bwd_wy_kernel(
         dG += tl.where((r == L - 1)[:, None], dgc[None, :], 0.0)
         dbeta += tl.sum(drk * k * eG, axis=1)
         da -= tl.dot(drk, tl.trans(w), input_precision=PREC)
-        tl.store(dq_ptr + ko, dq, mask=mk)
-        tl.store(dk_ptr + ko, dk, mask=mk)
-        tl.store(dG_ptr + ko, dG, mask=mk)
+        tl.store(dq_ptr + kbase + ko, dq, mask=mk)
+        tl.store(dk_ptr + kbase + ko, dk, mask=mk)
+        tl.store(dG_ptr + kbase + ko, dG, mask=mk)
     o2 = a_base + r[:, None] * 64 + r[None, :]
     if SPLIT:
         if i_p == 0:

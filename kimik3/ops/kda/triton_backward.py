@@ -20,8 +20,9 @@ Kernels:
      v_new [B, T, H, V] fp32 -- skipped when the forward ran split and saved both.
   2. ``_bwd_dh_kernel``  per (sequence, head, V block): reverse scan; stores dh (gradient of each
      chunk's exit state) [NT, H, K, V] fp32, dv_new, and d initial_state.
-  3. ``_bwd_wy_kernel``  per (chunk, head): the V-contractions above for every K block; writes dv,
-     the partial dq / dk / dGamma / dbeta, and dAqk, dA [NT, H, 64, 64] fp32.
+  3. ``_bwd_wy_kernel``  per (chunk, head): the V-contractions above, the K-independent ones first
+     (``_wy_v_side``), then per BK-column key block (``_wy_k_side``); writes dv, the partial
+     dq / dk / dGamma / dbeta, and dAqk, dA [NT, H, 64, 64] fp32.
   4. ``_bwd_intra_kernel`` per (chunk, head): the gradients through Aqk and A on 16 x 16 blocks (10
      lower-triangular blocks), row side against the reference Gamma at the row tile's FIRST token,
      column side against Gamma at the column tile's LAST token: every factor is <= 1 except on the
@@ -49,9 +50,10 @@ SCAN_BV: Optional[int] = None  # override the V block of the two scans
 # The scans' fp32 [K, BV] tiles must not be multi-buffered by the loop pipeliner: at K = 128 two or
 # three stages need 240-295 KB of shared memory (> 227 KB on the H200, seen in the first GPU run).
 SCAN_STAGES = 1
-# WY backward split over K blocks: one program per (chunk, head, BK-column block) with partial dA /
-# dbeta summed in the intra kernel (twice the programs, half the accumulators each; not yet timed on
-# a GPU, hence off by default). Environment: KIMIK3_KDA_WY_SPLIT=1.
+# WY backward split: one program per (chunk, head, BK-column key block) plus one per (chunk, head) for
+# the K-independent products, each with its partial dA / dbeta summed in the intra kernel (three times
+# the programs at K = 128, a third of the accumulators each). Off by default until its gradients have
+# run on a GPU (an earlier form timed -1.3 ms of 29 at K3's shape). Environment: KIMIK3_KDA_WY_SPLIT=1.
 WY_SPLIT_K = os.environ.get("KIMIK3_KDA_WY_SPLIT", "0") == "1"
 
 
@@ -112,17 +114,92 @@ def _bwd_dh_kernel(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, dh_p
 
 
 @triton.jit
+def _wy_v_side(v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, rv, vbase, H, scale,
+               V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """The K-independent products over every V block: dAqk = dO v_new^T, the U part of dA
+    (-dRv U^T), dv = beta dRv (stored) and the v part of dbeta; dRv = T^T dv_new."""
+    r = tl.arange(0, 64)
+    daqk = tl.zeros([64, 64], dtype=tl.float32)
+    da = tl.zeros([64, 64], dtype=tl.float32)
+    dbeta = tl.zeros([64], dtype=tl.float32)
+    for vb in tl.static_range(0, V, BV):
+        cv = vb + tl.arange(0, BV)
+        mv = rv[:, None] & (cv < V)[None, :]
+        vo = vbase + r[:, None] * (H * V) + cv[None, :]
+        do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32) * scale
+        vn = tl.load(vn_ptr + vo, mask=mv, other=0.0)
+        drv = tl.dot(tmatT, tl.load(dvn_ptr + vo, mask=mv, other=0.0), input_precision=PREC)
+        u = tl.load(u_ptr + vo, mask=mv, other=0.0).to(tl.float32)
+        vv = tl.load(v_ptr + vo, mask=mv, other=0.0).to(tl.float32)
+        daqk += tl.dot(do, tl.trans(vn), input_precision=PREC)
+        da -= tl.dot(drv, tl.trans(u), input_precision=PREC)
+        tl.store(dv_ptr + vo, drv * beta[:, None], mask=mv)
+        dbeta += tl.sum(drv * vv, axis=1)
+    return daqk, da, dbeta
+
+
+@triton.jit
+def _wy_k_side(kb, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, dq_ptr, dk_ptr, dG_ptr,
+               tmatT, beta, rv, L, t0, i_h, kbase, vbase, hb, H, scale,
+               K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """Key columns [kb, kb + BK): dqg = dO S^T, dkg = v_new dS'^T, dRk = -dRv S^T and deg over every V
+    block, then the chain rule through the exponentials; stores dq, dk and dGamma (partials the intra
+    backward completes) and returns this block's part of dA (-dRk W^T) and of dbeta."""
+    r = tl.arange(0, 64)
+    ck = kb + tl.arange(0, BK)
+    km = ck < K
+    dqg = tl.zeros([64, BK], dtype=tl.float32)
+    dkg = tl.zeros([64, BK], dtype=tl.float32)
+    drk = tl.zeros([64, BK], dtype=tl.float32)
+    deg = tl.zeros([BK], dtype=tl.float32)
+    for vb in tl.static_range(0, V, BV):
+        cv = vb + tl.arange(0, BV)
+        vm = cv < V
+        mv = rv[:, None] & vm[None, :]
+        vo = vbase + r[:, None] * (H * V) + cv[None, :]
+        hoff = hb + ck[:, None] * V + cv[None, :]
+        hm = km[:, None] & vm[None, :]
+        hs = tl.load(h_ptr + hoff, mask=hm, other=0.0)
+        dhs = tl.load(dh_ptr + hoff, mask=hm, other=0.0)
+        do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32) * scale
+        vn = tl.load(vn_ptr + vo, mask=mv, other=0.0)
+        drv = tl.dot(tmatT, tl.load(dvn_ptr + vo, mask=mv, other=0.0), input_precision=PREC)
+        hsT = tl.trans(hs)
+        dqg += tl.dot(do, hsT, input_precision=PREC)
+        dkg += tl.dot(vn, tl.trans(dhs), input_precision=PREC)
+        drk -= tl.dot(drv, hsT, input_precision=PREC)
+        deg += tl.sum(hs * dhs, axis=1)
+    mk = rv[:, None] & km[None, :]
+    ko = kbase + r[:, None] * (H * K) + ck[None, :]
+    q = tl.load(q_ptr + ko, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + ko, mask=mk, other=0.0).to(tl.float32)
+    G = tl.load(G_ptr + ko, mask=mk, other=0.0)
+    w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(tl.float32)
+    g_last = tl.load(G_ptr + (t0 + L - 1) * (H * K) + i_h * K + ck, mask=km, other=0.0)
+    eG = tl.where(mk, tl.exp(G), 0.0)
+    eC = tl.where(mk, tl.exp(g_last[None, :] - G), 0.0)
+    dG = dqg * (q * eG) - dkg * (k * eC) + drk * (beta[:, None] * k * eG)
+    dgc = tl.sum(dkg * (k * eC), axis=0) + deg * tl.exp(g_last)
+    dG += tl.where((r == L - 1)[:, None], dgc[None, :], 0.0)
+    tl.store(dq_ptr + ko, dqg * eG, mask=mk)
+    tl.store(dk_ptr + ko, dkg * eC + beta[:, None] * eG * drk, mask=mk)
+    tl.store(dG_ptr + ko, dG, mask=mk)
+    return -tl.dot(drk, tl.trans(w), input_precision=PREC), tl.sum(drk * k * eG, axis=1)
+
+
+@triton.jit
 def _bwd_wy_kernel(
     q_ptr, k_ptr, v_ptr, G_ptr, beta_ptr, tinv_ptr, w_ptr, u_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     dq_ptr, dk_ptr, dG_ptr, dv_ptr, dbeta_ptr, daqk_ptr, da_ptr,
     cu_ptr, cidx_ptr, H, scale, part_beta, part_a,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    KB_PER_PROG: tl.constexpr, SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """One (chunk, head) and KB_PER_PROG blocks of BK key columns: program_id(2) picks the group of
-    blocks. With one group (the default) this program owns every K column; split over K (``WY_SPLIT_K``)
-    each group writes its own partial dA and dbeta (at part_a / part_beta elements apart), summed by
-    ``_bwd_intra_kernel``, and the K-independent products (dAqk, dv, the U-part of dA) fall to group 0."""
+    """One (chunk, head). Unsplit (the default), this program does the K-independent products
+    (``_wy_v_side``) and then every BK-column key block (``_wy_k_side``), and writes dA and dbeta whole.
+    Split (``WY_SPLIT_K``), program_id(2) = p < cdiv(K, BK) does key block p alone and p = cdiv(K, BK)
+    the K-independent products; each writes its own partial dA and dbeta (part_a / part_beta elements
+    apart), which ``_bwd_intra_kernel`` sums."""
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_p = tl.program_id(2)
@@ -130,77 +207,33 @@ def _bwd_wy_kernel(
     r = tl.arange(0, 64)
     rv = r < L
     beta = tl.load(beta_ptr + (t0 + r) * H + i_h, mask=rv, other=0.0).to(tl.float32)
-    # 64-bit offsets only in the scalar bases; the tiles' offsets stay 32-bit (half the registers)
+    # 64-bit offsets only in the scalar bases; the tiles' offsets stay 32-bit (fewer registers)
     a_base = (i_t * H + i_h) * 4096
     kbase = (t0 * H + i_h) * K  # token t0 + row, head i_h, in a [.., H, K] tensor: kbase + row * H * K
     vbase = (t0 * H + i_h) * V
     hb = (i_t * H + i_h) * (K * V)
-    tmat = tl.load(tinv_ptr + a_base + r[:, None] * 64 + r[None, :])
-    tmatT = tl.trans(tmat)
-    dbeta = tl.zeros([64], dtype=tl.float32)
-    daqk = tl.zeros([64, 64], dtype=tl.float32)
-    da = tl.zeros([64, 64], dtype=tl.float32)
-    for kbi in tl.static_range(KB_PER_PROG):
-        kb = ((i_p * KB_PER_PROG + kbi) * BK) if SPLIT else (kbi * BK)  # unsplit: a compile-time constant
-        ck = kb + tl.arange(0, BK)
-        km = ck < K
-        dqg = tl.zeros([64, BK], dtype=tl.float32)
-        dkg = tl.zeros([64, BK], dtype=tl.float32)
-        drk = tl.zeros([64, BK], dtype=tl.float32)
-        deg = tl.zeros([BK], dtype=tl.float32)
-        for vb in tl.static_range(0, V, BV):
-            cv = vb + tl.arange(0, BV)
-            vm = cv < V
-            mv = rv[:, None] & vm[None, :]
-            vo = r[:, None] * (H * V) + cv[None, :]
-            hoff = ck[:, None] * V + cv[None, :]
-            hm = km[:, None] & vm[None, :]
-            hs = tl.load(h_ptr + hb + hoff, mask=hm, other=0.0)
-            dhs = tl.load(dh_ptr + hb + hoff, mask=hm, other=0.0)
-            do = tl.load(do_ptr + vbase + vo, mask=mv, other=0.0).to(tl.float32) * scale
-            vn = tl.load(vn_ptr + vbase + vo, mask=mv, other=0.0)
-            dvn = tl.load(dvn_ptr + vbase + vo, mask=mv, other=0.0)
-            drv = tl.dot(tmatT, dvn, input_precision=PREC)
-            hsT = tl.trans(hs)
-            dqg += tl.dot(do, hsT, input_precision=PREC)
-            dkg += tl.dot(vn, tl.trans(dhs), input_precision=PREC)
-            drk -= tl.dot(drv, hsT, input_precision=PREC)
-            deg += tl.sum(hs * dhs, axis=1)
-            if (kb == 0) if SPLIT else (kbi == 0):  # unsplit: decided at compile time, as before the split
-                u = tl.load(u_ptr + vbase + vo, mask=mv, other=0.0).to(tl.float32)
-                vv = tl.load(v_ptr + vbase + vo, mask=mv, other=0.0).to(tl.float32)
-                daqk += tl.dot(do, tl.trans(vn), input_precision=PREC)
-                da -= tl.dot(drv, tl.trans(u), input_precision=PREC)
-                tl.store(dv_ptr + vbase + vo, drv * beta[:, None], mask=mv)
-                dbeta += tl.sum(drv * vv, axis=1)
-        mk = rv[:, None] & km[None, :]
-        ko = r[:, None] * (H * K) + ck[None, :]
-        q = tl.load(q_ptr + kbase + ko, mask=mk, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + kbase + ko, mask=mk, other=0.0).to(tl.float32)
-        G = tl.load(G_ptr + kbase + ko, mask=mk, other=0.0)
-        w = tl.load(w_ptr + kbase + ko, mask=mk, other=0.0).to(tl.float32)
-        g_last = tl.load(G_ptr + (t0 + L - 1) * (H * K) + i_h * K + ck, mask=km, other=0.0)
-        eG = tl.where(mk, tl.exp(G), 0.0)
-        eC = tl.where(mk, tl.exp(g_last[None, :] - G), 0.0)
-        qg = q * eG
-        kg = k * eC
-        rk = beta[:, None] * k * eG
-        dq = dqg * eG
-        dk = dkg * eC + beta[:, None] * eG * drk
-        dG = dqg * qg - dkg * kg + drk * rk
-        dgc = tl.sum(dkg * kg, axis=0) + deg * tl.exp(g_last)
-        dG += tl.where((r == L - 1)[:, None], dgc[None, :], 0.0)
-        dbeta += tl.sum(drk * k * eG, axis=1)
-        da -= tl.dot(drk, tl.trans(w), input_precision=PREC)
-        tl.store(dq_ptr + kbase + ko, dq, mask=mk)
-        tl.store(dk_ptr + kbase + ko, dk, mask=mk)
-        tl.store(dG_ptr + kbase + ko, dG, mask=mk)
+    tmatT = tl.trans(tl.load(tinv_ptr + a_base + r[:, None] * 64 + r[None, :]))
     o2 = a_base + r[:, None] * 64 + r[None, :]
+    NKB: tl.constexpr = (K + BK - 1) // BK
     if SPLIT:
-        if i_p == 0:
+        if i_p == NKB:
+            daqk, da, dbeta = _wy_v_side(v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, rv, vbase, H,
+                                         scale, V, BV, PREC)
             tl.store(daqk_ptr + o2, tl.where(r[:, None] >= r[None, :], daqk, 0.0))
+        else:
+            da, dbeta = _wy_k_side(i_p * BK, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
+                                   dq_ptr, dk_ptr, dG_ptr, tmatT, beta, rv, L, t0, i_h, kbase, vbase, hb, H, scale,
+                                   K, V, BK, BV, PREC)
     else:
+        daqk, da, dbeta = _wy_v_side(v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, rv, vbase, H,
+                                     scale, V, BV, PREC)
         tl.store(daqk_ptr + o2, tl.where(r[:, None] >= r[None, :], daqk, 0.0))
+        for kbi in tl.static_range(NKB):
+            da_k, dbeta_k = _wy_k_side(kbi * BK, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
+                                       dq_ptr, dk_ptr, dG_ptr, tmatT, beta, rv, L, t0, i_h, kbase, vbase, hb, H,
+                                       scale, K, V, BK, BV, PREC)
+            da += da_k
+            dbeta += dbeta_k
     i_p64 = i_p.to(tl.int64)  # partial offsets can pass 2^31 elements
     tl.store(da_ptr + i_p64 * part_a + o2, tl.where(r[:, None] > r[None, :], da, 0.0))
     tl.store(dbeta_ptr + i_p64 * part_beta + (t0 + r) * H + i_h, dbeta, mask=rv)
@@ -365,16 +398,16 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
         INTERP=INTERPRET, num_warps=4, num_stages=SCAN_STAGES,
     )
     nkb = triton.cdiv(K, BK)
-    npart = nkb if WY_SPLIT_K else 1
+    npart = nkb + 1 if WY_SPLIT_K else 1  # split: one program per key block, one for the K-independent part
     daqk = torch.empty(NT, H, 64, 64, **f32)
     da = torch.empty(npart, NT, H, 64, 64, **f32)
     dbeta_parts = dbeta if npart == 1 else torch.empty(npart, B, T, H, **f32)
     part_a, part_beta = NT * H * 4096, B * T * H
-    warps = BWD_WARPS or (8 if BKF >= 128 and npart == 1 else 4)
+    warps = BWD_WARPS or (8 if BKF >= 128 else 4)  # sm_90 compile: the split spills 176 B at 8 warps, 1.7 KB at 4
     _bwd_wy_kernel[(NT, H, npart)](
         q, k, v, G, beta, aux["tinv"], aux["w"], aux["u"], h, dh, vn, dvn, do,
         dq, dk, dg, dv, dbeta_parts, daqk, da, plan.cu, plan.chunk_idx, H, float(scale), part_beta, part_a,
-        K=K, V=V, BK=BK, BV=BV, PREC=PREC, KB_PER_PROG=nkb // npart, SPLIT=npart > 1, num_warps=warps,
+        K=K, V=V, BK=BK, BV=BV, PREC=PREC, SPLIT=npart > 1, num_warps=warps,
     )
     # dg holds dGamma (partial) here; the intra kernel reads it and writes dg in place (same tile, same CTA)
     _bwd_intra_kernel[(NT, H)](

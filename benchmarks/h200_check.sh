@@ -47,7 +47,7 @@ if [ "$MODE" = train ]; then
 fi
 if [ "$MODE" = kernels ]; then
   step kda_kernel 540 python3 benchmarks/kda_kernel.py --shapes 0 --variants acsw --sections env,ceilings,chunk \
-    --try scan=32/4/1,scan=32/4/2,intra,wy,intra+wy+scan=32/4/2 ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
+    --try wy,bscan=8,wy+bscan=8,intra+wy+bscan=8,intra+wy+bscan=8+scan=32/4/2 ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
 fi
 if [ "$MODE" = train ]; then
   step kda_train_check 200 python3 benchmarks/kda_train_check.py --steps 30

@@ -18,7 +18,8 @@ not stop the later ones; exit status 1 if anything FAILed):
   only). `--try` adds kernel-structure experiments to `chunk`, each checked against the default
   forward on the same inputs and timed forward and forward+backward: a comma list of `+`-joined
   switches, `scan=BV/warps/stages` (KIMIK3_KDA_FWD=split at that scan config), `intra`
-  (KIMIK3_KDA_INTRA=split), `wy` (KIMIK3_KDA_WY_SPLIT=1), `solve3` (KIMIK3_KDA_SOLVE=3); e.g.
+  (KIMIK3_KDA_INTRA=split), `wy` (KIMIK3_KDA_WY_SPLIT=1), `solve3` (KIMIK3_KDA_SOLVE=3), `bscan=W`
+  (warps of the two backward scans), `bwarps=W` (warps of the chunk-local backward kernels); e.g.
   `--try scan=32/4/2,intra,wy,intra+wy+scan=32/4/2`.
 
 Usage (GPU machine):
@@ -66,8 +67,13 @@ def parse_experiment(token: str):
             overrides[(tb, "WY_SPLIT_K")] = True
         elif part == "solve3":
             overrides[(tf, "SOLVE")] = 3
+        elif part.startswith("bscan=") and part[6:].isdigit():
+            overrides[(tb, "SCAN_WARPS")] = int(part[6:])
+        elif part.startswith("bwarps=") and part[7:].isdigit():
+            overrides[(tb, "BWD_WARPS")] = int(part[7:])
         else:
-            raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra, wy, solve3)")
+            raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra, wy, solve3, bscan=W, "
+                             "bwarps=W)")
     return token, overrides
 
 

@@ -50,6 +50,7 @@ SCAN_BV: Optional[int] = None  # override the V block of the two scans
 # The scans' fp32 [K, BV] tiles must not be multi-buffered by the loop pipeliner: at K = 128 two or
 # three stages need 240-295 KB of shared memory (> 227 KB on the H200, seen in the first GPU run).
 SCAN_STAGES = 1
+SCAN_WARPS = 4  # warps of the two backward scans (state recompute, state-gradient scan)
 # WY backward split: one program per (chunk, head, BK-column key block) plus one per (chunk, head) for
 # the K-independent products, each with its partial dA / dbeta summed in the intra kernel (three times
 # the programs at K = 128, a third of the accumulators each). Off by default until its gradients have
@@ -388,14 +389,14 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
         _fwd_h_kernel[grid_s](
             aux["kg"], aux["eg"], aux["w"], aux["u"], h0, h, vn, dummy, plan.cu, plan.chunk_off, H,
             K=K, V=V, BKF=BKF, BV=BVs, PREC=PREC, HAS_H0=initial_state is not None, STORE_HT=False,
-            INTERP=INTERPRET, num_warps=4, num_stages=SCAN_STAGES,
+            INTERP=INTERPRET, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES,
         )
     dht_c = dht.float().contiguous() if dht is not None else dummy
     _bwd_dh_kernel[grid_s](
         aux["qg"], aux["kg"], aux["eg"], aux["w"], aux["aqk"], do, dht_c, dh, dvn, dh0 if dh0 is not None else dummy,
         plan.cu, plan.chunk_off, H, float(scale),
         K=K, V=V, BKF=BKF, BV=BVs, PREC=PREC, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        INTERP=INTERPRET, num_warps=4, num_stages=SCAN_STAGES,
+        INTERP=INTERPRET, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES,
     )
     nkb = triton.cdiv(K, BK)
     npart = nkb + 1 if WY_SPLIT_K else 1  # split: one program per key block, one for the K-independent part

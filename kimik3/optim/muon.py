@@ -274,25 +274,60 @@ class Muon(torch.optim.Optimizer):
                 buf.lerp_(grad, 1.0 - momentum)
                 direction = grad.lerp(buf, momentum) if group["nesterov"] else buf
 
-                sharded = isinstance(p, DTensor)
-                if sharded:  # FSDP2: Newton–Schulz needs every block whole (see _local_part)
-                    direction = direction.full_tensor()
-                ortho_BMN = newton_schulz(layout.to_blocks(direction), group["ns_steps"],
-                                          group["ns_coefficients"], group["eps"], ns_dtype)
-                update = layout.from_blocks(ortho_BMN, p.shape)
-                if sharded:
+                local_layout = _shard_layout(group["split"], p, name) if isinstance(p, DTensor) else None
+                if local_layout is not None:  # every block lies whole in this rank's shard: no gather
+                    direction, p, layout = direction.to_local(), p.to_local(), local_layout
+                    update = self._orthogonalised(direction, layout, group, ns_dtype)
+                elif isinstance(p, DTensor):  # a block spans shards: Newton–Schulz needs it whole (_local_part)
+                    update = self._orthogonalised(direction.full_tensor(), layout, group, ns_dtype)
                     update, p = _local_part(update, p), p.to_local()
+                else:
+                    update = self._orthogonalised(direction, layout, group, ns_dtype)
                 p.mul_(decay)
                 p.add_(update, alpha=-lr * float(group["rms_scale"]) * layout.lr_ratio)
         return loss
+
+    @staticmethod
+    def _orthogonalised(direction: torch.Tensor, layout: BlockLayout, group: dict, ns_dtype) -> torch.Tensor:
+        ortho_BMN = newton_schulz(layout.to_blocks(direction), group["ns_steps"], group["ns_coefficients"],
+                                  group["eps"], ns_dtype)
+        return layout.from_blocks(ortho_BMN, direction.shape)
+
+
+def _shard_layout(split: tuple, param: DTensor, name: str) -> BlockLayout | None:
+    """The layout of this rank's shard of ``param`` when every block of ``split`` lies whole inside it,
+    else None.
+
+    Then Muon orthogonalises the local blocks alone -- the same per-block Newton–Schulz as on the
+    gathered matrix, without the all-gather and with 1/world of the work. True for expert stacks
+    [E, a, b] sharded on dim 0 (expert parallelism, FSDP2: a dim-0 shard holds whole experts), for
+    ("rows", H) when the shard starts and ends on head boundaries, and for any split when the
+    parameter is not actually divided (a mesh of one, replicated placements)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = param.placements
+    if not all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in placements):
+        return None
+    local_shape = tuple(param.to_local().shape)
+    if local_shape == tuple(param.shape) or split[0] == "experts":  # any set of dim-0 indices: whole experts
+        return block_layout(split, local_shape, name)
+    if split[0] != "rows" or not all(type(pl) in (Shard, Replicate) for pl in placements):
+        return None  # whole / column blocks span every row; strided shards hold non-contiguous rows
+    rows_per_block = param.shape[0] // split[1]
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, placements)
+    if local_shape[0] % rows_per_block or offset[0] % rows_per_block:
+        return None
+    return block_layout(("rows", local_shape[0] // rows_per_block), local_shape, name)
 
 
 def _local_part(full: torch.Tensor, param: DTensor) -> torch.Tensor:
     """The part of the full-shape tensor ``full`` that this rank holds of the DTensor ``param``.
 
-    Muon under FSDP2 (DTensor parameters sharded on dim 0): every rank all-gathers the momentum
-    direction (``full_tensor()``), orthogonalises every block of the whole matrix, and applies only
-    its own shard of the update. The redundant Newton–Schulz is the simple choice: it gives exactly
+    Muon under FSDP2 (DTensor parameters sharded on dim 0) for a parameter whose blocks cross the shard
+    boundaries (``_shard_layout`` returned None): every rank all-gathers the momentum direction
+    (``full_tensor()``), orthogonalises every block of the whole matrix, and applies only its own shard
+    of the update. The redundant Newton–Schulz is the simple choice: it gives exactly
     the single-process update (same input, same iteration) with one all-gather per matrix and no
     scatter; giving each rank a subset of whole matrices would divide the Newton–Schulz work by the
     world size at the price of a second collective, worth it only at scale.

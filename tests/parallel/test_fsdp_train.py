@@ -227,6 +227,60 @@ def test_muon_under_fsdp_gives_the_single_process_update(tmp_path):
         assert torch.equal(outs[0][name], outs[1][name]), name
 
 
+def _shard_layout_worker(rank, world):
+    """Which sharded parameters Muon may orthogonalise shard-locally, and the gathers one step makes."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from kimik3.optim import Muon
+    from kimik3.optim.muon import _shard_layout
+    from kimik3.parallel.mesh import ParallelDims, build_mesh, fsdp_mesh
+
+    mesh = fsdp_mesh(build_mesh(ParallelDims(dp=world), "cpu"))
+    cases = {  # name: (shape, split, placement)
+        "experts": ((4, 3, 5), ("experts",), Shard(0)),
+        "rows_4_heads": ((8, 6), ("rows", 4), Shard(0)),       # 2 rows per head, 4 per rank: aligned
+        "rows_3_heads": ((6, 4), ("rows", 3), Shard(0)),       # 2 rows per head, 3 per rank: not aligned
+        "whole": ((8, 6), ("whole",), Shard(0)),
+        "cols": ((8, 6), ("cols", 2), Shard(0)),
+        "replicated_whole": ((8, 6), ("whole",), Replicate()),
+        "sharded_dim1": ((4, 3, 5), ("experts",), Shard(1)),
+    }
+    out = {}
+    for name, (shape, split, placement) in cases.items():
+        p = distribute_tensor(torch.zeros(shape), mesh, [placement], src_data_rank=None)
+        layout = _shard_layout(split, p, name)
+        out[name] = torch.tensor(-1 if layout is None else layout.blocks)
+
+    # One Muon step: only the parameter whose blocks cross shards is gathered.
+    params = {name: torch.nn.Parameter(distribute_tensor(torch.randn(shape, generator=torch.Generator().manual_seed(0)),
+                                                         mesh, [Shard(0)], src_data_rank=None))
+              for name, (shape, split, _) in cases.items() if name in ("experts", "rows_4_heads", "whole")}
+    splits = {name: cases[name][1] for name in params}
+    opt = Muon([{"params": [params[n]], "split": splits[n], "param_names": [n]} for n in params], lr=0.1)
+    for p in params.values():
+        p.grad = distribute_tensor(torch.ones(p.shape), mesh, [Shard(0)], src_data_rank=None)
+    gathers = []
+    original = DTensor.full_tensor
+    DTensor.full_tensor = lambda self, *a, **k: (gathers.append(tuple(self.shape)), original(self, *a, **k))[1]
+    try:
+        opt.step()
+    finally:
+        DTensor.full_tensor = original
+    out["gathered"] = torch.tensor([list(s) for s in gathers])
+    return out
+
+
+def test_muon_orthogonalises_shard_locally_when_blocks_allow(tmp_path):
+    """Expert stacks and head-aligned row blocks are orthogonalised on the local shard (no all-gather;
+    the update equals the gathered one: test above); blocks that cross shards are still gathered."""
+    outs = run_ranks(_shard_layout_worker, 2, tmp_path)
+    for out in outs:
+        blocks = {k: int(v) for k, v in out.items() if k != "gathered"}
+        assert blocks == {"experts": 2, "rows_4_heads": 2, "rows_3_heads": -1, "whole": -1, "cols": -1,
+                          "replicated_whole": 1, "sharded_dim1": -1}, blocks
+        assert out["gathered"].tolist() == [[8, 6]]  # the "whole" matrix only
+
+
 def test_cli_nproc_2_trains_end_to_end(corpus, tmp_path):
     """`kimik3 train --nproc 2` relaunches itself through torchrun (evaluation and sample included)."""
     out = tmp_path / "cli"

@@ -147,12 +147,16 @@ class EPRoutedExperts(RoutedExperts):
         ``hosted``: host bool [E, R], foreign expert e computes on rank r."""
         experts = self.num_experts
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        w_gate, w_up, w_down = (_local(w) for w in (self.w_gate_ELF, self.w_up_ELF, self.w_down_EFL))
+        table_E = torch.full((experts,), -1, dtype=torch.long, device=device)
+        table_E[mine] = torch.arange(per_rank, device=device)
+        if not hosted.any():  # every expert on its owner (the same answer on every rank): no exchange
+            return table_E, (w_gate, w_up, w_down)
         send = [torch.nonzero(hosted[mine, d]).flatten().tolist() for d in range(ranks)]   # my experts for d
         receive = torch.nonzero(hosted[:, rank]).flatten().tolist()                         # foreign here
-        sent = [e for d in range(ranks) for e in send[d]]
-        w_gate, w_up, w_down = (_local(w) for w in (self.w_gate_ELF, self.w_up_ELF, self.w_down_EFL))
-        flat = torch.cat([w_gate.flatten(1), w_up.flatten(1), w_down.flatten(1)], 1)
-        outgoing = flat[torch.tensor(sent, dtype=torch.long, device=flat.device)] if sent else flat[:0]
+        sent = torch.tensor([e for d in range(ranks) for e in send[d]], dtype=torch.long, device=w_gate.device)
+        # only the experts that leave are flattened and copied
+        outgoing = torch.cat([w_gate[sent].flatten(1), w_up[sent].flatten(1), w_down[sent].flatten(1)], 1)
         recv_sizes = [int(hosted[d * per_rank:(d + 1) * per_rank, rank].sum()) for d in range(ranks)]
         incoming = _exchange(outgoing, recv_sizes, [len(s) for s in send], self.group)
         latent, hidden = self.w_gate_ELF.shape[1:]
@@ -161,8 +165,6 @@ class EPRoutedExperts(RoutedExperts):
         stacked = (torch.cat([w_gate, gate_f.view(-1, latent, hidden)]),
                    torch.cat([w_up, up_f.view(-1, latent, hidden)]),
                    torch.cat([w_down, down_f.view(-1, hidden, latent)]))
-        table_E = torch.full((experts,), -1, dtype=torch.long, device=device)
-        table_E[mine] = torch.arange(per_rank, device=device)
         if receive:   # received in owner order = ascending expert id, which `receive` is
             table_E[torch.tensor(receive, device=device)] = torch.arange(per_rank, per_rank + len(receive),
                                                                          device=device)

@@ -141,3 +141,23 @@ def test_model_flops_formula_by_hand():
     assert flops["mla_attention"] == pytest.approx(7 * 3 * 16 * 160 * 1025)
     # 18 KDA layers: 16 heads x (6 x 64 x 64 + 64 x 128) x 3
     assert flops["kda"] == pytest.approx(18 * 3 * 16 * (6 * 64 * 64 + 64 * 128))
+
+
+def test_step_phases_breaks_an_ep_step_down(tmp_path):
+    """benchmarks/step_phases.py: the phases of an EP step and the collectives it makes, on 2 gloo ranks."""
+    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "benchmarks" / "step_phases.py"), "--parallel", "ep", "--device", "cpu", "--preset", "tiny",
+           "--vocab", "0", "--seq-len", "64", "--rows-per-rank", "2", "--steps", "3", "--warmup", "1"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    data = json.loads((tmp_path / "multigpu-step-phases-ep.json").read_text())
+    assert len(data["step_s"]) == 2 and all(finite_positive(t) for t in data["step_s"])
+    for phase in ("forward", "backward", "clip grad norm", "optimizer muon", "optimizer adamw"):
+        assert len(data["phases_s"][phase]) == 2 and all(finite_positive(t) for t in data["phases_s"][phase]), phase
+    counts = data["counts_per_step"]
+    assert counts["collective all_to_all_single"] > 0  # the EP exchange
+    assert counts["collective all_reduce"] <= 8  # clipping: one per group, not one per parameter
+    assert "| optimizer muon |" in proc.stdout

@@ -8,7 +8,8 @@ with the collectives and host synchronisations each step makes. One torchrun cal
 
 Each phase is timed with a device synchronisation on both sides (so the phases add up to the step,
 at the price of the overlap a real step would get); medians over the timed steps, rank 0's view.
-Counted per step: ``torch.distributed`` collectives by name (functional all-to-alls included), and,
+Counted per step: collectives called through ``torch.distributed``'s functions by name (functional
+all-to-alls included; FSDP2's own all-gathers and reduce-scatters bypass them and are not counted), and,
 on CUDA, host synchronisations (``.item()``, ``.tolist()``, ``.cpu()``, ``bool()``, ``int()``,
 ``float()`` of CUDA tensors). Rank 0 writes ``$OUT/multigpu-step-phases-<parallel>.json`` (or ``--json``).
 Model and data options are ``benchmarks/multigpu.py``'s (``--preset debug --vocab 16384`` etc.).

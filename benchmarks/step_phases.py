@@ -28,9 +28,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import multigpu as mg  # noqa: E402  (sets the NCCL multicast switches before torch touches a GPU)
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import multigpu_common as mg  # sets the NCCL multicast switches before torch touches a GPU
+import torch
+import torch.distributed as dist
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
                "broadcast", "barrier")

@@ -82,6 +82,19 @@ def destinations(ids_P: torch.Tensor, counts_RE: torch.Tensor, quota_ER: torch.T
     return dest
 
 
+def received_from(counts_RE: torch.Tensor, quota_ER: torch.Tensor, rank: int) -> torch.Tensor:
+    """Pairs ``rank`` receives from each source rank: [R].
+
+    Expert e's pairs lie on one line in source-rank order (source s holds positions
+    [start_se, start_se + counts_se)); ``rank`` computes the piece [cut_e,rank - quota_e,rank, cut_e,rank).
+    Every rank holds the same counts and plan, so no exchange of the counts is needed."""
+    start_RE = torch.cumsum(counts_RE, 0) - counts_RE
+    hi_E = torch.cumsum(quota_ER, 1)[:, rank]
+    lo_E = hi_E - quota_ER[:, rank]
+    overlap_RE = torch.minimum(start_RE + counts_RE, hi_E[None, :]) - torch.maximum(start_RE, lo_E[None, :])
+    return overlap_RE.clamp(min=0).sum(1)
+
+
 class EPRoutedExperts(RoutedExperts):
     """``RoutedExperts`` holding only this rank's E/R experts; forward runs the MoonEP exchange."""
 
@@ -110,8 +123,7 @@ class EPRoutedExperts(RoutedExperts):
         # 4: send pairs grouped by destination (then by expert), receive this rank's quota
         order = torch.argsort(dest_P * experts + ids_P, stable=True)
         send_R = torch.bincount(dest_P, minlength=ranks)
-        recv_R = torch.empty_like(send_R)
-        dist.all_to_all_single(recv_R, send_R, group=group)
+        recv_R = received_from(counts_RE, quota_ER, rank)  # known from the plan: no count exchange
         owner_E = torch.arange(experts, device=device) // per_rank
         hosted_ER = (quota_ER > 0) & (owner_E[:, None] != torch.arange(ranks, device=device)[None, :])
         # The one host synchronisation of the layer: NCCL's all-to-all wants its split sizes as lists.

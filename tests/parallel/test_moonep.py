@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from kimik3.config import K3Config
 from kimik3.model.k3 import K3ForCausalLM
-from kimik3.parallel.moonep import apply_expert_parallel, destinations, native_quota
+from kimik3.parallel.moonep import apply_expert_parallel, destinations, moonep_quota, native_quota, received_from
 from tests.parallel.gloo import run_ranks
 
 TOKENS_PER_RANK = 24
@@ -81,3 +81,19 @@ def test_destinations_cut_each_experts_pairs_in_source_order():
     # rank 1's e0 pairs are e0's global pairs 3 and 4 -> ranks 0 and 1; e1's go to rank 1
     assert dest.tolist() == [1, 0, 1, 1]
     assert native_quota(torch.tensor([5, 0, 2, 1]), 2).tolist() == [[5, 0], [0, 0], [0, 2], [0, 1]]
+
+
+@pytest.mark.parametrize("planner", [moonep_quota, native_quota])
+def test_received_from_matches_what_every_source_sends(planner):
+    """Each rank derives how many pairs every source sends it from the shared counts and plan (no
+    exchange): it must equal what the sources' own ``destinations`` send it."""
+    gen = torch.Generator().manual_seed(0)
+    ranks, experts = 4, 8
+    weights = torch.rand(experts, generator=gen) ** 3  # skewed routing
+    ids_R = [torch.multinomial(weights, 40, replacement=True, generator=gen) for _ in range(ranks)]
+    counts_RE = torch.stack([torch.bincount(ids, minlength=experts) for ids in ids_R])
+    quota_ER = planner(counts_RE.sum(0), ranks)
+    sent_RD = torch.stack([torch.bincount(destinations(ids_R[s], counts_RE, quota_ER, s), minlength=ranks)
+                           for s in range(ranks)])
+    for d in range(ranks):
+        assert received_from(counts_RE, quota_ER, d).tolist() == sent_RD[:, d].tolist()

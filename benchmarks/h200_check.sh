@@ -4,12 +4,13 @@
 #   bash benchmarks/h200_check.sh [quick|kernels|train]      # logs under $OUT (default ./h200-logs)
 #
 # quick    compile + correctness of every Triton KDA kernel on the GPU: kda_gpu_probe.py (one process
-#          per shape, so a fault cannot hide the cases after it), then tests/ops/test_kda_triton.py
+#          per shape, so a fault cannot hide the cases after it) and tests/ops/test_kda_triton.py
 #          (a fresh machine spends most of this compiling)                              <= 9 min
 # kernels  kda_kernel.py at K3's per-layer shape with the structure experiments (--try), fla 0.6.0
 #          side by side when its wheels are in .whl/ (fla's first call autotunes ~100 s) <= 9 min
-# train    the parallel smoke test and the bf16 training check (Triton kernels vs torch) <= 5 min
-# Each mode fits one device call (10 minutes at most).
+# train    the parallel smoke test and the bf16 training check (Triton kernels vs torch) <= 7 min
+# Each mode fits one device call (10 minutes at most). On a machine with two or more GPUs the steps of
+# a mode run side by side, one GPU each (kernels: shape 1, B4 T4096 H64, on the second GPU too).
 #
 # fla (fla_core, flash_linear_attention 0.6.0) and einops travel as wheels in .whl/ (gitignored; see
 # benchmarks/NOTES-kda.md): carry ".whl" in the device call. Each step has its own time limit and
@@ -27,30 +28,55 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     && export PYTHONPATH=/tmp/site:$PYTHONPATH && FLA_ARGS=()
 fi
 FAILED=()
+GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+PIDS=()
 
-step() {  # step NAME SECONDS COMMAND...
-  local name=$1 limit=$2
-  shift 2
-  echo "===== $name (limit ${limit}s): $*"
-  if ! timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; then
-    FAILED+=("$name")
+step() {  # step GPU NAME SECONDS COMMAND...: GPU 1 runs in the background when there are two GPUs
+  local gpu=$1 name=$2 limit=$3
+  shift 3
+  if [ "$gpu" -ge 1 ] && [ "$GPUS" -lt 2 ]; then gpu=0; fi
+  echo "===== $name (GPU $gpu, limit ${limit}s): $*"
+  if [ "$gpu" -ge 1 ]; then
+    ( CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo $? > "$OUT/$name.rc" ) &
+    PIDS+=("$!:$name")
+    return
   fi
-  tail -n 25 "$OUT/$name.log"
+  CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo $? > "$OUT/$name.rc"
+  report "$name"
 }
 
-if [ "$MODE" = quick ]; then
-  step kda_gpu_probe 200 python3 benchmarks/kda_gpu_probe.py
-  step kda_tests 330 python3 -m pytest -q -rf tests/ops/test_kda_triton.py
-fi
-if [ "$MODE" = train ]; then
-  step parallel_smoke 60 torchrun --standalone --nproc_per_node 1 benchmarks/parallel_smoke.py
-fi
-if [ "$MODE" = kernels ]; then
-  step kda_kernel 540 python3 benchmarks/kda_kernel.py --shapes 0 --variants acsw --sections env,ceilings,chunk \
-    --try wy,bscan=8,wy+bscan=8,intra+wy+bscan=8,intra+wy+bscan=8+scan=32/4/2 ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
-fi
-if [ "$MODE" = train ]; then
-  step kda_train_check 200 python3 benchmarks/kda_train_check.py --steps 30
-fi
-echo "===== failed steps: ${FAILED[*]:-none} (logs in $OUT)"
-[ ${#FAILED[@]} -eq 0 ]
+report() {
+  [ "$(cat "$OUT/$1.rc")" = 0 ] || FAILED+=("$1")
+  tail -n 25 "$OUT/$1.log"
+}
+
+finish() {
+  local entry
+  for entry in "${PIDS[@]+"${PIDS[@]}"}"; do
+    wait "${entry%%:*}"
+    echo "===== $(printf %s "${entry#*:}") (background) finished"
+    report "${entry#*:}"
+  done
+  echo "===== failed steps: ${FAILED[*]:-none} (logs in $OUT; $GPUS GPU(s))"
+  [ ${#FAILED[@]} -eq 0 ]
+}
+
+TRIES=wy,bscan=8,wy+bscan=8,intra+wy+bscan=8,intra+wy+bscan=8+scan=32/4/2
+case $MODE in
+  quick)  # one GPU: both in one call's 10 minutes, so shorter limits
+    if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi
+    step 1 kda_tests "${LIMITS[0]}" python3 -m pytest -q -rf tests/ops/test_kda_triton.py
+    step 0 kda_gpu_probe "${LIMITS[1]}" python3 benchmarks/kda_gpu_probe.py ;;
+  kernels)
+    if [ "$GPUS" -ge 2 ]; then
+      step 1 kda_kernel_shape1 540 python3 benchmarks/kda_kernel.py --shapes 1 --variants acsw --sections chunk \
+        --try "$TRIES" --out "$OUT/shape1" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
+    fi
+    step 0 kda_kernel 540 python3 benchmarks/kda_kernel.py --shapes 0 --variants acsw --sections env,ceilings,chunk \
+      --try "$TRIES" --out "$OUT/shape0" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
+  train)
+    step 1 kda_train_check 300 python3 benchmarks/kda_train_check.py --steps 30
+    step 0 parallel_smoke 120 torchrun --standalone --nproc_per_node 1 benchmarks/parallel_smoke.py ;;
+esac
+finish

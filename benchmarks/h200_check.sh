@@ -70,10 +70,10 @@ case $MODE in
     step 0 kda_gpu_probe "${LIMITS[1]}" python3 benchmarks/kda_gpu_probe.py ;;
   kernels)
     if [ "$GPUS" -ge 2 ]; then
-      step 1 kda_kernel_shape1 540 python3 benchmarks/kda_kernel.py --shapes 1 --variants acsw --sections chunk \
+      step 1 kda_kernel_shape1 540 python3 benchmarks/kda_kernel.py --shapes 1 --variants acsw,a --sections chunk \
         --try "$TRIES" --out "$OUT/shape1" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
     fi
-    step 0 kda_kernel 540 python3 benchmarks/kda_kernel.py --shapes 0 --variants acsw --sections env,ceilings,chunk \
+    step 0 kda_kernel 540 python3 benchmarks/kda_kernel.py --shapes 0 --variants acsw,a --sections env,ceilings,chunk \
       --try "$TRIES" --out "$OUT/shape0" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
   train)
     step 1 kda_train_check 300 python3 benchmarks/kda_train_check.py --steps 30

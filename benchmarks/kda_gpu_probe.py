@@ -32,6 +32,7 @@ DEFAULT_CASES = [
     "K=130,V=40",
     "K=100,V=16,fwd=split,intra=split",
     "K=100,V=16,wy=1",
+    "K=128,V=128,H=4,T=200",        # the default path at K3's head size (its WY kernel was restructured)
     "K=128,V=128,H=4,T=200,wy=1",   # the WY split at K3's head size (never run on a GPU before)
     "K=128,V=128,H=4,T=200,wy=1,dtype=bfloat16",
 ]

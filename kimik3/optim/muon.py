@@ -254,6 +254,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        crossing = []  # sharded parameters whose blocks cross shards: gathered together below
         for group in self.param_groups:
             lr, momentum = float(group["lr"]), float(group["momentum"])
             decay = 1.0 - lr * float(group["weight_decay"])
@@ -277,14 +278,14 @@ class Muon(torch.optim.Optimizer):
                 local_layout = _shard_layout(group["split"], p, name) if isinstance(p, DTensor) else None
                 if local_layout is not None:  # every block lies whole in this rank's shard: no gather
                     direction, p, layout = direction.to_local(), p.to_local(), local_layout
-                    update = self._orthogonalised(direction, layout, group, ns_dtype)
-                elif isinstance(p, DTensor):  # a block spans shards: Newton–Schulz needs it whole (_local_part)
-                    update = self._orthogonalised(direction.full_tensor(), layout, group, ns_dtype)
-                    update, p = _local_part(update, p), p.to_local()
-                else:
-                    update = self._orthogonalised(direction, layout, group, ns_dtype)
-                p.mul_(decay)
-                p.add_(update, alpha=-lr * float(group["rms_scale"]) * layout.lr_ratio)
+                elif isinstance(p, DTensor):  # a block spans shards: Newton–Schulz needs it whole
+                    crossing.append((p, direction, layout, group, ns_dtype, lr, decay))
+                    continue
+                _apply(p, self._orthogonalised(direction, layout, group, ns_dtype), layout, group, lr, decay)
+        fulls = _gather_whole([direction for _, direction, *_ in crossing])
+        for (p, _, layout, group, ns_dtype, lr, decay), full in zip(crossing, fulls, strict=True):
+            update = _local_part(self._orthogonalised(full, layout, group, ns_dtype), p)
+            _apply(p.to_local(), update, layout, group, lr, decay)
         return loss
 
     @staticmethod
@@ -292,6 +293,50 @@ class Muon(torch.optim.Optimizer):
         ortho_BMN = newton_schulz(layout.to_blocks(direction), group["ns_steps"], group["ns_coefficients"],
                                   group["eps"], ns_dtype)
         return layout.from_blocks(ortho_BMN, direction.shape)
+
+
+def _apply(p: torch.Tensor, update: torch.Tensor, layout: BlockLayout, group: dict, lr: float, decay: float) -> None:
+    p.mul_(decay)
+    p.add_(update, alpha=-lr * float(group["rms_scale"]) * layout.lr_ratio)
+
+
+def _gather_whole(directions: list[DTensor]) -> list[torch.Tensor]:
+    """Every DTensor of ``directions`` as a whole tensor on every rank.
+
+    Those sharded on dim 0 over one 1-D mesh (FSDP2's layout) travel together: one all-gather per
+    (mesh, dtype) of their local shards, each padded to the chunk size (DTensor shards dim 0 as
+    ``torch.chunk`` does: ceil(n / W) rows per rank, the last ranks short or empty). Any other layout
+    falls back to ``full_tensor()``, one collective each."""
+    from torch.distributed.tensor import Shard
+
+    out: list[torch.Tensor | None] = [None] * len(directions)
+    batches: dict[tuple, list[int]] = {}
+    for i, d in enumerate(directions):
+        if d.device_mesh.ndim == 1 and tuple(d.placements) == (Shard(0),) and d.shape[0] > 0:
+            batches.setdefault((d.device_mesh, d.dtype), []).append(i)
+        else:
+            out[i] = d.full_tensor()
+    for (mesh, dtype), members in batches.items():
+        world = mesh.size()
+        chunks = [math.ceil(directions[i].shape[0] / world) for i in members]
+        pieces = []
+        for i, rows in zip(members, chunks, strict=True):
+            local = directions[i].to_local()
+            inner = math.prod(directions[i].shape[1:])
+            flat = local.reshape(-1)
+            pieces.append(torch.nn.functional.pad(flat, (0, rows * inner - flat.numel())))
+        send = torch.cat(pieces)
+        recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
+        torch.distributed.all_gather_into_tensor(recv, send, group=mesh.get_group())
+        per_rank = recv.view(world, send.numel())
+        offset = 0
+        for i, rows in zip(members, chunks, strict=True):
+            shape = directions[i].shape
+            inner = math.prod(shape[1:])
+            block = per_rank[:, offset:offset + rows * inner].reshape(world * rows, *shape[1:])
+            out[i] = block[:shape[0]]  # chunk padding sits at the end: the first n rows are the tensor
+            offset += rows * inner
+    return out
 
 
 def _shard_layout(split: tuple, param: DTensor, name: str) -> BlockLayout | None:

@@ -370,12 +370,12 @@ def _local_part(full: torch.Tensor, param: DTensor) -> torch.Tensor:
     """The part of the full-shape tensor ``full`` that this rank holds of the DTensor ``param``.
 
     Muon under FSDP2 (DTensor parameters sharded on dim 0) for a parameter whose blocks cross the shard
-    boundaries (``_shard_layout`` returned None): every rank all-gathers the momentum direction
-    (``full_tensor()``), orthogonalises every block of the whole matrix, and applies only its own shard
-    of the update. The redundant Newton–Schulz is the simple choice: it gives exactly
-    the single-process update (same input, same iteration) with one all-gather per matrix and no
-    scatter; giving each rank a subset of whole matrices would divide the Newton–Schulz work by the
-    world size at the price of a second collective, worth it only at scale.
+    boundaries (``_shard_layout`` returned None): every rank has the whole momentum direction
+    (``_gather_whole``: all such matrices in one all-gather), orthogonalises every block of the whole
+    matrix, and applies only its own shard of the update. The redundant Newton–Schulz is the simple
+    choice: it gives exactly the single-process update (same input, same iteration) with no scatter;
+    giving each rank a subset of whole matrices would divide the Newton–Schulz work by the world size
+    at the price of a second collective, worth it only at scale.
     """
     from torch.distributed.tensor import distribute_tensor
 

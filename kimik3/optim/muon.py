@@ -25,7 +25,7 @@ Public pieces:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -282,8 +282,8 @@ class Muon(torch.optim.Optimizer):
                     crossing.append((p, direction, layout, group, ns_dtype, lr, decay))
                     continue
                 _apply(p, self._orthogonalised(direction, layout, group, ns_dtype), layout, group, lr, decay)
-        fulls = _gather_whole([direction for _, direction, *_ in crossing])
-        for (p, _, layout, group, ns_dtype, lr, decay), full in zip(crossing, fulls, strict=True):
+        for i, full in _gather_whole([direction for _, direction, *_ in crossing]):
+            p, _, layout, group, ns_dtype, lr, decay = crossing[i]
             update = _local_part(self._orthogonalised(full, layout, group, ns_dtype), p)
             _apply(p.to_local(), update, layout, group, lr, decay)
         return loss
@@ -300,43 +300,53 @@ def _apply(p: torch.Tensor, update: torch.Tensor, layout: BlockLayout, group: di
     p.add_(update, alpha=-lr * float(group["rms_scale"]) * layout.lr_ratio)
 
 
-def _gather_whole(directions: list[DTensor]) -> list[torch.Tensor]:
-    """Every DTensor of ``directions`` as a whole tensor on every rank.
+GATHER_BUCKET_BYTES = 256 * 2 ** 20  # at most this much gathered at once (the whole matrices, all ranks)
+
+
+def _gather_whole(directions: list[DTensor]) -> Iterator[tuple[int, torch.Tensor]]:
+    """(index, whole tensor) for every DTensor of ``directions``, on every rank, bucket by bucket.
 
     Those sharded on dim 0 over one 1-D mesh (FSDP2's layout) travel together: one all-gather per
-    (mesh, dtype) of their local shards, each padded to the chunk size (DTensor shards dim 0 as
-    ``torch.chunk`` does: ceil(n / W) rows per rank, the last ranks short or empty). Any other layout
-    falls back to ``full_tensor()``, one collective each."""
+    (mesh, dtype) bucket of up to ``GATHER_BUCKET_BYTES`` of whole matrices, each local shard padded
+    to the chunk size (DTensor shards dim 0 as ``torch.chunk`` does: ceil(n / W) rows per rank, the
+    last ranks short or empty). A bucket's tensors are yielded before the next bucket is gathered,
+    so the caller can use and drop them. Any other layout falls back to ``full_tensor()``."""
     from torch.distributed.tensor import Shard
 
-    out: list[torch.Tensor | None] = [None] * len(directions)
-    batches: dict[tuple, list[int]] = {}
+    batches: dict[tuple, list[list[int]]] = {}
+    bucket_bytes: dict[tuple, int] = {}
     for i, d in enumerate(directions):
-        if d.device_mesh.ndim == 1 and tuple(d.placements) == (Shard(0),) and d.shape[0] > 0:
-            batches.setdefault((d.device_mesh, d.dtype), []).append(i)
-        else:
-            out[i] = d.full_tensor()
-    for (mesh, dtype), members in batches.items():
+        if not (d.device_mesh.ndim == 1 and tuple(d.placements) == (Shard(0),) and d.shape[0] > 0):
+            yield i, d.full_tensor()
+            continue
+        key = (d.device_mesh, d.dtype)
+        size = math.ceil(d.shape[0] / d.device_mesh.size()) * d.device_mesh.size() * math.prod(d.shape[1:])
+        size *= d.dtype.itemsize
+        if key not in batches or bucket_bytes[key] + size > GATHER_BUCKET_BYTES:
+            batches.setdefault(key, []).append([])
+            bucket_bytes[key] = 0
+        batches[key][-1].append(i)
+        bucket_bytes[key] += size
+    for (mesh, dtype), buckets in batches.items():
         world = mesh.size()
-        chunks = [math.ceil(directions[i].shape[0] / world) for i in members]
-        pieces = []
-        for i, rows in zip(members, chunks, strict=True):
-            local = directions[i].to_local()
-            inner = math.prod(directions[i].shape[1:])
-            flat = local.reshape(-1)
-            pieces.append(torch.nn.functional.pad(flat, (0, rows * inner - flat.numel())))
-        send = torch.cat(pieces)
-        recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
-        torch.distributed.all_gather_into_tensor(recv, send, group=mesh.get_group())
-        per_rank = recv.view(world, send.numel())
-        offset = 0
-        for i, rows in zip(members, chunks, strict=True):
-            shape = directions[i].shape
-            inner = math.prod(shape[1:])
-            block = per_rank[:, offset:offset + rows * inner].reshape(world * rows, *shape[1:])
-            out[i] = block[:shape[0]]  # chunk padding sits at the end: the first n rows are the tensor
-            offset += rows * inner
-    return out
+        for members in buckets:
+            chunks = [math.ceil(directions[i].shape[0] / world) for i in members]
+            pieces = []
+            for i, rows in zip(members, chunks, strict=True):
+                flat = directions[i].to_local().reshape(-1)
+                inner = math.prod(directions[i].shape[1:])
+                pieces.append(torch.nn.functional.pad(flat, (0, rows * inner - flat.numel())))
+            send = torch.cat(pieces)
+            recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
+            torch.distributed.all_gather_into_tensor(recv, send, group=mesh.get_group())
+            per_rank = recv.view(world, send.numel())
+            offset = 0
+            for i, rows in zip(members, chunks, strict=True):
+                shape = directions[i].shape
+                inner = math.prod(shape[1:])
+                block = per_rank[:, offset:offset + rows * inner].reshape(world * rows, *shape[1:])
+                yield i, block[:shape[0]]  # chunk padding sits at the end: the first n rows are the tensor
+                offset += rows * inner
 
 
 def _shard_layout(split: tuple, param: DTensor, name: str) -> BlockLayout | None:

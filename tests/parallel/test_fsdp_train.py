@@ -252,33 +252,38 @@ def _shard_layout_worker(rank, world):
         out[name] = torch.tensor(-1 if layout is None else layout.blocks)
 
     # One Muon step: only the parameters whose blocks cross shards are gathered, together (one
-    # all-gather; "whole_7x6" has uneven shards, 4 and 3 rows), and the result is one process's step.
+    # all-gather; "whole_7x6" has uneven shards, 4 and 3 rows), and the result is one process's step;
+    # with a 1-byte bucket, one all-gather each.
     import torch.distributed as dist
+
+    import kimik3.optim.muon as muon_module
 
     shapes = {"experts": ((4, 3, 5), ("experts",)), "rows_4_heads": ((8, 6), ("rows", 4)),
               "whole": ((8, 6), ("whole",)), "whole_7x6": ((7, 6), ("whole",))}
     gen = torch.Generator().manual_seed(0)
     full = {n: (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for n, (shape, _) in shapes.items()}
-    params = {n: torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)], src_data_rank=None))
-              for n, (w, _) in full.items()}
-    plain = {n: torch.nn.Parameter(w.clone()) for n, (w, _) in full.items()}
-    optimizers = [Muon([{"params": [ps[n]], "split": shapes[n][1], "param_names": [n]} for n in shapes], lr=0.1)
-                  for ps in (params, plain)]
-    for n, (_, g) in full.items():
-        params[n].grad = distribute_tensor(g.clone(), mesh, [Shard(0)], src_data_rank=None)
-        plain[n].grad = g.clone()
-    calls = []
-    originals = DTensor.full_tensor, dist.all_gather_into_tensor
-    DTensor.full_tensor = lambda self, *a, **k: (calls.append("full_tensor"), originals[0](self, *a, **k))[1]
-    dist.all_gather_into_tensor = lambda *a, **k: (calls.append("all_gather"), originals[1](*a, **k))[1]
-    try:
-        optimizers[0].step()
-    finally:
-        DTensor.full_tensor, dist.all_gather_into_tensor = originals
-    optimizers[1].step()
-    out["calls"] = torch.tensor([len(calls), calls.count("all_gather")])
-    for n in shapes:
-        out[f"sharded.{n}"], out[f"plain.{n}"] = params[n].full_tensor(), plain[n].detach()
+    for tag, bucket in (("", muon_module.GATHER_BUCKET_BYTES), ("tiny_bucket.", 1)):
+        muon_module.GATHER_BUCKET_BYTES = bucket
+        params = {n: torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)], src_data_rank=None))
+                  for n, (w, _) in full.items()}
+        plain = {n: torch.nn.Parameter(w.clone()) for n, (w, _) in full.items()}
+        optimizers = [Muon([{"params": [ps[n]], "split": shapes[n][1], "param_names": [n]} for n in shapes], lr=0.1)
+                      for ps in (params, plain)]
+        for n, (_, g) in full.items():
+            params[n].grad = distribute_tensor(g.clone(), mesh, [Shard(0)], src_data_rank=None)
+            plain[n].grad = g.clone()
+        calls = []
+        originals = DTensor.full_tensor, dist.all_gather_into_tensor
+        DTensor.full_tensor = lambda self, *a, **k: (calls.append("full_tensor"), originals[0](self, *a, **k))[1]
+        dist.all_gather_into_tensor = lambda *a, **k: (calls.append("all_gather"), originals[1](*a, **k))[1]
+        try:
+            optimizers[0].step()
+        finally:
+            DTensor.full_tensor, dist.all_gather_into_tensor = originals
+        optimizers[1].step()
+        out[f"{tag}calls"] = torch.tensor([len(calls), calls.count("all_gather")])
+        for n in shapes:
+            out[f"{tag}sharded.{n}"], out[f"{tag}plain.{n}"] = params[n].full_tensor(), plain[n].detach()
     return out
 
 
@@ -293,9 +298,11 @@ def test_muon_orthogonalises_shard_locally_when_blocks_allow(tmp_path):
         assert blocks == {"experts": 2, "rows_4_heads": 2, "rows_3_heads": -1, "whole": -1, "cols": -1,
                           "replicated_whole": 1, "sharded_dim1": -1}, blocks
         assert out["calls"].tolist() == [1, 1]  # both "whole" matrices in one all-gather, no full_tensor
-        for name in ("experts", "rows_4_heads", "whole", "whole_7x6"):
-            torch.testing.assert_close(out[f"sharded.{name}"], out[f"plain.{name}"], rtol=1e-5, atol=1e-6,
-                                       msg=name)
+        assert out["tiny_bucket.calls"].tolist() == [2, 2]  # one bucket each
+        for tag in ("", "tiny_bucket."):
+            for name in ("experts", "rows_4_heads", "whole", "whole_7x6"):
+                torch.testing.assert_close(out[f"{tag}sharded.{name}"], out[f"{tag}plain.{name}"], rtol=1e-5,
+                                           atol=1e-6, msg=tag + name)
 
 
 def test_cli_nproc_2_trains_end_to_end(corpus, tmp_path):

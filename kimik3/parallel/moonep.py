@@ -83,16 +83,17 @@ def destinations(ids_P: torch.Tensor, counts_RE: torch.Tensor, quota_ER: torch.T
 
 
 def received_from(counts_RE: torch.Tensor, quota_ER: torch.Tensor, rank: int) -> torch.Tensor:
-    """Pairs ``rank`` receives from each source rank: [R].
+    """Pairs ``rank`` receives from each source rank for each expert: [R, E].
 
     Expert e's pairs lie on one line in source-rank order (source s holds positions
     [start_se, start_se + counts_se)); ``rank`` computes the piece [cut_e,rank - quota_e,rank, cut_e,rank).
-    Every rank holds the same counts and plan, so no exchange of the counts is needed."""
+    Every rank holds the same counts and plan, so no exchange of counts (or of expert ids: a source
+    sends its pairs for ``rank`` sorted by expert) is needed."""
     start_RE = torch.cumsum(counts_RE, 0) - counts_RE
     hi_E = torch.cumsum(quota_ER, 1)[:, rank]
     lo_E = hi_E - quota_ER[:, rank]
     overlap_RE = torch.minimum(start_RE + counts_RE, hi_E[None, :]) - torch.maximum(start_RE, lo_E[None, :])
-    return overlap_RE.clamp(min=0).sum(1)
+    return overlap_RE.clamp(min=0)
 
 
 class EPRoutedExperts(RoutedExperts):
@@ -123,7 +124,8 @@ class EPRoutedExperts(RoutedExperts):
         # 4: send pairs grouped by destination (then by expert), receive this rank's quota
         order = torch.argsort(dest_P * experts + ids_P, stable=True)
         send_R = torch.bincount(dest_P, minlength=ranks)
-        recv_R = received_from(counts_RE, quota_ER, rank)  # known from the plan: no count exchange
+        recv_RE = received_from(counts_RE, quota_ER, rank)  # known from the plan: no count exchange
+        recv_R = recv_RE.sum(1)
         owner_E = torch.arange(experts, device=device) // per_rank
         hosted_ER = (quota_ER > 0) & (owner_E[:, None] != torch.arange(ranks, device=device)[None, :])
         # The one host synchronisation of the layer: NCCL's all-to-all wants its split sizes as lists.
@@ -133,8 +135,9 @@ class EPRoutedExperts(RoutedExperts):
         token_P = order // top_k
         rows_out = _exchange(x_TL[token_P], recv_sizes, send_sizes, group)
         weights_out = _exchange(weights_TK.flatten()[order].float()[:, None], recv_sizes, send_sizes, group)[:, 0]
-        ids_out = torch.empty(sum(recv_sizes), dtype=ids_P.dtype, device=device)
-        dist.all_to_all_single(ids_out, ids_P[order].contiguous(), recv_sizes, send_sizes, group=group)
+        # each source's block arrives sorted by expert: the ids follow from the plan, no exchange
+        ids_out = torch.arange(experts, device=device).repeat(ranks).repeat_interleave(
+            recv_RE.flatten(), output_size=sum(recv_sizes))  # the size given: no second host sync
 
         # 5: foreign experts' weights from their owners
         table_E, stacked = self._expert_table(hosted, rank, ranks, per_rank, device)

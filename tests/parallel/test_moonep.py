@@ -85,15 +85,16 @@ def test_destinations_cut_each_experts_pairs_in_source_order():
 
 @pytest.mark.parametrize("planner", [moonep_quota, native_quota])
 def test_received_from_matches_what_every_source_sends(planner):
-    """Each rank derives how many pairs every source sends it from the shared counts and plan (no
-    exchange): it must equal what the sources' own ``destinations`` send it."""
+    """Each rank derives how many pairs of each expert every source sends it from the shared counts and
+    plan (no exchange): it must equal what the sources' own ``destinations`` send it."""
     gen = torch.Generator().manual_seed(0)
     ranks, experts = 4, 8
     weights = torch.rand(experts, generator=gen) ** 3  # skewed routing
     ids_R = [torch.multinomial(weights, 40, replacement=True, generator=gen) for _ in range(ranks)]
     counts_RE = torch.stack([torch.bincount(ids, minlength=experts) for ids in ids_R])
     quota_ER = planner(counts_RE.sum(0), ranks)
-    sent_RD = torch.stack([torch.bincount(destinations(ids_R[s], counts_RE, quota_ER, s), minlength=ranks)
-                           for s in range(ranks)])
+    dest_R = [destinations(ids_R[s], counts_RE, quota_ER, s) for s in range(ranks)]
     for d in range(ranks):
-        assert received_from(counts_RE, quota_ER, d).tolist() == sent_RD[:, d].tolist()
+        got_RE = received_from(counts_RE, quota_ER, d)
+        for s in range(ranks):  # what s sends d, per expert
+            assert got_RE[s].tolist() == torch.bincount(ids_R[s][dest_R[s] == d], minlength=experts).tolist()

@@ -158,6 +158,7 @@ def test_step_phases_breaks_an_ep_step_down(tmp_path):
     for phase in ("forward", "backward", "clip grad norm", "optimizer muon", "optimizer adamw"):
         assert len(data["phases_s"][phase]) == 2 and all(finite_positive(t) for t in data["phases_s"][phase]), phase
     counts = data["counts_per_step"]
-    assert counts["collective all_to_all_single"] > 0  # the EP exchange
+    assert counts["collective all_to_all_single (autograd)"] > 0  # the EP exchange of rows and weights
+    assert "collective all_to_all_single" not in counts  # counts and expert ids follow from the plan
     assert counts["collective all_reduce"] <= 8  # clipping: one per group, not one per parameter
     assert "| optimizer muon |" in proc.stdout

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .triton_forward import INTERPRET, ChunkPlan, _next_pow2
-from .triton_scan import _chunk_bounds, _chunk_tiles, _fwd_h_kernel, _scan_program
+from .triton_scan import _chunk_beta, _chunk_bounds, _chunk_tiles, _fwd_h_kernel, _scan_program, _state_tile
 
 BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark sweeps)
 SCAN_BV: Optional[int] = None  # override the V block of the two scans
@@ -90,10 +90,7 @@ def _bwd_dh_kernel(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, dh_p
                    K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
                    PREC: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, INTERP: tl.constexpr):
     i_h, bos, eos, coff, ck, cv, s_off, sm = _scan_program(cu_ptr, coff_ptr, H, K, V, BKF, BV)
-    if HAS_DHT:
-        dh = tl.load(dht_ptr + s_off, mask=sm, other=0.0).to(tl.float32)
-    else:
-        dh = tl.zeros([BKF, BV], dtype=tl.float32)
+    dh = _state_tile(dht_ptr, s_off, sm, HAS_DHT, BKF, BV)
     NC = tl.cdiv(eos - bos, 64)
     if INTERP:
         i_c = NC - 1
@@ -204,10 +201,8 @@ def _bwd_wy_kernel(
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_p = tl.program_id(2)
-    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
-    r = tl.arange(0, 64)
+    t0, L, r, beta = _chunk_beta(i_t, i_h, beta_ptr, cidx_ptr, cu_ptr, H)
     rv = r < L
-    beta = tl.load(beta_ptr + (t0 + r) * H + i_h, mask=rv, other=0.0).to(tl.float32)
     # 64-bit offsets only in the scalar bases; the tiles' offsets stay 32-bit (fewer registers)
     a_base = (i_t * H + i_h) * 4096
     kbase = (t0 * H + i_h) * K  # token t0 + row, head i_h, in a [.., H, K] tensor: kbase + row * H * K

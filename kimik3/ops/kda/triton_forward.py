@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_scan import _chunk_bounds, _fwd_h_kernel, _output_kernel, _state_out_kernel
+from .triton_scan import _chunk_beta, _chunk_bounds, _fwd_h_kernel, _output_kernel, _state_out_kernel
 
 BT = 64  # chunk size (tokens)
 BC = 16  # sub-tile rows: the gate bound makes 16 * 5 = 80 the largest in-tile log-decay
@@ -351,9 +351,7 @@ def _intra_kernel(
     matrices pass through the aqk / tinv buffers of this chunk, behind barriers)."""
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
-    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
-    r = tl.arange(0, 64)
-    beta = tl.load(beta_ptr + (t0 + r) * H + i_h, mask=r < L, other=0.0).to(tl.float32)
+    t0, L, r, beta = _chunk_beta(i_t, i_h, beta_ptr, cidx_ptr, cu_ptr, H)
     a_base = (i_t * H + i_h) * 4096  # chunk-major 64 x 64 buffers of this (chunk, head)
     for j in tl.static_range(4):
         _a_tile(j, q_ptr, k_ptr, G_ptr, aqk_ptr, tinv_ptr, a_base, t0, L, beta, i_h, H, K, BK, DTA, PREC, ABLATE)
@@ -378,9 +376,7 @@ def _intra_a_kernel(q_ptr, k_ptr, G_ptr, beta_ptr, aqk_ptr, tinv_ptr, cu_ptr, ci
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     j = tl.program_id(2)
-    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
-    r = tl.arange(0, 64)
-    beta = tl.load(beta_ptr + (t0 + r) * H + i_h, mask=r < L, other=0.0).to(tl.float32)
+    t0, L, r, beta = _chunk_beta(i_t, i_h, beta_ptr, cidx_ptr, cu_ptr, H)
     _a_tile(j, q_ptr, k_ptr, G_ptr, aqk_ptr, tinv_ptr, (i_t * H + i_h) * 4096, t0, L, beta, i_h, H, K, BK, DTA,
             PREC, 0)
 
@@ -402,9 +398,7 @@ def _intra_wy_kernel(q_ptr, k_ptr, v_ptr, G_ptr, beta_ptr, tinv_ptr, w_ptr, u_pt
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     p = tl.program_id(2)
-    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
-    r = tl.arange(0, 64)
-    beta = tl.load(beta_ptr + (t0 + r) * H + i_h, mask=r < L, other=0.0).to(tl.float32)
+    t0, L, r, beta = _chunk_beta(i_t, i_h, beta_ptr, cidx_ptr, cu_ptr, H)
     t_all = tl.load(tinv_ptr + (i_t * H + i_h) * 4096 + r[:, None] * 64 + r[None, :]).to(DTC)
     if p < NKB:
         _wy_k_block(p * BK, t_all, q_ptr, k_ptr, G_ptr, w_ptr, qg_ptr, kg_ptr, eg_ptr, beta, t0, L, i_t, i_h, H,

@@ -45,6 +45,15 @@ def _scan_program(cu_ptr, coff_ptr, H, K: tl.constexpr, V: tl.constexpr, BKF: tl
 
 
 @triton.jit
+def _state_tile(ptr, s_off, sm, HAS: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr):
+    """A scan program's starting [BKF, BV] fp32 tile: loaded from ``ptr`` (an initial state or its
+    gradient) when the caller has one, else zeros."""
+    if HAS:
+        return tl.load(ptr + s_off, mask=sm, other=0.0).to(tl.float32)
+    return tl.zeros([BKF, BV], dtype=tl.float32)
+
+
+@triton.jit
 def _chunk_bounds(i_t, cidx_ptr, cu_ptr):
     """Chunk i_t of the plan (global chunk index): its first token and its number of valid tokens (<= 64).
     Per-chunk buffers ([NT, ...]) are indexed by i_t: it equals chunk_off[n] + (chunk within n)."""
@@ -54,6 +63,15 @@ def _chunk_bounds(i_t, cidx_ptr, cu_ptr):
     eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
     t0 = bos + i_c * 64
     return t0, tl.minimum(64, eos - t0)
+
+
+@triton.jit
+def _chunk_beta(i_t, i_h, beta_ptr, cidx_ptr, cu_ptr, H):
+    """``_chunk_bounds`` of chunk i_t, its 64 row indices, and head i_h's beta on them (fp32, 0 past L)."""
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
+    r = tl.arange(0, 64)
+    beta = tl.load(beta_ptr + (t0 + r) * H + i_h, mask=r < L, other=0.0).to(tl.float32)
+    return t0, L, r, beta
 
 
 @triton.jit
@@ -116,10 +134,7 @@ def _state_out_kernel(
     INTERP: tl.constexpr, KT_LOAD: tl.constexpr,
 ):
     i_h, bos, eos, coff, ck, cv, s_off, sm = _scan_program(cu_ptr, coff_ptr, H, K, V, BKF, BV)
-    if HAS_H0:
-        h = tl.load(h0_ptr + s_off, mask=sm, other=0.0).to(tl.float32)
-    else:
-        h = tl.zeros([BKF, BV], dtype=tl.float32)
+    h = _state_tile(h0_ptr, s_off, sm, HAS_H0, BKF, BV)
     NC = tl.cdiv(eos - bos, 64)
     if INTERP:  # the interpreter cannot range() over a loaded scalar (numpy 2); same body
         i_c = 0
@@ -161,10 +176,7 @@ def _fwd_h_kernel(kg_ptr, eg_ptr, w_ptr, u_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, c
                   K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
                   PREC: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, INTERP: tl.constexpr):
     i_h, bos, eos, coff, ck, cv, s_off, sm = _scan_program(cu_ptr, coff_ptr, H, K, V, BKF, BV)
-    if HAS_H0:
-        h = tl.load(h0_ptr + s_off, mask=sm, other=0.0)
-    else:
-        h = tl.zeros([BKF, BV], dtype=tl.float32)
+    h = _state_tile(h0_ptr, s_off, sm, HAS_H0, BKF, BV)
     NC = tl.cdiv(eos - bos, 64)
     if INTERP:  # the interpreter cannot range() over a loaded scalar (NOTES-kda.md)
         i_c = 0

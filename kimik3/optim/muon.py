@@ -313,37 +313,35 @@ def _gather_whole(directions: list[DTensor]) -> Iterator[tuple[int, torch.Tensor
     so the caller can use and drop them. Any other layout falls back to ``full_tensor()``."""
     from torch.distributed.tensor import Shard
 
-    batches: dict[tuple, list[list[int]]] = {}
+    # (mesh, dtype) -> buckets of (index, rows per rank, elements per row)
+    batches: dict[tuple, list[list[tuple[int, int, int]]]] = {}
     bucket_bytes: dict[tuple, int] = {}
     for i, d in enumerate(directions):
         if not (d.device_mesh.ndim == 1 and tuple(d.placements) == (Shard(0),) and d.shape[0] > 0):
             yield i, d.full_tensor()
             continue
-        key = (d.device_mesh, d.dtype)
-        size = math.ceil(d.shape[0] / d.device_mesh.size()) * d.device_mesh.size() * math.prod(d.shape[1:])
-        size *= d.dtype.itemsize
+        key, world = (d.device_mesh, d.dtype), d.device_mesh.size()
+        rows, inner = math.ceil(d.shape[0] / world), math.prod(d.shape[1:])
+        size = world * rows * inner * d.dtype.itemsize
         if key not in batches or bucket_bytes[key] + size > GATHER_BUCKET_BYTES:
             batches.setdefault(key, []).append([])
             bucket_bytes[key] = 0
-        batches[key][-1].append(i)
+        batches[key][-1].append((i, rows, inner))
         bucket_bytes[key] += size
     for (mesh, dtype), buckets in batches.items():
         world = mesh.size()
         for members in buckets:
-            chunks = [math.ceil(directions[i].shape[0] / world) for i in members]
             pieces = []
-            for i, rows in zip(members, chunks, strict=True):
+            for i, rows, inner in members:
                 flat = directions[i].to_local().reshape(-1)
-                inner = math.prod(directions[i].shape[1:])
                 pieces.append(torch.nn.functional.pad(flat, (0, rows * inner - flat.numel())))
             send = torch.cat(pieces)
             recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
             torch.distributed.all_gather_into_tensor(recv, send, group=mesh.get_group())
             per_rank = recv.view(world, send.numel())
             offset = 0
-            for i, rows in zip(members, chunks, strict=True):
+            for i, rows, inner in members:
                 shape = directions[i].shape
-                inner = math.prod(shape[1:])
                 block = per_rank[:, offset:offset + rows * inner].reshape(world * rows, *shape[1:])
                 yield i, block[:shape[0]]  # chunk padding sits at the end: the first n rows are the tensor
                 offset += rows * inner

@@ -56,7 +56,8 @@ class CacheLayout:
 
 def plan_cache(model_config: K3Config, engine: EngineConfig, dtype: torch.dtype) -> CacheLayout:
     """Split ``engine.memory_bytes``; raise if it cannot hold even one full-context sequence."""
-    block_bytes = LatentPool.block_bytes(len(model_config.mla_layer_indices), engine.physical_block, model_config.mla.cache_width, dtype)
+    block_bytes = LatentPool.block_bytes(len(model_config.mla_layer_indices), engine.physical_block,
+                                         model_config.mla.cache_width, dtype)
     slot_bytes = StatePool.slot_bytes(model_config, dtype)
     num_slots = engine.max_running + engine.checkpoints + 1
     left = engine.memory_bytes - num_slots * slot_bytes

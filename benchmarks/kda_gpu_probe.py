@@ -10,8 +10,9 @@ source line of the traceback, i.e. which launch surfaced it)::
     python3 benchmarks/kda_gpu_probe.py K=128,V=16,scan_bv=16 K=100,V=32
 
 A case is a comma list of ``key=value``: K, V, H, T (defaults 100, 16, 1, 65), ``dtype`` (float32 |
-bfloat16), ``fwd`` / ``intra`` (fused | split: ``KIMIK3_KDA_FWD`` / ``KIMIK3_KDA_INTRA``), ``wy``
-(1: ``KIMIK3_KDA_WY_SPLIT``) and ``scan_bv`` (the backward scans' V block, ``triton_backward.SCAN_BV``).
+bfloat16), ``fwd`` (fused | split: ``KIMIK3_KDA_FWD``), ``intra`` (fused | split | tiles16:
+``KIMIK3_KDA_INTRA``), ``wy`` (``KIMIK3_KDA_WY_SPLIT``, default 1) and ``scan_bv`` (the backward scans'
+V block, ``triton_backward.SCAN_BV``).
 The default cases separate the two suspects of the first V = 16 crash (NOTES-kda.md): 16-column V blocks
 in the backward scans, or a K that is not a power of two above 64.
 """
@@ -31,16 +32,16 @@ DEFAULT_CASES = [
     "K=100,V=32",                   # suspect 2 alone: K = 100, 32-column blocks
     "K=130,V=40",
     "K=100,V=16,fwd=split,intra=split",
-    "K=100,V=16,wy=1",
+    "K=100,V=16,wy=0",
     "K=128,V=128,H=4,T=200",        # the default path at K3's head size (its WY kernel was restructured)
-    "K=128,V=128,H=4,T=200,wy=1",   # the WY split at K3's head size (never run on a GPU before)
-    "K=128,V=128,H=4,T=200,wy=1,dtype=bfloat16",
+    "K=128,V=128,H=4,T=200,wy=0",   # the unsplit WY backward at K3's head size
+    "K=128,V=128,H=4,T=200,dtype=bfloat16",
 ]
 KEYS = {"K": int, "V": int, "H": int, "T": int, "dtype": str, "fwd": str, "intra": str, "wy": int, "scan_bv": int}
 
 
 def parse_case(text: str) -> dict:
-    case = {"K": 100, "V": 16, "H": 1, "T": 65, "dtype": "float32", "fwd": "fused", "intra": "fused", "wy": 0,
+    case = {"K": 100, "V": 16, "H": 1, "T": 65, "dtype": "float32", "fwd": "fused", "intra": "fused", "wy": 1,
             "scan_bv": 0}
     for part in filter(None, text.split(",")):
         key, sep, value = part.partition("=")
@@ -50,8 +51,8 @@ def parse_case(text: str) -> dict:
             case[key] = KEYS[key](value)
         except ValueError:
             raise SystemExit(f"bad value in {part!r} of {text!r}: {key} takes {KEYS[key].__name__}") from None
-    if case["fwd"] not in ("fused", "split") or case["intra"] not in ("fused", "split"):
-        raise SystemExit(f"{text!r}: fwd and intra take 'fused' or 'split'")
+    if case["fwd"] not in ("fused", "split") or case["intra"] not in ("fused", "split", "tiles16"):
+        raise SystemExit(f"{text!r}: fwd takes 'fused' or 'split', intra 'fused', 'split' or 'tiles16'")
     if case["dtype"] not in ("float32", "bfloat16"):
         raise SystemExit(f"{text!r}: dtype takes float32 or bfloat16")
     return case

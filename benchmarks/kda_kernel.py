@@ -13,19 +13,21 @@ not stop the later ones; exit status 1 if anything FAILed):
                 sigmoid in kernel), plus the roofline floor from counted FLOPs and bytes.
   5. decode     the batched one-token kernel at H96 D128, B in {1, 64, 256}: time and effective state
                 TB/s (2 * B * H * K * V * 4 bytes), over a few block configurations.
-  Not run unless named in --sections: `profile` (torch.profiler per-kernel times of the forward and of
-  one forward+backward) and `ablate` (the forward with one phase of the intra kernel skipped: timing
-  only). `--try` adds kernel-structure experiments to `chunk`, each checked against the default
-  forward on the same inputs and timed forward and forward+backward: a comma list of `+`-joined
-  switches, `scan=BV/warps/stages` (KIMIK3_KDA_FWD=split at that scan config), `intra`
-  (KIMIK3_KDA_INTRA=split), `wy` (KIMIK3_KDA_WY_SPLIT=1), `solve3` (KIMIK3_KDA_SOLVE=3), `bscan=W`
-  (warps of the two backward scans), `bwarps=W` (warps of the chunk-local backward kernels); e.g.
+  Not run unless named in --sections: `profile` (torch.profiler per-kernel times of the forward, per
+  variant and per --try experiment, and of one forward+backward; fla's too) and `ablate` (the forward
+  with one phase of the intra kernel skipped: timing only). `--try` adds kernel-structure experiments
+  to `chunk`, each checked against the default forward on the same inputs and timed forward and
+  forward+backward: a comma list of `+`-joined switches, `scan=BV/warps/stages` (KIMIK3_KDA_FWD=split
+  at that scan config), `intra` (KIMIK3_KDA_INTRA=split), `i16` / `i16=BK/warps[/1]`
+  (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own kernel), `wy` / `nowy`
+  (KIMIK3_KDA_WY_SPLIT=1 / 0), `solve3` (KIMIK3_KDA_SOLVE=3), `bscan=W` (warps of the two backward
+  scans), `bwarps=W` (warps of the chunk-local backward kernels); e.g.
   `--try scan=32/4/2,intra,wy,intra+wy+scan=32/4/2`.
 
 Usage (GPU machine):
     python3 benchmarks/kda_kernel.py            # full run (fla autotunes on first call: minutes)
     python3 benchmarks/kda_kernel.py --quick    # smoke: medium-shape correctness + one timing, < 2 min
-    options: --no-fla, --variants a,acsw, --out DIR (default $OUT), --shapes 0,1
+    options: --no-fla, --no-hybrid, --variants a,acsw, --out DIR (default $OUT), --shapes 0,1
 Writes $OUT/kda_kernel.json when --out or $OUT is set.
 """
 
@@ -63,8 +65,15 @@ def parse_experiment(token: str):
             overrides[(tf, "FWD_MODE")], overrides[(tf, "SPLIT_CONFIG")] = "split", cfg
         elif part == "intra":
             overrides[(tf, "INTRA_MODE")] = "split"
-        elif part == "wy":
-            overrides[(tb, "WY_SPLIT_K")] = True
+        elif part == "i16" or part.startswith("i16="):
+            overrides[(tf, "INTRA_MODE")] = "tiles16"
+            if part != "i16":
+                cfg = tuple(int(x) for x in part[4:].split("/"))
+                if len(cfg) not in (2, 3):
+                    raise SystemExit(f"--try: i16=BK/warps[/1], got {part!r}")
+                overrides[(tf, "INTRA16_CONFIG")] = cfg
+        elif part in ("wy", "nowy"):
+            overrides[(tb, "WY_SPLIT_K")] = part == "wy"
         elif part == "solve3":
             overrides[(tf, "SOLVE")] = 3
         elif part.startswith("bscan=") and part[6:].isdigit():
@@ -72,8 +81,8 @@ def parse_experiment(token: str):
         elif part.startswith("bwarps=") and part[7:].isdigit():
             overrides[(tb, "BWD_WARPS")] = int(part[7:])
         else:
-            raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra, wy, solve3, bscan=W, "
-                             "bwarps=W)")
+            raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra, i16[=BK/W], wy, nowy, "
+                             "solve3, bscan=W, bwarps=W)")
     return token, overrides
 
 
@@ -334,7 +343,8 @@ def chunk_counts(B, T, H, D, bwd: bool):
 
 
 @section
-def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_bwd: bool = True):
+def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_bwd: bool = True,
+          no_hybrid: bool = False):
     ceil = RESULTS.get("ceilings", {"bf16_matmul_tflops": 700.0, "copy_gbs": 4000.0})
     fla_fn, _ = load_fla() if use_fla else (None, None)
     table = []
@@ -399,7 +409,7 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
             # both backwards: the Triton kernels (default) and the v1 HYBRID (torch chunk path recomputed);
             # KIMIK3_KDA_TRITON_BWD is read at forward time
             saved_env = os.environ.get("KIMIK3_KDA_TRITON_BWD")
-            runs = [("triton", "ours_fwdbwd", {}), ("torch", "ours_fwdbwd_hybrid", {})]
+            runs = [("triton", "ours_fwdbwd", {})] + ([] if no_hybrid else [("torch", "ours_fwdbwd_hybrid", {})])
             runs += [("triton", f"ours_fwdbwd[{name}]", overrides) for name, overrides in EXPERIMENTS]
             for mode, name, overrides in runs:
                 os.environ["KIMIK3_KDA_TRITON_BWD"] = mode
@@ -444,34 +454,40 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
 
 
 @section
-def profile(shapes, variants):
-    """Per-kernel CUDA time (torch.profiler) of our forward per variant, then of one forward+backward."""
+def profile(shapes, variants, use_fla: bool):
+    """Per-kernel CUDA time (torch.profiler) of our forward per variant and per --try experiment, then of
+    one forward+backward; the same for fla's chunk_kda when its wheels are there (where its time goes)."""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     B, T, H, D = shapes[0]
     xs, a_log, dtb = k3_inputs(B, T, H, D, seed=3)
-    for var in variants:
-        ours_k3(xs, a_log, dtb, variant=var)
-        torch.cuda.synchronize()
-        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                ours_k3(xs, a_log, dtb, variant=var)
-            torch.cuda.synchronize()
-        log(f"profile B{B} T{T} H{H} D{D} variant '{var}' (3 calls):")
-        log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=40))
-    # forward + backward (default variant, Triton backward): which backward kernel dominates
     xg = [x.detach().requires_grad_() for x in xs]
     do = torch.randn_like(xs[2])
-    o, _ = ours_k3(xg, a_log, dtb)
-    torch.autograd.grad(o, xg, do)
-    torch.cuda.synchronize()
-    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            o, _ = ours_k3(xg, a_log, dtb)
-            torch.autograd.grad(o, xg, do)
+
+    def kernels(label, fn, calls, rows):
+        fn()
         torch.cuda.synchronize()
-    log(f"profile B{B} T{T} H{H} D{D} fwd+bwd, default variant (2 calls):")
-    log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=40))
+        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        log(f"profile B{B} T{T} H{H} D{D} {label} ({calls} calls):")
+        log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=48))
+
+    def fwd_bwd(f):
+        o, _ = f()
+        torch.autograd.grad(o, xg, do)
+
+    for var in variants:
+        kernels(f"ours fwd variant '{var}'", lambda var=var: ours_k3(xs, a_log, dtb, variant=var), 3, 8)
+    for name, overrides in EXPERIMENTS:
+        with overridden(overrides):
+            kernels(f"ours fwd [{name}]", lambda: ours_k3(xs, a_log, dtb), 3, 8)
+    kernels("ours fwd+bwd, default variant", lambda: fwd_bwd(lambda: ours_k3(xg, a_log, dtb)), 2, 14)
+    fla_fn = load_fla()[0] if use_fla else None
+    if fla_fn is not None:
+        kernels("fla fwd", lambda: fla_k3(fla_fn, xs, a_log, dtb), 3, 10)
+        kernels("fla fwd+bwd", lambda: fwd_bwd(lambda: fla_k3(fla_fn, xg, a_log, dtb)), 2, 20)
 
 
 @section
@@ -568,6 +584,7 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true", help="launch-config sweeps (scan, decode)")
     p.add_argument("--check-variants", default=None, help="comma list checked in 'correct' (default ,acsw)")
     p.add_argument("--no-bwd", action="store_true", help="skip the forward+backward timings")
+    p.add_argument("--no-hybrid", action="store_true", help="skip the HYBRID (torch) backward's timing")
     p.add_argument("--decode-batches", default=None, help="comma list (default 1,64,256; quick 64)")
     p.add_argument("--try", dest="experiments", default=None,
                    help="kernel-structure experiments for `chunk` (module docstring), e.g. scan=32/4/2,intra,wy")
@@ -598,9 +615,9 @@ def main() -> int:
     if "ceilings" in secs:
         ceilings()
     if "chunk" in secs:
-        chunk(shapes[:1] if a.quick else shapes, variants, not a.no_fla, a.quick, a.sweep, not a.no_bwd)
+        chunk(shapes[:1] if a.quick else shapes, variants, not a.no_fla, a.quick, a.sweep, not a.no_bwd, a.no_hybrid)
     if "profile" in secs:
-        profile(shapes, variants)
+        profile(shapes, variants, not a.no_fla)
     if "ablate" in secs:
         ablate(shapes)
     if "decode" in secs:

@@ -8,7 +8,7 @@ then prints registers and spill bytes. What it cannot tell: time. A kernel that 
 than the H200's 227 KB of shared memory, is worth fixing before spending device time on it::
 
     python benchmarks/kda_sm90_report.py                      # default switches, K = V = 128, fp32 inputs
-    python benchmarks/kda_sm90_report.py --dtype bfloat16 --fwd split --intra split --wy-split
+    python benchmarks/kda_sm90_report.py --dtype bfloat16 --fwd split --intra split --wy-split 0
     python benchmarks/kda_sm90_report.py --set triton_backward.BWD_WARPS=8 --set triton_forward.SCAN_CONFIG=32,4,1
     python benchmarks/kda_sm90_report.py --json out.json
 
@@ -134,7 +134,7 @@ def run_kda(args, compiler: Sm90Compiler) -> None:
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_forward as tf
 
-    tf.FWD_MODE, tf.INTRA_MODE, tb.WY_SPLIT_K = args.fwd, args.intra, args.wy_split
+    tf.FWD_MODE, tf.INTRA_MODE, tb.WY_SPLIT_K = args.fwd, args.intra, bool(args.wy_split)
     for module, attr, value in args.overrides:
         setattr({"triton_forward": tf, "triton_backward": tb}[module], attr, value)
     original = jit.JITFunction.run
@@ -165,8 +165,8 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--tokens", type=int, default=256, help="tokens of the dummy inputs (the kernels do not depend on it)")
     p.add_argument("--fwd", default="fused", choices=["fused", "split"])
-    p.add_argument("--intra", default="fused", choices=["fused", "split"])
-    p.add_argument("--wy-split", action="store_true")
+    p.add_argument("--intra", default="fused", choices=["fused", "split", "tiles16"])
+    p.add_argument("--wy-split", type=int, choices=[0, 1], default=1, help="KIMIK3_KDA_WY_SPLIT")
     p.add_argument("--set", dest="overrides", action="append", default=[], type=parse_override,
                    help="module.ATTR=value, module one of triton_forward, triton_backward; value an int or a "
                         "comma tuple of ints (e.g. triton_backward.BWD_WARPS=8, triton_forward.SCAN_CONFIG=32,4,1)")

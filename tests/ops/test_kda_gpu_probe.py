@@ -19,10 +19,10 @@ def run(*cases):
 
 
 def test_probe_passes_a_small_case_and_reports_each_switch():
-    p = run("K=24,V=16,T=20,wy=1,scan_bv=16", "K=40,V=24,T=70,fwd=split,intra=split")
+    p = run("K=24,V=16,T=20,wy=1,scan_bv=16", "K=40,V=24,T=70,fwd=split,intra=split", "K=24,V=16,T=70,intra=tiles16,wy=0")
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "2 of 2 cases pass" in p.stdout
-    assert p.stdout.count("PASS") == 2 and "dbeta" in p.stdout
+    assert "3 of 3 cases pass" in p.stdout
+    assert p.stdout.count("PASS") == 3 and "dbeta" in p.stdout
 
 
 def test_probe_rejects_a_bad_case_before_running():

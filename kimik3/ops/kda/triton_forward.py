@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_intra16 import _intra16_kernel, block_subst16
 from .triton_scan import _chunk_beta, _chunk_bounds, _fwd_h_kernel, _output_kernel, _state_out_kernel
 
 BT = 64  # chunk size (tokens)
@@ -62,10 +63,13 @@ SCAN_KT_LOAD = os.environ.get("KIMIK3_KDA_KT_LOAD", "0") == "1"  # scan: load kg
 # path) or "split" (states-only scan storing h, then a parallel output kernel; the backward reuses h).
 FWD_MODE = os.environ.get("KIMIK3_KDA_FWD", "fused")
 SPLIT_CONFIG: Tuple[int, int, int] = (32, 4, 2)  # split mode's scan (BV, num_warps, num_stages)
-# Intra-chunk kernels: "fused" (default, measured: phases A, B, C in one program per (chunk, head)) or
-# "split" (three kernels: A per column tile, B per chunk, C per K / V block; not yet timed on a GPU).
+# Intra-chunk kernels: "fused" (default, measured: phases A, B, C in one program per (chunk, head)),
+# "split" (three kernels: A per column tile, B per chunk, C per K / V block; measured -0.25 ms) or
+# "tiles16" (``triton_intra16.py``: one program per (chunk, head) holding [16, 16] blocks in registers).
 INTRA_MODE = os.environ.get("KIMIK3_KDA_INTRA", "fused")
 INTRA_SPLIT_WARPS: Tuple[int, int, int] = (4, 4, 4)  # num_warps of the split A, B, C kernels
+# tiles16: (K / V block, num_warps[, 1 = phase C as the split mode's own kernel])
+INTRA16_CONFIG: Tuple[int, ...] = (32, 4)
 # Timing ablation of the intra kernel (benchmarks only; results are WRONG when non-zero): 1 skips the
 # phase-B solve (T = A), 2 skips phase A's dots, 3 skips phase C (W, U and the scan operands).
 INTRA_ABLATE = 0
@@ -181,11 +185,6 @@ def _inv16(a, PREC: tl.constexpr):
 
 
 @triton.jit
-def _mm(a, b, PREC: tl.constexpr):
-    return tl.dot(a, b, input_precision=PREC)
-
-
-@triton.jit
 def _solve_blocks(t_ptr, base, PREC: tl.constexpr):
     """SOLVE 3: T = (I + A)^-1 for the strictly lower 64 x 64 A stored at t_ptr + base (row-major), by
     16 x 16 blocks held in registers: diagonal inverses by ``_inv16``, then the block rows
@@ -202,12 +201,7 @@ def _solve_blocks(t_ptr, base, PREC: tl.constexpr):
     d1 = _inv16(tl.load(t_ptr + base + o + 16 * 64 + 16), PREC)
     d2 = _inv16(tl.load(t_ptr + base + o + 32 * 64 + 32), PREC)
     d3 = _inv16(tl.load(t_ptr + base + o + 48 * 64 + 48), PREC)
-    t10 = -_mm(d1, _mm(a10, d0, PREC), PREC)
-    t21 = -_mm(d2, _mm(a21, d1, PREC), PREC)
-    t20 = -_mm(d2, _mm(a20, d0, PREC) + _mm(a21, t10, PREC), PREC)
-    t32 = -_mm(d3, _mm(a32, d2, PREC), PREC)
-    t31 = -_mm(d3, _mm(a31, d1, PREC) + _mm(a32, t21, PREC), PREC)
-    t30 = -_mm(d3, _mm(a30, d0, PREC) + _mm(a31, t10, PREC) + _mm(a32, t20, PREC), PREC)
+    t10, t20, t21, t30, t31, t32 = block_subst16(d0, d1, d2, d3, a10, a20, a21, a30, a31, a32, PREC)
     tl.debug_barrier()  # every block of A is read before T overwrites it (upper blocks stay zero)
     tl.store(t_ptr + base + o, d0)
     tl.store(t_ptr + base + o + 16 * 64, t10)
@@ -418,6 +412,15 @@ def _cfg(K: int, V: int):
     return BKF, min(64, BKF), min(64, _next_pow2(V))
 
 
+def _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV, DTC, PREC, warps):
+    """Phase C as its own kernel: one program per (chunk, head, K block or V block)."""
+    nkb = triton.cdiv(K, BK)
+    _intra_wy_kernel[(plan.NT, H, nkb + triton.cdiv(V, BV))](
+        qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
+        K=K, V=V, BK=BK, BV=BV, NKB=nkb, DTC=DTC, PREC=PREC, num_warps=warps,
+    )
+
+
 def kda_fwd_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     scale: float, initial_state: Optional[torch.Tensor], output_final_state: bool,
@@ -449,8 +452,8 @@ def kda_fwd_triton(
         raise ValueError(f"triton KDA supports K <= 256 and V <= 512, got K={K} V={V}")
     if SOLVE not in (0, 3):
         raise ValueError(f"KIMIK3_KDA_SOLVE must be 0 or 3, got {SOLVE}")
-    if INTRA_MODE not in ("fused", "split"):
-        raise ValueError(f"KIMIK3_KDA_INTRA must be 'fused' or 'split', got {INTRA_MODE!r}")
+    if INTRA_MODE not in ("fused", "split", "tiles16"):
+        raise ValueError(f"KIMIK3_KDA_INTRA must be 'fused', 'split' or 'tiles16', got {INTRA_MODE!r}")
     if FWD_MODE not in ("fused", "split"):
         raise ValueError(f"KIMIK3_KDA_FWD must be 'fused' or 'split', got {FWD_MODE!r}")
     N, NT = plan.N, plan.NT
@@ -499,11 +502,17 @@ def kda_fwd_triton(
         _intra_a_kernel[(NT, H, 4)](qn, kn, G, betan, aqk, tinv, plan.cu, plan.chunk_idx, H,
                                     K=K, BK=BK, DTA=DTA, PREC=PREC, num_warps=wa)
         _intra_solve_kernel[(NT, H)](tinv, H, SOLVE=SOLVE, SPREC=SPREC, num_warps=ws)
-        nkb = triton.cdiv(K, BK)
-        _intra_wy_kernel[(NT, H, nkb + triton.cdiv(V, BV_intra))](
-            qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
-            K=K, V=V, BK=BK, BV=BV_intra, NKB=nkb, DTC=DTC, PREC=PREC, num_warps=wc,
+        _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV_intra, DTC, PREC, wc)
+    elif INTRA_MODE == "tiles16":
+        BK16, warps16, split_wy = (tuple(INTRA16_CONFIG) + (0,))[:3]
+        _intra16_kernel[(NT, H)](
+            qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
+            K=K, V=V, BK=min(BK16, BKF), BV=min(BK16, _next_pow2(V)), DTA=DTA, DTC=DTC, PREC=PREC, SPREC=SPREC,
+            WITH_WY=not split_wy, num_warps=warps16,
         )
+        if split_wy:
+            _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV_intra, DTC, PREC,
+                             INTRA_SPLIT_WARPS[2])
     else:  # validated above
         raise AssertionError(INTRA_MODE)
     h0 = initial_state.float().contiguous() if initial_state is not None else dummy

@@ -62,7 +62,7 @@ finish() {
   [ ${#FAILED[@]} -eq 0 ]
 }
 
-TRIES=wy,bscan=8,wy+bscan=8,intra+wy+bscan=8,intra+wy+bscan=8+scan=32/4/2
+TRIES=nowy+bscan=4,intra,i16=64/8,intra+scan=32/4/2
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi

@@ -50,12 +50,15 @@ SCAN_BV: Optional[int] = None  # override the V block of the two scans
 # The scans' fp32 [K, BV] tiles must not be multi-buffered by the loop pipeliner: at K = 128 two or
 # three stages need 240-295 KB of shared memory (> 227 KB on the H200, seen in the first GPU run).
 SCAN_STAGES = 1
-SCAN_WARPS = 4  # warps of the two backward scans (state recompute, state-gradient scan)
+# Warps of the two backward scans (state recompute, state-gradient scan): 8 stop their register spills
+# (sm_90 compile) and timed -1.2 ms of 29.5 ms fwd+bwd at K3's shape on the H200 (NOTES-kda.md).
+SCAN_WARPS = 8
 # WY backward split: one program per (chunk, head, BK-column key block) plus one per (chunk, head) for
 # the K-independent products, each with its partial dA / dbeta summed in the intra kernel (three times
-# the programs at K = 128, a third of the accumulators each). Off by default until its gradients have
-# run on a GPU (an earlier form timed -1.3 ms of 29 at K3's shape). Environment: KIMIK3_KDA_WY_SPLIT=1.
-WY_SPLIT_K = os.environ.get("KIMIK3_KDA_WY_SPLIT", "0") == "1"
+# the programs at K = 128, a third of the accumulators each). Default since its gradients passed on the
+# H200 (fp32 and bf16) and it timed -1.7 ms of 29.5 ms fwd+bwd at K3's shape. KIMIK3_KDA_WY_SPLIT=0: one
+# program per (chunk, head).
+WY_SPLIT_K = os.environ.get("KIMIK3_KDA_WY_SPLIT", "1") == "1"
 
 
 # --------------------------------------------------------------------------

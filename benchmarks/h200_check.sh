@@ -62,7 +62,7 @@ finish() {
   [ ${#FAILED[@]} -eq 0 ]
 }
 
-TRIES=nowy+bscan=4,intra,i16=64/8,intra+scan=32/4/2
+TRIES=var=ach,var=a,nowy+bscan=4,intra,i16=64/8
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi

@@ -20,7 +20,7 @@ not stop the later ones; exit status 1 if anything FAILed):
   forward+backward: a comma list of `+`-joined switches, `scan=BV/warps/stages` (KIMIK3_KDA_FWD=split
   at that scan config), `intra` (KIMIK3_KDA_INTRA=split), `i16` / `i16=BK/warps[/1]`
   (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own kernel), `wy` / `nowy`
-  (KIMIK3_KDA_WY_SPLIT=1 / 0), `solve3` (KIMIK3_KDA_SOLVE=3), `bscan=W` (warps of the two backward
+  (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the precision variant, e.g. `var=ach`), `solve3` (KIMIK3_KDA_SOLVE=3), `bscan=W` (warps of the two backward
   scans), `bwarps=W` (warps of the chunk-local backward kernels); e.g.
   `--try scan=32/4/2,intra,wy,intra+wy+scan=32/4/2`.
 
@@ -74,6 +74,8 @@ def parse_experiment(token: str):
                 overrides[(tf, "INTRA16_CONFIG")] = cfg
         elif part in ("wy", "nowy"):
             overrides[(tb, "WY_SPLIT_K")] = part == "wy"
+        elif part.startswith("var="):  # the precision variant of the forward (and so of the backward scans)
+            overrides[(tf, "DEFAULT_VARIANT")] = part[4:]
         elif part == "solve3":
             overrides[(tf, "SOLVE")] = 3
         elif part.startswith("bscan=") and part[6:].isdigit():
@@ -82,7 +84,7 @@ def parse_experiment(token: str):
             overrides[(tb, "BWD_WARPS")] = int(part[7:])
         else:
             raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra, i16[=BK/W], wy, nowy, "
-                             "solve3, bscan=W, bwarps=W)")
+                             "var=LETTERS, solve3, bscan=W, bwarps=W)")
     return token, overrides
 
 

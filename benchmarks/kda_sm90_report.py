@@ -135,6 +135,8 @@ def run_kda(args, compiler: Sm90Compiler) -> None:
     import kimik3.ops.kda.triton_forward as tf
 
     tf.FWD_MODE, tf.INTRA_MODE, tb.WY_SPLIT_K = args.fwd, args.intra, bool(args.wy_split)
+    if args.variant is not None:
+        tf.DEFAULT_VARIANT = args.variant
     for module, attr, value in args.overrides:
         setattr({"triton_forward": tf, "triton_backward": tb}[module], attr, value)
     original = jit.JITFunction.run
@@ -166,6 +168,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256, help="tokens of the dummy inputs (the kernels do not depend on it)")
     p.add_argument("--fwd", default="fused", choices=["fused", "split"])
     p.add_argument("--intra", default="fused", choices=["fused", "split", "tiles16"])
+    p.add_argument("--variant", default=None, help="precision variant (KIMIK3_KDA_VARIANT), e.g. ach")
     p.add_argument("--wy-split", type=int, choices=[0, 1], default=1, help="KIMIK3_KDA_WY_SPLIT")
     p.add_argument("--set", dest="overrides", action="append", default=[], type=parse_override,
                    help="module.ATTR=value, module one of triton_forward, triton_backward; value an int or a "
@@ -177,7 +180,8 @@ def main(argv=None) -> int:
     compiler = Sm90Compiler()
     run_kda(args, compiler)
     print(f"sm_90a, K = V = {args.head_dim}, H = {args.heads}, {args.dtype}, fwd {args.fwd}, intra {args.intra}, "
-          f"WY split {args.wy_split}" + "".join(f", {m}.{a}={v}" for m, a, v in args.overrides))
+          f"WY split {args.wy_split}, variant {args.variant or 'default'}"
+          + "".join(f", {m}.{a}={v}" for m, a, v in args.overrides))
     print("| kernel | grid | warps | stages | shared KB | registers | spill store / load bytes |")
     print("|---|---|---|---|---|---|---|")
     worst = 0

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_forward import INTERPRET, ChunkPlan, _next_pow2
+from .triton_forward import INTERPRET, ChunkPlan, _dot_dtype, _next_pow2
 from .triton_scan import _chunk_beta, _chunk_bounds, _chunk_tiles, _fwd_h_kernel, _scan_program, _state_tile
 
 BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark sweeps)
@@ -68,22 +68,40 @@ WY_SPLIT_K = os.environ.get("KIMIK3_KDA_WY_SPLIT", "1") == "1"
 
 @triton.jit
 def _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c, bos, eos, coff, i_h, H,
-                 scale, K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr):
+                 scale, K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr, DT: tl.constexpr):
+    """DT 16-bit: every product takes 16-bit operands, with Aqk and dh split into a high part and a
+    16-bit remainder where it matters (the forward scan's HILO; do, qg, kg are 16-bit already)."""
     r, rv, mk, mv, ko, vo = _chunk_tiles(i_c, bos, eos, i_h, H, K, V, ck, cv)
     km = ck < K
     hoff = ((coff + i_c) * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
     tl.store(dh_ptr + hoff, dh, mask=km[:, None] & (cv < V)[None, :])  # gradient of this chunk's exit state
-    do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32) * scale
-    qg = tl.load(qg_ptr + ko, mask=mk, other=0.0).to(tl.float32)
-    kg = tl.load(kg_ptr + ko, mask=mk, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(tl.float32)
     eg = tl.load(eg_ptr + ((coff + i_c) * H + i_h) * K + ck, mask=km, other=0.0)
     a = tl.load(aqk_ptr + ((coff + i_c) * H + i_h) * 4096 + r[:, None] * 64 + r[None, :])
-    dvn = tl.dot(tl.trans(a), do, input_precision=PREC) + tl.dot(kg, dh, input_precision=PREC)
-    dvn = tl.where(mv, dvn, 0.0)
-    tl.store(dvn_ptr + vo, dvn, mask=mv)
-    dh = dh * eg[:, None] + tl.dot(tl.trans(qg), do, input_precision=PREC) \
-        - tl.dot(tl.trans(w), dvn, input_precision=PREC)
+    if DT == tl.float32:
+        do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32) * scale
+        qg = tl.load(qg_ptr + ko, mask=mk, other=0.0).to(tl.float32)
+        kg = tl.load(kg_ptr + ko, mask=mk, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(tl.float32)
+        dvn = tl.dot(tl.trans(a), do, input_precision=PREC) + tl.dot(kg, dh, input_precision=PREC)
+        dvn = tl.where(mv, dvn, 0.0)
+        tl.store(dvn_ptr + vo, dvn, mask=mv)
+        dh = dh * eg[:, None] + tl.dot(tl.trans(qg), do, input_precision=PREC) \
+            - tl.dot(tl.trans(w), dvn, input_precision=PREC)
+    else:
+        do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(DT)  # scale applied to the products
+        qg = tl.load(qg_ptr + ko, mask=mk, other=0.0).to(DT)
+        kg = tl.load(kg_ptr + ko, mask=mk, other=0.0).to(DT)
+        w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(DT)
+        aT = tl.trans(a)
+        a_hi = aT.to(DT)
+        a_lo = (aT - a_hi.to(tl.float32)).to(DT)
+        dh_hi = dh.to(DT)
+        dvn = (tl.dot(a_hi, do) + tl.dot(a_lo, do)) * scale + tl.dot(kg, dh_hi) \
+            + tl.dot(kg, (dh - dh_hi.to(tl.float32)).to(DT))
+        dvn = tl.where(mv, dvn, 0.0)
+        tl.store(dvn_ptr + vo, dvn, mask=mv)
+        # (W is rounded to 16 bits here, so a dv_new remainder would buy nothing: measured on the interpreter)
+        dh = dh * eg[:, None] + tl.dot(tl.trans(qg), do) * scale - tl.dot(tl.trans(w), dvn.to(DT))
     return dh
 
 
@@ -91,7 +109,8 @@ def _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dh_ptr, dvn_ptr
 def _bwd_dh_kernel(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr,
                    cu_ptr, coff_ptr, H, scale,
                    K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
-                   PREC: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, INTERP: tl.constexpr):
+                   PREC: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, INTERP: tl.constexpr,
+                   DT: tl.constexpr):
     i_h, bos, eos, coff, ck, cv, s_off, sm = _scan_program(cu_ptr, coff_ptr, H, K, V, BKF, BV)
     dh = _state_tile(dht_ptr, s_off, sm, HAS_DHT, BKF, BV)
     NC = tl.cdiv(eos - bos, 64)
@@ -99,12 +118,12 @@ def _bwd_dh_kernel(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, dh_p
         i_c = NC - 1
         while i_c >= 0:
             dh = _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c, bos, eos,
-                              coff, i_h, H, scale, K, V, ck, cv, PREC)
+                              coff, i_h, H, scale, K, V, ck, cv, PREC, DT)
             i_c -= 1
     else:
         for j in range(0, NC):
             dh = _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dh_ptr, dvn_ptr, dh, NC - 1 - j, bos,
-                              eos, coff, i_h, H, scale, K, V, ck, cv, PREC)
+                              eos, coff, i_h, H, scale, K, V, ck, cv, PREC, DT)
     if STORE_DH0:
         tl.store(dh0_ptr + s_off, dh, mask=sm)
 
@@ -374,6 +393,8 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     # ``benchmarks/kda_gpu_probe.py`` runs the candidates one process each (NOTES-kda.md).
     BK, BV = min(64, BKF), min(64, max(32, BVF))
     BVs = SCAN_BV or 32
+    # the backward scans take 16-bit operands (with the hi / lo splits) when the forward scan did
+    scan_dt = tl.float32 if aux["qg"].dtype == torch.float32 else _dot_dtype(aux["qg"].dtype)
     do = do.contiguous()
     dh = torch.empty(NT, H, K, V, **f32)
     dvn = torch.empty(B, T, H, V, **f32)
@@ -387,14 +408,14 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
         _fwd_h_kernel[grid_s](
             aux["kg"], aux["eg"], aux["w"], aux["u"], h0, h, vn, dummy, plan.cu, plan.chunk_off, H,
             K=K, V=V, BKF=BKF, BV=BVs, PREC=PREC, HAS_H0=initial_state is not None, STORE_HT=False,
-            INTERP=INTERPRET, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES,
+            INTERP=INTERPRET, DT=scan_dt, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES,
         )
     dht_c = dht.float().contiguous() if dht is not None else dummy
     _bwd_dh_kernel[grid_s](
         aux["qg"], aux["kg"], aux["eg"], aux["w"], aux["aqk"], do, dht_c, dh, dvn, dh0 if dh0 is not None else dummy,
         plan.cu, plan.chunk_off, H, float(scale),
         K=K, V=V, BKF=BKF, BV=BVs, PREC=PREC, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        INTERP=INTERPRET, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES,
+        INTERP=INTERPRET, DT=scan_dt, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES,
     )
     nkb = triton.cdiv(K, BK)
     npart = nkb + 1 if WY_SPLIT_K else 1  # split: one program per key block, one for the K-independent part

@@ -436,7 +436,9 @@ def kda_fwd_triton(
       'a' the intra-chunk A matrices in tf32 (else 16-bit operands),
       's' the sequential scan's matmuls in tf32 (else 16-bit; the state is rounded per chunk),
       'c' the WY products W = T (beta k exp(Gamma)), U = T (beta v) in tf32,
-      'w' W and U stored in fp32 (else in the input dtype).
+      'w' W and U stored in fp32 (else in the input dtype),
+      'h' (with a 16-bit scan, i.e. no 's') v_new and Aqk split into 16-bit high and low parts in the
+          scan's products (near-fp32 accuracy at 16-bit operand width; ``triton_scan._scan_step``).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -547,6 +549,7 @@ def kda_fwd_triton(
         plan.cu, plan.chunk_off, H, float(scale),
         K=K, V=V, BKF=BKF, BV=BV_scan, DT=DTS, PREC=PREC,
         HAS_H0=initial_state is not None, STORE_HT=ht is not None, INTERP=INTERPRET, KT_LOAD=SCAN_KT_LOAD,
+        HILO="h" in variant and DTS != tl.float32,
         num_warps=scan_warps, num_stages=scan_stages,
     )
     if return_aux:

@@ -96,8 +96,13 @@ def _chunk_tiles(i_c, bos, eos, i_h, H, K: tl.constexpr, V: tl.constexpr, ck, cv
 @triton.jit
 def _scan_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h, i_c, bos, eos, coff, i_h, H, scale,
                K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr, ck, cv,
-               DT: tl.constexpr, PREC: tl.constexpr, KT_LOAD: tl.constexpr):
+               DT: tl.constexpr, PREC: tl.constexpr, KT_LOAD: tl.constexpr, HILO: tl.constexpr):
     """One chunk of the scan: output of chunk i_c and the state after it.
+
+    HILO (16-bit DT): v_new and Aqk enter their products as a 16-bit high part plus a 16-bit
+    remainder (x = hi + lo to ~16 mantissa bits), S, W, qg, kg as plain 16-bit operands. Rounding v_new
+    and Aqk is what costs the all-16-bit scan its accuracy (NOTES-kda.md): with the split, the scan's
+    products are near fp32 accuracy at 16-bit operand width.
 
     v2: the gated operands qg = q exp(Gamma), kg = k exp(Gamma_C - Gamma) and exp(Gamma_C) come
     precomputed from the intra kernel (no exp, no G tile on the serial path; less shared memory).
@@ -118,9 +123,17 @@ def _scan_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h, i_c, bos
     h_dt = h.to(DT)
     v_new = u - tl.dot(w, h_dt, input_precision=PREC)
     v_dt = v_new.to(DT)
-    h = h * eg[:, None] + tl.dot(kgT, v_dt, input_precision=PREC)
     o = tl.dot(qg, h_dt, input_precision=PREC)
-    o += tl.dot(a.to(DT), v_dt, input_precision=PREC)
+    if HILO:
+        v_lo = (v_new - v_dt.to(tl.float32)).to(DT)
+        a_dt = a.to(DT)
+        a_lo = (a - a_dt.to(tl.float32)).to(DT)
+        h = h * eg[:, None] + tl.dot(kgT, v_dt, input_precision=PREC) + tl.dot(kgT, v_lo, input_precision=PREC)
+        o += tl.dot(a_dt, v_dt, input_precision=PREC) + tl.dot(a_dt, v_lo, input_precision=PREC) \
+            + tl.dot(a_lo, v_dt, input_precision=PREC)
+    else:
+        h = h * eg[:, None] + tl.dot(kgT, v_dt, input_precision=PREC)
+        o += tl.dot(a.to(DT), v_dt, input_precision=PREC)
     tl.store(o_ptr + vo, (o * scale).to(o_ptr.dtype.element_ty), mask=mv)
     return h
 
@@ -131,7 +144,7 @@ def _state_out_kernel(
     cu_ptr, coff_ptr, H, scale,
     K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    INTERP: tl.constexpr, KT_LOAD: tl.constexpr,
+    INTERP: tl.constexpr, KT_LOAD: tl.constexpr, HILO: tl.constexpr,
 ):
     i_h, bos, eos, coff, ck, cv, s_off, sm = _scan_program(cu_ptr, coff_ptr, H, K, V, BKF, BV)
     h = _state_tile(h0_ptr, s_off, sm, HAS_H0, BKF, BV)
@@ -140,12 +153,12 @@ def _state_out_kernel(
         i_c = 0
         while i_c < NC:
             h = _scan_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h, i_c, bos, eos, coff, i_h, H, scale,
-                           K, V, BKF, BV, ck, cv, DT, PREC, KT_LOAD)
+                           K, V, BKF, BV, ck, cv, DT, PREC, KT_LOAD, HILO)
             i_c += 1
     else:
         for i_c in range(0, NC):
             h = _scan_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h, i_c, bos, eos, coff, i_h, H, scale,
-                           K, V, BKF, BV, ck, cv, DT, PREC, KT_LOAD)
+                           K, V, BKF, BV, ck, cv, DT, PREC, KT_LOAD, HILO)
     if STORE_HT:
         tl.store(ht_ptr + s_off, h, mask=sm)
 
@@ -157,24 +170,30 @@ def _state_out_kernel(
 
 @triton.jit
 def _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, coff, i_h, H,
-                K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr):
+                K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr, DT: tl.constexpr):
+    """DT 16-bit: W and the state as 16-bit operands, v_new split into high and low parts (HILO)."""
     r, rv, mk, mv, ko, vo = _chunk_tiles(i_c, bos, eos, i_h, H, K, V, ck, cv)
     km = ck < K
     hoff = ((coff + i_c) * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
     tl.store(h_ptr + hoff, h, mask=km[:, None] & (cv < V)[None, :])
-    w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(DT)
     u = tl.load(u_ptr + vo, mask=mv, other=0.0).to(tl.float32)
-    kgT = tl.trans(tl.load(kg_ptr + ko, mask=mk, other=0.0).to(tl.float32))
+    kgT = tl.trans(tl.load(kg_ptr + ko, mask=mk, other=0.0).to(DT))
     eg = tl.load(eg_ptr + ((coff + i_c) * H + i_h) * K + ck, mask=km, other=0.0)
-    v_new = u - tl.dot(w, h, input_precision=PREC)
+    v_new = u - tl.dot(w, h.to(DT), input_precision=PREC)
     tl.store(vn_ptr + vo, v_new, mask=mv)
-    return h * eg[:, None] + tl.dot(kgT, v_new, input_precision=PREC)
+    if DT == tl.float32:
+        return h * eg[:, None] + tl.dot(kgT, v_new, input_precision=PREC)
+    v_hi = v_new.to(DT)
+    v_lo = (v_new - v_hi.to(tl.float32)).to(DT)
+    return h * eg[:, None] + tl.dot(kgT, v_hi) + tl.dot(kgT, v_lo)
 
 
 @triton.jit
 def _fwd_h_kernel(kg_ptr, eg_ptr, w_ptr, u_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr, H,
                   K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
-                  PREC: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, INTERP: tl.constexpr):
+                  PREC: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, INTERP: tl.constexpr,
+                  DT: tl.constexpr = tl.float32):
     i_h, bos, eos, coff, ck, cv, s_off, sm = _scan_program(cu_ptr, coff_ptr, H, K, V, BKF, BV)
     h = _state_tile(h0_ptr, s_off, sm, HAS_H0, BKF, BV)
     NC = tl.cdiv(eos - bos, 64)
@@ -182,12 +201,12 @@ def _fwd_h_kernel(kg_ptr, eg_ptr, w_ptr, u_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, c
         i_c = 0
         while i_c < NC:
             h = _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, coff, i_h, H,
-                            K, V, ck, cv, PREC)
+                            K, V, ck, cv, PREC, DT)
             i_c += 1
     else:
         for i_c in range(0, NC):
             h = _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, coff, i_h, H,
-                            K, V, ck, cv, PREC)
+                            K, V, ck, cv, PREC, DT)
     if STORE_HT:
         tl.store(ht_ptr + s_off, h, mask=sm)
 

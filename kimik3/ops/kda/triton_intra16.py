@@ -4,7 +4,12 @@ Same outputs as ``triton_forward._intra_kernel`` (Aqk, T = (I + diag(beta) Akk)^
 operands qg, kg, exp(Gamma_C)), computed with every matrix held as [16, 16] blocks in registers instead of
 [64, 64] tiles passed through global scratch: the fused kernel sits at 255 registers with one program
 per SM (NOTES-kda.md), so its many dependent steps have nothing to hide their latency behind. Here a
-program keeps the 10 lower blocks of Aqk and Akk as 20 small accumulators and runs at 4 warps.
+program keeps the 10 lower blocks of Aqk and Akk as 20 small accumulators.
+
+Measured on the H200 (BENCHMARKS.md): no faster than the fused kernel (3.92 vs 3.90 ms at K3's shape,
+BK 64 / 8 warps), so not the default. The reason, from the sm_90 compile: Triton lays a 16-row dot out as
+mma v2 with every warp along M, so the warps of a program all compute the same 16 rows; each thread
+holds a whole warp's share of every accumulator and the kernel sits at 255 registers at any warp count.
 
 One program per (chunk, head); rows of the chunk fall in four tiles i = 0..3 of 16 tokens. With
 E_j = Gamma at the last valid token of tile j (Gamma = within-chunk cumulative log-decay, decreasing):

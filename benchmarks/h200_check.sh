@@ -6,8 +6,9 @@
 # quick    compile + correctness of every Triton KDA kernel on the GPU: kda_gpu_probe.py (one process
 #          per shape, so a fault cannot hide the cases after it) and tests/ops/test_kda_triton.py
 #          (a fresh machine spends most of this compiling)                              <= 9 min
-# kernels  kda_kernel.py at K3's per-layer shape with the structure experiments (--try), fla 0.6.0
-#          side by side when its wheels are in .whl/ (fla's first call autotunes ~100 s) <= 9 min
+# kernels  kda_kernel.py at K3's per-layer shape with the experiments (--try) and per-kernel profiles
+#          (ours and fla's), fla 0.6.0 side by side when its wheels are in .whl/ (its first calls
+#          autotune ~90 s each)                                                         <= 9 min
 # train    the parallel smoke test and the bf16 training check (Triton kernels vs torch) <= 7 min
 # Each mode fits one device call (10 minutes at most). On a machine with two or more GPUs the steps of
 # a mode run side by side, one GPU each (kernels: shape 1, B4 T4096 H64, on the second GPU too).
@@ -62,7 +63,8 @@ finish() {
   [ ${#FAILED[@]} -eq 0 ]
 }
 
-TRIES=var=ach,var=a,nowy+bscan=4,intra,i16=64/8
+TRIES=var=ach,var=a,intra,var=ach+intra  # shape 0 (with per-kernel profiles); shape 1 only the first
+TRIES1=var=ach
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi
@@ -70,11 +72,12 @@ case $MODE in
     step 0 kda_gpu_probe "${LIMITS[1]}" python3 benchmarks/kda_gpu_probe.py ;;
   kernels)
     if [ "$GPUS" -ge 2 ]; then
-      step 1 kda_kernel_shape1 540 python3 benchmarks/kda_kernel.py --shapes 1 --variants acsw,a --sections chunk \
-        --try "$TRIES" --out "$OUT/shape1" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
+      step 1 kda_kernel_shape1 540 python3 benchmarks/kda_kernel.py --shapes 1 --variants acsw --sections chunk \
+        --no-hybrid --try "$TRIES1" --out "$OUT/shape1" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
     fi
-    step 0 kda_kernel 540 python3 benchmarks/kda_kernel.py --shapes 0 --variants acsw,a --sections env,ceilings,chunk \
-      --try "$TRIES" --out "$OUT/shape0" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
+    step 0 kda_kernel 540 python3 benchmarks/kda_kernel.py --shapes 0 --variants acsw \
+      --sections env,ceilings,chunk,profile --no-hybrid --try "$TRIES" --out "$OUT/shape0" \
+      ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
   train)
     step 1 kda_train_check 300 python3 benchmarks/kda_train_check.py --steps 30
     step 0 parallel_smoke 120 torchrun --standalone --nproc_per_node 1 benchmarks/parallel_smoke.py ;;

@@ -20,9 +20,11 @@ not stop the later ones; exit status 1 if anything FAILed):
   forward+backward: a comma list of `+`-joined switches, `scan=BV/warps/stages` (KIMIK3_KDA_FWD=split
   at that scan config), `intra` (KIMIK3_KDA_INTRA=split), `i16` / `i16=BK/warps[/1]`
   (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own kernel), `wy` / `nowy`
-  (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the precision variant, e.g. `var=ach`), `solve3` (KIMIK3_KDA_SOLVE=3), `bscan=W` (warps of the two backward
-  scans), `bwarps=W` (warps of the chunk-local backward kernels); e.g.
-  `--try scan=32/4/2,intra,wy,intra+wy+scan=32/4/2`.
+  (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the precision variant, e.g. `var=ach`; checked against
+  the default at the bf16 tests' bounds), `solve3` (KIMIK3_KDA_SOLVE=3), `bscan=W` (warps of the two
+  backward scans), `bwarps=W` (warps of the chunk-local backward kernels); e.g.
+  `--try scan=32/4/2,intra,wy,intra+wy+scan=32/4/2`. fla is timed before our experiments, so a run cut
+  short keeps the comparison.
 
 Usage (GPU machine):
     python3 benchmarks/kda_kernel.py            # full run (fla autotunes on first call: minutes)
@@ -135,6 +137,14 @@ def section(fn):
     return wrapped
 
 
+DEVICE = "cuda"  # where chunk / profile build their inputs (a CPU smoke test sets "cpu")
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def bench(fn, warmup=5, rep=30) -> float:
     import triton
 
@@ -159,16 +169,16 @@ def load_fla():
 
 
 def k3_inputs(B, T, H, D, dtype=torch.bfloat16, seed=0, requires_grad=False):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
 
     def rn(*shape, s=1.0):
-        return (torch.randn(*shape, generator=gen, device="cuda") * s).to(dtype)
+        return (torch.randn(*shape, generator=gen, device=DEVICE) * s).to(dtype)
 
     q, k, v = rn(B, T, H, D), rn(B, T, H, D), rn(B, T, H, D)
     z = rn(B, T, H, D)
     braw = rn(B, T, H)
-    a_log = torch.log(torch.empty(H, device="cuda").uniform_(1, 16, generator=gen))
-    dtb = torch.randn(H * D, generator=gen, device="cuda") * 0.5
+    a_log = torch.log(torch.empty(H, device=DEVICE).uniform_(1, 16, generator=gen))
+    dtb = torch.randn(H * D, generator=gen, device=DEVICE) * 0.5
     xs = [q, k, v, z, braw]
     if requires_grad:
         xs = [x.requires_grad_() for x in xs]
@@ -357,19 +367,39 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
         for var in variants:
             fn = lambda var=var: ours_k3(xs, a_log, dtb, variant=var)  # noqa: E731
             fn()
-            torch.cuda.synchronize()
+            sync()
             name = f"ours_fwd[{var or 'bf16'}]"
             row[name] = bench(fn)
             log(f"{key} ours fwd variant '{var}': {row[name]:.3f} ms")
+        # the peer first (its first calls autotune for minutes): a step cut by its time limit loses our
+        # experiments, not the comparison
+        if fla_fn is not None and not quick:
+            t0 = time.time()
+            fla_k3(fla_fn, xs, a_log, dtb)
+            sync()
+            log(f"fla first call (autotune) {time.time() - t0:.0f} s")
+            row["fla_fwd"] = bench(lambda: fla_k3(fla_fn, xs, a_log, dtb))
+            log(f"{key} fla fwd: {row['fla_fwd']:.3f} ms")
+            if do_bwd:
+                xg = [x.detach().requires_grad_() for x in xs]
+                do = torch.randn_like(xs[2])
+                torch.autograd.grad(fla_k3(fla_fn, xg, a_log, dtb)[0], xg, do)
+                row["fla_fwdbwd"] = bench(lambda: torch.autograd.grad(fla_k3(fla_fn, xg, a_log, dtb)[0], xg, do),
+                                          warmup=2, rep=10)
+                log(f"{key} fla fwd+bwd: {row['fla_fwdbwd']:.3f} ms")
+                del xg, do
         o_ref = ours_k3(xs, a_log, dtb, final=True) if EXPERIMENTS else None
         for name, overrides in EXPERIMENTS:  # kernel-structure experiments, default precision variant
             try:
                 with overridden(overrides):
                     o_try = ours_k3(xs, a_log, dtb, final=True)
                     e_o, e_s = rel(o_ref[0], o_try[0]), rel(o_ref[1], o_try[1])
-                    verdict(f"{key} try [{name}] vs default", e_o < 2e-3 and e_s < 1e-3, f"o {e_o:.2e} state {e_s:.2e}")
+                    # a precision variant differs from the default by its roundings: the bf16 tests' bounds
+                    loose = any(attr == "DEFAULT_VARIANT" for _, attr in overrides)
+                    ok = (e_o < 1e-2 and e_s < 5e-3) if loose else (e_o < 2e-3 and e_s < 1e-3)
+                    verdict(f"{key} try [{name}] vs default", ok, f"o {e_o:.2e} state {e_s:.2e}")
                     fn = lambda: ours_k3(xs, a_log, dtb)  # noqa: E731
-                    torch.cuda.synchronize()
+                    sync()
                     row[f"ours_fwd[{name}]"] = t = bench(fn)
                 log(f"{key} ours fwd [{name}]: {t:.3f} ms")
             except Exception as exc:  # noqa: BLE001
@@ -386,20 +416,13 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
                     try:
                         fn = lambda: ours_k3(xs, a_log, dtb)  # noqa: E731
                         fn()
-                        torch.cuda.synchronize()
+                        sync()
                         sweep[f"scan{scan_cfg} intra_warps={iw}"] = t = bench(fn)
                         log(f"{key} ours fwd default variant, scan (BV, warps)={scan_cfg} intra warps={iw}: {t:.3f} ms")
                     except Exception as exc:  # noqa: BLE001
                         log(f"config scan{scan_cfg} intra{iw} failed: {exc!r}"[:300])
             tf.SCAN_CONFIG, tf.INTRA_WARPS = None, None
             RESULTS["timings"]["launch_sweep"] = sweep
-        if fla_fn is not None and not quick:
-            t0 = time.time()
-            fla_k3(fla_fn, xs, a_log, dtb)
-            torch.cuda.synchronize()
-            log(f"fla first call (autotune) {time.time() - t0:.0f} s")
-            row["fla_fwd"] = bench(lambda: fla_k3(fla_fn, xs, a_log, dtb))
-            log(f"{key} fla fwd: {row['fla_fwd']:.3f} ms")
         if not quick and do_bwd:
             xg = [x.detach().requires_grad_() for x in xs]
             do = torch.randn_like(xs[2])
@@ -426,10 +449,6 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
                 os.environ.pop("KIMIK3_KDA_TRITON_BWD", None)
             else:
                 os.environ["KIMIK3_KDA_TRITON_BWD"] = saved_env
-            if fla_fn is not None:
-                fb(lambda: fla_k3(fla_fn, xg, a_log, dtb))
-                row["fla_fwdbwd"] = bench(lambda: fb(lambda: fla_k3(fla_fn, xg, a_log, dtb)), warmup=2, rep=10)
-                log(f"{key} fla fwd+bwd: {row['fla_fwdbwd']:.3f} ms")
             del xg
         for bwd in (False, True):
             f, byts = chunk_counts(B, T, H, D, bwd)
@@ -439,7 +458,8 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
                 f"({f / 1e9:.0f} GFLOP, {byts / 1e6:.0f} MB)")
         table.append(row)
         del xs
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     RESULTS["timings"]["chunk"] = table
     log("\n| shape | " + " | ".join(k for k in table[0] if k != "shape") + " |")
     for row in table:
@@ -468,13 +488,15 @@ def profile(shapes, variants, use_fla: bool):
 
     def kernels(label, fn, calls, rows):
         fn()
-        torch.cuda.synchronize()
-        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+        sync()
+        on_gpu = DEVICE == "cuda"
+        with tprofile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
             for _ in range(calls):
                 fn()
-            torch.cuda.synchronize()
+            sync()
         log(f"profile B{B} T{T} H{H} D{D} {label} ({calls} calls):")
-        log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=48))
+        log(prof.key_averages().table(sort_by="cuda_time_total" if on_gpu else "cpu_time_total", row_limit=rows,
+                                      max_name_column_width=48))
 
     def fwd_bwd(f):
         o, _ = f()
@@ -486,6 +508,9 @@ def profile(shapes, variants, use_fla: bool):
         with overridden(overrides):
             kernels(f"ours fwd [{name}]", lambda: ours_k3(xs, a_log, dtb), 3, 8)
     kernels("ours fwd+bwd, default variant", lambda: fwd_bwd(lambda: ours_k3(xg, a_log, dtb)), 2, 14)
+    for name, overrides in EXPERIMENTS:
+        with overridden(overrides):
+            kernels(f"ours fwd+bwd [{name}]", lambda: fwd_bwd(lambda: ours_k3(xg, a_log, dtb)), 2, 14)
     fla_fn = load_fla()[0] if use_fla else None
     if fla_fn is not None:
         kernels("fla fwd", lambda: fla_k3(fla_fn, xs, a_log, dtb), 3, 10)

@@ -1,0 +1,81 @@
+"""CPU smoke test of benchmarks/kda_kernel.py's `chunk` and `profile` sections (the GPU benchmark), run
+under the Triton interpreter at a tiny shape with a stand-in for fla, so a broken section or `--try`
+switch shows up in CI rather than in a device call."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_kernel.py")
+
+
+@pytest.fixture()
+def kk(monkeypatch):
+    spec = importlib.util.spec_from_file_location("kda_kernel_under_test", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(mod, "DEVICE", "cpu")
+        from kimik3.ops.kda.triton_autograd import interpreter_dot_fix
+
+        interpreter_dot_fix()  # the interpreter's tl.dot is wrong for bf16 operands (Triton 3.6)
+
+    def wall_ms(fn, warmup=1, rep=1):  # one timed call: the sections' control flow, not a benchmark
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    def fake_fla(*xs, **kw):  # fla's keyword contract, answered by our torch path
+        for key in ("safe_gate", "use_gate_in_kernel", "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel"):
+            assert kw.pop(key) is True, key
+        kw["dt_bias"] = kw["dt_bias"].view(xs[0].shape[2], xs[0].shape[3])
+        from kimik3.ops.kda import chunk_kda
+
+        return chunk_kda(*xs, backend="torch", use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                         use_beta_sigmoid_in_kernel=True, **kw)
+
+    monkeypatch.setattr(mod, "bench", wall_ms)
+    monkeypatch.setattr(mod, "load_fla", lambda: (fake_fla, "stand-in"))
+    return mod
+
+
+def test_chunk_section_times_ours_the_peer_and_each_experiment(kk):
+    kk.EXPERIMENTS[:] = [kk.parse_experiment(t) for t in ("var=ach", "i16", "nowy+bscan=4")]
+    kk.chunk([(1, 70, 2, 32)], ["acsw"], use_fla=True, quick=False, do_bwd=True, no_hybrid=True)
+    assert kk.RESULTS["fail"] == [], kk.RESULTS["fail"]
+    assert len(kk.RESULTS["pass"]) == 3  # each experiment's forward agreed with the default
+    row = kk.RESULTS["timings"]["chunk"][0]
+    expected = ["ours_fwd[acsw]", "fla_fwd", "fla_fwdbwd", "ours_fwdbwd", "floor_fwd", "floor_fwdbwd"]
+    expected += [f"ours_fwd[{n}]" for n in ("var=ach", "i16", "nowy+bscan=4")]
+    expected += [f"ours_fwdbwd[{n}]" for n in ("var=ach", "i16", "nowy+bscan=4")]
+    assert sorted(row) == sorted(expected + ["shape"])
+    assert all(row[k] > 0 for k in expected)
+    keys = list(row)
+    assert keys.index("fla_fwdbwd") < keys.index("ours_fwd[var=ach]")  # the peer is timed first
+
+
+def test_profile_section_runs_each_experiment(kk, capsys):
+    kk.EXPERIMENTS[:] = [kk.parse_experiment("var=ach")]
+    kk.profile([(1, 40, 1, 16)], ["acsw"], True)
+    out = capsys.readouterr().out
+    assert kk.RESULTS["fail"] == [], kk.RESULTS["fail"]
+    for label in ("ours fwd variant 'acsw'", "ours fwd [var=ach]", "ours fwd+bwd, default variant",
+                  "ours fwd+bwd [var=ach]", "fla fwd (3 calls)", "fla fwd+bwd (2 calls)"):
+        assert label in out, label
+
+
+def test_unknown_try_switch_is_refused(kk):
+    with pytest.raises(SystemExit, match="unknown switch 'colour'"):
+        kk.parse_experiment("var=ach+colour")

@@ -396,6 +396,9 @@ def test_bf16_hilo_scan_variant(monkeypatch):
     assert state_err["ach"] < 0.5 * state_err["ac"], state_err
     for name, a, b in zip(GRAD_NAMES, g_ref, g):
         assert rel_rms(a, b) < TOL[name], (name, rel_rms(a, b))
+    monkeypatch.setattr(tf, "DEFAULT_VARIANT", "acx")
+    with pytest.raises(ValueError, match="letters of 'acswh', got 'acx'"):
+        chunk_kda(*inputs, backend="triton")
 
 
 def test_grads_without_states_partial_needs():

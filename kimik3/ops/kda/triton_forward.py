@@ -446,6 +446,8 @@ def kda_fwd_triton(
     DT = _dot_dtype(q.dtype)
     PREC = "tf32x3" if DT == tl.float32 else "tf32"
     variant = DEFAULT_VARIANT if variant is None else variant
+    if not set(variant) <= set("acswh"):
+        raise ValueError(f"KDA precision variant (KIMIK3_KDA_VARIANT) takes letters of 'acswh', got {variant!r}")
     DTA = tl.float32 if "a" in variant else DT
     DTS = tl.float32 if "s" in variant else DT
     DTC = tl.float32 if "c" in variant else DT

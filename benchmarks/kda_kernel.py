@@ -18,8 +18,8 @@ not stop the later ones; exit status 1 if anything FAILed):
   with one phase of the intra kernel skipped: timing only). `--try` adds kernel-structure experiments
   to `chunk`, each checked against the default forward on the same inputs and timed forward and
   forward+backward: a comma list of `+`-joined switches, `scan=BV/warps/stages` (KIMIK3_KDA_FWD=split
-  at that scan config), `intra` (KIMIK3_KDA_INTRA=split), `i16` / `i16=BK/warps[/1]`
-  (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own kernel), `wy` / `nowy`
+  at that scan config), `intra` (KIMIK3_KDA_INTRA=split), `i16` / `i16=BK/warps[/1[/1]]`
+  (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own kernel, /1/1: the diagonal blocks too), `wy` / `nowy`
   (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the precision variant, e.g. `var=ach`; checked against
   the default at the bf16 tests' bounds), `solve3` (KIMIK3_KDA_SOLVE=3), `bscan=W` (warps of the two
   backward scans), `bwarps=W` (warps of the chunk-local backward kernels); e.g.
@@ -71,8 +71,8 @@ def parse_experiment(token: str):
             overrides[(tf, "INTRA_MODE")] = "tiles16"
             if part != "i16":
                 cfg = tuple(int(x) for x in part[4:].split("/"))
-                if len(cfg) not in (2, 3):
-                    raise SystemExit(f"--try: i16=BK/warps[/1], got {part!r}")
+                if len(cfg) not in (2, 3, 4):
+                    raise SystemExit(f"--try: i16=BK/warps[/wy[/diag]], got {part!r}")
                 overrides[(tf, "INTRA16_CONFIG")] = cfg
         elif part in ("wy", "nowy"):
             overrides[(tb, "WY_SPLIT_K")] = part == "wy"

@@ -205,11 +205,13 @@ def test_split_forward(monkeypatch, case):
 
 
 @pytest.mark.parametrize("mode,case", [("split", c) for c in ["T65", "varlen", "bf16", "solve3", "K100-both-splits"]]
-                         + [("tiles16", c) for c in ["T65", "varlen", "bf16", "K100-both-splits"]])
+                         + [("tiles16", c) for c in ["T65", "varlen", "bf16", "K100-both-splits"]]
+                         + [("tiles16-3k", c) for c in ["varlen", "K100-both-splits"]])
 def test_split_intra(monkeypatch, mode, case):
     """The other intra-chunk kernels vs naive and vs the fused one on the same inputs, gradients included:
     KIMIK3_KDA_INTRA=split (phase A per column tile, B per chunk, C per K / V block: three kernels; also
-    with SOLVE 3) and tiles16 (one program holding [16, 16] blocks), each also together with the split
+    with SOLVE 3) and tiles16 (one program holding [16, 16] blocks; "3k": the diagonal blocks, the
+    off-diagonal blocks with the solve, and phase C as three kernels), each also together with the split
     scan at K = 100 (several K blocks in phase C)."""
     import kimik3.ops.kda.triton_forward as tf
 
@@ -230,7 +232,9 @@ def test_split_intra(monkeypatch, mode, case):
     h0 = make_state(N, H, K, V)
     kw = dict(cu_seqlens=cu) if cu is not None else {}
     o_f, s_f, g_f = run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
-    monkeypatch.setattr(tf, "INTRA_MODE", mode)
+    monkeypatch.setattr(tf, "INTRA_MODE", mode.split("-")[0])
+    if mode == "tiles16-3k":
+        monkeypatch.setattr(tf, "INTRA16_CONFIG", (32, 2, 1, 1))
     if dtype == torch.float32:
         check_against_naive(inputs, h0, cu=cu)
     o, s, g = run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)

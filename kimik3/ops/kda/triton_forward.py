@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_intra16 import _intra16_kernel, block_subst16
+from .triton_intra16 import _diag16_kernel, _intra16_kernel, block_subst16
 from .triton_scan import _chunk_beta, _chunk_bounds, _fwd_h_kernel, _output_kernel, _state_out_kernel
 
 BT = 64  # chunk size (tokens)
@@ -68,7 +68,8 @@ SPLIT_CONFIG: Tuple[int, int, int] = (32, 4, 2)  # split mode's scan (BV, num_wa
 # "tiles16" (``triton_intra16.py``: one program per (chunk, head) holding [16, 16] blocks in registers).
 INTRA_MODE = os.environ.get("KIMIK3_KDA_INTRA", "fused")
 INTRA_SPLIT_WARPS: Tuple[int, int, int] = (4, 4, 4)  # num_warps of the split A, B, C kernels
-# tiles16: (K / V block, num_warps[, 1 = phase C as the split mode's own kernel])
+# tiles16: (K / V block, num_warps[, 1 = phase C as the split mode's own kernel[, 1 = the diagonal blocks
+# as their own kernel, one 1-warp program per 16-row tile]])
 INTRA16_CONFIG: Tuple[int, ...] = (32, 4)
 # Timing ablation of the intra kernel (benchmarks only; results are WRONG when non-zero): 1 skips the
 # phase-B solve (T = A), 2 skips phase A's dots, 3 skips phase C (W, U and the scan operands).
@@ -508,11 +509,14 @@ def kda_fwd_triton(
         _intra_solve_kernel[(NT, H)](tinv, H, SOLVE=SOLVE, SPREC=SPREC, num_warps=ws)
         _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV_intra, DTC, PREC, wc)
     elif INTRA_MODE == "tiles16":
-        BK16, warps16, split_wy = (tuple(INTRA16_CONFIG) + (0,))[:3]
+        BK16, warps16, split_wy, split_diag = (tuple(INTRA16_CONFIG) + (0, 0))[:4]
+        if split_diag:
+            _diag16_kernel[(NT, H, 4)](qn, kn, G, betan, aqk, tinv, plan.cu, plan.chunk_idx, H,
+                                       K=K, BK=min(BK16, BKF), DTA=DTA, PREC=PREC, num_warps=1)
         _intra16_kernel[(NT, H)](
             qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
             K=K, V=V, BK=min(BK16, BKF), BV=min(BK16, _next_pow2(V)), DTA=DTA, DTC=DTC, PREC=PREC, SPREC=SPREC,
-            WITH_WY=not split_wy, num_warps=warps16,
+            WITH_WY=not split_wy, DIAG=not split_diag, num_warps=warps16,
         )
         if split_wy:
             _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV_intra, DTC, PREC,

@@ -10,6 +10,9 @@ Measured on the H200 (BENCHMARKS.md): no faster than the fused kernel (3.92 vs 3
 BK 64 / 8 warps), so not the default. The reason, from the sm_90 compile: Triton lays a 16-row dot out as
 mma v2 with every warp along M, so the warps of a program all compute the same 16 rows; each thread
 holds a whole warp's share of every accumulator and the kernel sits at 255 registers at any warp count.
+``INTRA16_CONFIG`` can also split the work in three kernels (fla's decomposition): the diagonal blocks
+(``_diag16_kernel``, one 1-warp program per 16-row tile), the off-diagonal blocks with the solve, and
+phase C (``triton_forward._intra_wy_kernel``); not yet timed.
 
 One program per (chunk, head); rows of the chunk fall in four tiles i = 0..3 of 16 tokens. With
 E_j = Gamma at the last valid token of tile j (Gamma = within-chunk cumulative log-decay, decreasing):
@@ -86,6 +89,37 @@ def _store16(ptr, base, i, j, x):
 
 
 @triton.jit
+def _load16(ptr, base, i):
+    """Diagonal block (i, i) of a chunk-major [64, 64] buffer."""
+    r = tl.arange(0, 16)
+    return tl.load(ptr + base + (i * 16 + r)[:, None] * 64 + (i * 16 + r)[None, :])
+
+
+@triton.jit
+def _diag16_kernel(q_ptr, k_ptr, G_ptr, beta_ptr, aqk_ptr, tinv_ptr, cu_ptr, cidx_ptr, H,
+                   K: tl.constexpr, BK: tl.constexpr, DTA: tl.constexpr, PREC: tl.constexpr):
+    """Diagonal blocks, one program per (chunk, head, tile i): Aqk(i, i) (lower, diagonal included) and
+    diag(beta) Akk(i, i) (strictly lower) -- one dense matmul each, by the gate bound."""
+    i_t = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i = tl.program_id(2)
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
+    base = (i_t * H + i_h) * 4096
+    r = tl.arange(0, 16)
+    b = tl.load(beta_ptr + (t0 + i * 16 + r) * H + i_h, mask=i * 16 + r < L, other=0.0).to(tl.float32)
+    aq = tl.zeros([16, 16], dtype=tl.float32)
+    ak = tl.zeros([16, 16], dtype=tl.float32)
+    for kb in tl.static_range(0, K, BK):
+        c = kb + tl.arange(0, BK)
+        cm = c < K
+        kc, e = _col16(k_ptr, G_ptr, i, t0, L, i_h, H, c, cm, K, DTA)
+        qi, ki, Gi, m = _row_tile16(i, q_ptr, k_ptr, G_ptr, t0, L, i_h, H, c, cm, K)
+        aq, ak = _pair16(aq, ak, qi, ki, Gi, m, e, kc, DTA, PREC)
+    _store16(aqk_ptr, base, i, i, tl.where(r[:, None] >= r[None, :], aq, 0.0))
+    _store16(tinv_ptr, base, i, i, tl.where(r[:, None] > r[None, :], ak * b[:, None], 0.0))
+
+
+@triton.jit
 def _subst_step(b, tinv_ptr, base, i, rr):
     """Row rr of the forward substitution for diagonal block i (b starts as minus its strict lower part)."""
     r = tl.arange(0, 16)
@@ -157,9 +191,12 @@ def _intra16_kernel(
     cu_ptr, cidx_ptr, H,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DTA: tl.constexpr, DTC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, WITH_WY: tl.constexpr,
+    DIAG: tl.constexpr,
 ):
     """One program per (chunk, head). WITH_WY False: phases A and B only (Aqk, T); the caller then runs
-    phase C as its own kernel (``triton_forward._intra_wy_kernel``)."""
+    phase C as its own kernel (``triton_forward._intra_wy_kernel``). DIAG False: the diagonal blocks of
+    Aqk and diag(beta) Akk were written by ``_diag16_kernel`` (this program computes the 12 off-diagonal
+    accumulators only and reads A(i, i) back for the substitution)."""
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
@@ -182,32 +219,37 @@ def _intra16_kernel(
         kc2, e2 = _col16(k_ptr, G_ptr, 2, t0, L, i_h, H, c, cm, K, DTA)
         kc3, e3 = _col16(k_ptr, G_ptr, 3, t0, L, i_h, H, c, cm, K, DTA)
         qi, ki, Gi, m = _row_tile16(0, q_ptr, k_ptr, G_ptr, t0, L, i_h, H, c, cm, K)
-        q00, k00 = _pair16(q00, k00, qi, ki, Gi, m, e0, kc0, DTA, PREC)
+        if DIAG:
+            q00, k00 = _pair16(q00, k00, qi, ki, Gi, m, e0, kc0, DTA, PREC)
         qi, ki, Gi, m = _row_tile16(1, q_ptr, k_ptr, G_ptr, t0, L, i_h, H, c, cm, K)
         q10, k10 = _pair16(q10, k10, qi, ki, Gi, m, e0, kc0, DTA, PREC)
-        q11, k11 = _pair16(q11, k11, qi, ki, Gi, m, e1, kc1, DTA, PREC)
+        if DIAG:
+            q11, k11 = _pair16(q11, k11, qi, ki, Gi, m, e1, kc1, DTA, PREC)
         qi, ki, Gi, m = _row_tile16(2, q_ptr, k_ptr, G_ptr, t0, L, i_h, H, c, cm, K)
         q20, k20 = _pair16(q20, k20, qi, ki, Gi, m, e0, kc0, DTA, PREC)
         q21, k21 = _pair16(q21, k21, qi, ki, Gi, m, e1, kc1, DTA, PREC)
-        q22, k22 = _pair16(q22, k22, qi, ki, Gi, m, e2, kc2, DTA, PREC)
+        if DIAG:
+            q22, k22 = _pair16(q22, k22, qi, ki, Gi, m, e2, kc2, DTA, PREC)
         qi, ki, Gi, m = _row_tile16(3, q_ptr, k_ptr, G_ptr, t0, L, i_h, H, c, cm, K)
         q30, k30 = _pair16(q30, k30, qi, ki, Gi, m, e0, kc0, DTA, PREC)
         q31, k31 = _pair16(q31, k31, qi, ki, Gi, m, e1, kc1, DTA, PREC)
         q32, k32 = _pair16(q32, k32, qi, ki, Gi, m, e2, kc2, DTA, PREC)
-        q33, k33 = _pair16(q33, k33, qi, ki, Gi, m, e3, kc3, DTA, PREC)
+        if DIAG:
+            q33, k33 = _pair16(q33, k33, qi, ki, Gi, m, e3, kc3, DTA, PREC)
 
     # Aqk: lower blocks (diagonal included), zeros above
     low = r[:, None] >= r[None, :]
-    _store16(aqk_ptr, base, 0, 0, tl.where(low, q00, 0.0))
+    if DIAG:
+        _store16(aqk_ptr, base, 0, 0, tl.where(low, q00, 0.0))
+        _store16(aqk_ptr, base, 1, 1, tl.where(low, q11, 0.0))
+        _store16(aqk_ptr, base, 2, 2, tl.where(low, q22, 0.0))
+        _store16(aqk_ptr, base, 3, 3, tl.where(low, q33, 0.0))
     _store16(aqk_ptr, base, 1, 0, q10)
-    _store16(aqk_ptr, base, 1, 1, tl.where(low, q11, 0.0))
     _store16(aqk_ptr, base, 2, 0, q20)
     _store16(aqk_ptr, base, 2, 1, q21)
-    _store16(aqk_ptr, base, 2, 2, tl.where(low, q22, 0.0))
     _store16(aqk_ptr, base, 3, 0, q30)
     _store16(aqk_ptr, base, 3, 1, q31)
     _store16(aqk_ptr, base, 3, 2, q32)
-    _store16(aqk_ptr, base, 3, 3, tl.where(low, q33, 0.0))
     for i in tl.static_range(4):
         for j in tl.static_range(i + 1, 4):
             _store16(aqk_ptr, base, i, j, z)
@@ -215,18 +257,23 @@ def _intra16_kernel(
 
     # ---- phase B: T = (I + A)^-1, A = diag(beta) Akk strictly lower
     strict = r[:, None] > r[None, :]
-    a00 = tl.where(strict, k00 * b0[:, None], 0.0)
-    a11 = tl.where(strict, k11 * b1[:, None], 0.0)
-    a22 = tl.where(strict, k22 * b2[:, None], 0.0)
-    a33 = tl.where(strict, k33 * b3[:, None], 0.0)
+    if DIAG:
+        a00 = tl.where(strict, k00 * b0[:, None], 0.0)
+        a11 = tl.where(strict, k11 * b1[:, None], 0.0)
+        a22 = tl.where(strict, k22 * b2[:, None], 0.0)
+        a33 = tl.where(strict, k33 * b3[:, None], 0.0)
+    else:
+        a00, a11 = _load16(tinv_ptr, base, 0), _load16(tinv_ptr, base, 1)
+        a22, a33 = _load16(tinv_ptr, base, 2), _load16(tinv_ptr, base, 3)
     a10, a20, a21 = k10 * b1[:, None], k20 * b2[:, None], k21 * b2[:, None]
     a30, a31, a32 = k30 * b3[:, None], k31 * b3[:, None], k32 * b3[:, None]
     # the diagonal blocks' rows are read back from memory by the substitution (their final place: T(i, i))
-    _store16(tinv_ptr, base, 0, 0, a00)
-    _store16(tinv_ptr, base, 1, 1, a11)
-    _store16(tinv_ptr, base, 2, 2, a22)
-    _store16(tinv_ptr, base, 3, 3, a33)
-    tl.debug_barrier()
+    if DIAG:
+        _store16(tinv_ptr, base, 0, 0, a00)
+        _store16(tinv_ptr, base, 1, 1, a11)
+        _store16(tinv_ptr, base, 2, 2, a22)
+        _store16(tinv_ptr, base, 3, 3, a33)
+        tl.debug_barrier()
     d0, d1, d2, d3 = -a00, -a11, -a22, -a33
     for rr in range(2, 16):
         d0 = _subst_step(d0, tinv_ptr, base, 0, rr)

@@ -63,7 +63,7 @@ finish() {
   [ ${#FAILED[@]} -eq 0 ]
 }
 
-TRIES=var=ach,var=a,intra,var=ach+intra,i16=32/2/1/1  # shape 0 (with per-kernel profiles); shape 1 only the first
+TRIES=var=ach,var=a,var=ach+intra,i16=32/2/1/1  # shape 0 (with per-kernel profiles); shape 1 only the first
 TRIES1=var=ach
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits

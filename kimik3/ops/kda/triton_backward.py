@@ -43,7 +43,8 @@ import triton
 import triton.language as tl
 
 from .triton_forward import INTERPRET, ChunkPlan, _dot_dtype, _next_pow2
-from .triton_scan import _chunk_beta, _chunk_bounds, _chunk_tiles, _fwd_h_kernel, _scan_program, _state_tile
+from .triton_scan import (_chunk_beta, _chunk_bounds, _chunk_tiles, _fwd_h_kernel, _scan_program, _split16,
+                          _state_tile)
 
 BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark sweeps)
 SCAN_BV: Optional[int] = None  # override the V block of the two scans
@@ -92,12 +93,9 @@ def _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dh_ptr, dvn_ptr
         qg = tl.load(qg_ptr + ko, mask=mk, other=0.0).to(DT)
         kg = tl.load(kg_ptr + ko, mask=mk, other=0.0).to(DT)
         w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(DT)
-        aT = tl.trans(a)
-        a_hi = aT.to(DT)
-        a_lo = (aT - a_hi.to(tl.float32)).to(DT)
-        dh_hi = dh.to(DT)
-        dvn = (tl.dot(a_hi, do) + tl.dot(a_lo, do)) * scale + tl.dot(kg, dh_hi) \
-            + tl.dot(kg, (dh - dh_hi.to(tl.float32)).to(DT))
+        a_hi, a_lo = _split16(tl.trans(a), DT)
+        dh_hi, dh_lo = _split16(dh, DT)
+        dvn = (tl.dot(a_hi, do) + tl.dot(a_lo, do)) * scale + tl.dot(kg, dh_hi) + tl.dot(kg, dh_lo)
         dvn = tl.where(mv, dvn, 0.0)
         tl.store(dvn_ptr + vo, dvn, mask=mv)
         # (W is rounded to 16 bits here, so a dv_new remainder would buy nothing: measured on the interpreter)

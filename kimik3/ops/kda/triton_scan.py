@@ -94,6 +94,13 @@ def _chunk_tiles(i_c, bos, eos, i_h, H, K: tl.constexpr, V: tl.constexpr, ck, cv
 
 
 @triton.jit
+def _split16(x, DT: tl.constexpr):
+    """fp32 x as a 16-bit high part and the 16-bit remainder (hi + lo holds ~16 mantissa bits)."""
+    hi = x.to(DT)
+    return hi, (x - hi.to(tl.float32)).to(DT)
+
+
+@triton.jit
 def _scan_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h, i_c, bos, eos, coff, i_h, H, scale,
                K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr, ck, cv,
                DT: tl.constexpr, PREC: tl.constexpr, KT_LOAD: tl.constexpr, HILO: tl.constexpr):
@@ -122,18 +129,14 @@ def _scan_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h, i_c, bos
     a = tl.load(aqk_ptr + ((coff + i_c) * H + i_h) * 4096 + r[:, None] * 64 + r[None, :])
     h_dt = h.to(DT)
     v_new = u - tl.dot(w, h_dt, input_precision=PREC)
-    v_dt = v_new.to(DT)
+    v_dt, v_lo = _split16(v_new, DT)
+    a_dt, a_lo = _split16(a, DT)
+    h = h * eg[:, None] + tl.dot(kgT, v_dt, input_precision=PREC)
     o = tl.dot(qg, h_dt, input_precision=PREC)
-    if HILO:
-        v_lo = (v_new - v_dt.to(tl.float32)).to(DT)
-        a_dt = a.to(DT)
-        a_lo = (a - a_dt.to(tl.float32)).to(DT)
-        h = h * eg[:, None] + tl.dot(kgT, v_dt, input_precision=PREC) + tl.dot(kgT, v_lo, input_precision=PREC)
-        o += tl.dot(a_dt, v_dt, input_precision=PREC) + tl.dot(a_dt, v_lo, input_precision=PREC) \
-            + tl.dot(a_lo, v_dt, input_precision=PREC)
-    else:
-        h = h * eg[:, None] + tl.dot(kgT, v_dt, input_precision=PREC)
-        o += tl.dot(a.to(DT), v_dt, input_precision=PREC)
+    o += tl.dot(a_dt, v_dt, input_precision=PREC)
+    if HILO:  # the remainders' products (lo x lo left out)
+        h += tl.dot(kgT, v_lo, input_precision=PREC)
+        o += tl.dot(a_dt, v_lo, input_precision=PREC) + tl.dot(a_lo, v_dt, input_precision=PREC)
     tl.store(o_ptr + vo, (o * scale).to(o_ptr.dtype.element_ty), mask=mv)
     return h
 
@@ -182,11 +185,11 @@ def _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, c
     eg = tl.load(eg_ptr + ((coff + i_c) * H + i_h) * K + ck, mask=km, other=0.0)
     v_new = u - tl.dot(w, h.to(DT), input_precision=PREC)
     tl.store(vn_ptr + vo, v_new, mask=mv)
-    if DT == tl.float32:
-        return h * eg[:, None] + tl.dot(kgT, v_new, input_precision=PREC)
-    v_hi = v_new.to(DT)
-    v_lo = (v_new - v_hi.to(tl.float32)).to(DT)
-    return h * eg[:, None] + tl.dot(kgT, v_hi) + tl.dot(kgT, v_lo)
+    v_hi, v_lo = _split16(v_new, DT)  # fp32 DT: v_hi is v_new
+    h = h * eg[:, None] + tl.dot(kgT, v_hi, input_precision=PREC)
+    if DT != tl.float32:
+        h += tl.dot(kgT, v_lo, input_precision=PREC)
+    return h
 
 
 @triton.jit

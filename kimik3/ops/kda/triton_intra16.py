@@ -89,6 +89,26 @@ def _store16(ptr, base, i, j, x):
 
 
 @triton.jit
+def _store_diag16(ptr, base, x0, x1, x2, x3):
+    """The four diagonal blocks of a chunk-major [64, 64] buffer."""
+    _store16(ptr, base, 0, 0, x0)
+    _store16(ptr, base, 1, 1, x1)
+    _store16(ptr, base, 2, 2, x2)
+    _store16(ptr, base, 3, 3, x3)
+
+
+@triton.jit
+def _store_lower16(ptr, base, x10, x20, x21, x30, x31, x32):
+    """The six blocks below the diagonal of a chunk-major [64, 64] buffer."""
+    _store16(ptr, base, 1, 0, x10)
+    _store16(ptr, base, 2, 0, x20)
+    _store16(ptr, base, 2, 1, x21)
+    _store16(ptr, base, 3, 0, x30)
+    _store16(ptr, base, 3, 1, x31)
+    _store16(ptr, base, 3, 2, x32)
+
+
+@triton.jit
 def _load16(ptr, base, i):
     """Diagonal block (i, i) of a chunk-major [64, 64] buffer."""
     r = tl.arange(0, 16)
@@ -240,16 +260,9 @@ def _intra16_kernel(
     # Aqk: lower blocks (diagonal included), zeros above
     low = r[:, None] >= r[None, :]
     if DIAG:
-        _store16(aqk_ptr, base, 0, 0, tl.where(low, q00, 0.0))
-        _store16(aqk_ptr, base, 1, 1, tl.where(low, q11, 0.0))
-        _store16(aqk_ptr, base, 2, 2, tl.where(low, q22, 0.0))
-        _store16(aqk_ptr, base, 3, 3, tl.where(low, q33, 0.0))
-    _store16(aqk_ptr, base, 1, 0, q10)
-    _store16(aqk_ptr, base, 2, 0, q20)
-    _store16(aqk_ptr, base, 2, 1, q21)
-    _store16(aqk_ptr, base, 3, 0, q30)
-    _store16(aqk_ptr, base, 3, 1, q31)
-    _store16(aqk_ptr, base, 3, 2, q32)
+        _store_diag16(aqk_ptr, base, tl.where(low, q00, 0.0), tl.where(low, q11, 0.0), tl.where(low, q22, 0.0),
+                      tl.where(low, q33, 0.0))
+    _store_lower16(aqk_ptr, base, q10, q20, q21, q30, q31, q32)
     for i in tl.static_range(4):
         for j in tl.static_range(i + 1, 4):
             _store16(aqk_ptr, base, i, j, z)
@@ -269,10 +282,7 @@ def _intra16_kernel(
     a30, a31, a32 = k30 * b3[:, None], k31 * b3[:, None], k32 * b3[:, None]
     # the diagonal blocks' rows are read back from memory by the substitution (their final place: T(i, i))
     if DIAG:
-        _store16(tinv_ptr, base, 0, 0, a00)
-        _store16(tinv_ptr, base, 1, 1, a11)
-        _store16(tinv_ptr, base, 2, 2, a22)
-        _store16(tinv_ptr, base, 3, 3, a33)
+        _store_diag16(tinv_ptr, base, a00, a11, a22, a33)
         tl.debug_barrier()
     d0, d1, d2, d3 = -a00, -a11, -a22, -a33
     for rr in range(2, 16):
@@ -284,16 +294,8 @@ def _intra16_kernel(
     d0, d1, d2, d3 = d0 + eye, d1 + eye, d2 + eye, d3 + eye
     t10, t20, t21, t30, t31, t32 = block_subst16(d0, d1, d2, d3, a10, a20, a21, a30, a31, a32, SPREC)
     tl.debug_barrier()  # every row of A(i, i) read before T(i, i) overwrites it
-    _store16(tinv_ptr, base, 0, 0, d0)
-    _store16(tinv_ptr, base, 1, 0, t10)
-    _store16(tinv_ptr, base, 1, 1, d1)
-    _store16(tinv_ptr, base, 2, 0, t20)
-    _store16(tinv_ptr, base, 2, 1, t21)
-    _store16(tinv_ptr, base, 2, 2, d2)
-    _store16(tinv_ptr, base, 3, 0, t30)
-    _store16(tinv_ptr, base, 3, 1, t31)
-    _store16(tinv_ptr, base, 3, 2, t32)
-    _store16(tinv_ptr, base, 3, 3, d3)
+    _store_diag16(tinv_ptr, base, d0, d1, d2, d3)
+    _store_lower16(tinv_ptr, base, t10, t20, t21, t30, t31, t32)
 
     # ---- phase C: W = T (beta k exp(Gamma)), U = T (beta v), and the scan operands
     if not WITH_WY:

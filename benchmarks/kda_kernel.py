@@ -19,8 +19,8 @@ not stop the later ones; exit status 1 if anything FAILed):
   to `chunk`, each checked against the default forward on the same inputs and timed forward and
   forward+backward: a comma list of `+`-joined switches, `scan=BV/warps/stages` (KIMIK3_KDA_FWD=split
   at that scan config), `intra` (KIMIK3_KDA_INTRA=split), `i16` / `i16=BK/warps[/1[/1]]`
-  (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own kernel, /1/1: the diagonal blocks too), `wy` / `nowy`
-  (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the precision variant, e.g. `var=ach`; checked against
+  (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own kernel, /1/1: the diagonal blocks
+  too), `wy` / `nowy` (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the precision variant, e.g. `var=ach`; checked against
   the default at the bf16 tests' bounds), `solve3` (KIMIK3_KDA_SOLVE=3), `bscan=W` (warps of the two
   backward scans), `bwarps=W` (warps of the chunk-local backward kernels); e.g.
   `--try scan=32/4/2,intra,wy,intra+wy+scan=32/4/2`. fla is timed before our experiments, so a run cut
@@ -143,6 +143,12 @@ DEVICE = "cuda"  # where chunk / profile build their inputs (a CPU smoke test se
 def sync() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
+
+
+def grad_step(f, xg, do) -> None:
+    """One forward (f returns (o, state)) and its backward into the leaves xg, with output gradient do."""
+    o, _ = f()
+    torch.autograd.grad(o, xg, do)
 
 
 def bench(fn, warmup=5, rep=30) -> float:
@@ -364,6 +370,9 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
         key = f"B{B} T{T} H{H} D{D}"
         row = {"shape": key}
         xs, a_log, dtb = k3_inputs(B, T, H, D, seed=3)
+        if not quick and do_bwd:
+            xg = [x.detach().requires_grad_() for x in xs]
+            do = torch.randn_like(xs[2])
         for var in variants:
             fn = lambda var=var: ours_k3(xs, a_log, dtb, variant=var)  # noqa: E731
             fn()
@@ -381,13 +390,10 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
             row["fla_fwd"] = bench(lambda: fla_k3(fla_fn, xs, a_log, dtb))
             log(f"{key} fla fwd: {row['fla_fwd']:.3f} ms")
             if do_bwd:
-                xg = [x.detach().requires_grad_() for x in xs]
-                do = torch.randn_like(xs[2])
-                torch.autograd.grad(fla_k3(fla_fn, xg, a_log, dtb)[0], xg, do)
-                row["fla_fwdbwd"] = bench(lambda: torch.autograd.grad(fla_k3(fla_fn, xg, a_log, dtb)[0], xg, do),
+                grad_step(lambda: fla_k3(fla_fn, xg, a_log, dtb), xg, do)
+                row["fla_fwdbwd"] = bench(lambda: grad_step(lambda: fla_k3(fla_fn, xg, a_log, dtb), xg, do),
                                           warmup=2, rep=10)
                 log(f"{key} fla fwd+bwd: {row['fla_fwdbwd']:.3f} ms")
-                del xg, do
         o_ref = ours_k3(xs, a_log, dtb, final=True) if EXPERIMENTS else None
         for name, overrides in EXPERIMENTS:  # kernel-structure experiments, default precision variant
             try:
@@ -424,13 +430,6 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
             tf.SCAN_CONFIG, tf.INTRA_WARPS = None, None
             RESULTS["timings"]["launch_sweep"] = sweep
         if not quick and do_bwd:
-            xg = [x.detach().requires_grad_() for x in xs]
-            do = torch.randn_like(xs[2])
-
-            def fb(f):
-                o, _ = f()
-                torch.autograd.grad(o, xg, do)
-
             # both backwards: the Triton kernels (default) and the v1 HYBRID (torch chunk path recomputed);
             # KIMIK3_KDA_TRITON_BWD is read at forward time
             saved_env = os.environ.get("KIMIK3_KDA_TRITON_BWD")
@@ -440,8 +439,8 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
                 os.environ["KIMIK3_KDA_TRITON_BWD"] = mode
                 try:
                     with overridden(overrides):
-                        fb(lambda: ours_k3(xg, a_log, dtb))
-                        row[name] = bench(lambda: fb(lambda: ours_k3(xg, a_log, dtb)), warmup=2, rep=10)
+                        grad_step(lambda: ours_k3(xg, a_log, dtb), xg, do)
+                        row[name] = bench(lambda: grad_step(lambda: ours_k3(xg, a_log, dtb), xg, do), warmup=2, rep=10)
                     log(f"{key} {name} ({mode} backward): {row[name]:.3f} ms")
                 except Exception as exc:  # noqa: BLE001
                     verdict(f"{key} {name}", False, repr(exc)[:300])
@@ -449,7 +448,7 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
                 os.environ.pop("KIMIK3_KDA_TRITON_BWD", None)
             else:
                 os.environ["KIMIK3_KDA_TRITON_BWD"] = saved_env
-            del xg
+            del xg, do
         for bwd in (False, True):
             f, byts = chunk_counts(B, T, H, D, bwd)
             floor = max(f / (ceil["bf16_matmul_tflops"] * 1e12), byts / (ceil["copy_gbs"] * 1e9)) * 1e3
@@ -498,23 +497,19 @@ def profile(shapes, variants, use_fla: bool):
         log(prof.key_averages().table(sort_by="cuda_time_total" if on_gpu else "cpu_time_total", row_limit=rows,
                                       max_name_column_width=48))
 
-    def fwd_bwd(f):
-        o, _ = f()
-        torch.autograd.grad(o, xg, do)
-
     for var in variants:
         kernels(f"ours fwd variant '{var}'", lambda var=var: ours_k3(xs, a_log, dtb, variant=var), 3, 8)
     for name, overrides in EXPERIMENTS:
         with overridden(overrides):
             kernels(f"ours fwd [{name}]", lambda: ours_k3(xs, a_log, dtb), 3, 8)
-    kernels("ours fwd+bwd, default variant", lambda: fwd_bwd(lambda: ours_k3(xg, a_log, dtb)), 2, 14)
+    kernels("ours fwd+bwd, default variant", lambda: grad_step(lambda: ours_k3(xg, a_log, dtb), xg, do), 2, 14)
     for name, overrides in EXPERIMENTS:
         with overridden(overrides):
-            kernels(f"ours fwd+bwd [{name}]", lambda: fwd_bwd(lambda: ours_k3(xg, a_log, dtb)), 2, 14)
+            kernels(f"ours fwd+bwd [{name}]", lambda: grad_step(lambda: ours_k3(xg, a_log, dtb), xg, do), 2, 14)
     fla_fn = load_fla()[0] if use_fla else None
     if fla_fn is not None:
         kernels("fla fwd", lambda: fla_k3(fla_fn, xs, a_log, dtb), 3, 10)
-        kernels("fla fwd+bwd", lambda: fwd_bwd(lambda: fla_k3(fla_fn, xg, a_log, dtb)), 2, 20)
+        kernels("fla fwd+bwd", lambda: grad_step(lambda: fla_k3(fla_fn, xg, a_log, dtb), xg, do), 2, 20)
 
 
 @section

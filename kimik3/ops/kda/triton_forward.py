@@ -19,8 +19,8 @@ Three kernels (chunk C = 64 tokens, sub-tiles of 16; math as in ``chunk.py``):
    Then T = (I + diag(beta) Akk)^-1 by 16 x 16 forward substitution on the diagonal blocks and
    block forward substitution across row tiles (in place in a scratch buffer), and the WY/UT
    representation W = T (beta k exp(Gamma)), U = T (beta v). The three phases are @triton.jit helpers
-   (``_a_tile``, ``_solve``, ``_wy_k_block`` / ``_wy_v_block``): one kernel runs them all by default;
-   ``KIMIK3_KDA_INTRA=split`` runs them as three kernels with more, lighter programs.
+   (``_a_tile``, ``_solve``, ``_wy_k_block`` / ``_wy_v_block``), run by default as three kernels with
+   many light programs (``KIMIK3_KDA_INTRA=fused``: all three in one program per (chunk, head)).
 3. the inter-chunk scan (``triton_scan.py``): by default ``_state_out`` per (sequence, head, V block),
    the sequential scan over the sequence's chunks,
    v_new = U - W S, o = scale (q exp(Gamma) S + Aqk v_new), S <- exp(Gamma_C) S + (k exp(Gamma_C - Gamma))^T v_new,
@@ -28,8 +28,10 @@ Three kernels (chunk C = 64 tokens, sub-tiles of 16; math as in ``chunk.py``):
    ``KIMIK3_KDA_FWD=split`` a states-only scan storing each chunk's entry state, then the output in
    parallel over chunks.
 
-Matmul operands are bf16 when q is bf16 (fp32 accumulation), else fp32 at "tf32x3" precision
-(about fp32 accuracy on tensor cores). The small solve matmuls are always fp32 / tf32x3.
+Accumulation is always fp32. fp32 inputs: every matmul at "tf32x3" (about fp32 accuracy on tensor
+cores). 16-bit inputs: the precision variant (``kda_fwd_triton``; default 'ach') picks tf32 or 16-bit
+operands per product group; the default keeps the intra-chunk products in tf32 and runs the scan on
+16-bit operands with v_new and Aqk split into high and low parts.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ BC = 16  # sub-tile rows: the gate bound makes 16 * 5 = 80 the largest in-tile l
 L2_EPS = 1e-6
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEFAULT_VARIANT = os.environ.get("KIMIK3_KDA_VARIANT", "acsw")  # see kda_fwd_triton
+# see kda_fwd_triton; 'ach' (16-bit scans with hi / lo splits) timed 7.54 -> 6.04 ms forward and 26.7 -> 22.5 ms
+# forward+backward at B1 T8192 H96 D128 on the H200 against 'acsw' (all tf32), within the bf16 tests' bounds
+DEFAULT_VARIANT = os.environ.get("KIMIK3_KDA_VARIANT", "ach")
 # Launch overrides (benchmark sweeps; None = heuristic): scan (BV, num_warps[, num_stages]), intra num_warps.
 SCAN_CONFIG: Optional[Tuple[int, int]] = None
 INTRA_WARPS: Optional[int] = None
@@ -63,10 +67,11 @@ SCAN_KT_LOAD = os.environ.get("KIMIK3_KDA_KT_LOAD", "0") == "1"  # scan: load kg
 # path) or "split" (states-only scan storing h, then a parallel output kernel; the backward reuses h).
 FWD_MODE = os.environ.get("KIMIK3_KDA_FWD", "fused")
 SPLIT_CONFIG: Tuple[int, int, int] = (32, 4, 2)  # split mode's scan (BV, num_warps, num_stages)
-# Intra-chunk kernels: "fused" (default, measured: phases A, B, C in one program per (chunk, head)),
-# "split" (three kernels: A per column tile, B per chunk, C per K / V block; measured -0.25 ms) or
-# "tiles16" (``triton_intra16.py``: one program per (chunk, head) holding [16, 16] blocks in registers).
-INTRA_MODE = os.environ.get("KIMIK3_KDA_INTRA", "fused")
+# Intra-chunk kernels: "split" (default: three kernels, A per column tile, B per chunk, C per K / V block;
+# with variant 'ach' the forward timed 6.04 -> 5.21 ms against "fused" at K3's shape on the H200),
+# "fused" (phases A, B, C in one program per (chunk, head)) or "tiles16" (``triton_intra16.py``: one
+# program per (chunk, head) holding [16, 16] blocks in registers).
+INTRA_MODE = os.environ.get("KIMIK3_KDA_INTRA", "split")
 INTRA_SPLIT_WARPS: Tuple[int, int, int] = (4, 4, 4)  # num_warps of the split A, B, C kernels
 # tiles16: (K / V block, num_warps[, 1 = phase C as the split mode's own kernel[, 1 = the diagonal blocks
 # as their own kernel, one 1-warp program per 16-row tile]])

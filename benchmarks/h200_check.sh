@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and times the GPU code paths (H200, torch 2.11, Triton 3.6):
 #
-#   bash benchmarks/h200_check.sh [quick|kernels|train]      # logs under $OUT (default ./h200-logs)
+#   bash benchmarks/h200_check.sh [quick|kernels|check|train]      # logs under $OUT (default ./h200-logs)
 #
 # quick    compile + correctness of every Triton KDA kernel on the GPU: kda_gpu_probe.py (one process
 #          per shape, so a fault cannot hide the cases after it) and tests/ops/test_kda_triton.py
@@ -9,6 +9,8 @@
 # kernels  kda_kernel.py at K3's per-layer shape with the experiments (--try) and per-kernel profiles
 #          (ours and fla's), fla 0.6.0 side by side when its wheels are in .whl/ (its first calls
 #          autotune ~90 s each)                                                         <= 9 min
+# check    (two GPUs) the Triton test file on GPU 1 while GPU 0 runs `kernels` at shape 0 only: a kernel
+#          change checked and timed in one call (one GPU: both in turn, shorter limits)  <= 9 min
 # train    the parallel smoke test and the bf16 training check (Triton kernels vs torch) <= 7 min
 # Each mode fits one device call (10 minutes at most). On a machine with two or more GPUs the steps of
 # a mode run side by side, one GPU each (kernels: shape 1, B4 T4096 H64, on the second GPU too).
@@ -18,7 +20,7 @@
 # writes its log even when it fails; the exit status is non-zero if any step failed.
 set -u
 MODE=${1:-kernels}
-case $MODE in quick|kernels|train) ;; *) echo "usage: $0 [quick|kernels|train]" >&2; exit 2 ;; esac
+case $MODE in quick|kernels|check|train) ;; *) echo "usage: $0 [quick|kernels|check|train]" >&2; exit 2 ;; esac
 OUT=${OUT:-./h200-logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -63,8 +65,9 @@ finish() {
   [ ${#FAILED[@]} -eq 0 ]
 }
 
-TRIES=var=ach,var=a,var=ach+intra,i16=32/2/1/1  # shape 0 (with per-kernel profiles); shape 1 only the first
-TRIES1=var=ach
+# shape 0 (with per-kernel profiles); shape 1 only TRIES1
+TRIES=bi16,bi=32/4/1,bi=32/8/1,wyb=32/64,wyb=32/32
+TRIES1=bi16
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi
@@ -72,10 +75,16 @@ case $MODE in
     step 0 kda_gpu_probe "${LIMITS[1]}" python3 benchmarks/kda_gpu_probe.py ;;
   kernels)
     if [ "$GPUS" -ge 2 ]; then
-      step 1 kda_kernel_shape1 540 python3 benchmarks/kda_kernel.py --shapes 1 --variants acsw --sections chunk \
+      step 1 kda_kernel_shape1 540 python3 benchmarks/kda_kernel.py --shapes 1 --variants ach --sections chunk \
         --no-hybrid --try "$TRIES1" --out "$OUT/shape1" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
     fi
-    step 0 kda_kernel 540 python3 benchmarks/kda_kernel.py --shapes 0 --variants acsw \
+    step 0 kda_kernel 540 python3 benchmarks/kda_kernel.py --shapes 0 --variants ach \
+      --sections env,ceilings,chunk,profile --no-hybrid --try "$TRIES" --out "$OUT/shape0" \
+      ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
+  check)
+    if [ "$GPUS" -ge 2 ]; then LIMITS=(540 540); else LIMITS=(300 280); fi
+    step 1 kda_tests "${LIMITS[0]}" python3 -m pytest -q -rf tests/ops/test_kda_triton.py
+    step 0 kda_kernel "${LIMITS[1]}" python3 benchmarks/kda_kernel.py --shapes 0 --variants ach \
       --sections env,ceilings,chunk,profile --no-hybrid --try "$TRIES" --out "$OUT/shape0" \
       ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
   train)

@@ -18,12 +18,14 @@ not stop the later ones; exit status 1 if anything FAILed):
   with one phase of the intra kernel skipped: timing only). `--try` adds kernel-structure experiments
   to `chunk`, each checked against the default forward on the same inputs and timed forward and
   forward+backward: a comma list of `+`-joined switches, `scan=BV/warps/stages` (KIMIK3_KDA_FWD=split
-  at that scan config), `intra` (KIMIK3_KDA_INTRA=split), `i16` / `i16=BK/warps[/1[/1]]`
+  at that scan config), `intra` / `intra=fused` (KIMIK3_KDA_INTRA; split is the default), `i16` / `i16=BK/warps[/1[/1]]`
   (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own kernel, /1/1: the diagonal blocks
   too), `wy` / `nowy` (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the precision variant, e.g. `var=ach`; checked against
   the default at the bf16 tests' bounds), `solve3` (KIMIK3_KDA_SOLVE=3), `bscan=W` (warps of the two
-  backward scans), `bwarps=W` (warps of the chunk-local backward kernels); e.g.
-  `--try scan=32/4/2,intra,wy,intra+wy+scan=32/4/2`. fla is timed before our experiments, so a run cut
+  backward scans), `bwarps=W` (warps of the chunk-local backward kernels), `bi16` (the backward's
+  16-row-tile intra kernel, KIMIK3_KDA_BWD_INTRA=tiles16), `bi=BK/warps/stages` (the default "cols"
+  kernel's launch) and `wyb=BK/BV` (the WY backward's blocks); e.g.
+  `--try scan=32/4/2,intra=fused,wy,bi=32/4/1`. fla is timed before our experiments, so a run cut
   short keeps the comparison.
 
 Usage (GPU machine):
@@ -49,7 +51,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 RESULTS: dict = {"pass": [], "fail": [], "timings": {}, "errors": {}}
 G_MIN = -5.0
-CHECK_VARIANTS = ["", "acsw"]  # --check-variants
+CHECK_VARIANTS = ["", "ach", "acsw"]  # --check-variants
 EXPERIMENTS: list = []  # --try: (name, {(module, attribute): value}) kernel-structure overrides
 
 
@@ -65,8 +67,20 @@ def parse_experiment(token: str):
             if len(cfg) != 3:
                 raise SystemExit(f"--try: scan=BV/warps/stages, got {part!r}")
             overrides[(tf, "FWD_MODE")], overrides[(tf, "SPLIT_CONFIG")] = "split", cfg
-        elif part == "intra":
-            overrides[(tf, "INTRA_MODE")] = "split"
+        elif part == "intra" or part.startswith("intra="):  # intra = the split kernels (the default)
+            overrides[(tf, "INTRA_MODE")] = part[6:] or "split"
+        elif part == "bi16":
+            overrides[(tb, "BWD_INTRA_MODE")] = "tiles16"
+        elif part.startswith("bi="):
+            cfg = tuple(int(x) for x in part[3:].split("/"))
+            if len(cfg) != 3:
+                raise SystemExit(f"--try: bi=BK/warps/stages, got {part!r}")
+            overrides[(tb, "BWD_INTRA_CONFIG")] = cfg
+        elif part.startswith("wyb="):
+            cfg = tuple(int(x) for x in part[4:].split("/"))
+            if len(cfg) != 2:
+                raise SystemExit(f"--try: wyb=BK/BV, got {part!r}")
+            overrides[(tb, "WY_BLOCKS")] = cfg
         elif part == "i16" or part.startswith("i16="):
             overrides[(tf, "INTRA_MODE")] = "tiles16"
             if part != "i16":
@@ -85,8 +99,8 @@ def parse_experiment(token: str):
         elif part.startswith("bwarps=") and part[7:].isdigit():
             overrides[(tb, "BWD_WARPS")] = int(part[7:])
         else:
-            raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra, i16[=BK/W], wy, nowy, "
-                             "var=LETTERS, solve3, bscan=W, bwarps=W)")
+            raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra[=MODE], i16[=BK/W], wy, "
+                             "nowy, var=LETTERS, solve3, bscan=W, bwarps=W, bi16, bi=BK/W/S, wyb=BK/BV)")
     return token, overrides
 
 
@@ -604,7 +618,7 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--sections", default="env,correct,ceilings,chunk,decode")
     p.add_argument("--sweep", action="store_true", help="launch-config sweeps (scan, decode)")
-    p.add_argument("--check-variants", default=None, help="comma list checked in 'correct' (default ,acsw)")
+    p.add_argument("--check-variants", default=None, help="comma list checked in 'correct' (default ,ach,acsw)")
     p.add_argument("--no-bwd", action="store_true", help="skip the forward+backward timings")
     p.add_argument("--no-hybrid", action="store_true", help="skip the HYBRID (torch) backward's timing")
     p.add_argument("--decode-batches", default=None, help="comma list (default 1,64,256; quick 64)")
@@ -619,7 +633,7 @@ def main() -> int:
     if a.variants is not None:
         variants = a.variants.split(",")
     else:
-        variants = ["acsw"] if a.quick else ["", "a", "acs", "acsw"]
+        variants = ["ach"] if a.quick else ["", "a", "ach", "acsw"]
     t0 = time.time()
     secs = set(a.sections.split(","))
     if a.experiments:

@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--tokens", type=int, default=256, help="tokens of the dummy inputs (the kernels do not depend on it)")
     p.add_argument("--fwd", default="fused", choices=["fused", "split"])
-    p.add_argument("--intra", default="fused", choices=["fused", "split", "tiles16"])
+    p.add_argument("--intra", default="split", choices=["fused", "split", "tiles16"])
     p.add_argument("--variant", default=None, help="precision variant (KIMIK3_KDA_VARIANT), e.g. ach")
     p.add_argument("--wy-split", type=int, choices=[0, 1], default=1, help="KIMIK3_KDA_WY_SPLIT")
     p.add_argument("--set", dest="overrides", action="append", default=[], type=parse_override,

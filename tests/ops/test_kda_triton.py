@@ -208,8 +208,8 @@ def test_split_forward(monkeypatch, case):
                          + [("tiles16", c) for c in ["T65", "varlen", "bf16", "K100-both-splits"]]
                          + [("tiles16-3k", c) for c in ["varlen", "K100-both-splits"]])
 def test_split_intra(monkeypatch, mode, case):
-    """The other intra-chunk kernels vs naive and vs the fused one on the same inputs, gradients included:
-    KIMIK3_KDA_INTRA=split (phase A per column tile, B per chunk, C per K / V block: three kernels; also
+    """The intra-chunk kernels vs naive and vs the fused one on the same inputs, gradients included:
+    KIMIK3_KDA_INTRA=split (the default: phase A per column tile, B per chunk, C per K / V block; also
     with SOLVE 3) and tiles16 (one program holding [16, 16] blocks; "3k": the diagonal blocks, the
     off-diagonal blocks with the solve, and phase C as three kernels), each also together with the split
     scan at K = 100 (several K blocks in phase C)."""
@@ -231,6 +231,7 @@ def test_split_intra(monkeypatch, mode, case):
     inputs = make_inputs(B, T, H, K, V, dtype=dtype, seed=T)
     h0 = make_state(N, H, K, V)
     kw = dict(cu_seqlens=cu) if cu is not None else {}
+    monkeypatch.setattr(tf, "INTRA_MODE", "fused")
     o_f, s_f, g_f = run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
     monkeypatch.setattr(tf, "INTRA_MODE", mode.split("-")[0])
     if mode == "tiles16-3k":
@@ -249,11 +250,14 @@ def test_split_intra(monkeypatch, mode, case):
                 chunk_kda(*inputs, backend="triton", **kw)
 
 
-@pytest.mark.parametrize("K", [100, 130])
-def test_wy_split_over_k(monkeypatch, K):
+@pytest.mark.parametrize("K,blocks", [(100, None), (130, None), (100, (32, 32))])
+def test_wy_split_over_k(monkeypatch, K, blocks):
     """KIMIK3_KDA_WY_SPLIT=1: the WY backward as one program per 64-column K block (2 and 3 partial dA /
-    dbeta summed by the intra kernel) gives the unsplit gradients, and both match naive."""
+    dbeta summed by the intra kernel; 4 with 32-column key blocks, also at 32-column V blocks) gives the
+    unsplit gradients, and both match naive."""
     import kimik3.ops.kda.triton_backward as tb
+
+    monkeypatch.setattr(tb, "WY_BLOCKS", blocks)
 
     inputs = make_inputs(1, 70, 1, K, 16, seed=K)
     h0 = make_state(1, 1, K, 16)
@@ -264,6 +268,43 @@ def test_wy_split_over_k(monkeypatch, K):
     _, _, g = run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton")
     for name, a, b in zip(GRAD_NAMES, g_ref, g):
         assert rel_rms(a, b) < 1e-5, (name, rel_rms(a, b))
+
+
+@pytest.mark.parametrize("case", ["K100", "K130-BK32", "varlen", "bf16"])
+def test_bwd_intra_kernels_agree(monkeypatch, case):
+    """Kernel 4 of the backward: the whole-chunk, key-block-parallel kernel (default "cols"; 2 and 5 key
+    blocks at K = 100 / BK 64 and K = 130 / BK 32, so partial dbeta sums) gives the 16-row-tile kernel's
+    gradients, and both match naive, with a saturated 20-token gate stretch across a tile boundary."""
+    import kimik3.ops.kda.triton_backward as tb
+
+    B, T, H, K, V, cu, dtype = 1, 70, 1, 16, 16, None, torch.float32
+    if case.startswith("K"):
+        K = int(case[1:4])
+        if case.endswith("BK32"):
+            monkeypatch.setattr(tb, "BWD_INTRA_CONFIG", (32, 4, 2))
+    elif case == "varlen":
+        lengths, H = [1, 1, 3, 64, 65, 2], 2
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+        T = sum(lengths)
+    else:
+        dtype, T, H = torch.bfloat16, 130, 2
+    inputs = make_inputs(B, T, H, K, V, dtype=dtype, seed=K)
+    with torch.no_grad():
+        inputs[3][:, 20:40] = G_MIN
+    h0 = make_state(B if cu is None else len(cu) - 1, H, K, V)
+    kw = dict(cu_seqlens=cu) if cu is not None else {}
+    monkeypatch.setattr(tb, "BWD_INTRA_MODE", "tiles16")
+    _, _, g_ref = run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
+    monkeypatch.setattr(tb, "BWD_INTRA_MODE", "cols")
+    if dtype == torch.float32:
+        check_against_naive(inputs, h0, cu=cu)
+    _, _, g = run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
+    tol = 1e-5 if dtype == torch.float32 else 1e-3  # same math, different summation order
+    for name, a, b in zip(GRAD_NAMES, g_ref, g):
+        assert rel_rms(a, b) < tol, (name, rel_rms(a, b))
+    monkeypatch.setattr(tb, "BWD_INTRA_MODE", "nonsense")
+    with pytest.raises(ValueError, match="KIMIK3_KDA_BWD_INTRA"):
+        run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
 
 
 @pytest.mark.parametrize("pattern", ["all", "tile", "alternate"])
@@ -291,7 +332,8 @@ def test_bf16_inputs():
         o_ref, s_ref = naive_recurrent_kda(*ref_inputs, initial_state=h0, output_final_state=True)
         o, s = chunk_kda(*inputs, initial_state=h0, output_final_state=True, backend="triton")
     assert o.dtype == torch.bfloat16
-    # bf16 output rounding alone is ~2e-3; matmul operands in tf32 (default variant 'acsw')
+    # bf16 output rounding alone is ~2e-3; default variant 'ach': tf32 intra-chunk products, 16-bit scans
+    # with hi / lo splits
     assert rel_rms(o_ref, o) < 1e-2, rel_rms(o_ref, o)
     assert rel_rms(s_ref, s) < 5e-3, rel_rms(s_ref, s)
 

@@ -66,8 +66,8 @@ finish() {
 }
 
 # shape 0 (with per-kernel profiles); shape 1 only TRIES1
-TRIES=bi16,bi=32/4/1,bi=32/8/1,wyb=32/64,wyb=32/32
-TRIES1=bi16
+TRIES=st32,intra=fused
+TRIES1=st32
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi

@@ -9,10 +9,11 @@ source line of the traceback, i.e. which launch surfaced it)::
     python3 benchmarks/kda_gpu_probe.py                 # the default cases below
     python3 benchmarks/kda_gpu_probe.py K=128,V=16,scan_bv=16 K=100,V=32
 
-A case is a comma list of ``key=value``: K, V, H, T (defaults 100, 16, 1, 65), ``dtype`` (float32 |
+A case is a comma list of ``key=value``: K, V, H, T (defaults 100, 16, 1, 65), ``lens`` (varlen: the
+segment lengths joined by ``/``, e.g. ``lens=1/1/3/64/65/2``; T is then their sum), ``dtype`` (float32 |
 bfloat16), ``fwd`` (fused | split: ``KIMIK3_KDA_FWD``), ``intra`` (fused | split | tiles16:
-``KIMIK3_KDA_INTRA``), ``wy`` (``KIMIK3_KDA_WY_SPLIT``, default 1) and ``scan_bv`` (the backward scans'
-V block, ``triton_backward.SCAN_BV``).
+``KIMIK3_KDA_INTRA``, default split), ``wy`` (``KIMIK3_KDA_WY_SPLIT``, default 1) and ``scan_bv`` (the
+backward scans' V block, ``triton_backward.SCAN_BV``).
 The default cases separate the two suspects of the first V = 16 crash (NOTES-kda.md): 16-column V blocks
 in the backward scans, or a K that is not a power of two above 64.
 """
@@ -37,12 +38,13 @@ DEFAULT_CASES = [
     "K=128,V=128,H=4,T=200,wy=0",   # the unsplit WY backward at K3's head size
     "K=128,V=128,H=4,T=200,dtype=bfloat16",
 ]
-KEYS = {"K": int, "V": int, "H": int, "T": int, "dtype": str, "fwd": str, "intra": str, "wy": int, "scan_bv": int}
+KEYS = {"K": int, "V": int, "H": int, "T": int, "lens": str, "dtype": str, "fwd": str, "intra": str, "wy": int,
+        "scan_bv": int}
 
 
 def parse_case(text: str) -> dict:
-    case = {"K": 100, "V": 16, "H": 1, "T": 65, "dtype": "float32", "fwd": "fused", "intra": "fused", "wy": 1,
-            "scan_bv": 0}
+    case = {"K": 100, "V": 16, "H": 1, "T": 65, "lens": "", "dtype": "float32", "fwd": "fused", "intra": "split",
+            "wy": 1, "scan_bv": 0}
     for part in filter(None, text.split(",")):
         key, sep, value = part.partition("=")
         if not sep or key not in KEYS:
@@ -55,6 +57,12 @@ def parse_case(text: str) -> dict:
         raise SystemExit(f"{text!r}: fwd takes 'fused' or 'split', intra 'fused', 'split' or 'tiles16'")
     if case["dtype"] not in ("float32", "bfloat16"):
         raise SystemExit(f"{text!r}: dtype takes float32 or bfloat16")
+    if case["lens"]:
+        try:
+            lens = [int(x) for x in case["lens"].split("/")]
+        except ValueError:
+            raise SystemExit(f"{text!r}: lens takes segment lengths joined by '/', e.g. lens=1/3/64") from None
+        case["T"] = sum(lens)
     return case
 
 
@@ -82,12 +90,16 @@ def run_case(text: str) -> dict:
     k = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1)
     g = -torch.rand(B, T, H, K, generator=gen).to(dev) * 5.0
     beta = torch.rand(B, T, H, generator=gen).to(dev)
-    h0 = rnd(1, H, K, V, scale=0.1)
-    do, dht = rnd(B, T, H, V), rnd(1, H, K, V)
+    lens = [int(x) for x in c["lens"].split("/")] if c["lens"] else [T]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    N = len(lens)
+    h0 = rnd(N, H, K, V, scale=0.1)
+    do, dht = rnd(B, T, H, V), rnd(N, H, K, V)
 
     def fwd_bwd(backend: str):
         xs = [x.to(dtype).clone().requires_grad_() for x in (q, k, v, g, beta)] + [h0.clone().requires_grad_()]
-        o, s = chunk_kda(*xs[:5], initial_state=xs[5], output_final_state=True, backend=backend)
+        o, s = chunk_kda(*xs[:5], initial_state=xs[5], output_final_state=True, backend=backend,
+                         cu_seqlens=cu if c["lens"] else None)
         grads = torch.autograd.grad((o.float() * do).sum() + (s * dht).sum(), xs)
         if dev == "cuda":
             torch.cuda.synchronize()

@@ -22,10 +22,9 @@ not stop the later ones; exit status 1 if anything FAILed):
   (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own kernel, /1/1: the diagonal blocks
   too), `wy` / `nowy` (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the precision variant, e.g. `var=ach`; checked against
   the default at the bf16 tests' bounds), `solve3` (KIMIK3_KDA_SOLVE=3), `bscan=W` (warps of the two
-  backward scans), `bwarps=W` (warps of the chunk-local backward kernels), `bi16` (the backward's
-  16-row-tile intra kernel, KIMIK3_KDA_BWD_INTRA=tiles16), `bi=BK/warps/stages` (the default "cols"
-  kernel's launch) and `wyb=BK/BV` (the WY backward's blocks); e.g.
-  `--try scan=32/4/2,intra=fused,wy,bi=32/4/1`. fla is timed before our experiments, so a run cut
+  backward scans), `bwarps=W` (warps of the chunk-local backward kernels), `wyb=BK/BV` (the WY
+  backward's blocks) and `st32` (the backward's recomputed states stored fp32,
+  KIMIK3_KDA_STATES_16BIT=0); e.g. `--try scan=32/4/2,intra=fused,wy,st32`. fla is timed before our experiments, so a run cut
   short keeps the comparison.
 
 Usage (GPU machine):
@@ -69,13 +68,8 @@ def parse_experiment(token: str):
             overrides[(tf, "FWD_MODE")], overrides[(tf, "SPLIT_CONFIG")] = "split", cfg
         elif part == "intra" or part.startswith("intra="):  # intra = the split kernels (the default)
             overrides[(tf, "INTRA_MODE")] = part[6:] or "split"
-        elif part == "bi16":
-            overrides[(tb, "BWD_INTRA_MODE")] = "tiles16"
-        elif part.startswith("bi="):
-            cfg = tuple(int(x) for x in part[3:].split("/"))
-            if len(cfg) != 3:
-                raise SystemExit(f"--try: bi=BK/warps/stages, got {part!r}")
-            overrides[(tb, "BWD_INTRA_CONFIG")] = cfg
+        elif part == "st32":
+            overrides[(tb, "STATES_16BIT")] = False
         elif part.startswith("wyb="):
             cfg = tuple(int(x) for x in part[4:].split("/"))
             if len(cfg) != 2:
@@ -100,7 +94,7 @@ def parse_experiment(token: str):
             overrides[(tb, "BWD_WARPS")] = int(part[7:])
         else:
             raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra[=MODE], i16[=BK/W], wy, "
-                             "nowy, var=LETTERS, solve3, bscan=W, bwarps=W, bi16, bi=BK/W/S, wyb=BK/BV)")
+                             "nowy, var=LETTERS, solve3, bscan=W, bwarps=W, wyb=BK/BV, st32)")
     return token, overrides
 
 

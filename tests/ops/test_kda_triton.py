@@ -270,43 +270,6 @@ def test_wy_split_over_k(monkeypatch, K, blocks):
         assert rel_rms(a, b) < 1e-5, (name, rel_rms(a, b))
 
 
-@pytest.mark.parametrize("case", ["K100", "K130-BK32", "varlen", "bf16"])
-def test_bwd_intra_kernels_agree(monkeypatch, case):
-    """Kernel 4 of the backward: the whole-chunk, key-block-parallel kernel (default "cols"; 2 and 5 key
-    blocks at K = 100 / BK 64 and K = 130 / BK 32, so partial dbeta sums) gives the 16-row-tile kernel's
-    gradients, and both match naive, with a saturated 20-token gate stretch across a tile boundary."""
-    import kimik3.ops.kda.triton_backward as tb
-
-    B, T, H, K, V, cu, dtype = 1, 70, 1, 16, 16, None, torch.float32
-    if case.startswith("K"):
-        K = int(case[1:4])
-        if case.endswith("BK32"):
-            monkeypatch.setattr(tb, "BWD_INTRA_CONFIG", (32, 4, 2))
-    elif case == "varlen":
-        lengths, H = [1, 1, 3, 64, 65, 2], 2
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-        T = sum(lengths)
-    else:
-        dtype, T, H = torch.bfloat16, 130, 2
-    inputs = make_inputs(B, T, H, K, V, dtype=dtype, seed=K)
-    with torch.no_grad():
-        inputs[3][:, 20:40] = G_MIN
-    h0 = make_state(B if cu is None else len(cu) - 1, H, K, V)
-    kw = dict(cu_seqlens=cu) if cu is not None else {}
-    monkeypatch.setattr(tb, "BWD_INTRA_MODE", "tiles16")
-    _, _, g_ref = run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
-    monkeypatch.setattr(tb, "BWD_INTRA_MODE", "cols")
-    if dtype == torch.float32:
-        check_against_naive(inputs, h0, cu=cu)
-    _, _, g = run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
-    tol = 1e-5 if dtype == torch.float32 else 1e-3  # same math, different summation order
-    for name, a, b in zip(GRAD_NAMES, g_ref, g):
-        assert rel_rms(a, b) < tol, (name, rel_rms(a, b))
-    monkeypatch.setattr(tb, "BWD_INTRA_MODE", "nonsense")
-    with pytest.raises(ValueError, match="KIMIK3_KDA_BWD_INTRA"):
-        run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
-
-
 @pytest.mark.parametrize("pattern", ["all", "tile", "alternate"])
 def test_gates_at_the_bound(pattern):
     B, H, K, V = SMALL
@@ -407,8 +370,13 @@ def test_preact_backward_kernel(flags, dtype):
         assert rel_rms(r, x) < tol, (name, rel_rms(r, x))
 
 
-def test_bf16_grads():
-    """bf16 inputs: output and all gradients vs the fp32 token loop on the same (bf16-valued) inputs."""
+@pytest.mark.parametrize("states_16bit", [True, False])
+def test_bf16_grads(monkeypatch, states_16bit):
+    """bf16 inputs: output and all gradients vs the fp32 token loop on the same (bf16-valued) inputs,
+    with the backward's recomputed chunk states stored 16-bit (the default) and fp32."""
+    import kimik3.ops.kda.triton_backward as tb
+
+    monkeypatch.setattr(tb, "STATES_16BIT", states_16bit)
     B, H, K, V = SMALL
     inputs = make_inputs(B, 130, H, K, V, dtype=torch.bfloat16, seed=11)
     h0 = make_state(B, H, K, V)

@@ -48,6 +48,12 @@ from .triton_scan import (_chunk_beta, _chunk_bounds, _chunk_tiles, _fwd_h_kerne
 
 BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark sweeps)
 WY_BLOCKS: Optional[Tuple[int, int]] = None  # override the WY kernel's (key block, V block); default (64, 64)
+# With 16-bit scans (the default bf16 variant 'ach'), the recomputed chunk entry states h [NT, H, K, V]
+# are stored in the inputs' 16-bit dtype (fp32: 0.8 GB at K3's shape, written once, read by the WY
+# kernel; the scans' own dots take h 16-bit anyway). The state gradients dh stay fp32: stored 16-bit too
+# they took dk 1.5e-3 -> 3.5e-3 and dg 5e-4 -> 2.8e-3 vs the token loop on the interpreter's bf16 case
+# (h alone: dg 5.3e-4 -> 7.3e-4, the rest unchanged).
+STATES_16BIT = os.environ.get("KIMIK3_KDA_STATES_16BIT", "1") == "1"
 SCAN_BV: Optional[int] = None  # override the V block of the two scans
 # The scans' fp32 [K, BV] tiles must not be multi-buffered by the loop pipeliner: at K = 128 two or
 # three stages need 240-295 KB of shared memory (> 227 KB on the H200, seen in the first GPU run).
@@ -61,10 +67,6 @@ SCAN_WARPS = 8
 # H200 (fp32 and bf16) and it timed -1.7 ms of 29.5 ms fwd+bwd at K3's shape. KIMIK3_KDA_WY_SPLIT=0: one
 # program per (chunk, head).
 WY_SPLIT_K = os.environ.get("KIMIK3_KDA_WY_SPLIT", "1") == "1"
-# Kernel 4: "cols" (default: ``_bwd_intra_cols_kernel``, whole-chunk products per (chunk, head, key block))
-# or "tiles16" (``_bwd_intra_kernel``: one program per (chunk, head), 16-row tiles over all key columns).
-BWD_INTRA_MODE = os.environ.get("KIMIK3_KDA_BWD_INTRA", "cols")
-BWD_INTRA_CONFIG = (64, 8, 1)  # "cols": (key block, num_warps, num_stages)
 
 
 # --------------------------------------------------------------------------
@@ -182,7 +184,7 @@ def _wy_k_side(kb, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, d
         vo = vbase + r[:, None] * (H * V) + cv[None, :]
         hoff = hb + ck[:, None] * V + cv[None, :]
         hm = km[:, None] & vm[None, :]
-        hs = tl.load(h_ptr + hoff, mask=hm, other=0.0)
+        hs = tl.load(h_ptr + hoff, mask=hm, other=0.0).to(tl.float32)
         dhs = tl.load(dh_ptr + hoff, mask=hm, other=0.0)
         do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32) * scale
         vn = tl.load(vn_ptr + vo, mask=mv, other=0.0)
@@ -361,80 +363,6 @@ def _bwd_intra_kernel(
         tl.store(dbeta_ptr + (t0 + rows) * H + i_h, db, mask=vi)
 
 
-@triton.jit
-def _bwd_intra_cols_kernel(
-    q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, dq_ptr, dk_ptr, dG_ptr, dg_ptr, dbeta_in_ptr, dbeta_ptr,
-    cu_ptr, cidx_ptr, H, part_beta, part_a, part_db,
-    K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr,
-):
-    """Kernel 4 with whole-chunk (64-row) products, one program per (chunk, head, BK-column key block):
-    the key columns are independent here (dg's suffix sum runs down the rows of one column), so the
-    block owns its columns of dq, dk, dg and writes its own partial dbeta.
-
-    Row side (gradients of the row operands q and beta k), per 16-token column tile j, reference
-    eps_j = Gamma at the tile's last token: k_s e^(eps_j - Gamma_s) <= |k_s| on the tile's columns, and the
-    row factor e^(Gamma_t - eps_j) is <= e^75 on the tile's own rows (the gate bound), <= 1 below it, and
-    masked to zero in the exponent above it (rows in the tile's past never see it).
-    Column side (gradient of the column operand k), per 16-token row tile m, reference phi_m = Gamma at the
-    tile's first token: q_t e^(Gamma_t - phi_m) <= |q_t|, and the column factor e^(phi_m - Gamma_s) is
-    <= e^75 on the tile's own columns, <= 1 before it, and masked to zero after it.
-    Every product is a [64, 16] x [16, BK] tl.dot: four per side and matrix, 16 in all."""
-    i_t = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    i_k = tl.program_id(2)
-    t0, L, r, beta = _chunk_beta(i_t, i_h, beta_ptr, cidx_ptr, cu_ptr, H)
-    r16 = tl.arange(0, 16)
-    ck = i_k * BK + tl.arange(0, BK)
-    km = ck < K
-    rv = r < L
-    mk = rv[:, None] & km[None, :]
-    a_base = (i_t * H + i_h) * 4096
-    hk = i_h * K + ck  # head i_h, key columns of this block, in a [.., H, K] tensor
-    ko = (t0 + r)[:, None] * (H * K) + hk[None, :]
-    G = tl.load(G_ptr + ko, mask=mk, other=0.0)
-    NEG = float("-inf")
-    acc_q = tl.zeros([64, BK], dtype=tl.float32)  # dAqk   k e^(Gamma_t - Gamma_s): gradient of q (row side)
-    acc_b = tl.zeros([64, BK], dtype=tl.float32)  # dA     k e^(Gamma_t - Gamma_s): gradient of beta k (row side)
-    acc_c = tl.zeros([64, BK], dtype=tl.float32)  # dAqk^T q e^(..) + dA^T beta k e^(..): gradient of k (column side)
-    for j in range(4):  # a loop, not unrolled: unrolled, every tile's loads are live at once (spills)
-        tj = j * 16 + r16
-        mj = (tj < L)[:, None] & km[None, :]
-        oj = (t0 + tj)[:, None] * (H * K) + hk[None, :]
-        # row side, column tile j
-        eps = tl.load(G_ptr + (t0 + tl.minimum(j * 16 + 15, L - 1)) * (H * K) + hk, mask=km, other=0.0)
-        kc = tl.load(k_ptr + oj, mask=mj, other=0.0).to(tl.float32) \
-            * tl.exp(tl.where(mj, eps[None, :] - tl.load(G_ptr + oj, mask=mj, other=0.0), NEG))
-        er = tl.exp(tl.where(mk & (r >= j * 16)[:, None], G - eps[None, :], NEG))
-        bo = a_base + r[:, None] * 64 + tj[None, :]  # [64, 16]: columns tj of the chunk's matrices
-        acc_q += er * tl.dot(tl.load(daqk_ptr + bo), kc, input_precision=PREC)
-        acc_b += er * tl.dot(_parts(da_ptr, bo, part_a, NPART), kc, input_precision=PREC)
-        # column side, row tile j
-        phi = tl.load(G_ptr + (t0 + j * 16) * (H * K) + hk, mask=km & (j * 16 < L), other=0.0)
-        f = tl.exp(tl.where(mj, tl.load(G_ptr + oj, mask=mj, other=0.0) - phi[None, :], NEG))
-        qf = tl.load(q_ptr + oj, mask=mj, other=0.0).to(tl.float32) * f
-        bj = tl.load(beta_ptr + (t0 + tj) * H + i_h, mask=tj < L, other=0.0).to(tl.float32)
-        bkf = tl.load(k_ptr + oj, mask=mj, other=0.0).to(tl.float32) * bj[:, None] * f
-        ec = tl.exp(tl.where(mk & (r < j * 16 + 16)[:, None], phi[None, :] - G, NEG))
-        bo = a_base + tj[None, :] * 64 + r[:, None]  # [64, 16]: rows tj of the chunk's matrices, transposed
-        acc_c += ec * (tl.dot(tl.load(daqk_ptr + bo), qf, input_precision=PREC)
-                       + tl.dot(_parts(da_ptr, bo, part_a, NPART), bkf, input_precision=PREC))
-    q = tl.load(q_ptr + ko, mask=mk, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + ko, mask=mk, other=0.0).to(tl.float32)
-    dq = tl.load(dq_ptr + ko, mask=mk, other=0.0) + acc_q
-    dk = tl.load(dk_ptr + ko, mask=mk, other=0.0) + acc_c + beta[:, None] * acc_b
-    dG = tl.load(dG_ptr + ko, mask=mk, other=0.0) + q * acc_q + (beta[:, None] * k) * acc_b - k * acc_c
-    dG = tl.where(mk, dG, 0.0)
-    dg = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG  # suffix sum over the chunk's rows
-    tl.store(dq_ptr + ko, dq, mask=mk)
-    tl.store(dk_ptr + ko, dk, mask=mk)
-    tl.store(dg_ptr + ko, dg, mask=mk)
-    bo1 = (t0 + r) * H + i_h
-    db = tl.sum(k * acc_b, axis=1)
-    if i_k == 0:  # the WY kernel's partial dbeta, added once
-        db += _parts_masked(dbeta_in_ptr, bo1, part_beta, rv, NPART)
-    tl.store(dbeta_ptr + i_k.to(tl.int64) * part_db + bo1, db, mask=rv)
-
-
 # --------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------
@@ -461,8 +389,6 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
         if dh0 is not None:
             dh0.copy_(dht.float() if dht is not None else torch.zeros_like(dh0))
         return dq, dk, dv, dg, dbeta, dh0
-    if BWD_INTRA_MODE not in ("cols", "tiles16"):
-        raise ValueError(f"KIMIK3_KDA_BWD_INTRA must be 'cols' or 'tiles16', got {BWD_INTRA_MODE!r}")
     PREC = "tf32x3" if q.dtype == torch.float32 else "tf32"
     BKF = _next_pow2(K)
     BVF = _next_pow2(V)
@@ -475,6 +401,7 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     BVs = SCAN_BV or 32
     # the backward scans take 16-bit operands (with the hi / lo splits) when the forward scan did
     scan_dt = tl.float32 if aux["qg"].dtype == torch.float32 else _dot_dtype(aux["qg"].dtype)
+    states_dtype = aux["qg"].dtype if (STATES_16BIT and scan_dt != tl.float32) else torch.float32
     do = do.contiguous()
     dh = torch.empty(NT, H, K, V, **f32)
     dvn = torch.empty(B, T, H, V, **f32)
@@ -482,7 +409,7 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     grid_s = (triton.cdiv(V, BVs), N * H)
     h, vn = aux.get("h"), aux.get("vn")
     if h is None:  # the forward ran fused: recompute the chunks' entry states and v_new
-        h = torch.empty(NT, H, K, V, **f32)
+        h = torch.empty(NT, H, K, V, device=dev, dtype=states_dtype)
         vn = torch.empty(B, T, H, V, **f32)
         h0 = initial_state.float().contiguous() if initial_state is not None else dummy
         _fwd_h_kernel[grid_s](
@@ -510,20 +437,8 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
         K=K, V=V, BK=BK, BV=BV, PREC=PREC, SPLIT=npart > 1, num_warps=warps,
     )
     # dg holds dGamma (partial) here; the intra kernel reads it and writes dg in place (same tile, same CTA)
-    if BWD_INTRA_MODE == "tiles16":
-        _bwd_intra_kernel[(NT, H)](
-            q, k, G, beta, daqk, da, dq, dk, dg, dg, dbeta_parts, dbeta, plan.cu, plan.chunk_idx, H, part_beta,
-            part_a, K=K, BKF=BKF, PREC=PREC, NPART=npart, num_warps=BWD_WARPS or (8 if BKF >= 128 else 4),
-        )
-        return dq, dk, dv, dg, dbeta, dh0
-    BKi, warps_i, stages_i = BWD_INTRA_CONFIG
-    BKi = min(BKi, BKF)
-    nkb_i = triton.cdiv(K, BKi)
-    dbeta_k = dbeta if nkb_i == 1 else torch.empty(nkb_i, B, T, H, **f32)
-    _bwd_intra_cols_kernel[(NT, H, nkb_i)](
-        q, k, G, beta, daqk, da, dq, dk, dg, dg, dbeta_parts, dbeta_k, plan.cu, plan.chunk_idx, H, part_beta,
-        part_a, B * T * H, K=K, BK=BKi, PREC=PREC, NPART=npart, num_warps=warps_i, num_stages=stages_i,
+    _bwd_intra_kernel[(NT, H)](
+        q, k, G, beta, daqk, da, dq, dk, dg, dg, dbeta_parts, dbeta, plan.cu, plan.chunk_idx, H, part_beta, part_a,
+        K=K, BKF=BKF, PREC=PREC, NPART=npart, num_warps=BWD_WARPS or (8 if BKF >= 128 else 4),
     )
-    if nkb_i > 1:
-        torch.sum(dbeta_k, dim=0, out=dbeta)
     return dq, dk, dv, dg, dbeta, dh0

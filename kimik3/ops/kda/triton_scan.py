@@ -178,7 +178,7 @@ def _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, c
     r, rv, mk, mv, ko, vo = _chunk_tiles(i_c, bos, eos, i_h, H, K, V, ck, cv)
     km = ck < K
     hoff = ((coff + i_c) * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
-    tl.store(h_ptr + hoff, h, mask=km[:, None] & (cv < V)[None, :])
+    tl.store(h_ptr + hoff, h.to(h_ptr.dtype.element_ty), mask=km[:, None] & (cv < V)[None, :])
     w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(DT)
     u = tl.load(u_ptr + vo, mask=mv, other=0.0).to(tl.float32)
     kgT = tl.trans(tl.load(kg_ptr + ko, mask=mk, other=0.0).to(DT))

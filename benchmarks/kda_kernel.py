@@ -23,8 +23,10 @@ not stop the later ones; exit status 1 if anything FAILed):
   too), `wy` / `nowy` (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the precision variant, e.g. `var=ach`; checked against
   the default at the bf16 tests' bounds), `solve3` (KIMIK3_KDA_SOLVE=3), `bscan=W` (warps of the two
   backward scans), `bwarps=W` (warps of the chunk-local backward kernels), `wyb=BK/BV` (the WY
-  backward's blocks) and `st32` (the backward's recomputed states stored fp32,
-  KIMIK3_KDA_STATES_16BIT=0); e.g. `--try scan=32/4/2,intra=fused,wy,st32`. fla is timed before our experiments, so a run cut
+  backward's blocks), `st32` (the backward's recomputed states stored fp32,
+  KIMIK3_KDA_STATES_16BIT=0), `bik=BK/warps` (the backward intra kernel split over BK-column key
+  blocks) and `bsc=BV/stages` (the backward scans' V block and pipeline stages); e.g.
+  `--try scan=32/4/2,intra=fused,wy,st32,bik=32/4,bsc=64/2`. fla is timed before our experiments, so a run cut
   short keeps the comparison.
 
 Usage (GPU machine):
@@ -70,6 +72,16 @@ def parse_experiment(token: str):
             overrides[(tf, "INTRA_MODE")] = part[6:] or "split"
         elif part == "st32":
             overrides[(tb, "STATES_16BIT")] = False
+        elif part.startswith("bik="):
+            cfg = tuple(int(x) for x in part[4:].split("/"))
+            if len(cfg) != 2:
+                raise SystemExit(f"--try: bik=BK/warps, got {part!r}")
+            overrides[(tb, "BWD_INTRA_BK")], overrides[(tb, "BWD_INTRA_WARPS")] = cfg
+        elif part.startswith("bsc="):
+            cfg = tuple(int(x) for x in part[4:].split("/"))
+            if len(cfg) != 2:
+                raise SystemExit(f"--try: bsc=BV/stages, got {part!r}")
+            overrides[(tb, "SCAN_BV")], overrides[(tb, "SCAN_STAGES")] = cfg
         elif part.startswith("wyb="):
             cfg = tuple(int(x) for x in part[4:].split("/"))
             if len(cfg) != 2:
@@ -94,7 +106,7 @@ def parse_experiment(token: str):
             overrides[(tb, "BWD_WARPS")] = int(part[7:])
         else:
             raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra[=MODE], i16[=BK/W], wy, "
-                             "nowy, var=LETTERS, solve3, bscan=W, bwarps=W, wyb=BK/BV, st32)")
+                             "nowy, var=LETTERS, solve3, bscan=W, bwarps=W, wyb=BK/BV, st32, bik=BK/W, bsc=BV/S)")
     return token, overrides
 
 

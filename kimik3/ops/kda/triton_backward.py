@@ -23,8 +23,8 @@ Kernels:
   3. ``_bwd_wy_kernel``  per (chunk, head): the V-contractions above, the K-independent ones first
      (``_wy_v_side``), then per BK-column key block (``_wy_k_side``); writes dv, the partial
      dq / dk / dGamma / dbeta, and dAqk, dA [NT, H, 64, 64] fp32.
-  4. ``_bwd_intra_kernel`` per (chunk, head): the gradients through Aqk and A on 16 x 16 blocks (10
-     lower-triangular blocks), row side against the reference Gamma at the row tile's FIRST token,
+  4. ``_bwd_intra_kernel`` per (chunk, head[, key block]): the gradients through Aqk and A on 16 x 16
+     blocks (10 lower-triangular blocks), row side against the reference Gamma at the row tile's FIRST token,
      column side against Gamma at the column tile's LAST token: every factor is <= 1 except on the
      diagonal blocks, where the gate bound keeps it <= e^75 (no position-pair path). Adds the partials,
      and turns dGamma into dg by a reverse cumsum (tiles processed last to first with a carry).
@@ -67,6 +67,10 @@ SCAN_WARPS = 8
 # H200 (fp32 and bf16) and it timed -1.7 ms of 29.5 ms fwd+bwd at K3's shape. KIMIK3_KDA_WY_SPLIT=0: one
 # program per (chunk, head).
 WY_SPLIT_K = os.environ.get("KIMIK3_KDA_WY_SPLIT", "1") == "1"
+# Kernel 4 split over key blocks of BWD_INTRA_BK columns (None: one block of all K columns, the measured
+# default) at BWD_INTRA_WARPS warps (None: 8 for a 128-column block, else 4). Benchmark sweeps.
+BWD_INTRA_BK: Optional[int] = None
+BWD_INTRA_WARPS: Optional[int] = None
 
 
 # --------------------------------------------------------------------------
@@ -288,14 +292,18 @@ def _parts_masked(ptr, off, stride, mask, NPART: tl.constexpr):
 @triton.jit
 def _bwd_intra_kernel(
     q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, dq_ptr, dk_ptr, dG_ptr, dg_ptr, dbeta_in_ptr, dbeta_ptr,
-    cu_ptr, cidx_ptr, H, part_beta, part_a,
+    cu_ptr, cidx_ptr, H, part_beta, part_a, part_db,
     K: tl.constexpr, BKF: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr,
 ):
+    """One (chunk, head, BKF-column key block): the key columns are independent (dg's suffix sum runs down
+    one column), so a block owns its columns of dq, dk, dg and writes its own partial dbeta (part_db
+    elements apart; the block-0 program adds the WY kernel's partials)."""
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
+    i_k = tl.program_id(2)
     t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
     r16 = tl.arange(0, 16)
-    ck = tl.arange(0, BKF)
+    ck = i_k * BKF + tl.arange(0, BKF)
     km = ck < K
     a_base = (i_t * H + i_h) * 4096
     NEG = float("-inf")
@@ -353,14 +361,16 @@ def _bwd_intra_kernel(
         dk = tl.load(dk_ptr + oi, mask=mi, other=0.0) + dk_c + bi[:, None] * x
         dG = tl.load(dG_ptr + oi, mask=mi, other=0.0) + qi * dq_r + (bi[:, None] * ki) * x - ki * dk_c
         dG = tl.where(mi, dG, 0.0)
-        db = _parts_masked(dbeta_in_ptr, (t0 + rows) * H + i_h, part_beta, vi, NPART) + tl.sum(ki * x, axis=1)
+        db = tl.sum(ki * x, axis=1)
+        if i_k == 0:  # the WY kernel's partial dbeta, added once
+            db += _parts_masked(dbeta_in_ptr, (t0 + rows) * H + i_h, part_beta, vi, NPART)
         tot = tl.sum(dG, axis=0)
         dg = tot[None, :] - tl.cumsum(dG, axis=0) + dG + carry[None, :]
         carry += tot
         tl.store(dq_ptr + oi, dq, mask=mi)
         tl.store(dk_ptr + oi, dk, mask=mi)
         tl.store(dg_ptr + oi, dg, mask=mi)
-        tl.store(dbeta_ptr + (t0 + rows) * H + i_h, db, mask=vi)
+        tl.store(dbeta_ptr + i_k.to(tl.int64) * part_db + (t0 + rows) * H + i_h, db, mask=vi)
 
 
 # --------------------------------------------------------------------------
@@ -394,10 +404,13 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     BVF = _next_pow2(V)
     # V blocks of at least 32 columns (masked when V < 32): a V = 16 backward hit an illegal address on
     # the H200 (Triton 3.6; K = 100 and 130, V = 16), while every V >= 24 shape with 32-column blocks
-    # ran clean. Which of the two (the 16-column blocks or K) triggers it is not yet pinned down:
-    # ``benchmarks/kda_gpu_probe.py`` runs the candidates one process each (NOTES-kda.md).
+    # ran clean. Key blocks of at least 32 columns in the chunk-local kernels (WY, intra) likewise: at
+    # K = 16 (16-column key blocks) dv, dbeta, dk, dg came out wrong on the H200 (dv 0.39 rel. RMS; one
+    # varlen run hit an illegal address) while K = 32 passed, and the interpreter passes both
+    # (``benchmarks/kda_gpu_probe.py``, NOTES-kda.md).
+    BKc = max(32, BKF)
     BK, BV = WY_BLOCKS or (64, 64)
-    BK, BV = min(BK, BKF), min(BV, max(32, BVF))
+    BK, BV = max(32, min(BK, BKc)), min(BV, max(32, BVF))
     BVs = SCAN_BV or 32
     # the backward scans take 16-bit operands (with the hi / lo splits) when the forward scan did
     scan_dt = tl.float32 if aux["qg"].dtype == torch.float32 else _dot_dtype(aux["qg"].dtype)
@@ -430,15 +443,21 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     da = torch.empty(npart, NT, H, 64, 64, **f32)
     dbeta_parts = dbeta if npart == 1 else torch.empty(npart, B, T, H, **f32)
     part_a, part_beta = NT * H * 4096, B * T * H
-    warps = BWD_WARPS or (8 if BKF >= 128 else 4)  # sm_90 compile: the split spills 176 B at 8 warps, 1.7 KB at 4
+    warps = BWD_WARPS or (8 if BKc >= 128 else 4)  # sm_90 compile: the split spills 176 B at 8 warps, 1.7 KB at 4
     _bwd_wy_kernel[(NT, H, npart)](
         q, k, v, G, beta, aux["tinv"], aux["w"], aux["u"], h, dh, vn, dvn, do,
         dq, dk, dg, dv, dbeta_parts, daqk, da, plan.cu, plan.chunk_idx, H, float(scale), part_beta, part_a,
         K=K, V=V, BK=BK, BV=BV, PREC=PREC, SPLIT=npart > 1, num_warps=warps,
     )
     # dg holds dGamma (partial) here; the intra kernel reads it and writes dg in place (same tile, same CTA)
-    _bwd_intra_kernel[(NT, H)](
-        q, k, G, beta, daqk, da, dq, dk, dg, dg, dbeta_parts, dbeta, plan.cu, plan.chunk_idx, H, part_beta, part_a,
-        K=K, BKF=BKF, PREC=PREC, NPART=npart, num_warps=BWD_WARPS or (8 if BKF >= 128 else 4),
+    BKi = max(32, min(BWD_INTRA_BK or BKc, BKc))
+    nkb_i = triton.cdiv(K, BKi)
+    dbeta_k = dbeta if nkb_i == 1 else torch.empty(nkb_i, B, T, H, **f32)
+    _bwd_intra_kernel[(NT, H, nkb_i)](
+        q, k, G, beta, daqk, da, dq, dk, dg, dg, dbeta_parts, dbeta_k, plan.cu, plan.chunk_idx, H, part_beta, part_a,
+        B * T * H, K=K, BKF=BKi, PREC=PREC, NPART=npart,
+        num_warps=BWD_INTRA_WARPS or BWD_WARPS or (8 if BKi >= 128 else 4),
     )
+    if nkb_i > 1:
+        torch.sum(dbeta_k, dim=0, out=dbeta)
     return dq, dk, dv, dg, dbeta, dh0

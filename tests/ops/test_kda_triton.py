@@ -157,8 +157,8 @@ def test_fp32_no_initial_state_no_final():
 
 @pytest.mark.parametrize("K,V", [(24, 40), (40, 24), (16, 16), (16, 32)])
 def test_odd_head_dims(K, V):
-    """Small and odd head sizes (K = 16 gave wrong gradients on the H200 before the backward's key blocks
-    were held at >= 32 columns)."""
+    """Small and odd head sizes (K = 16 gave wrong gradients on the H200 before the backward scans held
+    >= 32 state rows)."""
     inputs = make_inputs(1, 65, 2, K, V, seed=K)
     check_against_naive(inputs, make_state(1, 2, K, V))
 

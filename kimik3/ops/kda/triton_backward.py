@@ -54,10 +54,12 @@ WY_BLOCKS: Optional[Tuple[int, int]] = None  # override the WY kernel's (key blo
 # they took dk 1.5e-3 -> 3.5e-3 and dg 5e-4 -> 2.8e-3 vs the token loop on the interpreter's bf16 case
 # (h alone: dg 5.3e-4 -> 7.3e-4, the rest unchanged).
 STATES_16BIT = os.environ.get("KIMIK3_KDA_STATES_16BIT", "1") == "1"
-SCAN_BV: Optional[int] = None  # override the V block of the two scans
-# The scans' fp32 [K, BV] tiles must not be multi-buffered by the loop pipeliner: at K = 128 two or
-# three stages need 240-295 KB of shared memory (> 227 KB on the H200, seen in the first GPU run).
-SCAN_STAGES = 1
+# V block and pipeline stages of the two backward scans (None: the defaults below). fp32 scans: 32 / 1 --
+# their fp32 [K, BV] tiles must not be multi-buffered (at K = 128 two or three stages need 240-295 KB of
+# shared memory, > 227 KB on the H200). 16-bit scans: 64 / 2, timed 22.08 -> 21.24 ms fwd+bwd at K3's
+# shape on the H200 against 32 / 1 in the same run (NOTES-kda.md, sixth session).
+SCAN_BV: Optional[int] = None
+SCAN_STAGES: Optional[int] = None
 # Warps of the two backward scans (state recompute, state-gradient scan): 8 stop their register spills
 # (sm_90 compile) and timed -1.2 ms of 29.5 ms fwd+bwd at K3's shape on the H200 (NOTES-kda.md).
 SCAN_WARPS = 8
@@ -67,8 +69,9 @@ SCAN_WARPS = 8
 # H200 (fp32 and bf16) and it timed -1.7 ms of 29.5 ms fwd+bwd at K3's shape. KIMIK3_KDA_WY_SPLIT=0: one
 # program per (chunk, head).
 WY_SPLIT_K = os.environ.get("KIMIK3_KDA_WY_SPLIT", "1") == "1"
-# Kernel 4 split over key blocks of BWD_INTRA_BK columns (None: one block of all K columns, the measured
-# default) at BWD_INTRA_WARPS warps (None: 8 for a 128-column block, else 4). Benchmark sweeps.
+# Kernel 4 split over key blocks of BWD_INTRA_BK columns at BWD_INTRA_WARPS warps (None: 8 for a
+# 128-column block, else 4). None: 64-column blocks for 16-bit inputs (timed 22.08 -> 21.54 ms fwd+bwd at
+# K3's shape on the H200 against one 128-column block, same run), one block of all K columns for fp32.
 BWD_INTRA_BK: Optional[int] = None
 BWD_INTRA_WARPS: Optional[int] = None
 
@@ -404,16 +407,17 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     BVF = _next_pow2(V)
     # V blocks of at least 32 columns (masked when V < 32): a V = 16 backward hit an illegal address on
     # the H200 (Triton 3.6; K = 100 and 130, V = 16), while every V >= 24 shape with 32-column blocks
-    # ran clean. Key blocks of at least 32 columns in the chunk-local kernels (WY, intra) likewise: at
-    # K = 16 (16-column key blocks) dv, dbeta, dk, dg came out wrong on the H200 (dv 0.39 rel. RMS; one
-    # varlen run hit an illegal address) while K = 32 passed, and the interpreter passes both
-    # (``benchmarks/kda_gpu_probe.py``, NOTES-kda.md).
-    BKc = max(32, BKF)
+    # ran clean (``benchmarks/kda_gpu_probe.py``, NOTES-kda.md).
     BK, BV = WY_BLOCKS or (64, 64)
-    BK, BV = max(32, min(BK, BKc)), min(BV, max(32, BVF))
-    BVs = SCAN_BV or 32
+    BK, BV = min(BK, BKF), min(BV, max(32, BVF))
+    # The state-gradient scan's fp32 branch at K = 16 (16-row state tiles) stored wrong dv_new on the H200
+    # (dv 0.39 rel. RMS; an illegal address with 64-column V blocks) while its 16-bit branch and K = 32
+    # were right, and the interpreter is right at both: the backward scans hold >= 32 state rows (masked).
+    BKs = max(32, BKF)
     # the backward scans take 16-bit operands (with the hi / lo splits) when the forward scan did
     scan_dt = tl.float32 if aux["qg"].dtype == torch.float32 else _dot_dtype(aux["qg"].dtype)
+    BVs = SCAN_BV or (32 if scan_dt == tl.float32 else 64)
+    stages_s = SCAN_STAGES or (1 if scan_dt == tl.float32 else 2)
     states_dtype = aux["qg"].dtype if (STATES_16BIT and scan_dt != tl.float32) else torch.float32
     do = do.contiguous()
     dh = torch.empty(NT, H, K, V, **f32)
@@ -427,15 +431,15 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
         h0 = initial_state.float().contiguous() if initial_state is not None else dummy
         _fwd_h_kernel[grid_s](
             aux["kg"], aux["eg"], aux["w"], aux["u"], h0, h, vn, dummy, plan.cu, plan.chunk_off, H,
-            K=K, V=V, BKF=BKF, BV=BVs, PREC=PREC, HAS_H0=initial_state is not None, STORE_HT=False,
-            INTERP=INTERPRET, DT=scan_dt, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES,
+            K=K, V=V, BKF=BKs, BV=BVs, PREC=PREC, HAS_H0=initial_state is not None, STORE_HT=False,
+            INTERP=INTERPRET, DT=scan_dt, num_warps=SCAN_WARPS, num_stages=stages_s,
         )
     dht_c = dht.float().contiguous() if dht is not None else dummy
     _bwd_dh_kernel[grid_s](
         aux["qg"], aux["kg"], aux["eg"], aux["w"], aux["aqk"], do, dht_c, dh, dvn, dh0 if dh0 is not None else dummy,
         plan.cu, plan.chunk_off, H, float(scale),
-        K=K, V=V, BKF=BKF, BV=BVs, PREC=PREC, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        INTERP=INTERPRET, DT=scan_dt, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES,
+        K=K, V=V, BKF=BKs, BV=BVs, PREC=PREC, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
+        INTERP=INTERPRET, DT=scan_dt, num_warps=SCAN_WARPS, num_stages=stages_s,
     )
     nkb = triton.cdiv(K, BK)
     npart = nkb + 1 if WY_SPLIT_K else 1  # split: one program per key block, one for the K-independent part
@@ -443,14 +447,14 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     da = torch.empty(npart, NT, H, 64, 64, **f32)
     dbeta_parts = dbeta if npart == 1 else torch.empty(npart, B, T, H, **f32)
     part_a, part_beta = NT * H * 4096, B * T * H
-    warps = BWD_WARPS or (8 if BKc >= 128 else 4)  # sm_90 compile: the split spills 176 B at 8 warps, 1.7 KB at 4
+    warps = BWD_WARPS or (8 if BKF >= 128 else 4)  # sm_90 compile: the split spills 176 B at 8 warps, 1.7 KB at 4
     _bwd_wy_kernel[(NT, H, npart)](
         q, k, v, G, beta, aux["tinv"], aux["w"], aux["u"], h, dh, vn, dvn, do,
         dq, dk, dg, dv, dbeta_parts, daqk, da, plan.cu, plan.chunk_idx, H, float(scale), part_beta, part_a,
         K=K, V=V, BK=BK, BV=BV, PREC=PREC, SPLIT=npart > 1, num_warps=warps,
     )
     # dg holds dGamma (partial) here; the intra kernel reads it and writes dg in place (same tile, same CTA)
-    BKi = max(32, min(BWD_INTRA_BK or BKc, BKc))
+    BKi = min(BWD_INTRA_BK or (BKF if q.dtype == torch.float32 else 64), BKF)
     nkb_i = triton.cdiv(K, BKi)
     dbeta_k = dbeta if nkb_i == 1 else torch.empty(nkb_i, B, T, H, **f32)
     _bwd_intra_kernel[(NT, H, nkb_i)](

@@ -66,8 +66,8 @@ finish() {
 }
 
 # shape 0 (with per-kernel profiles); shape 1 only TRIES1
-TRIES=st32,intra=fused
-TRIES1=st32
+TRIES=scan=64/8/2,scan=32/4/2,bsc=32/1,bik=128/8
+TRIES1=scan=64/8/2
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi

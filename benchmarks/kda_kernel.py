@@ -60,6 +60,7 @@ def parse_experiment(token: str):
     """'intra+wy+scan=32/4/2' -> (token, {(module, attribute): value})."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_forward as tf
+    import kimik3.ops.kda.triton_scan as ts
 
     overrides = {}
     for part in token.split("+"):
@@ -71,7 +72,7 @@ def parse_experiment(token: str):
         elif part == "intra" or part.startswith("intra="):  # intra = the split kernels (the default)
             overrides[(tf, "INTRA_MODE")] = part[6:] or "split"
         elif part == "st32":
-            overrides[(tb, "STATES_16BIT")] = False
+            overrides[(ts, "STATES_16BIT")] = False
         elif part.startswith("bik="):
             cfg = tuple(int(x) for x in part[4:].split("/"))
             if len(cfg) != 2:

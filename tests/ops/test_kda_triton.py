@@ -409,9 +409,9 @@ def test_preact_backward_kernel(flags, dtype):
 def test_bf16_grads(monkeypatch, states_16bit):
     """bf16 inputs: output and all gradients vs the fp32 token loop on the same (bf16-valued) inputs,
     with the backward's recomputed chunk states stored 16-bit (the default) and fp32."""
-    import kimik3.ops.kda.triton_backward as tb
+    import kimik3.ops.kda.triton_scan as ts
 
-    monkeypatch.setattr(tb, "STATES_16BIT", states_16bit)
+    monkeypatch.setattr(ts, "STATES_16BIT", states_16bit)
     B, H, K, V = SMALL
     inputs = make_inputs(B, 130, H, K, V, dtype=torch.bfloat16, seed=11)
     h0 = make_state(B, H, K, V)

@@ -44,16 +44,10 @@ import triton.language as tl
 
 from .triton_forward import INTERPRET, ChunkPlan, _dot_dtype, _next_pow2
 from .triton_scan import (_chunk_beta, _chunk_bounds, _chunk_tiles, _fwd_h_kernel, _scan_program, _split16,
-                          _state_tile)
+                          _state_tile, states_dtype)
 
 BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark sweeps)
 WY_BLOCKS: Optional[Tuple[int, int]] = None  # override the WY kernel's (key block, V block); default (64, 64)
-# With 16-bit scans (the default bf16 variant 'ach'), the recomputed chunk entry states h [NT, H, K, V]
-# are stored in the inputs' 16-bit dtype (fp32: 0.8 GB at K3's shape, written once, read by the WY
-# kernel; the scans' own dots take h 16-bit anyway). The state gradients dh stay fp32: stored 16-bit too
-# they took dk 1.5e-3 -> 3.5e-3 and dg 5e-4 -> 2.8e-3 vs the token loop on the interpreter's bf16 case
-# (h alone: dg 5.3e-4 -> 7.3e-4, the rest unchanged).
-STATES_16BIT = os.environ.get("KIMIK3_KDA_STATES_16BIT", "1") == "1"
 # V block and pipeline stages of the two backward scans (None: the defaults below). fp32 scans: 32 / 1 --
 # their fp32 [K, BV] tiles must not be multi-buffered (at K = 128 two or three stages need 240-295 KB of
 # shared memory, > 227 KB on the H200). 16-bit scans: 64 / 2, timed 22.08 -> 21.24 ms fwd+bwd at K3's
@@ -418,7 +412,6 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     scan_dt = tl.float32 if aux["qg"].dtype == torch.float32 else _dot_dtype(aux["qg"].dtype)
     BVs = SCAN_BV or (32 if scan_dt == tl.float32 else 64)
     stages_s = SCAN_STAGES or (1 if scan_dt == tl.float32 else 2)
-    states_dtype = aux["qg"].dtype if (STATES_16BIT and scan_dt != tl.float32) else torch.float32
     do = do.contiguous()
     dh = torch.empty(NT, H, K, V, **f32)
     dvn = torch.empty(B, T, H, V, **f32)
@@ -426,7 +419,7 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     grid_s = (triton.cdiv(V, BVs), N * H)
     h, vn = aux.get("h"), aux.get("vn")
     if h is None:  # the forward ran fused: recompute the chunks' entry states and v_new
-        h = torch.empty(NT, H, K, V, device=dev, dtype=states_dtype)
+        h = torch.empty(NT, H, K, V, device=dev, dtype=states_dtype(aux["qg"].dtype))  # 16-bit with 16-bit scans
         vn = torch.empty(B, T, H, V, **f32)
         h0 = initial_state.float().contiguous() if initial_state is not None else dummy
         _fwd_h_kernel[grid_s](

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from .triton_intra16 import _diag16_kernel, _intra16_kernel, block_subst16
-from .triton_scan import _chunk_beta, _chunk_bounds, _fwd_h_kernel, _output_kernel, _state_out_kernel
+from .triton_scan import _chunk_beta, _chunk_bounds, _fwd_h_kernel, _output_kernel, _state_out_kernel, states_dtype
 
 BT = 64  # chunk size (tokens)
 BC = 16  # sub-tile rows: the gate bound makes 16 * 5 = 80 the largest in-tile log-decay
@@ -529,20 +529,20 @@ def kda_fwd_triton(
     else:  # validated above
         raise AssertionError(INTRA_MODE)
     h0 = initial_state.float().contiguous() if initial_state is not None else dummy
-    if FWD_MODE == "split":
-        h = torch.empty(NT, H, K, V, device=dev, dtype=torch.float32)
+    if FWD_MODE == "split":  # the scans on the variant's operand width, as the fused scan
+        h = torch.empty(NT, H, K, V, device=dev, dtype=states_dtype(sc_dtype))
         vn = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
         BV_h, warps_h, stages_h = SPLIT_CONFIG
         BV_h = min(BV_h, _next_pow2(V))
         _fwd_h_kernel[(triton.cdiv(V, BV_h), N * H)](
             kg, eg, w, u, h0, h, vn, ht if ht is not None else dummy, plan.cu, plan.chunk_off, H,
             K=K, V=V, BKF=BKF, BV=BV_h, PREC=PREC, HAS_H0=initial_state is not None, STORE_HT=ht is not None,
-            INTERP=INTERPRET, num_warps=warps_h, num_stages=stages_h,
+            INTERP=INTERPRET, DT=DTS, num_warps=warps_h, num_stages=stages_h,
         )
         BV_o = min(64, _next_pow2(V))
         _output_kernel[(triton.cdiv(V, BV_o), NT, H)](
             qg, aqk, h, vn, o, plan.cu, plan.chunk_idx, H, float(scale),
-            K=K, V=V, BKF=BKF, BV=BV_o, PREC=PREC, num_warps=4,
+            K=K, V=V, BKF=BKF, BV=BV_o, PREC=PREC, DT=DTS, num_warps=4,
         )
         if return_aux:
             return o, ht, dict(G=G, aqk=aqk, tinv=tinv, w=w, u=u, q=qn, k=kn, beta=betan, qg=qg, kg=kg, eg=eg,

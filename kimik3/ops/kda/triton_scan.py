@@ -7,17 +7,34 @@ from the intra-chunk kernel in ``triton_forward.py``), with S the state entering
 Two ways to run it (``triton_forward.FWD_MODE``):
   fused  ``_state_out_kernel`` per (sequence, head, V block): the output is computed on the scan's
          serial path and no per-chunk state is written (the forward default, measured on the H200).
-  split  ``_fwd_h_kernel`` (states only: stores each chunk's entry state h [NT, H, K, V] fp32 and
-         v_new) then ``_output_kernel``, parallel over (V block, chunk, head). Half the serial work
+  split  ``_fwd_h_kernel`` (states only: stores each chunk's entry state h [NT, H, K, V] and v_new)
+         then ``_output_kernel``, parallel over (V block, chunk, head). Half the serial work
          per step and fewer operands in flight (so the loop can be pipelined), at the cost of writing
          h; the Triton backward reuses h and v_new instead of re-running the scan.
 ``_fwd_h_kernel`` is also the backward's state recompute when the forward ran fused.
+Stored states h are fp32, or 16-bit when the scans run on 16-bit operands (``states_dtype``).
 """
 
 from __future__ import annotations
 
+import os
+
+import torch
 import triton
 import triton.language as tl
+
+# With 16-bit scans (the default bf16 variant 'ach'), the chunk entry states h [NT, H, K, V] a scan stores
+# for later kernels (the split forward's output, the backward's WY kernel) are kept in the inputs' 16-bit
+# dtype: fp32 would be 0.8 GB at K3's shape (written once, read once), and the scans' own dots take h
+# 16-bit anyway. H200, backward recompute: fwd+bwd 21.82 -> 21.44 ms at K3's shape (same run). The state
+# gradients dh stay fp32: stored 16-bit too they took dk 1.5e-3 -> 3.5e-3 and dg 5e-4 -> 2.8e-3 vs the
+# token loop on the interpreter's bf16 case (h alone: dg 5.3e-4 -> 7.3e-4, the rest unchanged).
+STATES_16BIT = os.environ.get("KIMIK3_KDA_STATES_16BIT", "1") == "1"
+
+
+def states_dtype(scan_operands: torch.dtype) -> torch.dtype:
+    """dtype of the stored chunk states for scans whose operands (qg, kg) are ``scan_operands``."""
+    return scan_operands if (STATES_16BIT and scan_operands != torch.float32) else torch.float32
 
 
 # --------------------------------------------------------------------------
@@ -223,9 +240,10 @@ def _fwd_h_kernel(kg_ptr, eg_ptr, w_ptr, u_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, c
 @triton.jit
 def _output_kernel(qg_ptr, aqk_ptr, h_ptr, vn_ptr, o_ptr, cu_ptr, cidx_ptr, H, scale,
                    K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
-                   PREC: tl.constexpr):
+                   PREC: tl.constexpr, DT: tl.constexpr = tl.float32):
     """o = scale (qg S + Aqk v_new) for one chunk, from the entry state S and v_new the states-only
-    scan stored: the output leaves the scan's serial path."""
+    scan stored: the output leaves the scan's serial path. DT 16-bit: 16-bit operands, with Aqk and
+    v_new split into high and low parts as in the fused scan's HILO."""
     i_v = tl.program_id(0)
     i_t = tl.program_id(1).to(tl.int64)
     i_h = tl.program_id(2)
@@ -239,10 +257,14 @@ def _output_kernel(qg_ptr, aqk_ptr, h_ptr, vn_ptr, o_ptr, cu_ptr, cidx_ptr, H, s
     mv = rv[:, None] & vm[None, :]
     vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
     qg = tl.load(qg_ptr + (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :], mask=rv[:, None] & km[None, :],
-                 other=0.0).to(tl.float32)
+                 other=0.0).to(DT)
     h = tl.load(h_ptr + (i_t * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :],
-                mask=km[:, None] & vm[None, :], other=0.0)
+                mask=km[:, None] & vm[None, :], other=0.0).to(DT)
     a = tl.load(aqk_ptr + (i_t * H + i_h) * 4096 + r[:, None] * 64 + r[None, :])
     vn = tl.load(vn_ptr + vo, mask=mv, other=0.0)
-    o = tl.dot(qg, h, input_precision=PREC) + tl.dot(a, vn, input_precision=PREC)
+    a_hi, a_lo = _split16(a, DT)  # fp32 DT: a_hi is a
+    vn_hi, vn_lo = _split16(vn, DT)
+    o = tl.dot(qg, h, input_precision=PREC) + tl.dot(a_hi, vn_hi, input_precision=PREC)
+    if DT != tl.float32:
+        o += tl.dot(a_hi, vn_lo) + tl.dot(a_lo, vn_hi)
     tl.store(o_ptr + vo, (o * scale).to(o_ptr.dtype.element_ty), mask=mv)

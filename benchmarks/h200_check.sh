@@ -15,7 +15,7 @@
 # Each mode fits one device call (10 minutes at most). On a machine with two or more GPUs the steps of
 # a mode run side by side, one GPU each (kernels: shape 1, B4 T4096 H64, on the second GPU too).
 #
-# fla (fla_core, flash_linear_attention 0.6.0) and einops travel as wheels in .whl/ (gitignored; see
+# fla (fla_core, flash_linear_attention 0.6.0), einops and pytest-xdist travel as wheels in .whl/ (gitignored; see
 # benchmarks/NOTES-kda.md): carry ".whl" in the device call. Each step has its own time limit and
 # writes its log even when it fails; the exit status is non-zero if any step failed.
 set -u
@@ -32,6 +32,10 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 FAILED=()
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+# the Triton test file compiles ~100 kernels: with pytest-xdist (a wheel in .whl/) 8 workers compile side by
+# side (the whole file in ~4 minutes on a fresh machine instead of > 9)
+XDIST=()
+if python3 -c "import xdist" 2>/dev/null; then XDIST=(-n 8); fi
 PIDS=()
 
 step() {  # step GPU NAME SECONDS COMMAND...: GPU 1 runs in the background when there are two GPUs
@@ -71,7 +75,7 @@ TRIES1=scan=64/8/2
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi
-    step 1 kda_tests "${LIMITS[0]}" python3 -m pytest -q -rf tests/ops/test_kda_triton.py
+    step 1 kda_tests "${LIMITS[0]}" python3 -m pytest -q -rf ${XDIST[@]+"${XDIST[@]}"} tests/ops/test_kda_triton.py
     step 0 kda_gpu_probe "${LIMITS[1]}" python3 benchmarks/kda_gpu_probe.py ;;
   kernels)
     if [ "$GPUS" -ge 2 ]; then
@@ -83,7 +87,7 @@ case $MODE in
       ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
   check)
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 540); else LIMITS=(300 280); fi
-    step 1 kda_tests "${LIMITS[0]}" python3 -m pytest -q -rf tests/ops/test_kda_triton.py
+    step 1 kda_tests "${LIMITS[0]}" python3 -m pytest -q -rf ${XDIST[@]+"${XDIST[@]}"} tests/ops/test_kda_triton.py
     step 0 kda_kernel "${LIMITS[1]}" python3 benchmarks/kda_kernel.py --shapes 0 --variants ach \
       --sections env,ceilings,chunk,profile --no-hybrid --try "$TRIES" --out "$OUT/shape0" \
       ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;

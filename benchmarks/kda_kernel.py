@@ -24,8 +24,9 @@ not stop the later ones; exit status 1 if anything FAILed):
   the default at the bf16 tests' bounds), `solve3` (KIMIK3_KDA_SOLVE=3), `bscan=W` (warps of the two
   backward scans), `bwarps=W` (warps of the chunk-local backward kernels), `wyb=BK/BV` (the WY
   backward's blocks), `st32` (the backward's recomputed states stored fp32,
-  KIMIK3_KDA_STATES_16BIT=0), `bik=BK/warps` (the backward intra kernel split over BK-column key
-  blocks) and `bsc=BV/stages` (the backward scans' V block and pipeline stages); e.g.
+  KIMIK3_KDA_STATES_16BIT=0), `bik=BK/warps` (the backward intra kernel's key block and warps),
+  `brows` (that kernel per row tile, KIMIK3_KDA_BWD_INTRA=rows) and `bsc=BV/stages` (the backward
+  scans' V block and pipeline stages); e.g.
   `--try scan=32/4/2,intra=fused,wy,st32,bik=32/4,bsc=64/2`. fla is timed before our experiments, so a run cut
   short keeps the comparison.
 
@@ -61,6 +62,7 @@ def parse_experiment(token: str):
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_forward as tf
     import kimik3.ops.kda.triton_scan as ts
+    import kimik3.ops.kda.triton_bwd_intra as tbi
 
     overrides = {}
     for part in token.split("+"):
@@ -77,7 +79,9 @@ def parse_experiment(token: str):
             cfg = tuple(int(x) for x in part[4:].split("/"))
             if len(cfg) != 2:
                 raise SystemExit(f"--try: bik=BK/warps, got {part!r}")
-            overrides[(tb, "BWD_INTRA_BK")], overrides[(tb, "BWD_INTRA_WARPS")] = cfg
+            overrides[(tbi, "BWD_INTRA_BK")], overrides[(tbi, "BWD_INTRA_WARPS")] = cfg
+        elif part == "brows":
+            overrides[(tbi, "BWD_INTRA_MODE")] = "rows"
         elif part.startswith("bsc="):
             cfg = tuple(int(x) for x in part[4:].split("/"))
             if len(cfg) != 2:
@@ -107,7 +111,7 @@ def parse_experiment(token: str):
             overrides[(tb, "BWD_WARPS")] = int(part[7:])
         else:
             raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra[=MODE], i16[=BK/W], wy, "
-                             "nowy, var=LETTERS, solve3, bscan=W, bwarps=W, wyb=BK/BV, st32, bik=BK/W, bsc=BV/S)")
+                             "nowy, var=LETTERS, solve3, bscan=W, bwarps=W, wyb=BK/BV, st32, bik=BK/W, brows, bsc=BV/S)")
     return token, overrides
 
 

@@ -110,21 +110,24 @@ class Sm90Compiler:
 
 
 def parse_override(text: str):
-    """'triton_backward.BWD_WARPS=8' -> ('triton_backward', 'BWD_WARPS', 8); '32,4,1' becomes a tuple."""
+    """'triton_backward.BWD_WARPS=8' -> (the module, 'BWD_WARPS', 8); '32,4,1' becomes a tuple, a word stays
+    a string."""
     import kimik3.ops.kda.triton_backward as tb
+    import kimik3.ops.kda.triton_bwd_intra as tbi
     import kimik3.ops.kda.triton_forward as tf
+    import kimik3.ops.kda.triton_scan as ts
 
     target, sep, value = text.partition("=")
     module, dot, attr = target.partition(".")
-    modules = {"triton_forward": tf, "triton_backward": tb}
+    modules = {"triton_forward": tf, "triton_scan": ts, "triton_backward": tb, "triton_bwd_intra": tbi}
     if not sep or not dot or module not in modules or not hasattr(modules[module], attr):
         raise argparse.ArgumentTypeError(f"{text!r}: expected module.ATTR=value with an existing ATTR of "
-                                         f"{' or '.join(modules)}")
+                                         f"{', '.join(modules)}")
     try:
         parts = [int(x) for x in value.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: the value must be an int or a comma list of ints") from None
-    return module, attr, parts[0] if len(parts) == 1 else tuple(parts)
+    except ValueError:  # a mode name, e.g. triton_bwd_intra.BWD_INTRA_MODE=rows
+        return modules[module], attr, value
+    return modules[module], attr, parts[0] if len(parts) == 1 else tuple(parts)
 
 
 def run_kda(args, compiler: Sm90Compiler) -> None:
@@ -138,7 +141,7 @@ def run_kda(args, compiler: Sm90Compiler) -> None:
     if args.variant is not None:
         tf.DEFAULT_VARIANT = args.variant
     for module, attr, value in args.overrides:
-        setattr({"triton_forward": tf, "triton_backward": tb}[module], attr, value)
+        setattr(module, attr, value)
     original = jit.JITFunction.run
 
     def intercepted(self, *a, grid, warmup, **kw):
@@ -181,7 +184,7 @@ def main(argv=None) -> int:
     run_kda(args, compiler)
     print(f"sm_90a, K = V = {args.head_dim}, H = {args.heads}, {args.dtype}, fwd {args.fwd}, intra {args.intra}, "
           f"WY split {args.wy_split}, variant {args.variant or 'default'}"
-          + "".join(f", {m}.{a}={v}" for m, a, v in args.overrides))
+          + "".join(f", {m.__name__.rsplit('.', 1)[-1]}.{a}={v}" for m, a, v in args.overrides))
     print("| kernel | grid | warps | stages | shared KB | registers | spill store / load bytes |")
     print("|---|---|---|---|---|---|---|")
     worst = 0

@@ -19,8 +19,8 @@ def run(*cases):
 
 
 def test_probe_passes_a_small_case_and_reports_each_switch():
-    p = run("K=24,V=16,T=20,wy=1,scan_bv=16", "K=40,V=24,T=70,fwd=split,intra=fused", "K=24,V=16,T=70,intra=tiles16,wy=0",
-            "K=16,V=16,H=2,lens=1/3/0/66")
+    p = run("K=24,V=16,T=20,wy=1,scan_bv=16", "K=40,V=24,T=70,fwd=split,intra=fused",
+            "K=24,V=16,T=70,intra=tiles16,wy=0", "K=16,V=16,H=2,lens=1/3/0/66")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "4 of 4 cases pass" in p.stdout
     assert p.stdout.count("PASS") == 4 and "dbeta" in p.stdout

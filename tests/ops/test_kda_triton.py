@@ -272,15 +272,23 @@ def test_wy_split_over_k(monkeypatch, K, blocks):
         assert rel_rms(a, b) < 1e-5, (name, rel_rms(a, b))
 
 
-@pytest.mark.parametrize("case", ["K100-BK32", "K130-BK64", "varlen-BK32", "bf16-scan64x2"])
+@pytest.mark.parametrize("case", ["K100-BK32", "K130-BK64", "varlen-BK32", "bf16-scan64x2", "K100-rows",
+                                  "varlen-rows", "bf16-rows"])
 def test_backward_launch_sweeps(monkeypatch, case):
-    """The backward's sweep knobs give the default's gradients, and both match naive: the intra kernel split
-    over key blocks (4 and 3 blocks, so partial dbeta sums with the WY kernel's partials; varlen with tiny
-    segments, 2 blocks) and the backward scans at 64-column V blocks, two pipeline stages."""
+    """The backward's alternatives give the default's gradients, and both match naive: the intra kernel
+    split over key blocks (4 and 3 blocks, so partial dbeta sums with the WY kernel's partials; varlen with
+    tiny segments, 2 blocks), the intra kernel per row tile with the separate suffix sum ("rows"), and the
+    backward scans at 64-column V blocks, two pipeline stages."""
     import kimik3.ops.kda.triton_backward as tb
+    import kimik3.ops.kda.triton_bwd_intra as tbi
 
     B, T, H, K, V, cu, dtype = 1, 70, 1, 16, 16, None, torch.float32
-    knobs = {"BWD_INTRA_BK": int(case.split("BK")[1])} if "BK" in case else {"SCAN_BV": 64, "SCAN_STAGES": 2}
+    if "BK" in case:
+        knobs = {(tbi, "BWD_INTRA_BK"): int(case.split("BK")[1])}
+    elif case.endswith("rows"):
+        knobs = {(tbi, "BWD_INTRA_MODE"): "rows"}
+    else:
+        knobs = {(tb, "SCAN_BV"): 64, (tb, "SCAN_STAGES"): 2}
     if case.startswith("K"):
         K = int(case[1:4])
     elif case.startswith("varlen"):
@@ -295,14 +303,18 @@ def test_backward_launch_sweeps(monkeypatch, case):
     h0 = make_state(B if cu is None else len(cu) - 1, H, K, V)
     kw = dict(cu_seqlens=cu) if cu is not None else {}
     _, _, g_ref = run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
-    for attr, value in knobs.items():
-        monkeypatch.setattr(tb, attr, value)
+    for (module, attr), value in knobs.items():
+        monkeypatch.setattr(module, attr, value)
     if dtype == torch.float32:
         check_against_naive(inputs, h0, cu=cu)
     _, _, g = run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
     tol = 1e-5 if dtype == torch.float32 else 1e-3  # same math, different summation order
     for name, a, b in zip(GRAD_NAMES, g_ref, g):
         assert rel_rms(a, b) < tol, (name, rel_rms(a, b))
+    if case.endswith("rows"):
+        monkeypatch.setattr(tbi, "BWD_INTRA_MODE", "nonsense")
+        with pytest.raises(ValueError, match="KIMIK3_KDA_BWD_INTRA"):
+            run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
 
 
 @pytest.mark.parametrize("pattern", ["all", "tile", "alternate"])

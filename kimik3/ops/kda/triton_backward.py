@@ -23,11 +23,8 @@ Kernels:
   3. ``_bwd_wy_kernel``  per (chunk, head): the V-contractions above, the K-independent ones first
      (``_wy_v_side``), then per BK-column key block (``_wy_k_side``); writes dv, the partial
      dq / dk / dGamma / dbeta, and dAqk, dA [NT, H, 64, 64] fp32.
-  4. ``_bwd_intra_kernel`` per (chunk, head[, key block]): the gradients through Aqk and A on 16 x 16
-     blocks (10 lower-triangular blocks), row side against the reference Gamma at the row tile's FIRST token,
-     column side against Gamma at the column tile's LAST token: every factor is <= 1 except on the
-     diagonal blocks, where the gate bound keeps it <= e^75 (no position-pair path). Adds the partials,
-     and turns dGamma into dg by a reverse cumsum (tiles processed last to first with a carry).
+  4. ``triton_bwd_intra.py``: the gradients through Aqk and A on 16 x 16 blocks, the partials added,
+     and dGamma turned into dg by a suffix sum over the chunk.
 
 All matmuls are tl.dot with fp32 accumulation. Operands: fp32 at tf32x3 for fp32 inputs; for 16-bit
 inputs fp32 at tf32 (the interpreter computes exactly either way).
@@ -42,9 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_bwd_intra import bwd_intra
 from .triton_forward import INTERPRET, ChunkPlan, _dot_dtype, _next_pow2
-from .triton_scan import (_chunk_beta, _chunk_bounds, _chunk_tiles, _fwd_h_kernel, _scan_program, _split16,
-                          _state_tile, states_dtype)
+from .triton_scan import _chunk_beta, _chunk_tiles, _fwd_h_kernel, _scan_program, _split16, _state_tile, states_dtype
 
 BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark sweeps)
 WY_BLOCKS: Optional[Tuple[int, int]] = None  # override the WY kernel's (key block, V block); default (64, 64)
@@ -63,11 +60,6 @@ SCAN_WARPS = 8
 # H200 (fp32 and bf16) and it timed -1.7 ms of 29.5 ms fwd+bwd at K3's shape. KIMIK3_KDA_WY_SPLIT=0: one
 # program per (chunk, head).
 WY_SPLIT_K = os.environ.get("KIMIK3_KDA_WY_SPLIT", "1") == "1"
-# Kernel 4 split over key blocks of BWD_INTRA_BK columns at BWD_INTRA_WARPS warps (None: 8 for a
-# 128-column block, else 4). None: 64-column blocks for 16-bit inputs (timed 22.08 -> 21.54 ms fwd+bwd at
-# K3's shape on the H200 against one 128-column block, same run), one block of all K columns for fp32.
-BWD_INTRA_BK: Optional[int] = None
-BWD_INTRA_WARPS: Optional[int] = None
 
 
 # --------------------------------------------------------------------------
@@ -225,7 +217,7 @@ def _bwd_wy_kernel(
     (``_wy_v_side``) and then every BK-column key block (``_wy_k_side``), and writes dA and dbeta whole.
     Split (``WY_SPLIT_K``), program_id(2) = p < cdiv(K, BK) does key block p alone and p = cdiv(K, BK)
     the K-independent products; each writes its own partial dA and dbeta (part_a / part_beta elements
-    apart), which ``_bwd_intra_kernel`` sums."""
+    apart), which kernel 4 (``triton_bwd_intra.py``) sums."""
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_p = tl.program_id(2)
@@ -261,113 +253,6 @@ def _bwd_wy_kernel(
     i_p64 = i_p.to(tl.int64)  # partial offsets can pass 2^31 elements
     tl.store(da_ptr + i_p64 * part_a + o2, tl.where(r[:, None] > r[None, :], da, 0.0))
     tl.store(dbeta_ptr + i_p64 * part_beta + (t0 + r) * H + i_h, dbeta, mask=rv)
-
-
-# --------------------------------------------------------------------------
-# kernel 4: gradients through Aqk and A on 16 x 16 blocks; dg by suffix sums
-# --------------------------------------------------------------------------
-
-
-@triton.jit
-def _parts(ptr, off, stride, NPART: tl.constexpr):
-    """Sum of NPART partial buffers stride elements apart (the K-split WY kernel's dA)."""
-    acc = tl.load(ptr + off)
-    for p in tl.static_range(1, NPART):
-        acc += tl.load(ptr + tl.full([], p, tl.int64) * stride + off)  # int64: can pass 2^31
-    return acc
-
-
-@triton.jit
-def _parts_masked(ptr, off, stride, mask, NPART: tl.constexpr):
-    """``_parts`` for a masked row vector (the partial dbeta)."""
-    acc = tl.load(ptr + off, mask=mask, other=0.0)
-    for p in tl.static_range(1, NPART):
-        acc += tl.load(ptr + tl.full([], p, tl.int64) * stride + off, mask=mask, other=0.0)
-    return acc
-
-
-@triton.jit
-def _bwd_intra_kernel(
-    q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, dq_ptr, dk_ptr, dG_ptr, dg_ptr, dbeta_in_ptr, dbeta_ptr,
-    cu_ptr, cidx_ptr, H, part_beta, part_a, part_db,
-    K: tl.constexpr, BKF: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr,
-):
-    """One (chunk, head, BKF-column key block): the key columns are independent (dg's suffix sum runs down
-    one column), so a block owns its columns of dq, dk, dg and writes its own partial dbeta (part_db
-    elements apart; the block-0 program adds the WY kernel's partials)."""
-    i_t = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    i_k = tl.program_id(2)
-    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
-    r16 = tl.arange(0, 16)
-    ck = i_k * BKF + tl.arange(0, BKF)
-    km = ck < K
-    a_base = (i_t * H + i_h) * 4096
-    NEG = float("-inf")
-    carry = tl.zeros([BKF], dtype=tl.float32)
-    for ii in tl.static_range(4):
-        i = 3 - ii  # last row tile first: the suffix sum over later tiles is carried
-        rows = i * 16 + r16
-        vi = rows < L
-        mi = vi[:, None] & km[None, :]
-        oi = (t0 + rows)[:, None] * (H * K) + i_h * K + ck[None, :]
-        Gi = tl.load(G_ptr + oi, mask=mi, other=0.0)
-        qi = tl.load(q_ptr + oi, mask=mi, other=0.0).to(tl.float32)
-        ki = tl.load(k_ptr + oi, mask=mi, other=0.0).to(tl.float32)
-        bi = tl.load(beta_ptr + (t0 + rows) * H + i_h, mask=vi, other=0.0).to(tl.float32)
-        # ---- row side: rows of tile i against columns of tiles j <= i, reference Gamma at row 16 i
-        g_n = tl.load(G_ptr + (t0 + i * 16) * (H * K) + i_h * K + ck, mask=km & (i * 16 < L), other=0.0)
-        acc_q = tl.zeros([16, BKF], dtype=tl.float32)
-        acc_b = tl.zeros([16, BKF], dtype=tl.float32)
-        for j in tl.static_range(4):
-            if j <= i:  # (static_range(i + 1) fails under the interpreter; compile-time here)
-                cols = j * 16 + r16
-                vj = cols < L
-                mj = vj[:, None] & km[None, :]
-                oj = (t0 + cols)[:, None] * (H * K) + i_h * K + ck[None, :]
-                Gj = tl.load(G_ptr + oj, mask=mj, other=0.0)
-                kj = tl.load(k_ptr + oj, mask=mj, other=0.0).to(tl.float32)
-                kc = kj * tl.exp(tl.where(mj, g_n[None, :] - Gj, NEG))  # <= 1 for j < i, <= e^75 for j == i
-                bo = a_base + rows[:, None] * 64 + cols[None, :]
-                acc_q += tl.dot(tl.load(daqk_ptr + bo), kc, input_precision=PREC)
-                acc_b += tl.dot(_parts(da_ptr, bo, part_a, NPART), kc, input_precision=PREC)
-        er = tl.exp(tl.where(mi, Gi - g_n[None, :], NEG))  # in [e^-75, 1]
-        dq_r = acc_q * er
-        x = acc_b * er  # gradient of the row operand beta k
-        # ---- column side: columns of tile i against rows of tiles m >= i, reference Gamma at its last token
-        g_l = tl.load(G_ptr + (t0 + tl.minimum(i * 16 + 15, L - 1)) * (H * K) + i_h * K + ck, mask=km, other=0.0)
-        acc_c = tl.zeros([16, BKF], dtype=tl.float32)
-        for m in tl.static_range(4):
-            if m >= i:
-                rm = m * 16 + r16
-                vmr = rm < L
-                mm = vmr[:, None] & km[None, :]
-                om = (t0 + rm)[:, None] * (H * K) + i_h * K + ck[None, :]
-                Gm = tl.load(G_ptr + om, mask=mm, other=0.0)
-                qm = tl.load(q_ptr + om, mask=mm, other=0.0).to(tl.float32)
-                km_ = tl.load(k_ptr + om, mask=mm, other=0.0).to(tl.float32)
-                bm = tl.load(beta_ptr + (t0 + rm) * H + i_h, mask=vmr, other=0.0).to(tl.float32)
-                f = tl.exp(tl.where(mm, Gm - g_l[None, :], NEG))  # <= 1 for m > i, <= e^75 for m == i
-                bo = a_base + rm[:, None] * 64 + (i * 16 + r16)[None, :]
-                acc_c += tl.dot(tl.trans(tl.load(daqk_ptr + bo)), qm * f, input_precision=PREC)
-                acc_c += tl.dot(tl.trans(_parts(da_ptr, bo, part_a, NPART)), (bm[:, None] * km_) * f,
-                                input_precision=PREC)
-        dk_c = acc_c * tl.exp(tl.where(mi, g_l[None, :] - Gi, NEG))  # in [e^-75, 1]
-        # ---- combine with the partials of the WY kernel
-        dq = tl.load(dq_ptr + oi, mask=mi, other=0.0) + dq_r
-        dk = tl.load(dk_ptr + oi, mask=mi, other=0.0) + dk_c + bi[:, None] * x
-        dG = tl.load(dG_ptr + oi, mask=mi, other=0.0) + qi * dq_r + (bi[:, None] * ki) * x - ki * dk_c
-        dG = tl.where(mi, dG, 0.0)
-        db = tl.sum(ki * x, axis=1)
-        if i_k == 0:  # the WY kernel's partial dbeta, added once
-            db += _parts_masked(dbeta_in_ptr, (t0 + rows) * H + i_h, part_beta, vi, NPART)
-        tot = tl.sum(dG, axis=0)
-        dg = tot[None, :] - tl.cumsum(dG, axis=0) + dG + carry[None, :]
-        carry += tot
-        tl.store(dq_ptr + oi, dq, mask=mi)
-        tl.store(dk_ptr + oi, dk, mask=mi)
-        tl.store(dg_ptr + oi, dg, mask=mi)
-        tl.store(dbeta_ptr + i_k.to(tl.int64) * part_db + (t0 + rows) * H + i_h, db, mask=vi)
 
 
 # --------------------------------------------------------------------------
@@ -446,15 +331,6 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
         dq, dk, dg, dv, dbeta_parts, daqk, da, plan.cu, plan.chunk_idx, H, float(scale), part_beta, part_a,
         K=K, V=V, BK=BK, BV=BV, PREC=PREC, SPLIT=npart > 1, num_warps=warps,
     )
-    # dg holds dGamma (partial) here; the intra kernel reads it and writes dg in place (same tile, same CTA)
-    BKi = min(BWD_INTRA_BK or (BKF if q.dtype == torch.float32 else 64), BKF)
-    nkb_i = triton.cdiv(K, BKi)
-    dbeta_k = dbeta if nkb_i == 1 else torch.empty(nkb_i, B, T, H, **f32)
-    _bwd_intra_kernel[(NT, H, nkb_i)](
-        q, k, G, beta, daqk, da, dq, dk, dg, dg, dbeta_parts, dbeta_k, plan.cu, plan.chunk_idx, H, part_beta, part_a,
-        B * T * H, K=K, BKF=BKi, PREC=PREC, NPART=npart,
-        num_warps=BWD_INTRA_WARPS or BWD_WARPS or (8 if BKi >= 128 else 4),
-    )
-    if nkb_i > 1:
-        torch.sum(dbeta_k, dim=0, out=dbeta)
+    # dg holds dGamma (partial) here; kernel 4 adds the intra-chunk part and turns it into dg in place
+    bwd_intra(q, k, G, beta, daqk, da, dq, dk, dg, dbeta_parts, dbeta, plan, npart, PREC, BWD_WARPS)
     return dq, dk, dv, dg, dbeta, dh0

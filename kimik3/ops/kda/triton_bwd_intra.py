@@ -1,0 +1,265 @@
+"""Kernel 4 of the Triton KDA backward: the gradients through the intra-chunk matrices Aqk and A.
+
+With dAqk and dA (from the WY kernel, ``triton_backward.py``; dA as NPART partials) and the partial
+dq / dk / dGamma / dbeta the WY kernel stored, per chunk and 16-token row tile i:
+    row side     dq_t   += sum_{s <= t} dAqk[t, s] k_s e^(Gamma_t - Gamma_s)
+                 x_t     = sum_{s <  t} dA[t, s]   k_s e^(Gamma_t - Gamma_s)      (gradient of beta_t k_t)
+    column side  dk_s   += sum_{t >= s} (dAqk[t, s] q_t + dA[t, s] beta_t k_t) e^(Gamma_t - Gamma_s)
+    dk += beta x,  dbeta += rowsum(k x),  dGamma += q dq_row + beta k x - k dk_col,
+and dg = the suffix sum of dGamma over the chunk. Every product is a dense [16, 16] x [16, BK] tl.dot:
+the row side against the reference Gamma at row tile i's FIRST token, the column side against Gamma at
+column tile i's LAST token, so every exponential factor is <= 1 except on the diagonal blocks, where the
+gate bound keeps it <= e^75 (no position-pair path). Key columns are independent (dg's suffix sum runs
+down one column): each program owns a block of BK columns and writes its own partial dbeta.
+
+Two forms (``BWD_INTRA_MODE``):
+  tiles  ``_bwd_intra_kernel`` per (chunk, head, key block): the four row tiles in turn, last first,
+         the suffix sum carried across them (the default, measured on the H200).
+  rows   ``_bwd_intra_rows_kernel`` per (chunk x row tile, head, key block), loops over the other
+         tiles not unrolled, dGamma stored and turned into dg by ``_suffix_sum_kernel`` (fla's
+         chunk_kda_bwd_kernel_intra is organised this way: four times the programs, each light).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_forward import INTERPRET, ChunkPlan
+from .triton_scan import _chunk_bounds
+
+BWD_INTRA_MODE = os.environ.get("KIMIK3_KDA_BWD_INTRA", "tiles")
+# Key block BWD_INTRA_BK at BWD_INTRA_WARPS warps (None: the defaults). "tiles": 64-column blocks for 16-bit
+# inputs (timed 22.08 -> 21.54 ms fwd+bwd at K3's shape on the H200 against one 128-column block, same
+# run), one block of all K columns for fp32; warps 8 for a 128-column block, else 4. "rows": 64 / 4.
+BWD_INTRA_BK: Optional[int] = None
+BWD_INTRA_WARPS: Optional[int] = None
+
+
+@triton.jit
+def _parts(ptr, off, stride, NPART: tl.constexpr):
+    """Sum of NPART partial buffers stride elements apart (the K-split WY kernel's dA)."""
+    acc = tl.load(ptr + off)
+    for p in tl.static_range(1, NPART):
+        acc += tl.load(ptr + tl.full([], p, tl.int64) * stride + off)  # int64: can pass 2^31
+    return acc
+
+
+@triton.jit
+def _parts_masked(ptr, off, stride, mask, NPART: tl.constexpr):
+    """``_parts`` for a masked row vector (the partial dbeta)."""
+    acc = tl.load(ptr + off, mask=mask, other=0.0)
+    for p in tl.static_range(1, NPART):
+        acc += tl.load(ptr + tl.full([], p, tl.int64) * stride + off, mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
+def _row_block(i, j, g_n, k_ptr, G_ptr, daqk_ptr, da_ptr, t0, L, hk, km, a_base, H, part_a,
+               K: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr):
+    """Row side, row tile i against column tile j <= i: (dAqk_ij kc, dA_ij kc) with kc = k_j e^(g_n - Gamma_j),
+    g_n = Gamma at row tile i's first token (<= 1 for j < i, <= e^75 for j == i)."""
+    r16 = tl.arange(0, 16)
+    cols = j * 16 + r16
+    mj = (cols < L)[:, None] & km[None, :]
+    oj = (t0 + cols)[:, None] * (H * K) + hk[None, :]
+    Gj = tl.load(G_ptr + oj, mask=mj, other=0.0)
+    kc = tl.load(k_ptr + oj, mask=mj, other=0.0).to(tl.float32) \
+        * tl.exp(tl.where(mj, g_n[None, :] - Gj, float("-inf")))
+    bo = a_base + (i * 16 + r16)[:, None] * 64 + cols[None, :]
+    return (tl.dot(tl.load(daqk_ptr + bo), kc, input_precision=PREC),
+            tl.dot(_parts(da_ptr, bo, part_a, NPART), kc, input_precision=PREC))
+
+
+@triton.jit
+def _col_block(i, m, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, t0, L, i_h, hk, km, a_base, H,
+               part_a, K: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr):
+    """Column side, column tile i against row tile m >= i: dAqk_mi^T (q_m f) + dA_mi^T (beta_m k_m f) with
+    f = e^(Gamma_m - g_l), g_l = Gamma at column tile i's last token (<= 1 for m > i, <= e^75 for m == i)."""
+    r16 = tl.arange(0, 16)
+    rm = m * 16 + r16
+    vm = rm < L
+    mm = vm[:, None] & km[None, :]
+    om = (t0 + rm)[:, None] * (H * K) + hk[None, :]
+    f = tl.exp(tl.where(mm, tl.load(G_ptr + om, mask=mm, other=0.0) - g_l[None, :], float("-inf")))
+    qf = tl.load(q_ptr + om, mask=mm, other=0.0).to(tl.float32) * f
+    bm = tl.load(beta_ptr + (t0 + rm) * H + i_h, mask=vm, other=0.0).to(tl.float32)
+    bkf = tl.load(k_ptr + om, mask=mm, other=0.0).to(tl.float32) * bm[:, None] * f
+    bo = a_base + rm[:, None] * 64 + (i * 16 + r16)[None, :]
+    return (tl.dot(tl.trans(tl.load(daqk_ptr + bo)), qf, input_precision=PREC)
+            + tl.dot(tl.trans(_parts(da_ptr, bo, part_a, NPART)), bkf, input_precision=PREC))
+
+
+@triton.jit
+def _combine(i, i_k, acc_q, acc_b, acc_c, g_n, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
+             dbeta_in_ptr, dbeta_ptr, t0, L, i_h, hk, km, H, part_beta, part_db,
+             K: tl.constexpr, NPART: tl.constexpr):
+    """Row tile i: the factors outside the products, the WY kernel's partials added; stores dq, dk and this
+    key block's partial dbeta, returns the tile's complete dGamma (masked)."""
+    r16 = tl.arange(0, 16)
+    rows = i * 16 + r16
+    vi = rows < L
+    mi = vi[:, None] & km[None, :]
+    oi = (t0 + rows)[:, None] * (H * K) + hk[None, :]
+    Gi = tl.load(G_ptr + oi, mask=mi, other=0.0)
+    qi = tl.load(q_ptr + oi, mask=mi, other=0.0).to(tl.float32)
+    ki = tl.load(k_ptr + oi, mask=mi, other=0.0).to(tl.float32)
+    bi = tl.load(beta_ptr + (t0 + rows) * H + i_h, mask=vi, other=0.0).to(tl.float32)
+    er = tl.exp(tl.where(mi, Gi - g_n[None, :], float("-inf")))  # in [e^-75, 1]
+    dq_r = acc_q * er
+    x = acc_b * er  # gradient of the row operand beta k
+    dk_c = acc_c * tl.exp(tl.where(mi, g_l[None, :] - Gi, float("-inf")))  # in [e^-75, 1]
+    tl.store(dq_ptr + oi, tl.load(dq_ptr + oi, mask=mi, other=0.0) + dq_r, mask=mi)
+    tl.store(dk_ptr + oi, tl.load(dk_ptr + oi, mask=mi, other=0.0) + dk_c + bi[:, None] * x, mask=mi)
+    dG = tl.load(dG_ptr + oi, mask=mi, other=0.0) + qi * dq_r + (bi[:, None] * ki) * x - ki * dk_c
+    db = tl.sum(ki * x, axis=1)
+    if i_k == 0:  # the WY kernel's partial dbeta, added once
+        db += _parts_masked(dbeta_in_ptr, (t0 + rows) * H + i_h, part_beta, vi, NPART)
+    tl.store(dbeta_ptr + i_k.to(tl.int64) * part_db + (t0 + rows) * H + i_h, db, mask=vi)
+    return tl.where(mi, dG, 0.0)
+
+
+@triton.jit
+def _bwd_intra_kernel(
+    q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, dq_ptr, dk_ptr, dG_ptr, dbeta_in_ptr, dbeta_ptr,
+    cu_ptr, cidx_ptr, H, part_beta, part_a, part_db,
+    K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr,
+):
+    """"tiles": one (chunk, head, key block), the row tiles last to first, dg's suffix sum carried; writes
+    dg over dGamma (same tile, same program)."""
+    i_t = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_k = tl.program_id(2)
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
+    r16 = tl.arange(0, 16)
+    ck = i_k * BK + tl.arange(0, BK)
+    km = ck < K
+    hk = i_h * K + ck
+    a_base = (i_t * H + i_h) * 4096
+    carry = tl.zeros([BK], dtype=tl.float32)
+    for ii in tl.static_range(4):
+        i = 3 - ii  # last row tile first: the suffix sum over later tiles is carried
+        g_n = tl.load(G_ptr + (t0 + i * 16) * (H * K) + hk, mask=km & (i * 16 < L), other=0.0)
+        acc_q = tl.zeros([16, BK], dtype=tl.float32)
+        acc_b = tl.zeros([16, BK], dtype=tl.float32)
+        for j in tl.static_range(4):
+            if j <= i:  # (static_range(i + 1) fails under the interpreter; compile-time here)
+                pq, pb = _row_block(i, j, g_n, k_ptr, G_ptr, daqk_ptr, da_ptr, t0, L, hk, km, a_base, H, part_a,
+                                    K, PREC, NPART)
+                acc_q += pq
+                acc_b += pb
+        g_l = tl.load(G_ptr + (t0 + tl.minimum(i * 16 + 15, L - 1)) * (H * K) + hk, mask=km, other=0.0)
+        acc_c = tl.zeros([16, BK], dtype=tl.float32)
+        for m in tl.static_range(4):
+            if m >= i:
+                acc_c += _col_block(i, m, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, t0, L, i_h, hk, km,
+                                    a_base, H, part_a, K, PREC, NPART)
+        dG = _combine(i, i_k, acc_q, acc_b, acc_c, g_n, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
+                      dbeta_in_ptr, dbeta_ptr, t0, L, i_h, hk, km, H, part_beta, part_db, K, NPART)
+        tot = tl.sum(dG, axis=0)
+        rows = i * 16 + r16
+        mi = (rows < L)[:, None] & km[None, :]
+        tl.store(dG_ptr + (t0 + rows)[:, None] * (H * K) + hk[None, :],
+                 tot[None, :] - tl.cumsum(dG, axis=0) + dG + carry[None, :], mask=mi)
+        carry += tot
+
+
+@triton.jit
+def _bwd_intra_rows_kernel(
+    q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, dq_ptr, dk_ptr, dG_ptr, dbeta_in_ptr, dbeta_ptr,
+    cu_ptr, cidx_ptr, H, part_beta, part_a, part_db,
+    K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr, INTERP: tl.constexpr,
+):
+    """"rows": one (chunk x row tile, head, key block); stores the tile's complete dGamma over the partial
+    (``_suffix_sum_kernel`` then makes it dg)."""
+    i_t = (tl.program_id(0) // 4).to(tl.int64)
+    i = tl.program_id(0) % 4
+    i_h = tl.program_id(1)
+    i_k = tl.program_id(2)
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
+    if i * 16 < L:
+        ck = i_k * BK + tl.arange(0, BK)
+        km = ck < K
+        hk = i_h * K + ck
+        a_base = (i_t * H + i_h) * 4096
+        g_n = tl.load(G_ptr + (t0 + i * 16) * (H * K) + hk, mask=km, other=0.0)
+        g_l = tl.load(G_ptr + (t0 + tl.minimum(i * 16 + 15, L - 1)) * (H * K) + hk, mask=km, other=0.0)
+        acc_q = tl.zeros([16, BK], dtype=tl.float32)
+        acc_b = tl.zeros([16, BK], dtype=tl.float32)
+        acc_c = tl.zeros([16, BK], dtype=tl.float32)
+        n_tiles = (L + 15) // 16
+        if INTERP:  # the interpreter cannot range() over a runtime bound (numpy 2; NOTES-kda.md)
+            j = 0
+            while j <= i:
+                pq, pb = _row_block(i, j, g_n, k_ptr, G_ptr, daqk_ptr, da_ptr, t0, L, hk, km, a_base, H, part_a,
+                                    K, PREC, NPART)
+                acc_q += pq
+                acc_b += pb
+                j += 1
+            m = i
+            while m < n_tiles:
+                acc_c += _col_block(i, m, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, t0, L, i_h, hk, km,
+                                    a_base, H, part_a, K, PREC, NPART)
+                m += 1
+        else:
+            for j in range(0, i + 1):
+                pq, pb = _row_block(i, j, g_n, k_ptr, G_ptr, daqk_ptr, da_ptr, t0, L, hk, km, a_base, H, part_a,
+                                    K, PREC, NPART)
+                acc_q += pq
+                acc_b += pb
+            for m in range(i, n_tiles):
+                acc_c += _col_block(i, m, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, t0, L, i_h, hk, km,
+                                    a_base, H, part_a, K, PREC, NPART)
+        dG = _combine(i, i_k, acc_q, acc_b, acc_c, g_n, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
+                      dbeta_in_ptr, dbeta_ptr, t0, L, i_h, hk, km, H, part_beta, part_db, K, NPART)
+        rows = i * 16 + tl.arange(0, 16)
+        tl.store(dG_ptr + (t0 + rows)[:, None] * (H * K) + hk[None, :], dG,
+                 mask=(rows < L)[:, None] & km[None, :])
+
+
+@triton.jit
+def _suffix_sum_kernel(x_ptr, cu_ptr, cidx_ptr, H, K: tl.constexpr, BK: tl.constexpr):
+    """In place, per (chunk, head, key block): x_t <- sum_{t' >= t in the chunk} x_t' (dGamma -> dg)."""
+    i_t = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
+    r = tl.arange(0, 64)
+    ck = tl.program_id(2) * BK + tl.arange(0, BK)
+    m = (r < L)[:, None] & (ck < K)[None, :]
+    o = (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :]
+    x = tl.load(x_ptr + o, mask=m, other=0.0)
+    tl.store(x_ptr + o, tl.sum(x, axis=0)[None, :] - tl.cumsum(x, axis=0) + x, mask=m)
+
+
+def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Tensor, daqk: torch.Tensor,
+              da: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dg: torch.Tensor, dbeta_parts: torch.Tensor,
+              dbeta: torch.Tensor, plan: ChunkPlan, npart: int, prec: str, warps: Optional[int] = None) -> None:
+    """Kernel 4 in place: dq, dk gain the intra-chunk parts, dg (holding the partial dGamma) becomes dg,
+    dbeta the sum of every partial (``dbeta_parts``: the WY kernel's npart partials, or dbeta itself when
+    npart == 1). ``warps``: the backward's num_warps override for its chunk-local kernels, if any."""
+    if BWD_INTRA_MODE not in ("tiles", "rows"):
+        raise ValueError(f"KIMIK3_KDA_BWD_INTRA must be 'tiles' or 'rows', got {BWD_INTRA_MODE!r}")
+    B, T, H, K = q.shape
+    NT = plan.NT
+    BKF = max(16, triton.next_power_of_2(K))
+    rows = BWD_INTRA_MODE == "rows"
+    default_bk = 64 if (rows or q.dtype != torch.float32) else BKF
+    BK = min(BWD_INTRA_BK or default_bk, BKF)
+    warps = BWD_INTRA_WARPS or (4 if rows else (warps or (8 if BK >= 128 else 4)))
+    nkb = triton.cdiv(K, BK)
+    dbeta_k = dbeta if nkb == 1 else torch.empty(nkb, B, T, H, device=q.device, dtype=torch.float32)
+    args = (q, k, G, beta, daqk, da, dq, dk, dg, dbeta_parts, dbeta_k, plan.cu, plan.chunk_idx, H,
+            B * T * H, NT * H * 4096, B * T * H)
+    if rows:
+        _bwd_intra_rows_kernel[(4 * NT, H, nkb)](*args, K=K, BK=BK, PREC=prec, NPART=npart, INTERP=INTERPRET,
+                                                 num_warps=warps)
+        _suffix_sum_kernel[(NT, H, triton.cdiv(K, min(64, BKF)))](dg, plan.cu, plan.chunk_idx, H, K=K,
+                                                                  BK=min(64, BKF), num_warps=4)
+    else:
+        _bwd_intra_kernel[(NT, H, nkb)](*args, K=K, BK=BK, PREC=prec, NPART=npart, num_warps=warps)
+    if nkb > 1:
+        torch.sum(dbeta_k, dim=0, out=dbeta)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_forward import INTERPRET, ChunkPlan
+from .triton_forward import INTERPRET, ChunkPlan, _next_pow2
 from .triton_scan import _chunk_bounds
 
 BWD_INTRA_MODE = os.environ.get("KIMIK3_KDA_BWD_INTRA", "tiles")
@@ -245,7 +245,7 @@ def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Ten
         raise ValueError(f"KIMIK3_KDA_BWD_INTRA must be 'tiles' or 'rows', got {BWD_INTRA_MODE!r}")
     B, T, H, K = q.shape
     NT = plan.NT
-    BKF = max(16, triton.next_power_of_2(K))
+    BKF = _next_pow2(K)
     rows = BWD_INTRA_MODE == "rows"
     default_bk = 64 if (rows or q.dtype != torch.float32) else BKF
     BK = min(BWD_INTRA_BK or default_bk, BKF)

@@ -27,7 +27,9 @@ Kernels:
      and dGamma turned into dg by a suffix sum over the chunk.
 
 All matmuls are tl.dot with fp32 accumulation. Operands: fp32 at tf32x3 for fp32 inputs; for 16-bit
-inputs fp32 at tf32 (the interpreter computes exactly either way).
+inputs fp32 at tf32, except in the two scans when the forward scan took 16-bit operands (variant
+without 's'): then they take 16-bit operands with hi / lo splits (the interpreter computes exactly
+either way).
 """
 
 from __future__ import annotations

@@ -59,6 +59,12 @@ def _parts_masked(ptr, off, stride, mask, NPART: tl.constexpr):
 
 
 @triton.jit
+def _suffix_sum(x):
+    """Per column of the [rows, BK] tile x: the sum of x over this row and every later one."""
+    return tl.sum(x, axis=0)[None, :] - tl.cumsum(x, axis=0) + x
+
+
+@triton.jit
 def _row_block(i, j, g_n, k_ptr, G_ptr, daqk_ptr, da_ptr, t0, L, hk, km, a_base, H, part_a,
                K: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr):
     """Row side, row tile i against column tile j <= i: (dAqk_ij kc, dA_ij kc) with kc = k_j e^(g_n - Gamma_j),
@@ -160,12 +166,10 @@ def _bwd_intra_kernel(
                                     a_base, H, part_a, K, PREC, NPART)
         dG = _combine(i, i_k, acc_q, acc_b, acc_c, g_n, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
                       dbeta_in_ptr, dbeta_ptr, t0, L, i_h, hk, km, H, part_beta, part_db, K, NPART)
-        tot = tl.sum(dG, axis=0)
         rows = i * 16 + r16
         mi = (rows < L)[:, None] & km[None, :]
-        tl.store(dG_ptr + (t0 + rows)[:, None] * (H * K) + hk[None, :],
-                 tot[None, :] - tl.cumsum(dG, axis=0) + dG + carry[None, :], mask=mi)
-        carry += tot
+        tl.store(dG_ptr + (t0 + rows)[:, None] * (H * K) + hk[None, :], _suffix_sum(dG) + carry[None, :], mask=mi)
+        carry += tl.sum(dG, axis=0)
 
 
 @triton.jit
@@ -231,16 +235,16 @@ def _suffix_sum_kernel(x_ptr, cu_ptr, cidx_ptr, H, K: tl.constexpr, BK: tl.const
     ck = tl.program_id(2) * BK + tl.arange(0, BK)
     m = (r < L)[:, None] & (ck < K)[None, :]
     o = (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :]
-    x = tl.load(x_ptr + o, mask=m, other=0.0)
-    tl.store(x_ptr + o, tl.sum(x, axis=0)[None, :] - tl.cumsum(x, axis=0) + x, mask=m)
+    tl.store(x_ptr + o, _suffix_sum(tl.load(x_ptr + o, mask=m, other=0.0)), mask=m)
 
 
 def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Tensor, daqk: torch.Tensor,
               da: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dg: torch.Tensor, dbeta_parts: torch.Tensor,
-              dbeta: torch.Tensor, plan: ChunkPlan, npart: int, prec: str, warps: Optional[int] = None) -> None:
+              dbeta: torch.Tensor, plan: ChunkPlan, npart: int, prec: str,
+              warps_override: Optional[int] = None) -> None:
     """Kernel 4 in place: dq, dk gain the intra-chunk parts, dg (holding the partial dGamma) becomes dg,
     dbeta the sum of every partial (``dbeta_parts``: the WY kernel's npart partials, or dbeta itself when
-    npart == 1). ``warps``: the backward's num_warps override for its chunk-local kernels, if any."""
+    npart == 1). ``warps_override``: the backward's num_warps override for its chunk-local kernels, if any."""
     if BWD_INTRA_MODE not in ("tiles", "rows"):
         raise ValueError(f"KIMIK3_KDA_BWD_INTRA must be 'tiles' or 'rows', got {BWD_INTRA_MODE!r}")
     B, T, H, K = q.shape
@@ -249,7 +253,7 @@ def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Ten
     rows = BWD_INTRA_MODE == "rows"
     default_bk = 64 if (rows or q.dtype != torch.float32) else BKF
     BK = min(BWD_INTRA_BK or default_bk, BKF)
-    warps = BWD_INTRA_WARPS or (4 if rows else (warps or (8 if BK >= 128 else 4)))
+    warps = BWD_INTRA_WARPS or (4 if rows else (warps_override or (8 if BK >= 128 else 4)))
     nkb = triton.cdiv(K, BK)
     dbeta_k = dbeta if nkb == 1 else torch.empty(nkb, B, T, H, device=q.device, dtype=torch.float32)
     args = (q, k, G, beta, daqk, da, dq, dk, dg, dbeta_parts, dbeta_k, plan.cu, plan.chunk_idx, H,
@@ -257,8 +261,8 @@ def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Ten
     if rows:
         _bwd_intra_rows_kernel[(4 * NT, H, nkb)](*args, K=K, BK=BK, PREC=prec, NPART=npart, INTERP=INTERPRET,
                                                  num_warps=warps)
-        _suffix_sum_kernel[(NT, H, triton.cdiv(K, min(64, BKF)))](dg, plan.cu, plan.chunk_idx, H, K=K,
-                                                                  BK=min(64, BKF), num_warps=4)
+        BKs = min(64, BKF)
+        _suffix_sum_kernel[(NT, H, triton.cdiv(K, BKs))](dg, plan.cu, plan.chunk_idx, H, K=K, BK=BKs, num_warps=4)
     else:
         _bwd_intra_kernel[(NT, H, nkb)](*args, K=K, BK=BK, PREC=prec, NPART=npart, num_warps=warps)
     if nkb > 1:

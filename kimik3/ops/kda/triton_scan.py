@@ -243,7 +243,9 @@ def _output_kernel(qg_ptr, aqk_ptr, h_ptr, vn_ptr, o_ptr, cu_ptr, cidx_ptr, H, s
                    PREC: tl.constexpr, DT: tl.constexpr = tl.float32):
     """o = scale (qg S + Aqk v_new) for one chunk, from the entry state S and v_new the states-only
     scan stored: the output leaves the scan's serial path. DT 16-bit: 16-bit operands, with Aqk and
-    v_new split into high and low parts as in the fused scan's HILO."""
+    v_new split into high and low parts as in the fused scan's HILO. (The products are ``_scan_step``'s,
+    written out again: there they interleave with the state update, and a shared helper reorders the
+    measured fused scan's compiled code -- sm_90 spill 272 -> 236 B, untimed.)"""
     i_v = tl.program_id(0)
     i_t = tl.program_id(1).to(tl.int64)
     i_h = tl.program_id(2)

@@ -70,8 +70,8 @@ finish() {
 }
 
 # shape 0 (with per-kernel profiles); shape 1 only TRIES1
-TRIES=brows,brows+bik=32/2,scan=64/8/2,scan=32/4/2,bsc=32/1+bik=128/8
-TRIES1=brows
+TRIES=pouter,fwd=fused+btiles+pouter,solve=4/1,solve=4/2,solve=4/4,bik=32/4,wyb=32/64
+TRIES1=fwd=fused+btiles+pouter
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi

@@ -21,12 +21,15 @@ not stop the later ones; exit status 1 if anything FAILed):
   at that scan config), `intra` / `intra=fused` (KIMIK3_KDA_INTRA; split is the default), `i16` / `i16=BK/warps[/1[/1]]`
   (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own kernel, /1/1: the diagonal blocks
   too), `wy` / `nowy` (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the precision variant, e.g. `var=ach`; checked against
-  the default at the bf16 tests' bounds), `solve3` (KIMIK3_KDA_SOLVE=3), `bscan=W` (warps of the two
+  the default at the bf16 tests' bounds), `solve3` (KIMIK3_KDA_SOLVE=3), `solve=MODE/warps` (the split
+  solve kernel's SOLVE mode and num_warps), `bscan=W` (warps of the two
   backward scans), `bwarps=W` (warps of the chunk-local backward kernels), `wyb=BK/BV` (the WY
   backward's blocks), `st32` (the backward's recomputed states stored fp32,
   KIMIK3_KDA_STATES_16BIT=0), `bik=BK/warps` (the backward intra kernel's key block and warps),
-  `brows` (that kernel per row tile, KIMIK3_KDA_BWD_INTRA=rows) and `bsc=BV/stages` (the backward
-  scans' V block and pipeline stages); e.g.
+  `brows` / `btiles` (that kernel per row tile, the default, or per chunk: KIMIK3_KDA_BWD_INTRA),
+  `bsc=BV/stages` (the backward scans' V block and pipeline stages), `pouter` (the chunk-local kernels'
+  parts on grid axis 2, the launch order before the seventh session: KIMIK3_KDA_PARTS_INNER=0) and
+  `fwd=fused` / `fwd=split` (KIMIK3_KDA_FWD at its default scan launch); e.g.
   `--try scan=32/4/2,intra=fused,wy,st32,bik=32/4,bsc=64/2`. fla is timed before our experiments, so a run cut
   short keeps the comparison.
 
@@ -80,8 +83,12 @@ def parse_experiment(token: str):
             if len(cfg) != 2:
                 raise SystemExit(f"--try: bik=BK/warps, got {part!r}")
             overrides[(tbi, "BWD_INTRA_BK")], overrides[(tbi, "BWD_INTRA_WARPS")] = cfg
-        elif part == "brows":
-            overrides[(tbi, "BWD_INTRA_MODE")] = "rows"
+        elif part in ("brows", "btiles"):
+            overrides[(tbi, "BWD_INTRA_MODE")] = part[1:]
+        elif part in ("fwd=fused", "fwd=split"):
+            overrides[(tf, "FWD_MODE")] = part[4:]
+        elif part == "pouter":
+            overrides[(ts, "PARTS_INNER")] = False
         elif part.startswith("bsc="):
             cfg = tuple(int(x) for x in part[4:].split("/"))
             if len(cfg) != 2:
@@ -105,13 +112,20 @@ def parse_experiment(token: str):
             overrides[(tf, "DEFAULT_VARIANT")] = part[4:]
         elif part == "solve3":
             overrides[(tf, "SOLVE")] = 3
+        elif part.startswith("solve="):  # solve=MODE/warps: the split solve kernel's SOLVE mode and num_warps
+            cfg = tuple(int(x) for x in part[6:].split("/"))
+            if len(cfg) != 2:
+                raise SystemExit(f"--try: solve=MODE/warps, got {part!r}")
+            overrides[(tf, "SOLVE")] = cfg[0]
+            wa, _, wc = tf.INTRA_SPLIT_WARPS
+            overrides[(tf, "INTRA_SPLIT_WARPS")] = (wa, cfg[1], wc)
         elif part.startswith("bscan=") and part[6:].isdigit():
             overrides[(tb, "SCAN_WARPS")] = int(part[6:])
         elif part.startswith("bwarps=") and part[7:].isdigit():
             overrides[(tb, "BWD_WARPS")] = int(part[7:])
         else:
             raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra[=MODE], i16[=BK/W], wy, "
-                             "nowy, var=LETTERS, solve3, bscan=W, bwarps=W, wyb=BK/BV, st32, bik=BK/W, brows, bsc=BV/S)")
+                             "nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, st32, bik=BK/W, brows, btiles, bsc=BV/S, pouter, fwd=fused|split)")
     return token, overrides
 
 

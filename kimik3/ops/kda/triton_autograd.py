@@ -58,6 +58,7 @@ class _TritonKDAFunction(torch.autograd.Function):
         ctx.mode, ctx.plan = mode, plan
         if mode == "triton":
             aux = res[2]
+            ctx.hilo = aux["hilo"]  # the forward scans' precision split, for the backward's state recompute
             keys = ("G", "aqk", "tinv", "w", "u", "qg", "kg", "eg", "h", "vn")  # h, vn: split forward only
             # the kernel's q, k, beta: the inputs themselves unless the L2 norm / sigmoid was fused
             extra = [aux["q"] if use_l2 else None, aux["k"] if use_l2 else None,
@@ -106,7 +107,7 @@ def _triton_backward(ctx, do, dht):
     qn, kn, betan = saved[8:11]
     G, aqk, tinv, w, u, qg, kg, eg, h, vn = saved[11:]
     aux = dict(q=qn if use_l2 else q, k=kn if use_l2 else k, beta=betan if use_beta_sigmoid else beta,
-               G=G, aqk=aqk, tinv=tinv, w=w, u=u, qg=qg, kg=kg, eg=eg, h=h, vn=vn)
+               G=G, aqk=aqk, tinv=tinv, w=w, u=u, qg=qg, kg=kg, eg=eg, h=h, vn=vn, hilo=ctx.hilo)
     need = ctx.needs_input_grad[:8]
     dq, dk, dv, dgam, dbeta, dh0 = kda_bwd_triton(
         do, dht, aux, v, h0, scale, ctx.plan, need_dh0=bool(has_h0 and need[5]))

@@ -43,7 +43,8 @@ import triton.language as tl
 
 from .triton_bwd_intra import bwd_intra
 from .triton_forward import INTERPRET, ChunkPlan, _dot_dtype, _next_pow2
-from .triton_scan import _chunk_beta, _chunk_tiles, _fwd_h_kernel, _scan_program, _split16, _state_tile, states_dtype
+from .triton_scan import (_chunk_beta, _chunk_part, _chunk_tiles, _fwd_h_kernel, _scan_program, _split16, _state_tile,
+                          part_grid, states_dtype)
 
 BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark sweeps)
 WY_BLOCKS: Optional[Tuple[int, int]] = None  # override the WY kernel's (key block, V block); default (64, 64)
@@ -153,7 +154,7 @@ def _wy_v_side(v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, rv, v
         vv = tl.load(v_ptr + vo, mask=mv, other=0.0).to(tl.float32)
         daqk += tl.dot(do, tl.trans(vn), input_precision=PREC)
         da -= tl.dot(drv, tl.trans(u), input_precision=PREC)
-        tl.store(dv_ptr + vo, drv * beta[:, None], mask=mv)
+        tl.store(dv_ptr + vo, (drv * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=mv)
         dbeta += tl.sum(drv * vv, axis=1)
     return daqk, da, dbeta
 
@@ -213,16 +214,14 @@ def _bwd_wy_kernel(
     dq_ptr, dk_ptr, dG_ptr, dv_ptr, dbeta_ptr, daqk_ptr, da_ptr,
     cu_ptr, cidx_ptr, H, scale, part_beta, part_a,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, NPART: tl.constexpr,
 ):
     """One (chunk, head). Unsplit (the default), this program does the K-independent products
     (``_wy_v_side``) and then every BK-column key block (``_wy_k_side``), and writes dA and dbeta whole.
-    Split (``WY_SPLIT_K``), program_id(2) = p < cdiv(K, BK) does key block p alone and p = cdiv(K, BK)
+    Split (``WY_SPLIT_K``), part p < cdiv(K, BK) (``_chunk_part``) does key block p alone and p = cdiv(K, BK)
     the K-independent products; each writes its own partial dA and dbeta (part_a / part_beta elements
     apart), which kernel 4 (``triton_bwd_intra.py``) sums."""
-    i_t = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    i_p = tl.program_id(2)
+    i_t, i_h, i_p = _chunk_part(NPART)
     t0, L, r, beta = _chunk_beta(i_t, i_h, beta_ptr, cidx_ptr, cu_ptr, H)
     rv = r < L
     # 64-bit offsets only in the scalar bases; the tiles' offsets stay 32-bit (fewer registers)
@@ -266,18 +265,22 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
                    initial_state: Optional[torch.Tensor], scale: float, plan: ChunkPlan, need_dh0: bool = True):
     """Core backward: gradients w.r.t. the kernel's q, k (after any L2 norm), v, g (the log-decay after any
     fused gate), beta (after any sigmoid) and the initial state, from the forward's ``aux``
-    (``kda_fwd_triton(..., return_aux=True)``). Returns fp32 (dq, dk, dv, dg, dbeta, dh0 or None)."""
+    (``kda_fwd_triton(..., return_aux=True)``). Returns (dq, dk, dv, dg, dbeta, dh0 or None), fp32 but dv
+    in v's dtype (written once, by the WY kernel)."""
     q, k, G, beta = aux["q"], aux["k"], aux["G"], aux["beta"]
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
     N, NT = plan.N, plan.NT
     f32 = dict(device=dev, dtype=torch.float32)
-    dq = torch.zeros(B, T, H, K, **f32)
-    dk = torch.zeros(B, T, H, K, **f32)
-    dg = torch.zeros(B, T, H, K, **f32)
-    dv = torch.zeros(B, T, H, V, **f32)
-    dbeta = torch.zeros(B, T, H, **f32)
+    # every token lies in a chunk of the plan (cu_seqlens ends at T: ``check_kda_inputs``), and the kernels
+    # below write every gradient element of their chunks: no zero fill (4 x 0.07 ms at K3's shape)
+    alloc = torch.empty if sum(plan.seq_lens) == B * T else torch.zeros
+    dq = alloc(B, T, H, K, **f32)
+    dk = alloc(B, T, H, K, **f32)
+    dg = alloc(B, T, H, K, **f32)
+    dv = alloc(B, T, H, V, device=dev, dtype=v.dtype)
+    dbeta = alloc(B, T, H, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if need_dh0 else None
     if NT == 0:
         if dh0 is not None:
@@ -312,7 +315,7 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
         _fwd_h_kernel[grid_s](
             aux["kg"], aux["eg"], aux["w"], aux["u"], h0, h, vn, dummy, plan.cu, plan.chunk_off, H,
             K=K, V=V, BKF=BKs, BV=BVs, PREC=PREC, HAS_H0=initial_state is not None, STORE_HT=False,
-            INTERP=INTERPRET, DT=scan_dt, num_warps=SCAN_WARPS, num_stages=stages_s,
+            INTERP=INTERPRET, DT=scan_dt, HILO=aux.get("hilo", True), num_warps=SCAN_WARPS, num_stages=stages_s,
         )
     dht_c = dht.float().contiguous() if dht is not None else dummy
     _bwd_dh_kernel[grid_s](
@@ -328,10 +331,10 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     dbeta_parts = dbeta if npart == 1 else torch.empty(npart, B, T, H, **f32)
     part_a, part_beta = NT * H * 4096, B * T * H
     warps = BWD_WARPS or (8 if BKF >= 128 else 4)  # sm_90 compile: the split spills 176 B at 8 warps, 1.7 KB at 4
-    _bwd_wy_kernel[(NT, H, npart)](
+    _bwd_wy_kernel[part_grid(NT, H, npart)](
         q, k, v, G, beta, aux["tinv"], aux["w"], aux["u"], h, dh, vn, dvn, do,
         dq, dk, dg, dv, dbeta_parts, daqk, da, plan.cu, plan.chunk_idx, H, float(scale), part_beta, part_a,
-        K=K, V=V, BK=BK, BV=BV, PREC=PREC, SPLIT=npart > 1, num_warps=warps,
+        K=K, V=V, BK=BK, BV=BV, PREC=PREC, SPLIT=npart > 1, NPART=npart, num_warps=warps,
     )
     # dg holds dGamma (partial) here; kernel 4 adds the intra-chunk part and turns it into dg in place
     bwd_intra(q, k, G, beta, daqk, da, dq, dk, dg, dbeta_parts, dbeta, plan, npart, PREC, BWD_WARPS)

@@ -21,12 +21,11 @@ Three kernels (chunk C = 64 tokens, sub-tiles of 16; math as in ``chunk.py``):
    representation W = T (beta k exp(Gamma)), U = T (beta v). The three phases are @triton.jit helpers
    (``_a_tile``, ``_solve``, ``_wy_k_block`` / ``_wy_v_block``), run by default as three kernels with
    many light programs (``KIMIK3_KDA_INTRA=fused``: all three in one program per (chunk, head)).
-3. the inter-chunk scan (``triton_scan.py``): by default ``_state_out`` per (sequence, head, V block),
-   the sequential scan over the sequence's chunks,
-   v_new = U - W S, o = scale (q exp(Gamma) S + Aqk v_new), S <- exp(Gamma_C) S + (k exp(Gamma_C - Gamma))^T v_new,
-   with the state kept in fp32 registers (no per-chunk state is written to memory); with
-   ``KIMIK3_KDA_FWD=split`` a states-only scan storing each chunk's entry state, then the output in
-   parallel over chunks.
+3. the inter-chunk scan (``triton_scan.py``): per (sequence, head, V block) the sequential scan over the
+   sequence's chunks, v_new = U - W S, S <- exp(Gamma_C) S + (k exp(Gamma_C - Gamma))^T v_new, with the state
+   kept in fp32 registers; by default it stores each chunk's entry state and v_new, and the output
+   o = scale (q exp(Gamma) S + Aqk v_new) runs in parallel over chunks after it (``KIMIK3_KDA_FWD=fused``:
+   one ``_state_out`` kernel with the output on the scan's serial path, nothing per chunk stored).
 
 Accumulation is always fp32. fp32 inputs: every matmul at "tf32x3" (about fp32 accuracy on tensor
 cores). 16-bit inputs: the precision variant (``kda_fwd_triton``; default 'ach') picks tf32 or 16-bit
@@ -44,8 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_intra16 import _diag16_kernel, _intra16_kernel, block_subst16
-from .triton_scan import _chunk_beta, _chunk_bounds, _fwd_h_kernel, _output_kernel, _state_out_kernel, states_dtype
+from .triton_intra16 import _diag16_kernel, _intra16_kernel, _subst_step, block_subst16
+from .triton_scan import (_chunk_beta, _chunk_bounds, _chunk_part, _fwd_h_kernel, _output_kernel, _state_out_kernel,
+                          part_grid, states_dtype)
 
 BT = 64  # chunk size (tokens)
 BC = 16  # sub-tile rows: the gate bound makes 16 * 5 = 80 the largest in-tile log-decay
@@ -58,15 +58,19 @@ DEFAULT_VARIANT = os.environ.get("KIMIK3_KDA_VARIANT", "ach")
 # Launch overrides (benchmark sweeps; None = heuristic): scan (BV, num_warps[, num_stages]), intra num_warps.
 SCAN_CONFIG: Optional[Tuple[int, int]] = None
 INTRA_WARPS: Optional[int] = None
-# phase-B solve: 0 = forward substitution (default, the faster on the H200), 3 = 16 x 16 blocks in
-# registers (diagonal inverses by a 16 x 16 Neumann product, then block rows; ``_solve_blocks``).
+# phase-B solve: 0 = forward substitution (default, the faster on the H200 in the fused intra kernel), 3 / 4 =
+# 16 x 16 blocks in registers (diagonal inverses by a 16 x 16 Neumann product (3) or by the four blocks'
+# forward substitutions interleaved (4), then block rows; ``_solve_blocks``).
 # (64 x 64 Neumann products, once 1 and 2, gave illegal addresses on the H200 and were removed.)
 SOLVE = int(os.environ.get("KIMIK3_KDA_SOLVE", "0"))
 SCAN_KT_LOAD = os.environ.get("KIMIK3_KDA_KT_LOAD", "0") == "1"  # scan: load kg transposed from memory
-# Inter-chunk half (``triton_scan.py``): "fused" (default, measured: scan with the output on its serial
-# path) or "split" (states-only scan storing h, then a parallel output kernel; the backward reuses h).
-FWD_MODE = os.environ.get("KIMIK3_KDA_FWD", "fused")
-SPLIT_CONFIG: Tuple[int, int, int] = (32, 4, 2)  # split mode's scan (BV, num_warps, num_stages)
+# Inter-chunk half (``triton_scan.py``): "split" (default: a states-only scan storing h and v_new, then a
+# parallel output kernel; the backward reuses both instead of re-running the scan) or "fused" (the scan with
+# the output on its serial path, nothing per chunk stored). H200, K3's shape, bf16 (variant 'ach', same run):
+# forward 5.24 -> 4.99 ms, forward+backward 20.44 -> 19.12 ms, for h (16-bit) + v_new (fp32) kept for the
+# backward: 0.8 GB per call at that shape.
+FWD_MODE = os.environ.get("KIMIK3_KDA_FWD", "split")
+SPLIT_CONFIG: Tuple[int, int, int] = (32, 4, 2)  # split mode's scan (BV, num_warps, num_stages); 64/8/2 timed +0.13
 # Intra-chunk kernels: "split" (default: three kernels, A per column tile, B per chunk, C per K / V block;
 # with variant 'ach' the forward timed 6.04 -> 5.21 ms against "fused" at K3's shape on the H200),
 # "fused" (phases A, B, C in one program per (chunk, head)) or "tiles16" (``triton_intra16.py``: one
@@ -191,10 +195,12 @@ def _inv16(a, PREC: tl.constexpr):
 
 
 @triton.jit
-def _solve_blocks(t_ptr, base, PREC: tl.constexpr):
-    """SOLVE 3: T = (I + A)^-1 for the strictly lower 64 x 64 A stored at t_ptr + base (row-major), by
-    16 x 16 blocks held in registers: diagonal inverses by ``_inv16``, then the block rows
-    T_ij = -D_i sum_{j <= m < i} A_im T_mj. Writes T over A (one barrier) and returns it as 64 x 64."""
+def _solve_blocks(t_ptr, base, PREC: tl.constexpr, SUBST: tl.constexpr):
+    """SOLVE 3 / 4: T = (I + A)^-1 for the strictly lower 64 x 64 A stored at t_ptr + base (row-major), by
+    16 x 16 blocks held in registers: the diagonal inverses by ``_inv16`` (SUBST False) or by the four
+    blocks' forward substitutions interleaved in one loop (SUBST True; ``triton_intra16._subst_step``,
+    rows read back from the buffer), then the block rows T_ij = -D_i sum_{j <= m < i} A_im T_mj. Writes
+    T over A (one barrier) and returns it as 64 x 64."""
     r16 = tl.arange(0, 16)
     o = r16[:, None] * 64 + r16[None, :]
     a10 = tl.load(t_ptr + base + o + 16 * 64)
@@ -203,10 +209,23 @@ def _solve_blocks(t_ptr, base, PREC: tl.constexpr):
     a30 = tl.load(t_ptr + base + o + 48 * 64)
     a31 = tl.load(t_ptr + base + o + 48 * 64 + 16)
     a32 = tl.load(t_ptr + base + o + 48 * 64 + 32)
-    d0 = _inv16(tl.load(t_ptr + base + o), PREC)
-    d1 = _inv16(tl.load(t_ptr + base + o + 16 * 64 + 16), PREC)
-    d2 = _inv16(tl.load(t_ptr + base + o + 32 * 64 + 32), PREC)
-    d3 = _inv16(tl.load(t_ptr + base + o + 48 * 64 + 48), PREC)
+    if SUBST:
+        d0 = -tl.load(t_ptr + base + o)
+        d1 = -tl.load(t_ptr + base + o + 16 * 64 + 16)
+        d2 = -tl.load(t_ptr + base + o + 32 * 64 + 32)
+        d3 = -tl.load(t_ptr + base + o + 48 * 64 + 48)
+        for rr in range(2, 16):
+            d0 = _subst_step(d0, t_ptr, base, 0, rr)
+            d1 = _subst_step(d1, t_ptr, base, 1, rr)
+            d2 = _subst_step(d2, t_ptr, base, 2, rr)
+            d3 = _subst_step(d3, t_ptr, base, 3, rr)
+        eye = (r16[:, None] == r16[None, :]).to(tl.float32)
+        d0, d1, d2, d3 = d0 + eye, d1 + eye, d2 + eye, d3 + eye
+    else:
+        d0 = _inv16(tl.load(t_ptr + base + o), PREC)
+        d1 = _inv16(tl.load(t_ptr + base + o + 16 * 64 + 16), PREC)
+        d2 = _inv16(tl.load(t_ptr + base + o + 32 * 64 + 32), PREC)
+        d3 = _inv16(tl.load(t_ptr + base + o + 48 * 64 + 48), PREC)
     t10, t20, t21, t30, t31, t32 = block_subst16(d0, d1, d2, d3, a10, a20, a21, a30, a31, a32, PREC)
     tl.debug_barrier()  # every block of A is read before T overwrites it (upper blocks stay zero)
     tl.store(t_ptr + base + o, d0)
@@ -243,7 +262,7 @@ def _a_tile(j, q_ptr, k_ptr, G_ptr, aqk_ptr, tinv_ptr, a_base, t0, L, beta, i_h,
         c = kb + tl.arange(0, BK)
         cm = c < K
         g_ref = tl.load(G_ptr + (t0 + ref) * (H * K) + i_h * K + c, mask=cm, other=0.0)
-        mr = rv[:, None] & cm[None, :]
+        mr = row_ok[:, None] & cm[None, :]  # rows in tile j's past are not loaded
         ro = (t0 + r)[:, None] * (H * K) + i_h * K + c[None, :]
         Gr = tl.load(G_ptr + ro, mask=mr, other=0.0)
         qr = tl.load(q_ptr + ro, mask=mr, other=0.0).to(tl.float32)
@@ -252,7 +271,7 @@ def _a_tile(j, q_ptr, k_ptr, G_ptr, aqk_ptr, tinv_ptr, a_base, t0, L, beta, i_h,
         so = (t0 + s)[:, None] * (H * K) + i_h * K + c[None, :]
         Gs = tl.load(G_ptr + so, mask=ms, other=0.0)
         ks = tl.load(k_ptr + so, mask=ms, other=0.0).to(tl.float32)
-        e_r = tl.exp(tl.where(row_ok[:, None] & cm[None, :], Gr - g_ref[None, :], NEG))  # (0, e^75]
+        e_r = tl.exp(tl.where(mr, Gr - g_ref[None, :], NEG))  # (0, e^75]
         e_s = tl.exp(tl.where(ms, g_ref[None, :] - Gs, NEG))  # [e^-75, 1]
         kc = tl.trans((ks * e_s).to(DTA))
         if ABLATE != 2:
@@ -272,8 +291,8 @@ def _solve(tinv_ptr, a_base, SOLVE: tl.constexpr, SPREC: tl.constexpr, ABLATE: t
     r16 = tl.arange(0, 16)
     if ABLATE == 1:
         t_all = tl.load(tinv_ptr + a_base + r[:, None] * 64 + r[None, :])
-    elif SOLVE == 3:
-        t_all = _solve_blocks(tinv_ptr, a_base, SPREC)
+    elif SOLVE == 3 or SOLVE == 4:
+        t_all = _solve_blocks(tinv_ptr, a_base, SPREC, SOLVE == 4)
     else:
         for i in tl.static_range(4):
             rows = i * 16 + r16
@@ -373,9 +392,7 @@ def _intra_kernel(
 def _intra_a_kernel(q_ptr, k_ptr, G_ptr, beta_ptr, aqk_ptr, tinv_ptr, cu_ptr, cidx_ptr, H,
                     K: tl.constexpr, BK: tl.constexpr, DTA: tl.constexpr, PREC: tl.constexpr):
     """Phase A, one program per (chunk, head, column tile)."""
-    i_t = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    j = tl.program_id(2)
+    i_t, i_h, j = _chunk_part(4)
     t0, L, r, beta = _chunk_beta(i_t, i_h, beta_ptr, cidx_ptr, cu_ptr, H)
     _a_tile(j, q_ptr, k_ptr, G_ptr, aqk_ptr, tinv_ptr, (i_t * H + i_h) * 4096, t0, L, beta, i_h, H, K, BK, DTA,
             PREC, 0)
@@ -393,11 +410,9 @@ def _intra_solve_kernel(tinv_ptr, H, SOLVE: tl.constexpr, SPREC: tl.constexpr):
 def _intra_wy_kernel(q_ptr, k_ptr, v_ptr, G_ptr, beta_ptr, tinv_ptr, w_ptr, u_ptr, qg_ptr, kg_ptr, eg_ptr,
                      cu_ptr, cidx_ptr, H,
                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NKB: tl.constexpr,
-                     DTC: tl.constexpr, PREC: tl.constexpr):
+                     NP: tl.constexpr, DTC: tl.constexpr, PREC: tl.constexpr):
     """Phase C, one program per (chunk, head, K block or V block)."""
-    i_t = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    p = tl.program_id(2)
+    i_t, i_h, p = _chunk_part(NP)
     t0, L, r, beta = _chunk_beta(i_t, i_h, beta_ptr, cidx_ptr, cu_ptr, H)
     t_all = tl.load(tinv_ptr + (i_t * H + i_h) * 4096 + r[:, None] * 64 + r[None, :]).to(DTC)
     if p < NKB:
@@ -421,9 +436,10 @@ def _cfg(K: int, V: int):
 def _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV, DTC, PREC, warps):
     """Phase C as its own kernel: one program per (chunk, head, K block or V block)."""
     nkb = triton.cdiv(K, BK)
-    _intra_wy_kernel[(plan.NT, H, nkb + triton.cdiv(V, BV))](
+    nparts = nkb + triton.cdiv(V, BV)
+    _intra_wy_kernel[part_grid(plan.NT, H, nparts)](
         qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
-        K=K, V=V, BK=BK, BV=BV, NKB=nkb, DTC=DTC, PREC=PREC, num_warps=warps,
+        K=K, V=V, BK=BK, BV=BV, NKB=nkb, NP=nparts, DTC=DTC, PREC=PREC, num_warps=warps,
     )
 
 
@@ -460,8 +476,8 @@ def kda_fwd_triton(
     BKF, BK, BV_intra = _cfg(K, V)
     if K > 256 or V > 512:
         raise ValueError(f"triton KDA supports K <= 256 and V <= 512, got K={K} V={V}")
-    if SOLVE not in (0, 3):
-        raise ValueError(f"KIMIK3_KDA_SOLVE must be 0 or 3, got {SOLVE}")
+    if SOLVE not in (0, 3, 4):
+        raise ValueError(f"KIMIK3_KDA_SOLVE must be 0, 3 or 4, got {SOLVE}")
     if INTRA_MODE not in ("fused", "split", "tiles16"):
         raise ValueError(f"KIMIK3_KDA_INTRA must be 'fused', 'split' or 'tiles16', got {INTRA_MODE!r}")
     if FWD_MODE not in ("fused", "split"):
@@ -509,7 +525,7 @@ def kda_fwd_triton(
         )
     elif INTRA_MODE == "split":
         wa, ws, wc = INTRA_SPLIT_WARPS
-        _intra_a_kernel[(NT, H, 4)](qn, kn, G, betan, aqk, tinv, plan.cu, plan.chunk_idx, H,
+        _intra_a_kernel[part_grid(NT, H, 4)](qn, kn, G, betan, aqk, tinv, plan.cu, plan.chunk_idx, H,
                                     K=K, BK=BK, DTA=DTA, PREC=PREC, num_warps=wa)
         _intra_solve_kernel[(NT, H)](tinv, H, SOLVE=SOLVE, SPREC=SPREC, num_warps=ws)
         _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV_intra, DTC, PREC, wc)
@@ -529,6 +545,7 @@ def kda_fwd_triton(
     else:  # validated above
         raise AssertionError(INTRA_MODE)
     h0 = initial_state.float().contiguous() if initial_state is not None else dummy
+    hilo = "h" in variant and DTS != tl.float32  # the scans' v_new / Aqk hi-lo splits
     if FWD_MODE == "split":  # the scans on the variant's operand width, as the fused scan
         h = torch.empty(NT, H, K, V, device=dev, dtype=states_dtype(sc_dtype))
         vn = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
@@ -537,16 +554,16 @@ def kda_fwd_triton(
         _fwd_h_kernel[(triton.cdiv(V, BV_h), N * H)](
             kg, eg, w, u, h0, h, vn, ht if ht is not None else dummy, plan.cu, plan.chunk_off, H,
             K=K, V=V, BKF=BKF, BV=BV_h, PREC=PREC, HAS_H0=initial_state is not None, STORE_HT=ht is not None,
-            INTERP=INTERPRET, DT=DTS, num_warps=warps_h, num_stages=stages_h,
+            INTERP=INTERPRET, DT=DTS, HILO=hilo, num_warps=warps_h, num_stages=stages_h,
         )
         BV_o = min(64, _next_pow2(V))
         _output_kernel[(triton.cdiv(V, BV_o), NT, H)](
             qg, aqk, h, vn, o, plan.cu, plan.chunk_idx, H, float(scale),
-            K=K, V=V, BKF=BKF, BV=BV_o, PREC=PREC, DT=DTS, num_warps=4,
+            K=K, V=V, BKF=BKF, BV=BV_o, PREC=PREC, DT=DTS, HILO=hilo, num_warps=4,
         )
         if return_aux:
             return o, ht, dict(G=G, aqk=aqk, tinv=tinv, w=w, u=u, q=qn, k=kn, beta=betan, qg=qg, kg=kg, eg=eg,
-                               h=h, vn=vn)
+                               h=h, vn=vn, hilo=hilo)
         return o, ht
     # H200 sweep at B1 T8192 H96 D128 (NOTES-kda.md): BV 64 / 4 warps; 2 stages when the operands are
     # 16-bit (fp32 operands pipelined at BV 64 exceed the 227 KB of shared memory)
@@ -560,9 +577,10 @@ def kda_fwd_triton(
         plan.cu, plan.chunk_off, H, float(scale),
         K=K, V=V, BKF=BKF, BV=BV_scan, DT=DTS, PREC=PREC,
         HAS_H0=initial_state is not None, STORE_HT=ht is not None, INTERP=INTERPRET, KT_LOAD=SCAN_KT_LOAD,
-        HILO="h" in variant and DTS != tl.float32,
+        HILO=hilo,
         num_warps=scan_warps, num_stages=scan_stages,
     )
     if return_aux:
-        return o, ht, dict(G=G, aqk=aqk, tinv=tinv, w=w, u=u, q=qn, k=kn, beta=betan, qg=qg, kg=kg, eg=eg)
+        return o, ht, dict(G=G, aqk=aqk, tinv=tinv, w=w, u=u, q=qn, k=kn, beta=betan, qg=qg, kg=kg, eg=eg,
+                           hilo=hilo)
     return o, ht

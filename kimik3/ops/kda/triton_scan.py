@@ -5,12 +5,13 @@ from the intra-chunk kernel in ``triton_forward.py``), with S the state entering
     v_new = U - W S,   o = scale (qg S + Aqk v_new),   S <- eg * S + kg^T v_new.
 
 Two ways to run it (``triton_forward.FWD_MODE``):
-  fused  ``_state_out_kernel`` per (sequence, head, V block): the output is computed on the scan's
-         serial path and no per-chunk state is written (the forward default, measured on the H200).
   split  ``_fwd_h_kernel`` (states only: stores each chunk's entry state h [NT, H, K, V] and v_new)
          then ``_output_kernel``, parallel over (V block, chunk, head). Half the serial work
          per step and fewer operands in flight (so the loop can be pipelined), at the cost of writing
-         h; the Triton backward reuses h and v_new instead of re-running the scan.
+         h; the Triton backward reuses h and v_new instead of re-running the scan (the default,
+         measured on the H200: forward -0.26 ms, forward+backward -1.3 ms at K3's shape).
+  fused  ``_state_out_kernel`` per (sequence, head, V block): the output is computed on the scan's
+         serial path and no per-chunk state is written.
 ``_fwd_h_kernel`` is also the backward's state recompute when the forward ran fused.
 Stored states h are fp32, or 16-bit when the scans run on 16-bit operands (``states_dtype``).
 """
@@ -30,6 +31,17 @@ import triton.language as tl
 # gradients dh stay fp32: stored 16-bit too they took dk 1.5e-3 -> 3.5e-3 and dg 5e-4 -> 2.8e-3 vs the
 # token loop on the interpreter's bf16 case (h alone: dg 5.3e-4 -> 7.3e-4, the rest unchanged).
 STATES_16BIT = os.environ.get("KIMIK3_KDA_STATES_16BIT", "1") == "1"
+# Chunk-local kernels split into parts (the forward's four column tiles of A and its K / V blocks of W, U; the
+# backward's WY partials and intra key blocks) read the same chunk tiles in every part. With the parts on grid
+# axis 0, innermost (``part_grid``), a chunk's parts are scheduled together and share those reads through L2;
+# with the parts on axis 2 (PARTS_INNER off, the old launch) every part re-reads them from memory.
+PARTS_INNER = os.environ.get("KIMIK3_KDA_PARTS_INNER", "1") == "1"
+
+
+def part_grid(NT: int, H: int, NP: int) -> tuple:
+    """Launch grid for NT chunks x H heads x NP parts per (chunk, head); the kernel reads its indices with
+    ``_chunk_part``."""
+    return (NT * NP, H, 1) if PARTS_INNER else (NT, H, NP)
 
 
 def states_dtype(scan_operands: torch.dtype) -> torch.dtype:
@@ -68,6 +80,16 @@ def _state_tile(ptr, s_off, sm, HAS: tl.constexpr, BKF: tl.constexpr, BV: tl.con
     if HAS:
         return tl.load(ptr + s_off, mask=sm, other=0.0).to(tl.float32)
     return tl.zeros([BKF, BV], dtype=tl.float32)
+
+
+@triton.jit
+def _chunk_part(NP: tl.constexpr):
+    """(global chunk i_t as int64, head, part in [0, NP)) of a program launched on ``part_grid``: parts
+    innermost on axis 0 when the grid's axis 2 is 1, else on axis 2 (for NP == 1 both read the same)."""
+    pid = tl.program_id(0)
+    if tl.num_programs(2) == 1:
+        return (pid // NP).to(tl.int64), tl.program_id(1), pid % NP
+    return pid.to(tl.int64), tl.program_id(1), tl.program_id(2)
 
 
 @triton.jit
@@ -190,8 +212,10 @@ def _state_out_kernel(
 
 @triton.jit
 def _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, coff, i_h, H,
-                K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr, DT: tl.constexpr):
-    """DT 16-bit: W and the state as 16-bit operands, v_new split into high and low parts (HILO)."""
+                K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr, DT: tl.constexpr,
+                HILO: tl.constexpr):
+    """DT 16-bit: W and the state as 16-bit operands, v_new split into high and low parts when HILO (the
+    forward's variant 'h', as ``_scan_step``)."""
     r, rv, mk, mv, ko, vo = _chunk_tiles(i_c, bos, eos, i_h, H, K, V, ck, cv)
     km = ck < K
     hoff = ((coff + i_c) * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
@@ -204,7 +228,7 @@ def _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, c
     tl.store(vn_ptr + vo, v_new, mask=mv)
     v_hi, v_lo = _split16(v_new, DT)  # fp32 DT: v_hi is v_new
     h = h * eg[:, None] + tl.dot(kgT, v_hi, input_precision=PREC)
-    if DT != tl.float32:
+    if HILO and DT != tl.float32:
         h += tl.dot(kgT, v_lo, input_precision=PREC)
     return h
 
@@ -213,7 +237,7 @@ def _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, c
 def _fwd_h_kernel(kg_ptr, eg_ptr, w_ptr, u_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr, H,
                   K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
                   PREC: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, INTERP: tl.constexpr,
-                  DT: tl.constexpr = tl.float32):
+                  DT: tl.constexpr, HILO: tl.constexpr):
     i_h, bos, eos, coff, ck, cv, s_off, sm = _scan_program(cu_ptr, coff_ptr, H, K, V, BKF, BV)
     h = _state_tile(h0_ptr, s_off, sm, HAS_H0, BKF, BV)
     NC = tl.cdiv(eos - bos, 64)
@@ -221,12 +245,12 @@ def _fwd_h_kernel(kg_ptr, eg_ptr, w_ptr, u_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, c
         i_c = 0
         while i_c < NC:
             h = _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, coff, i_h, H,
-                            K, V, ck, cv, PREC, DT)
+                            K, V, ck, cv, PREC, DT, HILO)
             i_c += 1
     else:
         for i_c in range(0, NC):
             h = _fwd_h_step(kg_ptr, eg_ptr, w_ptr, u_ptr, h_ptr, vn_ptr, h, i_c, bos, eos, coff, i_h, H,
-                            K, V, ck, cv, PREC, DT)
+                            K, V, ck, cv, PREC, DT, HILO)
     if STORE_HT:
         tl.store(ht_ptr + s_off, h, mask=sm)
 
@@ -240,10 +264,10 @@ def _fwd_h_kernel(kg_ptr, eg_ptr, w_ptr, u_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, c
 @triton.jit
 def _output_kernel(qg_ptr, aqk_ptr, h_ptr, vn_ptr, o_ptr, cu_ptr, cidx_ptr, H, scale,
                    K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
-                   PREC: tl.constexpr, DT: tl.constexpr = tl.float32):
+                   PREC: tl.constexpr, DT: tl.constexpr, HILO: tl.constexpr):
     """o = scale (qg S + Aqk v_new) for one chunk, from the entry state S and v_new the states-only
     scan stored: the output leaves the scan's serial path. DT 16-bit: 16-bit operands, with Aqk and
-    v_new split into high and low parts as in the fused scan's HILO. (The products are ``_scan_step``'s,
+    v_new split into high and low parts when HILO, as in the fused scan. (The products are ``_scan_step``'s,
     written out again: there they interleave with the state update, and a shared helper reorders the
     measured fused scan's compiled code -- sm_90 spill 272 -> 236 B, untimed.)"""
     i_v = tl.program_id(0)
@@ -267,6 +291,6 @@ def _output_kernel(qg_ptr, aqk_ptr, h_ptr, vn_ptr, o_ptr, cu_ptr, cidx_ptr, H, s
     a_hi, a_lo = _split16(a, DT)  # fp32 DT: a_hi is a
     vn_hi, vn_lo = _split16(vn, DT)
     o = tl.dot(qg, h, input_precision=PREC) + tl.dot(a_hi, vn_hi, input_precision=PREC)
-    if DT != tl.float32:
+    if HILO and DT != tl.float32:
         o += tl.dot(a_hi, vn_lo) + tl.dot(a_lo, vn_hi)
     tl.store(o_ptr + vo, (o * scale).to(o_ptr.dtype.element_ty), mask=mv)

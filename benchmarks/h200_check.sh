@@ -70,8 +70,8 @@ finish() {
 }
 
 # shape 0 (with per-kernel profiles); shape 1 only TRIES1
-TRIES=pouter,fwd=fused+btiles+pouter,solve=4/1,solve=4/2,solve=4/4,bik=32/4,wyb=32/64
-TRIES1=fwd=fused+btiles+pouter
+TRIES=nodrv,nodq16,bsc=32/2,bscan=4
+TRIES1=fwd=fused+btiles
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi

@@ -27,9 +27,8 @@ not stop the later ones; exit status 1 if anything FAILed):
   backward's blocks), `st32` (the backward's recomputed states stored fp32,
   KIMIK3_KDA_STATES_16BIT=0), `bik=BK/warps` (the backward intra kernel's key block and warps),
   `brows` / `btiles` (that kernel per row tile, the default, or per chunk: KIMIK3_KDA_BWD_INTRA),
-  `bsc=BV/stages` (the backward scans' V block and pipeline stages), `pouter` (the chunk-local kernels'
-  parts on grid axis 2, the launch order before the seventh session: KIMIK3_KDA_PARTS_INNER=0) and
-  `fwd=fused` / `fwd=split` (KIMIK3_KDA_FWD at its default scan launch); e.g.
+  `bsc=BV/stages` (the backward scans' V block and pipeline stages), `nodrv` / `nodq16` (the WY backward
+  without the separate dRv pass / with dO S^T in tf32) and `fwd=fused` / `fwd=split` (KIMIK3_KDA_FWD at its default scan launch); e.g.
   `--try scan=32/4/2,intra=fused,wy,st32,bik=32/4,bsc=64/2`. fla is timed before our experiments, so a run cut
   short keeps the comparison.
 
@@ -85,10 +84,10 @@ def parse_experiment(token: str):
             overrides[(tbi, "BWD_INTRA_BK")], overrides[(tbi, "BWD_INTRA_WARPS")] = cfg
         elif part in ("brows", "btiles"):
             overrides[(tbi, "BWD_INTRA_MODE")] = part[1:]
+        elif part in ("nodrv", "nodq16"):  # the WY backward without the dRv pass / without 16-bit dO S^T
+            overrides[(tb, "DRV_PASS" if part == "nodrv" else "WY_DQ16")] = False
         elif part in ("fwd=fused", "fwd=split"):
             overrides[(tf, "FWD_MODE")] = part[4:]
-        elif part == "pouter":
-            overrides[(ts, "PARTS_INNER")] = False
         elif part.startswith("bsc="):
             cfg = tuple(int(x) for x in part[4:].split("/"))
             if len(cfg) != 2:
@@ -125,7 +124,7 @@ def parse_experiment(token: str):
             overrides[(tb, "BWD_WARPS")] = int(part[7:])
         else:
             raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra[=MODE], i16[=BK/W], wy, "
-                             "nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, st32, bik=BK/W, brows, btiles, bsc=BV/S, pouter, fwd=fused|split)")
+                             "nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16)")
     return token, overrides
 
 

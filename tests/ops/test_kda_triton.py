@@ -206,15 +206,15 @@ def test_split_forward(monkeypatch, case):
         chunk_kda(*inputs, backend="triton", **kw)
 
 
-@pytest.mark.parametrize("mode,case", [("split", c) for c in ["T65", "varlen", "bf16", "solve3", "solve4",
-                                                               "bf16-solve4", "K100-both-splits"]]
+@pytest.mark.parametrize("mode,case", [("split", c) for c in ["T65", "varlen", "bf16", "solve0", "solve3",
+                                                               "bf16-solve0", "K100-both-splits"]]
                          + [("tiles16", c) for c in ["T65", "varlen", "bf16", "K100-both-splits"]]
                          + [("tiles16-3k", c) for c in ["varlen", "K100-both-splits"]])
 def test_split_intra(monkeypatch, mode, case):
     """The intra-chunk kernels vs naive and vs the fused one on the same inputs, gradients included:
     KIMIK3_KDA_INTRA=split (the default: phase A per column tile, B per chunk, C per K / V block; also
-    with SOLVE 3 and 4: the 16 x 16 blocks in registers, diagonal inverses by Neumann products or by
-    interleaved forward substitution) and tiles16 (one program holding [16, 16] blocks; "3k": the diagonal blocks, the
+    with SOLVE 0, forward substitution through the buffer, and 3, the 16 x 16 blocks in registers with
+    Neumann diagonal inverses, against the default SOLVE 4) and tiles16 (one program holding [16, 16] blocks; "3k": the diagonal blocks, the
     off-diagonal blocks with the solve, and phase C as three kernels), each also together with the split
     scan at K = 100 (several K blocks in phase C)."""
     import kimik3.ops.kda.triton_forward as tf
@@ -227,7 +227,7 @@ def test_split_intra(monkeypatch, mode, case):
         B, T, N = 1, sum(lengths), len(lengths)
     elif case == "bf16":
         dtype, T = torch.bfloat16, 130
-    elif case.endswith(("solve3", "solve4")) and case.startswith("bf16"):
+    elif case.endswith(("solve0", "solve3")) and case.startswith("bf16"):
         dtype, T = torch.bfloat16, 130
     elif case == "K100-both-splits":
         H, K, V, B, N = 1, 100, 16, 1, 1
@@ -238,7 +238,7 @@ def test_split_intra(monkeypatch, mode, case):
     monkeypatch.setattr(tf, "INTRA_MODE", "fused")
     o_f, s_f, g_f = run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
     monkeypatch.setattr(tf, "INTRA_MODE", mode.split("-")[0])
-    if case.endswith(("solve3", "solve4")):  # the reference above: the fused kernel with the default solve
+    if case.endswith(("solve0", "solve3")):  # the reference above: the fused kernel with the default solve
         monkeypatch.setattr(tf, "SOLVE", int(case[-1]))
     if mode == "tiles16-3k":
         monkeypatch.setattr(tf, "INTRA16_CONFIG", (32, 2, 1, 1))
@@ -277,16 +277,16 @@ def test_wy_split_over_k(monkeypatch, K, blocks):
 
 
 @pytest.mark.parametrize("case", ["K100-BK32", "K130-BK64", "varlen-BK32", "bf16-scan64x2", "K100-tiles",
-                                  "varlen-tiles", "bf16-tiles", "varlen-BK32-outer", "varlen-tiles-outer"])
+                                  "varlen-tiles", "bf16-tiles", "bf16-nodrv", "K100-nodrv"])
 def test_backward_launch_sweeps(monkeypatch, case):
     """The backward's alternatives give the default's gradients, and both match naive: the intra kernel
     split over key blocks (4 and 3 blocks, so partial dbeta sums with the WY kernel's partials; varlen with
     tiny segments, 2 blocks), the intra kernel over whole chunks with the suffix sum carried ("tiles";
-    the default runs it per row tile with a separate suffix-sum pass), the backward scans at 64-column V blocks, two pipeline stages, and the chunk-local kernels' parts launched
-    on grid axis 2 ("outer", ``triton_scan.PARTS_INNER`` off; forward and backward)."""
+    the default runs it per row tile with a separate suffix-sum pass), the backward scans at 64-column
+    V blocks, two pipeline stages, and the WY kernel computing dRv = T^T dv_new itself with dO S^T in tf32
+    ("nodrv"; the default has a separate dRv pass and takes dO S^T on 16-bit operands)."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
-    import kimik3.ops.kda.triton_scan as ts
 
     B, T, H, K, V, cu, dtype = 1, 70, 1, 16, 16, None, torch.float32
     knobs = {}
@@ -294,10 +294,10 @@ def test_backward_launch_sweeps(monkeypatch, case):
         knobs[(tbi, "BWD_INTRA_BK")] = int(case.split("BK")[1].split("-")[0])
     if "tiles" in case:
         knobs[(tbi, "BWD_INTRA_MODE")] = "tiles"
+    if "nodrv" in case:
+        knobs[(tb, "DRV_PASS")], knobs[(tb, "WY_DQ16")] = False, False
     if "scan64" in case:
         knobs[(tb, "SCAN_BV")], knobs[(tb, "SCAN_STAGES")] = 64, 2
-    if case.endswith("outer"):
-        knobs[(ts, "PARTS_INNER")] = False
     if case.startswith("K"):
         K = int(case[1:4])
     elif case.startswith("varlen"):

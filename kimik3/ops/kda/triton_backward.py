@@ -18,8 +18,9 @@ Kernels:
   1. ``_fwd_h_kernel`` (``triton_scan.py``) per (sequence, head, V block): re-runs the forward scan
      from the forward's W, U, kg, eg and stores every chunk's entry state h [NT, H, K, V] fp32 and
      v_new [B, T, H, V] fp32 -- skipped when the forward ran split and saved both.
-  2. ``_bwd_dh_kernel``  per (sequence, head, V block): reverse scan; stores dh (gradient of each
-     chunk's exit state) [NT, H, K, V] fp32, dv_new, and d initial_state.
+  2. ``_dvn_local_kernel`` per (chunk, head, V block): Aqk^T dO into the dv_new buffer, then
+     ``_bwd_dh_kernel`` per (sequence, head, V block): reverse scan adding kg dS'; stores dh (gradient of
+     each chunk's exit state) [NT, H, K, V] fp32, dv_new, and d initial_state.
   3. ``_bwd_wy_kernel``  per (chunk, head): the V-contractions above, the K-independent ones first
      (``_wy_v_side``), then per BK-column key block (``_wy_k_side``); writes dv, the partial
      dq / dk / dGamma / dbeta, and dAqk, dA [NT, H, 64, 64] fp32.
@@ -43,7 +44,7 @@ import triton.language as tl
 
 from .triton_bwd_intra import bwd_intra
 from .triton_forward import INTERPRET, ChunkPlan, _dot_dtype, _next_pow2
-from .triton_scan import (_chunk_beta, _chunk_part, _chunk_tiles, _fwd_h_kernel, _scan_program, _split16, _state_tile,
+from .triton_scan import (_chunk_beta, _chunk_bounds, _chunk_part, _chunk_tiles, _fwd_h_kernel, _scan_program, _split16, _state_tile,
                           part_grid, states_dtype)
 
 BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark sweeps)
@@ -63,6 +64,11 @@ SCAN_WARPS = 8
 # H200 (fp32 and bf16) and it timed -1.7 ms of 29.5 ms fwd+bwd at K3's shape. KIMIK3_KDA_WY_SPLIT=0: one
 # program per (chunk, head).
 WY_SPLIT_K = os.environ.get("KIMIK3_KDA_WY_SPLIT", "1") == "1"
+# dRv = T^T dv_new by its own pass (``_drv_kernel``, over dv_new) instead of in each of the WY kernel's parts.
+DRV_PASS = True
+# The WY kernel's dO S^T on the 16-bit dO and stored states as they are (exact products) when both share a
+# 16-bit dtype, instead of both widened to fp32 for a tf32 product.
+WY_DQ16 = True
 
 
 # --------------------------------------------------------------------------
@@ -71,35 +77,55 @@ WY_SPLIT_K = os.environ.get("KIMIK3_KDA_WY_SPLIT", "1") == "1"
 
 
 @triton.jit
-def _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c, bos, eos, coff, i_h, H,
+def _dvn_local_kernel(aqk_ptr, do_ptr, dvn_ptr, cu_ptr, cidx_ptr, H, scale,
+                      V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """The state-independent part of dv_new, scale Aqk^T dO, per (chunk, head, V block), written to the dv_new
+    buffer for the state-gradient scan to complete (off its serial path). DT 16-bit: 16-bit operands with
+    Aqk split into high and low parts, as the scan did; fp32: ``PREC``."""
+    i_t, i_h, i_v = _chunk_part(NV)
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
+    r = tl.arange(0, 64)
+    cv = i_v * BV + tl.arange(0, BV)
+    mv = (r < L)[:, None] & (cv < V)[None, :]
+    vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
+    aT = tl.trans(tl.load(aqk_ptr + (i_t * H + i_h) * 4096 + r[:, None] * 64 + r[None, :]))
+    if DT == tl.float32:
+        dvl = tl.dot(aT, tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32), input_precision=PREC)
+    else:
+        do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(DT)
+        a_hi, a_lo = _split16(aT, DT)
+        dvl = tl.dot(a_hi, do) + tl.dot(a_lo, do)
+    tl.store(dvn_ptr + vo, dvl * scale, mask=mv)
+
+
+@triton.jit
+def _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c, bos, eos, coff, i_h, H,
                  scale, K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr, DT: tl.constexpr):
-    """DT 16-bit: every product takes 16-bit operands, with Aqk and dh split into a high part and a
-    16-bit remainder where it matters (the forward scan's HILO; do, qg, kg are 16-bit already)."""
+    """dv_new = (scale Aqk^T dO, from ``_dvn_local_kernel``) + kg dS', stored over it; then the state gradient
+    entering the chunk. DT 16-bit: every product takes 16-bit operands, with dh split into a high part and a
+    16-bit remainder (do, qg, kg are 16-bit already)."""
     r, rv, mk, mv, ko, vo = _chunk_tiles(i_c, bos, eos, i_h, H, K, V, ck, cv)
     km = ck < K
     hoff = ((coff + i_c) * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
     tl.store(dh_ptr + hoff, dh, mask=km[:, None] & (cv < V)[None, :])  # gradient of this chunk's exit state
     eg = tl.load(eg_ptr + ((coff + i_c) * H + i_h) * K + ck, mask=km, other=0.0)
-    a = tl.load(aqk_ptr + ((coff + i_c) * H + i_h) * 4096 + r[:, None] * 64 + r[None, :])
+    dvn = tl.load(dvn_ptr + vo, mask=mv, other=0.0)
     if DT == tl.float32:
         do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32) * scale
         qg = tl.load(qg_ptr + ko, mask=mk, other=0.0).to(tl.float32)
         kg = tl.load(kg_ptr + ko, mask=mk, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(tl.float32)
-        dvn = tl.dot(tl.trans(a), do, input_precision=PREC) + tl.dot(kg, dh, input_precision=PREC)
-        dvn = tl.where(mv, dvn, 0.0)
+        dvn = tl.where(mv, dvn + tl.dot(kg, dh, input_precision=PREC), 0.0)
         tl.store(dvn_ptr + vo, dvn, mask=mv)
         dh = dh * eg[:, None] + tl.dot(tl.trans(qg), do, input_precision=PREC) \
             - tl.dot(tl.trans(w), dvn, input_precision=PREC)
     else:
-        do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(DT)  # scale applied to the products
+        do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(DT)  # scale applied to the product
         qg = tl.load(qg_ptr + ko, mask=mk, other=0.0).to(DT)
         kg = tl.load(kg_ptr + ko, mask=mk, other=0.0).to(DT)
         w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(DT)
-        a_hi, a_lo = _split16(tl.trans(a), DT)
         dh_hi, dh_lo = _split16(dh, DT)
-        dvn = (tl.dot(a_hi, do) + tl.dot(a_lo, do)) * scale + tl.dot(kg, dh_hi) + tl.dot(kg, dh_lo)
-        dvn = tl.where(mv, dvn, 0.0)
+        dvn = tl.where(mv, dvn + tl.dot(kg, dh_hi) + tl.dot(kg, dh_lo), 0.0)
         tl.store(dvn_ptr + vo, dvn, mask=mv)
         # (W is rounded to 16 bits here, so a dv_new remainder would buy nothing: measured on the interpreter)
         dh = dh * eg[:, None] + tl.dot(tl.trans(qg), do) * scale - tl.dot(tl.trans(w), dvn.to(DT))
@@ -107,7 +133,7 @@ def _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dh_ptr, dvn_ptr
 
 
 @triton.jit
-def _bwd_dh_kernel(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr,
+def _bwd_dh_kernel(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr,
                    cu_ptr, coff_ptr, H, scale,
                    K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
                    PREC: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, INTERP: tl.constexpr,
@@ -118,12 +144,12 @@ def _bwd_dh_kernel(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, dh_p
     if INTERP:
         i_c = NC - 1
         while i_c >= 0:
-            dh = _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c, bos, eos,
+            dh = _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c, bos, eos,
                               coff, i_h, H, scale, K, V, ck, cv, PREC, DT)
             i_c -= 1
     else:
         for j in range(0, NC):
-            dh = _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dh_ptr, dvn_ptr, dh, NC - 1 - j, bos,
+            dh = _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dh_ptr, dvn_ptr, dh, NC - 1 - j, bos,
                               eos, coff, i_h, H, scale, K, V, ck, cv, PREC, DT)
     if STORE_DH0:
         tl.store(dh0_ptr + s_off, dh, mask=sm)
@@ -135,10 +161,34 @@ def _bwd_dh_kernel(qg_ptr, kg_ptr, eg_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, dh_p
 
 
 @triton.jit
+def _drv_kernel(tinv_ptr, dvn_ptr, cu_ptr, cidx_ptr, H, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+                PREC: tl.constexpr):
+    """dRv = T^T dv_new per (chunk, head, V block), written over dv_new (``DRV_PASS``): the WY kernel's
+    three parts per chunk all need it and would each recompute it."""
+    i_t, i_h, i_v = _chunk_part(NV)
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
+    r = tl.arange(0, 64)
+    cv = i_v * BV + tl.arange(0, BV)
+    mv = (r < L)[:, None] & (cv < V)[None, :]
+    vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
+    tmatT = tl.trans(tl.load(tinv_ptr + (i_t * H + i_h) * 4096 + r[:, None] * 64 + r[None, :]))
+    tl.store(dvn_ptr + vo, tl.dot(tmatT, tl.load(dvn_ptr + vo, mask=mv, other=0.0), input_precision=PREC), mask=mv)
+
+
+@triton.jit
+def _wy_drv(tmatT, dvn_ptr, vo, mv, PREC: tl.constexpr, DRV_IN: tl.constexpr):
+    """dRv = T^T dv_new on rows vo: loaded when ``_drv_kernel`` wrote it over dv_new (DRV_IN), else computed."""
+    x = tl.load(dvn_ptr + vo, mask=mv, other=0.0)
+    if DRV_IN:
+        return x
+    return tl.dot(tmatT, x, input_precision=PREC)
+
+
+@triton.jit
 def _wy_v_side(v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, rv, vbase, H, scale,
-               V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+               V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DRV_IN: tl.constexpr):
     """The K-independent products over every V block: dAqk = dO v_new^T, the U part of dA
-    (-dRv U^T), dv = beta dRv (stored) and the v part of dbeta; dRv = T^T dv_new."""
+    (-dRv U^T), dv = beta dRv (stored) and the v part of dbeta; dRv = T^T dv_new (``_wy_drv``)."""
     r = tl.arange(0, 64)
     daqk = tl.zeros([64, 64], dtype=tl.float32)
     da = tl.zeros([64, 64], dtype=tl.float32)
@@ -149,7 +199,7 @@ def _wy_v_side(v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, rv, v
         vo = vbase + r[:, None] * (H * V) + cv[None, :]
         do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32) * scale
         vn = tl.load(vn_ptr + vo, mask=mv, other=0.0)
-        drv = tl.dot(tmatT, tl.load(dvn_ptr + vo, mask=mv, other=0.0), input_precision=PREC)
+        drv = _wy_drv(tmatT, dvn_ptr, vo, mv, PREC, DRV_IN)
         u = tl.load(u_ptr + vo, mask=mv, other=0.0).to(tl.float32)
         vv = tl.load(v_ptr + vo, mask=mv, other=0.0).to(tl.float32)
         daqk += tl.dot(do, tl.trans(vn), input_precision=PREC)
@@ -162,10 +212,12 @@ def _wy_v_side(v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, rv, v
 @triton.jit
 def _wy_k_side(kb, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, dq_ptr, dk_ptr, dG_ptr,
                tmatT, beta, rv, L, t0, i_h, kbase, vbase, hb, H, scale,
-               K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+               K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+               DRV_IN: tl.constexpr, DQ16: tl.constexpr):
     """Key columns [kb, kb + BK): dqg = dO S^T, dkg = v_new dS'^T, dRk = -dRv S^T and deg over every V
     block, then the chain rule through the exponentials; stores dq, dk and dGamma (partials the intra
-    backward completes) and returns this block's part of dA (-dRk W^T) and of dbeta."""
+    backward completes) and returns this block's part of dA (-dRk W^T) and of dbeta. DQ16: dO and the
+    stored states S share a 16-bit dtype, so dO S^T takes them as they are (exact products, fp32 sums)."""
     r = tl.arange(0, 64)
     ck = kb + tl.arange(0, BK)
     km = ck < K
@@ -180,16 +232,20 @@ def _wy_k_side(kb, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, d
         vo = vbase + r[:, None] * (H * V) + cv[None, :]
         hoff = hb + ck[:, None] * V + cv[None, :]
         hm = km[:, None] & vm[None, :]
-        hs = tl.load(h_ptr + hoff, mask=hm, other=0.0).to(tl.float32)
+        hs16 = tl.load(h_ptr + hoff, mask=hm, other=0.0)
+        hs = hs16.to(tl.float32)
         dhs = tl.load(dh_ptr + hoff, mask=hm, other=0.0)
-        do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32) * scale
         vn = tl.load(vn_ptr + vo, mask=mv, other=0.0)
-        drv = tl.dot(tmatT, tl.load(dvn_ptr + vo, mask=mv, other=0.0), input_precision=PREC)
+        drv = _wy_drv(tmatT, dvn_ptr, vo, mv, PREC, DRV_IN)
         hsT = tl.trans(hs)
-        dqg += tl.dot(do, hsT, input_precision=PREC)
+        if DQ16:
+            dqg += tl.dot(tl.load(do_ptr + vo, mask=mv, other=0.0), tl.trans(hs16))
+        else:
+            dqg += tl.dot(tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32), hsT, input_precision=PREC)
         dkg += tl.dot(vn, tl.trans(dhs), input_precision=PREC)
         drk -= tl.dot(drv, hsT, input_precision=PREC)
         deg += tl.sum(hs * dhs, axis=1)
+    dqg *= scale
     mk = rv[:, None] & km[None, :]
     ko = kbase + r[:, None] * (H * K) + ck[None, :]
     q = tl.load(q_ptr + ko, mask=mk, other=0.0).to(tl.float32)
@@ -214,7 +270,7 @@ def _bwd_wy_kernel(
     dq_ptr, dk_ptr, dG_ptr, dv_ptr, dbeta_ptr, daqk_ptr, da_ptr,
     cu_ptr, cidx_ptr, H, scale, part_beta, part_a,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    SPLIT: tl.constexpr, NPART: tl.constexpr,
+    SPLIT: tl.constexpr, NPART: tl.constexpr, DRV_IN: tl.constexpr, DQ16: tl.constexpr,
 ):
     """One (chunk, head). Unsplit (the default), this program does the K-independent products
     (``_wy_v_side``) and then every BK-column key block (``_wy_k_side``), and writes dA and dbeta whole.
@@ -229,26 +285,29 @@ def _bwd_wy_kernel(
     kbase = (t0 * H + i_h) * K  # token t0 + row, head i_h, in a [.., H, K] tensor: kbase + row * H * K
     vbase = (t0 * H + i_h) * V
     hb = (i_t * H + i_h) * (K * V)
-    tmatT = tl.trans(tl.load(tinv_ptr + a_base + r[:, None] * 64 + r[None, :]))
+    if DRV_IN:  # dRv = T^T dv_new comes from memory (``_drv_kernel``)
+        tmatT = tl.zeros([64, 64], dtype=tl.float32)
+    else:
+        tmatT = tl.trans(tl.load(tinv_ptr + a_base + r[:, None] * 64 + r[None, :]))
     o2 = a_base + r[:, None] * 64 + r[None, :]
     NKB: tl.constexpr = (K + BK - 1) // BK
     if SPLIT:
         if i_p == NKB:
             daqk, da, dbeta = _wy_v_side(v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, rv, vbase, H,
-                                         scale, V, BV, PREC)
+                                         scale, V, BV, PREC, DRV_IN)
             tl.store(daqk_ptr + o2, tl.where(r[:, None] >= r[None, :], daqk, 0.0))
         else:
             da, dbeta = _wy_k_side(i_p * BK, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
                                    dq_ptr, dk_ptr, dG_ptr, tmatT, beta, rv, L, t0, i_h, kbase, vbase, hb, H, scale,
-                                   K, V, BK, BV, PREC)
+                                   K, V, BK, BV, PREC, DRV_IN, DQ16)
     else:
         daqk, da, dbeta = _wy_v_side(v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, rv, vbase, H,
-                                     scale, V, BV, PREC)
+                                     scale, V, BV, PREC, DRV_IN)
         tl.store(daqk_ptr + o2, tl.where(r[:, None] >= r[None, :], daqk, 0.0))
         for kbi in tl.static_range(NKB):
             da_k, dbeta_k = _wy_k_side(kbi * BK, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
                                        dq_ptr, dk_ptr, dG_ptr, tmatT, beta, rv, L, t0, i_h, kbase, vbase, hb, H,
-                                       scale, K, V, BK, BV, PREC)
+                                       scale, K, V, BK, BV, PREC, DRV_IN, DQ16)
             da += da_k
             dbeta += dbeta_k
     i_p64 = i_p.to(tl.int64)  # partial offsets can pass 2^31 elements
@@ -318,8 +377,16 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
             INTERP=INTERPRET, DT=scan_dt, HILO=aux.get("hilo", True), num_warps=SCAN_WARPS, num_stages=stages_s,
         )
     dht_c = dht.float().contiguous() if dht is not None else dummy
+    # scale Aqk^T dO, the part of dv_new that does not depend on the state, in parallel over chunks; the scan
+    # below adds kg dS' on its serial path
+    BVl = min(64, max(32, BVF))
+    nvl = triton.cdiv(V, BVl)
+    _dvn_local_kernel[part_grid(NT, H, nvl)](
+        aux["aqk"], do, dvn, plan.cu, plan.chunk_idx, H, float(scale),
+        V=V, BV=BVl, NV=nvl, PREC=PREC, DT=scan_dt, num_warps=4,
+    )
     _bwd_dh_kernel[grid_s](
-        aux["qg"], aux["kg"], aux["eg"], aux["w"], aux["aqk"], do, dht_c, dh, dvn, dh0 if dh0 is not None else dummy,
+        aux["qg"], aux["kg"], aux["eg"], aux["w"], do, dht_c, dh, dvn, dh0 if dh0 is not None else dummy,
         plan.cu, plan.chunk_off, H, float(scale),
         K=K, V=V, BKF=BKs, BV=BVs, PREC=PREC, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
         INTERP=INTERPRET, DT=scan_dt, num_warps=SCAN_WARPS, num_stages=stages_s,
@@ -331,10 +398,16 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     dbeta_parts = dbeta if npart == 1 else torch.empty(npart, B, T, H, **f32)
     part_a, part_beta = NT * H * 4096, B * T * H
     warps = BWD_WARPS or (8 if BKF >= 128 else 4)  # sm_90 compile: the split spills 176 B at 8 warps, 1.7 KB at 4
+    if DRV_PASS:  # dRv = T^T dv_new once per chunk, over dv_new (which the WY kernel needs only through it)
+        nvd = triton.cdiv(V, BV)
+        _drv_kernel[part_grid(NT, H, nvd)](aux["tinv"], dvn, plan.cu, plan.chunk_idx, H, V=V, BV=BV, NV=nvd,
+                                           PREC=PREC, num_warps=4)
+    h16 = h.dtype in (torch.bfloat16, torch.float16)
     _bwd_wy_kernel[part_grid(NT, H, npart)](
         q, k, v, G, beta, aux["tinv"], aux["w"], aux["u"], h, dh, vn, dvn, do,
         dq, dk, dg, dv, dbeta_parts, daqk, da, plan.cu, plan.chunk_idx, H, float(scale), part_beta, part_a,
-        K=K, V=V, BK=BK, BV=BV, PREC=PREC, SPLIT=npart > 1, NPART=npart, num_warps=warps,
+        K=K, V=V, BK=BK, BV=BV, PREC=PREC, SPLIT=npart > 1, NPART=npart, DRV_IN=DRV_PASS,
+        DQ16=WY_DQ16 and h16 and do.dtype == h.dtype, num_warps=warps,
     )
     # dg holds dGamma (partial) here; kernel 4 adds the intra-chunk part and turns it into dg in place
     bwd_intra(q, k, G, beta, daqk, da, dq, dk, dg, dbeta_parts, dbeta, plan, npart, PREC, BWD_WARPS)

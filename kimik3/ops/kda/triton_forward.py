@@ -58,11 +58,13 @@ DEFAULT_VARIANT = os.environ.get("KIMIK3_KDA_VARIANT", "ach")
 # Launch overrides (benchmark sweeps; None = heuristic): scan (BV, num_warps[, num_stages]), intra num_warps.
 SCAN_CONFIG: Optional[Tuple[int, int]] = None
 INTRA_WARPS: Optional[int] = None
-# phase-B solve: 0 = forward substitution (default, the faster on the H200 in the fused intra kernel), 3 / 4 =
-# 16 x 16 blocks in registers (diagonal inverses by a 16 x 16 Neumann product (3) or by the four blocks'
-# forward substitutions interleaved (4), then block rows; ``_solve_blocks``).
+# phase-B solve: 4 (default) / 3 = 16 x 16 blocks in registers (diagonal inverses by the four blocks' forward
+# substitutions interleaved (4) or by a 16 x 16 Neumann product (3), then block rows; ``_solve_blocks``), 0 =
+# forward substitution of each diagonal block and block row in turn through the buffer. H200, K3's shape, split
+# intra: the solve kernel 0.845 ms (0, 4 warps) -> 0.189 ms (4, 1 warp; 2 warps 0.357, 4 warps 0.596),
+# forward 4.68 -> 4.20 ms, forward+backward 15.57 -> 14.82 ms (same run).
 # (64 x 64 Neumann products, once 1 and 2, gave illegal addresses on the H200 and were removed.)
-SOLVE = int(os.environ.get("KIMIK3_KDA_SOLVE", "0"))
+SOLVE = int(os.environ.get("KIMIK3_KDA_SOLVE", "4"))
 SCAN_KT_LOAD = os.environ.get("KIMIK3_KDA_KT_LOAD", "0") == "1"  # scan: load kg transposed from memory
 # Inter-chunk half (``triton_scan.py``): "split" (default: a states-only scan storing h and v_new, then a
 # parallel output kernel; the backward reuses both instead of re-running the scan) or "fused" (the scan with
@@ -76,7 +78,8 @@ SPLIT_CONFIG: Tuple[int, int, int] = (32, 4, 2)  # split mode's scan (BV, num_wa
 # "fused" (phases A, B, C in one program per (chunk, head)) or "tiles16" (``triton_intra16.py``: one
 # program per (chunk, head) holding [16, 16] blocks in registers).
 INTRA_MODE = os.environ.get("KIMIK3_KDA_INTRA", "split")
-INTRA_SPLIT_WARPS: Tuple[int, int, int] = (4, 4, 4)  # num_warps of the split A, B, C kernels
+# num_warps of the split A, B, C kernels (B: its [16, 16] dots lay out one warp's rows, so more warps repeat them)
+INTRA_SPLIT_WARPS: Tuple[int, int, int] = (4, 1, 4)
 # tiles16: (K / V block, num_warps[, 1 = phase C as the split mode's own kernel[, 1 = the diagonal blocks
 # as their own kernel, one 1-warp program per 16-row tile]])
 INTRA16_CONFIG: Tuple[int, ...] = (32, 4)

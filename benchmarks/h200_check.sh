@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and times the GPU code paths (H200, torch 2.11, Triton 3.6):
 #
-#   bash benchmarks/h200_check.sh [quick|kernels|check|train]      # logs under $OUT (default ./h200-logs)
+#   bash benchmarks/h200_check.sh [quick|kernels|check|train|final]  # logs under $OUT (default ./h200-logs)
 #
 # quick    compile + correctness of every Triton KDA kernel on the GPU: kda_gpu_probe.py (one process
 #          per shape, so a fault cannot hide the cases after it) and tests/ops/test_kda_triton.py
@@ -12,6 +12,8 @@
 # check    (two GPUs) the Triton test file on GPU 1 while GPU 0 runs `kernels` at shape 0 only: a kernel
 #          change checked and timed in one call (one GPU: both in turn, shorter limits)  <= 9 min
 # train    the parallel smoke test and the bf16 training check (Triton kernels vs torch) <= 7 min
+# final    (two GPUs) the bf16 training check on GPU 1 while GPU 0 times shape 1 (B4 T4096 H64) with fla and
+#          TRIES1: closing a session's defaults in one call (one GPU: both in turn)          <= 9 min
 # Each mode fits one device call (10 minutes at most). On a machine with two or more GPUs the steps of
 # a mode run side by side, one GPU each (kernels: shape 1, B4 T4096 H64, on the second GPU too).
 #
@@ -20,7 +22,7 @@
 # writes its log even when it fails; the exit status is non-zero if any step failed.
 set -u
 MODE=${1:-kernels}
-case $MODE in quick|kernels|check|train) ;; *) echo "usage: $0 [quick|kernels|check|train]" >&2; exit 2 ;; esac
+case $MODE in quick|kernels|check|train|final) ;; *) echo "usage: $0 [quick|kernels|check|train|final]" >&2; exit 2 ;; esac
 OUT=${OUT:-./h200-logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -70,8 +72,8 @@ finish() {
 }
 
 # shape 0 (with per-kernel profiles); shape 1 only TRIES1
-TRIES=nodrv,nodq16,bsc=32/2,bscan=4
-TRIES1=fwd=fused+btiles
+TRIES=w32,bsc=64/2
+TRIES1=fwd=fused+btiles+solve=0/4+nodrv+nodq16+w32+bsc=64/2
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi
@@ -94,5 +96,10 @@ case $MODE in
   train)
     step 1 kda_train_check 300 python3 benchmarks/kda_train_check.py --steps 30
     step 0 parallel_smoke 120 torchrun --standalone --nproc_per_node 1 benchmarks/parallel_smoke.py ;;
+  final)
+    if [ "$GPUS" -ge 2 ]; then LIMIT1=540; else LIMIT1=280; fi
+    step 1 kda_train_check 300 python3 benchmarks/kda_train_check.py --steps 30
+    step 0 kda_kernel_shape1 "$LIMIT1" python3 benchmarks/kda_kernel.py --shapes 1 --variants ach --sections chunk \
+      --no-hybrid --try "$TRIES1" --out "$OUT/shape1" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
 esac
 finish

@@ -80,6 +80,11 @@ SPLIT_CONFIG: Tuple[int, int, int] = (32, 4, 2)  # split mode's scan (BV, num_wa
 INTRA_MODE = os.environ.get("KIMIK3_KDA_INTRA", "split")
 # num_warps of the split A, B, C kernels (B: its [16, 16] dots lay out one warp's rows, so more warps repeat them)
 INTRA_SPLIT_WARPS: Tuple[int, int, int] = (4, 1, 4)
+# W = T (beta k exp(Gamma)) stored in the 16-bit input dtype (U stays fp32: v_new = U - W S needs its
+# low bits). Every scan takes W as a 16-bit operand, so the scans compute the same; the WY backward's
+# dA = -dRk W^T sees W at 8 mantissa bits instead of tf32's 10. Halves W's traffic (written once, read by
+# three kernels). KIMIK3_KDA_W16=0: W fp32 as U.
+W_16BIT = os.environ.get("KIMIK3_KDA_W16", "1") == "1"
 # tiles16: (K / V block, num_warps[, 1 = phase C as the split mode's own kernel[, 1 = the diagonal blocks
 # as their own kernel, one 1-warp program per 16-row tile]])
 INTRA16_CONFIG: Tuple[int, ...] = (32, 4)
@@ -509,11 +514,13 @@ def kda_fwd_triton(
     )
     # W/U in fp32 when the scan is 16-bit too: a 16-bit W loaded straight into the scan's bf16 dot
     # gave wrong results / illegal addresses on the H200 (Triton 3.6; variants '', 'a', 'c' at
-    # T2048 H96 D128) while every variant with 'w' or 's' was right -- see NOTES-kda.md.
+    # T2048 H96 D128, the scan of the first version) while every variant with 'w' or 's' was right --
+    # see NOTES-kda.md. W_16BIT: W alone in the 16-bit dtype again (the scans round it to 16 bits anyway).
     wu_dtype = torch.float32 if (DT == tl.float32 or "w" in variant or DTS != tl.float32) else q.dtype
+    w_dtype = q.dtype if (W_16BIT and DT != tl.float32 and "w" not in variant) else wu_dtype
     aqk = torch.empty(NT, H, 64, 64, device=dev, dtype=torch.float32)
     tinv = torch.empty(NT, H, 64, 64, device=dev, dtype=torch.float32)
-    w = torch.empty(B, T, H, K, device=dev, dtype=wu_dtype)
+    w = torch.empty(B, T, H, K, device=dev, dtype=w_dtype)
     u = torch.empty(B, T, H, V, device=dev, dtype=wu_dtype)
     sc_dtype = torch.float32 if DTS == tl.float32 else q.dtype  # scan operands qg, kg
     qg = torch.empty(B, T, H, K, device=dev, dtype=sc_dtype)

@@ -12,8 +12,8 @@
 # check    (two GPUs) the Triton test file on GPU 1 while GPU 0 runs `kernels` at shape 0 only: a kernel
 #          change checked and timed in one call (one GPU: both in turn, shorter limits)  <= 9 min
 # train    the parallel smoke test and the bf16 training check (Triton kernels vs torch) <= 7 min
-# final    (two GPUs) the bf16 training check on GPU 1 while GPU 0 times shape 1 (B4 T4096 H64) with fla and
-#          TRIES1: closing a session's defaults in one call (one GPU: both in turn)          <= 9 min
+# final    (two GPUs) the bf16 training check on GPU 1 while GPU 0 times shape 1 (B4 T4096 H64) with fla:
+#          closing a session's defaults in one call (one GPU: both in turn; LIMIT1 caps shape 1) <= 9 min
 # Each mode fits one device call (10 minutes at most). On a machine with two or more GPUs the steps of
 # a mode run side by side, one GPU each (kernels: shape 1, B4 T4096 H64, on the second GPU too).
 #
@@ -97,9 +97,9 @@ case $MODE in
     step 1 kda_train_check 300 python3 benchmarks/kda_train_check.py --steps 30
     step 0 parallel_smoke 120 torchrun --standalone --nproc_per_node 1 benchmarks/parallel_smoke.py ;;
   final)
-    if [ "$GPUS" -ge 2 ]; then LIMIT1=540; else LIMIT1=280; fi
+    if [ "$GPUS" -ge 2 ]; then LIMIT1=${LIMIT1:-540}; else LIMIT1=280; fi
     step 1 kda_train_check 300 python3 benchmarks/kda_train_check.py --steps 30
     step 0 kda_kernel_shape1 "$LIMIT1" python3 benchmarks/kda_kernel.py --shapes 1 --variants ach --sections chunk \
-      --no-hybrid --try "$TRIES1" --out "$OUT/shape1" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
+      --no-hybrid --out "$OUT/shape1" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
 esac
 finish

@@ -51,9 +51,9 @@ BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark swe
 WY_BLOCKS: Optional[Tuple[int, int]] = None  # override the WY kernel's (key block, V block); default (64, 64)
 # V block and pipeline stages of the two backward scans (None: the defaults below). fp32 scans: 32 / 1 --
 # their fp32 [K, BV] tiles must not be multi-buffered (at K = 128 two or three stages need 240-295 KB of
-# shared memory, > 227 KB on the H200). 16-bit scans: 32 / 2, timed 14.07 -> 13.83 ms fwd+bwd at K3's
-# shape on the H200 against 64 / 2 in the same run once Aqk^T dO left the state-gradient scan (before
-# that, 64 / 2 was the faster: 21.24 vs 21.81 ms; NOTES-kda.md, sixth and seventh sessions).
+# shared memory, > 227 KB on the H200). 16-bit scans: 64 / 2; at K3's shape on the H200, fwd+bwd 13.37 ->
+# 12.99 ms against 32 / 2 in the same run with W stored 16-bit (with W fp32, 32 / 2 had been the faster by
+# 0.23 ms; NOTES-kda.md, seventh session).
 SCAN_BV: Optional[int] = None
 SCAN_STAGES: Optional[int] = None
 # Warps of the two backward scans (state recompute, state-gradient scan): 8 stop their register spills
@@ -360,7 +360,7 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     BKs = max(32, BKF)
     # the backward scans take 16-bit operands (with the hi / lo splits) when the forward scan did
     scan_dt = tl.float32 if aux["qg"].dtype == torch.float32 else _dot_dtype(aux["qg"].dtype)
-    BVs = SCAN_BV or 32
+    BVs = SCAN_BV or (32 if scan_dt == tl.float32 else 64)
     stages_s = SCAN_STAGES or (1 if scan_dt == tl.float32 else 2)
     do = do.contiguous()
     dh = torch.empty(NT, H, K, V, **f32)

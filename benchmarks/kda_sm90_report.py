@@ -8,7 +8,7 @@ then prints registers and spill bytes. What it cannot tell: time. A kernel that 
 than the H200's 227 KB of shared memory, is worth fixing before spending device time on it::
 
     python benchmarks/kda_sm90_report.py                      # default switches, K = V = 128, fp32 inputs
-    python benchmarks/kda_sm90_report.py --dtype bfloat16 --fwd split --intra split --wy-split 0
+    python benchmarks/kda_sm90_report.py --dtype bfloat16 --fwd fused --intra fused --wy-split 0
     python benchmarks/kda_sm90_report.py --set triton_backward.BWD_WARPS=8 --set triton_forward.SCAN_CONFIG=32,4,1
     python benchmarks/kda_sm90_report.py --json out.json
 
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=96)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--tokens", type=int, default=256, help="tokens of the dummy inputs (the kernels do not depend on it)")
-    p.add_argument("--fwd", default="fused", choices=["fused", "split"])
+    p.add_argument("--fwd", default="split", choices=["fused", "split"], help="KIMIK3_KDA_FWD")
     p.add_argument("--intra", default="split", choices=["fused", "split", "tiles16"])
     p.add_argument("--variant", default=None, help="precision variant (KIMIK3_KDA_VARIANT), e.g. ach")
     p.add_argument("--wy-split", type=int, choices=[0, 1], default=1, help="KIMIK3_KDA_WY_SPLIT")

@@ -214,9 +214,9 @@ def test_split_intra(monkeypatch, mode, case):
     """The intra-chunk kernels vs naive and vs the fused one on the same inputs, gradients included:
     KIMIK3_KDA_INTRA=split (the default: phase A per column tile, B per chunk, C per K / V block; also
     with SOLVE 0, forward substitution through the buffer, and 3, the 16 x 16 blocks in registers with
-    Neumann diagonal inverses, against the default SOLVE 4) and tiles16 (one program holding [16, 16] blocks; "3k": the diagonal blocks, the
-    off-diagonal blocks with the solve, and phase C as three kernels), each also together with the split
-    scan at K = 100 (several K blocks in phase C)."""
+    Neumann diagonal inverses, against the default SOLVE 4) and tiles16 (one program holding [16, 16]
+    blocks; "3k": the diagonal blocks, the off-diagonal blocks with the solve, and phase C as three
+    kernels), each also together with the split scan at K = 100 (several K blocks in phase C)."""
     import kimik3.ops.kda.triton_forward as tf
 
     H, K, V = SMALL[1:]

@@ -16,8 +16,8 @@ Backward, with dO = scale * do and dS' the gradient of the chunk's exit state:
 
 Kernels:
   1. ``_fwd_h_kernel`` (``triton_scan.py``) per (sequence, head, V block): re-runs the forward scan
-     from the forward's W, U, kg, eg and stores every chunk's entry state h [NT, H, K, V] fp32 and
-     v_new [B, T, H, V] fp32 -- skipped when the forward ran split and saved both.
+     from the forward's W, U, kg, eg and stores every chunk's entry state h [NT, H, K, V] (``states_dtype``)
+     and v_new [B, T, H, V] fp32 -- skipped when the forward ran split (the default) and saved both.
   2. ``_dvn_local_kernel`` per (chunk, head, V block): Aqk^T dO into the dv_new buffer, then
      ``_bwd_dh_kernel`` per (sequence, head, V block): reverse scan adding kg dS'; stores dh (gradient of
      each chunk's exit state) [NT, H, K, V] fp32, dv_new, and d initial_state.
@@ -44,8 +44,8 @@ import triton.language as tl
 
 from .triton_bwd_intra import bwd_intra
 from .triton_forward import INTERPRET, ChunkPlan, _dot_dtype, _next_pow2
-from .triton_scan import (_chunk_beta, _chunk_bounds, _chunk_part, _chunk_tiles, _fwd_h_kernel, _scan_program, _split16, _state_tile,
-                          part_grid, states_dtype)
+from .triton_scan import (_chunk_beta, _chunk_bounds, _chunk_part, _chunk_tiles, _fwd_h_kernel, _scan_program,
+                          _split16, _state_tile, part_grid, states_dtype)
 
 BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark sweeps)
 WY_BLOCKS: Optional[Tuple[int, int]] = None  # override the WY kernel's (key block, V block); default (64, 64)
@@ -78,18 +78,25 @@ WY_DQ16 = True
 
 
 @triton.jit
-def _dvn_local_kernel(aqk_ptr, do_ptr, dvn_ptr, cu_ptr, cidx_ptr, H, scale,
-                      V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """The state-independent part of dv_new, scale Aqk^T dO, per (chunk, head, V block), written to the dv_new
-    buffer for the state-gradient scan to complete (off its serial path). DT 16-bit: 16-bit operands with
-    Aqk split into high and low parts, as the scan did; fp32: ``PREC``."""
+def _chunk_v_block(mat_ptr, cu_ptr, cidx_ptr, H, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
+    """A program on ``part_grid(NT, H, NV)``: its chunk's [64, BV] V-block offsets and mask in a [.., H, V]
+    tensor, and the transpose of the chunk's [64, 64] matrix at mat_ptr (chunk-major, as Aqk and T)."""
     i_t, i_h, i_v = _chunk_part(NV)
     t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
     r = tl.arange(0, 64)
     cv = i_v * BV + tl.arange(0, BV)
     mv = (r < L)[:, None] & (cv < V)[None, :]
     vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
-    aT = tl.trans(tl.load(aqk_ptr + (i_t * H + i_h) * 4096 + r[:, None] * 64 + r[None, :]))
+    return vo, mv, tl.trans(tl.load(mat_ptr + (i_t * H + i_h) * 4096 + r[:, None] * 64 + r[None, :]))
+
+
+@triton.jit
+def _dvn_local_kernel(aqk_ptr, do_ptr, dvn_ptr, cu_ptr, cidx_ptr, H, scale,
+                      V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """The state-independent part of dv_new, scale Aqk^T dO, per (chunk, head, V block), written to the dv_new
+    buffer for the state-gradient scan to complete (off its serial path). DT 16-bit: 16-bit operands with
+    Aqk split into high and low parts, as the scan did; fp32: ``PREC``."""
+    vo, mv, aT = _chunk_v_block(aqk_ptr, cu_ptr, cidx_ptr, H, V, BV, NV)
     if DT == tl.float32:
         dvl = tl.dot(aT, tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32), input_precision=PREC)
     else:
@@ -166,13 +173,7 @@ def _drv_kernel(tinv_ptr, dvn_ptr, cu_ptr, cidx_ptr, H, V: tl.constexpr, BV: tl.
                 PREC: tl.constexpr):
     """dRv = T^T dv_new per (chunk, head, V block), written over dv_new (``DRV_PASS``): the WY kernel's
     three parts per chunk all need it and would each recompute it."""
-    i_t, i_h, i_v = _chunk_part(NV)
-    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
-    r = tl.arange(0, 64)
-    cv = i_v * BV + tl.arange(0, BV)
-    mv = (r < L)[:, None] & (cv < V)[None, :]
-    vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
-    tmatT = tl.trans(tl.load(tinv_ptr + (i_t * H + i_h) * 4096 + r[:, None] * 64 + r[None, :]))
+    vo, mv, tmatT = _chunk_v_block(tinv_ptr, cu_ptr, cidx_ptr, H, V, BV, NV)
     tl.store(dvn_ptr + vo, tl.dot(tmatT, tl.load(dvn_ptr + vo, mask=mv, other=0.0), input_precision=PREC), mask=mv)
 
 
@@ -273,9 +274,9 @@ def _bwd_wy_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     SPLIT: tl.constexpr, NPART: tl.constexpr, DRV_IN: tl.constexpr, DQ16: tl.constexpr,
 ):
-    """One (chunk, head). Unsplit (the default), this program does the K-independent products
+    """One (chunk, head). Unsplit (``WY_SPLIT_K`` off), this program does the K-independent products
     (``_wy_v_side``) and then every BK-column key block (``_wy_k_side``), and writes dA and dbeta whole.
-    Split (``WY_SPLIT_K``), part p < cdiv(K, BK) (``_chunk_part``) does key block p alone and p = cdiv(K, BK)
+    Split (the default), part p < cdiv(K, BK) (``_chunk_part``) does key block p alone and p = cdiv(K, BK)
     the K-independent products; each writes its own partial dA and dbeta (part_a / part_beta elements
     apart), which kernel 4 (``triton_bwd_intra.py``) sums."""
     i_t, i_h, i_p = _chunk_part(NPART)

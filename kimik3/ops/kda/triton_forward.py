@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_intra16 import _diag16_kernel, _intra16_kernel, _subst_step, block_subst16
+from .triton_intra16 import _diag16_kernel, _intra16_kernel, block_subst16, diag_inverses16
 from .triton_scan import (_chunk_beta, _chunk_bounds, _chunk_part, _fwd_h_kernel, _output_kernel, _state_out_kernel,
                           part_grid, states_dtype)
 
@@ -206,9 +206,9 @@ def _inv16(a, PREC: tl.constexpr):
 def _solve_blocks(t_ptr, base, PREC: tl.constexpr, SUBST: tl.constexpr):
     """SOLVE 3 / 4: T = (I + A)^-1 for the strictly lower 64 x 64 A stored at t_ptr + base (row-major), by
     16 x 16 blocks held in registers: the diagonal inverses by ``_inv16`` (SUBST False) or by the four
-    blocks' forward substitutions interleaved in one loop (SUBST True; ``triton_intra16._subst_step``,
-    rows read back from the buffer), then the block rows T_ij = -D_i sum_{j <= m < i} A_im T_mj. Writes
-    T over A (one barrier) and returns it as 64 x 64."""
+    blocks' forward substitutions interleaved in one loop (SUBST True; ``triton_intra16.diag_inverses16``),
+    then the block rows T_ij = -D_i sum_{j <= m < i} A_im T_mj. Writes T over A (one barrier) and returns
+    it as 64 x 64."""
     r16 = tl.arange(0, 16)
     o = r16[:, None] * 64 + r16[None, :]
     a10 = tl.load(t_ptr + base + o + 16 * 64)
@@ -218,17 +218,9 @@ def _solve_blocks(t_ptr, base, PREC: tl.constexpr, SUBST: tl.constexpr):
     a31 = tl.load(t_ptr + base + o + 48 * 64 + 16)
     a32 = tl.load(t_ptr + base + o + 48 * 64 + 32)
     if SUBST:
-        d0 = -tl.load(t_ptr + base + o)
-        d1 = -tl.load(t_ptr + base + o + 16 * 64 + 16)
-        d2 = -tl.load(t_ptr + base + o + 32 * 64 + 32)
-        d3 = -tl.load(t_ptr + base + o + 48 * 64 + 48)
-        for rr in range(2, 16):
-            d0 = _subst_step(d0, t_ptr, base, 0, rr)
-            d1 = _subst_step(d1, t_ptr, base, 1, rr)
-            d2 = _subst_step(d2, t_ptr, base, 2, rr)
-            d3 = _subst_step(d3, t_ptr, base, 3, rr)
-        eye = (r16[:, None] == r16[None, :]).to(tl.float32)
-        d0, d1, d2, d3 = d0 + eye, d1 + eye, d2 + eye, d3 + eye
+        d0, d1, d2, d3 = diag_inverses16(
+            t_ptr, base, tl.load(t_ptr + base + o), tl.load(t_ptr + base + o + 16 * 64 + 16),
+            tl.load(t_ptr + base + o + 32 * 64 + 32), tl.load(t_ptr + base + o + 48 * 64 + 48))
     else:
         d0 = _inv16(tl.load(t_ptr + base + o), PREC)
         d1 = _inv16(tl.load(t_ptr + base + o + 16 * 64 + 16), PREC)

@@ -150,6 +150,22 @@ def _subst_step(b, tinv_ptr, base, i, rr):
 
 
 @triton.jit
+def diag_inverses16(t_ptr, base, a00, a11, a22, a33):
+    """(I + A(i, i))^-1 of the four strictly lower diagonal 16 x 16 blocks of the chunk-major [64, 64] A at
+    t_ptr + base (given in registers as a_ii too): the four forward substitutions interleaved in one loop,
+    so each step has four independent chains; their rows are read back from memory."""
+    d0, d1, d2, d3 = -a00, -a11, -a22, -a33
+    for rr in range(2, 16):
+        d0 = _subst_step(d0, t_ptr, base, 0, rr)
+        d1 = _subst_step(d1, t_ptr, base, 1, rr)
+        d2 = _subst_step(d2, t_ptr, base, 2, rr)
+        d3 = _subst_step(d3, t_ptr, base, 3, rr)
+    r = tl.arange(0, 16)
+    eye = (r[:, None] == r[None, :]).to(tl.float32)
+    return d0 + eye, d1 + eye, d2 + eye, d3 + eye
+
+
+@triton.jit
 def _mm16(a, b, PREC: tl.constexpr):
     return tl.dot(a, b, input_precision=PREC)
 
@@ -284,14 +300,7 @@ def _intra16_kernel(
     if DIAG:
         _store_diag16(tinv_ptr, base, a00, a11, a22, a33)
         tl.debug_barrier()
-    d0, d1, d2, d3 = -a00, -a11, -a22, -a33
-    for rr in range(2, 16):
-        d0 = _subst_step(d0, tinv_ptr, base, 0, rr)
-        d1 = _subst_step(d1, tinv_ptr, base, 1, rr)
-        d2 = _subst_step(d2, tinv_ptr, base, 2, rr)
-        d3 = _subst_step(d3, tinv_ptr, base, 3, rr)
-    eye = (r[:, None] == r[None, :]).to(tl.float32)
-    d0, d1, d2, d3 = d0 + eye, d1 + eye, d2 + eye, d3 + eye
+    d0, d1, d2, d3 = diag_inverses16(tinv_ptr, base, a00, a11, a22, a33)
     t10, t20, t21, t30, t31, t32 = block_subst16(d0, d1, d2, d3, a10, a20, a21, a30, a31, a32, SPREC)
     tl.debug_barrier()  # every row of A(i, i) read before T(i, i) overwrites it
     _store_diag16(tinv_ptr, base, d0, d1, d2, d3)

@@ -72,8 +72,8 @@ finish() {
 }
 
 # shape 0 (with per-kernel profiles); shape 1 only TRIES1
-TRIES=w32,bsc=64/2
-TRIES1=fwd=fused+btiles+solve=0/4+nodrv+nodq16+w32+bsc=64/2
+TRIES=var=ah,var=ch,var=h,fwd=fused
+TRIES1=var=ch
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi

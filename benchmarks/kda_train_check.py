@@ -1,6 +1,6 @@
 """Train with the Triton KDA kernels vs the torch chunk path: same run, same data, same seed.
 
-    python benchmarks/kda_train_check.py [--steps 60] [--preset debug] [--vocab 16384]   # GPU machine
+    python benchmarks/kda_train_check.py [--steps 60] [--preset debug] [--vocab 16384] [--seeds 1]   # GPU machine
 
 Trains the preset (bf16 autocast on CUDA; the preset's vocabulary cut to --vocab, since the stdlib
 corpus does not fill K3's 164K BPE) twice through the same ``Trainer``: KIMIK3_KDA_BACKEND=torch (the
@@ -8,7 +8,9 @@ peer) and =triton (forward and backward kernels). Prints both loss curves, the m
 the peak GPU memory of each, and PASS when the final validation loss agrees within --tol and the mean
 training loss over the last 10 steps within 2 x --tol (bf16 noise: the two paths round differently,
 so the curves drift apart by a few hundredths; the validation loss, averaged over 16 windows, is the
-steadier of the two).
+steadier of the two). With --seeds N > 1 both paths train once per seed (0 .. N-1): the check then
+uses the mean |difference| over the seeds, and the spread of the torch path's own validation loss
+across seeds is printed next to it as the scale of the noise.
 Exits non-zero on FAIL.
 """
 
@@ -28,7 +30,7 @@ from kimik3.ops.kda import BACKEND_ENV  # noqa: E402
 from kimik3.train.trainer import TrainArgs, Trainer  # noqa: E402
 
 
-def train(backend: str, args: argparse.Namespace, tmp: Path) -> tuple[list[float], float, float, float]:
+def train(backend: str, args: argparse.Namespace, tmp: Path, seed: int) -> tuple[list[float], float, float, float]:
     import torch
 
     os.environ[BACKEND_ENV] = backend
@@ -41,7 +43,8 @@ def train(backend: str, args: argparse.Namespace, tmp: Path) -> tuple[list[float
     config_path = tmp / f"{args.preset}-v{args.vocab}.json"
     config_path.write_text(json.dumps(config))
     train_args = TrainArgs(config_path=str(config_path), steps=args.steps, seq_len=args.seq_len,
-                           batch_size=args.batch_size, device=args.device, out=str(tmp / backend),
+                           batch_size=args.batch_size, device=args.device, out=str(tmp / f"{backend}-{seed}"),
+                           seed=seed,
                            eval_every=args.steps, checkpoint_every=10**9, progress=False)
     losses: list[float] = []
     speeds: list[float] = []
@@ -65,25 +68,37 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tol", type=float, default=0.05,
                    help="allowed |difference| of the validation loss (2x for the last-10-step mean loss)")
+    p.add_argument("--seeds", type=int, default=1, help="train both paths once per seed 0 .. N-1")
     args = p.parse_args()
+    if args.seeds < 1 or args.steps < 1:
+        raise SystemExit(f"--seeds and --steps must be >= 1, got {args.seeds} and {args.steps}")
 
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = {backend: train(backend, args, Path(tmp)) for backend in ("torch", "triton")}
-    (lt, st, vt, mt), (lx, sx, vx, mx) = runs["torch"], runs["triton"]
     print(f"{args.preset} vocab {args.vocab}, {args.steps} steps of {args.batch_size} x {args.seq_len}, "
-          f"device {args.device}")
-    print(f"{'step':>5}{'torch':>10}{'triton':>10}")
-    for i in range(0, args.steps, max(1, args.steps // 15)):
-        print(f"{i + 1:>5}{lt[i]:>10.4f}{lx[i]:>10.4f}")
-    print(f"{args.steps:>5}{lt[-1]:>10.4f}{lx[-1]:>10.4f}")
-    tail_t, tail_x = statistics.mean(lt[-10:]), statistics.mean(lx[-10:])
-    print(f"val loss: torch {vt:.4f}, triton {vx:.4f}")
-    print(f"tokens/s (median step): torch {st:,.0f}, triton {sx:,.0f}, triton/torch {sx / st:.2f}x")
-    print(f"peak GPU memory: torch {mt:.2f} GiB, triton {mx:.2f} GiB")
-    finite = all(x == x for x in lx) and vx == vx
-    ok = finite and abs(vt - vx) <= args.tol and abs(tail_t - tail_x) <= 2 * args.tol
-    print(f"{'PASS' if ok else 'FAIL'} val loss |diff| {abs(vt - vx):.4f} (tol {args.tol}); last-10 mean loss "
-          f"torch {tail_t:.4f} triton {tail_x:.4f}, |diff| {abs(tail_t - tail_x):.4f} (tol {2 * args.tol})")
+          f"device {args.device}, seeds {args.seeds}")
+    val_diffs, tail_diffs, torch_vals, finite = [], [], [], True
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(args.seeds):
+            (lt, st, vt, mt), (lx, sx, vx, mx) = (train(b, args, Path(tmp), seed) for b in ("torch", "triton"))
+            print(f"seed {seed}\n{'step':>5}{'torch':>10}{'triton':>10}")
+            for i in range(0, args.steps, max(1, args.steps // 15)):
+                print(f"{i + 1:>5}{lt[i]:>10.4f}{lx[i]:>10.4f}")
+            print(f"{args.steps:>5}{lt[-1]:>10.4f}{lx[-1]:>10.4f}")
+            tail_t, tail_x = statistics.mean(lt[-10:]), statistics.mean(lx[-10:])
+            print(f"val loss: torch {vt:.4f}, triton {vx:.4f}, |diff| {abs(vt - vx):.4f}; last-10 mean loss torch "
+                  f"{tail_t:.4f} triton {tail_x:.4f}")
+            print(f"tokens/s (median step): torch {st:,.0f}, triton {sx:,.0f}, triton/torch {sx / st:.2f}x")
+            print(f"peak GPU memory: torch {mt:.2f} GiB, triton {mx:.2f} GiB")
+            finite = finite and all(x == x for x in lx) and vx == vx
+            val_diffs.append(abs(vt - vx))
+            tail_diffs.append(abs(tail_t - tail_x))
+            torch_vals.append(vt)
+    val_diff, tail_diff = statistics.mean(val_diffs), statistics.mean(tail_diffs)
+    if args.seeds > 1:
+        print(f"torch val loss across seeds: {' '.join(f'{v:.4f}' for v in torch_vals)} "
+              f"(spread {max(torch_vals) - min(torch_vals):.4f})")
+    ok = finite and val_diff <= args.tol and tail_diff <= 2 * args.tol
+    print(f"{'PASS' if ok else 'FAIL'} val loss |diff| {val_diff:.4f} (tol {args.tol}; mean over {args.seeds} "
+          f"seed(s)); last-10 mean loss |diff| {tail_diff:.4f} (tol {2 * args.tol})")
     sys.exit(0 if ok else 1)
 
 

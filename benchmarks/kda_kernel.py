@@ -28,7 +28,8 @@ not stop the later ones; exit status 1 if anything FAILed):
   KIMIK3_KDA_STATES_16BIT=0), `bik=BK/warps` (the backward intra kernel's key block and warps),
   `brows` / `btiles` (that kernel per row tile, the default, or per chunk: KIMIK3_KDA_BWD_INTRA),
   `bsc=BV/stages` (the backward scans' V block and pipeline stages), `nodrv` / `nodq16` (the WY backward
-  without the separate dRv pass / with dO S^T in tf32), `w32` (W stored fp32, KIMIK3_KDA_W16=0) and
+  without the separate dRv pass / with dO S^T in tf32), `w32` (W stored fp32, KIMIK3_KDA_W16=0), `prep3`
+  (the prologue as three programs per chunk and head, KIMIK3_KDA_PREP_PARTS=3) and
   `fwd=fused` / `fwd=split` (KIMIK3_KDA_FWD at its default scan launch); e.g.
   `--try scan=32/4/2,intra=fused,wy,st32,bik=32/4,bsc=64/2`. fla is timed before our experiments, so a run cut
   short keeps the comparison.
@@ -85,6 +86,8 @@ def parse_experiment(token: str):
             overrides[(tbi, "BWD_INTRA_BK")], overrides[(tbi, "BWD_INTRA_WARPS")] = cfg
         elif part in ("brows", "btiles"):
             overrides[(tbi, "BWD_INTRA_MODE")] = part[1:]
+        elif part == "prep3":  # the prologue as three programs per (chunk, head)
+            overrides[(tf, "PREP_PARTS")] = 3
         elif part == "w32":  # W stored fp32 (as before the seventh session)
             overrides[(tf, "W_16BIT")] = False
         elif part in ("nodrv", "nodq16"):  # the WY backward without the dRv pass / without 16-bit dO S^T
@@ -128,7 +131,7 @@ def parse_experiment(token: str):
         else:
             raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra[=MODE], i16[=BK/W], wy, "
                              "nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, st32, bik=BK/W, "
-                             "brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32)")
+                             "brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, prep3)")
     return token, overrides
 
 

@@ -361,8 +361,13 @@ def test_bf16_inputs():
     assert rel_rms(s_ref, s) < 5e-3, rel_rms(s_ref, s)
 
 
-def test_fused_preactivations():
-    """Gate, q/k L2 norm and beta sigmoid fused: values and gradients (raw z, A_log, dt_bias too)."""
+@pytest.mark.parametrize("prep_parts", [1, 3])
+def test_fused_preactivations(monkeypatch, prep_parts):
+    """Gate, q/k L2 norm and beta sigmoid fused: values and gradients (raw z, A_log, dt_bias too), with the
+    prologue as one program per (chunk, head) and as three (``triton_forward.PREP_PARTS``)."""
+    import kimik3.ops.kda.triton_forward as tf
+
+    monkeypatch.setattr(tf, "PREP_PARTS", prep_parts)
     B, T, H, K, V = 1, 70, 2, SMALL[2], SMALL[3]
     gen = torch.Generator().manual_seed(3)
     raw = [torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen),
@@ -393,6 +398,9 @@ def test_fused_preactivations():
     tols = [8e-3, 8e-3, 8e-3, 2e-2, 2e-2, 2e-2, 2e-2, 5e-3]
     for name, tol, a, b in zip(names, tols, g_r, g):
         assert rel_rms(a, b) < tol, (name, rel_rms(a, b))
+    monkeypatch.setattr(tf, "PREP_PARTS", 2)
+    with pytest.raises(ValueError, match="KIMIK3_KDA_PREP_PARTS"):
+        run("triton", [x.to(DEV) for x in raw])
 
 
 # --------------------------------------------------------------------------

@@ -8,7 +8,8 @@ Three kernels (chunk C = 64 tokens, sub-tiles of 16; math as in ``chunk.py``):
 
 1. ``_prep0``  per (chunk, head): optional fused gate g = g_min * sigmoid(exp(A_log) (z + dt_bias)),
    the within-chunk cumulative log-decay Gamma (fp32, token layout), optional q/k L2 norm and beta
-   sigmoid (written to side buffers only when fused).
+   sigmoid (written to side buffers only when fused). ``KIMIK3_KDA_PREP_PARTS=3``: ``_prep_parts_kernel``,
+   the same as three programs per (chunk, head), one tensor each.
 2. ``_intra``  per (chunk, head): Aqk (lower, diagonal included) and diag(beta) Akk (strictly lower)
    as dense tl.dot matmuls, one 64 x 16 column tile j at a time against the reference
    eps_j = Gamma at the tile's last token: column factors exp(eps_j - Gamma_s) are in [e^-75, 1] and
@@ -88,6 +89,11 @@ W_16BIT = os.environ.get("KIMIK3_KDA_W16", "1") == "1"
 # tiles16: (K / V block, num_warps[, 1 = phase C as the split mode's own kernel[, 1 = the diagonal blocks
 # as their own kernel, one 1-warp program per 16-row tile]])
 INTRA16_CONFIG: Tuple[int, ...] = (32, 4)
+# The prologue (``_prep0_kernel``) as one program per (chunk, head) doing the gate, the cumulative
+# log-decay and both L2 norms (1), or as three programs per (chunk, head), each streaming one tensor (3:
+# the gate, q's norm, k's norm; only with the L2 norm fused). 1: measured (0.53 ms at K3's shape vs fla's
+# 0.36 for the same work in three kernels); 3: untimed.
+PREP_PARTS = int(os.environ.get("KIMIK3_KDA_PREP_PARTS", "1"))
 # Timing ablation of the intra kernel (benchmarks only; results are WRONG when non-zero): 1 skips the
 # phase-B solve (T = A), 2 skips phase A's dots, 3 skips phase C (W, U and the scan operands).
 INTRA_ABLATE = 0
@@ -148,40 +154,99 @@ def make_plan(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device: torch.
 
 
 @triton.jit
-def _prep0_kernel(
-    g_ptr, G_ptr, q_ptr, k_ptr, qn_ptr, kn_ptr, beta_ptr, betan_ptr, alog_ptr, dtb_ptr,
-    cu_ptr, cidx_ptr, H, g_min,
-    K: tl.constexpr, BKF: tl.constexpr,
-    USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr,
-):
-    i_t = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
-    r = tl.arange(0, 64)
-    c = tl.arange(0, BKF)
-    rv = r < L
-    cm = c < K
-    m = rv[:, None] & cm[None, :]
-    offs = (t0 + r)[:, None] * (H * K) + i_h * K + c[None, :]
+def _l2_rows(x_ptr, out_ptr, offs, m):
+    """out = x / sqrt(sum_row x^2 + 1e-6) on one [64, BKF] tile (rows are tokens)."""
+    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    x = x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+    tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gate_cumsum(g_ptr, G_ptr, beta_ptr, betan_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, rv, t0, r, i_h, H, g_min,
+                 K: tl.constexpr, USE_GATE: tl.constexpr, USE_BETA_SIG: tl.constexpr):
+    """The (optionally fused) gate and the cumulative log-decay Gamma of one chunk tile, and beta's sigmoid."""
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
     if USE_GATE:
         a = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
         dtb = tl.load(dtb_ptr + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
         g = g_min * tl.sigmoid(a * (g + dtb[None, :]))
         g = tl.where(m, g, 0.0)
-    G = tl.cumsum(g, axis=0)
-    tl.store(G_ptr + offs, G, mask=m)
-    if USE_L2:
-        q = tl.load(q_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
-        tl.store(qn_ptr + offs, q.to(qn_ptr.dtype.element_ty), mask=m)
-        k = tl.load(k_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-        tl.store(kn_ptr + offs, k.to(kn_ptr.dtype.element_ty), mask=m)
+    tl.store(G_ptr + offs, tl.cumsum(g, axis=0), mask=m)
     if USE_BETA_SIG:
         bo = (t0 + r) * H + i_h
         b = tl.load(beta_ptr + bo, mask=rv, other=0.0).to(tl.float32)
         tl.store(betan_ptr + bo, tl.sigmoid(b), mask=rv)
+
+
+@triton.jit
+def _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K: tl.constexpr,
+                 USE_GATE: tl.constexpr):
+    """The (optionally fused) gate and the cumulative log-decay Gamma of one [64, BKF] chunk tile."""
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if USE_GATE:
+        a = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
+        dtb = tl.load(dtb_ptr + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
+        g = g_min * tl.sigmoid(a * (g + dtb[None, :]))
+        g = tl.where(m, g, 0.0)
+    tl.store(G_ptr + offs, tl.cumsum(g, axis=0), mask=m)
+
+
+@triton.jit
+def _beta_sigmoid(beta_ptr, betan_ptr, t0, r, rv, i_h, H):
+    bo = (t0 + r) * H + i_h
+    b = tl.load(beta_ptr + bo, mask=rv, other=0.0).to(tl.float32)
+    tl.store(betan_ptr + bo, tl.sigmoid(b), mask=rv)
+
+
+@triton.jit
+def _prep_tile(i_t, cidx_ptr, cu_ptr, H, i_h, K: tl.constexpr, BKF: tl.constexpr):
+    """Chunk i_t's first token, rows, row mask and the offsets / mask of its [64, BKF] tile of head i_h."""
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
+    r = tl.arange(0, 64)
+    c = tl.arange(0, BKF)
+    rv = r < L
+    cm = c < K
+    m = rv[:, None] & cm[None, :]
+    return t0, r, rv, c, cm, m, (t0 + r)[:, None] * (H * K) + i_h * K + c[None, :]
+
+
+@triton.jit
+def _prep0_kernel(
+    g_ptr, G_ptr, q_ptr, k_ptr, qn_ptr, kn_ptr, beta_ptr, betan_ptr, alog_ptr, dtb_ptr,
+    cu_ptr, cidx_ptr, H, g_min,
+    K: tl.constexpr, BKF: tl.constexpr,
+    USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr,
+):
+    """One (chunk, head): the gate, the cumulative log-decay, both L2 norms and beta's sigmoid."""
+    i_t = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    t0, r, rv, c, cm, m, offs = _prep_tile(i_t, cidx_ptr, cu_ptr, H, i_h, K, BKF)
+    _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K, USE_GATE)
+    if USE_L2:
+        _l2_rows(q_ptr, qn_ptr, offs, m)
+        _l2_rows(k_ptr, kn_ptr, offs, m)
+    if USE_BETA_SIG:
+        _beta_sigmoid(beta_ptr, betan_ptr, t0, r, rv, i_h, H)
+
+
+@triton.jit
+def _prep_parts_kernel(
+    g_ptr, G_ptr, q_ptr, k_ptr, qn_ptr, kn_ptr, beta_ptr, betan_ptr, alog_ptr, dtb_ptr,
+    cu_ptr, cidx_ptr, H, g_min,
+    K: tl.constexpr, BKF: tl.constexpr, USE_GATE: tl.constexpr, USE_BETA_SIG: tl.constexpr,
+):
+    """``_prep0_kernel`` with the L2 norm fused, as three programs per (chunk, head) (``PREP_PARTS`` 3), each
+    streaming one tensor: part 0 the gate, Gamma and beta's sigmoid, part 1 q's L2 norm, part 2 k's."""
+    i_t, i_h, p = _chunk_part(3)
+    t0, r, rv, c, cm, m, offs = _prep_tile(i_t, cidx_ptr, cu_ptr, H, i_h, K, BKF)
+    if p == 0:
+        _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K, USE_GATE)
+        if USE_BETA_SIG:
+            _beta_sigmoid(beta_ptr, betan_ptr, t0, r, rv, i_h, H)
+    elif p == 1:
+        _l2_rows(q_ptr, qn_ptr, offs, m)
+    else:
+        _l2_rows(k_ptr, kn_ptr, offs, m)
 
 
 # --------------------------------------------------------------------------
@@ -476,6 +541,8 @@ def kda_fwd_triton(
     BKF, BK, BV_intra = _cfg(K, V)
     if K > 256 or V > 512:
         raise ValueError(f"triton KDA supports K <= 256 and V <= 512, got K={K} V={V}")
+    if PREP_PARTS not in (1, 3):
+        raise ValueError(f"KIMIK3_KDA_PREP_PARTS must be 1 or 3, got {PREP_PARTS}")
     if SOLVE not in (0, 3, 4):
         raise ValueError(f"KIMIK3_KDA_SOLVE must be 0, 3 or 4, got {SOLVE}")
     if INTRA_MODE not in ("fused", "split", "tiles16"):
@@ -497,13 +564,14 @@ def kda_fwd_triton(
     if use_beta_sigmoid:
         betan = torch.empty(beta.shape, device=dev, dtype=torch.float32)
     dummy = G
-    _prep0_kernel[(NT, H)](
-        g, G, q, k, qn, kn, beta, betan,
-        A_log if use_gate else dummy, dt_bias if use_gate else dummy,
-        plan.cu, plan.chunk_idx, H, float(g_min),
-        K=K, BKF=BKF, USE_GATE=use_gate, USE_L2=use_l2, USE_BETA_SIG=use_beta_sigmoid,
-        num_warps=4 if BKF <= 64 else 8,
-    )
+    prep_args = (g, G, q, k, qn, kn, beta, betan, A_log if use_gate else dummy, dt_bias if use_gate else dummy,
+                 plan.cu, plan.chunk_idx, H, float(g_min))
+    if PREP_PARTS == 3 and use_l2:
+        _prep_parts_kernel[part_grid(NT, H, 3)](*prep_args, K=K, BKF=BKF, USE_GATE=use_gate,
+                                                USE_BETA_SIG=use_beta_sigmoid, num_warps=4 if BKF <= 64 else 8)
+    else:
+        _prep0_kernel[(NT, H)](*prep_args, K=K, BKF=BKF, USE_GATE=use_gate, USE_L2=use_l2,
+                               USE_BETA_SIG=use_beta_sigmoid, num_warps=4 if BKF <= 64 else 8)
     # W/U in fp32 when the scan is 16-bit too: a 16-bit W loaded straight into the scan's bf16 dot
     # gave wrong results / illegal addresses on the H200 (Triton 3.6; variants '', 'a', 'c' at
     # T2048 H96 D128, the scan of the first version) while every variant with 'w' or 's' was right --

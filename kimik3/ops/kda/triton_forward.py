@@ -162,23 +162,6 @@ def _l2_rows(x_ptr, out_ptr, offs, m):
 
 
 @triton.jit
-def _gate_cumsum(g_ptr, G_ptr, beta_ptr, betan_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, rv, t0, r, i_h, H, g_min,
-                 K: tl.constexpr, USE_GATE: tl.constexpr, USE_BETA_SIG: tl.constexpr):
-    """The (optionally fused) gate and the cumulative log-decay Gamma of one chunk tile, and beta's sigmoid."""
-    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    if USE_GATE:
-        a = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
-        dtb = tl.load(dtb_ptr + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
-        g = g_min * tl.sigmoid(a * (g + dtb[None, :]))
-        g = tl.where(m, g, 0.0)
-    tl.store(G_ptr + offs, tl.cumsum(g, axis=0), mask=m)
-    if USE_BETA_SIG:
-        bo = (t0 + r) * H + i_h
-        b = tl.load(beta_ptr + bo, mask=rv, other=0.0).to(tl.float32)
-        tl.store(betan_ptr + bo, tl.sigmoid(b), mask=rv)
-
-
-@triton.jit
 def _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K: tl.constexpr,
                  USE_GATE: tl.constexpr):
     """The (optionally fused) gate and the cumulative log-decay Gamma of one [64, BKF] chunk tile."""
@@ -193,6 +176,7 @@ def _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K:
 
 @triton.jit
 def _beta_sigmoid(beta_ptr, betan_ptr, t0, r, rv, i_h, H):
+    """beta_t -> sigmoid(beta_t) on one chunk's rows (fp32)."""
     bo = (t0 + r) * H + i_h
     b = tl.load(beta_ptr + bo, mask=rv, other=0.0).to(tl.float32)
     tl.store(betan_ptr + bo, tl.sigmoid(b), mask=rv)

@@ -72,7 +72,7 @@ finish() {
 }
 
 # shape 0 (with per-kernel profiles); shape 1 only TRIES1
-TRIES=var=ah,var=ch,var=h,fwd=fused,prep3
+TRIES=var=ah,var=ch,var=h,fwd=fused,prep3,dhacc,dhacc+bscan=4+bsc=32/2
 TRIES1=var=ch
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits

@@ -29,7 +29,8 @@ not stop the later ones; exit status 1 if anything FAILed):
   `brows` / `btiles` (that kernel per row tile, the default, or per chunk: KIMIK3_KDA_BWD_INTRA),
   `bsc=BV/stages` (the backward scans' V block and pipeline stages), `nodrv` / `nodq16` (the WY backward
   without the separate dRv pass / with dO S^T in tf32), `w32` (W stored fp32, KIMIK3_KDA_W16=0), `prep3`
-  (the prologue as three programs per chunk and head, KIMIK3_KDA_PREP_PARTS=3) and
+  (the prologue as three programs per chunk and head, KIMIK3_KDA_PREP_PARTS=3), `dhacc` (the state-gradient
+  scan's products accumulated in place) and
   `fwd=fused` / `fwd=split` (KIMIK3_KDA_FWD at its default scan launch); e.g.
   `--try scan=32/4/2,intra=fused,wy,st32,bik=32/4,bsc=64/2`. fla is timed before our experiments, so a run cut
   short keeps the comparison.
@@ -86,6 +87,8 @@ def parse_experiment(token: str):
             overrides[(tbi, "BWD_INTRA_BK")], overrides[(tbi, "BWD_INTRA_WARPS")] = cfg
         elif part in ("brows", "btiles"):
             overrides[(tbi, "BWD_INTRA_MODE")] = part[1:]
+        elif part == "dhacc":  # the state-gradient scan's 16-bit products accumulated in place
+            overrides[(tb, "DH_ACC_DOTS")] = True
         elif part == "prep3":  # the prologue as three programs per (chunk, head)
             overrides[(tf, "PREP_PARTS")] = 3
         elif part == "w32":  # W stored fp32 (as before the seventh session)
@@ -131,7 +134,7 @@ def parse_experiment(token: str):
         else:
             raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra[=MODE], i16[=BK/W], wy, "
                              "nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, st32, bik=BK/W, "
-                             "brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, prep3)")
+                             "brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, prep3, dhacc)")
     return token, overrides
 
 

@@ -277,7 +277,8 @@ def test_wy_split_over_k(monkeypatch, K, blocks):
 
 
 @pytest.mark.parametrize("case", ["K100-BK32", "K130-BK64", "varlen-BK32", "bf16-scan64x2", "K100-tiles",
-                                  "varlen-tiles", "bf16-tiles", "bf16-nodrv", "K100-nodrv", "bf16-w32"])
+                                  "varlen-tiles", "bf16-tiles", "bf16-nodrv", "K100-nodrv", "bf16-w32",
+                                  "bf16-dhacc"])
 def test_backward_launch_sweeps(monkeypatch, case):
     """The backward's alternatives give the default's gradients, and both match naive: the intra kernel
     split over key blocks (4 and 3 blocks, so partial dbeta sums with the WY kernel's partials; varlen with
@@ -285,7 +286,8 @@ def test_backward_launch_sweeps(monkeypatch, case):
     the default runs it per row tile with a separate suffix-sum pass), the backward scans at 64-column
     V blocks, two pipeline stages, and the WY kernel computing dRv = T^T dv_new itself with dO S^T in tf32
     ("nodrv"; the default has a separate dRv pass and takes dO S^T on 16-bit operands), and W stored fp32
-    ("w32"; the default stores it in the 16-bit input dtype)."""
+    ("w32"; the default stores it in the 16-bit input dtype), and the state-gradient scan accumulating its
+    16-bit products in place ("dhacc")."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
     import kimik3.ops.kda.triton_forward as tf
@@ -300,6 +302,8 @@ def test_backward_launch_sweeps(monkeypatch, case):
         knobs[(tb, "DRV_PASS")], knobs[(tb, "WY_DQ16")] = False, False
     if "w32" in case:
         knobs[(tf, "W_16BIT")] = False
+    if "dhacc" in case:
+        knobs[(tb, "DH_ACC_DOTS")] = True
     if "scan64" in case:
         knobs[(tb, "SCAN_BV")], knobs[(tb, "SCAN_STAGES")] = 64, 2
     if case.startswith("K"):

@@ -65,6 +65,9 @@ SCAN_WARPS = 8
 # H200 (fp32 and bf16) and it timed -1.7 ms of 29.5 ms fwd+bwd at K3's shape. KIMIK3_KDA_WY_SPLIT=0: one
 # program per (chunk, head).
 WY_SPLIT_K = os.environ.get("KIMIK3_KDA_WY_SPLIT", "1") == "1"
+# The state-gradient scan's 16-bit products accumulated in place (``_bwd_dh_step`` ACC): fewer live [K, BV]
+# temporaries on its serial path (its 255 registers at 8 warps leave one CTA per SM). Untimed.
+DH_ACC_DOTS = False
 # dRv = T^T dv_new by its own pass (``_drv_kernel``, over dv_new) instead of in each of the WY kernel's parts.
 DRV_PASS = True
 # The WY kernel's dO S^T on the 16-bit dO and stored states as they are (exact products) when both share a
@@ -108,10 +111,13 @@ def _dvn_local_kernel(aqk_ptr, do_ptr, dvn_ptr, cu_ptr, cidx_ptr, H, scale,
 
 @triton.jit
 def _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c, bos, eos, coff, i_h, H,
-                 scale, K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr, DT: tl.constexpr):
+                 scale, K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr, DT: tl.constexpr,
+                 ACC: tl.constexpr):
     """dv_new = (scale Aqk^T dO, from ``_dvn_local_kernel``) + kg dS', stored over it; then the state gradient
     entering the chunk. DT 16-bit: every product takes 16-bit operands, with dh split into a high part and a
-    16-bit remainder (do, qg, kg are 16-bit already)."""
+    16-bit remainder (do, qg, kg are 16-bit already). ACC (``DH_ACC_DOTS``, 16-bit only): the products
+    accumulate into dv_new and dh in place (tl.dot's acc; dO scaled before its 16-bit rounding, W negated)
+    instead of each landing in a temporary first."""
     r, rv, mk, mv, ko, vo = _chunk_tiles(i_c, bos, eos, i_h, H, K, V, ck, cv)
     km = ck < K
     hoff = ((coff + i_c) * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
@@ -133,10 +139,17 @@ def _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c
         kg = tl.load(kg_ptr + ko, mask=mk, other=0.0).to(DT)
         w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(DT)
         dh_hi, dh_lo = _split16(dh, DT)
-        dvn = tl.where(mv, dvn + tl.dot(kg, dh_hi) + tl.dot(kg, dh_lo), 0.0)
-        tl.store(dvn_ptr + vo, dvn, mask=mv)
         # (W is rounded to 16 bits here, so a dv_new remainder would buy nothing: measured on the interpreter)
-        dh = dh * eg[:, None] + tl.dot(tl.trans(qg), do) * scale - tl.dot(tl.trans(w), dvn.to(DT))
+        if ACC:
+            dvn = tl.where(mv, tl.dot(kg, dh_lo, acc=tl.dot(kg, dh_hi, acc=dvn)), 0.0)
+            tl.store(dvn_ptr + vo, dvn, mask=mv)
+            dh = tl.dot(tl.trans(qg), (do.to(tl.float32) * scale).to(DT), acc=dh * eg[:, None])
+            w_neg = (-w.to(tl.float32)).to(DT)  # exact; (the interpreter cannot negate 16-bit values)
+            dh = tl.dot(tl.trans(w_neg), dvn.to(DT), acc=dh)
+        else:
+            dvn = tl.where(mv, dvn + tl.dot(kg, dh_hi) + tl.dot(kg, dh_lo), 0.0)
+            tl.store(dvn_ptr + vo, dvn, mask=mv)
+            dh = dh * eg[:, None] + tl.dot(tl.trans(qg), do) * scale - tl.dot(tl.trans(w), dvn.to(DT))
     return dh
 
 
@@ -145,7 +158,7 @@ def _bwd_dh_kernel(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dht_ptr, dh_ptr, dvn_p
                    cu_ptr, coff_ptr, H, scale,
                    K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
                    PREC: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, INTERP: tl.constexpr,
-                   DT: tl.constexpr):
+                   DT: tl.constexpr, ACC: tl.constexpr):
     i_h, bos, eos, coff, ck, cv, s_off, sm = _scan_program(cu_ptr, coff_ptr, H, K, V, BKF, BV)
     dh = _state_tile(dht_ptr, s_off, sm, HAS_DHT, BKF, BV)
     NC = tl.cdiv(eos - bos, 64)
@@ -153,12 +166,12 @@ def _bwd_dh_kernel(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dht_ptr, dh_ptr, dvn_p
         i_c = NC - 1
         while i_c >= 0:
             dh = _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c, bos, eos,
-                              coff, i_h, H, scale, K, V, ck, cv, PREC, DT)
+                              coff, i_h, H, scale, K, V, ck, cv, PREC, DT, ACC)
             i_c -= 1
     else:
         for j in range(0, NC):
             dh = _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dh_ptr, dvn_ptr, dh, NC - 1 - j, bos,
-                              eos, coff, i_h, H, scale, K, V, ck, cv, PREC, DT)
+                              eos, coff, i_h, H, scale, K, V, ck, cv, PREC, DT, ACC)
     if STORE_DH0:
         tl.store(dh0_ptr + s_off, dh, mask=sm)
 
@@ -391,7 +404,7 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
         aux["qg"], aux["kg"], aux["eg"], aux["w"], do, dht_c, dh, dvn, dh0 if dh0 is not None else dummy,
         plan.cu, plan.chunk_off, H, float(scale),
         K=K, V=V, BKF=BKs, BV=BVs, PREC=PREC, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        INTERP=INTERPRET, DT=scan_dt, num_warps=SCAN_WARPS, num_stages=stages_s,
+        INTERP=INTERPRET, DT=scan_dt, ACC=DH_ACC_DOTS, num_warps=SCAN_WARPS, num_stages=stages_s,
     )
     nkb = triton.cdiv(K, BK)
     npart = nkb + 1 if WY_SPLIT_K else 1  # split: one program per key block, one for the K-independent part

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from .triton_bwd_intra import bwd_intra
 from .triton_forward import INTERPRET, ChunkPlan, _dot_dtype, _next_pow2
-from .triton_scan import (_chunk_beta, _chunk_bounds, _chunk_part, _chunk_tiles, _fwd_h_kernel, _scan_program,
+from .triton_scan import (_chunk_beta, _chunk_block, _chunk_part, _chunk_tiles, _fwd_h_kernel, _scan_program,
                           _split16, _state_tile, part_grid, states_dtype)
 
 BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark sweeps)
@@ -85,11 +85,7 @@ def _chunk_v_block(mat_ptr, cu_ptr, cidx_ptr, H, V: tl.constexpr, BV: tl.constex
     """A program on ``part_grid(NT, H, NV)``: its chunk's [64, BV] V-block offsets and mask in a [.., H, V]
     tensor, and the transpose of the chunk's [64, 64] matrix at mat_ptr (chunk-major, as Aqk and T)."""
     i_t, i_h, i_v = _chunk_part(NV)
-    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
-    r = tl.arange(0, 64)
-    cv = i_v * BV + tl.arange(0, BV)
-    mv = (r < L)[:, None] & (cv < V)[None, :]
-    vo = (t0 + r)[:, None] * (H * V) + i_h * V + cv[None, :]
+    t0, r, rv, cv, vm, mv, vo = _chunk_block(i_t, i_h, i_v, cidx_ptr, cu_ptr, H, V, BV)
     return vo, mv, tl.trans(tl.load(mat_ptr + (i_t * H + i_h) * 4096 + r[:, None] * 64 + r[None, :]))
 
 
@@ -392,13 +388,12 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
             INTERP=INTERPRET, DT=scan_dt, HILO=aux.get("hilo", True), num_warps=SCAN_WARPS, num_stages=stages_s,
         )
     dht_c = dht.float().contiguous() if dht is not None else dummy
-    # scale Aqk^T dO, the part of dv_new that does not depend on the state, in parallel over chunks; the scan
-    # below adds kg dS' on its serial path
-    BVl = min(64, max(32, BVF))
-    nvl = triton.cdiv(V, BVl)
-    _dvn_local_kernel[part_grid(NT, H, nvl)](
+    # scale Aqk^T dO, the part of dv_new that does not depend on the state, in parallel over chunks (on the WY
+    # kernel's V blocks, as the dRv pass); the scan below adds kg dS' on its serial path
+    nv = triton.cdiv(V, BV)
+    _dvn_local_kernel[part_grid(NT, H, nv)](
         aux["aqk"], do, dvn, plan.cu, plan.chunk_idx, H, float(scale),
-        V=V, BV=BVl, NV=nvl, PREC=PREC, DT=scan_dt, num_warps=4,
+        V=V, BV=BV, NV=nv, PREC=PREC, DT=scan_dt, num_warps=4,
     )
     _bwd_dh_kernel[grid_s](
         aux["qg"], aux["kg"], aux["eg"], aux["w"], do, dht_c, dh, dvn, dh0 if dh0 is not None else dummy,
@@ -414,9 +409,8 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     part_a, part_beta = NT * H * 4096, B * T * H
     warps = BWD_WARPS or (8 if BKF >= 128 else 4)  # sm_90 compile: the split spills 176 B at 8 warps, 1.7 KB at 4
     if DRV_PASS:  # dRv = T^T dv_new once per chunk, over dv_new (which the WY kernel needs only through it)
-        nvd = triton.cdiv(V, BV)
-        _drv_kernel[part_grid(NT, H, nvd)](aux["tinv"], dvn, plan.cu, plan.chunk_idx, H, V=V, BV=BV, NV=nvd,
-                                           PREC=PREC, num_warps=4)
+        _drv_kernel[part_grid(NT, H, nv)](aux["tinv"], dvn, plan.cu, plan.chunk_idx, H, V=V, BV=BV, NV=nv,
+                                          PREC=PREC, num_warps=4)
     h16 = h.dtype in (torch.bfloat16, torch.float16)
     _bwd_wy_kernel[part_grid(NT, H, npart)](
         q, k, v, G, beta, aux["tinv"], aux["w"], aux["u"], h, dh, vn, dvn, do,

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .triton_forward import INTERPRET, ChunkPlan, _next_pow2
-from .triton_scan import _chunk_bounds, _chunk_part, part_grid
+from .triton_scan import _chunk_block, _chunk_bounds, _chunk_part, part_grid
 
 BWD_INTRA_MODE = os.environ.get("KIMIK3_KDA_BWD_INTRA", "rows")
 # Key block BWD_INTRA_BK at BWD_INTRA_WARPS warps (None: the defaults). "tiles": 64-column blocks for 16-bit
@@ -229,11 +229,7 @@ def _bwd_intra_rows_kernel(
 def _suffix_sum_kernel(x_ptr, cu_ptr, cidx_ptr, H, K: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr):
     """In place, per (chunk, head, key block): x_t <- sum_{t' >= t in the chunk} x_t' (dGamma -> dg)."""
     i_t, i_h, i_k = _chunk_part(NKB)
-    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
-    r = tl.arange(0, 64)
-    ck = i_k * BK + tl.arange(0, BK)
-    m = (r < L)[:, None] & (ck < K)[None, :]
-    o = (t0 + r)[:, None] * (H * K) + i_h * K + ck[None, :]
+    t0, r, rv, ck, km, m, o = _chunk_block(i_t, i_h, i_k, cidx_ptr, cu_ptr, H, K, BK)
     tl.store(x_ptr + o, _suffix_sum(tl.load(x_ptr + o, mask=m, other=0.0)), mask=m)
 
 

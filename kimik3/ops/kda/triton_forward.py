@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from .triton_intra16 import _diag16_kernel, _intra16_kernel, block_subst16, diag_inverses16
-from .triton_scan import (_chunk_beta, _chunk_bounds, _chunk_part, _fwd_h_kernel, _output_kernel, _state_out_kernel,
+from .triton_scan import (_chunk_beta, _chunk_block, _chunk_part, _fwd_h_kernel, _output_kernel, _state_out_kernel,
                           part_grid, states_dtype)
 
 BT = 64  # chunk size (tokens)
@@ -183,18 +183,6 @@ def _beta_sigmoid(beta_ptr, betan_ptr, t0, r, rv, i_h, H):
 
 
 @triton.jit
-def _prep_tile(i_t, cidx_ptr, cu_ptr, H, i_h, K: tl.constexpr, BKF: tl.constexpr):
-    """Chunk i_t's first token, rows, row mask and the offsets / mask of its [64, BKF] tile of head i_h."""
-    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
-    r = tl.arange(0, 64)
-    c = tl.arange(0, BKF)
-    rv = r < L
-    cm = c < K
-    m = rv[:, None] & cm[None, :]
-    return t0, r, rv, c, cm, m, (t0 + r)[:, None] * (H * K) + i_h * K + c[None, :]
-
-
-@triton.jit
 def _prep0_kernel(
     g_ptr, G_ptr, q_ptr, k_ptr, qn_ptr, kn_ptr, beta_ptr, betan_ptr, alog_ptr, dtb_ptr,
     cu_ptr, cidx_ptr, H, g_min,
@@ -204,7 +192,7 @@ def _prep0_kernel(
     """One (chunk, head): the gate, the cumulative log-decay, both L2 norms and beta's sigmoid."""
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
-    t0, r, rv, c, cm, m, offs = _prep_tile(i_t, cidx_ptr, cu_ptr, H, i_h, K, BKF)
+    t0, r, rv, c, cm, m, offs = _chunk_block(i_t, i_h, 0, cidx_ptr, cu_ptr, H, K, BKF)
     _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K, USE_GATE)
     if USE_L2:
         _l2_rows(q_ptr, qn_ptr, offs, m)
@@ -222,7 +210,7 @@ def _prep_parts_kernel(
     """``_prep0_kernel`` with the L2 norm fused, as three programs per (chunk, head) (``PREP_PARTS`` 3), each
     streaming one tensor: part 0 the gate, Gamma and beta's sigmoid, part 1 q's L2 norm, part 2 k's."""
     i_t, i_h, p = _chunk_part(3)
-    t0, r, rv, c, cm, m, offs = _prep_tile(i_t, cidx_ptr, cu_ptr, H, i_h, K, BKF)
+    t0, r, rv, c, cm, m, offs = _chunk_block(i_t, i_h, 0, cidx_ptr, cu_ptr, H, K, BKF)
     if p == 0:
         _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K, USE_GATE)
         if USE_BETA_SIG:
@@ -600,6 +588,8 @@ def kda_fwd_triton(
         raise AssertionError(INTRA_MODE)
     h0 = initial_state.float().contiguous() if initial_state is not None else dummy
     hilo = "h" in variant and DTS != tl.float32  # the scans' v_new / Aqk hi-lo splits
+    # what the Triton backward reads (the split forward adds the states h and v_new)
+    aux = dict(G=G, aqk=aqk, tinv=tinv, w=w, u=u, q=qn, k=kn, beta=betan, qg=qg, kg=kg, eg=eg, hilo=hilo)
     if FWD_MODE == "split":  # the scans on the variant's operand width, as the fused scan
         h = torch.empty(NT, H, K, V, device=dev, dtype=states_dtype(sc_dtype))
         vn = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
@@ -615,10 +605,7 @@ def kda_fwd_triton(
             qg, aqk, h, vn, o, plan.cu, plan.chunk_idx, H, float(scale),
             K=K, V=V, BKF=BKF, BV=BV_o, PREC=PREC, DT=DTS, HILO=hilo, num_warps=4,
         )
-        if return_aux:
-            return o, ht, dict(G=G, aqk=aqk, tinv=tinv, w=w, u=u, q=qn, k=kn, beta=betan, qg=qg, kg=kg, eg=eg,
-                               h=h, vn=vn, hilo=hilo)
-        return o, ht
+        return (o, ht, dict(aux, h=h, vn=vn)) if return_aux else (o, ht)
     # H200 sweep at B1 T8192 H96 D128 (NOTES-kda.md): BV 64 / 4 warps; 2 stages when the operands are
     # 16-bit (fp32 operands pipelined at BV 64 exceed the 227 KB of shared memory)
     BV_scan = min(64, _next_pow2(V))
@@ -634,7 +621,4 @@ def kda_fwd_triton(
         HILO=hilo,
         num_warps=scan_warps, num_stages=scan_stages,
     )
-    if return_aux:
-        return o, ht, dict(G=G, aqk=aqk, tinv=tinv, w=w, u=u, q=qn, k=kn, beta=betan, qg=qg, kg=kg, eg=eg,
-                           hilo=hilo)
-    return o, ht
+    return (o, ht, aux) if return_aux else (o, ht)

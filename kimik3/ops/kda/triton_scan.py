@@ -102,6 +102,19 @@ def _chunk_bounds(i_t, cidx_ptr, cu_ptr):
 
 
 @triton.jit
+def _chunk_block(i_t, i_h, i_b, cidx_ptr, cu_ptr, H, D: tl.constexpr, B: tl.constexpr):
+    """Chunk i_t's [64, B] tile of head i_h at columns block i_b in a [.., H, D] tensor (token layout): the
+    chunk's first token, its rows and valid-row mask, the columns and their mask, the tile's mask and
+    offsets."""
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
+    r = tl.arange(0, 64)
+    c = i_b * B + tl.arange(0, B)
+    rv = r < L
+    cm = c < D
+    return t0, r, rv, c, cm, rv[:, None] & cm[None, :], (t0 + r)[:, None] * (H * D) + i_h * D + c[None, :]
+
+
+@triton.jit
 def _chunk_beta(i_t, i_h, beta_ptr, cidx_ptr, cu_ptr, H):
     """``_chunk_bounds`` of chunk i_t, its 64 row indices, and head i_h's beta on them (fp32, 0 past L)."""
     t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)

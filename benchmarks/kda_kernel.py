@@ -62,6 +62,15 @@ CHECK_VARIANTS = ["", "ach", "acsw"]  # --check-variants
 EXPERIMENTS: list = []  # --try: (name, {(module, attribute): value}) kernel-structure overrides
 
 
+def _slash_ints(part: str, usage: str) -> tuple:
+    """'bik=32/4' read against usage 'bik=BK/warps' -> (32, 4); exits naming the usage on a wrong count."""
+    key, fields = usage.split("=")
+    cfg = tuple(int(x) for x in part[len(key) + 1:].split("/"))
+    if len(cfg) != len(fields.split("/")):
+        raise SystemExit(f"--try: {usage}, got {part!r}")
+    return cfg
+
+
 def parse_experiment(token: str):
     """'intra+wy+scan=32/4/2' -> (token, {(module, attribute): value})."""
     import kimik3.ops.kda.triton_backward as tb
@@ -72,18 +81,14 @@ def parse_experiment(token: str):
     overrides = {}
     for part in token.split("+"):
         if part.startswith("scan="):
-            cfg = tuple(int(x) for x in part[5:].split("/"))
-            if len(cfg) != 3:
-                raise SystemExit(f"--try: scan=BV/warps/stages, got {part!r}")
+            cfg = _slash_ints(part, "scan=BV/warps/stages")
             overrides[(tf, "FWD_MODE")], overrides[(tf, "SPLIT_CONFIG")] = "split", cfg
         elif part == "intra" or part.startswith("intra="):  # intra = the split kernels (the default)
             overrides[(tf, "INTRA_MODE")] = part[6:] or "split"
         elif part == "st32":
             overrides[(ts, "STATES_16BIT")] = False
         elif part.startswith("bik="):
-            cfg = tuple(int(x) for x in part[4:].split("/"))
-            if len(cfg) != 2:
-                raise SystemExit(f"--try: bik=BK/warps, got {part!r}")
+            cfg = _slash_ints(part, "bik=BK/warps")
             overrides[(tbi, "BWD_INTRA_BK")], overrides[(tbi, "BWD_INTRA_WARPS")] = cfg
         elif part in ("brows", "btiles"):
             overrides[(tbi, "BWD_INTRA_MODE")] = part[1:]
@@ -98,14 +103,10 @@ def parse_experiment(token: str):
         elif part in ("fwd=fused", "fwd=split"):
             overrides[(tf, "FWD_MODE")] = part[4:]
         elif part.startswith("bsc="):
-            cfg = tuple(int(x) for x in part[4:].split("/"))
-            if len(cfg) != 2:
-                raise SystemExit(f"--try: bsc=BV/stages, got {part!r}")
+            cfg = _slash_ints(part, "bsc=BV/stages")
             overrides[(tb, "SCAN_BV")], overrides[(tb, "SCAN_STAGES")] = cfg
         elif part.startswith("wyb="):
-            cfg = tuple(int(x) for x in part[4:].split("/"))
-            if len(cfg) != 2:
-                raise SystemExit(f"--try: wyb=BK/BV, got {part!r}")
+            cfg = _slash_ints(part, "wyb=BK/BV")
             overrides[(tb, "WY_BLOCKS")] = cfg
         elif part == "i16" or part.startswith("i16="):
             overrides[(tf, "INTRA_MODE")] = "tiles16"
@@ -121,9 +122,7 @@ def parse_experiment(token: str):
         elif part == "solve3":
             overrides[(tf, "SOLVE")] = 3
         elif part.startswith("solve="):  # solve=MODE/warps: the split solve kernel's SOLVE mode and num_warps
-            cfg = tuple(int(x) for x in part[6:].split("/"))
-            if len(cfg) != 2:
-                raise SystemExit(f"--try: solve=MODE/warps, got {part!r}")
+            cfg = _slash_ints(part, "solve=MODE/warps")
             overrides[(tf, "SOLVE")] = cfg[0]
             wa, _, wc = tf.INTRA_SPLIT_WARPS
             overrides[(tf, "INTRA_SPLIT_WARPS")] = (wa, cfg[1], wc)

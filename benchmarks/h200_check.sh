@@ -12,6 +12,9 @@
 # check    (two GPUs) the Triton test file on GPU 1 while GPU 0 runs `kernels` at shape 0 only: a kernel
 #          change checked and timed in one call (one GPU: both in turn, shorter limits)  <= 9 min
 # train    the parallel smoke test and the bf16 training check (Triton kernels vs torch) <= 7 min
+# precision (two GPUs) GPU 1: kda_precision.py (each bf16 variant and fla against the fp32 token loop, forward
+#          and gradients), then the bf16 training check for the default and for variant $TRAIN_VARIANT
+#          (--seeds 2 each); GPU 0: `kernels` at shape 0. Deciding a precision variant in one call  <= 9.5 min
 # final    (two GPUs) the bf16 training check on GPU 1 while GPU 0 times shape 1 (B4 T4096 H64) with fla:
 #          closing a session's defaults in one call (one GPU: both in turn; LIMIT1 caps shape 1) <= 9 min
 # Each mode fits one device call (10 minutes at most). On a machine with two or more GPUs the steps of
@@ -22,7 +25,7 @@
 # writes its log even when it fails; the exit status is non-zero if any step failed.
 set -u
 MODE=${1:-kernels}
-case $MODE in quick|kernels|check|train|final) ;; *) echo "usage: $0 [quick|kernels|check|train|final]" >&2; exit 2 ;; esac
+case $MODE in quick|kernels|check|train|precision|final) ;; *) echo "usage: $0 [quick|kernels|check|train|precision|final]" >&2; exit 2 ;; esac
 OUT=${OUT:-./h200-logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -72,8 +75,10 @@ finish() {
 }
 
 # shape 0 (with per-kernel profiles); shape 1 only TRIES1
-TRIES=var=ah,var=ch,var=h,fwd=fused,prep3,dhacc,dhacc+bscan=4+bsc=32/2
+TRIES=var=h,var=a,var=,var=h+prep3,var=h+prep3+dhacc+bscan=4+bsc=32/2,dhacc+bsc=32/2
 TRIES1=var=ch
+PRECISION_VARIANTS=${PRECISION_VARIANTS:-ach,h,a,}  # precision: kda_precision.py's variants ('' = all bf16)
+TRAIN_VARIANT=${TRAIN_VARIANT:-h}                  # precision: the variant trained next to the default
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi
@@ -96,6 +101,12 @@ case $MODE in
   train)
     step 1 kda_train_check 300 python3 benchmarks/kda_train_check.py --steps 30
     step 0 parallel_smoke 120 torchrun --standalone --nproc_per_node 1 benchmarks/parallel_smoke.py ;;
+  precision)
+    step 1 kda_precision_train 560 bash -c "python3 benchmarks/kda_precision.py --variants '$PRECISION_VARIANTS' \
+      --out '$OUT' && python3 benchmarks/kda_train_check.py --steps 30 --seeds 2 \
+      && KIMIK3_KDA_VARIANT='$TRAIN_VARIANT' python3 benchmarks/kda_train_check.py --steps 30 --seeds 2"
+    step 0 kda_kernel 540 python3 benchmarks/kda_kernel.py --shapes 0 --variants ach \
+      --sections chunk,profile --no-hybrid --try "$TRIES" --out "$OUT/shape0" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
   final)
     if [ "$GPUS" -ge 2 ]; then LIMIT1=${LIMIT1:-540}; else LIMIT1=280; fi
     step 1 kda_train_check 300 python3 benchmarks/kda_train_check.py --steps 30

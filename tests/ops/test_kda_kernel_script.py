@@ -1,6 +1,6 @@
-"""CPU smoke test of benchmarks/kda_kernel.py's `chunk` and `profile` sections (the GPU benchmark), run
-under the Triton interpreter at a tiny shape with a stand-in for fla, so a broken section or `--try`
-switch shows up in CI rather than in a device call."""
+"""CPU smoke test of benchmarks/kda_kernel.py's `chunk` and `profile` sections (the GPU benchmark) and of
+benchmarks/kda_precision.py, run under the Triton interpreter at a tiny shape with a stand-in for fla, so a
+broken section or `--try` switch shows up in CI rather than in a device call."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_kernel.py")
+PRECISION_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_precision.py")
 
 
 @pytest.fixture()
@@ -79,3 +80,30 @@ def test_profile_section_runs_each_experiment(kk, capsys):
 def test_unknown_try_switch_is_refused(kk):
     with pytest.raises(SystemExit, match="unknown switch 'colour'"):
         kk.parse_experiment("var=ach+colour")
+
+
+def test_precision_script_measures_each_variant_and_the_peer_against_the_token_loop(kk, capsys):
+    spec = importlib.util.spec_from_file_location("kda_precision_under_test", PRECISION_SCRIPT)
+    prec = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prec)
+    prec.kk = kk  # the fixture's module: CPU device, the stand-in peer
+    per_seed = [prec.measure((1, 40, 2, 16), ["ach", "acsw"], True, seed) for seed in range(2)]
+    assert [sorted(s) for s in per_seed] == [sorted(["ours 'ach'", "ours 'acsw'", "fla"])] * 2
+    summary = prec.report((1, 40, 2, 16), per_seed)
+    out = capsys.readouterr().out
+    assert "| ours 'acsw' |" in out and "fla's precision class" in out
+    for name, errs in summary["mean"].items():
+        assert sorted(errs) == sorted(prec.FIELDS)
+        # bf16 inputs: every error is the kernels' own rounding, well under a percent, and not zero
+        assert all(0 < e < 2e-2 for e in errs.values()), (name, errs)
+    assert set(summary["in_fla_class"]) == {"ours 'ach'", "ours 'acsw'"}
+
+
+def test_precision_class_rule():
+    spec = importlib.util.spec_from_file_location("kda_precision_rule", PRECISION_SCRIPT)
+    prec = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prec)
+    fla = dict.fromkeys(prec.FIELDS, 4e-3)
+    assert prec.in_fla_class(dict.fromkeys(prec.FIELDS, 5e-3), fla)  # 1.25x
+    assert not prec.in_fla_class({**fla, "dk": 5.1e-3}, fla)
+    assert prec.in_fla_class({**fla, "dk": 9e-4}, {**fla, "dk": 1e-4})  # under the floor

@@ -15,8 +15,10 @@
 # precision (two GPUs) GPU 1: kda_precision.py (each bf16 variant and fla against the fp32 token loop, forward
 #          and gradients), then the bf16 training check for the default and for variant $TRAIN_VARIANT
 #          (--seeds 2 each); GPU 0: `kernels` at shape 0. Deciding a precision variant in one call  <= 9.5 min
-# final    (two GPUs) the bf16 training check on GPU 1 while GPU 0 times shape 1 (B4 T4096 H64) with fla:
-#          closing a session's defaults in one call (one GPU: both in turn; LIMIT1 caps shape 1) <= 9 min
+# final    (two GPUs) closing a session's defaults in one call. GPU 1: the Triton test file, then the bf16
+#          training check (--seeds 2); GPU 0: shape 0 with TRIES_FINAL (the previous defaults, timed in the
+#          same run), kda_precision.py, shape 1 (B4 T4096 H64) with TRIES1. One GPU: the kernels' steps only
+#          (run `check` and `train` for the rest)                                          <= 9.5 min
 # Each mode fits one device call (10 minutes at most). On a machine with two or more GPUs the steps of
 # a mode run side by side, one GPU each (kernels: shape 1, B4 T4096 H64, on the second GPU too).
 #
@@ -74,11 +76,13 @@ finish() {
   [ ${#FAILED[@]} -eq 0 ]
 }
 
-# shape 0 (with per-kernel profiles); shape 1 only TRIES1
-TRIES=var=h,var=a,var=,var=h+prep3,var=h+prep3+dhacc+bscan=4+bsc=32/2,dhacc+bsc=32/2
-TRIES1=var=ch
-PRECISION_VARIANTS=${PRECISION_VARIANTS:-ach,h,a,}  # precision: kda_precision.py's variants ('' = all bf16)
-TRAIN_VARIANT=${TRAIN_VARIANT:-h}                  # precision: the variant trained next to the default
+VARIANT=${VARIANT:-h}  # the forward precision variant timed as ours_fwd[VARIANT] (the default: 'h')
+# shape 0 (with per-kernel profiles); shape 1 only TRIES1; final: TRIES_FINAL at shape 0
+TRIES=var=ach,var=,nodhacc,prep1
+TRIES1=var=ach+prep1+nodhacc
+TRIES_FINAL=var=ach+prep1+nodhacc,var=
+PRECISION_VARIANTS=${PRECISION_VARIANTS:-h,ach,}  # kda_precision.py's variants ('' = all bf16)
+TRAIN_VARIANT=${TRAIN_VARIANT:-ach}               # precision: the variant trained next to the default
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi
@@ -86,16 +90,16 @@ case $MODE in
     step 0 kda_gpu_probe "${LIMITS[1]}" python3 benchmarks/kda_gpu_probe.py ;;
   kernels)
     if [ "$GPUS" -ge 2 ]; then
-      step 1 kda_kernel_shape1 540 python3 benchmarks/kda_kernel.py --shapes 1 --variants ach --sections chunk \
+      step 1 kda_kernel_shape1 540 python3 benchmarks/kda_kernel.py --shapes 1 --variants "$VARIANT" --sections chunk \
         --no-hybrid --try "$TRIES1" --out "$OUT/shape1" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
     fi
-    step 0 kda_kernel 540 python3 benchmarks/kda_kernel.py --shapes 0 --variants ach \
+    step 0 kda_kernel 540 python3 benchmarks/kda_kernel.py --shapes 0 --variants "$VARIANT" \
       --sections env,ceilings,chunk,profile --no-hybrid --try "$TRIES" --out "$OUT/shape0" \
       ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
   check)
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 540); else LIMITS=(300 280); fi
     step 1 kda_tests "${LIMITS[0]}" python3 -m pytest -q -rf ${XDIST[@]+"${XDIST[@]}"} tests/ops/test_kda_triton.py
-    step 0 kda_kernel "${LIMITS[1]}" python3 benchmarks/kda_kernel.py --shapes 0 --variants ach \
+    step 0 kda_kernel "${LIMITS[1]}" python3 benchmarks/kda_kernel.py --shapes 0 --variants "$VARIANT" \
       --sections env,ceilings,chunk,profile --no-hybrid --try "$TRIES" --out "$OUT/shape0" \
       ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
   train)
@@ -105,12 +109,18 @@ case $MODE in
     step 1 kda_precision_train 560 bash -c "python3 benchmarks/kda_precision.py --variants '$PRECISION_VARIANTS' \
       --out '$OUT' && python3 benchmarks/kda_train_check.py --steps 30 --seeds 2 \
       && KIMIK3_KDA_VARIANT='$TRAIN_VARIANT' python3 benchmarks/kda_train_check.py --steps 30 --seeds 2"
-    step 0 kda_kernel 540 python3 benchmarks/kda_kernel.py --shapes 0 --variants ach \
+    step 0 kda_kernel 540 python3 benchmarks/kda_kernel.py --shapes 0 --variants "$VARIANT" \
       --sections chunk,profile --no-hybrid --try "$TRIES" --out "$OUT/shape0" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
   final)
-    if [ "$GPUS" -ge 2 ]; then LIMIT1=${LIMIT1:-540}; else LIMIT1=280; fi
-    step 1 kda_train_check 300 python3 benchmarks/kda_train_check.py --steps 30
-    step 0 kda_kernel_shape1 "$LIMIT1" python3 benchmarks/kda_kernel.py --shapes 1 --variants ach --sections chunk \
-      --no-hybrid --out "$OUT/shape1" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
+    if [ "$GPUS" -ge 2 ]; then
+      step 1 kda_tests_train 560 bash -c "python3 -m pytest -q -rf ${XDIST[*]} tests/ops/test_kda_triton.py; rc=\$?; \
+        python3 benchmarks/kda_train_check.py --steps 30 --seeds 2 && exit \$rc"
+    fi
+    step 0 kda_kernel 240 python3 benchmarks/kda_kernel.py --shapes 0 --variants "$VARIANT" \
+      --sections chunk,profile --no-hybrid --try "$TRIES_FINAL" --out "$OUT/shape0" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
+    step 0 kda_precision 120 python3 benchmarks/kda_precision.py --variants "$PRECISION_VARIANTS" --out "$OUT" \
+      ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
+    step 0 kda_kernel_shape1 "${LIMIT1:-200}" python3 benchmarks/kda_kernel.py --shapes 1 --variants "$VARIANT" \
+      --sections chunk --no-hybrid --try "$TRIES1" --out "$OUT/shape1" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
 esac
 finish

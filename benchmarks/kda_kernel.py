@@ -28,9 +28,9 @@ not stop the later ones; exit status 1 if anything FAILed):
   KIMIK3_KDA_STATES_16BIT=0), `bik=BK/warps` (the backward intra kernel's key block and warps),
   `brows` / `btiles` (that kernel per row tile, the default, or per chunk: KIMIK3_KDA_BWD_INTRA),
   `bsc=BV/stages` (the backward scans' V block and pipeline stages), `nodrv` / `nodq16` (the WY backward
-  without the separate dRv pass / with dO S^T in tf32), `w32` (W stored fp32, KIMIK3_KDA_W16=0), `prep3`
-  (the prologue as three programs per chunk and head, KIMIK3_KDA_PREP_PARTS=3), `dhacc` (the state-gradient
-  scan's products accumulated in place) and
+  without the separate dRv pass / with dO S^T in tf32), `w32` (W stored fp32, KIMIK3_KDA_W16=0), `prep1` /
+  `prep3` (the prologue as one or three programs per chunk and head, KIMIK3_KDA_PREP_PARTS), `dhacc` / `nodhacc`
+  (the state-gradient scan's products accumulated in place, the default, or not) and
   `fwd=fused` / `fwd=split` (KIMIK3_KDA_FWD at its default scan launch); e.g.
   `--try scan=32/4/2,intra=fused,wy,st32,bik=32/4,bsc=64/2`. fla is timed before our experiments, so a run cut
   short keeps the comparison.
@@ -58,7 +58,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 RESULTS: dict = {"pass": [], "fail": [], "timings": {}, "errors": {}}
 G_MIN = -5.0
-CHECK_VARIANTS = ["", "ach", "acsw"]  # --check-variants
+CHECK_VARIANTS = ["", "h", "ach", "acsw"]  # --check-variants
 EXPERIMENTS: list = []  # --try: (name, {(module, attribute): value}) kernel-structure overrides
 
 
@@ -92,10 +92,10 @@ def parse_experiment(token: str):
             overrides[(tbi, "BWD_INTRA_BK")], overrides[(tbi, "BWD_INTRA_WARPS")] = cfg
         elif part in ("brows", "btiles"):
             overrides[(tbi, "BWD_INTRA_MODE")] = part[1:]
-        elif part == "dhacc":  # the state-gradient scan's 16-bit products accumulated in place
-            overrides[(tb, "DH_ACC_DOTS")] = True
-        elif part == "prep3":  # the prologue as three programs per (chunk, head)
-            overrides[(tf, "PREP_PARTS")] = 3
+        elif part in ("dhacc", "nodhacc"):  # the state-gradient scan's 16-bit products accumulated in place or not
+            overrides[(tb, "DH_ACC_DOTS")] = part == "dhacc"
+        elif part in ("prep1", "prep3"):  # the prologue as one or three programs per (chunk, head)
+            overrides[(tf, "PREP_PARTS")] = int(part[4])
         elif part == "w32":  # W stored fp32 (as before the seventh session)
             overrides[(tf, "W_16BIT")] = False
         elif part in ("nodrv", "nodq16"):  # the WY backward without the dRv pass / without 16-bit dO S^T
@@ -133,7 +133,7 @@ def parse_experiment(token: str):
         else:
             raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra[=MODE], i16[=BK/W], wy, "
                              "nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, st32, bik=BK/W, "
-                             "brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, prep3, dhacc)")
+                             "brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, prep1|prep3, dhacc|nodhacc)")
     return token, overrides
 
 
@@ -651,7 +651,7 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--sections", default="env,correct,ceilings,chunk,decode")
     p.add_argument("--sweep", action="store_true", help="launch-config sweeps (scan, decode)")
-    p.add_argument("--check-variants", default=None, help="comma list checked in 'correct' (default ,ach,acsw)")
+    p.add_argument("--check-variants", default=None, help="comma list checked in 'correct' (default ,h,ach,acsw)")
     p.add_argument("--no-bwd", action="store_true", help="skip the forward+backward timings")
     p.add_argument("--no-hybrid", action="store_true", help="skip the HYBRID (torch) backward's timing")
     p.add_argument("--decode-batches", default=None, help="comma list (default 1,64,256; quick 64)")
@@ -666,7 +666,7 @@ def main() -> int:
     if a.variants is not None:
         variants = a.variants.split(",")
     else:
-        variants = ["ach"] if a.quick else ["", "a", "ach", "acsw"]
+        variants = ["h"] if a.quick else ["", "h", "ach", "acsw"]
     t0 = time.time()
     secs = set(a.sections.split(","))
     if a.experiments:

@@ -47,6 +47,12 @@ DEV = "cuda" if ON_GPU else "cpu"
 G_MIN = -5.0
 TOL = {"o": 5e-3, "state": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dg": 2e-2, "dbeta": 2e-2, "dh0": 5e-3}
 GRAD_NAMES = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
+# bf16 inputs, output vs the fp32 token loop: bf16 output rounding alone is ~2e-3. The default variant 'h'
+# takes every product on 16-bit operands (fla's precision class: at K3's shape on the H200 its errors are
+# 0.77-1.03x fla 0.6.0's on the same inputs, benchmarks/kda_precision.py); on the interpreter's K = V = 16
+# case below its o error is 1.15e-2 ('ach', tf32 intra-chunk products: 3.4e-3, held to 1e-2 by
+# test_bf16_hilo_scan_variant).
+BF16_O_TOL = 1.5e-2
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -278,7 +284,7 @@ def test_wy_split_over_k(monkeypatch, K, blocks):
 
 @pytest.mark.parametrize("case", ["K100-BK32", "K130-BK64", "varlen-BK32", "bf16-scan64x2", "K100-tiles",
                                   "varlen-tiles", "bf16-tiles", "bf16-nodrv", "K100-nodrv", "bf16-w32",
-                                  "bf16-dhacc"])
+                                  "bf16-nodhacc"])
 def test_backward_launch_sweeps(monkeypatch, case):
     """The backward's alternatives give the default's gradients, and both match naive: the intra kernel
     split over key blocks (4 and 3 blocks, so partial dbeta sums with the WY kernel's partials; varlen with
@@ -286,8 +292,8 @@ def test_backward_launch_sweeps(monkeypatch, case):
     the default runs it per row tile with a separate suffix-sum pass), the backward scans at 64-column
     V blocks, two pipeline stages, and the WY kernel computing dRv = T^T dv_new itself with dO S^T in tf32
     ("nodrv"; the default has a separate dRv pass and takes dO S^T on 16-bit operands), and W stored fp32
-    ("w32"; the default stores it in the 16-bit input dtype), and the state-gradient scan accumulating its
-    16-bit products in place ("dhacc")."""
+    ("w32"; the default stores it in the 16-bit input dtype), and the state-gradient scan at 8 warps with its
+    16-bit products summed after the dots ("nodhacc"; the default accumulates them in place)."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
     import kimik3.ops.kda.triton_forward as tf
@@ -302,8 +308,8 @@ def test_backward_launch_sweeps(monkeypatch, case):
         knobs[(tb, "DRV_PASS")], knobs[(tb, "WY_DQ16")] = False, False
     if "w32" in case:
         knobs[(tf, "W_16BIT")] = False
-    if "dhacc" in case:
-        knobs[(tb, "DH_ACC_DOTS")] = True
+    if "nodhacc" in case:
+        knobs[(tb, "DH_ACC_DOTS")] = False
     if "scan64" in case:
         knobs[(tb, "SCAN_BV")], knobs[(tb, "SCAN_STAGES")] = 64, 2
     if case.startswith("K"):
@@ -359,9 +365,7 @@ def test_bf16_inputs():
         o_ref, s_ref = naive_recurrent_kda(*ref_inputs, initial_state=h0, output_final_state=True)
         o, s = chunk_kda(*inputs, initial_state=h0, output_final_state=True, backend="triton")
     assert o.dtype == torch.bfloat16
-    # bf16 output rounding alone is ~2e-3; default variant 'ach': tf32 intra-chunk products, 16-bit scans
-    # with hi / lo splits
-    assert rel_rms(o_ref, o) < 1e-2, rel_rms(o_ref, o)
+    assert rel_rms(o_ref, o) < BF16_O_TOL, rel_rms(o_ref, o)
     assert rel_rms(s_ref, s) < 5e-3, rel_rms(s_ref, s)
 
 
@@ -456,15 +460,16 @@ def test_bf16_grads(monkeypatch, states_16bit):
     o_ref, s_ref, g_ref = run_with_grads(naive_recurrent_kda, ref_inputs, fresh([h0])[0])
     o, s, g = run_with_grads(chunk_kda, inputs, h0, backend="triton")
     assert [x.dtype for x in g] == [x.dtype for x in inputs] + [torch.float32]
-    assert rel_rms(o_ref, o) < 1e-2 and rel_rms(s_ref, s) < TOL["state"]
+    assert rel_rms(o_ref, o) < BF16_O_TOL and rel_rms(s_ref, s) < TOL["state"]
     for name, a, b in zip(GRAD_NAMES, g_ref, g):
         assert rel_rms(a, b) < TOL[name], (name, rel_rms(a, b))
 
 
 def test_bf16_hilo_scan_variant(monkeypatch):
     """Variant 'ach': the forward and backward scans take 16-bit operands, with v_new, Aqk and the state
-    gradient split into a 16-bit high part and remainder. Output, state and every gradient vs the fp32
-    token loop within the default variant's bounds, and the split buys accuracy: the final state is
+    gradient split into a 16-bit high part and remainder. Output (to 1e-2, tighter than the default 'h''s
+    BF16_O_TOL: tf32 intra-chunk products), state and every gradient vs the fp32 token loop, and the split
+    buys accuracy: the final state is
     nearer the token loop than with the plain 16-bit scan ('ac')."""
     import kimik3.ops.kda.triton_forward as tf
 

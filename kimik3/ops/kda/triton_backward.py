@@ -49,16 +49,17 @@ from .triton_scan import (_chunk_beta, _chunk_block, _chunk_part, _chunk_tiles, 
 
 BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark sweeps)
 WY_BLOCKS: Optional[Tuple[int, int]] = None  # override the WY kernel's (key block, V block); default (64, 64)
-# V block and pipeline stages of the two backward scans (None: the defaults below). fp32 scans: 32 / 1 --
-# their fp32 [K, BV] tiles must not be multi-buffered (at K = 128 two or three stages need 240-295 KB of
-# shared memory, > 227 KB on the H200). 16-bit scans: 64 / 2; at K3's shape on the H200, fwd+bwd 13.37 ->
-# 12.99 ms against 32 / 2 in the same run with W stored 16-bit (with W fp32, 32 / 2 had been the faster by
-# 0.23 ms; NOTES-kda.md, seventh session).
+# Launch of the two backward scans (state recompute, which only runs after the fused forward, and the
+# state-gradient scan): V block, warps, pipeline stages, from ``_scan_launch``; these three override it
+# (benchmark sweeps, None = its defaults). fp32 scans: 32 / 8 / 1 -- their fp32 [K, BV] tiles must not be
+# multi-buffered (at K = 128 two or three stages need 240-295 KB of shared memory, > 227 KB on the H200);
+# 8 warps stop their register spills (sm_90 compile; -1.2 ms of 29.5 ms fwd+bwd at K3's shape). 16-bit
+# scans: 64 / 8 / 2 (fwd+bwd 13.37 -> 12.99 ms against 32 / 8 / 2 with W stored 16-bit), except the
+# state-gradient scan with its products accumulated in place (``DH_ACC_DOTS``): 32 / 4 / 2, two CTAs per
+# SM (NOTES-kda.md, seventh and eighth sessions).
 SCAN_BV: Optional[int] = None
 SCAN_STAGES: Optional[int] = None
-# Warps of the two backward scans (state recompute, state-gradient scan): 8 stop their register spills
-# (sm_90 compile) and timed -1.2 ms of 29.5 ms fwd+bwd at K3's shape on the H200 (NOTES-kda.md).
-SCAN_WARPS = 8
+SCAN_WARPS: Optional[int] = None
 # WY backward split: one program per (chunk, head, BK-column key block) plus one per (chunk, head) for
 # the K-independent products, each with its partial dA / dbeta summed in the intra kernel (three times
 # the programs at K = 128, a third of the accumulators each). Default since its gradients passed on the
@@ -66,8 +67,10 @@ SCAN_WARPS = 8
 # program per (chunk, head).
 WY_SPLIT_K = os.environ.get("KIMIK3_KDA_WY_SPLIT", "1") == "1"
 # The state-gradient scan's 16-bit products accumulated in place (``_bwd_dh_step`` ACC): fewer live [K, BV]
-# temporaries on its serial path (its 255 registers at 8 warps leave one CTA per SM). Untimed.
-DH_ACC_DOTS = False
+# temporaries on its serial path, so it fits 4 warps / 32 columns at 255 registers without spilling and
+# 88 KB of shared memory: two CTAs per SM where the 8-warp form held one. H200, K3's shape, bf16, same run:
+# the scan 1.32 -> 1.11 ms (torch.profiler; twice). False: the 8-warp / 64-column form.
+DH_ACC_DOTS = True
 # dRv = T^T dv_new by its own pass (``_drv_kernel``, over dv_new) instead of in each of the WY kernel's parts.
 DRV_PASS = True
 # The WY kernel's dO S^T on the 16-bit dO and stored states as they are (exact products) when both share a
@@ -331,6 +334,16 @@ def _bwd_wy_kernel(
 # --------------------------------------------------------------------------
 
 
+def _scan_launch(scan_dt, acc: bool) -> Tuple[int, int, int]:
+    """(V block, num_warps, num_stages) of a backward scan on operands of scan_dt; acc: the state-gradient scan
+    with its products accumulated in place. ``SCAN_BV`` / ``SCAN_WARPS`` / ``SCAN_STAGES`` override."""
+    if scan_dt == tl.float32:
+        bv, warps, stages = 32, 8, 1
+    else:
+        bv, warps, stages = (32, 4, 2) if acc else (64, 8, 2)
+    return SCAN_BV or bv, SCAN_WARPS or warps, SCAN_STAGES or stages
+
+
 def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: torch.Tensor,
                    initial_state: Optional[torch.Tensor], scale: float, plan: ChunkPlan, need_dh0: bool = True):
     """Core backward: gradients w.r.t. the kernel's q, k (after any L2 norm), v, g (the log-decay after any
@@ -370,22 +383,20 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     BKs = max(32, BKF)
     # the backward scans take 16-bit operands (with the hi / lo splits) when the forward scan did
     scan_dt = tl.float32 if aux["qg"].dtype == torch.float32 else _dot_dtype(aux["qg"].dtype)
-    BVs = SCAN_BV or (32 if scan_dt == tl.float32 else 64)
-    stages_s = SCAN_STAGES or (1 if scan_dt == tl.float32 else 2)
     do = do.contiguous()
     dh = torch.empty(NT, H, K, V, **f32)
     dvn = torch.empty(B, T, H, V, **f32)
     dummy = G
-    grid_s = (triton.cdiv(V, BVs), N * H)
     h, vn = aux.get("h"), aux.get("vn")
     if h is None:  # the forward ran fused: recompute the chunks' entry states and v_new
+        BVs, warps_s, stages_s = _scan_launch(scan_dt, False)
         h = torch.empty(NT, H, K, V, device=dev, dtype=states_dtype(aux["qg"].dtype))  # 16-bit with 16-bit scans
         vn = torch.empty(B, T, H, V, **f32)
         h0 = initial_state.float().contiguous() if initial_state is not None else dummy
-        _fwd_h_kernel[grid_s](
+        _fwd_h_kernel[(triton.cdiv(V, BVs), N * H)](
             aux["kg"], aux["eg"], aux["w"], aux["u"], h0, h, vn, dummy, plan.cu, plan.chunk_off, H,
             K=K, V=V, BKF=BKs, BV=BVs, PREC=PREC, HAS_H0=initial_state is not None, STORE_HT=False,
-            INTERP=INTERPRET, DT=scan_dt, HILO=aux.get("hilo", True), num_warps=SCAN_WARPS, num_stages=stages_s,
+            INTERP=INTERPRET, DT=scan_dt, HILO=aux.get("hilo", True), num_warps=warps_s, num_stages=stages_s,
         )
     dht_c = dht.float().contiguous() if dht is not None else dummy
     # scale Aqk^T dO, the part of dv_new that does not depend on the state, in parallel over chunks (on the WY
@@ -395,11 +406,13 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
         aux["aqk"], do, dvn, plan.cu, plan.chunk_idx, H, float(scale),
         V=V, BV=BV, NV=nv, PREC=PREC, DT=scan_dt, num_warps=4,
     )
-    _bwd_dh_kernel[grid_s](
+    acc = DH_ACC_DOTS and scan_dt != tl.float32
+    BVs, warps_s, stages_s = _scan_launch(scan_dt, acc)
+    _bwd_dh_kernel[(triton.cdiv(V, BVs), N * H)](
         aux["qg"], aux["kg"], aux["eg"], aux["w"], do, dht_c, dh, dvn, dh0 if dh0 is not None else dummy,
         plan.cu, plan.chunk_off, H, float(scale),
         K=K, V=V, BKF=BKs, BV=BVs, PREC=PREC, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        INTERP=INTERPRET, DT=scan_dt, ACC=DH_ACC_DOTS, num_warps=SCAN_WARPS, num_stages=stages_s,
+        INTERP=INTERPRET, DT=scan_dt, ACC=acc, num_warps=warps_s, num_stages=stages_s,
     )
     nkb = triton.cdiv(K, BK)
     npart = nkb + 1 if WY_SPLIT_K else 1  # split: one program per key block, one for the K-independent part

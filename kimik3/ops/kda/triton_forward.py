@@ -29,7 +29,7 @@ Three kernels (chunk C = 64 tokens, sub-tiles of 16; math as in ``chunk.py``):
    one ``_state_out`` kernel with the output on the scan's serial path, nothing per chunk stored).
 
 Accumulation is always fp32. fp32 inputs: every matmul at "tf32x3" (about fp32 accuracy on tensor
-cores). 16-bit inputs: the precision variant (``kda_fwd_triton``; default 'ach') picks tf32 or 16-bit
+cores). 16-bit inputs: the precision variant (``kda_fwd_triton``; default 'h') picks tf32 or 16-bit
 operands per product group; the default keeps the intra-chunk products in tf32 and runs the scan on
 16-bit operands with v_new and Aqk split into high and low parts.
 """
@@ -53,9 +53,13 @@ BC = 16  # sub-tile rows: the gate bound makes 16 * 5 = 80 the largest in-tile l
 L2_EPS = 1e-6
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# see kda_fwd_triton; 'ach' (16-bit scans with hi / lo splits) timed 7.54 -> 6.04 ms forward and 26.7 -> 22.5 ms
-# forward+backward at B1 T8192 H96 D128 on the H200 against 'acsw' (all tf32), within the bf16 tests' bounds
-DEFAULT_VARIANT = os.environ.get("KIMIK3_KDA_VARIANT", "ach")
+# see kda_fwd_triton. 'ach' (16-bit scans with hi / lo splits, tf32 intra-chunk products) timed 7.54 -> 6.04 ms
+# forward and 26.7 -> 22.5 ms forward+backward at B1 T8192 H96 D128 on the H200 against 'acsw' (all tf32). 'h'
+# (the intra-chunk products on 16-bit operands too) timed 3.81 -> 3.47 ms forward and 13.11 -> 12.77 ms
+# forward+backward against 'ach' (same run), and is in fla 0.6.0's precision class: on the same bf16 inputs,
+# K3's contract, T2048 H32, every error against the fp32 token loop (o, state, all gradients) is 0.77-1.03x
+# fla's ('ach' 0.64-1.00x; benchmarks/kda_precision.py); the bf16 training check passes with it.
+DEFAULT_VARIANT = os.environ.get("KIMIK3_KDA_VARIANT", "h")
 # Launch overrides (benchmark sweeps; None = heuristic): scan (BV, num_warps[, num_stages]), intra num_warps.
 SCAN_CONFIG: Optional[Tuple[int, int]] = None
 INTRA_WARPS: Optional[int] = None
@@ -91,9 +95,9 @@ W_16BIT = os.environ.get("KIMIK3_KDA_W16", "1") == "1"
 INTRA16_CONFIG: Tuple[int, ...] = (32, 4)
 # The prologue (``_prep0_kernel``) as one program per (chunk, head) doing the gate, the cumulative
 # log-decay and both L2 norms (1), or as three programs per (chunk, head), each streaming one tensor (3:
-# the gate, q's norm, k's norm; only with the L2 norm fused). 1: measured (0.53 ms at K3's shape vs fla's
-# 0.36 for the same work in three kernels); 3: untimed.
-PREP_PARTS = int(os.environ.get("KIMIK3_KDA_PREP_PARTS", "1"))
+# the gate, q's norm, k's norm; only with the L2 norm fused, else 1). H200, K3's shape, torch.profiler: 1
+# 0.58 ms, 3 0.52 ms (fla: 0.36 for the same work in three kernels); forward -0.09 / -0.19 ms in two runs.
+PREP_PARTS = int(os.environ.get("KIMIK3_KDA_PREP_PARTS", "3"))
 # Timing ablation of the intra kernel (benchmarks only; results are WRONG when non-zero): 1 skips the
 # phase-B solve (T = A), 2 skips phase A's dots, 3 skips phase C (W, U and the scan operands).
 INTRA_ABLATE = 0

@@ -118,7 +118,7 @@ case $MODE in
     fi
     step 0 kda_kernel 240 python3 benchmarks/kda_kernel.py --shapes 0 --variants "$VARIANT" \
       --sections chunk,profile --no-hybrid --try "$TRIES_FINAL" --out "$OUT/shape0" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
-    step 0 kda_precision 120 python3 benchmarks/kda_precision.py --variants "$PRECISION_VARIANTS" --out "$OUT" \
+    step 0 kda_precision 120 python3 benchmarks/kda_precision.py --variants "$PRECISION_VARIANTS" --seeds 1 --out "$OUT" \
       ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
     step 0 kda_kernel_shape1 "${LIMIT1:-200}" python3 benchmarks/kda_kernel.py --shapes 1 --variants "$VARIANT" \
       --sections chunk --no-hybrid --try "$TRIES1" --out "$OUT/shape1" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;

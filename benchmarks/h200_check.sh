@@ -17,8 +17,8 @@
 #          (--seeds 2 each); GPU 0: `kernels` at shape 0. Deciding a precision variant in one call  <= 9.5 min
 # final    (two GPUs) closing a session's defaults in one call. GPU 1: the Triton test file, then the bf16
 #          training check (--seeds 2); GPU 0: shape 0 with TRIES_FINAL (the previous defaults, timed in the
-#          same run), kda_precision.py, shape 1 (B4 T4096 H64) with TRIES1. One GPU: the kernels' steps only
-#          (run `check` and `train` for the rest)                                          <= 9.5 min
+#          same run), kda_precision.py, shape 1 (B4 T4096 H64) with TRIES1. One GPU: the test file, shape 0
+#          and the precision table in turn (`train` and `kernels` do the rest)               <= 9.5 min
 # Each mode fits one device call (10 minutes at most). On a machine with two or more GPUs the steps of
 # a mode run side by side, one GPU each (kernels: shape 1, B4 T4096 H64, on the second GPU too).
 #
@@ -115,12 +115,18 @@ case $MODE in
     if [ "$GPUS" -ge 2 ]; then
       step 1 kda_tests_train 560 bash -c "python3 -m pytest -q -rf ${XDIST[*]} tests/ops/test_kda_triton.py; rc=\$?; \
         python3 benchmarks/kda_train_check.py --steps 30 --seeds 2 && exit \$rc"
+      LIMITS=(240 120)
+    else  # one GPU: the test file first, no training check and no shape 1 (`train` / `kernels` do those)
+      step 0 kda_tests 220 python3 -m pytest -q -rf ${XDIST[@]+"${XDIST[@]}"} tests/ops/test_kda_triton.py
+      LIMITS=(190 110)
     fi
-    step 0 kda_kernel 240 python3 benchmarks/kda_kernel.py --shapes 0 --variants "$VARIANT" \
+    step 0 kda_kernel "${LIMITS[0]}" python3 benchmarks/kda_kernel.py --shapes 0 --variants "$VARIANT" \
       --sections chunk,profile --no-hybrid --try "$TRIES_FINAL" --out "$OUT/shape0" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
-    step 0 kda_precision 120 python3 benchmarks/kda_precision.py --variants "$PRECISION_VARIANTS" --seeds 1 --out "$OUT" \
-      ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
-    step 0 kda_kernel_shape1 "${LIMIT1:-200}" python3 benchmarks/kda_kernel.py --shapes 1 --variants "$VARIANT" \
-      --sections chunk --no-hybrid --try "$TRIES1" --out "$OUT/shape1" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
+    step 0 kda_precision "${LIMITS[1]}" python3 benchmarks/kda_precision.py --variants "$PRECISION_VARIANTS" \
+      --seeds 1 --out "$OUT" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
+    if [ "$GPUS" -ge 2 ]; then
+      step 0 kda_kernel_shape1 "${LIMIT1:-200}" python3 benchmarks/kda_kernel.py --shapes 1 --variants "$VARIANT" \
+        --sections chunk --no-hybrid --try "$TRIES1" --out "$OUT/shape1" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
+    fi ;;
 esac
 finish

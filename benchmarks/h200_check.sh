@@ -86,7 +86,7 @@ TRAIN_VARIANT=${TRAIN_VARIANT:-ach}               # precision: the variant train
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi
-    step 1 kda_tests "${LIMITS[0]}" python3 -m pytest -q -rf ${XDIST[@]+"${XDIST[@]}"} tests/ops/test_kda_triton.py
+    step 1 kda_tests "${LIMITS[0]}" python3 -m pytest -v -rf ${XDIST[@]+"${XDIST[@]}"} tests/ops/test_kda_triton.py
     step 0 kda_gpu_probe "${LIMITS[1]}" python3 benchmarks/kda_gpu_probe.py ;;
   kernels)
     if [ "$GPUS" -ge 2 ]; then
@@ -98,7 +98,7 @@ case $MODE in
       ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
   check)
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 540); else LIMITS=(300 280); fi
-    step 1 kda_tests "${LIMITS[0]}" python3 -m pytest -q -rf ${XDIST[@]+"${XDIST[@]}"} tests/ops/test_kda_triton.py
+    step 1 kda_tests "${LIMITS[0]}" python3 -m pytest -v -rf ${XDIST[@]+"${XDIST[@]}"} tests/ops/test_kda_triton.py
     step 0 kda_kernel "${LIMITS[1]}" python3 benchmarks/kda_kernel.py --shapes 0 --variants "$VARIANT" \
       --sections env,ceilings,chunk,profile --no-hybrid --try "$TRIES" --out "$OUT/shape0" \
       ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
@@ -113,11 +113,11 @@ case $MODE in
       --sections chunk,profile --no-hybrid --try "$TRIES" --out "$OUT/shape0" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
   final)
     if [ "$GPUS" -ge 2 ]; then
-      step 1 kda_tests_train 560 bash -c "python3 -m pytest -q -rf ${XDIST[*]} tests/ops/test_kda_triton.py; rc=\$?; \
+      step 1 kda_tests_train 560 bash -c "python3 -m pytest -v -rf ${XDIST[*]} tests/ops/test_kda_triton.py; rc=\$?; \
         python3 benchmarks/kda_train_check.py --steps 30 --seeds 2 && exit \$rc"
       LIMITS=(240 120)
     else  # one GPU: the test file first, no training check and no shape 1 (`train` / `kernels` do those)
-      step 0 kda_tests 220 python3 -m pytest -q -rf ${XDIST[@]+"${XDIST[@]}"} tests/ops/test_kda_triton.py
+      step 0 kda_tests 220 python3 -m pytest -v -rf ${XDIST[@]+"${XDIST[@]}"} tests/ops/test_kda_triton.py
       LIMITS=(190 110)
     fi
     step 0 kda_kernel "${LIMITS[0]}" python3 benchmarks/kda_kernel.py --shapes 0 --variants "$VARIANT" \

@@ -48,8 +48,8 @@ G_MIN = -5.0
 TOL = {"o": 5e-3, "state": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dg": 2e-2, "dbeta": 2e-2, "dh0": 5e-3}
 GRAD_NAMES = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
 # bf16 inputs, output vs the fp32 token loop: bf16 output rounding alone is ~2e-3. The default variant 'h'
-# takes every product on 16-bit operands (fla's precision class: at K3's shape on the H200 its errors are
-# 0.77-1.03x fla 0.6.0's on the same inputs, benchmarks/kda_precision.py); on the interpreter's K = V = 16
+# takes every product on 16-bit operands (fla's precision class: with K3's contract at T2048 H32 D128 on the
+# H200 its errors are 0.77-1.03x fla 0.6.0's on the same inputs, benchmarks/kda_precision.py); on the interpreter's K = V = 16
 # case below its o error is 1.15e-2 ('ach', tf32 intra-chunk products: 3.4e-3, held to 1e-2 by
 # test_bf16_hilo_scan_variant).
 BF16_O_TOL = 1.5e-2
@@ -469,8 +469,7 @@ def test_bf16_hilo_scan_variant(monkeypatch):
     """Variant 'ach': the forward and backward scans take 16-bit operands, with v_new, Aqk and the state
     gradient split into a 16-bit high part and remainder. Output (to 1e-2, tighter than the default 'h''s
     BF16_O_TOL: tf32 intra-chunk products), state and every gradient vs the fp32 token loop, and the split
-    buys accuracy: the final state is
-    nearer the token loop than with the plain 16-bit scan ('ac')."""
+    buys accuracy: the final state is nearer the token loop than with the plain 16-bit scan ('ac')."""
     import kimik3.ops.kda.triton_forward as tf
 
     B, H, K, V = SMALL

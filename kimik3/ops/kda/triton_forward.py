@@ -30,8 +30,8 @@ Three kernels (chunk C = 64 tokens, sub-tiles of 16; math as in ``chunk.py``):
 
 Accumulation is always fp32. fp32 inputs: every matmul at "tf32x3" (about fp32 accuracy on tensor
 cores). 16-bit inputs: the precision variant (``kda_fwd_triton``; default 'h') picks tf32 or 16-bit
-operands per product group; the default keeps the intra-chunk products in tf32 and runs the scan on
-16-bit operands with v_new and Aqk split into high and low parts.
+operands per product group; the default takes every product on 16-bit operands, with v_new and Aqk split
+into high and low parts in the scan (fla 0.6.0's precision class, ``benchmarks/kda_precision.py``).
 """
 
 from __future__ import annotations

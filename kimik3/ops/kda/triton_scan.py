@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-# With 16-bit scans (the default bf16 variants 'h' and 'ach'), the chunk entry states h [NT, H, K, V] a scan stores
-# for later kernels (the split forward's output, the backward's WY kernel) are kept in the inputs' 16-bit
+# With 16-bit scans (the bf16 variants 'h', the default, and 'ach'), the chunk entry states h [NT, H, K, V] a
+# scan stores for later kernels (the split forward's output, the backward's WY kernel) are kept in the inputs' 16-bit
 # dtype: fp32 would be 0.8 GB at K3's shape (written once, read once), and the scans' own dots take h
 # 16-bit anyway. H200, backward recompute: fwd+bwd 21.82 -> 21.44 ms at K3's shape (same run). The state
 # gradients dh stay fp32: stored 16-bit too they took dk 1.5e-3 -> 3.5e-3 and dg 5e-4 -> 2.8e-3 vs the

@@ -25,7 +25,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     rows = json.loads(out.read_text())["kernels"]
     names = [r["kernel"] for r in rows]
-    for kernel in ("_prep0_kernel", "_intra_a_kernel", "_intra_solve_kernel", "_intra_wy_kernel", "_fwd_h_kernel",
+    for kernel in ("_prep_parts_kernel", "_intra_a_kernel", "_intra_solve_kernel", "_intra_wy_kernel", "_fwd_h_kernel",
                    "_output_kernel", "_dvn_local_kernel", "_bwd_dh_kernel", "_drv_kernel", "_bwd_wy_kernel",
                    "_bwd_intra_rows_kernel", "_suffix_sum_kernel"):
         assert kernel in names, names

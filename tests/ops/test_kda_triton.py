@@ -629,3 +629,39 @@ def test_gpu_bf16_k3_shape():
         o_ref, s_ref = naive_recurrent_kda(*[x.float() for x in inputs], initial_state=h0, output_final_state=True)
         o, s = chunk_kda(*inputs, initial_state=h0, output_final_state=True)
     assert rel_rms(o_ref, o) < 1e-2 and rel_rms(s_ref, s) < 5e-3
+
+
+def test_fused_gate_takes_any_raw_input_and_raw_log_decay_is_checked():
+    """With the gate fused the log-decay is bounded for any raw z: +inf / -inf z saturate the sigmoid (output,
+    state and dz finite and as the torch path's), so the Triton path does not scan z for them (no host sync);
+    NaN z shows as NaN output. A raw log-decay g with +inf or NaN is refused by name."""
+    B, T, H, K, V = 1, 40, 2, SMALL[2], SMALL[3]
+    gen = torch.Generator().manual_seed(17)
+    q, k, z = (torch.randn(B, T, H, K, generator=gen).to(DEV) for _ in range(3))
+    v = torch.randn(B, T, H, V, generator=gen).to(DEV)
+    b = torch.randn(B, T, H, generator=gen).to(DEV)
+    a_log, dtb = (torch.rand(H, generator=gen) * 2).to(DEV), (0.5 * torch.randn(H, K, generator=gen)).to(DEV)
+    z[0, 5, 1, 3], z[0, 20, 0, 0] = float("inf"), float("-inf")
+    kw = dict(A_log=a_log, dt_bias=dtb, lower_bound=G_MIN, use_gate_in_kernel=True,
+              use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, output_final_state=True)
+    do = torch.randn(B, T, H, V, generator=gen).to(DEV)
+    res = {}
+    for backend in ("torch", "triton"):
+        z_leaf = z.clone().requires_grad_()
+        o, s = chunk_kda(q, k, v, z_leaf, b, backend=backend, **kw)
+        res[backend] = (o, s, torch.autograd.grad((o * do).sum() + s.sum(), z_leaf)[0])
+    (o_ref, s_ref, dz_ref), (o, s, dz) = res["torch"], res["triton"]
+    assert torch.isfinite(o).all() and torch.isfinite(s).all() and torch.isfinite(dz).all()
+    assert rel_rms(o_ref, o) < TOL["o"] and rel_rms(s_ref, s) < TOL["state"] and rel_rms(dz_ref, dz) < TOL["dg"]
+    assert dz[0, 5, 1, 3] == 0 and dz[0, 20, 0, 0] == 0  # a saturated sigmoid passes no gradient
+    z_nan = z.clone()
+    z_nan[0, 30, 1, 2] = float("nan")
+    with torch.no_grad():
+        o, _ = chunk_kda(q, k, v, z_nan, b, backend="triton", **kw)
+    assert torch.isnan(o).any()
+    g = -torch.rand(B, T, H, K, generator=gen).to(DEV)
+    for bad in (float("inf"), float("nan")):
+        g_bad = g.clone()
+        g_bad[0, 7, 0, 1] = bad
+        with pytest.raises(ValueError, match=r"g \(log-decay\) contains NaN or \+inf"):
+            chunk_kda(q, k, v, g_bad, b.sigmoid(), backend="triton")

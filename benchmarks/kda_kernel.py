@@ -17,7 +17,7 @@ not stop the later ones; exit status 1 if anything FAILed):
   variant and per --try experiment, and of one forward+backward; fla's too) and `ablate` (the forward
   with one phase of the intra kernel skipped: timing only). `--try` adds kernel-structure experiments
   to `chunk`, each checked against the default forward on the same inputs and timed forward and
-  forward+backward: a comma list of `+`-joined switches, `scan=BV/warps/stages` (KIMIK3_KDA_FWD=split
+  forward+backward: a comma list of `+`-joined switches, `scan=BV/warps/stages[/maxnreg]` (KIMIK3_KDA_FWD=split
   at that scan config), `intra` / `intra=fused` (KIMIK3_KDA_INTRA; split is the default), `i16` / `i16=BK/warps[/1[/1]]`
   (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own kernel, /1/1: the diagonal blocks
   too), `wy` / `nowy` (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the precision variant, e.g. `var=ach`; checked against
@@ -81,7 +81,8 @@ def parse_experiment(token: str):
     overrides = {}
     for part in token.split("+"):
         if part.startswith("scan="):
-            cfg = _slash_ints(part, "scan=BV/warps/stages")
+            four = part.count("/") == 3
+            cfg = _slash_ints(part, "scan=BV/warps/stages/maxnreg" if four else "scan=BV/warps/stages")
             overrides[(tf, "FWD_MODE")], overrides[(tf, "SPLIT_CONFIG")] = "split", cfg
         elif part == "intra" or part.startswith("intra="):  # intra = the split kernels (the default)
             overrides[(tf, "INTRA_MODE")] = part[6:] or "split"

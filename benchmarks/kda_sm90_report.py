@@ -1,5 +1,6 @@
 """Compile every Triton KDA kernel for the H200 (sm_90a) on a machine without a GPU, and report each one's
-shared memory, registers per thread and register spills, as ptxas reports them.
+shared memory, registers per thread and register spills, as ptxas reports them, and from those how many
+CTAs fit an H200 SM and how many waves the launch grid takes.
 
 A screening tool for kernel changes between GPU sessions: the launchers run as usual on small CPU
 tensors, but every launch is intercepted -- the kernel is compiled for ``GPUTarget("cuda", 90, 32)``
@@ -28,6 +29,9 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 H200_SHARED_BYTES = 232448  # the opt-in maximum per block on sm_90 (227 KB)
+H200_SMS = 132
+SM90_SHARED_PER_SM, SM90_RESERVED_PER_CTA = 233472, 1024  # 228 KB per SM; 1 KB of it reserved per CTA
+SM90_REGS_PER_SM, SM90_WARPS_PER_SM, SM90_CTAS_PER_SM = 65536, 64, 32
 _TORCH_TO_TRITON = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "i32", "int64": "i64",
                     "uint8": "u8", "bool": "i1"}
 
@@ -59,6 +63,22 @@ def ptxas_usage(ptx: str) -> dict:
             "spill_load_bytes": int(spill.group(2)) if spill else None}
 
 
+def ctas_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
+    """Resident CTAs per sm_90 SM: the least of the register file (registers per thread rounded up to 8,
+    per warp), shared memory (with the 1 KB each CTA reserves), the warp slots and the CTA slots."""
+    by_regs = (SM90_REGS_PER_SM // (-(-max(registers, 1) // 8) * 8 * 32)) // num_warps
+    by_shared = SM90_SHARED_PER_SM // (shared_bytes + SM90_RESERVED_PER_CTA)
+    return min(by_regs, by_shared, SM90_WARPS_PER_SM // num_warps, SM90_CTAS_PER_SM)
+
+
+def waves(grid, ctas: int) -> float:
+    """Programs of the grid over the H200's resident CTA slots (1.0 = every program resident at once)."""
+    programs = 1
+    for n in grid:
+        programs *= n
+    return programs / max(ctas * H200_SMS, 1)
+
+
 class Sm90Compiler:
     """Stands in for ``JITFunction.run``: compiles for sm_90 and records the result instead of launching."""
 
@@ -75,7 +95,7 @@ class Sm90Compiler:
 
         names = fn.arg_names
         bound = dict(zip(names, args))
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
         bound.update(kwargs)
         constexpr_names = {p.name for p in fn.params if p.is_constexpr}
         signature, constexprs, attrs = {}, {}, {}
@@ -185,14 +205,18 @@ def main(argv=None) -> int:
     print(f"sm_90a, K = V = {args.head_dim}, H = {args.heads}, {args.dtype}, fwd {args.fwd}, intra {args.intra}, "
           f"WY split {args.wy_split}, variant {args.variant or 'default'}"
           + "".join(f", {m.__name__.rsplit('.', 1)[-1]}.{a}={v}" for m, a, v in args.overrides))
-    print("| kernel | grid | warps | stages | shared KB | registers | spill store / load bytes |")
-    print("|---|---|---|---|---|---|---|")
-    worst = 0
+    print("| kernel | grid | warps | stages | shared KB | registers | spill store / load bytes | CTAs / SM | waves |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in compiler.rows:
         flag = " (over the H200's 227 KB)" if r["shared_bytes"] > H200_SHARED_BYTES else ""
-        worst = max(worst, r["spill_store_bytes"] or 0)
+        r["ctas_per_sm"] = ctas_per_sm(r["registers"], r["num_warps"], r["shared_bytes"])
+        r["waves"] = waves(r["grid"], r["ctas_per_sm"])
         print(f"| {r['kernel']} | {tuple(r['grid'])} | {r['num_warps']} | {r['num_stages']} | "
-              f"{r['shared_bytes'] / 1024:.1f}{flag} | {r['registers']} | {r['spill_store_bytes']} / {r['spill_load_bytes']} |")
+              f"{r['shared_bytes'] / 1024:.1f}{flag} | {r['registers']} | {r['spill_store_bytes']} / "
+              f"{r['spill_load_bytes']} | {r['ctas_per_sm']} | {r['waves']:.2f} |")
+    print(f"(CTAs / SM from registers, shared memory and warp slots; waves = programs / (CTAs x {H200_SMS} SMs): "
+          "a serial scan with waves > 1 runs its chains in turn; the grid of chunk-parallel kernels grows with "
+          "--tokens)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "kernels": compiler.rows}, f, indent=1)

@@ -32,6 +32,23 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     for r in rows:
         assert 0 < r["registers"] <= 255 and r["spill_store_bytes"] is not None, r
         assert 0 < r["shared_bytes"] <= 232448, r
+        assert r["ctas_per_sm"] >= 1 and r["waves"] > 0, r
+
+
+def test_occupancy_arithmetic():
+    """CTAs per sm_90 SM from registers, shared memory and warp slots, and the waves of a grid."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kda_sm90_report_under_test", SCRIPT)
+    rep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rep)
+    assert rep.ctas_per_sm(180, 4, 84 * 1024) == 2  # registers: 11 warps of 180 x 32 fit 65536
+    assert rep.ctas_per_sm(168, 4, 40 * 1024) == 3  # 12 warps
+    assert rep.ctas_per_sm(168, 4, 84 * 1024) == 2  # now shared memory: 228 KB / (84 + 1) KB
+    assert rep.ctas_per_sm(255, 8, 84 * 1024) == 1  # 255 -> 256 registers: 8 warps
+    assert rep.ctas_per_sm(32, 1, 0) == 32  # the CTA slots
+    assert rep.ctas_per_sm(32, 4, 0) == 16  # the warp slots
+    assert rep.waves((4, 96), 2) == 384 / 264 and rep.waves((2, 96), 2) < 1
 
 
 def test_refuses_to_run_under_the_interpreter():

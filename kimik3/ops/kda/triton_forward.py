@@ -77,7 +77,10 @@ SCAN_KT_LOAD = os.environ.get("KIMIK3_KDA_KT_LOAD", "0") == "1"  # scan: load kg
 # forward 5.24 -> 4.99 ms, forward+backward 20.44 -> 19.12 ms, for h (16-bit) + v_new (fp32) kept for the
 # backward: 0.8 GB per call at that shape.
 FWD_MODE = os.environ.get("KIMIK3_KDA_FWD", "split")
-SPLIT_CONFIG: Tuple[int, int, int] = (32, 4, 2)  # split mode's scan (BV, num_warps, num_stages); 64/8/2 timed +0.13
+# split mode's scan (BV, num_warps, num_stages[, maxnreg]); 64/8/2 timed +0.13. maxnreg caps the registers per
+# thread (ptxas .maxnreg; absent or 0: the compiler's choice): at 32/4/2 the scan takes 180, which fits two
+# CTAs per SM, so its 384 chains at K3's shape run in 1.45 waves (benchmarks/kda_sm90_report.py); 168 fits three.
+SPLIT_CONFIG: Tuple[int, ...] = (32, 4, 2)
 # Intra-chunk kernels: "split" (default: three kernels, A per column tile, B per chunk, C per K / V block;
 # with variant 'ach' the forward timed 6.04 -> 5.21 ms against "fused" at K3's shape on the H200),
 # "fused" (phases A, B, C in one program per (chunk, head)) or "tiles16" (``triton_intra16.py``: one
@@ -597,12 +600,13 @@ def kda_fwd_triton(
     if FWD_MODE == "split":  # the scans on the variant's operand width, as the fused scan
         h = torch.empty(NT, H, K, V, device=dev, dtype=states_dtype(sc_dtype))
         vn = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
-        BV_h, warps_h, stages_h = SPLIT_CONFIG
+        BV_h, warps_h, stages_h = SPLIT_CONFIG[:3]
+        maxnreg = {"maxnreg": SPLIT_CONFIG[3]} if len(SPLIT_CONFIG) > 3 and SPLIT_CONFIG[3] else {}
         BV_h = min(BV_h, _next_pow2(V))
         _fwd_h_kernel[(triton.cdiv(V, BV_h), N * H)](
             kg, eg, w, u, h0, h, vn, ht if ht is not None else dummy, plan.cu, plan.chunk_off, H,
             K=K, V=V, BKF=BKF, BV=BV_h, PREC=PREC, HAS_H0=initial_state is not None, STORE_HT=ht is not None,
-            INTERP=INTERPRET, DT=DTS, HILO=hilo, num_warps=warps_h, num_stages=stages_h,
+            INTERP=INTERPRET, DT=DTS, HILO=hilo, num_warps=warps_h, num_stages=stages_h, **maxnreg,
         )
         BV_o = min(64, _next_pow2(V))
         _output_kernel[(triton.cdiv(V, BV_o), NT, H)](

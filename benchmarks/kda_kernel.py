@@ -132,9 +132,10 @@ def parse_experiment(token: str):
         elif part.startswith("bwarps=") and part[7:].isdigit():
             overrides[(tb, "BWD_WARPS")] = int(part[7:])
         else:
-            raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra[=MODE], i16[=BK/W], wy, "
-                             "nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, st32, bik=BK/W, "
-                             "brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, prep1|prep3, dhacc|nodhacc)")
+            raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages[/maxnreg], intra[=MODE], "
+                             "i16[=BK/W], wy, nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, "
+                             "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
+                             "prep1|prep3, dhacc|nodhacc)")
     return token, overrides
 
 

@@ -188,7 +188,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--heads", type=int, default=96)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--tokens", type=int, default=256, help="tokens of the dummy inputs (the kernels do not depend on it)")
+    p.add_argument("--tokens", type=int, default=256,
+                   help="tokens of the dummy inputs: the compiled kernels do not depend on it, the chunk-parallel "
+                        "grids (and so their waves) do; 8192 for K3's per-layer shape")
     p.add_argument("--fwd", default="split", choices=["fused", "split"], help="KIMIK3_KDA_FWD")
     p.add_argument("--intra", default="split", choices=["fused", "split", "tiles16"])
     p.add_argument("--variant", default=None, help="precision variant (KIMIK3_KDA_VARIANT), e.g. ach")

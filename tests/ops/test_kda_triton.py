@@ -636,6 +636,8 @@ def test_gpu_bf16_k3_shape():
     assert rel_rms(o_ref, o) < 1e-2 and rel_rms(s_ref, s) < 5e-3
 
 
+# the interpreter's numpy warns at dA_log's 0 * inf for an infinite z (NaN there, as in the torch path)
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
 def test_fused_gate_takes_any_raw_input_and_raw_log_decay_is_checked():
     """With the gate fused the log-decay is bounded for any raw z: +inf / -inf z saturate the sigmoid (output,
     state and dz finite and as the torch path's), so the Triton path does not scan z for them (no host sync);

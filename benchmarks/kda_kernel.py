@@ -63,10 +63,14 @@ EXPERIMENTS: list = []  # --try: (name, {(module, attribute): value}) kernel-str
 
 
 def _slash_ints(part: str, usage: str) -> tuple:
-    """'bik=32/4' read against usage 'bik=BK/warps' -> (32, 4); exits naming the usage on a wrong count."""
+    """'bik=32/4' read against usage 'bik=BK/warps' -> (32, 4); fields in brackets are optional
+    ('scan=BV/warps/stages[/maxnreg]'); exits naming the usage on a wrong count."""
     key, fields = usage.split("=")
+    required, _, optional = fields.partition("[")
+    lo = len(required.split("/"))
+    hi = lo + optional.count("/")
     cfg = tuple(int(x) for x in part[len(key) + 1:].split("/"))
-    if len(cfg) != len(fields.split("/")):
+    if not lo <= len(cfg) <= hi:
         raise SystemExit(f"--try: {usage}, got {part!r}")
     return cfg
 
@@ -81,8 +85,7 @@ def parse_experiment(token: str):
     overrides = {}
     for part in token.split("+"):
         if part.startswith("scan="):
-            four = part.count("/") == 3
-            cfg = _slash_ints(part, "scan=BV/warps/stages/maxnreg" if four else "scan=BV/warps/stages")
+            cfg = _slash_ints(part, "scan=BV/warps/stages[/maxnreg]")
             overrides[(tf, "FWD_MODE")], overrides[(tf, "SPLIT_CONFIG")] = "split", cfg
         elif part == "intra" or part.startswith("intra="):  # intra = the split kernels (the default)
             overrides[(tf, "INTRA_MODE")] = part[6:] or "split"
@@ -112,10 +115,7 @@ def parse_experiment(token: str):
         elif part == "i16" or part.startswith("i16="):
             overrides[(tf, "INTRA_MODE")] = "tiles16"
             if part != "i16":
-                cfg = tuple(int(x) for x in part[4:].split("/"))
-                if len(cfg) not in (2, 3, 4):
-                    raise SystemExit(f"--try: i16=BK/warps[/wy[/diag]], got {part!r}")
-                overrides[(tf, "INTRA16_CONFIG")] = cfg
+                overrides[(tf, "INTRA16_CONFIG")] = _slash_ints(part, "i16=BK/warps[/wy[/diag]]")
         elif part in ("wy", "nowy"):
             overrides[(tb, "WY_SPLIT_K")] = part == "wy"
         elif part.startswith("var="):  # the precision variant of the forward (and so of the backward scans)

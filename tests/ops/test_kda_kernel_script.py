@@ -82,6 +82,18 @@ def test_unknown_try_switch_is_refused(kk):
         kk.parse_experiment("var=ach+colour")
 
 
+def test_try_switch_field_counts(kk):
+    """Slash-separated switches take their required fields and up to their optional (bracketed) ones."""
+    import kimik3.ops.kda.triton_forward as tf
+
+    assert kk.parse_experiment("scan=32/4/1/168")[1][(tf, "SPLIT_CONFIG")] == (32, 4, 1, 168)
+    assert kk.parse_experiment("i16=32/2/1/1")[1][(tf, "INTRA16_CONFIG")] == (32, 2, 1, 1)
+    for bad, usage in (("scan=32/4", r"scan=BV/warps/stages\[/maxnreg\]"), ("i16=1/2/3/4/5", "i16=BK/warps"),
+                       ("bik=32", "bik=BK/warps")):
+        with pytest.raises(SystemExit, match=usage):
+            kk.parse_experiment(bad)
+
+
 def test_precision_script_measures_each_variant_and_the_peer_against_the_token_loop(kk, capsys):
     spec = importlib.util.spec_from_file_location("kda_precision_under_test", PRECISION_SCRIPT)
     prec = importlib.util.module_from_spec(spec)

@@ -83,50 +83,46 @@ TRIES1=var=ach+prep1+nodhacc
 TRIES_FINAL=var=ach+prep1+nodhacc,var=
 PRECISION_VARIANTS=${PRECISION_VARIANTS:-h,ach,}  # kda_precision.py's variants ('' = all bf16)
 TRAIN_VARIANT=${TRAIN_VARIANT:-ach}               # precision: the variant trained next to the default
+kernel() {  # kernel GPU NAME LIMIT SHAPE SECTIONS TRIES: kda_kernel.py at one shape (fla side by side)
+  step "$1" "$2" "$3" python3 benchmarks/kda_kernel.py --shapes "$4" --variants "$VARIANT" --sections "$5" \
+    --no-hybrid --try "$6" --out "$OUT/shape$4" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
+}
+TESTS="python3 -m pytest -v -rf ${XDIST[*]} tests/ops/test_kda_triton.py"
+TRAIN="python3 benchmarks/kda_train_check.py --steps 30"
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi
-    step 1 kda_tests "${LIMITS[0]}" python3 -m pytest -v -rf ${XDIST[@]+"${XDIST[@]}"} tests/ops/test_kda_triton.py
+    step 1 kda_tests "${LIMITS[0]}" $TESTS
     step 0 kda_gpu_probe "${LIMITS[1]}" python3 benchmarks/kda_gpu_probe.py ;;
   kernels)
     if [ "$GPUS" -ge 2 ]; then
-      step 1 kda_kernel_shape1 540 python3 benchmarks/kda_kernel.py --shapes 1 --variants "$VARIANT" --sections chunk \
-        --no-hybrid --try "$TRIES1" --out "$OUT/shape1" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
+      kernel 1 kda_kernel_shape1 540 1 chunk "$TRIES1"
     fi
-    step 0 kda_kernel 540 python3 benchmarks/kda_kernel.py --shapes 0 --variants "$VARIANT" \
-      --sections env,ceilings,chunk,profile --no-hybrid --try "$TRIES" --out "$OUT/shape0" \
-      ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
+    kernel 0 kda_kernel 540 0 env,ceilings,chunk,profile "$TRIES" ;;
   check)
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 540); else LIMITS=(300 280); fi
-    step 1 kda_tests "${LIMITS[0]}" python3 -m pytest -v -rf ${XDIST[@]+"${XDIST[@]}"} tests/ops/test_kda_triton.py
-    step 0 kda_kernel "${LIMITS[1]}" python3 benchmarks/kda_kernel.py --shapes 0 --variants "$VARIANT" \
-      --sections env,ceilings,chunk,profile --no-hybrid --try "$TRIES" --out "$OUT/shape0" \
-      ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
+    step 1 kda_tests "${LIMITS[0]}" $TESTS
+    kernel 0 kda_kernel "${LIMITS[1]}" 0 env,ceilings,chunk,profile "$TRIES" ;;
   train)
-    step 1 kda_train_check 300 python3 benchmarks/kda_train_check.py --steps 30
+    step 1 kda_train_check 300 $TRAIN
     step 0 parallel_smoke 120 torchrun --standalone --nproc_per_node 1 benchmarks/parallel_smoke.py ;;
   precision)
     step 1 kda_precision_train 560 bash -c "python3 benchmarks/kda_precision.py --variants '$PRECISION_VARIANTS' \
-      --out '$OUT' && python3 benchmarks/kda_train_check.py --steps 30 --seeds 2 \
-      && KIMIK3_KDA_VARIANT='$TRAIN_VARIANT' python3 benchmarks/kda_train_check.py --steps 30 --seeds 2"
-    step 0 kda_kernel 540 python3 benchmarks/kda_kernel.py --shapes 0 --variants "$VARIANT" \
-      --sections chunk,profile --no-hybrid --try "$TRIES" --out "$OUT/shape0" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
+      --out '$OUT' && $TRAIN --seeds 2 && KIMIK3_KDA_VARIANT='$TRAIN_VARIANT' $TRAIN --seeds 2"
+    kernel 0 kda_kernel 540 0 chunk,profile "$TRIES" ;;
   final)
     if [ "$GPUS" -ge 2 ]; then
-      step 1 kda_tests_train 560 bash -c "python3 -m pytest -v -rf ${XDIST[*]} tests/ops/test_kda_triton.py; rc=\$?; \
-        python3 benchmarks/kda_train_check.py --steps 30 --seeds 2 && exit \$rc"
+      step 1 kda_tests_train 560 bash -c "$TESTS; rc=\$?; $TRAIN --seeds 2 && exit \$rc"
       LIMITS=(240 120)
     else  # one GPU: the test file first, no training check and no shape 1 (`train` / `kernels` do those)
-      step 0 kda_tests 220 python3 -m pytest -v -rf ${XDIST[@]+"${XDIST[@]}"} tests/ops/test_kda_triton.py
+      step 0 kda_tests 220 $TESTS
       LIMITS=(190 110)
     fi
-    step 0 kda_kernel "${LIMITS[0]}" python3 benchmarks/kda_kernel.py --shapes 0 --variants "$VARIANT" \
-      --sections chunk,profile --no-hybrid --try "$TRIES_FINAL" --out "$OUT/shape0" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
+    kernel 0 kda_kernel "${LIMITS[0]}" 0 chunk,profile "$TRIES_FINAL"
     step 0 kda_precision "${LIMITS[1]}" python3 benchmarks/kda_precision.py --variants "$PRECISION_VARIANTS" \
       --seeds 1 --out "$OUT" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
     if [ "$GPUS" -ge 2 ]; then
-      step 0 kda_kernel_shape1 "${LIMIT1:-200}" python3 benchmarks/kda_kernel.py --shapes 1 --variants "$VARIANT" \
-        --sections chunk --no-hybrid --try "$TRIES1" --out "$OUT/shape1" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
+      kernel 0 kda_kernel_shape1 "${LIMIT1:-200}" 1 chunk "$TRIES1"
     fi ;;
 esac
 finish

@@ -94,11 +94,16 @@ def test_try_switch_field_counts(kk):
             kk.parse_experiment(bad)
 
 
-def test_precision_script_measures_each_variant_and_the_peer_against_the_token_loop(kk, capsys):
+@pytest.fixture()
+def prec():
     spec = importlib.util.spec_from_file_location("kda_precision_under_test", PRECISION_SCRIPT)
-    prec = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prec)
-    prec.kk = kk  # the fixture's module: CPU device, the stand-in peer
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_precision_script_measures_each_variant_and_the_peer_against_the_token_loop(kk, prec, capsys):
+    prec.kk = kk  # the benchmark fixture's module: CPU device, the stand-in peer
     per_seed = [prec.measure((1, 40, 2, 16), ["ach", "acsw"], True, seed) for seed in range(2)]
     assert [sorted(s) for s in per_seed] == [sorted(["ours 'ach'", "ours 'acsw'", "fla"])] * 2
     summary = prec.report((1, 40, 2, 16), per_seed)
@@ -111,10 +116,7 @@ def test_precision_script_measures_each_variant_and_the_peer_against_the_token_l
     assert set(summary["in_fla_class"]) == {"ours 'ach'", "ours 'acsw'"}
 
 
-def test_precision_class_rule():
-    spec = importlib.util.spec_from_file_location("kda_precision_rule", PRECISION_SCRIPT)
-    prec = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prec)
+def test_precision_class_rule(prec):
     fla = dict.fromkeys(prec.FIELDS, 4e-3)
     assert prec.in_fla_class(dict.fromkeys(prec.FIELDS, 5e-3), fla)  # 1.25x
     assert not prec.in_fla_class({**fla, "dk": 5.1e-3}, fla)

@@ -545,12 +545,11 @@ def kda_fwd_triton(
     dummy = G
     prep_args = (g, G, q, k, qn, kn, beta, betan, A_log if use_gate else dummy, dt_bias if use_gate else dummy,
                  plan.cu, plan.chunk_idx, H, float(g_min))
+    prep_kw = dict(K=K, BKF=BKF, USE_GATE=use_gate, USE_BETA_SIG=use_beta_sigmoid, num_warps=4 if BKF <= 64 else 8)
     if PREP_PARTS == 3 and use_l2:
-        _prep_parts_kernel[part_grid(NT, H, 3)](*prep_args, K=K, BKF=BKF, USE_GATE=use_gate,
-                                                USE_BETA_SIG=use_beta_sigmoid, num_warps=4 if BKF <= 64 else 8)
+        _prep_parts_kernel[part_grid(NT, H, 3)](*prep_args, **prep_kw)
     else:
-        _prep0_kernel[(NT, H)](*prep_args, K=K, BKF=BKF, USE_GATE=use_gate, USE_L2=use_l2,
-                               USE_BETA_SIG=use_beta_sigmoid, num_warps=4 if BKF <= 64 else 8)
+        _prep0_kernel[(NT, H)](*prep_args, USE_L2=use_l2, **prep_kw)
     # W/U in fp32 when the scan is 16-bit too: a 16-bit W loaded straight into the scan's bf16 dot
     # gave wrong results / illegal addresses on the H200 (Triton 3.6; variants '', 'a', 'c' at
     # T2048 H96 D128, the scan of the first version) while every variant with 'w' or 's' was right --
@@ -575,7 +574,7 @@ def kda_fwd_triton(
     elif INTRA_MODE == "split":
         wa, ws, wc = INTRA_SPLIT_WARPS
         _intra_a_kernel[part_grid(NT, H, 4)](qn, kn, G, betan, aqk, tinv, plan.cu, plan.chunk_idx, H,
-                                    K=K, BK=BK, DTA=DTA, PREC=PREC, num_warps=wa)
+                                             K=K, BK=BK, DTA=DTA, PREC=PREC, num_warps=wa)
         _intra_solve_kernel[(NT, H)](tinv, H, SOLVE=SOLVE, SPREC=SPREC, num_warps=ws)
         _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV_intra, DTC, PREC, wc)
     elif INTRA_MODE == "tiles16":

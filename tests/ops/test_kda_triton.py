@@ -49,9 +49,9 @@ TOL = {"o": 5e-3, "state": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dg": 2e-2,
 GRAD_NAMES = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
 # bf16 inputs, output vs the fp32 token loop: bf16 output rounding alone is ~2e-3. The default variant 'h'
 # takes every product on 16-bit operands (fla's precision class: with K3's contract at T2048 H32 D128 on the
-# H200 its errors are 0.77-1.03x fla 0.6.0's on the same inputs, benchmarks/kda_precision.py); on the interpreter's K = V = 16
-# case below its o error is 1.15e-2 ('ach', tf32 intra-chunk products: 3.4e-3, held to 1e-2 by
-# test_bf16_hilo_scan_variant).
+# H200 its errors are 0.77-1.03x fla 0.6.0's on the same inputs, benchmarks/kda_precision.py); on the
+# interpreter's K = V = 16 case below its o error is 1.15e-2 ('ach', tf32 intra-chunk products: 3.4e-3, held
+# to 1e-2 by test_bf16_hilo_scan_variant).
 BF16_O_TOL = 1.5e-2
 
 

@@ -9,7 +9,8 @@
 # kernels  kda_kernel.py at K3's per-layer shape with the experiments (--try) and per-kernel profiles
 #          (ours and fla's), fla 0.6.0 side by side when its wheels are in .whl/ (its first calls
 #          autotune ~90 s each)                                                         <= 9 min
-# check    (two GPUs) the Triton test file on GPU 1 while GPU 0 runs `kernels` at shape 0 only: a kernel
+# check    (two GPUs) the Triton test file on GPU 1 while GPU 0 runs `kernels` at shape 0 only (and the host-
+#          overhead section): a kernel
 #          change checked and timed in one call (one GPU: both in turn, shorter limits)  <= 9 min
 # train    the parallel smoke test and the bf16 training check (Triton kernels vs torch) <= 7 min
 # precision (two GPUs) GPU 1: kda_precision.py (each bf16 variant and fla against the fp32 token loop, forward
@@ -78,7 +79,7 @@ finish() {
 
 VARIANT=${VARIANT:-h}  # the forward precision variant timed as ours_fwd[VARIANT] (the default: 'h')
 # shape 0 (with per-kernel profiles); shape 1 only TRIES1; final: TRIES_FINAL at shape 0
-TRIES=var=ach+prep1+nodhacc,scan=64/4/2,scan=64/4/1,scan=32/4/1/168,scan=32/2/2,bsc=64/2
+TRIES=scan=64/4/2,scan=64/4/1,scan=32/4/1/168,scan=32/2/2,bsc=64/2,out=128/4,out=128/8
 TRIES1=var=ach+prep1+nodhacc
 TRIES_FINAL=var=ach+prep1+nodhacc,var=
 PRECISION_VARIANTS=${PRECISION_VARIANTS:-h,ach,}  # kda_precision.py's variants ('' = all bf16)
@@ -102,7 +103,7 @@ case $MODE in
   check)
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 540); else LIMITS=(300 280); fi
     step 1 kda_tests "${LIMITS[0]}" $TESTS
-    kernel 0 kda_kernel "${LIMITS[1]}" 0 env,ceilings,chunk,profile "$TRIES" ;;
+    kernel 0 kda_kernel "${LIMITS[1]}" 0 env,ceilings,chunk,host,profile "$TRIES" ;;
   train)
     step 1 kda_train_check 300 $TRAIN
     step 0 parallel_smoke 120 torchrun --standalone --nproc_per_node 1 benchmarks/parallel_smoke.py ;;

@@ -14,7 +14,8 @@ not stop the later ones; exit status 1 if anything FAILed):
   5. decode     the batched one-token kernel at H96 D128, B in {1, 64, 256}: time and effective state
                 TB/s (2 * B * H * K * V * 4 bytes), over a few block configurations.
   Not run unless named in --sections: `profile` (torch.profiler per-kernel times of the forward, per
-  variant and per --try experiment, and of one forward+backward; fla's too) and `ablate` (the forward
+  variant and per --try experiment, and of one forward+backward; fla's too), `host` (the forward's host
+  overhead, ours and fla's: enqueue time, eager and CUDA-graph medians) and `ablate` (the forward
   with one phase of the intra kernel skipped: timing only). `--try` adds kernel-structure experiments
   to `chunk`, each checked against the default forward on the same inputs and timed forward and
   forward+backward: a comma list of `+`-joined switches, `scan=BV/warps/stages[/maxnreg]` (KIMIK3_KDA_FWD=split
@@ -30,7 +31,8 @@ not stop the later ones; exit status 1 if anything FAILed):
   `bsc=BV/stages` (the backward scans' V block and pipeline stages), `nodrv` / `nodq16` (the WY backward
   without the separate dRv pass / with dO S^T in tf32), `w32` (W stored fp32, KIMIK3_KDA_W16=0), `prep1` /
   `prep3` (the prologue as one or three programs per chunk and head, KIMIK3_KDA_PREP_PARTS), `dhacc` / `nodhacc`
-  (the state-gradient scan's products accumulated in place, the default, or not) and
+  (the state-gradient scan's products accumulated in place, the default, or not), `out=BV/warps` (the split
+  forward's output kernel; default 64 / 4) and
   `fwd=fused` / `fwd=split` (KIMIK3_KDA_FWD at its default scan launch); e.g.
   `--try scan=32/4/2,intra=fused,wy,st32,bik=32/4,bsc=64/2`. fla is timed before our experiments, so a run cut
   short keeps the comparison.
@@ -106,6 +108,8 @@ def parse_experiment(token: str):
             overrides[(tb, "DRV_PASS" if part == "nodrv" else "WY_DQ16")] = False
         elif part in ("fwd=fused", "fwd=split"):
             overrides[(tf, "FWD_MODE")] = part[4:]
+        elif part.startswith("out="):  # the split forward's output kernel (V block, warps)
+            overrides[(tf, "OUTPUT_CONFIG")] = _slash_ints(part, "out=BV/warps")
         elif part.startswith("bsc="):
             cfg = _slash_ints(part, "bsc=BV/stages")
             overrides[(tb, "SCAN_BV")], overrides[(tb, "SCAN_STAGES")] = cfg
@@ -135,7 +139,7 @@ def parse_experiment(token: str):
             raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages[/maxnreg], intra[=MODE], "
                              "i16[=BK/W], wy, nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, "
                              "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
-                             "prep1|prep3, dhacc|nodhacc)")
+                             "prep1|prep3, dhacc|nodhacc, out=BV/W)")
     return token, overrides
 
 
@@ -561,6 +565,54 @@ def profile(shapes, variants, use_fla: bool):
         kernels("fla fwd+bwd", lambda: grad_step(lambda: fla_k3(fla_fn, xg, a_log, dtb), xg, do), 2, 20)
 
 
+def host_split(fn) -> dict:
+    """How much of an eager call's do_bench time is the host's: the median CPU time to enqueue one call
+    (no sync inside), the eager do_bench median, and the do_bench median of the same call replayed from a
+    CUDA graph (the GPU's own time; None when the call cannot be captured)."""
+    fn()
+    sync()
+    enq = []
+    for _ in range(20):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        enq.append((time.perf_counter() - t0) * 1e3)
+    sync()
+    out = {"enqueue_ms": sorted(enq)[len(enq) // 2], "eager_ms": bench(fn), "graph_ms": None}
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        sync()
+        out["graph_ms"] = bench(graph.replay)
+        del graph
+    except Exception as exc:  # noqa: BLE001  (reported, not counted as a failure: a measurement)
+        log(f"CUDA graph capture failed: {exc!r}"[:300])
+    return out
+
+
+@section
+def host(shapes, use_fla: bool):
+    """The forward's host overhead, ours (default variant) and fla's: enqueue time, eager and CUDA-graph
+    medians (``host_split``), at the first shape."""
+    B, T, H, D = shapes[0]
+    xs, a_log, dtb = k3_inputs(B, T, H, D, seed=3)
+    rows = {"ours": host_split(lambda: ours_k3(xs, a_log, dtb))}
+    fla_fn = load_fla()[0] if use_fla else None
+    if fla_fn is not None:
+        rows["fla"] = host_split(lambda: fla_k3(fla_fn, xs, a_log, dtb))
+    for name, r in rows.items():
+        g = "n/a" if r["graph_ms"] is None else f"{r['graph_ms']:.3f}"
+        log(f"host B{B} T{T} H{H} D{D} {name} fwd: enqueue {r['enqueue_ms']:.3f} ms, eager {r['eager_ms']:.3f} ms, "
+            f"CUDA graph {g} ms")
+    RESULTS["timings"]["host"] = rows
+
+
 @section
 def ablate(shapes):
     """Where the forward's time goes: the forward timed with one phase of the intra kernel skipped
@@ -689,6 +741,8 @@ def main() -> int:
         chunk(shapes[:1] if a.quick else shapes, variants, not a.no_fla, a.quick, a.sweep, not a.no_bwd, a.no_hybrid)
     if "profile" in secs:
         profile(shapes, variants, not a.no_fla)
+    if "host" in secs:
+        host(shapes, not a.no_fla)
     if "ablate" in secs:
         ablate(shapes)
     if "decode" in secs:

@@ -77,6 +77,17 @@ def test_profile_section_runs_each_experiment(kk, capsys):
         assert label in out, label
 
 
+def test_host_section_reports_enqueue_and_eager_time_for_ours_and_the_peer(kk, capsys):
+    kk.host([(1, 40, 1, 16)], True)
+    rows = kk.RESULTS["timings"]["host"]
+    assert sorted(rows) == ["fla", "ours"]
+    for r in rows.values():
+        assert r["enqueue_ms"] > 0 and r["eager_ms"] > 0
+        # a CUDA graph needs a GPU: on the CPU the capture is refused and reported, not timed
+        assert (r["graph_ms"] is None) == (not torch.cuda.is_available())
+    assert "host B1 T40 H1 D16 ours fwd: enqueue" in capsys.readouterr().out
+
+
 def test_unknown_try_switch_is_refused(kk):
     with pytest.raises(SystemExit, match="unknown switch 'colour'"):
         kk.parse_experiment("var=ach+colour")
@@ -88,8 +99,10 @@ def test_try_switch_field_counts(kk):
 
     assert kk.parse_experiment("scan=32/4/1/168")[1][(tf, "SPLIT_CONFIG")] == (32, 4, 1, 168)
     assert kk.parse_experiment("i16=32/2/1/1")[1][(tf, "INTRA16_CONFIG")] == (32, 2, 1, 1)
+    assert kk.parse_experiment("out=128/8")[1][(tf, "OUTPUT_CONFIG")] == (128, 8)
     for bad, usage in (("scan=32/4", r"scan=BV/warps/stages\[/maxnreg\]"), ("i16=1/2/3/4/5", "i16=BK/warps"),
-                       ("bik=32", "bik=BK/warps")):
+                       ("bik=32", "bik=BK/warps"),
+                       ("out=128", "out=BV/warps")):
         with pytest.raises(SystemExit, match=usage):
             kk.parse_experiment(bad)
 

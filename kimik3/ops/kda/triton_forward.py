@@ -81,6 +81,9 @@ FWD_MODE = os.environ.get("KIMIK3_KDA_FWD", "split")
 # thread (ptxas .maxnreg; absent or 0: the compiler's choice): at 32/4/2 the scan takes 180, which fits two
 # CTAs per SM, so its 384 chains at K3's shape run in 1.45 waves (benchmarks/kda_sm90_report.py); 168 fits three.
 SPLIT_CONFIG: Tuple[int, ...] = (32, 4, 2)
+# split mode's output kernel (V block, num_warps): it streams qg, Aqk, h and v_new once per V block, so a
+# wider block reads qg and Aqk fewer times.
+OUTPUT_CONFIG: Tuple[int, int] = (64, 4)
 # Intra-chunk kernels: "split" (default: three kernels, A per column tile, B per chunk, C per K / V block;
 # with variant 'ach' the forward timed 6.04 -> 5.21 ms against "fused" at K3's shape on the H200),
 # "fused" (phases A, B, C in one program per (chunk, head)) or "tiles16" (``triton_intra16.py``: one
@@ -607,10 +610,11 @@ def kda_fwd_triton(
             K=K, V=V, BKF=BKF, BV=BV_h, PREC=PREC, HAS_H0=initial_state is not None, STORE_HT=ht is not None,
             INTERP=INTERPRET, DT=DTS, HILO=hilo, num_warps=warps_h, num_stages=stages_h, **maxnreg,
         )
-        BV_o = min(64, _next_pow2(V))
+        BV_o, warps_o = OUTPUT_CONFIG
+        BV_o = min(BV_o, _next_pow2(V))
         _output_kernel[(triton.cdiv(V, BV_o), NT, H)](
             qg, aqk, h, vn, o, plan.cu, plan.chunk_idx, H, float(scale),
-            K=K, V=V, BKF=BKF, BV=BV_o, PREC=PREC, DT=DTS, HILO=hilo, num_warps=4,
+            K=K, V=V, BKF=BKF, BV=BV_o, PREC=PREC, DT=DTS, HILO=hilo, num_warps=warps_o,
         )
         return (o, ht, dict(aux, h=h, vn=vn)) if return_aux else (o, ht)
     # H200 sweep at B1 T8192 H96 D128 (NOTES-kda.md): BV 64 / 4 warps; 2 stages when the operands are

@@ -9,9 +9,9 @@
 # kernels  kda_kernel.py at K3's per-layer shape with the experiments (--try) and per-kernel profiles
 #          (ours and fla's), fla 0.6.0 side by side when its wheels are in .whl/ (its first calls
 #          autotune ~90 s each)                                                         <= 9 min
-# check    (two GPUs) the Triton test file on GPU 1 while GPU 0 runs `kernels` at shape 0 only (and the host-
-#          overhead section): a kernel
-#          change checked and timed in one call (one GPU: both in turn, shorter limits)  <= 9 min
+# check    (two GPUs) the Triton test file on GPU 1 while GPU 0 runs `kernels` at shape 0 only, with the host-
+#          overhead section: a kernel change checked and timed in one call (one GPU: both in turn, shorter
+#          limits)                                                                       <= 9 min
 # train    the parallel smoke test and the bf16 training check (Triton kernels vs torch) <= 7 min
 # precision (two GPUs) GPU 1: kda_precision.py (each bf16 variant and fla against the fp32 token loop, forward
 #          and gradients), then the bf16 training check for the default and for variant $TRAIN_VARIANT

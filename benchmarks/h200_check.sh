@@ -79,7 +79,7 @@ finish() {
 
 VARIANT=${VARIANT:-h}  # the forward precision variant timed as ours_fwd[VARIANT] (the default: 'h')
 # shape 0 (with per-kernel profiles); shape 1 only TRIES1; final: TRIES_FINAL at shape 0
-TRIES=scan=64/4/2,scan=64/4/1,scan=32/4/1/168,scan=32/2/2,bsc=64/2,out=128/4,out=128/8
+TRIES=out=128/4,out=128/8,bsc=64/2,scan=32/4/2,scan=32/2/2
 TRIES1=var=ach+prep1+nodhacc
 TRIES_FINAL=var=ach+prep1+nodhacc,var=
 PRECISION_VARIANTS=${PRECISION_VARIANTS:-h,ach,}  # kda_precision.py's variants ('' = all bf16)

@@ -18,7 +18,7 @@ not stop the later ones; exit status 1 if anything FAILed):
   overhead, ours and fla's: enqueue time, eager and CUDA-graph medians) and `ablate` (the forward
   with one phase of the intra kernel skipped: timing only). `--try` adds kernel-structure experiments
   to `chunk`, each checked against the default forward on the same inputs and timed forward and
-  forward+backward: a comma list of `+`-joined switches, `scan=BV/warps/stages[/maxnreg]` (KIMIK3_KDA_FWD=split
+  forward+backward: a comma list of `+`-joined switches, `scan=BV/warps/stages` (KIMIK3_KDA_FWD=split
   at that scan config), `intra` / `intra=fused` (KIMIK3_KDA_INTRA; split is the default), `i16` / `i16=BK/warps[/1[/1]]`
   (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own kernel, /1/1: the diagonal blocks
   too), `wy` / `nowy` (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the precision variant, e.g. `var=ach`; checked against
@@ -66,7 +66,7 @@ EXPERIMENTS: list = []  # --try: (name, {(module, attribute): value}) kernel-str
 
 def _slash_ints(part: str, usage: str) -> tuple:
     """'bik=32/4' read against usage 'bik=BK/warps' -> (32, 4); fields in brackets are optional
-    ('scan=BV/warps/stages[/maxnreg]'); exits naming the usage on a wrong count."""
+    ('i16=BK/warps[/wy[/diag]]'); exits naming the usage on a wrong count."""
     key, fields = usage.split("=")
     required, _, optional = fields.partition("[")
     lo = len(required.split("/"))
@@ -87,7 +87,7 @@ def parse_experiment(token: str):
     overrides = {}
     for part in token.split("+"):
         if part.startswith("scan="):
-            cfg = _slash_ints(part, "scan=BV/warps/stages[/maxnreg]")
+            cfg = _slash_ints(part, "scan=BV/warps/stages")
             overrides[(tf, "FWD_MODE")], overrides[(tf, "SPLIT_CONFIG")] = "split", cfg
         elif part == "intra" or part.startswith("intra="):  # intra = the split kernels (the default)
             overrides[(tf, "INTRA_MODE")] = part[6:] or "split"
@@ -136,7 +136,7 @@ def parse_experiment(token: str):
         elif part.startswith("bwarps=") and part[7:].isdigit():
             overrides[(tb, "BWD_WARPS")] = int(part[7:])
         else:
-            raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages[/maxnreg], intra[=MODE], "
+            raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra[=MODE], "
                              "i16[=BK/W], wy, nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, "
                              "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
                              "prep1|prep3, dhacc|nodhacc, out=BV/W)")

@@ -77,10 +77,13 @@ SCAN_KT_LOAD = os.environ.get("KIMIK3_KDA_KT_LOAD", "0") == "1"  # scan: load kg
 # forward 5.24 -> 4.99 ms, forward+backward 20.44 -> 19.12 ms, for h (16-bit) + v_new (fp32) kept for the
 # backward: 0.8 GB per call at that shape.
 FWD_MODE = os.environ.get("KIMIK3_KDA_FWD", "split")
-# split mode's scan (BV, num_warps, num_stages[, maxnreg]); 64/8/2 timed +0.13. maxnreg caps the registers per
-# thread (ptxas .maxnreg; absent or 0: the compiler's choice): at 32/4/2 the scan takes 180, which fits two
-# CTAs per SM, so its 384 chains at K3's shape run in 1.45 waves (benchmarks/kda_sm90_report.py); 168 fits three.
-SPLIT_CONFIG: Tuple[int, ...] = (32, 4, 2)
+# split mode's scan (BV, num_warps, num_stages). At 64 / 4 / 2 the scan takes 234 registers and 104 KB, two CTAs
+# per SM, so its 192 chains at K3's shape run in one wave (0.73; benchmarks/kda_sm90_report.py); at 32 / 4 / 2
+# (180 registers, 2 CTAs) the 384 chains took 1.45 waves. H200, K3's shape, same run: forward 3.056 -> 2.892 ms
+# (64 / 4 / 1: 2.975; 64 / 8 / 2, one CTA per SM, timed +0.13 in the fourth session). Triton's maxnreg launch
+# option (ptxas .maxnreg) was tried at 32 / 4 / 1 / 168 to fit three CTAs: an illegal memory access at K3's
+# shape on the H200 (sm_90 screen: 120 B spilled), so it is not offered.
+SPLIT_CONFIG: Tuple[int, int, int] = (64, 4, 2)
 # split mode's output kernel (V block, num_warps): it streams qg, Aqk, h and v_new once per V block, so a
 # wider block reads qg and Aqk fewer times.
 OUTPUT_CONFIG: Tuple[int, int] = (64, 4)
@@ -602,13 +605,12 @@ def kda_fwd_triton(
     if FWD_MODE == "split":  # the scans on the variant's operand width, as the fused scan
         h = torch.empty(NT, H, K, V, device=dev, dtype=states_dtype(sc_dtype))
         vn = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
-        BV_h, warps_h, stages_h = SPLIT_CONFIG[:3]
-        maxnreg = {"maxnreg": SPLIT_CONFIG[3]} if len(SPLIT_CONFIG) > 3 and SPLIT_CONFIG[3] else {}
+        BV_h, warps_h, stages_h = SPLIT_CONFIG
         BV_h = min(BV_h, _next_pow2(V))
         _fwd_h_kernel[(triton.cdiv(V, BV_h), N * H)](
             kg, eg, w, u, h0, h, vn, ht if ht is not None else dummy, plan.cu, plan.chunk_off, H,
             K=K, V=V, BKF=BKF, BV=BV_h, PREC=PREC, HAS_H0=initial_state is not None, STORE_HT=ht is not None,
-            INTERP=INTERPRET, DT=DTS, HILO=hilo, num_warps=warps_h, num_stages=stages_h, **maxnreg,
+            INTERP=INTERPRET, DT=DTS, HILO=hilo, num_warps=warps_h, num_stages=stages_h,
         )
         BV_o, warps_o = OUTPUT_CONFIG
         BV_o = min(BV_o, _next_pow2(V))

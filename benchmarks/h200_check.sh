@@ -80,8 +80,8 @@ finish() {
 VARIANT=${VARIANT:-h}  # the forward precision variant timed as ours_fwd[VARIANT] (the default: 'h')
 # shape 0 (with per-kernel profiles); shape 1 only TRIES1; final: TRIES_FINAL at shape 0
 TRIES=out=128/4,out=128/8,bsc=64/2,scan=32/4/2,scan=32/2/2
-TRIES1=var=ach+prep1+nodhacc
-TRIES_FINAL=var=ach+prep1+nodhacc,var=
+TRIES1=scan=32/4/2+bsc=32/2
+TRIES_FINAL=scan=32/4/2+bsc=32/2
 PRECISION_VARIANTS=${PRECISION_VARIANTS:-h,ach,}  # kda_precision.py's variants ('' = all bf16)
 TRAIN_VARIANT=${TRAIN_VARIANT:-ach}               # precision: the variant trained next to the default
 kernel() {  # kernel GPU NAME LIMIT SHAPE SECTIONS TRIES: kda_kernel.py at one shape (fla side by side)

@@ -289,15 +289,15 @@ def test_wy_split_over_k(monkeypatch, K, blocks):
         assert rel_rms(a, b) < 1e-5, (name, rel_rms(a, b))
 
 
-@pytest.mark.parametrize("case", ["K100-BK32", "K130-BK64", "varlen-BK32", "bf16-scan64x2", "K100-tiles",
+@pytest.mark.parametrize("case", ["K100-BK32", "K130-BK64", "varlen-BK32", "bf16-scan32x2", "K100-tiles",
                                   "varlen-tiles", "bf16-tiles", "bf16-nodrv", "K100-nodrv", "bf16-w32",
                                   "bf16-nodhacc"])
 def test_backward_launch_sweeps(monkeypatch, case):
     """The backward's alternatives give the default's gradients, and both match naive: the intra kernel
     split over key blocks (4 and 3 blocks, so partial dbeta sums with the WY kernel's partials; varlen with
     tiny segments, 2 blocks), the intra kernel over whole chunks with the suffix sum carried ("tiles";
-    the default runs it per row tile with a separate suffix-sum pass), the backward scans at 64-column
-    V blocks, two pipeline stages, and the WY kernel computing dRv = T^T dv_new itself with dO S^T in tf32
+    the default runs it per row tile with a separate suffix-sum pass), the backward scans at 32-column
+    V blocks, two pipeline stages (the default: 64), and the WY kernel computing dRv = T^T dv_new itself with dO S^T in tf32
     ("nodrv"; the default has a separate dRv pass and takes dO S^T on 16-bit operands), and W stored fp32
     ("w32"; the default stores it in the 16-bit input dtype), and the state-gradient scan at 8 warps with its
     16-bit products summed after the dots ("nodhacc"; the default accumulates them in place)."""
@@ -317,8 +317,8 @@ def test_backward_launch_sweeps(monkeypatch, case):
         knobs[(tf, "W_16BIT")] = False
     if "nodhacc" in case:
         knobs[(tb, "DH_ACC_DOTS")] = False
-    if "scan64" in case:
-        knobs[(tb, "SCAN_BV")], knobs[(tb, "SCAN_STAGES")] = 64, 2
+    if "scan32" in case:
+        knobs[(tb, "SCAN_BV")], knobs[(tb, "SCAN_STAGES")] = 32, 2
     if case.startswith("K"):
         K = int(case[1:4])
     elif case.startswith("varlen"):

@@ -55,8 +55,10 @@ WY_BLOCKS: Optional[Tuple[int, int]] = None  # override the WY kernel's (key blo
 # multi-buffered (at K = 128 two or three stages need 240-295 KB of shared memory, > 227 KB on the H200);
 # 8 warps stop their register spills (sm_90 compile; -1.2 ms of 29.5 ms fwd+bwd at K3's shape). 16-bit
 # scans: 64 / 8 / 2 (fwd+bwd 13.37 -> 12.99 ms against 32 / 8 / 2 with W stored 16-bit), except the
-# state-gradient scan with its products accumulated in place (``DH_ACC_DOTS``): 32 / 4 / 2, two CTAs per
-# SM (NOTES-kda.md, seventh and eighth sessions).
+# state-gradient scan with its products accumulated in place (``DH_ACC_DOTS``): 64 / 4 / 2, two CTAs per
+# SM and its 192 chains at K3's shape in one wave (sm_90: 228 B spilled); H200, K3's shape, same run: the
+# scan 1.113 -> 1.057 ms, fwd+bwd 11.917 -> 11.784 ms against 32 / 4 / 2 (1.45 waves; NOTES-kda.md, seventh
+# to ninth sessions).
 SCAN_BV: Optional[int] = None
 SCAN_STAGES: Optional[int] = None
 SCAN_WARPS: Optional[int] = None
@@ -69,7 +71,8 @@ WY_SPLIT_K = os.environ.get("KIMIK3_KDA_WY_SPLIT", "1") == "1"
 # The state-gradient scan's 16-bit products accumulated in place (``_bwd_dh_step`` ACC): fewer live [K, BV]
 # temporaries on its serial path, so it fits 4 warps / 32 columns at 255 registers without spilling and
 # 88 KB of shared memory: two CTAs per SM where the 8-warp form held one. H200, K3's shape, bf16, same run:
-# the scan 1.32 -> 1.11 ms (torch.profiler; twice). False: the 8-warp / 64-column form.
+# the scan 1.32 -> 1.11 ms (torch.profiler; twice); at 64 columns since (``_scan_launch``). False: the 8-warp /
+# 64-column form.
 DH_ACC_DOTS = True
 # dRv = T^T dv_new by its own pass (``_drv_kernel``, over dv_new) instead of in each of the WY kernel's parts.
 DRV_PASS = True
@@ -340,7 +343,7 @@ def _scan_launch(scan_dt, acc: bool) -> Tuple[int, int, int]:
     if scan_dt == tl.float32:
         bv, warps, stages = 32, 8, 1
     else:
-        bv, warps, stages = (32, 4, 2) if acc else (64, 8, 2)
+        bv, warps, stages = (64, 4, 2) if acc else (64, 8, 2)
     return SCAN_BV or bv, SCAN_WARPS or warps, SCAN_STAGES or stages
 
 

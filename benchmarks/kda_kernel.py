@@ -29,7 +29,9 @@ not stop the later ones; exit status 1 if anything FAILed):
   KIMIK3_KDA_STATES_16BIT=0), `bik=BK/warps` (the backward intra kernel's key block and warps),
   `brows` / `btiles` (that kernel per row tile, the default, or per chunk: KIMIK3_KDA_BWD_INTRA),
   `bsc=BV/stages` (the backward scans' V block and pipeline stages), `nodrv` / `nodq16` (the WY backward
-  without the separate dRv pass / with dO S^T in tf32), `w32` (W stored fp32, KIMIK3_KDA_W16=0), `prep1` /
+  without the separate dRv pass / with dO S^T in tf32), `w32` (W stored fp32, KIMIK3_KDA_W16=0), `wyloop` /
+  `wyparts` (phase C per chunk and head over its blocks, or per block, KIMIK3_KDA_WY_LOOP), `l2rows` (the q / k
+  L2 norms over contiguous rows, KIMIK3_KDA_L2_ROWS=1), `prep1` /
   `prep3` (the prologue as one or three programs per chunk and head, KIMIK3_KDA_PREP_PARTS), `dhacc` / `nodhacc`
   (the state-gradient scan's products accumulated in place, the default, or not), `out=BV/warps` (the split
   forward's output kernel; default 64 / 4) and
@@ -104,6 +106,10 @@ def parse_experiment(token: str):
             overrides[(tf, "PREP_PARTS")] = int(part[4])
         elif part == "w32":  # W stored fp32 (as before the seventh session)
             overrides[(tf, "W_16BIT")] = False
+        elif part == "l2rows":  # the q / k L2 norms over contiguous rows, the prologue doing the gate alone
+            overrides[(tf, "L2_ROWS")] = True
+        elif part in ("wyloop", "wyparts"):  # phase C per (chunk, head) over its blocks, or per block
+            overrides[(tf, "WY_LOOP")] = part == "wyloop"
         elif part in ("nodrv", "nodq16"):  # the WY backward without the dRv pass / without 16-bit dO S^T
             overrides[(tb, "DRV_PASS" if part == "nodrv" else "WY_DQ16")] = False
         elif part in ("fwd=fused", "fwd=split"):
@@ -139,7 +145,7 @@ def parse_experiment(token: str):
             raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra[=MODE], "
                              "i16[=BK/W], wy, nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, "
                              "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
-                             "prep1|prep3, dhacc|nodhacc, out=BV/W)")
+                             "prep1|prep3, dhacc|nodhacc, out=BV/W, wyloop|wyparts, l2rows)")
     return token, overrides
 
 

@@ -53,14 +53,15 @@ def kk(monkeypatch):
 
 
 def test_chunk_section_times_ours_the_peer_and_each_experiment(kk):
-    kk.EXPERIMENTS[:] = [kk.parse_experiment(t) for t in ("var=ach", "i16", "nowy+bscan=4")]
+    tries = ("var=ach", "i16", "nowy+bscan=4", "wyloop+l2rows")
+    kk.EXPERIMENTS[:] = [kk.parse_experiment(t) for t in tries]
     kk.chunk([(1, 70, 2, 32)], ["acsw"], use_fla=True, quick=False, do_bwd=True, no_hybrid=True)
     assert kk.RESULTS["fail"] == [], kk.RESULTS["fail"]
-    assert len(kk.RESULTS["pass"]) == 3  # each experiment's forward agreed with the default
+    assert len(kk.RESULTS["pass"]) == len(tries)  # each experiment's forward agreed with the default
     row = kk.RESULTS["timings"]["chunk"][0]
     expected = ["ours_fwd[acsw]", "fla_fwd", "fla_fwdbwd", "ours_fwdbwd", "floor_fwd", "floor_fwdbwd"]
-    expected += [f"ours_fwd[{n}]" for n in ("var=ach", "i16", "nowy+bscan=4")]
-    expected += [f"ours_fwdbwd[{n}]" for n in ("var=ach", "i16", "nowy+bscan=4")]
+    expected += [f"ours_fwd[{n}]" for n in tries]
+    expected += [f"ours_fwdbwd[{n}]" for n in tries]
     assert sorted(row) == sorted(expected + ["shape"])
     assert all(row[k] > 0 for k in expected)
     keys = list(row)
@@ -105,6 +106,14 @@ def test_try_switch_field_counts(kk):
                        ("out=128", "out=BV/warps")):
         with pytest.raises(SystemExit, match=usage):
             kk.parse_experiment(bad)
+
+
+def test_forward_form_switches(kk):
+    """The prepared forward forms are reachable from --try, alone and together."""
+    import kimik3.ops.kda.triton_forward as tf
+
+    assert kk.parse_experiment("wyloop+l2rows")[1] == {(tf, "WY_LOOP"): True, (tf, "L2_ROWS"): True}
+    assert kk.parse_experiment("wyparts")[1] == {(tf, "WY_LOOP"): False}
 
 
 @pytest.fixture()

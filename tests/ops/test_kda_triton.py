@@ -220,7 +220,8 @@ def test_split_forward(monkeypatch, case):
 
 
 @pytest.mark.parametrize("mode,case", [("split", c) for c in ["T65", "varlen", "bf16", "solve0", "solve3",
-                                                               "bf16-solve0", "K100-both-splits"]]
+                                                               "bf16-solve0", "K100-both-splits", "varlen-wyloop",
+                                                               "bf16-wyloop", "K100-both-splits-wyloop"]]
                          + [("tiles16", c) for c in ["T65", "varlen", "bf16", "K100-both-splits"]]
                          + [("tiles16-3k", c) for c in ["varlen", "K100-both-splits"]])
 def test_split_intra(monkeypatch, mode, case):
@@ -229,9 +230,13 @@ def test_split_intra(monkeypatch, mode, case):
     with SOLVE 0, forward substitution through the buffer, and 3, the 16 x 16 blocks in registers with
     Neumann diagonal inverses, against the default SOLVE 4) and tiles16 (one program holding [16, 16]
     blocks; "3k": the diagonal blocks, the off-diagonal blocks with the solve, and phase C as three
-    kernels), each also together with the split scan at K = 100 (several K blocks in phase C)."""
+    kernels), each also together with the split scan at K = 100 (several K blocks in phase C). "wyloop": the
+    split kernels with phase C as one program per (chunk, head) over its K and V blocks (``WY_LOOP``)."""
     import kimik3.ops.kda.triton_forward as tf
 
+    if case.endswith("-wyloop"):
+        monkeypatch.setattr(tf, "WY_LOOP", True)
+        case = case[: -len("-wyloop")]
     H, K, V = SMALL[1:]
     cu, dtype, B, T, N = None, torch.float32, 2, 65, 2
     if case == "varlen":
@@ -376,14 +381,22 @@ def test_bf16_inputs():
     assert rel_rms(s_ref, s) < 5e-3, rel_rms(s_ref, s)
 
 
-@pytest.mark.parametrize("prep_parts", [1, 3])
+@pytest.mark.parametrize("prep_parts", [1, 3, "l2rows", "l2rows-K100"])
 def test_fused_preactivations(monkeypatch, prep_parts):
     """Gate, q/k L2 norm and beta sigmoid fused: values and gradients (raw z, A_log, dt_bias too), with the
-    prologue as one program per (chunk, head) and as three (``triton_forward.PREP_PARTS``)."""
+    prologue as one program per (chunk, head), as three (``triton_forward.PREP_PARTS``), and as the gate alone
+    per column block with the norms over contiguous rows in 32-row programs (``L2_ROWS``; 140 rows, so the last
+    program is partial; K = 100: two column blocks, the second partial)."""
     import kimik3.ops.kda.triton_forward as tf
 
-    monkeypatch.setattr(tf, "PREP_PARTS", prep_parts)
     B, T, H, K, V = 1, 70, 2, SMALL[2], SMALL[3]
+    if str(prep_parts).startswith("l2rows"):
+        monkeypatch.setattr(tf, "L2_ROWS", True)
+        monkeypatch.setattr(tf, "L2_ROWS_CONFIG", (32, 2))
+        if prep_parts.endswith("K100"):
+            K, V = 100, 16
+    else:
+        monkeypatch.setattr(tf, "PREP_PARTS", prep_parts)
     gen = torch.Generator().manual_seed(3)
     raw = [torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen),
            torch.randn(B, T, H, V, generator=gen), torch.randn(B, T, H, K, generator=gen),
@@ -414,6 +427,7 @@ def test_fused_preactivations(monkeypatch, prep_parts):
     for name, tol, a, b in zip(names, tols, g_r, g):
         assert rel_rms(a, b) < tol, (name, rel_rms(a, b))
     monkeypatch.setattr(tf, "PREP_PARTS", 2)
+    monkeypatch.setattr(tf, "L2_ROWS", False)
     with pytest.raises(ValueError, match="KIMIK3_KDA_PREP_PARTS"):
         run("triton", [x.to(DEV) for x in raw])
 

@@ -94,6 +94,11 @@ OUTPUT_CONFIG: Tuple[int, int] = (64, 4)
 INTRA_MODE = os.environ.get("KIMIK3_KDA_INTRA", "split")
 # num_warps of the split A, B, C kernels (B: its [16, 16] dots lay out one warp's rows, so more warps repeat them)
 INTRA_SPLIT_WARPS: Tuple[int, int, int] = (4, 1, 4)
+# Phase C (``_intra_wy_kernel``) as one program per (chunk, head) looping over its K and V blocks (True), as
+# fla's w / u kernel does, instead of one program per block (False). Per block, each program reads the chunk's
+# fp32 T (16 KB): at K = V = 128 the four parts read it four times (up to 0.8 GB at K3's shape, less what L2
+# catches). Not yet timed on the GPU.
+WY_LOOP = os.environ.get("KIMIK3_KDA_WY_LOOP", "0") == "1"
 # W = T (beta k exp(Gamma)) stored in the 16-bit input dtype (U stays fp32: v_new = U - W S needs its
 # low bits). Every scan takes W as a 16-bit operand, so the scans compute the same; the WY backward's
 # dA = -dRk W^T sees W at 8 mantissa bits instead of tf32's 10. Halves W's traffic (written once, read by
@@ -107,6 +112,14 @@ INTRA16_CONFIG: Tuple[int, ...] = (32, 4)
 # the gate, q's norm, k's norm; only with the L2 norm fused, else 1). H200, K3's shape, torch.profiler: 1
 # 0.58 ms, 3 0.52 ms (fla: 0.36 for the same work in three kernels); forward -0.09 / -0.19 ms in two runs.
 PREP_PARTS = int(os.environ.get("KIMIK3_KDA_PREP_PARTS", "3"))
+# With the L2 norm fused: the norms of q and k as their own kernel over contiguous (token, head) rows
+# (``_l2_norm_rows_kernel``, fla's layout: each program streams BR whole rows, BR * K * 2 contiguous bytes),
+# the prologue kernel doing the gate alone; overrides PREP_PARTS. A chunk tile of one head is 64 rows of K
+# elements at a stride of H * K. fla's two l2norm kernels take 0.096 ms each at K3's shape (4.2 TB/s), our
+# three-part prologue 0.518 ms for the gate and both norms together. Not yet timed on the GPU.
+# KIMIK3_KDA_L2_ROWS=1; L2_ROWS_CONFIG: (rows per program, num_warps).
+L2_ROWS = os.environ.get("KIMIK3_KDA_L2_ROWS", "0") == "1"
+L2_ROWS_CONFIG: Tuple[int, int] = (64, 4)
 # Timing ablation of the intra kernel (benchmarks only; results are WRONG when non-zero): 1 skips the
 # phase-B solve (T = A), 2 skips phase A's dots, 3 skips phase C (W, U and the scan operands).
 INTRA_ABLATE = 0
@@ -175,6 +188,19 @@ def _l2_rows(x_ptr, out_ptr, offs, m):
 
 
 @triton.jit
+def _l2_norm_rows_kernel(q_ptr, k_ptr, qn_ptr, kn_ptr, R, K: tl.constexpr, BKF: tl.constexpr, BR: tl.constexpr):
+    """``_l2_rows`` over BR contiguous rows of the [R, K] view of q (grid axis 1 = 0) or k (1); R = B T H."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    c = tl.arange(0, BKF)
+    m = (rows < R)[:, None] & (c < K)[None, :]
+    offs = rows[:, None] * K + c[None, :]
+    if tl.program_id(1) == 0:
+        _l2_rows(q_ptr, qn_ptr, offs, m)
+    else:
+        _l2_rows(k_ptr, kn_ptr, offs, m)
+
+
+@triton.jit
 def _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K: tl.constexpr,
                  USE_GATE: tl.constexpr):
     """The (optionally fused) gate and the cumulative log-decay Gamma of one [64, BKF] chunk tile."""
@@ -212,6 +238,20 @@ def _prep0_kernel(
         _l2_rows(k_ptr, kn_ptr, offs, m)
     if USE_BETA_SIG:
         _beta_sigmoid(beta_ptr, betan_ptr, t0, r, rv, i_h, H)
+
+
+@triton.jit
+def _gate_cols_kernel(g_ptr, G_ptr, beta_ptr, betan_ptr, alog_ptr, dtb_ptr, cu_ptr, cidx_ptr, H, g_min,
+                      K: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, USE_GATE: tl.constexpr,
+                      USE_BETA_SIG: tl.constexpr):
+    """The gate and Gamma alone (``L2_ROWS``), one program per (chunk, head, BK-column block): the cumulative
+    sum runs down each column, so the blocks are independent; the first also takes beta's sigmoid."""
+    i_t, i_h, p = _chunk_part(NKB)
+    t0, r, rv, c, cm, m, offs = _chunk_block(i_t, i_h, p, cidx_ptr, cu_ptr, H, K, BK)
+    _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K, USE_GATE)
+    if USE_BETA_SIG:
+        if p == 0:
+            _beta_sigmoid(beta_ptr, betan_ptr, t0, r, rv, i_h, H)
 
 
 @triton.jit
@@ -460,12 +500,19 @@ def _intra_solve_kernel(tinv_ptr, H, SOLVE: tl.constexpr, SPREC: tl.constexpr):
 def _intra_wy_kernel(q_ptr, k_ptr, v_ptr, G_ptr, beta_ptr, tinv_ptr, w_ptr, u_ptr, qg_ptr, kg_ptr, eg_ptr,
                      cu_ptr, cidx_ptr, H,
                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NKB: tl.constexpr,
-                     NP: tl.constexpr, DTC: tl.constexpr, PREC: tl.constexpr):
-    """Phase C, one program per (chunk, head, K block or V block)."""
+                     NP: tl.constexpr, DTC: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr):
+    """Phase C, one program per (chunk, head, K block or V block); LOOP (NP = 1): one program per (chunk, head)
+    over all its K and V blocks, reading T once."""
     i_t, i_h, p = _chunk_part(NP)
     t0, L, r, beta = _chunk_beta(i_t, i_h, beta_ptr, cidx_ptr, cu_ptr, H)
     t_all = tl.load(tinv_ptr + (i_t * H + i_h) * 4096 + r[:, None] * 64 + r[None, :]).to(DTC)
-    if p < NKB:
+    if LOOP:
+        for kb in tl.static_range(0, K, BK):
+            _wy_k_block(kb, t_all, q_ptr, k_ptr, G_ptr, w_ptr, qg_ptr, kg_ptr, eg_ptr, beta, t0, L, i_t, i_h, H,
+                        K, BK, DTC, PREC)
+        for vb in tl.static_range(0, V, BV):
+            _wy_v_block(vb, t_all, v_ptr, u_ptr, beta, t0, L, i_h, H, V, BV, DTC, PREC)
+    elif p < NKB:
         _wy_k_block(p * BK, t_all, q_ptr, k_ptr, G_ptr, w_ptr, qg_ptr, kg_ptr, eg_ptr, beta, t0, L, i_t, i_h, H,
                     K, BK, DTC, PREC)
     else:
@@ -484,12 +531,13 @@ def _cfg(K: int, V: int):
 
 
 def _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV, DTC, PREC, warps):
-    """Phase C as its own kernel: one program per (chunk, head, K block or V block)."""
+    """Phase C as its own kernel: one program per (chunk, head, K block or V block), or with ``WY_LOOP`` one
+    per (chunk, head) over all of them."""
     nkb = triton.cdiv(K, BK)
-    nparts = nkb + triton.cdiv(V, BV)
+    nparts = 1 if WY_LOOP else nkb + triton.cdiv(V, BV)
     _intra_wy_kernel[part_grid(plan.NT, H, nparts)](
         qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
-        K=K, V=V, BK=BK, BV=BV, NKB=nkb, NP=nparts, DTC=DTC, PREC=PREC, num_warps=warps,
+        K=K, V=V, BK=BK, BV=BV, NKB=nkb, NP=nparts, DTC=DTC, PREC=PREC, LOOP=WY_LOOP, num_warps=warps,
     )
 
 
@@ -552,7 +600,16 @@ def kda_fwd_triton(
     prep_args = (g, G, q, k, qn, kn, beta, betan, A_log if use_gate else dummy, dt_bias if use_gate else dummy,
                  plan.cu, plan.chunk_idx, H, float(g_min))
     prep_kw = dict(K=K, BKF=BKF, USE_GATE=use_gate, USE_BETA_SIG=use_beta_sigmoid, num_warps=4 if BKF <= 64 else 8)
-    if PREP_PARTS == 3 and use_l2:
+    if L2_ROWS and use_l2:
+        nkb = triton.cdiv(K, BK)
+        _gate_cols_kernel[part_grid(NT, H, nkb)](
+            g, G, beta, betan, A_log if use_gate else dummy, dt_bias if use_gate else dummy, plan.cu,
+            plan.chunk_idx, H, float(g_min), K=K, BK=BK, NKB=nkb, USE_GATE=use_gate, USE_BETA_SIG=use_beta_sigmoid,
+            num_warps=4,
+        )
+        rows, (BR, warps_r) = B * T * H, L2_ROWS_CONFIG
+        _l2_norm_rows_kernel[(triton.cdiv(rows, BR), 2)](q, k, qn, kn, rows, K=K, BKF=BKF, BR=BR, num_warps=warps_r)
+    elif PREP_PARTS == 3 and use_l2:
         _prep_parts_kernel[part_grid(NT, H, 3)](*prep_args, **prep_kw)
     else:
         _prep0_kernel[(NT, H)](*prep_args, USE_L2=use_l2, **prep_kw)

@@ -31,7 +31,8 @@ not stop the later ones; exit status 1 if anything FAILed):
   `bsc=BV/stages` (the backward scans' V block and pipeline stages), `nodrv` / `nodq16` (the WY backward
   without the separate dRv pass / with dO S^T in tf32), `w32` (W stored fp32, KIMIK3_KDA_W16=0), `wyloop` /
   `wyparts` (phase C per chunk and head over its blocks, or per block, KIMIK3_KDA_WY_LOOP), `l2rows` (the q / k
-  L2 norms over contiguous rows, KIMIK3_KDA_L2_ROWS=1), `prep1` /
+  L2 norms over contiguous rows, KIMIK3_KDA_L2_ROWS=1), `fprep` (the fused intra kernel with the prologue
+  inside it, KIMIK3_KDA_INTRA=fused + KIMIK3_KDA_FUSED_PREP=1), `prep1` /
   `prep3` (the prologue as one or three programs per chunk and head, KIMIK3_KDA_PREP_PARTS), `dhacc` / `nodhacc`
   (the state-gradient scan's products accumulated in place, the default, or not), `out=BV/warps` (the split
   forward's output kernel; default 64 / 4) and
@@ -106,6 +107,8 @@ def parse_experiment(token: str):
             overrides[(tf, "PREP_PARTS")] = int(part[4])
         elif part == "w32":  # W stored fp32 (as before the seventh session)
             overrides[(tf, "W_16BIT")] = False
+        elif part == "fprep":  # the fused intra kernel with the prologue inside it
+            overrides[(tf, "INTRA_MODE")], overrides[(tf, "FUSED_PREP")] = "fused", True
         elif part == "l2rows":  # the q / k L2 norms over contiguous rows, the prologue doing the gate alone
             overrides[(tf, "L2_ROWS")] = True
         elif part in ("wyloop", "wyparts"):  # phase C per (chunk, head) over its blocks, or per block
@@ -145,7 +148,7 @@ def parse_experiment(token: str):
             raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra[=MODE], "
                              "i16[=BK/W], wy, nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, "
                              "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
-                             "prep1|prep3, dhacc|nodhacc, out=BV/W, wyloop|wyparts, l2rows)")
+                             "prep1|prep3, dhacc|nodhacc, out=BV/W, wyloop|wyparts, l2rows, fprep)")
     return token, overrides
 
 

@@ -53,7 +53,7 @@ def kk(monkeypatch):
 
 
 def test_chunk_section_times_ours_the_peer_and_each_experiment(kk):
-    tries = ("var=ach", "i16", "nowy+bscan=4", "wyloop+l2rows")
+    tries = ("var=ach", "i16", "nowy+bscan=4", "wyloop+l2rows", "fprep")
     kk.EXPERIMENTS[:] = [kk.parse_experiment(t) for t in tries]
     kk.chunk([(1, 70, 2, 32)], ["acsw"], use_fla=True, quick=False, do_bwd=True, no_hybrid=True)
     assert kk.RESULTS["fail"] == [], kk.RESULTS["fail"]
@@ -114,6 +114,7 @@ def test_forward_form_switches(kk):
 
     assert kk.parse_experiment("wyloop+l2rows")[1] == {(tf, "WY_LOOP"): True, (tf, "L2_ROWS"): True}
     assert kk.parse_experiment("wyparts")[1] == {(tf, "WY_LOOP"): False}
+    assert kk.parse_experiment("fprep")[1] == {(tf, "INTRA_MODE"): "fused", (tf, "FUSED_PREP"): True}
 
 
 @pytest.fixture()

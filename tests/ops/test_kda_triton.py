@@ -381,12 +381,13 @@ def test_bf16_inputs():
     assert rel_rms(s_ref, s) < 5e-3, rel_rms(s_ref, s)
 
 
-@pytest.mark.parametrize("prep_parts", [1, 3, "l2rows", "l2rows-K100"])
+@pytest.mark.parametrize("prep_parts", [1, 3, "l2rows", "l2rows-K100", "fused-intra"])
 def test_fused_preactivations(monkeypatch, prep_parts):
     """Gate, q/k L2 norm and beta sigmoid fused: values and gradients (raw z, A_log, dt_bias too), with the
     prologue as one program per (chunk, head), as three (``triton_forward.PREP_PARTS``), and as the gate alone
     per column block with the norms over contiguous rows in 32-row programs (``L2_ROWS``; 140 rows, so the last
-    program is partial; K = 100: two column blocks, the second partial)."""
+    program is partial; K = 100: two column blocks, the second partial), and inside the fused intra kernel
+    (``FUSED_PREP``)."""
     import kimik3.ops.kda.triton_forward as tf
 
     B, T, H, K, V = 1, 70, 2, SMALL[2], SMALL[3]
@@ -395,6 +396,9 @@ def test_fused_preactivations(monkeypatch, prep_parts):
         monkeypatch.setattr(tf, "L2_ROWS_CONFIG", (32, 2))
         if prep_parts.endswith("K100"):
             K, V = 100, 16
+    elif prep_parts == "fused-intra":
+        monkeypatch.setattr(tf, "INTRA_MODE", "fused")
+        monkeypatch.setattr(tf, "FUSED_PREP", True)
     else:
         monkeypatch.setattr(tf, "PREP_PARTS", prep_parts)
     gen = torch.Generator().manual_seed(3)
@@ -426,6 +430,11 @@ def test_fused_preactivations(monkeypatch, prep_parts):
     tols = [8e-3, 8e-3, 8e-3, 2e-2, 2e-2, 2e-2, 2e-2, 5e-3]
     for name, tol, a, b in zip(names, tols, g_r, g):
         assert rel_rms(a, b) < tol, (name, rel_rms(a, b))
+    if prep_parts == "fused-intra":  # the prologue in the intra kernel needs the fused intra kernel
+        monkeypatch.setattr(tf, "INTRA_MODE", "split")
+        with pytest.raises(ValueError, match="KIMIK3_KDA_FUSED_PREP=1 .* needs KIMIK3_KDA_INTRA=fused"):
+            run("triton", [x.to(DEV) for x in raw])
+        monkeypatch.setattr(tf, "FUSED_PREP", False)
     monkeypatch.setattr(tf, "PREP_PARTS", 2)
     monkeypatch.setattr(tf, "L2_ROWS", False)
     with pytest.raises(ValueError, match="KIMIK3_KDA_PREP_PARTS"):

@@ -45,8 +45,8 @@ import triton
 import triton.language as tl
 
 from .triton_intra16 import _diag16_kernel, _intra16_kernel, block_subst16, diag_inverses16
-from .triton_scan import (_chunk_beta, _chunk_block, _chunk_part, _fwd_h_kernel, _output_kernel, _state_out_kernel,
-                          part_grid, states_dtype)
+from .triton_scan import (_chunk_beta, _chunk_block, _chunk_bounds, _chunk_part, _fwd_h_kernel, _output_kernel,
+                          _state_out_kernel, part_grid, states_dtype)
 
 BT = 64  # chunk size (tokens)
 BC = 16  # sub-tile rows: the gate bound makes 16 * 5 = 80 the largest in-tile log-decay
@@ -119,6 +119,12 @@ PREP_PARTS = int(os.environ.get("KIMIK3_KDA_PREP_PARTS", "3"))
 # three-part prologue 0.518 ms for the gate and both norms together. Not yet timed on the GPU.
 # KIMIK3_KDA_L2_ROWS=1; L2_ROWS_CONFIG: (rows per program, num_warps).
 L2_ROWS = os.environ.get("KIMIK3_KDA_L2_ROWS", "0") == "1"
+# With the fused intra kernel (KIMIK3_KDA_INTRA=fused): the prologue runs in it too, one pass per (chunk, head)
+# (``_intra_kernel`` PREP). The prologue's outputs (Gamma fp32, the normalised q, k: 0.8 GB at K3's shape) are
+# still written, for the backward, but read back by the CTA that wrote them, from L2, where the split kernels
+# read them from DRAM (about 1.6 GB of reads at K3's shape). Not yet timed on the GPU. KIMIK3_KDA_FUSED_PREP=1;
+# it takes precedence over L2_ROWS and PREP_PARTS, and other intra modes refuse it.
+FUSED_PREP = os.environ.get("KIMIK3_KDA_FUSED_PREP", "0") == "1"
 L2_ROWS_CONFIG: Tuple[int, int] = (64, 4)
 # Timing ablation of the intra kernel (benchmarks only; results are WRONG when non-zero): 1 skips the
 # phase-B solve (T = A), 2 skips phase A's dots, 3 skips phase C (W, U and the scan operands).
@@ -219,6 +225,43 @@ def _beta_sigmoid(beta_ptr, betan_ptr, t0, r, rv, i_h, H):
     bo = (t0 + r) * H + i_h
     b = tl.load(beta_ptr + bo, mask=rv, other=0.0).to(tl.float32)
     tl.store(betan_ptr + bo, tl.sigmoid(b), mask=rv)
+
+
+@triton.jit
+def _l2_rows_blocked(x_ptr, out_ptr, t0, r, rv, i_h, H, K: tl.constexpr, BK: tl.constexpr):
+    """``_l2_rows`` of one chunk tile of head i_h, [64, BK] column blocks at a time: the row sums of squares
+    over every block first, then each block scaled (fewer live registers than the whole [64, K] tile)."""
+    ss = tl.zeros([64], dtype=tl.float32)
+    for kb in tl.static_range(0, K, BK):
+        c = kb + tl.arange(0, BK)
+        m = rv[:, None] & (c < K)[None, :]
+        x = tl.load(x_ptr + (t0 + r)[:, None] * (H * K) + i_h * K + c[None, :], mask=m, other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    inv = tl.rsqrt(ss + 1e-6)
+    for kb in tl.static_range(0, K, BK):
+        c = kb + tl.arange(0, BK)
+        m = rv[:, None] & (c < K)[None, :]
+        o = (t0 + r)[:, None] * (H * K) + i_h * K + c[None, :]
+        x = tl.load(x_ptr + o, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + o, (x * inv[:, None]).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _prep_chunk_blocked(i_t, i_h, g_ptr, G_ptr, q_ptr, k_ptr, qn_ptr, kn_ptr, beta_ptr, betan_ptr, alog_ptr,
+                        dtb_ptr, cu_ptr, cidx_ptr, H, g_min, K: tl.constexpr, BK: tl.constexpr,
+                        USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr):
+    """``_prep_chunk`` on [64, BK] column blocks (the fused intra kernel's prologue, ``FUSED_PREP``)."""
+    for kb in tl.static_range(0, K, BK):
+        t0, r, rv, c, cm, m, offs = _chunk_block(i_t, i_h, kb // BK, cidx_ptr, cu_ptr, H, K, BK)
+        _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K, USE_GATE)
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
+    r = tl.arange(0, 64)
+    rv = r < L
+    if USE_L2:
+        _l2_rows_blocked(q_ptr, qn_ptr, t0, r, rv, i_h, H, K, BK)
+        _l2_rows_blocked(k_ptr, kn_ptr, t0, r, rv, i_h, H, K, BK)
+    if USE_BETA_SIG:
+        _beta_sigmoid(beta_ptr, betan_ptr, t0, r, rv, i_h, H)
 
 
 @triton.jit
@@ -452,14 +495,22 @@ def _wy_v_block(vb, t_all, v_ptr, u_ptr, beta, t0, L, i_h, H,
 def _intra_kernel(
     q_ptr, k_ptr, v_ptr, G_ptr, beta_ptr, aqk_ptr, tinv_ptr, w_ptr, u_ptr, qg_ptr, kg_ptr, eg_ptr,
     cu_ptr, cidx_ptr, H,
+    g_ptr, qraw_ptr, kraw_ptr, braw_ptr, alog_ptr, dtb_ptr, g_min,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DTA: tl.constexpr, DTC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
     SOLVE: tl.constexpr, ABLATE: tl.constexpr,
+    PREP: tl.constexpr, USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr,
 ):
     """Fused intra-chunk kernel, one program per (chunk, head): phases A, B, C in one CTA (the 64 x 64
-    matrices pass through the aqk / tinv buffers of this chunk, behind barriers)."""
+    matrices pass through the aqk / tinv buffers of this chunk, behind barriers). PREP (``FUSED_PREP``): the
+    prologue first (``_prep_chunk_blocked``, from the raw g, q, k, beta), its outputs G, q, k, beta written and read
+    back by the same CTA behind a barrier, so they come from L2 rather than DRAM."""
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
+    if PREP:
+        _prep_chunk_blocked(i_t, i_h, g_ptr, G_ptr, qraw_ptr, kraw_ptr, q_ptr, k_ptr, braw_ptr, beta_ptr, alog_ptr,
+                            dtb_ptr, cu_ptr, cidx_ptr, H, g_min, K, BK, USE_GATE, USE_L2, USE_BETA_SIG)
+        tl.debug_barrier()
     t0, L, r, beta = _chunk_beta(i_t, i_h, beta_ptr, cidx_ptr, cu_ptr, H)
     a_base = (i_t * H + i_h) * 4096  # chunk-major 64 x 64 buffers of this (chunk, head)
     for j in tl.static_range(4):
@@ -541,6 +592,26 @@ def _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V,
     )
 
 
+def _launch_prologue(g, G, q, k, qn, kn, beta, betan, alog, dtb, plan, H, K, BKF, BK, g_min, use_gate, use_l2,
+                     use_beta_sigmoid):
+    """The gate, Gamma, the L2 norms and beta's sigmoid, as ``L2_ROWS`` / ``PREP_PARTS`` say."""
+    NT = plan.NT
+    prep_args = (g, G, q, k, qn, kn, beta, betan, alog, dtb, plan.cu, plan.chunk_idx, H, g_min)
+    prep_kw = dict(K=K, BKF=BKF, USE_GATE=use_gate, USE_BETA_SIG=use_beta_sigmoid, num_warps=4 if BKF <= 64 else 8)
+    if L2_ROWS and use_l2:
+        nkb = triton.cdiv(K, BK)
+        _gate_cols_kernel[part_grid(NT, H, nkb)](
+            g, G, beta, betan, alog, dtb, plan.cu, plan.chunk_idx, H, g_min,
+            K=K, BK=BK, NKB=nkb, USE_GATE=use_gate, USE_BETA_SIG=use_beta_sigmoid, num_warps=4,
+        )
+        rows, (BR, warps_r) = q.numel() // K, L2_ROWS_CONFIG
+        _l2_norm_rows_kernel[(triton.cdiv(rows, BR), 2)](q, k, qn, kn, rows, K=K, BKF=BKF, BR=BR, num_warps=warps_r)
+    elif PREP_PARTS == 3 and use_l2:
+        _prep_parts_kernel[part_grid(NT, H, 3)](*prep_args, **prep_kw)
+    else:
+        _prep0_kernel[(NT, H)](*prep_args, USE_L2=use_l2, **prep_kw)
+
+
 def kda_fwd_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     scale: float, initial_state: Optional[torch.Tensor], output_final_state: bool,
@@ -580,6 +651,9 @@ def kda_fwd_triton(
         raise ValueError(f"KIMIK3_KDA_SOLVE must be 0, 3 or 4, got {SOLVE}")
     if INTRA_MODE not in ("fused", "split", "tiles16"):
         raise ValueError(f"KIMIK3_KDA_INTRA must be 'fused', 'split' or 'tiles16', got {INTRA_MODE!r}")
+    if FUSED_PREP and INTRA_MODE != "fused":
+        raise ValueError(f"KIMIK3_KDA_FUSED_PREP=1 runs the prologue inside the fused intra kernel: it needs "
+                         f"KIMIK3_KDA_INTRA=fused, got {INTRA_MODE!r}")
     if FWD_MODE not in ("fused", "split"):
         raise ValueError(f"KIMIK3_KDA_FWD must be 'fused' or 'split', got {FWD_MODE!r}")
     N, NT = plan.N, plan.NT
@@ -597,22 +671,11 @@ def kda_fwd_triton(
     if use_beta_sigmoid:
         betan = torch.empty(beta.shape, device=dev, dtype=torch.float32)
     dummy = G
-    prep_args = (g, G, q, k, qn, kn, beta, betan, A_log if use_gate else dummy, dt_bias if use_gate else dummy,
-                 plan.cu, plan.chunk_idx, H, float(g_min))
-    prep_kw = dict(K=K, BKF=BKF, USE_GATE=use_gate, USE_BETA_SIG=use_beta_sigmoid, num_warps=4 if BKF <= 64 else 8)
-    if L2_ROWS and use_l2:
-        nkb = triton.cdiv(K, BK)
-        _gate_cols_kernel[part_grid(NT, H, nkb)](
-            g, G, beta, betan, A_log if use_gate else dummy, dt_bias if use_gate else dummy, plan.cu,
-            plan.chunk_idx, H, float(g_min), K=K, BK=BK, NKB=nkb, USE_GATE=use_gate, USE_BETA_SIG=use_beta_sigmoid,
-            num_warps=4,
-        )
-        rows, (BR, warps_r) = B * T * H, L2_ROWS_CONFIG
-        _l2_norm_rows_kernel[(triton.cdiv(rows, BR), 2)](q, k, qn, kn, rows, K=K, BKF=BKF, BR=BR, num_warps=warps_r)
-    elif PREP_PARTS == 3 and use_l2:
-        _prep_parts_kernel[part_grid(NT, H, 3)](*prep_args, **prep_kw)
-    else:
-        _prep0_kernel[(NT, H)](*prep_args, USE_L2=use_l2, **prep_kw)
+    alog_, dtb_ = (A_log, dt_bias) if use_gate else (dummy, dummy)
+    fused_prep = FUSED_PREP  # the prologue then runs inside the intra kernel (checked above: INTRA_MODE fused)
+    if not fused_prep:
+        _launch_prologue(g, G, q, k, qn, kn, beta, betan, alog_, dtb_, plan, H, K, BKF, BK, float(g_min),
+                         use_gate, use_l2, use_beta_sigmoid)
     # W/U in fp32 when the scan is 16-bit too: a 16-bit W loaded straight into the scan's bf16 dot
     # gave wrong results / illegal addresses on the H200 (Triton 3.6; variants '', 'a', 'c' at
     # T2048 H96 D128, the scan of the first version) while every variant with 'w' or 's' was right --
@@ -631,8 +694,10 @@ def kda_fwd_triton(
     if INTRA_MODE == "fused":
         _intra_kernel[(NT, H)](
             qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
+            g, q, k, beta, alog_, dtb_, float(g_min),
             K=K, V=V, BK=BK, BV=BV_intra, DTA=DTA, DTC=DTC, PREC=PREC, SPREC=SPREC,
-            SOLVE=SOLVE, ABLATE=INTRA_ABLATE, num_warps=INTRA_WARPS or (8 if DT != tl.float32 else 4),
+            SOLVE=SOLVE, ABLATE=INTRA_ABLATE, PREP=fused_prep, USE_GATE=use_gate, USE_L2=use_l2,
+            USE_BETA_SIG=use_beta_sigmoid, num_warps=INTRA_WARPS or (8 if DT != tl.float32 else 4),
         )
     elif INTRA_MODE == "split":
         wa, ws, wc = INTRA_SPLIT_WARPS

@@ -32,9 +32,9 @@ not stop the later ones; exit status 1 if anything FAILed):
   without the separate dRv pass / with dO S^T in tf32), `w32` (W stored fp32, KIMIK3_KDA_W16=0), `wyloop` /
   `wyparts` (phase C per chunk and head over its blocks, or per block, KIMIK3_KDA_WY_LOOP), `l2rows` (the q / k
   L2 norms over contiguous rows, KIMIK3_KDA_L2_ROWS=1), `fprep` (the fused intra kernel with the prologue
-  inside it, KIMIK3_KDA_INTRA=fused + KIMIK3_KDA_FUSED_PREP=1), `prep1` /
-  `prep3` (the prologue as one or three programs per chunk and head, KIMIK3_KDA_PREP_PARTS), `dhacc` / `nodhacc`
-  (the state-gradient scan's products accumulated in place, the default, or not), `out=BV/warps` (the split
+  inside it, KIMIK3_KDA_INTRA=fused + KIMIK3_KDA_FUSED_PREP=1), `iwarps=W` (the fused intra kernel's warps),
+  `prep1` / `prep3` (the prologue as one or three programs per chunk and head, KIMIK3_KDA_PREP_PARTS), `dhacc` /
+  `nodhacc` (the state-gradient scan's products accumulated in place, the default, or not), `out=BV/warps` (the split
   forward's output kernel; default 64 / 4) and
   `fwd=fused` / `fwd=split` (KIMIK3_KDA_FWD at its default scan launch); e.g.
   `--try scan=32/4/2,intra=fused,wy,st32,bik=32/4,bsc=64/2`. fla is timed before our experiments, so a run cut
@@ -142,13 +142,15 @@ def parse_experiment(token: str):
             overrides[(tf, "INTRA_SPLIT_WARPS")] = (wa, cfg[1], wc)
         elif part.startswith("bscan=") and part[6:].isdigit():
             overrides[(tb, "SCAN_WARPS")] = int(part[6:])
+        elif part.startswith("iwarps=") and part[7:].isdigit():  # warps of the fused intra kernel
+            overrides[(tf, "INTRA_WARPS")] = int(part[7:])
         elif part.startswith("bwarps=") and part[7:].isdigit():
             overrides[(tb, "BWD_WARPS")] = int(part[7:])
         else:
             raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra[=MODE], "
                              "i16[=BK/W], wy, nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, "
                              "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
-                             "prep1|prep3, dhacc|nodhacc, out=BV/W, wyloop|wyparts, l2rows, fprep)")
+                             "prep1|prep3, dhacc|nodhacc, out=BV/W, wyloop|wyparts, l2rows, fprep, iwarps=W)")
     return token, overrides
 
 

@@ -115,6 +115,7 @@ def test_forward_form_switches(kk):
     assert kk.parse_experiment("wyloop+l2rows")[1] == {(tf, "WY_LOOP"): True, (tf, "L2_ROWS"): True}
     assert kk.parse_experiment("wyparts")[1] == {(tf, "WY_LOOP"): False}
     assert kk.parse_experiment("fprep")[1] == {(tf, "INTRA_MODE"): "fused", (tf, "FUSED_PREP"): True}
+    assert kk.parse_experiment("fprep+iwarps=4")[1][(tf, "INTRA_WARPS")] == 4
 
 
 @pytest.fixture()

@@ -222,6 +222,7 @@ def test_split_forward(monkeypatch, case):
 @pytest.mark.parametrize("mode,case", [("split", c) for c in ["T65", "varlen", "bf16", "solve0", "solve3",
                                                                "bf16-solve0", "K100-both-splits", "varlen-wyloop",
                                                                "bf16-wyloop", "K100-both-splits-wyloop"]]
+                         + [("fused", c) for c in ["varlen-fprep", "bf16-fprep", "K100-both-splits-fprep"]]
                          + [("tiles16", c) for c in ["T65", "varlen", "bf16", "K100-both-splits"]]
                          + [("tiles16-3k", c) for c in ["varlen", "K100-both-splits"]])
 def test_split_intra(monkeypatch, mode, case):
@@ -231,12 +232,16 @@ def test_split_intra(monkeypatch, mode, case):
     Neumann diagonal inverses, against the default SOLVE 4) and tiles16 (one program holding [16, 16]
     blocks; "3k": the diagonal blocks, the off-diagonal blocks with the solve, and phase C as three
     kernels), each also together with the split scan at K = 100 (several K blocks in phase C). "wyloop": the
-    split kernels with phase C as one program per (chunk, head) over its K and V blocks (``WY_LOOP``)."""
+    split kernels with phase C as one program per (chunk, head) over its K and V blocks (``WY_LOOP``). "fprep":
+    the fused kernel with the prologue inside it (``FUSED_PREP``; the inputs' own g, q, k, beta, no fused
+    pre-activations) against the fused kernel after the prologue kernel."""
     import kimik3.ops.kda.triton_forward as tf
 
     if case.endswith("-wyloop"):
         monkeypatch.setattr(tf, "WY_LOOP", True)
         case = case[: -len("-wyloop")]
+    fprep = case.endswith("-fprep")
+    case = case[: -len("-fprep")] if fprep else case
     H, K, V = SMALL[1:]
     cu, dtype, B, T, N = None, torch.float32, 2, 65, 2
     if case == "varlen":
@@ -256,6 +261,7 @@ def test_split_intra(monkeypatch, mode, case):
     monkeypatch.setattr(tf, "INTRA_MODE", "fused")
     o_f, s_f, g_f = run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
     monkeypatch.setattr(tf, "INTRA_MODE", mode.split("-")[0])
+    monkeypatch.setattr(tf, "FUSED_PREP", fprep)
     if case.endswith(("solve0", "solve3")):  # the reference above: the fused kernel with the default solve
         monkeypatch.setattr(tf, "SOLVE", int(case[-1]))
     if mode == "tiles16-3k":

@@ -81,7 +81,7 @@ finish() {
 
 VARIANT=${VARIANT:-h}  # the forward precision variant timed as ours_fwd[VARIANT] (the default: 'h')
 # shape 0 (with per-kernel profiles); shape 1 only TRIES1; final: TRIES_FINAL at shape 0
-TRIES=wyloop,l2rows,wyloop+l2rows,intra=fused,fprep,fprep+iwarps=4
+TRIES=wyloop,l2rows,wyloop+l2rows,intra=fused,fprep,fprep+iwarps=4,intra=onepass,intra=onepass+iwarps=16
 TRIES1=scan=32/4/2+bsc=32/2
 TRIES_FINAL=scan=32/4/2+bsc=32/2
 PRECISION_VARIANTS=${PRECISION_VARIANTS:-h,ach,}  # kda_precision.py's variants ('' = all bf16)

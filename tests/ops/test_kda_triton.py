@@ -223,6 +223,7 @@ def test_split_forward(monkeypatch, case):
                                                                "bf16-solve0", "K100-both-splits", "varlen-wyloop",
                                                                "bf16-wyloop", "K100-both-splits-wyloop"]]
                          + [("fused", c) for c in ["varlen-fprep", "bf16-fprep", "K100-both-splits-fprep"]]
+                         + [("onepass", c) for c in ["T65", "varlen", "bf16", "K100-both-splits"]]
                          + [("tiles16", c) for c in ["T65", "varlen", "bf16", "K100-both-splits"]]
                          + [("tiles16-3k", c) for c in ["varlen", "K100-both-splits"]])
 def test_split_intra(monkeypatch, mode, case):
@@ -234,7 +235,8 @@ def test_split_intra(monkeypatch, mode, case):
     kernels), each also together with the split scan at K = 100 (several K blocks in phase C). "wyloop": the
     split kernels with phase C as one program per (chunk, head) over its K and V blocks (``WY_LOOP``). "fprep":
     the fused kernel with the prologue inside it (``FUSED_PREP``; the inputs' own g, q, k, beta, no fused
-    pre-activations) against the fused kernel after the prologue kernel."""
+    pre-activations) against the fused kernel after the prologue kernel. "onepass": the prologue and the three
+    phases in one program with Gamma, q and k in registers (``triton_onepass.py``)."""
     import kimik3.ops.kda.triton_forward as tf
 
     if case.endswith("-wyloop"):
@@ -387,13 +389,14 @@ def test_bf16_inputs():
     assert rel_rms(s_ref, s) < 5e-3, rel_rms(s_ref, s)
 
 
-@pytest.mark.parametrize("prep_parts", [1, 3, "l2rows", "l2rows-K100", "fused-intra"])
+@pytest.mark.parametrize("prep_parts", [1, 3, "l2rows", "l2rows-K100", "fused-intra", "onepass", "onepass-K100"])
 def test_fused_preactivations(monkeypatch, prep_parts):
     """Gate, q/k L2 norm and beta sigmoid fused: values and gradients (raw z, A_log, dt_bias too), with the
     prologue as one program per (chunk, head), as three (``triton_forward.PREP_PARTS``), and as the gate alone
     per column block with the norms over contiguous rows in 32-row programs (``L2_ROWS``; 140 rows, so the last
-    program is partial; K = 100: two column blocks, the second partial), and inside the fused intra kernel
-    (``FUSED_PREP``)."""
+    program is partial; K = 100: two column blocks, the second partial), inside the fused intra kernel
+    (``FUSED_PREP``), and in registers in the one-pass kernel (``KIMIK3_KDA_INTRA=onepass``; K = 100 padded
+    to 128 columns; K > 128 refused)."""
     import kimik3.ops.kda.triton_forward as tf
 
     B, T, H, K, V = 1, 70, 2, SMALL[2], SMALL[3]
@@ -405,6 +408,10 @@ def test_fused_preactivations(monkeypatch, prep_parts):
     elif prep_parts == "fused-intra":
         monkeypatch.setattr(tf, "INTRA_MODE", "fused")
         monkeypatch.setattr(tf, "FUSED_PREP", True)
+    elif str(prep_parts).startswith("onepass"):
+        monkeypatch.setattr(tf, "INTRA_MODE", "onepass")
+        if prep_parts.endswith("K100"):
+            K, V = 100, 16
     else:
         monkeypatch.setattr(tf, "PREP_PARTS", prep_parts)
     gen = torch.Generator().manual_seed(3)
@@ -436,6 +443,11 @@ def test_fused_preactivations(monkeypatch, prep_parts):
     tols = [8e-3, 8e-3, 8e-3, 2e-2, 2e-2, 2e-2, 2e-2, 5e-3]
     for name, tol, a, b in zip(names, tols, g_r, g):
         assert rel_rms(a, b) < tol, (name, rel_rms(a, b))
+    if prep_parts == "onepass":  # [64, K] register tiles: K <= 128
+        wide = [torch.randn(B, T, H, 136), torch.randn(B, T, H, 136), raw[2], torch.randn(B, T, H, 136), raw[4],
+                raw[5], torch.randn(H, 136), torch.randn(B, H, 136, V)]
+        with pytest.raises(ValueError, match="onepass .* supports K <= 128, got K=136"):
+            run("triton", [x.to(DEV) for x in wide])
     if prep_parts == "fused-intra":  # the prologue in the intra kernel needs the fused intra kernel
         monkeypatch.setattr(tf, "INTRA_MODE", "split")
         with pytest.raises(ValueError, match="KIMIK3_KDA_FUSED_PREP=1 .* needs KIMIK3_KDA_INTRA=fused"):

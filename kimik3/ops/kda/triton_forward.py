@@ -89,8 +89,10 @@ SPLIT_CONFIG: Tuple[int, int, int] = (64, 4, 2)
 OUTPUT_CONFIG: Tuple[int, int] = (64, 4)
 # Intra-chunk kernels: "split" (default: three kernels, A per column tile, B per chunk, C per K / V block;
 # with variant 'ach' the forward timed 6.04 -> 5.21 ms against "fused" at K3's shape on the H200),
-# "fused" (phases A, B, C in one program per (chunk, head)) or "tiles16" (``triton_intra16.py``: one
-# program per (chunk, head) holding [16, 16] blocks in registers).
+# "fused" (phases A, B, C in one program per (chunk, head)), "tiles16" (``triton_intra16.py``: one
+# program per (chunk, head) holding [16, 16] blocks in registers) or "onepass" (``triton_onepass.py``: the
+# prologue and phases A, B, C in one program per (chunk, head) with Gamma, q and k kept in registers, K <= 128;
+# not yet timed on the GPU).
 INTRA_MODE = os.environ.get("KIMIK3_KDA_INTRA", "split")
 # num_warps of the split A, B, C kernels (B: its [16, 16] dots lay out one warp's rows, so more warps repeat them)
 INTRA_SPLIT_WARPS: Tuple[int, int, int] = (4, 1, 4)
@@ -649,8 +651,8 @@ def kda_fwd_triton(
         raise ValueError(f"KIMIK3_KDA_PREP_PARTS must be 1 or 3, got {PREP_PARTS}")
     if SOLVE not in (0, 3, 4):
         raise ValueError(f"KIMIK3_KDA_SOLVE must be 0, 3 or 4, got {SOLVE}")
-    if INTRA_MODE not in ("fused", "split", "tiles16"):
-        raise ValueError(f"KIMIK3_KDA_INTRA must be 'fused', 'split' or 'tiles16', got {INTRA_MODE!r}")
+    if INTRA_MODE not in ("fused", "split", "tiles16", "onepass"):
+        raise ValueError(f"KIMIK3_KDA_INTRA must be 'fused', 'split', 'tiles16' or 'onepass', got {INTRA_MODE!r}")
     if FUSED_PREP and INTRA_MODE != "fused":
         raise ValueError(f"KIMIK3_KDA_FUSED_PREP=1 runs the prologue inside the fused intra kernel: it needs "
                          f"KIMIK3_KDA_INTRA=fused, got {INTRA_MODE!r}")
@@ -673,7 +675,7 @@ def kda_fwd_triton(
     dummy = G
     alog_, dtb_ = (A_log, dt_bias) if use_gate else (dummy, dummy)
     fused_prep = FUSED_PREP  # the prologue then runs inside the intra kernel (checked above: INTRA_MODE fused)
-    if not fused_prep:
+    if not fused_prep and INTRA_MODE != "onepass":  # onepass: the prologue is part of its one kernel
         _launch_prologue(g, G, q, k, qn, kn, beta, betan, alog_, dtb_, plan, H, K, BKF, BK, float(g_min),
                          use_gate, use_l2, use_beta_sigmoid)
     # W/U in fp32 when the scan is 16-bit too: a 16-bit W loaded straight into the scan's bf16 dot
@@ -705,6 +707,12 @@ def kda_fwd_triton(
                                              K=K, BK=BK, DTA=DTA, PREC=PREC, num_warps=wa)
         _intra_solve_kernel[(NT, H)](tinv, H, SOLVE=SOLVE, SPREC=SPREC, num_warps=ws)
         _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV_intra, DTC, PREC, wc)
+    elif INTRA_MODE == "onepass":
+        from .triton_onepass import launch_onepass
+
+        launch_onepass(q, k, v, g, beta, alog_, dtb_, float(g_min), G, qn, kn, betan, aqk, tinv, w, u, qg, kg, eg,
+                       plan, H, K, V, BKF, BV_intra, DTA, DTC, PREC, SPREC, SOLVE, use_gate, use_l2,
+                       use_beta_sigmoid, return_aux, INTRA_WARPS or (8 if DT != tl.float32 else 4))
     elif INTRA_MODE == "tiles16":
         BK16, warps16, split_wy, split_diag = (tuple(INTRA16_CONFIG) + (0, 0))[:4]
         if split_diag:

@@ -19,9 +19,9 @@ not stop the later ones; exit status 1 if anything FAILed):
   with one phase of the intra kernel skipped: timing only). `--try` adds kernel-structure experiments
   to `chunk`, each checked against the default forward on the same inputs and timed forward and
   forward+backward: a comma list of `+`-joined switches, `scan=BV/warps/stages` (KIMIK3_KDA_FWD=split
-  at that scan config), `intra` / `intra=fused` (KIMIK3_KDA_INTRA; split is the default), `i16` / `i16=BK/warps[/1[/1]]`
-  (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own kernel, /1/1: the diagonal blocks
-  too), `wy` / `nowy` (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the precision variant, e.g. `var=ach`; checked against
+  at that scan config), `intra` / `intra=MODE` (KIMIK3_KDA_INTRA: split, the default, fused, tiles16 or
+  onepass), `i16` / `i16=BK/warps[/1[/1]]` (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own
+  kernel, /1/1: the diagonal blocks too), `wy` / `nowy` (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the precision variant, e.g. `var=ach`; checked against
   the default at the bf16 tests' bounds), `solve3` (KIMIK3_KDA_SOLVE=3), `solve=MODE/warps` (the split
   solve kernel's SOLVE mode and num_warps), `bscan=W` (warps of the two
   backward scans), `bwarps=W` (warps of the chunk-local backward kernels), `wyb=BK/BV` (the WY

@@ -21,8 +21,8 @@ not stop the later ones; exit status 1 if anything FAILed):
   forward+backward: a comma list of `+`-joined switches, `scan=BV/warps/stages` (KIMIK3_KDA_FWD=split
   at that scan config), `intra` / `intra=MODE` (KIMIK3_KDA_INTRA: split, the default, fused, tiles16 or
   onepass), `i16` / `i16=BK/warps[/1[/1]]` (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own
-  kernel, /1/1: the diagonal blocks too), `wy` / `nowy` (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the precision variant, e.g. `var=ach`; checked against
-  the default at the bf16 tests' bounds), `solve3` (KIMIK3_KDA_SOLVE=3), `solve=MODE/warps` (the split
+  kernel, /1/1: the diagonal blocks too), `wy` / `nowy` (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the
+  precision variant, e.g. `var=ach`; checked against the default at the bf16 tests' bounds), `solve3` (KIMIK3_KDA_SOLVE=3), `solve=MODE/warps` (the split
   solve kernel's SOLVE mode and num_warps), `bscan=W` (warps of the two
   backward scans), `bwarps=W` (warps of the chunk-local backward kernels), `wyb=BK/BV` (the WY
   backward's blocks), `st32` (the backward's recomputed states stored fp32,
@@ -34,8 +34,8 @@ not stop the later ones; exit status 1 if anything FAILed):
   L2 norms over contiguous rows, KIMIK3_KDA_L2_ROWS=1), `fprep` (the fused intra kernel with the prologue
   inside it, KIMIK3_KDA_INTRA=fused + KIMIK3_KDA_FUSED_PREP=1), `iwarps=W` (the fused intra kernel's warps),
   `prep1` / `prep3` (the prologue as one or three programs per chunk and head, KIMIK3_KDA_PREP_PARTS), `dhacc` /
-  `nodhacc` (the state-gradient scan's products accumulated in place, the default, or not), `out=BV/warps` (the split
-  forward's output kernel; default 64 / 4) and
+  `nodhacc` (the state-gradient scan's products accumulated in place, the default, or not), `out=BV/warps`
+  (the split forward's output kernel; default 64 / 4) and
   `fwd=fused` / `fwd=split` (KIMIK3_KDA_FWD at its default scan launch); e.g.
   `--try scan=32/4/2,intra=fused,wy,st32,bik=32/4,bsc=64/2`. fla is timed before our experiments, so a run cut
   short keeps the comparison.

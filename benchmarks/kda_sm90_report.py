@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -73,10 +74,7 @@ def ctas_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
 
 def waves(grid, ctas: int) -> float:
     """Programs of the grid over the H200's resident CTA slots (1.0 = every program resident at once)."""
-    programs = 1
-    for n in grid:
-        programs *= n
-    return programs / max(ctas * H200_SMS, 1)
+    return math.prod(grid) / max(ctas * H200_SMS, 1)
 
 
 class Sm90Compiler:
@@ -95,7 +93,7 @@ class Sm90Compiler:
 
         names = fn.arg_names
         bound = dict(zip(names, args))
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
         bound.update(kwargs)
         constexpr_names = {p.name for p in fn.params if p.is_constexpr}
         signature, constexprs, attrs = {}, {}, {}

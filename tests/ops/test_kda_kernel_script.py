@@ -101,9 +101,8 @@ def test_try_switch_field_counts(kk):
     assert kk.parse_experiment("scan=32/4/1")[1][(tf, "SPLIT_CONFIG")] == (32, 4, 1)
     assert kk.parse_experiment("i16=32/2/1/1")[1][(tf, "INTRA16_CONFIG")] == (32, 2, 1, 1)
     assert kk.parse_experiment("out=128/8")[1][(tf, "OUTPUT_CONFIG")] == (128, 8)
-    for bad, usage in (("scan=32/4", "scan=BV/warps/stages"), ("scan=32/4/1/168", "scan=BV/warps/stages"), ("i16=1/2/3/4/5", "i16=BK/warps"),
-                       ("bik=32", "bik=BK/warps"),
-                       ("out=128", "out=BV/warps")):
+    for bad, usage in (("scan=32/4", "scan=BV/warps/stages"), ("scan=32/4/1/168", "scan=BV/warps/stages"),
+                       ("i16=1/2/3/4/5", "i16=BK/warps"), ("bik=32", "bik=BK/warps"), ("out=128", "out=BV/warps")):
         with pytest.raises(SystemExit, match=usage):
             kk.parse_experiment(bad)
 

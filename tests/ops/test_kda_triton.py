@@ -239,11 +239,9 @@ def test_split_intra(monkeypatch, mode, case):
     phases in one program with Gamma, q and k in registers (``triton_onepass.py``)."""
     import kimik3.ops.kda.triton_forward as tf
 
-    if case.endswith("-wyloop"):
-        monkeypatch.setattr(tf, "WY_LOOP", True)
-        case = case[: -len("-wyloop")]
-    fprep = case.endswith("-fprep")
-    case = case[: -len("-fprep")] if fprep else case
+    wyloop, fprep = case.endswith("-wyloop"), case.endswith("-fprep")
+    case = case.removesuffix("-wyloop").removesuffix("-fprep")
+    monkeypatch.setattr(tf, "WY_LOOP", wyloop)
     H, K, V = SMALL[1:]
     cu, dtype, B, T, N = None, torch.float32, 2, 65, 2
     if case == "varlen":
@@ -310,8 +308,8 @@ def test_backward_launch_sweeps(monkeypatch, case):
     split over key blocks (4 and 3 blocks, so partial dbeta sums with the WY kernel's partials; varlen with
     tiny segments, 2 blocks), the intra kernel over whole chunks with the suffix sum carried ("tiles";
     the default runs it per row tile with a separate suffix-sum pass), the backward scans at 32-column
-    V blocks, two pipeline stages (the default: 64), and the WY kernel computing dRv = T^T dv_new itself with dO S^T in tf32
-    ("nodrv"; the default has a separate dRv pass and takes dO S^T on 16-bit operands), and W stored fp32
+    V blocks, two pipeline stages (the default: 64), and the WY kernel computing dRv = T^T dv_new itself with
+    dO S^T in tf32 ("nodrv"; the default has a separate dRv pass and takes dO S^T on 16-bit operands), and W stored fp32
     ("w32"; the default stores it in the 16-bit input dtype), and the state-gradient scan at 8 warps with its
     16-bit products summed after the dots ("nodhacc"; the default accumulates them in place)."""
     import kimik3.ops.kda.triton_backward as tb

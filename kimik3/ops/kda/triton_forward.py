@@ -121,13 +121,13 @@ PREP_PARTS = int(os.environ.get("KIMIK3_KDA_PREP_PARTS", "3"))
 # three-part prologue 0.518 ms for the gate and both norms together. Not yet timed on the GPU.
 # KIMIK3_KDA_L2_ROWS=1; L2_ROWS_CONFIG: (rows per program, num_warps).
 L2_ROWS = os.environ.get("KIMIK3_KDA_L2_ROWS", "0") == "1"
+L2_ROWS_CONFIG: Tuple[int, int] = (64, 4)
 # With the fused intra kernel (KIMIK3_KDA_INTRA=fused): the prologue runs in it too, one pass per (chunk, head)
 # (``_intra_kernel`` PREP). The prologue's outputs (Gamma fp32, the normalised q, k: 0.8 GB at K3's shape) are
 # still written, for the backward, but read back by the CTA that wrote them, from L2, where the split kernels
 # read them from DRAM (about 1.6 GB of reads at K3's shape). Not yet timed on the GPU. KIMIK3_KDA_FUSED_PREP=1;
 # it takes precedence over L2_ROWS and PREP_PARTS, and other intra modes refuse it.
 FUSED_PREP = os.environ.get("KIMIK3_KDA_FUSED_PREP", "0") == "1"
-L2_ROWS_CONFIG: Tuple[int, int] = (64, 4)
 # Timing ablation of the intra kernel (benchmarks only; results are WRONG when non-zero): 1 skips the
 # phase-B solve (T = A), 2 skips phase A's dots, 3 skips phase C (W, U and the scan operands).
 INTRA_ABLATE = 0
@@ -188,10 +188,15 @@ def make_plan(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device: torch.
 
 
 @triton.jit
+def _l2_scale(x):
+    """x / sqrt(sum_row x^2 + 1e-6) for an fp32 tile whose rows are tokens."""
+    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+
+
+@triton.jit
 def _l2_rows(x_ptr, out_ptr, offs, m):
-    """out = x / sqrt(sum_row x^2 + 1e-6) on one [64, BKF] tile (rows are tokens)."""
-    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    x = x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+    """``_l2_scale`` of one tile, loaded from x_ptr and stored at out_ptr."""
+    x = _l2_scale(tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32))
     tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -209,16 +214,22 @@ def _l2_norm_rows_kernel(q_ptr, k_ptr, qn_ptr, kn_ptr, R, K: tl.constexpr, BKF: 
 
 
 @triton.jit
-def _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K: tl.constexpr,
-                 USE_GATE: tl.constexpr):
-    """The (optionally fused) gate and the cumulative log-decay Gamma of one [64, BKF] chunk tile."""
+def _gate_gamma(g_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K: tl.constexpr, USE_GATE: tl.constexpr):
+    """The (optionally fused) gate and the cumulative log-decay Gamma (fp32) of one [64, BK] chunk tile."""
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
     if USE_GATE:
         a = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
         dtb = tl.load(dtb_ptr + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
         g = g_min * tl.sigmoid(a * (g + dtb[None, :]))
         g = tl.where(m, g, 0.0)
-    tl.store(G_ptr + offs, tl.cumsum(g, axis=0), mask=m)
+    return tl.cumsum(g, axis=0)
+
+
+@triton.jit
+def _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K: tl.constexpr,
+                 USE_GATE: tl.constexpr):
+    """``_gate_gamma`` of one chunk tile, stored at G_ptr."""
+    tl.store(G_ptr + offs, _gate_gamma(g_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K, USE_GATE), mask=m)
 
 
 @triton.jit
@@ -252,7 +263,7 @@ def _l2_rows_blocked(x_ptr, out_ptr, t0, r, rv, i_h, H, K: tl.constexpr, BK: tl.
 def _prep_chunk_blocked(i_t, i_h, g_ptr, G_ptr, q_ptr, k_ptr, qn_ptr, kn_ptr, beta_ptr, betan_ptr, alog_ptr,
                         dtb_ptr, cu_ptr, cidx_ptr, H, g_min, K: tl.constexpr, BK: tl.constexpr,
                         USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr):
-    """``_prep_chunk`` on [64, BK] column blocks (the fused intra kernel's prologue, ``FUSED_PREP``)."""
+    """``_prep0_kernel``'s work on [64, BK] column blocks (the fused intra kernel's prologue, ``FUSED_PREP``)."""
     for kb in tl.static_range(0, K, BK):
         t0, r, rv, c, cm, m, offs = _chunk_block(i_t, i_h, kb // BK, cidx_ptr, cu_ptr, H, K, BK)
         _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K, USE_GATE)
@@ -674,8 +685,8 @@ def kda_fwd_triton(
         betan = torch.empty(beta.shape, device=dev, dtype=torch.float32)
     dummy = G
     alog_, dtb_ = (A_log, dt_bias) if use_gate else (dummy, dummy)
-    fused_prep = FUSED_PREP  # the prologue then runs inside the intra kernel (checked above: INTRA_MODE fused)
-    if not fused_prep and INTRA_MODE != "onepass":  # onepass: the prologue is part of its one kernel
+    # FUSED_PREP: the prologue runs inside the fused intra kernel (checked above); onepass: inside its one kernel
+    if not FUSED_PREP and INTRA_MODE != "onepass":
         _launch_prologue(g, G, q, k, qn, kn, beta, betan, alog_, dtb_, plan, H, K, BKF, BK, float(g_min),
                          use_gate, use_l2, use_beta_sigmoid)
     # W/U in fp32 when the scan is 16-bit too: a 16-bit W loaded straight into the scan's bf16 dot
@@ -698,7 +709,7 @@ def kda_fwd_triton(
             qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
             g, q, k, beta, alog_, dtb_, float(g_min),
             K=K, V=V, BK=BK, BV=BV_intra, DTA=DTA, DTC=DTC, PREC=PREC, SPREC=SPREC,
-            SOLVE=SOLVE, ABLATE=INTRA_ABLATE, PREP=fused_prep, USE_GATE=use_gate, USE_L2=use_l2,
+            SOLVE=SOLVE, ABLATE=INTRA_ABLATE, PREP=FUSED_PREP, USE_GATE=use_gate, USE_L2=use_l2,
             USE_BETA_SIG=use_beta_sigmoid, num_warps=INTRA_WARPS or (8 if DT != tl.float32 else 4),
         )
     elif INTRA_MODE == "split":

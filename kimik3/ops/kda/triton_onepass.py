@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_forward import _solve
+from .triton_forward import _gate_gamma, _l2_scale, _solve
 from .triton_scan import _chunk_block
 
 
@@ -51,19 +51,12 @@ def _onepass_kernel(
     L = tl.sum(rv.to(tl.int32), axis=0)
     # prologue, in registers; q and k are kept in the input dtype (the L2 norm rounded to it, as the prologue
     # kernel stores them for the split kernels), Gamma in fp32
-    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    if USE_GATE:
-        rate = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
-        dtb = tl.load(dtb_ptr + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
-        g = tl.where(m, g_min * tl.sigmoid(rate * (g + dtb[None, :])), 0.0)
-    G = tl.cumsum(g, axis=0)
+    G = _gate_gamma(g_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K, USE_GATE)
     q = tl.load(q_ptr + offs, mask=m, other=0.0)
     k = tl.load(k_ptr + offs, mask=m, other=0.0)
     if USE_L2:
-        qf = q.to(tl.float32)
-        kf = k.to(tl.float32)
-        q = (qf * tl.rsqrt(tl.sum(qf * qf, axis=1) + 1e-6)[:, None]).to(q_ptr.dtype.element_ty)
-        k = (kf * tl.rsqrt(tl.sum(kf * kf, axis=1) + 1e-6)[:, None]).to(k_ptr.dtype.element_ty)
+        q = _l2_scale(q.to(tl.float32)).to(q_ptr.dtype.element_ty)
+        k = _l2_scale(k.to(tl.float32)).to(k_ptr.dtype.element_ty)
     bo = (t0 + r) * H + i_h
     beta = tl.load(beta_ptr + bo, mask=rv, other=0.0).to(tl.float32)
     if USE_BETA_SIG:

@@ -9,9 +9,9 @@
 # kernels  kda_kernel.py at K3's per-layer shape with the experiments (--try) and per-kernel profiles
 #          (ours and fla's), fla 0.6.0 side by side when its wheels are in .whl/ (its first calls
 #          autotune ~90 s each)                                                         <= 9 min
-# check    (two GPUs) the Triton test file on GPU 1 while GPU 0 runs `kernels` at shape 0 only, with the host-
-#          overhead section: a kernel change checked and timed in one call (one GPU: both in turn, shorter
-#          limits)                                                                       <= 9 min
+# check    (two GPUs) the Triton test file and then the bf16 training check (--seeds 2) on GPU 1 while GPU 0
+#          runs `kernels` at shape 0 only, with the host-overhead section: a kernel change checked and timed in
+#          one call (one GPU: the test file and `kernels` in turn, shorter limits)             <= 9.5 min
 # train    the parallel smoke test and the bf16 training check (Triton kernels vs torch) <= 7 min
 # precision (two GPUs) GPU 1: kda_precision.py (each bf16 variant and fla against the fp32 token loop, forward
 #          and gradients), then the bf16 training check for the default and for variant $TRAIN_VARIANT
@@ -81,9 +81,10 @@ finish() {
 
 VARIANT=${VARIANT:-h}  # the forward precision variant timed as ours_fwd[VARIANT] (the default: 'h')
 # shape 0 (with per-kernel profiles); shape 1 only TRIES1; final: TRIES_FINAL at shape 0
-TRIES=wyloop,l2rows,wyloop+l2rows,intra=fused,fprep,fprep+iwarps=4,intra=onepass,intra=onepass+iwarps=16
-TRIES1=scan=32/4/2+bsc=32/2
-TRIES_FINAL=scan=32/4/2+bsc=32/2
+# (each may be given in the environment)
+TRIES=${TRIES:-l2prep,l2r=32/4,l2r=128/8,l2r=64/8,gcw=8,gcw=2,iw=8/1/4,iw=4/1/8,iw=4/2/4}
+TRIES1=${TRIES1:-l2prep}
+TRIES_FINAL=${TRIES_FINAL:-l2prep}
 PRECISION_VARIANTS=${PRECISION_VARIANTS:-h,ach,}  # kda_precision.py's variants ('' = all bf16)
 TRAIN_VARIANT=${TRAIN_VARIANT:-ach}               # precision: the variant trained next to the default
 kernel() {  # kernel GPU NAME LIMIT SHAPE SECTIONS TRIES: kda_kernel.py at one shape (fla side by side)
@@ -102,9 +103,14 @@ case $MODE in
       kernel 1 kda_kernel_shape1 540 1 chunk "$TRIES1"
     fi
     kernel 0 kda_kernel 540 0 env,ceilings,chunk,profile "$TRIES" ;;
-  check)
-    if [ "$GPUS" -ge 2 ]; then LIMITS=(540 540); else LIMITS=(300 280); fi
-    step 1 kda_tests "${LIMITS[0]}" $TESTS
+  check)  # two GPUs: the bf16 training check (--seeds 2) after the test file
+    if [ "$GPUS" -ge 2 ]; then
+      step 1 kda_tests_train 560 bash -c "$TESTS; rc=\$?; $TRAIN --seeds 2 && exit \$rc"
+      LIMITS=(540 540)
+    else
+      LIMITS=(300 280)
+      step 1 kda_tests "${LIMITS[0]}" $TESTS
+    fi
     kernel 0 kda_kernel "${LIMITS[1]}" 0 env,ceilings,chunk,host,profile "$TRIES" ;;
   train)
     step 1 kda_train_check 300 $TRAIN

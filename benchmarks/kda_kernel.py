@@ -30,8 +30,10 @@ not stop the later ones; exit status 1 if anything FAILed):
   `brows` / `btiles` (that kernel per row tile, the default, or per chunk: KIMIK3_KDA_BWD_INTRA),
   `bsc=BV/stages` (the backward scans' V block and pipeline stages), `nodrv` / `nodq16` (the WY backward
   without the separate dRv pass / with dO S^T in tf32), `w32` (W stored fp32, KIMIK3_KDA_W16=0), `wyloop` /
-  `wyparts` (phase C per chunk and head over its blocks, or per block, KIMIK3_KDA_WY_LOOP), `l2rows` (the q / k
-  L2 norms over contiguous rows, KIMIK3_KDA_L2_ROWS=1), `fprep` (the fused intra kernel with the prologue
+  `wyparts` (phase C per chunk and head over its blocks, or per block, KIMIK3_KDA_WY_LOOP), `l2rows` / `l2prep` (the q / k
+  L2 norms over contiguous rows, the default, or in the prologue: KIMIK3_KDA_L2_ROWS), `l2r=BR/warps` (that row
+  kernel's rows per program and warps), `gcw=W` (the gate kernel's warps with l2rows), `iw=A/B/C` (warps of the
+  split intra kernels: A, the solve, W / U; default 4 / 1 / 4), `fprep` (the fused intra kernel with the prologue
   inside it, KIMIK3_KDA_INTRA=fused + KIMIK3_KDA_FUSED_PREP=1), `iwarps=W` (the fused intra kernel's warps),
   `prep1` / `prep3` (the prologue as one or three programs per chunk and head, KIMIK3_KDA_PREP_PARTS), `dhacc` /
   `nodhacc` (the state-gradient scan's products accumulated in place, the default, or not), `out=BV/warps`
@@ -109,8 +111,14 @@ def parse_experiment(token: str):
             overrides[(tf, "W_16BIT")] = False
         elif part == "fprep":  # the fused intra kernel with the prologue inside it
             overrides[(tf, "INTRA_MODE")], overrides[(tf, "FUSED_PREP")] = "fused", True
-        elif part == "l2rows":  # the q / k L2 norms over contiguous rows, the prologue doing the gate alone
-            overrides[(tf, "L2_ROWS")] = True
+        elif part in ("l2rows", "l2prep"):  # the q / k L2 norms over contiguous rows, or in the PREP_PARTS prologue
+            overrides[(tf, "L2_ROWS")] = part == "l2rows"
+        elif part.startswith("l2r="):  # the row L2-norm kernel (rows per program, warps)
+            overrides[(tf, "L2_ROWS_CONFIG")] = _slash_ints(part, "l2r=BR/warps")
+        elif part.startswith("gcw=") and part[4:].isdigit():  # warps of the gate-per-column-block kernel
+            overrides[(tf, "GATE_COLS_WARPS")] = int(part[4:])
+        elif part.startswith("iw="):  # warps of the split intra kernels A, B (solve), C (W / U)
+            overrides[(tf, "INTRA_SPLIT_WARPS")] = _slash_ints(part, "iw=A/B/C")
         elif part in ("wyloop", "wyparts"):  # phase C per (chunk, head) over its blocks, or per block
             overrides[(tf, "WY_LOOP")] = part == "wyloop"
         elif part in ("nodrv", "nodq16"):  # the WY backward without the dRv pass / without 16-bit dO S^T
@@ -150,7 +158,8 @@ def parse_experiment(token: str):
             raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra[=MODE], "
                              "i16[=BK/W], wy, nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, "
                              "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
-                             "prep1|prep3, dhacc|nodhacc, out=BV/W, wyloop|wyparts, l2rows, fprep, iwarps=W)")
+                             "prep1|prep3, dhacc|nodhacc, out=BV/W, wyloop|wyparts, l2rows|l2prep, l2r=BR/W, gcw=W, "
+                             "iw=A/B/C, fprep, iwarps=W)")
     return token, overrides
 
 

@@ -115,6 +115,11 @@ def test_forward_form_switches(kk):
     assert kk.parse_experiment("wyparts")[1] == {(tf, "WY_LOOP"): False}
     assert kk.parse_experiment("fprep")[1] == {(tf, "INTRA_MODE"): "fused", (tf, "FUSED_PREP"): True}
     assert kk.parse_experiment("fprep+iwarps=4")[1][(tf, "INTRA_WARPS")] == 4
+    assert kk.parse_experiment("l2prep+l2r=32/2+gcw=8+iw=8/1/2")[1] == {
+        (tf, "L2_ROWS"): False, (tf, "L2_ROWS_CONFIG"): (32, 2), (tf, "GATE_COLS_WARPS"): 8,
+        (tf, "INTRA_SPLIT_WARPS"): (8, 1, 2)}
+    with pytest.raises(SystemExit, match="iw=A/B/C"):
+        kk.parse_experiment("iw=4/1")
 
 
 @pytest.fixture()

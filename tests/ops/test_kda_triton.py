@@ -411,6 +411,7 @@ def test_fused_preactivations(monkeypatch, prep_parts):
         if prep_parts.endswith("K100"):
             K, V = 100, 16
     else:
+        monkeypatch.setattr(tf, "L2_ROWS", False)
         monkeypatch.setattr(tf, "PREP_PARTS", prep_parts)
     gen = torch.Generator().manual_seed(3)
     raw = [torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen),

@@ -91,15 +91,18 @@ OUTPUT_CONFIG: Tuple[int, int] = (64, 4)
 # with variant 'ach' the forward timed 6.04 -> 5.21 ms against "fused" at K3's shape on the H200),
 # "fused" (phases A, B, C in one program per (chunk, head)), "tiles16" (``triton_intra16.py``: one
 # program per (chunk, head) holding [16, 16] blocks in registers) or "onepass" (``triton_onepass.py``: the
-# prologue and phases A, B, C in one program per (chunk, head) with Gamma, q and k kept in registers, K <= 128;
-# not yet timed on the GPU).
+# prologue and phases A, B, C in one program per (chunk, head) with Gamma, q and k kept in registers, K <= 128).
+# H200, K3's shape, tenth session, same run: split 2.906 ms forward, fused 4.343, onepass 4.470 (its kernel 3.50
+# ms against the 1.96 ms of the four kernels it replaces: one CTA per SM with 112 B spilled), onepass at 16
+# warps 5.639. The one-program-per-chunk forms are latency-bound, not traffic-bound.
 INTRA_MODE = os.environ.get("KIMIK3_KDA_INTRA", "split")
 # num_warps of the split A, B, C kernels (B: its [16, 16] dots lay out one warp's rows, so more warps repeat them)
 INTRA_SPLIT_WARPS: Tuple[int, int, int] = (4, 1, 4)
 # Phase C (``_intra_wy_kernel``) as one program per (chunk, head) looping over its K and V blocks (True), as
 # fla's w / u kernel does, instead of one program per block (False). Per block, each program reads the chunk's
 # fp32 T (16 KB): at K = V = 128 the four parts read it four times (up to 0.8 GB at K3's shape, less what L2
-# catches). Not yet timed on the GPU.
+# catches). H200, K3's shape: forward 2.906 -> 3.010 ms with the loop (two CTAs per SM instead of three; L2
+# already caught the T re-reads), so per block stays the default.
 WY_LOOP = os.environ.get("KIMIK3_KDA_WY_LOOP", "0") == "1"
 # W = T (beta k exp(Gamma)) stored in the 16-bit input dtype (U stays fp32: v_new = U - W S needs its
 # low bits). Every scan takes W as a 16-bit operand, so the scans compute the same; the WY backward's
@@ -117,15 +120,18 @@ PREP_PARTS = int(os.environ.get("KIMIK3_KDA_PREP_PARTS", "3"))
 # With the L2 norm fused: the norms of q and k as their own kernel over contiguous (token, head) rows
 # (``_l2_norm_rows_kernel``, fla's layout: each program streams BR whole rows, BR * K * 2 contiguous bytes),
 # the prologue kernel doing the gate alone; overrides PREP_PARTS. A chunk tile of one head is 64 rows of K
-# elements at a stride of H * K. fla's two l2norm kernels take 0.096 ms each at K3's shape (4.2 TB/s), our
-# three-part prologue 0.518 ms for the gate and both norms together. Not yet timed on the GPU.
-# KIMIK3_KDA_L2_ROWS=1; L2_ROWS_CONFIG: (rows per program, num_warps).
-L2_ROWS = os.environ.get("KIMIK3_KDA_L2_ROWS", "0") == "1"
+# elements at a stride of H * K. H200, K3's shape, same run (torch.profiler): the three-part prologue 0.513 ms,
+# the two kernels 0.197 (norms, 4.1 TB/s) + 0.191 (gate) = 0.388 ms (fla's gate cumsum + two l2norms: 0.366);
+# forward 2.906 -> 2.791 ms, forward+backward 11.860 -> 11.758. KIMIK3_KDA_L2_ROWS=0: the PREP_PARTS prologue.
+# L2_ROWS_CONFIG: (rows per program, num_warps); GATE_COLS_WARPS: num_warps of ``_gate_cols_kernel``.
+L2_ROWS = os.environ.get("KIMIK3_KDA_L2_ROWS", "1") == "1"
 L2_ROWS_CONFIG: Tuple[int, int] = (64, 4)
+GATE_COLS_WARPS = 4
 # With the fused intra kernel (KIMIK3_KDA_INTRA=fused): the prologue runs in it too, one pass per (chunk, head)
 # (``_intra_kernel`` PREP). The prologue's outputs (Gamma fp32, the normalised q, k: 0.8 GB at K3's shape) are
 # still written, for the backward, but read back by the CTA that wrote them, from L2, where the split kernels
-# read them from DRAM (about 1.6 GB of reads at K3's shape). Not yet timed on the GPU. KIMIK3_KDA_FUSED_PREP=1;
+# read them from DRAM (about 1.6 GB of reads at K3's shape). H200, K3's shape: forward 4.502 ms (plain fused
+# 4.343, split 2.906; 4 warps 5.703), so the fused intra kernel stays slower with it. KIMIK3_KDA_FUSED_PREP=1;
 # it takes precedence over L2_ROWS and PREP_PARTS, and other intra modes refuse it.
 FUSED_PREP = os.environ.get("KIMIK3_KDA_FUSED_PREP", "0") == "1"
 # Timing ablation of the intra kernel (benchmarks only; results are WRONG when non-zero): 1 skips the
@@ -615,7 +621,7 @@ def _launch_prologue(g, G, q, k, qn, kn, beta, betan, alog, dtb, plan, H, K, BKF
         nkb = triton.cdiv(K, BK)
         _gate_cols_kernel[part_grid(NT, H, nkb)](
             g, G, beta, betan, alog, dtb, plan.cu, plan.chunk_idx, H, g_min,
-            K=K, BK=BK, NKB=nkb, USE_GATE=use_gate, USE_BETA_SIG=use_beta_sigmoid, num_warps=4,
+            K=K, BK=BK, NKB=nkb, USE_GATE=use_gate, USE_BETA_SIG=use_beta_sigmoid, num_warps=GATE_COLS_WARPS,
         )
         rows, (BR, warps_r) = q.numel() // K, L2_ROWS_CONFIG
         _l2_norm_rows_kernel[(triton.cdiv(rows, BR), 2)](q, k, qn, kn, rows, K=K, BKF=BKF, BR=BR, num_warps=warps_r)

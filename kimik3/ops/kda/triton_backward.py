@@ -35,6 +35,7 @@ either way).
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional, Tuple
 
@@ -113,17 +114,23 @@ def _dvn_local_kernel(aqk_ptr, do_ptr, dvn_ptr, cu_ptr, cidx_ptr, H, scale,
 
 @triton.jit
 def _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c, bos, eos, coff, i_h, H,
-                 scale, K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr, DT: tl.constexpr,
+                 scale, dscale, K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr, DT: tl.constexpr,
                  ACC: tl.constexpr):
     """dv_new = (scale Aqk^T dO, from ``_dvn_local_kernel``) + kg dS', stored over it; then the state gradient
     entering the chunk. DT 16-bit: every product takes 16-bit operands, with dh split into a high part and a
     16-bit remainder (do, qg, kg are 16-bit already). ACC (``DH_ACC_DOTS``, 16-bit only): the products
-    accumulate into dv_new and dh in place (tl.dot's acc; dO scaled before its 16-bit rounding, W negated)
-    instead of each landing in a temporary first."""
+    accumulate into dv_new and dh in place (tl.dot's acc, W negated) instead of each landing in a temporary
+    first. The scale = dscale (a power of two) x its mantissa part: dO enters its product times dscale, exact
+    in 16 bits, and dh and dv_new are carried divided by the mantissa part (the dv_new buffer holds
+    dscale Aqk^T dO), multiplied by it where they are stored. (Rounding dO * scale to 16 bits instead cost
+    dh0 1.17x fla's error: 2.70e-3 -> 3.16e-3, H200, kda_precision.py, two seeds. dO unscaled with the scale
+    applied to the product took the scan to 120 KB of shared memory: one CTA per SM, sm_90 screen.)"""
     r, rv, mk, mv, ko, vo = _chunk_tiles(i_c, bos, eos, i_h, H, K, V, ck, cv)
     km = ck < K
     hoff = ((coff + i_c) * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
-    tl.store(dh_ptr + hoff, dh, mask=km[:, None] & (cv < V)[None, :])  # gradient of this chunk's exit state
+    unit = scale / dscale  # ACC: the mantissa part of the scale, the units of the carried dh and dv_new
+    # the gradient of this chunk's exit state
+    tl.store(dh_ptr + hoff, dh * unit if ACC else dh, mask=km[:, None] & (cv < V)[None, :])
     eg = tl.load(eg_ptr + ((coff + i_c) * H + i_h) * K + ck, mask=km, other=0.0)
     dvn = tl.load(dvn_ptr + vo, mask=mv, other=0.0)
     if DT == tl.float32:
@@ -142,10 +149,10 @@ def _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c
         w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(DT)
         dh_hi, dh_lo = _split16(dh, DT)
         # (W is rounded to 16 bits here, so a dv_new remainder would buy nothing: measured on the interpreter)
-        if ACC:
+        if ACC:  # dh, dvn in units of the scale's mantissa part
             dvn = tl.where(mv, tl.dot(kg, dh_lo, acc=tl.dot(kg, dh_hi, acc=dvn)), 0.0)
-            tl.store(dvn_ptr + vo, dvn, mask=mv)
-            dh = tl.dot(tl.trans(qg), (do.to(tl.float32) * scale).to(DT), acc=dh * eg[:, None])
+            tl.store(dvn_ptr + vo, dvn * unit, mask=mv)
+            dh = tl.dot(tl.trans(qg), (do.to(tl.float32) * dscale).to(DT), acc=dh * eg[:, None])
             w_neg = (-w.to(tl.float32)).to(DT)  # exact; (the interpreter cannot negate 16-bit values)
             dh = tl.dot(tl.trans(w_neg), dvn.to(DT), acc=dh)
         else:
@@ -157,25 +164,27 @@ def _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c
 
 @triton.jit
 def _bwd_dh_kernel(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr,
-                   cu_ptr, coff_ptr, H, scale,
+                   cu_ptr, coff_ptr, H, scale, dscale,
                    K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
                    PREC: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, INTERP: tl.constexpr,
                    DT: tl.constexpr, ACC: tl.constexpr):
     i_h, bos, eos, coff, ck, cv, s_off, sm = _scan_program(cu_ptr, coff_ptr, H, K, V, BKF, BV)
     dh = _state_tile(dht_ptr, s_off, sm, HAS_DHT, BKF, BV)
+    if ACC:  # carried in units of the scale's mantissa part (``_bwd_dh_step``)
+        dh = dh / (scale / dscale)
     NC = tl.cdiv(eos - bos, 64)
     if INTERP:
         i_c = NC - 1
         while i_c >= 0:
             dh = _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c, bos, eos,
-                              coff, i_h, H, scale, K, V, ck, cv, PREC, DT, ACC)
+                              coff, i_h, H, scale, dscale, K, V, ck, cv, PREC, DT, ACC)
             i_c -= 1
     else:
         for j in range(0, NC):
             dh = _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dh_ptr, dvn_ptr, dh, NC - 1 - j, bos,
-                              eos, coff, i_h, H, scale, K, V, ck, cv, PREC, DT, ACC)
+                              eos, coff, i_h, H, scale, dscale, K, V, ck, cv, PREC, DT, ACC)
     if STORE_DH0:
-        tl.store(dh0_ptr + s_off, dh, mask=sm)
+        tl.store(dh0_ptr + s_off, dh * (scale / dscale) if ACC else dh, mask=sm)
 
 
 # --------------------------------------------------------------------------
@@ -405,15 +414,17 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     # scale Aqk^T dO, the part of dv_new that does not depend on the state, in parallel over chunks (on the WY
     # kernel's V blocks, as the dRv pass); the scan below adds kg dS' on its serial path
     nv = triton.cdiv(V, BV)
+    acc = DH_ACC_DOTS and scan_dt != tl.float32 and scale != 0  # (a zero scale has no mantissa part to carry)
+    # scale = dscale x its mantissa part in [1, 2); the in-place scan carries dv_new / the mantissa part
+    dscale = 2.0 ** (math.frexp(scale)[1] - 1) if acc else 1.0
     _dvn_local_kernel[part_grid(NT, H, nv)](
-        aux["aqk"], do, dvn, plan.cu, plan.chunk_idx, H, float(scale),
+        aux["aqk"], do, dvn, plan.cu, plan.chunk_idx, H, dscale if acc else float(scale),
         V=V, BV=BV, NV=nv, PREC=PREC, DT=scan_dt, num_warps=4,
     )
-    acc = DH_ACC_DOTS and scan_dt != tl.float32
     BVs, warps_s, stages_s = _scan_launch(scan_dt, acc)
     _bwd_dh_kernel[(triton.cdiv(V, BVs), N * H)](
         aux["qg"], aux["kg"], aux["eg"], aux["w"], do, dht_c, dh, dvn, dh0 if dh0 is not None else dummy,
-        plan.cu, plan.chunk_off, H, float(scale),
+        plan.cu, plan.chunk_off, H, float(scale), dscale,
         K=K, V=V, BKF=BKs, BV=BVs, PREC=PREC, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
         INTERP=INTERPRET, DT=scan_dt, ACC=acc, num_warps=warps_s, num_stages=stages_s,
     )

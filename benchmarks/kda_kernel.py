@@ -19,8 +19,8 @@ not stop the later ones; exit status 1 if anything FAILed):
   with one phase of the intra kernel skipped: timing only). `--try` adds kernel-structure experiments
   to `chunk`, each checked against the default forward on the same inputs and timed forward and
   forward+backward: a comma list of `+`-joined switches, `scan=BV/warps/stages` (KIMIK3_KDA_FWD=split
-  at that scan config), `intra` / `intra=MODE` (KIMIK3_KDA_INTRA: split, the default, fused, tiles16 or
-  onepass), `i16` / `i16=BK/warps[/1[/1]]` (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own
+  at that scan config), `intra` / `intra=MODE` (KIMIK3_KDA_INTRA: split, the default, fused or tiles16),
+  `i16` / `i16=BK/warps[/1[/1]]` (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own
   kernel, /1/1: the diagonal blocks too), `wy` / `nowy` (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the
   precision variant, e.g. `var=ach`; checked against the default at the bf16 tests' bounds), `solve3` (KIMIK3_KDA_SOLVE=3), `solve=MODE/warps` (the split
   solve kernel's SOLVE mode and num_warps), `bscan=W` (warps of the two
@@ -29,12 +29,12 @@ not stop the later ones; exit status 1 if anything FAILed):
   KIMIK3_KDA_STATES_16BIT=0), `bik=BK/warps` (the backward intra kernel's key block and warps),
   `brows` / `btiles` (that kernel per row tile, the default, or per chunk: KIMIK3_KDA_BWD_INTRA),
   `bsc=BV/stages` (the backward scans' V block and pipeline stages), `nodrv` / `nodq16` (the WY backward
-  without the separate dRv pass / with dO S^T in tf32), `w32` (W stored fp32, KIMIK3_KDA_W16=0), `wyloop` /
-  `wyparts` (phase C per chunk and head over its blocks, or per block, KIMIK3_KDA_WY_LOOP), `l2rows` / `l2prep` (the q / k
+  without the separate dRv pass / with dO S^T in tf32), `w32` (W stored fp32, KIMIK3_KDA_W16=0), `wyc=BK/BV`
+  (phase C's K and V blocks per program; default 64 / 64), `abk=BK` (the split phase A kernel's K block;
+  default 64), `l2rows` / `l2prep` (the q / k
   L2 norms over contiguous rows, the default, or in the prologue: KIMIK3_KDA_L2_ROWS), `l2r=BR/warps` (that row
   kernel's rows per program and warps), `gcw=W` (the gate kernel's warps with l2rows), `iw=A/B/C` (warps of the
-  split intra kernels: A, the solve, W / U; default 4 / 1 / 4), `fprep` (the fused intra kernel with the prologue
-  inside it, KIMIK3_KDA_INTRA=fused + KIMIK3_KDA_FUSED_PREP=1), `iwarps=W` (the fused intra kernel's warps),
+  split intra kernels: A, the solve, W / U; default 4 / 1 / 4), `iwarps=W` (the fused intra kernel's warps),
   `prep1` / `prep3` (the prologue as one or three programs per chunk and head, KIMIK3_KDA_PREP_PARTS), `dhacc` /
   `nodhacc` (the state-gradient scan's products accumulated in place, the default, or not), `out=BV/warps`
   (the split forward's output kernel; default 64 / 4) and
@@ -109,8 +109,6 @@ def parse_experiment(token: str):
             overrides[(tf, "PREP_PARTS")] = int(part[4])
         elif part == "w32":  # W stored fp32 (as before the seventh session)
             overrides[(tf, "W_16BIT")] = False
-        elif part == "fprep":  # the fused intra kernel with the prologue inside it
-            overrides[(tf, "INTRA_MODE")], overrides[(tf, "FUSED_PREP")] = "fused", True
         elif part in ("l2rows", "l2prep"):  # the q / k L2 norms over contiguous rows, or in the PREP_PARTS prologue
             overrides[(tf, "L2_ROWS")] = part == "l2rows"
         elif part.startswith("l2r="):  # the row L2-norm kernel (rows per program, warps)
@@ -119,8 +117,10 @@ def parse_experiment(token: str):
             overrides[(tf, "GATE_COLS_WARPS")] = int(part[4:])
         elif part.startswith("iw="):  # warps of the split intra kernels A, B (solve), C (W / U)
             overrides[(tf, "INTRA_SPLIT_WARPS")] = _slash_ints(part, "iw=A/B/C")
-        elif part in ("wyloop", "wyparts"):  # phase C per (chunk, head) over its blocks, or per block
-            overrides[(tf, "WY_LOOP")] = part == "wyloop"
+        elif part.startswith("wyc="):  # phase C's (K block, V block) per program
+            overrides[(tf, "WY_BLOCKS")] = _slash_ints(part, "wyc=BK/BV")
+        elif part.startswith("abk=") and part[4:].isdigit():  # the split phase A kernel's K block
+            overrides[(tf, "A_BK")] = int(part[4:])
         elif part in ("nodrv", "nodq16"):  # the WY backward without the dRv pass / without 16-bit dO S^T
             overrides[(tb, "DRV_PASS" if part == "nodrv" else "WY_DQ16")] = False
         elif part in ("fwd=fused", "fwd=split"):
@@ -158,8 +158,8 @@ def parse_experiment(token: str):
             raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra[=MODE], "
                              "i16[=BK/W], wy, nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, "
                              "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
-                             "prep1|prep3, dhacc|nodhacc, out=BV/W, wyloop|wyparts, l2rows|l2prep, l2r=BR/W, gcw=W, "
-                             "iw=A/B/C, fprep, iwarps=W)")
+                             "prep1|prep3, dhacc|nodhacc, out=BV/W, l2rows|l2prep, l2r=BR/W, gcw=W, iw=A/B/C, "
+                             "wyc=BK/BV, abk=BK, iwarps=W)")
     return token, overrides
 
 

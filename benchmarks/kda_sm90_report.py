@@ -190,7 +190,7 @@ def main(argv=None) -> int:
                    help="tokens of the dummy inputs: the compiled kernels do not depend on it, the chunk-parallel "
                         "grids (and so their waves) do; 8192 for K3's per-layer shape")
     p.add_argument("--fwd", default="split", choices=["fused", "split"], help="KIMIK3_KDA_FWD")
-    p.add_argument("--intra", default="split", choices=["fused", "split", "tiles16", "onepass"])
+    p.add_argument("--intra", default="split", choices=["fused", "split", "tiles16"])
     p.add_argument("--variant", default=None, help="precision variant (KIMIK3_KDA_VARIANT), e.g. ach")
     p.add_argument("--wy-split", type=int, choices=[0, 1], default=1, help="KIMIK3_KDA_WY_SPLIT")
     p.add_argument("--set", dest="overrides", action="append", default=[], type=parse_override,

@@ -53,7 +53,7 @@ def kk(monkeypatch):
 
 
 def test_chunk_section_times_ours_the_peer_and_each_experiment(kk):
-    tries = ("var=ach", "i16", "nowy+bscan=4", "wyloop+l2rows", "fprep")
+    tries = ("var=ach", "i16", "nowy+bscan=4", "wyc=32/16+abk=16+l2prep", "intra=fused")
     kk.EXPERIMENTS[:] = [kk.parse_experiment(t) for t in tries]
     kk.chunk([(1, 70, 2, 32)], ["acsw"], use_fla=True, quick=False, do_bwd=True, no_hybrid=True)
     assert kk.RESULTS["fail"] == [], kk.RESULTS["fail"]
@@ -111,10 +111,8 @@ def test_forward_form_switches(kk):
     """The prepared forward forms are reachable from --try, alone and together."""
     import kimik3.ops.kda.triton_forward as tf
 
-    assert kk.parse_experiment("wyloop+l2rows")[1] == {(tf, "WY_LOOP"): True, (tf, "L2_ROWS"): True}
-    assert kk.parse_experiment("wyparts")[1] == {(tf, "WY_LOOP"): False}
-    assert kk.parse_experiment("fprep")[1] == {(tf, "INTRA_MODE"): "fused", (tf, "FUSED_PREP"): True}
-    assert kk.parse_experiment("fprep+iwarps=4")[1][(tf, "INTRA_WARPS")] == 4
+    assert kk.parse_experiment("wyc=32/64+abk=16")[1] == {(tf, "WY_BLOCKS"): (32, 64), (tf, "A_BK"): 16}
+    assert kk.parse_experiment("intra=fused+iwarps=4")[1] == {(tf, "INTRA_MODE"): "fused", (tf, "INTRA_WARPS"): 4}
     assert kk.parse_experiment("l2prep+l2r=32/2+gcw=8+iw=8/1/2")[1] == {
         (tf, "L2_ROWS"): False, (tf, "L2_ROWS_CONFIG"): (32, 2), (tf, "GATE_COLS_WARPS"): 8,
         (tf, "INTRA_SPLIT_WARPS"): (8, 1, 2)}

@@ -220,10 +220,8 @@ def test_split_forward(monkeypatch, case):
 
 
 @pytest.mark.parametrize("mode,case", [("split", c) for c in ["T65", "varlen", "bf16", "solve0", "solve3",
-                                                               "bf16-solve0", "K100-both-splits", "varlen-wyloop",
-                                                               "bf16-wyloop", "K100-both-splits-wyloop"]]
-                         + [("fused", c) for c in ["varlen-fprep", "bf16-fprep", "K100-both-splits-fprep"]]
-                         + [("onepass", c) for c in ["T65", "varlen", "bf16", "K100-both-splits"]]
+                                                               "bf16-solve0", "K100-both-splits", "varlen-blocks",
+                                                               "bf16-blocks", "K100-both-splits-blocks"]]
                          + [("tiles16", c) for c in ["T65", "varlen", "bf16", "K100-both-splits"]]
                          + [("tiles16-3k", c) for c in ["varlen", "K100-both-splits"]])
 def test_split_intra(monkeypatch, mode, case):
@@ -232,16 +230,15 @@ def test_split_intra(monkeypatch, mode, case):
     with SOLVE 0, forward substitution through the buffer, and 3, the 16 x 16 blocks in registers with
     Neumann diagonal inverses, against the default SOLVE 4) and tiles16 (one program holding [16, 16]
     blocks; "3k": the diagonal blocks, the off-diagonal blocks with the solve, and phase C as three
-    kernels), each also together with the split scan at K = 100 (several K blocks in phase C). "wyloop": the
-    split kernels with phase C as one program per (chunk, head) over its K and V blocks (``WY_LOOP``). "fprep":
-    the fused kernel with the prologue inside it (``FUSED_PREP``; the inputs' own g, q, k, beta, no fused
-    pre-activations) against the fused kernel after the prologue kernel. "onepass": the prologue and the three
-    phases in one program with Gamma, q and k in registers (``triton_onepass.py``)."""
+    kernels), each also together with the split scan at K = 100 (several K blocks in phase C). "blocks": the
+    split kernels with phase A over 16-column K blocks (``A_BK``) and phase C over 32-column K and 16-column V
+    blocks (``WY_BLOCKS``; at K = 100, four K blocks, the last partial)."""
     import kimik3.ops.kda.triton_forward as tf
 
-    wyloop, fprep = case.endswith("-wyloop"), case.endswith("-fprep")
-    case = case.removesuffix("-wyloop").removesuffix("-fprep")
-    monkeypatch.setattr(tf, "WY_LOOP", wyloop)
+    if case.endswith("-blocks"):
+        monkeypatch.setattr(tf, "A_BK", 16)
+        monkeypatch.setattr(tf, "WY_BLOCKS", (32, 16))
+        case = case.removesuffix("-blocks")
     H, K, V = SMALL[1:]
     cu, dtype, B, T, N = None, torch.float32, 2, 65, 2
     if case == "varlen":
@@ -261,7 +258,6 @@ def test_split_intra(monkeypatch, mode, case):
     monkeypatch.setattr(tf, "INTRA_MODE", "fused")
     o_f, s_f, g_f = run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
     monkeypatch.setattr(tf, "INTRA_MODE", mode.split("-")[0])
-    monkeypatch.setattr(tf, "FUSED_PREP", fprep)
     if case.endswith(("solve0", "solve3")):  # the reference above: the fused kernel with the default solve
         monkeypatch.setattr(tf, "SOLVE", int(case[-1]))
     if mode == "tiles16-3k":
@@ -406,14 +402,13 @@ def test_bf16_inputs():
     assert rel_rms(s_ref, s) < 5e-3, rel_rms(s_ref, s)
 
 
-@pytest.mark.parametrize("prep_parts", [1, 3, "l2rows", "l2rows-K100", "fused-intra", "onepass", "onepass-K100"])
+@pytest.mark.parametrize("prep_parts", [1, 3, "l2rows", "l2rows-K100", "fused-intra"])
 def test_fused_preactivations(monkeypatch, prep_parts):
     """Gate, q/k L2 norm and beta sigmoid fused: values and gradients (raw z, A_log, dt_bias too), with the
     prologue as one program per (chunk, head), as three (``triton_forward.PREP_PARTS``), and as the gate alone
     per column block with the norms over contiguous rows in 32-row programs (``L2_ROWS``; 140 rows, so the last
-    program is partial; K = 100: two column blocks, the second partial), inside the fused intra kernel
-    (``FUSED_PREP``), and in registers in the one-pass kernel (``KIMIK3_KDA_INTRA=onepass``; K = 100 padded
-    to 128 columns; K > 128 refused)."""
+    program is partial; K = 100: two column blocks, the second partial; the default), and that prologue before
+    the fused intra kernel."""
     import kimik3.ops.kda.triton_forward as tf
 
     B, T, H, K, V = 1, 70, 2, SMALL[2], SMALL[3]
@@ -424,11 +419,6 @@ def test_fused_preactivations(monkeypatch, prep_parts):
             K, V = 100, 16
     elif prep_parts == "fused-intra":
         monkeypatch.setattr(tf, "INTRA_MODE", "fused")
-        monkeypatch.setattr(tf, "FUSED_PREP", True)
-    elif str(prep_parts).startswith("onepass"):
-        monkeypatch.setattr(tf, "INTRA_MODE", "onepass")
-        if prep_parts.endswith("K100"):
-            K, V = 100, 16
     else:
         monkeypatch.setattr(tf, "L2_ROWS", False)
         monkeypatch.setattr(tf, "PREP_PARTS", prep_parts)
@@ -461,16 +451,6 @@ def test_fused_preactivations(monkeypatch, prep_parts):
     tols = [8e-3, 8e-3, 8e-3, 2e-2, 2e-2, 2e-2, 2e-2, 5e-3]
     for name, tol, a, b in zip(names, tols, g_r, g):
         assert rel_rms(a, b) < tol, (name, rel_rms(a, b))
-    if prep_parts == "onepass":  # [64, K] register tiles: K <= 128
-        wide = [torch.randn(B, T, H, 136), torch.randn(B, T, H, 136), raw[2], torch.randn(B, T, H, 136), raw[4],
-                raw[5], torch.randn(H, 136), torch.randn(B, H, 136, V)]
-        with pytest.raises(ValueError, match="onepass .* supports K <= 128, got K=136"):
-            run("triton", [x.to(DEV) for x in wide])
-    if prep_parts == "fused-intra":  # the prologue in the intra kernel needs the fused intra kernel
-        monkeypatch.setattr(tf, "INTRA_MODE", "split")
-        with pytest.raises(ValueError, match="KIMIK3_KDA_FUSED_PREP=1 .* needs KIMIK3_KDA_INTRA=fused"):
-            run("triton", [x.to(DEV) for x in raw])
-        monkeypatch.setattr(tf, "FUSED_PREP", False)
     monkeypatch.setattr(tf, "PREP_PARTS", 2)
     monkeypatch.setattr(tf, "L2_ROWS", False)
     with pytest.raises(ValueError, match="KIMIK3_KDA_PREP_PARTS"):

@@ -89,21 +89,22 @@ SPLIT_CONFIG: Tuple[int, int, int] = (64, 4, 2)
 OUTPUT_CONFIG: Tuple[int, int] = (64, 4)
 # Intra-chunk kernels: "split" (default: three kernels, A per column tile, B per chunk, C per K / V block;
 # with variant 'ach' the forward timed 6.04 -> 5.21 ms against "fused" at K3's shape on the H200),
-# "fused" (phases A, B, C in one program per (chunk, head)), "tiles16" (``triton_intra16.py``: one
-# program per (chunk, head) holding [16, 16] blocks in registers) or "onepass" (``triton_onepass.py``: the
-# prologue and phases A, B, C in one program per (chunk, head) with Gamma, q and k kept in registers, K <= 128).
-# H200, K3's shape, tenth session, same run: split 2.906 ms forward, fused 4.343, onepass 4.470 (its kernel 3.50
-# ms against the 1.96 ms of the four kernels it replaces: one CTA per SM with 112 B spilled), onepass at 16
-# warps 5.639. The one-program-per-chunk forms are latency-bound, not traffic-bound.
+# "fused" (phases A, B, C in one program per (chunk, head)) or "tiles16" (``triton_intra16.py``: one
+# program per (chunk, head) holding [16, 16] blocks in registers). H200, K3's shape, tenth session, same run:
+# split 2.906 ms forward, fused 4.343. One program per (chunk, head) walking the phases in series is
+# latency-bound, not traffic-bound: a one-pass form that also held the prologue (Gamma, q, k in registers,
+# half the traffic) took 4.470 and was removed (NOTES-kda.md, tenth session).
 INTRA_MODE = os.environ.get("KIMIK3_KDA_INTRA", "split")
 # num_warps of the split A, B, C kernels (B: its [16, 16] dots lay out one warp's rows, so more warps repeat them)
 INTRA_SPLIT_WARPS: Tuple[int, int, int] = (4, 1, 4)
-# Phase C (``_intra_wy_kernel``) as one program per (chunk, head) looping over its K and V blocks (True), as
-# fla's w / u kernel does, instead of one program per block (False). Per block, each program reads the chunk's
-# fp32 T (16 KB): at K = V = 128 the four parts read it four times (up to 0.8 GB at K3's shape, less what L2
-# catches). H200, K3's shape: forward 2.906 -> 3.010 ms with the loop (two CTAs per SM instead of three; L2
-# already caught the T re-reads), so per block stays the default.
-WY_LOOP = os.environ.get("KIMIK3_KDA_WY_LOOP", "0") == "1"
+# The split phase A kernel's K block (its loop over K in blocks of A_BK); None: the intra kernels' 64. At 64:
+# 128 registers, 4 CTAs per SM.
+A_BK: Optional[int] = None
+# Phase C's (K block, V block) per program; None: the intra kernels' 64 / 64. Narrower blocks take fewer
+# registers per program, so more CTAs per SM stream the chunk tiles (at 64 / 64: 168 registers, 3 CTAs per SM).
+# Each program reads the chunk's fp32 T (16 KB); L2 catches the re-reads: one program per (chunk, head) over
+# all blocks, reading T once (fla's layout), timed forward 2.906 -> 3.010 ms (two CTAs per SM) and was removed.
+WY_BLOCKS: Optional[Tuple[int, int]] = None
 # W = T (beta k exp(Gamma)) stored in the 16-bit input dtype (U stays fp32: v_new = U - W S needs its
 # low bits). Every scan takes W as a 16-bit operand, so the scans compute the same; the WY backward's
 # dA = -dRk W^T sees W at 8 mantissa bits instead of tf32's 10. Halves W's traffic (written once, read by
@@ -127,13 +128,6 @@ PREP_PARTS = int(os.environ.get("KIMIK3_KDA_PREP_PARTS", "3"))
 L2_ROWS = os.environ.get("KIMIK3_KDA_L2_ROWS", "1") == "1"
 L2_ROWS_CONFIG: Tuple[int, int] = (64, 4)
 GATE_COLS_WARPS = 4
-# With the fused intra kernel (KIMIK3_KDA_INTRA=fused): the prologue runs in it too, one pass per (chunk, head)
-# (``_intra_kernel`` PREP). The prologue's outputs (Gamma fp32, the normalised q, k: 0.8 GB at K3's shape) are
-# still written, for the backward, but read back by the CTA that wrote them, from L2, where the split kernels
-# read them from DRAM (about 1.6 GB of reads at K3's shape). H200, K3's shape: forward 4.502 ms (plain fused
-# 4.343, split 2.906; 4 warps 5.703), so the fused intra kernel stays slower with it. KIMIK3_KDA_FUSED_PREP=1;
-# it takes precedence over L2_ROWS and PREP_PARTS, and other intra modes refuse it.
-FUSED_PREP = os.environ.get("KIMIK3_KDA_FUSED_PREP", "0") == "1"
 # Timing ablation of the intra kernel (benchmarks only; results are WRONG when non-zero): 1 skips the
 # phase-B solve (T = A), 2 skips phase A's dots, 3 skips phase C (W, U and the scan operands).
 INTRA_ABLATE = 0
@@ -220,22 +214,17 @@ def _l2_norm_rows_kernel(q_ptr, k_ptr, qn_ptr, kn_ptr, R, K: tl.constexpr, BKF: 
 
 
 @triton.jit
-def _gate_gamma(g_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K: tl.constexpr, USE_GATE: tl.constexpr):
-    """The (optionally fused) gate and the cumulative log-decay Gamma (fp32) of one [64, BK] chunk tile."""
+def _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K: tl.constexpr,
+                 USE_GATE: tl.constexpr):
+    """The (optionally fused) gate and the cumulative log-decay Gamma (fp32) of one [64, BK] chunk tile,
+    stored at G_ptr."""
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
     if USE_GATE:
         a = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
         dtb = tl.load(dtb_ptr + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
         g = g_min * tl.sigmoid(a * (g + dtb[None, :]))
         g = tl.where(m, g, 0.0)
-    return tl.cumsum(g, axis=0)
-
-
-@triton.jit
-def _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K: tl.constexpr,
-                 USE_GATE: tl.constexpr):
-    """``_gate_gamma`` of one chunk tile, stored at G_ptr."""
-    tl.store(G_ptr + offs, _gate_gamma(g_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K, USE_GATE), mask=m)
+    tl.store(G_ptr + offs, tl.cumsum(g, axis=0), mask=m)
 
 
 @triton.jit
@@ -244,43 +233,6 @@ def _beta_sigmoid(beta_ptr, betan_ptr, t0, r, rv, i_h, H):
     bo = (t0 + r) * H + i_h
     b = tl.load(beta_ptr + bo, mask=rv, other=0.0).to(tl.float32)
     tl.store(betan_ptr + bo, tl.sigmoid(b), mask=rv)
-
-
-@triton.jit
-def _l2_rows_blocked(x_ptr, out_ptr, t0, r, rv, i_h, H, K: tl.constexpr, BK: tl.constexpr):
-    """``_l2_rows`` of one chunk tile of head i_h, [64, BK] column blocks at a time: the row sums of squares
-    over every block first, then each block scaled (fewer live registers than the whole [64, K] tile)."""
-    ss = tl.zeros([64], dtype=tl.float32)
-    for kb in tl.static_range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        m = rv[:, None] & (c < K)[None, :]
-        x = tl.load(x_ptr + (t0 + r)[:, None] * (H * K) + i_h * K + c[None, :], mask=m, other=0.0).to(tl.float32)
-        ss += tl.sum(x * x, axis=1)
-    inv = tl.rsqrt(ss + 1e-6)
-    for kb in tl.static_range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        m = rv[:, None] & (c < K)[None, :]
-        o = (t0 + r)[:, None] * (H * K) + i_h * K + c[None, :]
-        x = tl.load(x_ptr + o, mask=m, other=0.0).to(tl.float32)
-        tl.store(out_ptr + o, (x * inv[:, None]).to(out_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _prep_chunk_blocked(i_t, i_h, g_ptr, G_ptr, q_ptr, k_ptr, qn_ptr, kn_ptr, beta_ptr, betan_ptr, alog_ptr,
-                        dtb_ptr, cu_ptr, cidx_ptr, H, g_min, K: tl.constexpr, BK: tl.constexpr,
-                        USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr):
-    """``_prep0_kernel``'s work on [64, BK] column blocks (the fused intra kernel's prologue, ``FUSED_PREP``)."""
-    for kb in tl.static_range(0, K, BK):
-        t0, r, rv, c, cm, m, offs = _chunk_block(i_t, i_h, kb // BK, cidx_ptr, cu_ptr, H, K, BK)
-        _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K, USE_GATE)
-    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
-    r = tl.arange(0, 64)
-    rv = r < L
-    if USE_L2:
-        _l2_rows_blocked(q_ptr, qn_ptr, t0, r, rv, i_h, H, K, BK)
-        _l2_rows_blocked(k_ptr, kn_ptr, t0, r, rv, i_h, H, K, BK)
-    if USE_BETA_SIG:
-        _beta_sigmoid(beta_ptr, betan_ptr, t0, r, rv, i_h, H)
 
 
 @triton.jit
@@ -514,22 +466,14 @@ def _wy_v_block(vb, t_all, v_ptr, u_ptr, beta, t0, L, i_h, H,
 def _intra_kernel(
     q_ptr, k_ptr, v_ptr, G_ptr, beta_ptr, aqk_ptr, tinv_ptr, w_ptr, u_ptr, qg_ptr, kg_ptr, eg_ptr,
     cu_ptr, cidx_ptr, H,
-    g_ptr, qraw_ptr, kraw_ptr, braw_ptr, alog_ptr, dtb_ptr, g_min,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DTA: tl.constexpr, DTC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
     SOLVE: tl.constexpr, ABLATE: tl.constexpr,
-    PREP: tl.constexpr, USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr,
 ):
     """Fused intra-chunk kernel, one program per (chunk, head): phases A, B, C in one CTA (the 64 x 64
-    matrices pass through the aqk / tinv buffers of this chunk, behind barriers). PREP (``FUSED_PREP``): the
-    prologue first (``_prep_chunk_blocked``, from the raw g, q, k, beta), its outputs G, q, k, beta written and read
-    back by the same CTA behind a barrier, so they come from L2 rather than DRAM."""
+    matrices pass through the aqk / tinv buffers of this chunk, behind barriers)."""
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
-    if PREP:
-        _prep_chunk_blocked(i_t, i_h, g_ptr, G_ptr, qraw_ptr, kraw_ptr, q_ptr, k_ptr, braw_ptr, beta_ptr, alog_ptr,
-                            dtb_ptr, cu_ptr, cidx_ptr, H, g_min, K, BK, USE_GATE, USE_L2, USE_BETA_SIG)
-        tl.debug_barrier()
     t0, L, r, beta = _chunk_beta(i_t, i_h, beta_ptr, cidx_ptr, cu_ptr, H)
     a_base = (i_t * H + i_h) * 4096  # chunk-major 64 x 64 buffers of this (chunk, head)
     for j in tl.static_range(4):
@@ -570,19 +514,12 @@ def _intra_solve_kernel(tinv_ptr, H, SOLVE: tl.constexpr, SPREC: tl.constexpr):
 def _intra_wy_kernel(q_ptr, k_ptr, v_ptr, G_ptr, beta_ptr, tinv_ptr, w_ptr, u_ptr, qg_ptr, kg_ptr, eg_ptr,
                      cu_ptr, cidx_ptr, H,
                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NKB: tl.constexpr,
-                     NP: tl.constexpr, DTC: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr):
-    """Phase C, one program per (chunk, head, K block or V block); LOOP (NP = 1): one program per (chunk, head)
-    over all its K and V blocks, reading T once."""
+                     NP: tl.constexpr, DTC: tl.constexpr, PREC: tl.constexpr):
+    """Phase C, one program per (chunk, head, K block or V block)."""
     i_t, i_h, p = _chunk_part(NP)
     t0, L, r, beta = _chunk_beta(i_t, i_h, beta_ptr, cidx_ptr, cu_ptr, H)
     t_all = tl.load(tinv_ptr + (i_t * H + i_h) * 4096 + r[:, None] * 64 + r[None, :]).to(DTC)
-    if LOOP:
-        for kb in tl.static_range(0, K, BK):
-            _wy_k_block(kb, t_all, q_ptr, k_ptr, G_ptr, w_ptr, qg_ptr, kg_ptr, eg_ptr, beta, t0, L, i_t, i_h, H,
-                        K, BK, DTC, PREC)
-        for vb in tl.static_range(0, V, BV):
-            _wy_v_block(vb, t_all, v_ptr, u_ptr, beta, t0, L, i_h, H, V, BV, DTC, PREC)
-    elif p < NKB:
+    if p < NKB:
         _wy_k_block(p * BK, t_all, q_ptr, k_ptr, G_ptr, w_ptr, qg_ptr, kg_ptr, eg_ptr, beta, t0, L, i_t, i_h, H,
                     K, BK, DTC, PREC)
     else:
@@ -601,13 +538,14 @@ def _cfg(K: int, V: int):
 
 
 def _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV, DTC, PREC, warps):
-    """Phase C as its own kernel: one program per (chunk, head, K block or V block), or with ``WY_LOOP`` one
-    per (chunk, head) over all of them."""
+    """Phase C as its own kernel: one program per (chunk, head, K block or V block), at ``WY_BLOCKS`` when set."""
+    if WY_BLOCKS is not None:
+        BK, BV = min(WY_BLOCKS[0], _next_pow2(K)), min(WY_BLOCKS[1], _next_pow2(V))
     nkb = triton.cdiv(K, BK)
-    nparts = 1 if WY_LOOP else nkb + triton.cdiv(V, BV)
+    nparts = nkb + triton.cdiv(V, BV)
     _intra_wy_kernel[part_grid(plan.NT, H, nparts)](
         qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
-        K=K, V=V, BK=BK, BV=BV, NKB=nkb, NP=nparts, DTC=DTC, PREC=PREC, LOOP=WY_LOOP, num_warps=warps,
+        K=K, V=V, BK=BK, BV=BV, NKB=nkb, NP=nparts, DTC=DTC, PREC=PREC, num_warps=warps,
     )
 
 
@@ -668,11 +606,8 @@ def kda_fwd_triton(
         raise ValueError(f"KIMIK3_KDA_PREP_PARTS must be 1 or 3, got {PREP_PARTS}")
     if SOLVE not in (0, 3, 4):
         raise ValueError(f"KIMIK3_KDA_SOLVE must be 0, 3 or 4, got {SOLVE}")
-    if INTRA_MODE not in ("fused", "split", "tiles16", "onepass"):
-        raise ValueError(f"KIMIK3_KDA_INTRA must be 'fused', 'split', 'tiles16' or 'onepass', got {INTRA_MODE!r}")
-    if FUSED_PREP and INTRA_MODE != "fused":
-        raise ValueError(f"KIMIK3_KDA_FUSED_PREP=1 runs the prologue inside the fused intra kernel: it needs "
-                         f"KIMIK3_KDA_INTRA=fused, got {INTRA_MODE!r}")
+    if INTRA_MODE not in ("fused", "split", "tiles16"):
+        raise ValueError(f"KIMIK3_KDA_INTRA must be 'fused', 'split' or 'tiles16', got {INTRA_MODE!r}")
     if FWD_MODE not in ("fused", "split"):
         raise ValueError(f"KIMIK3_KDA_FWD must be 'fused' or 'split', got {FWD_MODE!r}")
     N, NT = plan.N, plan.NT
@@ -691,10 +626,8 @@ def kda_fwd_triton(
         betan = torch.empty(beta.shape, device=dev, dtype=torch.float32)
     dummy = G
     alog_, dtb_ = (A_log, dt_bias) if use_gate else (dummy, dummy)
-    # FUSED_PREP: the prologue runs inside the fused intra kernel (checked above); onepass: inside its one kernel
-    if not FUSED_PREP and INTRA_MODE != "onepass":
-        _launch_prologue(g, G, q, k, qn, kn, beta, betan, alog_, dtb_, plan, H, K, BKF, BK, float(g_min),
-                         use_gate, use_l2, use_beta_sigmoid)
+    _launch_prologue(g, G, q, k, qn, kn, beta, betan, alog_, dtb_, plan, H, K, BKF, BK, float(g_min),
+                     use_gate, use_l2, use_beta_sigmoid)
     # W/U in fp32 when the scan is 16-bit too: a 16-bit W loaded straight into the scan's bf16 dot
     # gave wrong results / illegal addresses on the H200 (Triton 3.6; variants '', 'a', 'c' at
     # T2048 H96 D128, the scan of the first version) while every variant with 'w' or 's' was right --
@@ -713,23 +646,15 @@ def kda_fwd_triton(
     if INTRA_MODE == "fused":
         _intra_kernel[(NT, H)](
             qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
-            g, q, k, beta, alog_, dtb_, float(g_min),
             K=K, V=V, BK=BK, BV=BV_intra, DTA=DTA, DTC=DTC, PREC=PREC, SPREC=SPREC,
-            SOLVE=SOLVE, ABLATE=INTRA_ABLATE, PREP=FUSED_PREP, USE_GATE=use_gate, USE_L2=use_l2,
-            USE_BETA_SIG=use_beta_sigmoid, num_warps=INTRA_WARPS or (8 if DT != tl.float32 else 4),
+            SOLVE=SOLVE, ABLATE=INTRA_ABLATE, num_warps=INTRA_WARPS or (8 if DT != tl.float32 else 4),
         )
     elif INTRA_MODE == "split":
         wa, ws, wc = INTRA_SPLIT_WARPS
         _intra_a_kernel[part_grid(NT, H, 4)](qn, kn, G, betan, aqk, tinv, plan.cu, plan.chunk_idx, H,
-                                             K=K, BK=BK, DTA=DTA, PREC=PREC, num_warps=wa)
+                                             K=K, BK=min(A_BK or BK, BKF), DTA=DTA, PREC=PREC, num_warps=wa)
         _intra_solve_kernel[(NT, H)](tinv, H, SOLVE=SOLVE, SPREC=SPREC, num_warps=ws)
         _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV_intra, DTC, PREC, wc)
-    elif INTRA_MODE == "onepass":
-        from .triton_onepass import launch_onepass
-
-        launch_onepass(q, k, v, g, beta, alog_, dtb_, float(g_min), G, qn, kn, betan, aqk, tinv, w, u, qg, kg, eg,
-                       plan, H, K, V, BKF, BV_intra, DTA, DTC, PREC, SPREC, SOLVE, use_gate, use_l2,
-                       use_beta_sigmoid, return_aux, INTRA_WARPS or (8 if DT != tl.float32 else 4))
     elif INTRA_MODE == "tiles16":
         BK16, warps16, split_wy, split_diag = (tuple(INTRA16_CONFIG) + (0, 0))[:4]
         if split_diag:

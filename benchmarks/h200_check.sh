@@ -82,7 +82,7 @@ finish() {
 VARIANT=${VARIANT:-h}  # the forward precision variant timed as ours_fwd[VARIANT] (the default: 'h')
 # shape 0 (with per-kernel profiles); shape 1 only TRIES1; final: TRIES_FINAL at shape 0
 # (each may be given in the environment)
-TRIES=${TRIES:-wyc=32/64,wyc=32/64+iw=4/1/8,wyc=16/32,abk=16,abk=32,abk=16+wyc=32/64}
+TRIES=${TRIES:-wyc=32/64,wyc=32/64+iw=4/1/8,wyc=16/32,abk=16,abk=32,abk=16+wyc=32/64,wydyn}
 TRIES1=${TRIES1:-l2prep}
 TRIES_FINAL=${TRIES_FINAL:-l2prep}
 PRECISION_VARIANTS=${PRECISION_VARIANTS:-h,ach,}  # kda_precision.py's variants ('' = all bf16)

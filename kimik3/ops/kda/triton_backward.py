@@ -50,6 +50,11 @@ from .triton_scan import (_chunk_beta, _chunk_block, _chunk_part, _chunk_tiles, 
 
 BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark sweeps)
 WY_BLOCKS: Optional[Tuple[int, int]] = None  # override the WY kernel's (key block, V block); default (64, 64)
+# The WY kernel's key-block side loops over the V blocks in a loop the compiler keeps (tl.range, one stage)
+# instead of unrolling it: sm_90 screen at K3's shape, 8 warps, 255 registers and no spill against 96 B
+# spilled unrolled (one CTA per SM either way); with 32-column key blocks 142 registers against 226. Not yet
+# timed on the GPU.
+WY_DYN_LOOP = False
 # Launch of the two backward scans (state recompute, which only runs after the fused forward, and the
 # state-gradient scan): V block, warps, pipeline stages, from ``_scan_launch``; these three override it
 # (benchmark sweeps, None = its defaults). fp32 scans: 32 / 8 / 1 -- their fp32 [K, BV] tiles must not be
@@ -236,14 +241,41 @@ def _wy_v_side(v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, rv, v
 
 
 @triton.jit
+def _wy_k_step(vb, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, tmatT, dqg, dkg, drk, deg, r, rv, ck, km, vbase, hb, H,
+               V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DRV_IN: tl.constexpr, DQ16: tl.constexpr):
+    """One V block of ``_wy_k_side``'s products, added to its accumulators."""
+    cv = vb + tl.arange(0, BV)
+    vm = cv < V
+    mv = rv[:, None] & vm[None, :]
+    vo = vbase + r[:, None] * (H * V) + cv[None, :]
+    hoff = hb + ck[:, None] * V + cv[None, :]
+    hm = km[:, None] & vm[None, :]
+    hs16 = tl.load(h_ptr + hoff, mask=hm, other=0.0)
+    hs = hs16.to(tl.float32)
+    dhs = tl.load(dh_ptr + hoff, mask=hm, other=0.0)
+    vn = tl.load(vn_ptr + vo, mask=mv, other=0.0)
+    drv = _wy_drv(tmatT, dvn_ptr, vo, mv, PREC, DRV_IN)
+    hsT = tl.trans(hs)
+    if DQ16:
+        dqg += tl.dot(tl.load(do_ptr + vo, mask=mv, other=0.0), tl.trans(hs16))
+    else:
+        dqg += tl.dot(tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32), hsT, input_precision=PREC)
+    dkg += tl.dot(vn, tl.trans(dhs), input_precision=PREC)
+    drk -= tl.dot(drv, hsT, input_precision=PREC)
+    deg += tl.sum(hs * dhs, axis=1)
+    return dqg, dkg, drk, deg
+
+
+@triton.jit
 def _wy_k_side(kb, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, dq_ptr, dk_ptr, dG_ptr,
                tmatT, beta, rv, L, t0, i_h, kbase, vbase, hb, H, scale,
                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-               DRV_IN: tl.constexpr, DQ16: tl.constexpr):
+               DRV_IN: tl.constexpr, DQ16: tl.constexpr, DYN: tl.constexpr):
     """Key columns [kb, kb + BK): dqg = dO S^T, dkg = v_new dS'^T, dRk = -dRv S^T and deg over every V
-    block, then the chain rule through the exponentials; stores dq, dk and dGamma (partials the intra
-    backward completes) and returns this block's part of dA (-dRk W^T) and of dbeta. DQ16: dO and the
-    stored states S share a 16-bit dtype, so dO S^T takes them as they are (exact products, fp32 sums)."""
+    block (unrolled, or with DYN (``WY_DYN_LOOP``) a loop the compiler keeps), then the chain rule through the
+    exponentials; stores dq, dk and dGamma (partials the intra backward completes) and returns this block's
+    part of dA (-dRk W^T) and of dbeta. DQ16: dO and the stored states S share a 16-bit dtype, so dO S^T
+    takes them as they are (exact products, fp32 sums)."""
     r = tl.arange(0, 64)
     ck = kb + tl.arange(0, BK)
     km = ck < K
@@ -251,26 +283,14 @@ def _wy_k_side(kb, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, d
     dkg = tl.zeros([64, BK], dtype=tl.float32)
     drk = tl.zeros([64, BK], dtype=tl.float32)
     deg = tl.zeros([BK], dtype=tl.float32)
-    for vb in tl.static_range(0, V, BV):
-        cv = vb + tl.arange(0, BV)
-        vm = cv < V
-        mv = rv[:, None] & vm[None, :]
-        vo = vbase + r[:, None] * (H * V) + cv[None, :]
-        hoff = hb + ck[:, None] * V + cv[None, :]
-        hm = km[:, None] & vm[None, :]
-        hs16 = tl.load(h_ptr + hoff, mask=hm, other=0.0)
-        hs = hs16.to(tl.float32)
-        dhs = tl.load(dh_ptr + hoff, mask=hm, other=0.0)
-        vn = tl.load(vn_ptr + vo, mask=mv, other=0.0)
-        drv = _wy_drv(tmatT, dvn_ptr, vo, mv, PREC, DRV_IN)
-        hsT = tl.trans(hs)
-        if DQ16:
-            dqg += tl.dot(tl.load(do_ptr + vo, mask=mv, other=0.0), tl.trans(hs16))
-        else:
-            dqg += tl.dot(tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32), hsT, input_precision=PREC)
-        dkg += tl.dot(vn, tl.trans(dhs), input_precision=PREC)
-        drk -= tl.dot(drv, hsT, input_precision=PREC)
-        deg += tl.sum(hs * dhs, axis=1)
+    if DYN:
+        for vb in tl.range(0, V, BV, num_stages=1):
+            dqg, dkg, drk, deg = _wy_k_step(vb, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, tmatT, dqg, dkg, drk, deg,
+                                            r, rv, ck, km, vbase, hb, H, V, BV, PREC, DRV_IN, DQ16)
+    else:
+        for vb in tl.static_range(0, V, BV):
+            dqg, dkg, drk, deg = _wy_k_step(vb, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, tmatT, dqg, dkg, drk, deg,
+                                            r, rv, ck, km, vbase, hb, H, V, BV, PREC, DRV_IN, DQ16)
     dqg *= scale
     mk = rv[:, None] & km[None, :]
     ko = kbase + r[:, None] * (H * K) + ck[None, :]
@@ -296,7 +316,7 @@ def _bwd_wy_kernel(
     dq_ptr, dk_ptr, dG_ptr, dv_ptr, dbeta_ptr, daqk_ptr, da_ptr,
     cu_ptr, cidx_ptr, H, scale, part_beta, part_a,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    SPLIT: tl.constexpr, NPART: tl.constexpr, DRV_IN: tl.constexpr, DQ16: tl.constexpr,
+    SPLIT: tl.constexpr, NPART: tl.constexpr, DRV_IN: tl.constexpr, DQ16: tl.constexpr, DYN: tl.constexpr,
 ):
     """One (chunk, head). Unsplit (``WY_SPLIT_K`` off), this program does the K-independent products
     (``_wy_v_side``) and then every BK-column key block (``_wy_k_side``), and writes dA and dbeta whole.
@@ -325,7 +345,7 @@ def _bwd_wy_kernel(
         else:
             da, dbeta = _wy_k_side(i_p * BK, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
                                    dq_ptr, dk_ptr, dG_ptr, tmatT, beta, rv, L, t0, i_h, kbase, vbase, hb, H, scale,
-                                   K, V, BK, BV, PREC, DRV_IN, DQ16)
+                                   K, V, BK, BV, PREC, DRV_IN, DQ16, DYN)
     else:
         daqk, da, dbeta = _wy_v_side(v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, rv, vbase, H,
                                      scale, V, BV, PREC, DRV_IN)
@@ -333,7 +353,7 @@ def _bwd_wy_kernel(
         for kbi in tl.static_range(NKB):
             da_k, dbeta_k = _wy_k_side(kbi * BK, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
                                        dq_ptr, dk_ptr, dG_ptr, tmatT, beta, rv, L, t0, i_h, kbase, vbase, hb, H,
-                                       scale, K, V, BK, BV, PREC, DRV_IN, DQ16)
+                                       scale, K, V, BK, BV, PREC, DRV_IN, DQ16, DYN)
             da += da_k
             dbeta += dbeta_k
     i_p64 = i_p.to(tl.int64)  # partial offsets can pass 2^31 elements
@@ -443,7 +463,7 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
         q, k, v, G, beta, aux["tinv"], aux["w"], aux["u"], h, dh, vn, dvn, do,
         dq, dk, dg, dv, dbeta_parts, daqk, da, plan.cu, plan.chunk_idx, H, float(scale), part_beta, part_a,
         K=K, V=V, BK=BK, BV=BV, PREC=PREC, SPLIT=npart > 1, NPART=npart, DRV_IN=DRV_PASS,
-        DQ16=WY_DQ16 and h16 and do.dtype == h.dtype, num_warps=warps,
+        DQ16=WY_DQ16 and h16 and do.dtype == h.dtype, DYN=WY_DYN_LOOP, num_warps=warps,
     )
     # dg holds dGamma (partial) here; kernel 4 adds the intra-chunk part and turns it into dg in place
     bwd_intra(q, k, G, beta, daqk, da, dq, dk, dg, dbeta_parts, dbeta, plan, npart, PREC, BWD_WARPS)

@@ -86,6 +86,7 @@ def parse_experiment(token: str):
     """'intra+wy+scan=32/4/2' -> (token, {(module, attribute): value})."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_forward as tf
+    import kimik3.ops.kda.triton_prologue as tp
     import kimik3.ops.kda.triton_scan as ts
     import kimik3.ops.kda.triton_bwd_intra as tbi
 
@@ -106,15 +107,15 @@ def parse_experiment(token: str):
         elif part in ("dhacc", "nodhacc"):  # the state-gradient scan's 16-bit products accumulated in place or not
             overrides[(tb, "DH_ACC_DOTS")] = part == "dhacc"
         elif part in ("prep1", "prep3"):  # the prologue as one or three programs per (chunk, head)
-            overrides[(tf, "PREP_PARTS")] = int(part[4])
+            overrides[(tp, "PREP_PARTS")] = int(part[4])
         elif part == "w32":  # W stored fp32 (as before the seventh session)
             overrides[(tf, "W_16BIT")] = False
         elif part in ("l2rows", "l2prep"):  # the q / k L2 norms over contiguous rows, or in the PREP_PARTS prologue
-            overrides[(tf, "L2_ROWS")] = part == "l2rows"
+            overrides[(tp, "L2_ROWS")] = part == "l2rows"
         elif part.startswith("l2r="):  # the row L2-norm kernel (rows per program, warps)
-            overrides[(tf, "L2_ROWS_CONFIG")] = _slash_ints(part, "l2r=BR/warps")
+            overrides[(tp, "L2_ROWS_CONFIG")] = _slash_ints(part, "l2r=BR/warps")
         elif part.startswith("gcw=") and part[4:].isdigit():  # warps of the gate-per-column-block kernel
-            overrides[(tf, "GATE_COLS_WARPS")] = int(part[4:])
+            overrides[(tp, "GATE_COLS_WARPS")] = int(part[4:])
         elif part.startswith("iw="):  # warps of the split intra kernels A, B (solve), C (W / U)
             overrides[(tf, "INTRA_SPLIT_WARPS")] = _slash_ints(part, "iw=A/B/C")
         elif part.startswith("wyc="):  # phase C's (K block, V block) per program

@@ -133,11 +133,13 @@ def parse_override(text: str):
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
     import kimik3.ops.kda.triton_forward as tf
+    import kimik3.ops.kda.triton_prologue as tp
     import kimik3.ops.kda.triton_scan as ts
 
     target, sep, value = text.partition("=")
     module, dot, attr = target.partition(".")
-    modules = {"triton_forward": tf, "triton_scan": ts, "triton_backward": tb, "triton_bwd_intra": tbi}
+    modules = {"triton_forward": tf, "triton_prologue": tp, "triton_scan": ts, "triton_backward": tb,
+               "triton_bwd_intra": tbi}
     if not sep or not dot or module not in modules or not hasattr(modules[module], attr):
         raise argparse.ArgumentTypeError(f"{text!r}: expected module.ATTR=value with an existing ATTR of "
                                          f"{', '.join(modules)}")
@@ -194,7 +196,8 @@ def main(argv=None) -> int:
     p.add_argument("--variant", default=None, help="precision variant (KIMIK3_KDA_VARIANT), e.g. ach")
     p.add_argument("--wy-split", type=int, choices=[0, 1], default=1, help="KIMIK3_KDA_WY_SPLIT")
     p.add_argument("--set", dest="overrides", action="append", default=[], type=parse_override,
-                   help="module.ATTR=value, module one of triton_forward, triton_backward; value an int or a "
+                   help="module.ATTR=value, module one of triton_forward, triton_prologue, triton_scan, "
+                        "triton_backward, triton_bwd_intra; value an int or a "
                         "comma tuple of ints (e.g. triton_backward.BWD_WARPS=8, triton_forward.SCAN_CONFIG=32,4,1)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)

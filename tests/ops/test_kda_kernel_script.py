@@ -110,11 +110,12 @@ def test_try_switch_field_counts(kk):
 def test_forward_form_switches(kk):
     """The prepared forward forms are reachable from --try, alone and together."""
     import kimik3.ops.kda.triton_forward as tf
+    import kimik3.ops.kda.triton_prologue as tp
 
     assert kk.parse_experiment("wyc=32/64+abk=16")[1] == {(tf, "WY_BLOCKS"): (32, 64), (tf, "A_BK"): 16}
     assert kk.parse_experiment("intra=fused+iwarps=4")[1] == {(tf, "INTRA_MODE"): "fused", (tf, "INTRA_WARPS"): 4}
     assert kk.parse_experiment("l2prep+l2r=32/2+gcw=8+iw=8/1/2")[1] == {
-        (tf, "L2_ROWS"): False, (tf, "L2_ROWS_CONFIG"): (32, 2), (tf, "GATE_COLS_WARPS"): 8,
+        (tp, "L2_ROWS"): False, (tp, "L2_ROWS_CONFIG"): (32, 2), (tp, "GATE_COLS_WARPS"): 8,
         (tf, "INTRA_SPLIT_WARPS"): (8, 1, 2)}
     with pytest.raises(SystemExit, match="iw=A/B/C"):
         kk.parse_experiment("iw=4/1")

@@ -408,23 +408,24 @@ def test_bf16_inputs():
 @pytest.mark.parametrize("prep_parts", [1, 3, "l2rows", "l2rows-K100", "fused-intra"])
 def test_fused_preactivations(monkeypatch, prep_parts):
     """Gate, q/k L2 norm and beta sigmoid fused: values and gradients (raw z, A_log, dt_bias too), with the
-    prologue as one program per (chunk, head), as three (``triton_forward.PREP_PARTS``), and as the gate alone
+    prologue as one program per (chunk, head), as three (``triton_prologue.PREP_PARTS``), and as the gate alone
     per column block with the norms over contiguous rows in 32-row programs (``L2_ROWS``; 140 rows, so the last
     program is partial; K = 100: two column blocks, the second partial; the default), and that prologue before
     the fused intra kernel."""
     import kimik3.ops.kda.triton_forward as tf
+    import kimik3.ops.kda.triton_prologue as tp
 
     B, T, H, K, V = 1, 70, 2, SMALL[2], SMALL[3]
     if str(prep_parts).startswith("l2rows"):
-        monkeypatch.setattr(tf, "L2_ROWS", True)
-        monkeypatch.setattr(tf, "L2_ROWS_CONFIG", (32, 2))
+        monkeypatch.setattr(tp, "L2_ROWS", True)
+        monkeypatch.setattr(tp, "L2_ROWS_CONFIG", (32, 2))
         if prep_parts.endswith("K100"):
             K, V = 100, 16
     elif prep_parts == "fused-intra":
         monkeypatch.setattr(tf, "INTRA_MODE", "fused")
     else:
-        monkeypatch.setattr(tf, "L2_ROWS", False)
-        monkeypatch.setattr(tf, "PREP_PARTS", prep_parts)
+        monkeypatch.setattr(tp, "L2_ROWS", False)
+        monkeypatch.setattr(tp, "PREP_PARTS", prep_parts)
     gen = torch.Generator().manual_seed(3)
     raw = [torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen),
            torch.randn(B, T, H, V, generator=gen), torch.randn(B, T, H, K, generator=gen),
@@ -454,8 +455,8 @@ def test_fused_preactivations(monkeypatch, prep_parts):
     tols = [8e-3, 8e-3, 8e-3, 2e-2, 2e-2, 2e-2, 2e-2, 5e-3]
     for name, tol, a, b in zip(names, tols, g_r, g):
         assert rel_rms(a, b) < tol, (name, rel_rms(a, b))
-    monkeypatch.setattr(tf, "PREP_PARTS", 2)
-    monkeypatch.setattr(tf, "L2_ROWS", False)
+    monkeypatch.setattr(tp, "PREP_PARTS", 2)
+    monkeypatch.setattr(tp, "L2_ROWS", False)
     with pytest.raises(ValueError, match="KIMIK3_KDA_PREP_PARTS"):
         run("triton", [x.to(DEV) for x in raw])
 

@@ -6,10 +6,9 @@ every call is treated as packed: B rows of T tokens are the sequences [b T, (b +
 
 Three kernels (chunk C = 64 tokens, sub-tiles of 16; math as in ``chunk.py``):
 
-1. ``_prep0``  per (chunk, head): optional fused gate g = g_min * sigmoid(exp(A_log) (z + dt_bias)),
+1. the prologue (``triton_prologue.py``): optional fused gate g = g_min * sigmoid(exp(A_log) (z + dt_bias)),
    the within-chunk cumulative log-decay Gamma (fp32, token layout), optional q/k L2 norm and beta
-   sigmoid (written to side buffers only when fused). ``KIMIK3_KDA_PREP_PARTS=3``: ``_prep_parts_kernel``,
-   the same as three programs per (chunk, head), one tensor each.
+   sigmoid (written to side buffers only when fused).
 2. ``_intra``  per (chunk, head): Aqk (lower, diagonal included) and diag(beta) Akk (strictly lower)
    as dense tl.dot matmuls, one 64 x 16 column tile j at a time against the reference
    eps_j = Gamma at the tile's last token: column factors exp(eps_j - Gamma_s) are in [e^-75, 1] and
@@ -44,9 +43,10 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_prologue
 from .triton_intra16 import _diag16_kernel, _intra16_kernel, block_subst16, diag_inverses16
-from .triton_scan import (_chunk_beta, _chunk_block, _chunk_bounds, _chunk_part, _fwd_h_kernel, _output_kernel,
-                          _state_out_kernel, part_grid, states_dtype)
+from .triton_scan import (_chunk_beta, _chunk_part, _fwd_h_kernel, _output_kernel, _state_out_kernel, part_grid,
+                          states_dtype)
 
 BT = 64  # chunk size (tokens)
 BC = 16  # sub-tile rows: the gate bound makes 16 * 5 = 80 the largest in-tile log-decay
@@ -113,21 +113,6 @@ W_16BIT = os.environ.get("KIMIK3_KDA_W16", "1") == "1"
 # tiles16: (K / V block, num_warps[, 1 = phase C as the split mode's own kernel[, 1 = the diagonal blocks
 # as their own kernel, one 1-warp program per 16-row tile]])
 INTRA16_CONFIG: Tuple[int, ...] = (32, 4)
-# The prologue (``_prep0_kernel``) as one program per (chunk, head) doing the gate, the cumulative
-# log-decay and both L2 norms (1), or as three programs per (chunk, head), each streaming one tensor (3:
-# the gate, q's norm, k's norm; only with the L2 norm fused, else 1). H200, K3's shape, torch.profiler: 1
-# 0.58 ms, 3 0.52 ms (fla: 0.36 for the same work in three kernels); forward -0.09 / -0.19 ms in two runs.
-PREP_PARTS = int(os.environ.get("KIMIK3_KDA_PREP_PARTS", "3"))
-# With the L2 norm fused: the norms of q and k as their own kernel over contiguous (token, head) rows
-# (``_l2_norm_rows_kernel``, fla's layout: each program streams BR whole rows, BR * K * 2 contiguous bytes),
-# the prologue kernel doing the gate alone; overrides PREP_PARTS. A chunk tile of one head is 64 rows of K
-# elements at a stride of H * K. H200, K3's shape, same run (torch.profiler): the three-part prologue 0.513 ms,
-# the two kernels 0.197 (norms, 4.1 TB/s) + 0.191 (gate) = 0.388 ms (fla's gate cumsum + two l2norms: 0.366);
-# forward 2.906 -> 2.791 ms, forward+backward 11.860 -> 11.758. KIMIK3_KDA_L2_ROWS=0: the PREP_PARTS prologue.
-# L2_ROWS_CONFIG: (rows per program, num_warps); GATE_COLS_WARPS: num_warps of ``_gate_cols_kernel``.
-L2_ROWS = os.environ.get("KIMIK3_KDA_L2_ROWS", "1") == "1"
-L2_ROWS_CONFIG: Tuple[int, int] = (64, 4)
-GATE_COLS_WARPS = 4
 # Timing ablation of the intra kernel (benchmarks only; results are WRONG when non-zero): 1 skips the
 # phase-B solve (T = A), 2 skips phase A's dots, 3 skips phase C (W, U and the scan operands).
 INTRA_ABLATE = 0
@@ -180,118 +165,6 @@ def make_plan(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device: torch.
     else:
         offsets = tuple(int(x) for x in cu_seqlens.tolist())
     return _plan_cached(offsets, device)
-
-
-# --------------------------------------------------------------------------
-# kernel 1: gate, cumulative log-decay, optional l2 norm / beta sigmoid
-# --------------------------------------------------------------------------
-
-
-@triton.jit
-def _l2_scale(x):
-    """x / sqrt(sum_row x^2 + 1e-6) for an fp32 tile whose rows are tokens."""
-    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
-
-
-@triton.jit
-def _l2_rows(x_ptr, out_ptr, offs, m):
-    """``_l2_scale`` of one tile, loaded from x_ptr and stored at out_ptr."""
-    x = _l2_scale(tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32))
-    tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _l2_norm_rows_kernel(q_ptr, k_ptr, qn_ptr, kn_ptr, R, K: tl.constexpr, BKF: tl.constexpr, BR: tl.constexpr):
-    """``_l2_rows`` over BR contiguous rows of the [R, K] view of q (grid axis 1 = 0) or k (1); R = B T H."""
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    c = tl.arange(0, BKF)
-    m = (rows < R)[:, None] & (c < K)[None, :]
-    offs = rows[:, None] * K + c[None, :]
-    if tl.program_id(1) == 0:
-        _l2_rows(q_ptr, qn_ptr, offs, m)
-    else:
-        _l2_rows(k_ptr, kn_ptr, offs, m)
-
-
-@triton.jit
-def _gate_gamma(g_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K: tl.constexpr, USE_GATE: tl.constexpr):
-    """The (optionally fused) gate and the cumulative log-decay Gamma (fp32) of one [64, BK] chunk tile."""
-    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    if USE_GATE:
-        a = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
-        dtb = tl.load(dtb_ptr + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
-        g = g_min * tl.sigmoid(a * (g + dtb[None, :]))
-        g = tl.where(m, g, 0.0)
-    return tl.cumsum(g, axis=0)
-
-
-@triton.jit
-def _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K: tl.constexpr,
-                 USE_GATE: tl.constexpr):
-    """``_gate_gamma`` of one chunk tile, stored at G_ptr. (Kept as two functions: inlined into one, ptxas gave
-    ``_gate_cols_kernel`` 79 registers instead of 72, six CTAs per SM instead of seven.)"""
-    tl.store(G_ptr + offs, _gate_gamma(g_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K, USE_GATE), mask=m)
-
-
-@triton.jit
-def _beta_sigmoid(beta_ptr, betan_ptr, t0, r, rv, i_h, H):
-    """beta_t -> sigmoid(beta_t) on one chunk's rows (fp32)."""
-    bo = (t0 + r) * H + i_h
-    b = tl.load(beta_ptr + bo, mask=rv, other=0.0).to(tl.float32)
-    tl.store(betan_ptr + bo, tl.sigmoid(b), mask=rv)
-
-
-@triton.jit
-def _prep0_kernel(
-    g_ptr, G_ptr, q_ptr, k_ptr, qn_ptr, kn_ptr, beta_ptr, betan_ptr, alog_ptr, dtb_ptr,
-    cu_ptr, cidx_ptr, H, g_min,
-    K: tl.constexpr, BKF: tl.constexpr,
-    USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr,
-):
-    """One (chunk, head): the gate, the cumulative log-decay, both L2 norms and beta's sigmoid."""
-    i_t = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    t0, r, rv, c, cm, m, offs = _chunk_block(i_t, i_h, 0, cidx_ptr, cu_ptr, H, K, BKF)
-    _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K, USE_GATE)
-    if USE_L2:
-        _l2_rows(q_ptr, qn_ptr, offs, m)
-        _l2_rows(k_ptr, kn_ptr, offs, m)
-    if USE_BETA_SIG:
-        _beta_sigmoid(beta_ptr, betan_ptr, t0, r, rv, i_h, H)
-
-
-@triton.jit
-def _gate_cols_kernel(g_ptr, G_ptr, beta_ptr, betan_ptr, alog_ptr, dtb_ptr, cu_ptr, cidx_ptr, H, g_min,
-                      K: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, USE_GATE: tl.constexpr,
-                      USE_BETA_SIG: tl.constexpr):
-    """The gate and Gamma alone (``L2_ROWS``), one program per (chunk, head, BK-column block): the cumulative
-    sum runs down each column, so the blocks are independent; the first also takes beta's sigmoid."""
-    i_t, i_h, p = _chunk_part(NKB)
-    t0, r, rv, c, cm, m, offs = _chunk_block(i_t, i_h, p, cidx_ptr, cu_ptr, H, K, BK)
-    _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K, USE_GATE)
-    if USE_BETA_SIG:
-        if p == 0:
-            _beta_sigmoid(beta_ptr, betan_ptr, t0, r, rv, i_h, H)
-
-
-@triton.jit
-def _prep_parts_kernel(
-    g_ptr, G_ptr, q_ptr, k_ptr, qn_ptr, kn_ptr, beta_ptr, betan_ptr, alog_ptr, dtb_ptr,
-    cu_ptr, cidx_ptr, H, g_min,
-    K: tl.constexpr, BKF: tl.constexpr, USE_GATE: tl.constexpr, USE_BETA_SIG: tl.constexpr,
-):
-    """``_prep0_kernel`` with the L2 norm fused, as three programs per (chunk, head) (``PREP_PARTS`` 3), each
-    streaming one tensor: part 0 the gate, Gamma and beta's sigmoid, part 1 q's L2 norm, part 2 k's."""
-    i_t, i_h, p = _chunk_part(3)
-    t0, r, rv, c, cm, m, offs = _chunk_block(i_t, i_h, 0, cidx_ptr, cu_ptr, H, K, BKF)
-    if p == 0:
-        _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K, USE_GATE)
-        if USE_BETA_SIG:
-            _beta_sigmoid(beta_ptr, betan_ptr, t0, r, rv, i_h, H)
-    elif p == 1:
-        _l2_rows(q_ptr, qn_ptr, offs, m)
-    else:
-        _l2_rows(k_ptr, kn_ptr, offs, m)
 
 
 # --------------------------------------------------------------------------
@@ -555,26 +428,6 @@ def _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V,
     )
 
 
-def _launch_prologue(g, G, q, k, qn, kn, beta, betan, alog, dtb, plan, H, K, BKF, BK, g_min, use_gate, use_l2,
-                     use_beta_sigmoid):
-    """The gate, Gamma, the L2 norms and beta's sigmoid, as ``L2_ROWS`` / ``PREP_PARTS`` say."""
-    NT = plan.NT
-    prep_args = (g, G, q, k, qn, kn, beta, betan, alog, dtb, plan.cu, plan.chunk_idx, H, g_min)
-    prep_kw = dict(K=K, BKF=BKF, USE_GATE=use_gate, USE_BETA_SIG=use_beta_sigmoid, num_warps=4 if BKF <= 64 else 8)
-    if L2_ROWS and use_l2:
-        nkb = triton.cdiv(K, BK)
-        _gate_cols_kernel[part_grid(NT, H, nkb)](
-            g, G, beta, betan, alog, dtb, plan.cu, plan.chunk_idx, H, g_min,
-            K=K, BK=BK, NKB=nkb, USE_GATE=use_gate, USE_BETA_SIG=use_beta_sigmoid, num_warps=GATE_COLS_WARPS,
-        )
-        rows, (BR, warps_r) = q.numel() // K, L2_ROWS_CONFIG
-        _l2_norm_rows_kernel[(triton.cdiv(rows, BR), 2)](q, k, qn, kn, rows, K=K, BKF=BKF, BR=BR, num_warps=warps_r)
-    elif PREP_PARTS == 3 and use_l2:
-        _prep_parts_kernel[part_grid(NT, H, 3)](*prep_args, **prep_kw)
-    else:
-        _prep0_kernel[(NT, H)](*prep_args, USE_L2=use_l2, **prep_kw)
-
-
 def kda_fwd_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     scale: float, initial_state: Optional[torch.Tensor], output_final_state: bool,
@@ -608,8 +461,6 @@ def kda_fwd_triton(
     BKF, BK, BV_intra = _cfg(K, V)
     if K > 256 or V > 512:
         raise ValueError(f"triton KDA supports K <= 256 and V <= 512, got K={K} V={V}")
-    if PREP_PARTS not in (1, 3):
-        raise ValueError(f"KIMIK3_KDA_PREP_PARTS must be 1 or 3, got {PREP_PARTS}")
     if SOLVE not in (0, 3, 4):
         raise ValueError(f"KIMIK3_KDA_SOLVE must be 0, 3 or 4, got {SOLVE}")
     if INTRA_MODE not in ("fused", "split", "tiles16"):
@@ -632,8 +483,8 @@ def kda_fwd_triton(
         betan = torch.empty(beta.shape, device=dev, dtype=torch.float32)
     dummy = G
     alog_, dtb_ = (A_log, dt_bias) if use_gate else (dummy, dummy)
-    _launch_prologue(g, G, q, k, qn, kn, beta, betan, alog_, dtb_, plan, H, K, BKF, BK, float(g_min),
-                     use_gate, use_l2, use_beta_sigmoid)
+    triton_prologue.launch_prologue(g, G, q, k, qn, kn, beta, betan, alog_, dtb_, plan, H, K, BKF, BK,
+                                    float(g_min), use_gate, use_l2, use_beta_sigmoid)
     # W/U in fp32 when the scan is 16-bit too: a 16-bit W loaded straight into the scan's bf16 dot
     # gave wrong results / illegal addresses on the H200 (Triton 3.6; variants '', 'a', 'c' at
     # T2048 H96 D128, the scan of the first version) while every variant with 'w' or 's' was right --

@@ -2,10 +2,11 @@
 
 Per (chunk, head), or per row block: the optionally fused gate g = g_min * sigmoid(exp(A_log) (z + dt_bias)), the
 within-chunk cumulative log-decay Gamma (fp32, token layout), the optional q / k L2 norms and beta's sigmoid
-(written to side buffers only when fused). By default (``L2_ROWS``) the gate runs per 64-column block of each
-chunk (``_gate_cols_kernel``: the cumulative sum runs down each column, so blocks are independent) and the norms
-over contiguous (token, head) rows (``_l2_norm_rows_kernel``); ``L2_ROWS = False`` takes the older per-chunk
-forms (``_prep0_kernel``, or ``_prep_parts_kernel`` as three programs per chunk and head, ``PREP_PARTS``).
+(written to side buffers only when fused). With the L2 norm fused, by default (``L2_ROWS``), the gate runs per
+64-column block of each chunk (``_gate_cols_kernel``: the cumulative sum runs down each column, so blocks are
+independent) and the norms over contiguous (token, head) rows (``_l2_norm_rows_kernel``). Otherwise the per-chunk
+forms run: ``_prep0_kernel``, or with the norm fused and ``PREP_PARTS = 3`` ``_prep_parts_kernel``, three programs
+per chunk and head.
 ``triton_forward.kda_fwd_triton`` calls ``launch_prologue``; the backward of these pre-activations is
 ``triton_preact.py``.
 """

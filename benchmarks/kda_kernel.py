@@ -22,11 +22,12 @@ not stop the later ones; exit status 1 if anything FAILed):
   at that scan config), `intra` / `intra=MODE` (KIMIK3_KDA_INTRA: split, the default, fused or tiles16),
   `i16` / `i16=BK/warps[/1[/1]]` (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own
   kernel, /1/1: the diagonal blocks too), `wy` / `nowy` (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the
-  precision variant, e.g. `var=ach`; checked against the default at the bf16 tests' bounds), `solve3` (KIMIK3_KDA_SOLVE=3), `solve=MODE/warps` (the split
-  solve kernel's SOLVE mode and num_warps), `bscan=W` (warps of the two
-  backward scans), `bwarps=W` (warps of the chunk-local backward kernels), `wyb=BK/BV` (the WY
-  backward's blocks), `wydyn` (its key-block side over a loop the compiler keeps, WY_DYN_LOOP), `st32` (the backward's recomputed states stored fp32,
-  KIMIK3_KDA_STATES_16BIT=0), `bik=BK/warps` (the backward intra kernel's key block and warps),
+  precision variant, e.g. `var=ach`; checked against the default at the bf16 tests' bounds), `solve3`
+  (KIMIK3_KDA_SOLVE=3), `solve=MODE/warps` (the split solve kernel's SOLVE mode and num_warps), `bscan=W`
+  (warps of the two backward scans), `bwarps=W` (warps of the chunk-local backward kernels), `wyb=BK/BV` (the
+  WY backward's blocks), `wydyn` (its key-block side over a loop the compiler keeps, WY_DYN_LOOP), `st32` (the
+  backward's recomputed states stored fp32, KIMIK3_KDA_STATES_16BIT=0), `bik=BK/warps` (the backward intra
+  kernel's key block and warps),
   `brows` / `btiles` (that kernel per row tile, the default, or per chunk: KIMIK3_KDA_BWD_INTRA),
   `bsc=BV/stages` (the backward scans' V block and pipeline stages), `nodrv` / `nodq16` (the WY backward
   without the separate dRv pass / with dO S^T in tf32), `w32` (W stored fp32, KIMIK3_KDA_W16=0), `wyc=BK/BV`

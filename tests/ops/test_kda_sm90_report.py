@@ -26,8 +26,8 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     rows = json.loads(out.read_text())["kernels"]
     names = [r["kernel"] for r in rows]
     for kernel in ("_gate_cols_kernel", "_l2_norm_rows_kernel", "_intra_a_kernel", "_intra_solve_kernel",
-                   "_intra_wy_kernel", "_fwd_h_kernel", "_output_kernel", "_dvn_local_kernel", "_bwd_dh_kernel", "_drv_kernel", "_bwd_wy_kernel",
-                   "_bwd_intra_rows_kernel", "_suffix_sum_kernel"):
+                   "_intra_wy_kernel", "_fwd_h_kernel", "_output_kernel", "_dvn_local_kernel", "_bwd_dh_kernel",
+                   "_drv_kernel", "_bwd_wy_kernel", "_bwd_intra_rows_kernel", "_suffix_sum_kernel"):
         assert kernel in names, names
     for r in rows:
         assert 0 < r["registers"] <= 255 and r["spill_store_bytes"] is not None, r

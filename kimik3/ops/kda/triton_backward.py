@@ -119,21 +119,20 @@ def _dvn_local_kernel(aqk_ptr, do_ptr, dvn_ptr, cu_ptr, cidx_ptr, H, scale,
 
 @triton.jit
 def _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c, bos, eos, coff, i_h, H,
-                 scale, dscale, K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr, DT: tl.constexpr,
+                 scale, dscale, unit, K: tl.constexpr, V: tl.constexpr, ck, cv, PREC: tl.constexpr, DT: tl.constexpr,
                  ACC: tl.constexpr):
     """dv_new = (scale Aqk^T dO, from ``_dvn_local_kernel``) + kg dS', stored over it; then the state gradient
     entering the chunk. DT 16-bit: every product takes 16-bit operands, with dh split into a high part and a
     16-bit remainder (do, qg, kg are 16-bit already). ACC (``DH_ACC_DOTS``, 16-bit only): the products
     accumulate into dv_new and dh in place (tl.dot's acc, W negated) instead of each landing in a temporary
-    first. The scale = dscale (a power of two) x its mantissa part: dO enters its product times dscale, exact
-    in 16 bits, and dh and dv_new are carried divided by the mantissa part (the dv_new buffer holds
-    dscale Aqk^T dO), multiplied by it where they are stored. (Rounding dO * scale to 16 bits instead cost
+    first. The scale = dscale (a power of two) x its mantissa part, unit = scale / dscale: dO enters its
+    product times dscale, exact in 16 bits, and dh and dv_new are carried divided by unit (the dv_new buffer
+    holds dscale Aqk^T dO), multiplied by it where they are stored. (Rounding dO * scale to 16 bits instead cost
     dh0 1.17x fla's error: 2.70e-3 -> 3.16e-3, H200, kda_precision.py, two seeds. dO unscaled with the scale
     applied to the product took the scan to 120 KB of shared memory: one CTA per SM, sm_90 screen.)"""
     r, rv, mk, mv, ko, vo = _chunk_tiles(i_c, bos, eos, i_h, H, K, V, ck, cv)
     km = ck < K
     hoff = ((coff + i_c) * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
-    unit = scale / dscale  # ACC: the mantissa part of the scale, the units of the carried dh and dv_new
     # the gradient of this chunk's exit state
     tl.store(dh_ptr + hoff, dh * unit if ACC else dh, mask=km[:, None] & (cv < V)[None, :])
     eg = tl.load(eg_ptr + ((coff + i_c) * H + i_h) * K + ck, mask=km, other=0.0)
@@ -175,21 +174,22 @@ def _bwd_dh_kernel(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dht_ptr, dh_ptr, dvn_p
                    DT: tl.constexpr, ACC: tl.constexpr):
     i_h, bos, eos, coff, ck, cv, s_off, sm = _scan_program(cu_ptr, coff_ptr, H, K, V, BKF, BV)
     dh = _state_tile(dht_ptr, s_off, sm, HAS_DHT, BKF, BV)
-    if ACC:  # carried in units of the scale's mantissa part (``_bwd_dh_step``)
-        dh = dh / (scale / dscale)
+    unit = scale / dscale  # ACC: the mantissa part of the scale, the units of the carried dh and dv_new
+    if ACC:  # (``_bwd_dh_step``)
+        dh = dh / unit
     NC = tl.cdiv(eos - bos, 64)
     if INTERP:
         i_c = NC - 1
         while i_c >= 0:
             dh = _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c, bos, eos,
-                              coff, i_h, H, scale, dscale, K, V, ck, cv, PREC, DT, ACC)
+                              coff, i_h, H, scale, dscale, unit, K, V, ck, cv, PREC, DT, ACC)
             i_c -= 1
     else:
         for j in range(0, NC):
             dh = _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dh_ptr, dvn_ptr, dh, NC - 1 - j, bos,
-                              eos, coff, i_h, H, scale, dscale, K, V, ck, cv, PREC, DT, ACC)
+                              eos, coff, i_h, H, scale, dscale, unit, K, V, ck, cv, PREC, DT, ACC)
     if STORE_DH0:
-        tl.store(dh0_ptr + s_off, dh * (scale / dscale) if ACC else dh, mask=sm)
+        tl.store(dh0_ptr + s_off, dh * unit if ACC else dh, mask=sm)
 
 
 # --------------------------------------------------------------------------

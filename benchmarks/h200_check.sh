@@ -9,7 +9,7 @@
 # kernels  kda_kernel.py at K3's per-layer shape with the experiments (--try) and per-kernel profiles
 #          (ours and fla's), fla 0.6.0 side by side when its wheels are in .whl/ (its first calls
 #          autotune ~90 s each)                                                         <= 9 min
-# check    (two GPUs) the Triton test file and then the bf16 training check (--seeds 2) on GPU 1 while GPU 0
+# check    (two GPUs) the bf16 training check (--seeds 2) and then the Triton test file on GPU 1 while GPU 0
 #          runs `kernels` at shape 0 only, with the host-overhead section: a kernel change checked and timed in
 #          one call (one GPU: the test file and `kernels` in turn, shorter limits)             <= 9.5 min
 # train    the parallel smoke test and the bf16 training check (Triton kernels vs torch) <= 7 min
@@ -82,7 +82,7 @@ finish() {
 VARIANT=${VARIANT:-h}  # the forward precision variant timed as ours_fwd[VARIANT] (the default: 'h')
 # shape 0 (with per-kernel profiles); shape 1 only TRIES1; final: TRIES_FINAL at shape 0
 # (each may be given in the environment)
-TRIES=${TRIES:-wyc=32/64,wyc=32/64+iw=4/1/8,wyc=16/32,abk=16,abk=32,abk=16+wyc=32/64,wydyn}
+TRIES=${TRIES:-wyunroll}
 TRIES1=${TRIES1:-l2prep}
 TRIES_FINAL=${TRIES_FINAL:-l2prep}
 PRECISION_VARIANTS=${PRECISION_VARIANTS:-h,ach,}  # kda_precision.py's variants ('' = all bf16)
@@ -103,9 +103,9 @@ case $MODE in
       kernel 1 kda_kernel_shape1 540 1 chunk "$TRIES1"
     fi
     kernel 0 kda_kernel 540 0 env,ceilings,chunk,profile "$TRIES" ;;
-  check)  # two GPUs: the bf16 training check (--seeds 2) after the test file
+  check)  # two GPUs: the bf16 training check (--seeds 2) and then the test file
     if [ "$GPUS" -ge 2 ]; then
-      step 1 kda_tests_train 560 bash -c "$TESTS; rc=\$?; $TRAIN --seeds 2 && exit \$rc"
+      step 1 kda_train_tests 560 bash -c "$TRAIN --seeds 2; rc=\$?; $TESTS && exit \$rc"
       LIMITS=(540 540)
     else
       LIMITS=(300 280)

@@ -25,7 +25,8 @@ not stop the later ones; exit status 1 if anything FAILed):
   precision variant, e.g. `var=ach`; checked against the default at the bf16 tests' bounds), `solve3`
   (KIMIK3_KDA_SOLVE=3), `solve=MODE/warps` (the split solve kernel's SOLVE mode and num_warps), `bscan=W`
   (warps of the two backward scans), `bwarps=W` (warps of the chunk-local backward kernels), `wyb=BK/BV` (the
-  WY backward's blocks), `wydyn` (its key-block side over a loop the compiler keeps, WY_DYN_LOOP), `st32` (the
+  WY backward's blocks), `wydyn` / `wyunroll` (its key-block side over a loop the compiler keeps, the default,
+  or unrolled: WY_DYN_LOOP), `st32` (the
   backward's recomputed states stored fp32, KIMIK3_KDA_STATES_16BIT=0), `bik=BK/warps` (the backward intra
   kernel's key block and warps),
   `brows` / `btiles` (that kernel per row tile, the default, or per chunk: KIMIK3_KDA_BWD_INTRA),
@@ -132,8 +133,8 @@ def parse_experiment(token: str):
         elif part.startswith("bsc="):
             cfg = _slash_ints(part, "bsc=BV/stages")
             overrides[(tb, "SCAN_BV")], overrides[(tb, "SCAN_STAGES")] = cfg
-        elif part == "wydyn":  # the WY backward's key-block side over a kept (not unrolled) V loop
-            overrides[(tb, "WY_DYN_LOOP")] = True
+        elif part in ("wydyn", "wyunroll"):  # the WY backward's key-block side over a kept V loop or unrolled
+            overrides[(tb, "WY_DYN_LOOP")] = part == "wydyn"
         elif part.startswith("wyb="):
             cfg = _slash_ints(part, "wyb=BK/BV")
             overrides[(tb, "WY_BLOCKS")] = cfg
@@ -163,7 +164,7 @@ def parse_experiment(token: str):
                              "i16[=BK/W], wy, nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, "
                              "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
                              "prep1|prep3, dhacc|nodhacc, out=BV/W, l2rows|l2prep, l2r=BR/W, gcw=W, iw=A/B/C, "
-                             "wyc=BK/BV, abk=BK, wydyn, iwarps=W)")
+                             "wyc=BK/BV, abk=BK, wydyn|wyunroll, iwarps=W)")
     return token, overrides
 
 

@@ -298,7 +298,7 @@ def test_wy_split_over_k(monkeypatch, K, blocks):
 
 @pytest.mark.parametrize("case", ["K100-BK32", "K130-BK64", "varlen-BK32", "bf16-scan32x2", "K100-tiles",
                                   "varlen-tiles", "bf16-tiles", "bf16-nodrv", "K100-nodrv", "bf16-w32",
-                                  "bf16-nodhacc", "bf16-wydyn", "K100-wydyn"])
+                                  "bf16-nodhacc", "bf16-wyunroll", "K100-wyunroll"])
 def test_backward_launch_sweeps(monkeypatch, case):
     """The backward's alternatives give the default's gradients, and both match naive: the intra kernel
     split over key blocks (4 and 3 blocks, so partial dbeta sums with the WY kernel's partials; varlen with
@@ -308,7 +308,7 @@ def test_backward_launch_sweeps(monkeypatch, case):
     dO S^T in tf32 ("nodrv"; the default has a separate dRv pass and takes dO S^T on 16-bit operands), and W stored fp32
     ("w32"; the default stores it in the 16-bit input dtype), and the state-gradient scan at 8 warps with its
     16-bit products summed after the dots ("nodhacc"; the default accumulates them in place), and the WY
-    kernel's key-block side over a kept V loop ("wydyn"; the default unrolls it)."""
+    kernel's key-block side unrolled ("wyunroll"; the default keeps its V loop), at 32-column V blocks."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
     import kimik3.ops.kda.triton_forward as tf
@@ -325,8 +325,8 @@ def test_backward_launch_sweeps(monkeypatch, case):
         knobs[(tf, "W_16BIT")] = False
     if "nodhacc" in case:
         knobs[(tb, "DH_ACC_DOTS")] = False
-    if "wydyn" in case:  # 32-column V blocks: a two-step loop at V = 64
-        knobs[(tb, "WY_DYN_LOOP")], knobs[(tb, "WY_BLOCKS")] = True, (32, 32)
+    if "wyunroll" in case:  # 32-column V blocks: two steps at V = 64
+        knobs[(tb, "WY_DYN_LOOP")], knobs[(tb, "WY_BLOCKS")] = False, (32, 32)
     if "scan32" in case:
         knobs[(tb, "SCAN_BV")], knobs[(tb, "SCAN_STAGES")] = 32, 2
     if case.startswith("K"):

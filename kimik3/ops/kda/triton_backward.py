@@ -52,9 +52,9 @@ BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark swe
 WY_BLOCKS: Optional[Tuple[int, int]] = None  # override the WY kernel's (key block, V block); default (64, 64)
 # The WY kernel's key-block side loops over the V blocks in a loop the compiler keeps (tl.range, one stage)
 # instead of unrolling it: sm_90 screen at K3's shape, 8 warps, 255 registers and no spill against 96 B
-# spilled unrolled (one CTA per SM either way); with 32-column key blocks 142 registers against 226. Not yet
-# timed on the GPU.
-WY_DYN_LOOP = False
+# spilled unrolled (one CTA per SM either way). H200, K3's shape, bf16, same run: the kernel 3.718 -> 3.322 ms,
+# fwd+bwd 11.785 -> 11.381 ms (NOTES-kda.md, eleventh session). False: unrolled.
+WY_DYN_LOOP = True
 # Launch of the two backward scans (state recompute, which only runs after the fused forward, and the
 # state-gradient scan): V block, warps, pipeline stages, from ``_scan_launch``; these three override it
 # (benchmark sweeps, None = its defaults). fp32 scans: 32 / 8 / 1 -- their fp32 [K, BV] tiles must not be
@@ -272,10 +272,10 @@ def _wy_k_side(kb, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, d
                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
                DRV_IN: tl.constexpr, DQ16: tl.constexpr, DYN: tl.constexpr):
     """Key columns [kb, kb + BK): dqg = dO S^T, dkg = v_new dS'^T, dRk = -dRv S^T and deg over every V
-    block (unrolled, or with DYN (``WY_DYN_LOOP``) a loop the compiler keeps), then the chain rule through the
-    exponentials; stores dq, dk and dGamma (partials the intra backward completes) and returns this block's
-    part of dA (-dRk W^T) and of dbeta. DQ16: dO and the stored states S share a 16-bit dtype, so dO S^T
-    takes them as they are (exact products, fp32 sums)."""
+    block (with DYN (``WY_DYN_LOOP``, the default) a loop the compiler keeps, else unrolled), then the chain
+    rule through the exponentials; stores dq, dk and dGamma (partials the intra backward completes) and
+    returns this block's part of dA (-dRk W^T) and of dbeta. DQ16: dO and the stored states S share a 16-bit
+    dtype, so dO S^T takes them as they are (exact products, fp32 sums)."""
     r = tl.arange(0, 64)
     ck = kb + tl.arange(0, BK)
     km = ck < K

@@ -82,9 +82,9 @@ finish() {
 VARIANT=${VARIANT:-h}  # the forward precision variant timed as ours_fwd[VARIANT] (the default: 'h')
 # shape 0 (with per-kernel profiles); shape 1 only TRIES1; final: TRIES_FINAL at shape 0
 # (each may be given in the environment)
-TRIES=${TRIES:-wyunroll}
-TRIES1=${TRIES1:-l2prep}
-TRIES_FINAL=${TRIES_FINAL:-l2prep}
+TRIES=${TRIES:-nofpb,wyunroll,bik=128/8}
+TRIES1=${TRIES1:-nofpb+wyunroll}
+TRIES_FINAL=${TRIES_FINAL:-nofpb+wyunroll}
 PRECISION_VARIANTS=${PRECISION_VARIANTS:-h,ach,}  # kda_precision.py's variants ('' = all bf16)
 TRAIN_VARIANT=${TRAIN_VARIANT:-ach}               # precision: the variant trained next to the default
 kernel() {  # kernel GPU NAME LIMIT SHAPE SECTIONS TRIES: kda_kernel.py at one shape (fla side by side)

@@ -29,7 +29,9 @@ not stop the later ones; exit status 1 if anything FAILed):
   or unrolled: WY_DYN_LOOP), `st32` (the
   backward's recomputed states stored fp32, KIMIK3_KDA_STATES_16BIT=0), `bik=BK/warps` (the backward intra
   kernel's key block and warps),
-  `brows` / `btiles` (that kernel per row tile, the default, or per chunk: KIMIK3_KDA_BWD_INTRA),
+  `brows` / `btiles` (that kernel per row tile, the default, or per chunk: KIMIK3_KDA_BWD_INTRA), `fpb` /
+  `nofpb` (the pre-activations' backward inside it and the suffix-sum pass, or its own pass:
+  KIMIK3_KDA_FUSE_PREACT_BWD),
   `bsc=BV/stages` (the backward scans' V block and pipeline stages), `nodrv` / `nodq16` (the WY backward
   without the separate dRv pass / with dO S^T in tf32), `w32` (W stored fp32, KIMIK3_KDA_W16=0), `wyc=BK/BV`
   (phase C's K and V blocks per program; default 64 / 64), `abk=BK` (the split phase A kernel's K block;
@@ -106,6 +108,8 @@ def parse_experiment(token: str):
             overrides[(tbi, "BWD_INTRA_BK")], overrides[(tbi, "BWD_INTRA_WARPS")] = cfg
         elif part in ("brows", "btiles"):
             overrides[(tbi, "BWD_INTRA_MODE")] = part[1:]
+        elif part in ("fpb", "nofpb"):  # the pre-activations' backward inside the intra backward, or its own pass
+            overrides[(tbi, "FUSE_PREACT_BWD")] = part == "fpb"
         elif part in ("dhacc", "nodhacc"):  # the state-gradient scan's 16-bit products accumulated in place or not
             overrides[(tb, "DH_ACC_DOTS")] = part == "dhacc"
         elif part in ("prep1", "prep3"):  # the prologue as one or three programs per (chunk, head)
@@ -164,7 +168,7 @@ def parse_experiment(token: str):
                              "i16[=BK/W], wy, nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, "
                              "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
                              "prep1|prep3, dhacc|nodhacc, out=BV/W, l2rows|l2prep, l2r=BR/W, gcw=W, iw=A/B/C, "
-                             "wyc=BK/BV, abk=BK, wydyn|wyunroll, iwarps=W)")
+                             "wyc=BK/BV, abk=BK, wydyn|wyunroll, fpb|nofpb, iwarps=W)")
     return token, overrides
 
 

@@ -156,6 +156,7 @@ def run_kda(args, compiler: Sm90Compiler) -> None:
 
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_forward as tf
+    from kimik3.ops.kda.triton_preact import PreactInputs
 
     tf.FWD_MODE, tf.INTRA_MODE, tb.WY_SPLIT_K = args.fwd, args.intra, bool(args.wy_split)
     if args.variant is not None:
@@ -178,7 +179,8 @@ def run_kda(args, compiler: Sm90Compiler) -> None:
         plan = tf.make_plan(B, T, None, q.device)
         o, ht, aux = tf.kda_fwd_triton(q, k, v, g, beta, K ** -0.5, h0, True, plan, A_log=a_log, dt_bias=dt_bias,
                                        use_gate=True, use_l2=True, use_beta_sigmoid=True, return_aux=True)
-        tb.kda_bwd_triton(torch.zeros_like(v), torch.zeros_like(h0), aux, v, h0, K ** -0.5, plan)
+        preact = PreactInputs(q, k, g, beta, a_log, dt_bias, -5.0, True, True, True)  # as K3's layer calls it
+        tb.kda_bwd_triton(torch.zeros_like(v), torch.zeros_like(h0), aux, v, h0, K ** -0.5, plan, preact=preact)
     finally:
         jit.JITFunction.run = original
 

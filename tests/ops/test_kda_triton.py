@@ -495,6 +495,79 @@ def test_preact_backward_kernel(flags, dtype):
         assert rel_rms(r, x) < tol, (name, rel_rms(r, x))
 
 
+@pytest.mark.parametrize("case", ["all", "all-K100", "all-varlen", "all-bf16", "gate", "l2", "bsig", "l2-bsig",
+                                  "all-K130-unfused", "all-tiles-unfused"])
+def test_fused_preact_backward(monkeypatch, case):
+    """The pre-activations' chain rules inside the intra backward (``FUSE_PREACT_BWD``: the L2 norm and the
+    sigmoid where dq, dk, dbeta are completed, the gate in the suffix-sum pass) give the separate pass's
+    gradients, and the naive loop's: each stage alone and together, K = 100 (one 128-column key block, the
+    last 28 masked), varlen with tiny segments, bf16. Where it cannot fuse (K = 130 needs two key blocks; the
+    "tiles" form) the separate pass runs instead; the test counts which ran."""
+    import kimik3.ops.kda.triton_backward as tb
+    import kimik3.ops.kda.triton_bwd_intra as tbi
+
+    B, T, H, K, V, cu, dtype = 1, 70, 2, 16, 16, None, torch.float32
+    flags = tuple(name in case or "all" in case for name in ("gate", "l2", "bsig"))
+    if "K1" in case:
+        K = int(case.split("K")[1][:3])
+    if "varlen" in case:
+        lengths = [1, 2, 17, 50]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+        T = sum(lengths)
+    if "bf16" in case:
+        dtype, V = torch.bfloat16, 32
+    if "tiles" in case:
+        monkeypatch.setattr(tbi, "BWD_INTRA_MODE", "tiles")
+    gen = torch.Generator().manual_seed(11)
+    raw = [torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen),
+           torch.randn(B, T, H, V, generator=gen), torch.randn(B, T, H, K, generator=gen) - (0 if flags[0] else 2),
+           torch.randn(B, T, H, generator=gen) + (0 if flags[2] else 3), torch.rand(H, generator=gen) * 2,
+           0.5 * torch.randn(H, K, generator=gen), 0.5 * torch.randn(B if cu is None else len(cu) - 1, H, K, V,
+                                                                        generator=gen)]
+    if not flags[2]:  # beta itself: keep it in (0, 1)
+        raw[4] = torch.sigmoid(raw[4])
+    if not flags[0]:  # the log-decay itself: within the bound
+        raw[3] = raw[3].clamp(G_MIN, -0.01)
+    raw = [x.to(dtype) if i < 5 else x for i, x in enumerate(raw)]
+    kw = dict(cu_seqlens=cu) if cu is not None else {}
+    separate = []
+    orig = tb.preact_bwd_triton
+    monkeypatch.setattr(tb, "preact_bwd_triton", lambda *a, **k: separate.append(1) or orig(*a, **k))
+
+    def grads(kind):
+        xs = [x.to(DEV).requires_grad_() for x in raw]
+        q, k, v, z, b, a_log, dtb, h0 = xs
+        if kind == "naive":
+            qq, kk, gg, bb = _torch_preactivations(*(x.float() for x in (q, k, z, b)), a_log, dtb, G_MIN, *flags)
+            o, s = naive_recurrent_kda(qq, kk, v.float(), gg, bb, initial_state=h0, output_final_state=True,
+                                       **kw)
+        else:
+            o, s = chunk_kda(q, k, v, z, b, initial_state=h0, output_final_state=True, backend="triton",
+                             A_log=a_log, dt_bias=dtb, lower_bound=G_MIN, use_gate_in_kernel=flags[0],
+                             use_qk_l2norm_in_kernel=flags[1], use_beta_sigmoid_in_kernel=flags[2], **kw)
+        gen2 = torch.Generator().manual_seed(9)
+        do, ds = torch.randn(o.shape, generator=gen2).to(DEV), torch.randn(s.shape, generator=gen2).to(DEV)
+        want = [x for i, x in enumerate(xs) if not (i in (5, 6) and not flags[0])]
+        return torch.autograd.grad((o.float() * do).sum() + (s * ds).sum(), want)
+
+    ref = grads("naive")
+    monkeypatch.setattr(tbi, "FUSE_PREACT_BWD", False)
+    sep = grads("triton")
+    assert len(separate) == 1
+    monkeypatch.setattr(tbi, "FUSE_PREACT_BWD", True)
+    fused = grads("triton")
+    assert len(separate) == (2 if "unfused" in case else 1), case
+    names = ["dq", "dk", "dv", "dz", "dbeta", "dA_log", "ddt_bias", "dh0"] if flags[0] else \
+        ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    tols = {"dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 5e-3}
+    same = 1e-5 if dtype == torch.float32 else 2e-3  # bf16: the same fp32 values, a rare rounding flip apart
+    for name, r, a, b in zip(names, ref, sep, fused):
+        assert a.dtype == b.dtype, name
+        assert rel_rms(a.float(), b.float()) < same, (name, rel_rms(a.float(), b.float()))
+        assert rel_rms(r.float(), b.float()) < (3 if dtype == torch.bfloat16 else 1) * tols.get(name, 2e-2), \
+            (name, rel_rms(r.float(), b.float()))
+
+
 @pytest.mark.parametrize("states_16bit", [True, False])
 def test_bf16_grads(monkeypatch, states_16bit):
     """bf16 inputs: output and all gradients vs the fp32 token loop on the same (bf16-valued) inputs,

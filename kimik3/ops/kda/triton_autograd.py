@@ -2,8 +2,9 @@
 
 Backward (version 2, default): Triton kernels (``triton_backward.kda_bwd_triton``) for the core
 gradients w.r.t. the kernel's q, k, v, g (log-decay), beta and the initial state, from the forward's
-saved intermediates (G, Aqk, T, W, U, qg, kg, exp(Gamma_C)), then the fused pre-activations' chain
-rule (gate, q/k L2 norm, beta sigmoid) in one more Triton pass (``triton_preact.py``).
+saved intermediates (G, Aqk, T, W, U, qg, kg, exp(Gamma_C)), with the fused pre-activations' chain
+rule (gate, q/k L2 norm, beta sigmoid) in one more Triton pass (``triton_preact.py``) or inside the
+intra-chunk backward (``triton_bwd_intra.FUSE_PREACT_BWD``).
 
 ``KIMIK3_KDA_TRITON_BWD=torch`` selects version 1, the HYBRID backward: it recomputes the chunkwise
 torch path (``chunk.chunk_kda_torch``, hand-written backward, exact to fp32) under autograd from the
@@ -97,9 +98,9 @@ class _TritonKDAFunction(torch.autograd.Function):
 
 
 def _triton_backward(ctx, do, dht):
-    """Triton core backward, then the fused pre-activations' chain rule (Triton)."""
+    """Triton core backward with the fused pre-activations' chain rule (Triton)."""
     from .triton_backward import kda_bwd_triton
-    from .triton_preact import preact_bwd_triton
+    from .triton_preact import PreactInputs
 
     scale, cu_seqlens, g_min, use_gate, use_l2, use_beta_sigmoid, has_h0 = ctx.args
     saved = ctx.saved_tensors
@@ -109,14 +110,8 @@ def _triton_backward(ctx, do, dht):
     aux = dict(q=qn if use_l2 else q, k=kn if use_l2 else k, beta=betan if use_beta_sigmoid else beta,
                G=G, aqk=aqk, tinv=tinv, w=w, u=u, qg=qg, kg=kg, eg=eg, h=h, vn=vn, hilo=ctx.hilo)
     need = ctx.needs_input_grad[:8]
-    dq, dk, dv, dgam, dbeta, dh0 = kda_bwd_triton(
-        do, dht, aux, v, h0, scale, ctx.plan, need_dh0=bool(has_h0 and need[5]))
-    if use_gate or use_l2 or use_beta_sigmoid:  # chain rule of the fused pre-activations, one Triton pass
-        gq, gk, gg, gb, ga, gd = preact_bwd_triton(q, k, g, beta, dq, dk, dgam, dbeta, A_log, dt_bias, g_min,
-                                                   use_gate, use_l2, use_beta_sigmoid)
-    else:
-        gq, gk, gg, gb, ga, gd = dq, dk, dgam, dbeta, None, None
-    res = [gq, gk, dv, gg, gb, dh0, ga, gd]
+    preact = PreactInputs(q, k, g, beta, A_log, dt_bias, g_min, use_gate, use_l2, use_beta_sigmoid)
+    res = kda_bwd_triton(do, dht, aux, v, h0, scale, ctx.plan, need_dh0=bool(has_h0 and need[5]), preact=preact)
     ref = (q, k, v, g, beta, h0, A_log, dt_bias)
     out = [None if (not nd or x is None or gx is None) else gx.to(x.dtype).view_as(x)
            for gx, x, nd in zip(res, ref, need)]

@@ -25,7 +25,8 @@ Kernels:
      (``_wy_v_side``), then per BK-column key block (``_wy_k_side``); writes dv, the partial
      dq / dk / dGamma / dbeta, and dAqk, dA [NT, H, 64, 64] fp32.
   4. ``triton_bwd_intra.py``: the gradients through Aqk and A on 16 x 16 blocks, the partials added,
-     and dGamma turned into dg by a suffix sum over the chunk.
+     and dGamma turned into dg by a suffix sum over the chunk; with ``preact`` (K3's layer) the fused
+     pre-activations' chain rules there too, else by ``triton_preact.py``'s pass.
 
 All matmuls are tl.dot with fp32 accumulation. Operands: fp32 at tf32x3 for fp32 inputs; for 16-bit
 inputs fp32 at tf32, except in the two scans when the forward scan took 16-bit operands (variant
@@ -45,6 +46,7 @@ import triton.language as tl
 
 from .triton_bwd_intra import bwd_intra
 from .triton_forward import INTERPRET, ChunkPlan, _dot_dtype, _next_pow2
+from .triton_preact import PreactInputs, preact_bwd_triton
 from .triton_scan import (_chunk_beta, _chunk_block, _chunk_part, _chunk_tiles, _fwd_h_kernel, _scan_program,
                           _split16, _state_tile, part_grid, states_dtype)
 
@@ -377,11 +379,15 @@ def _scan_launch(scan_dt, acc: bool) -> Tuple[int, int, int]:
 
 
 def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: torch.Tensor,
-                   initial_state: Optional[torch.Tensor], scale: float, plan: ChunkPlan, need_dh0: bool = True):
-    """Core backward: gradients w.r.t. the kernel's q, k (after any L2 norm), v, g (the log-decay after any
-    fused gate), beta (after any sigmoid) and the initial state, from the forward's ``aux``
-    (``kda_fwd_triton(..., return_aux=True)``). Returns (dq, dk, dv, dg, dbeta, dh0 or None), fp32 but dv
-    in v's dtype (written once, by the WY kernel)."""
+                   initial_state: Optional[torch.Tensor], scale: float, plan: ChunkPlan, need_dh0: bool = True,
+                   preact: Optional[PreactInputs] = None):
+    """Backward from the forward's ``aux`` (``kda_fwd_triton(..., return_aux=True)``). Returns (dq, dk, dv, dg,
+    dbeta, dh0 or None, d A_log, d dt_bias). Without ``preact``: the core gradients, w.r.t. the kernel's q, k
+    (after any L2 norm), v, g (the log-decay after any fused gate), beta (after any sigmoid) and the initial
+    state, fp32 but dv in v's dtype (written once, by the WY kernel); the last two None. With ``preact`` (the
+    fused pre-activations' raw inputs): dq, dk, dg, dbeta w.r.t. the raw q, k, gate input, beta, and the gate
+    parameters' gradients (None without the gate), through the intra kernels (``FUSE_PREACT_BWD``) or one more
+    pass (``triton_preact.preact_bwd_triton``)."""
     q, k, G, beta = aux["q"], aux["k"], aux["G"], aux["beta"]
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -400,7 +406,7 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     if NT == 0:
         if dh0 is not None:
             dh0.copy_(dht.float() if dht is not None else torch.zeros_like(dh0))
-        return dq, dk, dv, dg, dbeta, dh0
+        return _preact_grads(preact, dq, dk, dv, dg, dbeta, dh0)
     PREC = "tf32x3" if q.dtype == torch.float32 else "tf32"
     BKF = _next_pow2(K)
     BVF = _next_pow2(V)
@@ -465,6 +471,21 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
         K=K, V=V, BK=BK, BV=BV, PREC=PREC, SPLIT=npart > 1, NPART=npart, DRV_IN=DRV_PASS,
         DQ16=WY_DQ16 and h16 and do.dtype == h.dtype, DYN=WY_DYN_LOOP, num_warps=warps,
     )
-    # dg holds dGamma (partial) here; kernel 4 adds the intra-chunk part and turns it into dg in place
-    bwd_intra(q, k, G, beta, daqk, da, dq, dk, dg, dbeta_parts, dbeta, plan, npart, PREC, BWD_WARPS)
-    return dq, dk, dv, dg, dbeta, dh0
+    # dg holds dGamma (partial) here; kernel 4 adds the intra-chunk part and turns it into dg in place (or
+    # applies the fused pre-activations' chain rules too)
+    raw = bwd_intra(q, k, G, beta, daqk, da, dq, dk, dg, dbeta_parts, dbeta, plan, npart, PREC, BWD_WARPS, preact)
+    if raw is not None:
+        gq, gk, gz, gb, ga, gd = raw
+        return gq, gk, dv, gz, gb, dh0, ga, gd
+    return _preact_grads(preact, dq, dk, dv, dg, dbeta, dh0)
+
+
+def _preact_grads(preact: Optional[PreactInputs], dq, dk, dv, dg, dbeta, dh0):
+    """``kda_bwd_triton``'s result from the core gradients: the fused pre-activations' chain rules by their own
+    pass when ``preact`` is given."""
+    if preact is None or not preact.any():
+        return dq, dk, dv, dg, dbeta, dh0, None, None
+    p = preact
+    gq, gk, gz, gb, ga, gd = preact_bwd_triton(p.q, p.k, p.z, p.beta, dq, dk, dg, dbeta, p.A_log, p.dt_bias, p.g_min,
+                                               p.use_gate, p.use_l2, p.use_beta_sigmoid)
+    return gq, gk, dv, gz, gb, dh0, ga, gd

@@ -12,6 +12,11 @@ column tile i's LAST token, so every exponential factor is <= 1 except on the di
 gate bound keeps it <= e^75 (no position-pair path). Key columns are independent (dg's suffix sum runs
 down one column): each program owns a block of BK columns and writes its own partial dbeta.
 
+With the fused pre-activations (``FUSE_PREACT_BWD``, K3's layer), the "rows" form also applies their chain
+rules (``triton_preact.py``'s math): one key block of every column, so that ``_combine`` holds whole rows of
+dq and dk and the complete dbeta and maps them through the L2 norm and the sigmoid; the suffix-sum pass maps
+dg through the gate. Their gradients come out in the raw inputs' dtype.
+
 Two forms (``BWD_INTRA_MODE``):
   rows   ``_bwd_intra_rows_kernel`` per (chunk x row tile, head, key block), loops over the other
          tiles not unrolled, dGamma stored and turned into dg by ``_suffix_sum_kernel`` (fla's
@@ -31,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_forward import INTERPRET, ChunkPlan, _next_pow2
+from .triton_forward import INTERPRET, L2_EPS, ChunkPlan, _next_pow2
+from .triton_preact import PreactInputs, gate_bwd_tile, l2_bwd_rows, sigmoid_bwd
 from .triton_scan import _chunk_block, _chunk_bounds, _chunk_part, part_grid
 
 BWD_INTRA_MODE = os.environ.get("KIMIK3_KDA_BWD_INTRA", "rows")
@@ -40,6 +46,13 @@ BWD_INTRA_MODE = os.environ.get("KIMIK3_KDA_BWD_INTRA", "rows")
 # run), one block of all K columns for fp32; warps 8 for a 128-column block, else 4. "rows": 64 / 4.
 BWD_INTRA_BK: Optional[int] = None
 BWD_INTRA_WARPS: Optional[int] = None
+# The fused pre-activations' backward (q / k L2 norm, beta sigmoid, gate) inside the "rows" form
+# (``fuses_preact``): the L2 norm and the sigmoid where dq, dk, dbeta are completed (one 128-column key block
+# per program), the gate in the suffix-sum pass, instead of ``triton_preact``'s pass over the fp32 gradients
+# (which writes and re-reads 1.6 GB at K3's shape). H200, K3's shape, bf16, same run: fwd+bwd 11.337 -> 11.170 ms
+# (the rows kernel 2.73 -> 3.06 ms at 128 columns, the suffix pass 0.21 -> 0.36, the separate pass's 0.60 gone;
+# NOTES-kda.md, eleventh session). 0: the separate pass.
+FUSE_PREACT_BWD = os.environ.get("KIMIK3_KDA_FUSE_PREACT_BWD", "1") == "1"
 
 
 @triton.jit
@@ -105,9 +118,12 @@ def _col_block(i, m, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, t0, L
 @triton.jit
 def _combine(i, i_k, acc_q, acc_b, acc_c, g_n, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
              dbeta_in_ptr, dbeta_ptr, t0, L, i_h, hk, km, H, part_beta, part_db,
-             K: tl.constexpr, NPART: tl.constexpr):
-    """Row tile i: the factors outside the products, the WY kernel's partials added; stores dq, dk and this
-    key block's partial dbeta, returns the tile's complete dGamma (masked)."""
+             K: tl.constexpr, NPART: tl.constexpr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out,
+             L2: tl.constexpr, BSIG: tl.constexpr, EPS: tl.constexpr):
+    """Row tile i: the factors outside the products, the WY kernel's partials added; stores dq, dk (to dq_out,
+    dk_out) and this key block's partial dbeta, returns the tile's complete dGamma (masked). L2 / BSIG (the
+    program holds every key column: one key block): dq, dk, dbeta are complete here, and the fused L2 norm's
+    and beta sigmoid's chain rules map them to the raw q, k, beta (qr_ptr, kr_ptr, br_ptr) before the store."""
     r16 = tl.arange(0, 16)
     rows = i * 16 + r16
     vi = rows < L
@@ -121,13 +137,21 @@ def _combine(i, i_k, acc_q, acc_b, acc_c, g_n, g_l, q_ptr, k_ptr, G_ptr, beta_pt
     dq_r = acc_q * er
     x = acc_b * er  # gradient of the row operand beta k
     dk_c = acc_c * tl.exp(tl.where(mi, g_l[None, :] - Gi, float("-inf")))  # in [e^-75, 1]
-    tl.store(dq_ptr + oi, tl.load(dq_ptr + oi, mask=mi, other=0.0) + dq_r, mask=mi)
-    tl.store(dk_ptr + oi, tl.load(dk_ptr + oi, mask=mi, other=0.0) + dk_c + bi[:, None] * x, mask=mi)
+    dq = tl.load(dq_ptr + oi, mask=mi, other=0.0) + dq_r
+    dk = tl.load(dk_ptr + oi, mask=mi, other=0.0) + dk_c + bi[:, None] * x
+    if L2:
+        dq = l2_bwd_rows(tl.load(qr_ptr + oi, mask=mi, other=0.0).to(tl.float32), dq, EPS)
+        dk = l2_bwd_rows(tl.load(kr_ptr + oi, mask=mi, other=0.0).to(tl.float32), dk, EPS)
+    tl.store(dq_out + oi, dq.to(dq_out.dtype.element_ty), mask=mi)
+    tl.store(dk_out + oi, dk.to(dk_out.dtype.element_ty), mask=mi)
     dG = tl.load(dG_ptr + oi, mask=mi, other=0.0) + qi * dq_r + (bi[:, None] * ki) * x - ki * dk_c
     db = tl.sum(ki * x, axis=1)
     if i_k == 0:  # the WY kernel's partial dbeta, added once
         db += _parts_masked(dbeta_in_ptr, (t0 + rows) * H + i_h, part_beta, vi, NPART)
-    tl.store(dbeta_ptr + i_k.to(tl.int64) * part_db + (t0 + rows) * H + i_h, db, mask=vi)
+    if BSIG:
+        db = sigmoid_bwd(tl.load(br_ptr + (t0 + rows) * H + i_h, mask=vi, other=0.0).to(tl.float32), db)
+    tl.store(dbeta_ptr + i_k.to(tl.int64) * part_db + (t0 + rows) * H + i_h, db.to(dbeta_ptr.dtype.element_ty),
+             mask=vi)
     return tl.where(mi, dG, 0.0)
 
 
@@ -165,7 +189,8 @@ def _bwd_intra_kernel(
                 acc_c += _col_block(i, m, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, t0, L, i_h, hk, km,
                                     a_base, H, part_a, K, PREC, NPART)
         dG = _combine(i, i_k, acc_q, acc_b, acc_c, g_n, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
-                      dbeta_in_ptr, dbeta_ptr, t0, L, i_h, hk, km, H, part_beta, part_db, K, NPART)
+                      dbeta_in_ptr, dbeta_ptr, t0, L, i_h, hk, km, H, part_beta, part_db, K, NPART,
+                      q_ptr, k_ptr, beta_ptr, dq_ptr, dk_ptr, False, False, 0.0)
         rows = i * 16 + r16
         mi = (rows < L)[:, None] & km[None, :]
         tl.store(dG_ptr + (t0 + rows)[:, None] * (H * K) + hk[None, :], _suffix_sum(dG) + carry[None, :], mask=mi)
@@ -175,12 +200,13 @@ def _bwd_intra_kernel(
 @triton.jit
 def _bwd_intra_rows_kernel(
     q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, dq_ptr, dk_ptr, dG_ptr, dbeta_in_ptr, dbeta_ptr,
-    cu_ptr, cidx_ptr, H, part_beta, part_a, part_db,
+    cu_ptr, cidx_ptr, H, part_beta, part_a, part_db, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out,
     K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr, NKB: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr, EPS: tl.constexpr,
 ):
     """"rows": one (chunk x row tile, head, key block); stores the tile's complete dGamma over the partial
-    (``_suffix_sum_kernel`` then makes it dg)."""
+    (``_suffix_sum_kernel`` then makes it dg). L2 / BSIG: the fused pre-activations' chain rules in
+    ``_combine``."""
     i_t, i_h, p = _chunk_part(4 * NKB)
     i = p // NKB  # row tile; its key blocks (same dA blocks) are neighbours
     i_k = p % NKB
@@ -219,47 +245,100 @@ def _bwd_intra_rows_kernel(
                 acc_c += _col_block(i, m, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, t0, L, i_h, hk, km,
                                     a_base, H, part_a, K, PREC, NPART)
         dG = _combine(i, i_k, acc_q, acc_b, acc_c, g_n, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
-                      dbeta_in_ptr, dbeta_ptr, t0, L, i_h, hk, km, H, part_beta, part_db, K, NPART)
+                      dbeta_in_ptr, dbeta_ptr, t0, L, i_h, hk, km, H, part_beta, part_db, K, NPART,
+                      qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, L2, BSIG, EPS)
         rows = i * 16 + tl.arange(0, 16)
         tl.store(dG_ptr + (t0 + rows)[:, None] * (H * K) + hk[None, :], dG,
                  mask=(rows < L)[:, None] & km[None, :])
 
 
 @triton.jit
-def _suffix_sum_kernel(x_ptr, cu_ptr, cidx_ptr, H, K: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr):
-    """In place, per (chunk, head, key block): x_t <- sum_{t' >= t in the chunk} x_t' (dGamma -> dg)."""
+def _suffix_sum_kernel(x_ptr, cu_ptr, cidx_ptr, H, z_ptr, alog_ptr, dtb_ptr, dz_ptr, pa_ptr, pd_ptr, g_min,
+                       K: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, GATE: tl.constexpr):
+    """Per (chunk, head, key block): x_t <- sum_{t' >= t in the chunk} x_t' (dGamma -> dg), in place; GATE:
+    the fused gate's chain rule instead, dz to dz_ptr (the raw z's layout) and this block's partial d dt_bias
+    (pd, [NT, H, K]) and d A_log (pa, [NT, H, NKB])."""
     i_t, i_h, i_k = _chunk_part(NKB)
     t0, r, rv, ck, km, m, o = _chunk_block(i_t, i_h, i_k, cidx_ptr, cu_ptr, H, K, BK)
-    tl.store(x_ptr + o, _suffix_sum(tl.load(x_ptr + o, mask=m, other=0.0)), mask=m)
+    dg = _suffix_sum(tl.load(x_ptr + o, mask=m, other=0.0))
+    if GATE:
+        z = tl.load(z_ptr + o, mask=m, other=0.0).to(tl.float32)
+        rate = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
+        bias = tl.load(dtb_ptr + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
+        dz, tx = gate_bwd_tile(z, dg, rate, bias, g_min, m)
+        tl.store(dz_ptr + o, dz.to(dz_ptr.dtype.element_ty), mask=m)
+        tl.store(pd_ptr + (i_t * H + i_h) * K + ck, tl.sum(dz, axis=0), mask=km)
+        tl.store(pa_ptr + (i_t * H + i_h) * NKB + i_k, tl.sum(tl.sum(tx, axis=1), axis=0))
+    else:
+        tl.store(x_ptr + o, dg, mask=m)
+
+
+def fuses_preact(preact: Optional[PreactInputs], K: int) -> bool:
+    """Whether ``bwd_intra`` applies the fused pre-activations' chain rules itself (``FUSE_PREACT_BWD``): the
+    "rows" form, and for the L2 norm or the sigmoid every key column in one program (K <= 128)."""
+    if preact is None or not FUSE_PREACT_BWD or BWD_INTRA_MODE != "rows" or not preact.any():
+        return False
+    if not (preact.use_l2 or preact.use_beta_sigmoid):
+        return True
+    BKF = _next_pow2(K)
+    return BKF <= 128 and (BWD_INTRA_BK is None or BWD_INTRA_BK >= BKF)
 
 
 def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Tensor, daqk: torch.Tensor,
               da: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dg: torch.Tensor, dbeta_parts: torch.Tensor,
               dbeta: torch.Tensor, plan: ChunkPlan, npart: int, prec: str,
-              warps_override: Optional[int] = None) -> None:
+              warps_override: Optional[int] = None, preact: Optional[PreactInputs] = None):
     """Kernel 4 in place: dq, dk gain the intra-chunk parts, dg (holding the partial dGamma) becomes dg,
     dbeta the sum of every partial (``dbeta_parts``: the WY kernel's npart partials, or dbeta itself when
-    npart == 1). ``warps_override``: the backward's num_warps override for its chunk-local kernels, if any."""
+    npart == 1). ``warps_override``: the backward's num_warps override for its chunk-local kernels, if any.
+
+    preact (the fused pre-activations' raw inputs) when ``fuses_preact``: the gradients w.r.t. the raw inputs
+    instead, returned as (dq, dk, dz, dbeta, d A_log, d dt_bias), each fused stage's in its raw input's dtype
+    (dq, dk, dg, dbeta themselves for a stage that was not fused; None for the two parameters without the
+    gate). Else returns None."""
     if BWD_INTRA_MODE not in ("tiles", "rows"):
         raise ValueError(f"KIMIK3_KDA_BWD_INTRA must be 'tiles' or 'rows', got {BWD_INTRA_MODE!r}")
     B, T, H, K = q.shape
     NT = plan.NT
     BKF = _next_pow2(K)
     rows = BWD_INTRA_MODE == "rows"
-    default_bk = 64 if (rows or q.dtype != torch.float32) else BKF
+    fuse = fuses_preact(preact, K)
+    l2 = fuse and preact.use_l2
+    bsig = fuse and preact.use_beta_sigmoid
+    gate = fuse and preact.use_gate
+    default_bk = BKF if (l2 or bsig) else (64 if (rows or q.dtype != torch.float32) else BKF)
     BK = min(BWD_INTRA_BK or default_bk, BKF)
     warps = BWD_INTRA_WARPS or (4 if rows else (warps_override or (8 if BK >= 128 else 4)))
     nkb = triton.cdiv(K, BK)
     dbeta_k = dbeta if nkb == 1 else torch.empty(nkb, B, T, H, device=q.device, dtype=torch.float32)
     args = (q, k, G, beta, daqk, da, dq, dk, dg, dbeta_parts, dbeta_k, plan.cu, plan.chunk_idx, H,
             B * T * H, NT * H * 4096, B * T * H)
+    new = torch.empty_like if sum(plan.seq_lens) == B * T else torch.zeros_like  # (as ``kda_bwd_triton``)
+    dq_out = new(preact.q) if l2 else dq
+    dk_out = new(preact.k) if l2 else dk
+    if bsig:  # (one key block: dbeta_k is dbeta, complete in the kernel)
+        dbeta = new(preact.beta)
+        args = args[:10] + (dbeta,) + args[11:]
     if rows:
-        _bwd_intra_rows_kernel[part_grid(NT, H, 4 * nkb)](*args, K=K, BK=BK, PREC=prec, NPART=npart, NKB=nkb,
-                                                          INTERP=INTERPRET, num_warps=warps)
+        raw = (preact.q, preact.k, preact.beta) if fuse else (q, k, beta)
+        _bwd_intra_rows_kernel[part_grid(NT, H, 4 * nkb)](*args, *raw, dq_out, dk_out, K=K, BK=BK, PREC=prec,
+                                                          NPART=npart, NKB=nkb, INTERP=INTERPRET, L2=l2, BSIG=bsig,
+                                                          EPS=L2_EPS, num_warps=warps)
         BKs = min(64, BKF)
         nks = triton.cdiv(K, BKs)
-        _suffix_sum_kernel[part_grid(NT, H, nks)](dg, plan.cu, plan.chunk_idx, H, K=K, BK=BKs, NKB=nks, num_warps=4)
+        dz, d_alog, d_dtb = dg, None, None
+        gate_args = (dg, dg, dg, dg, dg, dg, 0.0)
+        if gate:
+            dz = new(preact.z)
+            pa = torch.empty(NT, H, nks, device=q.device, dtype=torch.float32)
+            pd = torch.empty(NT, H, K, device=q.device, dtype=torch.float32)
+            gate_args = (preact.z, preact.A_log, preact.dt_bias, dz, pa, pd, float(preact.g_min))
+        _suffix_sum_kernel[part_grid(NT, H, nks)](dg, plan.cu, plan.chunk_idx, H, *gate_args, K=K, BK=BKs, NKB=nks,
+                                                  GATE=gate, num_warps=4)
+        if gate:
+            d_alog, d_dtb = pa.sum((0, 2)), pd.sum(0).view_as(preact.dt_bias)
     else:
         _bwd_intra_kernel[part_grid(NT, H, nkb)](*args, K=K, BK=BK, PREC=prec, NPART=npart, NKB=nkb, num_warps=warps)
     if nkb > 1:
         torch.sum(dbeta_k, dim=0, out=dbeta)
+    return (dq_out, dk_out, dz, dbeta, d_alog, d_dtb) if fuse else None

@@ -11,11 +11,15 @@ each tensor (the torch autograd recomputation it replaces made ~15 elementwise p
     beta = sigmoid(b):                db = dbeta s (1 - s)
 
 The two parameter gradients are reduced per program into fp32 partials and summed in torch
-(deterministic: no atomics).
+(deterministic: no atomics). The same chain rules (``l2_bwd_rows``, ``gate_bwd_tile``, ``sigmoid_bwd``) run
+inside the intra-chunk backward by default (``triton_bwd_intra.FUSE_PREACT_BWD``), which saves this pass
+its reads of the fp32 gradients; this pass runs where that cannot (K > 128 with the L2 norm or the sigmoid,
+the "tiles" form, or the switch off).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -27,14 +31,58 @@ from .triton_forward import L2_EPS, _next_pow2
 ROWS = 32  # tokens per program
 
 
+@dataclass(frozen=True)
+class PreactInputs:
+    """The raw inputs of the fused pre-activations and which of them ran, for a backward that maps the core
+    gradients back to them (``triton_backward.kda_bwd_triton(..., preact=...)``). z: the gate's raw input."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    z: torch.Tensor
+    beta: torch.Tensor
+    A_log: Optional[torch.Tensor]
+    dt_bias: Optional[torch.Tensor]
+    g_min: float
+    use_gate: bool
+    use_l2: bool
+    use_beta_sigmoid: bool
+
+    def any(self) -> bool:
+        return self.use_gate or self.use_l2 or self.use_beta_sigmoid
+
+
+@triton.jit
+def l2_bwd_rows(x, dx, EPS: tl.constexpr):
+    """Per row of the fp32 tiles x (the raw rows, whole: every column of K) and dx (the gradient w.r.t. the
+    normalised rows): the gradient w.r.t. x."""
+    rn = tl.rsqrt(tl.sum(x * x, axis=1) + EPS)
+    xh = x * rn[:, None]
+    return (dx - xh * tl.sum(xh * dx, axis=1)[:, None]) * rn[:, None]
+
+
+@triton.jit
+def gate_bwd_tile(z, dg, rate, bias, g_min, m):
+    """The gate's chain rule on an fp32 tile of raw z and dg (masked by m), rate = exp(A_log) of the head and
+    bias its dt_bias columns: (dz, t * x), whose column sums / total are the partials of d dt_bias and
+    d A_log."""
+    x = rate * (z + bias[None, :])
+    s = tl.sigmoid(x)
+    t = tl.where(m, dg * g_min * s * (1.0 - s), 0.0)
+    return t * rate, t * x
+
+
+@triton.jit
+def sigmoid_bwd(b, db):
+    """d b from the gradient db w.r.t. sigmoid(b) (fp32)."""
+    s = tl.sigmoid(b)
+    return db * s * (1.0 - s)
+
+
 @triton.jit
 def _l2_bwd(x_ptr, dx_ptr, out_ptr, off, m, EPS: tl.constexpr):
     x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
     dx = tl.load(dx_ptr + off, mask=m, other=0.0).to(tl.float32)
-    rn = tl.rsqrt(tl.sum(x * x, axis=1) + EPS)
-    xh = x * rn[:, None]
-    d = (dx - xh * tl.sum(xh * dx, axis=1)[:, None]) * rn[:, None]
-    tl.store(out_ptr + off, d.to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + off, l2_bwd_rows(x, dx, EPS).to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -60,19 +108,15 @@ def _preact_bwd_kernel(
         dg = tl.load(dg_ptr + off, mask=m, other=0.0).to(tl.float32)
         rate = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
         bias = tl.load(dtb_ptr + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
-        x = rate * (z + bias[None, :])
-        s = tl.sigmoid(x)
-        t = tl.where(m, dg * g_min * s * (1.0 - s), 0.0)
-        dz = t * rate
+        dz, tx = gate_bwd_tile(z, dg, rate, bias, g_min, m)
         tl.store(dz_out + off, dz.to(dz_out.dtype.element_ty), mask=m)
         tl.store(pd_ptr + (i_b * H + i_h) * K + c, tl.sum(dz, axis=0), mask=cm)
-        tl.store(pa_ptr + i_b * H + i_h, tl.sum(tl.sum(t * x, axis=1), axis=0))
+        tl.store(pa_ptr + i_b * H + i_h, tl.sum(tl.sum(tx, axis=1), axis=0))
     if USE_BETA_SIG:
         boff = rows * H + i_h
         b = tl.load(b_ptr + boff, mask=rm, other=0.0).to(tl.float32)
         db = tl.load(db_ptr + boff, mask=rm, other=0.0).to(tl.float32)
-        s = tl.sigmoid(b)
-        tl.store(db_out + boff, (db * s * (1.0 - s)).to(db_out.dtype.element_ty), mask=rm)
+        tl.store(db_out + boff, sigmoid_bwd(b, db).to(db_out.dtype.element_ty), mask=rm)
 
 
 def preact_bwd_triton(

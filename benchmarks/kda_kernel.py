@@ -26,12 +26,12 @@ not stop the later ones; exit status 1 if anything FAILed):
   (KIMIK3_KDA_SOLVE=3), `solve=MODE/warps` (the split solve kernel's SOLVE mode and num_warps), `bscan=W`
   (warps of the two backward scans), `bwarps=W` (warps of the chunk-local backward kernels), `wyb=BK/BV` (the
   WY backward's blocks), `wydyn` / `wyunroll` (its key-block side over a loop the compiler keeps, the default,
-  or unrolled: WY_DYN_LOOP), `st32` (the
+  or unrolled: WY_DYN_LOOP), `wys=S` (that kept loop pipelined over S stages, WY_LOOP_STAGES), `st32` (the
   backward's recomputed states stored fp32, KIMIK3_KDA_STATES_16BIT=0), `bik=BK/warps` (the backward intra
   kernel's key block and warps),
   `brows` / `btiles` (that kernel per row tile, the default, or per chunk: KIMIK3_KDA_BWD_INTRA), `fpb` /
   `nofpb` (the pre-activations' backward inside it and the suffix-sum pass, or its own pass:
-  KIMIK3_KDA_FUSE_PREACT_BWD),
+  KIMIK3_KDA_FUSE_PREACT_BWD), `sfx=BK/warps` (the suffix-sum pass's key block and warps),
   `bsc=BV/stages` (the backward scans' V block and pipeline stages), `nodrv` / `nodq16` (the WY backward
   without the separate dRv pass / with dO S^T in tf32), `w32` (W stored fp32, KIMIK3_KDA_W16=0), `wyc=BK/BV`
   (phase C's K and V blocks per program; default 64 / 64), `abk=BK` (the split phase A kernel's K block;
@@ -108,6 +108,8 @@ def parse_experiment(token: str):
             overrides[(tbi, "BWD_INTRA_BK")], overrides[(tbi, "BWD_INTRA_WARPS")] = cfg
         elif part in ("brows", "btiles"):
             overrides[(tbi, "BWD_INTRA_MODE")] = part[1:]
+        elif part.startswith("sfx="):  # the suffix-sum pass (key block, warps)
+            overrides[(tbi, "SUFFIX_CONFIG")] = _slash_ints(part, "sfx=BK/warps")
         elif part in ("fpb", "nofpb"):  # the pre-activations' backward inside the intra backward, or its own pass
             overrides[(tbi, "FUSE_PREACT_BWD")] = part == "fpb"
         elif part in ("dhacc", "nodhacc"):  # the state-gradient scan's 16-bit products accumulated in place or not
@@ -139,6 +141,8 @@ def parse_experiment(token: str):
             overrides[(tb, "SCAN_BV")], overrides[(tb, "SCAN_STAGES")] = cfg
         elif part in ("wydyn", "wyunroll"):  # the WY backward's key-block side over a kept V loop or unrolled
             overrides[(tb, "WY_DYN_LOOP")] = part == "wydyn"
+        elif part.startswith("wys=") and part[4:].isdigit():  # pipeline stages of the WY backward's kept V loop
+            overrides[(tb, "WY_LOOP_STAGES")] = int(part[4:])
         elif part.startswith("wyb="):
             cfg = _slash_ints(part, "wyb=BK/BV")
             overrides[(tb, "WY_BLOCKS")] = cfg
@@ -168,7 +172,7 @@ def parse_experiment(token: str):
                              "i16[=BK/W], wy, nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, "
                              "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
                              "prep1|prep3, dhacc|nodhacc, out=BV/W, l2rows|l2prep, l2r=BR/W, gcw=W, iw=A/B/C, "
-                             "wyc=BK/BV, abk=BK, wydyn|wyunroll, fpb|nofpb, iwarps=W)")
+                             "wyc=BK/BV, abk=BK, wydyn|wyunroll, wys=S, fpb|nofpb, sfx=BK/W, iwarps=W)")
     return token, overrides
 
 

@@ -298,7 +298,8 @@ def test_wy_split_over_k(monkeypatch, K, blocks):
 
 @pytest.mark.parametrize("case", ["K100-BK32", "K130-BK64", "varlen-BK32", "bf16-scan32x2", "K100-tiles",
                                   "varlen-tiles", "bf16-tiles", "bf16-nodrv", "K100-nodrv", "bf16-w32",
-                                  "bf16-nodhacc", "bf16-wyunroll", "K100-wyunroll"])
+                                  "bf16-nodhacc", "bf16-wyunroll", "K100-wyunroll",
+                                  "bf16-wystages3", "bf16-wystages2"])
 def test_backward_launch_sweeps(monkeypatch, case):
     """The backward's alternatives give the default's gradients, and both match naive: the intra kernel
     split over key blocks (4 and 3 blocks, so partial dbeta sums with the WY kernel's partials; varlen with
@@ -308,7 +309,8 @@ def test_backward_launch_sweeps(monkeypatch, case):
     dO S^T in tf32 ("nodrv"; the default has a separate dRv pass and takes dO S^T on 16-bit operands), and W stored fp32
     ("w32"; the default stores it in the 16-bit input dtype), and the state-gradient scan at 8 warps with its
     16-bit products summed after the dots ("nodhacc"; the default accumulates them in place), and the WY
-    kernel's key-block side unrolled ("wyunroll"; the default keeps its V loop), at 32-column V blocks."""
+    kernel's key-block side unrolled ("wyunroll"; the default keeps its V loop), at 32-column V blocks, and that
+    loop pipelined over 2 or 3 stages ("wystagesN"; the default: 1)."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
     import kimik3.ops.kda.triton_forward as tf
@@ -327,6 +329,8 @@ def test_backward_launch_sweeps(monkeypatch, case):
         knobs[(tb, "DH_ACC_DOTS")] = False
     if "wyunroll" in case:  # 32-column V blocks: two steps at V = 64
         knobs[(tb, "WY_DYN_LOOP")], knobs[(tb, "WY_BLOCKS")] = False, (32, 32)
+    if "wystages" in case:
+        knobs[(tb, "WY_LOOP_STAGES")], knobs[(tb, "WY_BLOCKS")] = int(case[-1]), (32, 32)
     if "scan32" in case:
         knobs[(tb, "SCAN_BV")], knobs[(tb, "SCAN_STAGES")] = 32, 2
     if case.startswith("K"):
@@ -496,13 +500,14 @@ def test_preact_backward_kernel(flags, dtype):
 
 
 @pytest.mark.parametrize("case", ["all", "all-K100", "all-varlen", "all-bf16", "gate", "l2", "bsig", "l2-bsig",
-                                  "all-K130-unfused", "all-tiles-unfused"])
+                                  "all-K130-unfused", "all-tiles-unfused", "all-K100-sfx32"])
 def test_fused_preact_backward(monkeypatch, case):
     """The pre-activations' chain rules inside the intra backward (``FUSE_PREACT_BWD``: the L2 norm and the
     sigmoid where dq, dk, dbeta are completed, the gate in the suffix-sum pass) give the separate pass's
     gradients, and the naive loop's: each stage alone and together, K = 100 (one 128-column key block, the
-    last 28 masked), varlen with tiny segments, bf16. Where it cannot fuse (K = 130 needs two key blocks; the
-    "tiles" form) the separate pass runs instead; the test counts which ran."""
+    last 28 masked; "sfx32": the suffix-sum pass in 32-column blocks, the last partial), varlen with tiny
+    segments, bf16. Where it cannot fuse (K = 130 needs two key blocks; the "tiles" form) the separate pass runs
+    instead; the test counts which ran."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
 
@@ -518,6 +523,8 @@ def test_fused_preact_backward(monkeypatch, case):
         dtype, V = torch.bfloat16, 32
     if "tiles" in case:
         monkeypatch.setattr(tbi, "BWD_INTRA_MODE", "tiles")
+    if "sfx32" in case:
+        monkeypatch.setattr(tbi, "SUFFIX_CONFIG", (32, 2))
     gen = torch.Generator().manual_seed(11)
     raw = [torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen),
            torch.randn(B, T, H, V, generator=gen), torch.randn(B, T, H, K, generator=gen) - (0 if flags[0] else 2),

@@ -57,6 +57,14 @@ WY_BLOCKS: Optional[Tuple[int, int]] = None  # override the WY kernel's (key blo
 # spilled unrolled (one CTA per SM either way). H200, K3's shape, bf16, same run: the kernel 3.718 -> 3.322 ms,
 # fwd+bwd 11.785 -> 11.381 ms (NOTES-kda.md, eleventh session). False: unrolled.
 WY_DYN_LOOP = True
+# Pipeline stages of that kept loop (1: none; 2, 3: the next V block's tiles loaded while this one's products
+# run). The kernel runs one CTA per SM, so only in-program prefetching can hide its loads (sm_90 at K3's shape:
+# shared memory 80 / 120 / 184 KB at 1 / 2 / 3 stages, 255 registers, no spill). H200, K3's shape, bf16, same
+# run: fwd+bwd 11.114 ms at 1 stage, 10.899 at 2, 10.814 at 3 (NOTES-kda.md, eleventh session). 16-bit stored
+# states only: with fp32 ones (fp32 inputs) three stages take 224 of the 227 KB and the kernel spills anyway.
+# Stays 1 until the GPU test file and the training check have run with 3 at the default blocks (only the
+# sweep test's 3-stage case, at 32-column V blocks, has run on the GPU so far).
+WY_LOOP_STAGES = 1
 # Launch of the two backward scans (state recompute, which only runs after the fused forward, and the
 # state-gradient scan): V block, warps, pipeline stages, from ``_scan_launch``; these three override it
 # (benchmark sweeps, None = its defaults). fp32 scans: 32 / 8 / 1 -- their fp32 [K, BV] tiles must not be
@@ -274,7 +282,8 @@ def _wy_k_side(kb, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, d
                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
                DRV_IN: tl.constexpr, DQ16: tl.constexpr, DYN: tl.constexpr):
     """Key columns [kb, kb + BK): dqg = dO S^T, dkg = v_new dS'^T, dRk = -dRv S^T and deg over every V
-    block (with DYN (``WY_DYN_LOOP``, the default) a loop the compiler keeps, else unrolled), then the chain
+    block (with DYN > 0 (``WY_DYN_LOOP``, the default) a loop the compiler keeps, pipelined over DYN stages
+    (``WY_LOOP_STAGES``), else unrolled), then the chain
     rule through the exponentials; stores dq, dk and dGamma (partials the intra backward completes) and
     returns this block's part of dA (-dRk W^T) and of dbeta. DQ16: dO and the stored states S share a 16-bit
     dtype, so dO S^T takes them as they are (exact products, fp32 sums)."""
@@ -286,7 +295,7 @@ def _wy_k_side(kb, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, d
     drk = tl.zeros([64, BK], dtype=tl.float32)
     deg = tl.zeros([BK], dtype=tl.float32)
     if DYN:
-        for vb in tl.range(0, V, BV, num_stages=1):
+        for vb in tl.range(0, V, BV, num_stages=DYN):
             dqg, dkg, drk, deg = _wy_k_step(vb, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, tmatT, dqg, dkg, drk, deg,
                                             r, rv, ck, km, vbase, hb, H, V, BV, PREC, DRV_IN, DQ16)
     else:
@@ -469,7 +478,8 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
         q, k, v, G, beta, aux["tinv"], aux["w"], aux["u"], h, dh, vn, dvn, do,
         dq, dk, dg, dv, dbeta_parts, daqk, da, plan.cu, plan.chunk_idx, H, float(scale), part_beta, part_a,
         K=K, V=V, BK=BK, BV=BV, PREC=PREC, SPLIT=npart > 1, NPART=npart, DRV_IN=DRV_PASS,
-        DQ16=WY_DQ16 and h16 and do.dtype == h.dtype, DYN=WY_DYN_LOOP, num_warps=warps,
+        DQ16=WY_DQ16 and h16 and do.dtype == h.dtype, DYN=(WY_LOOP_STAGES if h16 else 1) if WY_DYN_LOOP else 0,
+        num_warps=warps,
     )
     # dg holds dGamma (partial) here; kernel 4 adds the intra-chunk part and turns it into dg in place (or
     # applies the fused pre-activations' chain rules too)

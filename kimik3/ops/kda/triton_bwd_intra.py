@@ -53,6 +53,9 @@ BWD_INTRA_WARPS: Optional[int] = None
 # (the rows kernel 2.73 -> 3.06 ms at 128 columns, the suffix pass 0.21 -> 0.36, the separate pass's 0.60 gone;
 # NOTES-kda.md, eleventh session). 0: the separate pass.
 FUSE_PREACT_BWD = os.environ.get("KIMIK3_KDA_FUSE_PREACT_BWD", "1") == "1"
+# The suffix-sum pass's (key block, num_warps); with the gate's chain rule fused it takes 165 registers at
+# (64, 4) on sm_90 (3 CTAs per SM, 110 without it). Sweeps; the default timed only as (64, 4).
+SUFFIX_CONFIG = (64, 4)
 
 
 @triton.jit
@@ -324,7 +327,7 @@ def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Ten
         _bwd_intra_rows_kernel[part_grid(NT, H, 4 * nkb)](*args, *raw, dq_out, dk_out, K=K, BK=BK, PREC=prec,
                                                           NPART=npart, NKB=nkb, INTERP=INTERPRET, L2=l2, BSIG=bsig,
                                                           EPS=L2_EPS, num_warps=warps)
-        BKs = min(64, BKF)
+        BKs = min(SUFFIX_CONFIG[0], BKF)
         nks = triton.cdiv(K, BKs)
         dz, d_alog, d_dtb = dg, None, None
         gate_args = (dg, dg, dg, dg, dg, dg, 0.0)
@@ -334,7 +337,7 @@ def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Ten
             pd = torch.empty(NT, H, K, device=q.device, dtype=torch.float32)
             gate_args = (preact.z, preact.A_log, preact.dt_bias, dz, pa, pd, float(preact.g_min))
         _suffix_sum_kernel[part_grid(NT, H, nks)](dg, plan.cu, plan.chunk_idx, H, *gate_args, K=K, BK=BKs, NKB=nks,
-                                                  GATE=gate, num_warps=4)
+                                                  GATE=gate, num_warps=SUFFIX_CONFIG[1])
         if gate:
             d_alog, d_dtb = pa.sum((0, 2)), pd.sum(0).view_as(preact.dt_bias)
     else:

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .triton_forward import INTERPRET, L2_EPS, ChunkPlan, _next_pow2
-from .triton_preact import PreactInputs, gate_bwd_tile, l2_bwd_rows, sigmoid_bwd
+from .triton_preact import PreactInputs, gate_bwd, l2_bwd_rows, sigmoid_bwd
 from .triton_scan import _chunk_block, _chunk_bounds, _chunk_part, part_grid
 
 BWD_INTRA_MODE = os.environ.get("KIMIK3_KDA_BWD_INTRA", "rows")
@@ -265,13 +265,8 @@ def _suffix_sum_kernel(x_ptr, cu_ptr, cidx_ptr, H, z_ptr, alog_ptr, dtb_ptr, dz_
     t0, r, rv, ck, km, m, o = _chunk_block(i_t, i_h, i_k, cidx_ptr, cu_ptr, H, K, BK)
     dg = _suffix_sum(tl.load(x_ptr + o, mask=m, other=0.0))
     if GATE:
-        z = tl.load(z_ptr + o, mask=m, other=0.0).to(tl.float32)
-        rate = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
-        bias = tl.load(dtb_ptr + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
-        dz, tx = gate_bwd_tile(z, dg, rate, bias, g_min, m)
-        tl.store(dz_ptr + o, dz.to(dz_ptr.dtype.element_ty), mask=m)
-        tl.store(pd_ptr + (i_t * H + i_h) * K + ck, tl.sum(dz, axis=0), mask=km)
-        tl.store(pa_ptr + (i_t * H + i_h) * NKB + i_k, tl.sum(tl.sum(tx, axis=1), axis=0))
+        gate_bwd(z_ptr, alog_ptr, dtb_ptr, dz_ptr, pd_ptr, pa_ptr, o, m, ck, km, dg, i_h, (i_t * H + i_h) * K,
+                 (i_t * H + i_h) * NKB + i_k, g_min, K)
     else:
         tl.store(x_ptr + o, dg, mask=m)
 

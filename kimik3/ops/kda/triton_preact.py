@@ -11,7 +11,7 @@ each tensor (the torch autograd recomputation it replaces made ~15 elementwise p
     beta = sigmoid(b):                db = dbeta s (1 - s)
 
 The two parameter gradients are reduced per program into fp32 partials and summed in torch
-(deterministic: no atomics). The same chain rules (``l2_bwd_rows``, ``gate_bwd_tile``, ``sigmoid_bwd``) run
+(deterministic: no atomics). The same chain rules (``l2_bwd_rows``, ``gate_bwd``, ``sigmoid_bwd``) run
 inside the intra-chunk backward by default (``triton_bwd_intra.FUSE_PREACT_BWD``), which saves this pass
 its reads of the fp32 gradients; this pass runs where that cannot (K > 128 with the L2 norm or the sigmoid,
 the "tiles" form, or the switch off).
@@ -61,14 +61,20 @@ def l2_bwd_rows(x, dx, EPS: tl.constexpr):
 
 
 @triton.jit
-def gate_bwd_tile(z, dg, rate, bias, g_min, m):
-    """The gate's chain rule on an fp32 tile of raw z and dg (masked by m), rate = exp(A_log) of the head and
-    bias its dt_bias columns: (dz, t * x), whose column sums / total are the partials of d dt_bias and
-    d A_log."""
-    x = rate * (z + bias[None, :])
+def gate_bwd(z_ptr, alog_ptr, dtb_ptr, dz_ptr, pd_ptr, pa_ptr, off, m, cols, cm, dg, i_h, pd_at, pa_at, g_min,
+             K: tl.constexpr):
+    """The gate's chain rule on a tile of head i_h (offsets off, mask m; its key columns cols, mask cm) from dg
+    (fp32): stores dz in dz_ptr's dtype, and this program's partials of d dt_bias (its column sums, at
+    pd_ptr + pd_at + cols) and of d A_log (one value, at pa_ptr + pa_at)."""
+    z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)
+    rate = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
+    x = rate * (z + tl.load(dtb_ptr + i_h * K + cols, mask=cm, other=0.0).to(tl.float32)[None, :])
     s = tl.sigmoid(x)
     t = tl.where(m, dg * g_min * s * (1.0 - s), 0.0)
-    return t * rate, t * x
+    dz = t * rate
+    tl.store(dz_ptr + off, dz.to(dz_ptr.dtype.element_ty), mask=m)
+    tl.store(pd_ptr + pd_at + cols, tl.sum(dz, axis=0), mask=cm)
+    tl.store(pa_ptr + pa_at, tl.sum(tl.sum(t * x, axis=1), axis=0))
 
 
 @triton.jit
@@ -104,14 +110,9 @@ def _preact_bwd_kernel(
         _l2_bwd(q_ptr, dq_ptr, dq_out, off, m, EPS)
         _l2_bwd(k_ptr, dk_ptr, dk_out, off, m, EPS)
     if USE_GATE:
-        z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)
         dg = tl.load(dg_ptr + off, mask=m, other=0.0).to(tl.float32)
-        rate = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
-        bias = tl.load(dtb_ptr + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
-        dz, tx = gate_bwd_tile(z, dg, rate, bias, g_min, m)
-        tl.store(dz_out + off, dz.to(dz_out.dtype.element_ty), mask=m)
-        tl.store(pd_ptr + (i_b * H + i_h) * K + c, tl.sum(dz, axis=0), mask=cm)
-        tl.store(pa_ptr + i_b * H + i_h, tl.sum(tl.sum(tx, axis=1), axis=0))
+        gate_bwd(z_ptr, alog_ptr, dtb_ptr, dz_out, pd_ptr, pa_ptr, off, m, c, cm, dg, i_h, (i_b * H + i_h) * K,
+                 i_b * H + i_h, g_min, K)
     if USE_BETA_SIG:
         boff = rows * H + i_h
         b = tl.load(b_ptr + boff, mask=rm, other=0.0).to(tl.float32)

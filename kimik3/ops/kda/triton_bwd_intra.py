@@ -43,7 +43,8 @@ from .triton_scan import _chunk_block, _chunk_bounds, _chunk_part, part_grid
 BWD_INTRA_MODE = os.environ.get("KIMIK3_KDA_BWD_INTRA", "rows")
 # Key block BWD_INTRA_BK at BWD_INTRA_WARPS warps (None: the defaults). "tiles": 64-column blocks for 16-bit
 # inputs (timed 22.08 -> 21.54 ms fwd+bwd at K3's shape on the H200 against one 128-column block, same
-# run), one block of all K columns for fp32; warps 8 for a 128-column block, else 4. "rows": 64 / 4.
+# run), one block of all K columns for fp32; warps 8 for a 128-column block, else 4. "rows": 64 / 4, or every
+# column in one block with the fused L2 norm or sigmoid (``fuses_preact``).
 BWD_INTRA_BK: Optional[int] = None
 BWD_INTRA_WARPS: Optional[int] = None
 # The fused pre-activations' backward (q / k L2 norm, beta sigmoid, gate) inside the "rows" form
@@ -53,8 +54,9 @@ BWD_INTRA_WARPS: Optional[int] = None
 # (the rows kernel 2.73 -> 3.06 ms at 128 columns, the suffix pass 0.21 -> 0.36, the separate pass's 0.60 gone;
 # NOTES-kda.md, eleventh session). 0: the separate pass.
 FUSE_PREACT_BWD = os.environ.get("KIMIK3_KDA_FUSE_PREACT_BWD", "1") == "1"
-# The suffix-sum pass's (key block, num_warps); with the gate's chain rule fused it takes 165 registers at
-# (64, 4) on sm_90 (3 CTAs per SM, 110 without it). Sweeps; the default timed only as (64, 4).
+# The suffix-sum pass's (key block, num_warps); with the gate's chain rule fused it takes 163 registers at
+# (64, 4) on sm_90 (3 CTAs per SM, 110 without it). (32, 4) (72 registers, 7 CTAs) and (64, 8) timed flat or
+# slower on the H200 at K3's shape (NOTES-kda.md, eleventh session).
 SUFFIX_CONFIG = (64, 4)
 
 
@@ -308,15 +310,14 @@ def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Ten
     BK = min(BWD_INTRA_BK or default_bk, BKF)
     warps = BWD_INTRA_WARPS or (4 if rows else (warps_override or (8 if BK >= 128 else 4)))
     nkb = triton.cdiv(K, BK)
-    dbeta_k = dbeta if nkb == 1 else torch.empty(nkb, B, T, H, device=q.device, dtype=torch.float32)
-    args = (q, k, G, beta, daqk, da, dq, dk, dg, dbeta_parts, dbeta_k, plan.cu, plan.chunk_idx, H,
-            B * T * H, NT * H * 4096, B * T * H)
     new = torch.empty_like if sum(plan.seq_lens) == B * T else torch.zeros_like  # (as ``kda_bwd_triton``)
     dq_out = new(preact.q) if l2 else dq
     dk_out = new(preact.k) if l2 else dk
-    if bsig:  # (one key block: dbeta_k is dbeta, complete in the kernel)
-        dbeta = new(preact.beta)
-        args = args[:10] + (dbeta,) + args[11:]
+    dbeta_k = dbeta if nkb == 1 else torch.empty(nkb, B, T, H, device=q.device, dtype=torch.float32)
+    if bsig:  # one key block: the kernel completes dbeta and stores it through the sigmoid's chain rule
+        dbeta = dbeta_k = new(preact.beta)
+    args = (q, k, G, beta, daqk, da, dq, dk, dg, dbeta_parts, dbeta_k, plan.cu, plan.chunk_idx, H,
+            B * T * H, NT * H * 4096, B * T * H)
     if rows:
         raw = (preact.q, preact.k, preact.beta) if fuse else (q, k, beta)
         _bwd_intra_rows_kernel[part_grid(NT, H, 4 * nkb)](*args, *raw, dq_out, dk_out, K=K, BK=BK, PREC=prec,

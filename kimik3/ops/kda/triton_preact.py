@@ -34,7 +34,8 @@ ROWS = 32  # tokens per program
 @dataclass(frozen=True)
 class PreactInputs:
     """The raw inputs of the fused pre-activations and which of them ran, for a backward that maps the core
-    gradients back to them (``triton_backward.kda_bwd_triton(..., preact=...)``). z: the gate's raw input."""
+    gradients back to them (``triton_backward.kda_bwd_triton(..., preact=...)``). z: the gate's raw input (the
+    log-decay itself when the gate is not fused)."""
 
     q: torch.Tensor
     k: torch.Tensor

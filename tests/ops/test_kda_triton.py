@@ -359,6 +359,10 @@ def test_backward_launch_sweeps(monkeypatch, case):
         monkeypatch.setattr(tbi, "BWD_INTRA_MODE", "nonsense")
         with pytest.raises(ValueError, match="KIMIK3_KDA_BWD_INTRA"):
             run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
+    if "wystages" in case:
+        monkeypatch.setattr(tb, "WY_LOOP_STAGES", 0)
+        with pytest.raises(ValueError, match="KIMIK3_KDA_WY_STAGES"):
+            run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
 
 
 @pytest.mark.parametrize("scale", [None, 0.3, 0.0])

@@ -63,8 +63,8 @@ WY_DYN_LOOP = True
 # run: fwd+bwd 11.114 ms at 1 stage, 10.899 at 2, 10.814 at 3 (NOTES-kda.md, eleventh session). 16-bit stored
 # states only: with fp32 ones (fp32 inputs) three stages take 224 of the 227 KB and the kernel spills anyway.
 # Stays 1 until the GPU test file and the training check have run with 3 at the default blocks (only the
-# sweep test's 3-stage case, at 32-column V blocks, has run on the GPU so far).
-WY_LOOP_STAGES = 1
+# sweep test's 3-stage case, at 32-column V blocks, has run on the GPU so far): KIMIK3_KDA_WY_STAGES=3 runs them so.
+WY_LOOP_STAGES = int(os.environ.get("KIMIK3_KDA_WY_STAGES", "1"))
 # Launch of the two backward scans (state recompute, which only runs after the fused forward, and the
 # state-gradient scan): V block, warps, pipeline stages, from ``_scan_launch``; these three override it
 # (benchmark sweeps, None = its defaults). fp32 scans: 32 / 8 / 1 -- their fp32 [K, BV] tiles must not be
@@ -417,6 +417,9 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
             dh0.copy_(dht.float() if dht is not None else torch.zeros_like(dh0))
         return _preact_grads(preact, dq, dk, dv, dg, dbeta, dh0)
     PREC = "tf32x3" if q.dtype == torch.float32 else "tf32"
+    if not 1 <= WY_LOOP_STAGES <= 4:
+        raise ValueError(f"KIMIK3_KDA_WY_STAGES (the WY backward loop's pipeline stages) must be 1 to 4, "
+                         f"got {WY_LOOP_STAGES}")
     BKF = _next_pow2(K)
     BVF = _next_pow2(V)
     # V blocks of at least 32 columns (masked when V < 32): a V = 16 backward hit an illegal address on

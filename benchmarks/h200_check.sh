@@ -82,7 +82,7 @@ finish() {
 VARIANT=${VARIANT:-h}  # the forward precision variant timed as ours_fwd[VARIANT] (the default: 'h')
 # shape 0 (with per-kernel profiles); shape 1 only TRIES1; final: TRIES_FINAL at shape 0
 # (each may be given in the environment)
-TRIES=${TRIES:-wys=3,wys=2}
+TRIES=${TRIES:-wys=3,wys=3+wyv,wys=2}
 TRIES1=${TRIES1:-nofpb+wyunroll}
 TRIES_FINAL=${TRIES_FINAL:-nofpb+wyunroll}
 PRECISION_VARIANTS=${PRECISION_VARIANTS:-h,ach,}  # kda_precision.py's variants ('' = all bf16)

@@ -26,7 +26,8 @@ not stop the later ones; exit status 1 if anything FAILed):
   (KIMIK3_KDA_SOLVE=3), `solve=MODE/warps` (the split solve kernel's SOLVE mode and num_warps), `bscan=W`
   (warps of the two backward scans), `bwarps=W` (warps of the chunk-local backward kernels), `wyb=BK/BV` (the
   WY backward's blocks), `wydyn` / `wyunroll` (its key-block side over a loop the compiler keeps, the default,
-  or unrolled: WY_DYN_LOOP), `wys=S` (that kept loop pipelined over S stages, WY_LOOP_STAGES), `st32` (the
+  or unrolled: WY_DYN_LOOP), `wys=S` (that kept loop pipelined over S stages, WY_LOOP_STAGES), `wyv` (its
+  K-independent part's V loop kept too, WY_V_LOOP), `st32` (the
   backward's recomputed states stored fp32, KIMIK3_KDA_STATES_16BIT=0), `bik=BK/warps` (the backward intra
   kernel's key block and warps),
   `brows` / `btiles` (that kernel per row tile, the default, or per chunk: KIMIK3_KDA_BWD_INTRA), `fpb` /
@@ -143,6 +144,8 @@ def parse_experiment(token: str):
             overrides[(tb, "WY_DYN_LOOP")] = part == "wydyn"
         elif part.startswith("wys=") and part[4:].isdigit():  # pipeline stages of the WY backward's kept V loop
             overrides[(tb, "WY_LOOP_STAGES")] = int(part[4:])
+        elif part == "wyv":  # the WY backward's K-independent part over a kept (pipelined) V loop as well
+            overrides[(tb, "WY_V_LOOP")] = True
         elif part.startswith("wyb="):
             cfg = _slash_ints(part, "wyb=BK/BV")
             overrides[(tb, "WY_BLOCKS")] = cfg
@@ -172,7 +175,7 @@ def parse_experiment(token: str):
                              "i16[=BK/W], wy, nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, "
                              "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
                              "prep1|prep3, dhacc|nodhacc, out=BV/W, l2rows|l2prep, l2r=BR/W, gcw=W, iw=A/B/C, "
-                             "wyc=BK/BV, abk=BK, wydyn|wyunroll, wys=S, fpb|nofpb, sfx=BK/W, iwarps=W)")
+                             "wyc=BK/BV, abk=BK, wydyn|wyunroll, wys=S, wyv, fpb|nofpb, sfx=BK/W, iwarps=W)")
     return token, overrides
 
 

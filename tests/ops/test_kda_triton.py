@@ -299,7 +299,7 @@ def test_wy_split_over_k(monkeypatch, K, blocks):
 @pytest.mark.parametrize("case", ["K100-BK32", "K130-BK64", "varlen-BK32", "bf16-scan32x2", "K100-tiles",
                                   "varlen-tiles", "bf16-tiles", "bf16-nodrv", "K100-nodrv", "bf16-w32",
                                   "bf16-nodhacc", "bf16-wyunroll", "K100-wyunroll",
-                                  "bf16-wystages3", "bf16-wystages2"])
+                                  "bf16-wystages3", "bf16-wystages2", "bf16-wyvloop-wystages3"])
 def test_backward_launch_sweeps(monkeypatch, case):
     """The backward's alternatives give the default's gradients, and both match naive: the intra kernel
     split over key blocks (4 and 3 blocks, so partial dbeta sums with the WY kernel's partials; varlen with
@@ -310,7 +310,8 @@ def test_backward_launch_sweeps(monkeypatch, case):
     ("w32"; the default stores it in the 16-bit input dtype), and the state-gradient scan at 8 warps with its
     16-bit products summed after the dots ("nodhacc"; the default accumulates them in place), and the WY
     kernel's key-block side unrolled ("wyunroll"; the default keeps its V loop), at 32-column V blocks, and that
-    loop pipelined over 2 or 3 stages ("wystagesN"; the default: 1)."""
+    loop pipelined over 2 or 3 stages ("wystagesN"; the default: 1), with the K-independent part's V loop kept
+    and pipelined too ("wyvloop"; the default unrolls it)."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
     import kimik3.ops.kda.triton_forward as tf
@@ -331,6 +332,8 @@ def test_backward_launch_sweeps(monkeypatch, case):
         knobs[(tb, "WY_DYN_LOOP")], knobs[(tb, "WY_BLOCKS")] = False, (32, 32)
     if "wystages" in case:
         knobs[(tb, "WY_LOOP_STAGES")], knobs[(tb, "WY_BLOCKS")] = int(case[-1]), (32, 32)
+    if "wyvloop" in case:
+        knobs[(tb, "WY_V_LOOP")] = True
     if "scan32" in case:
         knobs[(tb, "SCAN_BV")], knobs[(tb, "SCAN_STAGES")] = 32, 2
     if case.startswith("K"):

@@ -65,6 +65,9 @@ WY_DYN_LOOP = True
 # Stays 1 until the GPU test file and the training check have run with 3 at the default blocks (only the
 # sweep test's 3-stage case, at 32-column V blocks, has run on the GPU so far): KIMIK3_KDA_WY_STAGES=3 runs them so.
 WY_LOOP_STAGES = int(os.environ.get("KIMIK3_KDA_WY_STAGES", "1"))
+# The K-independent part's V loop kept too (``_wy_v_side``), at the same stages; unrolled by default. Not yet
+# timed on the GPU.
+WY_V_LOOP = False
 # Launch of the two backward scans (state recompute, which only runs after the fused forward, and the
 # state-gradient scan): V block, warps, pipeline stages, from ``_scan_launch``; these three override it
 # (benchmark sweeps, None = its defaults). fp32 scans: 32 / 8 / 1 -- their fp32 [K, BV] tiles must not be
@@ -227,26 +230,41 @@ def _wy_drv(tmatT, dvn_ptr, vo, mv, PREC: tl.constexpr, DRV_IN: tl.constexpr):
 
 @triton.jit
 def _wy_v_side(v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, rv, vbase, H, scale,
-               V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DRV_IN: tl.constexpr):
+               V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DRV_IN: tl.constexpr, VDYN: tl.constexpr):
     """The K-independent products over every V block: dAqk = dO v_new^T, the U part of dA
-    (-dRv U^T), dv = beta dRv (stored) and the v part of dbeta; dRv = T^T dv_new (``_wy_drv``)."""
+    (-dRv U^T), dv = beta dRv (stored) and the v part of dbeta; dRv = T^T dv_new (``_wy_drv``). The V blocks
+    unrolled, or with VDYN > 0 (``WY_V_LOOP``) a loop the compiler keeps, pipelined over VDYN stages."""
     r = tl.arange(0, 64)
     daqk = tl.zeros([64, 64], dtype=tl.float32)
     da = tl.zeros([64, 64], dtype=tl.float32)
     dbeta = tl.zeros([64], dtype=tl.float32)
-    for vb in tl.static_range(0, V, BV):
-        cv = vb + tl.arange(0, BV)
-        mv = rv[:, None] & (cv < V)[None, :]
-        vo = vbase + r[:, None] * (H * V) + cv[None, :]
-        do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32) * scale
-        vn = tl.load(vn_ptr + vo, mask=mv, other=0.0)
-        drv = _wy_drv(tmatT, dvn_ptr, vo, mv, PREC, DRV_IN)
-        u = tl.load(u_ptr + vo, mask=mv, other=0.0).to(tl.float32)
-        vv = tl.load(v_ptr + vo, mask=mv, other=0.0).to(tl.float32)
-        daqk += tl.dot(do, tl.trans(vn), input_precision=PREC)
-        da -= tl.dot(drv, tl.trans(u), input_precision=PREC)
-        tl.store(dv_ptr + vo, (drv * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=mv)
-        dbeta += tl.sum(drv * vv, axis=1)
+    if VDYN:
+        for vb in tl.range(0, V, BV, num_stages=VDYN):
+            daqk, da, dbeta = _wy_v_step(vb, v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, daqk, da,
+                                         dbeta, r, rv, vbase, H, scale, V, BV, PREC, DRV_IN)
+    else:
+        for vb in tl.static_range(0, V, BV):
+            daqk, da, dbeta = _wy_v_step(vb, v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, daqk, da,
+                                         dbeta, r, rv, vbase, H, scale, V, BV, PREC, DRV_IN)
+    return daqk, da, dbeta
+
+
+@triton.jit
+def _wy_v_step(vb, v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, daqk, da, dbeta, r, rv, vbase, H,
+               scale, V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DRV_IN: tl.constexpr):
+    """One V block of ``_wy_v_side``'s products, added to its accumulators (dv stored)."""
+    cv = vb + tl.arange(0, BV)
+    mv = rv[:, None] & (cv < V)[None, :]
+    vo = vbase + r[:, None] * (H * V) + cv[None, :]
+    do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32) * scale
+    vn = tl.load(vn_ptr + vo, mask=mv, other=0.0)
+    drv = _wy_drv(tmatT, dvn_ptr, vo, mv, PREC, DRV_IN)
+    u = tl.load(u_ptr + vo, mask=mv, other=0.0).to(tl.float32)
+    vv = tl.load(v_ptr + vo, mask=mv, other=0.0).to(tl.float32)
+    daqk += tl.dot(do, tl.trans(vn), input_precision=PREC)
+    da -= tl.dot(drv, tl.trans(u), input_precision=PREC)
+    tl.store(dv_ptr + vo, (drv * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=mv)
+    dbeta += tl.sum(drv * vv, axis=1)
     return daqk, da, dbeta
 
 
@@ -328,6 +346,7 @@ def _bwd_wy_kernel(
     cu_ptr, cidx_ptr, H, scale, part_beta, part_a,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     SPLIT: tl.constexpr, NPART: tl.constexpr, DRV_IN: tl.constexpr, DQ16: tl.constexpr, DYN: tl.constexpr,
+    VDYN: tl.constexpr,
 ):
     """One (chunk, head). Unsplit (``WY_SPLIT_K`` off), this program does the K-independent products
     (``_wy_v_side``) and then every BK-column key block (``_wy_k_side``), and writes dA and dbeta whole.
@@ -351,7 +370,7 @@ def _bwd_wy_kernel(
     if SPLIT:
         if i_p == NKB:
             daqk, da, dbeta = _wy_v_side(v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, rv, vbase, H,
-                                         scale, V, BV, PREC, DRV_IN)
+                                         scale, V, BV, PREC, DRV_IN, VDYN)
             tl.store(daqk_ptr + o2, tl.where(r[:, None] >= r[None, :], daqk, 0.0))
         else:
             da, dbeta = _wy_k_side(i_p * BK, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
@@ -359,7 +378,7 @@ def _bwd_wy_kernel(
                                    K, V, BK, BV, PREC, DRV_IN, DQ16, DYN)
     else:
         daqk, da, dbeta = _wy_v_side(v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, rv, vbase, H,
-                                     scale, V, BV, PREC, DRV_IN)
+                                     scale, V, BV, PREC, DRV_IN, VDYN)
         tl.store(daqk_ptr + o2, tl.where(r[:, None] >= r[None, :], daqk, 0.0))
         for kbi in tl.static_range(NKB):
             da_k, dbeta_k = _wy_k_side(kbi * BK, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
@@ -477,12 +496,13 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
         _drv_kernel[part_grid(NT, H, nv)](aux["tinv"], dvn, plan.cu, plan.chunk_idx, H, V=V, BV=BV, NV=nv,
                                           PREC=PREC, num_warps=4)
     h16 = h.dtype in (torch.bfloat16, torch.float16)
+    stages = WY_LOOP_STAGES if h16 else 1  # (fp32 stored states: no room in shared memory)
     _bwd_wy_kernel[part_grid(NT, H, npart)](
         q, k, v, G, beta, aux["tinv"], aux["w"], aux["u"], h, dh, vn, dvn, do,
         dq, dk, dg, dv, dbeta_parts, daqk, da, plan.cu, plan.chunk_idx, H, float(scale), part_beta, part_a,
         K=K, V=V, BK=BK, BV=BV, PREC=PREC, SPLIT=npart > 1, NPART=npart, DRV_IN=DRV_PASS,
-        DQ16=WY_DQ16 and h16 and do.dtype == h.dtype, DYN=(WY_LOOP_STAGES if h16 else 1) if WY_DYN_LOOP else 0,
-        num_warps=warps,
+        DQ16=WY_DQ16 and h16 and do.dtype == h.dtype, DYN=stages if WY_DYN_LOOP else 0,
+        VDYN=stages if WY_V_LOOP else 0, num_warps=warps,
     )
     # dg holds dGamma (partial) here; kernel 4 adds the intra-chunk part and turns it into dg in place (or
     # applies the fused pre-activations' chain rules too)

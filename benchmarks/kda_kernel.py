@@ -27,12 +27,11 @@ not stop the later ones; exit status 1 if anything FAILed):
   (warps of the two backward scans), `bwarps=W` (warps of the chunk-local backward kernels), `wyb=BK/BV` (the
   WY backward's blocks), `wydyn` / `wyunroll` (its key-block side over a loop the compiler keeps, the default,
   or unrolled: WY_DYN_LOOP), `wys=S` (that kept loop pipelined over S stages, WY_LOOP_STAGES), `wyv` (its
-  K-independent part's V loop kept too, WY_V_LOOP), `st32` (the
-  backward's recomputed states stored fp32, KIMIK3_KDA_STATES_16BIT=0), `bik=BK/warps` (the backward intra
-  kernel's key block and warps),
-  `brows` / `btiles` (that kernel per row tile, the default, or per chunk: KIMIK3_KDA_BWD_INTRA), `fpb` /
-  `nofpb` (the pre-activations' backward inside it and the suffix-sum pass, or its own pass:
-  KIMIK3_KDA_FUSE_PREACT_BWD), `sfx=BK/warps` (the suffix-sum pass's key block and warps),
+  K-independent part's V loop kept too, WY_V_LOOP), `st32` (the backward's recomputed states stored fp32,
+  KIMIK3_KDA_STATES_16BIT=0), `bik=BK/warps` (the backward intra kernel's key block and warps), `brows` /
+  `btiles` (that kernel per row tile, the default, or per chunk: KIMIK3_KDA_BWD_INTRA), `fpb` / `nofpb` (the
+  pre-activations' backward inside it and the suffix-sum pass, or its own pass: KIMIK3_KDA_FUSE_PREACT_BWD),
+  `sfx=BK/warps` (the suffix-sum pass's key block and warps),
   `bsc=BV/stages` (the backward scans' V block and pipeline stages), `nodrv` / `nodq16` (the WY backward
   without the separate dRv pass / with dO S^T in tf32), `w32` (W stored fp32, KIMIK3_KDA_W16=0), `wyc=BK/BV`
   (phase C's K and V blocks per program; default 64 / 64), `abk=BK` (the split phase A kernel's K block;

@@ -52,10 +52,10 @@ from .triton_scan import (_chunk_beta, _chunk_block, _chunk_part, _chunk_tiles, 
 
 BWD_WARPS = None  # override num_warps of the chunk-local kernels (benchmark sweeps)
 WY_BLOCKS: Optional[Tuple[int, int]] = None  # override the WY kernel's (key block, V block); default (64, 64)
-# The WY kernel's key-block side loops over the V blocks in a loop the compiler keeps (tl.range, one stage)
-# instead of unrolling it: sm_90 screen at K3's shape, 8 warps, 255 registers and no spill against 96 B
-# spilled unrolled (one CTA per SM either way). H200, K3's shape, bf16, same run: the kernel 3.718 -> 3.322 ms,
-# fwd+bwd 11.785 -> 11.381 ms (NOTES-kda.md, eleventh session). False: unrolled.
+# The WY kernel's key-block side loops over the V blocks in a loop the compiler keeps (tl.range, at
+# WY_LOOP_STAGES stages) instead of unrolling it: sm_90 screen at K3's shape, 8 warps, 255 registers and no
+# spill against 96 B spilled unrolled (one CTA per SM either way). H200, K3's shape, bf16, same run: the kernel
+# 3.718 -> 3.322 ms, fwd+bwd 11.785 -> 11.381 ms (NOTES-kda.md, eleventh session). False: unrolled.
 WY_DYN_LOOP = True
 # Pipeline stages of that kept loop (1: none; 2, 3: the next V block's tiles loaded while this one's products
 # run). The kernel runs one CTA per SM, so only in-program prefetching can hide its loads (sm_90 at K3's shape:
@@ -301,10 +301,10 @@ def _wy_k_side(kb, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, d
                DRV_IN: tl.constexpr, DQ16: tl.constexpr, DYN: tl.constexpr):
     """Key columns [kb, kb + BK): dqg = dO S^T, dkg = v_new dS'^T, dRk = -dRv S^T and deg over every V
     block (with DYN > 0 (``WY_DYN_LOOP``, the default) a loop the compiler keeps, pipelined over DYN stages
-    (``WY_LOOP_STAGES``), else unrolled), then the chain
-    rule through the exponentials; stores dq, dk and dGamma (partials the intra backward completes) and
-    returns this block's part of dA (-dRk W^T) and of dbeta. DQ16: dO and the stored states S share a 16-bit
-    dtype, so dO S^T takes them as they are (exact products, fp32 sums)."""
+    (``WY_LOOP_STAGES``), else unrolled), then the chain rule through the exponentials; stores dq, dk and
+    dGamma (partials the intra backward completes) and returns this block's part of dA (-dRk W^T) and of
+    dbeta. DQ16: dO and the stored states S share a 16-bit dtype, so dO S^T takes them as they are (exact
+    products, fp32 sums)."""
     r = tl.arange(0, 64)
     ck = kb + tl.arange(0, BK)
     km = ck < K

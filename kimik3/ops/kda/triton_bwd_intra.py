@@ -36,8 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_forward import INTERPRET, L2_EPS, ChunkPlan, _next_pow2
+from .triton_forward import INTERPRET, ChunkPlan, _next_pow2
 from .triton_preact import PreactInputs, gate_bwd, l2_bwd_rows, sigmoid_bwd
+from .triton_prologue import L2_EPS
 from .triton_scan import _chunk_block, _chunk_bounds, _chunk_part, part_grid
 
 BWD_INTRA_MODE = os.environ.get("KIMIK3_KDA_BWD_INTRA", "rows")

@@ -50,7 +50,6 @@ from .triton_scan import (_chunk_beta, _chunk_part, _fwd_h_kernel, _output_kerne
 
 BT = 64  # chunk size (tokens)
 BC = 16  # sub-tile rows: the gate bound makes 16 * 5 = 80 the largest in-tile log-decay
-L2_EPS = 1e-6
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # see kda_fwd_triton. 'ach' (16-bit scans with hi / lo splits, tf32 intra-chunk products) timed 7.54 -> 6.04 ms

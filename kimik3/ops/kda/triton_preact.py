@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_forward import L2_EPS, _next_pow2
+from .triton_forward import _next_pow2
+from .triton_prologue import L2_EPS
 
 ROWS = 32  # tokens per program
 

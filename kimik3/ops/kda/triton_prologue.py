@@ -36,32 +36,34 @@ PREP_PARTS = int(os.environ.get("KIMIK3_KDA_PREP_PARTS", "3"))
 L2_ROWS = os.environ.get("KIMIK3_KDA_L2_ROWS", "1") == "1"
 L2_ROWS_CONFIG: Tuple[int, int] = (64, 4)
 GATE_COLS_WARPS = 4
+L2_EPS = 1e-6  # inside the square root of the q / k L2 norm (and of its chain rule, ``triton_preact``)
 
 
 @triton.jit
-def _l2_scale(x):
-    """x / sqrt(sum_row x^2 + 1e-6) for an fp32 tile whose rows are tokens."""
-    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+def _l2_scale(x, EPS: tl.constexpr):
+    """x / sqrt(sum_row x^2 + EPS) for an fp32 tile whose rows are tokens."""
+    return x * tl.rsqrt(tl.sum(x * x, axis=1) + EPS)[:, None]
 
 
 @triton.jit
-def _l2_rows(x_ptr, out_ptr, offs, m):
+def _l2_rows(x_ptr, out_ptr, offs, m, EPS: tl.constexpr):
     """``_l2_scale`` of one tile, loaded from x_ptr and stored at out_ptr."""
-    x = _l2_scale(tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32))
+    x = _l2_scale(tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32), EPS)
     tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _l2_norm_rows_kernel(q_ptr, k_ptr, qn_ptr, kn_ptr, R, K: tl.constexpr, BKF: tl.constexpr, BR: tl.constexpr):
+def _l2_norm_rows_kernel(q_ptr, k_ptr, qn_ptr, kn_ptr, R, K: tl.constexpr, BKF: tl.constexpr, BR: tl.constexpr,
+                         EPS: tl.constexpr):
     """``_l2_rows`` over BR contiguous rows of the [R, K] view of q (grid axis 1 = 0) or k (1); R = B T H."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     c = tl.arange(0, BKF)
     m = (rows < R)[:, None] & (c < K)[None, :]
     offs = rows[:, None] * K + c[None, :]
     if tl.program_id(1) == 0:
-        _l2_rows(q_ptr, qn_ptr, offs, m)
+        _l2_rows(q_ptr, qn_ptr, offs, m, EPS)
     else:
-        _l2_rows(k_ptr, kn_ptr, offs, m)
+        _l2_rows(k_ptr, kn_ptr, offs, m, EPS)
 
 
 @triton.jit
@@ -97,7 +99,7 @@ def _prep0_kernel(
     g_ptr, G_ptr, q_ptr, k_ptr, qn_ptr, kn_ptr, beta_ptr, betan_ptr, alog_ptr, dtb_ptr,
     cu_ptr, cidx_ptr, H, g_min,
     K: tl.constexpr, BKF: tl.constexpr,
-    USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr,
+    USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr, EPS: tl.constexpr,
 ):
     """One (chunk, head): the gate, the cumulative log-decay, both L2 norms and beta's sigmoid."""
     i_t = tl.program_id(0).to(tl.int64)
@@ -105,8 +107,8 @@ def _prep0_kernel(
     t0, r, rv, c, cm, m, offs = _chunk_block(i_t, i_h, 0, cidx_ptr, cu_ptr, H, K, BKF)
     _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K, USE_GATE)
     if USE_L2:
-        _l2_rows(q_ptr, qn_ptr, offs, m)
-        _l2_rows(k_ptr, kn_ptr, offs, m)
+        _l2_rows(q_ptr, qn_ptr, offs, m, EPS)
+        _l2_rows(k_ptr, kn_ptr, offs, m, EPS)
     if USE_BETA_SIG:
         _beta_sigmoid(beta_ptr, betan_ptr, t0, r, rv, i_h, H)
 
@@ -129,7 +131,7 @@ def _gate_cols_kernel(g_ptr, G_ptr, beta_ptr, betan_ptr, alog_ptr, dtb_ptr, cu_p
 def _prep_parts_kernel(
     g_ptr, G_ptr, q_ptr, k_ptr, qn_ptr, kn_ptr, beta_ptr, betan_ptr, alog_ptr, dtb_ptr,
     cu_ptr, cidx_ptr, H, g_min,
-    K: tl.constexpr, BKF: tl.constexpr, USE_GATE: tl.constexpr, USE_BETA_SIG: tl.constexpr,
+    K: tl.constexpr, BKF: tl.constexpr, USE_GATE: tl.constexpr, USE_BETA_SIG: tl.constexpr, EPS: tl.constexpr,
 ):
     """``_prep0_kernel`` with the L2 norm fused, as three programs per (chunk, head) (``PREP_PARTS`` 3), each
     streaming one tensor: part 0 the gate, Gamma and beta's sigmoid, part 1 q's L2 norm, part 2 k's."""
@@ -140,9 +142,9 @@ def _prep_parts_kernel(
         if USE_BETA_SIG:
             _beta_sigmoid(beta_ptr, betan_ptr, t0, r, rv, i_h, H)
     elif p == 1:
-        _l2_rows(q_ptr, qn_ptr, offs, m)
+        _l2_rows(q_ptr, qn_ptr, offs, m, EPS)
     else:
-        _l2_rows(k_ptr, kn_ptr, offs, m)
+        _l2_rows(k_ptr, kn_ptr, offs, m, EPS)
 
 
 def launch_prologue(g, G, q, k, qn, kn, beta, betan, alog, dtb, plan, H, K, BKF, BK, g_min, use_gate, use_l2,
@@ -153,7 +155,8 @@ def launch_prologue(g, G, q, k, qn, kn, beta, betan, alog, dtb, plan, H, K, BKF,
         raise ValueError(f"KIMIK3_KDA_PREP_PARTS must be 1 or 3, got {PREP_PARTS}")
     NT = plan.NT
     prep_args = (g, G, q, k, qn, kn, beta, betan, alog, dtb, plan.cu, plan.chunk_idx, H, g_min)
-    prep_kw = dict(K=K, BKF=BKF, USE_GATE=use_gate, USE_BETA_SIG=use_beta_sigmoid, num_warps=4 if BKF <= 64 else 8)
+    prep_kw = dict(K=K, BKF=BKF, USE_GATE=use_gate, USE_BETA_SIG=use_beta_sigmoid, EPS=L2_EPS,
+                   num_warps=4 if BKF <= 64 else 8)
     if L2_ROWS and use_l2:
         nkb = triton.cdiv(K, BK)
         _gate_cols_kernel[part_grid(NT, H, nkb)](
@@ -161,7 +164,8 @@ def launch_prologue(g, G, q, k, qn, kn, beta, betan, alog, dtb, plan, H, K, BKF,
             K=K, BK=BK, NKB=nkb, USE_GATE=use_gate, USE_BETA_SIG=use_beta_sigmoid, num_warps=GATE_COLS_WARPS,
         )
         rows, (BR, warps_r) = q.numel() // K, L2_ROWS_CONFIG
-        _l2_norm_rows_kernel[(triton.cdiv(rows, BR), 2)](q, k, qn, kn, rows, K=K, BKF=BKF, BR=BR, num_warps=warps_r)
+        _l2_norm_rows_kernel[(triton.cdiv(rows, BR), 2)](q, k, qn, kn, rows, K=K, BKF=BKF, BR=BR, EPS=L2_EPS,
+                                                         num_warps=warps_r)
     elif PREP_PARTS == 3 and use_l2:
         _prep_parts_kernel[part_grid(NT, H, 3)](*prep_args, **prep_kw)
     else:

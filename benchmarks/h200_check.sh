@@ -21,8 +21,13 @@
 #          same run), then shape 1 (B4 T4096 H64) with TRIES1. One GPU: the test file and shape 0 in turn
 #          (`train` and `kernels` do the rest). On a fresh machine fla autotunes ~90 s per shape and pass and
 #          our kernels compile: a shape's step needs ~250-300 s, so the precision table is not part of this
-#          mode (`precision` has it)                                                          <= 9.5 min
-# Each mode fits one device call (10 minutes at most). On a machine with two or more GPUs the steps of
+#          mode (`precision` has it). LIMIT0 / LIMIT1 set the two shapes' limits (300 / 250 s; LIMIT1=0 skips
+#          shape 1)                                                          <= 9.5 min
+# Each mode fits one device call (10 minutes at most). Autotuning results and compiled kernels persist between calls:
+# Triton's cache (TRITON_CACHE_AUTOTUNING=1, so fla's autotune timings too) comes back as $OUT/triton-cache.tgz
+# (only the autotune records when the whole cache is over 15 MiB); copy it to .triton-cache.tgz in the repository
+# root (gitignored) and carry it, and the next call starts from it instead of autotuning fla for ~90 s per shape.
+# Step results are in $OUT/rc.txt (one "name status" line each). On a machine with two or more GPUs the steps of
 # a mode run side by side, one GPU each (kernels: shape 1, B4 T4096 H64, on the second GPU too).
 #
 # fla (fla_core, flash_linear_attention 0.6.0), einops and pytest-xdist travel as wheels in .whl/ (gitignored; see
@@ -40,6 +45,11 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PYTHONPATH && FLA_ARGS=()
 fi
+export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -f .triton-cache.tgz ]; then
+  tar -C "$TRITON_CACHE_DIR" -xzf .triton-cache.tgz && echo "Triton cache restored from .triton-cache.tgz"
+fi
 FAILED=()
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
 # the Triton test file compiles ~100 kernels: with pytest-xdist (a wheel in .whl/) 8 workers compile side by
@@ -54,18 +64,30 @@ step() {  # step GPU NAME SECONDS COMMAND...: GPU 1 runs in the background when 
   if [ "$gpu" -ge 1 ] && [ "$GPUS" -lt 2 ]; then gpu=0; fi
   echo "===== $name (GPU $gpu, limit ${limit}s): $*"
   if [ "$gpu" -ge 1 ]; then
-    ( CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo $? > "$OUT/$name.rc" ) &
+    ( CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo $? > "/tmp/h200-$name.rc" ) &
     PIDS+=("$!:$name")
     return
   fi
   CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo $? > "$OUT/$name.rc"
+  echo $? > "/tmp/h200-$name.rc"
   report "$name"
 }
 
 report() {
-  [ "$(cat "$OUT/$1.rc")" = 0 ] || FAILED+=("$1")
+  local rc
+  rc=$(cat "/tmp/h200-$1.rc")
+  echo "$1 $rc" >> "$OUT/rc.txt"
+  [ "$rc" = 0 ] || FAILED+=("$1")
   tail -n 25 "$OUT/$1.log"
+}
+
+save_triton_cache() {  # $OUT/triton-cache.tgz: the whole cache if it fits a returned file, else the autotune records
+  local tgz="$OUT/triton-cache.tgz"
+  tar -C "$TRITON_CACHE_DIR" -czf "$tgz" .
+  if [ "$(stat -c %s "$tgz")" -gt $((15 * 1024 * 1024)) ]; then
+    (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar --null -T - -czf "$tgz")
+  fi
+  echo "Triton cache saved: $(du -sh "$TRITON_CACHE_DIR" | cut -f1) in $TRITON_CACHE_DIR, $(du -h "$tgz" | cut -f1) returned"
 }
 
 finish() {
@@ -75,6 +97,7 @@ finish() {
     echo "===== $(printf %s "${entry#*:}") (background) finished"
     report "${entry#*:}"
   done
+  save_triton_cache
   echo "===== failed steps: ${FAILED[*]:-none} (logs in $OUT; $GPUS GPU(s))"
   [ ${#FAILED[@]} -eq 0 ]
 }
@@ -122,8 +145,8 @@ case $MODE in
   final)
     if [ "$GPUS" -ge 2 ]; then
       step 1 kda_tests_train 560 bash -c "$TESTS; rc=\$?; $TRAIN --seeds 2 && exit \$rc"
-      kernel 0 kda_kernel 300 0 chunk,profile "$TRIES_FINAL"
-      kernel 0 kda_kernel_shape1 "${LIMIT1:-250}" 1 chunk "$TRIES1"
+      kernel 0 kda_kernel "${LIMIT0:-300}" 0 chunk,profile "$TRIES_FINAL"
+      if [ "${LIMIT1:-250}" -gt 0 ]; then kernel 0 kda_kernel_shape1 "${LIMIT1:-250}" 1 chunk "$TRIES1"; fi
     else  # one GPU: the test file first, no training check and no shape 1 (`train` / `kernels` do those)
       step 0 kda_tests 240 $TESTS
       kernel 0 kda_kernel 320 0 chunk,profile "$TRIES_FINAL"

@@ -18,13 +18,11 @@ from torch import nn
 from kimik3.config.schema import K3Config
 from kimik3.model.cache import KDAState
 from kimik3.model.conv import short_conv
-from kimik3.ops.kda import chunk_kda, recurrent_kda_step
-
-L2_EPS = 1e-6
+from kimik3.ops.kda import L2_EPS, chunk_kda, recurrent_kda_step
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + 1e-6) over the last dim, in fp32, cast back."""
+    """x / sqrt(sum(x^2) + L2_EPS) over the last dim, in fp32, cast back."""
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + L2_EPS)).to(x.dtype)
 

@@ -24,8 +24,12 @@ from .naive import check_kda_inputs, naive_recurrent_kda, recurrent_kda_step
 
 __all__ = [
     "chunk_kda", "naive_recurrent_kda", "recurrent_kda_step", "chunk_kda_torch", "kda_decode",
-    "kda_backend", "SUBTILE",
+    "kda_backend", "SUBTILE", "L2_EPS",
 ]
+
+# Inside the square root of the q / k L2 norm, x / sqrt(sum x^2 + L2_EPS), wherever it is computed: the K3
+# layer, the torch pre-activations, the Triton prologue, the chain rules and the decode kernel.
+L2_EPS = 1e-6
 
 # Backend override for chunk_kda: "torch", "triton" or "auto" (default).
 BACKEND_ENV = "KIMIK3_KDA_BACKEND"
@@ -60,15 +64,15 @@ def kda_backend(q: torch.Tensor, chunk_size: int = 64, backend: Optional[str] = 
 
 def _torch_preactivations(q, k, g, beta, A_log, dt_bias, g_min, use_gate, use_l2, use_beta_sigmoid):
     """The optional fused pre-activations in plain torch (fp32 math, cast back like the K3 layer):
-    g = g_min * sigmoid(exp(A_log) * (z + dt_bias)); q, k <- x / sqrt(sum x^2 + 1e-6); beta <- sigmoid(beta)."""
+    g = g_min * sigmoid(exp(A_log) * (z + dt_bias)); q, k <- x / sqrt(sum x^2 + L2_EPS); beta <- sigmoid(beta)."""
     if use_gate:
         H, K = q.shape[-2], q.shape[-1]
         rate = A_log.float().exp().view(H, 1)
         g = g_min * torch.sigmoid(rate * (g.float() + dt_bias.float().view(H, K)))
     if use_l2:
         q32, k32 = q.float(), k.float()
-        q = (q32 * torch.rsqrt(q32.square().sum(-1, keepdim=True) + 1e-6)).to(q.dtype)
-        k = (k32 * torch.rsqrt(k32.square().sum(-1, keepdim=True) + 1e-6)).to(k.dtype)
+        q = (q32 * torch.rsqrt(q32.square().sum(-1, keepdim=True) + L2_EPS)).to(q.dtype)
+        k = (k32 * torch.rsqrt(k32.square().sum(-1, keepdim=True) + L2_EPS)).to(k.dtype)
     if use_beta_sigmoid:
         beta = torch.sigmoid(beta.float())
     return q, k, g, beta

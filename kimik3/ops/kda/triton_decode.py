@@ -6,7 +6,7 @@ o = S^T (scale q); S is read once and written once (the op is state-bandwidth bo
 bytes per (b, h)). A negative slot skips the sequence (o = 0, no state touched), for padded batches.
 
 Optional fusions as the K3 layer computes them: the gate g = g_min * sigmoid(exp(A_log) (z + dt_bias))
-from the raw z, the q/k L2 norm (x / sqrt(sum x^2 + 1e-6), fp32), beta = sigmoid(raw beta).
+from the raw z, the q/k L2 norm (x / sqrt(sum x^2 + L2_EPS), fp32), beta = sigmoid(raw beta).
 Forward only (serving).
 """
 
@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from . import L2_EPS
 
 __all__ = ["kda_decode"]
 
@@ -29,7 +31,7 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pool_ptr, slot_ptr, o_ptr, alog_ptr, dtb_ptr,
     H, scale, g_min,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr,
+    USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr, EPS: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -56,8 +58,8 @@ def _decode_kernel(
         dtb = tl.load(dtb_ptr + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
         g = tl.where(km, g_min * tl.sigmoid(a * (g + dtb)), 0.0)
     if USE_L2:
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + EPS)
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
     if USE_BETA_SIG:
         b = tl.sigmoid(b)
     # v2: both K-reductions read the *loaded* state in one pass (no dependency between them):
@@ -77,9 +79,10 @@ def _default_blocks(BK: int, V: int, BH: int):
     BVF = max(16, triton.next_power_of_2(V))
     if DEFAULT_BLOCKS is not None:
         return min(DEFAULT_BLOCKS[0], BVF), DEFAULT_BLOCKS[1]
-    # Enough programs to fill the card at small batch; 8 KB-32 KB of state per program.
-    # H200 sweep (H96 D128, fp32 state; benchmarks/NOTES-kda.md): BV 64 / 4 warps best at B >= 64
-    # (3.72 TB/s at B64, 3.88 at B256; 8 warps: 2.8); B1 ~9 us with BV 32 / 4 warps.
+    # Enough programs to fill the card at small batch; 8 KB-32 KB of state per program. H200 sweeps (H96 D128,
+    # fp32 state; NOTES-kda.md): BV 64 / 4 warps best at B >= 64 (twelfth session: 3.73 TB/s at B64, 3.90 at
+    # B256; 2 warps the same, 32-column blocks 3.51 / 3.62, 128-column 3.61 / 3.83; a persistent form walking
+    # tiles with the next one prefetched 3.54 / 3.70 at its best, removed). At B1 eager calls are host-bound.
     BV = min(BVF, 32 if BH < 1024 else 64)
     while BK * BV > 8192 and BV > 16:
         BV //= 2
@@ -134,7 +137,7 @@ def kda_decode(
         H, float(scale), float(g_min),
         K=K, V=V, BK=BK, BV=BV,
         USE_GATE=bool(use_gate_in_kernel), USE_L2=bool(use_qk_l2norm_in_kernel),
-        USE_BETA_SIG=bool(use_beta_sigmoid_in_kernel),
+        USE_BETA_SIG=bool(use_beta_sigmoid_in_kernel), EPS=L2_EPS,
         num_warps=nw,
     )
     return o

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import L2_EPS
 from .triton_forward import _next_pow2
-from .triton_prologue import L2_EPS
 
 ROWS = 32  # tokens per program
 

@@ -19,6 +19,7 @@ from typing import Tuple
 import triton
 import triton.language as tl
 
+from . import L2_EPS
 from .triton_scan import _chunk_block, _chunk_part, part_grid
 
 # The prologue (``_prep0_kernel``) as one program per (chunk, head) doing the gate, the cumulative
@@ -36,7 +37,6 @@ PREP_PARTS = int(os.environ.get("KIMIK3_KDA_PREP_PARTS", "3"))
 L2_ROWS = os.environ.get("KIMIK3_KDA_L2_ROWS", "1") == "1"
 L2_ROWS_CONFIG: Tuple[int, int] = (64, 4)
 GATE_COLS_WARPS = 4
-L2_EPS = 1e-6  # inside the square root of the q / k L2 norm (and of its chain rule, ``triton_preact``)
 
 
 @triton.jit

@@ -22,7 +22,8 @@
 #          (`train` and `kernels` do the rest). On a fresh machine fla autotunes ~90 s per shape and pass and
 #          our kernels compile: a shape's step needs ~250-300 s, so the precision table is not part of this
 #          mode (`precision` has it). LIMIT0 / LIMIT1 set the two shapes' limits (300 / 250 s; LIMIT1=0 skips
-#          shape 1)                                                          <= 9.5 min
+#          shape 1). check and final: DECODE=1 adds the decode section with its launch sweep on GPU 0 after
+#          the kernels (LIMIT_DECODE, 120 s)                                                          <= 9.5 min
 # Each mode fits one device call (10 minutes at most). Autotuning results and compiled kernels persist between calls:
 # Triton's cache (TRITON_CACHE_AUTOTUNING=1, so fla's autotune timings too) comes back as $OUT/triton-cache.tgz
 # (only the autotune records when the whole cache is over 15 MiB); copy it to .triton-cache.tgz in the repository
@@ -114,6 +115,12 @@ kernel() {  # kernel GPU NAME LIMIT SHAPE SECTIONS TRIES: kda_kernel.py at one s
   step "$1" "$2" "$3" python3 benchmarks/kda_kernel.py --shapes "$4" --variants "$VARIANT" --sections "$5" \
     --no-hybrid --try "$6" --out "$OUT/shape$4" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
 }
+decode_step() {  # DECODE=1: the decode section (ours, fla, the launch sweep) on GPU 0 after the kernels
+  if [ "${DECODE:-0}" = 1 ]; then
+    step 0 kda_decode "${LIMIT_DECODE:-120}" python3 benchmarks/kda_kernel.py --sections decode --decode-sweep \
+      --out "$OUT/decode" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
+  fi
+}
 TESTS="python3 -m pytest -v -rf ${XDIST[*]} tests/ops/test_kda_triton.py"
 TRAIN="python3 benchmarks/kda_train_check.py --steps 30"
 case $MODE in
@@ -134,7 +141,8 @@ case $MODE in
       LIMITS=(300 280)
       step 1 kda_tests "${LIMITS[0]}" $TESTS
     fi
-    kernel 0 kda_kernel "${LIMITS[1]}" 0 env,ceilings,chunk,host,profile "$TRIES" ;;
+    kernel 0 kda_kernel "${LIMIT0:-${LIMITS[1]}}" 0 env,ceilings,chunk,host,profile "$TRIES"
+    decode_step ;;
   train)
     step 1 kda_train_check 300 $TRAIN
     step 0 parallel_smoke 120 torchrun --standalone --nproc_per_node 1 benchmarks/parallel_smoke.py ;;
@@ -147,6 +155,7 @@ case $MODE in
       step 1 kda_tests_train 560 bash -c "$TESTS; rc=\$?; $TRAIN --seeds 2 && exit \$rc"
       kernel 0 kda_kernel "${LIMIT0:-300}" 0 chunk,profile "$TRIES_FINAL"
       if [ "${LIMIT1:-250}" -gt 0 ]; then kernel 0 kda_kernel_shape1 "${LIMIT1:-250}" 1 chunk "$TRIES1"; fi
+      decode_step
     else  # one GPU: the test file first, no training check and no shape 1 (`train` / `kernels` do those)
       step 0 kda_tests 240 $TESTS
       kernel 0 kda_kernel 320 0 chunk,profile "$TRIES_FINAL"

@@ -132,6 +132,7 @@ def parse_override(text: str):
     a string."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
+    import kimik3.ops.kda.triton_decode as td
     import kimik3.ops.kda.triton_forward as tf
     import kimik3.ops.kda.triton_prologue as tp
     import kimik3.ops.kda.triton_scan as ts
@@ -139,7 +140,7 @@ def parse_override(text: str):
     target, sep, value = text.partition("=")
     module, dot, attr = target.partition(".")
     modules = {"triton_forward": tf, "triton_prologue": tp, "triton_scan": ts, "triton_backward": tb,
-               "triton_bwd_intra": tbi}
+               "triton_bwd_intra": tbi, "triton_decode": td}
     if not sep or not dot or module not in modules or not hasattr(modules[module], attr):
         raise argparse.ArgumentTypeError(f"{text!r}: expected module.ATTR=value with an existing ATTR of "
                                          f"{', '.join(modules)}")
@@ -181,6 +182,14 @@ def run_kda(args, compiler: Sm90Compiler) -> None:
                                        use_gate=True, use_l2=True, use_beta_sigmoid=True, return_aux=True)
         preact = PreactInputs(q, k, g, beta, a_log, dt_bias, -5.0, True, True, True)  # as K3's layer calls it
         tb.kda_bwd_triton(torch.zeros_like(v), torch.zeros_like(h0), aux, v, h0, K ** -0.5, plan, preact=preact)
+        if args.decode_batch:  # the serving decode kernel, one token for each of decode_batch sequences
+            from kimik3.ops.kda.triton_decode import kda_decode
+
+            Bd = args.decode_batch
+            x = torch.zeros(Bd, H, K, dtype=dtype)
+            kda_decode(x, x, torch.zeros(Bd, H, V, dtype=dtype), x, torch.zeros(Bd, H, dtype=dtype),
+                       torch.zeros(Bd, H, K, V), torch.arange(Bd), A_log=a_log, dt_bias=dt_bias.view(H, K),
+                       use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
     finally:
         jit.JITFunction.run = original
 
@@ -197,9 +206,12 @@ def main(argv=None) -> int:
     p.add_argument("--intra", default="split", choices=["fused", "split", "tiles16"])
     p.add_argument("--variant", default=None, help="precision variant (KIMIK3_KDA_VARIANT), e.g. ach")
     p.add_argument("--wy-split", type=int, choices=[0, 1], default=1, help="KIMIK3_KDA_WY_SPLIT")
+    p.add_argument("--decode-batch", type=int, default=64,
+                   help="sequences of the decode kernel's launch (0: leave it out); its blocks from "
+                        "--set triton_decode.DEFAULT_BLOCKS=BV,warps")
     p.add_argument("--set", dest="overrides", action="append", default=[], type=parse_override,
                    help="module.ATTR=value, module one of triton_forward, triton_prologue, triton_scan, "
-                        "triton_backward, triton_bwd_intra; value an int or a "
+                        "triton_backward, triton_bwd_intra, triton_decode; value an int or a "
                         "comma tuple of ints (e.g. triton_backward.BWD_WARPS=8, triton_forward.SCAN_CONFIG=32,4,1)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)

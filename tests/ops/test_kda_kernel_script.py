@@ -47,8 +47,18 @@ def kk(monkeypatch):
         return chunk_kda(*xs, backend="torch", use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
                          use_beta_sigmoid_in_kernel=True, **kw)
 
+    def fake_fla_decode(q, k, v, g, beta, A_log, dt_bias, initial_state, inplace_final_state, ssm_state_indices,
+                        lower_bound, **flags):  # fla's one-token keyword contract, answered by our kernel
+        assert inplace_final_state and all(flags.values()) and len(flags) == 3, flags
+        from kimik3.ops.kda import kda_decode
+
+        o = kda_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial_state, ssm_state_indices,
+                       A_log=A_log, dt_bias=dt_bias, g_min=lower_bound, **flags)
+        return o[:, None], initial_state
+
     monkeypatch.setattr(mod, "bench", wall_ms)
     monkeypatch.setattr(mod, "load_fla", lambda: (fake_fla, "stand-in"))
+    monkeypatch.setattr(mod, "load_fla_decode", lambda: fake_fla_decode)
     return mod
 
 
@@ -89,6 +99,19 @@ def test_host_section_reports_enqueue_and_eager_time_for_ours_and_the_peer(kk, c
     assert "host B1 T40 H1 D16 ours fwd: enqueue" in capsys.readouterr().out
 
 
+def test_decode_section_times_ours_the_peer_and_each_launch(kk, capsys):
+    """Ours at the default launch, the peer, and (--sweep) every launch configuration, each checked against the
+    one-token reference before it is timed, at batch sizes below the targets' (no target verdicts)."""
+    kk.decode([2, 3], sweep=True, use_fla=True, H=2, D=16)
+    assert kk.RESULTS["fail"] == [], kk.RESULTS["fail"]
+    names = ["ours", "fla"] + [f"ours BV={bv} warps={nw}" for bv, nw in kk.DECODE_SWEEP]
+    assert len(kk.RESULTS["pass"]) == 2 * len(names)
+    for row in kk.RESULTS["timings"]["decode"]:
+        assert sorted(row) == sorted(names + ["B"])
+        assert all(row[n]["us"] > 0 and row[n]["TBps"] > 0 for n in names)
+    assert "| 3 |" in capsys.readouterr().out
+
+
 def test_unknown_try_switch_is_refused(kk):
     with pytest.raises(SystemExit, match="unknown switch 'colour'"):
         kk.parse_experiment("var=ach+colour")
@@ -119,6 +142,22 @@ def test_forward_form_switches(kk):
         (tf, "INTRA_SPLIT_WARPS"): (8, 1, 2)}
     with pytest.raises(SystemExit, match="iw=A/B/C"):
         kk.parse_experiment("iw=4/1")
+
+
+def test_backward_form_switches(kk):
+    """The backward's alternatives (the WY kernel's loops and stages, the fused pre-activations' backward, the
+    suffix pass) are reachable from --try, each way round, so a default flipped can still be timed against."""
+    import kimik3.ops.kda.triton_backward as tb
+    import kimik3.ops.kda.triton_bwd_intra as tbi
+
+    assert kk.parse_experiment("wyunroll+wys=1+nowyv+nofpb+sfx=32/4")[1] == {
+        (tb, "WY_DYN_LOOP"): False, (tb, "WY_LOOP_STAGES"): 1, (tb, "WY_V_LOOP"): False,
+        (tbi, "FUSE_PREACT_BWD"): False, (tbi, "SUFFIX_CONFIG"): (32, 4)}
+    assert kk.parse_experiment("wydyn+wys=3+wyv+fpb+bis=2")[1] == {
+        (tb, "WY_DYN_LOOP"): True, (tb, "WY_LOOP_STAGES"): 3, (tb, "WY_V_LOOP"): True, (tbi, "FUSE_PREACT_BWD"): True,
+        (tbi, "ROWS_STAGES"): 2}
+    with pytest.raises(SystemExit, match="wys=S"):
+        kk.parse_experiment("wys=three")
 
 
 @pytest.fixture()

@@ -299,7 +299,8 @@ def test_wy_split_over_k(monkeypatch, K, blocks):
 @pytest.mark.parametrize("case", ["K100-BK32", "K130-BK64", "varlen-BK32", "bf16-scan32x2", "K100-tiles",
                                   "varlen-tiles", "bf16-tiles", "bf16-nodrv", "K100-nodrv", "bf16-w32",
                                   "bf16-nodhacc", "bf16-wyunroll", "K100-wyunroll",
-                                  "bf16-wystages3", "bf16-wystages2", "bf16-wyvloop-wystages3"])
+                                  "bf16-wystages3", "bf16-wystages2", "bf16-wystages1",
+                                  "bf16-wyvunroll-wystages3", "bf16-rowstages1"])
 def test_backward_launch_sweeps(monkeypatch, case):
     """The backward's alternatives give the default's gradients, and both match naive: the intra kernel
     split over key blocks (4 and 3 blocks, so partial dbeta sums with the WY kernel's partials; varlen with
@@ -310,8 +311,9 @@ def test_backward_launch_sweeps(monkeypatch, case):
     ("w32"; the default stores it in the 16-bit input dtype), and the state-gradient scan at 8 warps with its
     16-bit products summed after the dots ("nodhacc"; the default accumulates them in place), and the WY
     kernel's key-block side unrolled ("wyunroll"; the default keeps its V loop), at 32-column V blocks, and that
-    loop pipelined over 2 or 3 stages ("wystagesN"; the default: 1), with the K-independent part's V loop kept
-    and pipelined too ("wyvloop"; the default unrolls it)."""
+    loop pipelined over 1 to 3 stages ("wystagesN"; the default: 3 at 64-column V blocks), with the
+    K-independent part's V loop unrolled ("wyvunroll"; the default keeps and pipelines it too), and the "rows"
+    kernel launched at one pipeline stage ("rowstages1"; the default: Triton's 3)."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
     import kimik3.ops.kda.triton_forward as tf
@@ -332,8 +334,10 @@ def test_backward_launch_sweeps(monkeypatch, case):
         knobs[(tb, "WY_DYN_LOOP")], knobs[(tb, "WY_BLOCKS")] = False, (32, 32)
     if "wystages" in case:
         knobs[(tb, "WY_LOOP_STAGES")], knobs[(tb, "WY_BLOCKS")] = int(case[-1]), (32, 32)
-    if "wyvloop" in case:
-        knobs[(tb, "WY_V_LOOP")] = True
+    if "wyvunroll" in case:
+        knobs[(tb, "WY_V_LOOP")] = False
+    if "rowstages" in case:
+        knobs[(tbi, "ROWS_STAGES")] = int(case[-1])
     if "scan32" in case:
         knobs[(tb, "SCAN_BV")], knobs[(tb, "SCAN_STAGES")] = 32, 2
     if case.startswith("K"):
@@ -720,6 +724,27 @@ def test_decode_matches_chunk_continuation():
         o = kda_decode(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], pool, slots)
         assert rel_rms(o_ref[:, t], o) < 5e-5
     assert rel_rms(s_ref, pool[slots]) < 5e-5
+
+
+def test_decode_rejects_bad_inputs():
+    """Each malformed argument is named in the error, before anything is launched or written."""
+    B, H, K, V = 2, 2, 16, 16
+    q, k, g = (torch.randn(B, H, K, device=DEV) for _ in range(3))
+    v, beta = torch.randn(B, H, V, device=DEV), torch.rand(B, H, device=DEV)
+    pool, slots = torch.zeros(3, H, K, V, device=DEV), torch.tensor([0, 2], device=DEV)
+    cases = [
+        (dict(q=q[0]), "q must be"),
+        (dict(v=v[:1]), "v must have shape"),
+        (dict(state_pool=pool.double()), "state_pool must be float32"),
+        (dict(state_pool=pool.transpose(2, 3)), "contiguous"),
+        (dict(slots=slots.float()), "slots must be an integer"),
+        (dict(use_gate_in_kernel=True), "use_gate_in_kernel needs"),
+    ]
+    for bad, message in cases:
+        kw = dict(q=q, k=k, v=v, g=g, beta=beta, state_pool=pool, slots=slots) | bad
+        with pytest.raises(ValueError, match=message):
+            kda_decode(**kw)
+    assert torch.count_nonzero(pool) == 0
 
 
 # --------------------------------------------------------------------------

@@ -62,12 +62,13 @@ WY_DYN_LOOP = True
 # shared memory 80 / 120 / 184 KB at 1 / 2 / 3 stages, 255 registers, no spill). H200, K3's shape, bf16, same
 # run: fwd+bwd 11.114 ms at 1 stage, 10.899 at 2, 10.814 at 3 (NOTES-kda.md, eleventh session). 16-bit stored
 # states only: with fp32 ones (fp32 inputs) three stages take 224 of the 227 KB and the kernel spills anyway.
-# Stays 1 until the GPU test file and the training check have run with 3 at the default blocks (only the
-# sweep test's 3-stage case, at 32-column V blocks, has run on the GPU so far): KIMIK3_KDA_WY_STAGES=3 runs them so.
-WY_LOOP_STAGES = int(os.environ.get("KIMIK3_KDA_WY_STAGES", "1"))
-# The K-independent part's V loop kept too (``_wy_v_side``), at the same stages; unrolled by default. Not yet
-# timed on the GPU.
-WY_V_LOOP = False
+# 3 since the twelfth session: the GPU test file (100 passed) and the bf16 training check passed with it, and in
+# the same run fwd+bwd 11.120 -> 10.828 ms against 1 stage (fla 12.472). KIMIK3_KDA_WY_STAGES sets it.
+WY_LOOP_STAGES = int(os.environ.get("KIMIK3_KDA_WY_STAGES", "3"))
+# The K-independent part's V loop kept too (``_wy_v_side``), at the same stages (KIMIK3_KDA_WY_V_LOOP=0: unrolled).
+# H200, K3's shape, bf16: the kernel 3.010 -> 2.890 ms, fwd+bwd 10.828 -> 10.715 ms (call 1) and 10.828 -> 10.690
+# (call 2, with the GPU test file and the training check passing with it; NOTES-kda.md, twelfth session).
+WY_V_LOOP = os.environ.get("KIMIK3_KDA_WY_V_LOOP", "1") == "1"
 # Launch of the two backward scans (state recompute, which only runs after the fused forward, and the
 # state-gradient scan): V block, warps, pipeline stages, from ``_scan_launch``; these three override it
 # (benchmark sweeps, None = its defaults). fp32 scans: 32 / 8 / 1 -- their fp32 [K, BV] tiles must not be

@@ -36,9 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import L2_EPS
 from .triton_forward import INTERPRET, ChunkPlan, _next_pow2
 from .triton_preact import PreactInputs, gate_bwd, l2_bwd_rows, sigmoid_bwd
-from .triton_prologue import L2_EPS
 from .triton_scan import _chunk_block, _chunk_bounds, _chunk_part, part_grid
 
 BWD_INTRA_MODE = os.environ.get("KIMIK3_KDA_BWD_INTRA", "rows")
@@ -59,6 +59,9 @@ FUSE_PREACT_BWD = os.environ.get("KIMIK3_KDA_FUSE_PREACT_BWD", "1") == "1"
 # (64, 4) on sm_90 (3 CTAs per SM, 110 without it). (32, 4) (72 registers, 7 CTAs) and (64, 8) timed flat or
 # slower on the H200 at K3's shape (NOTES-kda.md, eleventh session).
 SUFFIX_CONFIG = (64, 4)
+# Pipeline stages of the "rows" kernel's launch (None: Triton's default, 3). H200, K3's shape, fwd+bwd (twelfth
+# session, same run): 1 stage 11.089 ms, 2 10.817, 4 10.827 against 10.690 at 3.
+ROWS_STAGES: Optional[int] = None
 
 
 @triton.jit
@@ -323,7 +326,9 @@ def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Ten
         raw = (preact.q, preact.k, preact.beta) if fuse else (q, k, beta)
         _bwd_intra_rows_kernel[part_grid(NT, H, 4 * nkb)](*args, *raw, dq_out, dk_out, K=K, BK=BK, PREC=prec,
                                                           NPART=npart, NKB=nkb, INTERP=INTERPRET, L2=l2, BSIG=bsig,
-                                                          EPS=L2_EPS, num_warps=warps)
+                                                          EPS=L2_EPS, num_warps=warps,
+                                                          **({} if ROWS_STAGES is None else
+                                                             dict(num_stages=ROWS_STAGES)))
         BKs = min(SUFFIX_CONFIG[0], BKF)
         nks = triton.cdiv(K, BKs)
         dz, d_alog, d_dtb = dg, None, None

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and times the GPU code paths (H200, torch 2.11, Triton 3.6):
 #
-#   bash benchmarks/h200_check.sh [quick|kernels|check|train|final]  # logs under $OUT (default ./h200-logs)
+#   bash benchmarks/h200_check.sh [quick|kernels|check|train|precision|final]  # logs under $OUT (default ./h200-logs)
 #
 # quick    compile + correctness of every Triton KDA kernel on the GPU: kda_gpu_probe.py (one process
 #          per shape, so a fault cannot hide the cases after it) and tests/ops/test_kda_triton.py
@@ -11,7 +11,7 @@
 #          autotune ~90 s each)                                                         <= 9 min
 # check    (two GPUs) the bf16 training check (--seeds 2) and then the Triton test file on GPU 1 while GPU 0
 #          runs `kernels` at shape 0 only, with the host-overhead section: a kernel change checked and timed in
-#          one call (one GPU: the test file and `kernels` in turn, shorter limits)             <= 9.5 min
+#          one call (one GPU: the test file and `kernels` in turn, shorter limits; LIMIT0 sets GPU 0's)  <= 9.5 min
 # train    the parallel smoke test and the bf16 training check (Triton kernels vs torch) <= 7 min
 # precision (two GPUs) GPU 1: kda_precision.py (each bf16 variant and fla against the fp32 token loop, forward
 #          and gradients), then the bf16 training check for the default and for variant $TRAIN_VARIANT
@@ -24,10 +24,11 @@
 #          mode (`precision` has it). LIMIT0 / LIMIT1 set the two shapes' limits (300 / 250 s; LIMIT1=0 skips
 #          shape 1). check and final: DECODE=1 adds the decode section with its launch sweep on GPU 0 after
 #          the kernels (LIMIT_DECODE, 120 s)                                                          <= 9.5 min
-# Each mode fits one device call (10 minutes at most). Autotuning results and compiled kernels persist between calls:
-# Triton's cache (TRITON_CACHE_AUTOTUNING=1, so fla's autotune timings too) comes back as $OUT/triton-cache.tgz
-# (only the autotune records when the whole cache is over 15 MiB); copy it to .triton-cache.tgz in the repository
-# root (gitignored) and carry it, and the next call starts from it instead of autotuning fla for ~90 s per shape.
+# Each mode fits one device call (10 minutes at most). Autotune results persist between calls: Triton's cache
+# (TRITON_CACHE_AUTOTUNING=1, so fla's autotune timings too) comes back as $OUT/triton-cache.tgz (only the autotune
+# records, ~20 KB, when the whole cache is over 15 MiB, as it is after any timing step); copy it to
+# .triton-cache.tgz in the repository root (gitignored) and carry it: fla's first call at a shape then takes ~6 s
+# instead of ~90 s, and a shape's timing step about a minute.
 # Step results are in $OUT/rc.txt (one "name status" line each). On a machine with two or more GPUs the steps of
 # a mode run side by side, one GPU each (kernels: shape 1, B4 T4096 H64, on the second GPU too).
 #

@@ -676,7 +676,6 @@ def ablate(shapes):
     RESULTS["timings"]["ablate"] = rows
 
 
-@section
 def load_fla_decode():
     """fla's one-token kernel entry (``fused_recurrent_kda_fwd``: continuous batching over a state pool, updated in
     place), or None."""
@@ -693,6 +692,7 @@ def load_fla_decode():
 DECODE_SWEEP = [(32, 4), (64, 2), (64, 4), (128, 4), (128, 8)]
 
 
+@section
 def decode(batches, sweep: bool, use_fla: bool = True, H: int = 96, D: int = 128):
     """The batched one-token kernel on a state pool (K3 contract: fused gate, L2 norm, beta sigmoid; fp32 state):
     ours at its default launch (the number the targets are judged on) and fla's ``fused_recurrent_kda`` as

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and times the GPU code paths (H200, torch 2.11, Triton 3.6):
 #
-#   bash benchmarks/h200_check.sh [quick|kernels|check|train|precision|final]  # logs under $OUT (default ./h200-logs)
+#   bash benchmarks/h200_check.sh [quick|kernels|check|train|precision|final|decode]  # logs under $OUT
 #
 # quick    compile + correctness of every Triton KDA kernel on the GPU: kda_gpu_probe.py (one process
 #          per shape, so a fault cannot hide the cases after it) and tests/ops/test_kda_triton.py
@@ -24,6 +24,8 @@
 #          mode (`precision` has it). LIMIT0 / LIMIT1 set the two shapes' limits (300 / 250 s; LIMIT1=0 skips
 #          shape 1). check and final: DECODE=1 adds the decode section with its launch sweep on GPU 0 after
 #          the kernels (LIMIT_DECODE, 120 s)                                                          <= 9.5 min
+# decode   the decode section alone (ours and fla at B 1 / 64 / 256, eager and CUDA-graph times, the launch sweep)
+#          on one GPU: a short call                                                            <= 2 min
 # Each mode fits one device call (10 minutes at most). Autotune results persist between calls: Triton's cache
 # (TRITON_CACHE_AUTOTUNING=1, so fla's autotune timings too) comes back as $OUT/triton-cache.tgz (only the autotune
 # records, ~20 KB, when the whole cache is over 15 MiB, as it is after any timing step); copy it to
@@ -37,7 +39,7 @@
 # writes its log even when it fails; the exit status is non-zero if any step failed.
 set -u
 MODE=${1:-kernels}
-case $MODE in quick|kernels|check|train|precision|final) ;; *) echo "usage: $0 [quick|kernels|check|train|precision|final]" >&2; exit 2 ;; esac
+case $MODE in quick|kernels|check|train|precision|final|decode) ;; *) echo "usage: $0 [quick|kernels|check|train|precision|final|decode]" >&2; exit 2 ;; esac
 OUT=${OUT:-./h200-logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -117,7 +119,7 @@ kernel() {  # kernel GPU NAME LIMIT SHAPE SECTIONS TRIES: kda_kernel.py at one s
     --no-hybrid --try "$6" --out "$OUT/shape$4" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
 }
 decode_step() {  # DECODE=1: the decode section (ours, fla, the launch sweep) on GPU 0 after the kernels
-  if [ "${DECODE:-0}" = 1 ]; then
+  if [ "${DECODE:-0}" = 1 ] || [ "$MODE" = decode ]; then
     step 0 kda_decode "${LIMIT_DECODE:-120}" python3 benchmarks/kda_kernel.py --sections decode --decode-sweep \
       --out "$OUT/decode" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
   fi
@@ -151,6 +153,8 @@ case $MODE in
     step 1 kda_precision_train 560 bash -c "python3 benchmarks/kda_precision.py --variants '$PRECISION_VARIANTS' \
       --out '$OUT' && $TRAIN --seeds 2 && KIMIK3_KDA_VARIANT='$TRAIN_VARIANT' $TRAIN --seeds 2"
     kernel 0 kda_kernel 540 0 chunk,profile "$TRIES" ;;
+  decode)
+    decode_step ;;
   final)
     if [ "$GPUS" -ge 2 ]; then
       step 1 kda_tests_train 560 bash -c "$TESTS; rc=\$?; $TRAIN --seeds 2 && exit \$rc"

@@ -19,32 +19,8 @@ not stop the later ones; exit status 1 if anything FAILed):
   variant and per --try experiment, and of one forward+backward; fla's too), `host` (the forward's host
   overhead, ours and fla's: enqueue time, eager and CUDA-graph medians) and `ablate` (the forward
   with one phase of the intra kernel skipped: timing only). `--try` adds kernel-structure experiments
-  to `chunk`, each checked against the default forward on the same inputs and timed forward and
-  forward+backward: a comma list of `+`-joined switches, `scan=BV/warps/stages` (KIMIK3_KDA_FWD=split
-  at that scan config), `intra` / `intra=MODE` (KIMIK3_KDA_INTRA: split, the default, fused or tiles16),
-  `i16` / `i16=BK/warps[/1[/1]]` (KIMIK3_KDA_INTRA=tiles16 at that config; /1: phase C as its own
-  kernel, /1/1: the diagonal blocks too), `wy` / `nowy` (KIMIK3_KDA_WY_SPLIT=1 / 0), `var=LETTERS` (the
-  precision variant, e.g. `var=ach`; checked against the default at the bf16 tests' bounds), `solve3`
-  (KIMIK3_KDA_SOLVE=3), `solve=MODE/warps` (the split solve kernel's SOLVE mode and num_warps), `bscan=W`
-  (warps of the two backward scans), `bwarps=W` (warps of the chunk-local backward kernels), `wyb=BK/BV` (the
-  WY backward's blocks), `wydyn` / `wyunroll` (its key-block side over a loop the compiler keeps, the default,
-  or unrolled: WY_DYN_LOOP), `wys=S` (that kept loop pipelined over S stages, WY_LOOP_STAGES), `wyv` / `nowyv`
-  (its K-independent part's V loop kept too, or unrolled: WY_V_LOOP), `st32` (the backward's recomputed states stored fp32,
-  KIMIK3_KDA_STATES_16BIT=0), `bik=BK/warps` (the backward intra kernel's key block and warps), `brows` /
-  `btiles` (that kernel per row tile, the default, or per chunk: KIMIK3_KDA_BWD_INTRA), `fpb` / `nofpb` (the
-  pre-activations' backward inside it and the suffix-sum pass, or its own pass: KIMIK3_KDA_FUSE_PREACT_BWD),
-  `sfx=BK/warps` (the suffix-sum pass's key block and warps), `bis=S` (the "rows" kernel's pipeline stages),
-  `bsc=BV/stages` (the backward scans' V block and pipeline stages), `nodrv` / `nodq16` (the WY backward
-  without the separate dRv pass / with dO S^T in tf32), `w32` (W stored fp32, KIMIK3_KDA_W16=0), `wyc=BK/BV`
-  (phase C's K and V blocks per program; default 64 / 64), `abk=BK` (the split phase A kernel's K block;
-  default 64), `l2rows` / `l2prep` (the q / k
-  L2 norms over contiguous rows, the default, or in the prologue: KIMIK3_KDA_L2_ROWS), `l2r=BR/warps` (that row
-  kernel's rows per program and warps), `gcw=W` (the gate kernel's warps with l2rows), `iw=A/B/C` (warps of the
-  split intra kernels: A, the solve, W / U; default 4 / 1 / 4), `iwarps=W` (the fused intra kernel's warps),
-  `prep1` / `prep3` (the prologue as one or three programs per chunk and head, KIMIK3_KDA_PREP_PARTS), `dhacc` /
-  `nodhacc` (the state-gradient scan's products accumulated in place, the default, or not), `out=BV/warps`
-  (the split forward's output kernel; default 64 / 4) and
-  `fwd=fused` / `fwd=split` (KIMIK3_KDA_FWD at its default scan launch); e.g.
+  to `chunk` (and `profile`), each checked against the default forward on the same inputs and timed forward and
+  forward+backward: a comma list of `+`-joined switches, listed in kda_tries.py; e.g.
   `--try scan=32/4/2,intra=fused,wy,st32,bik=32/4,bsc=64/2`. fla is timed before our experiments, so a run cut
   short keeps the comparison.
 
@@ -68,134 +44,13 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kda_tries import overridden, parse_experiment  # noqa: E402,F401  (the --try switches; tests reach them here)
 
 RESULTS: dict = {"pass": [], "fail": [], "timings": {}, "errors": {}}
 G_MIN = -5.0
 CHECK_VARIANTS = ["", "h", "ach", "acsw"]  # --check-variants
 EXPERIMENTS: list = []  # --try: (name, {(module, attribute): value}) kernel-structure overrides
-
-
-def _slash_ints(part: str, usage: str) -> tuple:
-    """'bik=32/4' read against usage 'bik=BK/warps' -> (32, 4); fields in brackets are optional
-    ('i16=BK/warps[/wy[/diag]]'); exits naming the usage on a wrong count."""
-    key, fields = usage.split("=")
-    required, _, optional = fields.partition("[")
-    lo = len(required.split("/"))
-    hi = lo + optional.count("/")
-    cfg = tuple(int(x) for x in part[len(key) + 1:].split("/"))
-    if not lo <= len(cfg) <= hi:
-        raise SystemExit(f"--try: {usage}, got {part!r}")
-    return cfg
-
-
-def parse_experiment(token: str):
-    """'intra+wy+scan=32/4/2' -> (token, {(module, attribute): value})."""
-    import kimik3.ops.kda.triton_backward as tb
-    import kimik3.ops.kda.triton_forward as tf
-    import kimik3.ops.kda.triton_prologue as tp
-    import kimik3.ops.kda.triton_scan as ts
-    import kimik3.ops.kda.triton_bwd_intra as tbi
-
-    overrides = {}
-    for part in token.split("+"):
-        if part.startswith("scan="):
-            cfg = _slash_ints(part, "scan=BV/warps/stages")
-            overrides[(tf, "FWD_MODE")], overrides[(tf, "SPLIT_CONFIG")] = "split", cfg
-        elif part == "intra" or part.startswith("intra="):  # intra = the split kernels (the default)
-            overrides[(tf, "INTRA_MODE")] = part[6:] or "split"
-        elif part == "st32":
-            overrides[(ts, "STATES_16BIT")] = False
-        elif part.startswith("bik="):
-            cfg = _slash_ints(part, "bik=BK/warps")
-            overrides[(tbi, "BWD_INTRA_BK")], overrides[(tbi, "BWD_INTRA_WARPS")] = cfg
-        elif part in ("brows", "btiles"):
-            overrides[(tbi, "BWD_INTRA_MODE")] = part[1:]
-        elif part.startswith("bis=") and part[4:].isdigit():  # pipeline stages of the "rows" kernel's launch
-            overrides[(tbi, "ROWS_STAGES")] = int(part[4:])
-        elif part.startswith("sfx="):  # the suffix-sum pass (key block, warps)
-            overrides[(tbi, "SUFFIX_CONFIG")] = _slash_ints(part, "sfx=BK/warps")
-        elif part in ("fpb", "nofpb"):  # the pre-activations' backward inside the intra backward, or its own pass
-            overrides[(tbi, "FUSE_PREACT_BWD")] = part == "fpb"
-        elif part in ("dhacc", "nodhacc"):  # the state-gradient scan's 16-bit products accumulated in place or not
-            overrides[(tb, "DH_ACC_DOTS")] = part == "dhacc"
-        elif part in ("prep1", "prep3"):  # the prologue as one or three programs per (chunk, head)
-            overrides[(tp, "PREP_PARTS")] = int(part[4])
-        elif part == "w32":  # W stored fp32 (as before the seventh session)
-            overrides[(tf, "W_16BIT")] = False
-        elif part in ("l2rows", "l2prep"):  # the q / k L2 norms over contiguous rows, or in the PREP_PARTS prologue
-            overrides[(tp, "L2_ROWS")] = part == "l2rows"
-        elif part.startswith("l2r="):  # the row L2-norm kernel (rows per program, warps)
-            overrides[(tp, "L2_ROWS_CONFIG")] = _slash_ints(part, "l2r=BR/warps")
-        elif part.startswith("gcw=") and part[4:].isdigit():  # warps of the gate-per-column-block kernel
-            overrides[(tp, "GATE_COLS_WARPS")] = int(part[4:])
-        elif part.startswith("iw="):  # warps of the split intra kernels A, B (solve), C (W / U)
-            overrides[(tf, "INTRA_SPLIT_WARPS")] = _slash_ints(part, "iw=A/B/C")
-        elif part.startswith("wyc="):  # phase C's (K block, V block) per program
-            overrides[(tf, "WY_BLOCKS")] = _slash_ints(part, "wyc=BK/BV")
-        elif part.startswith("abk=") and part[4:].isdigit():  # the split phase A kernel's K block
-            overrides[(tf, "A_BK")] = int(part[4:])
-        elif part in ("nodrv", "nodq16"):  # the WY backward without the dRv pass / without 16-bit dO S^T
-            overrides[(tb, "DRV_PASS" if part == "nodrv" else "WY_DQ16")] = False
-        elif part in ("fwd=fused", "fwd=split"):
-            overrides[(tf, "FWD_MODE")] = part[4:]
-        elif part.startswith("out="):  # the split forward's output kernel (V block, warps)
-            overrides[(tf, "OUTPUT_CONFIG")] = _slash_ints(part, "out=BV/warps")
-        elif part.startswith("bsc="):
-            cfg = _slash_ints(part, "bsc=BV/stages")
-            overrides[(tb, "SCAN_BV")], overrides[(tb, "SCAN_STAGES")] = cfg
-        elif part in ("wydyn", "wyunroll"):  # the WY backward's key-block side over a kept V loop or unrolled
-            overrides[(tb, "WY_DYN_LOOP")] = part == "wydyn"
-        elif part.startswith("wys=") and part[4:].isdigit():  # pipeline stages of the WY backward's kept V loop
-            overrides[(tb, "WY_LOOP_STAGES")] = int(part[4:])
-        elif part in ("wyv", "nowyv"):  # the WY backward's K-independent part over a kept V loop, or unrolled
-            overrides[(tb, "WY_V_LOOP")] = part == "wyv"
-        elif part.startswith("wyb="):
-            cfg = _slash_ints(part, "wyb=BK/BV")
-            overrides[(tb, "WY_BLOCKS")] = cfg
-        elif part == "i16" or part.startswith("i16="):
-            overrides[(tf, "INTRA_MODE")] = "tiles16"
-            if part != "i16":
-                overrides[(tf, "INTRA16_CONFIG")] = _slash_ints(part, "i16=BK/warps[/wy[/diag]]")
-        elif part in ("wy", "nowy"):
-            overrides[(tb, "WY_SPLIT_K")] = part == "wy"
-        elif part.startswith("var="):  # the precision variant of the forward (and so of the backward scans)
-            overrides[(tf, "DEFAULT_VARIANT")] = part[4:]
-        elif part == "solve3":
-            overrides[(tf, "SOLVE")] = 3
-        elif part.startswith("solve="):  # solve=MODE/warps: the split solve kernel's SOLVE mode and num_warps
-            cfg = _slash_ints(part, "solve=MODE/warps")
-            overrides[(tf, "SOLVE")] = cfg[0]
-            wa, _, wc = tf.INTRA_SPLIT_WARPS
-            overrides[(tf, "INTRA_SPLIT_WARPS")] = (wa, cfg[1], wc)
-        elif part.startswith("bscan=") and part[6:].isdigit():
-            overrides[(tb, "SCAN_WARPS")] = int(part[6:])
-        elif part.startswith("iwarps=") and part[7:].isdigit():  # warps of the fused intra kernel
-            overrides[(tf, "INTRA_WARPS")] = int(part[7:])
-        elif part.startswith("bwarps=") and part[7:].isdigit():
-            overrides[(tb, "BWD_WARPS")] = int(part[7:])
-        else:
-            raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra[=MODE], "
-                             "i16[=BK/W], wy, nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, "
-                             "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
-                             "prep1|prep3, dhacc|nodhacc, out=BV/W, l2rows|l2prep, l2r=BR/W, gcw=W, iw=A/B/C, "
-                             "wyc=BK/BV, abk=BK, wydyn|wyunroll, wys=S, wyv|nowyv, fpb|nofpb, sfx=BK/W, bis=S, iwarps=W)")
-    return token, overrides
-
-
-class overridden:
-    """Apply an experiment's module-attribute overrides for a block, restoring them after."""
-
-    def __init__(self, overrides):
-        self.overrides, self.saved = overrides, {}
-
-    def __enter__(self):
-        for (mod, attr), value in self.overrides.items():
-            self.saved[(mod, attr)] = getattr(mod, attr)
-            setattr(mod, attr, value)
-
-    def __exit__(self, *exc):
-        for (mod, attr), value in self.saved.items():
-            setattr(mod, attr, value)
 
 
 def log(msg: str) -> None:
@@ -741,7 +596,7 @@ def decode(batches, sweep: bool, use_fla: bool = True, H: int = 96, D: int = 128
             verdict(f"decode B{B} {name} vs recurrent_kda_step", e1 < 1e-2 and e2 < 1e-5, f"o {e1:.2e} state {e2:.2e}")
             # eager (at B1 the host's enqueue time sets it) and replayed from a CUDA graph, as a serving engine
             # runs its decode steps (the GPU's own time); the state figure from the graph time where there is one
-            hs = host_split(lambda: fn(p))
+            hs = host_split(lambda p=p: fn(p))
             del p
             t = hs["graph_ms"] if hs["graph_ms"] is not None else hs["eager_ms"]
             tbs = nbytes / (t * 1e-3) / 1e12
@@ -784,7 +639,7 @@ def main() -> int:
     p.add_argument("--no-hybrid", action="store_true", help="skip the HYBRID (torch) backward's timing")
     p.add_argument("--decode-batches", default=None, help="comma list (default 1,64,256; quick 64)")
     p.add_argument("--try", dest="experiments", default=None,
-                   help="kernel-structure experiments for `chunk` (module docstring), e.g. scan=32/4/2,intra,wy")
+                   help="kernel-structure experiments for `chunk` / `profile` (kda_tries.py), e.g. scan=32/4/2,intra,wy")
     a = p.parse_args()
     if not torch.cuda.is_available():
         log("FAIL no CUDA device")

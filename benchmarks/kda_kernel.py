@@ -441,8 +441,16 @@ def profile(shapes, variants, use_fla: bool):
                 fn()
             sync()
         log(f"profile B{B} T{T} H{H} D{D} {label} ({calls} calls):")
-        log(prof.key_averages().table(sort_by="cuda_time_total" if on_gpu else "cpu_time_total", row_limit=rows,
-                                      max_name_column_width=48))
+        events = prof.key_averages()
+        log(events.table(sort_by="cuda_time_total" if on_gpu else "cpu_time_total", row_limit=rows,
+                         max_name_column_width=48))
+        per_call = {}  # kernel -> ms per call (the JSON's copy of the table, for plot_kda_profile.py)
+        for e in events:
+            us = getattr(e, "device_time_total", 0.0) if on_gpu else e.self_cpu_time_total
+            if us > 0:
+                per_call[e.key] = us / calls / 1e3
+        RESULTS["timings"].setdefault("profile", {})[label] = {"shape": f"B{B} T{T} H{H} D{D}", "calls": calls,
+                                                                "ms_per_call": per_call}
 
     for var in variants:
         kernels(f"ours fwd variant '{var}'", lambda var=var: ours_k3(xs, a_log, dtb, variant=var), 3, 8)

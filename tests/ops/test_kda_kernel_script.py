@@ -5,6 +5,7 @@ broken section or `--try` switch shows up in CI rather than in a device call."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import time
 
@@ -19,6 +20,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_kernel.py")
 PRECISION_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_precision.py")
+PLOT_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "plot_kda_profile.py")
 
 
 @pytest.fixture()
@@ -78,14 +80,31 @@ def test_chunk_section_times_ours_the_peer_and_each_experiment(kk):
     assert keys.index("fla_fwdbwd") < keys.index("ours_fwd[var=ach]")  # the peer is timed first
 
 
-def test_profile_section_runs_each_experiment(kk, capsys):
+def test_profile_section_runs_each_experiment_and_its_table_plots(kk, capsys, tmp_path):
+    """Each profiled run is printed and kept in the JSON's profile table, which plot_kda_profile.py draws (a
+    label it does not hold is refused, naming the ones it does)."""
     kk.EXPERIMENTS[:] = [kk.parse_experiment("var=ach")]
     kk.profile([(1, 40, 1, 16)], ["acsw"], True)
     out = capsys.readouterr().out
     assert kk.RESULTS["fail"] == [], kk.RESULTS["fail"]
-    for label in ("ours fwd variant 'acsw'", "ours fwd [var=ach]", "ours fwd+bwd, default variant",
-                  "ours fwd+bwd [var=ach]", "fla fwd (3 calls)", "fla fwd+bwd (2 calls)"):
+    labels = ["ours fwd variant 'acsw'", "ours fwd [var=ach]", "ours fwd+bwd, default variant",
+              "ours fwd+bwd [var=ach]", "fla fwd", "fla fwd+bwd"]
+    for label in labels:
         assert label in out, label
+    table = kk.RESULTS["timings"]["profile"]
+    assert sorted(table) == sorted(labels)
+    assert all(row["ms_per_call"] and min(row["ms_per_call"].values()) > 0 for row in table.values())
+    path = tmp_path / "kda_kernel.json"
+    path.write_text(json.dumps(kk.RESULTS, default=str))
+    spec = importlib.util.spec_from_file_location("plot_kda_profile_under_test", PLOT_SCRIPT)
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    png = tmp_path / "docs" / "profile.png"
+    plot.main([str(path), "--out", str(png), "--run", "fla fwd+bwd", "--run", "ours fwd+bwd, default variant",
+               "--run", "fla fwd"])
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit, match="profiled runs there"):
+        plot.main([str(path), "--out", str(png), "--run", "ours fwd variant 'h'"])
 
 
 def test_host_section_reports_enqueue_and_eager_time_for_ours_and_the_peer(kk, capsys):

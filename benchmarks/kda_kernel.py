@@ -449,6 +449,8 @@ def profile(shapes, variants, use_fla: bool):
             us = getattr(e, "device_time_total", 0.0) if on_gpu else e.self_cpu_time_total
             if us > 0:
                 per_call[e.key] = us / calls / 1e3
+        if not per_call:  # (a profiler that recorded nothing, e.g. CUPTI failing to start, is no measurement)
+            verdict(f"profile {label}: kernel times recorded", False, "torch.profiler recorded no time")
         RESULTS["timings"].setdefault("profile", {})[label] = {"shape": f"B{B} T{T} H{H} D{D}", "calls": calls,
                                                                 "ms_per_call": per_call}
 

@@ -425,7 +425,7 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     f32 = dict(device=dev, dtype=torch.float32)
     # every token lies in a chunk of the plan (cu_seqlens ends at T: ``check_kda_inputs``), and the kernels
     # below write every gradient element of their chunks: no zero fill (4 x 0.07 ms at K3's shape)
-    alloc = torch.empty if sum(plan.seq_lens) == B * T else torch.zeros
+    alloc = torch.empty if plan.covers(B * T) else torch.zeros
     dq = alloc(B, T, H, K, **f32)
     dk = alloc(B, T, H, K, **f32)
     dg = alloc(B, T, H, K, **f32)

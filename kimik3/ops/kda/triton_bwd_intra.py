@@ -314,7 +314,7 @@ def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Ten
     BK = min(BWD_INTRA_BK or default_bk, BKF)
     warps = BWD_INTRA_WARPS or (4 if rows else (warps_override or (8 if BK >= 128 else 4)))
     nkb = triton.cdiv(K, BK)
-    new = torch.empty_like if sum(plan.seq_lens) == B * T else torch.zeros_like  # (as ``kda_bwd_triton``)
+    new = torch.empty_like if plan.covers(B * T) else torch.zeros_like
     dq_out = new(preact.q) if l2 else dq
     dk_out = new(preact.k) if l2 else dk
     dbeta_k = dbeta if nkb == 1 else torch.empty(nkb, B, T, H, device=q.device, dtype=torch.float32)

@@ -138,6 +138,11 @@ class ChunkPlan(NamedTuple):
     NT: int
     seq_lens: Tuple[int, ...]
 
+    def covers(self, n_tokens: int) -> bool:
+        """Whether the plan's sequences hold all n_tokens tokens (B * T), so that kernels writing every token of
+        every chunk leave no element of a [B, T, ...] output unwritten (no zero fill needed)."""
+        return sum(self.seq_lens) == n_tokens
+
 
 @functools.lru_cache(maxsize=64)
 def _plan_cached(offsets: Tuple[int, ...], device: torch.device) -> ChunkPlan:

@@ -34,6 +34,7 @@ Writes $OUT/kda_kernel.json when --out or $OUT is set.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -557,6 +558,28 @@ def load_fla_decode():
 DECODE_SWEEP = [(32, 4), (64, 2), (64, 4), (128, 4), (128, 8)]
 
 
+def decode_time(hs: dict, retime, what: str) -> tuple[float, str]:
+    """The time a decode launch is judged on, from ``host_split``'s medians: the CUDA-graph time where there is
+    one (the GPU's own time, as a serving engine replays its steps). Where the eager call is GPU-bound (enqueue
+    under half its time) both medians time the same kernel and agree within 0.5%. At B256 on the H200 the first
+    graph captured at a batch size times 4-10% slow, ours and fla's alike (thirteenth session: ours 880 us against
+    798 eager, and 799 / 798 when captured again). A pair that disagrees by more than 2% is timed again
+    (``retime`` returns a new ``host_split``), and a pair that still disagrees is judged on the slower of the
+    two."""
+    graph, eager = hs["graph_ms"], hs["eager_ms"]
+    if graph is None:
+        return eager, "eager"
+    if hs["enqueue_ms"] >= 0.5 * eager or abs(graph - eager) <= 0.02 * min(graph, eager):
+        return graph, "graph"
+    log(f"{what}: eager {eager * 1e3:.1f} us and CUDA graph {graph * 1e3:.1f} us disagree by more than 2% on a "
+        "GPU-bound launch; timing both again")
+    again = retime()
+    graph, eager = again["graph_ms"], again["eager_ms"]
+    if graph is None or abs(graph - eager) > 0.02 * min(graph, eager):
+        return max(eager, graph or 0.0), "slower of eager and graph (they disagree)"
+    return graph, "graph (timed again)"
+
+
 @section
 def decode(batches, sweep: bool, use_fla: bool = True, H: int = 96, D: int = 128):
     """The batched one-token kernel on a state pool (K3 contract: fused gate, L2 norm, beta sigmoid; fp32 state):
@@ -605,22 +628,24 @@ def decode(batches, sweep: bool, use_fla: bool = True, H: int = 96, D: int = 128
             e1, e2 = rel(o_r, o), rel(s_r, p[slots])
             verdict(f"decode B{B} {name} vs recurrent_kda_step", e1 < 1e-2 and e2 < 1e-5, f"o {e1:.2e} state {e2:.2e}")
             # eager (at B1 the host's enqueue time sets it) and replayed from a CUDA graph, as a serving engine
-            # runs its decode steps (the GPU's own time); the state figure from the graph time where there is one
-            hs = host_split(lambda p=p: fn(p))
-            del p
-            t = hs["graph_ms"] if hs["graph_ms"] is not None else hs["eager_ms"]
+            # runs its decode steps (the GPU's own time); judged as decode_time says
+            call = functools.partial(fn, p)
+            hs = host_split(call)
+            t, judged = decode_time(hs, functools.partial(host_split, call), f"decode B{B} {name}")
+            del p, call
             tbs = nbytes / (t * 1e-3) / 1e12
+            graph = "n/a" if hs["graph_ms"] is None else f"{hs['graph_ms'] * 1e3:.1f} us"
             log(f"decode B{B} H{H} D{D} {name}: eager {hs['eager_ms'] * 1e3:.1f} us (enqueue "
-                f"{hs['enqueue_ms'] * 1e3:.1f} us), CUDA graph "
-                f"{'n/a' if hs['graph_ms'] is None else f'{t * 1e3:.1f} us'}, {tbs:.2f} TB/s")
+                f"{hs['enqueue_ms'] * 1e3:.1f} us), CUDA graph {graph}; judged on {judged}: {t * 1e3:.1f} us, "
+                f"{tbs:.2f} TB/s")
             row[name] = {"us": t * 1e3, "TBps": tbs, "eager_us": hs["eager_ms"] * 1e3,
-                         "graph": hs["graph_ms"] is not None}
+                         "graph": hs["graph_ms"] is not None, "judged": judged}
         rows.append(row)
         del pool
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     RESULTS["timings"]["decode"] = rows
-    log("\n| B | ours us (graph) | ours eager us | ours TB/s | fla us (graph) | fla eager us | fla TB/s | fla / ours |")
+    log("\n| B | ours us (judged) | ours eager us | ours TB/s | fla us (judged) | fla eager us | fla TB/s | fla / ours |")
     for r in rows:
         f, o = r.get("fla"), r["ours"]
         peer = (f"{f['us']:.1f} | {f['eager_us']:.1f} | {f['TBps']:.2f} | {f['us'] / o['us']:.2f}x" if f
@@ -628,8 +653,7 @@ def decode(batches, sweep: bool, use_fla: bool = True, H: int = 96, D: int = 128
         log(f"| {r['B']} | {o['us']:.1f} | {o['eager_us']:.1f} | {o['TBps']:.2f} | {peer} |")
     for r in rows:
         if r["B"] == 1:
-            kind = "CUDA graph" if r["ours"]["graph"] else "eager"
-            verdict(f"decode B1 < 30 us (target; {kind})", r["ours"]["us"] < 30, f"{r['ours']['us']:.1f} us")
+            verdict(f"decode B1 < 30 us (target; {r['ours']['judged']})", r["ours"]["us"] < 30, f"{r['ours']['us']:.1f} us")
         if r["B"] >= 64:
             verdict(f"decode B{r['B']} >= 3.8 TB/s (target)", r["ours"]["TBps"] >= 3.8, f"{r['ours']['TBps']:.2f} TB/s")
 

@@ -207,3 +207,20 @@ def test_precision_class_rule(prec):
     assert prec.in_fla_class(dict.fromkeys(prec.FIELDS, 5e-3), fla)  # 1.25x
     assert not prec.in_fla_class({**fla, "dk": 5.1e-3}, fla)
     assert prec.in_fla_class({**fla, "dk": 9e-4}, {**fla, "dk": 1e-4})  # under the floor
+
+
+def test_decode_time_judges_on_the_graph_and_retimes_a_disagreeing_pair(kk):
+    """Graph time where there is one; a host-bound eager call never triggers a re-time; a GPU-bound pair that
+    disagrees by more than 2% is timed again, and judged on the slower if it still disagrees."""
+    def hs(eager, graph, enqueue=0.01):
+        return {"eager_ms": eager, "graph_ms": graph, "enqueue_ms": enqueue}
+
+    def never():
+        raise AssertionError("re-timed a pair that needed no second look")
+
+    assert kk.decode_time(hs(0.8, None), never, "x") == (0.8, "eager")
+    assert kk.decode_time(hs(0.80, 0.81), never, "x") == (0.81, "graph")
+    assert kk.decode_time(hs(0.050, 0.009, enqueue=0.07), never, "x") == (0.009, "graph")  # host-bound eager
+    assert kk.decode_time(hs(0.80, 0.89), lambda: hs(0.80, 0.805), "x") == (0.805, "graph (timed again)")
+    t, judged = kk.decode_time(hs(0.80, 0.89), lambda: hs(0.90, 0.80), "x")
+    assert t == 0.90 and judged.startswith("slower")

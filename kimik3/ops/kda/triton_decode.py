@@ -46,7 +46,10 @@ def _decode_kernel(
     slot = tl.maximum(slot, 0)
     s_off = (slot * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
     sm = km[:, None] & vm[None, :] & ok
-    S = tl.load(pool_ptr + s_off, mask=sm, other=0.0, eviction_policy="evict_first")
+    # Plain cached load and store: the state's lines stay in L2 between the two, and the store then writes
+    # whole lines back. evict_first on both cost 4% (H200, thirteenth session: B64 3.73 -> 3.90 TB/s,
+    # B256 3.88 -> 4.01; the .cg / .cs modifiers 3.83 / 3.97).
+    S = tl.load(pool_ptr + s_off, mask=sm, other=0.0)
     base = i_bh.to(tl.int64)
     q = tl.load(q_ptr + base * K + ck, mask=km, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + base * K + ck, mask=km, other=0.0).to(tl.float32)
@@ -70,7 +73,7 @@ def _decode_kernel(
     o1 = tl.sum(S * (e * qs)[:, None], axis=0)
     delta = b * (v - pred)
     S = S * e[:, None] + k[:, None] * delta[None, :]
-    tl.store(pool_ptr + s_off, S, mask=sm, eviction_policy="evict_first")
+    tl.store(pool_ptr + s_off, S, mask=sm)
     o = o1 + tl.sum(qs * k, axis=0) * delta
     tl.store(o_ptr + base * V + cv, tl.where(ok, o, 0.0).to(o_ptr.dtype.element_ty), mask=vm)
 
@@ -80,9 +83,10 @@ def _default_blocks(BK: int, V: int, BH: int):
     if DEFAULT_BLOCKS is not None:
         return min(DEFAULT_BLOCKS[0], BVF), DEFAULT_BLOCKS[1]
     # Enough programs to fill the card at small batch; 8 KB-32 KB of state per program. H200 sweeps (H96 D128,
-    # fp32 state; NOTES-kda.md): BV 64 / 4 warps best at B >= 64 (twelfth session: 3.73 TB/s at B64, 3.90 at
-    # B256; 2 warps the same, 32-column blocks 3.51 / 3.62, 128-column 3.61 / 3.83; a persistent form walking
-    # tiles with the next one prefetched 3.54 / 3.70 at its best, removed). At B1 eager calls are host-bound.
+    # fp32 state; NOTES-kda.md): BV 64 / 4 warps best at B >= 64 (thirteenth session, plain loads: 3.92 TB/s at
+    # B64, 4.03 at B256; 2 warps 3.90 / 3.88, 32-column blocks 3.69 / 3.79, 128-column 3.79 / 3.98, 128 at 8
+    # warps 2.33 / 2.37; a (V block, b, h) grid order and a persistent form that prefetched the next tile were
+    # slower, with evict_first loads). At B1 an eager call is host-bound; replayed from a CUDA graph it takes ~9 us.
     BV = min(BVF, 32 if BH < 1024 else 64)
     while BK * BV > 8192 and BV > 16:
         BV //= 2

@@ -586,7 +586,8 @@ def decode(batches, sweep: bool, use_fla: bool = True, H: int = 96, D: int = 128
     ours at its default launch (the number the targets are judged on) and fla's ``fused_recurrent_kda`` as
     one-token steps over the same pool layout in the same run, each checked against the one-token reference;
     with ``sweep`` also the launch configurations of DECODE_SWEEP."""
-    from kimik3.ops.kda import _torch_preactivations, kda_decode, recurrent_kda_step
+    from kimik3.ops.kda import _torch_preactivations, recurrent_kda_step
+    from kimik3.ops.kda.triton_decode import kda_decode  # the kernel itself (the dispatcher has no launch knobs)
 
     fla_step = load_fla_decode() if use_fla else None
     rows = []

@@ -61,10 +61,37 @@ class MLAState:
 
 @dataclass(slots=True)
 class KDAState:
-    """Per-layer KDA state, replaced (not mutated) by each forward."""
+    """Per-layer KDA state of B sequences: the conv inputs ``conv_BCW``, replaced by each forward, and the fp32
+    recurrent state, held one of two ways:
+
+    - owned: ``recurrent_BHKV`` [B, H, K, V], replaced (not mutated) by each forward;
+    - pooled (the serving engine's): ``recurrent_BHKV`` is None and sequence b's state is row ``slots_B[b]``
+      of ``pool_PHKV`` [P, H, K, V], which each forward updates in place (one-token steps read and write each
+      state once, through ``kimik3.ops.kda.kda_decode``).
+    """
 
     conv_BCW: torch.Tensor
-    recurrent_BHKV: torch.Tensor
+    recurrent_BHKV: torch.Tensor | None
+    pool_PHKV: torch.Tensor | None = None
+    slots_B: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.recurrent_BHKV is None) == (self.pool_PHKV is None):
+            raise ValueError("a KDAState holds its recurrent state either owned (recurrent_BHKV) or pooled "
+                             "(pool_PHKV with slots_B): give exactly one")
+        if self.pool_PHKV is not None and (self.slots_B is None or self.slots_B.ndim != 1):
+            raise ValueError("a pooled KDAState needs slots_B, a 1-D tensor of its sequences' pool rows")
+
+    def recurrent(self) -> torch.Tensor:
+        """The recurrent states [B, H, K, V] before this forward (gathered from the pool when pooled)."""
+        return self.recurrent_BHKV if self.pool_PHKV is None else self.pool_PHKV[self.slots_B]
+
+    def set_recurrent(self, final_BHKV: torch.Tensor) -> None:
+        """Store the states after this forward: replace the owned tensor, or write the pool rows."""
+        if self.pool_PHKV is None:
+            self.recurrent_BHKV = final_BHKV
+        else:
+            self.pool_PHKV[self.slots_B] = final_BHKV
 
 
 @dataclass(slots=True)
@@ -99,6 +126,9 @@ class K3Cache:
     def nbytes(self) -> int:
         total = 0
         for state in self.layers:
-            tensors = (state.kv_BSC,) if isinstance(state, MLAState) else (state.conv_BCW, state.recurrent_BHKV)
+            if isinstance(state, MLAState):
+                tensors = (state.kv_BSC,)
+            else:   # a pooled state's rows belong to its pool, not to this cache
+                tensors = (state.conv_BCW,) + ((state.recurrent_BHKV,) if state.recurrent_BHKV is not None else ())
             total += sum(t.numel() * t.element_size() for t in tensors)
         return total

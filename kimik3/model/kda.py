@@ -18,7 +18,7 @@ from torch import nn
 from kimik3.config.schema import K3Config
 from kimik3.model.cache import KDAState
 from kimik3.model.conv import short_conv
-from kimik3.ops.kda import L2_EPS, chunk_kda, recurrent_kda_step
+from kimik3.ops.kda import L2_EPS, chunk_kda, kda_decode
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -74,27 +74,39 @@ class KDA(nn.Module):
         raw_gate_BTHK = self.forget_b(self.forget_a(x_BTD)).unflatten(-1, (heads, head_dim))
         beta_logit_BTH = self.beta_proj(x_BTD)
 
-        initial = state.recurrent_BHKV if state is not None else None
+        preacts = {"A_log": self.A_log, "dt_bias": self.dt_bias, "use_gate_in_kernel": True,
+                   "use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
         if state is not None and length == 1:
-            q_BTHK, k_BTHK = l2_normalize(q_BTHK), l2_normalize(k_BTHK)
-            g_BTHK = bounded_gate(raw_gate_BTHK, self.A_log, self.dt_bias, self.g_min)
-            beta_BTH = torch.sigmoid(beta_logit_BTH.float())
-            o_BHV, final = recurrent_kda_step(q_BTHK[:, 0], k_BTHK[:, 0], v_BTHV[:, 0], g_BTHK[:, 0],
-                                              beta_BTH[:, 0], initial)
-            o_BTHV = o_BHV[:, None]
+            o_BTHV = self._one_token(state, q_BTHK, k_BTHK, v_BTHV, raw_gate_BTHK, beta_logit_BTH, preacts)
         else:
             # The q/k L2 norm, the bounded gate and the beta sigmoid go into the op (same math as
             # l2_normalize / bounded_gate / sigmoid on the torch path; fused into the Triton kernels).
             o_BTHV, final = chunk_kda(q_BTHK, k_BTHK, v_BTHV, raw_gate_BTHK, beta_logit_BTH,
-                                      initial_state=initial, output_final_state=state is not None,
-                                      cu_seqlens=cu_seqlens, A_log=self.A_log, dt_bias=self.dt_bias,
-                                      lower_bound=self.g_min, use_gate_in_kernel=True,
-                                      use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+                                      initial_state=state.recurrent() if state is not None else None,
+                                      output_final_state=state is not None, cu_seqlens=cu_seqlens,
+                                      lower_bound=self.g_min, **preacts)
+            if state is not None:
+                state.set_recurrent(final)
         if state is not None:
             state.conv_BCW = conv_state.to(state.conv_BCW.dtype)
-            state.recurrent_BHKV = final
 
         gate_BTHV = self.output_gate(x_BTD).unflatten(-1, (heads, head_dim))
         normed = F.rms_norm(o_BTHV.float(), (head_dim,), self.output_norm_weight.float(), self.norm_eps)
         out = (normed * torch.sigmoid(gate_BTHV.float())).to(x_BTD.dtype)
         return self.o_proj(out.reshape(batch, length, heads * head_dim))
+
+    def _one_token(self, state: KDAState, q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor,
+                   raw_gate_BTHK: torch.Tensor, beta_logit_BTH: torch.Tensor, preacts: dict) -> torch.Tensor:
+        """One token for every sequence: ``kda_decode`` advances each state where it lies (the Triton kernel on
+        CUDA, the torch path elsewhere), from the raw gate, q / k and beta logit. A pooled state's rows move in
+        place; an owned state is advanced in a copy, which replaces it."""
+        if state.pool_PHKV is not None:
+            pool_PHKV, slots_B = state.pool_PHKV, state.slots_B
+        else:
+            pool_PHKV = state.recurrent_BHKV.to(torch.float32, copy=True).contiguous()
+            slots_B = torch.arange(pool_PHKV.shape[0], device=pool_PHKV.device)
+        o_BHV = kda_decode(q_BTHK[:, 0], k_BTHK[:, 0], v_BTHV[:, 0], raw_gate_BTHK[:, 0], beta_logit_BTH[:, 0],
+                           pool_PHKV, slots_B, g_min=self.g_min, **preacts)
+        if state.pool_PHKV is None:
+            state.recurrent_BHKV = pool_PHKV
+        return o_BHV[:, None]

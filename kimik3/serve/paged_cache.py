@@ -12,8 +12,9 @@ B = sequences in a step, T = new tokens per sequence, S = tokens attended, Z = K
   into their slots and gathers, per row, every latent up to that row's length, with a mask that
   hides padding and the future. Rows of a decode batch have different lengths; that is the point.
 - ``StatePool`` holds the fixed-size KDA state (conv inputs + fp32 recurrent state) of every KDA
-  layer in Z slots: live sequences and prefix checkpoints each take one slot. Gather before a
-  forward, scatter after; a checkpoint is a slot-to-slot copy.
+  layer in Z slots: live sequences and prefix checkpoints each take one slot. A forward sees the
+  recurrent states as pooled ``KDAState``s and advances their rows in place; the small conv inputs are
+  gathered before it and scattered after. A checkpoint is a slot-to-slot copy.
 """
 
 from __future__ import annotations
@@ -177,12 +178,16 @@ class StatePool:
             rec[dst] = rec[src]
 
     def gather(self, slots_B: torch.Tensor) -> list[KDAState]:
-        return [KDAState(conv[slots_B], rec[slots_B]) for conv, rec in zip(self.conv, self.recurrent)]
+        """Per KDA layer, the states of the sequences in ``slots_B``: the conv inputs gathered (small), the
+        recurrent states pooled (the layer advances the pool rows in place: no copy of ~6 MB per sequence and
+        layer at K3's width, in or out)."""
+        return [KDAState(conv[slots_B], None, pool_PHKV=rec, slots_B=slots_B)
+                for conv, rec in zip(self.conv, self.recurrent)]
 
     def scatter(self, slots_B: torch.Tensor, states: list[KDAState]) -> None:
-        for conv, rec, state in zip(self.conv, self.recurrent, states):
+        """Write the gathered conv inputs back (the recurrent rows were updated in place)."""
+        for conv, state in zip(self.conv, states):
             conv[slots_B] = state.conv_BCW.to(conv.dtype)
-            rec[slots_B] = state.recurrent_BHKV
 
 
 def batch_cache(config: K3Config, latents: LatentPool, states: StatePool, slots_B: torch.Tensor,

@@ -52,6 +52,38 @@ def test_prefill_then_decode_equals_full_forward():
     assert rel_rms(full, torch.cat(parts, 1)) < 1e-5
 
 
+def test_pooled_state_advances_its_pool_rows_like_an_owned_state():
+    """The serving engine's form: the same prefill and decode steps over pooled states (rows 3 and 0 of a
+    5-row pool) give the owned states' outputs, the pool rows end equal to the owned states, an owned
+    state's tensor is replaced (never written), and the other pool rows never move."""
+    config, layer = _kda(4)
+    h, k = config.kda.num_heads, config.kda_head_dim
+    x = torch.randn(2, 24, config.dim)
+    owned = _state(config, 2)
+    pool = torch.randn(5, h, k, k)
+    before = pool.clone()
+    slots = torch.tensor([3, 0])
+    pool[slots] = 0.0
+    pooled = KDAState(torch.zeros_like(owned.conv_BCW), None, pool_PHKV=pool, slots_B=slots)
+    for a, b in ((0, 20), (20, 21), (21, 22), (22, 24)):     # prefill, two decode steps, a 2-token chunk
+        first = owned.recurrent_BHKV
+        first_copy = first.clone()
+        torch.testing.assert_close(layer(x[:, a:b], pooled), layer(x[:, a:b], owned), rtol=0, atol=1e-6)
+        assert torch.equal(first, first_copy) and owned.recurrent_BHKV is not first
+        torch.testing.assert_close(pool[slots], owned.recurrent_BHKV, rtol=0, atol=1e-6)
+    assert torch.equal(pool[[1, 2, 4]], before[[1, 2, 4]])
+
+
+def test_kda_state_holds_its_recurrent_state_one_way():
+    conv, rec = torch.zeros(1, 6, 3), torch.zeros(1, 2, 4, 4)
+    with pytest.raises(ValueError, match="give exactly one"):
+        KDAState(conv, rec, pool_PHKV=rec)
+    with pytest.raises(ValueError, match="give exactly one"):
+        KDAState(conv, None)
+    with pytest.raises(ValueError, match="needs slots_B"):
+        KDAState(conv, None, pool_PHKV=rec)
+
+
 def test_packed_sequences_equal_separate_calls():
     config, layer = _kda(1)
     lengths = [1, 70, 3, 1, 9]

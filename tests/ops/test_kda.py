@@ -470,6 +470,47 @@ def test_prefill_then_decode_equals_full_chunk():
     assert rel_rms(s_full, state) < 1e-5
 
 
+def test_pooled_decode_torch_path_updates_its_rows_in_place():
+    """kda_decode on CPU tensors (the torch path): each live slot's row advances as recurrent_kda_step
+    advances it, with the K3 pre-activations fused; a negative slot gives o = 0; no other row moves."""
+    from kimik3.ops.kda import _torch_preactivations, kda_decode
+
+    B, H, K, V, P = 3, 2, 8, 12, 6
+    gen = torch.Generator().manual_seed(7)
+    q, k, z = (torch.randn(B, H, K, generator=gen) for _ in range(3))
+    v, b = torch.randn(B, H, V, generator=gen), torch.randn(B, H, generator=gen)
+    a_log, dtb = torch.rand(H, generator=gen), torch.randn(H, K, generator=gen)
+    pool = torch.randn(P, H, K, V, generator=gen)
+    before = pool.clone()
+    slots = torch.tensor([4, -1, 1])
+    o = kda_decode(q, k, v, z, b, pool, slots, A_log=a_log, dt_bias=dtb, g_min=G_MIN, use_gate_in_kernel=True,
+                   use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    qq, kk, gg, bb = _torch_preactivations(q, k, z, b, a_log, dtb, G_MIN, True, True, True)
+    o_ref, s_ref = recurrent_kda_step(qq, kk, v, gg, bb, before[slots.clamp_min(0)])
+    for row, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            assert torch.count_nonzero(o[row]) == 0
+        else:
+            torch.testing.assert_close(o[row], o_ref[row], rtol=0, atol=1e-6)
+            torch.testing.assert_close(pool[slot], s_ref[row], rtol=0, atol=1e-6)
+    untouched = [s for s in range(P) if s not in (4, 1)]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_pooled_decode_rejects_bad_inputs_on_the_torch_path():
+    from kimik3.ops.kda import kda_decode
+
+    q, v = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    pool = torch.zeros(3, 2, 8, 8)
+    with pytest.raises(ValueError, match="state_pool must be float32"):
+        kda_decode(q, q, v, q, torch.rand(2, 2), pool.double(), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="slots must be an integer"):
+        kda_decode(q, q, v, q, torch.rand(2, 2), pool, torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="use_gate_in_kernel needs"):
+        kda_decode(q, q, v, q, torch.rand(2, 2), pool, torch.tensor([0, 1]), use_gate_in_kernel=True)
+    assert torch.count_nonzero(pool) == 0
+
+
 def test_step_bf16_output_dtype():
     q, k, v, g, beta = [x.detach()[:, 0] for x in make_inputs(2, 1, 2, 8, 8, dtype=torch.bfloat16)]
     state = torch.zeros(2, 2, 8, 8)

@@ -35,10 +35,10 @@ from kimik3.ops.kda import (  # noqa: E402
     _torch_preactivations,
     chunk_kda,
     kda_backend,
-    kda_decode,
     naive_recurrent_kda,
     recurrent_kda_step,
 )
+from kimik3.ops.kda.triton_decode import kda_decode  # noqa: E402  (the kernel, on CPU under the interpreter)
 
 if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA and TRITON_INTERPRET is not 1 (set before triton was imported)", allow_module_level=True)
@@ -724,6 +724,28 @@ def test_decode_matches_chunk_continuation():
         o = kda_decode(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], pool, slots)
         assert rel_rms(o_ref[:, t], o) < 5e-5
     assert rel_rms(s_ref, pool[slots]) < 5e-5
+
+
+def test_decode_dispatch_picks_the_kernel_or_the_torch_path():
+    """kimik3.ops.kda.kda_decode with backend="triton" is the kernel (bit-equal); with "torch" the torch path,
+    equal to rounding; both update the same pool rows."""
+    from kimik3.ops.kda import kda_decode as dispatch
+
+    B, H, K, V = 2, 2, 16, 16
+    gen = torch.Generator().manual_seed(5)
+    q, k, z = (torch.randn(B, H, K, generator=gen).to(DEV) for _ in range(3))
+    v, b = torch.randn(B, H, V, generator=gen).to(DEV), torch.randn(B, H, generator=gen).to(DEV)
+    a_log, dtb = torch.rand(H, generator=gen).to(DEV), torch.randn(H, K, generator=gen).to(DEV)
+    pool = torch.randn(3, H, K, V, generator=gen).to(DEV)
+    slots = torch.tensor([2, 0], device=DEV)
+    kw = dict(A_log=a_log, dt_bias=dtb, g_min=G_MIN, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True)
+    pools = [pool.clone() for _ in range(3)]
+    o_kernel = kda_decode(q, k, v, z, b, pools[0], slots, **kw)
+    o_triton = dispatch(q, k, v, z, b, pools[1], slots, backend="triton", **kw)
+    o_torch = dispatch(q, k, v, z, b, pools[2], slots, backend="torch", **kw)
+    assert torch.equal(o_kernel, o_triton) and torch.equal(pools[0], pools[1])
+    assert rel_rms(o_torch, o_kernel) < 1e-5 and rel_rms(pools[2], pools[0]) < 1e-6
 
 
 def test_decode_rejects_bad_inputs():

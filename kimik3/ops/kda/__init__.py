@@ -4,6 +4,7 @@ Public API:
     naive_recurrent_kda  float32 token-loop reference (the oracle).
     chunk_kda            chunkwise-parallel path used for training / prefill.
     recurrent_kda_step   one-token update used for decoding.
+    kda_decode           one token for B sequences on a state pool updated in place (Triton on CUDA).
 
 Layout follows fla: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];
 states [N, H, K, V] float32. See ``naive.py`` for the recurrence and
@@ -20,6 +21,7 @@ import importlib.util
 import os
 
 from .chunk import SUBTILE, chunk_kda_torch
+from .decode import kda_decode
 from .naive import check_kda_inputs, naive_recurrent_kda, recurrent_kda_step
 
 __all__ = [
@@ -144,10 +146,3 @@ def chunk_kda(
         use_gate_in_kernel=use_gate_in_kernel, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
     )
-
-
-def kda_decode(*args, **kwargs) -> torch.Tensor:
-    """Batched one-token KDA on a state pool (Triton); see ``triton_decode.kda_decode``."""
-    from .triton_decode import kda_decode as _kda_decode
-
-    return _kda_decode(*args, **kwargs)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from . import L2_EPS
+from .decode import check_decode_inputs
 
 __all__ = ["kda_decode"]
 
@@ -102,28 +103,16 @@ def kda_decode(
     use_beta_sigmoid_in_kernel: bool = False,
     block_v: Optional[int] = None, num_warps: Optional[int] = None,
 ) -> torch.Tensor:
-    """One KDA token for B sequences; updates ``state_pool`` in place and returns o [B, H, V].
+    """One KDA token for B sequences in the Triton kernel (``decode.kda_decode`` dispatches here on CUDA);
+    updates ``state_pool`` in place and returns o [B, H, V].
 
     q, k, g: [B, H, K] (g is the raw gate input z when use_gate_in_kernel); v: [B, H, V];
     beta: [B, H]; state_pool: [P, H, K, V] float32 contiguous; slots: [B] integer indices into the
     pool (negative: skip). Slots must be distinct (each program owns its state rows).
     """
-    if q.ndim != 3:
-        raise ValueError(f"q must be [B, H, K], got {tuple(q.shape)}")
+    check_decode_inputs(q, k, v, g, beta, state_pool, slots, use_gate_in_kernel, A_log, dt_bias)
     B, H, K = q.shape
     V = v.shape[-1]
-    for name, x, shp in (("k", k, (B, H, K)), ("g", g, (B, H, K)), ("v", v, (B, H, V)), ("beta", beta, (B, H))):
-        if tuple(x.shape) != shp:
-            raise ValueError(f"{name} must have shape {shp}, got {tuple(x.shape)}")
-    if state_pool.dtype != torch.float32 or state_pool.ndim != 4 or tuple(state_pool.shape[1:]) != (H, K, V):
-        raise ValueError(f"state_pool must be float32 [P, {H}, {K}, {V}], got {state_pool.dtype} "
-                         f"{tuple(state_pool.shape)}")
-    if not state_pool.is_contiguous():
-        raise ValueError("state_pool must be contiguous (it is updated in place)")
-    if slots.ndim != 1 or slots.shape[0] != B or slots.is_floating_point():
-        raise ValueError(f"slots must be an integer tensor [B={B}], got {slots.dtype} {tuple(slots.shape)}")
-    if use_gate_in_kernel and (A_log is None or dt_bias is None):
-        raise ValueError("use_gate_in_kernel needs A_log [H] and dt_bias [H, K]")
     if scale is None:
         scale = K**-0.5
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))

@@ -6,7 +6,9 @@ Checks, printing PASS/FAIL per line and exiting non-zero on any failure:
 - chunk_kda on CUDA in bf16 against naive_recurrent_kda in fp32 (same inputs), outputs, final
   state and all gradients at fla's tolerances, including K3's per-layer head shape H=96 D=128;
 - the tiny model in bf16 on CUDA: finite forward/backward with the MTP loss;
-- cached greedy decode on CUDA (fp32) equals recomputing the full forward.
+- cached greedy decode on CUDA (fp32) equals recomputing the full forward;
+- the serving engine on CUDA (fp32, ragged concurrent requests, its KDA states advanced in place in the
+  slot pool by the decode kernel) gives the same greedy tokens as recomputing the full forward.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def model_checks() -> None:
     out = model(ids, labels=ids.roll(-1, 1))
     out.loss.backward()
     finite = bool(torch.isfinite(out.loss)) and all(torch.isfinite(p.grad).all() for p in model.parameters())
-    report("tiny bf16 forward+backward (MTP) finite", finite, f"loss={float(out.loss):.3f} dtype={model.dtype}")
+    report("tiny bf16 forward+backward (MTP) finite", finite, f"loss={out.loss.item():.3f} dtype={model.dtype}")
 
     model = K3ForCausalLM(config, device="cuda", dtype=torch.float32, seed=0).eval()
     prompt = torch.randint(0, config.vocab_size, (2, 70), device="cuda")
@@ -78,6 +80,52 @@ def model_checks() -> None:
     report("tiny fp32 cached greedy decode == recompute", torch.equal(cached, ids), f"{cached.shape[1] - 70} tokens")
 
 
+def greedy_by_recompute(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+def engine_check() -> None:
+    import dataclasses
+    import inspect
+    import threading
+
+    import kimik3
+    from kimik3.serve.engine import LLMEngine
+    from kimik3.serve.memory import EngineConfig
+    from kimik3.serve.types import SamplingParams
+    from kimik3.train.data import Document
+    from kimik3.train.tokenizer import train_tokenizer
+
+    text = inspect.getsource(kimik3.model.k3)
+    tokenizer = train_tokenizer([Document(f"part{i}", text[i:i + 2000]) for i in range(0, len(text), 2000)], 512)
+    config = dataclasses.replace(K3Config.preset("tiny"), vocab_size=512, max_seq_len=2048)
+    model = K3ForCausalLM(config, device="cuda", dtype=torch.float32, seed=0).eval()
+    engine = LLMEngine(model, tokenizer, EngineConfig(memory_bytes=64 * 2**20, hash_block=16, physical_block=192,
+                                                      max_running=8, checkpoints=0, prefill_chunk=64,
+                                                      max_context=1024))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 512, (23 + 7 * i,), generator=gen).tolist() for i in range(5)]
+    results: dict[int, list[int]] = {}
+    try:
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, engine.complete(
+            prompts[i], SamplingParams(max_tokens=12, temperature=0.0), request_id=f"r{i}")[0]))
+            for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        engine.close()
+    same = [results.get(i) == greedy_by_recompute(model, p, 12) for i, p in enumerate(prompts)]
+    on_gpu = all(pool.is_cuda for pool in engine.core.states.recurrent)
+    report("engine on CUDA: ragged greedy == recompute", all(same) and on_gpu,
+           f"{sum(same)}/{len(same)} requests equal, state pool on {'cuda' if on_gpu else 'cpu'}")
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: this script checks the GPU paths")
@@ -86,6 +134,7 @@ def main() -> int:
     for shape in ((2, 1, 4, 64), (2, 63, 4, 64), (1, 65, 4, 64), (1, 1000, 8, 64), (1, 256, 96, 128)):
         kda_case(*shape)
     model_checks()
+    engine_check()
     print(f"{failures} failure(s)")
     return 1 if failures else 0
 

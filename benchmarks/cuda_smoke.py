@@ -68,7 +68,7 @@ def model_checks() -> None:
     out = model(ids, labels=ids.roll(-1, 1))
     out.loss.backward()
     finite = bool(torch.isfinite(out.loss)) and all(torch.isfinite(p.grad).all() for p in model.parameters())
-    report("tiny bf16 forward+backward (MTP) finite", finite, f"loss={out.loss.item():.3f} dtype={model.dtype}")
+    report("tiny bf16 forward+backward (MTP) finite", finite, f"loss={out.loss.detach().item():.3f} dtype={model.dtype}")
 
     model = K3ForCausalLM(config, device="cuda", dtype=torch.float32, seed=0).eval()
     prompt = torch.randint(0, config.vocab_size, (2, 70), device="cuda")

@@ -508,6 +508,8 @@ def test_pooled_decode_rejects_bad_inputs_on_the_torch_path():
         kda_decode(q, q, v, q, torch.rand(2, 2), pool, torch.tensor([0.0, 1.0]))
     with pytest.raises(ValueError, match="use_gate_in_kernel needs"):
         kda_decode(q, q, v, q, torch.rand(2, 2), pool, torch.tensor([0, 1]), use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match="slots is on meta but state_pool on cpu"):
+        kda_decode(q, q, v, q, torch.rand(2, 2), pool, torch.tensor([0, 1], device="meta"))
     assert torch.count_nonzero(pool) == 0
 
 

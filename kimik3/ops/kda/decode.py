@@ -34,6 +34,11 @@ def check_decode_inputs(q, k, v, g, beta, state_pool, slots, use_gate_in_kernel,
         raise ValueError(f"slots must be an integer tensor [B={B}], got {slots.dtype} {tuple(slots.shape)}")
     if use_gate_in_kernel and (A_log is None or dt_bias is None):
         raise ValueError("use_gate_in_kernel needs A_log [H] and dt_bias [H, K]")
+    gate_params = (("A_log", A_log), ("dt_bias", dt_bias)) if use_gate_in_kernel else ()
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("slots", slots), *gate_params):
+        if x.device != state_pool.device:
+            raise ValueError(f"{name} is on {x.device} but state_pool on {state_pool.device}: every input of a "
+                             "decode step must be on the pool's device")
 
 
 def kda_decode_torch(
@@ -74,6 +79,7 @@ def kda_decode(
     CPU tensors only under TRITON_INTERPRET=1)."""
     from . import kda_backend
 
+    # (kda_backend's chunk-size check is for chunk_kda: the decode kernel has none, so pass the one it accepts)
     kw = {"A_log": A_log, "dt_bias": dt_bias, "g_min": g_min, "use_gate_in_kernel": use_gate_in_kernel,
           "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel, "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel}
     if kda_backend(q, 64, backend) == "torch":

@@ -112,16 +112,19 @@ def test_kcp_reference_on_a_prefix(tmp_path):
 
 
 def test_fsdp_tokens_per_s_and_mfu(tmp_path):
-    out, data = launch(tmp_path, "fsdp", "--preset", "tiny", "--vocab", "0", "--steps", "3", "--seq-len", "64",
+    out, data = launch(tmp_path, "fsdp", "--preset", "tiny", "--vocab", "0", "--steps", "6", "--seq-len", "64",
                        "--rows-per-rank", "2", "--warmup", "1", "--peak-tflops", "1")
     assert "| ranks |" in out and "MFU" in out
     run = data["run"]
-    assert run["steps_run"] == 3 and finite_positive(run["tokens_per_s"])
+    assert run["steps_run"] == 6 and finite_positive(run["tokens_per_s"])
     flops = data["flops_per_token"]
     assert flops["total"] == pytest.approx(flops["matmul_6N"] + flops["mla_attention"] + flops["kda"])
     expected = run["tokens_per_s"] * flops["total"] / (2 * 1e12)
     assert data["mfu"] == pytest.approx(expected) and 0 < data["mfu"] < 1
-    assert run["losses"][-1] < run["losses"][0]
+    # It trains: each step's loss is on another batch (+-0.2 between batches of the stdlib corpus near init), so
+    # compare halves, not the first and last step (those went 11.32 -> 11.37 on one machine's stdlib).
+    losses = run["losses"]
+    assert sum(losses[3:]) < sum(losses[:3]), losses
 
 
 def test_model_flops_formula_by_hand():

@@ -24,8 +24,8 @@
 #          mode (`precision` has it). LIMIT0 / LIMIT1 set the two shapes' limits (300 / 250 s; LIMIT1=0 skips
 #          shape 1). check and final: DECODE=1 adds the decode section with its launch sweep on GPU 0 after
 #          the kernels (LIMIT_DECODE, 120 s)                                                          <= 9.5 min
-# decode   the decode section alone (ours and fla at B 1 / 64 / 256, eager and CUDA-graph times, the launch sweep)
-#          on one GPU: a short call                                                            <= 2 min
+# decode   the decode section alone (ours and fla at B 1 / 64 / 256, eager and CUDA-graph times, the launch sweep),
+#          then benchmarks/kda_serve_decode.py (the engine's decode step, kernel vs the torch path), on one GPU: a short call                                                            <= 2 min
 # Each mode fits one device call (10 minutes at most). Autotune results persist between calls: Triton's cache
 # (TRITON_CACHE_AUTOTUNING=1, so fla's autotune timings too) comes back as $OUT/triton-cache.tgz (only the autotune
 # records, ~20 KB, when the whole cache is over 15 MiB, as it is after any timing step); copy it to
@@ -154,7 +154,10 @@ case $MODE in
       --out '$OUT' && $TRAIN --seeds 2 && KIMIK3_KDA_VARIANT='$TRAIN_VARIANT' $TRAIN --seeds 2"
     kernel 0 kda_kernel 540 0 chunk,profile "$TRIES" ;;
   decode)
-    decode_step ;;
+    decode_step
+    # the serving engine's KDA decode step: the pooled kernel path against the torch path it replaced, the state
+    # update alone and K3's whole KDA layer (~30 s)
+    step 0 kda_serve_decode "${LIMIT_SERVE_DECODE:-120}" python3 benchmarks/kda_serve_decode.py --out "$OUT/decode" ;;
   final)
     if [ "$GPUS" -ge 2 ]; then
       step 1 kda_tests_train 560 bash -c "$TESTS; rc=\$?; $TRAIN --seeds 2 && exit \$rc"

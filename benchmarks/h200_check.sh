@@ -25,7 +25,8 @@
 #          shape 1). check and final: DECODE=1 adds the decode section with its launch sweep on GPU 0 after
 #          the kernels (LIMIT_DECODE, 120 s)                                                          <= 9.5 min
 # decode   the decode section alone (ours and fla at B 1 / 64 / 256, eager and CUDA-graph times, the launch sweep),
-#          then benchmarks/kda_serve_decode.py (the engine's decode step, kernel vs the torch path), on one GPU: a short call                                                            <= 2 min
+#          then benchmarks/kda_serve_decode.py (the engine's decode step, kernel vs the torch path), on one GPU
+#                                                                                              <= 2 min
 # Each mode fits one device call (10 minutes at most). Autotune results persist between calls: Triton's cache
 # (TRITON_CACHE_AUTOTUNING=1, so fla's autotune timings too) comes back as $OUT/triton-cache.tgz (only the autotune
 # records, ~20 KB, when the whole cache is over 15 MiB, as it is after any timing step); copy it to

@@ -15,9 +15,23 @@ another Triton that lacks them it raises instead of checking nothing.
 from __future__ import annotations
 
 import contextlib
+import os
 import traceback
 
 import numpy as np
+
+
+def require_triton_kernels():
+    """For a test module whose tests launch Triton kernels: returns triton, after skipping the whole module when
+    triton is missing, or when there is no CUDA and the interpreter is off (``tests/conftest.py`` turns it on
+    before any kernel module is imported; a kernel decorated without it could only compile, not run)."""
+    import pytest
+    import torch
+
+    triton = pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA and TRITON_INTERPRET is not 1 (set before triton was imported)", allow_module_level=True)
+    return triton
 
 
 def _stray_lanes(ptrs: np.ndarray, mask: np.ndarray, itemsize: int, ranges) -> np.ndarray:

@@ -10,11 +10,9 @@ import time
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
+from tests.triton_bounds import require_triton_kernels
+
+require_triton_kernels()
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_serve_decode.py")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -18,17 +18,14 @@ Shape legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences, P
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules are imported
+from tests.triton_bounds import require_triton_kernels
 
-triton = pytest.importorskip("triton")
+ON_GPU = torch.cuda.is_available()
+triton = require_triton_kernels()  # (the interpreter on CPU: tests/conftest.py, before the kernels are imported)
 
 from tests.numerics import kda_inputs, rel_rms
 from kimik3.ops.kda import (  # noqa: E402
@@ -39,9 +36,6 @@ from kimik3.ops.kda import (  # noqa: E402
     recurrent_kda_step,
 )
 from kimik3.ops.kda.triton_decode import kda_decode  # noqa: E402  (the kernel, on CPU under the interpreter)
-
-if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no CUDA and TRITON_INTERPRET is not 1 (set before triton was imported)", allow_module_level=True)
 
 DEV = "cuda" if ON_GPU else "cpu"
 G_MIN = -5.0

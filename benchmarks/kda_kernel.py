@@ -28,7 +28,9 @@ Usage (GPU machine):
     python3 benchmarks/kda_kernel.py            # full run (fla autotunes on first call: minutes)
     python3 benchmarks/kda_kernel.py --quick    # smoke: medium-shape correctness + one timing, < 2 min
     options: --no-fla, --no-hybrid, --variants a,acsw, --out DIR (default $OUT), --shapes 0,1
-Writes $OUT/kda_kernel.json when --out or $OUT is set.
+Writes $OUT/kda_kernel.json when --out or $OUT is set. Shared with the other benchmark scripts: harness.py (verdicts,
+sections, do_bench medians) and kda_k3.py (K3-contract inputs and the calls of ours, the torch path, fla, the token
+loop).
 """
 
 from __future__ import annotations
@@ -40,144 +42,21 @@ import math
 import os
 import sys
 import time
-import traceback
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# k3.DEVICE, k3.load_fla and k3.load_fla_decode are read through the module: a CPU smoke test replaces them there
+import kda_k3 as k3  # noqa: E402
+from harness import Report, bench, log, rel  # noqa: E402  (a smoke test replaces bench here)
+from kda_k3 import G_MIN, fla_k3, grad_step, k3_inputs, naive_k3, ours_k3, sync, torch_k3  # noqa: E402
 from kda_tries import overridden, parse_experiment  # noqa: E402,F401  (the --try switches; tests reach them here)
 
-RESULTS: dict = {"pass": [], "fail": [], "timings": {}, "errors": {}}
-G_MIN = -5.0
+REPORT = Report(timings={})
+RESULTS, verdict, section = REPORT.results, REPORT.verdict, REPORT.section
 CHECK_VARIANTS = ["", "h", "ach", "acsw"]  # --check-variants
 EXPERIMENTS: list = []  # --try: (name, {(module, attribute): value}) kernel-structure overrides
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def verdict(name: str, ok: bool, detail: str = "") -> None:
-    (RESULTS["pass"] if ok else RESULTS["fail"]).append(name)
-    log(f"{'PASS' if ok else 'FAIL'} {name} {detail}")
-
-
-def rel(ref, out) -> float:
-    a, b = ref.detach().double(), out.detach().double()
-    return ((a - b).pow(2).mean().sqrt() / a.pow(2).mean().sqrt().clamp_min(1e-30)).item()
-
-
-def section(fn):
-    def wrapped(*a, **kw):
-        name = fn.__name__
-        log(f"\n===== {name} =====")
-        t0 = time.time()
-        try:
-            return fn(*a, **kw)
-        except Exception as exc:  # keep going: one device call should report everything it can
-            verdict(f"{name}:exception", False, repr(exc)[:300])
-            RESULTS["errors"][name] = traceback.format_exc()
-            traceback.print_exc()
-        finally:
-            log(f"----- {name}: {time.time() - t0:.1f} s")
-
-    return wrapped
-
-
-DEVICE = "cuda"  # where chunk / profile build their inputs (a CPU smoke test sets "cpu")
-
-
-def sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def grad_step(f, xg, do) -> None:
-    """One forward (f returns (o, state)) and its backward into the leaves xg, with output gradient do."""
-    o, _ = f()
-    torch.autograd.grad(o, xg, do)
-
-
-def bench(fn, warmup=5, rep=30) -> float:
-    import triton
-
-    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-
-
-def load_fla():
-    try:
-        from fla.ops.kda import chunk_kda as fla_chunk_kda
-
-        import fla
-
-        return fla_chunk_kda, getattr(fla, "__version__", "?")
-    except Exception as exc:  # noqa: BLE001
-        log(f"fla not importable: {exc!r}")
-        return None, None
-
-
-# --------------------------------------------------------------------------
-# inputs with the K3 contract (raw q, k, gate input, beta logits)
-# --------------------------------------------------------------------------
-
-
-def k3_inputs(B, T, H, D, dtype=torch.bfloat16, seed=0, requires_grad=False):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-
-    def rn(*shape, s=1.0):
-        return (torch.randn(*shape, generator=gen, device=DEVICE) * s).to(dtype)
-
-    q, k, v = rn(B, T, H, D), rn(B, T, H, D), rn(B, T, H, D)
-    z = rn(B, T, H, D)
-    braw = rn(B, T, H)
-    a_log = torch.log(torch.empty(H, device=DEVICE).uniform_(1, 16, generator=gen))
-    dtb = torch.randn(H * D, generator=gen, device=DEVICE) * 0.5
-    xs = [q, k, v, z, braw]
-    if requires_grad:
-        xs = [x.requires_grad_() for x in xs]
-    return xs, a_log, dtb
-
-
-def ours_k3(xs, a_log, dtb, h0=None, final=False, variant=None):
-    from kimik3.ops.kda import chunk_kda
-
-    if variant is not None:
-        import kimik3.ops.kda.triton_forward as tf
-
-        saved, tf.DEFAULT_VARIANT = tf.DEFAULT_VARIANT, variant
-        try:
-            return ours_k3(xs, a_log, dtb, h0, final)
-        finally:
-            tf.DEFAULT_VARIANT = saved
-    H, D = xs[0].shape[2], xs[0].shape[3]
-    return chunk_kda(*xs, initial_state=h0, output_final_state=final, backend="triton",
-                     A_log=a_log, dt_bias=dtb.view(H, D), lower_bound=G_MIN, use_gate_in_kernel=True,
-                     use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
-
-
-def torch_k3(xs, a_log, dtb, h0=None, final=False):
-    from kimik3.ops.kda import chunk_kda
-
-    H, D = xs[0].shape[2], xs[0].shape[3]
-    return chunk_kda(*xs, initial_state=h0, output_final_state=final, backend="torch",
-                     A_log=a_log, dt_bias=dtb.view(H, D), lower_bound=G_MIN, use_gate_in_kernel=True,
-                     use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
-
-
-def fla_k3(fla_fn, xs, a_log, dtb, h0=None, final=False):
-    return fla_fn(*xs, initial_state=h0, output_final_state=final, use_qk_l2norm_in_kernel=True,
-                  use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=G_MIN,
-                  A_log=a_log, dt_bias=dtb)
-
-
-def naive_k3(xs, a_log, dtb, h0=None):
-    from kimik3.ops.kda import _torch_preactivations, naive_recurrent_kda
-
-    q, k, v, z, b = (x.float() for x in xs)
-    H, D = q.shape[2], q.shape[3]
-    qq, kk, gg, bb = _torch_preactivations(q, k, z, b, a_log, dtb.view(H, D), G_MIN, True, True, True)
-    return naive_recurrent_kda(qq, kk, v, gg, bb, initial_state=h0, output_final_state=True)
 
 
 # --------------------------------------------------------------------------
@@ -191,7 +70,7 @@ def env():
 
     info = {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
             "device": torch.cuda.get_device_name(0)}
-    _, fla_ver = load_fla()
+    _, fla_ver = k3.load_fla()
     info["fla"] = fla_ver
     RESULTS["env"] = info
     log(json.dumps(info))
@@ -250,7 +129,7 @@ def correct(quick: bool, use_fla: bool):
     eo, es = rel(o_t, o), rel(s_t, s)
     verdict(f"K3 contract bf16 T{T} H{H} default vs torch chunk path", eo < 1e-2 and es < 5e-3,
             f"o {eo:.2e} state {es:.2e}; torch path vs naive o {rel(o_n, o_t):.2e}")
-    fla_fn, _ = load_fla() if use_fla else (None, None)
+    fla_fn, _ = k3.load_fla() if use_fla else (None, None)
     if fla_fn is not None:
         o_f, s_f = fla_k3(fla_fn, xs, a_log, dtb, h0, True)
         eo, es = rel(o_n, o_f), rel(s_n, s_f)
@@ -312,7 +191,7 @@ def chunk_counts(B, T, H, D, bwd: bool):
 def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_bwd: bool = True,
           no_hybrid: bool = False):
     ceil = RESULTS.get("ceilings", {"bf16_matmul_tflops": 700.0, "copy_gbs": 4000.0})
-    fla_fn, _ = load_fla() if use_fla else (None, None)
+    fla_fn, _ = k3.load_fla() if use_fla else (None, None)
     table = []
     for (B, T, H, D) in shapes:
         key = f"B{B} T{T} H{H} D{D}"
@@ -405,7 +284,7 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
                 f"({f / 1e9:.0f} GFLOP, {byts / 1e6:.0f} MB)")
         table.append(row)
         del xs
-        if DEVICE == "cuda":
+        if k3.DEVICE == "cuda":
             torch.cuda.empty_cache()
     RESULTS["timings"]["chunk"] = table
     log("\n| shape | " + " | ".join(k for k in table[0] if k != "shape") + " |")
@@ -436,7 +315,7 @@ def profile(shapes, variants, use_fla: bool):
     def kernels(label, fn, calls, rows):
         fn()
         sync()
-        on_gpu = DEVICE == "cuda"
+        on_gpu = k3.DEVICE == "cuda"
         with tprofile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
             for _ in range(calls):
                 fn()
@@ -464,7 +343,7 @@ def profile(shapes, variants, use_fla: bool):
     for name, overrides in EXPERIMENTS:
         with overridden(overrides):
             kernels(f"ours fwd+bwd [{name}]", lambda: grad_step(lambda: ours_k3(xg, a_log, dtb), xg, do), 2, 14)
-    fla_fn = load_fla()[0] if use_fla else None
+    fla_fn = k3.load_fla()[0] if use_fla else None
     if fla_fn is not None:
         kernels("fla fwd", lambda: fla_k3(fla_fn, xs, a_log, dtb), 3, 10)
         kernels("fla fwd+bwd", lambda: grad_step(lambda: fla_k3(fla_fn, xg, a_log, dtb), xg, do), 2, 20)
@@ -508,7 +387,7 @@ def host(shapes, use_fla: bool):
     B, T, H, D = shapes[0]
     xs, a_log, dtb = k3_inputs(B, T, H, D, seed=3)
     rows = {"ours": host_split(lambda: ours_k3(xs, a_log, dtb))}
-    fla_fn = load_fla()[0] if use_fla else None
+    fla_fn = k3.load_fla()[0] if use_fla else None
     if fla_fn is not None:
         rows["fla"] = host_split(lambda: fla_k3(fla_fn, xs, a_log, dtb))
     for name, r in rows.items():
@@ -540,18 +419,6 @@ def ablate(shapes):
             log(f"ablate {name} failed: {exc!r}"[:300])
     tf.INTRA_ABLATE, tf.INTRA_WARPS = 0, None
     RESULTS["timings"]["ablate"] = rows
-
-
-def load_fla_decode():
-    """fla's one-token kernel entry (``fused_recurrent_kda_fwd``: continuous batching over a state pool, updated in
-    place), or None."""
-    try:
-        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-
-        return fused_recurrent_kda_fwd
-    except Exception as exc:  # noqa: BLE001
-        log(f"fla decode not importable: {exc!r}")
-        return None
 
 
 # decode --sweep: (block_v, num_warps)
@@ -589,17 +456,17 @@ def decode(batches, sweep: bool, use_fla: bool = True, H: int = 96, D: int = 128
     from kimik3.ops.kda import _torch_preactivations, recurrent_kda_step
     from kimik3.ops.kda.triton_decode import kda_decode  # the kernel itself (the dispatcher has no launch knobs)
 
-    fla_step = load_fla_decode() if use_fla else None
+    fla_step = k3.load_fla_decode() if use_fla else None
     rows = []
     for B in batches:
-        gen = torch.Generator(device=DEVICE).manual_seed(B)
-        q, k, v, z = (torch.randn(B, H, D, device=DEVICE, generator=gen).bfloat16() for _ in range(4))
-        braw = torch.randn(B, H, device=DEVICE, generator=gen).bfloat16()
-        a_log = torch.zeros(H, device=DEVICE)
-        dtb = torch.zeros(H, D, device=DEVICE)
+        gen = torch.Generator(device=k3.DEVICE).manual_seed(B)
+        q, k, v, z = (torch.randn(B, H, D, device=k3.DEVICE, generator=gen).bfloat16() for _ in range(4))
+        braw = torch.randn(B, H, device=k3.DEVICE, generator=gen).bfloat16()
+        a_log = torch.zeros(H, device=k3.DEVICE)
+        dtb = torch.zeros(H, D, device=k3.DEVICE)
         P = 2 * B
-        pool = torch.randn(P, H, D, D, device=DEVICE, generator=gen)
-        slots = torch.randperm(P, device=DEVICE, generator=gen)[:B]
+        pool = torch.randn(P, H, D, D, device=k3.DEVICE, generator=gen)
+        slots = torch.randperm(P, device=k3.DEVICE, generator=gen)[:B]
         kw = dict(A_log=a_log, dt_bias=dtb, g_min=G_MIN, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
                   use_beta_sigmoid_in_kernel=True)
         # Reference pre-activations in fp32, as the kernels compute them (the kernel never rounds the normalised
@@ -643,7 +510,7 @@ def decode(batches, sweep: bool, use_fla: bool = True, H: int = 96, D: int = 128
                          "graph": hs["graph_ms"] is not None, "judged": judged}
         rows.append(row)
         del pool
-        if DEVICE == "cuda":
+        if k3.DEVICE == "cuda":
             torch.cuda.empty_cache()
     RESULTS["timings"]["decode"] = rows
     log("\n| B | ours us (judged) | ours eager us | ours TB/s | fla us (judged) | fla eager us | fla TB/s | fla / ours |")
@@ -711,15 +578,7 @@ def main() -> int:
         ablate(shapes)
     if "decode" in secs:
         decode(batches, a.sweep or a.decode_sweep, not a.no_fla)
-    log(f"\nSUMMARY: {len(RESULTS['pass'])} PASS, {len(RESULTS['fail'])} FAIL in {time.time() - t0:.0f} s")
-    for n in RESULTS["fail"]:
-        log(f"  FAILED: {n}")
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "kda_kernel.json"), "w") as fh:
-            json.dump(RESULTS, fh, indent=1, default=str)
-        log(f"wrote {os.path.join(a.out, 'kda_kernel.json')}")
-    return 1 if RESULTS["fail"] else 0
+    return REPORT.finish(t0, a.out, "kda_kernel.json")
 
 
 if __name__ == "__main__":

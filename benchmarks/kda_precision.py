@@ -22,8 +22,10 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kda_kernel as kk  # noqa: E402  (the K3-contract input builders and callers shared with the benchmark)
+import kda_k3 as k3  # noqa: E402  (the K3-contract inputs and callers; k3.DEVICE: where inputs are built)
+from harness import log, rel  # noqa: E402
 
 FIELDS = ["o", "state", "dq", "dk", "dv", "dz", "dbeta", "dh0"]
 CLASS_RATIO, CLASS_FLOOR = 1.25, 1e-3
@@ -33,28 +35,28 @@ def errors(call, xs, h0, do, ds, ref) -> dict:
     """call(xs, h0) -> (o, final state); its errors against ref (same FIELDS order) as a dict."""
     o, s = call(xs, h0)
     grads = torch.autograd.grad((o.float() * do).sum() + (s.float() * ds).sum(), xs + [h0])
-    return {name: kk.rel(r, x) for name, r, x in zip(FIELDS, ref, [o, s, *grads])}
+    return {name: rel(r, x) for name, r, x in zip(FIELDS, ref, [o, s, *grads])}
 
 
 def measure(shape, variants, use_fla: bool, seed: int) -> dict:
     """{implementation: {field: error}} at shape (B, T, H, D) for one input seed."""
     B, T, H, D = shape
-    xs, a_log, dtb = kk.k3_inputs(B, T, H, D, seed=seed, requires_grad=True)
-    gen = torch.Generator(device=kk.DEVICE).manual_seed(seed + 1000)
-    h0 = (0.5 * torch.randn(B, H, D, D, generator=gen, device=kk.DEVICE)).requires_grad_()
-    do = torch.randn(B, T, H, D, generator=gen, device=kk.DEVICE)
-    ds = torch.randn(B, H, D, D, generator=gen, device=kk.DEVICE)
+    xs, a_log, dtb = k3.k3_inputs(B, T, H, D, seed=seed, requires_grad=True)
+    gen = torch.Generator(device=k3.DEVICE).manual_seed(seed + 1000)
+    h0 = (0.5 * torch.randn(B, H, D, D, generator=gen, device=k3.DEVICE)).requires_grad_()
+    do = torch.randn(B, T, H, D, generator=gen, device=k3.DEVICE)
+    ds = torch.randn(B, H, D, D, generator=gen, device=k3.DEVICE)
     xs32 = [x.detach().float().requires_grad_() for x in xs]
-    o_n, s_n = kk.naive_k3(xs32, a_log, dtb, h0)
+    o_n, s_n = k3.naive_k3(xs32, a_log, dtb, h0)
     ref = [o_n, s_n, *torch.autograd.grad((o_n * do).sum() + (s_n * ds).sum(), xs32 + [h0])]
     del xs32, o_n, s_n
     out = {}
     for variant in variants:
-        out[f"ours '{variant}'"] = errors(lambda x, h, v=variant: kk.ours_k3(x, a_log, dtb, h, True, variant=v),
+        out[f"ours '{variant}'"] = errors(lambda x, h, v=variant: k3.ours_k3(x, a_log, dtb, h, True, variant=v),
                                           xs, h0, do, ds, ref)
-    fla_fn, _ = kk.load_fla() if use_fla else (None, None)
+    fla_fn, _ = k3.load_fla() if use_fla else (None, None)
     if fla_fn is not None:
-        out["fla"] = errors(lambda x, h: kk.fla_k3(fla_fn, x, a_log, dtb, h, True), xs, h0, do, ds, ref)
+        out["fla"] = errors(lambda x, h: k3.fla_k3(fla_fn, x, a_log, dtb, h, True), xs, h0, do, ds, ref)
     return out
 
 
@@ -67,10 +69,10 @@ def report(shape, per_seed: list) -> dict:
     names = list(per_seed[0])
     mean = {n: {f: sum(s[n][f] for s in per_seed) / len(per_seed) for f in FIELDS} for n in names}
     B, T, H, D = shape
-    kk.log(f"\nrelative RMS error vs the fp32 token loop, bf16 inputs, K3 contract, B{B} T{T} H{H} D{D}, "
+    log(f"\nrelative RMS error vs the fp32 token loop, bf16 inputs, K3 contract, B{B} T{T} H{H} D{D}, "
            f"mean of {len(per_seed)} seed(s):")
-    kk.log("| implementation | " + " | ".join(FIELDS) + " |")
-    kk.log("|---|" + "---|" * len(FIELDS))
+    log("| implementation | " + " | ".join(FIELDS) + " |")
+    log("|---|" + "---|" * len(FIELDS))
     fla = mean.get("fla")
     for n in names:
         cells = []
@@ -79,13 +81,13 @@ def report(shape, per_seed: list) -> dict:
             if fla is not None and n != "fla":
                 cell += f" ({mean[n][f] / max(fla[f], 1e-30):.2f}x)"
             cells.append(cell)
-        kk.log(f"| {n} | " + " | ".join(cells) + " |")
+        log(f"| {n} | " + " | ".join(cells) + " |")
     verdicts = {}
     if fla is not None:
         for n in names:
             if n != "fla":
                 verdicts[n] = in_fla_class(mean[n], fla)
-                kk.log(f"{n}: {'in' if verdicts[n] else 'NOT in'} fla's precision class "
+                log(f"{n}: {'in' if verdicts[n] else 'NOT in'} fla's precision class "
                        f"(every error <= {CLASS_RATIO}x fla's or < {CLASS_FLOOR:g})")
     return {"shape": list(shape), "seeds": len(per_seed), "mean": mean, "in_fla_class": verdicts}
 
@@ -104,7 +106,7 @@ def main() -> int:
     if not torch.cuda.is_available():  # the interpreter at a tiny shape (a smoke run)
         from kimik3.ops.kda.triton_autograd import interpreter_dot_fix
 
-        kk.DEVICE = "cpu"
+        k3.DEVICE = "cpu"
         interpreter_dot_fix()  # the interpreter's tl.dot is wrong for bf16 operands (Triton 3.6)
     per_seed = [measure(shape, a.variants.split(","), not a.no_fla, seed) for seed in range(a.seeds)]
     summary = report(shape, per_seed)

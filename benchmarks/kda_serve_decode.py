@@ -20,35 +20,20 @@ Each pair is checked against each other before it is timed (outputs and pool row
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-RESULTS: dict = {"pass": [], "fail": [], "rows": []}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import Report, log, rel  # noqa: E402
+from harness import bench as _do_bench  # noqa: E402
 
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def verdict(name: str, ok: bool, detail: str) -> None:
-    (RESULTS["pass"] if ok else RESULTS["fail"]).append(name)
-    log(f"{'PASS' if ok else 'FAIL'} {name} {detail}")
-
-
-def rel(ref: torch.Tensor, out: torch.Tensor) -> float:
-    a, b = ref.double(), out.double()
-    return ((a - b).norm() / a.norm().clamp_min(1e-30)).item()
-
-
-def bench(fn) -> float:
-    import triton
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+REPORT = Report(rows=[])
+RESULTS, verdict = REPORT.results, REPORT.verdict
+bench = functools.partial(_do_bench, warmup=10, rep=50)  # (a smoke test replaces it with one wall-clock call)
 
 
 def state_step(B: int, H: int = 96, D: int = 128, device: str = "cuda") -> dict:
@@ -139,11 +124,7 @@ def main() -> int:
             RESULTS["rows"].append({"section": "layer", **r})
             log(f"| {B} | {r['torch_ms']:.3f} | {r['triton_ms']:.3f} | {r['torch_ms'] / r['triton_ms']:.1f}x |")
             torch.cuda.empty_cache()
-    log(f"\nSUMMARY: {len(RESULTS['pass'])} PASS, {len(RESULTS['fail'])} FAIL in {time.time() - t0:.0f} s")
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "kda_serve_decode.json").write_text(json.dumps(RESULTS, indent=1))
-    return 1 if RESULTS["fail"] else 0
+    return REPORT.finish(t0, args.out, "kda_serve_decode.json")
 
 
 if __name__ == "__main__":

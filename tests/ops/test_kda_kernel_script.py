@@ -27,7 +27,7 @@ def kk(monkeypatch):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     if not torch.cuda.is_available():
-        monkeypatch.setattr(mod, "DEVICE", "cpu")
+        monkeypatch.setattr(mod.k3, "DEVICE", "cpu")
         from kimik3.ops.kda.triton_autograd import interpreter_dot_fix
 
         interpreter_dot_fix()  # the interpreter's tl.dot is wrong for bf16 operands (Triton 3.6)
@@ -57,8 +57,8 @@ def kk(monkeypatch):
         return o[:, None], initial_state
 
     monkeypatch.setattr(mod, "bench", wall_ms)
-    monkeypatch.setattr(mod, "load_fla", lambda: (fake_fla, "stand-in"))
-    monkeypatch.setattr(mod, "load_fla_decode", lambda: fake_fla_decode)
+    monkeypatch.setattr(mod.k3, "load_fla", lambda: (fake_fla, "stand-in"))  # (kda_k3: shared with kda_precision)
+    monkeypatch.setattr(mod.k3, "load_fla_decode", lambda: fake_fla_decode)
     return mod
 
 
@@ -187,7 +187,7 @@ def prec():
 
 
 def test_precision_script_measures_each_variant_and_the_peer_against_the_token_loop(kk, prec, capsys):
-    prec.kk = kk  # the benchmark fixture's module: CPU device, the stand-in peer
+    assert prec.k3 is kk.k3  # one kda_k3 module: the fixture's CPU device and stand-in peer serve both scripts
     per_seed = [prec.measure((1, 40, 2, 16), ["ach", "acsw"], True, seed) for seed in range(2)]
     assert [sorted(s) for s in per_seed] == [sorted(["ours 'ach'", "ours 'acsw'", "fla"])] * 2
     summary = prec.report((1, 40, 2, 16), per_seed)
@@ -222,3 +222,26 @@ def test_decode_time_judges_on_the_graph_and_retimes_a_disagreeing_pair(kk):
     assert kk.decode_time(hs(0.80, 0.89), lambda: hs(0.80, 0.805), "x") == (0.805, "graph (timed again)")
     t, judged = kk.decode_time(hs(0.80, 0.89), lambda: hs(0.90, 0.80), "x")
     assert t == 0.90 and judged.startswith("slower")
+
+
+def test_report_keeps_a_failing_section_and_writes_the_summary(kk, tmp_path, capsys):
+    """The shared harness (benchmarks/harness.py): a section that raises becomes a FAIL with its traceback and the
+    run goes on; finish() names every FAIL, writes the JSON and returns exit status 1 (0 when all passed)."""
+    import harness  # on sys.path: the benchmark module put it there
+
+    report = harness.Report(rows=[])
+
+    @report.section
+    def broken():
+        raise RuntimeError("no such kernel")
+
+    assert broken() is None
+    report.verdict("after the broken section", True)
+    assert report.results["fail"] == ["broken:exception"] and report.results["pass"] == ["after the broken section"]
+    assert "RuntimeError: no such kernel" in report.results["errors"]["broken"]
+    assert report.finish(0.0, str(tmp_path), "r.json") == 1
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["fail"] == ["broken:exception"] and saved["rows"] == []
+    assert "FAILED: broken:exception" in capsys.readouterr().out
+    assert harness.Report().finish(0.0, None, "unused.json") == 0
+    assert harness.rel(torch.ones(4), torch.ones(4) * 1.5) == pytest.approx(0.5)

@@ -1,0 +1,80 @@
+"""What the benchmark scripts share: printed lines, PASS / FAIL verdicts collected into one results dict,
+sections that report their own failure and let the run go on, relative errors, and do_bench medians.
+
+A script makes one ``Report`` and binds its ``verdict`` and ``section`` at module level, so each script (and
+each fresh copy a smoke test loads) keeps its own results.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+import traceback
+
+import torch
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def rel(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """Relative RMS error of ``out`` against ``ref`` (in float64)."""
+    a, b = ref.detach().double(), out.detach().double()
+    return ((a - b).norm() / a.norm().clamp_min(1e-30)).item()
+
+
+def bench(fn, warmup: int = 5, rep: int = 30) -> float:
+    """``triton.testing.do_bench``'s median, in ms."""
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+class Report:
+    """The verdicts and tables of one run: ``results`` holds "pass" and "fail" (verdict names), "errors"
+    (section name -> traceback) and the tables named at construction."""
+
+    def __init__(self, **tables):
+        self.results: dict = {"pass": [], "fail": [], "errors": {}, **tables}
+
+    def verdict(self, name: str, ok: bool, detail: str = "") -> None:
+        (self.results["pass"] if ok else self.results["fail"]).append(name)
+        log(f"{'PASS' if ok else 'FAIL'} {name} {detail}")
+
+    def section(self, fn):
+        """``fn`` as a named section: a header and its duration are printed, and an exception becomes a FAIL
+        with its traceback kept, so one device call reports everything it can."""
+
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            name = fn.__name__
+            log(f"\n===== {name} =====")
+            t0 = time.time()
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001
+                self.verdict(f"{name}:exception", False, repr(exc)[:300])
+                self.results["errors"][name] = traceback.format_exc()
+                traceback.print_exc()
+            finally:
+                log(f"----- {name}: {time.time() - t0:.1f} s")
+
+        return wrapped
+
+    def finish(self, t0: float, out_dir: str | None, filename: str) -> int:
+        """Print the summary (every FAIL by name), write ``out_dir/filename`` when ``out_dir`` is set, and
+        return the exit status: 1 if anything FAILed."""
+        log(f"\nSUMMARY: {len(self.results['pass'])} PASS, {len(self.results['fail'])} FAIL in "
+            f"{time.time() - t0:.0f} s")
+        for name in self.results["fail"]:
+            log(f"  FAILED: {name}")
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+            path = os.path.join(out_dir, filename)
+            with open(path, "w") as fh:
+                json.dump(self.results, fh, indent=1, default=str)
+            log(f"wrote {path}")
+        return 1 if self.results["fail"] else 0

@@ -270,6 +270,26 @@ def test_split_intra(monkeypatch, mode, case):
                 chunk_kda(*inputs, backend="triton", **kw)
 
 
+@pytest.mark.parametrize("mode", ["split", "fused", "tiles16"])
+def test_intra_matrices_are_written_in_full(monkeypatch, mode):
+    """Aqk and T (the forward's aux, read by the solve, the output and the backward) come out whole: lower
+    triangular, zeros above the diagonal written rather than assumed, every chunk of a varlen batch with partial
+    chunks covered. Under the interpreter the buffers start as NaN (``triton_forward._scratch``), so an entry a
+    kernel leaves unwritten shows here."""
+    import kimik3.ops.kda.triton_forward as tf
+
+    monkeypatch.setattr(tf, "INTRA_MODE", mode)
+    lengths, H, K, V = [1, 3, 64, 65, 47], 2, 16, 16
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    q, k, v, g, beta = make_inputs(1, sum(lengths), H, K, V, seed=5)
+    plan = tf.make_plan(1, sum(lengths), cu, q.device)
+    aux = tf.kda_fwd_triton(q, k, v, g, beta, K**-0.5, None, False, plan, return_aux=True)[2]
+    for name in ("aqk", "tinv"):
+        m = aux[name]
+        assert m.shape == (plan.NT, H, 64, 64) and not m.isnan().any(), name
+        assert torch.equal(m.triu(1), torch.zeros_like(m)), name
+
+
 @pytest.mark.parametrize("K,blocks", [(100, None), (130, None), (100, (32, 32))])
 def test_wy_split_over_k(monkeypatch, K, blocks):
     """KIMIK3_KDA_WY_SPLIT=1: the WY backward as one program per 64-column K block (2 and 3 partial dA /

@@ -117,6 +117,15 @@ INTRA16_CONFIG: Tuple[int, ...] = (32, 4)
 INTRA_ABLATE = 0
 
 
+def _scratch(shape: tuple, device: torch.device) -> torch.Tensor:
+    """An fp32 buffer the kernels write in full before anything reads it. Under the interpreter (the tests) it
+    starts as NaN, so a kernel change that leaves part of it unwritten fails the tests instead of reading the zeros
+    of a fresh page."""
+    if INTERPRET:
+        return torch.full(shape, float("nan"), device=device)
+    return torch.empty(shape, device=device, dtype=torch.float32)
+
+
 def _next_pow2(x: int) -> int:
     return max(16, triton.next_power_of_2(int(x)))
 
@@ -495,8 +504,8 @@ def kda_fwd_triton(
     # see NOTES-kda.md. W_16BIT: W alone in the 16-bit dtype again (the scans round it to 16 bits anyway).
     wu_dtype = torch.float32 if (DT == tl.float32 or "w" in variant or DTS != tl.float32) else q.dtype
     w_dtype = q.dtype if (W_16BIT and DT != tl.float32 and "w" not in variant) else wu_dtype
-    aqk = torch.empty(NT, H, 64, 64, device=dev, dtype=torch.float32)
-    tinv = torch.empty(NT, H, 64, 64, device=dev, dtype=torch.float32)
+    aqk = _scratch((NT, H, 64, 64), dev)
+    tinv = _scratch((NT, H, 64, 64), dev)
     w = torch.empty(B, T, H, K, device=dev, dtype=w_dtype)
     u = torch.empty(B, T, H, V, device=dev, dtype=wu_dtype)
     sc_dtype = torch.float32 if DTS == tl.float32 else q.dtype  # scan operands qg, kg

@@ -1,0 +1,307 @@
+"""Phase C of the KDA forward (W, U, qg, kg) as a persistent Gluon kernel with a TMA ring, against our Triton kernel.
+
+A probe of the one route left to the chunk targets (benchmarks/NOTES-kda.md, fourteenth session): Gluon
+(``triton.experimental.gluon``, Triton 3.6) writes Hopper kernels with explicit layouts, shared-memory rings, TMA
+and ``warpgroup_mma``. The kernel here is not used by the library. Gluon does not run under TRITON_INTERPRET, so
+the CPU test can only compile it for sm_90.
+
+One work item = (chunk, head, half h): key columns [64 h, 64 h + 64) and value columns likewise. A CTA walks its
+items (a persistent grid of CTAS x SMs programs). Each item's tiles (T fp32, k, q, v bf16, G fp32) arrive by TMA
+into a ring of NB stages, NB - 1 items ahead of the compute. The outputs leave one of two ways:
+- "staged": through shared memory and TMA stores, every input read first;
+- "direct": plain stores from registers, each input read where it is used.
+Full chunks only (T a multiple of 64), B = 1, K = V = 128: K3's shape.
+
+    python benchmarks/gluon_wy_probe.py [--out DIR]   # GPU: each variant against the Triton kernel, then timed
+    python benchmarks/gluon_wy_probe.py --compile     # CPU: sm_90 compile of each variant (shared memory, registers)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import Report, bench, log  # noqa: E402
+
+REPORT = Report(rows=[])
+RESULTS, verdict = REPORT.results, REPORT.verdict
+
+# name: (ring stages NB, warps, outputs staged in shared memory and stored by TMA, CTAs per SM in the grid). The
+# grid's CTAs per SM must fit the SM (shared memory and registers: --compile shows both).
+VARIANTS = {"gluon-2": (2, 4, True, 1), "gluon-2-direct": (2, 4, False, 1), "gluon-1-direct": (1, 4, False, 2),
+            "gluon-1-direct-w8": (1, 8, False, 2)}
+
+
+@gluon.jit
+def _issue(item, slot, bars, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, H, K: gl.constexpr):
+    """Start the TMA loads of one item's tiles (T, k, q, G, v) into ring slot ``slot``; its barrier completes when
+    all of them have landed."""
+    half = item % 2
+    ch = item // 2
+    i_h = ch % H
+    i_t = ch // H
+    col = i_h * K + half * 64
+    bar = bars.index(slot)
+    mbarrier.expect(bar, 2 * 64 * 64 * 4 + 3 * 64 * 64 * 2)
+    tma.async_copy_global_to_shared(t_d, [(i_t * H + i_h) * 64, 0], bar, t_s.index(slot))
+    tma.async_copy_global_to_shared(k_d, [i_t * 64, col], bar, k_s.index(slot))
+    tma.async_copy_global_to_shared(q_d, [i_t * 64, col], bar, q_s.index(slot))
+    tma.async_copy_global_to_shared(G_d, [i_t * 64, col], bar, G_s.index(slot))
+    tma.async_copy_global_to_shared(v_d, [i_t * 64, col], bar, v_s.index(slot))
+
+
+@gluon.jit
+def _wy_gluon(t_d, k_d, q_d, G_d, v_d, w_d, qg_d, kg_d, u_d, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr, u_ptr,
+              NT, H, K: gl.constexpr, NB: gl.constexpr, WN: gl.constexpr, STAGE_OUT: gl.constexpr,
+              num_warps: gl.constexpr):
+    """W = T (beta k e^G), U = T (beta v), qg = q e^G, kg = k e^(G_C - G) and e^G_C for the items of this CTA
+    (see the module docstring); the _d arguments are TMA descriptors of [64, 64] tiles, the _ptr ones the same
+    tensors for plain loads and stores."""
+    BL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
+    ROW: gl.constexpr = gl.SliceLayout(1, BL)
+    COL: gl.constexpr = gl.SliceLayout(0, BL)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // WN, WN],
+                                                  instr_shape=[16, 64 // WN, 16])
+    AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    # the ring of input tiles
+    t_s = gl.allocate_shared_memory(gl.float32, [NB, 64, 64], t_d.layout)
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [NB, 64, 64], k_d.layout)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [NB, 64, 64], q_d.layout)
+    G_s = gl.allocate_shared_memory(gl.float32, [NB, 64, 64], G_d.layout)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [NB, 64, 64], v_d.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NB):
+        mbarrier.init(bars.index(i), count=1)
+    # wgmma B operands and the output staging
+    b_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], k_d.layout)
+    if STAGE_OUT:
+        o16_s = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 64], w_d.layout)
+        o32_s = gl.allocate_shared_memory(gl.float32, [64, 64], u_d.layout)
+
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_items = NT * H * 2
+    count = (n_items - pid + nprog - 1) // nprog
+
+    # prologue: the first NB - 1 items in flight
+    for s in gl.static_range(NB - 1):
+        if s < count:
+            _issue(pid + s * nprog, s, bars, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, H, K)
+
+    r = gl.arange(0, 64, layout=ROW)
+    c = gl.arange(0, 64, layout=COL)
+    for i in range(count):
+        # item i + NB - 1 into the slot item i - 1 used (its shared-memory reads were fenced last iteration)
+        j = i + NB - 1
+        if j < count:
+            _issue(pid + j * nprog, j % NB, bars, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, H, K)
+
+        item = pid + i * nprog
+        half = item % 2
+        ch = item // 2
+        i_h = ch % H
+        i_t = ch // H
+        t0 = i_t * 64
+        col = i_h * K + half * 64
+        si = i % NB
+        mbarrier.wait(bars.index(si), (i // NB) & 1)
+
+        beta = gl.load(beta_ptr + (t0 + r) * H + i_h).to(gl.float32)
+        tm = gl.convert_layout(t_s.index(si).load(BL).to(gl.bfloat16), AOP)
+        acc = gl.zeros([64, 64], gl.float32, layout=MMA)
+        if STAGE_OUT:  # every input first, the outputs staged in shared memory and stored by TMA
+            g_last = gl.load(G_ptr + (t0 + 63) * (H * K) + col + c)
+            G = G_s.index(si).load(BL)
+            kr = k_s.index(si).load(BL).to(gl.float32)
+            qr = q_s.index(si).load(BL).to(gl.float32)
+            vr = v_s.index(si).load(BL).to(gl.float32)
+            fence_async_shared()  # the ring slot's generic reads before the next TMA write into it
+            eG = gl.exp(G)
+            kg = (kr * gl.exp(gl.expand_dims(g_last, 0) - G)).to(gl.bfloat16)
+            qg = (qr * eG).to(gl.bfloat16)
+            tma.store_wait(pendings=0)  # the staging buffers are free again
+            # W = T (beta k e^G)
+            b_s.store((kr * gl.expand_dims(beta, 1) * eG).to(gl.bfloat16))
+            fence_async_shared()
+            w = warpgroup_mma(tm, b_s, acc, use_acc=False).to(gl.bfloat16)
+            # U = T (beta v)
+            b_s.store((vr * gl.expand_dims(beta, 1)).to(gl.bfloat16))
+            fence_async_shared()
+            u = warpgroup_mma(tm, b_s, acc, use_acc=False)
+            o16_s.index(0).store(w)
+            o16_s.index(1).store(qg)
+            o16_s.index(2).store(kg)
+            o32_s.store(u)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(w_d, [t0, col], o16_s.index(0))
+            tma.async_copy_shared_to_global(qg_d, [t0, col], o16_s.index(1))
+            tma.async_copy_shared_to_global(kg_d, [t0, col], o16_s.index(2))
+            tma.async_copy_shared_to_global(u_d, [t0, col], o32_s)
+            gl.store(eg_ptr + (i_t * H + i_h) * K + half * 64 + c, gl.exp(g_last))
+        else:  # each input read where it is used, each output stored as soon as it is made (fewer live tiles)
+            offs = gl.expand_dims(t0 + r, 1) * (H * K) + col + gl.expand_dims(c, 0)
+            # U = T (beta v)
+            vb = v_s.index(si).load(BL).to(gl.float32) * gl.expand_dims(beta, 1)
+            b_s.store(vb.to(gl.bfloat16))
+            fence_async_shared()
+            u = warpgroup_mma(tm, b_s, acc, use_acc=False)
+            gl.store(u_ptr + offs, gl.convert_layout(u, BL))
+            # W = T (beta k e^G)
+            G = G_s.index(si).load(BL)
+            eG = gl.exp(G)
+            kr = k_s.index(si).load(BL).to(gl.float32)
+            b_s.store((kr * gl.expand_dims(beta, 1) * eG).to(gl.bfloat16))
+            fence_async_shared()
+            w = warpgroup_mma(tm, b_s, acc, use_acc=False)
+            gl.store(w_ptr + offs, gl.convert_layout(w.to(gl.bfloat16), BL))
+            g_last = gl.load(G_ptr + (t0 + 63) * (H * K) + col + c)
+            gl.store(kg_ptr + offs, (kr * gl.exp(gl.expand_dims(g_last, 0) - G)).to(gl.bfloat16))
+            gl.store(qg_ptr + offs, (q_s.index(si).load(BL).to(gl.float32) * eG).to(gl.bfloat16))
+            gl.store(eg_ptr + (i_t * H + i_h) * K + half * 64 + c, gl.exp(g_last))
+            fence_async_shared()  # the ring slot's generic reads before the next TMA write into it
+
+    if STAGE_OUT:
+        tma.store_wait(pendings=0)
+    for s in gl.static_range(NB):
+        mbarrier.invalidate(bars.index(s))
+
+
+def make_inputs(T: int, H: int, K: int, device: str):
+    """Phase C's inputs at K3's contract: normalised-scale bf16 q, k, v, the within-chunk cumulative log-decay G
+    (fp32), beta, and a lower-triangular T per (chunk, head)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rn(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    q, k = (rn(1, T, H, K).div(K**0.5).bfloat16() for _ in range(2))
+    v = rn(1, T, H, K).bfloat16()
+    G = (-torch.rand(1, T, H, K, device=device, generator=gen) * 0.3).view(1, T // 64, 64, H, K).cumsum(2)
+    beta = torch.rand(1, T, H, device=device, generator=gen)
+    tinv = rn(T // 64, H, 64, 64).tril() * 0.1
+    return q, k, v, G.view(1, T, H, K), beta, tinv
+
+
+def outputs(q: torch.Tensor):
+    """Empty W, qg, kg (bf16), U (fp32) and exp(Gamma_C) for ``q``'s shape."""
+    T, H, K = q.shape[1:]
+    w, qg, kg = (torch.empty_like(q) for _ in range(3))
+    u = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    return w, u, qg, kg, torch.empty(T // 64, H, K, device=q.device)
+
+
+def gluon_args(q, k, v, G, beta, tinv, w, u, qg, kg, eg, variant: str):
+    """(positional arguments, keyword arguments) of ``_wy_gluon`` for one variant."""
+    T, H, K = q.shape[1:]
+    NT = T // 64
+    NB, warps, staged, _ = VARIANTS[variant]
+
+    def desc(x, dtype):
+        x2 = x.reshape(NT * H * 64, 64) if x is tinv else x.reshape(T, H * K)
+        layout = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
+        return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [64, 64], layout)
+
+    args = (desc(tinv, gl.float32), desc(k, gl.bfloat16), desc(q, gl.bfloat16), desc(G, gl.float32),
+            desc(v, gl.bfloat16), desc(w, gl.bfloat16), desc(qg, gl.bfloat16), desc(kg, gl.bfloat16),
+            desc(u, gl.float32), beta, G, eg, w, qg, kg, u, NT, H)
+    return args, {"K": K, "NB": NB, "WN": warps // 4, "STAGE_OUT": staged, "num_warps": warps}
+
+
+def compile_sm90(variant: str) -> dict:
+    """Compile one variant for sm_90 on any machine: shared bytes, registers per thread and spills (ptxas)."""
+    from kda_sm90_report import ptxas_usage
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    q, k, v, G, beta, tinv = make_inputs(128, 2, 128, "cpu")
+    args, kw = gluon_args(q, k, v, G, beta, tinv, *outputs(q), variant)
+    bound = dict(zip(_wy_gluon.arg_names, args), **kw)
+    signature, constexprs = {}, {}
+    for i, name in enumerate(_wy_gluon.arg_names):
+        if name in kw:
+            signature[name], constexprs[(i,)] = "constexpr", kw[name]
+        else:
+            signature[name] = "i32" if isinstance(bound[name], int) else mangle_type(bound[name])
+    src = GluonASTSource(fn=_wy_gluon, signature=signature, constexprs=constexprs, attrs={})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kw["num_warps"]})
+    return {"variant": variant, "shared_bytes": kernel.metadata.shared, **ptxas_usage(kernel.asm["ptx"])}
+
+
+def run_gpu(T: int = 8192, H: int = 96, K: int = 128) -> None:
+    """Each variant checked against the Triton kernel on the same inputs, then timed with it."""
+    import triton.language as tl
+
+    from kimik3.ops.kda import triton_forward as tf
+
+    q, k, v, G, beta, tinv = make_inputs(T, H, K, "cuda")
+    plan = tf.make_plan(1, T, None, q.device)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # unique traffic: q, k, v, G and T read, W, qg, kg and U written, once each
+    nbytes = T * H * K * (3 * 2 + 4) + (T // 64) * H * 64 * 64 * 4 + T * H * K * (3 * 2 + 4)
+    ref = outputs(q)
+
+    def triton_call(out=ref):
+        w, u, qg, kg, eg = out
+        tf._launch_intra_wy(q, k, v, G, beta, tinv, w, u, qg, kg, eg, plan, H, K, K, 64, 64, tl.bfloat16, "tf32", 4)
+
+    triton_call()
+    rows = [{"variant": "triton (ours today)", "ms": bench(triton_call, warmup=25, rep=200)}]
+    for variant, (_, _, _, ctas) in VARIANTS.items():
+        out = outputs(q)
+        args, kw = gluon_args(q, k, v, G, beta, tinv, *out, variant)
+
+        def call(args=args, kw=kw, grid=(ctas * sms,)):
+            _wy_gluon[grid](*args, **kw)
+
+        try:
+            call()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001  (a fault is a result of the probe, not the end of the run)
+            verdict(f"{variant} runs", False, repr(exc)[:300])
+            continue
+        worst = max(((a.float() - b.float()).abs().max() / a.float().abs().max()).item() for a, b in zip(ref, out))
+        verdict(f"{variant} equals the Triton kernel", worst < 1e-6, f"max rel diff {worst:.1e}")
+        rows.append({"variant": variant, "ms": bench(call, warmup=25, rep=200)})
+    log(f"\nphase C at B1 T{T} H{H} D{K} ({nbytes / 1e9:.2f} GB of unique traffic), do_bench medians")
+    log("| kernel | ms | TB/s | Triton / this |")
+    for row in rows:
+        row["TBps"] = nbytes / (row["ms"] * 1e-3) / 1e12
+        log(f"| {row['variant']} | {row['ms']:.3f} | {row['TBps']:.2f} | {rows[0]['ms'] / row['ms']:.2f}x |")
+    RESULTS["rows"] = rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compile", action="store_true", help="compile each variant for sm_90 only (no GPU)")
+    parser.add_argument("--out", default=os.environ.get("OUT"))
+    args = parser.parse_args()
+    t0 = time.time()
+    if args.compile:
+        log("| variant | shared KB | registers | spill bytes (store / load) |")
+        for variant in VARIANTS:
+            r = compile_sm90(variant)
+            RESULTS["rows"].append(r)
+            log(f"| {variant} | {r['shared_bytes'] / 1024:.0f} | {r['registers']} | "
+                f"{r['spill_store_bytes']} / {r['spill_load_bytes']} |")
+    elif not torch.cuda.is_available():
+        log("FAIL no CUDA device: the kernel needs a Hopper GPU (--compile needs none)")
+        return 1
+    else:
+        run_gpu()
+    return REPORT.finish(t0, args.out, "gluon_wy_probe.json")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -70,7 +70,7 @@ def report(shape, per_seed: list) -> dict:
     mean = {n: {f: sum(s[n][f] for s in per_seed) / len(per_seed) for f in FIELDS} for n in names}
     B, T, H, D = shape
     log(f"\nrelative RMS error vs the fp32 token loop, bf16 inputs, K3 contract, B{B} T{T} H{H} D{D}, "
-           f"mean of {len(per_seed)} seed(s):")
+        f"mean of {len(per_seed)} seed(s):")
     log("| implementation | " + " | ".join(FIELDS) + " |")
     log("|---|" + "---|" * len(FIELDS))
     fla = mean.get("fla")
@@ -88,7 +88,7 @@ def report(shape, per_seed: list) -> dict:
             if n != "fla":
                 verdicts[n] = in_fla_class(mean[n], fla)
                 log(f"{n}: {'in' if verdicts[n] else 'NOT in'} fla's precision class "
-                       f"(every error <= {CLASS_RATIO}x fla's or < {CLASS_FLOOR:g})")
+                    f"(every error <= {CLASS_RATIO}x fla's or < {CLASS_FLOOR:g})")
     return {"shape": list(shape), "seeds": len(per_seed), "mean": mean, "in_fla_class": verdicts}
 
 

@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 import triton
@@ -37,10 +38,19 @@ from harness import Report, bench, log  # noqa: E402
 REPORT = Report(rows=[])
 RESULTS, verdict = REPORT.results, REPORT.verdict
 
-# name: (ring stages NB, warps, outputs staged in shared memory and stored by TMA, CTAs per SM in the grid). The
-# grid's CTAs per SM must fit the SM (shared memory and registers: --compile shows both).
-VARIANTS = {"gluon-2": (2, 4, True, 1), "gluon-2-direct": (2, 4, False, 1), "gluon-1-direct": (1, 4, False, 2),
-            "gluon-1-direct-w8": (1, 8, False, 2)}
+class Variant(NamedTuple):
+    stages: int  # ring stages NB
+    warps: int  # the compute's warps (a warp-specialised variant adds one loader warp)
+    staged: bool  # outputs through shared memory and TMA stores (else plain stores)
+    ctas: int  # CTAs per SM in the grid: they must fit the SM (--compile shows shared memory and registers)
+    ws: bool = False  # warp-specialised: a 1-warp TMA loader partition, the compute in the default partition
+
+
+VARIANTS = {"gluon-2": Variant(2, 4, True, 1), "gluon-2-direct": Variant(2, 4, False, 1),
+            "gluon-1-direct": Variant(1, 4, False, 2), "gluon-1-direct-w8": Variant(1, 8, False, 2),
+            "ws-2": Variant(2, 4, False, 1, True), "ws-2-w8": Variant(2, 8, False, 1, True),
+            "ws-3-w8": Variant(3, 8, False, 1, True)}
+LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)  # the loader partition's warps and registers
 
 
 @gluon.jit
@@ -61,6 +71,66 @@ def _issue(item, slot, bars, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, H
     tma.async_copy_global_to_shared(v_d, [i_t * 64, col], bar, v_s.index(slot))
 
 
+@gluon.constexpr_function
+def _blocked(num_warps):
+    """The elementwise layout of a [64, 64] tile over num_warps warps."""
+    return gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _mma(num_warps, wn):
+    """The wgmma accumulator layout of a [64, 64] product: num_warps // wn warps down M, wn across N."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // wn, wn],
+                                     instr_shape=[16, 64 // wn, 16])
+
+
+@gluon.jit
+def _ring(NB: gl.constexpr, t_d, k_d, q_d, G_d, v_d):
+    """The NB-stage ring of one item's input tiles in shared memory: T, k, q, G, v."""
+    return (gl.allocate_shared_memory(gl.float32, [NB, 64, 64], t_d.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [NB, 64, 64], k_d.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [NB, 64, 64], q_d.layout),
+            gl.allocate_shared_memory(gl.float32, [NB, 64, 64], G_d.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [NB, 64, 64], v_d.layout))
+
+
+@gluon.jit
+def _item_direct(item, si, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr, u_ptr, H,
+                 K: gl.constexpr, BL: gl.constexpr, MMA: gl.constexpr):
+    """One item from ring slot si, each input read where it is used and each output stored from registers as soon
+    as it is made (fewer live tiles than reading everything first). The caller fences the slot's reads."""
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, BL))
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, BL))
+    half = item % 2
+    i_h = (item // 2) % H
+    i_t = (item // 2) // H
+    t0 = i_t * 64
+    col = i_h * K + half * 64
+    offs = gl.expand_dims(t0 + r, 1) * (H * K) + col + gl.expand_dims(c, 0)
+    beta = gl.load(beta_ptr + (t0 + r) * H + i_h).to(gl.float32)
+    tm = gl.convert_layout(t_s.index(si).load(BL).to(gl.bfloat16),
+                           gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+    acc = gl.zeros([64, 64], gl.float32, layout=MMA)
+    # U = T (beta v)
+    b_s.store((v_s.index(si).load(BL).to(gl.float32) * gl.expand_dims(beta, 1)).to(gl.bfloat16))
+    fence_async_shared()
+    u = warpgroup_mma(tm, b_s, acc, use_acc=False)
+    gl.store(u_ptr + offs, gl.convert_layout(u, BL))
+    # W = T (beta k e^G)
+    G = G_s.index(si).load(BL)
+    eG = gl.exp(G)
+    kr = k_s.index(si).load(BL).to(gl.float32)
+    b_s.store((kr * gl.expand_dims(beta, 1) * eG).to(gl.bfloat16))
+    fence_async_shared()
+    w = warpgroup_mma(tm, b_s, acc, use_acc=False)
+    gl.store(w_ptr + offs, gl.convert_layout(w.to(gl.bfloat16), BL))
+    # the scan operands
+    g_last = gl.load(G_ptr + (t0 + 63) * (H * K) + col + c)
+    gl.store(kg_ptr + offs, (kr * gl.exp(gl.expand_dims(g_last, 0) - G)).to(gl.bfloat16))
+    gl.store(qg_ptr + offs, (q_s.index(si).load(BL).to(gl.float32) * eG).to(gl.bfloat16))
+    gl.store(eg_ptr + (i_t * H + i_h) * K + half * 64 + c, gl.exp(g_last))
+
+
 @gluon.jit
 def _wy_gluon(t_d, k_d, q_d, G_d, v_d, w_d, qg_d, kg_d, u_d, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr, u_ptr,
               NT, H, K: gl.constexpr, NB: gl.constexpr, WN: gl.constexpr, STAGE_OUT: gl.constexpr,
@@ -68,18 +138,10 @@ def _wy_gluon(t_d, k_d, q_d, G_d, v_d, w_d, qg_d, kg_d, u_d, beta_ptr, G_ptr, eg
     """W = T (beta k e^G), U = T (beta v), qg = q e^G, kg = k e^(G_C - G) and e^G_C for the items of this CTA
     (see the module docstring); the _d arguments are TMA descriptors of [64, 64] tiles, the _ptr ones the same
     tensors for plain loads and stores."""
-    BL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
-    ROW: gl.constexpr = gl.SliceLayout(1, BL)
-    COL: gl.constexpr = gl.SliceLayout(0, BL)
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // WN, WN],
-                                                  instr_shape=[16, 64 // WN, 16])
+    BL: gl.constexpr = _blocked(num_warps)
+    MMA: gl.constexpr = _mma(num_warps, WN)
     AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    # the ring of input tiles
-    t_s = gl.allocate_shared_memory(gl.float32, [NB, 64, 64], t_d.layout)
-    k_s = gl.allocate_shared_memory(gl.bfloat16, [NB, 64, 64], k_d.layout)
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [NB, 64, 64], q_d.layout)
-    G_s = gl.allocate_shared_memory(gl.float32, [NB, 64, 64], G_d.layout)
-    v_s = gl.allocate_shared_memory(gl.bfloat16, [NB, 64, 64], v_d.layout)
+    t_s, k_s, q_s, G_s, v_s = _ring(NB, t_d, k_d, q_d, G_d, v_d)
     bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NB):
         mbarrier.init(bars.index(i), count=1)
@@ -99,8 +161,8 @@ def _wy_gluon(t_d, k_d, q_d, G_d, v_d, w_d, qg_d, kg_d, u_d, beta_ptr, G_ptr, eg
         if s < count:
             _issue(pid + s * nprog, s, bars, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, H, K)
 
-    r = gl.arange(0, 64, layout=ROW)
-    c = gl.arange(0, 64, layout=COL)
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, BL))
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, BL))
     for i in range(count):
         # item i + NB - 1 into the slot item i - 1 used (its shared-memory reads were fenced last iteration)
         j = i + NB - 1
@@ -108,19 +170,17 @@ def _wy_gluon(t_d, k_d, q_d, G_d, v_d, w_d, qg_d, kg_d, u_d, beta_ptr, G_ptr, eg
             _issue(pid + j * nprog, j % NB, bars, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, H, K)
 
         item = pid + i * nprog
-        half = item % 2
-        ch = item // 2
-        i_h = ch % H
-        i_t = ch // H
-        t0 = i_t * 64
-        col = i_h * K + half * 64
         si = i % NB
         mbarrier.wait(bars.index(si), (i // NB) & 1)
-
-        beta = gl.load(beta_ptr + (t0 + r) * H + i_h).to(gl.float32)
-        tm = gl.convert_layout(t_s.index(si).load(BL).to(gl.bfloat16), AOP)
-        acc = gl.zeros([64, 64], gl.float32, layout=MMA)
         if STAGE_OUT:  # every input first, the outputs staged in shared memory and stored by TMA
+            half = item % 2
+            i_h = (item // 2) % H
+            i_t = (item // 2) // H
+            t0 = i_t * 64
+            col = i_h * K + half * 64
+            beta = gl.load(beta_ptr + (t0 + r) * H + i_h).to(gl.float32)
+            tm = gl.convert_layout(t_s.index(si).load(BL).to(gl.bfloat16), AOP)
+            acc = gl.zeros([64, 64], gl.float32, layout=MMA)
             g_last = gl.load(G_ptr + (t0 + 63) * (H * K) + col + c)
             G = G_s.index(si).load(BL)
             kr = k_s.index(si).load(BL).to(gl.float32)
@@ -149,32 +209,66 @@ def _wy_gluon(t_d, k_d, q_d, G_d, v_d, w_d, qg_d, kg_d, u_d, beta_ptr, G_ptr, eg
             tma.async_copy_shared_to_global(kg_d, [t0, col], o16_s.index(2))
             tma.async_copy_shared_to_global(u_d, [t0, col], o32_s)
             gl.store(eg_ptr + (i_t * H + i_h) * K + half * 64 + c, gl.exp(g_last))
-        else:  # each input read where it is used, each output stored as soon as it is made (fewer live tiles)
-            offs = gl.expand_dims(t0 + r, 1) * (H * K) + col + gl.expand_dims(c, 0)
-            # U = T (beta v)
-            vb = v_s.index(si).load(BL).to(gl.float32) * gl.expand_dims(beta, 1)
-            b_s.store(vb.to(gl.bfloat16))
-            fence_async_shared()
-            u = warpgroup_mma(tm, b_s, acc, use_acc=False)
-            gl.store(u_ptr + offs, gl.convert_layout(u, BL))
-            # W = T (beta k e^G)
-            G = G_s.index(si).load(BL)
-            eG = gl.exp(G)
-            kr = k_s.index(si).load(BL).to(gl.float32)
-            b_s.store((kr * gl.expand_dims(beta, 1) * eG).to(gl.bfloat16))
-            fence_async_shared()
-            w = warpgroup_mma(tm, b_s, acc, use_acc=False)
-            gl.store(w_ptr + offs, gl.convert_layout(w.to(gl.bfloat16), BL))
-            g_last = gl.load(G_ptr + (t0 + 63) * (H * K) + col + c)
-            gl.store(kg_ptr + offs, (kr * gl.exp(gl.expand_dims(g_last, 0) - G)).to(gl.bfloat16))
-            gl.store(qg_ptr + offs, (q_s.index(si).load(BL).to(gl.float32) * eG).to(gl.bfloat16))
-            gl.store(eg_ptr + (i_t * H + i_h) * K + half * 64 + c, gl.exp(g_last))
+        else:
+            _item_direct(item, si, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr,
+                         u_ptr, H, K, BL, MMA)
             fence_async_shared()  # the ring slot's generic reads before the next TMA write into it
 
     if STAGE_OUT:
         tma.store_wait(pendings=0)
     for s in gl.static_range(NB):
         mbarrier.invalidate(bars.index(s))
+
+
+@gluon.jit
+def _loader(ready, empty, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, NT, H, K: gl.constexpr,
+            NB: gl.constexpr):
+    """The loader partition of ``_wy_ws``: the TMA loads of each item once the consumer has freed its slot."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    count = (NT * H * 2 - pid + nprog - 1) // nprog
+    for i in range(count):
+        slot = i % NB
+        mbarrier.wait(empty.index(slot), ((i // NB) & 1) ^ 1)
+        _issue(pid + i * nprog, slot, ready, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, H, K)
+
+
+@gluon.jit
+def _consumer(ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr, u_ptr,
+              NT, H, K: gl.constexpr, NB: gl.constexpr, WN: gl.constexpr, NW: gl.constexpr):
+    """The default partition of ``_wy_ws``: each item once its slot is ready, then the slot handed back."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    for i in range((NT * H * 2 - pid + nprog - 1) // nprog):
+        si = i % NB
+        mbarrier.wait(ready.index(si), (i // NB) & 1)
+        _item_direct(pid + i * nprog, si, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr,
+                     kg_ptr, u_ptr, H, K, _blocked(NW), _mma(NW, WN))
+        fence_async_shared()
+        mbarrier.arrive(empty.index(si), count=1)  # the slot's tiles are read: the loader may refill it
+
+
+@gluon.jit
+def _wy_ws(t_d, k_d, q_d, G_d, v_d, w_d, qg_d, kg_d, u_d, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr, u_ptr,
+           NT, H, K: gl.constexpr, NB: gl.constexpr, WN: gl.constexpr, STAGE_OUT: gl.constexpr,
+           num_warps: gl.constexpr):
+    """``_wy_gluon``'s direct form, warp-specialised: a loader partition keeps the ring full (ready / empty
+    barriers per slot) while the default partition computes (same arguments as ``_wy_gluon``)."""
+    t_s, k_s, q_s, G_s, v_s = _ring(NB, t_d, k_d, q_d, G_d, v_d)
+    b_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], k_d.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NB):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    gl.warp_specialize([
+        (_consumer, (ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr,
+                     u_ptr, NT, H, K, NB, WN, num_warps)),
+        (_loader, (ready, empty, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, NT, H, K, NB)),
+    ], [LOADER_WARPS], [LOADER_REGS])
+    for s in gl.static_range(NB):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
 
 
 def make_inputs(T: int, H: int, K: int, device: str):
@@ -205,7 +299,7 @@ def gluon_args(q, k, v, G, beta, tinv, w, u, qg, kg, eg, variant: str):
     """(positional arguments, keyword arguments) of ``_wy_gluon`` for one variant."""
     T, H, K = q.shape[1:]
     NT = T // 64
-    NB, warps, staged, _ = VARIANTS[variant]
+    NB, warps, staged = VARIANTS[variant][:3]
 
     def desc(x, dtype):
         x2 = x.reshape(NT * H * 64, 64) if x is tinv else x.reshape(T, H * K)
@@ -218,6 +312,11 @@ def gluon_args(q, k, v, G, beta, tinv, w, u, qg, kg, eg, variant: str):
     return args, {"K": K, "NB": NB, "WN": warps // 4, "STAGE_OUT": staged, "num_warps": warps}
 
 
+def kernel_of(variant: str):
+    """The Gluon kernel a variant launches (both take ``gluon_args``)."""
+    return _wy_ws if VARIANTS[variant].ws else _wy_gluon
+
+
 def compile_sm90(variant: str) -> dict:
     """Compile one variant for sm_90 on any machine: shared bytes, registers per thread and spills (ptxas)."""
     from kda_sm90_report import ptxas_usage
@@ -227,16 +326,17 @@ def compile_sm90(variant: str) -> dict:
 
     q, k, v, G, beta, tinv = make_inputs(128, 2, 128, "cpu")
     args, kw = gluon_args(q, k, v, G, beta, tinv, *outputs(q), variant)
-    bound = dict(zip(_wy_gluon.arg_names, args), **kw)
+    kernel = kernel_of(variant)
+    bound = dict(zip(kernel.arg_names, args), **kw)
     signature, constexprs = {}, {}
-    for i, name in enumerate(_wy_gluon.arg_names):
+    for i, name in enumerate(kernel.arg_names):
         if name in kw:
             signature[name], constexprs[(i,)] = "constexpr", kw[name]
         else:
             signature[name] = "i32" if isinstance(bound[name], int) else mangle_type(bound[name])
-    src = GluonASTSource(fn=_wy_gluon, signature=signature, constexprs=constexprs, attrs={})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kw["num_warps"]})
-    return {"variant": variant, "shared_bytes": kernel.metadata.shared, **ptxas_usage(kernel.asm["ptx"])}
+    src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs={})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kw["num_warps"]})
+    return {"variant": variant, "shared_bytes": compiled.metadata.shared, **ptxas_usage(compiled.asm["ptx"])}
 
 
 def run_gpu(T: int = 8192, H: int = 96, K: int = 128) -> None:
@@ -258,12 +358,12 @@ def run_gpu(T: int = 8192, H: int = 96, K: int = 128) -> None:
 
     triton_call()
     rows = [{"variant": "triton (ours today)", "ms": bench(triton_call, warmup=25, rep=200)}]
-    for variant, (_, _, _, ctas) in VARIANTS.items():
+    for variant, cfg in VARIANTS.items():
         out = outputs(q)
         args, kw = gluon_args(q, k, v, G, beta, tinv, *out, variant)
 
-        def call(args=args, kw=kw, grid=(ctas * sms,)):
-            _wy_gluon[grid](*args, **kw)
+        def call(args=args, kw=kw, grid=(cfg.ctas * sms,), kernel=kernel_of(variant)):
+            kernel[grid](*args, **kw)
 
         try:
             call()

@@ -10,6 +10,8 @@ items (a persistent grid of CTAS x SMs programs). Each item's tiles (T fp32, k, 
 into a ring of NB stages, NB - 1 items ahead of the compute. The outputs leave one of two ways:
 - "staged": through shared memory and TMA stores, every input read first;
 - "direct": plain stores from registers, each input read where it is used.
+The "ws" variants are the direct form, warp-specialised: a 1-warp loader partition keeps the ring full, through
+a ready and an empty barrier per slot, while the compute runs in the default partition.
 Full chunks only (T a multiple of 64), B = 1, K = V = 128: K3's shape.
 
     python benchmarks/gluon_wy_probe.py [--out DIR]   # GPU: each variant against the Triton kernel, then timed
@@ -37,6 +39,7 @@ from harness import Report, bench, log  # noqa: E402
 
 REPORT = Report(rows=[])
 RESULTS, verdict = REPORT.results, REPORT.verdict
+
 
 class Variant(NamedTuple):
     stages: int  # ring stages NB

@@ -390,6 +390,9 @@ def main() -> int:
     parser.add_argument("--compile", action="store_true", help="compile each variant for sm_90 only (no GPU)")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        log("FAIL TRITON_INTERPRET=1 is set: Gluon kernels neither run nor compile under the interpreter; unset it")
+        return 1
     t0 = time.time()
     if args.compile:
         log("| variant | shared KB | registers | spill bytes (store / load) |")

@@ -61,6 +61,14 @@ def kda_case(B: int, T: int, H: int, D: int, seed: int = 0) -> None:
            " ".join(f"{n}={e:.1e}" for n, e in errors.items()))
 
 
+def greedy_by_recompute(model, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """``ids`` [B, T] with n greedy tokens appended, each from a full forward over everything before it (no cache)."""
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
 def model_checks() -> None:
     config = K3Config.preset("tiny")
     model = K3ForCausalLM(config, device="cuda", seed=0)  # bf16 by default on CUDA
@@ -73,19 +81,8 @@ def model_checks() -> None:
     model = K3ForCausalLM(config, device="cuda", dtype=torch.float32, seed=0).eval()
     prompt = torch.randint(0, config.vocab_size, (2, 70), device="cuda")
     cached = model.generate(prompt, 24)
-    ids = prompt
-    with torch.no_grad():
-        for _ in range(24):
-            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    ids = greedy_by_recompute(model, prompt, 24)
     report("tiny fp32 cached greedy decode == recompute", torch.equal(cached, ids), f"{cached.shape[1] - 70} tokens")
-
-
-def greedy_by_recompute(model, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt], device="cuda")
-    with torch.no_grad():
-        for _ in range(n):
-            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[0, len(prompt):].tolist()
 
 
 def engine_check() -> None:
@@ -120,7 +117,8 @@ def engine_check() -> None:
             t.join()
     finally:
         engine.close()
-    same = [results.get(i) == greedy_by_recompute(model, p, 12) for i, p in enumerate(prompts)]
+    same = [results.get(i) == greedy_by_recompute(model, torch.tensor([p], device="cuda"), 12)[0, len(p):].tolist()
+            for i, p in enumerate(prompts)]
     on_gpu = all(pool.is_cuda for pool in engine.core.states.recurrent)
     report("engine on CUDA: ragged greedy == recompute", all(same) and on_gpu,
            f"{sum(same)}/{len(same)} requests equal, state pool on {'cuda' if on_gpu else 'cpu'}")

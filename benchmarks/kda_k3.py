@@ -110,3 +110,23 @@ def naive_k3(xs, a_log, dtb, h0=None):
     H, D = q.shape[2], q.shape[3]
     qq, kk, gg, bb = _torch_preactivations(q, k, z, b, a_log, dtb.view(H, D), G_MIN, True, True, True)
     return naive_recurrent_kda(qq, kk, v, gg, bb, initial_state=h0, output_final_state=True)
+
+
+def decode_inputs(B: int, H: int, D: int, device: str | None = None):
+    """One decode step's inputs for B sequences, seeded by B, on ``device`` (default ``DEVICE``): the raw q, k, v,
+    gate input z and beta logits in bf16, a pool of 2B random fp32 states [2B, H, D, D] and B distinct slots in it.
+    Also returns the generator, for whatever the caller draws next."""
+    device = device or DEVICE
+    gen = torch.Generator(device=device).manual_seed(B)
+    q, k, v, z = (torch.randn(B, H, D, device=device, generator=gen).bfloat16() for _ in range(4))
+    beta_logit = torch.randn(B, H, device=device, generator=gen).bfloat16()
+    pool = torch.randn(2 * B, H, D, D, device=device, generator=gen)
+    slots = torch.randperm(2 * B, device=device, generator=gen)[:B]
+    return (q, k, v, z, beta_logit), pool, slots, gen
+
+
+def k3_decode_kwargs(a_log: torch.Tensor, dt_bias: torch.Tensor) -> dict:
+    """``kda_decode``'s keywords for K3's contract: the gate with its bound, the q / k L2 norm and the beta sigmoid
+    fused."""
+    return {"A_log": a_log, "dt_bias": dt_bias, "g_min": G_MIN, "use_gate_in_kernel": True,
+            "use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True}

@@ -459,16 +459,10 @@ def decode(batches, sweep: bool, use_fla: bool = True, H: int = 96, D: int = 128
     fla_step = k3.load_fla_decode() if use_fla else None
     rows = []
     for B in batches:
-        gen = torch.Generator(device=k3.DEVICE).manual_seed(B)
-        q, k, v, z = (torch.randn(B, H, D, device=k3.DEVICE, generator=gen).bfloat16() for _ in range(4))
-        braw = torch.randn(B, H, device=k3.DEVICE, generator=gen).bfloat16()
+        (q, k, v, z, braw), pool, slots, _ = k3.decode_inputs(B, H, D)
         a_log = torch.zeros(H, device=k3.DEVICE)
         dtb = torch.zeros(H, D, device=k3.DEVICE)
-        P = 2 * B
-        pool = torch.randn(P, H, D, D, device=k3.DEVICE, generator=gen)
-        slots = torch.randperm(P, device=k3.DEVICE, generator=gen)[:B]
-        kw = dict(A_log=a_log, dt_bias=dtb, g_min=G_MIN, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-                  use_beta_sigmoid_in_kernel=True)
+        kw = k3.k3_decode_kwargs(a_log, dtb)
         # Reference pre-activations in fp32, as the kernels compute them (the kernel never rounds the normalised
         # q / k to bf16; _torch_preactivations on bf16 inputs would, which alone moves the state by ~4e-4
         # relative: v1's FAIL at 1e-5 was that reference rounding, not the kernel).

@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import Report, log, rel  # noqa: E402
 from harness import bench as _do_bench  # noqa: E402
+from kda_k3 import decode_inputs, k3_decode_kwargs  # noqa: E402
 
 REPORT = Report(rows=[])
 RESULTS, verdict = REPORT.results, REPORT.verdict
@@ -40,14 +41,9 @@ def state_step(B: int, H: int = 96, D: int = 128, device: str = "cuda") -> dict:
     """The state update alone, torch path vs kernel, on the same pool."""
     from kimik3.ops.kda import kda_decode
 
-    gen = torch.Generator(device=device).manual_seed(B)
-    q, k, v, z = (torch.randn(B, H, D, device=device, generator=gen).bfloat16() for _ in range(4))
-    beta = torch.randn(B, H, device=device, generator=gen).bfloat16()
+    (q, k, v, z, beta), pool, slots, gen = decode_inputs(B, H, D, device)
     a_log, dt_bias = torch.rand(H, device=device, generator=gen), torch.randn(H, D, device=device, generator=gen)
-    pool = torch.randn(2 * B, H, D, D, device=device, generator=gen)
-    slots = torch.randperm(2 * B, device=device, generator=gen)[:B]
-    kw = {"A_log": a_log, "dt_bias": dt_bias, "g_min": -5.0, "use_gate_in_kernel": True,
-          "use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
+    kw = k3_decode_kwargs(a_log, dt_bias)
     pools = {name: pool.clone() for name in ("torch", "triton")}
     outs = {name: kda_decode(q, k, v, z, beta, pools[name], slots, backend=name, **kw) for name in pools}
     # The torch path rounds the normalised q and k to bf16 (as the layer used to); the kernel keeps them in fp32.

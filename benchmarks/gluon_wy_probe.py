@@ -27,7 +27,6 @@ import time
 from typing import NamedTuple
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
@@ -321,25 +320,17 @@ def kernel_of(variant: str):
 
 
 def compile_sm90(variant: str) -> dict:
-    """Compile one variant for sm_90 on any machine: shared bytes, registers per thread and spills (ptxas)."""
-    from kda_sm90_report import ptxas_usage
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+    """Compile one variant for sm_90 on any machine (``kda_sm90_report.Sm90Compiler``): shared bytes, registers per
+    thread and spills (ptxas)."""
+    from kda_sm90_report import Sm90Compiler
 
     q, k, v, G, beta, tinv = make_inputs(128, 2, 128, "cpu")
     args, kw = gluon_args(q, k, v, G, beta, tinv, *outputs(q), variant)
-    kernel = kernel_of(variant)
-    bound = dict(zip(kernel.arg_names, args), **kw)
-    signature, constexprs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in kw:
-            signature[name], constexprs[(i,)] = "constexpr", kw[name]
-        else:
-            signature[name] = "i32" if isinstance(bound[name], int) else mangle_type(bound[name])
-    src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs={})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kw["num_warps"]})
-    return {"variant": variant, "shared_bytes": compiled.metadata.shared, **ptxas_usage(compiled.asm["ptx"])}
+    compiler = Sm90Compiler()
+    compiler(kernel_of(variant), list(args), kw, (1,))
+    row = compiler.rows[-1]
+    return {"variant": variant, **{key: row[key] for key in ("shared_bytes", "registers", "spill_store_bytes",
+                                                               "spill_load_bytes")}}
 
 
 def run_gpu(T: int = 8192, H: int = 96, K: int = 128) -> None:

@@ -77,6 +77,17 @@ def waves(grid, ctas: int) -> float:
     return math.prod(grid) / max(ctas * H200_SMS, 1)
 
 
+def _ast_source(fn):
+    """The compiler's source class for a kernel: Gluon's for a Gluon kernel, Triton's otherwise."""
+    from triton.compiler import ASTSource
+
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+    except ImportError:  # a Triton without Gluon has no Gluon kernels either
+        return ASTSource
+    return GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+
+
 class Sm90Compiler:
     """Stands in for ``JITFunction.run``: compiles for sm_90 and records the result instead of launching."""
 
@@ -89,12 +100,14 @@ class Sm90Compiler:
     def __call__(self, fn, args, kwargs, grid) -> None:
         import torch
         import triton
-        from triton.compiler import ASTSource
+        from triton.runtime.jit import mangle_type
 
         names = fn.arg_names
         bound = dict(zip(names, args))
         options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
         bound.update(kwargs)
+        if "num_warps" in names and "num_warps" in options:  # a Gluon kernel takes num_warps as a parameter too
+            bound["num_warps"] = options["num_warps"]
         constexpr_names = {p.name for p in fn.params if p.is_constexpr}
         signature, constexprs, attrs = {}, {}, {}
         for i, name in enumerate(names):
@@ -116,9 +129,9 @@ class Sm90Compiler:
                     attrs[(i,)] = [["tt.divisibility", 16]]
             elif isinstance(value, float):
                 signature[name] = "fp32"
-            else:
-                raise TypeError(f"{fn.__name__}: cannot type argument {name}={value!r}")
-        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+            else:  # e.g. a TMA tensor descriptor: typed as the launcher types it
+                signature[name] = mangle_type(value)
+        src = _ast_source(fn)(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         kernel = triton.compile(src, target=self.target, options=options)
         grid = tuple(grid(bound) if callable(grid) else grid)
         row = {"kernel": fn.__name__, "grid": list(grid), "num_warps": kernel.metadata.num_warps,

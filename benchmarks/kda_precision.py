@@ -104,10 +104,10 @@ def main() -> int:
     if len(shape) != 4:
         raise SystemExit(f"--shape takes B,T,H,D, got {a.shape!r}")
     if not torch.cuda.is_available():  # the interpreter at a tiny shape (a smoke run)
-        from kimik3.ops.kda.triton_autograd import interpreter_dot_fix
+        from kimik3.ops.kda.triton_autograd import interpreter_bf16_fix
 
         k3.DEVICE = "cpu"
-        interpreter_dot_fix()  # the interpreter's tl.dot is wrong for bf16 operands (Triton 3.6)
+        interpreter_bf16_fix()  # the interpreter's bf16 dots and casts are not the GPU's (Triton 3.6)
     per_seed = [measure(shape, a.variants.split(","), not a.no_fla, seed) for seed in range(a.seeds)]
     summary = report(shape, per_seed)
     if a.out:

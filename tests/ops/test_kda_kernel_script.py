@@ -28,9 +28,9 @@ def kk(monkeypatch):
     spec.loader.exec_module(mod)
     if not torch.cuda.is_available():
         monkeypatch.setattr(mod.k3, "DEVICE", "cpu")
-        from kimik3.ops.kda.triton_autograd import interpreter_dot_fix
+        from kimik3.ops.kda.triton_autograd import interpreter_bf16_fix
 
-        interpreter_dot_fix()  # the interpreter's tl.dot is wrong for bf16 operands (Triton 3.6)
+        interpreter_bf16_fix()  # the interpreter's bf16 dots and casts are not the GPU's (Triton 3.6)
 
     def wall_ms(fn, warmup=1, rep=1):  # one timed call: the sections' control flow, not a benchmark
         fn()

@@ -57,15 +57,33 @@ def _interpreter_setup():
 
     checked = contextlib.nullcontext()
     if not ON_GPU:
-        from kimik3.ops.kda.triton_autograd import interpreter_dot_fix
+        from kimik3.ops.kda.triton_autograd import interpreter_bf16_fix
 
-        interpreter_dot_fix()  # the interpreter's tl.dot is wrong for bf16 operands (Triton 3.6)
+        interpreter_bf16_fix()  # the interpreter's bf16 dots and casts are not the GPU's (Triton 3.6)
         checked = bounds_checked()  # every kernel launch in this file: no lane outside its tensors
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     with checked:
         yield
     torch.set_num_threads(saved)
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the interpreter's bf16 patch (CPU only)")
+def test_interpreter_rounds_to_bf16_as_the_gpu_does():
+    """``interpreter_bf16_fix`` (on for every test here): fp32 -> bf16 in a kernel rounds to nearest even, as the
+    GPU and torch do (Triton 3.6's interpreter alone truncates: 1 + 3 * 2^-9 became 1), ties and negatives too."""
+    import triton.language as tl
+
+    @triton.jit
+    def cast(x_ptr, y_ptr, N: tl.constexpr):
+        r = tl.arange(0, N)
+        tl.store(y_ptr + r, tl.load(x_ptr + r).to(tl.bfloat16))
+
+    x = torch.tensor([1 + 3 * 2**-9, 1 + 2**-8, 1 + 3 * 2**-8, -(1 + 3 * 2**-9), 1 + 2**-9 + 2**-20, 3.0e38,
+                      1e-40, float("inf")], dtype=torch.float32)
+    y = torch.empty(8, dtype=torch.bfloat16)
+    cast[(1,)](x, y, N=8)
+    assert torch.equal(y.view(torch.int16), x.bfloat16().view(torch.int16)), (y, x.bfloat16())
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the interpreter's bounds checker (CPU only)")
@@ -117,7 +135,8 @@ def fresh(xs):
 def check_against_naive(inputs, h0, cu=None, tol_scale=1.0, grads=True):
     kw = dict(cu_seqlens=cu) if cu is not None else {}
     if grads:
-        o_ref, s_ref, g_ref = run_with_grads(naive_recurrent_kda, fresh(inputs), None if h0 is None else fresh([h0])[0], **kw)
+        h0_ref = None if h0 is None else fresh([h0])[0]
+        o_ref, s_ref, g_ref = run_with_grads(naive_recurrent_kda, fresh(inputs), h0_ref, **kw)
         o, s, g = run_with_grads(chunk_kda, inputs, h0, backend="triton", **kw)
     else:
         with torch.no_grad():

@@ -10,8 +10,8 @@ intra-chunk backward (``triton_bwd_intra.FUSE_PREACT_BWD``).
 torch path (``chunk.chunk_kda_torch``, hand-written backward, exact to fp32) under autograd from the
 saved inputs. Correct but slow; kept for A/B comparisons. Read at forward time.
 
-Also: ``interpreter_dot_fix()`` patches the Triton *interpreter's* tl.dot for bf16 operands (it
-multiplies the raw uint16 storage in Triton 3.6); used by the CPU tests only.
+Also: ``interpreter_bf16_fix()`` patches the Triton *interpreter's* bf16 arithmetic (tl.dot multiplies the raw
+uint16 storage in Triton 3.6, and fp32 -> bf16 casts truncate): used by the CPU tests only.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from .triton_forward import kda_fwd_triton, make_plan
 
-__all__ = ["chunk_kda_triton", "torch_preactivations", "interpreter_dot_fix", "triton_bwd_mode"]
+__all__ = ["chunk_kda_triton", "torch_preactivations", "interpreter_bf16_fix", "triton_bwd_mode"]
 
 BWD_ENV = "KIMIK3_KDA_TRITON_BWD"  # "triton" (default) or "torch" (the v1 hybrid)
 
@@ -145,20 +145,22 @@ def chunk_kda_triton(
     )
 
 
-def interpreter_dot_fix() -> None:
-    """Make the Triton interpreter's tl.dot correct for bf16 operands (test helper, idempotent).
-
-    Triton 3.6's interpreter stores bf16 as uint16 and np.matmul's the raw integers. This converts
-    such operands to fp32 first (exact: bf16 -> fp32 is lossless).
+def interpreter_bf16_fix() -> None:
+    """Make the Triton interpreter compute with bf16 as the GPU does (test helper, idempotent). Triton 3.6's
+    interpreter stores bf16 as uint16, and
+    - np.matmul's the raw integers in tl.dot: such operands are converted to fp32 first (exact: bf16 -> fp32 is
+      lossless);
+    - rounds fp32 -> bf16 toward zero in ``.to(tl.bfloat16)``, where the GPU rounds to nearest even (1 + 3 * 2^-9
+      becomes 1, not 1 + 2^-7): the cast goes through torch's round-to-nearest-even conversion instead.
     """
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter as interp
 
     builder_cls = interp.InterpreterBuilder
-    if getattr(builder_cls, "_kimik3_dot_fixed", False):
+    if getattr(builder_cls, "_kimik3_bf16_fixed", False):
         return
-    orig = builder_cls.create_dot
+    orig_dot, orig_cast = builder_cls.create_dot, builder_cls.cast_impl
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         def fix(x):
@@ -167,7 +169,13 @@ def interpreter_dot_fix() -> None:
                 return interp.TensorHandle(data, tl.float32)
             return x
 
-        return orig(self, fix(a), fix(b), d, input_precision, max_num_imprecise_acc)
+        return orig_dot(self, fix(a), fix(b), d, input_precision, max_num_imprecise_acc)
 
-    builder_cls.create_dot = create_dot
-    builder_cls._kimik3_dot_fixed = True
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            x = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            return interp.TensorHandle(x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return orig_cast(self, src, dst_type)
+
+    builder_cls.create_dot, builder_cls.cast_impl = create_dot, cast_impl
+    builder_cls._kimik3_bf16_fixed = True

@@ -2,8 +2,9 @@
 
 A probe of the one route left to the chunk targets (benchmarks/NOTES-kda.md, fourteenth session): Gluon
 (``triton.experimental.gluon``, Triton 3.6) writes Hopper kernels with explicit layouts, shared-memory rings, TMA
-and ``warpgroup_mma``. The kernel here is not used by the library. Gluon does not run under TRITON_INTERPRET, so
-the CPU test can only compile it for sm_90.
+and ``warpgroup_mma``. The kernel here is not used by the library. Gluon does not run under TRITON_INTERPRET: on a
+CPU the variants are compiled for sm_90 (``--compile``) and run through ``tests/gluon_emulator.py`` against
+phase C in torch (``--emulate``).
 
 One work item = (chunk, head, half h): key columns [64 h, 64 h + 64) and value columns likewise. A CTA walks its
 items (a persistent grid of CTAS x SMs programs). Each item's tiles (T fp32, k, q, v bf16, G fp32) arrive by TMA
@@ -16,6 +17,7 @@ Full chunks only (T a multiple of 64), B = 1, K = V = 128: K3's shape.
 
     python benchmarks/gluon_wy_probe.py [--out DIR]   # GPU: each variant against the Triton kernel, then timed
     python benchmarks/gluon_wy_probe.py --compile     # CPU: sm_90 compile of each variant (shared memory, registers)
+    python benchmarks/gluon_wy_probe.py --emulate     # CPU: each variant emulated, against phase C in torch
 """
 
 from __future__ import annotations
@@ -297,6 +299,53 @@ def outputs(q: torch.Tensor):
     return w, u, qg, kg, torch.empty(T // 64, H, K, device=q.device)
 
 
+def torch_reference(q, k, v, G, beta, tinv):
+    """Phase C in torch, rounded where the kernels round: T and the products' right-hand operands to bf16, W, qg
+    and kg stored in bf16, U in fp32. Returns (W, U, qg, kg, exp(Gamma_C)) as ``outputs`` lays them out."""
+    T, H, K = q.shape[1:]
+
+    def chunks(x):
+        return x.float().view(T // 64, 64, H, -1)
+
+    t16 = tinv.bfloat16().float()
+    b = chunks(beta.unsqueeze(-1))
+    Gc = chunks(G)
+    eG = Gc.exp()
+    w = torch.einsum("nhij,njhk->nihk", t16, (chunks(k) * b * eG).bfloat16().float())
+    u = torch.einsum("nhij,njhk->nihk", t16, (chunks(v) * b).bfloat16().float())
+    qg = chunks(q) * eG
+    kg = chunks(k) * (Gc[:, -1:] - Gc).exp()
+    return (w.bfloat16().reshape(q.shape), u.reshape(q.shape), qg.bfloat16().reshape(q.shape),
+            kg.bfloat16().reshape(q.shape),
+            Gc[:, -1].exp())
+
+
+def emulate_variants(T: int = 128, H: int = 2, K: int = 128, programs: int = 3) -> dict:
+    """Each variant run on the CPU through ``tests/gluon_emulator.py`` (a persistent grid of ``programs``, so the
+    rings wrap and the programs take unequal item counts), against ``torch_reference``: the largest difference
+    of each output in units of its bf16 / fp32 rounding (W, qg, kg: bf16 ulps of the reference; U, exp(Gamma_C):
+    relative to the output's largest value)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from tests.gluon_emulator import emulate
+
+    q, k, v, G, beta, tinv = make_inputs(T, H, K, "cpu")
+    ref = torch_reference(q, k, v, G, beta, tinv)
+    rows = {}
+    for variant in VARIANTS:
+        out = outputs(q)
+        args, kw = gluon_args(q, k, v, G, beta, tinv, *out, variant)
+        emulate(kernel_of(variant), (programs,), *args, timeout=10.0, **kw)
+        errs = {}
+        for name, r, o in zip(("w", "u", "qg", "kg", "eg"), ref, out):
+            d = (r.float() - o.float()).abs()
+            if o.dtype == torch.bfloat16:  # one bf16 ulp at the reference's magnitude: 2^-8 of it
+                errs[name] = (d / (r.float().abs() * 2.0**-8).clamp_min(1e-30)).max().item()
+            else:
+                errs[name] = (d.max() / r.float().abs().max()).item()
+        rows[variant] = errs
+    return rows
+
+
 def gluon_args(q, k, v, G, beta, tinv, w, u, qg, kg, eg, variant: str):
     """(positional arguments, keyword arguments) of ``_wy_gluon`` for one variant."""
     T, H, K = q.shape[1:]
@@ -379,6 +428,8 @@ def run_gpu(T: int = 8192, H: int = 96, K: int = 128) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compile", action="store_true", help="compile each variant for sm_90 only (no GPU)")
+    parser.add_argument("--emulate", action="store_true",
+                        help="run each variant on the CPU (tests/gluon_emulator.py) against phase C in torch")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -392,6 +443,13 @@ def main() -> int:
             RESULTS["rows"].append(r)
             log(f"| {variant} | {r['shared_bytes'] / 1024:.0f} | {r['registers']} | "
                 f"{r['spill_store_bytes']} / {r['spill_load_bytes']} |")
+    elif args.emulate:
+        log("| variant | W (bf16 ulps) | U (rel) | qg (bf16 ulps) | kg (bf16 ulps) | exp(Gamma_C) (rel) |")
+        for variant, e in emulate_variants().items():
+            ok = all(e[n] <= 1 for n in ("w", "qg", "kg")) and e["u"] < 1e-5 and e["eg"] < 1e-6
+            verdict(f"{variant} emulated equals phase C in torch", ok, " ".join(f"{n} {x:.1e}" for n, x in e.items()))
+            RESULTS["rows"].append({"variant": variant, **e})
+            log(f"| {variant} | {e['w']:.2f} | {e['u']:.1e} | {e['qg']:.2f} | {e['kg']:.2f} | {e['eg']:.1e} |")
     elif not torch.cuda.is_available():
         log("FAIL no CUDA device: the kernel needs a Hopper GPU (--compile needs none)")
         return 1

@@ -1,0 +1,180 @@
+"""The Gluon emulator (tests/gluon_emulator.py) on small kernels written for it: what it computes, and that it
+refuses what would fail or hang on the GPU -- a tile read before its TMA load was waited for, an mbarrier whose
+expected bytes never arrive, a producer waiting on the wrong phase, a store outside its tensor. The kernels are
+also compiled for sm_90 (``python -m tests.test_gluon_emulator``, in a process without the interpreter), so what
+the emulator runs is Gluon that the GPU compiler accepts."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+
+from tests.gluon_emulator import GluonDeadlock, emulate, last_json_line, run_without_interpreter  # noqa: E402
+
+TILE_BYTES = gl.constexpr(64 * 64 * 4)  # one fp32 tile (a constexpr: jit code reads it)
+
+
+@gluon.constexpr_function
+def _layout():
+    return gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _tile_offsets(row0, BL: gl.constexpr):
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, BL))
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, BL))
+    return gl.expand_dims(row0 + r, 1) * 64 + gl.expand_dims(c, 0)
+
+
+@gluon.jit
+def _double_kernel(x_d, y_ptr, WAIT: gl.constexpr, NBYTES: gl.constexpr, ROW_SHIFT: gl.constexpr):
+    """y[tile] = 2 x[tile] for program i's 64-row tile, loaded by TMA (WAIT: after waiting for it)."""
+    BL: gl.constexpr = _layout()
+    s = gl.allocate_shared_memory(gl.float32, [64, 64], x_d.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar.index(0), count=1)
+    mbarrier.expect(bar.index(0), NBYTES)
+    tma.async_copy_global_to_shared(x_d, [gl.program_id(0) * 64, 0], bar.index(0), s)
+    if WAIT:
+        mbarrier.wait(bar.index(0), 0)
+    gl.store(y_ptr + _tile_offsets(gl.program_id(0) * 64 + ROW_SHIFT, BL), s.load(BL) * 2.0)
+    mbarrier.invalidate(bar.index(0))
+
+
+@gluon.jit
+def _ring_producer(ready, empty, ring, x_d, n_items, NB: gl.constexpr, SKEW: gl.constexpr):
+    for i in range(n_items):
+        slot = i % NB
+        mbarrier.wait(empty.index(slot), ((i // NB) & 1) ^ 1 ^ SKEW)  # a fresh slot's "previous" phase: parity 1
+        mbarrier.expect(ready.index(slot), TILE_BYTES)
+        tma.async_copy_global_to_shared(x_d, [i * 64, 0], ready.index(slot), ring.index(slot))
+
+
+@gluon.jit
+def _ring_consumer(ready, empty, ring, w_s, y_ptr, n_items, NB: gl.constexpr):
+    BL: gl.constexpr = _layout()
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    for i in range(n_items):
+        slot = i % NB
+        mbarrier.wait(ready.index(slot), (i // NB) & 1)
+        a = gl.convert_layout(ring.index(slot).load(BL).to(gl.bfloat16),
+                              gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+        acc = warpgroup_mma(a, w_s, gl.zeros([64, 64], gl.float32, layout=MMA), use_acc=False)
+        fence_async_shared()
+        mbarrier.arrive(empty.index(slot), count=1)
+        gl.store(y_ptr + _tile_offsets(i * 64, BL), gl.convert_layout(acc, BL))
+
+
+@gluon.jit
+def _ring_kernel(x_d, w_d, y_ptr, n_items, NB: gl.constexpr, SKEW: gl.constexpr):
+    """y[tile i] = bf16(x[tile i]) @ w for n_items tiles streamed through an NB-slot ring by a loader partition."""
+    ring = gl.allocate_shared_memory(gl.float32, [NB, 64, 64], x_d.layout)
+    w_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], w_d.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    wbar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NB):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    mbarrier.init(wbar.index(0), count=1)
+    mbarrier.expect(wbar.index(0), 64 * 64 * 2)
+    tma.async_copy_global_to_shared(w_d, [0, 0], wbar.index(0), w_s)
+    mbarrier.wait(wbar.index(0), 0)
+    gl.warp_specialize([(_ring_consumer, (ready, empty, ring, w_s, y_ptr, n_items, NB)),
+                        (_ring_producer, (ready, empty, ring, x_d, n_items, NB, SKEW))], [1], [40])
+
+
+def _desc(x: torch.Tensor, dtype) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [64, 64], layout)
+
+
+def _rows(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, 64, generator=torch.Generator().manual_seed(seed))
+
+
+def test_tma_load_zero_fills_past_the_end_and_stores_land():
+    """Two programs of 64 rows over a 100-row tensor: the second tile's last 28 rows come back as zeros."""
+    x = _rows(100)
+    y = torch.full((128, 64), float("nan"))
+    emulate(_double_kernel, (2,), _desc(x, gl.float32), y, WAIT=True, NBYTES=TILE_BYTES, ROW_SHIFT=0)
+    assert torch.equal(y[:100], 2 * x) and torch.equal(y[100:], torch.zeros(28, 64))
+
+
+def test_a_tile_read_without_waiting_is_stale():
+    """The TMA load lands only when a wait sees its phase complete: read without the wait, the tile is still the
+    NaN that fresh shared memory holds."""
+    y = torch.zeros(64, 64)
+    emulate(_double_kernel, (1,), _desc(_rows(64), gl.float32), y, WAIT=False, NBYTES=TILE_BYTES, ROW_SHIFT=0)
+    assert y.isnan().all()
+
+
+def test_a_barrier_whose_bytes_never_arrive_is_a_deadlock():
+    """expect() announces more bytes than the copy brings: the phase never completes, the GPU would hang."""
+    with pytest.raises(GluonDeadlock, match="never completed"):
+        emulate(_double_kernel, (1,), _desc(_rows(64), gl.float32), torch.zeros(64, 64), WAIT=True,
+                NBYTES=TILE_BYTES + 4, ROW_SHIFT=0, timeout=0.5)
+
+
+def test_a_store_outside_its_tensor_is_refused():
+    """Shifted by one row, the last program's store runs one row past y: named, with the offset."""
+    with pytest.raises(IndexError, match="outside y_ptr"):
+        emulate(_double_kernel, (2,), _desc(_rows(128), gl.float32), torch.zeros(128, 64), WAIT=True,
+                NBYTES=TILE_BYTES, ROW_SHIFT=1)
+
+
+@pytest.mark.parametrize("NB", [1, 2, 3])
+def test_warp_specialised_ring(NB):
+    """A loader partition and a consumer partition hand seven tiles through an NB-slot ring (ready / empty
+    barriers, the ring wrapping around); the consumer multiplies each by w on ``warpgroup_mma`` (bf16 operands,
+    fp32 accumulation)."""
+    x, w = _rows(7 * 64, seed=1), _rows(64, seed=2).bfloat16()
+    y = torch.full((7 * 64, 64), float("nan"))
+    emulate(_ring_kernel, (1,), _desc(x, gl.float32), _desc(w, gl.bfloat16), y, 7, NB=NB, SKEW=0)
+    torch.testing.assert_close(y, x.bfloat16().float() @ w.float(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_producer_waiting_on_the_wrong_phase_is_a_deadlock():
+    """The loader waits for parity 0 of a fresh "empty" barrier, a phase nobody completes: the GPU would hang."""
+    x, w = _rows(2 * 64), _rows(64).bfloat16()
+    with pytest.raises(GluonDeadlock):
+        emulate(_ring_kernel, (1,), _desc(x, gl.float32), _desc(w, gl.bfloat16), torch.zeros(2 * 64, 64), 2,
+                NB=2, SKEW=1, timeout=0.5)
+
+
+def _compile_for_sm90() -> list:
+    """Compile both kernels for sm_90 (``benchmarks/kda_sm90_report.Sm90Compiler``): ptxas's rows."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    from kda_sm90_report import Sm90Compiler
+
+    compiler = Sm90Compiler()
+    x, w = _rows(128), _rows(64).bfloat16()
+    compiler(_double_kernel, [_desc(x, gl.float32), torch.zeros(128, 64)],
+             dict(WAIT=True, NBYTES=TILE_BYTES, ROW_SHIFT=0), (2,))
+    compiler(_ring_kernel, [_desc(x, gl.float32), _desc(w, gl.bfloat16), torch.zeros(128, 64), 2],
+             dict(NB=2, SKEW=0, num_warps=4), (1,))
+    return compiler.rows
+
+
+def test_the_kernels_compile_for_sm90(tmp_path):
+    """In a process of its own, without the interpreter the test session switches on and with an empty Triton
+    cache: both kernels compile, without spilling."""
+    rows = last_json_line(run_without_interpreter(["-m", "tests.test_gluon_emulator"], tmp_path))
+    assert len(rows) == 2 and all(r["spill_store_bytes"] == 0 for r in rows), rows
+
+
+if __name__ == "__main__":
+    print(json.dumps([{k: r[k] for k in ("registers", "shared_bytes", "spill_store_bytes")}
+                      for r in _compile_for_sm90()]))

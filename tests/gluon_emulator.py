@@ -29,7 +29,7 @@ import os
 import subprocess
 import sys
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 

@@ -1,0 +1,197 @@
+"""Phase C of the Triton KDA forward (W, U and the scan operands) as a warp-specialised Gluon kernel for Hopper.
+
+``triton_forward._intra_wy_kernel`` computes, per chunk of 64 tokens and head, W = T (beta k exp(Gamma)),
+U = T (beta v), qg = q exp(Gamma), kg = k exp(Gamma_C - Gamma) and exp(Gamma_C), where T = (I + A)^-1 is the
+chunk's solved WY matrix. This kernel computes the same, written in Gluon (``triton.experimental.gluon``,
+Triton 3.6), where a kernel can keep a ring of tiles in shared memory, fill it by TMA and split its warps into
+a loader and a consumer:
+
+- one work item is (chunk, head, 64-column block p): W, qg, kg on key columns [64 p, 64 p + 64) and U on the
+  same value columns (K == V);
+- a persistent grid of one CTA per SM walks the items; a 1-warp loader partition streams each item's tiles
+  (T, k, q, Gamma, v) by TMA into a 2-slot ring (a "ready" and an "empty" mbarrier per slot) while the 8-warp
+  consumer partition multiplies on ``warpgroup_mma`` (bf16 operands, fp32 accumulation) and stores from
+  registers, masked to the chunk's valid rows (varlen: a chunk's tiles may run into the next sequence, whose
+  rows are zeroed before they enter a product; past the end of the tensor TMA reads zeros).
+
+H200, B1 T8192 H96 D128 (the probe this came from, ``benchmarks/gluon_wy_probe.py``): 0.594 ms against the Triton
+kernel's 0.717, both exact against each other. It runs where ``supported`` says (sm_90, bf16, K == V, a multiple
+of 64; the precision variant's 16-bit W and WY products), as ``triton_forward.GLUON_WY`` selects; everywhere else
+the Triton kernel runs. Gluon does not run under the Triton interpreter: CI runs this kernel through
+``tests/gluon_emulator.py`` and compiles it for sm_90.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+RING = gl.constexpr(2)  # ring slots
+CONSUMER_WARPS = 8  # the default partition's warps (two warpgroups: the [64, 64] products split over N)
+LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)  # the TMA loader partition
+
+
+@gluon.constexpr_function
+def _blocked(num_warps):
+    """The elementwise layout of a [64, 64] tile over num_warps warps."""
+    return gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _mma(num_warps):
+    """The wgmma accumulator layout of a [64, 64] product: warpgroups across N."""
+    wn = num_warps // 4
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, wn], instr_shape=[16, 64 // wn, 16])
+
+
+@gluon.jit
+def _item(item, H, cidx_ptr, cu_ptr, NP: gl.constexpr):
+    """Work item -> (global chunk, head, column block, the chunk's first token, its valid rows)."""
+    p = item % NP
+    ch = item // NP
+    i_h = ch % H
+    i_t = ch // H
+    i_n = gl.load(cidx_ptr + 2 * i_t)
+    t0 = gl.load(cu_ptr + i_n) + gl.load(cidx_ptr + 2 * i_t + 1) * 64
+    L = gl.minimum(gl.load(cu_ptr + i_n + 1) - t0, 64)
+    return i_t, i_h, p, t0, L
+
+
+@gluon.jit
+def _loader(ready, empty, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, cidx_ptr, cu_ptr, n_items, H,
+            K: gl.constexpr, NP: gl.constexpr):
+    """The loader partition: each item's T, k, q, Gamma, v tiles by TMA, once the consumer has freed the slot."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    for i in range((n_items - pid + nprog - 1) // nprog):
+        slot = i % RING
+        mbarrier.wait(empty.index(slot), ((i // RING) & 1) ^ 1)  # a fresh slot's "previous" phase counts as done
+        i_t, i_h, p, t0, L = _item(pid + i * nprog, H, cidx_ptr, cu_ptr, NP)
+        col = i_h * K + p * 64
+        bar = ready.index(slot)
+        mbarrier.expect(bar, 2 * 64 * 64 * 4 + 3 * 64 * 64 * 2)
+        tma.async_copy_global_to_shared(t_d, [(i_t * H + i_h) * 64, 0], bar, t_s.index(slot))
+        tma.async_copy_global_to_shared(k_d, [t0, col], bar, k_s.index(slot))
+        tma.async_copy_global_to_shared(q_d, [t0, col], bar, q_s.index(slot))
+        tma.async_copy_global_to_shared(G_d, [t0, col], bar, G_s.index(slot))
+        tma.async_copy_global_to_shared(v_d, [t0, col], bar, v_s.index(slot))
+
+
+@gluon.jit
+def _consumer(ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr, u_ptr,
+              cidx_ptr, cu_ptr, n_items, H, K: gl.constexpr, NP: gl.constexpr, NW: gl.constexpr):
+    """The default partition: each item once its slot is ready, the slot handed back once its tiles are read."""
+    BL: gl.constexpr = _blocked(NW)
+    MMA: gl.constexpr = _mma(NW)
+    AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, BL))
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, BL))
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    for i in range((n_items - pid + nprog - 1) // nprog):
+        si = i % RING
+        mbarrier.wait(ready.index(si), (i // RING) & 1)
+        i_t, i_h, p, t0, L = _item(pid + i * nprog, H, cidx_ptr, cu_ptr, NP)
+        rows = gl.expand_dims(r < L, 1)  # the chunk's valid rows (the tiles may run past its sequence)
+        col = i_h * K + p * 64
+        offs = gl.expand_dims(t0.to(gl.int64) + r, 1) * (H * K) + col + gl.expand_dims(c, 0)
+        beta = gl.load(beta_ptr + (t0.to(gl.int64) + r) * H + i_h, mask=r < L, other=0.0).to(gl.float32)
+        beta = gl.expand_dims(beta, 1)
+        tm = gl.convert_layout(t_s.index(si).load(BL).to(gl.bfloat16), AOP)
+        acc = gl.zeros([64, 64], gl.float32, layout=MMA)
+        # U = T (beta v)
+        b_s.store(gl.where(rows, v_s.index(si).load(BL).to(gl.float32) * beta, 0.0).to(gl.bfloat16))
+        fence_async_shared()
+        u = warpgroup_mma(tm, b_s, acc, use_acc=False)
+        gl.store(u_ptr + offs, gl.convert_layout(u, BL), mask=rows)
+        # W = T (beta k exp(Gamma))
+        G = G_s.index(si).load(BL)
+        eG = gl.exp(G)
+        kr = k_s.index(si).load(BL).to(gl.float32)
+        b_s.store(gl.where(rows, kr * beta * eG, 0.0).to(gl.bfloat16))
+        fence_async_shared()
+        w = warpgroup_mma(tm, b_s, acc, use_acc=False)
+        gl.store(w_ptr + offs, gl.convert_layout(w.to(gl.bfloat16), BL), mask=rows)
+        # the scan operands and the chunk decay
+        g_last = gl.expand_dims(gl.load(G_ptr + (t0.to(gl.int64) + L - 1) * (H * K) + col + c), 0)
+        gl.store(kg_ptr + offs, (kr * gl.exp(g_last - G)).to(gl.bfloat16), mask=rows)
+        gl.store(qg_ptr + offs, (q_s.index(si).load(BL).to(gl.float32) * eG).to(gl.bfloat16), mask=rows)
+        gl.store(eg_ptr + (i_t * H + i_h) * K + p * 64 + c, gl.exp(gl.sum(g_last, 0)))
+        fence_async_shared()  # the slot's reads, before the loader's next TMA write into it
+        mbarrier.arrive(empty.index(si), count=1)
+
+
+@gluon.jit
+def _gluon_wy_kernel(t_d, k_d, q_d, G_d, v_d, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr, u_ptr, cidx_ptr, cu_ptr,
+                     NT, H, K: gl.constexpr, num_warps: gl.constexpr):
+    """Phase C over NT chunks x H heads x K / 64 column blocks (the _d arguments are TMA descriptors of [64, 64]
+    tiles: T as [NT H 64, 64] fp32, k, q, v as [tokens, H K] bf16, Gamma as [tokens, H K] fp32)."""
+    NP: gl.constexpr = K // 64
+    t_s = gl.allocate_shared_memory(gl.float32, [RING, 64, 64], t_d.layout)
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [RING, 64, 64], k_d.layout)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [RING, 64, 64], q_d.layout)
+    G_s = gl.allocate_shared_memory(gl.float32, [RING, 64, 64], G_d.layout)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [RING, 64, 64], v_d.layout)
+    b_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], k_d.layout)  # the products' right-hand operand
+    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(RING):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    n_items = NT * H * NP
+    gl.warp_specialize([
+        (_consumer, (ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr,
+                     u_ptr, cidx_ptr, cu_ptr, n_items, H, K, NP, num_warps)),
+        (_loader, (ready, empty, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, cidx_ptr, cu_ptr, n_items, H,
+                   K, NP)),
+    ], [LOADER_WARPS], [LOADER_REGS])
+    for s in gl.static_range(RING):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
+def supported(q: torch.Tensor, v: torch.Tensor, G: torch.Tensor, tinv: torch.Tensor, w: torch.Tensor,
+              u: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor, DTC) -> Optional[str]:
+    """None if this kernel computes phase C for these tensors, else why not (the Triton kernel runs instead)."""
+    import triton.language as tl
+
+    K, V = q.shape[-1], v.shape[-1]
+    if K != V or K % 64:
+        return f"K == V, a multiple of 64 (got K={K}, V={V})"
+    if q.dtype != torch.bfloat16 or DTC != tl.bfloat16:
+        return "bf16 inputs and 16-bit WY products"
+    if (w.dtype, qg.dtype, kg.dtype, u.dtype, G.dtype, tinv.dtype) != (torch.bfloat16,) * 3 + (torch.float32,) * 3:
+        return "W, qg, kg in bf16 and U, Gamma, T in fp32"
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "a Hopper GPU (sm_90)"
+    return None
+
+
+def launch(q, k, v, G, beta, tinv, w, u, qg, kg, eg, plan, H: int, K: int,
+           launcher: Optional[Callable] = None, programs: Optional[int] = None) -> None:
+    """Phase C by ``_gluon_wy_kernel`` on the tensors ``triton_forward`` holds (token layout [B, T, H, D], T as
+    [NT, H, 64, 64]). launcher: how to run it (default: on the GPU; ``tests/gluon_emulator.emulate`` on the CPU),
+    programs: the persistent grid (default: one CTA per SM)."""
+    rows = q.numel() // (H * K)
+
+    def desc(x, dtype, shape):
+        layout = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
+        x2 = x.view(shape)
+        return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [64, 64], layout)
+
+    tok = (rows, H * K)
+    args = (desc(tinv, gl.float32, (plan.NT * H * 64, 64)), desc(k, gl.bfloat16, tok), desc(q, gl.bfloat16, tok),
+            desc(G, gl.float32, tok), desc(v, gl.bfloat16, tok), beta, G, eg, w, qg, kg, u, plan.chunk_idx, plan.cu,
+            plan.NT, H)
+    if programs is None:
+        programs = torch.cuda.get_device_properties(q.device).multi_processor_count
+    grid = (min(programs, plan.NT * H * (K // 64)),)
+    if launcher is None:
+        _gluon_wy_kernel[grid](*args, K=K, num_warps=CONSUMER_WARPS)
+    else:
+        launcher(_gluon_wy_kernel, grid, *args, K=K, num_warps=CONSUMER_WARPS)

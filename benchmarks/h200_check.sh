@@ -125,7 +125,7 @@ decode_step() {  # DECODE=1: the decode section (ours, fla, the launch sweep) on
       --out "$OUT/decode" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
   fi
 }
-TESTS="python3 -m pytest -v -rf ${XDIST[*]} tests/ops/test_kda_triton.py tests/ops/test_kda_gluon_wy.py"
+TESTS="python3 -m pytest -v -rf ${XDIST[*]} tests/ops/test_kda_triton.py tests/ops/test_kda_gluon.py"
 TRAIN="python3 benchmarks/kda_train_check.py --steps 30"
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits

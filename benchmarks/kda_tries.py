@@ -28,6 +28,7 @@ Forward:
   prep1 | prep3          the prologue as one or three programs per chunk and head (KIMIK3_KDA_PREP_PARTS)
   gwy | nogwy            phase C by the Gluon kernel where it applies, or always by the Triton one
                          (KIMIK3_KDA_GLUON_WY)
+  ga | noga              phase A likewise (KIMIK3_KDA_GLUON_A)
 Backward:
   wy | nowy              the WY kernel split over key blocks or not (KIMIK3_KDA_WY_SPLIT=1 / 0)
   wyb=BK/BV              the WY kernel's blocks
@@ -99,6 +100,8 @@ def parse_experiment(token: str):
             overrides[(tp, "PREP_PARTS")] = int(part[4])
         elif part in ("gwy", "nogwy"):  # phase C by the Gluon kernel (gluon_wy.py) or by the Triton one
             overrides[(tf, "GLUON_WY")] = part == "gwy"
+        elif part in ("ga", "noga"):  # phase A by the Gluon kernel (gluon_phase_a.py) or by the Triton one
+            overrides[(tf, "GLUON_A")] = part == "ga"
         elif part == "w32":  # W stored fp32 (as before the seventh session)
             overrides[(tf, "W_16BIT")] = False
         elif part in ("l2rows", "l2prep"):  # the q / k L2 norms over contiguous rows, or in the PREP_PARTS prologue
@@ -158,7 +161,7 @@ def parse_experiment(token: str):
                              "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
                              "prep1|prep3, dhacc|nodhacc, out=BV/W, l2rows|l2prep, l2r=BR/W, gcw=W, iw=A/B/C, "
                              "wyc=BK/BV, abk=BK, wydyn|wyunroll, wys=S, wyv|nowyv, fpb|nofpb, sfx=BK/W, bis=S, "
-                             "iwarps=W, gwy|nogwy)")
+                             "iwarps=W, gwy|nogwy, ga|noga)")
     return token, overrides
 
 

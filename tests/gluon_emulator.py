@@ -339,6 +339,11 @@ def _unwrapped(fn: Callable) -> Callable:
     return lambda *args, **kw: Tile(fn(*[torch.as_tensor(_val(a)) for a in args]))
 
 
+def _int32(x: int) -> Tile:
+    """A scalar as the int32 tensor a kernel's program id is."""
+    return Tile(torch.tensor(x, dtype=torch.int32))
+
+
 def _static_assert(cond, msg="", **_):
     if not _val(cond):
         raise AssertionError(_val(msg))
@@ -385,8 +390,8 @@ def _patched(machine: _Machine, fn_globals: dict):
             setattr(obj, name, value)
 
     ops = {
-        "program_id": lambda axis=0, **_: machine.pid if int(_val(axis)) == 0 else 0,
-        "num_programs": lambda axis=0, **_: machine.nprog if int(_val(axis)) == 0 else 1,
+        "program_id": lambda axis=0, **_: _int32(machine.pid if int(_val(axis)) == 0 else 0),
+        "num_programs": lambda axis=0, **_: _int32(machine.nprog if int(_val(axis)) == 0 else 1),
         "arange": lambda start, end, layout=None, **_: Tile(torch.arange(int(_val(start)), int(_val(end)),
                                                                          dtype=torch.int32)),
         "zeros": lambda shape, dtype, layout=None, **_: Tile(torch.zeros([int(_val(s)) for s in shape],

@@ -110,6 +110,9 @@ WY_BLOCKS: Optional[Tuple[int, int]] = None
 # same run: phase C 0.728 -> 0.645 ms, forward 2.794 -> 2.718 ms, forward+backward 10.812 -> 10.720 ms, the
 # outputs bit-identical.
 GLUON_WY = os.environ.get("KIMIK3_KDA_GLUON_WY", "1") == "1"
+# Phase A by the warp-specialised Gluon kernel (``gluon_phase_a.py``: one (chunk, head) per item, its four column
+# tiles from one TMA load of q, k, Gamma) where ``gluon_phase_a.supported`` allows it: KIMIK3_KDA_GLUON_A=1.
+GLUON_A = os.environ.get("KIMIK3_KDA_GLUON_A", "0") == "1"
 # W = T (beta k exp(Gamma)) stored in the 16-bit input dtype (U stays fp32: v_new = U - W S needs its
 # low bits). Every scan takes W as a 16-bit operand, so the scans compute the same; the WY backward's
 # dA = -dRk W^T sees W at 8 mantissa bits instead of tf32's 10. Halves W's traffic (written once, read by
@@ -435,20 +438,22 @@ def _cfg(K: int, V: int):
     return BKF, min(64, BKF), min(64, _next_pow2(V))
 
 
-@functools.lru_cache(maxsize=1)
-def _gluon_wy():
-    """The Gluon phase C module, or None where this Triton has no Gluon (imported only where it may run)."""
+@functools.lru_cache(maxsize=None)
+def _gluon(name: str):
+    """The Gluon kernel module ``name`` (``gluon_wy``, ``gluon_phase_a``), or None where this Triton has no Gluon
+    (imported only where it may run)."""
+    import importlib
+
     try:
-        from . import gluon_wy
+        return importlib.import_module(f"{__package__}.{name}")
     except ImportError:
         return None
-    return gluon_wy
 
 
 def _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV, DTC, PREC, warps):
     """Phase C as its own kernel: one program per (chunk, head, K block or V block), at ``WY_BLOCKS`` when set;
     the Gluon kernel (``gluon_wy.py``) instead where ``GLUON_WY`` is on and it supports the tensors."""
-    gluon_wy = _gluon_wy() if GLUON_WY and WY_BLOCKS is None and qn.is_cuda else None
+    gluon_wy = _gluon("gluon_wy") if GLUON_WY and WY_BLOCKS is None and qn.is_cuda else None
     if gluon_wy is not None and gluon_wy.supported(qn, v, G, tinv, w, u, qg, kg, DTC) is None:
         gluon_wy.launch(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K)
         return
@@ -542,8 +547,12 @@ def kda_fwd_triton(
         )
     elif INTRA_MODE == "split":
         wa, ws, wc = INTRA_SPLIT_WARPS
-        _intra_a_kernel[part_grid(NT, H, 4)](qn, kn, G, betan, aqk, tinv, plan.cu, plan.chunk_idx, H,
-                                             K=K, BK=min(A_BK or BK, BKF), DTA=DTA, PREC=PREC, num_warps=wa)
+        gluon_a = _gluon("gluon_phase_a") if GLUON_A and A_BK is None and q.is_cuda else None
+        if gluon_a is not None and gluon_a.supported(qn, G, DTA) is None:
+            gluon_a.launch(qn, kn, G, betan, aqk, tinv, plan, H, K)
+        else:
+            _intra_a_kernel[part_grid(NT, H, 4)](qn, kn, G, betan, aqk, tinv, plan.cu, plan.chunk_idx, H,
+                                                 K=K, BK=min(A_BK or BK, BKF), DTA=DTA, PREC=PREC, num_warps=wa)
         _intra_solve_kernel[(NT, H)](tinv, H, SOLVE=SOLVE, SPREC=SPREC, num_warps=ws)
         _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV_intra, DTC, PREC, wc)
     elif INTRA_MODE == "tiles16":

@@ -1,6 +1,7 @@
-"""The Gluon phase C kernel (kimik3/ops/kda/gluon_wy.py) against the Triton one it can replace. Gluon does not run
-under the Triton interpreter: on the CPU the kernel runs through the Gluon emulator (tests/gluon_emulator.py),
-the Triton kernel under the interpreter, and the Gluon kernel is also compiled for sm_90; on a GPU both run."""
+"""The Gluon KDA kernels (kimik3/ops/kda/gluon_wy.py for phase C, gluon_phase_a.py for phase A) against the Triton
+kernels they can replace. Gluon does not run under the Triton interpreter: on the CPU a Gluon kernel runs through
+the Gluon emulator (tests/gluon_emulator.py), the Triton kernel under the interpreter, and the Gluon kernels are
+also compiled for sm_90; on a GPU both run."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ if __name__ != "__main__":  # (the sm_90 compile step below runs without the int
     triton = require_triton_kernels()
 import triton.language as tl  # noqa: E402
 
-from kimik3.ops.kda import gluon_wy  # noqa: E402
+from kimik3.ops.kda import gluon_phase_a, gluon_wy  # noqa: E402
 from kimik3.ops.kda import triton_forward as tf  # noqa: E402
+from kimik3.ops.kda.triton_scan import part_grid  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 if not torch.cuda.is_available():
@@ -31,15 +33,16 @@ DEV = "cuda" if ON_GPU else "cpu"
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
-def _phase_c_inputs(lengths, H, K, seed=0):
-    """Phase C's inputs for a packed batch of sequences: bf16 q, k, v, the within-chunk cumulative log-decay Gamma
-    (fp32, each chunk from zero), sigmoid(beta) (fp32), and a lower-triangular T per chunk and head."""
+def _chunk_inputs(lengths, H, K, seed=0, gate_scale=0.3):
+    """Phases A and C's inputs for a packed batch of sequences: bf16 q, k, v, the within-chunk cumulative log-decay
+    Gamma (fp32, each chunk from zero; per-token decays in [-gate_scale, 0]), sigmoid(beta) (fp32), and a
+    lower-triangular T per chunk and head."""
     gen = torch.Generator().manual_seed(seed)
     T = sum(lengths)
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
     plan = tf.make_plan(1, T, cu, torch.device(DEV))
     q, k, v = (torch.randn(1, T, H, K, generator=gen).div(K**0.5).bfloat16().to(DEV) for _ in range(3))
-    g = -torch.rand(1, T, H, K, generator=gen) * 0.3
+    g = -torch.rand(1, T, H, K, generator=gen) * gate_scale
     G = torch.empty_like(g)
     for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
         for c0 in range(s, e, 64):
@@ -62,7 +65,7 @@ def test_gluon_phase_c_equals_the_triton_kernel(lengths, H, K):
     column blocks (K = 128) and one (K = 64): every output written; W, qg, kg within one bf16 rounding of the
     Triton kernel's (or fp32 summation order at the output's scale); U and exp(Gamma_C) to fp32 rounding. On the
     CPU the Gluon kernel runs on three persistent programs, so its 2-slot ring wraps."""
-    plan, q, k, v, G, beta, tinv = _phase_c_inputs(lengths, H, K)
+    plan, q, k, v, G, beta, tinv = _chunk_inputs(lengths, H, K)
     ref, out = _outputs(q, plan, H, K), _outputs(q, plan, H, K)
     tf._launch_intra_wy(q, k, v, G, beta, tinv, *ref, plan, H, K, K, 64, 64, tl.bfloat16, "tf32", 4)
     assert gluon_wy.supported(q, v, G, tinv, *out[:4], tl.bfloat16) in (None, "a Hopper GPU (sm_90)")
@@ -81,36 +84,65 @@ def test_gluon_phase_c_equals_the_triton_kernel(lengths, H, K):
             assert d.max() <= 1e-5 * r.float().abs().max(), (name, d.max().item())
 
 
+@pytest.mark.parametrize("lengths,H,K", [([1, 63, 64, 65, 130, 7], 2, 128), ([200], 3, 64)])
+def test_gluon_phase_a_equals_the_triton_kernel(lengths, H, K):
+    """Phase A (Aqk and the solve's input A = diag(beta) Akk) over varlen batches with partial chunks, per-token
+    decays up to the bound (-5), K = 128 and 64: every entry written, zeros above the diagonal exact, the rest equal
+    to the Triton kernel's to fp32 rounding (a bf16 operand can round the other way where the two exps differ in
+    their last bit: 1e-3 of the largest entry)."""
+    plan, q, k, v, G, beta, _ = _chunk_inputs(lengths, H, K, gate_scale=5.0)
+    ref = [torch.full((plan.NT, H, 64, 64), float("nan"), device=DEV) for _ in range(2)]
+    out = [torch.full((plan.NT, H, 64, 64), float("nan"), device=DEV) for _ in range(2)]
+    tf._intra_a_kernel[part_grid(plan.NT, H, 4)](q, k, G, beta, *ref, plan.cu, plan.chunk_idx, H, K=K, BK=64,
+                                                 DTA=tl.bfloat16, PREC="tf32", num_warps=4)
+    assert gluon_phase_a.supported(q, G, tl.bfloat16) in (None, "a Hopper GPU (sm_90)")
+    if ON_GPU:
+        gluon_phase_a.launch(q, k, G, beta, *out, plan, H, K)
+    else:
+        from tests.gluon_emulator import emulate
+
+        gluon_phase_a.launch(q, k, G, beta, *out, plan, H, K, launcher=emulate, programs=3)
+    for name, r, o in zip(("Aqk", "A"), ref, out):
+        assert not o.isnan().any(), f"{name}: {int(o.isnan().sum())} entries unwritten"
+        assert torch.equal(o.triu(1 if name == "Aqk" else 0), torch.zeros_like(o).triu(1 if name == "Aqk" else 0)), name
+        assert (r - o).abs().max() <= 1e-3 * r.abs().max(), (name, (r - o).abs().max().item())
+
+
 def test_supported_names_what_it_needs():
     """Where the Gluon kernel does not apply, ``supported`` says why (the Triton kernel then runs)."""
-    plan, q, k, v, G, beta, tinv = _phase_c_inputs([64], 1, 64)
+    plan, q, k, v, G, beta, tinv = _chunk_inputs([64], 1, 64)
     w, u, qg, kg, _ = _outputs(q, plan, 1, 64)
     assert "K == V" in gluon_wy.supported(q, v[..., :32], G, tinv, w, u, qg, kg, tl.bfloat16)
     assert "bf16" in gluon_wy.supported(q.float(), v, G, tinv, w, u, qg, kg, tl.bfloat16)
     assert "16-bit WY" in gluon_wy.supported(q, v, G, tinv, w, u, qg, kg, tl.float32)
     assert "fp32" in gluon_wy.supported(q, v, G, tinv, w.float(), u, qg, kg, tl.bfloat16)
+    assert "multiple of 64" in gluon_phase_a.supported(q[..., :32], G, tl.bfloat16)
+    assert "16-bit A" in gluon_phase_a.supported(q, G, tl.float32)
     if not ON_GPU:
         assert gluon_wy.supported(q, v, G, tinv, w, u, qg, kg, tl.bfloat16) == "a Hopper GPU (sm_90)"
+        assert gluon_phase_a.supported(q, G, tl.bfloat16) == "a Hopper GPU (sm_90)"
 
 
-def test_gluon_phase_c_compiles_for_sm90(tmp_path):
-    """In a process of its own, without the interpreter and with an empty Triton cache: the kernel compiles for
+def test_gluon_kernels_compile_for_sm90(tmp_path):
+    """In a process of its own, without the interpreter and with an empty Triton cache: both kernels compile for
     sm_90, without spilling, and one CTA (the loader's warp included) fits an H200 SM."""
     from tests.gluon_emulator import last_json_line, run_without_interpreter
 
-    row = last_json_line(run_without_interpreter(["-m", "tests.ops.test_kda_gluon_wy"], tmp_path))
-    assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, row
-    assert row["shared_bytes"] + 1024 <= 233472, row
-    assert row["registers"] * 32 * (gluon_wy.CONSUMER_WARPS + gluon_wy.LOADER_WARPS.value) <= 65536, row
+    rows = last_json_line(run_without_interpreter(["-m", "tests.ops.test_kda_gluon"], tmp_path))
+    for module, row in zip((gluon_wy, gluon_phase_a), rows):
+        assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, row
+        assert row["shared_bytes"] + 1024 <= 233472, row
+        assert row["registers"] * 32 * (module.CONSUMER_WARPS + module.LOADER_WARPS.value) <= 65536, row
 
 
-if __name__ == "__main__":  # the compile step of test_gluon_phase_c_compiles_for_sm90
+if __name__ == "__main__":  # the compile step of test_gluon_kernels_compile_for_sm90
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from kda_sm90_report import Sm90Compiler
 
     compiler = Sm90Compiler()
-    plan, q, k, v, G, beta, tinv = _phase_c_inputs([128, 70], 2, 128)
-    gluon_wy.launch(q, k, v, G, beta, tinv, *_outputs(q, plan, 2, 128), plan, 2, 128,
-                    launcher=lambda kern, grid, *a, **kw: compiler(kern, list(a), kw, grid), programs=132)
-    print(json.dumps({k: compiler.rows[-1][k] for k in ("registers", "shared_bytes", "spill_store_bytes",
-                                                        "spill_load_bytes")}))
+    compile_only = dict(launcher=lambda kern, grid, *a, **kw: compiler(kern, list(a), kw, grid), programs=132)
+    plan, q, k, v, G, beta, tinv = _chunk_inputs([128, 70], 2, 128)
+    gluon_wy.launch(q, k, v, G, beta, tinv, *_outputs(q, plan, 2, 128), plan, 2, 128, **compile_only)
+    gluon_phase_a.launch(q, k, G, beta, tinv, tinv.clone(), plan, 2, 128, **compile_only)
+    print(json.dumps([{k: row[k] for k in ("registers", "shared_bytes", "spill_store_bytes", "spill_load_bytes")}
+                      for row in compiler.rows]))

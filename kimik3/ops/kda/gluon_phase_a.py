@@ -1,0 +1,167 @@
+"""Phase A of the Triton KDA forward (the intra-chunk matrices Aqk and diag(beta) Akk) as a warp-specialised Gluon
+kernel for Hopper.
+
+``triton_forward._intra_a_kernel`` computes, per chunk of 64 tokens and head, one 64 x 16 column tile j of
+Aqk = (q e^(Gamma - eps_j)) (k e^(eps_j - Gamma))^T (lower, the diagonal included) and of diag(beta) Akk (strictly
+lower) per program, against the reference eps_j = Gamma at the tile's last valid token (the gate bound keeps both
+factors finite). Its four programs per chunk each read the chunk's q, k and Gamma. Here one work item is a whole
+(chunk, head): a 1-warp loader partition streams its q, k, Gamma tiles (every 64-column K block) by TMA into a
+2-slot ring while a 4-warp consumer builds the four column tiles from shared memory on ``warpgroup_mma`` (bf16
+operands, fp32 accumulation; the column operand (k e^(eps_j - Gamma))^T goes through shared memory). Varlen: rows
+at or past the chunk's valid length contribute zeros.
+
+Where it runs: ``supported`` (sm_90, bf16 q / k, K a multiple of 64, 16-bit A products), as ``triton_forward.GLUON_A``
+selects. CI runs it through ``tests/gluon_emulator.py`` and compiles it for sm_90.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+RING = gl.constexpr(2)
+CONSUMER_WARPS = 4
+LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
+
+
+@gluon.jit
+def _chunk(item, H, cidx_ptr, cu_ptr):
+    """Work item -> (global chunk, head, the chunk's first token, its valid rows)."""
+    i_h = item % H
+    i_t = item // H
+    i_n = gl.load(cidx_ptr + 2 * i_t)
+    t0 = gl.load(cu_ptr + i_n) + gl.load(cidx_ptr + 2 * i_t + 1) * 64
+    L = gl.minimum(gl.load(cu_ptr + i_n + 1) - t0, 64)
+    return i_t, i_h, t0, L
+
+
+@gluon.jit
+def _loader(ready, empty, q_s, k_s, G_s, q_d, k_d, G_d, cidx_ptr, cu_ptr, n_items, H, K: gl.constexpr,
+            NKB: gl.constexpr):
+    """The loader partition: each item's q, k, Gamma tiles (all K blocks) by TMA, once the slot is free."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    for i in range((n_items - pid + nprog - 1) // nprog):
+        slot = i % RING
+        mbarrier.wait(empty.index(slot), ((i // RING) & 1) ^ 1)
+        i_t, i_h, t0, L = _chunk(pid + i * nprog, H, cidx_ptr, cu_ptr)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, NKB * 64 * 64 * (2 + 2 + 4))
+        for kb in gl.static_range(NKB):
+            col = i_h * K + kb * 64
+            tma.async_copy_global_to_shared(q_d, [t0, col], bar, q_s.index(slot * NKB + kb))
+            tma.async_copy_global_to_shared(k_d, [t0, col], bar, k_s.index(slot * NKB + kb))
+            tma.async_copy_global_to_shared(G_d, [t0, col], bar, G_s.index(slot * NKB + kb))
+
+
+@gluon.jit
+def _consumer(ready, empty, q_s, k_s, G_s, b_s, beta_ptr, G_ptr, aqk_ptr, tinv_ptr, cidx_ptr, cu_ptr, n_items, H,
+              K: gl.constexpr, NKB: gl.constexpr, NW: gl.constexpr):
+    """The default partition: the four column tiles of each item once its slot is ready."""
+    BL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])  # [64, 64] and [16, 64] tiles
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, 16, 16])
+    AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, BL))
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, BL))
+    r16 = gl.arange(0, 16, layout=gl.SliceLayout(1, BL))
+    ro = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))  # the accumulators' rows and columns
+    so = gl.arange(0, 16, layout=gl.SliceLayout(0, MMA))
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    for i in range((n_items - pid + nprog - 1) // nprog):
+        si = i % RING
+        mbarrier.wait(ready.index(si), (i // RING) & 1)
+        i_t, i_h, t0, L = _chunk(pid + i * nprog, H, cidx_ptr, cu_ptr)
+        beta = gl.load(beta_ptr + (t0.to(gl.int64) + ro) * H + i_h, mask=ro < L, other=0.0).to(gl.float32)
+        a_base = (i_t * H + i_h).to(gl.int64) * 4096
+        for j in gl.static_range(4):
+            ref = gl.minimum(j * 16 + 15, L - 1)  # eps_j: Gamma at the tile's last valid token
+            rows = gl.expand_dims((r >= j * 16) & (r < L), 1)  # rows before tile j are its past: zero
+            cols = gl.expand_dims((j * 16 + r16) < L, 1)
+            acc_q = gl.zeros([64, 16], gl.float32, layout=MMA)
+            acc_k = gl.zeros([64, 16], gl.float32, layout=MMA)
+            for kb in gl.static_range(NKB):
+                s = si * NKB + kb
+                g_ref = gl.expand_dims(gl.load(G_ptr + (t0.to(gl.int64) + ref) * (H * K) + i_h * K + kb * 64 + c), 0)
+                e_r = gl.exp(gl.where(rows, G_s.index(s).load(BL) - g_ref, float("-inf")))  # (0, e^75]
+                e_s = gl.exp(gl.where(cols, g_ref - G_s.index(s).slice(j * 16, 16).load(BL), float("-inf")))
+                b_s.store((k_s.index(s).slice(j * 16, 16).load(BL).to(gl.float32) * e_s).to(gl.bfloat16))
+                fence_async_shared()
+                qa = gl.convert_layout((q_s.index(s).load(BL).to(gl.float32) * e_r).to(gl.bfloat16), AOP)
+                ka = gl.convert_layout((k_s.index(s).load(BL).to(gl.float32) * e_r).to(gl.bfloat16), AOP)
+                acc_q = warpgroup_mma(qa, b_s.permute((1, 0)), acc_q)
+                acc_k = warpgroup_mma(ka, b_s.permute((1, 0)), acc_k)
+            o2 = a_base + gl.expand_dims(ro, 1) * 64 + j * 16 + gl.expand_dims(so, 0)
+            lower = gl.expand_dims(ro, 1) >= gl.expand_dims(j * 16 + so, 0)
+            strict = gl.expand_dims(ro, 1) > gl.expand_dims(j * 16 + so, 0)
+            gl.store(aqk_ptr + o2, gl.where(lower, acc_q, 0.0))
+            gl.store(tinv_ptr + o2, gl.where(strict, acc_k * gl.expand_dims(beta, 1), 0.0))
+        fence_async_shared()
+        mbarrier.arrive(empty.index(si), count=1)
+
+
+@gluon.jit
+def _gluon_a_kernel(q_d, k_d, G_d, beta_ptr, G_ptr, aqk_ptr, tinv_ptr, cidx_ptr, cu_ptr, NT, H, K: gl.constexpr,
+                    num_warps: gl.constexpr):
+    """Phase A over NT chunks x H heads (q_d, k_d, G_d: TMA descriptors of [64, 64] tiles of q, k, Gamma as
+    [tokens, H K]); Aqk and T's buffer A as [NT, H, 64, 64] fp32."""
+    NKB: gl.constexpr = K // 64
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [RING * NKB, 64, 64], q_d.layout)
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [RING * NKB, 64, 64], k_d.layout)
+    G_s = gl.allocate_shared_memory(gl.float32, [RING * NKB, 64, 64], G_d.layout)
+    b_s = gl.allocate_shared_memory(gl.bfloat16, [16, 64], gl.NVMMASharedLayout.get_default_for([16, 64],
+                                                                                                  gl.bfloat16))
+    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(RING):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    n_items = NT * H
+    gl.warp_specialize([
+        (_consumer, (ready, empty, q_s, k_s, G_s, b_s, beta_ptr, G_ptr, aqk_ptr, tinv_ptr, cidx_ptr, cu_ptr, n_items,
+                     H, K, NKB, num_warps)),
+        (_loader, (ready, empty, q_s, k_s, G_s, q_d, k_d, G_d, cidx_ptr, cu_ptr, n_items, H, K, NKB)),
+    ], [LOADER_WARPS], [LOADER_REGS])
+    for s in gl.static_range(RING):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
+def supported(q: torch.Tensor, G: torch.Tensor, DTA) -> Optional[str]:
+    """None if this kernel computes phase A for these tensors, else why not (the Triton kernel runs instead)."""
+    import triton.language as tl
+
+    if q.shape[-1] % 64:
+        return f"K a multiple of 64 (got {q.shape[-1]})"
+    if q.dtype != torch.bfloat16 or DTA != tl.bfloat16 or G.dtype != torch.float32:
+        return "bf16 q, k with 16-bit A products and fp32 Gamma"
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "a Hopper GPU (sm_90)"
+    return None
+
+
+def launch(q, k, G, beta, aqk, tinv, plan, H: int, K: int, launcher: Optional[Callable] = None,
+           programs: Optional[int] = None) -> None:
+    """Phase A by ``_gluon_a_kernel`` (token layout [B, T, H, K]; Aqk and A as [NT, H, 64, 64]). launcher / programs:
+    as ``gluon_wy.launch``."""
+    tok = (q.numel() // (H * K), H * K)
+
+    def desc(x, dtype):
+        x2 = x.view(tok)
+        return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [64, 64],
+                                gl.NVMMASharedLayout.get_default_for([64, 64], dtype))
+
+    args = (desc(q, gl.bfloat16), desc(k, gl.bfloat16), desc(G, gl.float32), beta, G, aqk, tinv, plan.chunk_idx,
+            plan.cu, plan.NT, H)
+    if programs is None:
+        programs = torch.cuda.get_device_properties(q.device).multi_processor_count
+    grid = (min(programs, plan.NT * H),)
+    if launcher is None:
+        _gluon_a_kernel[grid](*args, K=K, num_warps=CONSUMER_WARPS)
+    else:
+        launcher(_gluon_a_kernel, grid, *args, K=K, num_warps=CONSUMER_WARPS)

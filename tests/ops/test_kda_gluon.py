@@ -123,6 +123,19 @@ def test_supported_names_what_it_needs():
         assert gluon_phase_a.supported(q, G, tl.bfloat16) == "a Hopper GPU (sm_90)"
 
 
+def test_gluon_dispatch_needs_cuda_the_switch_and_enough_work():
+    """``triton_forward._gluon_for``: a Gluon kernel is considered only for CUDA tensors, with its switch on, and
+    from ``GLUON_MIN_ITEMS`` work items up (below, a host-bound call would lose more to the launch than it gains)."""
+    class Cuda:
+        is_cuda = True
+
+    n = tf.GLUON_MIN_ITEMS
+    assert tf._gluon_for("gluon_wy", True, Cuda(), n) is gluon_wy
+    assert tf._gluon_for("gluon_wy", True, Cuda(), n - 1) is None
+    assert tf._gluon_for("gluon_wy", False, Cuda(), n) is None
+    assert tf._gluon_for("gluon_wy", True, torch.zeros(1), n) is None
+
+
 def test_gluon_kernels_compile_for_sm90(tmp_path):
     """In a process of its own, without the interpreter and with an empty Triton cache: both kernels compile for
     sm_90, without spilling, and one CTA (the loader's warp included) fits an H200 SM."""

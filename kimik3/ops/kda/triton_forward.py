@@ -19,8 +19,9 @@ Three kernels (chunk C = 64 tokens, sub-tiles of 16; math as in ``chunk.py``):
    Then T = (I + diag(beta) Akk)^-1 by 16 x 16 forward substitution on the diagonal blocks and
    block forward substitution across row tiles (in place in a scratch buffer), and the WY/UT
    representation W = T (beta k exp(Gamma)), U = T (beta v). The three phases are @triton.jit helpers
-   (``_a_tile``, ``_solve``, ``_wy_k_block`` / ``_wy_v_block``), run by default as three kernels with
-   many light programs (``KIMIK3_KDA_INTRA=fused``: all three in one program per (chunk, head)).
+   (``_a_tile``, ``triton_solve._solve``, ``_wy_k_block`` / ``_wy_v_block``), run by default as three kernels
+   with many light programs (``KIMIK3_KDA_INTRA=fused``: all three in one program per (chunk, head)); on Hopper
+   phase C runs as a Gluon kernel instead (``gluon_wy.py``, ``GLUON_WY``).
 3. the inter-chunk scan (``triton_scan.py``): per (sequence, head, V block) the sequential scan over the
    sequence's chunks, v_new = U - W S, S <- exp(Gamma_C) S + (k exp(Gamma_C - Gamma))^T v_new, with the state
    kept in fp32 registers; by default it stores each chunk's entry state and v_new, and the output
@@ -44,9 +45,10 @@ import triton
 import triton.language as tl
 
 from . import triton_prologue
-from .triton_intra16 import _diag16_kernel, _intra16_kernel, block_subst16, diag_inverses16
+from .triton_intra16 import _diag16_kernel, _intra16_kernel
 from .triton_scan import (_chunk_beta, _chunk_part, _fwd_h_kernel, _output_kernel, _state_out_kernel, part_grid,
                           states_dtype)
+from .triton_solve import _solve
 
 BT = 64  # chunk size (tokens)
 BC = 16  # sub-tile rows: the gate bound makes 16 * 5 = 80 the largest in-tile log-decay
@@ -110,6 +112,11 @@ WY_BLOCKS: Optional[Tuple[int, int]] = None
 # same run: phase C 0.728 -> 0.645 ms, forward 2.794 -> 2.718 ms, forward+backward 10.812 -> 10.720 ms, the
 # outputs bit-identical.
 GLUON_WY = os.environ.get("KIMIK3_KDA_GLUON_WY", "1") == "1"
+# ... from this many work items (chunks x heads x 64-column blocks) up. A Gluon launch encodes its TMA descriptors on
+# the host: the forward's enqueue went 0.57 -> 1.06 ms between two calls in which fla's went 1.15 -> 1.72 (so about
+# 0.2 ms of it is the Gluon launch, an estimate). Phase C takes 0.73 ms for K3's 24576 items in the Triton kernel;
+# below 8192 items (~0.24 ms) the kernel's gain cannot repay a host-bound call.
+GLUON_MIN_ITEMS = 8192
 # Phase A by the warp-specialised Gluon kernel (``gluon_phase_a.py``: one (chunk, head) per item, its four column
 # tiles from one TMA load of q, k, Gamma) where ``gluon_phase_a.supported`` allows it: KIMIK3_KDA_GLUON_A=1.
 GLUON_A = os.environ.get("KIMIK3_KDA_GLUON_A", "0") == "1"
@@ -195,60 +202,6 @@ def make_plan(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device: torch.
 
 
 @triton.jit
-def _inv16(a, PREC: tl.constexpr):
-    """(I + a)^-1 for a strictly lower 16 x 16 block (nilpotent, a^16 = 0), in registers:
-    (I + n)(I + n^2)(I + n^4)(I + n^8) with n = -a -- six dense 16 x 16 products, no serial row loop."""
-    r16 = tl.arange(0, 16)
-    n = -a
-    p = n + (r16[:, None] == r16[None, :]).to(tl.float32)
-    for _ in tl.static_range(3):
-        n = tl.dot(n, n, input_precision=PREC)
-        p += tl.dot(p, n, input_precision=PREC)
-    return p
-
-
-@triton.jit
-def _solve_blocks(t_ptr, base, PREC: tl.constexpr, SUBST: tl.constexpr):
-    """SOLVE 3 / 4: T = (I + A)^-1 for the strictly lower 64 x 64 A stored at t_ptr + base (row-major), by
-    16 x 16 blocks held in registers: the diagonal inverses by ``_inv16`` (SUBST False) or by the four
-    blocks' forward substitutions interleaved in one loop (SUBST True; ``triton_intra16.diag_inverses16``),
-    then the block rows T_ij = -D_i sum_{j <= m < i} A_im T_mj. Writes T over A (one barrier) and returns
-    it as 64 x 64."""
-    r16 = tl.arange(0, 16)
-    o = r16[:, None] * 64 + r16[None, :]
-    a10 = tl.load(t_ptr + base + o + 16 * 64)
-    a20 = tl.load(t_ptr + base + o + 32 * 64)
-    a21 = tl.load(t_ptr + base + o + 32 * 64 + 16)
-    a30 = tl.load(t_ptr + base + o + 48 * 64)
-    a31 = tl.load(t_ptr + base + o + 48 * 64 + 16)
-    a32 = tl.load(t_ptr + base + o + 48 * 64 + 32)
-    if SUBST:
-        d0, d1, d2, d3 = diag_inverses16(
-            t_ptr, base, tl.load(t_ptr + base + o), tl.load(t_ptr + base + o + 16 * 64 + 16),
-            tl.load(t_ptr + base + o + 32 * 64 + 32), tl.load(t_ptr + base + o + 48 * 64 + 48))
-    else:
-        d0 = _inv16(tl.load(t_ptr + base + o), PREC)
-        d1 = _inv16(tl.load(t_ptr + base + o + 16 * 64 + 16), PREC)
-        d2 = _inv16(tl.load(t_ptr + base + o + 32 * 64 + 32), PREC)
-        d3 = _inv16(tl.load(t_ptr + base + o + 48 * 64 + 48), PREC)
-    t10, t20, t21, t30, t31, t32 = block_subst16(d0, d1, d2, d3, a10, a20, a21, a30, a31, a32, PREC)
-    tl.debug_barrier()  # every block of A is read before T overwrites it (upper blocks stay zero)
-    tl.store(t_ptr + base + o, d0)
-    tl.store(t_ptr + base + o + 16 * 64, t10)
-    tl.store(t_ptr + base + o + 16 * 64 + 16, d1)
-    tl.store(t_ptr + base + o + 32 * 64, t20)
-    tl.store(t_ptr + base + o + 32 * 64 + 16, t21)
-    tl.store(t_ptr + base + o + 32 * 64 + 32, d2)
-    tl.store(t_ptr + base + o + 48 * 64, t30)
-    tl.store(t_ptr + base + o + 48 * 64 + 16, t31)
-    tl.store(t_ptr + base + o + 48 * 64 + 32, t32)
-    tl.store(t_ptr + base + o + 48 * 64 + 48, d3)
-    tl.debug_barrier()
-    r = tl.arange(0, 64)
-    return tl.load(t_ptr + base + r[:, None] * 64 + r[None, :])
-
-
-@triton.jit
 def _a_tile(j, q_ptr, k_ptr, G_ptr, aqk_ptr, tinv_ptr, a_base, t0, L, beta, i_h, H,
             K: tl.constexpr, BK: tl.constexpr, DTA: tl.constexpr, PREC: tl.constexpr, ABLATE: tl.constexpr):
     """Phase A for the 64 x 16 column tile j: Aqk (lower) and diag(beta) Akk (strictly lower), against the
@@ -285,45 +238,6 @@ def _a_tile(j, q_ptr, k_ptr, G_ptr, aqk_ptr, tinv_ptr, a_base, t0, L, beta, i_h,
     o2 = a_base + r[:, None] * 64 + s[None, :]
     tl.store(aqk_ptr + o2, tl.where(r[:, None] >= s[None, :], acc_q, 0.0))
     tl.store(tinv_ptr + o2, tl.where(r[:, None] > s[None, :], acc_k * beta[:, None], 0.0))
-
-
-@triton.jit
-def _solve(tinv_ptr, a_base, SOLVE: tl.constexpr, SPREC: tl.constexpr, ABLATE: tl.constexpr):
-    """Phase B: T = (I + A)^-1 for the strictly lower A at tinv_ptr + a_base, written over A (the Triton
-    backward reads T there); returns T as a 64 x 64 fp32 tile. SOLVE 0: 16 x 16 forward substitution on
-    the diagonal blocks and block forward substitution over the row tiles; 3: ``_solve_blocks``."""
-    r = tl.arange(0, 64)
-    r16 = tl.arange(0, 16)
-    if ABLATE == 1:
-        t_all = tl.load(tinv_ptr + a_base + r[:, None] * 64 + r[None, :])
-    elif SOLVE == 3 or SOLVE == 4:
-        t_all = _solve_blocks(tinv_ptr, a_base, SPREC, SOLVE == 4)
-    else:
-        for i in tl.static_range(4):
-            rows = i * 16 + r16
-            # diagonal block inverse by forward substitution (fla's solve_tril 16 x 16)
-            d_off = a_base + rows[:, None] * 64 + (i * 16 + r16)[None, :]
-            b = -tl.where(r16[:, None] > r16[None, :], tl.load(tinv_ptr + d_off), 0.0)
-            for rr in range(2, 16):
-                a = -tl.load(tinv_ptr + a_base + (i * 16 + rr) * 64 + i * 16 + r16)
-                a = tl.where(r16 < rr, a, 0.0)
-                a = a + tl.sum(a[:, None] * b, 0)
-                b = tl.where((r16 == rr)[:, None], a[None, :], b)
-            dinv = b + (r16[:, None] == r16[None, :]).to(tl.float32)
-            # T_i = Dinv_i (E_i - A_{i,<i} T_{<i})
-            rhs = (r[None, :] == rows[:, None]).to(tl.float32)
-            if i > 0:
-                a_row = tl.load(tinv_ptr + a_base + rows[:, None] * 64 + r[None, :],
-                                mask=(r < i * 16)[None, :], other=0.0)
-                t_prev = tl.load(tinv_ptr + a_base + r[:, None] * 64 + r[None, :],
-                                 mask=(r < i * 16)[:, None], other=0.0)
-                rhs -= tl.dot(a_row, t_prev, input_precision="tf32x3")
-            t_i = tl.dot(dinv, rhs, input_precision="tf32x3")
-            tl.debug_barrier()
-            tl.store(tinv_ptr + a_base + rows[:, None] * 64 + r[None, :], t_i)
-            tl.debug_barrier()
-        t_all = tl.load(tinv_ptr + a_base + r[:, None] * 64 + r[None, :])
-    return t_all
 
 
 @triton.jit
@@ -450,10 +364,16 @@ def _gluon(name: str):
         return None
 
 
+def _gluon_for(name: str, on: bool, x: torch.Tensor, items: int):
+    """``_gluon(name)`` where a Gluon kernel may take this call (switched on, CUDA tensors, at least
+    ``GLUON_MIN_ITEMS`` work items), else None; the kernel's own ``supported`` decides the rest."""
+    return _gluon(name) if on and x.is_cuda and items >= GLUON_MIN_ITEMS else None
+
+
 def _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV, DTC, PREC, warps):
     """Phase C as its own kernel: one program per (chunk, head, K block or V block), at ``WY_BLOCKS`` when set;
     the Gluon kernel (``gluon_wy.py``) instead where ``GLUON_WY`` is on and it supports the tensors."""
-    gluon_wy = _gluon("gluon_wy") if GLUON_WY and WY_BLOCKS is None and qn.is_cuda else None
+    gluon_wy = _gluon_for("gluon_wy", GLUON_WY and WY_BLOCKS is None, qn, plan.NT * H * triton.cdiv(K, 64))
     if gluon_wy is not None and gluon_wy.supported(qn, v, G, tinv, w, u, qg, kg, DTC) is None:
         gluon_wy.launch(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K)
         return
@@ -547,7 +467,7 @@ def kda_fwd_triton(
         )
     elif INTRA_MODE == "split":
         wa, ws, wc = INTRA_SPLIT_WARPS
-        gluon_a = _gluon("gluon_phase_a") if GLUON_A and A_BK is None and q.is_cuda else None
+        gluon_a = _gluon_for("gluon_phase_a", GLUON_A and A_BK is None, q, NT * H * triton.cdiv(K, 64))
         if gluon_a is not None and gluon_a.supported(qn, G, DTA) is None:
             gluon_a.launch(qn, kn, G, betan, aqk, tinv, plan, H, K)
         else:

@@ -24,20 +24,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .gluon_wy import _item  # work item -> chunk, head, column block, first token, valid rows
+
 RING = gl.constexpr(2)
 CONSUMER_WARPS = 4
 LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
-
-
-@gluon.jit
-def _chunk(item, H, cidx_ptr, cu_ptr):
-    """Work item -> (global chunk, head, the chunk's first token, its valid rows)."""
-    i_h = item % H
-    i_t = item // H
-    i_n = gl.load(cidx_ptr + 2 * i_t)
-    t0 = gl.load(cu_ptr + i_n) + gl.load(cidx_ptr + 2 * i_t + 1) * 64
-    L = gl.minimum(gl.load(cu_ptr + i_n + 1) - t0, 64)
-    return i_t, i_h, t0, L
 
 
 @gluon.jit
@@ -49,7 +40,7 @@ def _loader(ready, empty, q_s, k_s, G_s, q_d, k_d, G_d, cidx_ptr, cu_ptr, n_item
     for i in range((n_items - pid + nprog - 1) // nprog):
         slot = i % RING
         mbarrier.wait(empty.index(slot), ((i // RING) & 1) ^ 1)
-        i_t, i_h, t0, L = _chunk(pid + i * nprog, H, cidx_ptr, cu_ptr)
+        i_t, i_h, _, t0, L = _item(pid + i * nprog, H, cidx_ptr, cu_ptr, 1)
         bar = ready.index(slot)
         mbarrier.expect(bar, NKB * 64 * 64 * (2 + 2 + 4))
         for kb in gl.static_range(NKB):
@@ -76,7 +67,7 @@ def _consumer(ready, empty, q_s, k_s, G_s, b_s, beta_ptr, G_ptr, aqk_ptr, tinv_p
     for i in range((n_items - pid + nprog - 1) // nprog):
         si = i % RING
         mbarrier.wait(ready.index(si), (i // RING) & 1)
-        i_t, i_h, t0, L = _chunk(pid + i * nprog, H, cidx_ptr, cu_ptr)
+        i_t, i_h, _, t0, L = _item(pid + i * nprog, H, cidx_ptr, cu_ptr, 1)
         beta = gl.load(beta_ptr + (t0.to(gl.int64) + ro) * H + i_h, mask=ro < L, other=0.0).to(gl.float32)
         a_base = (i_t * H + i_h).to(gl.int64) * 4096
         for j in gl.static_range(4):

@@ -123,13 +123,13 @@ def _gluon_a_kernel(q_d, k_d, G_d, beta_ptr, G_ptr, aqk_ptr, tinv_ptr, cidx_ptr,
         mbarrier.invalidate(empty.index(s))
 
 
-def supported(q: torch.Tensor, G: torch.Tensor, DTA) -> Optional[str]:
+def supported(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, DTA) -> Optional[str]:
     """None if this kernel computes phase A for these tensors, else why not (the Triton kernel runs instead)."""
     import triton.language as tl
 
     if q.shape[-1] % 64:
         return f"K a multiple of 64 (got {q.shape[-1]})"
-    if q.dtype != torch.bfloat16 or DTA != tl.bfloat16 or G.dtype != torch.float32:
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or DTA != tl.bfloat16 or G.dtype != torch.float32:
         return "bf16 q, k with 16-bit A products and fp32 Gamma"
     if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
         return "a Hopper GPU (sm_90)"

@@ -155,15 +155,15 @@ def _gluon_wy_kernel(t_d, k_d, q_d, G_d, v_d, beta_ptr, G_ptr, eg_ptr, w_ptr, qg
         mbarrier.invalidate(empty.index(s))
 
 
-def supported(q: torch.Tensor, v: torch.Tensor, G: torch.Tensor, tinv: torch.Tensor, w: torch.Tensor,
-              u: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor, DTC) -> Optional[str]:
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, tinv: torch.Tensor,
+              w: torch.Tensor, u: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor, DTC) -> Optional[str]:
     """None if this kernel computes phase C for these tensors, else why not (the Triton kernel runs instead)."""
     import triton.language as tl
 
     K, V = q.shape[-1], v.shape[-1]
     if K != V or K % 64:
         return f"K == V, a multiple of 64 (got K={K}, V={V})"
-    if q.dtype != torch.bfloat16 or DTC != tl.bfloat16:
+    if any(x.dtype != torch.bfloat16 for x in (q, k, v)) or DTC != tl.bfloat16:
         return "bf16 inputs and 16-bit WY products"
     if (w.dtype, qg.dtype, kg.dtype, u.dtype, G.dtype, tinv.dtype) != (torch.bfloat16,) * 3 + (torch.float32,) * 3:
         return "W, qg, kg in bf16 and U, Gamma, T in fp32"

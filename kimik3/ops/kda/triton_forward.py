@@ -374,7 +374,7 @@ def _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V,
     """Phase C as its own kernel: one program per (chunk, head, K block or V block), at ``WY_BLOCKS`` when set;
     the Gluon kernel (``gluon_wy.py``) instead where ``GLUON_WY`` is on and it supports the tensors."""
     gluon_wy = _gluon_for("gluon_wy", GLUON_WY and WY_BLOCKS is None, qn, plan.NT * H * triton.cdiv(K, 64))
-    if gluon_wy is not None and gluon_wy.supported(qn, v, G, tinv, w, u, qg, kg, DTC) is None:
+    if gluon_wy is not None and gluon_wy.supported(qn, kn, v, G, tinv, w, u, qg, kg, DTC) is None:
         gluon_wy.launch(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K)
         return
     if WY_BLOCKS is not None:
@@ -468,7 +468,7 @@ def kda_fwd_triton(
     elif INTRA_MODE == "split":
         wa, ws, wc = INTRA_SPLIT_WARPS
         gluon_a = _gluon_for("gluon_phase_a", GLUON_A and A_BK is None, q, NT * H * triton.cdiv(K, 64))
-        if gluon_a is not None and gluon_a.supported(qn, G, DTA) is None:
+        if gluon_a is not None and gluon_a.supported(qn, kn, G, DTA) is None:
             gluon_a.launch(qn, kn, G, betan, aqk, tinv, plan, H, K)
         else:
             _intra_a_kernel[part_grid(NT, H, 4)](qn, kn, G, betan, aqk, tinv, plan.cu, plan.chunk_idx, H,

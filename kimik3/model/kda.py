@@ -18,20 +18,7 @@ from torch import nn
 from kimik3.config.schema import K3Config
 from kimik3.model.cache import KDAState
 from kimik3.model.conv import short_conv
-from kimik3.ops.kda import L2_EPS, chunk_kda, kda_decode
-
-
-def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + L2_EPS) over the last dim, in fp32, cast back."""
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + L2_EPS)).to(x.dtype)
-
-
-def bounded_gate(raw_BTHK: torch.Tensor, a_log_H: torch.Tensor, dt_bias_HK: torch.Tensor,
-                 g_min: float) -> torch.Tensor:
-    """K3's bounded log-decay g_min * sigmoid(exp(A_log) * (raw + dt_bias)), fp32, in (g_min, 0)."""
-    rate = a_log_H.float().exp()[:, None]
-    return g_min * torch.sigmoid(rate * (raw_BTHK.float() + dt_bias_HK.float()))
+from kimik3.ops.kda import chunk_kda, kda_decode
 
 
 class KDA(nn.Module):

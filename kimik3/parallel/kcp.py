@@ -32,9 +32,9 @@ import torch.nn.functional as F
 
 from kimik3.model.conv import short_conv
 from kimik3.model.k3 import IGNORE_INDEX, K3ForCausalLM, K3Output
-from kimik3.model.kda import KDA, bounded_gate, l2_normalize
+from kimik3.model.kda import KDA
 from kimik3.model.mla import GatedMLA
-from kimik3.ops.kda import chunk_kda
+from kimik3.ops.kda import bounded_gate, chunk_kda, l2_normalize
 
 __all__ = [
     "KCPKDA",

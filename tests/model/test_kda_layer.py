@@ -5,7 +5,8 @@ import torch.nn.functional as F
 from kimik3 import K3Config
 from kimik3.model.cache import KDAState
 from kimik3.model.conv import short_conv
-from kimik3.model.kda import KDA, bounded_gate
+from kimik3.model.kda import KDA
+from kimik3.ops.kda import bounded_gate
 from tests.numerics import rel_rms
 
 

@@ -26,7 +26,7 @@ from .naive import check_kda_inputs, naive_recurrent_kda, recurrent_kda_step
 
 __all__ = [
     "chunk_kda", "naive_recurrent_kda", "recurrent_kda_step", "chunk_kda_torch", "kda_decode",
-    "kda_backend", "SUBTILE", "L2_EPS",
+    "kda_backend", "SUBTILE", "L2_EPS", "l2_normalize", "bounded_gate",
 ]
 
 # Inside the square root of the q / k L2 norm, x / sqrt(sum x^2 + L2_EPS), wherever it is computed: the K3
@@ -64,17 +64,27 @@ def kda_backend(q: torch.Tensor, chunk_size: int = 64, backend: Optional[str] = 
     return choice
 
 
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + L2_EPS) over the last dim, in fp32, cast back (K3's q / k normalisation)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + L2_EPS)).to(x.dtype)
+
+
+def bounded_gate(raw_BTHK: torch.Tensor, a_log_H: torch.Tensor, dt_bias_HK: torch.Tensor,
+                 g_min: float) -> torch.Tensor:
+    """K3's bounded log-decay g_min * sigmoid(exp(A_log) * (raw + dt_bias)), fp32, in (g_min, 0)."""
+    H, K = raw_BTHK.shape[-2], raw_BTHK.shape[-1]
+    rate = a_log_H.float().exp().view(H, 1)
+    return g_min * torch.sigmoid(rate * (raw_BTHK.float() + dt_bias_HK.float().view(H, K)))
+
+
 def _torch_preactivations(q, k, g, beta, A_log, dt_bias, g_min, use_gate, use_l2, use_beta_sigmoid):
     """The optional fused pre-activations in plain torch (fp32 math, cast back like the K3 layer):
     g = g_min * sigmoid(exp(A_log) * (z + dt_bias)); q, k <- x / sqrt(sum x^2 + L2_EPS); beta <- sigmoid(beta)."""
     if use_gate:
-        H, K = q.shape[-2], q.shape[-1]
-        rate = A_log.float().exp().view(H, 1)
-        g = g_min * torch.sigmoid(rate * (g.float() + dt_bias.float().view(H, K)))
+        g = bounded_gate(g, A_log, dt_bias, g_min)
     if use_l2:
-        q32, k32 = q.float(), k.float()
-        q = (q32 * torch.rsqrt(q32.square().sum(-1, keepdim=True) + L2_EPS)).to(q.dtype)
-        k = (k32 * torch.rsqrt(k32.square().sum(-1, keepdim=True) + L2_EPS)).to(k.dtype)
+        q, k = l2_normalize(q), l2_normalize(k)
     if use_beta_sigmoid:
         beta = torch.sigmoid(beta.float())
     return q, k, g, beta

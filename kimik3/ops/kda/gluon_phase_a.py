@@ -22,11 +22,9 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gluon_wy import _item  # work item -> chunk, head, column block, first token, valid rows
+from .gluon_wy import RING, _item, _my_items, _wait_slot, run_persistent, tile_descriptor
 
-RING = gl.constexpr(2)
 CONSUMER_WARPS = 4
 LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
 
@@ -35,11 +33,9 @@ LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
 def _loader(ready, empty, q_s, k_s, G_s, q_d, k_d, G_d, cidx_ptr, cu_ptr, n_items, H, K: gl.constexpr,
             NKB: gl.constexpr):
     """The loader partition: each item's q, k, Gamma tiles (all K blocks) by TMA, once the slot is free."""
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    for i in range((n_items - pid + nprog - 1) // nprog):
-        slot = i % RING
-        mbarrier.wait(empty.index(slot), ((i // RING) & 1) ^ 1)
+    pid, nprog, count = _my_items(n_items)
+    for i in range(count):
+        slot = _wait_slot(empty, i, 1)
         i_t, i_h, _, t0, L = _item(pid + i * nprog, H, cidx_ptr, cu_ptr, 1)
         bar = ready.index(slot)
         mbarrier.expect(bar, NKB * 64 * 64 * (2 + 2 + 4))
@@ -62,11 +58,9 @@ def _consumer(ready, empty, q_s, k_s, G_s, b_s, beta_ptr, G_ptr, aqk_ptr, tinv_p
     r16 = gl.arange(0, 16, layout=gl.SliceLayout(1, BL))
     ro = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))  # the accumulators' rows and columns
     so = gl.arange(0, 16, layout=gl.SliceLayout(0, MMA))
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    for i in range((n_items - pid + nprog - 1) // nprog):
-        si = i % RING
-        mbarrier.wait(ready.index(si), (i // RING) & 1)
+    pid, nprog, count = _my_items(n_items)
+    for i in range(count):
+        si = _wait_slot(ready, i, 0)
         i_t, i_h, _, t0, L = _item(pid + i * nprog, H, cidx_ptr, cu_ptr, 1)
         beta = gl.load(beta_ptr + (t0.to(gl.int64) + ro) * H + i_h, mask=ro < L, other=0.0).to(gl.float32)
         a_base = (i_t * H + i_h).to(gl.int64) * 4096
@@ -138,21 +132,9 @@ def supported(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, DTA) -> Optiona
 
 def launch(q, k, G, beta, aqk, tinv, plan, H: int, K: int, launcher: Optional[Callable] = None,
            programs: Optional[int] = None) -> None:
-    """Phase A by ``_gluon_a_kernel`` (token layout [B, T, H, K]; Aqk and A as [NT, H, 64, 64]). launcher / programs:
-    as ``gluon_wy.launch``."""
+    """Phase A by ``_gluon_a_kernel`` (token layout [B, T, H, K]; Aqk and A as [NT, H, 64, 64]); launcher, programs:
+    ``gluon_wy.run_persistent``."""
     tok = (q.numel() // (H * K), H * K)
-
-    def desc(x, dtype):
-        x2 = x.view(tok)
-        return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [64, 64],
-                                gl.NVMMASharedLayout.get_default_for([64, 64], dtype))
-
-    args = (desc(q, gl.bfloat16), desc(k, gl.bfloat16), desc(G, gl.float32), beta, G, aqk, tinv, plan.chunk_idx,
-            plan.cu, plan.NT, H)
-    if programs is None:
-        programs = torch.cuda.get_device_properties(q.device).multi_processor_count
-    grid = (min(programs, plan.NT * H),)
-    if launcher is None:
-        _gluon_a_kernel[grid](*args, K=K, num_warps=CONSUMER_WARPS)
-    else:
-        launcher(_gluon_a_kernel, grid, *args, K=K, num_warps=CONSUMER_WARPS)
+    args = (tile_descriptor(q, gl.bfloat16, tok), tile_descriptor(k, gl.bfloat16, tok),
+            tile_descriptor(G, gl.float32, tok), beta, G, aqk, tinv, plan.chunk_idx, plan.cu, plan.NT, H)
+    run_persistent(_gluon_a_kernel, plan.NT * H, q.device, args, launcher, programs, K=K, num_warps=CONSUMER_WARPS)

@@ -63,14 +63,31 @@ def _item(item, H, cidx_ptr, cu_ptr, NP: gl.constexpr):
 
 
 @gluon.jit
+def _my_items(n_items):
+    """This persistent program's share of n_items: (program id, program count, how many items it takes); its
+    i-th item is pid + i * nprog."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    return pid, nprog, (n_items - pid + nprog - 1) // nprog
+
+
+@gluon.jit
+def _wait_slot(bars, i, FREE: gl.constexpr):
+    """The ring slot of a program's i-th item, once its barrier says so: FREE for the loader (the consumer has
+    handed the slot back; a fresh slot's "previous" phase counts as done), else for the consumer (its tiles have
+    landed)."""
+    slot = i % RING
+    mbarrier.wait(bars.index(slot), ((i // RING) & 1) ^ FREE)
+    return slot
+
+
+@gluon.jit
 def _loader(ready, empty, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, cidx_ptr, cu_ptr, n_items, H,
             K: gl.constexpr, NP: gl.constexpr):
     """The loader partition: each item's T, k, q, Gamma, v tiles by TMA, once the consumer has freed the slot."""
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    for i in range((n_items - pid + nprog - 1) // nprog):
-        slot = i % RING
-        mbarrier.wait(empty.index(slot), ((i // RING) & 1) ^ 1)  # a fresh slot's "previous" phase counts as done
+    pid, nprog, count = _my_items(n_items)
+    for i in range(count):
+        slot = _wait_slot(empty, i, 1)
         i_t, i_h, p, t0, L = _item(pid + i * nprog, H, cidx_ptr, cu_ptr, NP)
         col = i_h * K + p * 64
         bar = ready.index(slot)
@@ -91,11 +108,9 @@ def _consumer(ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_pt
     AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, BL))
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, BL))
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    for i in range((n_items - pid + nprog - 1) // nprog):
-        si = i % RING
-        mbarrier.wait(ready.index(si), (i // RING) & 1)
+    pid, nprog, count = _my_items(n_items)
+    for i in range(count):
+        si = _wait_slot(ready, i, 0)
         i_t, i_h, p, t0, L = _item(pid + i * nprog, H, cidx_ptr, cu_ptr, NP)
         rows = gl.expand_dims(r < L, 1)  # the chunk's valid rows (the tiles may run past its sequence)
         col = i_h * K + p * 64
@@ -172,26 +187,34 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor
     return None
 
 
+def tile_descriptor(x: torch.Tensor, dtype, shape: tuple) -> TensorDescriptor:
+    """A TMA descriptor of [64, 64] tiles over x viewed as the 2-D ``shape``."""
+    x2 = x.view(shape)
+    return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [64, 64],
+                            gl.NVMMASharedLayout.get_default_for([64, 64], dtype))
+
+
+def run_persistent(kernel, n_items: int, device: torch.device, args: tuple, launcher: Optional[Callable],
+                   programs: Optional[int], **meta) -> None:
+    """Launch a persistent Gluon kernel over n_items on min(programs, n_items) programs. launcher: how to run it
+    (default: on the GPU; ``tests/gluon_emulator.emulate`` on the CPU), programs: the persistent grid (default:
+    one CTA per SM)."""
+    if programs is None:
+        programs = torch.cuda.get_device_properties(device).multi_processor_count
+    grid = (min(programs, n_items),)
+    if launcher is None:
+        kernel[grid](*args, **meta)
+    else:
+        launcher(kernel, grid, *args, **meta)
+
+
 def launch(q, k, v, G, beta, tinv, w, u, qg, kg, eg, plan, H: int, K: int,
            launcher: Optional[Callable] = None, programs: Optional[int] = None) -> None:
     """Phase C by ``_gluon_wy_kernel`` on the tensors ``triton_forward`` holds (token layout [B, T, H, D], T as
-    [NT, H, 64, 64]). launcher: how to run it (default: on the GPU; ``tests/gluon_emulator.emulate`` on the CPU),
-    programs: the persistent grid (default: one CTA per SM)."""
-    rows = q.numel() // (H * K)
-
-    def desc(x, dtype, shape):
-        layout = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
-        x2 = x.view(shape)
-        return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [64, 64], layout)
-
-    tok = (rows, H * K)
-    args = (desc(tinv, gl.float32, (plan.NT * H * 64, 64)), desc(k, gl.bfloat16, tok), desc(q, gl.bfloat16, tok),
-            desc(G, gl.float32, tok), desc(v, gl.bfloat16, tok), beta, G, eg, w, qg, kg, u, plan.chunk_idx, plan.cu,
-            plan.NT, H)
-    if programs is None:
-        programs = torch.cuda.get_device_properties(q.device).multi_processor_count
-    grid = (min(programs, plan.NT * H * (K // 64)),)
-    if launcher is None:
-        _gluon_wy_kernel[grid](*args, K=K, num_warps=CONSUMER_WARPS)
-    else:
-        launcher(_gluon_wy_kernel, grid, *args, K=K, num_warps=CONSUMER_WARPS)
+    [NT, H, 64, 64]); launcher, programs: ``run_persistent``."""
+    tok = (q.numel() // (H * K), H * K)
+    args = (tile_descriptor(tinv, gl.float32, (plan.NT * H * 64, 64)), tile_descriptor(k, gl.bfloat16, tok),
+            tile_descriptor(q, gl.bfloat16, tok), tile_descriptor(G, gl.float32, tok),
+            tile_descriptor(v, gl.bfloat16, tok), beta, G, eg, w, qg, kg, u, plan.chunk_idx, plan.cu, plan.NT, H)
+    run_persistent(_gluon_wy_kernel, plan.NT * H * (K // 64), q.device, args, launcher, programs, K=K,
+                   num_warps=CONSUMER_WARPS)

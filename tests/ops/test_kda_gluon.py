@@ -62,6 +62,16 @@ def _outputs(q, plan, H, K):
     return w, u, qg, kg, torch.full((plan.NT, H, K), float("nan"), device=q.device)
 
 
+def _run_here() -> dict:
+    """A Gluon ``launch``'s keywords on this machine: the GPU as it is, or on the CPU the emulator with three
+    persistent programs (so the 2-slot rings wrap and the programs take unequal item counts)."""
+    if ON_GPU:
+        return {}
+    from tests.gluon_emulator import emulate
+
+    return dict(launcher=emulate, programs=3)
+
+
 @pytest.mark.parametrize("lengths,H,K", [([1, 63, 64, 65, 130, 7], 2, 128), ([200], 3, 64)])
 def test_gluon_phase_c_equals_the_triton_kernel(lengths, H, K):
     """Varlen with partial chunks and one-token sequences (a chunk's tiles then run into the next sequence), two
@@ -72,12 +82,7 @@ def test_gluon_phase_c_equals_the_triton_kernel(lengths, H, K):
     ref, out = _outputs(q, plan, H, K), _outputs(q, plan, H, K)
     tf._launch_intra_wy(q, k, v, G, beta, tinv, *ref, plan, H, K, K, 64, 64, tl.bfloat16, "tf32", 4)
     assert gluon_wy.supported(q, k, v, G, tinv, *out[:4], tl.bfloat16) in (None, "a Hopper GPU (sm_90)")
-    if ON_GPU:
-        gluon_wy.launch(q, k, v, G, beta, tinv, *out, plan, H, K)
-    else:
-        from tests.gluon_emulator import emulate
-
-        gluon_wy.launch(q, k, v, G, beta, tinv, *out, plan, H, K, launcher=emulate, programs=3)
+    gluon_wy.launch(q, k, v, G, beta, tinv, *out, plan, H, K, **_run_here())
     for name, r, o in zip(("w", "u", "qg", "kg", "eg"), ref, out):
         assert not o.isnan().any(), f"{name}: {int(o.isnan().sum())} elements unwritten"
         d = (r.float() - o.float()).abs()
@@ -99,12 +104,7 @@ def test_gluon_phase_a_equals_the_triton_kernel(lengths, H, K):
     tf._intra_a_kernel[part_grid(plan.NT, H, 4)](q, k, G, beta, *ref, plan.cu, plan.chunk_idx, H, K=K, BK=64,
                                                  DTA=tl.bfloat16, PREC="tf32", num_warps=4)
     assert gluon_phase_a.supported(q, k, G, tl.bfloat16) in (None, "a Hopper GPU (sm_90)")
-    if ON_GPU:
-        gluon_phase_a.launch(q, k, G, beta, *out, plan, H, K)
-    else:
-        from tests.gluon_emulator import emulate
-
-        gluon_phase_a.launch(q, k, G, beta, *out, plan, H, K, launcher=emulate, programs=3)
+    gluon_phase_a.launch(q, k, G, beta, *out, plan, H, K, **_run_here())
     for name, r, o in zip(("Aqk", "A"), ref, out):
         assert not o.isnan().any(), f"{name}: {int(o.isnan().sum())} entries unwritten"
         assert torch.equal(o.triu(1 if name == "Aqk" else 0), torch.zeros_like(o).triu(1 if name == "Aqk" else 0)), name

@@ -112,11 +112,12 @@ WY_BLOCKS: Optional[Tuple[int, int]] = None
 # same run: phase C 0.728 -> 0.645 ms, forward 2.794 -> 2.718 ms, forward+backward 10.812 -> 10.720 ms, the
 # outputs bit-identical.
 GLUON_WY = os.environ.get("KIMIK3_KDA_GLUON_WY", "1") == "1"
-# ... from this many work items (chunks x heads x 64-column blocks) up. A Gluon launch encodes its TMA descriptors on
-# the host: the forward's enqueue went 0.57 -> 1.06 ms between two calls in which fla's went 1.15 -> 1.72 (so about
-# 0.2 ms of it is the Gluon launch, an estimate). Phase C takes 0.73 ms for K3's 24576 items in the Triton kernel;
-# below 8192 items (~0.24 ms) the kernel's gain cannot repay a host-bound call.
-GLUON_MIN_ITEMS = 8192
+# ... from this many work items (chunks x heads x 64-column blocks) up: a Gluon launch encodes its TMA descriptors
+# on the host, which a small, host-bound call would pay for without the kernel's gain. Measured on the H200
+# (benchmarks/kda_gluon_dispatch.py, the forward with phase C on each kernel, H 8-96, T 256-8192): the Gluon form
+# was never slower from 4096 items up (x1.02-1.03), and at 1024-2048 items, where the forward is host-bound, it
+# lost 7-25 % (host jitter of the same size).
+GLUON_MIN_ITEMS = 4096
 # Phase A by the warp-specialised Gluon kernel (``gluon_phase_a.py``: one (chunk, head) per item, its four column
 # tiles from one TMA load of q, k, Gamma) where ``gluon_phase_a.supported`` allows it: KIMIK3_KDA_GLUON_A=1.
 GLUON_A = os.environ.get("KIMIK3_KDA_GLUON_A", "0") == "1"

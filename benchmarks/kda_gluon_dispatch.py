@@ -8,7 +8,7 @@ the phase's Gluon kernel on, against the same with it off (do_bench medians, the
 equal), and the host's enqueue time of one forward each way (wall time of the launches, the GPU idle). It prints
 the ratio per shape and the smallest item count from which the Gluon kernel is never slower.
 
-    python3 benchmarks/kda_gluon_dispatch.py [--phases wy,a] [--out DIR]
+    python3 benchmarks/kda_gluon_dispatch.py [--phases wy,a,scan] [--out DIR]
 
 Needs an sm_90 GPU; writes DIR/kda_gluon_dispatch.json.
 """
@@ -31,7 +31,8 @@ from harness import Report, bench, log, rel  # noqa: E402
 # (B, T, H): phase C's items are NT * H * K / 64 (K = 128), phase A's NT * H
 SHAPES = [(1, 256, 8), (1, 1024, 8), (1, 2048, 16), (1, 2048, 32), (1, 4096, 32), (1, 2048, 96), (1, 4096, 96),
           (1, 8192, 96)]
-PHASES = {"wy": ("GLUON_WY", 2), "a": ("GLUON_A", 1)}  # phase -> (triton_forward switch, items per chunk and head)
+# phase -> (triton_forward switch, items per chunk and head)
+PHASES = {"wy": ("GLUON_WY", 2), "a": ("GLUON_A", 1), "scan": ("GLUON_SCAN", 2)}
 REPORT = Report(dispatch=[])
 verdict, section = REPORT.verdict, REPORT.section
 
@@ -52,7 +53,7 @@ def enqueue_ms(fn, reps: int = 20) -> float:
 def dispatch(phases: list) -> None:
     import kimik3.ops.kda.triton_forward as tf
 
-    saved = {name: getattr(tf, name) for name in ("GLUON_MIN_ITEMS", "GLUON_WY", "GLUON_A")}
+    saved = {name: getattr(tf, name) for name in ("GLUON_MIN_ITEMS", "GLUON_WY", "GLUON_A", "GLUON_SCAN")}
     tf.GLUON_MIN_ITEMS = 0
     try:
         for phase in phases:
@@ -88,7 +89,7 @@ def dispatch(phases: list) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--phases", default="wy", help="comma list of wy (phase C), a (phase A)")
+    p.add_argument("--phases", default="wy", help="comma list of wy (phase C), a (phase A), scan (the state scan)")
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args()
     phases = args.phases.split(",")

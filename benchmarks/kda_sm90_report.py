@@ -104,7 +104,7 @@ class Sm90Compiler:
 
         names = fn.arg_names
         bound = dict(zip(names, args))
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
         bound.update(kwargs)
         if "num_warps" in names and "num_warps" in options:  # a Gluon kernel takes num_warps as a parameter too
             bound["num_warps"] = options["num_warps"]

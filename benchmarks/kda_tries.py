@@ -29,6 +29,8 @@ Forward:
   gwy | nogwy            phase C by the Gluon kernel where it applies, or always by the Triton one
                          (KIMIK3_KDA_GLUON_WY)
   ga | noga              phase A likewise (KIMIK3_KDA_GLUON_A)
+  gscan | nogscan        the split forward's state scan likewise (KIMIK3_KDA_GLUON_SCAN)
+  gscan=R                that Gluon scan launched at R registers per thread (gluon_scan.MAXNREG; 0: no limit)
 Backward:
   wy | nowy              the WY kernel split over key blocks or not (KIMIK3_KDA_WY_SPLIT=1 / 0)
   wyb=BK/BV              the WY kernel's blocks
@@ -102,6 +104,13 @@ def parse_experiment(token: str):
             overrides[(tf, "GLUON_WY")] = part == "gwy"
         elif part in ("ga", "noga"):  # phase A by the Gluon kernel (gluon_phase_a.py) or by the Triton one
             overrides[(tf, "GLUON_A")] = part == "ga"
+        elif part in ("gscan", "nogscan"):  # the state scan by the Gluon kernel (gluon_scan.py) or the Triton one
+            overrides[(tf, "GLUON_SCAN")] = part == "gscan"
+        elif part.startswith("gscan=") and part[6:].isdigit():
+            from kimik3.ops.kda import gluon_scan
+
+            overrides[(tf, "GLUON_SCAN")] = True
+            overrides[(gluon_scan, "MAXNREG")] = int(part[6:]) or None
         elif part == "w32":  # W stored fp32 (as before the seventh session)
             overrides[(tf, "W_16BIT")] = False
         elif part in ("l2rows", "l2prep"):  # the q / k L2 norms over contiguous rows, or in the PREP_PARTS prologue

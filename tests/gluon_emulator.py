@@ -24,6 +24,7 @@ the kernel's script reports those), memory-model races other than the two TMA on
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import subprocess
@@ -194,7 +195,7 @@ class _Machine:
     stores, and the condition every barrier wait sleeps on."""
 
     def __init__(self, timeout: float):
-        self.pid, self.nprog, self.timeout = 0, 1, timeout
+        self.pid, self.grid, self.timeout = (0, 0, 0), (1, 1, 1), timeout
         self.cond = threading.Condition()
         self.barriers: dict[int, _Barrier] = {}
         self.stores: list[Callable[[], None]] = []
@@ -390,8 +391,8 @@ def _patched(machine: _Machine, fn_globals: dict):
             setattr(obj, name, value)
 
     ops = {
-        "program_id": lambda axis=0, **_: _int32(machine.pid if int(_val(axis)) == 0 else 0),
-        "num_programs": lambda axis=0, **_: _int32(machine.nprog if int(_val(axis)) == 0 else 1),
+        "program_id": lambda axis=0, **_: _int32(machine.pid[int(_val(axis))]),
+        "num_programs": lambda axis=0, **_: _int32(machine.grid[int(_val(axis))]),
         "arange": lambda start, end, layout=None, **_: Tile(torch.arange(int(_val(start)), int(_val(end)),
                                                                          dtype=torch.int32)),
         "zeros": lambda shape, dtype, layout=None, **_: Tile(torch.zeros([int(_val(s)) for s in shape],
@@ -462,13 +463,17 @@ _LOCK = threading.Lock()  # one emulated launch at a time: the language modules 
 
 
 def emulate(kernel: GluonJITFunction, grid, *args, timeout: float = 60.0, **kwargs) -> None:
-    """Run ``kernel[grid](*args, **kwargs)`` on the CPU (1-D grids; see the module docstring). Tensor arguments are
-    pointers; TMA descriptors (``TensorDescriptor``) are used as they are; everything else passes through."""
+    """Run ``kernel[grid](*args, **kwargs)`` on the CPU, its programs one after another (see the module docstring).
+    Tensor arguments are pointers; TMA descriptors (``TensorDescriptor``) are used as they are; everything else
+    passes through."""
     if not isinstance(kernel, GluonJITFunction):
         raise TypeError(f"emulate takes a @gluon.jit kernel, got {type(kernel).__name__}")
-    grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
-    if len(grid) != 1:
-        raise NotImplementedError("gluon emulator: 1-D grids only")
+    grid = tuple(int(g) for g in grid) if isinstance(grid, (tuple, list)) else (int(grid),)
+    if not 1 <= len(grid) <= 3:
+        raise ValueError(f"gluon emulator: a grid has one to three dimensions, got {grid}")
+    grid += (1,) * (3 - len(grid))
+    for option in ("maxnreg", "num_stages", "num_ctas"):  # launch options, not kernel parameters
+        kwargs.pop(option, None)
     names = kernel.arg_names
     wrapped = [Pointer(a, names[i] if i < len(names) else f"arg{i}") if isinstance(a, torch.Tensor) else a
                for i, a in enumerate(args)]
@@ -476,10 +481,10 @@ def emulate(kernel: GluonJITFunction, grid, *args, timeout: float = 60.0, **kwar
         if isinstance(a, torch.Tensor) and (a.device.type != "cpu" or not a.is_contiguous()):
             raise ValueError(f"gluon emulator: pointer arguments must be contiguous CPU tensors ({names[i]} is not)")
     machine = _Machine(timeout)
-    machine.nprog = int(grid[0])
+    machine.grid = grid
     with _LOCK, _patched(machine, kernel.fn.__globals__):
-        for pid in range(machine.nprog):
-            machine.pid = pid
+        for pid in itertools.product(*(range(g) for g in reversed(grid))):
+            machine.pid = tuple(reversed(pid))  # axis 0 fastest, as the GPU numbers programs
             machine.barriers.clear()
             kernel.fn(*wrapped, **kwargs)
             machine.store_wait(0)  # a kernel's outstanding TMA stores complete when it exits

@@ -154,8 +154,31 @@ def test_a_producer_waiting_on_the_wrong_phase_is_a_deadlock():
                 NB=2, SKEW=1, timeout=0.5)
 
 
+@gluon.jit
+def _grid_kernel(y_ptr):
+    """y[z, y, x] = (x, y, z) program ids and the grid's extent, one [1, 8] row per program."""
+    BL: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])
+    i = gl.arange(0, 8, layout=gl.SliceLayout(0, BL))
+    pid = (gl.program_id(2) * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(0) + gl.program_id(0)
+    v = gl.where(i == 0, gl.program_id(0), gl.where(i == 1, gl.program_id(1), gl.where(i == 2, gl.program_id(2), 0)))
+    v = gl.where(i == 3, gl.num_programs(0), gl.where(i == 4, gl.num_programs(1), gl.where(i == 5, gl.num_programs(2),
+                                                                                          v)))
+    gl.store(y_ptr + gl.expand_dims(pid * 8 + i, 0), gl.expand_dims(v, 0))
+
+
+@pytest.mark.parametrize("grid", [(5,), (3, 2), (2, 3, 2)])
+def test_program_ids_cover_the_grid(grid):
+    """One to three grid dimensions: every program runs once with its own ids, and num_programs is the grid."""
+    full = tuple(grid) + (1,) * (3 - len(grid))
+    y = torch.full((full[2], full[1], full[0], 8), -1, dtype=torch.int32)
+    emulate(_grid_kernel, grid, y)
+    ids = torch.stack(torch.meshgrid(*(torch.arange(n) for n in reversed(full)), indexing="ij")[::-1], -1)
+    assert torch.equal(y[..., :3], ids.to(torch.int32))
+    assert torch.equal(y[..., 3:6], torch.tensor(full, dtype=torch.int32).expand(*full[::-1], 3))
+
+
 def _compile_for_sm90() -> list:
-    """Compile both kernels for sm_90 (``benchmarks/kda_sm90_report.Sm90Compiler``): ptxas's rows."""
+    """Compile the kernels for sm_90 (``benchmarks/kda_sm90_report.Sm90Compiler``): ptxas's rows."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
     from kda_sm90_report import Sm90Compiler
 
@@ -165,14 +188,15 @@ def _compile_for_sm90() -> list:
              dict(WAIT=True, NBYTES=TILE_BYTES, ROW_SHIFT=0), (2,))
     compiler(_ring_kernel, [_desc(x, gl.float32), _desc(w, gl.bfloat16), torch.zeros(128, 64), 2],
              dict(NB=2, SKEW=0, num_warps=4), (1,))
+    compiler(_grid_kernel, [torch.zeros(3, 2, 8, dtype=torch.int32)], dict(num_warps=1), (2, 3))
     return compiler.rows
 
 
 def test_the_kernels_compile_for_sm90(tmp_path):
     """In a process of its own, without the interpreter the test session switches on and with an empty Triton
-    cache: both kernels compile, without spilling."""
+    cache: the kernels compile, without spilling."""
     rows = last_json_line(run_without_interpreter(["-m", "tests.test_gluon_emulator"], tmp_path))
-    assert len(rows) == 2 and all(r["spill_store_bytes"] == 0 for r in rows), rows
+    assert len(rows) == 3 and all(r["spill_store_bytes"] == 0 for r in rows), rows
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""The Gluon KDA kernels (kimik3/ops/kda/gluon_wy.py for phase C, gluon_phase_a.py for phase A) against the Triton
-kernels they can replace. Gluon does not run under the Triton interpreter: on the CPU a Gluon kernel runs through
-the Gluon emulator (tests/gluon_emulator.py), the Triton kernel under the interpreter, and the Gluon kernels are
-also compiled for sm_90; on a GPU both run."""
+"""The Gluon KDA kernels (kimik3/ops/kda/gluon_wy.py for phase C, gluon_phase_a.py for phase A, gluon_scan.py for the
+split forward's state scan) against the Triton kernels they can replace. Gluon does not run under the Triton
+interpreter: on the CPU a Gluon kernel runs through the Gluon emulator (tests/gluon_emulator.py), the Triton kernel
+under the interpreter, and the Gluon kernels are also compiled for sm_90; on a GPU both run."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ if __name__ != "__main__":  # (the sm_90 compile step below runs without the int
     triton = require_triton_kernels()
 import triton.language as tl  # noqa: E402
 
-from kimik3.ops.kda import gluon_phase_a, gluon_wy  # noqa: E402
+from kimik3.ops.kda import gluon_phase_a, gluon_scan, gluon_wy  # noqa: E402
 from kimik3.ops.kda import triton_forward as tf  # noqa: E402
-from kimik3.ops.kda.triton_scan import part_grid  # noqa: E402
+from kimik3.ops.kda.triton_scan import _fwd_h_kernel, part_grid  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 if torch.cuda.is_available() and not ON_GPU and __name__ != "__main__":
@@ -111,6 +111,51 @@ def test_gluon_phase_a_equals_the_triton_kernel(lengths, H, K):
         assert (r - o).abs().max() <= 1e-3 * r.abs().max(), (name, (r - o).abs().max().item())
 
 
+def _scan_inputs(lengths, H, V, seed=0):
+    """The state scan's inputs for a packed batch: bf16 W and kg, fp32 U, chunk decays exp(Gamma_C) in [0.5, 1), an
+    fp32 initial state per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    K, T = 128, sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    plan = tf.make_plan(1, T, cu, torch.device(DEV))
+    w, kg = ((torch.randn(1, T, H, K, generator=gen) * 0.1).bfloat16().to(DEV) for _ in range(2))
+    u = torch.randn(1, T, H, V, generator=gen).to(DEV)
+    eg = (torch.rand(plan.NT, H, K, generator=gen) * 0.5 + 0.5).to(DEV)
+    return plan, w, kg, u, eg, torch.randn(len(lengths), H, K, V, generator=gen).to(DEV)
+
+
+@pytest.mark.parametrize("lengths,H,V,with_states", [([1, 63, 64, 65, 130, 7], 2, 128, True), ([200], 1, 64, False)])
+def test_gluon_scan_equals_the_triton_kernel(lengths, H, V, with_states):
+    """The split forward's state scan over varlen batches with partial chunks and one-token sequences (a chunk's
+    TMA tiles then run into the next sequence), with and without initial / final states, V = 128 (two programs per
+    head) and 64: every stored state, v_new and final state written, and equal to the Triton kernel's to within one
+    bf16 rounding of the state at the output's scale (the two sum the state update in another order, so a stored
+    16-bit state can round the other way, and v_new after it)."""
+    plan, w, kg, u, eg, h0 = _scan_inputs(lengths, H, V)
+    K, N, T = 128, len(lengths), sum(lengths)
+    res = []
+    for gluon in (False, True):
+        h = torch.full((plan.NT, H, K, V), float("nan"), device=DEV).bfloat16()
+        vn = torch.full((1, T, H, V), float("nan"), device=DEV)
+        ht = torch.full((N, H, K, V), float("nan"), device=DEV) if with_states else None
+        if gluon:
+            gluon_scan.launch(kg, eg, w, u, h0 if with_states else None, h, vn, ht, plan, H, K, V,
+                              **{k: v for k, v in _run_here().items() if k == "launcher"})
+        else:
+            _fwd_h_kernel[(V // 64, N * H)](kg, eg, w, u, h0, h, vn, ht if with_states else u, plan.cu, plan.chunk_off,
+                                            H, K=K, V=V, BKF=K, BV=64, PREC="tf32", HAS_H0=with_states,
+                                            STORE_HT=with_states, INTERP=not ON_GPU, DT=tl.bfloat16, HILO=True,
+                                            num_warps=4)
+        res.append((h, vn, ht))
+    assert gluon_scan.supported(w, kg, u, res[1][0], True) in (None, "a Hopper GPU (sm_90)")
+    for name, r, o in zip(("h", "v_new", "final state"), *res):
+        if r is None:
+            continue
+        assert not o.float().isnan().any(), f"{name}: {int(o.float().isnan().sum())} elements unwritten"
+        d = (r.float() - o.float()).abs().max()
+        assert d <= 2.0**-8 * r.float().abs().max(), (name, d.item())
+
+
 def test_supported_names_what_it_needs():
     """Where the Gluon kernel does not apply, ``supported`` says why (the Triton kernel then runs)."""
     plan, q, k, v, G, beta, tinv = _chunk_inputs([64], 1, 64)
@@ -122,14 +167,22 @@ def test_supported_names_what_it_needs():
     assert "fp32" in gluon_wy.supported(q, k, v, G, tinv, w.float(), u, qg, kg, tl.bfloat16)
     assert "multiple of 64" in gluon_phase_a.supported(q[..., :32], k, G, tl.bfloat16)
     assert "16-bit A" in gluon_phase_a.supported(q, k, G, tl.float32)
+    hs = torch.zeros(plan.NT, 1, 128, 64, device=DEV).bfloat16()
+    wk, us = torch.zeros(1, 64, 1, 128, device=DEV).bfloat16(), torch.zeros(1, 64, 1, 64, device=DEV)
+    assert "K = 128" in gluon_scan.supported(q, k, us, hs, True)
+    assert "fp32 U" in gluon_scan.supported(wk, wk, us.bfloat16(), hs, True)
+    assert "fp32 U" in gluon_scan.supported(wk, wk, us, hs.float(), True)
+    assert "high and low" in gluon_scan.supported(wk, wk, us, hs, False)
     if not ON_GPU:
+        assert gluon_scan.supported(wk, wk, us, hs, True) == "a Hopper GPU (sm_90)"
         assert gluon_wy.supported(q, k, v, G, tinv, w, u, qg, kg, tl.bfloat16) == "a Hopper GPU (sm_90)"
         assert gluon_phase_a.supported(q, k, G, tl.bfloat16) == "a Hopper GPU (sm_90)"
 
 
 def test_gluon_dispatch_needs_cuda_the_switch_and_enough_work():
     """``triton_forward._gluon_for``: a Gluon kernel is considered only for CUDA tensors, with its switch on, and
-    from ``GLUON_MIN_ITEMS`` work items up (below, a host-bound call would lose more to the launch than it gains)."""
+    from ``GLUON_MIN_ITEMS`` work items up, or its own threshold (below, a host-bound call would lose more to the
+    launch than it gains)."""
     class Cuda:
         is_cuda = True
 
@@ -138,18 +191,22 @@ def test_gluon_dispatch_needs_cuda_the_switch_and_enough_work():
     assert tf._gluon_for("gluon_wy", True, Cuda(), n - 1) is None
     assert tf._gluon_for("gluon_wy", False, Cuda(), n) is None
     assert tf._gluon_for("gluon_wy", True, torch.zeros(1), n) is None
+    assert tf._gluon_for("gluon_scan", True, Cuda(), n, min_items=n + 1) is None  # a kernel's own threshold
+    assert tf._gluon_for("gluon_scan", True, Cuda(), n + 1, min_items=n + 1) is gluon_scan
 
 
 def test_gluon_kernels_compile_for_sm90(tmp_path):
-    """In a process of its own, without the interpreter and with an empty Triton cache: both kernels compile for
-    sm_90, without spilling, and one CTA (the loader's warp included) fits an H200 SM."""
+    """In a process of its own, without the interpreter and with an empty Triton cache: the kernels compile for
+    sm_90, without spilling, and one CTA of each (its warps as launched, the loader's padded to a warpgroup) fits an
+    H200 SM -- two CTAs of the scan, whose 192 chains at K3's shape must run at once on 132 SMs."""
     from tests.gluon_emulator import last_json_line, run_without_interpreter
 
     rows = last_json_line(run_without_interpreter(["-m", "tests.ops.test_kda_gluon"], tmp_path))
-    for module, row in zip((gluon_wy, gluon_phase_a), rows):
-        assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, row
-        assert row["shared_bytes"] + 1024 <= 233472, row
-        assert row["registers"] * 32 * (module.CONSUMER_WARPS + module.LOADER_WARPS.value) <= 65536, row
+    for name, row in zip(("phase C", "phase A", "scan"), rows):
+        ctas = 2 if name == "scan" else 1
+        assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, (name, row)
+        assert (row["shared_bytes"] + 1024) * ctas <= 233472, (name, row)
+        assert row["registers"] * 32 * row["num_warps"] * ctas <= 65536, (name, row)
 
 
 if __name__ == "__main__":  # the compile step of test_gluon_kernels_compile_for_sm90
@@ -161,5 +218,8 @@ if __name__ == "__main__":  # the compile step of test_gluon_kernels_compile_for
     plan, q, k, v, G, beta, tinv = _chunk_inputs([128, 70], 2, 128)
     gluon_wy.launch(q, k, v, G, beta, tinv, *_outputs(q, plan, 2, 128), plan, 2, 128, **compile_only)
     gluon_phase_a.launch(q, k, G, beta, tinv, tinv.clone(), plan, 2, 128, **compile_only)
-    print(json.dumps([{k: row[k] for k in ("registers", "shared_bytes", "spill_store_bytes", "spill_load_bytes")}
-                      for row in compiler.rows]))
+    plan, w, kg, u, eg, h0 = _scan_inputs([128, 70], 2, 128)
+    gluon_scan.launch(kg, eg, w, u, h0, torch.zeros(plan.NT, 2, 128, 128).bfloat16(), u.clone(), h0.clone(), plan, 2,
+                      128, 128, launcher=compile_only["launcher"])
+    print(json.dumps([{k: row[k] for k in ("registers", "num_warps", "shared_bytes", "spill_store_bytes",
+                                           "spill_load_bytes")} for row in compiler.rows]))

@@ -118,6 +118,15 @@ GLUON_WY = os.environ.get("KIMIK3_KDA_GLUON_WY", "1") == "1"
 # was never slower from 4096 items up (x1.02-1.03), and at 1024-2048 items, where the forward is host-bound, it
 # lost 7-25 % (host jitter of the same size).
 GLUON_MIN_ITEMS = 4096
+# The split forward's state scan by the warp-specialised Gluon kernel (``gluon_scan.py``: a TMA loader partition
+# streaming each chunk's W and kg tiles into a 2-slot ring, the state held as wgmma accumulators, two CTAs per SM)
+# where ``gluon_scan.supported`` allows it, from GLUON_SCAN_MIN_ITEMS chunks x heads x 64-column V blocks up; else,
+# or with KIMIK3_KDA_GLUON_SCAN=0, the Triton ``_fwd_h_kernel``. H200, K3's shape, same run: the scan 0.561 ->
+# 0.519 ms (0.701 at one CTA per SM), forward 2.694 -> 2.658 ms, forward+backward 10.623 -> 10.542 ms. Against the
+# Triton scan (benchmarks/kda_gluon_dispatch.py) it was never slower from 6144 items up and 9-17 % slower below
+# 4096, where the forward is host-bound.
+GLUON_SCAN = os.environ.get("KIMIK3_KDA_GLUON_SCAN", "1") == "1"
+GLUON_SCAN_MIN_ITEMS = 6144
 # Phase A by the warp-specialised Gluon kernel (``gluon_phase_a.py``: one (chunk, head) per item, its four column
 # tiles from one TMA load of q, k, Gamma) where ``gluon_phase_a.supported`` allows it: KIMIK3_KDA_GLUON_A=1.
 GLUON_A = os.environ.get("KIMIK3_KDA_GLUON_A", "0") == "1"
@@ -355,8 +364,8 @@ def _cfg(K: int, V: int):
 
 @functools.lru_cache(maxsize=None)
 def _gluon(name: str):
-    """The Gluon kernel module ``name`` (``gluon_wy``, ``gluon_phase_a``), or None where this Triton has no Gluon
-    (imported only where it may run)."""
+    """The Gluon kernel module ``name`` (``gluon_wy``, ``gluon_phase_a``, ``gluon_scan``), or None where this Triton
+    has no Gluon (imported only where it may run)."""
     import importlib
 
     try:
@@ -365,10 +374,11 @@ def _gluon(name: str):
         return None
 
 
-def _gluon_for(name: str, on: bool, x: torch.Tensor, items: int):
-    """``_gluon(name)`` where a Gluon kernel may take this call (switched on, CUDA tensors, at least
-    ``GLUON_MIN_ITEMS`` work items), else None; the kernel's own ``supported`` decides the rest."""
-    return _gluon(name) if on and x.is_cuda and items >= GLUON_MIN_ITEMS else None
+def _gluon_for(name: str, on: bool, x: torch.Tensor, items: int, min_items: Optional[int] = None):
+    """``_gluon(name)`` where a Gluon kernel may take this call (switched on, CUDA tensors, at least min_items work
+    items, by default ``GLUON_MIN_ITEMS``), else None; the kernel's own ``supported`` decides the rest."""
+    enough = items >= (GLUON_MIN_ITEMS if min_items is None else min_items)
+    return _gluon(name) if on and x.is_cuda and enough else None
 
 
 def _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV, DTC, PREC, warps):
@@ -498,13 +508,17 @@ def kda_fwd_triton(
     if FWD_MODE == "split":  # the scans on the variant's operand width, as the fused scan
         h = torch.empty(NT, H, K, V, device=dev, dtype=states_dtype(sc_dtype))
         vn = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
-        BV_h, warps_h, stages_h = SPLIT_CONFIG
-        BV_h = min(BV_h, _next_pow2(V))
-        _fwd_h_kernel[(triton.cdiv(V, BV_h), N * H)](
-            kg, eg, w, u, h0, h, vn, ht if ht is not None else dummy, plan.cu, plan.chunk_off, H,
-            K=K, V=V, BKF=BKF, BV=BV_h, PREC=PREC, HAS_H0=initial_state is not None, STORE_HT=ht is not None,
-            INTERP=INTERPRET, DT=DTS, HILO=hilo, num_warps=warps_h, num_stages=stages_h,
-        )
+        gluon_scan = _gluon_for("gluon_scan", GLUON_SCAN, w, NT * H * triton.cdiv(V, 64), GLUON_SCAN_MIN_ITEMS)
+        if gluon_scan is not None and gluon_scan.supported(w, kg, u, h, hilo) is None:
+            gluon_scan.launch(kg, eg, w, u, h0 if initial_state is not None else None, h, vn, ht, plan, H, K, V)
+        else:
+            BV_h, warps_h, stages_h = SPLIT_CONFIG
+            BV_h = min(BV_h, _next_pow2(V))
+            _fwd_h_kernel[(triton.cdiv(V, BV_h), N * H)](
+                kg, eg, w, u, h0, h, vn, ht if ht is not None else dummy, plan.cu, plan.chunk_off, H,
+                K=K, V=V, BKF=BKF, BV=BV_h, PREC=PREC, HAS_H0=initial_state is not None, STORE_HT=ht is not None,
+                INTERP=INTERPRET, DT=DTS, HILO=hilo, num_warps=warps_h, num_stages=stages_h,
+            )
         BV_o, warps_o = OUTPUT_CONFIG
         BV_o = min(BV_o, _next_pow2(V))
         _output_kernel[(triton.cdiv(V, BV_o), NT, H)](

@@ -1,0 +1,174 @@
+"""The split Triton forward's state scan (``triton_scan._fwd_h_kernel``) as a warp-specialised Gluon kernel for Hopper.
+
+Per sequence, head and 64-column V block, chunk by chunk: store the state entering the chunk (16-bit), then
+v_new = U - W S (S rounded to 16 bits, stored fp32) and S <- exp(Gamma_C) S + kg^T v_new, with v_new entering that
+product as a 16-bit high part plus its 16-bit remainder (the forward's variant 'h'). The chain from one chunk to
+the next is serial; what this form changes is what waits on it:
+
+- a 1-warp loader partition streams each chunk's W and kg tiles ([64, 64] bf16 boxes, two of each at K = 128) by
+  TMA into a 2-slot ring, so the next chunk's operands are in shared memory before the chain reaches them;
+- the 4-warp consumer keeps the state as two fp32 ``warpgroup_mma`` accumulators ([64 state rows, 64 V columns]
+  each), writes its 16-bit copy to shared memory once per chunk as the next product's operand, and stores it to
+  the states tensor from there by TMA (asynchronous, off the chain);
+- kg^T enters its products straight from the ring (the shared tile read transposed), so nothing is transposed in
+  registers.
+
+Each program is one chain (no persistent loop): 96 KB of shared memory and a launch at 128 registers per thread
+(``MAXNREG``) let two CTAs share an SM, so the 192 chains at K3's shape (B1 H96, V = 128) run at once on the H200's
+132 SMs. H200, K3's shape, same run: 0.519 ms against the Triton scan's 0.561 (0.701 ms at one CTA per SM).
+
+It applies where ``supported`` says (sm_90, bf16 W and kg, fp32 U, K = 128, V a multiple of 64, 16-bit stored
+states), as ``triton_forward.GLUON_SCAN`` selects. CI runs it through ``tests/gluon_emulator.py`` and compiles it
+for sm_90.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+
+from .gluon_wy import RING, _wait_slot, tile_descriptor
+
+CONSUMER_WARPS = 4
+LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
+# Registers per thread at launch (ptxas .maxnreg). The CTA launches as two warpgroups (the loader's warp is padded
+# to one); at 128 the whole CTA takes 32 K registers, so two CTAs fit an SM, and the consumer's warpgroup still
+# raises itself to 232 (setmaxnreg) while the loader's drops to 40. sm_90 compile: no spill.
+MAXNREG: Optional[int] = 128
+
+
+@gluon.jit
+def _sequence(cu_ptr, coff_ptr, H):
+    """This program's head, its sequence's first token and chunk count, and the sequence's first global chunk."""
+    i_nh = gl.program_id(1)
+    i_n = i_nh // H
+    bos = gl.load(cu_ptr + i_n)
+    eos = gl.load(cu_ptr + i_n + 1)
+    return i_nh % H, bos, eos, (eos - bos + 63) // 64, gl.load(coff_ptr + i_n)
+
+
+@gluon.jit
+def _loader(ready, empty, w_s, g_s, w_d, g_d, cu_ptr, coff_ptr, H, K: gl.constexpr):
+    """The loader partition: chunk c's W and kg tiles (both K halves) once the consumer has freed the slot."""
+    i_h, bos, eos, nc, coff = _sequence(cu_ptr, coff_ptr, H)
+    for c in range(nc):
+        slot = _wait_slot(empty, c, 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, 4 * 64 * 64 * 2)
+        t0 = bos + c * 64
+        for kb in gl.static_range(2):
+            tma.async_copy_global_to_shared(w_d, [t0, i_h * K + kb * 64], bar, w_s.index(2 * slot + kb))
+            tma.async_copy_global_to_shared(g_d, [t0, i_h * K + kb * 64], bar, g_s.index(2 * slot + kb))
+
+
+@gluon.jit
+def _consumer(ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr, H,
+              K: gl.constexpr, V: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, NW: gl.constexpr):
+    """The default partition: the scan's chain, chunk by chunk (module docstring)."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, 64, 16])
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))  # tile rows (tokens, or state rows) and V columns
+    cv = gl.program_id(0) * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
+    i_h, bos, eos, nc, coff = _sequence(cu_ptr, coff_ptr, H)
+    s_off = ((gl.program_id(1) * K + gl.expand_dims(r, 1)) * V + gl.expand_dims(cv, 0)).to(gl.int64)  # [N, H, K, V]
+    if HAS_H0:
+        h_top = gl.load(h0_ptr + s_off)
+        h_bot = gl.load(h0_ptr + s_off + 64 * V)
+    else:
+        h_top = gl.zeros([64, 64], gl.float32, layout=MMA)
+        h_bot = gl.zeros([64, 64], gl.float32, layout=MMA)
+    for c in range(nc):
+        t0 = bos + c * 64
+        rows = gl.expand_dims(r < eos - t0, 1)
+        tok = gl.expand_dims((t0 + r).to(gl.int64), 1) * (H * V) + i_h * V + gl.expand_dims(cv, 0)
+        u = gl.load(u_ptr + tok, mask=rows, other=0.0)
+        ch = (coff + c) * H + i_h  # the global chunk's (chunk, head) index
+        eg_top = gl.expand_dims(gl.load(eg_ptr + ch * K + r), 1)
+        eg_bot = gl.expand_dims(gl.load(eg_ptr + ch * K + 64 + r), 1)
+        # the state entering the chunk: its 16-bit copy is the next product's operand and the stored state
+        tma.store_wait(0)  # the previous chunk's state stores have read hs
+        hs.index(0).store(h_top.to(gl.bfloat16))
+        hs.index(1).store(h_bot.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(h_d, [ch * K, gl.program_id(0) * 64], hs.index(0))
+        tma.async_copy_shared_to_global(h_d, [ch * K + 64, gl.program_id(0) * 64], hs.index(1))
+        slot = _wait_slot(ready, c, 0)
+        # v_new = U - W S, rows past the sequence zero (their W, kg rows belong to the next one)
+        p = warpgroup_mma(w_s.index(2 * slot), hs.index(0), gl.zeros([64, 64], gl.float32, layout=MMA),
+                          use_acc=False)
+        p = warpgroup_mma(w_s.index(2 * slot + 1), hs.index(1), p)
+        v = gl.where(rows, u - p, 0.0)
+        gl.store(vn_ptr + tok, v, mask=rows)
+        v_hi = v.to(gl.bfloat16)
+        vs.index(0).store(v_hi)
+        vs.index(1).store((v - v_hi.to(gl.float32)).to(gl.bfloat16))
+        fence_async_shared()
+        # S <- exp(Gamma_C) S + kg^T v_hi + kg^T v_lo, kg^T read from the ring transposed
+        h_top = warpgroup_mma(g_s.index(2 * slot).permute((1, 0)), vs.index(0), h_top * eg_top)
+        h_top = warpgroup_mma(g_s.index(2 * slot).permute((1, 0)), vs.index(1), h_top)
+        h_bot = warpgroup_mma(g_s.index(2 * slot + 1).permute((1, 0)), vs.index(0), h_bot * eg_bot)
+        h_bot = warpgroup_mma(g_s.index(2 * slot + 1).permute((1, 0)), vs.index(1), h_bot)
+        mbarrier.arrive(empty.index(slot), count=1)
+    tma.store_wait(0)
+    if STORE_HT:
+        gl.store(ht_ptr + s_off, h_top)
+        gl.store(ht_ptr + s_off + 64 * V, h_bot)
+
+
+@gluon.jit
+def _gluon_scan_kernel(w_d, g_d, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr, H,
+                       K: gl.constexpr, V: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
+                       num_warps: gl.constexpr):
+    """The scan over (V / 64, N H) programs (w_d, g_d: TMA descriptors of [64, 64] tiles of W and kg as [tokens,
+    H K] bf16; h_d: of the states as [NT H K, V] bf16)."""
+    w_s = gl.allocate_shared_memory(gl.bfloat16, [2 * RING, 64, 64], w_d.layout)
+    g_s = gl.allocate_shared_memory(gl.bfloat16, [2 * RING, 64, 64], g_d.layout)
+    hs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)  # the state's two 64-row halves
+    vs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)  # v_new's high part and remainder
+    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(RING):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    gl.warp_specialize([
+        (_consumer, (ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr, H,
+                     K, V, HAS_H0, STORE_HT, num_warps)),
+        (_loader, (ready, empty, w_s, g_s, w_d, g_d, cu_ptr, coff_ptr, H, K)),
+    ], [LOADER_WARPS], [LOADER_REGS])
+    for s in gl.static_range(RING):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
+def supported(w: torch.Tensor, kg: torch.Tensor, u: torch.Tensor, h: torch.Tensor, hilo: bool) -> Optional[str]:
+    """None if this kernel runs the split forward's scan on these tensors, else why not (the Triton kernel runs)."""
+    K, V = w.shape[-1], u.shape[-1]
+    if K != 128 or V % 64:
+        return f"K = 128 and V a multiple of 64 (got K={K}, V={V})"
+    if (w.dtype, kg.dtype, u.dtype, h.dtype) != (torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16):
+        return "bf16 W, kg and stored states with fp32 U"
+    if not hilo:
+        return "v_new split into high and low parts (the variant's 'h')"
+    if not w.is_cuda or torch.cuda.get_device_capability(w.device) != (9, 0):
+        return "a Hopper GPU (sm_90)"
+    return None
+
+
+def launch(kg, eg, w, u, h0, h, vn, ht, plan, H: int, K: int, V: int, launcher: Optional[Callable] = None) -> None:
+    """The scan by ``_gluon_scan_kernel`` on ``triton_forward``'s tensors (token layout [B, T, H, D]; h as [NT, H, K,
+    V]; h0 / ht as [N, H, K, V] fp32 or None). launcher: how to run it (default: on the GPU;
+    ``tests/gluon_emulator.emulate`` on the CPU)."""
+    tok = (w.numel() // (H * K), H * K)
+    args = (tile_descriptor(w, gl.bfloat16, tok), tile_descriptor(kg, gl.bfloat16, tok),
+            tile_descriptor(h, gl.bfloat16, (plan.NT * H * K, V)), u, eg, h0 if h0 is not None else u, vn,
+            ht if ht is not None else u, plan.cu, plan.chunk_off, H)
+    grid = (V // 64, plan.N * H)
+    meta = dict(K=K, V=V, HAS_H0=h0 is not None, STORE_HT=ht is not None, num_warps=CONSUMER_WARPS,
+                **({} if MAXNREG is None else dict(maxnreg=MAXNREG)))
+    if launcher is None:
+        _gluon_scan_kernel[grid](*args, **meta)
+    else:
+        launcher(_gluon_scan_kernel, grid, *args, **meta)

@@ -11,6 +11,7 @@ than the H200's 227 KB of shared memory, is worth fixing before spending device 
     python benchmarks/kda_sm90_report.py                      # default switches, K = V = 128, fp32 inputs
     python benchmarks/kda_sm90_report.py --dtype bfloat16 --fwd fused --intra fused --wy-split 0
     python benchmarks/kda_sm90_report.py --set triton_backward.BWD_WARPS=8 --set triton_forward.SCAN_CONFIG=32,4,1
+    python benchmarks/kda_sm90_report.py --set gluon_wy.RING=1   # a gluon_* module (imported when named)
     python benchmarks/kda_sm90_report.py --json out.json
 
 Needs no GPU; must not run under TRITON_INTERPRET=1.
@@ -141,8 +142,8 @@ class Sm90Compiler:
 
 
 def parse_override(text: str):
-    """'triton_backward.BWD_WARPS=8' -> (the module, 'BWD_WARPS', 8); '32,4,1' becomes a tuple, a word stays
-    a string."""
+    """'triton_backward.BWD_WARPS=8' -> (the module, 'BWD_WARPS', 8); '32,4,1' becomes a tuple, 'None' None, a word
+    stays a string."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
     import kimik3.ops.kda.triton_decode as td
@@ -154,9 +155,15 @@ def parse_override(text: str):
     module, dot, attr = target.partition(".")
     modules = {"triton_forward": tf, "triton_prologue": tp, "triton_scan": ts, "triton_backward": tb,
                "triton_bwd_intra": tbi, "triton_decode": td}
+    if module.startswith("gluon_"):  # the Gluon kernels' modules, imported only when named (a Triton with Gluon)
+        import importlib
+
+        modules[module] = importlib.import_module(f"kimik3.ops.kda.{module}")
     if not sep or not dot or module not in modules or not hasattr(modules[module], attr):
         raise argparse.ArgumentTypeError(f"{text!r}: expected module.ATTR=value with an existing ATTR of "
-                                         f"{', '.join(modules)}")
+                                         f"{', '.join(modules)} or a gluon_* module")
+    if value == "None":
+        return modules[module], attr, None
     try:
         parts = [int(x) for x in value.split(",")]
     except ValueError:  # a mode name, e.g. triton_bwd_intra.BWD_INTRA_MODE=rows

@@ -31,6 +31,8 @@ Forward:
   ga | noga              phase A likewise (KIMIK3_KDA_GLUON_A)
   gscan | nogscan        the split forward's state scan likewise (KIMIK3_KDA_GLUON_SCAN)
   gscan=R                that Gluon scan launched at R registers per thread (gluon_scan.MAXNREG; 0: no limit)
+  module.ATTR=value      any attribute of a kimik3.ops.kda module (triton_* or gluon_*), as kda_sm90_report.py's
+                         --set takes it, e.g. gluon_wy.RING=1+gluon_wy.MAXNREG=128 (value None: None)
 Backward:
   wy | nowy              the WY kernel split over key blocks or not (KIMIK3_KDA_WY_SPLIT=1 / 0)
   wyb=BK/BV              the WY kernel's blocks
@@ -164,13 +166,23 @@ def parse_experiment(token: str):
             overrides[(tf, "INTRA_WARPS")] = int(part[7:])
         elif part.startswith("bwarps=") and part[7:].isdigit():
             overrides[(tb, "BWD_WARPS")] = int(part[7:])
+        elif "." in part.partition("=")[0]:  # any module attribute, e.g. gluon_wy.RING=1 (kda_sm90_report's form)
+            import argparse
+
+            from kda_sm90_report import parse_override
+
+            try:
+                module, attr, value = parse_override(part)
+            except argparse.ArgumentTypeError as exc:
+                raise SystemExit(f"--try: {exc}") from None
+            overrides[(module, attr)] = value
         else:
             raise SystemExit(f"--try: unknown switch {part!r} (scan=BV/warps/stages, intra[=MODE], "
                              "i16[=BK/W], wy, nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, "
                              "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
                              "prep1|prep3, dhacc|nodhacc, out=BV/W, l2rows|l2prep, l2r=BR/W, gcw=W, iw=A/B/C, "
                              "wyc=BK/BV, abk=BK, wydyn|wyunroll, wys=S, wyv|nowyv, fpb|nofpb, sfx=BK/W, bis=S, "
-                             "iwarps=W, gwy|nogwy, ga|noga)")
+                             "iwarps=W, gwy|nogwy, ga|noga, gscan|nogscan, gscan=R, module.ATTR=value)")
     return token, overrides
 
 

@@ -197,13 +197,14 @@ def test_gluon_dispatch_needs_cuda_the_switch_and_enough_work():
 
 def test_gluon_kernels_compile_for_sm90(tmp_path):
     """In a process of its own, without the interpreter and with an empty Triton cache: the kernels compile for
-    sm_90, without spilling, and one CTA of each (its warps as launched, the loader's padded to a warpgroup) fits an
-    H200 SM -- two CTAs of the scan, whose 192 chains at K3's shape must run at once on 132 SMs."""
+    sm_90, without spilling, and as many CTAs of each as its launch counts on (its warps as launched, the loader's
+    padded to a warpgroup) fit an H200 SM -- two of the scan, whose 192 chains at K3's shape must run at once on 132
+    SMs."""
     from tests.gluon_emulator import last_json_line, run_without_interpreter
 
     rows = last_json_line(run_without_interpreter(["-m", "tests.ops.test_kda_gluon"], tmp_path))
-    for name, row in zip(("phase C", "phase A", "scan"), rows):
-        ctas = 2 if name == "scan" else 1
+    ctas_per_sm = (gluon_wy.CTAS_PER_SM, gluon_phase_a.CTAS_PER_SM, 2)
+    for name, row, ctas in zip(("phase C", "phase A", "scan"), rows, ctas_per_sm):
         assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, (name, row)
         assert (row["shared_bytes"] + 1024) * ctas <= 233472, (name, row)
         assert row["registers"] * 32 * row["num_warps"] * ctas <= 65536, (name, row)

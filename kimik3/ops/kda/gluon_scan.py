@@ -31,7 +31,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
-from .gluon_wy import RING, _wait_slot, tile_descriptor
+from .gluon_wy import _wait_slot, launch_options, tile_descriptor
 
 CONSUMER_WARPS = 4
 LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
@@ -39,6 +39,7 @@ LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
 # to one); at 128 the whole CTA takes 32 K registers, so two CTAs fit an SM, and the consumer's warpgroup still
 # raises itself to 232 (setmaxnreg) while the loader's drops to 40. sm_90 compile: no spill.
 MAXNREG: Optional[int] = 128
+RING = 2  # ring slots (each holds one chunk's W and kg tiles)
 
 
 @gluon.jit
@@ -121,7 +122,7 @@ def _consumer(ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr
 @gluon.jit
 def _gluon_scan_kernel(w_d, g_d, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr, H,
                        K: gl.constexpr, V: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       RING: gl.constexpr, num_warps: gl.constexpr):
     """The scan over (V / 64, N H) programs (w_d, g_d: TMA descriptors of [64, 64] tiles of W and kg as [tokens,
     H K] bf16; h_d: of the states as [NT H K, V] bf16)."""
     w_s = gl.allocate_shared_memory(gl.bfloat16, [2 * RING, 64, 64], w_d.layout)
@@ -166,8 +167,8 @@ def launch(kg, eg, w, u, h0, h, vn, ht, plan, H: int, K: int, V: int, launcher: 
             tile_descriptor(h, gl.bfloat16, (plan.NT * H * K, V)), u, eg, h0 if h0 is not None else u, vn,
             ht if ht is not None else u, plan.cu, plan.chunk_off, H)
     grid = (V // 64, plan.N * H)
-    meta = dict(K=K, V=V, HAS_H0=h0 is not None, STORE_HT=ht is not None, num_warps=CONSUMER_WARPS,
-                **({} if MAXNREG is None else dict(maxnreg=MAXNREG)))
+    meta = dict(K=K, V=V, HAS_H0=h0 is not None, STORE_HT=ht is not None, RING=RING, num_warps=CONSUMER_WARPS,
+                **launch_options(MAXNREG))
     if launcher is None:
         _gluon_scan_kernel[grid](*args, **meta)
     else:

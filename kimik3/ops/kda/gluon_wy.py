@@ -31,8 +31,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-RING = gl.constexpr(2)  # ring slots
+RING = 2  # ring slots
 CONSUMER_WARPS = 8  # the default partition's warps (two warpgroups: the [64, 64] products split over N)
+MAXNREG: Optional[int] = None  # registers per thread at launch (ptxas .maxnreg; None: the compiler's choice)
+CTAS_PER_SM = 1  # the persistent grid's CTAs per SM
 LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)  # the TMA loader partition
 
 
@@ -73,11 +75,12 @@ def _my_items(n_items):
 
 @gluon.jit
 def _wait_slot(bars, i, FREE: gl.constexpr):
-    """The ring slot of a program's i-th item, once its barrier says so: FREE for the loader (the consumer has
-    handed the slot back; a fresh slot's "previous" phase counts as done), else for the consumer (its tiles have
-    landed)."""
-    slot = i % RING
-    mbarrier.wait(bars.index(slot), ((i // RING) & 1) ^ FREE)
+    """The ring slot of a program's i-th item (one barrier per slot in bars), once its barrier says so: FREE for
+    the loader (the consumer has handed the slot back; a fresh slot's "previous" phase counts as done), else for
+    the consumer (its tiles have landed)."""
+    n: gl.constexpr = bars.shape[0]
+    slot = i % n
+    mbarrier.wait(bars.index(slot), ((i // n) & 1) ^ FREE)
     return slot
 
 
@@ -143,7 +146,7 @@ def _consumer(ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_pt
 
 @gluon.jit
 def _gluon_wy_kernel(t_d, k_d, q_d, G_d, v_d, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr, u_ptr, cidx_ptr, cu_ptr,
-                     NT, H, K: gl.constexpr, num_warps: gl.constexpr):
+                     NT, H, K: gl.constexpr, RING: gl.constexpr, num_warps: gl.constexpr):
     """Phase C over NT chunks x H heads x K / 64 column blocks (the _d arguments are TMA descriptors of [64, 64]
     tiles: T as [NT H 64, 64] fp32, k, q, v as [tokens, H K] bf16, Gamma as [tokens, H K] fp32)."""
     NP: gl.constexpr = K // 64
@@ -194,13 +197,18 @@ def tile_descriptor(x: torch.Tensor, dtype, shape: tuple) -> TensorDescriptor:
                             gl.NVMMASharedLayout.get_default_for([64, 64], dtype))
 
 
+def launch_options(maxnreg: Optional[int]) -> dict:
+    """The launch's register limit as a launch option (none when None)."""
+    return {} if maxnreg is None else dict(maxnreg=maxnreg)
+
+
 def run_persistent(kernel, n_items: int, device: torch.device, args: tuple, launcher: Optional[Callable],
-                   programs: Optional[int], **meta) -> None:
+                   programs: Optional[int], ctas_per_sm: int = 1, **meta) -> None:
     """Launch a persistent Gluon kernel over n_items on min(programs, n_items) programs. launcher: how to run it
     (default: on the GPU; ``tests/gluon_emulator.emulate`` on the CPU), programs: the persistent grid (default:
-    one CTA per SM)."""
+    ctas_per_sm CTAs per SM)."""
     if programs is None:
-        programs = torch.cuda.get_device_properties(device).multi_processor_count
+        programs = torch.cuda.get_device_properties(device).multi_processor_count * ctas_per_sm
     grid = (min(programs, n_items),)
     if launcher is None:
         kernel[grid](*args, **meta)
@@ -216,5 +224,5 @@ def launch(q, k, v, G, beta, tinv, w, u, qg, kg, eg, plan, H: int, K: int,
     args = (tile_descriptor(tinv, gl.float32, (plan.NT * H * 64, 64)), tile_descriptor(k, gl.bfloat16, tok),
             tile_descriptor(q, gl.bfloat16, tok), tile_descriptor(G, gl.float32, tok),
             tile_descriptor(v, gl.bfloat16, tok), beta, G, eg, w, qg, kg, u, plan.chunk_idx, plan.cu, plan.NT, H)
-    run_persistent(_gluon_wy_kernel, plan.NT * H * (K // 64), q.device, args, launcher, programs, K=K,
-                   num_warps=CONSUMER_WARPS)
+    run_persistent(_gluon_wy_kernel, plan.NT * H * (K // 64), q.device, args, launcher, programs, CTAS_PER_SM, K=K,
+                   RING=RING, num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))

@@ -1,11 +1,13 @@
 """The Gluon KDA kernels (kimik3/ops/kda/gluon_wy.py for phase C, gluon_phase_a.py for phase A, gluon_scan.py for the
-split forward's state scan) against the Triton kernels they can replace. Gluon does not run under the Triton
+split forward's state scan, gluon_bwd_scan.py for the backward's state-gradient scan) against the Triton kernels
+they can replace. Gluon does not run under the Triton
 interpreter: on the CPU a Gluon kernel runs through the Gluon emulator (tests/gluon_emulator.py), the Triton kernel
 under the interpreter, and the Gluon kernels are also compiled for sm_90; on a GPU both run."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -20,8 +22,9 @@ if __name__ != "__main__":  # (the sm_90 compile step below runs without the int
     triton = require_triton_kernels()
 import triton.language as tl  # noqa: E402
 
-from kimik3.ops.kda import gluon_phase_a, gluon_scan, gluon_wy  # noqa: E402
+from kimik3.ops.kda import gluon_bwd_scan, gluon_phase_a, gluon_scan, gluon_wy  # noqa: E402
 from kimik3.ops.kda import triton_forward as tf  # noqa: E402
+from kimik3.ops.kda.triton_backward import _bwd_dh_kernel  # noqa: E402
 from kimik3.ops.kda.triton_scan import _fwd_h_kernel, part_grid  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -156,6 +159,48 @@ def test_gluon_scan_equals_the_triton_kernel(lengths, H, V, with_states):
         assert d <= 2.0**-8 * r.float().abs().max(), (name, d.item())
 
 
+@pytest.mark.parametrize("lengths,H,with_states", [([1, 63, 64, 65, 130, 7], 2, True), ([200], 1, False)])
+def test_gluon_state_gradient_scan_equals_the_triton_kernel(lengths, H, with_states):
+    """The backward's state-gradient scan (K = V = 128, the in-place form) over varlen batches with partial chunks
+    and one-token sequences (the TMA tiles of a sequence's last chunk run into the next one), with and without the
+    final state's gradient and dh0: every chunk's dS, dv_new and dh0 written, equal to the Triton kernel's to fp32
+    summation order at the output's scale (the two carry the chain in units a power of two apart)."""
+    gen = torch.Generator().manual_seed(0)
+    K = V = 128
+    N, T = len(lengths), sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    plan = tf.make_plan(1, T, cu, torch.device(DEV))
+    qg, kg, w = ((torch.randn(1, T, H, K, generator=gen) * 0.1).bfloat16().to(DEV) for _ in range(3))
+    do = torch.randn(1, T, H, V, generator=gen).bfloat16().to(DEV)
+    eg = (torch.rand(plan.NT, H, K, generator=gen) * 0.5 + 0.5).to(DEV)
+    scale = K**-0.5
+    dscale = 2.0 ** (math.frexp(scale)[1] - 1)
+    dv_local = (torch.randn(1, T, H, V, generator=gen) * dscale).to(DEV)  # what _dvn_local_kernel leaves
+    dht = torch.randn(N, H, K, V, generator=gen).to(DEV) if with_states else None
+    res = []
+    for gluon in (False, True):
+        dh = torch.full((plan.NT, H, K, V), float("nan"), device=DEV)
+        dvn = dv_local.clone()
+        dh0 = torch.full((N, H, K, V), float("nan"), device=DEV) if with_states else None
+        if gluon:
+            gluon_bwd_scan.launch(qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H, scale, dscale,
+                                  **{k: v for k, v in _run_here().items() if k == "launcher"})
+        else:
+            _bwd_dh_kernel[(V // 64, N * H)](qg, kg, eg, w, do, dht if with_states else dh, dh, dvn,
+                                             dh0 if with_states else dh, plan.cu, plan.chunk_off, H, float(scale),
+                                             dscale, K=K, V=V, BKF=K, BV=64, PREC="tf32", HAS_DHT=with_states,
+                                             STORE_DH0=with_states, INTERP=not ON_GPU, DT=tl.bfloat16, ACC=True,
+                                             num_warps=4)
+        res.append((dh, dvn, dh0))
+    assert gluon_bwd_scan.supported(qg, kg, w, do, True) in (None, "a Hopper GPU (sm_90)")
+    for name, r, o in zip(("dS", "dv_new", "dh0"), *res):
+        if r is None:
+            continue
+        assert not o.isnan().any(), f"{name}: {int(o.isnan().sum())} elements unwritten"
+        d = (r - o).abs().max()
+        assert d <= 2e-3 * r.abs().max(), (name, d.item())
+
+
 def test_supported_names_what_it_needs():
     """Where the Gluon kernel does not apply, ``supported`` says why (the Triton kernel then runs)."""
     plan, q, k, v, G, beta, tinv = _chunk_inputs([64], 1, 64)
@@ -173,7 +218,11 @@ def test_supported_names_what_it_needs():
     assert "fp32 U" in gluon_scan.supported(wk, wk, us.bfloat16(), hs, True)
     assert "fp32 U" in gluon_scan.supported(wk, wk, us, hs.float(), True)
     assert "high and low" in gluon_scan.supported(wk, wk, us, hs, False)
+    assert "K = V = 128" in gluon_bwd_scan.supported(wk, wk, wk, us.bfloat16(), True)
+    assert "bf16" in gluon_bwd_scan.supported(wk, wk, wk.float(), wk, True)
+    assert "in-place" in gluon_bwd_scan.supported(wk, wk, wk, wk, False)
     if not ON_GPU:
+        assert gluon_bwd_scan.supported(wk, wk, wk, wk, True) == "a Hopper GPU (sm_90)"
         assert gluon_scan.supported(wk, wk, us, hs, True) == "a Hopper GPU (sm_90)"
         assert gluon_wy.supported(q, k, v, G, tinv, w, u, qg, kg, tl.bfloat16) == "a Hopper GPU (sm_90)"
         assert gluon_phase_a.supported(q, k, G, tl.bfloat16) == "a Hopper GPU (sm_90)"
@@ -203,8 +252,8 @@ def test_gluon_kernels_compile_for_sm90(tmp_path):
     from tests.gluon_emulator import last_json_line, run_without_interpreter
 
     rows = last_json_line(run_without_interpreter(["-m", "tests.ops.test_kda_gluon"], tmp_path))
-    ctas_per_sm = (gluon_wy.CTAS_PER_SM, gluon_phase_a.CTAS_PER_SM, 2)
-    for name, row, ctas in zip(("phase C", "phase A", "scan"), rows, ctas_per_sm):
+    ctas_per_sm = (gluon_wy.CTAS_PER_SM, gluon_phase_a.CTAS_PER_SM, 2, 1)
+    for name, row, ctas in zip(("phase C", "phase A", "scan", "state-gradient scan"), rows, ctas_per_sm):
         assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, (name, row)
         assert (row["shared_bytes"] + 1024) * ctas <= 233472, (name, row)
         assert row["registers"] * 32 * row["num_warps"] * ctas <= 65536, (name, row)
@@ -222,5 +271,8 @@ if __name__ == "__main__":  # the compile step of test_gluon_kernels_compile_for
     plan, w, kg, u, eg, h0 = _scan_inputs([128, 70], 2, 128)
     gluon_scan.launch(kg, eg, w, u, h0, torch.zeros(plan.NT, 2, 128, 128).bfloat16(), u.clone(), h0.clone(), plan, 2,
                       128, 128, launcher=compile_only["launcher"])
+    dh = torch.zeros(plan.NT, 2, 128, 128)
+    gluon_bwd_scan.launch(w, kg, eg, w, kg, h0, dh, u, h0.clone(), plan, 2, 0.088, 0.0625,
+                          launcher=compile_only["launcher"])
     print(json.dumps([{k: row[k] for k in ("registers", "num_warps", "shared_bytes", "spill_store_bytes",
                                            "spill_load_bytes")} for row in compiler.rows]))

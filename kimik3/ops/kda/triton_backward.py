@@ -45,7 +45,8 @@ import triton
 import triton.language as tl
 
 from .triton_bwd_intra import bwd_intra
-from .triton_forward import INTERPRET, ChunkPlan, _dot_dtype, _next_pow2
+from . import triton_forward
+from .triton_forward import INTERPRET, ChunkPlan, _dot_dtype, _gluon_for, _next_pow2
 from .triton_preact import PreactInputs, preact_bwd_triton
 from .triton_scan import (_chunk_beta, _chunk_block, _chunk_part, _chunk_tiles, _fwd_h_kernel, _scan_program,
                           _split16, _state_tile, part_grid, states_dtype)
@@ -94,6 +95,12 @@ WY_SPLIT_K = os.environ.get("KIMIK3_KDA_WY_SPLIT", "1") == "1"
 # the scan 1.32 -> 1.11 ms (torch.profiler; twice); at 64 columns since (``_scan_launch``). False: the 8-warp /
 # 64-column form.
 DH_ACC_DOTS = True
+# The state-gradient scan by the warp-specialised Gluon kernel (``gluon_bwd_scan.py``: one CTA per sequence and
+# head, both V halves in two consumer partitions sharing a TMA loader's ring of kg, qg, W, dO tiles) where
+# ``gluon_bwd_scan.supported`` allows it and the forward's scan threshold (``triton_forward.GLUON_SCAN_MIN_ITEMS``)
+# is met; else, or with KIMIK3_KDA_GLUON_DH_SCAN=0, the Triton ``_bwd_dh_kernel``. H200, K3's shape, same run: the
+# scan 1.077 -> 0.755 ms, forward+backward 10.572 -> 10.269 ms.
+GLUON_DH_SCAN = os.environ.get("KIMIK3_KDA_GLUON_DH_SCAN", "1") == "1"
 # dRv = T^T dv_new by its own pass (``_drv_kernel``, over dv_new) instead of in each of the WY kernel's parts.
 DRV_PASS = True
 # The WY kernel's dO S^T on the 16-bit dO and stored states as they are (exact products) when both share a
@@ -479,13 +486,19 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
         aux["aqk"], do, dvn, plan.cu, plan.chunk_idx, H, dscale if acc else float(scale),
         V=V, BV=BV, NV=nv, PREC=PREC, DT=scan_dt, num_warps=4,
     )
-    BVs, warps_s, stages_s = _scan_launch(scan_dt, acc)
-    _bwd_dh_kernel[(triton.cdiv(V, BVs), N * H)](
-        aux["qg"], aux["kg"], aux["eg"], aux["w"], do, dht_c, dh, dvn, dh0 if dh0 is not None else dummy,
-        plan.cu, plan.chunk_off, H, float(scale), dscale,
-        K=K, V=V, BKF=BKs, BV=BVs, PREC=PREC, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        INTERP=INTERPRET, DT=scan_dt, ACC=acc, num_warps=warps_s, num_stages=stages_s,
-    )
+    gluon = _gluon_for("gluon_bwd_scan", GLUON_DH_SCAN, q, NT * H * triton.cdiv(V, 64),
+                       triton_forward.GLUON_SCAN_MIN_ITEMS)
+    if gluon is not None and gluon.supported(aux["qg"], aux["kg"], aux["w"], do, acc) is None:
+        gluon.launch(aux["qg"], aux["kg"], aux["eg"], aux["w"], do, dht_c if dht is not None else None, dh, dvn, dh0,
+                     plan, H, scale, dscale)
+    else:
+        BVs, warps_s, stages_s = _scan_launch(scan_dt, acc)
+        _bwd_dh_kernel[(triton.cdiv(V, BVs), N * H)](
+            aux["qg"], aux["kg"], aux["eg"], aux["w"], do, dht_c, dh, dvn, dh0 if dh0 is not None else dummy,
+            plan.cu, plan.chunk_off, H, float(scale), dscale,
+            K=K, V=V, BKF=BKs, BV=BVs, PREC=PREC, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
+            INTERP=INTERPRET, DT=scan_dt, ACC=acc, num_warps=warps_s, num_stages=stages_s,
+        )
     nkb = triton.cdiv(K, BK)
     npart = nkb + 1 if WY_SPLIT_K else 1  # split: one program per key block, one for the K-independent part
     daqk = torch.empty(NT, H, 64, 64, **f32)

@@ -142,8 +142,8 @@ class Sm90Compiler:
 
 
 def parse_override(text: str):
-    """'triton_backward.BWD_WARPS=8' -> (the module, 'BWD_WARPS', 8); '32,4,1' becomes a tuple, 'None' None, a word
-    stays a string."""
+    """'triton_backward.BWD_WARPS=8' -> (the module, 'BWD_WARPS', 8); '32,4,1' becomes a tuple, None / True / False
+    themselves, a word stays a string."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
     import kimik3.ops.kda.triton_decode as td
@@ -162,8 +162,8 @@ def parse_override(text: str):
     if not sep or not dot or module not in modules or not hasattr(modules[module], attr):
         raise argparse.ArgumentTypeError(f"{text!r}: expected module.ATTR=value with an existing ATTR of "
                                          f"{', '.join(modules)} or a gluon_* module")
-    if value == "None":
-        return modules[module], attr, None
+    if value in ("None", "True", "False"):
+        return modules[module], attr, {"None": None, "True": True, "False": False}[value]
     try:
         parts = [int(x) for x in value.split(",")]
     except ValueError:  # a mode name, e.g. triton_bwd_intra.BWD_INTRA_MODE=rows

@@ -198,7 +198,7 @@ class _Machine:
         self.pid, self.grid, self.timeout = (0, 0, 0), (1, 1, 1), timeout
         self.cond = threading.Condition()
         self.barriers: dict[int, _Barrier] = {}
-        self.stores: list[Callable[[], None]] = []
+        self.stores: dict[int, list[Callable[[], None]]] = {}  # per thread: a partition waits for its own stores
 
     def barrier(self, bar: Shared) -> _Barrier:
         key = bar.t.data_ptr()
@@ -286,13 +286,20 @@ class _Machine:
             base[gsrc] = src.t[dst].to(base.dtype)
 
         with self.cond:
-            self.stores.append(drain)
+            self.stores.setdefault(threading.get_ident(), []).append(drain)
 
-    def store_wait(self, pendings=0, **_):
+    def store_wait(self, pendings=0, everyone=False, **_):
+        """The calling partition's TMA stores but the last ``pendings`` read their buffers and land (as
+        ``tma.store_wait``: a warp waits for its own bulk copies); everyone: every partition's (the kernel's end)."""
+        keep = int(_val(pendings))
         with self.cond:
-            keep = int(_val(pendings))
-            drain, self.stores = (self.stores[:len(self.stores) - keep], self.stores[len(self.stores) - keep:]) \
-                if keep else (self.stores, [])
+            owners = list(self.stores) if everyone else [threading.get_ident()]
+            drain = []
+            for owner in owners:
+                mine = self.stores.get(owner, [])
+                cut = len(mine) - keep if keep else len(mine)
+                drain += mine[:cut]
+                self.stores[owner] = mine[cut:]
         for d in drain:
             d()
 
@@ -487,7 +494,7 @@ def emulate(kernel: GluonJITFunction, grid, *args, timeout: float = 60.0, **kwar
             machine.pid = tuple(reversed(pid))  # axis 0 fastest, as the GPU numbers programs
             machine.barriers.clear()
             kernel.fn(*wrapped, **kwargs)
-            machine.store_wait(0)  # a kernel's outstanding TMA stores complete when it exits
+            machine.store_wait(0, everyone=True)  # a kernel's outstanding TMA stores complete when it exits
 
 
 def run_without_interpreter(args: list, tmp_path) -> str:

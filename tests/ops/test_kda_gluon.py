@@ -127,13 +127,16 @@ def _scan_inputs(lengths, H, V, seed=0):
     return plan, w, kg, u, eg, torch.randn(len(lengths), H, K, V, generator=gen).to(DEV)
 
 
+@pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("lengths,H,V,with_states", [([1, 63, 64, 65, 130, 7], 2, 128, True), ([200], 1, 64, False)])
-def test_gluon_scan_equals_the_triton_kernel(lengths, H, V, with_states):
+def test_gluon_scan_equals_the_triton_kernel(lengths, H, V, with_states, shared, monkeypatch):
     """The split forward's state scan over varlen batches with partial chunks and one-token sequences (a chunk's
     TMA tiles then run into the next sequence), with and without initial / final states, V = 128 (two programs per
     head) and 64: every stored state, v_new and final state written, and equal to the Triton kernel's to within one
     bf16 rounding of the state at the output's scale (the two sum the state update in another order, so a stored
-    16-bit state can round the other way, and v_new after it)."""
+    16-bit state can round the other way, and v_new after it). Both forms: a CTA per 64-column half of V, or both
+    halves in one CTA sharing the loads (V = 128)."""
+    monkeypatch.setattr(gluon_scan, "SHARED_HALVES", shared)
     plan, w, kg, u, eg, h0 = _scan_inputs(lengths, H, V)
     K, N, T = 128, len(lengths), sum(lengths)
     res = []
@@ -247,12 +250,12 @@ def test_gluon_dispatch_needs_cuda_the_switch_and_enough_work():
 def test_gluon_kernels_compile_for_sm90(tmp_path):
     """In a process of its own, without the interpreter and with an empty Triton cache: the kernels compile for
     sm_90, without spilling, and as many CTAs of each as its launch counts on (its warps as launched, the loader's
-    padded to a warpgroup) fit an H200 SM -- two of the scan, whose 192 chains at K3's shape must run at once on 132
-    SMs."""
+    padded to a warpgroup) fit an H200 SM -- two of the scan when each holds one 64-column half of V, so that the 192
+    chains at K3's shape run at once on 132 SMs."""
     from tests.gluon_emulator import last_json_line, run_without_interpreter
 
     rows = last_json_line(run_without_interpreter(["-m", "tests.ops.test_kda_gluon"], tmp_path))
-    ctas_per_sm = (gluon_wy.CTAS_PER_SM, gluon_phase_a.CTAS_PER_SM, 2, 1)
+    ctas_per_sm = (gluon_wy.CTAS_PER_SM, gluon_phase_a.CTAS_PER_SM, 1 if gluon_scan.SHARED_HALVES else 2, 1)
     for name, row, ctas in zip(("phase C", "phase A", "scan", "state-gradient scan"), rows, ctas_per_sm):
         assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, (name, row)
         assert (row["shared_bytes"] + 1024) * ctas <= 233472, (name, row)

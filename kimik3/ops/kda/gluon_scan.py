@@ -13,9 +13,12 @@ the next is serial; what this form changes is what waits on it:
 - kg^T enters its products straight from the ring (the shared tile read transposed), so nothing is transposed in
   registers.
 
-Each program is one chain (no persistent loop): 96 KB of shared memory and a launch at 128 registers per thread
-(``MAXNREG``) let two CTAs share an SM, so the 192 chains at K3's shape (B1 H96, V = 128) run at once on the H200's
-132 SMs. H200, K3's shape, same run: 0.519 ms against the Triton scan's 0.561 (0.701 ms at one CTA per SM).
+Each program is one chain (no persistent loop). At V = 128 one CTA holds both 64-column halves of V in two consumer
+partitions that share the loader's W and kg tiles (``SHARED_HALVES``; 131 KB, 12 warps at 168 registers, one CTA
+per SM for the 96 heads at K3's shape); otherwise one CTA per half, launched at 128 registers per thread
+(``MAXNREG``; the consumer raises itself to 232) with 96 KB so that two share an SM. H200, K3's shape (B1 T8192
+H96 D128), same runs: 0.500-0.505 ms shared, 0.519-0.524 per half at two CTAs per SM (0.701 at one), against the
+Triton scan's 0.561. Loading U a chunk ahead (registers) was timed and gave nothing (0.505 against 0.498).
 
 It applies where ``supported`` says (sm_90, bf16 W and kg, fp32 U, K = 128, V a multiple of 64, 16-bit stored
 states), as ``triton_forward.GLUON_SCAN`` selects. CI runs it through ``tests/gluon_emulator.py`` and compiles it
@@ -40,6 +43,12 @@ LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
 # raises itself to 232 (setmaxnreg) while the loader's drops to 40. sm_90 compile: no spill.
 MAXNREG: Optional[int] = 128
 RING = 2  # ring slots (each holds one chunk's W and kg tiles)
+# Both 64-column halves of a 128-column V in one CTA, two consumer partitions sharing the loader's tiles (one CTA per
+# SM: 12 warps at MAXNREG_SHARED registers, the second consumer raised to CONSUMER_REGS), instead of one CTA per
+# half at two per SM: 0.500 against 0.519 ms at K3's shape.
+SHARED_HALVES = True
+MAXNREG_SHARED: Optional[int] = 168
+CONSUMER_REGS = gl.constexpr(232)
 
 
 @gluon.jit
@@ -68,11 +77,14 @@ def _loader(ready, empty, w_s, g_s, w_d, g_d, cu_ptr, coff_ptr, H, K: gl.constex
 
 @gluon.jit
 def _consumer(ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr, H,
-              K: gl.constexpr, V: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, NW: gl.constexpr):
-    """The default partition: the scan's chain, chunk by chunk (module docstring)."""
+              K: gl.constexpr, V: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, NW: gl.constexpr,
+              HALF: gl.constexpr, NHALF: gl.constexpr):
+    """A consumer partition: the scan's chain for 64 V columns, chunk by chunk (module docstring); the CTA's HALF-th
+    of its NHALF column blocks."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, 64, 16])
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))  # tile rows (tokens, or state rows) and V columns
-    cv = gl.program_id(0) * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
+    col0 = (gl.program_id(0) * NHALF + HALF) * 64
+    cv = col0 + gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
     i_h, bos, eos, nc, coff = _sequence(cu_ptr, coff_ptr, H)
     s_off = ((gl.program_id(1) * K + gl.expand_dims(r, 1)) * V + gl.expand_dims(cv, 0)).to(gl.int64)  # [N, H, K, V]
     if HAS_H0:
@@ -94,8 +106,8 @@ def _consumer(ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr
         hs.index(0).store(h_top.to(gl.bfloat16))
         hs.index(1).store(h_bot.to(gl.bfloat16))
         fence_async_shared()
-        tma.async_copy_shared_to_global(h_d, [ch * K, gl.program_id(0) * 64], hs.index(0))
-        tma.async_copy_shared_to_global(h_d, [ch * K + 64, gl.program_id(0) * 64], hs.index(1))
+        tma.async_copy_shared_to_global(h_d, [ch * K, col0], hs.index(0))
+        tma.async_copy_shared_to_global(h_d, [ch * K + 64, col0], hs.index(1))
         slot = _wait_slot(ready, c, 0)
         # v_new = U - W S, rows past the sequence zero (their W, kg rows belong to the next one)
         p = warpgroup_mma(w_s.index(2 * slot), hs.index(0), gl.zeros([64, 64], gl.float32, layout=MMA),
@@ -122,9 +134,10 @@ def _consumer(ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr
 @gluon.jit
 def _gluon_scan_kernel(w_d, g_d, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr, H,
                        K: gl.constexpr, V: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
-                       RING: gl.constexpr, num_warps: gl.constexpr):
-    """The scan over (V / 64, N H) programs (w_d, g_d: TMA descriptors of [64, 64] tiles of W and kg as [tokens,
-    H K] bf16; h_d: of the states as [NT H K, V] bf16)."""
+                       RING: gl.constexpr, NHALF: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
+    """The scan over (V / (64 NHALF), N H) programs, each with NHALF consumer partitions (one per 64-column block of
+    V; two share the loader's W and kg tiles). w_d, g_d: TMA descriptors of [64, 64] tiles of W and kg as [tokens,
+    H K] bf16; h_d: of the states as [NT H K, V] bf16."""
     w_s = gl.allocate_shared_memory(gl.bfloat16, [2 * RING, 64, 64], w_d.layout)
     g_s = gl.allocate_shared_memory(gl.bfloat16, [2 * RING, 64, 64], g_d.layout)
     hs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)  # the state's two 64-row halves
@@ -133,12 +146,23 @@ def _gluon_scan_kernel(w_d, g_d, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_
     empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(RING):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    gl.warp_specialize([
-        (_consumer, (ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr, H,
-                     K, V, HAS_H0, STORE_HT, num_warps)),
-        (_loader, (ready, empty, w_s, g_s, w_d, g_d, cu_ptr, coff_ptr, H, K)),
-    ], [LOADER_WARPS], [LOADER_REGS])
+        mbarrier.init(empty.index(s), count=NHALF)  # every consumer releases a slot
+    if NHALF == 1:
+        gl.warp_specialize([
+            (_consumer, (ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr,
+                         H, K, V, HAS_H0, STORE_HT, num_warps, 0, NHALF)),
+            (_loader, (ready, empty, w_s, g_s, w_d, g_d, cu_ptr, coff_ptr, H, K)),
+        ], [LOADER_WARPS], [LOADER_REGS])
+    else:  # the second half's own state and v_new buffers
+        hs2 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)
+        vs2 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)
+        gl.warp_specialize([
+            (_consumer, (ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr,
+                         H, K, V, HAS_H0, STORE_HT, num_warps, 0, NHALF)),
+            (_consumer, (ready, empty, w_s, g_s, hs2, vs2, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_ptr,
+                         coff_ptr, H, K, V, HAS_H0, STORE_HT, num_warps, 1, NHALF)),
+            (_loader, (ready, empty, w_s, g_s, w_d, g_d, cu_ptr, coff_ptr, H, K)),
+        ], [num_warps, LOADER_WARPS], [REGS, LOADER_REGS])
     for s in gl.static_range(RING):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
@@ -166,9 +190,11 @@ def launch(kg, eg, w, u, h0, h, vn, ht, plan, H: int, K: int, V: int, launcher: 
     args = (tile_descriptor(w, gl.bfloat16, tok), tile_descriptor(kg, gl.bfloat16, tok),
             tile_descriptor(h, gl.bfloat16, (plan.NT * H * K, V)), u, eg, h0 if h0 is not None else u, vn,
             ht if ht is not None else u, plan.cu, plan.chunk_off, H)
-    grid = (V // 64, plan.N * H)
-    meta = dict(K=K, V=V, HAS_H0=h0 is not None, STORE_HT=ht is not None, RING=RING, num_warps=CONSUMER_WARPS,
-                **launch_options(MAXNREG))
+    nhalf = 2 if SHARED_HALVES and V % 128 == 0 else 1
+    grid = (V // (64 * nhalf), plan.N * H)
+    meta = dict(K=K, V=V, HAS_H0=h0 is not None, STORE_HT=ht is not None, RING=RING, NHALF=nhalf, REGS=CONSUMER_REGS,
+                num_warps=CONSUMER_WARPS,
+                **launch_options(MAXNREG if nhalf == 1 else MAXNREG_SHARED))
     if launcher is None:
         _gluon_scan_kernel[grid](*args, **meta)
     else:

@@ -246,8 +246,8 @@ class _Machine:
                                     f"(phase {b.phase}, {b.pending} arrivals and {b.tx} bytes pending)")
             landed = [load for ph, load in b.loads if ph < b.phase]
             b.loads = [(ph, load) for ph, load in b.loads if ph >= b.phase]
-        for load in landed:
-            load()
+            for load in landed:  # under the lock: another partition waiting on the same phase must see them landed
+                load()
 
     # TMA -------------------------------------------------------------------
     @staticmethod
@@ -330,6 +330,14 @@ def _tf32(x: torch.Tensor) -> torch.Tensor:
 def _mma(a, b, acc, use_acc=True, is_async=False, **_):
     prod = _tf32(_val(a) if isinstance(a, Tile) else a.t) @ _tf32(b.t)
     return Tile(prod + _val(acc).float() if _val(use_acc) else prod)
+
+
+def _mma_wait(num_outstanding=0, deps=None, **_):
+    """``warpgroup_mma_wait``: the products are done already (``_mma`` computes at issue); returns the dependencies
+    as Gluon does, one alone or several as a tuple."""
+    if deps is None:
+        raise ValueError("warpgroup_mma_wait deps must be given")
+    return deps[0] if len(deps) == 1 else tuple(deps)
 
 
 def _shared_alloc(dtype, shape, layout=None, value=None, **_):
@@ -435,7 +443,7 @@ def _patched(machine: _Machine, fn_globals: dict):
     put(gl_tma, "store_wait", machine.store_wait)
     for obj in (hopper, fn_globals):
         for name, value in (("fence_async_shared", lambda *a, **k: None), ("warpgroup_mma", _mma),
-                            ("warpgroup_mma_wait", lambda num_outstanding=0, deps=None, **_: deps)):
+                            ("warpgroup_mma_wait", _mma_wait)):
             if isinstance(obj, dict) and name not in obj:
                 continue
             put(obj, name, value)

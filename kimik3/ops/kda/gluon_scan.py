@@ -32,7 +32,8 @@ from typing import Callable, Optional
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 
 from .gluon_wy import _wait_slot, launch_options, tile_descriptor
 
@@ -111,8 +112,8 @@ def _consumer(ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr
         slot = _wait_slot(ready, c, 0)
         # v_new = U - W S, rows past the sequence zero (their W, kg rows belong to the next one)
         p = warpgroup_mma(w_s.index(2 * slot), hs.index(0), gl.zeros([64, 64], gl.float32, layout=MMA),
-                          use_acc=False)
-        p = warpgroup_mma(w_s.index(2 * slot + 1), hs.index(1), p)
+                          use_acc=False, is_async=True)
+        p = warpgroup_mma_wait(0, deps=[warpgroup_mma(w_s.index(2 * slot + 1), hs.index(1), p, is_async=True)])
         v = gl.where(rows, u - p, 0.0)
         gl.store(vn_ptr + tok, v, mask=rows)
         v_hi = v.to(gl.bfloat16)
@@ -120,10 +121,12 @@ def _consumer(ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr
         vs.index(1).store((v - v_hi.to(gl.float32)).to(gl.bfloat16))
         fence_async_shared()
         # S <- exp(Gamma_C) S + kg^T v_hi + kg^T v_lo, kg^T read from the ring transposed
-        h_top = warpgroup_mma(g_s.index(2 * slot).permute((1, 0)), vs.index(0), h_top * eg_top)
-        h_top = warpgroup_mma(g_s.index(2 * slot).permute((1, 0)), vs.index(1), h_top)
-        h_bot = warpgroup_mma(g_s.index(2 * slot + 1).permute((1, 0)), vs.index(0), h_bot * eg_bot)
-        h_bot = warpgroup_mma(g_s.index(2 * slot + 1).permute((1, 0)), vs.index(1), h_bot)
+        # (the four products in flight together, one wait: 0.504 -> 0.492 ms at K3's shape against a wait after each)
+        h_top = warpgroup_mma(g_s.index(2 * slot).permute((1, 0)), vs.index(0), h_top * eg_top, is_async=True)
+        h_bot = warpgroup_mma(g_s.index(2 * slot + 1).permute((1, 0)), vs.index(0), h_bot * eg_bot, is_async=True)
+        h_top = warpgroup_mma(g_s.index(2 * slot).permute((1, 0)), vs.index(1), h_top, is_async=True)
+        h_bot = warpgroup_mma(g_s.index(2 * slot + 1).permute((1, 0)), vs.index(1), h_bot, is_async=True)
+        h_top, h_bot = warpgroup_mma_wait(0, deps=[h_top, h_bot])
         mbarrier.arrive(empty.index(slot), count=1)
     tma.store_wait(0)
     if STORE_HT:

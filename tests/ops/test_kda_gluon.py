@@ -24,7 +24,7 @@ import triton.language as tl  # noqa: E402
 
 from kimik3.ops.kda import gluon_bwd_scan, gluon_phase_a, gluon_scan, gluon_wy  # noqa: E402
 from kimik3.ops.kda import triton_forward as tf  # noqa: E402
-from kimik3.ops.kda.triton_backward import _bwd_dh_kernel  # noqa: E402
+from kimik3.ops.kda.triton_backward import _bwd_dh_kernel, _dvn_local_kernel  # noqa: E402
 from kimik3.ops.kda.triton_scan import _fwd_h_kernel, part_grid  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -162,12 +162,15 @@ def test_gluon_scan_equals_the_triton_kernel(lengths, H, V, with_states, shared,
         assert d <= 2.0**-8 * r.float().abs().max(), (name, d.item())
 
 
+@pytest.mark.parametrize("local", [True, False])
 @pytest.mark.parametrize("lengths,H,with_states", [([1, 63, 64, 65, 130, 7], 2, True), ([200], 1, False)])
-def test_gluon_state_gradient_scan_equals_the_triton_kernel(lengths, H, with_states):
+def test_gluon_state_gradient_scan_equals_the_triton_kernel(lengths, H, with_states, local):
     """The backward's state-gradient scan (K = V = 128, the in-place form) over varlen batches with partial chunks
     and one-token sequences (the TMA tiles of a sequence's last chunk run into the next one), with and without the
     final state's gradient and dh0: every chunk's dS, dv_new and dh0 written, equal to the Triton kernel's to fp32
-    summation order at the output's scale (the two carry the chain in units a power of two apart)."""
+    summation order at the output's scale (the two carry the chain in units a power of two apart). local: the
+    scan computes dv_new's part scale Aqk^T dO itself (from Aqk, into a dv_new buffer of NaN) where the Triton path
+    has ``_dvn_local_kernel`` fill the buffer first."""
     gen = torch.Generator().manual_seed(0)
     K = V = 128
     N, T = len(lengths), sum(lengths)
@@ -178,15 +181,25 @@ def test_gluon_state_gradient_scan_equals_the_triton_kernel(lengths, H, with_sta
     eg = (torch.rand(plan.NT, H, K, generator=gen) * 0.5 + 0.5).to(DEV)
     scale = K**-0.5
     dscale = 2.0 ** (math.frexp(scale)[1] - 1)
-    dv_local = (torch.randn(1, T, H, V, generator=gen) * dscale).to(DEV)  # what _dvn_local_kernel leaves
+    if local:  # Aqk as phase A leaves it: lower triangular, zero past each chunk's valid rows
+        aqk = torch.randn(plan.NT, H, 64, 64, generator=gen).tril() * 0.1
+        for i, (n, c) in enumerate(plan.chunk_idx.view(-1, 2).tolist()):
+            valid = min(lengths[n] - 64 * c, 64)
+            aqk[i, :, valid:] = 0
+        aqk = aqk.to(DEV)
+        dv_local = torch.empty(1, T, H, V, device=DEV)
+        _dvn_local_kernel[part_grid(plan.NT, H, 2)](aqk, do, dv_local, plan.cu, plan.chunk_idx, H, dscale, V=V, BV=64,
+                                                    NV=2, PREC="tf32", DT=tl.bfloat16, num_warps=4)
+    else:  # what _dvn_local_kernel leaves, at random
+        aqk, dv_local = None, (torch.randn(1, T, H, V, generator=gen) * dscale).to(DEV)
     dht = torch.randn(N, H, K, V, generator=gen).to(DEV) if with_states else None
     res = []
     for gluon in (False, True):
         dh = torch.full((plan.NT, H, K, V), float("nan"), device=DEV)
-        dvn = dv_local.clone()
+        dvn = torch.full_like(dv_local, float("nan")) if gluon and local else dv_local.clone()
         dh0 = torch.full((N, H, K, V), float("nan"), device=DEV) if with_states else None
         if gluon:
-            gluon_bwd_scan.launch(qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H, scale, dscale,
+            gluon_bwd_scan.launch(qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H, scale, dscale, aqk=aqk,
                                   **{k: v for k, v in _run_here().items() if k == "launcher"})
         else:
             _bwd_dh_kernel[(V // 64, N * H)](qg, kg, eg, w, do, dht if with_states else dh, dh, dvn,
@@ -276,6 +289,7 @@ if __name__ == "__main__":  # the compile step of test_gluon_kernels_compile_for
                       128, 128, launcher=compile_only["launcher"])
     dh = torch.zeros(plan.NT, 2, 128, 128)
     gluon_bwd_scan.launch(w, kg, eg, w, kg, h0, dh, u, h0.clone(), plan, 2, 0.088, 0.0625,
+                          aqk=torch.zeros(plan.NT, 2, 64, 64) if gluon_bwd_scan.FUSE_LOCAL else None,
                           launcher=compile_only["launcher"])
     print(json.dumps([{k: row[k] for k in ("registers", "num_warps", "shared_bytes", "spill_store_bytes",
                                            "spill_load_bytes")} for row in compiler.rows]))

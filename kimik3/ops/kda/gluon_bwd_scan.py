@@ -41,6 +41,9 @@ LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
 CONSUMER_REGS = gl.constexpr(232)  # the second consumer partition's registers per thread (setmaxnreg)
 RING = 2  # ring slots (each holds one chunk's kg, qg, W and dO tiles)
 MAXNREG: Optional[int] = 168  # registers per thread at launch: 12 warps (the loader's padded to a warpgroup)
+# dv_new's state-independent part, scale Aqk^T dO, computed in the scan on the dO tiles its ring holds (Aqk^T's 16-bit
+# high and low parts as register operands), instead of by ``_dvn_local_kernel`` into the dv_new buffer first.
+FUSE_LOCAL = True
 
 
 @gluon.jit
@@ -61,13 +64,17 @@ def _loader(ready, empty, kg_s, qg_s, w_s, do_s, kg_d, qg_d, w_d, do_d, cu_ptr, 
 
 
 @gluon.jit
-def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr, cu_ptr, coff_ptr,
-              H, scale, inv_dscale, K: gl.constexpr, V: gl.constexpr, HAS_DHT: gl.constexpr, STORE_DH0: gl.constexpr,
-              NW: gl.constexpr, HALF: gl.constexpr):
-    """A consumer partition: the chain for V columns [64 HALF, 64 HALF + 64) (module docstring)."""
+def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, aqk_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr, cu_ptr,
+              coff_ptr, H, scale, inv_dscale, K: gl.constexpr, V: gl.constexpr, HAS_DHT: gl.constexpr,
+              STORE_DH0: gl.constexpr, NW: gl.constexpr, HALF: gl.constexpr, LOCAL: gl.constexpr):
+    """A consumer partition: the chain for V columns [64 HALF, 64 HALF + 64) (module docstring). LOCAL: the
+    state-independent part of dv_new, Aqk^T dO, computed here (Aqk at aqk_ptr) rather than read from dvn_ptr."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, 64, 16])
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))  # tile rows (tokens, or state rows) and V columns
     cv = HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
+    AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    ra = gl.arange(0, 64, layout=gl.SliceLayout(1, AOP))  # Aqk^T's rows and columns as a left operand
+    ca = gl.arange(0, 64, layout=gl.SliceLayout(0, AOP))
     i_h, bos, eos, nc, coff = _sequence(cu_ptr, coff_ptr, H)
     tile = gl.expand_dims(r, 1) * V + gl.expand_dims(cv, 0)  # a [64, 64] block of a [K, V] state
     s_off = gl.program_id(1).to(gl.int64) * (K * V) + tile  # [N, H, K, V]
@@ -82,8 +89,13 @@ def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, dht_ptr, dh_p
         t0 = bos + cc * 64
         rows = gl.expand_dims(r < eos - t0, 1)
         tok = gl.expand_dims((t0 + r).to(gl.int64), 1) * (H * V) + i_h * V + gl.expand_dims(cv, 0)
-        dv_local = gl.load(dvn_ptr + tok, mask=rows, other=0.0) * inv_dscale  # Aqk^T dO (exact: a power of two)
         ch = ((coff + cc) * H + i_h).to(gl.int64)  # the global chunk's (chunk, head) index
+        if LOCAL:  # Aqk^T as the products' left operand: high and low 16-bit parts, in registers
+            a_t = gl.load(aqk_ptr + ch * 4096 + gl.expand_dims(ca, 0) * 64 + gl.expand_dims(ra, 1))
+            a_hi = a_t.to(gl.bfloat16)
+            a_lo = (a_t - a_hi.to(gl.float32)).to(gl.bfloat16)
+        else:
+            dv_local = gl.load(dvn_ptr + tok, mask=rows, other=0.0) * inv_dscale  # Aqk^T dO (exact: a power of two)
         eg_top = gl.expand_dims(gl.load(eg_ptr + ch * K + r), 1)
         eg_bot = gl.expand_dims(gl.load(eg_ptr + ch * K + 64 + r), 1)
         # the gradient of the state leaving the chunk, and its 16-bit parts as the next products' operand
@@ -98,6 +110,10 @@ def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, dht_ptr, dh_p
         fence_async_shared()
         slot = _wait_slot(ready, c, 0)
         # dv_new = Aqk^T dO + kg dS (high parts, then the remainders), rows past the sequence zero
+        if LOCAL:  # Aqk^T dO here, on the dO tile the ring holds, instead of from _dvn_local_kernel's buffer
+            dv_local = warpgroup_mma(a_hi, do_s.index(2 * slot + HALF), gl.zeros([64, 64], gl.float32, layout=MMA),
+                                     use_acc=False)
+            dv_local = warpgroup_mma(a_lo, do_s.index(2 * slot + HALF), dv_local)
         dvn = warpgroup_mma(kg_s.index(2 * slot), hs.index(0), dv_local)
         dvn = warpgroup_mma(kg_s.index(2 * slot + 1), hs.index(1), dvn)
         dvn = warpgroup_mma(kg_s.index(2 * slot), hs.index(2), dvn)
@@ -122,9 +138,9 @@ def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, dht_ptr, dh_p
 
 
 @gluon.jit
-def _gluon_dh_scan_kernel(kg_d, qg_d, w_d, do_d, eg_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr, cu_ptr, coff_ptr, H, scale,
-                          inv_dscale, K: gl.constexpr, V: gl.constexpr, HAS_DHT: gl.constexpr,
-                          STORE_DH0: gl.constexpr, RING: gl.constexpr, num_warps: gl.constexpr):
+def _gluon_dh_scan_kernel(kg_d, qg_d, w_d, do_d, eg_ptr, aqk_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr, cu_ptr, coff_ptr,
+                          H, scale, inv_dscale, K: gl.constexpr, V: gl.constexpr, HAS_DHT: gl.constexpr,
+                          STORE_DH0: gl.constexpr, RING: gl.constexpr, LOCAL: gl.constexpr, num_warps: gl.constexpr):
     """The scan over (1, N H) programs (the _d arguments: TMA descriptors of [64, 64] bf16 tiles of kg, qg, W as
     [tokens, H K] and dO as [tokens, H V])."""
     kg_s = gl.allocate_shared_memory(gl.bfloat16, [2 * RING, 64, 64], kg_d.layout)
@@ -141,10 +157,10 @@ def _gluon_dh_scan_kernel(kg_d, qg_d, w_d, do_d, eg_ptr, dht_ptr, dh_ptr, dvn_pt
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
     gl.warp_specialize([
-        (_consumer, (ready, empty, kg_s, qg_s, w_s, do_s, hs0, vs0, eg_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr, cu_ptr,
-                     coff_ptr, H, scale, inv_dscale, K, V, HAS_DHT, STORE_DH0, num_warps, 0)),
-        (_consumer, (ready, empty, kg_s, qg_s, w_s, do_s, hs1, vs1, eg_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr, cu_ptr,
-                     coff_ptr, H, scale, inv_dscale, K, V, HAS_DHT, STORE_DH0, num_warps, 1)),
+        (_consumer, (ready, empty, kg_s, qg_s, w_s, do_s, hs0, vs0, eg_ptr, aqk_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr,
+                     cu_ptr, coff_ptr, H, scale, inv_dscale, K, V, HAS_DHT, STORE_DH0, num_warps, 0, LOCAL)),
+        (_consumer, (ready, empty, kg_s, qg_s, w_s, do_s, hs1, vs1, eg_ptr, aqk_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr,
+                     cu_ptr, coff_ptr, H, scale, inv_dscale, K, V, HAS_DHT, STORE_DH0, num_warps, 1, LOCAL)),
         (_loader, (ready, empty, kg_s, qg_s, w_s, do_s, kg_d, qg_d, w_d, do_d, cu_ptr, coff_ptr, H, K, V)),
     ], [num_warps, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
     for s in gl.static_range(RING):
@@ -167,19 +183,20 @@ def supported(qg: torch.Tensor, kg: torch.Tensor, w: torch.Tensor, do: torch.Ten
 
 
 def launch(qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H: int, scale: float, dscale: float,
-           launcher: Optional[Callable] = None) -> None:
+           aqk: Optional[torch.Tensor] = None, launcher: Optional[Callable] = None) -> None:
     """The scan by ``_gluon_dh_scan_kernel`` on ``triton_backward``'s tensors (token layout [B, T, H, D]; dh as [NT, H,
-    K, V] fp32; dht / dh0 as [N, H, K, V] fp32 or None; dvn holding dscale Aqk^T dO, overwritten with dv_new).
+    K, V] fp32; dht / dh0 as [N, H, K, V] fp32 or None). dvn: dv_new's buffer, written; with aqk None it must hold
+    dscale Aqk^T dO (``_dvn_local_kernel``), else (Aqk as [NT, H, 64, 64] fp32) the kernel computes that part itself.
     launcher: how to run it (default: on the GPU; ``tests/gluon_emulator.emulate`` on the CPU)."""
     K, V = qg.shape[-1], do.shape[-1]
     tok_k, tok_v = (qg.numel() // (H * K), H * K), (do.numel() // (H * V), H * V)
     args = (tile_descriptor(kg, gl.bfloat16, tok_k), tile_descriptor(qg, gl.bfloat16, tok_k),
             tile_descriptor(w, gl.bfloat16, tok_k), tile_descriptor(do, gl.bfloat16, tok_v), eg,
-            dht if dht is not None else dh, dh, dvn, dh0 if dh0 is not None else dh, plan.cu, plan.chunk_off, H,
-            float(scale), 1.0 / dscale)
+            aqk if aqk is not None else dh, dht if dht is not None else dh, dh, dvn, dh0 if dh0 is not None else dh,
+            plan.cu, plan.chunk_off, H, float(scale), 1.0 / dscale)
     grid = (1, plan.N * H)
-    meta = dict(K=K, V=V, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, RING=RING, num_warps=CONSUMER_WARPS,
-                **launch_options(MAXNREG))
+    meta = dict(K=K, V=V, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, RING=RING, LOCAL=aqk is not None,
+                num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))
     if launcher is None:
         _gluon_dh_scan_kernel[grid](*args, **meta)
     else:

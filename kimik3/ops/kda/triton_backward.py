@@ -482,15 +482,18 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     acc = DH_ACC_DOTS and scan_dt != tl.float32 and scale != 0  # (a zero scale has no mantissa part to carry)
     # scale = dscale x its mantissa part in [1, 2); the in-place scan carries dv_new / the mantissa part
     dscale = 2.0 ** (math.frexp(scale)[1] - 1) if acc else 1.0
-    _dvn_local_kernel[part_grid(NT, H, nv)](
-        aux["aqk"], do, dvn, plan.cu, plan.chunk_idx, H, dscale if acc else float(scale),
-        V=V, BV=BV, NV=nv, PREC=PREC, DT=scan_dt, num_warps=4,
-    )
     gluon = _gluon_for("gluon_bwd_scan", GLUON_DH_SCAN, q, NT * H * triton.cdiv(V, 64),
                        triton_forward.GLUON_SCAN_MIN_ITEMS)
-    if gluon is not None and gluon.supported(aux["qg"], aux["kg"], aux["w"], do, acc) is None:
+    if gluon is not None and gluon.supported(aux["qg"], aux["kg"], aux["w"], do, acc) is not None:
+        gluon = None
+    if gluon is None or not gluon.FUSE_LOCAL:  # the Gluon scan otherwise computes this part itself
+        _dvn_local_kernel[part_grid(NT, H, nv)](
+            aux["aqk"], do, dvn, plan.cu, plan.chunk_idx, H, dscale if acc else float(scale),
+            V=V, BV=BV, NV=nv, PREC=PREC, DT=scan_dt, num_warps=4,
+        )
+    if gluon is not None:
         gluon.launch(aux["qg"], aux["kg"], aux["eg"], aux["w"], do, dht_c if dht is not None else None, dh, dvn, dh0,
-                     plan, H, scale, dscale)
+                     plan, H, scale, dscale, aqk=aux["aqk"] if gluon.FUSE_LOCAL else None)
     else:
         BVs, warps_s, stages_s = _scan_launch(scan_dt, acc)
         _bwd_dh_kernel[(triton.cdiv(V, BVs), N * H)](

@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 from .gluon_scan import _sequence
-from .gluon_wy import _wait_slot, launch_options, tile_descriptor
+from .gluon_wy import _wait_slot, launch_options, on_hopper, release_ring, ring_barriers, tile_descriptor
 
 CONSUMER_WARPS = 4  # per consumer partition (one per 64-column half of V)
 LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
@@ -151,11 +151,7 @@ def _gluon_dh_scan_kernel(kg_d, qg_d, w_d, do_d, eg_ptr, aqk_ptr, dht_ptr, dh_pt
     hs1 = gl.allocate_shared_memory(gl.bfloat16, [4, 64, 64], kg_d.layout)
     vs0 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], kg_d.layout)  # each half's -dv_new
     vs1 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], kg_d.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(RING):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
+    ready, empty = ring_barriers(RING, 2)  # every consumer releases a slot
     gl.warp_specialize([
         (_consumer, (ready, empty, kg_s, qg_s, w_s, do_s, hs0, vs0, eg_ptr, aqk_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr,
                      cu_ptr, coff_ptr, H, scale, inv_dscale, K, V, HAS_DHT, STORE_DH0, num_warps, 0, LOCAL)),
@@ -163,9 +159,7 @@ def _gluon_dh_scan_kernel(kg_d, qg_d, w_d, do_d, eg_ptr, aqk_ptr, dht_ptr, dh_pt
                      cu_ptr, coff_ptr, H, scale, inv_dscale, K, V, HAS_DHT, STORE_DH0, num_warps, 1, LOCAL)),
         (_loader, (ready, empty, kg_s, qg_s, w_s, do_s, kg_d, qg_d, w_d, do_d, cu_ptr, coff_ptr, H, K, V)),
     ], [num_warps, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
-    for s in gl.static_range(RING):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(empty.index(s))
+    release_ring(ready, empty)
 
 
 def supported(qg: torch.Tensor, kg: torch.Tensor, w: torch.Tensor, do: torch.Tensor, in_place: bool) -> Optional[str]:
@@ -177,9 +171,7 @@ def supported(qg: torch.Tensor, kg: torch.Tensor, w: torch.Tensor, do: torch.Ten
         return "bf16 qg, kg, W and dO"
     if not in_place:
         return "the in-place 16-bit scan (DH_ACC_DOTS, a non-zero scale)"
-    if not qg.is_cuda or torch.cuda.get_device_capability(qg.device) != (9, 0):
-        return "a Hopper GPU (sm_90)"
-    return None
+    return on_hopper(qg)
 
 
 def launch(qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H: int, scale: float, dscale: float,

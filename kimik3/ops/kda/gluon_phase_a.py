@@ -23,7 +23,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
-from .gluon_wy import _item, _my_items, _wait_slot, launch_options, run_persistent, tile_descriptor
+from .gluon_wy import (_item, _my_items, _wait_slot, launch_options, on_hopper, release_ring, ring_barriers,
+                       run_persistent, tile_descriptor)
 
 CONSUMER_WARPS = 4
 LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
@@ -107,20 +108,14 @@ def _gluon_a_kernel(q_d, k_d, G_d, beta_ptr, G_ptr, aqk_ptr, tinv_ptr, cidx_ptr,
     G_s = gl.allocate_shared_memory(gl.float32, [RING * NKB, 64, 64], G_d.layout)
     b_s = gl.allocate_shared_memory(gl.bfloat16, [16, 64], gl.NVMMASharedLayout.get_default_for([16, 64],
                                                                                                   gl.bfloat16))
-    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(RING):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+    ready, empty = ring_barriers(RING, 1)  # the consumer releases a slot
     n_items = NT * H
     gl.warp_specialize([
         (_consumer, (ready, empty, q_s, k_s, G_s, b_s, beta_ptr, G_ptr, aqk_ptr, tinv_ptr, cidx_ptr, cu_ptr, n_items,
                      H, K, NKB, num_warps)),
         (_loader, (ready, empty, q_s, k_s, G_s, q_d, k_d, G_d, cidx_ptr, cu_ptr, n_items, H, K, NKB)),
     ], [LOADER_WARPS], [LOADER_REGS])
-    for s in gl.static_range(RING):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(empty.index(s))
+    release_ring(ready, empty)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, DTA) -> Optional[str]:
@@ -131,9 +126,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, DTA) -> Optiona
         return f"K a multiple of 64 (got {q.shape[-1]})"
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or DTA != tl.bfloat16 or G.dtype != torch.float32:
         return "bf16 q, k with 16-bit A products and fp32 Gamma"
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
-        return "a Hopper GPU (sm_90)"
-    return None
+    return on_hopper(q)
 
 
 def launch(q, k, G, beta, aqk, tinv, plan, H: int, K: int, launcher: Optional[Callable] = None,

@@ -35,7 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .gluon_wy import _wait_slot, launch_options, tile_descriptor
+from .gluon_wy import _wait_slot, launch_options, on_hopper, release_ring, ring_barriers, tile_descriptor
 
 CONSUMER_WARPS = 4
 LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
@@ -145,11 +145,7 @@ def _gluon_scan_kernel(w_d, g_d, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_
     g_s = gl.allocate_shared_memory(gl.bfloat16, [2 * RING, 64, 64], g_d.layout)
     hs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)  # the state's two 64-row halves
     vs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)  # v_new's high part and remainder
-    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(RING):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=NHALF)  # every consumer releases a slot
+    ready, empty = ring_barriers(RING, NHALF)  # every consumer releases a slot
     if NHALF == 1:
         gl.warp_specialize([
             (_consumer, (ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr,
@@ -166,9 +162,7 @@ def _gluon_scan_kernel(w_d, g_d, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_
                          coff_ptr, H, K, V, HAS_H0, STORE_HT, num_warps, 1, NHALF)),
             (_loader, (ready, empty, w_s, g_s, w_d, g_d, cu_ptr, coff_ptr, H, K)),
         ], [num_warps, LOADER_WARPS], [REGS, LOADER_REGS])
-    for s in gl.static_range(RING):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(empty.index(s))
+    release_ring(ready, empty)
 
 
 def supported(w: torch.Tensor, kg: torch.Tensor, u: torch.Tensor, h: torch.Tensor, hilo: bool) -> Optional[str]:
@@ -180,9 +174,7 @@ def supported(w: torch.Tensor, kg: torch.Tensor, u: torch.Tensor, h: torch.Tenso
         return "bf16 W, kg and stored states with fp32 U"
     if not hilo:
         return "v_new split into high and low parts (the variant's 'h')"
-    if not w.is_cuda or torch.cuda.get_device_capability(w.device) != (9, 0):
-        return "a Hopper GPU (sm_90)"
-    return None
+    return on_hopper(w)
 
 
 def launch(kg, eg, w, u, h0, h, vn, ht, plan, H: int, K: int, V: int, launcher: Optional[Callable] = None) -> None:

@@ -85,6 +85,27 @@ def _wait_slot(bars, i, FREE: gl.constexpr):
 
 
 @gluon.jit
+def ring_barriers(RING: gl.constexpr, RELEASERS: gl.constexpr):
+    """A ring's barriers, initialised: "ready" (one arrival, the loader's expect, plus the TMA bytes) and "empty"
+    (RELEASERS arrivals: every consumer partition hands the slot back), one of each per slot."""
+    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(RING):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=RELEASERS)
+    return ready, empty
+
+
+@gluon.jit
+def release_ring(ready, empty):
+    """Invalidate a ring's barriers (``ring_barriers``) at the kernel's end."""
+    n: gl.constexpr = ready.shape[0]
+    for s in gl.static_range(n):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
+@gluon.jit
 def _loader(ready, empty, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, cidx_ptr, cu_ptr, n_items, H,
             K: gl.constexpr, NP: gl.constexpr):
     """The loader partition: each item's T, k, q, Gamma, v tiles by TMA, once the consumer has freed the slot."""
@@ -156,11 +177,7 @@ def _gluon_wy_kernel(t_d, k_d, q_d, G_d, v_d, beta_ptr, G_ptr, eg_ptr, w_ptr, qg
     G_s = gl.allocate_shared_memory(gl.float32, [RING, 64, 64], G_d.layout)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [RING, 64, 64], v_d.layout)
     b_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], k_d.layout)  # the products' right-hand operand
-    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(RING):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+    ready, empty = ring_barriers(RING, 1)
     n_items = NT * H * NP
     gl.warp_specialize([
         (_consumer, (ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr,
@@ -168,9 +185,7 @@ def _gluon_wy_kernel(t_d, k_d, q_d, G_d, v_d, beta_ptr, G_ptr, eg_ptr, w_ptr, qg
         (_loader, (ready, empty, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, cidx_ptr, cu_ptr, n_items, H,
                    K, NP)),
     ], [LOADER_WARPS], [LOADER_REGS])
-    for s in gl.static_range(RING):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(empty.index(s))
+    release_ring(ready, empty)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, tinv: torch.Tensor,
@@ -185,7 +200,13 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor
         return "bf16 inputs and 16-bit WY products"
     if (w.dtype, qg.dtype, kg.dtype, u.dtype, G.dtype, tinv.dtype) != (torch.bfloat16,) * 3 + (torch.float32,) * 3:
         return "W, qg, kg in bf16 and U, Gamma, T in fp32"
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+    return on_hopper(q)
+    return None
+
+
+def on_hopper(x: torch.Tensor) -> Optional[str]:
+    """None if x lives on an sm_90 GPU, where the Gluon kernels run, else the reason for ``supported``."""
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
         return "a Hopper GPU (sm_90)"
     return None
 

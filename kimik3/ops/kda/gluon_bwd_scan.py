@@ -109,11 +109,14 @@ def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, aqk_ptr, dht_
         hs.index(3).store((d_bot - hi_bot.to(gl.float32)).to(gl.bfloat16))
         fence_async_shared()
         slot = _wait_slot(ready, c, 0)
+        d_o = do_s.index(2 * slot + HALF)
+        if eos - t0 < 64:  # a sequence's last, partial chunk: its dO tile's rows past it are the next sequence's
+            d_o.store(gl.where(rows, d_o.load(MMA), 0.0).to(gl.bfloat16))
+            fence_async_shared()
         # dv_new = Aqk^T dO + kg dS (high parts, then the remainders), rows past the sequence zero
         if LOCAL:  # Aqk^T dO here, on the dO tile the ring holds, instead of from _dvn_local_kernel's buffer
-            dv_local = warpgroup_mma(a_hi, do_s.index(2 * slot + HALF), gl.zeros([64, 64], gl.float32, layout=MMA),
-                                     use_acc=False)
-            dv_local = warpgroup_mma(a_lo, do_s.index(2 * slot + HALF), dv_local)
+            dv_local = warpgroup_mma(a_hi, d_o, gl.zeros([64, 64], gl.float32, layout=MMA), use_acc=False)
+            dv_local = warpgroup_mma(a_lo, d_o, dv_local)
         dvn = warpgroup_mma(kg_s.index(2 * slot), hs.index(0), dv_local)
         dvn = warpgroup_mma(kg_s.index(2 * slot + 1), hs.index(1), dvn)
         dvn = warpgroup_mma(kg_s.index(2 * slot), hs.index(2), dvn)
@@ -122,14 +125,10 @@ def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, aqk_ptr, dht_
         gl.store(dvn_ptr + tok, dvn * scale, mask=rows)
         vs.store((-dvn).to(gl.bfloat16))
         fence_async_shared()
-        if eos - t0 < 64:  # a sequence's last, partial chunk: its dO tile's rows past it are the next sequence's
-            d_o = do_s.index(2 * slot + HALF)
-            d_o.store(gl.where(rows, d_o.load(MMA), 0.0).to(gl.bfloat16))
-            fence_async_shared()
         # dS <- exp(Gamma_C) dS + qg^T dO - W^T dv_new, qg^T and W^T read from the ring transposed
-        d_top = warpgroup_mma(qg_s.index(2 * slot).permute((1, 0)), do_s.index(2 * slot + HALF), d_top * eg_top)
+        d_top = warpgroup_mma(qg_s.index(2 * slot).permute((1, 0)), d_o, d_top * eg_top)
         d_top = warpgroup_mma(w_s.index(2 * slot).permute((1, 0)), vs, d_top)
-        d_bot = warpgroup_mma(qg_s.index(2 * slot + 1).permute((1, 0)), do_s.index(2 * slot + HALF), d_bot * eg_bot)
+        d_bot = warpgroup_mma(qg_s.index(2 * slot + 1).permute((1, 0)), d_o, d_bot * eg_bot)
         d_bot = warpgroup_mma(w_s.index(2 * slot + 1).permute((1, 0)), vs, d_bot)
         mbarrier.arrive(empty.index(slot), count=1)
     if STORE_DH0:

@@ -119,12 +119,12 @@ GLUON_WY = os.environ.get("KIMIK3_KDA_GLUON_WY", "1") == "1"
 # lost 7-25 % (host jitter of the same size).
 GLUON_MIN_ITEMS = 4096
 # The split forward's state scan by the warp-specialised Gluon kernel (``gluon_scan.py``: a TMA loader partition
-# streaming each chunk's W and kg tiles into a 2-slot ring, the state held as wgmma accumulators, two CTAs per SM)
-# where ``gluon_scan.supported`` allows it, from GLUON_SCAN_MIN_ITEMS chunks x heads x 64-column V blocks up; else,
-# or with KIMIK3_KDA_GLUON_SCAN=0, the Triton ``_fwd_h_kernel``. H200, K3's shape, same run: the scan 0.561 ->
-# 0.519 ms (0.701 at one CTA per SM), forward 2.694 -> 2.658 ms, forward+backward 10.623 -> 10.542 ms. Against the
-# Triton scan (benchmarks/kda_gluon_dispatch.py) it was never slower from 6144 items up and 9-17 % slower below
-# 4096, where the forward is host-bound.
+# streaming each chunk's W and kg tiles into a 2-slot ring, the state held as wgmma accumulators, both V halves in
+# one CTA) where ``gluon_scan.supported`` allows it, from GLUON_SCAN_MIN_ITEMS chunks x heads x 64-column V blocks
+# up; else, or with KIMIK3_KDA_GLUON_SCAN=0, the Triton ``_fwd_h_kernel``. H200, K3's shape, same run (sixteenth
+# session's closing call): the scan 0.565 -> 0.490 ms, forward 2.711 -> 2.628 ms with the state-gradient scan's
+# change. Against the Triton scan (benchmarks/kda_gluon_dispatch.py) it was never slower from 6144 items up and 9-17 %
+# slower below 4096, where the forward is host-bound.
 GLUON_SCAN = os.environ.get("KIMIK3_KDA_GLUON_SCAN", "1") == "1"
 GLUON_SCAN_MIN_ITEMS = 6144
 # Phase A by the warp-specialised Gluon kernel (``gluon_phase_a.py``: one (chunk, head) per item, its four column

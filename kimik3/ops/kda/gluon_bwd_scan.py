@@ -91,7 +91,9 @@ def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, aqk_ptr, dht_
         tok = gl.expand_dims((t0 + r).to(gl.int64), 1) * (H * V) + i_h * V + gl.expand_dims(cv, 0)
         ch = ((coff + cc) * H + i_h).to(gl.int64)  # the global chunk's (chunk, head) index
         if LOCAL:  # Aqk^T as the products' left operand: high and low 16-bit parts, in registers
-            a_t = gl.load(aqk_ptr + ch * 4096 + gl.expand_dims(ca, 0) * 64 + gl.expand_dims(ra, 1))
+            # (its columns past the chunk's valid rows zero: they meet dO rows of the next sequence)
+            a_t = gl.load(aqk_ptr + ch * 4096 + gl.expand_dims(ca, 0) * 64 + gl.expand_dims(ra, 1),
+                          mask=gl.expand_dims(ca < eos - t0, 0), other=0.0)
             a_hi = a_t.to(gl.bfloat16)
             a_lo = (a_t - a_hi.to(gl.float32)).to(gl.bfloat16)
         else:
@@ -110,9 +112,6 @@ def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, aqk_ptr, dht_
         fence_async_shared()
         slot = _wait_slot(ready, c, 0)
         d_o = do_s.index(2 * slot + HALF)
-        if eos - t0 < 64:  # a sequence's last, partial chunk: its dO tile's rows past it are the next sequence's
-            d_o.store(gl.where(rows, d_o.load(MMA), 0.0).to(gl.bfloat16))
-            fence_async_shared()
         # dv_new = Aqk^T dO + kg dS (high parts, then the remainders), rows past the sequence zero
         if LOCAL:  # Aqk^T dO here, on the dO tile the ring holds, instead of from _dvn_local_kernel's buffer
             dv_local = warpgroup_mma(a_hi, d_o, gl.zeros([64, 64], gl.float32, layout=MMA), use_acc=False)
@@ -125,6 +124,9 @@ def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, aqk_ptr, dht_
         gl.store(dvn_ptr + tok, dvn * scale, mask=rows)
         vs.store((-dvn).to(gl.bfloat16))
         fence_async_shared()
+        if eos - t0 < 64:  # a sequence's last, partial chunk: its dO tile's rows past it are the next sequence's
+            d_o.store(gl.where(rows, d_o.load(MMA), 0.0).to(gl.bfloat16))
+            fence_async_shared()
         # dS <- exp(Gamma_C) dS + qg^T dO - W^T dv_new, qg^T and W^T read from the ring transposed
         d_top = warpgroup_mma(qg_s.index(2 * slot).permute((1, 0)), d_o, d_top * eg_top)
         d_top = warpgroup_mma(w_s.index(2 * slot).permute((1, 0)), vs, d_top)

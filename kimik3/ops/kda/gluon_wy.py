@@ -201,7 +201,6 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor
     if (w.dtype, qg.dtype, kg.dtype, u.dtype, G.dtype, tinv.dtype) != (torch.bfloat16,) * 3 + (torch.float32,) * 3:
         return "W, qg, kg in bf16 and U, Gamma, T in fp32"
     return on_hopper(q)
-    return None
 
 
 def on_hopper(x: torch.Tensor) -> Optional[str]:

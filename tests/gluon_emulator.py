@@ -12,8 +12,9 @@ Triton's interpreter runs ``tl`` kernels:
 - mbarriers keep Hopper's phase rule: a phase completes when its expected arrivals and transaction bytes are all
   in; ``wait(bar, parity)`` returns once the phase of that parity is complete (a fresh barrier's "previous" phase,
   parity 1, counts as complete). A TMA load lands in shared memory only when a wait sees its phase complete, so
-  a tile read without waiting is stale; a TMA store reads its shared buffer only at ``store_wait`` (or the
-  kernel's end), so a buffer reused before the store has drained corrupts the result, as on the GPU;
+  a tile read without waiting is stale; a TMA store reads its shared buffer only at its own partition's
+  ``store_wait`` (or the kernel's end), so a buffer reused before the store has drained corrupts the result, as
+  on the GPU;
 - ``gl.warp_specialize`` runs each partition in its own thread; a wait that could never complete (the kernel
   would hang on the GPU) raises ``GluonDeadlock`` after ``timeout`` seconds.
 

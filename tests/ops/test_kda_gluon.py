@@ -24,7 +24,7 @@ import triton.language as tl  # noqa: E402
 
 from kimik3.ops.kda import gluon_bwd_scan, gluon_phase_a, gluon_scan, gluon_wy  # noqa: E402
 from kimik3.ops.kda import triton_forward as tf  # noqa: E402
-from kimik3.ops.kda.triton_backward import _bwd_dh_kernel, _dvn_local_kernel  # noqa: E402
+from kimik3.ops.kda.triton_backward import _bwd_dh_kernel, _drv_kernel, _dvn_local_kernel  # noqa: E402
 from kimik3.ops.kda.triton_scan import _fwd_h_kernel, part_grid  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -162,15 +162,16 @@ def test_gluon_scan_equals_the_triton_kernel(lengths, H, V, with_states, shared,
         assert d <= 2.0**-8 * r.float().abs().max(), (name, d.item())
 
 
-@pytest.mark.parametrize("local", [True, False])
+@pytest.mark.parametrize("local,drv", [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("lengths,H,with_states", [([1, 63, 64, 65, 130, 7], 2, True), ([200], 1, False)])
-def test_gluon_state_gradient_scan_equals_the_triton_kernel(lengths, H, with_states, local):
+def test_gluon_state_gradient_scan_equals_the_triton_kernel(lengths, H, with_states, local, drv):
     """The backward's state-gradient scan (K = V = 128, the in-place form) over varlen batches with partial chunks
     and one-token sequences (the TMA tiles of a sequence's last chunk run into the next one), with and without the
     final state's gradient and dh0: every chunk's dS, dv_new and dh0 written, equal to the Triton kernel's to fp32
     summation order at the output's scale (the two carry the chain in units a power of two apart). local: the
     scan computes dv_new's part scale Aqk^T dO itself (from Aqk, into a dv_new buffer of NaN) where the Triton path
-    has ``_dvn_local_kernel`` fill the buffer first."""
+    has ``_dvn_local_kernel`` fill the buffer first. drv: the scan stores dRv = T^T dv_new in dv_new's place (16-bit
+    high and low parts), against ``_drv_kernel`` (tf32) over the Triton scan's dv_new."""
     gen = torch.Generator().manual_seed(0)
     K = V = 128
     N, T = len(lengths), sum(lengths)
@@ -189,13 +190,14 @@ def test_gluon_state_gradient_scan_equals_the_triton_kernel(lengths, H, with_sta
     else:  # what _dvn_local_kernel leaves, at random
         aqk, dv_local = None, (torch.randn(1, T, H, V, generator=gen) * dscale).to(DEV)
     dht = torch.randn(N, H, K, V, generator=gen).to(DEV) if with_states else None
+    tinv = (torch.randn(plan.NT, H, 64, 64, generator=gen).tril() * 0.1).to(DEV) if drv else None
     res = []
     for gluon in (False, True):
         dh = torch.full((plan.NT, H, K, V), float("nan"), device=DEV)
         dvn = torch.full_like(dv_local, float("nan")) if gluon and local else dv_local.clone()
         dh0 = torch.full((N, H, K, V), float("nan"), device=DEV) if with_states else None
         if gluon:
-            gluon_bwd_scan.launch(qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H, scale, dscale, aqk=aqk,
+            gluon_bwd_scan.launch(qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H, scale, dscale, aqk=aqk, tinv=tinv,
                                   **{k: v for k, v in _run_here().items() if k == "launcher"})
         else:
             _bwd_dh_kernel[(V // 64, N * H)](qg, kg, eg, w, do, dht if with_states else dh, dh, dvn,
@@ -203,9 +205,12 @@ def test_gluon_state_gradient_scan_equals_the_triton_kernel(lengths, H, with_sta
                                              dscale, K=K, V=V, BKF=K, BV=64, PREC="tf32", HAS_DHT=with_states,
                                              STORE_DH0=with_states, INTERP=not ON_GPU, DT=tl.bfloat16, ACC=True,
                                              num_warps=4)
+            if drv:
+                _drv_kernel[part_grid(plan.NT, H, 2)](tinv, dvn, plan.cu, plan.chunk_idx, H, V=V, BV=64, NV=2,
+                                                      PREC="tf32", num_warps=4)
         res.append((dh, dvn, dh0))
     assert gluon_bwd_scan.supported(qg, kg, w, do, True) in (None, "a Hopper GPU (sm_90)")
-    for name, r, o in zip(("dS", "dv_new", "dh0"), *res):
+    for name, r, o in zip(("dS", "dRv" if drv else "dv_new", "dh0"), *res):
         if r is None:
             continue
         assert not o.isnan().any(), f"{name}: {int(o.isnan().sum())} elements unwritten"

@@ -44,6 +44,12 @@ MAXNREG: Optional[int] = 168  # registers per thread at launch: 12 warps (the lo
 # dv_new's state-independent part, scale Aqk^T dO, computed in the scan on the dO tiles its ring holds (Aqk^T's 16-bit
 # high and low parts as register operands), instead of by ``_dvn_local_kernel`` into the dv_new buffer first.
 FUSE_LOCAL = True
+# dRv = T^T dv_new stored by the scan in dv_new's place (three 16-bit products: T^T's and dv_new's high parts and
+# remainders, more precise than the tf32 product of ``_drv_kernel``), so the dRv pass does not run. Prepared in the
+# sixteenth session after the device time was spent: emulator-tested and sm_90-compiled (230 KB of shared memory,
+# 188 B of registers spilled, so it may lose what it saves), not yet timed; off. Time it with
+# `--try gluon_bwd_scan.FUSE_DRV=True` (the dRv pass took 0.35 ms at K3's shape).
+FUSE_DRV = False
 
 
 @gluon.jit
@@ -64,11 +70,13 @@ def _loader(ready, empty, kg_s, qg_s, w_s, do_s, kg_d, qg_d, w_d, do_d, cu_ptr, 
 
 
 @gluon.jit
-def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, aqk_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr, cu_ptr,
-              coff_ptr, H, scale, inv_dscale, K: gl.constexpr, V: gl.constexpr, HAS_DHT: gl.constexpr,
-              STORE_DH0: gl.constexpr, NW: gl.constexpr, HALF: gl.constexpr, LOCAL: gl.constexpr):
+def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, aqk_ptr, tinv_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr,
+              cu_ptr, coff_ptr, H, scale, inv_dscale, K: gl.constexpr, V: gl.constexpr, HAS_DHT: gl.constexpr,
+              STORE_DH0: gl.constexpr, NW: gl.constexpr, HALF: gl.constexpr, LOCAL: gl.constexpr, DRV: gl.constexpr):
     """A consumer partition: the chain for V columns [64 HALF, 64 HALF + 64) (module docstring). LOCAL: the
-    state-independent part of dv_new, Aqk^T dO, computed here (Aqk at aqk_ptr) rather than read from dvn_ptr."""
+    state-independent part of dv_new, Aqk^T dO, computed here (Aqk at aqk_ptr) rather than read from dvn_ptr. DRV:
+    dRv = T^T dv_new (T at tinv_ptr) stored at dvn_ptr in dv_new's place (vs then holds -dv_new's high part and its
+    remainder)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, 64, 16])
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))  # tile rows (tokens, or state rows) and V columns
     cv = HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
@@ -121,17 +129,29 @@ def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, aqk_ptr, dht_
         dvn = warpgroup_mma(kg_s.index(2 * slot), hs.index(2), dvn)
         dvn = warpgroup_mma(kg_s.index(2 * slot + 1), hs.index(3), dvn)
         dvn = gl.where(rows, dvn, 0.0)
-        gl.store(dvn_ptr + tok, dvn * scale, mask=rows)
-        vs.store((-dvn).to(gl.bfloat16))
-        fence_async_shared()
+        neg_hi = (-dvn).to(gl.bfloat16)
+        vs.index(0).store(neg_hi)
+        if DRV:  # dRv = T^T dv_new, off the chain: T^T's and -dv_new's 16-bit parts (hi hi + hi lo + lo hi)
+            vs.index(1).store((-dvn - neg_hi.to(gl.float32)).to(gl.bfloat16))
+            fence_async_shared()
+            t_t = gl.load(tinv_ptr + ch * 4096 + gl.expand_dims(ca, 0) * 64 + gl.expand_dims(ra, 1),
+                          mask=gl.expand_dims(ca < eos - t0, 0), other=0.0)
+            t_hi = t_t.to(gl.bfloat16)
+            drv = warpgroup_mma(t_hi, vs.index(0), gl.zeros([64, 64], gl.float32, layout=MMA), use_acc=False)
+            drv = warpgroup_mma(t_hi, vs.index(1), drv)
+            drv = warpgroup_mma((t_t - t_hi.to(gl.float32)).to(gl.bfloat16), vs.index(0), drv)
+            gl.store(dvn_ptr + tok, drv * -scale, mask=rows)
+        else:
+            gl.store(dvn_ptr + tok, dvn * scale, mask=rows)
+            fence_async_shared()
         if eos - t0 < 64:  # a sequence's last, partial chunk: its dO tile's rows past it are the next sequence's
             d_o.store(gl.where(rows, d_o.load(MMA), 0.0).to(gl.bfloat16))
             fence_async_shared()
         # dS <- exp(Gamma_C) dS + qg^T dO - W^T dv_new, qg^T and W^T read from the ring transposed
         d_top = warpgroup_mma(qg_s.index(2 * slot).permute((1, 0)), d_o, d_top * eg_top)
-        d_top = warpgroup_mma(w_s.index(2 * slot).permute((1, 0)), vs, d_top)
+        d_top = warpgroup_mma(w_s.index(2 * slot).permute((1, 0)), vs.index(0), d_top)
         d_bot = warpgroup_mma(qg_s.index(2 * slot + 1).permute((1, 0)), d_o, d_bot * eg_bot)
-        d_bot = warpgroup_mma(w_s.index(2 * slot + 1).permute((1, 0)), vs, d_bot)
+        d_bot = warpgroup_mma(w_s.index(2 * slot + 1).permute((1, 0)), vs.index(0), d_bot)
         mbarrier.arrive(empty.index(slot), count=1)
     if STORE_DH0:
         gl.store(dh0_ptr + s_off, d_top * scale)
@@ -139,9 +159,10 @@ def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, aqk_ptr, dht_
 
 
 @gluon.jit
-def _gluon_dh_scan_kernel(kg_d, qg_d, w_d, do_d, eg_ptr, aqk_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr, cu_ptr, coff_ptr,
-                          H, scale, inv_dscale, K: gl.constexpr, V: gl.constexpr, HAS_DHT: gl.constexpr,
-                          STORE_DH0: gl.constexpr, RING: gl.constexpr, LOCAL: gl.constexpr, num_warps: gl.constexpr):
+def _gluon_dh_scan_kernel(kg_d, qg_d, w_d, do_d, eg_ptr, aqk_ptr, tinv_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr, cu_ptr,
+                          coff_ptr, H, scale, inv_dscale, K: gl.constexpr, V: gl.constexpr, HAS_DHT: gl.constexpr,
+                          STORE_DH0: gl.constexpr, RING: gl.constexpr, LOCAL: gl.constexpr, DRV: gl.constexpr,
+                          num_warps: gl.constexpr):
     """The scan over (1, N H) programs (the _d arguments: TMA descriptors of [64, 64] bf16 tiles of kg, qg, W as
     [tokens, H K] and dO as [tokens, H V])."""
     kg_s = gl.allocate_shared_memory(gl.bfloat16, [2 * RING, 64, 64], kg_d.layout)
@@ -150,14 +171,16 @@ def _gluon_dh_scan_kernel(kg_d, qg_d, w_d, do_d, eg_ptr, aqk_ptr, dht_ptr, dh_pt
     do_s = gl.allocate_shared_memory(gl.bfloat16, [2 * RING, 64, 64], do_d.layout)
     hs0 = gl.allocate_shared_memory(gl.bfloat16, [4, 64, 64], kg_d.layout)  # each half's dS parts
     hs1 = gl.allocate_shared_memory(gl.bfloat16, [4, 64, 64], kg_d.layout)
-    vs0 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], kg_d.layout)  # each half's -dv_new
-    vs1 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], kg_d.layout)
+    vs0 = gl.allocate_shared_memory(gl.bfloat16, [1 + DRV, 64, 64], kg_d.layout)  # each half's -dv_new (DRV: hi, lo)
+    vs1 = gl.allocate_shared_memory(gl.bfloat16, [1 + DRV, 64, 64], kg_d.layout)
     ready, empty = ring_barriers(RING, 2)  # every consumer releases a slot
     gl.warp_specialize([
-        (_consumer, (ready, empty, kg_s, qg_s, w_s, do_s, hs0, vs0, eg_ptr, aqk_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr,
-                     cu_ptr, coff_ptr, H, scale, inv_dscale, K, V, HAS_DHT, STORE_DH0, num_warps, 0, LOCAL)),
-        (_consumer, (ready, empty, kg_s, qg_s, w_s, do_s, hs1, vs1, eg_ptr, aqk_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr,
-                     cu_ptr, coff_ptr, H, scale, inv_dscale, K, V, HAS_DHT, STORE_DH0, num_warps, 1, LOCAL)),
+        (_consumer, (ready, empty, kg_s, qg_s, w_s, do_s, hs0, vs0, eg_ptr, aqk_ptr, tinv_ptr, dht_ptr, dh_ptr, dvn_ptr,
+                     dh0_ptr, cu_ptr, coff_ptr, H, scale, inv_dscale, K, V, HAS_DHT, STORE_DH0, num_warps, 0, LOCAL,
+                     DRV)),
+        (_consumer, (ready, empty, kg_s, qg_s, w_s, do_s, hs1, vs1, eg_ptr, aqk_ptr, tinv_ptr, dht_ptr, dh_ptr, dvn_ptr,
+                     dh0_ptr, cu_ptr, coff_ptr, H, scale, inv_dscale, K, V, HAS_DHT, STORE_DH0, num_warps, 1, LOCAL,
+                     DRV)),
         (_loader, (ready, empty, kg_s, qg_s, w_s, do_s, kg_d, qg_d, w_d, do_d, cu_ptr, coff_ptr, H, K, V)),
     ], [num_warps, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
     release_ring(ready, empty)
@@ -176,20 +199,22 @@ def supported(qg: torch.Tensor, kg: torch.Tensor, w: torch.Tensor, do: torch.Ten
 
 
 def launch(qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H: int, scale: float, dscale: float,
-           aqk: Optional[torch.Tensor] = None, launcher: Optional[Callable] = None) -> None:
+           aqk: Optional[torch.Tensor] = None, tinv: Optional[torch.Tensor] = None,
+           launcher: Optional[Callable] = None) -> None:
     """The scan by ``_gluon_dh_scan_kernel`` on ``triton_backward``'s tensors (token layout [B, T, H, D]; dh as [NT, H,
     K, V] fp32; dht / dh0 as [N, H, K, V] fp32 or None). dvn: dv_new's buffer, written; with aqk None it must hold
     dscale Aqk^T dO (``_dvn_local_kernel``), else (Aqk as [NT, H, 64, 64] fp32) the kernel computes that part itself.
-    launcher: how to run it (default: on the GPU; ``tests/gluon_emulator.emulate`` on the CPU)."""
+    tinv: T as [NT, H, 64, 64] fp32, to store dRv = T^T dv_new at dvn instead of dv_new. launcher: how to run it
+    (default: on the GPU; ``tests/gluon_emulator.emulate`` on the CPU)."""
     K, V = qg.shape[-1], do.shape[-1]
     tok_k, tok_v = (qg.numel() // (H * K), H * K), (do.numel() // (H * V), H * V)
     args = (tile_descriptor(kg, gl.bfloat16, tok_k), tile_descriptor(qg, gl.bfloat16, tok_k),
             tile_descriptor(w, gl.bfloat16, tok_k), tile_descriptor(do, gl.bfloat16, tok_v), eg,
-            aqk if aqk is not None else dh, dht if dht is not None else dh, dh, dvn, dh0 if dh0 is not None else dh,
+            *(x if x is not None else dh for x in (aqk, tinv, dht)), dh, dvn, dh0 if dh0 is not None else dh,
             plan.cu, plan.chunk_off, H, float(scale), 1.0 / dscale)
     grid = (1, plan.N * H)
     meta = dict(K=K, V=V, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, RING=RING, LOCAL=aqk is not None,
-                num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))
+                DRV=tinv is not None, num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))
     if launcher is None:
         _gluon_dh_scan_kernel[grid](*args, **meta)
     else:

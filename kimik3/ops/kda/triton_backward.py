@@ -491,9 +491,11 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
             aux["aqk"], do, dvn, plan.cu, plan.chunk_idx, H, dscale if acc else float(scale),
             V=V, BV=BV, NV=nv, PREC=PREC, DT=scan_dt, num_warps=4,
         )
+    drv_in_scan = gluon is not None and gluon.FUSE_DRV and DRV_PASS  # the scan stores dRv over dv_new itself
     if gluon is not None:
         gluon.launch(aux["qg"], aux["kg"], aux["eg"], aux["w"], do, dht_c if dht is not None else None, dh, dvn, dh0,
-                     plan, H, scale, dscale, aqk=aux["aqk"] if gluon.FUSE_LOCAL else None)
+                     plan, H, scale, dscale, aqk=aux["aqk"] if gluon.FUSE_LOCAL else None,
+                     tinv=aux["tinv"] if drv_in_scan else None)
     else:
         BVs, warps_s, stages_s = _scan_launch(scan_dt, acc)
         _bwd_dh_kernel[(triton.cdiv(V, BVs), N * H)](
@@ -509,7 +511,7 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     dbeta_parts = dbeta if npart == 1 else torch.empty(npart, B, T, H, **f32)
     part_a, part_beta = NT * H * 4096, B * T * H
     warps = BWD_WARPS or (8 if BKF >= 128 else 4)  # sm_90 compile: the split spills 176 B at 8 warps, 1.7 KB at 4
-    if DRV_PASS:  # dRv = T^T dv_new once per chunk, over dv_new (which the WY kernel needs only through it)
+    if DRV_PASS and not drv_in_scan:  # dRv = T^T dv_new once per chunk, over dv_new (the WY kernel needs only it)
         _drv_kernel[part_grid(NT, H, nv)](aux["tinv"], dvn, plan.cu, plan.chunk_idx, H, V=V, BV=BV, NV=nv,
                                           PREC=PREC, num_warps=4)
     h16 = h.dtype in (torch.bfloat16, torch.float16)

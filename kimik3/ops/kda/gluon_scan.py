@@ -87,10 +87,11 @@ def _consumer(ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr
     col0 = (gl.program_id(0) * NHALF + HALF) * 64
     cv = col0 + gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
     i_h, bos, eos, nc, coff = _sequence(cu_ptr, coff_ptr, H)
-    s_off = ((gl.program_id(1) * K + gl.expand_dims(r, 1)) * V + gl.expand_dims(cv, 0)).to(gl.int64)  # [N, H, K, V]
+    tile = gl.expand_dims(r, 1) * V + gl.expand_dims(cv, 0)  # a [64, 64] block of a [K, V] state
+    state = gl.program_id(1).to(gl.int64) * (K * V)  # this sequence and head's state in [N, H, K, V]
     if HAS_H0:
-        h_top = gl.load(h0_ptr + s_off)
-        h_bot = gl.load(h0_ptr + s_off + 64 * V)
+        h_top = gl.load(h0_ptr + state + tile)
+        h_bot = gl.load(h0_ptr + state + tile + 64 * V)
     else:
         h_top = gl.zeros([64, 64], gl.float32, layout=MMA)
         h_bot = gl.zeros([64, 64], gl.float32, layout=MMA)
@@ -130,8 +131,8 @@ def _consumer(ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr
         mbarrier.arrive(empty.index(slot), count=1)
     tma.store_wait(0)
     if STORE_HT:
-        gl.store(ht_ptr + s_off, h_top)
-        gl.store(ht_ptr + s_off + 64 * V, h_bot)
+        gl.store(ht_ptr + state + tile, h_top)
+        gl.store(ht_ptr + state + tile + 64 * V, h_bot)
 
 
 @gluon.jit

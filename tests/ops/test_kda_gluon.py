@@ -235,6 +235,8 @@ def test_supported_names_what_it_needs():
     assert "fp32 U" in gluon_scan.supported(wk, wk, us.bfloat16(), hs, True)
     assert "fp32 U" in gluon_scan.supported(wk, wk, us, hs.float(), True)
     assert "high and low" in gluon_scan.supported(wk, wk, us, hs, False)
+    huge = hs.expand(2**24, 1, 128, 64)  # 2^31 state rows, as a view (no memory)
+    assert "2^31" in gluon_scan.supported(wk, wk, us, huge, True)
     assert "K = V = 128" in gluon_bwd_scan.supported(wk, wk, wk, us.bfloat16(), True)
     assert "bf16" in gluon_bwd_scan.supported(wk, wk, wk.float(), wk, True)
     assert "in-place" in gluon_bwd_scan.supported(wk, wk, wk, wk, False)

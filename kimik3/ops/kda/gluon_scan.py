@@ -175,6 +175,8 @@ def supported(w: torch.Tensor, kg: torch.Tensor, u: torch.Tensor, h: torch.Tenso
         return "bf16 W, kg and stored states with fp32 U"
     if not hilo:
         return "v_new split into high and low parts (the variant's 'h')"
+    if h.numel() // V >= 2**31:  # the states' TMA stores address [NT H K, V] rows with 32-bit coordinates
+        return "fewer than 2^31 rows of stored states (chunks x heads x K)"
     return on_hopper(w)
 
 

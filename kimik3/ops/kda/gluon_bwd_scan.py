@@ -34,7 +34,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 from .gluon_scan import _sequence
-from .gluon_wy import _wait_slot, launch_options, on_hopper, release_ring, ring_barriers, tile_descriptor
+from .gluon_wy import (_wait_slot, launch_options, on_hopper, release_ring, ring_barriers, split16,
+                       tile_descriptor)
 
 CONSUMER_WARPS = 4  # per consumer partition (one per 64-column half of V)
 LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
@@ -70,6 +71,16 @@ def _loader(ready, empty, kg_s, qg_s, w_s, do_s, kg_d, qg_d, w_d, do_d, cu_ptr, 
 
 
 @gluon.jit
+def _transposed_parts(mat_ptr, ch, ra, ca, valid):
+    """The transpose of chunk-head ch's [64, 64] fp32 matrix at mat_ptr (Aqk or T, chunk-major) as a left operand,
+    split into 16-bit high and low parts (``split16``); its columns from the chunk's valid row count on are zero
+    (they would meet the next sequence's rows)."""
+    m_t = gl.load(mat_ptr + ch * 4096 + gl.expand_dims(ca, 0) * 64 + gl.expand_dims(ra, 1),
+                  mask=gl.expand_dims(ca < valid, 0), other=0.0)
+    return split16(m_t)
+
+
+@gluon.jit
 def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, aqk_ptr, tinv_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr,
               cu_ptr, coff_ptr, H, scale, inv_dscale, K: gl.constexpr, V: gl.constexpr, HAS_DHT: gl.constexpr,
               STORE_DH0: gl.constexpr, NW: gl.constexpr, HALF: gl.constexpr, LOCAL: gl.constexpr, DRV: gl.constexpr):
@@ -99,11 +110,7 @@ def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, aqk_ptr, tinv
         tok = gl.expand_dims((t0 + r).to(gl.int64), 1) * (H * V) + i_h * V + gl.expand_dims(cv, 0)
         ch = ((coff + cc) * H + i_h).to(gl.int64)  # the global chunk's (chunk, head) index
         if LOCAL:  # Aqk^T as the products' left operand: high and low 16-bit parts, in registers
-            # (its columns past the chunk's valid rows zero: they meet dO rows of the next sequence)
-            a_t = gl.load(aqk_ptr + ch * 4096 + gl.expand_dims(ca, 0) * 64 + gl.expand_dims(ra, 1),
-                          mask=gl.expand_dims(ca < eos - t0, 0), other=0.0)
-            a_hi = a_t.to(gl.bfloat16)
-            a_lo = (a_t - a_hi.to(gl.float32)).to(gl.bfloat16)
+            a_hi, a_lo = _transposed_parts(aqk_ptr, ch, ra, ca, eos - t0)
         else:
             dv_local = gl.load(dvn_ptr + tok, mask=rows, other=0.0) * inv_dscale  # Aqk^T dO (exact: a power of two)
         eg_top = gl.expand_dims(gl.load(eg_ptr + ch * K + r), 1)
@@ -111,12 +118,12 @@ def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, aqk_ptr, tinv
         # the gradient of the state leaving the chunk, and its 16-bit parts as the next products' operand
         gl.store(dh_ptr + ch * (K * V) + tile, d_top * scale)
         gl.store(dh_ptr + ch * (K * V) + tile + 64 * V, d_bot * scale)
-        hi_top = d_top.to(gl.bfloat16)
-        hi_bot = d_bot.to(gl.bfloat16)
+        hi_top, lo_top = split16(d_top)
+        hi_bot, lo_bot = split16(d_bot)
         hs.index(0).store(hi_top)
         hs.index(1).store(hi_bot)
-        hs.index(2).store((d_top - hi_top.to(gl.float32)).to(gl.bfloat16))
-        hs.index(3).store((d_bot - hi_bot.to(gl.float32)).to(gl.bfloat16))
+        hs.index(2).store(lo_top)
+        hs.index(3).store(lo_bot)
         fence_async_shared()
         slot = _wait_slot(ready, c, 0)
         d_o = do_s.index(2 * slot + HALF)
@@ -129,17 +136,15 @@ def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, aqk_ptr, tinv
         dvn = warpgroup_mma(kg_s.index(2 * slot), hs.index(2), dvn)
         dvn = warpgroup_mma(kg_s.index(2 * slot + 1), hs.index(3), dvn)
         dvn = gl.where(rows, dvn, 0.0)
-        neg_hi = (-dvn).to(gl.bfloat16)
+        neg_hi, neg_lo = split16(-dvn)
         vs.index(0).store(neg_hi)
         if DRV:  # dRv = T^T dv_new, off the chain: T^T's and -dv_new's 16-bit parts (hi hi + hi lo + lo hi)
-            vs.index(1).store((-dvn - neg_hi.to(gl.float32)).to(gl.bfloat16))
+            vs.index(1).store(neg_lo)
             fence_async_shared()
-            t_t = gl.load(tinv_ptr + ch * 4096 + gl.expand_dims(ca, 0) * 64 + gl.expand_dims(ra, 1),
-                          mask=gl.expand_dims(ca < eos - t0, 0), other=0.0)
-            t_hi = t_t.to(gl.bfloat16)
+            t_hi, t_lo = _transposed_parts(tinv_ptr, ch, ra, ca, eos - t0)
             drv = warpgroup_mma(t_hi, vs.index(0), gl.zeros([64, 64], gl.float32, layout=MMA), use_acc=False)
             drv = warpgroup_mma(t_hi, vs.index(1), drv)
-            drv = warpgroup_mma((t_t - t_hi.to(gl.float32)).to(gl.bfloat16), vs.index(0), drv)
+            drv = warpgroup_mma(t_lo, vs.index(0), drv)
             gl.store(dvn_ptr + tok, drv * -scale, mask=rows)
         else:
             gl.store(dvn_ptr + tok, dvn * scale, mask=rows)

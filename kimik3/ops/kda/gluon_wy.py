@@ -85,6 +85,14 @@ def _wait_slot(bars, i, FREE: gl.constexpr):
 
 
 @gluon.jit
+def split16(x):
+    """fp32 x as a bf16 high part and the bf16 remainder (hi + lo holds ~16 mantissa bits): Gluon's twin of
+    ``triton_scan._split16``."""
+    hi = x.to(gl.bfloat16)
+    return hi, (x - hi.to(gl.float32)).to(gl.bfloat16)
+
+
+@gluon.jit
 def ring_barriers(RING: gl.constexpr, RELEASERS: gl.constexpr):
     """A ring's barriers, initialised: "ready" (one arrival, the loader's expect, plus the TMA bytes) and "empty"
     (RELEASERS arrivals: every consumer partition hands the slot back), one of each per slot."""

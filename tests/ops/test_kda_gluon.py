@@ -263,6 +263,23 @@ def test_gluon_dispatch_needs_cuda_the_switch_and_enough_work():
     assert tf._gluon_for("gluon_scan", True, Cuda(), n + 1, min_items=n + 1) is gluon_scan
 
 
+def test_gluon_taking_asks_the_kernel_too(monkeypatch):
+    """``triton_forward._gluon_taking``: ``_gluon_for``'s conditions on its arguments' first tensor, then the
+    kernel's own ``supported`` on all of them; a reason from it leaves the call to the Triton kernel."""
+    class Cuda:
+        is_cuda = True
+
+    seen = []
+    monkeypatch.setattr(gluon_scan, "supported", lambda *a: seen.append(a) or ("no" if a[1] == "bad" else None))
+    n, x = tf.GLUON_MIN_ITEMS, Cuda()
+    assert tf._gluon_taking("gluon_scan", True, n, (x, "good")) is gluon_scan
+    assert tf._gluon_taking("gluon_scan", True, n, (x, "bad")) is None
+    assert seen == [(x, "good"), (x, "bad")]
+    assert tf._gluon_taking("gluon_scan", True, n - 1, (x, "good")) is None  # below the threshold: not asked
+    assert tf._gluon_taking("gluon_scan", True, n, (torch.zeros(1), "good")) is None
+    assert len(seen) == 2
+
+
 def test_gluon_kernels_compile_for_sm90(tmp_path):
     """In a process of its own, without the interpreter and with an empty Triton cache: the kernels compile for
     sm_90, without spilling, and as many CTAs of each as its launch counts on (its warps as launched, the loader's

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from .triton_bwd_intra import bwd_intra
 from . import triton_forward
-from .triton_forward import INTERPRET, ChunkPlan, _dot_dtype, _gluon_for, _next_pow2
+from .triton_forward import INTERPRET, ChunkPlan, _dot_dtype, _gluon_taking, _next_pow2
 from .triton_preact import PreactInputs, preact_bwd_triton
 from .triton_scan import (_chunk_beta, _chunk_block, _chunk_part, _chunk_tiles, _fwd_h_kernel, _scan_program,
                           _split16, _state_tile, part_grid, states_dtype)
@@ -482,10 +482,8 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     acc = DH_ACC_DOTS and scan_dt != tl.float32 and scale != 0  # (a zero scale has no mantissa part to carry)
     # scale = dscale x its mantissa part in [1, 2); the in-place scan carries dv_new / the mantissa part
     dscale = 2.0 ** (math.frexp(scale)[1] - 1) if acc else 1.0
-    gluon = _gluon_for("gluon_bwd_scan", GLUON_DH_SCAN, q, NT * H * triton.cdiv(V, 64),
-                       triton_forward.GLUON_SCAN_MIN_ITEMS)
-    if gluon is not None and gluon.supported(aux["qg"], aux["kg"], aux["w"], do, acc) is not None:
-        gluon = None
+    gluon = _gluon_taking("gluon_bwd_scan", GLUON_DH_SCAN, NT * H * triton.cdiv(V, 64),
+                          (aux["qg"], aux["kg"], aux["w"], do, acc), triton_forward.GLUON_SCAN_MIN_ITEMS)
     if gluon is None or not gluon.FUSE_LOCAL:  # the Gluon scan otherwise computes this part itself
         _dvn_local_kernel[part_grid(NT, H, nv)](
             aux["aqk"], do, dvn, plan.cu, plan.chunk_idx, H, dscale if acc else float(scale),

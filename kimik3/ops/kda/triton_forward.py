@@ -381,11 +381,19 @@ def _gluon_for(name: str, on: bool, x: torch.Tensor, items: int, min_items: Opti
     return _gluon(name) if on and x.is_cuda and enough else None
 
 
+def _gluon_taking(name: str, on: bool, items: int, supported_args: tuple, min_items: Optional[int] = None):
+    """The Gluon kernel module that runs this call, or None for the Triton kernel: ``_gluon_for`` (on the device of
+    the first of supported_args) and the module's ``supported(*supported_args)``."""
+    gluon = _gluon_for(name, on, supported_args[0], items, min_items)
+    return gluon if gluon is not None and gluon.supported(*supported_args) is None else None
+
+
 def _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV, DTC, PREC, warps):
     """Phase C as its own kernel: one program per (chunk, head, K block or V block), at ``WY_BLOCKS`` when set;
     the Gluon kernel (``gluon_wy.py``) instead where ``GLUON_WY`` is on and it supports the tensors."""
-    gluon_wy = _gluon_for("gluon_wy", GLUON_WY and WY_BLOCKS is None, qn, plan.NT * H * triton.cdiv(K, 64))
-    if gluon_wy is not None and gluon_wy.supported(qn, kn, v, G, tinv, w, u, qg, kg, DTC) is None:
+    gluon_wy = _gluon_taking("gluon_wy", GLUON_WY and WY_BLOCKS is None, plan.NT * H * triton.cdiv(K, 64),
+                             (qn, kn, v, G, tinv, w, u, qg, kg, DTC))
+    if gluon_wy is not None:
         gluon_wy.launch(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K)
         return
     if WY_BLOCKS is not None:
@@ -478,8 +486,9 @@ def kda_fwd_triton(
         )
     elif INTRA_MODE == "split":
         wa, ws, wc = INTRA_SPLIT_WARPS
-        gluon_a = _gluon_for("gluon_phase_a", GLUON_A and A_BK is None, q, NT * H * triton.cdiv(K, 64))
-        if gluon_a is not None and gluon_a.supported(qn, kn, G, DTA) is None:
+        gluon_a = _gluon_taking("gluon_phase_a", GLUON_A and A_BK is None, NT * H * triton.cdiv(K, 64),
+                                (qn, kn, G, DTA))
+        if gluon_a is not None:
             gluon_a.launch(qn, kn, G, betan, aqk, tinv, plan, H, K)
         else:
             _intra_a_kernel[part_grid(NT, H, 4)](qn, kn, G, betan, aqk, tinv, plan.cu, plan.chunk_idx, H,
@@ -508,8 +517,9 @@ def kda_fwd_triton(
     if FWD_MODE == "split":  # the scans on the variant's operand width, as the fused scan
         h = torch.empty(NT, H, K, V, device=dev, dtype=states_dtype(sc_dtype))
         vn = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
-        gluon_scan = _gluon_for("gluon_scan", GLUON_SCAN, w, NT * H * triton.cdiv(V, 64), GLUON_SCAN_MIN_ITEMS)
-        if gluon_scan is not None and gluon_scan.supported(w, kg, u, h, hilo) is None:
+        gluon_scan = _gluon_taking("gluon_scan", GLUON_SCAN, NT * H * triton.cdiv(V, 64), (w, kg, u, h, hilo),
+                                   GLUON_SCAN_MIN_ITEMS)
+        if gluon_scan is not None:
             gluon_scan.launch(kg, eg, w, u, h0 if initial_state is not None else None, h, vn, ht, plan, H, K, V)
         else:
             BV_h, warps_h, stages_h = SPLIT_CONFIG

@@ -30,7 +30,6 @@ Forward:
                          (KIMIK3_KDA_GLUON_WY)
   ga | noga              phase A likewise (KIMIK3_KDA_GLUON_A)
   gscan | nogscan        the split forward's state scan likewise (KIMIK3_KDA_GLUON_SCAN)
-  gscan=R                that Gluon scan launched at R registers per thread (gluon_scan.MAXNREG; 0: no limit)
   gdh | nogdh            the backward's state-gradient scan by its Gluon kernel or the Triton one
                          (KIMIK3_KDA_GLUON_DH_SCAN)
   module.ATTR=value      any attribute of a kimik3.ops.kda module (triton_* or gluon_*), as kda_sm90_report.py's
@@ -112,11 +111,6 @@ def parse_experiment(token: str):
             overrides[(tf, "GLUON_SCAN")] = part == "gscan"
         elif part in ("gdh", "nogdh"):  # the state-gradient scan by the Gluon kernel (gluon_bwd_scan.py) or Triton
             overrides[(tb, "GLUON_DH_SCAN")] = part == "gdh"
-        elif part.startswith("gscan=") and part[6:].isdigit():
-            from kimik3.ops.kda import gluon_scan
-
-            overrides[(tf, "GLUON_SCAN")] = True
-            overrides[(gluon_scan, "MAXNREG")] = int(part[6:]) or None
         elif part == "w32":  # W stored fp32 (as before the seventh session)
             overrides[(tf, "W_16BIT")] = False
         elif part in ("l2rows", "l2prep"):  # the q / k L2 norms over contiguous rows, or in the PREP_PARTS prologue
@@ -186,7 +180,7 @@ def parse_experiment(token: str):
                              "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
                              "prep1|prep3, dhacc|nodhacc, out=BV/W, l2rows|l2prep, l2r=BR/W, gcw=W, iw=A/B/C, "
                              "wyc=BK/BV, abk=BK, wydyn|wyunroll, wys=S, wyv|nowyv, fpb|nofpb, sfx=BK/W, bis=S, "
-                             "iwarps=W, gwy|nogwy, ga|noga, gscan|nogscan, gscan=R, gdh|nogdh, module.ATTR=value)")
+                             "iwarps=W, gwy|nogwy, ga|noga, gscan|nogscan, gdh|nogdh, module.ATTR=value)")
     return token, overrides
 
 

@@ -31,8 +31,9 @@ from harness import Report, bench, log, rel  # noqa: E402
 # (B, T, H): phase C's items are NT * H * K / 64 (K = 128), phase A's NT * H
 SHAPES = [(1, 256, 8), (1, 1024, 8), (1, 2048, 16), (1, 2048, 32), (1, 4096, 32), (1, 2048, 96), (1, 4096, 96),
           (1, 8192, 96)]
-# phase -> (triton_forward switch, items per chunk and head)
-PHASES = {"wy": ("GLUON_WY", 2), "a": ("GLUON_A", 1), "scan": ("GLUON_SCAN", 2)}
+# phase -> (triton_forward switch, items per chunk and head, the threshold it is dispatched by)
+PHASES = {"wy": ("GLUON_WY", 2, "GLUON_MIN_ITEMS"), "a": ("GLUON_A", 1, "GLUON_MIN_ITEMS"),
+          "scan": ("GLUON_SCAN", 2, "GLUON_SCAN_MIN_ITEMS")}
 REPORT = Report(dispatch=[])
 verdict, section = REPORT.verdict, REPORT.section
 
@@ -53,25 +54,26 @@ def enqueue_ms(fn, reps: int = 20) -> float:
 def dispatch(phases: list) -> None:
     import kimik3.ops.kda.triton_forward as tf
 
-    saved = {name: getattr(tf, name) for name in ("GLUON_MIN_ITEMS", "GLUON_WY", "GLUON_A", "GLUON_SCAN")}
-    tf.GLUON_MIN_ITEMS = 0
+    names = {name for phase in PHASES.values() for name in (phase[0], phase[2])}
+    saved = {name: getattr(tf, name) for name in names}
+    for phase in PHASES.values():  # every Gluon kernel considered at any size; the switches decide
+        setattr(tf, phase[2], 0)
     try:
         for phase in phases:
-            switch, per_chunk = PHASES[phase]
+            switch, per_chunk, threshold = PHASES[phase]
             wins = []
             for B, T, H in SHAPES:
                 xs, a_log, dtb = k3.k3_inputs(B, T, H, 128)
                 items = B * (T // 64) * H * per_chunk
-                row = {"phase": phase, "B": B, "T": T, "H": H, "items": items}
-                for on in (False, True):
+                row, outs = {"phase": phase, "B": B, "T": T, "H": H, "items": items}, {}
+                for kind, on in (("triton", False), ("gluon", True)):
                     setattr(tf, switch, on)
                     fn = lambda: k3.ours_k3(xs, a_log, dtb)  # noqa: E731
-                    out = fn()
-                    row["gluon" if on else "triton"] = bench(fn)
-                    row["enqueue_gluon" if on else "enqueue_triton"] = enqueue_ms(fn)
-                    row["out_gluon" if on else "out_triton"] = out
+                    outs[kind] = fn()[0]
+                    row[kind] = bench(fn)
+                    row["enqueue_" + kind] = enqueue_ms(fn)
                 setattr(tf, switch, saved[switch])
-                e = rel(row.pop("out_triton")[0], row.pop("out_gluon")[0])
+                e = rel(outs["triton"], outs["gluon"])
                 verdict(f"dispatch {phase} B{B} T{T} H{H} outputs agree", e < 1e-2, f"rel {e:.1e}")
                 row["ratio"] = row["triton"] / row["gluon"]
                 wins.append((items, row["ratio"] >= 1.0))
@@ -81,7 +83,7 @@ def dispatch(phases: list) -> None:
                     f"{row['enqueue_gluon']:.3f} ms")
             never_slower = [n for n, _ in wins if all(ok for m, ok in wins if m >= n)]
             log(f"{phase}: the Gluon kernel is never slower from {min(never_slower) if never_slower else 'no'} "
-                f"items up (today's threshold: {saved['GLUON_MIN_ITEMS']})")
+                f"items up (today's threshold, {threshold}: {saved[threshold]})")
     finally:
         for name, value in saved.items():
             setattr(tf, name, value)

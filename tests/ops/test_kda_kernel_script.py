@@ -245,3 +245,34 @@ def test_report_keeps_a_failing_section_and_writes_the_summary(kk, tmp_path, cap
     assert "FAILED: broken:exception" in capsys.readouterr().out
     assert harness.Report().finish(0.0, None, "unused.json") == 0
     assert harness.rel(torch.ones(4), torch.ones(4) * 1.5) == pytest.approx(0.5)
+
+
+def test_gluon_dispatch_script_times_each_phase_both_ways(monkeypatch):
+    """benchmarks/kda_gluon_dispatch.py's section with the forward stubbed out: each shape is run with the phase's
+    Gluon switch off and then on, with the threshold that dispatches that phase (the scans have their own) at zero
+    so the Gluon kernel is considered at every size, and every switch and threshold is restored after."""
+    import kimik3.ops.kda.triton_forward as tf
+
+    path = os.path.join(os.path.dirname(SCRIPT), "kda_gluon_dispatch.py")
+    spec = importlib.util.spec_from_file_location("kda_gluon_dispatch_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    before = {n: getattr(tf, n) for n in ("GLUON_SCAN", "GLUON_SCAN_MIN_ITEMS", "GLUON_MIN_ITEMS")}
+    seen = []
+
+    def forward(*_):
+        seen.append((tf.GLUON_SCAN, tf.GLUON_SCAN_MIN_ITEMS, tf.GLUON_MIN_ITEMS))
+        return (torch.ones(4),)
+
+    monkeypatch.setattr(mod, "SHAPES", [(1, 128, 2), (1, 256, 2)])
+    monkeypatch.setattr(mod.k3, "k3_inputs", lambda *a: (None, None, None))
+    monkeypatch.setattr(mod.k3, "ours_k3", forward)
+    monkeypatch.setattr(mod, "bench", lambda fn: fn() and 1.0)
+    monkeypatch.setattr(mod, "enqueue_ms", lambda fn: fn() and 0.5)
+    mod.dispatch(["scan"])
+    assert [s[0] for s in seen] == [False] * 3 + [True] * 3 + [False] * 3 + [True] * 3
+    assert all(s[1:] == (0, 0) for s in seen)
+    assert {n: getattr(tf, n) for n in before} == before
+    rows = mod.REPORT.results["dispatch"]
+    assert [r["items"] for r in rows] == [8, 16] and all(r["ratio"] == 1.0 for r in rows)
+    assert not mod.REPORT.results["fail"]

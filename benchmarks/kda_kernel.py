@@ -262,11 +262,23 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
             saved_env = os.environ.get("KIMIK3_KDA_TRITON_BWD")
             runs = [("triton", "ours_fwdbwd", {})] + ([] if no_hybrid else [("torch", "ours_fwdbwd_hybrid", {})])
             runs += [("triton", f"ours_fwdbwd[{name}]", overrides) for name, overrides in EXPERIMENTS]
+            g_default = None
             for mode, name, overrides in runs:
                 os.environ["KIMIK3_KDA_TRITON_BWD"] = mode
                 try:
                     with overridden(overrides):
                         grad_step(lambda: ours_k3(xg, a_log, dtb), xg, do)
+                        if mode == "triton" and EXPERIMENTS:  # each try's gradients against the default's
+                            g = torch.autograd.grad(ours_k3(xg, a_log, dtb)[0], xg, do)
+                            if g_default is None:
+                                g_default = g
+                            else:
+                                errs = [rel(a, b) for a, b in zip(g_default, g)]
+                                loose = any(attr == "DEFAULT_VARIANT" for _, attr in overrides)  # (as above)
+                                verdict(f"{key} try [{name}] gradients vs default", max(errs) < (3e-2 if loose
+                                                                                                  else 1e-2),
+                                        " ".join(f"{e:.1e}" for e in errs))
+                            del g
                         row[name] = bench(lambda: grad_step(lambda: ours_k3(xg, a_log, dtb), xg, do), warmup=2, rep=10)
                     log(f"{key} {name} ({mode} backward): {row[name]:.3f} ms")
                 except Exception as exc:  # noqa: BLE001

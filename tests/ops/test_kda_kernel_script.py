@@ -67,7 +67,9 @@ def test_chunk_section_times_ours_the_peer_and_each_experiment(kk):
     kk.EXPERIMENTS[:] = [kk.parse_experiment(t) for t in tries]
     kk.chunk([(1, 70, 2, 32)], ["acsw"], use_fla=True, quick=False, do_bwd=True, no_hybrid=True)
     assert kk.RESULTS["fail"] == [], kk.RESULTS["fail"]
-    assert len(kk.RESULTS["pass"]) == len(tries)  # each experiment's forward agreed with the default
+    # each experiment's forward, and its gradients at the timed shape, agreed with the default's
+    assert len(kk.RESULTS["pass"]) == 2 * len(tries)
+    assert sum("gradients vs default" in p for p in kk.RESULTS["pass"]) == len(tries)
     row = kk.RESULTS["timings"]["chunk"][0]
     expected = ["ours_fwd[acsw]", "fla_fwd", "fla_fwdbwd", "ours_fwdbwd", "floor_fwd", "floor_fwdbwd"]
     expected += [f"ours_fwd[{n}]" for n in tries]
@@ -276,3 +278,19 @@ def test_gluon_dispatch_script_times_each_phase_both_ways(monkeypatch):
     rows = mod.REPORT.results["dispatch"]
     assert [r["items"] for r in rows] == [8, 16] and all(r["ratio"] == 1.0 for r in rows)
     assert not mod.REPORT.results["fail"]
+
+
+def test_chunk_section_fails_a_try_whose_gradients_differ(kk):
+    """A try whose backward is wrong (here dv doubled) is reported as a failure, not only timed."""
+    import kimik3.ops.kda.triton_backward as tb
+
+    orig = tb.kda_bwd_triton
+
+    def doubled_dv(*a, **kw):
+        grads = list(orig(*a, **kw))
+        grads[2] = grads[2] * 2
+        return tuple(grads)
+
+    kk.EXPERIMENTS[:] = [("dv2", {(tb, "kda_bwd_triton"): doubled_dv})]
+    kk.chunk([(1, 70, 2, 32)], ["acsw"], use_fla=False, quick=False, do_bwd=True, no_hybrid=True)
+    assert len(kk.RESULTS["fail"]) == 1 and "gradients vs default" in kk.RESULTS["fail"][0], kk.RESULTS["fail"]

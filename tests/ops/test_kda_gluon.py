@@ -282,15 +282,18 @@ def test_gluon_taking_asks_the_kernel_too(monkeypatch):
 
 def test_gluon_kernels_compile_for_sm90(tmp_path):
     """In a process of its own, without the interpreter and with an empty Triton cache: the kernels compile for
-    sm_90, without spilling, and as many CTAs of each as its launch counts on (its warps as launched, the loader's
+    sm_90, without spilling (the state-gradient scan storing dRv, ``FUSE_DRV``: at most 256 B, 208 when it was timed
+    faster than the dRv pass it replaces), and as many CTAs of each as its launch counts on (its warps as launched, the loader's
     padded to a warpgroup) fit an H200 SM -- two of the scan when each holds one 64-column half of V, so that the 192
     chains at K3's shape run at once on 132 SMs."""
     from tests.gluon_emulator import last_json_line, run_without_interpreter
 
     rows = last_json_line(run_without_interpreter(["-m", "tests.ops.test_kda_gluon"], tmp_path))
     ctas_per_sm = (gluon_wy.CTAS_PER_SM, gluon_phase_a.CTAS_PER_SM, 1 if gluon_scan.SHARED_HALVES else 2, 1)
-    for name, row, ctas in zip(("phase C", "phase A", "scan", "state-gradient scan"), rows, ctas_per_sm):
-        assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, (name, row)
+    spill_limits = (0, 0, 0, 256 if gluon_bwd_scan.FUSE_DRV else 0)
+    for name, row, ctas, spill in zip(("phase C", "phase A", "scan", "state-gradient scan"), rows, ctas_per_sm,
+                                      spill_limits):
+        assert row["spill_store_bytes"] <= spill and row["spill_load_bytes"] <= spill, (name, row)
         assert (row["shared_bytes"] + 1024) * ctas <= 233472, (name, row)
         assert row["registers"] * 32 * row["num_warps"] * ctas <= 65536, (name, row)
 
@@ -310,6 +313,7 @@ if __name__ == "__main__":  # the compile step of test_gluon_kernels_compile_for
     dh = torch.zeros(plan.NT, 2, 128, 128)
     gluon_bwd_scan.launch(w, kg, eg, w, kg, h0, dh, u, h0.clone(), plan, 2, 0.088, 0.0625,
                           aqk=torch.zeros(plan.NT, 2, 64, 64) if gluon_bwd_scan.FUSE_LOCAL else None,
+                          tinv=torch.zeros(plan.NT, 2, 64, 64) if gluon_bwd_scan.FUSE_DRV else None,
                           launcher=compile_only["launcher"])
     print(json.dumps([{k: row[k] for k in ("registers", "num_warps", "shared_bytes", "spill_store_bytes",
                                            "spill_load_bytes")} for row in compiler.rows]))

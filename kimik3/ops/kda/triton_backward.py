@@ -101,7 +101,8 @@ DH_ACC_DOTS = True
 # is met; else, or with KIMIK3_KDA_GLUON_DH_SCAN=0, the Triton ``_bwd_dh_kernel``. H200, K3's shape, same run: the
 # scan 1.077 -> 0.755 ms, forward+backward 10.572 -> 10.269 ms.
 GLUON_DH_SCAN = os.environ.get("KIMIK3_KDA_GLUON_DH_SCAN", "1") == "1"
-# dRv = T^T dv_new by its own pass (``_drv_kernel``, over dv_new) instead of in each of the WY kernel's parts.
+# dRv = T^T dv_new by its own pass (``_drv_kernel``, over dv_new) instead of in each of the WY kernel's parts; the
+# Gluon state-gradient scan stores it itself where it runs (``gluon_bwd_scan.FUSE_DRV``), and then the pass is skipped.
 DRV_PASS = True
 # The WY kernel's dO S^T on the 16-bit dO and stored states as they are (exact products) when both share a
 # 16-bit dtype, instead of both widened to fp32 for a tf32 product.

@@ -283,9 +283,9 @@ def test_gluon_taking_asks_the_kernel_too(monkeypatch):
 def test_gluon_kernels_compile_for_sm90(tmp_path):
     """In a process of its own, without the interpreter and with an empty Triton cache: the kernels compile for
     sm_90, without spilling (the state-gradient scan storing dRv, ``FUSE_DRV``: at most 256 B, 208 when it was timed
-    faster than the dRv pass it replaces), and as many CTAs of each as its launch counts on (its warps as launched, the loader's
-    padded to a warpgroup) fit an H200 SM -- two of the scan when each holds one 64-column half of V, so that the 192
-    chains at K3's shape run at once on 132 SMs."""
+    faster than the dRv pass it replaces), and as many CTAs of each as its launch counts on (its warps as launched,
+    the loader's padded to a warpgroup) fit an H200 SM -- two of the scan when each holds one 64-column half of V, so
+    that the 192 chains at K3's shape run at once on 132 SMs."""
     from tests.gluon_emulator import last_json_line, run_without_interpreter
 
     rows = last_json_line(run_without_interpreter(["-m", "tests.ops.test_kda_gluon"], tmp_path))

@@ -18,6 +18,7 @@ require_triton_kernels()
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_kernel.py")
 PRECISION_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_precision.py")
+NCU_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_ncu.py")
 PLOT_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "plot_kda_profile.py")
 
 
@@ -294,3 +295,26 @@ def test_chunk_section_fails_a_try_whose_gradients_differ(kk):
     kk.EXPERIMENTS[:] = [("dv2", {(tb, "kda_bwd_triton"): doubled_dv})]
     kk.chunk([(1, 70, 2, 32)], ["acsw"], use_fla=False, quick=False, do_bwd=True, no_hybrid=True)
     assert len(kk.RESULTS["fail"]) == 1 and "gradients vs default" in kk.RESULTS["fail"][0], kk.RESULTS["fail"]
+
+
+def test_ncu_driver_runs_a_step_and_applies_its_try(monkeypatch, capsys):
+    """benchmarks/kda_ncu.py (the step Nsight Compute profiles on the GPU machine) runs end to end on the CPU at a
+    small shape, with its --try applied to both the warm-up and the profiled step (seen by the intra backward's
+    mode)."""
+    import kimik3.ops.kda.triton_backward as tb
+    import kimik3.ops.kda.triton_bwd_intra as tbi
+    from kimik3.ops.kda.triton_autograd import interpreter_bf16_fix
+
+    if not torch.cuda.is_available():
+        interpreter_bf16_fix()
+    spec = importlib.util.spec_from_file_location("kda_ncu_under_test", NCU_SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    seen = []
+    orig = tb.bwd_intra
+    monkeypatch.setattr(tb, "bwd_intra", lambda *a, **k: seen.append(tbi.BWD_INTRA_MODE) or orig(*a, **k))
+    assert mod.main(["--shape", "1,70,2,32", "--try", "btiles"]) == 0
+    assert seen == ["tiles", "tiles"]
+    assert tbi.BWD_INTRA_MODE == "rows"  # restored after the steps
+    out = capsys.readouterr().out
+    assert "one forward+backward at B1 T70 H2 D32 [btiles]" in out

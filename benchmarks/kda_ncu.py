@@ -1,0 +1,63 @@
+"""Nsight Compute's view of our KDA kernels at K3's shape: run under ncu, one profiled forward+backward.
+
+    bash benchmarks/kda_ncu.sh [KERNEL_REGEX]          # on the GPU machine; reports under $OUT/ncu
+
+This script does a warm-up forward+backward (compiles, autotunes), then opens the profiler range
+(``cudaProfilerStart``) around one more, so that ``ncu --profile-from-start off`` (which kda_ncu.sh passes) measures
+each kernel of that one step once. ``--try`` takes kda_kernel.py's experiment names (one, applied to both steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kda_k3 as k3  # noqa: E402
+from kda_k3 import grad_step, k3_inputs, ours_k3  # noqa: E402
+from kda_tries import overridden, parse_experiment  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="1,8192,96,128", help="B,T,H,D (default: K3's per-layer shape)")
+    p.add_argument("--try", dest="experiment", default="", help="one kda_kernel.py experiment, e.g. gdh")
+    p.add_argument("--forward-only", action="store_true")
+    args = p.parse_args(argv)
+    B, T, H, D = (int(x) for x in args.shape.split(","))
+    cuda = torch.cuda.is_available()
+    if not cuda:  # a smoke test of the script: the kernels under the Triton interpreter, no profiler range
+        k3.DEVICE = "cpu"
+    _, overrides = parse_experiment(args.experiment) if args.experiment else ("", {})
+    xs, a_log, dtb = k3_inputs(B, T, H, D, requires_grad=not args.forward_only)
+    do = torch.randn_like(xs[2])
+
+    def step():
+        if args.forward_only:
+            with torch.no_grad():
+                ours_k3(xs, a_log, dtb)
+        else:
+            grad_step(lambda: ours_k3(xs, a_log, dtb), xs, do)
+
+    with overridden(overrides):
+        step()  # compiles and warms up, outside the profiled range
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+    what = "forward" if args.forward_only else "forward+backward"
+    print(f"{'profiled' if cuda else 'ran (no GPU: nothing profiled)'} one {what} at B{B} T{T} H{H} D{D}"
+          + (f" [{args.experiment}]" if args.experiment else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,6 +18,7 @@ require_triton_kernels()
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_kernel.py")
 PRECISION_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_precision.py")
+NCU_SOURCE_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "ncu_source.py")
 NCU_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_ncu.py")
 PLOT_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "plot_kda_profile.py")
 
@@ -318,3 +319,40 @@ def test_ncu_driver_runs_a_step_and_applies_its_try(monkeypatch, capsys):
     assert tbi.BWD_INTRA_MODE == "rows"  # restored after the steps
     out = capsys.readouterr().out
     assert "one forward+backward at B1 T70 H2 D32 [btiles]" in out
+
+
+def test_ncu_source_summary_reads_the_source_page(tmp_path, capsys):
+    """benchmarks/ncu_source.py reads ncu's source-page CSV (gzipped): the source lines' totals, not their SASS rows,
+    the stall reasons' shares, and the lines ranked by the chosen counter."""
+    import gzip
+
+    spec = importlib.util.spec_from_file_location("ncu_source_under_test", NCU_SOURCE_SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    header = ["Line No", "Source", "Address", "Source", "Warp Stall Sampling (All Samples)",
+              "L2 Theoretical Sectors Global Excessive", "L2 Theoretical Sectors Global", "Instructions Executed",
+              "stall_long_sb", "stall_barrier", "stall_long_sb (Not Issued)"]
+    rows = [["File Path", "/x/kimik3/ops/kda/triton_backward.py"], header,
+            ["10", "G = tl.load(G_ptr)", "-", "-", "30", "100", "200", "5", "20", "10", "99"],
+            ["", "", "0x10", "LDG.E.128 R0", "30", "100", "200", "5", "20", "10", "99"],  # its SASS row: not counted
+            ["11", "acc += tl.dot(a, b)", "-", "-", "10", "0", "0", "1,000", "0", "10", "0"],
+            ["File Path", "/y/triton/language/standard.py"], header,
+            ["263", "return a + b", "-", "-", "60", "0", "0", "7", "30", "30", "0"]]
+    path = tmp_path / "sass_k.csv.gz"
+    with gzip.open(path, "wt", newline="") as f:
+        import csv
+
+        csv.writer(f).writerows(rows)
+    lines = mod.read_source_lines(str(path))
+    assert [(s.file, s.line) for s in lines] == [("triton_backward.py", "10"), ("triton_backward.py", "11"),
+                                                 ("standard.py", "263")]
+    assert lines[1].metrics["Instructions Executed"] == 1000
+    shares = mod.stall_reasons(lines)
+    assert list(shares) == ["long_sb", "barrier"] and abs(shares["long_sb"] - 0.5) < 1e-9
+    assert mod.main([str(path), "--by", "sectors", "--top", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "triton_backward.py:  10" in out[-1] and "excess sectors 100 / 200" in out[-1]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="not an ncu source page"):
+        mod.read_source_lines(str(bad))

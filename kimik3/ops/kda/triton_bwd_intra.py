@@ -62,6 +62,10 @@ SUFFIX_CONFIG = (64, 4)
 # Pipeline stages of the "rows" kernel's launch (None: Triton's default, 3). H200, K3's shape, fwd+bwd (twelfth
 # session, same run): 1 stage 11.089 ms, 2 10.817, 4 10.827 against 10.690 at 3.
 ROWS_STAGES: Optional[int] = None
+# The suffix-sum pass's dg by one reverse scan down each column instead of the column total minus the prefix sum (no
+# cancellation; Nsight Compute, H200, K3's shape: the total's reduction and the subtraction were about 30 % of the
+# pass's instructions). Prepared offline (seventeenth session), untimed: off.
+SUFFIX_REVERSE_SCAN = False
 # The fp32 [16, BK] tiles (Gamma, the WY kernel's partial dq / dk / dGamma) loaded 16 contiguous bytes per thread
 # (``_f32_tile``) instead of the 32 that Triton's coalescing gives them next to the kernel's 16-bit loads of the same
 # shape. Nsight Compute, H200, K3's shape: those loads request twice the sectors they need (1.29e8 excessive of
@@ -88,8 +92,11 @@ def _parts_masked(ptr, off, stride, mask, NPART: tl.constexpr):
 
 
 @triton.jit
-def _suffix_sum(x):
-    """Per column of the [rows, BK] tile x: the sum of x over this row and every later one."""
+def _suffix_sum(x, REVERSE: tl.constexpr = False):
+    """Per column of the [rows, BK] tile x: the sum of x over this row and every later one; REVERSE
+    (``SUFFIX_REVERSE_SCAN``): by one reverse scan, else as the column total minus the inclusive prefix sum."""
+    if REVERSE:
+        return tl.cumsum(x, axis=0, reverse=True)
     return tl.sum(x, axis=0)[None, :] - tl.cumsum(x, axis=0) + x
 
 
@@ -287,13 +294,14 @@ def _bwd_intra_rows_kernel(
 
 @triton.jit
 def _suffix_sum_kernel(x_ptr, cu_ptr, cidx_ptr, H, z_ptr, alog_ptr, dtb_ptr, dz_ptr, pa_ptr, pd_ptr, g_min,
-                       K: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, GATE: tl.constexpr):
+                       K: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, GATE: tl.constexpr,
+                       REVERSE: tl.constexpr):
     """Per (chunk, head, key block): x_t <- sum_{t' >= t in the chunk} x_t' (dGamma -> dg), in place; GATE:
     the fused gate's chain rule instead, dz to dz_ptr (the raw z's layout) and this block's partial d dt_bias
     (pd, [NT, H, K]) and d A_log (pa, [NT, H, NKB])."""
     i_t, i_h, i_k = _chunk_part(NKB)
     t0, r, rv, ck, km, m, o = _chunk_block(i_t, i_h, i_k, cidx_ptr, cu_ptr, H, K, BK)
-    dg = _suffix_sum(tl.load(x_ptr + o, mask=m, other=0.0))
+    dg = _suffix_sum(tl.load(x_ptr + o, mask=m, other=0.0), REVERSE)
     if GATE:
         gate_bwd(z_ptr, alog_ptr, dtb_ptr, dz_ptr, pd_ptr, pa_ptr, o, m, ck, km, dg, i_h, (i_t * H + i_h) * K,
                  (i_t * H + i_h) * NKB + i_k, g_min, K)
@@ -363,7 +371,7 @@ def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Ten
             pd = torch.empty(NT, H, K, device=q.device, dtype=torch.float32)
             gate_args = (preact.z, preact.A_log, preact.dt_bias, dz, pa, pd, float(preact.g_min))
         _suffix_sum_kernel[part_grid(NT, H, nks)](dg, plan.cu, plan.chunk_idx, H, *gate_args, K=K, BK=BKs, NKB=nks,
-                                                  GATE=gate, num_warps=SUFFIX_CONFIG[1])
+                                                  GATE=gate, REVERSE=SUFFIX_REVERSE_SCAN, num_warps=SUFFIX_CONFIG[1])
         if gate:
             d_alog, d_dtb = pa.sum((0, 2)), pd.sum(0).view_as(preact.dt_bias)
     else:

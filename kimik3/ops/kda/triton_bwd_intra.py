@@ -64,7 +64,9 @@ SUFFIX_CONFIG = (64, 4)
 ROWS_STAGES: Optional[int] = None
 # The suffix-sum pass's dg by one reverse scan down each column instead of the column total minus the prefix sum (no
 # cancellation; Nsight Compute, H200, K3's shape: the total's reduction and the subtraction were about 30 % of the
-# pass's instructions). Prepared offline (seventeenth session), untimed: off.
+# pass's instructions). The local sm_90 screen (the Triton wheel's ptxas) gives 128 registers against 163, but on the
+# H200 the default already ran at 128 (4 CTAs per SM), so only the instructions are saved. Prepared offline
+# (seventeenth session), untimed: off.
 SUFFIX_REVERSE_SCAN = False
 # The fp32 [16, BK] tiles (Gamma, the WY kernel's partial dq / dk / dGamma) loaded 16 contiguous bytes per thread
 # (``_f32_tile``) instead of the 32 that Triton's coalescing gives them next to the kernel's 16-bit loads of the same

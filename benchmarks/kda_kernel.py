@@ -270,9 +270,9 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
                         grad_step(lambda: ours_k3(xg, a_log, dtb), xg, do)
                         if mode == "triton" and EXPERIMENTS:  # each try's gradients against the default's
                             g = torch.autograd.grad(ours_k3(xg, a_log, dtb)[0], xg, do)
-                            if g_default is None:
+                            if not overrides:  # the default run (first)
                                 g_default = g
-                            else:
+                            elif g_default is not None:
                                 errs = [rel(a, b) for a, b in zip(g_default, g)]
                                 loose = any(attr == "DEFAULT_VARIANT" for _, attr in overrides)  # (as above)
                                 verdict(f"{key} try [{name}] gradients vs default", max(errs) < (3e-2 if loose

@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/kda_ncu.sh [KERNEL [kda_ncu.py args...]]   # KERNEL: ncu's --kernel-name (e.g. regex:_bwd_);
 #                                                              # default: every kernel of the profiled step
+#   bash benchmarks/kda_ncu.sh 'regex:.' --peer                # fla 0.6.0's kernels instead (carry .whl)
 #
 # Writes $OUT/ncu/report.ncu-rep and, per kernel, the sections as text (ncu.txt): speed of light, occupancy and
 # launch, warp states (what the warps wait on), scheduler, memory and instruction statistics, and the source
@@ -15,6 +16,10 @@ if [ $# -gt 0 ]; then FILTER=(--kernel-name "$1"); shift; fi
 OUT=${OUT:-./h200-logs}
 mkdir -p "$OUT/ncu"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then  # fla and its einops, for --peer (as h200_check.sh installs them)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f .triton-cache.tgz ] && tar -C "$TRITON_CACHE_DIR" -xzf .triton-cache.tgz

@@ -356,3 +356,32 @@ def test_ncu_source_summary_reads_the_source_page(tmp_path, capsys):
     bad.write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match="not an ncu source page"):
         mod.read_source_lines(str(bad))
+
+
+def test_ncu_driver_profiles_the_peer(monkeypatch, capsys):
+    """kda_ncu.py --peer runs fla's entry (here a stand-in that checks K3's keyword contract) instead of ours, and
+    refuses a --try, which would apply to ours only."""
+    from kimik3.ops.kda import chunk_kda
+    from kimik3.ops.kda.triton_autograd import interpreter_bf16_fix
+
+    if not torch.cuda.is_available():
+        interpreter_bf16_fix()
+    spec = importlib.util.spec_from_file_location("kda_ncu_peer_under_test", NCU_SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    calls = []
+
+    def fake_fla(*xs, **kw):
+        for key in ("safe_gate", "use_gate_in_kernel", "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel"):
+            assert kw.pop(key) is True, key
+        calls.append(kw.pop("lower_bound"))
+        kw["dt_bias"] = kw["dt_bias"].view(xs[0].shape[2], xs[0].shape[3])
+        return chunk_kda(*xs, backend="torch", use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                         use_beta_sigmoid_in_kernel=True, lower_bound=calls[-1], **kw)
+
+    monkeypatch.setattr(mod, "load_fla", lambda: (fake_fla, "stand-in"))
+    assert mod.main(["--shape", "1,70,2,32", "--peer"]) == 0
+    assert calls == [-5.0, -5.0]  # warm-up and profiled step, both through fla's entry
+    assert "one fla's forward+backward at B1 T70 H2 D32" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--try applies to ours only"):
+        mod.main(["--shape", "1,70,2,32", "--peer", "--try", "btiles"])

@@ -333,8 +333,7 @@ def test_wy_split_over_k(monkeypatch, K, blocks):
                                   "varlen-tiles", "bf16-tiles", "bf16-nodrv", "K100-nodrv", "bf16-w32",
                                   "bf16-nodhacc", "bf16-wyunroll", "K100-wyunroll",
                                   "bf16-wystages3", "bf16-wystages2", "bf16-wystages1",
-                                  "bf16-wyvunroll-wystages3", "bf16-rowstages1", "K100-narrow", "varlen-narrow",
-                                  "bf16-narrow", "K100-tiles-narrow", "varlen-suffixrev", "bf16-suffixrev"])
+                                  "bf16-wyvunroll-wystages3", "bf16-rowstages1", "K100-tiles-narrow"])
 def test_backward_launch_sweeps(monkeypatch, case):
     """The backward's alternatives give the default's gradients, and both match naive: the intra kernel
     split over key blocks (4 and 3 blocks, so partial dbeta sums with the WY kernel's partials; varlen with
@@ -348,8 +347,8 @@ def test_backward_launch_sweeps(monkeypatch, case):
     loop pipelined over 1 to 3 stages ("wystagesN"; the default: 3 at 64-column V blocks), with the
     K-independent part's V loop unrolled ("wyvunroll"; the default keeps and pipelines it too), and the "rows"
     kernel launched at one pipeline stage ("rowstages1"; the default: Triton's 3), and the WY and intra kernels' fp32
-    tiles loaded 16 bytes per thread ("narrow"; K = 100: the second key block partial), and dg's suffix sum by a
-    reverse scan ("suffixrev")."""
+    tiles loaded 16 bytes per thread ("narrow"; K = 100: the second key block partial; the "rows" form in
+    ``test_fused_preact_backward``)."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
     import kimik3.ops.kda.triton_forward as tf
@@ -376,8 +375,6 @@ def test_backward_launch_sweeps(monkeypatch, case):
         knobs[(tbi, "ROWS_STAGES")] = int(case[-1])
     if "narrow" in case:
         knobs[(tbi, "NARROW_F32_LOADS")], knobs[(tb, "WY_NARROW_F32_LOADS")] = True, True
-    if "suffixrev" in case:
-        knobs[(tbi, "SUFFIX_REVERSE_SCAN")] = True
     if "scan32" in case:
         knobs[(tb, "SCAN_BV")], knobs[(tb, "SCAN_STAGES")] = 32, 2
     if case.startswith("K"):
@@ -552,15 +549,15 @@ def test_preact_backward_kernel(flags, dtype):
 
 @pytest.mark.parametrize("case", ["all", "all-K100", "all-varlen", "all-bf16", "gate", "l2", "bsig", "l2-bsig",
                                   "all-K130-unfused", "all-tiles-unfused", "all-K100-sfx32", "all-K100-narrow",
-                                  "all-varlen-narrow", "all-varlen-suffixrev", "all-K100-sfx32-suffixrev",
-                                  "gate-suffixrev"])
+                                  "all-varlen-narrow", "all-varlen-suffixrev", "all-K100-sfx32-suffixrev"])
 def test_fused_preact_backward(monkeypatch, case):
     """The pre-activations' chain rules inside the intra backward (``FUSE_PREACT_BWD``: the L2 norm and the
     sigmoid where dq, dk, dbeta are completed, the gate in the suffix-sum pass) give the separate pass's
     gradients, and the naive loop's: each stage alone and together, K = 100 (one 128-column key block, the
     last 28 masked; "sfx32": the suffix-sum pass in 32-column blocks, the last partial), varlen with tiny
     segments, bf16. Where it cannot fuse (K = 130 needs two key blocks; the "tiles" form) the separate pass runs
-    instead; the test counts which ran."""
+    instead; the test counts which ran. Also with the WY and intra kernels' fp32 tiles read 16 bytes per thread
+    ("narrow") and dg's suffix sum by a reverse scan ("suffixrev"), both off by default."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
 
@@ -578,8 +575,9 @@ def test_fused_preact_backward(monkeypatch, case):
         monkeypatch.setattr(tbi, "BWD_INTRA_MODE", "tiles")
     if "sfx32" in case:
         monkeypatch.setattr(tbi, "SUFFIX_CONFIG", (32, 2))
-    if "narrow" in case:  # the fp32 tiles 16 bytes per thread (``NARROW_F32_LOADS``)
+    if "narrow" in case:  # the WY and intra kernels' fp32 tiles 16 bytes per thread
         monkeypatch.setattr(tbi, "NARROW_F32_LOADS", True)
+        monkeypatch.setattr(tb, "WY_NARROW_F32_LOADS", True)
     if "suffixrev" in case:  # dg's suffix sum by a reverse scan (``SUFFIX_REVERSE_SCAN``)
         monkeypatch.setattr(tbi, "SUFFIX_REVERSE_SCAN", True)
     gen = torch.Generator().manual_seed(11)

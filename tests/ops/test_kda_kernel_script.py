@@ -18,6 +18,7 @@ require_triton_kernels()
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_kernel.py")
 PRECISION_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_precision.py")
+CHUNK_FACTORS_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_chunk_factors.py")
 NCU_SOURCE_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "ncu_source.py")
 NCU_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_ncu.py")
 PLOT_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "plot_kda_profile.py")
@@ -385,3 +386,19 @@ def test_ncu_driver_profiles_the_peer(monkeypatch, capsys):
     assert "one fla's forward+backward at B1 T70 H2 D32" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--try applies to ours only"):
         mod.main(["--shape", "1,70,2,32", "--peer", "--try", "btiles"])
+
+
+def test_chunk_factor_recurrence_matches_fp64(capsys):
+    """benchmarks/kda_chunk_factors.py: the chunk form's factor recurrences give the intra-chunk sums as precisely as
+    the rows form in fp32 (against fp64), with every gate at the bound too."""
+    import re
+
+    spec = importlib.util.spec_from_file_location("kda_chunk_factors_under_test", CHUNK_FACTORS_SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--seeds", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    for line in lines:
+        rows, chunk = (float(x) for x in re.findall(r"form ([0-9.e+-]+)", line))
+        assert rows < 1e-5 and chunk < 1e-5, line

@@ -24,6 +24,19 @@ NCU_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "
 PLOT_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "plot_kda_profile.py")
 
 
+
+def _script(path: str, name: str, bf16_fix: bool = False):
+    """A benchmark script imported as a module of its own (``name``); bf16_fix: the interpreter's bf16 patch first,
+    for scripts that run our kernels on bf16 inputs off the GPU."""
+    if bf16_fix and not torch.cuda.is_available():
+        from kimik3.ops.kda.triton_autograd import interpreter_bf16_fix
+
+        interpreter_bf16_fix()  # the interpreter's bf16 dots and casts are not the GPU's (Triton 3.6)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
 @pytest.fixture()
 def kk(monkeypatch):
     spec = importlib.util.spec_from_file_location("kda_kernel_under_test", SCRIPT)
@@ -305,13 +318,8 @@ def test_ncu_driver_runs_a_step_and_applies_its_try(monkeypatch, capsys):
     mode)."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
-    from kimik3.ops.kda.triton_autograd import interpreter_bf16_fix
 
-    if not torch.cuda.is_available():
-        interpreter_bf16_fix()
-    spec = importlib.util.spec_from_file_location("kda_ncu_under_test", NCU_SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script(NCU_SCRIPT, "kda_ncu_under_test", bf16_fix=True)
     seen = []
     orig = tb.bwd_intra
     monkeypatch.setattr(tb, "bwd_intra", lambda *a, **k: seen.append(tbi.BWD_INTRA_MODE) or orig(*a, **k))
@@ -327,9 +335,7 @@ def test_ncu_source_summary_reads_the_source_page(tmp_path, capsys):
     the stall reasons' shares, and the lines ranked by the chosen counter."""
     import gzip
 
-    spec = importlib.util.spec_from_file_location("ncu_source_under_test", NCU_SOURCE_SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script(NCU_SOURCE_SCRIPT, "ncu_source_under_test")
     header = ["Line No", "Source", "Address", "Source", "Warp Stall Sampling (All Samples)",
               "L2 Theoretical Sectors Global Excessive", "L2 Theoretical Sectors Global", "Instructions Executed",
               "stall_long_sb", "stall_barrier", "stall_long_sb (Not Issued)"]
@@ -363,13 +369,8 @@ def test_ncu_driver_profiles_the_peer(monkeypatch, capsys):
     """kda_ncu.py --peer runs fla's entry (here a stand-in that checks K3's keyword contract) instead of ours, and
     refuses a --try, which would apply to ours only."""
     from kimik3.ops.kda import chunk_kda
-    from kimik3.ops.kda.triton_autograd import interpreter_bf16_fix
 
-    if not torch.cuda.is_available():
-        interpreter_bf16_fix()
-    spec = importlib.util.spec_from_file_location("kda_ncu_peer_under_test", NCU_SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script(NCU_SCRIPT, "kda_ncu_peer_under_test", bf16_fix=True)
     calls = []
 
     def fake_fla(*xs, **kw):
@@ -393,9 +394,7 @@ def test_chunk_factor_recurrence_matches_fp64(capsys):
     the rows form in fp32 (against fp64), with every gate at the bound too."""
     import re
 
-    spec = importlib.util.spec_from_file_location("kda_chunk_factors_under_test", CHUNK_FACTORS_SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script(CHUNK_FACTORS_SCRIPT, "kda_chunk_factors_under_test")
     assert mod.main(["--seeds", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3

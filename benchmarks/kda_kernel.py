@@ -267,8 +267,9 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
                 os.environ["KIMIK3_KDA_TRITON_BWD"] = mode
                 try:
                     with overridden(overrides):
-                        grad_step(lambda: ours_k3(xg, a_log, dtb), xg, do)
-                        if mode == "triton" and EXPERIMENTS:  # each try's gradients against the default's
+                        if mode != "triton" or not EXPERIMENTS:
+                            grad_step(lambda: ours_k3(xg, a_log, dtb), xg, do)  # the warm-up (compiles)
+                        else:  # the warm-up kept: each try's gradients against the default's
                             g = torch.autograd.grad(ours_k3(xg, a_log, dtb)[0], xg, do)
                             if not overrides:  # the default run (first)
                                 g_default = g

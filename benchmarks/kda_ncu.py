@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     if not cuda:  # a smoke test of the script: the kernels under the Triton interpreter, no profiler range
         k3.DEVICE = "cpu"
     _, overrides = parse_experiment(args.experiment) if args.experiment else ("", {})
+    xs, a_log, dtb = k3_inputs(B, T, H, D, requires_grad=not args.forward_only)
+    do = torch.randn_like(xs[2])
     if args.peer:
         fla_fn, _ = load_fla()
         if fla_fn is None:
@@ -47,8 +49,6 @@ def main(argv=None) -> int:
         run = lambda: fla_k3(fla_fn, xs, a_log, dtb)  # noqa: E731
     else:
         run = lambda: ours_k3(xs, a_log, dtb)  # noqa: E731
-    xs, a_log, dtb = k3_inputs(B, T, H, D, requires_grad=not args.forward_only)
-    do = torch.randn_like(xs[2])
 
     def step():
         if args.forward_only:

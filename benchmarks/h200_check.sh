@@ -9,15 +9,15 @@
 # kernels  kda_kernel.py at K3's per-layer shape with the experiments (--try) and per-kernel profiles
 #          (ours and fla's), fla 0.6.0 side by side when its wheels are in .whl/ (its first calls
 #          autotune ~90 s each)                                                         <= 9 min
-# check    (two GPUs) the bf16 training check (--seeds 2) and then the Triton test file on GPU 1 while GPU 0
+# check    (two GPUs) the bf16 training check (--seeds $TRAIN_SEEDS, 2) and then the Triton test file on GPU 1 while GPU 0
 #          runs `kernels` at shape 0 only, with the host-overhead section: a kernel change checked and timed in
 #          one call (one GPU: the test file and `kernels` in turn, shorter limits; LIMIT0 sets GPU 0's)  <= 9.5 min
-# train    the parallel smoke test and the bf16 training check (Triton kernels vs torch) <= 7 min
+# train    the parallel smoke test and the bf16 training check (Triton kernels vs torch; LIMIT_TRAIN, 300 s) <= 7 min
 # precision (two GPUs) GPU 1: kda_precision.py (each bf16 variant and fla against the fp32 token loop, forward
 #          and gradients), then the bf16 training check for the default and for variant $TRAIN_VARIANT
-#          (--seeds 2 each); GPU 0: `kernels` at shape 0. Deciding a precision variant in one call  <= 9.5 min
+#          (--seeds $TRAIN_SEEDS each); GPU 0: `kernels` at shape 0. Deciding a precision variant in one call  <= 9.5 min
 # final    (two GPUs) closing a session's defaults in one call. GPU 1: the Triton test file, then the bf16
-#          training check (--seeds 2); GPU 0: shape 0 with TRIES_FINAL (the previous defaults, timed in the
+#          training check (--seeds $TRAIN_SEEDS); GPU 0: shape 0 with TRIES_FINAL (the previous defaults, timed in the
 #          same run), then shape 1 (B4 T4096 H64) with TRIES1. One GPU: the test file and shape 0 in turn
 #          (`train` and `kernels` do the rest). On a fresh machine fla autotunes ~90 s per shape and pass and
 #          our kernels compile: a shape's step needs ~250-300 s, so the precision table is not part of this
@@ -126,7 +126,7 @@ decode_step() {  # DECODE=1: the decode section (ours, fla, the launch sweep) on
   fi
 }
 TESTS="python3 -m pytest -v -rf ${XDIST[*]} tests/ops/test_kda_triton.py tests/ops/test_kda_gluon.py"
-TRAIN="python3 benchmarks/kda_train_check.py --steps 30"
+TRAIN="python3 benchmarks/kda_train_check.py --steps 30 --seeds ${TRAIN_SEEDS:-2}"  # TRAIN_SEEDS: seeds 0 .. N-1
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi
@@ -136,10 +136,10 @@ case $MODE in
     if [ "$GPUS" -ge 2 ]; then
       kernel 1 kda_kernel_shape1 540 1 chunk "$TRIES1"
     fi
-    kernel 0 kda_kernel 540 0 env,ceilings,chunk,profile "$TRIES" ;;
-  check)  # two GPUs: the bf16 training check (--seeds 2) and then the test file
+    kernel 0 kda_kernel "${LIMIT0:-540}" 0 env,ceilings,chunk,profile "$TRIES" ;;
+  check)  # two GPUs: the bf16 training check (--seeds $TRAIN_SEEDS, 2) and then the test file
     if [ "$GPUS" -ge 2 ]; then
-      step 1 kda_train_tests 560 bash -c "$TRAIN --seeds 2; rc=\$?; $TESTS && exit \$rc"
+      step 1 kda_train_tests 560 bash -c "$TRAIN; rc=\$?; $TESTS && exit \$rc"
       LIMITS=(540 540)
     else
       LIMITS=(300 280)
@@ -148,11 +148,11 @@ case $MODE in
     kernel 0 kda_kernel "${LIMIT0:-${LIMITS[1]}}" 0 env,ceilings,chunk,host,profile "$TRIES"
     decode_step ;;
   train)
-    step 1 kda_train_check 300 $TRAIN
+    step 1 kda_train_check "${LIMIT_TRAIN:-300}" $TRAIN
     step 0 parallel_smoke 120 torchrun --standalone --nproc_per_node 1 benchmarks/parallel_smoke.py ;;
   precision)
     step 1 kda_precision_train 560 bash -c "python3 benchmarks/kda_precision.py --variants '$PRECISION_VARIANTS' \
-      --out '$OUT' && $TRAIN --seeds 2 && KIMIK3_KDA_VARIANT='$TRAIN_VARIANT' $TRAIN --seeds 2"
+      --out '$OUT' && $TRAIN && KIMIK3_KDA_VARIANT='$TRAIN_VARIANT' $TRAIN"
     kernel 0 kda_kernel 540 0 chunk,profile "$TRIES" ;;
   decode)
     decode_step
@@ -161,7 +161,7 @@ case $MODE in
     step 0 kda_serve_decode "${LIMIT_SERVE_DECODE:-120}" python3 benchmarks/kda_serve_decode.py --out "$OUT/decode" ;;
   final)
     if [ "$GPUS" -ge 2 ]; then
-      step 1 kda_tests_train 560 bash -c "$TESTS; rc=\$?; $TRAIN --seeds 2 && exit \$rc"
+      step 1 kda_tests_train 560 bash -c "$TESTS; rc=\$?; $TRAIN && exit \$rc"
       kernel 0 kda_kernel "${LIMIT0:-300}" 0 chunk,profile "$TRIES_FINAL"
       if [ "${LIMIT1:-250}" -gt 0 ]; then kernel 0 kda_kernel_shape1 "${LIMIT1:-250}" 1 chunk "$TRIES1"; fi
       decode_step

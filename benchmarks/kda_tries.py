@@ -52,7 +52,10 @@ Backward:
   bis=S                  the "rows" kernel's pipeline stages (default: Triton's 3)
   narrow | wynarrow | bnarrow  the WY and intra backward kernels' fp32 tiles read 16 bytes per thread (both, the
                          WY kernel's, the intra kernels'; triton_backward.WY_NARROW_F32_LOADS, NARROW_F32_LOADS)
-  sfxrev                 the suffix-sum pass's dg by one reverse scan (triton_bwd_intra.SUFFIX_REVERSE_SCAN)
+  sfxrev | nosfxrev      the suffix-sum pass's dg by one reverse scan (the default) or as the column total minus the
+                         prefix sum (triton_bwd_intra.SUFFIX_REVERSE_SCAN)
+  gintra | nogintra      the intra backward by the Gluon kernel (gluon_bwd_intra.py; the default) or the Triton
+                         "rows" kernel (triton_bwd_intra.GLUON_INTRA)
   fpb | nofpb            the pre-activations' backward inside the intra backward and the suffix-sum pass (the
                          default) or its own pass (KIMIK3_KDA_FUSE_PREACT_BWD)
   sfx=BK/warps           the suffix-sum pass's key block and warps (default 64 / 4)
@@ -96,8 +99,10 @@ def parse_experiment(token: str):
             overrides[(tbi, "BWD_INTRA_BK")], overrides[(tbi, "BWD_INTRA_WARPS")] = cfg
         elif part in ("brows", "btiles"):
             overrides[(tbi, "BWD_INTRA_MODE")] = part[1:]
-        elif part == "sfxrev":  # dg's suffix sum by a reverse scan
-            overrides[(tbi, "SUFFIX_REVERSE_SCAN")] = True
+        elif part in ("sfxrev", "nosfxrev"):  # dg's suffix sum by a reverse scan, or the total minus the prefix
+            overrides[(tbi, "SUFFIX_REVERSE_SCAN")] = part == "sfxrev"
+        elif part in ("gintra", "nogintra"):  # the intra backward by the Gluon kernel or the Triton "rows" kernel
+            overrides[(tbi, "GLUON_INTRA")] = part == "gintra"
         elif part in ("narrow", "wynarrow", "bnarrow"):  # fp32 tiles read 16 bytes per thread (WY and / or intra)
             if part != "bnarrow":
                 overrides[(tb, "WY_NARROW_F32_LOADS")] = True
@@ -190,7 +195,8 @@ def parse_experiment(token: str):
                              "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
                              "prep1|prep3, dhacc|nodhacc, out=BV/W, l2rows|l2prep, l2r=BR/W, gcw=W, iw=A/B/C, "
                              "wyc=BK/BV, abk=BK, wydyn|wyunroll, wys=S, wyv|nowyv, fpb|nofpb, sfx=BK/W, bis=S, "
-                             "iwarps=W, narrow|wynarrow|bnarrow, sfxrev, gwy|nogwy, ga|noga, gscan|nogscan, gdh|nogdh, "
+                             "iwarps=W, narrow|wynarrow|bnarrow, sfxrev|nosfxrev, gintra|nogintra, gwy|nogwy, ga|noga, "
+                             "gscan|nogscan, gdh|nogdh, "
                              "module.ATTR=value)")
     return token, overrides
 

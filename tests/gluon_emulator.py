@@ -135,6 +135,10 @@ class Pointer:
     def __add__(self, other):
         return Pointer(self.base, self.name, _val(other) + _val(self.offset))
 
+    @property
+    def dtype(self):  # ``ptr.dtype.element_ty``: the torch dtype, which ``Tile.to`` takes
+        return type("PointerType", (), {"element_ty": self.base.dtype})
+
     __radd__ = __add__
 
     def __sub__(self, other):
@@ -434,6 +438,7 @@ def _patched(machine: _Machine, fn_globals: dict):
         "allocate_shared_memory": _shared_alloc,
         "warp_specialize": lambda *a, **k: _warp_specialize(machine, *a, **k),
         "static_assert": _static_assert,
+        "thread_barrier": lambda **_: None,  # a partition's threads run as one here
     }
     for name, op in ops.items():
         put(gl, name, op)

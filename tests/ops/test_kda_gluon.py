@@ -1,8 +1,8 @@
 """The Gluon KDA kernels (kimik3/ops/kda/gluon_wy.py for phase C, gluon_phase_a.py for phase A, gluon_scan.py for the
-split forward's state scan, gluon_bwd_scan.py for the backward's state-gradient scan) against the Triton kernels
-they can replace. Gluon does not run under the Triton
-interpreter: on the CPU a Gluon kernel runs through the Gluon emulator (tests/gluon_emulator.py), the Triton kernel
-under the interpreter, and the Gluon kernels are also compiled for sm_90; on a GPU both run."""
+split forward's state scan, gluon_bwd_scan.py for the backward's state-gradient scan, gluon_bwd_intra.py for its
+intra-chunk gradients) against the Triton kernels they can replace. Gluon does not run under the Triton interpreter:
+on the CPU a Gluon kernel runs through the Gluon emulator (tests/gluon_emulator.py), the Triton kernel under the
+interpreter, and the Gluon kernels are also compiled for sm_90; on a GPU both run."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ if __name__ != "__main__":  # (the sm_90 compile step below runs without the int
     triton = require_triton_kernels()
 import triton.language as tl  # noqa: E402
 
-from kimik3.ops.kda import gluon_bwd_scan, gluon_phase_a, gluon_scan, gluon_wy  # noqa: E402
+from kimik3.ops.kda import gluon_bwd_intra, gluon_bwd_scan, gluon_phase_a, gluon_scan, gluon_wy  # noqa: E402
 from kimik3.ops.kda import triton_forward as tf  # noqa: E402
 from kimik3.ops.kda.triton_backward import _bwd_dh_kernel, _drv_kernel, _dvn_local_kernel  # noqa: E402
 from kimik3.ops.kda.triton_scan import _fwd_h_kernel, part_grid  # noqa: E402
@@ -218,6 +218,59 @@ def test_gluon_state_gradient_scan_equals_the_triton_kernel(lengths, H, with_sta
         assert d <= 2e-3 * r.abs().max(), (name, d.item())
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("lengths,H,npart", [([1, 63, 64, 65, 130, 7], 2, 3), ([200], 3, 1)])
+def test_gluon_intra_backward_equals_the_triton_kernel(monkeypatch, lengths, H, npart, fused):
+    """The backward's intra-chunk gradients (kernel 4, then the suffix-sum pass, through ``bwd_intra``) with the
+    Gluon kernel against the Triton "rows" kernel: varlen batches with partial chunks and one-token sequences (a
+    chunk's TMA tiles run into the next sequence), per-token decays up to the bound, dA as three partials or one
+    (dbeta then updated in place), with the fused L2 norm, sigmoid and gate chain rules and without. Every gradient
+    within 2e-3 (relative RMS) of the Triton kernel's on the GPU, where its products are tf32 and the Gluon kernel's
+    three 16-bit ones (about 16 mantissa bits); on the CPU, where the interpreter's products are fp32, within 1e-4
+    (the emulated kernel: 4e-5 at most; every rescale between tiles off by 1e-3 moves dq by 1.8e-4)."""
+    from kimik3.ops.kda import triton_bwd_intra as tbi
+    from kimik3.ops.kda.triton_preact import PreactInputs
+
+    K = 128
+    plan, q, k, _, G, beta, _ = _chunk_inputs(lengths, H, K, gate_scale=5.0)
+    gen = torch.Generator().manual_seed(1)
+    T = sum(lengths)
+
+    def rand(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=gen).to(dtype).to(DEV)
+
+    daqk = rand(plan.NT, H, 64, 64).tril()
+    da = rand(npart, plan.NT, H, 64, 64).tril(-1) / npart
+    grads = [rand(1, T, H, K) for _ in range(3)] + [rand(npart, 1, T, H)]  # the WY kernel's dq, dk, dGamma, dbeta
+    preact = PreactInputs(q=rand(1, T, H, K, dtype=torch.bfloat16), k=rand(1, T, H, K, dtype=torch.bfloat16),
+                          z=rand(1, T, H, K, dtype=torch.bfloat16), beta=rand(1, T, H, dtype=torch.bfloat16),
+                          A_log=rand(H), dt_bias=rand(H * K), g_min=-5.0, use_gate=True, use_l2=True,
+                          use_beta_sigmoid=True) if fused else None
+    here = _run_here()
+
+    class Emulated:  # the Gluon module as ``bwd_intra`` finds it, launched here (on the CPU: the emulator)
+        supported = staticmethod(gluon_bwd_intra.supported)
+
+        @staticmethod
+        def launch(*a, **kw):
+            gluon_bwd_intra.launch(*a, **kw, **here)
+
+    res = []
+    for gluon in (False, True):
+        monkeypatch.setattr(tbi, "GLUON_INTRA", gluon)
+        monkeypatch.setattr(tbi, "_gluon_taking", lambda name, on, *a, **k: Emulated if on else None)
+        dq, dk, dg, dbeta_parts = (x.clone() for x in grads)
+        dbeta = dbeta_parts[0] if npart == 1 else torch.zeros(1, T, H, device=DEV)
+        out = tbi.bwd_intra(q, k, G, beta, daqk, da, dq, dk, dg, dbeta_parts, dbeta, plan, npart, "tf32",
+                            preact=preact)
+        res.append(out[:4] if fused else (dq, dk, dg, dbeta))
+    assert gluon_bwd_intra.supported(q, k, G, npart) in (None, "a Hopper GPU (sm_90)")
+    for name, r, o in zip(("dq", "dk", "dz" if fused else "dg", "dbeta"), *res):
+        assert r.dtype == o.dtype, name
+        err = ((r.float() - o.float()).norm() / r.float().norm()).item()
+        assert err < (2e-3 if ON_GPU else 1e-4), (name, err)
+
+
 def test_supported_names_what_it_needs():
     """Where the Gluon kernel does not apply, ``supported`` says why (the Triton kernel then runs)."""
     plan, q, k, v, G, beta, tinv = _chunk_inputs([64], 1, 64)
@@ -280,19 +333,26 @@ def test_gluon_taking_asks_the_kernel_too(monkeypatch):
     assert len(seen) == 2
 
 
+# The intra backward's spill allowance: 332 B with the local ptxas (Triton 3.6's wheel), nearly all in its epilogue,
+# where the WY kernel's partials meet the three [64, 128] accumulators
+INTRA_SPILL_LIMIT = 512
+
+
 def test_gluon_kernels_compile_for_sm90(tmp_path):
     """In a process of its own, without the interpreter and with an empty Triton cache: the kernels compile for
     sm_90, without spilling (the state-gradient scan storing dRv, ``FUSE_DRV``: at most 256 B, 208 when it was timed
-    faster than the dRv pass it replaces), and as many CTAs of each as its launch counts on (its warps as launched,
-    the loader's padded to a warpgroup) fit an H200 SM -- two of the scan when each holds one 64-column half of V, so
-    that the 192 chains at K3's shape run at once on 132 SMs."""
+    faster than the dRv pass it replaces; the intra backward: ``INTRA_SPILL_LIMIT``), and as many CTAs of each as its
+    launch counts on (its warps as launched, the loader's padded to a warpgroup) fit an H200 SM -- two of the scan
+    when each holds one 64-column half of V, so that the 192 chains at K3's shape run at once on 132 SMs."""
     from tests.gluon_emulator import last_json_line, run_without_interpreter
 
     rows = last_json_line(run_without_interpreter(["-m", "tests.ops.test_kda_gluon"], tmp_path))
-    ctas_per_sm = (gluon_wy.CTAS_PER_SM, gluon_phase_a.CTAS_PER_SM, 1 if gluon_scan.SHARED_HALVES else 2, 1)
-    spill_limits = (0, 0, 0, 256 if gluon_bwd_scan.FUSE_DRV else 0)
-    for name, row, ctas, spill in zip(("phase C", "phase A", "scan", "state-gradient scan"), rows, ctas_per_sm,
-                                      spill_limits):
+    ctas_per_sm = (gluon_wy.CTAS_PER_SM, gluon_phase_a.CTAS_PER_SM, 1 if gluon_scan.SHARED_HALVES else 2, 1,
+                   gluon_bwd_intra.CTAS_PER_SM)
+    spill_limits = (0, 0, 0, 256 if gluon_bwd_scan.FUSE_DRV else 0, INTRA_SPILL_LIMIT)
+    names = ("phase C", "phase A", "scan", "state-gradient scan", "intra backward")
+    assert len(rows) == len(names)
+    for name, row, ctas, spill in zip(names, rows, ctas_per_sm, spill_limits):
         assert row["spill_store_bytes"] <= spill and row["spill_load_bytes"] <= spill, (name, row)
         assert (row["shared_bytes"] + 1024) * ctas <= 233472, (name, row)
         assert row["registers"] * 32 * row["num_warps"] * ctas <= 65536, (name, row)
@@ -315,5 +375,11 @@ if __name__ == "__main__":  # the compile step of test_gluon_kernels_compile_for
                           aqk=torch.zeros(plan.NT, 2, 64, 64) if gluon_bwd_scan.FUSE_LOCAL else None,
                           tinv=torch.zeros(plan.NT, 2, 64, 64) if gluon_bwd_scan.FUSE_DRV else None,
                           launcher=compile_only["launcher"])
+    npart, T = 3, sum([128, 70])
+    b = torch.zeros(1, T, 2)
+    gluon_bwd_intra.launch(q, k, G, beta, torch.zeros(plan.NT, 2, 64, 64), torch.zeros(npart, plan.NT, 2, 64, 64), G,
+                           G.clone(), G.clone(), torch.zeros(npart, 1, T, 2), b, plan, 2, npart,
+                           raw=(q, k, b.bfloat16()), out=(q.clone(), k.clone()), l2=True, bsig=True, eps=1e-6,
+                           **compile_only)
     print(json.dumps([{k: row[k] for k in ("registers", "num_warps", "shared_bytes", "spill_store_bytes",
                                            "spill_load_bytes")} for row in compiler.rows]))

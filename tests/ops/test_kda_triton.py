@@ -549,7 +549,7 @@ def test_preact_backward_kernel(flags, dtype):
 
 @pytest.mark.parametrize("case", ["all", "all-K100", "all-varlen", "all-bf16", "gate", "l2", "bsig", "l2-bsig",
                                   "all-K130-unfused", "all-tiles-unfused", "all-K100-sfx32", "all-K100-narrow",
-                                  "all-varlen-narrow", "all-varlen-suffixrev", "all-K100-sfx32-suffixrev"])
+                                  "all-varlen-narrow", "all-varlen-suffixsub", "all-K100-sfx32-suffixsub"])
 def test_fused_preact_backward(monkeypatch, case):
     """The pre-activations' chain rules inside the intra backward (``FUSE_PREACT_BWD``: the L2 norm and the
     sigmoid where dq, dk, dbeta are completed, the gate in the suffix-sum pass) give the separate pass's
@@ -557,7 +557,8 @@ def test_fused_preact_backward(monkeypatch, case):
     last 28 masked; "sfx32": the suffix-sum pass in 32-column blocks, the last partial), varlen with tiny
     segments, bf16. Where it cannot fuse (K = 130 needs two key blocks; the "tiles" form) the separate pass runs
     instead; the test counts which ran. Also with the WY and intra kernels' fp32 tiles read 16 bytes per thread
-    ("narrow") and dg's suffix sum by a reverse scan ("suffixrev"), both off by default."""
+    ("narrow", off by default) and dg's suffix sum as the column total minus the prefix sum ("suffixsub"; by default
+    one reverse scan)."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
 
@@ -578,8 +579,8 @@ def test_fused_preact_backward(monkeypatch, case):
     if "narrow" in case:  # the WY and intra kernels' fp32 tiles 16 bytes per thread
         monkeypatch.setattr(tbi, "NARROW_F32_LOADS", True)
         monkeypatch.setattr(tb, "WY_NARROW_F32_LOADS", True)
-    if "suffixrev" in case:  # dg's suffix sum by a reverse scan (``SUFFIX_REVERSE_SCAN``)
-        monkeypatch.setattr(tbi, "SUFFIX_REVERSE_SCAN", True)
+    if "suffixsub" in case:  # dg's suffix sum as the total minus the prefix sum (``SUFFIX_REVERSE_SCAN`` off)
+        monkeypatch.setattr(tbi, "SUFFIX_REVERSE_SCAN", False)
     gen = torch.Generator().manual_seed(11)
     raw = [torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen),
            torch.randn(B, T, H, V, generator=gen), torch.randn(B, T, H, K, generator=gen) - (0 if flags[0] else 2),

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import L2_EPS
-from .triton_forward import INTERPRET, ChunkPlan, _next_pow2
+from .triton_forward import INTERPRET, ChunkPlan, _gluon_taking, _next_pow2
 from .triton_preact import PreactInputs, gate_bwd, l2_bwd_rows, sigmoid_bwd
 from .triton_scan import _chunk_block, _chunk_bounds, _chunk_part, _load_rows, part_grid
 
@@ -64,15 +64,19 @@ SUFFIX_CONFIG = (64, 4)
 ROWS_STAGES: Optional[int] = None
 # The suffix-sum pass's dg by one reverse scan down each column instead of the column total minus the prefix sum (no
 # cancellation; Nsight Compute, H200, K3's shape: the total's reduction and the subtraction were about 30 % of the
-# pass's instructions). The local sm_90 screen (the Triton wheel's ptxas) gives 128 registers against 163, but on the
-# H200 the default already ran at 128 (4 CTAs per SM), so only the instructions are saved. Prepared offline
-# (seventeenth session), untimed: off.
-SUFFIX_REVERSE_SCAN = False
+# pass's instructions). H200, K3's shape, bf16, same run (eighteenth session): the pass 0.367 -> 0.342 ms,
+# forward+backward 9.935 -> 9.897 ms, gradients within 4.5e-5 of the subtraction's (relative RMS). False: the total
+# minus the prefix sum.
+SUFFIX_REVERSE_SCAN = True
 # The fp32 [16, BK] tiles (Gamma, the WY kernel's partial dq / dk / dGamma) loaded 16 contiguous bytes per thread
 # (``_f32_tile``) instead of the 32 that Triton's coalescing gives them next to the kernel's 16-bit loads of the same
 # shape. Nsight Compute, H200, K3's shape: those loads request twice the sectors they need (1.29e8 excessive of
 # 3.67e8 in the "rows" kernel). Prepared offline (seventeenth session), untimed: off.
 NARROW_F32_LOADS = False
+# The "rows" kernel as the warp-specialised Gluon kernel of ``gluon_bwd_intra.py`` (64-row products with per-tile
+# factor recurrences, a TMA ring, both key halves per CTA) where it applies (sm_90, bf16 q / k, K = 128, at least
+# ``triton_forward.GLUON_MIN_ITEMS`` (chunk, head) items); the suffix-sum pass runs after it as after the Triton kernel.
+GLUON_INTRA = os.environ.get("KIMIK3_KDA_GLUON_INTRA", "1") == "1"
 
 
 @triton.jit
@@ -348,7 +352,9 @@ def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Ten
     default_bk = BKF if (l2 or bsig) else (64 if (rows or q.dtype != torch.float32) else BKF)
     BK = min(BWD_INTRA_BK or default_bk, BKF)
     warps = BWD_INTRA_WARPS or (4 if rows else (warps_override or (8 if BK >= 128 else 4)))
-    nkb = triton.cdiv(K, BK)
+    # the Gluon kernel (``GLUON_INTRA``) holds every key column of a (chunk, head): one key block
+    gluon = _gluon_taking("gluon_bwd_intra", GLUON_INTRA, NT * H, (q, k, G, npart)) if rows else None
+    nkb = 1 if gluon is not None else triton.cdiv(K, BK)
     new = torch.empty_like if plan.covers(B * T) else torch.zeros_like
     dq_out = new(preact.q) if l2 else dq
     dk_out = new(preact.k) if l2 else dk
@@ -359,11 +365,14 @@ def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Ten
             B * T * H, NT * H * 4096, B * T * H)
     if rows:
         raw = (preact.q, preact.k, preact.beta) if fuse else (q, k, beta)
-        _bwd_intra_rows_kernel[part_grid(NT, H, 4 * nkb)](*args, *raw, dq_out, dk_out, K=K, BK=BK, PREC=prec,
-                                                          NPART=npart, NKB=nkb, INTERP=INTERPRET, L2=l2, BSIG=bsig,
-                                                          EPS=L2_EPS, NARROW=NARROW_F32_LOADS, num_warps=warps,
-                                                          **({} if ROWS_STAGES is None else
-                                                             dict(num_stages=ROWS_STAGES)))
+        if gluon is not None:
+            gluon.launch(q, k, G, beta, daqk, da, dq, dk, dg, dbeta_parts, dbeta_k, plan, H, npart,
+                         raw=raw if fuse else None, out=(dq_out, dk_out), l2=l2, bsig=bsig, eps=L2_EPS)
+        else:
+            _bwd_intra_rows_kernel[part_grid(NT, H, 4 * nkb)](
+                *args, *raw, dq_out, dk_out, K=K, BK=BK, PREC=prec, NPART=npart, NKB=nkb, INTERP=INTERPRET, L2=l2,
+                BSIG=bsig, EPS=L2_EPS, NARROW=NARROW_F32_LOADS, num_warps=warps,
+                **({} if ROWS_STAGES is None else dict(num_stages=ROWS_STAGES)))
         BKs = min(SUFFIX_CONFIG[0], BKF)
         nks = triton.cdiv(K, BKs)
         dz, d_alog, d_dtb = dg, None, None

@@ -364,8 +364,8 @@ def _cfg(K: int, V: int):
 
 @functools.lru_cache(maxsize=None)
 def _gluon(name: str):
-    """The Gluon kernel module ``name`` (``gluon_wy``, ``gluon_phase_a``, ``gluon_scan``, ``gluon_bwd_scan``), or None
-    where this Triton has no Gluon (imported only where it may run)."""
+    """The Gluon kernel module ``name`` (``gluon_wy``, ``gluon_phase_a``, ``gluon_scan``, ``gluon_bwd_scan``,
+    ``gluon_bwd_intra``), or None where this Triton has no Gluon (imported only where it may run)."""
     import importlib
 
     try:

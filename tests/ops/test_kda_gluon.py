@@ -333,7 +333,7 @@ def test_gluon_taking_asks_the_kernel_too(monkeypatch):
     assert len(seen) == 2
 
 
-# The intra backward's spill allowance: 332 B with the local ptxas (Triton 3.6's wheel), nearly all in its epilogue,
+# The intra backward's spill allowance: 280 B with the local ptxas (Triton 3.6's wheel), nearly all in its epilogue,
 # where the WY kernel's partials meet the three [64, 128] accumulators
 INTRA_SPILL_LIMIT = 512
 

@@ -56,8 +56,10 @@ MAXNREG: Optional[int] = 168  # registers per thread at launch: 12 warps (the lo
 TILE_RING = 2  # slots of the q, k, Gamma ring (64 KB each, with Gamma's reference rows 4 KB more)
 CTAS_PER_SM = 1
 # The epilogue's load of the WY kernel's partial dGamma issued before the factors are applied (its latency hidden
-# behind them) rather than after (fewer registers live: 236 B spilled against 320 with the local ptxas).
-EARLY_DG_LOAD = True
+# behind them) rather than after them (fewer registers live: 280 B spilled against 332 with the local ptxas). H200,
+# K3's shape, bf16, same run (eighteenth session): the kernel 3.019 ms early against 2.948 after, forward+backward
+# 9.833 against 9.736. False: after.
+EARLY_DG_LOAD = False
 NREF = gl.constexpr(8)  # Gamma's reference rows per item: the 4 tiles' first tokens, then their last
 
 

@@ -9,15 +9,15 @@
 # kernels  kda_kernel.py at K3's per-layer shape with the experiments (--try) and per-kernel profiles
 #          (ours and fla's), fla 0.6.0 side by side when its wheels are in .whl/ (its first calls
 #          autotune ~90 s each)                                                         <= 9 min
-# check    (two GPUs) the bf16 training check (--seeds $TRAIN_SEEDS, 2) and then the Triton test file on GPU 1 while GPU 0
-#          runs `kernels` at shape 0 only, with the host-overhead section: a kernel change checked and timed in
-#          one call (one GPU: the test file and `kernels` in turn, shorter limits; LIMIT0 sets GPU 0's)  <= 9.5 min
+# check    (two GPUs) the bf16 training check (TRAIN_SEEDS seeds, 2 by default) and then the Triton test file on
+#          GPU 1 while GPU 0 runs `kernels` at shape 0 only, with the host-overhead section: a kernel change checked
+#          and timed in one call (one GPU: the test file and `kernels` in turn, shorter limits; LIMIT0 sets GPU 0's)  <= 9.5 min
 # train    the parallel smoke test and the bf16 training check (Triton kernels vs torch; LIMIT_TRAIN, 300 s) <= 7 min
 # precision (two GPUs) GPU 1: kda_precision.py (each bf16 variant and fla against the fp32 token loop, forward
 #          and gradients), then the bf16 training check for the default and for variant $TRAIN_VARIANT
-#          (--seeds $TRAIN_SEEDS each); GPU 0: `kernels` at shape 0. Deciding a precision variant in one call  <= 9.5 min
+#          (TRAIN_SEEDS seeds each); GPU 0: `kernels` at shape 0. Deciding a precision variant in one call  <= 9.5 min
 # final    (two GPUs) closing a session's defaults in one call. GPU 1: the Triton test file, then the bf16
-#          training check (--seeds $TRAIN_SEEDS); GPU 0: shape 0 with TRIES_FINAL (the previous defaults, timed in the
+#          training check (TRAIN_SEEDS seeds); GPU 0: shape 0 with TRIES_FINAL (the previous defaults, timed in the
 #          same run), then shape 1 (B4 T4096 H64) with TRIES1. One GPU: the test file and shape 0 in turn
 #          (`train` and `kernels` do the rest). On a fresh machine fla autotunes ~90 s per shape and pass and
 #          our kernels compile: a shape's step needs ~250-300 s, so the precision table is not part of this
@@ -137,7 +137,7 @@ case $MODE in
       kernel 1 kda_kernel_shape1 540 1 chunk "$TRIES1"
     fi
     kernel 0 kda_kernel "${LIMIT0:-540}" 0 env,ceilings,chunk,profile "$TRIES" ;;
-  check)  # two GPUs: the bf16 training check (--seeds $TRAIN_SEEDS, 2) and then the test file
+  check)  # two GPUs: the bf16 training check (TRAIN_SEEDS seeds) and then the test file
     if [ "$GPUS" -ge 2 ]; then
       step 1 kda_train_tests 560 bash -c "$TRAIN; rc=\$?; $TESTS && exit \$rc"
       LIMITS=(540 540)

@@ -135,11 +135,11 @@ class Pointer:
     def __add__(self, other):
         return Pointer(self.base, self.name, _val(other) + _val(self.offset))
 
+    __radd__ = __add__
+
     @property
     def dtype(self):  # ``ptr.dtype.element_ty``: the torch dtype, which ``Tile.to`` takes
         return type("PointerType", (), {"element_ty": self.base.dtype})
-
-    __radd__ = __add__
 
     def __sub__(self, other):
         return Pointer(self.base, self.name, _val(self.offset) - _val(other))

@@ -22,7 +22,9 @@ Two forms (``BWD_INTRA_MODE``):
          tiles not unrolled, dGamma stored and turned into dg by ``_suffix_sum_kernel`` (fla's
          chunk_kda_bwd_kernel_intra is organised this way: four times the programs, each light). The
          default: on the H200 at K3's shape 2.67 + 0.21 ms (suffix pass) against 5.45 ms for "tiles",
-         forward+backward 20.44 -> 17.73 ms in the same run (bf16; 128 registers, no spill).
+         forward+backward 20.44 -> 17.73 ms in the same run (bf16; 128 registers, no spill). Where the Gluon
+         kernel of ``gluon_bwd_intra.py`` applies (``GLUON_INTRA``: sm_90, bf16, K = 128) it runs instead of
+         ``_bwd_intra_rows_kernel``, with the same suffix pass after it.
   tiles  ``_bwd_intra_kernel`` per (chunk, head, key block): the four row tiles in turn, last first,
          the suffix sum carried across them (unrolled; 255 registers and a spill on sm_90).
 """

@@ -1,6 +1,6 @@
 """Train with the Triton KDA kernels vs the torch chunk path: same run, same data, same seed.
 
-    python benchmarks/kda_train_check.py [--steps 60] [--preset debug] [--vocab 16384] [--seeds 1]   # GPU machine
+    python benchmarks/kda_train_check.py [--steps 60] [--preset debug] [--vocab 16384] [--seeds 1] [--noise]
 
 Trains the preset (bf16 autocast on CUDA; the preset's vocabulary cut to --vocab, since the stdlib
 corpus does not fill K3's 164K BPE) twice through the same ``Trainer``: KIMIK3_KDA_BACKEND=torch (the
@@ -10,7 +10,11 @@ training loss over the last 10 steps within 2 x --tol (bf16 noise: the two paths
 so the curves drift apart by a few hundredths; the validation loss, averaged over 16 windows, is the
 steadier of the two). With --seeds N > 1 both paths train once per seed (0 .. N-1): the check then
 uses the mean |difference| over the seeds, and the spread of the torch path's own validation loss
-across seeds is printed next to it as the scale of the noise.
+across seeds is printed next to it as the scale of the noise. With --noise the torch path also trains a second time
+per seed, same seed and data: its distance from itself (on a GPU its kernels' reduction orders vary between runs,
+and 30 steps of training amplify that) is the noise the Triton path's distance is measured against, and the check
+passes when the mean validation |difference| is within --tol or within 2x the torch path's own mean |difference|
+(the last-10-step mean likewise, against 2 x --tol).
 Exits non-zero on FAIL.
 """
 
@@ -69,6 +73,8 @@ def main() -> None:
     p.add_argument("--tol", type=float, default=0.05,
                    help="allowed |difference| of the validation loss (2x for the last-10-step mean loss)")
     p.add_argument("--seeds", type=int, default=1, help="train both paths once per seed 0 .. N-1")
+    p.add_argument("--noise", action="store_true",
+                   help="train the torch path twice per seed and judge the Triton path against its own spread")
     args = p.parse_args()
     if args.seeds < 1 or args.steps < 1:
         raise SystemExit(f"--seeds and --steps must be >= 1, got {args.seeds} and {args.steps}")
@@ -76,6 +82,7 @@ def main() -> None:
     print(f"{args.preset} vocab {args.vocab}, {args.steps} steps of {args.batch_size} x {args.seq_len}, "
           f"device {args.device}, seeds {args.seeds}")
     val_diffs, tail_diffs, torch_vals, finite = [], [], [], True
+    noise_val, noise_tail = [], []  # --noise: the torch path against its own second run
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
             (lt, st, vt, mt), (lx, sx, vx, mx) = (train(b, args, Path(tmp), seed) for b in ("torch", "triton"))
@@ -92,13 +99,25 @@ def main() -> None:
             val_diffs.append(abs(vt - vx))
             tail_diffs.append(abs(tail_t - tail_x))
             torch_vals.append(vt)
+            if args.noise:
+                lt2, _, vt2, _ = train("torch", args, Path(tmp), seed)
+                noise_val.append(abs(vt - vt2))
+                noise_tail.append(abs(tail_t - statistics.mean(lt2[-10:])))
+                print(f"torch again: val loss {vt2:.4f}, |diff| from its first run {noise_val[-1]:.4f}; last-10 mean "
+                      f"loss |diff| {noise_tail[-1]:.4f}")
     val_diff, tail_diff = statistics.mean(val_diffs), statistics.mean(tail_diffs)
     if args.seeds > 1:
         print(f"torch val loss across seeds: {' '.join(f'{v:.4f}' for v in torch_vals)} "
               f"(spread {max(torch_vals) - min(torch_vals):.4f})")
-    ok = finite and val_diff <= args.tol and tail_diff <= 2 * args.tol
-    print(f"{'PASS' if ok else 'FAIL'} val loss |diff| {val_diff:.4f} (tol {args.tol}; mean over {args.seeds} "
-          f"seed(s)); last-10 mean loss |diff| {tail_diff:.4f} (tol {2 * args.tol})")
+    val_tol, tail_tol = args.tol, 2 * args.tol
+    if args.noise:  # within the tolerance, or within twice the torch path's own run-to-run distance
+        val_tol = max(val_tol, 2 * statistics.mean(noise_val))
+        tail_tol = max(tail_tol, 2 * statistics.mean(noise_tail))
+        print(f"torch path against itself (same seeds): val loss |diff| {statistics.mean(noise_val):.4f}, last-10 "
+              f"mean loss |diff| {statistics.mean(noise_tail):.4f} (mean over {args.seeds} seed(s))")
+    ok = finite and val_diff <= val_tol and tail_diff <= tail_tol
+    print(f"{'PASS' if ok else 'FAIL'} val loss |diff| {val_diff:.4f} (tol {val_tol:.4f}; mean over {args.seeds} "
+          f"seed(s)); last-10 mean loss |diff| {tail_diff:.4f} (tol {tail_tol:.4f})")
     sys.exit(0 if ok else 1)
 
 

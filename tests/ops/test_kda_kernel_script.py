@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 import time
 
 import pytest
@@ -19,6 +20,7 @@ require_triton_kernels()
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_kernel.py")
 PRECISION_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_precision.py")
 CHUNK_FACTORS_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_chunk_factors.py")
+TRAIN_CHECK_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_train_check.py")
 NCU_SOURCE_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "ncu_source.py")
 NCU_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kda_ncu.py")
 PLOT_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "plot_kda_profile.py")
@@ -401,3 +403,29 @@ def test_chunk_factor_recurrence_matches_fp64(capsys):
     for line in lines:
         rows, chunk = (float(x) for x in re.findall(r"form ([0-9.e+-]+)", line))
         assert rows < 1e-5 and chunk < 1e-5, line
+
+
+@pytest.mark.parametrize("self_diff,noise,passes", [(0.04, True, True), (0.04, False, False), (0.0, True, False)])
+def test_train_check_judges_against_the_torch_paths_own_noise(monkeypatch, capsys, self_diff, noise, passes):
+    """``kda_train_check.py --noise``: the torch path trains twice per seed and the Triton path's validation-loss
+    distance (0.06 here, over the 0.05 tolerance) passes when within twice the torch path's distance from itself, and
+    fails when the torch path reproduces itself exactly; without --noise the tolerance alone decides. The training
+    runs are stand-ins (the real ones need the GPU machine)."""
+    mod = _script(TRAIN_CHECK_SCRIPT, "kda_train_check_under_test")
+    runs = []
+
+    def fake_train(backend, args, tmp, seed):
+        runs.append(backend)
+        repeat = noise and len(runs) % 3 == 0  # --noise: each seed trains torch, triton, torch again
+        val = {"torch": 6.0 + self_diff * repeat, "triton": 6.06}[backend]
+        return [val] * args.steps, 1000.0, val, float("nan")
+
+    monkeypatch.setattr(mod, "train", fake_train)
+    monkeypatch.setattr(sys, "argv", ["kda_train_check.py", "--steps", "12", "--seeds", "2", "--device", "cpu"]
+                        + (["--noise"] if noise else []))
+    with pytest.raises(SystemExit) as exit_info:
+        mod.main()
+    out = capsys.readouterr().out
+    assert (exit_info.value.code == 0) == passes, out
+    assert runs.count("torch") == (4 if noise else 2) and runs.count("triton") == 2
+    assert ("torch path against itself" in out) == noise

@@ -250,6 +250,8 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
         if BSIG:
             s = 1.0 / (1.0 + gl.exp(-gl.load(br_ptr + bo, mask=r < L, other=0.0).to(gl.float32)))
             db = db * s * (1.0 - s)
+        if NPART == 1:  # dbeta's one partial is dbeta itself, and each row's value lives in several threads: all of
+            gl.thread_barrier()  # them read it before any writes it back
         gl.store(dbeta_ptr + bo, db.to(dbeta_ptr.dtype.element_ty), mask=r < L)
 
 

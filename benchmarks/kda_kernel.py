@@ -172,6 +172,12 @@ def ceilings():
     torch.cuda.empty_cache()
 
 
+def changes_precision(overrides: dict) -> bool:
+    """Whether a --try sets the precision variant: it then differs from the default by its roundings, and is held to
+    the bf16 tests' bounds rather than the structural tries' tighter ones."""
+    return any(attr == "DEFAULT_VARIANT" for _, attr in overrides)
+
+
 def chunk_counts(B, T, H, D, bwd: bool):
     """FLOPs (the useful matmul work of the chunk algorithm) and minimal HBM bytes (K3 contract, bf16)."""
     n_chunks = B * math.ceil(T / 64) * H
@@ -227,8 +233,7 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
                 with overridden(overrides):
                     o_try = ours_k3(xs, a_log, dtb, final=True)
                     e_o, e_s = rel(o_ref[0], o_try[0]), rel(o_ref[1], o_try[1])
-                    # a precision variant differs from the default by its roundings: the bf16 tests' bounds
-                    loose = any(attr == "DEFAULT_VARIANT" for _, attr in overrides)
+                    loose = changes_precision(overrides)
                     ok = (e_o < 1e-2 and e_s < 5e-3) if loose else (e_o < 2e-3 and e_s < 1e-3)
                     verdict(f"{key} try [{name}] vs default", ok, f"o {e_o:.2e} state {e_s:.2e}")
                     fn = lambda: ours_k3(xs, a_log, dtb)  # noqa: E731
@@ -275,9 +280,8 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
                                 g_default = g
                             elif g_default is not None:
                                 errs = [rel(a, b) for a, b in zip(g_default, g)]
-                                loose = any(attr == "DEFAULT_VARIANT" for _, attr in overrides)  # (as above)
-                                verdict(f"{key} try [{name}] gradients vs default", max(errs) < (3e-2 if loose
-                                                                                                  else 1e-2),
+                                verdict(f"{key} try [{name}] gradients vs default",
+                                        max(errs) < (3e-2 if changes_precision(overrides) else 1e-2),
                                         " ".join(f"{e:.1e}" for e in errs))
                             del g
                         row[name] = bench(lambda: grad_step(lambda: ours_k3(xg, a_log, dtb), xg, do), warmup=2, rep=10)

@@ -50,7 +50,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .gluon_wy import (_item, _my_items, _wait_slot, launch_options, on_hopper, release_ring, ring_barriers,
                        run_persistent, split16, tile_descriptor)
@@ -320,15 +319,6 @@ def supported(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, npart: int) -> 
     return on_hopper(q)
 
 
-def _descriptor(x: torch.Tensor, dtype, shape: tuple, block: list, swizzled: bool = True) -> TensorDescriptor:
-    """A TMA descriptor of ``block`` tiles of x viewed as the 2-D ``shape``; unswizzled when not ``swizzled`` (rows
-    that a consumer reads one at a time)."""
-    x2 = x.view(shape)
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype) if swizzled else \
-        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), block, layout)
-
-
 def launch(q, k, G, beta, daqk, da, dq, dk, dG, dbeta_parts, dbeta, plan, H: int, npart: int,
            raw: Optional[tuple] = None, out: Optional[tuple] = None, l2: bool = False, bsig: bool = False,
            eps: float = 0.0, launcher: Optional[Callable] = None, programs: Optional[int] = None) -> None:
@@ -342,8 +332,8 @@ def launch(q, k, G, beta, daqk, da, dq, dk, dG, dbeta_parts, dbeta, plan, H: int
     rows = plan.NT * H * 64
     qr, kr, br = raw if raw is not None else (q, k, beta)
     dq_out, dk_out = out if out is not None else (dq, dk)
-    args = (_descriptor(q, gl.bfloat16, tok, [64, K]), _descriptor(k, gl.bfloat16, tok, [64, K]),
-            _descriptor(G, gl.float32, tok, [64, K]), _descriptor(G, gl.float32, tok, [1, K], swizzled=False),
+    args = (tile_descriptor(q, gl.bfloat16, tok, (64, K)), tile_descriptor(k, gl.bfloat16, tok, (64, K)),
+            tile_descriptor(G, gl.float32, tok, (64, K)), tile_descriptor(G, gl.float32, tok, (1, K), swizzled=False),
             tile_descriptor(daqk, gl.float32, (rows, 64)), tile_descriptor(da, gl.float32, (npart * rows, 64)),
             beta, dq, dk, dG, dbeta_parts, dbeta, qr, kr, br, dq_out, dk_out, plan.chunk_idx, plan.cu, plan.NT, H,
             rows, dbeta_parts.numel() // npart)

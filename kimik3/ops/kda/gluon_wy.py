@@ -23,7 +23,7 @@ the Triton kernel runs. Gluon does not run under the Triton interpreter: CI runs
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from triton.experimental import gluon
@@ -218,11 +218,15 @@ def on_hopper(x: torch.Tensor) -> Optional[str]:
     return None
 
 
-def tile_descriptor(x: torch.Tensor, dtype, shape: tuple) -> TensorDescriptor:
-    """A TMA descriptor of [64, 64] tiles over x viewed as the 2-D ``shape``."""
+def tile_descriptor(x: torch.Tensor, dtype, shape: tuple, block: Sequence[int] = (64, 64),
+                    swizzled: bool = True) -> TensorDescriptor:
+    """A TMA descriptor of ``block`` tiles (default [64, 64]) over x viewed as the 2-D ``shape``; unswizzled when not
+    ``swizzled`` (32-bit rows that a consumer reads one at a time)."""
     x2 = x.view(shape)
-    return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [64, 64],
-                            gl.NVMMASharedLayout.get_default_for([64, 64], dtype))
+    block = list(block)
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype) if swizzled else \
+        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), block, layout)
 
 
 def launch_options(maxnreg: Optional[int]) -> dict:

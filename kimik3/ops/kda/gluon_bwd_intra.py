@@ -267,8 +267,9 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
             dk = _l2_chain(gl.load(kr_ptr + off, mask=rows, other=0.0).to(gl.float32), dk, EPS)
         gl.store(dq_out + off, dq.to(dq_out.dtype.element_ty), mask=rows)
         gl.store(dk_out + off, dk.to(dk_out.dtype.element_ty), mask=rows)
-        # dbeta: the rows' sums of k x, the WY kernel's partials, the sigmoid's chain rule (loading the partials at
-        # the item's start, with beta, was slower: 3.17 against 2.97 ms, H200, K3's shape)
+        # dbeta: the rows' sums of k x, the WY kernel's partials, the sigmoid's chain rule (as
+        # ``triton_preact.sigmoid_bwd``; loading the partials at the item's start, with beta, was slower: 3.17 against
+        # 2.97 ms, H200, K3's shape)
         for p in gl.static_range(NPART):
             db += gl.load(dbeta_in_ptr + p * part_beta + bo, mask=r < L, other=0.0)
         if BSIG:

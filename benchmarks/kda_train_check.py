@@ -34,7 +34,10 @@ from kimik3.ops.kda import BACKEND_ENV  # noqa: E402
 from kimik3.train.trainer import TrainArgs, Trainer  # noqa: E402
 
 
-def train(backend: str, args: argparse.Namespace, tmp: Path, seed: int) -> tuple[list[float], float, float, float]:
+def train(backend: str, args: argparse.Namespace, tmp: Path, seed: int,
+          run: str = "") -> tuple[list[float], float, float, float]:
+    """One training run of ``backend`` under tmp/{backend}-{seed}{run} (each run needs a directory of its own: the
+    trainer refuses a non-empty one)."""
     import torch
 
     os.environ[BACKEND_ENV] = backend
@@ -47,7 +50,7 @@ def train(backend: str, args: argparse.Namespace, tmp: Path, seed: int) -> tuple
     config_path = tmp / f"{args.preset}-v{args.vocab}.json"
     config_path.write_text(json.dumps(config))
     train_args = TrainArgs(config_path=str(config_path), steps=args.steps, seq_len=args.seq_len,
-                           batch_size=args.batch_size, device=args.device, out=str(tmp / f"{backend}-{seed}"),
+                           batch_size=args.batch_size, device=args.device, out=str(tmp / f"{backend}-{seed}{run}"),
                            seed=seed,
                            eval_every=args.steps, checkpoint_every=10**9, progress=False)
     losses: list[float] = []
@@ -100,7 +103,7 @@ def main() -> None:
             tail_diffs.append(abs(tail_t - tail_x))
             torch_vals.append(vt)
             if args.noise:
-                lt2, _, vt2, _ = train("torch", args, Path(tmp), seed)
+                lt2, _, vt2, _ = train("torch", args, Path(tmp), seed, run="-again")
                 noise_val.append(abs(vt - vt2))
                 noise_tail.append(abs(tail_t - statistics.mean(lt2[-10:])))
                 print(f"torch again: val loss {vt2:.4f}, |diff| from its first run {noise_val[-1]:.4f}; last-10 mean "

@@ -412,10 +412,11 @@ def test_train_check_judges_against_the_torch_paths_own_noise(monkeypatch, capsy
     fails when the torch path reproduces itself exactly; without --noise the tolerance alone decides. The training
     runs are stand-ins (the real ones need the GPU machine)."""
     mod = _script(TRAIN_CHECK_SCRIPT, "kda_train_check_under_test")
-    runs = []
+    runs, dirs = [], set()
 
-    def fake_train(backend, args, tmp, seed):
+    def fake_train(backend, args, tmp, seed, run=""):
         runs.append(backend)
+        dirs.add(f"{backend}-{seed}{run}")  # the trainer refuses a run directory that is not empty
         repeat = noise and len(runs) % 3 == 0  # --noise: each seed trains torch, triton, torch again
         val = {"torch": 6.0 + self_diff * repeat, "triton": 6.06}[backend]
         return [val] * args.steps, 1000.0, val, float("nan")
@@ -428,4 +429,5 @@ def test_train_check_judges_against_the_torch_paths_own_noise(monkeypatch, capsy
     out = capsys.readouterr().out
     assert (exit_info.value.code == 0) == passes, out
     assert runs.count("torch") == (4 if noise else 2) and runs.count("triton") == 2
+    assert len(dirs) == len(runs)  # every run in a directory of its own
     assert ("torch path against itself" in out) == noise

@@ -1,7 +1,8 @@
 """KDA precision class: ours (each bf16 precision variant) and fla 0.6.0 against the fp32 token loop, on the
 same bf16 inputs with K3's contract, forward and every gradient.
 
-    python benchmarks/kda_precision.py [--shape 1,2048,32,128] [--variants h,ach,] [--seeds 2] [--out DIR]
+    python benchmarks/kda_precision.py [--shape 1,2048,32,128] [--variants h,ach,] [--try dh16,...] [--seeds 2]
+                                       [--out DIR]
 
 The bf16 inputs (raw q, k, v, gate input z, beta logits, and an fp32 initial state) are upcast to fp32 for the
 reference (`naive_recurrent_kda` after the fp32 pre-activations), so every error measured is the kernel's own
@@ -9,6 +10,9 @@ rounding. Printed per implementation: the relative RMS error of o, the final sta
 v, z, the beta logits and the initial state, and each error over fla's on the same inputs. A variant is "in
 fla's precision class" when none of its errors exceeds 1.25x fla's (or its own error is under 1e-3 anyway).
 This is the evidence a precision variant needs before it becomes the bf16 default (benchmarks/NOTES-kda.md).
+--try takes kda_kernel.py's experiments (benchmarks/kda_tries.py) whose precision differs from the default's, e.g.
+dh16 (the state gradients stored 16-bit): each is measured as our default variant with the try applied, a row of its
+own (`ours 'h' +dh16`) judged by the same rule, so the try and the default meet fla on the same inputs in one run.
 Timing is kda_kernel.py's job; this script only measures errors. GPU (or CPU under TRITON_INTERPRET=1 at a
 tiny --shape, as the CPU smoke test does).
 """
@@ -26,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kda_k3 as k3  # noqa: E402  (the K3-contract inputs and callers; k3.DEVICE: where inputs are built)
 from harness import log, rel  # noqa: E402
+from kda_tries import overridden, parse_experiment  # noqa: E402  (--try: kda_kernel.py's experiment switches)
 
 FIELDS = ["o", "state", "dq", "dk", "dv", "dz", "dbeta", "dh0"]
 CLASS_RATIO, CLASS_FLOOR = 1.25, 1e-3
@@ -38,8 +43,11 @@ def errors(call, xs, h0, do, ds, ref) -> dict:
     return {name: rel(r, x) for name, r, x in zip(FIELDS, ref, [o, s, *grads])}
 
 
-def measure(shape, variants, use_fla: bool, seed: int) -> dict:
-    """{implementation: {field: error}} at shape (B, T, H, D) for one input seed."""
+def measure(shape, variants, use_fla: bool, seed: int, tries=()) -> dict:
+    """{implementation: {field: error}} at shape (B, T, H, D) for one input seed; tries: (name, overrides) pairs from
+    ``kda_tries.parse_experiment``, each measured as our default variant under its overrides."""
+    import kimik3.ops.kda.triton_forward as tf
+
     B, T, H, D = shape
     xs, a_log, dtb = k3.k3_inputs(B, T, H, D, seed=seed, requires_grad=True)
     gen = torch.Generator(device=k3.DEVICE).manual_seed(seed + 1000)
@@ -54,6 +62,10 @@ def measure(shape, variants, use_fla: bool, seed: int) -> dict:
     for variant in variants:
         out[f"ours '{variant}'"] = errors(lambda x, h, v=variant: k3.ours_k3(x, a_log, dtb, h, True, variant=v),
                                           xs, h0, do, ds, ref)
+    for name, overrides in tries:
+        with overridden(overrides):  # forward and backward both under the try (the variant too, if it sets one)
+            out[f"ours '{tf.DEFAULT_VARIANT}' +{name}"] = errors(lambda x, h: k3.ours_k3(x, a_log, dtb, h, True),
+                                                                 xs, h0, do, ds, ref)
     fla_fn, _ = k3.load_fla() if use_fla else (None, None)
     if fla_fn is not None:
         out["fla"] = errors(lambda x, h: k3.fla_k3(fla_fn, x, a_log, dtb, h, True), xs, h0, do, ds, ref)
@@ -92,23 +104,27 @@ def report(shape, per_seed: list) -> dict:
     return {"shape": list(shape), "seeds": len(per_seed), "mean": mean, "in_fla_class": verdicts}
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="1,2048,32,128", help="B,T,H,D (the token loop's autograd holds T states)")
     p.add_argument("--variants", default="h,ach,", help="comma list of our bf16 precision variants ('' = all 16-bit)")
+    p.add_argument("--try", dest="tries", default="",
+                   help="comma list of kda_tries.py experiments, each measured as our default variant with it "
+                        "applied, e.g. dh16")
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--no-fla", action="store_true")
     p.add_argument("--out", default=os.environ.get("OUT"))
-    a = p.parse_args()
+    a = p.parse_args(argv)
     shape = tuple(int(x) for x in a.shape.split(","))
     if len(shape) != 4:
         raise SystemExit(f"--shape takes B,T,H,D, got {a.shape!r}")
+    tries = [parse_experiment(t) for t in a.tries.split(",") if t]  # (a bad name exits here, before any work)
     if not torch.cuda.is_available():  # the interpreter at a tiny shape (a smoke run)
         from kimik3.ops.kda.triton_autograd import interpreter_bf16_fix
 
         k3.DEVICE = "cpu"
         interpreter_bf16_fix()  # the interpreter's bf16 dots and casts are not the GPU's (Triton 3.6)
-    per_seed = [measure(shape, a.variants.split(","), not a.no_fla, seed) for seed in range(a.seeds)]
+    per_seed = [measure(shape, a.variants.split(","), not a.no_fla, seed, tries) for seed in range(a.seeds)]
     summary = report(shape, per_seed)
     if a.out:
         os.makedirs(a.out, exist_ok=True)

@@ -45,6 +45,8 @@ Backward:
   bscan=W                warps of the two backward scans
   bsc=BV/stages          the backward scans' V block and pipeline stages
   dhacc | nodhacc        the state-gradient scan's products accumulated in place (the default) or not
+  dh16 | nodh16          the state gradients dh stored in the inputs' 16-bit dtype with 16-bit scans, or fp32 (the
+                         default; KIMIK3_KDA_DH16)
   st32                   the backward's recomputed states stored fp32 (KIMIK3_KDA_STATES_16BIT=0)
   bwarps=W               warps of the chunk-local backward kernels
   bik=BK/warps           the intra backward's key block and warps
@@ -116,6 +118,8 @@ def parse_experiment(token: str):
             overrides[(tbi, "FUSE_PREACT_BWD")] = part == "fpb"
         elif part in ("dhacc", "nodhacc"):  # the state-gradient scan's 16-bit products accumulated in place or not
             overrides[(tb, "DH_ACC_DOTS")] = part == "dhacc"
+        elif part in ("dh16", "nodh16"):  # the state gradients dh stored 16-bit (with 16-bit scans) or fp32
+            overrides[(tb, "DH_16BIT")] = part == "dh16"
         elif part in ("prep1", "prep3"):  # the prologue as one or three programs per (chunk, head)
             overrides[(tp, "PREP_PARTS")] = int(part[4])
         elif part in ("gwy", "nogwy"):  # phase C by the Gluon kernel (gluon_wy.py) or by the Triton one
@@ -196,7 +200,7 @@ def parse_experiment(token: str):
                              "prep1|prep3, dhacc|nodhacc, out=BV/W, l2rows|l2prep, l2r=BR/W, gcw=W, iw=A/B/C, "
                              "wyc=BK/BV, abk=BK, wydyn|wyunroll, wys=S, wyv|nowyv, fpb|nofpb, sfx=BK/W, bis=S, "
                              "iwarps=W, narrow|wynarrow|bnarrow, sfxrev|nosfxrev, gintra|nogintra, gwy|nogwy, ga|noga, "
-                             "gscan|nogscan, gdh|nogdh, "
+                             "gscan|nogscan, gdh|nogdh, dh16|nodh16, "
                              "module.ATTR=value)")
     return token, overrides
 

@@ -360,6 +360,53 @@ def test_gluon_kernels_compile_for_sm90(tmp_path):
         assert row["registers"] * 32 * row["num_warps"] * ctas <= 65536, (name, row)
 
 
+# --------------------------------------------------------------------------
+# the state gradients dh stored 16-bit (triton_backward.DH_16BIT)
+# --------------------------------------------------------------------------
+
+
+def test_gluon_state_gradient_scan_stores_a_16bit_dh():
+    """The Gluon state-gradient scan (launched as the backward launches it: ``FUSE_LOCAL``, ``FUSE_DRV``) with a bf16
+    dh (``triton_backward.DH_16BIT``): each stored dS is the fp32-dh run's rounded once to bf16 (identical on the
+    emulator, within one bf16 step on the GPU), and the chain it carries stays fp32: dv_new (or dRv) and dh0 equal
+    the fp32-dh run's. Varlen with a one-token sequence and partial chunks, the final state's gradient in."""
+    gen = torch.Generator().manual_seed(5)
+    K = V = 128
+    H, lengths = 1, [1, 63, 65, 7]
+    N, T = len(lengths), sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    plan = tf.make_plan(1, T, cu, torch.device(DEV))
+    qg, kg, w = ((torch.randn(1, T, H, K, generator=gen) * 0.1).bfloat16().to(DEV) for _ in range(3))
+    do = torch.randn(1, T, H, V, generator=gen).bfloat16().to(DEV)
+    eg = (torch.rand(plan.NT, H, K, generator=gen) * 0.5 + 0.5).to(DEV)
+    dht = torch.randn(N, H, K, V, generator=gen).to(DEV)
+    scale = K**-0.5
+    dscale = 2.0 ** (math.frexp(scale)[1] - 1)
+    aqk, tinv, dv_local = (torch.randn(plan.NT, H, 64, 64, generator=gen).tril() * 0.1).to(DEV), None, None
+    if not gluon_bwd_scan.FUSE_LOCAL:  # what _dvn_local_kernel would leave, at random
+        aqk, dv_local = None, (torch.randn(1, T, H, V, generator=gen) * dscale).to(DEV)
+    if gluon_bwd_scan.FUSE_DRV:
+        tinv = (torch.randn(plan.NT, H, 64, 64, generator=gen).tril() * 0.1).to(DEV)
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        dh = torch.full((plan.NT, H, K, V), float("nan"), device=DEV, dtype=dt)
+        dvn = dv_local.clone() if dv_local is not None else torch.full((1, T, H, V), float("nan"), device=DEV)
+        dh0 = torch.full((N, H, K, V), float("nan"), device=DEV)
+        gluon_bwd_scan.launch(qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H, scale, dscale, aqk=aqk, tinv=tinv,
+                              **{k: v for k, v in _run_here().items() if k == "launcher"})
+        out[dt] = dh, dvn, dh0
+    (dh32, dvn32, dh0_32), (dh16, dvn16, dh0_16) = out[torch.float32], out[torch.bfloat16]
+    assert dh16.dtype == torch.bfloat16 and not dh32.isnan().any() and not dh16.float().isnan().any()
+    if ON_GPU:
+        assert ((dh16.float() - dh32).abs() <= dh32.abs() * 2.0**-7).all()  # one bf16 step (8 significant bits)
+        same = lambda a, b: ((a - b).abs() <= 1e-6 * b.abs().max()).all()  # noqa: E731
+    else:
+        assert torch.equal(dh16, dh32.bfloat16())
+        same = torch.equal
+    assert not dvn32.isnan().any() and same(dvn16, dvn32) and same(dh0_16, dh0_32)
+    assert not torch.equal(dh16.float(), dh32)  # (the rounding happened)
+
+
 if __name__ == "__main__":  # the compile step of test_gluon_kernels_compile_for_sm90
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from kda_sm90_report import Sm90Compiler

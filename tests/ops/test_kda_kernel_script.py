@@ -220,6 +220,53 @@ def test_precision_script_measures_each_variant_and_the_peer_against_the_token_l
     assert set(summary["in_fla_class"]) == {"ours 'ach'", "ours 'acsw'"}
 
 
+def test_precision_script_measures_a_try_as_its_own_row(kk, prec, monkeypatch):
+    """A --try (here dh16, the state gradients stored 16-bit) measured as our default variant under its overrides,
+    the backward included, on the same inputs as the variants and the peer, and judged by the same class rule."""
+    import kimik3.ops.kda.triton_backward as tb
+    import kimik3.ops.kda.triton_forward as tf
+
+    dh_dtypes, orig = [], tb.dh_dtype
+    monkeypatch.setattr(tb, "dh_dtype", lambda *a: dh_dtypes.append(orig(*a)) or dh_dtypes[-1])
+    default = f"ours '{tf.DEFAULT_VARIANT}'"
+    per_seed = [prec.measure((1, 40, 2, 16), [tf.DEFAULT_VARIANT], True, 0, [prec.parse_experiment("dh16")])]
+    assert sorted(per_seed[0]) == sorted([default, default + " +dh16", "fla"])
+    assert dh_dtypes == [torch.float32, torch.bfloat16] and tb.DH_16BIT is False  # on for the try alone
+    summary = prec.report((1, 40, 2, 16), per_seed)
+    errs, base = summary["mean"][default + " +dh16"], summary["mean"][default]
+    assert all(0 < e < 2e-2 for e in errs.values()), errs
+    # dh reaches dk and the gate input's gradient dz only
+    assert errs["dq"] == base["dq"] and errs["dk"] != base["dk"] and errs["dz"] != base["dz"], (errs, base)
+    assert set(summary["in_fla_class"]) == {default, default + " +dh16"}
+
+
+def test_precision_script_try_option(prec, monkeypatch, tmp_path):
+    """kda_precision.py --try takes a comma list of kda_tries.py's tries and hands them to every seed's measurement;
+    its rows get the class verdict in the summary; a bad name exits, naming it, before any measurement."""
+    import kimik3.ops.kda.triton_backward as tb
+
+    calls = []
+
+    def fake_measure(shape, variants, use_fla, seed, tries=()):
+        calls.append(tries)
+        errs = dict.fromkeys(prec.FIELDS, 4e-3)
+        return {"ours 'h'": errs, **{f"ours 'h' +{name}": {**errs, "dk": 6e-3} for name, _ in tries}, "fla": errs}
+
+    monkeypatch.setattr(prec, "measure", fake_measure)
+    monkeypatch.setattr(prec.k3, "DEVICE", prec.k3.DEVICE)  # (main points it at the CPU off the GPU)
+    assert prec.main(["--shape", "1,40,2,16", "--variants", "h", "--try", "dh16,nodh16+wys=2", "--seeds", "2",
+                      "--out", str(tmp_path)]) == 0
+    assert calls == [[("dh16", {(tb, "DH_16BIT"): True}),
+                      ("nodh16+wys=2", {(tb, "DH_16BIT"): False, (tb, "WY_LOOP_STAGES"): 2})]] * 2
+    with open(tmp_path / "kda_precision.json") as fh:
+        verdicts = json.load(fh)["in_fla_class"]
+    assert verdicts == {"ours 'h'": True, "ours 'h' +dh16": False, "ours 'h' +nodh16+wys=2": False}
+    calls.clear()
+    with pytest.raises(SystemExit, match="--try: unknown switch 'dh8'"):
+        prec.main(["--try", "dh16,dh8"])
+    assert not calls
+
+
 def test_precision_class_rule(prec):
     fla = dict.fromkeys(prec.FIELDS, 4e-3)
     assert prec.in_fla_class(dict.fromkeys(prec.FIELDS, 5e-3), fla)  # 1.25x

@@ -428,6 +428,119 @@ def test_in_place_state_gradient_scan_keeps_dO_exact(monkeypatch, scale):
         assert rel_rms(b, a) < 3e-4, (name, rel_rms(b, a))
 
 
+def _dh_dtypes_seen(monkeypatch) -> list:
+    """Record the dtype of dh as each launch of the WY kernel receives it (the kernel then launched as usual): what
+    ``DH_16BIT`` must change, so that a test of it fails if the knob silently does nothing."""
+    import kimik3.ops.kda.triton_backward as tb
+
+    kernel, seen = tb._bwd_wy_kernel, []
+    at = kernel.arg_names.index("dh_ptr")
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(args[at].dtype)
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(tb, "_bwd_wy_kernel", Recorded())
+    return seen
+
+
+@pytest.mark.parametrize("case", ["dh16-bf16", "dh16-varlen", "dh16-nodhacc", "dh16-narrow", "dh16-fp32",
+                                  "dh16-fp32scan"])
+def test_dh16_state_gradients_stored_16bit(monkeypatch, case):
+    """``DH_16BIT`` (KIMIK3_KDA_DH16, off by default): with bf16 inputs and 16-bit scans the state gradients dh reach
+    the WY kernel in bf16; every gradient stays within the bf16 tests' bounds of the fp32 token loop, dk and dg (the
+    two that read dh) move from the fp32-dh run by under 1e-2 (relative RMS) but do move, and the rest (dq, dv, dbeta,
+    dh0: the scan's fp32 chain, not its stored copy) do not. Over a partial last chunk (T = 130), varlen sequences
+    (one-token ones, partial chunks), the scan with its products summed after the dots (``DH_ACC_DOTS`` off) and the
+    WY kernel's narrow fp32 loads (``WY_NARROW_F32_LOADS``, which a 16-bit dh bypasses). fp32 inputs, and bf16 inputs
+    with fp32 scans (variant 's'), keep an fp32 dh and the same gradients bit for bit."""
+    import kimik3.ops.kda.triton_backward as tb
+    import kimik3.ops.kda.triton_forward as tf
+
+    B, H, K, V = SMALL
+    T, cu, dtype = 130, None, torch.float32 if case == "dh16-fp32" else torch.bfloat16
+    if case == "dh16-varlen":
+        lengths = [1, 63, 65, 3, 64]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+        B, T = 1, sum(lengths)
+    if case == "dh16-nodhacc":
+        monkeypatch.setattr(tb, "DH_ACC_DOTS", False)
+    if case == "dh16-narrow":
+        monkeypatch.setattr(tb, "WY_NARROW_F32_LOADS", True)
+    if case == "dh16-fp32scan":
+        monkeypatch.setattr(tf, "DEFAULT_VARIANT", "s")
+    inputs = make_inputs(B, T, H, K, V, dtype=dtype, seed=11)
+    h0 = make_state(B if cu is None else len(cu) - 1, H, K, V)
+    kw = dict(cu_seqlens=cu) if cu is not None else {}
+    seen = _dh_dtypes_seen(monkeypatch)
+    grads, dh_dtypes = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(tb, "DH_16BIT", on)
+        seen.clear()
+        _, _, grads[on] = run_with_grads(chunk_kda, fresh(inputs), fresh([h0])[0], backend="triton", **kw)
+        dh_dtypes[on] = set(seen)
+    stored16 = dtype == torch.bfloat16 and case != "dh16-fp32scan"
+    assert dh_dtypes == {False: {torch.float32}, True: {torch.bfloat16 if stored16 else torch.float32}}, dh_dtypes
+    moved = {name: rel_rms(a, b) for name, a, b in zip(GRAD_NAMES, grads[False], grads[True])}
+    if not stored16:
+        assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True])), moved
+        return
+    ref_inputs = [x.detach().float().requires_grad_() for x in inputs]
+    _, _, g_ref = run_with_grads(naive_recurrent_kda, ref_inputs, fresh([h0])[0], **kw)
+    for name, a, b in zip(GRAD_NAMES, g_ref, grads[True]):
+        assert rel_rms(a, b) < TOL[name], (name, rel_rms(a, b))
+    same = 0.0 if not ON_GPU else 1e-6  # (the interpreter: the same operations bit for bit)
+    assert all(moved[name] <= same for name in ("dq", "dv", "dbeta", "dh0")), moved
+    assert all(0 < moved[name] < 1e-2 for name in ("dk", "dg")), moved
+
+
+@pytest.mark.parametrize("acc", [True, False])
+def test_dh16_scan_rounds_only_the_stored_copy(acc):
+    """The Triton state-gradient scan with a bf16 dh (``DH_16BIT``): each stored dS' is the fp32 run's rounded once to
+    bf16 (exactly on the interpreter, within one bf16 step on the GPU), and the chain it carries stays fp32: dv_new
+    and dh0 equal the fp32 run's. Varlen with one-token sequences and partial chunks, the final state's gradient in,
+    the in-place form (acc, the scale not a power of two) and the form with separate products."""
+    import math
+
+    import triton.language as tl
+
+    from kimik3.ops.kda.triton_backward import _bwd_dh_kernel
+    from kimik3.ops.kda.triton_forward import make_plan
+
+    gen = torch.Generator().manual_seed(3)
+    H, K, V, lengths = 2, 32, 32, [1, 63, 65, 7, 64]
+    N, T = len(lengths), sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    plan = make_plan(1, T, cu, torch.device(DEV))
+    qg, kg, w = ((torch.randn(1, T, H, K, generator=gen) * 0.2).bfloat16().to(DEV) for _ in range(3))
+    do = torch.randn(1, T, H, V, generator=gen).bfloat16().to(DEV)
+    eg = (torch.rand(plan.NT, H, K, generator=gen) * 0.5 + 0.5).to(DEV)
+    dht = torch.randn(N, H, K, V, generator=gen).to(DEV)
+    dv_local = torch.randn(1, T, H, V, generator=gen).to(DEV)  # what _dvn_local_kernel leaves, at random
+    scale = K**-0.5
+    dscale = 2.0 ** (math.frexp(scale)[1] - 1) if acc else 1.0
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        dh = torch.full((plan.NT, H, K, V), float("nan"), device=DEV, dtype=dt)
+        dvn, dh0 = dv_local.clone(), torch.full((N, H, K, V), float("nan"), device=DEV)
+        _bwd_dh_kernel[(1, N * H)](qg, kg, eg, w, do, dht, dh, dvn, dh0, plan.cu, plan.chunk_off, H, float(scale),
+                                   dscale, K=K, V=V, BKF=K, BV=V, PREC="tf32", HAS_DHT=True, STORE_DH0=True,
+                                   INTERP=not ON_GPU, DT=tl.bfloat16, ACC=acc, num_warps=4)
+        out[dt] = dh, dvn, dh0
+    (dh32, dvn32, dh0_32), (dh16, dvn16, dh0_16) = out[torch.float32], out[torch.bfloat16]
+    assert not dh32.isnan().any() and not dh16.float().isnan().any()
+    if ON_GPU:
+        step = dh32.abs() * 2.0**-7  # one bf16 step (8 significant bits) at the value's size
+        assert ((dh16.float() - dh32).abs() <= step).all()
+    else:
+        assert torch.equal(dh16, dh32.bfloat16())
+    assert torch.equal(dvn16, dvn32) and torch.equal(dh0_16, dh0_32)
+    assert rel_rms(dh32, dh16.float()) > 0  # (the rounding happened)
+
+
 @pytest.mark.parametrize("pattern", ["all", "tile", "alternate"])
 def test_gates_at_the_bound(pattern):
     B, H, K, V = SMALL

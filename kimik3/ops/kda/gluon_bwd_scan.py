@@ -115,9 +115,10 @@ def _consumer(ready, empty, kg_s, qg_s, w_s, do_s, hs, vs, eg_ptr, aqk_ptr, tinv
             dv_local = gl.load(dvn_ptr + tok, mask=rows, other=0.0) * inv_dscale  # Aqk^T dO (exact: a power of two)
         eg_top = gl.expand_dims(gl.load(eg_ptr + ch * K + r), 1)
         eg_bot = gl.expand_dims(gl.load(eg_ptr + ch * K + 64 + r), 1)
-        # the gradient of the state leaving the chunk, and its 16-bit parts as the next products' operand
-        gl.store(dh_ptr + ch * (K * V) + tile, d_top * scale)
-        gl.store(dh_ptr + ch * (K * V) + tile + 64 * V, d_bot * scale)
+        # the gradient of the state leaving the chunk (rounded once where dh is 16-bit, ``triton_backward.DH_16BIT``;
+        # the chain keeps fp32), and its 16-bit parts as the next products' operand
+        gl.store(dh_ptr + ch * (K * V) + tile, (d_top * scale).to(dh_ptr.dtype.element_ty))
+        gl.store(dh_ptr + ch * (K * V) + tile + 64 * V, (d_bot * scale).to(dh_ptr.dtype.element_ty))
         hi_top, lo_top = split16(d_top)
         hi_bot, lo_bot = split16(d_bot)
         hs.index(0).store(hi_top)
@@ -207,10 +208,10 @@ def launch(qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H: int, scale: float, dsc
            aqk: Optional[torch.Tensor] = None, tinv: Optional[torch.Tensor] = None,
            launcher: Optional[Callable] = None) -> None:
     """The scan by ``_gluon_dh_scan_kernel`` on ``triton_backward``'s tensors (token layout [B, T, H, D]; dh as [NT, H,
-    K, V] fp32; dht / dh0 as [N, H, K, V] fp32 or None). dvn: dv_new's buffer, written; with aqk None it must hold
-    dscale Aqk^T dO (``_dvn_local_kernel``), else (Aqk as [NT, H, 64, 64] fp32) the kernel computes that part itself.
-    tinv: T as [NT, H, 64, 64] fp32, to store dRv = T^T dv_new at dvn instead of dv_new. launcher: how to run it
-    (default: on the GPU; ``tests/gluon_emulator.emulate`` on the CPU)."""
+    K, V] fp32, or bf16 with ``triton_backward.DH_16BIT``; dht / dh0 as [N, H, K, V] fp32 or None). dvn: dv_new's
+    buffer, written; with aqk None it must hold dscale Aqk^T dO (``_dvn_local_kernel``), else (Aqk as [NT, H, 64, 64]
+    fp32) the kernel computes that part itself. tinv: T as [NT, H, 64, 64] fp32, to store dRv = T^T dv_new at dvn
+    instead of dv_new. launcher: how to run it (default: on the GPU; ``tests/gluon_emulator.emulate`` on the CPU)."""
     K, V = qg.shape[-1], do.shape[-1]
     tok_k, tok_v = (qg.numel() // (H * K), H * K), (do.numel() // (H * V), H * V)
     args = (tile_descriptor(kg, gl.bfloat16, tok_k), tile_descriptor(qg, gl.bfloat16, tok_k),

@@ -20,7 +20,7 @@ Kernels:
      and v_new [B, T, H, V] fp32 -- skipped when the forward ran split (the default) and saved both.
   2. ``_dvn_local_kernel`` per (chunk, head, V block): Aqk^T dO into the dv_new buffer, then
      ``_bwd_dh_kernel`` per (sequence, head, V block): reverse scan adding kg dS'; stores dh (gradient of
-     each chunk's exit state) [NT, H, K, V] fp32, dv_new, and d initial_state.
+     each chunk's exit state) [NT, H, K, V] fp32 (16-bit with ``DH_16BIT``), dv_new, and d initial_state.
   3. ``_bwd_wy_kernel``  per (chunk, head): the V-contractions above, the K-independent ones first
      (``_wy_v_side``), then per BK-column key block (``_wy_k_side``); writes dv, the partial
      dq / dk / dGamma / dbeta, and dAqk, dA [NT, H, 64, 64] fp32.
@@ -112,6 +112,16 @@ WY_NARROW_F32_LOADS = False
 # The WY kernel's dO S^T on the 16-bit dO and stored states as they are (exact products) when both share a
 # 16-bit dtype, instead of both widened to fp32 for a tf32 product.
 WY_DQ16 = True
+# The state gradients dh [NT, H, K, V] (written by the state-gradient scan, read by the WY kernel) stored in the
+# inputs' 16-bit dtype when the scans take 16-bit operands, instead of fp32: at K3's shape the fp32 dh is 0.8 GB written
+# and 0.8 GB read per backward, and fla 0.6.0 (our speed and precision peer) stores it in q's dtype. Each chunk's copy
+# is rounded once from the scan's fp32 value; the scan's own chain stays fp32 (only the stored copy is rounded), and
+# the WY kernel widens it back to fp32 on load. Whether the gradients stay in fla's precision class is for the GPU to
+# say (``benchmarks/kda_precision.py --try dh16``). Interpreter, bf16, K = V = 16, T = 130, against the token loop,
+# two seeds: dk 2.6e-3 -> 3.0e-3 and 3.0e-3 -> 3.3e-3, dg 1.7e-3 -> 2.1e-3 and 2.9e-3 -> 3.0e-3, the other gradients
+# unchanged (the 16-bit dh of ``triton_scan.STATES_16BIT``'s note was measured before the interpreter's bf16 casts
+# rounded as the GPU's do). Prepared offline, untimed: off. KIMIK3_KDA_DH16=1 turns it on.
+DH_16BIT = os.environ.get("KIMIK3_KDA_DH16", "0") == "1"
 
 
 # --------------------------------------------------------------------------
@@ -160,8 +170,10 @@ def _bwd_dh_step(qg_ptr, kg_ptr, eg_ptr, w_ptr, do_ptr, dh_ptr, dvn_ptr, dh, i_c
     r, rv, mk, mv, ko, vo = _chunk_tiles(i_c, bos, eos, i_h, H, K, V, ck, cv)
     km = ck < K
     hoff = ((coff + i_c) * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
-    # the gradient of this chunk's exit state
-    tl.store(dh_ptr + hoff, dh * unit if ACC else dh, mask=km[:, None] & (cv < V)[None, :])
+    # the gradient of this chunk's exit state, rounded once where dh is stored 16-bit (``DH_16BIT``; the carried dh
+    # stays fp32)
+    tl.store(dh_ptr + hoff, (dh * unit if ACC else dh).to(dh_ptr.dtype.element_ty),
+             mask=km[:, None] & (cv < V)[None, :])
     eg = tl.load(eg_ptr + ((coff + i_c) * H + i_h) * K + ck, mask=km, other=0.0)
     dvn = tl.load(dvn_ptr + vo, mask=mv, other=0.0)
     if DT == tl.float32:
@@ -300,7 +312,7 @@ def _wy_k_step(vb, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, tmatT, dqg, dkg, drk,
     hm = km[:, None] & vm[None, :]
     hs16 = tl.load(h_ptr + hoff, mask=hm, other=0.0)
     hs = hs16.to(tl.float32)
-    dhs = _load_rows(dh_ptr, hb + ck * V, km, vb, V, BV, NARROW)
+    dhs = _load_rows(dh_ptr, hb + ck * V, km, vb, V, BV, NARROW).to(tl.float32)  # (16-bit with ``DH_16BIT``)
     row_off = vbase + r * (H * V)
     vn = _load_rows(vn_ptr, row_off, rv, vb, V, BV, NARROW)
     drv = _wy_drv(tmatT, dvn_ptr, row_off, rv, vb, V, BV, PREC, DRV_IN, NARROW)
@@ -427,6 +439,14 @@ def _scan_launch(scan_dt, acc: bool) -> Tuple[int, int, int]:
     return SCAN_BV or bv, SCAN_WARPS or warps, SCAN_STAGES or stages
 
 
+def dh_dtype(q_dtype: torch.dtype, scan_dt) -> torch.dtype:
+    """dtype of the stored state gradients dh for inputs of q_dtype whose backward scans take operands of scan_dt:
+    q's 16-bit dtype with ``DH_16BIT`` and 16-bit scans, else fp32."""
+    if DH_16BIT and q_dtype in (torch.bfloat16, torch.float16) and scan_dt != tl.float32:
+        return q_dtype
+    return torch.float32
+
+
 def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: torch.Tensor,
                    initial_state: Optional[torch.Tensor], scale: float, plan: ChunkPlan, need_dh0: bool = True,
                    preact: Optional[PreactInputs] = None):
@@ -474,7 +494,7 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     # the backward scans take 16-bit operands (with the hi / lo splits) when the forward scan did
     scan_dt = tl.float32 if aux["qg"].dtype == torch.float32 else _dot_dtype(aux["qg"].dtype)
     do = do.contiguous()
-    dh = torch.empty(NT, H, K, V, **f32)
+    dh = torch.empty(NT, H, K, V, device=dev, dtype=dh_dtype(q.dtype, scan_dt))
     dvn = torch.empty(B, T, H, V, **f32)
     dummy = G
     h, vn = aux.get("h"), aux.get("vn")

@@ -16,12 +16,13 @@
 # precision (two GPUs) GPU 1: kda_precision.py (each bf16 variant and fla against the fp32 token loop, forward
 #          and gradients), then the bf16 training check for the default and for variant $TRAIN_VARIANT
 #          (TRAIN_SEEDS seeds each); GPU 0: `kernels` at shape 0. Deciding a precision variant in one call  <= 9.5 min
-# final    (two GPUs) closing a session's defaults in one call. GPU 1: the Triton test file, then the bf16
-#          training check (TRAIN_SEEDS seeds); GPU 0: shape 0 with TRIES_FINAL (the previous defaults, timed in the
-#          same run), then shape 1 (B4 T4096 H64) with TRIES1. One GPU: the test file and shape 0 in turn
+# final    (two GPUs) closing a session's defaults in one call. GPU 1: the Triton test file (then, with PRECISION_TRIES,
+#          kda_precision.py --try PRECISION_TRIES: the tries' errors against fla's); GPU 0: shape 0 with TRIES_FINAL
+#          (the previous defaults, timed in the same run), shape 1 (B4 T4096 H64) with TRIES1, then the bf16 training
+#          check (TRAIN_SEEDS seeds; LIMIT_TRAIN, 300 s). One GPU: the test file and shape 0 in turn
 #          (`train` and `kernels` do the rest). On a fresh machine fla autotunes ~90 s per shape and pass and
 #          our kernels compile: a shape's step needs ~250-300 s, so the precision table is not part of this
-#          mode (`precision` has it). LIMIT0 / LIMIT1 set the two shapes' limits (300 / 250 s; LIMIT1=0 skips
+#          mode (`precision` has it). LIMIT0 / LIMIT1 set the two shapes' limits (200 / 150 s; LIMIT1=0 skips
 #          shape 1). check and final: DECODE=1 adds the decode section with its launch sweep on GPU 0 after
 #          the kernels (LIMIT_DECODE, 120 s)                                                          <= 9.5 min
 # decode   the decode section alone (ours and fla at B 1 / 64 / 256, eager and CUDA-graph times, the launch sweep),
@@ -163,9 +164,15 @@ case $MODE in
     step 0 kda_serve_decode "${LIMIT_SERVE_DECODE:-120}" python3 benchmarks/kda_serve_decode.py --out "$OUT/decode" ;;
   final)
     if [ "$GPUS" -ge 2 ]; then
-      step 1 kda_tests_train 560 bash -c "$TESTS; rc=\$?; $TRAIN && exit \$rc"
-      kernel 0 kda_kernel "${LIMIT0:-300}" 0 chunk,profile "$TRIES_FINAL"
-      if [ "${LIMIT1:-250}" -gt 0 ]; then kernel 0 kda_kernel_shape1 "${LIMIT1:-250}" 1 chunk "$TRIES1"; fi
+      if [ -n "${PRECISION_TRIES:-}" ]; then  # the tries' precision against fla's after the tests, on GPU 1
+        step 1 kda_tests_precision 560 bash -c "$TESTS; rc=\$?; python3 benchmarks/kda_precision.py --variants \
+          '$VARIANT' --try '$PRECISION_TRIES' --out '$OUT' && exit \$rc"
+      else
+        step 1 kda_tests 560 $TESTS
+      fi
+      kernel 0 kda_kernel "${LIMIT0:-200}" 0 chunk,profile "$TRIES_FINAL"
+      if [ "${LIMIT1:-150}" -gt 0 ]; then kernel 0 kda_kernel_shape1 "${LIMIT1:-150}" 1 chunk "$TRIES1"; fi
+      step 0 kda_train_check "${LIMIT_TRAIN:-300}" $TRAIN
       decode_step
     else  # one GPU: the test file first, no training check and no shape 1 (`train` / `kernels` do those)
       step 0 kda_tests 240 $TESTS

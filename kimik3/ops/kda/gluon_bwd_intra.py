@@ -64,11 +64,6 @@ CTAS_PER_SM = 1
 # K3's shape, bf16, same run (eighteenth session): the kernel 3.019 ms early against 2.948 after, forward+backward
 # 9.833 against 9.736. False: after.
 EARLY_DG_LOAD = False
-# The row side's tiles software-pipelined: column tile j + 1's right operand (exponentials, 16-bit splits, the store)
-# built while tile j's products run, in the other half of the operand buffer, with one wait per tile before the
-# rescale instead of after the products. Prepared offline (eighteenth session; emulator-tested, sm_90-compiled),
-# untimed: off.
-ROW_PIPELINE = False
 NREF = gl.constexpr(8)  # Gamma's reference rows per item: the 4 tiles' first tokens, then their last
 
 
@@ -171,7 +166,7 @@ def _l2_chain(x, dx, EPS: gl.constexpr):
 def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_s, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
               dbeta_in_ptr, dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, n_items, H, part_beta,
               K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr, EPS: gl.constexpr,
-              EARLY_DG: gl.constexpr, ROW_PIPE: gl.constexpr):
+              EARLY_DG: gl.constexpr):
     """The consumer partition: every item's products and epilogue (module docstring), the two warpgroups splitting
     the key columns."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
@@ -196,29 +191,16 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
         # row side: column tile j's terms, the rows of tiles >= j referenced at Gamma_j0
         acc_q = gl.zeros([64, K], gl.float32, layout=MMA)
         acc_b = gl.zeros([64, K], gl.float32, layout=MMA)
-        if ROW_PIPE:  # tile j + 1's right operand built while tile j's products run (b_s slots 0-1 and 2-3 in turn)
-            _kc_tile(b_s, 0, Gs, ks, refs_s, ref0, 0, r16, L, BL)
         for j in gl.static_range(4):
-            if ROW_PIPE:
-                a_hi, a_lo, d_hi, d_lo = _a_parts(m_s, base, NPART, j, False, AOP)
-                if j > 0:
-                    acc_q, acc_b = warpgroup_mma_wait(0, deps=[acc_q, acc_b])
             if j > 0:
                 step = gl.exp(refs_s.index(ref0 + j).load(MMA) - refs_s.index(ref0 + j - 1).load(MMA))  # <= 1
                 step = gl.where(gl.expand_dims(r >= j * 16, 1), step, 1.0)
                 acc_q = acc_q * step
                 acc_b = acc_b * step
-            if not ROW_PIPE:
-                _kc_tile(b_s, 0, Gs, ks, refs_s, ref0, j, r16, L, BL)
-                a_hi, a_lo, d_hi, d_lo = _a_parts(m_s, base, NPART, j, False, AOP)
-            acc_q = _mma3(a_hi, a_lo, b_s, (j % 2) * 2 * ROW_PIPE, acc_q)
-            acc_b = _mma3(d_hi, d_lo, b_s, (j % 2) * 2 * ROW_PIPE, acc_b)
-            if ROW_PIPE:
-                if j < 3:
-                    _kc_tile(b_s, ((j + 1) % 2) * 2, Gs, ks, refs_s, ref0, j + 1, r16, L, BL)
-            else:
-                acc_q, acc_b = warpgroup_mma_wait(0, deps=[acc_q, acc_b])
-        if ROW_PIPE:
+            _kc_tile(b_s, 0, Gs, ks, refs_s, ref0, j, r16, L, BL)
+            a_hi, a_lo, d_hi, d_lo = _a_parts(m_s, base, NPART, j, False, AOP)
+            acc_q = _mma3(a_hi, a_lo, b_s, 0, acc_q)
+            acc_b = _mma3(d_hi, d_lo, b_s, 0, acc_b)
             acc_q, acc_b = warpgroup_mma_wait(0, deps=[acc_q, acc_b])
         # column side: row tile m's terms, the rows of tiles <= m referenced at Gamma_mL (its last token)
         acc_c = gl.zeros([64, K], gl.float32, layout=MMA)
@@ -284,8 +266,7 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
 def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, dk_ptr, dG_ptr, dbeta_in_ptr,
                             dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, NT, H, part_rows,
                             part_beta, K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr,
-                            EPS: gl.constexpr, RING: gl.constexpr, EARLY_DG: gl.constexpr, ROW_PIPE: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            EPS: gl.constexpr, RING: gl.constexpr, EARLY_DG: gl.constexpr, num_warps: gl.constexpr):
     """Kernel 4 over NT chunks x H heads (q_d, k_d, G_d: TMA descriptors of [64, K] tiles of q, k, Gamma as [tokens,
     H K], ref_d of Gamma's [1, K] rows; a_d, da_d: of dAqk as [NT H 64, 64] and dA's partials as [NPART NT H 64, 64],
     part_rows = NT H 64 apart)."""
@@ -301,7 +282,7 @@ def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, d
     gl.warp_specialize([
         (_consumer, (t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_s, beta_ptr, dq_ptr, dk_ptr,
                      dG_ptr, dbeta_in_ptr, dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, NT * H,
-                     H, part_beta, K, NPART, L2, BSIG, EPS, EARLY_DG, ROW_PIPE)),
+                     H, part_beta, K, NPART, L2, BSIG, EPS, EARLY_DG)),
         (_loader, (t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, q_d, k_d, G_d, ref_d, a_d, da_d,
                    cidx_ptr, cu_ptr, NT * H, H, part_rows, K, NPART)),
     ], [LOADER_WARPS], [LOADER_REGS])
@@ -340,5 +321,4 @@ def launch(q, k, G, beta, daqk, da, dq, dk, dG, dbeta_parts, dbeta, plan, H: int
             rows, dbeta_parts.numel() // npart)
     run_persistent(_gluon_bwd_intra_kernel, plan.NT * H, q.device, args, launcher, programs, CTAS_PER_SM, K=K,
                    NPART=npart, L2=l2, BSIG=bsig, EPS=eps, RING=TILE_RING, EARLY_DG=EARLY_DG_LOAD,
-                   ROW_PIPE=ROW_PIPELINE, num_warps=CONSUMER_WARPS,
-                   **launch_options(MAXNREG))
+                   num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))

@@ -128,8 +128,8 @@ decode_step() {  # DECODE=1: the decode section (ours, fla, the launch sweep) on
 }
 TESTS="python3 -m pytest -v -rf ${XDIST[*]} tests/ops/test_kda_triton.py tests/ops/test_kda_gluon.py"
 # TRAIN_SEEDS: seeds 0 .. N-1; TRAIN_NOISE=1: the torch path trains twice per seed and the verdict allows twice its own
-# run-to-run distance (kda_train_check.py --noise)
-TRAIN="python3 benchmarks/kda_train_check.py --steps 30 --seeds ${TRAIN_SEEDS:-2}${TRAIN_NOISE:+ --noise}"
+# run-to-run distance (kda_train_check.py --noise); TRAIN_ARGS: more of its options (e.g. --kda-head-dim 128 --try ...)
+TRAIN="python3 benchmarks/kda_train_check.py --steps 30 --seeds ${TRAIN_SEEDS:-2}${TRAIN_NOISE:+ --noise}${TRAIN_ARGS:+ $TRAIN_ARGS}"
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi

@@ -1,6 +1,7 @@
 """Train with the Triton KDA kernels vs the torch chunk path: same run, same data, same seed.
 
     python benchmarks/kda_train_check.py [--steps 60] [--preset debug] [--vocab 16384] [--seeds 1] [--noise]
+                                         [--kda-head-dim 128] [--try EXPERIMENT]
 
 Trains the preset (bf16 autocast on CUDA; the preset's vocabulary cut to --vocab, since the stdlib
 corpus does not fill K3's 164K BPE) twice through the same ``Trainer``: KIMIK3_KDA_BACKEND=torch (the
@@ -15,12 +16,17 @@ per seed, same seed and data: its distance from itself (on a GPU its kernels' re
 and 30 steps of training amplify that) is the noise the Triton path's distance is measured against, and the check
 passes when the mean validation |difference| is within --tol or within 2x the torch path's own mean |difference|
 (the last-10-step mean likewise, against 2 x --tol).
+--kda-head-dim sets the preset's KDA head dimension (the debug preset's is 64; K3's is 128, where the Gluon kernels
+of sm_90 run), and --try applies one of kda_kernel.py's experiments (benchmarks/kda_tries.py) to the Triton runs,
+e.g. ``triton_forward.GLUON_MIN_ITEMS=0+triton_forward.GLUON_SCAN_MIN_ITEMS=0`` so that the Gluon kernels run at
+the check's small batch too (their dispatch thresholds are set for K3's shapes).
 Exits non-zero on FAIL.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -32,6 +38,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kimik3.config import K3Config  # noqa: E402
 from kimik3.ops.kda import BACKEND_ENV  # noqa: E402
 from kimik3.train.trainer import TrainArgs, Trainer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kda_tries import overridden, parse_experiment  # noqa: E402  (--try: kda_kernel.py's experiment switches)
+
+
+GLUON_MODULES = ("gluon_wy", "gluon_phase_a", "gluon_scan", "gluon_bwd_scan", "gluon_bwd_intra")
+
+
+@contextlib.contextmanager
+def counting_gluon_launches(counts: dict):
+    """Count each Gluon kernel module's launches (``launch``) while the block runs, into counts: the evidence of which
+    Gluon kernels a training run went through (their dispatch depends on the GPU, the shapes and the thresholds)."""
+    import importlib
+
+    saved = []
+    for name in GLUON_MODULES:
+        module = importlib.import_module(f"kimik3.ops.kda.{name}")
+        launch = module.launch
+
+        def counted(*a, _launch=launch, _name=name, **k):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _launch(*a, **k)
+
+        saved.append((module, launch))
+        module.launch = counted
+    try:
+        yield counts
+    finally:
+        for module, launch in saved:
+            module.launch = launch
 
 
 def train(backend: str, args: argparse.Namespace, tmp: Path, seed: int,
@@ -47,6 +83,8 @@ def train(backend: str, args: argparse.Namespace, tmp: Path, seed: int,
         torch.cuda.reset_peak_memory_stats()
     config = K3Config.preset(args.preset).to_dict()
     config["vocab_size"] = args.vocab
+    if args.kda_head_dim is not None:
+        config["kda"]["head_dim"] = args.kda_head_dim
     config_path = tmp / f"{args.preset}-v{args.vocab}.json"
     config_path.write_text(json.dumps(config))
     train_args = TrainArgs(config_path=str(config_path), steps=args.steps, seq_len=args.seq_len,
@@ -60,7 +98,12 @@ def train(backend: str, args: argparse.Namespace, tmp: Path, seed: int,
         losses.append(record["loss"])
         speeds.append(record["tokens_per_s"])
 
-    summary = Trainer(train_args, log=lambda _: None).run(on_step=on_step)
+    launches: dict = {}
+    with overridden(args.overrides if backend == "triton" else {}), counting_gluon_launches(launches):
+        summary = Trainer(train_args, log=lambda _: None).run(on_step=on_step)
+    if backend == "triton":
+        print(f"{backend} seed {seed}: Gluon kernel launches "
+              + (", ".join(f"{k} {v}" for k, v in sorted(launches.items())) or "none"))
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     return losses, statistics.median(speeds[2:] or speeds), summary.final_val_loss, peak_gib
 
@@ -78,12 +121,18 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=1, help="train both paths once per seed 0 .. N-1")
     p.add_argument("--noise", action="store_true",
                    help="train the torch path twice per seed and judge the Triton path against its own spread")
+    p.add_argument("--kda-head-dim", type=int, default=None, help="the preset's KDA head dimension instead of its own")
+    p.add_argument("--try", dest="experiment", default="",
+                   help="one kda_tries.py experiment applied to the Triton runs (parts joined by '+')")
     args = p.parse_args()
     if args.seeds < 1 or args.steps < 1:
         raise SystemExit(f"--seeds and --steps must be >= 1, got {args.seeds} and {args.steps}")
+    args.overrides = parse_experiment(args.experiment)[1] if args.experiment else {}
 
     print(f"{args.preset} vocab {args.vocab}, {args.steps} steps of {args.batch_size} x {args.seq_len}, "
-          f"device {args.device}, seeds {args.seeds}")
+          f"device {args.device}, seeds {args.seeds}"
+          + (f", KDA head dim {args.kda_head_dim}" if args.kda_head_dim is not None else "")
+          + (f", Triton runs under --try {args.experiment}" if args.experiment else ""))
     val_diffs, tail_diffs, torch_vals, finite = [], [], [], True
     noise_val, noise_tail = [], []  # --noise: the torch path against its own second run
     with tempfile.TemporaryDirectory() as tmp:

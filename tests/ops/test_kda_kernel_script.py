@@ -478,3 +478,37 @@ def test_train_check_judges_against_the_torch_paths_own_noise(monkeypatch, capsy
     assert runs.count("torch") == (4 if noise else 2) and runs.count("triton") == 2
     assert len(dirs) == len(runs)  # every run in a directory of its own
     assert ("torch path against itself" in out) == noise
+
+
+def test_train_check_takes_a_head_dim_and_a_try_for_the_triton_runs(monkeypatch, capsys):
+    """``kda_train_check.py --kda-head-dim 128 --try ...``: the experiment is parsed before any training (a bad name
+    exits naming it) and handed to the runs (stand-ins here); ``counting_gluon_launches`` counts a Gluon module's
+    launches inside its block and restores the module's own ``launch`` after it."""
+    mod = _script(TRAIN_CHECK_SCRIPT, "kda_train_check_try_under_test")
+    seen = []
+
+    def fake_train(backend, args, tmp, seed, run=""):
+        seen.append((backend, args.kda_head_dim, args.overrides))
+        return [6.0] * args.steps, 1000.0, 6.0, float("nan")
+
+    monkeypatch.setattr(mod, "train", fake_train)
+    argv = ["kda_train_check.py", "--steps", "12", "--device", "cpu", "--kda-head-dim", "128"]
+    monkeypatch.setattr(sys, "argv", argv + ["--try", "triton_forward.GLUON_MIN_ITEMS=0"])
+    with pytest.raises(SystemExit) as exit_info:
+        mod.main()
+    assert exit_info.value.code == 0, capsys.readouterr().out
+    from kimik3.ops.kda import gluon_bwd_intra, triton_forward
+
+    assert [s[:2] for s in seen] == [("torch", 128), ("triton", 128)]
+    assert seen[1][2] == {(triton_forward, "GLUON_MIN_ITEMS"): 0}
+    monkeypatch.setattr(sys, "argv", argv + ["--try", "colour"])
+    with pytest.raises(SystemExit, match="colour"):
+        mod.main()
+    assert len(seen) == 2  # refused before any training
+
+    monkeypatch.setattr(gluon_bwd_intra, "launch", lambda *a, **k: "launched")
+    stand_in = gluon_bwd_intra.launch
+    with mod.counting_gluon_launches({}) as counts:
+        assert gluon_bwd_intra.launch(1, x=2) == "launched"
+        assert gluon_bwd_intra.launch() == "launched"
+    assert counts == {"gluon_bwd_intra": 2} and gluon_bwd_intra.launch is stand_in

@@ -52,8 +52,6 @@ Backward:
   bik=BK/warps           the intra backward's key block and warps
   brows | btiles         that kernel per row tile (the default) or per chunk (KIMIK3_KDA_BWD_INTRA)
   bis=S                  the "rows" kernel's pipeline stages (default: Triton's 3)
-  narrow | wynarrow | bnarrow  the WY and intra backward kernels' fp32 tiles read 16 bytes per thread (both, the
-                         WY kernel's, the intra kernels'; triton_backward.WY_NARROW_F32_LOADS, NARROW_F32_LOADS)
   sfxrev | nosfxrev      the suffix-sum pass's dg by one reverse scan (the default) or as the column total minus the
                          prefix sum (triton_bwd_intra.SUFFIX_REVERSE_SCAN)
   gintra | nogintra      the intra backward by the Gluon kernel (gluon_bwd_intra.py; the default) or the Triton
@@ -105,11 +103,6 @@ def parse_experiment(token: str):
             overrides[(tbi, "SUFFIX_REVERSE_SCAN")] = part == "sfxrev"
         elif part in ("gintra", "nogintra"):  # the intra backward by the Gluon kernel or the Triton "rows" kernel
             overrides[(tbi, "GLUON_INTRA")] = part == "gintra"
-        elif part in ("narrow", "wynarrow", "bnarrow"):  # fp32 tiles read 16 bytes per thread (WY and / or intra)
-            if part != "bnarrow":
-                overrides[(tb, "WY_NARROW_F32_LOADS")] = True
-            if part != "wynarrow":
-                overrides[(tbi, "NARROW_F32_LOADS")] = True
         elif part.startswith("bis=") and part[4:].isdigit():  # pipeline stages of the "rows" kernel's launch
             overrides[(tbi, "ROWS_STAGES")] = int(part[4:])
         elif part.startswith("sfx="):  # the suffix-sum pass (key block, warps)
@@ -199,7 +192,7 @@ def parse_experiment(token: str):
                              "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
                              "prep1|prep3, dhacc|nodhacc, out=BV/W, l2rows|l2prep, l2r=BR/W, gcw=W, iw=A/B/C, "
                              "wyc=BK/BV, abk=BK, wydyn|wyunroll, wys=S, wyv|nowyv, fpb|nofpb, sfx=BK/W, bis=S, "
-                             "iwarps=W, narrow|wynarrow|bnarrow, sfxrev|nosfxrev, gintra|nogintra, gwy|nogwy, ga|noga, "
+                             "iwarps=W, sfxrev|nosfxrev, gintra|nogintra, gwy|nogwy, ga|noga, "
                              "gscan|nogscan, gdh|nogdh, dh16|nodh16, "
                              "module.ATTR=value)")
     return token, overrides

@@ -333,7 +333,7 @@ def test_wy_split_over_k(monkeypatch, K, blocks):
                                   "varlen-tiles", "bf16-tiles", "bf16-nodrv", "K100-nodrv", "bf16-w32",
                                   "bf16-nodhacc", "bf16-wyunroll", "K100-wyunroll",
                                   "bf16-wystages3", "bf16-wystages2", "bf16-wystages1",
-                                  "bf16-wyvunroll-wystages3", "bf16-rowstages1", "K100-tiles-narrow"])
+                                  "bf16-wyvunroll-wystages3", "bf16-rowstages1"])
 def test_backward_launch_sweeps(monkeypatch, case):
     """The backward's alternatives give the default's gradients, and both match naive: the intra kernel
     split over key blocks (4 and 3 blocks, so partial dbeta sums with the WY kernel's partials; varlen with
@@ -346,9 +346,7 @@ def test_backward_launch_sweeps(monkeypatch, case):
     kernel's key-block side unrolled ("wyunroll"; the default keeps its V loop), at 32-column V blocks, and that
     loop pipelined over 1 to 3 stages ("wystagesN"; the default: 3 at 64-column V blocks), with the
     K-independent part's V loop unrolled ("wyvunroll"; the default keeps and pipelines it too), and the "rows"
-    kernel launched at one pipeline stage ("rowstages1"; the default: Triton's 3), and the WY and intra kernels' fp32
-    tiles loaded 16 bytes per thread ("narrow"; K = 100: the second key block partial; the "rows" form in
-    ``test_fused_preact_backward``)."""
+    kernel launched at one pipeline stage ("rowstages1"; the default: Triton's 3)."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
     import kimik3.ops.kda.triton_forward as tf
@@ -373,8 +371,6 @@ def test_backward_launch_sweeps(monkeypatch, case):
         knobs[(tb, "WY_V_LOOP")] = False
     if "rowstages" in case:
         knobs[(tbi, "ROWS_STAGES")] = int(case[-1])
-    if "narrow" in case:
-        knobs[(tbi, "NARROW_F32_LOADS")], knobs[(tb, "WY_NARROW_F32_LOADS")] = True, True
     if "scan32" in case:
         knobs[(tb, "SCAN_BV")], knobs[(tb, "SCAN_STAGES")] = 32, 2
     if case.startswith("K"):
@@ -447,16 +443,14 @@ def _dh_dtypes_seen(monkeypatch) -> list:
     return seen
 
 
-@pytest.mark.parametrize("case", ["dh16-bf16", "dh16-varlen", "dh16-nodhacc", "dh16-narrow", "dh16-fp32",
-                                  "dh16-fp32scan"])
+@pytest.mark.parametrize("case", ["dh16-bf16", "dh16-varlen", "dh16-nodhacc", "dh16-fp32", "dh16-fp32scan"])
 def test_dh16_state_gradients_stored_16bit(monkeypatch, case):
     """``DH_16BIT`` (KIMIK3_KDA_DH16, off by default): with bf16 inputs and 16-bit scans the state gradients dh reach
     the WY kernel in bf16; every gradient stays within the bf16 tests' bounds of the fp32 token loop, dk and dg (the
     two that read dh) move from the fp32-dh run by under 1e-2 (relative RMS) but do move, and the rest (dq, dv, dbeta,
     dh0: the scan's fp32 chain, not its stored copy) do not. Over a partial last chunk (T = 130), varlen sequences
-    (one-token ones, partial chunks), the scan with its products summed after the dots (``DH_ACC_DOTS`` off) and the
-    WY kernel's narrow fp32 loads (``WY_NARROW_F32_LOADS``, which a 16-bit dh bypasses). fp32 inputs, and bf16 inputs
-    with fp32 scans (variant 's'), keep an fp32 dh and the same gradients bit for bit."""
+    (one-token ones, partial chunks) and the scan with its products summed after the dots (``DH_ACC_DOTS`` off).
+    fp32 inputs, and bf16 inputs with fp32 scans (variant 's'), keep an fp32 dh and the same gradients bit for bit."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_forward as tf
 
@@ -468,8 +462,6 @@ def test_dh16_state_gradients_stored_16bit(monkeypatch, case):
         B, T = 1, sum(lengths)
     if case == "dh16-nodhacc":
         monkeypatch.setattr(tb, "DH_ACC_DOTS", False)
-    if case == "dh16-narrow":
-        monkeypatch.setattr(tb, "WY_NARROW_F32_LOADS", True)
     if case == "dh16-fp32scan":
         monkeypatch.setattr(tf, "DEFAULT_VARIANT", "s")
     inputs = make_inputs(B, T, H, K, V, dtype=dtype, seed=11)
@@ -661,17 +653,16 @@ def test_preact_backward_kernel(flags, dtype):
 
 
 @pytest.mark.parametrize("case", ["all", "all-K100", "all-varlen", "all-bf16", "gate", "l2", "bsig", "l2-bsig",
-                                  "all-K130-unfused", "all-tiles-unfused", "all-K100-sfx32", "all-K100-narrow",
-                                  "all-varlen-narrow", "all-varlen-suffixsub", "all-K100-sfx32-suffixsub"])
+                                  "all-K130-unfused", "all-tiles-unfused", "all-K100-sfx32", "all-varlen-suffixsub",
+                                  "all-K100-sfx32-suffixsub"])
 def test_fused_preact_backward(monkeypatch, case):
     """The pre-activations' chain rules inside the intra backward (``FUSE_PREACT_BWD``: the L2 norm and the
     sigmoid where dq, dk, dbeta are completed, the gate in the suffix-sum pass) give the separate pass's
     gradients, and the naive loop's: each stage alone and together, K = 100 (one 128-column key block, the
     last 28 masked; "sfx32": the suffix-sum pass in 32-column blocks, the last partial), varlen with tiny
     segments, bf16. Where it cannot fuse (K = 130 needs two key blocks; the "tiles" form) the separate pass runs
-    instead; the test counts which ran. Also with the WY and intra kernels' fp32 tiles read 16 bytes per thread
-    ("narrow", off by default) and dg's suffix sum as the column total minus the prefix sum ("suffixsub"; by default
-    one reverse scan)."""
+    instead; the test counts which ran. Also with dg's suffix sum as the column total minus the prefix sum
+    ("suffixsub"; by default one reverse scan)."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
 
@@ -689,9 +680,6 @@ def test_fused_preact_backward(monkeypatch, case):
         monkeypatch.setattr(tbi, "BWD_INTRA_MODE", "tiles")
     if "sfx32" in case:
         monkeypatch.setattr(tbi, "SUFFIX_CONFIG", (32, 2))
-    if "narrow" in case:  # the WY and intra kernels' fp32 tiles 16 bytes per thread
-        monkeypatch.setattr(tbi, "NARROW_F32_LOADS", True)
-        monkeypatch.setattr(tb, "WY_NARROW_F32_LOADS", True)
     if "suffixsub" in case:  # dg's suffix sum as the total minus the prefix sum (``SUFFIX_REVERSE_SCAN`` off)
         monkeypatch.setattr(tbi, "SUFFIX_REVERSE_SCAN", False)
     gen = torch.Generator().manual_seed(11)

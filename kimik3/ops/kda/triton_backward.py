@@ -104,11 +104,6 @@ GLUON_DH_SCAN = os.environ.get("KIMIK3_KDA_GLUON_DH_SCAN", "1") == "1"
 # dRv = T^T dv_new by its own pass (``_drv_kernel``, over dv_new) instead of in each of the WY kernel's parts; the
 # Gluon state-gradient scan stores it itself where it runs (``gluon_bwd_scan.FUSE_DRV``), and then the pass is skipped.
 DRV_PASS = True
-# The WY kernel's fp32 tiles (v_new, dRv, dS', U, Gamma) loaded 16 contiguous bytes per thread
-# (``triton_scan._load_rows``) instead of the 32 that Triton's coalescing gives them next to the kernel's 16-bit loads
-# of the same shape. Nsight Compute, H200, K3's shape: those loads request twice the sectors they need (1.28e8
-# excessive of 3.87e8). Prepared offline (seventeenth session), untimed: off.
-WY_NARROW_F32_LOADS = False
 # The WY kernel's dO S^T on the 16-bit dO and stored states as they are (exact products) when both share a
 # 16-bit dtype, instead of both widened to fp32 for a tf32 product.
 WY_DQ16 = True
@@ -247,10 +242,10 @@ def _drv_kernel(tinv_ptr, dvn_ptr, cu_ptr, cidx_ptr, H, V: tl.constexpr, BV: tl.
 
 @triton.jit
 def _wy_drv(tmatT, dvn_ptr, row_off, rv, vb, V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-            DRV_IN: tl.constexpr, NARROW: tl.constexpr):
+            DRV_IN: tl.constexpr):
     """dRv = T^T dv_new on the chunk's rows (offsets row_off) at V columns vb + [0, BV): loaded when ``_drv_kernel``
     or the Gluon state-gradient scan wrote it over dv_new (DRV_IN), else computed."""
-    x = _load_rows(dvn_ptr, row_off, rv, vb, V, BV, NARROW)
+    x = _load_rows(dvn_ptr, row_off, rv, vb, V, BV)
     if DRV_IN:
         return x
     return tl.dot(tmatT, x, input_precision=PREC)
@@ -258,8 +253,7 @@ def _wy_drv(tmatT, dvn_ptr, row_off, rv, vb, V: tl.constexpr, BV: tl.constexpr, 
 
 @triton.jit
 def _wy_v_side(v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, rv, vbase, H, scale,
-               V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DRV_IN: tl.constexpr, VDYN: tl.constexpr,
-               NARROW: tl.constexpr):
+               V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DRV_IN: tl.constexpr, VDYN: tl.constexpr):
     """The K-independent products over every V block: dAqk = dO v_new^T, the U part of dA
     (-dRv U^T), dv = beta dRv (stored) and the v part of dbeta; dRv = T^T dv_new (``_wy_drv``). The V blocks
     unrolled, or with VDYN > 0 (``WY_V_LOOP``) a loop the compiler keeps, pipelined over VDYN stages."""
@@ -270,27 +264,26 @@ def _wy_v_side(v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, rv, v
     if VDYN:
         for vb in tl.range(0, V, BV, num_stages=VDYN):
             daqk, da, dbeta = _wy_v_step(vb, v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, daqk, da,
-                                         dbeta, r, rv, vbase, H, scale, V, BV, PREC, DRV_IN, NARROW)
+                                         dbeta, r, rv, vbase, H, scale, V, BV, PREC, DRV_IN)
     else:
         for vb in tl.static_range(0, V, BV):
             daqk, da, dbeta = _wy_v_step(vb, v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, daqk, da,
-                                         dbeta, r, rv, vbase, H, scale, V, BV, PREC, DRV_IN, NARROW)
+                                         dbeta, r, rv, vbase, H, scale, V, BV, PREC, DRV_IN)
     return daqk, da, dbeta
 
 
 @triton.jit
 def _wy_v_step(vb, v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, daqk, da, dbeta, r, rv, vbase, H,
-               scale, V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DRV_IN: tl.constexpr,
-               NARROW: tl.constexpr):
+               scale, V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DRV_IN: tl.constexpr):
     """One V block of ``_wy_v_side``'s products, added to its accumulators (dv stored)."""
     cv = vb + tl.arange(0, BV)
     mv = rv[:, None] & (cv < V)[None, :]
     vo = vbase + r[:, None] * (H * V) + cv[None, :]
     row_off = vbase + r * (H * V)
     do = tl.load(do_ptr + vo, mask=mv, other=0.0).to(tl.float32) * scale
-    vn = _load_rows(vn_ptr, row_off, rv, vb, V, BV, NARROW)
-    drv = _wy_drv(tmatT, dvn_ptr, row_off, rv, vb, V, BV, PREC, DRV_IN, NARROW)
-    u = _load_rows(u_ptr, row_off, rv, vb, V, BV, NARROW).to(tl.float32)
+    vn = _load_rows(vn_ptr, row_off, rv, vb, V, BV)
+    drv = _wy_drv(tmatT, dvn_ptr, row_off, rv, vb, V, BV, PREC, DRV_IN)
+    u = _load_rows(u_ptr, row_off, rv, vb, V, BV).to(tl.float32)
     vv = tl.load(v_ptr + vo, mask=mv, other=0.0).to(tl.float32)
     daqk += tl.dot(do, tl.trans(vn), input_precision=PREC)
     da -= tl.dot(drv, tl.trans(u), input_precision=PREC)
@@ -301,8 +294,7 @@ def _wy_v_step(vb, v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, d
 
 @triton.jit
 def _wy_k_step(vb, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, tmatT, dqg, dkg, drk, deg, r, rv, ck, km, vbase, hb, H,
-               V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DRV_IN: tl.constexpr, DQ16: tl.constexpr,
-               NARROW: tl.constexpr):
+               V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DRV_IN: tl.constexpr, DQ16: tl.constexpr):
     """One V block of ``_wy_k_side``'s products, added to its accumulators."""
     cv = vb + tl.arange(0, BV)
     vm = cv < V
@@ -312,10 +304,10 @@ def _wy_k_step(vb, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, tmatT, dqg, dkg, drk,
     hm = km[:, None] & vm[None, :]
     hs16 = tl.load(h_ptr + hoff, mask=hm, other=0.0)
     hs = hs16.to(tl.float32)
-    dhs = _load_rows(dh_ptr, hb + ck * V, km, vb, V, BV, NARROW).to(tl.float32)  # (16-bit with ``DH_16BIT``)
+    dhs = _load_rows(dh_ptr, hb + ck * V, km, vb, V, BV).to(tl.float32)  # (16-bit with ``DH_16BIT``)
     row_off = vbase + r * (H * V)
-    vn = _load_rows(vn_ptr, row_off, rv, vb, V, BV, NARROW)
-    drv = _wy_drv(tmatT, dvn_ptr, row_off, rv, vb, V, BV, PREC, DRV_IN, NARROW)
+    vn = _load_rows(vn_ptr, row_off, rv, vb, V, BV)
+    drv = _wy_drv(tmatT, dvn_ptr, row_off, rv, vb, V, BV, PREC, DRV_IN)
     hsT = tl.trans(hs)
     if DQ16:
         dqg += tl.dot(tl.load(do_ptr + vo, mask=mv, other=0.0), tl.trans(hs16))
@@ -331,7 +323,7 @@ def _wy_k_step(vb, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, tmatT, dqg, dkg, drk,
 def _wy_k_side(kb, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, dq_ptr, dk_ptr, dG_ptr,
                tmatT, beta, rv, L, t0, i_h, kbase, vbase, hb, H, scale,
                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-               DRV_IN: tl.constexpr, DQ16: tl.constexpr, DYN: tl.constexpr, NARROW: tl.constexpr):
+               DRV_IN: tl.constexpr, DQ16: tl.constexpr, DYN: tl.constexpr):
     """Key columns [kb, kb + BK): dqg = dO S^T, dkg = v_new dS'^T, dRk = -dRv S^T and deg over every V
     block (with DYN > 0 (``WY_DYN_LOOP``, the default) a loop the compiler keeps, pipelined over DYN stages
     (``WY_LOOP_STAGES``), else unrolled), then the chain rule through the exponentials; stores dq, dk and
@@ -348,17 +340,17 @@ def _wy_k_side(kb, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, d
     if DYN:
         for vb in tl.range(0, V, BV, num_stages=DYN):
             dqg, dkg, drk, deg = _wy_k_step(vb, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, tmatT, dqg, dkg, drk, deg,
-                                            r, rv, ck, km, vbase, hb, H, V, BV, PREC, DRV_IN, DQ16, NARROW)
+                                            r, rv, ck, km, vbase, hb, H, V, BV, PREC, DRV_IN, DQ16)
     else:
         for vb in tl.static_range(0, V, BV):
             dqg, dkg, drk, deg = _wy_k_step(vb, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, tmatT, dqg, dkg, drk, deg,
-                                            r, rv, ck, km, vbase, hb, H, V, BV, PREC, DRV_IN, DQ16, NARROW)
+                                            r, rv, ck, km, vbase, hb, H, V, BV, PREC, DRV_IN, DQ16)
     dqg *= scale
     mk = rv[:, None] & km[None, :]
     ko = kbase + r[:, None] * (H * K) + ck[None, :]
     q = tl.load(q_ptr + ko, mask=mk, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + ko, mask=mk, other=0.0).to(tl.float32)
-    G = _load_rows(G_ptr, kbase + r * (H * K), rv, kb, K, BK, NARROW)
+    G = _load_rows(G_ptr, kbase + r * (H * K), rv, kb, K, BK)
     w = tl.load(w_ptr + ko, mask=mk, other=0.0).to(tl.float32)
     g_last = tl.load(G_ptr + (t0 + L - 1) * (H * K) + i_h * K + ck, mask=km, other=0.0)
     eG = tl.where(mk, tl.exp(G), 0.0)
@@ -379,7 +371,7 @@ def _bwd_wy_kernel(
     cu_ptr, cidx_ptr, H, scale, part_beta, part_a,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     SPLIT: tl.constexpr, NPART: tl.constexpr, DRV_IN: tl.constexpr, DQ16: tl.constexpr, DYN: tl.constexpr,
-    VDYN: tl.constexpr, NARROW: tl.constexpr,
+    VDYN: tl.constexpr,
 ):
     """One (chunk, head). Unsplit (``WY_SPLIT_K`` off), this program does the K-independent products
     (``_wy_v_side``) and then every BK-column key block (``_wy_k_side``), and writes dA and dbeta whole.
@@ -403,20 +395,20 @@ def _bwd_wy_kernel(
     if SPLIT:
         if i_p == NKB:
             daqk, da, dbeta = _wy_v_side(v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, rv, vbase, H,
-                                         scale, V, BV, PREC, DRV_IN, VDYN, NARROW)
+                                         scale, V, BV, PREC, DRV_IN, VDYN)
             tl.store(daqk_ptr + o2, tl.where(r[:, None] >= r[None, :], daqk, 0.0))
         else:
             da, dbeta = _wy_k_side(i_p * BK, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
                                    dq_ptr, dk_ptr, dG_ptr, tmatT, beta, rv, L, t0, i_h, kbase, vbase, hb, H, scale,
-                                   K, V, BK, BV, PREC, DRV_IN, DQ16, DYN, NARROW)
+                                   K, V, BK, BV, PREC, DRV_IN, DQ16, DYN)
     else:
         daqk, da, dbeta = _wy_v_side(v_ptr, u_ptr, vn_ptr, dvn_ptr, do_ptr, dv_ptr, tmatT, beta, rv, vbase, H,
-                                     scale, V, BV, PREC, DRV_IN, VDYN, NARROW)
+                                     scale, V, BV, PREC, DRV_IN, VDYN)
         tl.store(daqk_ptr + o2, tl.where(r[:, None] >= r[None, :], daqk, 0.0))
         for kbi in tl.static_range(NKB):
             da_k, dbeta_k = _wy_k_side(kbi * BK, q_ptr, k_ptr, G_ptr, w_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
                                        dq_ptr, dk_ptr, dG_ptr, tmatT, beta, rv, L, t0, i_h, kbase, vbase, hb, H,
-                                       scale, K, V, BK, BV, PREC, DRV_IN, DQ16, DYN, NARROW)
+                                       scale, K, V, BK, BV, PREC, DRV_IN, DQ16, DYN)
             da += da_k
             dbeta += dbeta_k
     i_p64 = i_p.to(tl.int64)  # partial offsets can pass 2^31 elements
@@ -552,7 +544,7 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
         dq, dk, dg, dv, dbeta_parts, daqk, da, plan.cu, plan.chunk_idx, H, float(scale), part_beta, part_a,
         K=K, V=V, BK=BK, BV=BV, PREC=PREC, SPLIT=npart > 1, NPART=npart, DRV_IN=DRV_PASS,
         DQ16=WY_DQ16 and h16 and do.dtype == h.dtype, DYN=stages if WY_DYN_LOOP else 0,
-        VDYN=stages if WY_V_LOOP else 0, NARROW=WY_NARROW_F32_LOADS, num_warps=warps,
+        VDYN=stages if WY_V_LOOP else 0, num_warps=warps,
     )
     # dg holds dGamma (partial) here; kernel 4 adds the intra-chunk part and turns it into dg in place (or
     # applies the fused pre-activations' chain rules too)

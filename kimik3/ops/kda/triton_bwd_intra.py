@@ -41,7 +41,7 @@ import triton.language as tl
 from . import L2_EPS
 from .triton_forward import INTERPRET, ChunkPlan, _gluon_taking, _next_pow2
 from .triton_preact import PreactInputs, gate_bwd, l2_bwd_rows, sigmoid_bwd
-from .triton_scan import _chunk_block, _chunk_bounds, _chunk_part, _load_rows, part_grid
+from .triton_scan import _chunk_block, _chunk_bounds, _chunk_part, part_grid
 
 BWD_INTRA_MODE = os.environ.get("KIMIK3_KDA_BWD_INTRA", "rows")
 # Key block BWD_INTRA_BK at BWD_INTRA_WARPS warps (None: the defaults). "tiles": 64-column blocks for 16-bit
@@ -70,11 +70,6 @@ ROWS_STAGES: Optional[int] = None
 # forward+backward 9.935 -> 9.897 ms, gradients within 4.5e-5 of the subtraction's (relative RMS). False: the total
 # minus the prefix sum.
 SUFFIX_REVERSE_SCAN = True
-# The fp32 [16, BK] tiles (Gamma, the WY kernel's partial dq / dk / dGamma) loaded 16 contiguous bytes per thread
-# (``_f32_tile``) instead of the 32 that Triton's coalescing gives them next to the kernel's 16-bit loads of the same
-# shape. Nsight Compute, H200, K3's shape: those loads request twice the sectors they need (1.29e8 excessive of
-# 3.67e8 in the "rows" kernel). Prepared offline (seventeenth session), untimed: off.
-NARROW_F32_LOADS = False
 # The "rows" kernel as the warp-specialised Gluon kernel of ``gluon_bwd_intra.py`` (64-row products with per-tile
 # factor recurrences, a TMA ring, both key halves per CTA) where it applies (sm_90, bf16 q / k, K = 128, at least
 # ``triton_forward.GLUON_MIN_ITEMS`` (chunk, head) items); the suffix-sum pass runs after it as after the Triton kernel.
@@ -109,26 +104,23 @@ def _suffix_sum(x, REVERSE: tl.constexpr = False):
 
 
 @triton.jit
-def _f32_tile(ptr, off, m, tok, rmask, hk0, kc0, H, K: tl.constexpr, BK: tl.constexpr, NARROW: tl.constexpr):
-    """fp32 [R, BK] tile of a [.., H, K] tensor at the offsets off (mask m): token rows tok ([R], masked by rmask),
-    key columns kc0 + [0, BK) (masked to K) of the head whose columns start at hk0. NARROW (``NARROW_F32_LOADS``):
-    through ``triton_scan._load_rows``, 16 contiguous bytes per thread. Off, the caller's own offsets and mask are
-    loaded as before: ``_load_rows``'s equivalent offsets changed the timed kernel's sm_90 registers (237 -> 227)."""
-    if NARROW:
-        return _load_rows(ptr, tok * (H * K) + hk0, rmask, kc0, K, BK, NARROW)
+def _f32_tile(ptr, off, m):
+    """fp32 tile at the offsets off (mask m; 0 where masked): Gamma and the WY kernel's partial dq / dk / dGamma. A
+    function of its own: its inlined calls' debug labels reach ptxas, and the "tiles" kernel's sm_90 code differs
+    without them (bf16: 76 / 100 -> 80 / 104 spill bytes)."""
     return tl.load(ptr + off, mask=m, other=0.0)
 
 
 @triton.jit
-def _row_block(i, j, g_n, k_ptr, G_ptr, daqk_ptr, da_ptr, t0, L, hk, km, a_base, H, part_a, hk0, kc0,
-               K: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr, BK: tl.constexpr, NARROW: tl.constexpr):
+def _row_block(i, j, g_n, k_ptr, G_ptr, daqk_ptr, da_ptr, t0, L, hk, km, a_base, H, part_a,
+               K: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr):
     """Row side, row tile i against column tile j <= i: (dAqk_ij kc, dA_ij kc) with kc = k_j e^(g_n - Gamma_j),
     g_n = Gamma at row tile i's first token (<= 1 for j < i, <= e^75 for j == i)."""
     r16 = tl.arange(0, 16)
     cols = j * 16 + r16
     mj = (cols < L)[:, None] & km[None, :]
     oj = (t0 + cols)[:, None] * (H * K) + hk[None, :]
-    Gj = _f32_tile(G_ptr, oj, mj, t0 + cols, cols < L, hk0, kc0, H, K, BK, NARROW)
+    Gj = _f32_tile(G_ptr, oj, mj)
     kc = tl.load(k_ptr + oj, mask=mj, other=0.0).to(tl.float32) \
         * tl.exp(tl.where(mj, g_n[None, :] - Gj, float("-inf")))
     bo = a_base + (i * 16 + r16)[:, None] * 64 + cols[None, :]
@@ -138,8 +130,7 @@ def _row_block(i, j, g_n, k_ptr, G_ptr, daqk_ptr, da_ptr, t0, L, hk, km, a_base,
 
 @triton.jit
 def _col_block(i, m, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, t0, L, i_h, hk, km, a_base, H,
-               part_a, hk0, kc0, K: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr, BK: tl.constexpr,
-               NARROW: tl.constexpr):
+               part_a, K: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr):
     """Column side, column tile i against row tile m >= i: dAqk_mi^T (q_m f) + dA_mi^T (beta_m k_m f) with
     f = e^(Gamma_m - g_l), g_l = Gamma at column tile i's last token (<= 1 for m > i, <= e^75 for m == i)."""
     r16 = tl.arange(0, 16)
@@ -147,8 +138,7 @@ def _col_block(i, m, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, t0, L
     vm = rm < L
     mm = vm[:, None] & km[None, :]
     om = (t0 + rm)[:, None] * (H * K) + hk[None, :]
-    Gm = _f32_tile(G_ptr, om, mm, t0 + rm, vm, hk0, kc0, H, K, BK, NARROW)
-    f = tl.exp(tl.where(mm, Gm - g_l[None, :], float("-inf")))
+    f = tl.exp(tl.where(mm, _f32_tile(G_ptr, om, mm) - g_l[None, :], float("-inf")))
     qf = tl.load(q_ptr + om, mask=mm, other=0.0).to(tl.float32) * f
     bm = tl.load(beta_ptr + (t0 + rm) * H + i_h, mask=vm, other=0.0).to(tl.float32)
     bkf = tl.load(k_ptr + om, mask=mm, other=0.0).to(tl.float32) * bm[:, None] * f
@@ -161,8 +151,7 @@ def _col_block(i, m, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, t0, L
 def _combine(i, i_k, acc_q, acc_b, acc_c, g_n, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
              dbeta_in_ptr, dbeta_ptr, t0, L, i_h, hk, km, H, part_beta, part_db,
              K: tl.constexpr, NPART: tl.constexpr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out,
-             L2: tl.constexpr, BSIG: tl.constexpr, EPS: tl.constexpr, hk0, kc0, BK: tl.constexpr,
-             NARROW: tl.constexpr):
+             L2: tl.constexpr, BSIG: tl.constexpr, EPS: tl.constexpr):
     """Row tile i: the factors outside the products, the WY kernel's partials added; stores dq, dk (to dq_out,
     dk_out) and this key block's partial dbeta, returns the tile's complete dGamma (masked). L2 / BSIG (the
     program holds every key column: one key block): dq, dk, dbeta are complete here, and the fused L2 norm's
@@ -172,7 +161,7 @@ def _combine(i, i_k, acc_q, acc_b, acc_c, g_n, g_l, q_ptr, k_ptr, G_ptr, beta_pt
     vi = rows < L
     mi = vi[:, None] & km[None, :]
     oi = (t0 + rows)[:, None] * (H * K) + hk[None, :]
-    Gi = _f32_tile(G_ptr, oi, mi, t0 + rows, vi, hk0, kc0, H, K, BK, NARROW)
+    Gi = _f32_tile(G_ptr, oi, mi)
     qi = tl.load(q_ptr + oi, mask=mi, other=0.0).to(tl.float32)
     ki = tl.load(k_ptr + oi, mask=mi, other=0.0).to(tl.float32)
     bi = tl.load(beta_ptr + (t0 + rows) * H + i_h, mask=vi, other=0.0).to(tl.float32)
@@ -180,15 +169,14 @@ def _combine(i, i_k, acc_q, acc_b, acc_c, g_n, g_l, q_ptr, k_ptr, G_ptr, beta_pt
     dq_r = acc_q * er
     x = acc_b * er  # gradient of the row operand beta k
     dk_c = acc_c * tl.exp(tl.where(mi, g_l[None, :] - Gi, float("-inf")))  # in [e^-75, 1]
-    dq = _f32_tile(dq_ptr, oi, mi, t0 + rows, vi, hk0, kc0, H, K, BK, NARROW) + dq_r
-    dk = _f32_tile(dk_ptr, oi, mi, t0 + rows, vi, hk0, kc0, H, K, BK, NARROW) + dk_c + bi[:, None] * x
+    dq = _f32_tile(dq_ptr, oi, mi) + dq_r
+    dk = _f32_tile(dk_ptr, oi, mi) + dk_c + bi[:, None] * x
     if L2:
         dq = l2_bwd_rows(tl.load(qr_ptr + oi, mask=mi, other=0.0).to(tl.float32), dq, EPS)
         dk = l2_bwd_rows(tl.load(kr_ptr + oi, mask=mi, other=0.0).to(tl.float32), dk, EPS)
     tl.store(dq_out + oi, dq.to(dq_out.dtype.element_ty), mask=mi)
     tl.store(dk_out + oi, dk.to(dk_out.dtype.element_ty), mask=mi)
-    dG = _f32_tile(dG_ptr, oi, mi, t0 + rows, vi, hk0, kc0, H, K, BK, NARROW) + qi * dq_r + (bi[:, None] * ki) * x \
-        - ki * dk_c
+    dG = _f32_tile(dG_ptr, oi, mi) + qi * dq_r + (bi[:, None] * ki) * x - ki * dk_c
     db = tl.sum(ki * x, axis=1)
     if i_k == 0:  # the WY kernel's partial dbeta, added once
         db += _parts_masked(dbeta_in_ptr, (t0 + rows) * H + i_h, part_beta, vi, NPART)
@@ -204,7 +192,6 @@ def _bwd_intra_kernel(
     q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, dq_ptr, dk_ptr, dG_ptr, dbeta_in_ptr, dbeta_ptr,
     cu_ptr, cidx_ptr, H, part_beta, part_a, part_db,
     K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr, NKB: tl.constexpr,
-    NARROW: tl.constexpr,
 ):
     """"tiles": one (chunk, head, key block), the row tiles last to first, dg's suffix sum carried; writes
     dg over dGamma (same tile, same program)."""
@@ -214,8 +201,6 @@ def _bwd_intra_kernel(
     ck = i_k * BK + tl.arange(0, BK)
     km = ck < K
     hk = i_h * K + ck
-    kc0 = i_k * BK
-    hk0 = i_h * K
     a_base = (i_t * H + i_h) * 4096
     carry = tl.zeros([BK], dtype=tl.float32)
     for ii in tl.static_range(4):
@@ -226,7 +211,7 @@ def _bwd_intra_kernel(
         for j in tl.static_range(4):
             if j <= i:  # (static_range(i + 1) fails under the interpreter; compile-time here)
                 pq, pb = _row_block(i, j, g_n, k_ptr, G_ptr, daqk_ptr, da_ptr, t0, L, hk, km, a_base, H, part_a,
-                                    hk0, kc0, K, PREC, NPART, BK, NARROW)
+                                    K, PREC, NPART)
                 acc_q += pq
                 acc_b += pb
         g_l = tl.load(G_ptr + (t0 + tl.minimum(i * 16 + 15, L - 1)) * (H * K) + hk, mask=km, other=0.0)
@@ -234,10 +219,10 @@ def _bwd_intra_kernel(
         for m in tl.static_range(4):
             if m >= i:
                 acc_c += _col_block(i, m, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, t0, L, i_h, hk, km,
-                                    a_base, H, part_a, hk0, kc0, K, PREC, NPART, BK, NARROW)
+                                    a_base, H, part_a, K, PREC, NPART)
         dG = _combine(i, i_k, acc_q, acc_b, acc_c, g_n, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
                       dbeta_in_ptr, dbeta_ptr, t0, L, i_h, hk, km, H, part_beta, part_db, K, NPART,
-                      q_ptr, k_ptr, beta_ptr, dq_ptr, dk_ptr, False, False, 0.0, hk0, kc0, BK, NARROW)
+                      q_ptr, k_ptr, beta_ptr, dq_ptr, dk_ptr, False, False, 0.0)
         rows = i * 16 + r16
         mi = (rows < L)[:, None] & km[None, :]
         tl.store(dG_ptr + (t0 + rows)[:, None] * (H * K) + hk[None, :], _suffix_sum(dG) + carry[None, :], mask=mi)
@@ -249,7 +234,7 @@ def _bwd_intra_rows_kernel(
     q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, dq_ptr, dk_ptr, dG_ptr, dbeta_in_ptr, dbeta_ptr,
     cu_ptr, cidx_ptr, H, part_beta, part_a, part_db, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out,
     K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr, NKB: tl.constexpr,
-    INTERP: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr, EPS: tl.constexpr, NARROW: tl.constexpr,
+    INTERP: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr, EPS: tl.constexpr,
 ):
     """"rows": one (chunk x row tile, head, key block); stores the tile's complete dGamma over the partial
     (``_suffix_sum_kernel`` then makes it dg). L2 / BSIG: the fused pre-activations' chain rules in
@@ -262,8 +247,6 @@ def _bwd_intra_rows_kernel(
         ck = i_k * BK + tl.arange(0, BK)
         km = ck < K
         hk = i_h * K + ck
-        kc0 = i_k * BK
-        hk0 = i_h * K
         a_base = (i_t * H + i_h) * 4096
         g_n = tl.load(G_ptr + (t0 + i * 16) * (H * K) + hk, mask=km, other=0.0)
         g_l = tl.load(G_ptr + (t0 + tl.minimum(i * 16 + 15, L - 1)) * (H * K) + hk, mask=km, other=0.0)
@@ -275,27 +258,27 @@ def _bwd_intra_rows_kernel(
             j = 0
             while j <= i:
                 pq, pb = _row_block(i, j, g_n, k_ptr, G_ptr, daqk_ptr, da_ptr, t0, L, hk, km, a_base, H, part_a,
-                                    hk0, kc0, K, PREC, NPART, BK, NARROW)
+                                    K, PREC, NPART)
                 acc_q += pq
                 acc_b += pb
                 j += 1
             m = i
             while m < n_tiles:
                 acc_c += _col_block(i, m, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, t0, L, i_h, hk, km,
-                                    a_base, H, part_a, hk0, kc0, K, PREC, NPART, BK, NARROW)
+                                    a_base, H, part_a, K, PREC, NPART)
                 m += 1
         else:
             for j in range(0, i + 1):
                 pq, pb = _row_block(i, j, g_n, k_ptr, G_ptr, daqk_ptr, da_ptr, t0, L, hk, km, a_base, H, part_a,
-                                    hk0, kc0, K, PREC, NPART, BK, NARROW)
+                                    K, PREC, NPART)
                 acc_q += pq
                 acc_b += pb
             for m in range(i, n_tiles):
                 acc_c += _col_block(i, m, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, t0, L, i_h, hk, km,
-                                    a_base, H, part_a, hk0, kc0, K, PREC, NPART, BK, NARROW)
+                                    a_base, H, part_a, K, PREC, NPART)
         dG = _combine(i, i_k, acc_q, acc_b, acc_c, g_n, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
                       dbeta_in_ptr, dbeta_ptr, t0, L, i_h, hk, km, H, part_beta, part_db, K, NPART,
-                      qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, L2, BSIG, EPS, hk0, kc0, BK, NARROW)
+                      qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, L2, BSIG, EPS)
         rows = i * 16 + tl.arange(0, 16)
         tl.store(dG_ptr + (t0 + rows)[:, None] * (H * K) + hk[None, :], dG,
                  mask=(rows < L)[:, None] & km[None, :])
@@ -373,7 +356,7 @@ def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Ten
         else:
             _bwd_intra_rows_kernel[part_grid(NT, H, 4 * nkb)](
                 *args, *raw, dq_out, dk_out, K=K, BK=BK, PREC=prec, NPART=npart, NKB=nkb, INTERP=INTERPRET, L2=l2,
-                BSIG=bsig, EPS=L2_EPS, NARROW=NARROW_F32_LOADS, num_warps=warps,
+                BSIG=bsig, EPS=L2_EPS, num_warps=warps,
                 **({} if ROWS_STAGES is None else dict(num_stages=ROWS_STAGES)))
         BKs = min(SUFFIX_CONFIG[0], BKF)
         nks = triton.cdiv(K, BKs)
@@ -389,8 +372,7 @@ def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Ten
         if gate:
             d_alog, d_dtb = pa.sum((0, 2)), pd.sum(0).view_as(preact.dt_bias)
     else:
-        _bwd_intra_kernel[part_grid(NT, H, nkb)](*args, K=K, BK=BK, PREC=prec, NPART=npart, NKB=nkb,
-                                                 NARROW=NARROW_F32_LOADS, num_warps=warps)
+        _bwd_intra_kernel[part_grid(NT, H, nkb)](*args, K=K, BK=BK, PREC=prec, NPART=npart, NKB=nkb, num_warps=warps)
     if nkb > 1:
         torch.sum(dbeta_k, dim=0, out=dbeta)
     return (dq_out, dk_out, dz, dbeta, d_alog, d_dtb) if fuse else None

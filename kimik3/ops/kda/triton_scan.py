@@ -83,17 +83,9 @@ def _state_tile(ptr, s_off, sm, HAS: tl.constexpr, BKF: tl.constexpr, BV: tl.con
 
 
 @triton.jit
-def _load_rows(ptr, row_off, rmask, c0, climit, B: tl.constexpr, NARROW: tl.constexpr):
+def _load_rows(ptr, row_off, rmask, c0, climit, B: tl.constexpr):
     """[R, B] tile: element (r, c) at ptr + row_off[r] + c0 + c, masked by rmask[r] and c0 + c < climit (0 where
-    masked). NARROW with 32-bit elements: loaded as [R, B / 4, 4] and reshaped, so that each thread reads 16
-    contiguous bytes. Loaded as [R, B], Triton's coalescing gives a 32-bit tile as many elements per thread as the
-    widest same-shape load of the kernel (8 next to a 16-bit one: 32 bytes), and its pipelined copies, which bypass
-    L1, then fetch each 32-byte sector twice (Nsight Compute on the H200: half the sectors of those loads excess)."""
-    if NARROW and ptr.dtype.element_ty.primitive_bitwidth == 32:
-        c3 = tl.arange(0, B // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
-        x = tl.load(ptr + row_off[:, None, None] + c0 + c3[None, :, :],
-                    mask=rmask[:, None, None] & (c0 + c3 < climit)[None, :, :], other=0.0)
-        return tl.reshape(x, [row_off.shape[0], B])
+    masked). The WY backward kernel's form: with the equivalent [R, B] offsets its sm_90 code differs."""
     c = tl.arange(0, B)
     return tl.load(ptr + row_off[:, None] + c0 + c[None, :], mask=rmask[:, None] & (c0 + c < climit)[None, :],
                    other=0.0)

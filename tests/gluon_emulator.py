@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -179,6 +180,12 @@ class Shared:
 
     def slice(self, start, length, dim=0):
         return Shared(self.t.narrow(int(_val(dim)), int(_val(start)), int(_val(length))), self.layout)
+
+    def _reinterpret(self, dtype, shape, layout=None, **_):  # the same bytes as another dtype and shape (row-major)
+        shape = [int(_val(x)) for x in shape]
+        assert self.t.is_contiguous() and self.t.numel() * self.t.element_size() == math.prod(shape) * \
+            _torch_dtype(dtype).itemsize, (self.shape, shape)
+        return Shared(self.t.view(_torch_dtype(dtype)).view(shape), layout)
 
 
 class _Barrier:

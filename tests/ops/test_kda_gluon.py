@@ -22,7 +22,7 @@ if __name__ != "__main__":  # (the sm_90 compile step below runs without the int
     triton = require_triton_kernels()
 import triton.language as tl  # noqa: E402
 
-from kimik3.ops.kda import gluon_bwd_intra, gluon_bwd_scan, gluon_phase_a, gluon_scan, gluon_wy  # noqa: E402
+from kimik3.ops.kda import gluon_bwd_intra, gluon_bwd_scan, gluon_bwd_wy, gluon_phase_a, gluon_scan, gluon_wy  # noqa: E402
 from kimik3.ops.kda import triton_forward as tf  # noqa: E402
 from kimik3.ops.kda.triton_backward import _bwd_dh_kernel, _drv_kernel, _dvn_local_kernel  # noqa: E402
 from kimik3.ops.kda.triton_scan import _fwd_h_kernel, part_grid  # noqa: E402
@@ -293,7 +293,13 @@ def test_supported_names_what_it_needs():
     assert "K = V = 128" in gluon_bwd_scan.supported(wk, wk, wk, us.bfloat16(), True)
     assert "bf16" in gluon_bwd_scan.supported(wk, wk, wk.float(), wk, True)
     assert "in-place" in gluon_bwd_scan.supported(wk, wk, wk, wk, False)
+    st16, st32 = torch.zeros(1, 1, 128, 128, device=DEV).bfloat16(), torch.zeros(1, 1, 128, 128, device=DEV)
+    wy_args = [wk, wk, wk, wk, wk, st16, wk.float(), wk.float(), wk.float(), st32]  # q k v dO W h G U v_new dh
+    assert "K = V = 128" in gluon_bwd_wy.supported(*wy_args[:2], us.bfloat16(), *wy_args[3:])
+    assert "bf16" in gluon_bwd_wy.supported(*wy_args[:5], st32, *wy_args[6:])
+    assert "fp32" in gluon_bwd_wy.supported(*wy_args[:9], st16)  # (a 16-bit dh, ``DH_16BIT``)
     if not ON_GPU:
+        assert gluon_bwd_wy.supported(*wy_args) == "a Hopper GPU (sm_90)"
         assert gluon_bwd_scan.supported(wk, wk, wk, wk, True) == "a Hopper GPU (sm_90)"
         assert gluon_scan.supported(wk, wk, us, hs, True) == "a Hopper GPU (sm_90)"
         assert gluon_wy.supported(q, k, v, G, tinv, w, u, qg, kg, tl.bfloat16) == "a Hopper GPU (sm_90)"
@@ -335,22 +341,77 @@ def test_gluon_taking_asks_the_kernel_too(monkeypatch):
 
 # The intra backward's spill allowance: 280 B with the local ptxas (Triton 3.6's wheel), nearly all in its epilogue,
 # where the WY kernel's partials meet the three [64, 128] accumulators
+@pytest.mark.parametrize("lengths,H", [([1, 63, 64, 65, 130, 7], 2), ([200], 1)])
+def test_gluon_wy_backward_equals_the_triton_kernel(monkeypatch, lengths, H):
+    """The Triton backward (``kda_bwd_triton``, bf16, K = V = 128, from the Triton forward's saved tensors) with the WY
+    backward by the Gluon kernel (``triton_backward.GLUON_WY_BWD``: dA and dbeta whole, one partial for the intra
+    backward) against the Triton WY kernel (three partials): varlen batches with partial chunks and one-token
+    sequences (a chunk's TMA tiles run into the next sequence), with initial states and final-state gradients (so
+    that every chunk's h and dh, and deg = rowsum(h dh), are nonzero). Every gradient within 1e-4 (relative RMS) of the
+    Triton path's on the CPU, where the interpreter's products are fp32 and the emulator's are made exact too (its
+    tf32 rounding off; the Gluon kernel's 16-bit splits hold ~16 mantissa bits); within 2e-3 on the GPU, where both
+    take tf32 products."""
+    from kimik3.ops.kda import gluon_bwd_wy
+    from kimik3.ops.kda import triton_backward as tb
+    from tests import gluon_emulator
+
+    K = 128
+    gen = torch.Generator().manual_seed(3)
+    T = sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    plan = tf.make_plan(1, T, cu, torch.device(DEV))
+    q, k, v = (torch.randn(1, T, H, K, generator=gen).div(K**0.5).bfloat16().to(DEV) for _ in range(3))
+    k = (k.float() / k.float().norm(dim=-1, keepdim=True)).bfloat16()
+    g = (-torch.rand(1, T, H, K, generator=gen) * 0.05).to(DEV)  # (a chunk's decay e^Gamma_C about 0.2: deg counts)
+    beta = torch.rand(1, T, H, generator=gen).to(DEV)
+    do = torch.randn(1, T, H, K, generator=gen).bfloat16().to(DEV)
+    h0, dht = (torch.randn(len(lengths), H, K, K, generator=gen).to(DEV) for _ in range(2))
+    scale = K**-0.5
+    aux = tf.kda_fwd_triton(q, k, v, g, beta, scale, h0, True, plan, return_aux=True)[2]
+    here = _run_here()
+    if not ON_GPU:
+        monkeypatch.setattr(gluon_emulator, "_tf32", lambda x: x.float())
+    launched = []
+
+    class Emulated:  # the Gluon module as ``kda_bwd_triton`` finds it, launched here (on the CPU: the emulator)
+        supported = staticmethod(gluon_bwd_wy.supported)
+
+        @staticmethod
+        def launch(*a, **kw):
+            launched.append(1)
+            gluon_bwd_wy.launch(*a, **kw, **here)
+
+    res = []
+    for gluon in (False, True):
+        monkeypatch.setattr(tb, "GLUON_WY_BWD", gluon)
+        monkeypatch.setattr(tb, "_gluon_taking",
+                            lambda name, on, *a, **kw: Emulated if (on and name == "gluon_bwd_wy") else None)
+        res.append(tb.kda_bwd_triton(do, dht, aux, v, h0, scale, plan)[:6])
+    assert launched == [1]
+    for name, r, o in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), *res):
+        assert r.dtype == o.dtype and not o.isnan().any(), name
+        err = ((r.float() - o.float()).norm() / r.float().norm()).item()
+        assert err < (2e-3 if ON_GPU else 1e-4), (name, err)
+
+
 INTRA_SPILL_LIMIT = 512
+WY_BWD_SPILL_LIMIT = 768  # the WY backward (prepared, untimed): 660 B in the local sm_90 compile
 
 
 def test_gluon_kernels_compile_for_sm90(tmp_path):
     """In a process of its own, without the interpreter and with an empty Triton cache: the kernels compile for
     sm_90, without spilling (the state-gradient scan storing dRv, ``FUSE_DRV``: at most 256 B, 208 when it was timed
-    faster than the dRv pass it replaces; the intra backward: ``INTRA_SPILL_LIMIT``), and as many CTAs of each as its
-    launch counts on (its warps as launched, the loader's padded to a warpgroup) fit an H200 SM -- two of the scan
+    faster than the dRv pass it replaces; the intra backward: ``INTRA_SPILL_LIMIT``; the WY backward:
+    ``WY_BWD_SPILL_LIMIT``), and as many CTAs of each as its launch counts on (its warps as launched, the loader's
+    padded to a warpgroup) fit an H200 SM -- two of the scan
     when each holds one 64-column half of V, so that the 192 chains at K3's shape run at once on 132 SMs."""
     from tests.gluon_emulator import last_json_line, run_without_interpreter
 
     rows = last_json_line(run_without_interpreter(["-m", "tests.ops.test_kda_gluon"], tmp_path))
     ctas_per_sm = (gluon_wy.CTAS_PER_SM, gluon_phase_a.CTAS_PER_SM, 1 if gluon_scan.SHARED_HALVES else 2, 1,
-                   gluon_bwd_intra.CTAS_PER_SM)
-    spill_limits = (0, 0, 0, 256 if gluon_bwd_scan.FUSE_DRV else 0, INTRA_SPILL_LIMIT)
-    names = ("phase C", "phase A", "scan", "state-gradient scan", "intra backward")
+                   gluon_bwd_intra.CTAS_PER_SM, gluon_bwd_wy.CTAS_PER_SM)
+    spill_limits = (0, 0, 0, 256 if gluon_bwd_scan.FUSE_DRV else 0, INTRA_SPILL_LIMIT, WY_BWD_SPILL_LIMIT)
+    names = ("phase C", "phase A", "scan", "state-gradient scan", "intra backward", "WY backward")
     assert len(rows) == len(names)
     for name, row, ctas, spill in zip(names, rows, ctas_per_sm, spill_limits):
         assert row["spill_store_bytes"] <= spill and row["spill_load_bytes"] <= spill, (name, row)
@@ -428,5 +489,12 @@ if __name__ == "__main__":  # the compile step of test_gluon_kernels_compile_for
                            G.clone(), G.clone(), torch.zeros(npart, 1, T, 2), b, plan, 2, npart,
                            raw=(q, k, b.bfloat16()), out=(q.clone(), k.clone()), l2=True, bsig=True, eps=1e-6,
                            **compile_only)
+    plan, q, k, v, G, beta, _ = _chunk_inputs([128, 70], 2, 128)
+    f32 = G.clone()
+    st16, st32 = torch.zeros(plan.NT, 2, 128, 128).bfloat16(), torch.zeros(plan.NT, 2, 128, 128)
+    m64 = torch.zeros(plan.NT, 2, 64, 64)
+    gluon_bwd_wy.launch(q, k, v, G, b, q.clone(), f32, st16, st32, f32.clone(), f32.clone(), q.clone(), f32.clone(),
+                        f32.clone(), f32.clone(), v.clone(), b.clone(), m64, m64.clone(), plan, 2, 0.088,
+                        **compile_only)
     print(json.dumps([{k: row[k] for k in ("registers", "num_warps", "shared_bytes", "spill_store_bytes",
                                            "spill_load_bytes")} for row in compiler.rows]))

@@ -104,6 +104,12 @@ GLUON_DH_SCAN = os.environ.get("KIMIK3_KDA_GLUON_DH_SCAN", "1") == "1"
 # dRv = T^T dv_new by its own pass (``_drv_kernel``, over dv_new) instead of in each of the WY kernel's parts; the
 # Gluon state-gradient scan stores it itself where it runs (``gluon_bwd_scan.FUSE_DRV``), and then the pass is skipped.
 DRV_PASS = True
+# The WY backward by the warp-specialised Gluon kernel (``gluon_bwd_wy.py``: one (chunk, head) per item, streamed by
+# TMA in three stages through a ring, dA and dbeta written whole, so the intra backward takes one partial) where
+# ``gluon_bwd_wy.supported`` allows it, dRv is in dv_new's place (``DRV_PASS``) and there are at least
+# ``triton_forward.GLUON_MIN_ITEMS`` (chunk, head) items. Prepared offline (nineteenth session; emulator-tested against
+# the Triton kernel, sm_90-compiled), untimed: off. KIMIK3_KDA_GLUON_WY_BWD=1 turns it on.
+GLUON_WY_BWD = os.environ.get("KIMIK3_KDA_GLUON_WY_BWD", "0") == "1"
 # The WY kernel's dO S^T on the 16-bit dO and stored states as they are (exact products) when both share a
 # 16-bit dtype, instead of both widened to fp32 for a tf32 product.
 WY_DQ16 = True
@@ -528,7 +534,10 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
             INTERP=INTERPRET, DT=scan_dt, ACC=acc, num_warps=warps_s, num_stages=stages_s,
         )
     nkb = triton.cdiv(K, BK)
-    npart = nkb + 1 if WY_SPLIT_K else 1  # split: one program per key block, one for the K-independent part
+    gluon_wy = _gluon_taking("gluon_bwd_wy", GLUON_WY_BWD and DRV_PASS, NT * H,
+                             (q, k, v, do, aux["w"], h, G, aux["u"], vn, dh))
+    # split: one program per key block, one for the K-independent part (the Gluon kernel: one item per chunk and head)
+    npart = nkb + 1 if (WY_SPLIT_K and gluon_wy is None) else 1
     daqk = torch.empty(NT, H, 64, 64, **f32)
     da = torch.empty(npart, NT, H, 64, 64, **f32)
     dbeta_parts = dbeta if npart == 1 else torch.empty(npart, B, T, H, **f32)
@@ -539,13 +548,17 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
                                           PREC=PREC, num_warps=4)
     h16 = h.dtype in (torch.bfloat16, torch.float16)
     stages = WY_LOOP_STAGES if h16 else 1  # (fp32 stored states: no room in shared memory)
-    _bwd_wy_kernel[part_grid(NT, H, npart)](
-        q, k, v, G, beta, aux["tinv"], aux["w"], aux["u"], h, dh, vn, dvn, do,
-        dq, dk, dg, dv, dbeta_parts, daqk, da, plan.cu, plan.chunk_idx, H, float(scale), part_beta, part_a,
-        K=K, V=V, BK=BK, BV=BV, PREC=PREC, SPLIT=npart > 1, NPART=npart, DRV_IN=DRV_PASS,
-        DQ16=WY_DQ16 and h16 and do.dtype == h.dtype, DYN=stages if WY_DYN_LOOP else 0,
-        VDYN=stages if WY_V_LOOP else 0, num_warps=warps,
-    )
+    if gluon_wy is not None:
+        gluon_wy.launch(q, k, v, G, beta, aux["w"], aux["u"], h, dh, vn, dvn, do, dq, dk, dg, dv, dbeta_parts, daqk, da,
+                        plan, H, scale)
+    else:
+        _bwd_wy_kernel[part_grid(NT, H, npart)](
+            q, k, v, G, beta, aux["tinv"], aux["w"], aux["u"], h, dh, vn, dvn, do,
+            dq, dk, dg, dv, dbeta_parts, daqk, da, plan.cu, plan.chunk_idx, H, float(scale), part_beta, part_a,
+            K=K, V=V, BK=BK, BV=BV, PREC=PREC, SPLIT=npart > 1, NPART=npart, DRV_IN=DRV_PASS,
+            DQ16=WY_DQ16 and h16 and do.dtype == h.dtype, DYN=stages if WY_DYN_LOOP else 0,
+            VDYN=stages if WY_V_LOOP else 0, num_warps=warps,
+        )
     # dg holds dGamma (partial) here; kernel 4 adds the intra-chunk part and turns it into dg in place (or
     # applies the fused pre-activations' chain rules too)
     raw = bwd_intra(q, k, G, beta, daqk, da, dq, dk, dg, dbeta_parts, dbeta, plan, npart, PREC, BWD_WARPS, preact)

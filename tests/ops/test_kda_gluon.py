@@ -65,6 +65,19 @@ def _outputs(q, plan, H, K):
     return w, u, qg, kg, torch.full((plan.NT, H, K), float("nan"), device=q.device)
 
 
+def _dh_scan_inputs(lengths, H, gen):
+    """The state-gradient scan's inputs for a packed batch of sequences (K = V = 128): the plan, bf16 qg, kg, W (x 0.1)
+    and dO, and each chunk's decay eg in [0.5, 1)."""
+    K = V = 128
+    T = sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    plan = tf.make_plan(1, T, cu, torch.device(DEV))
+    qg, kg, w = ((torch.randn(1, T, H, K, generator=gen) * 0.1).bfloat16().to(DEV) for _ in range(3))
+    do = torch.randn(1, T, H, V, generator=gen).bfloat16().to(DEV)
+    eg = (torch.rand(plan.NT, H, K, generator=gen) * 0.5 + 0.5).to(DEV)
+    return plan, qg, kg, w, do, eg
+
+
 def _run_here() -> dict:
     """A Gluon ``launch``'s keywords on this machine: the GPU as it is, or on the CPU the emulator with three
     persistent programs (so the 2-slot rings wrap and the programs take unequal item counts)."""
@@ -175,11 +188,7 @@ def test_gluon_state_gradient_scan_equals_the_triton_kernel(lengths, H, with_sta
     gen = torch.Generator().manual_seed(0)
     K = V = 128
     N, T = len(lengths), sum(lengths)
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    plan = tf.make_plan(1, T, cu, torch.device(DEV))
-    qg, kg, w = ((torch.randn(1, T, H, K, generator=gen) * 0.1).bfloat16().to(DEV) for _ in range(3))
-    do = torch.randn(1, T, H, V, generator=gen).bfloat16().to(DEV)
-    eg = (torch.rand(plan.NT, H, K, generator=gen) * 0.5 + 0.5).to(DEV)
+    plan, qg, kg, w, do, eg = _dh_scan_inputs(lengths, H, gen)
     scale = K**-0.5
     dscale = 2.0 ** (math.frexp(scale)[1] - 1)
     if local:  # Aqk lower triangular, its rows past a chunk's valid ones not zero (nothing may read them)
@@ -433,11 +442,7 @@ def test_gluon_state_gradient_scan_stores_a_16bit_dh():
     K = V = 128
     H, lengths = 1, [1, 63, 65, 7]
     N, T = len(lengths), sum(lengths)
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    plan = tf.make_plan(1, T, cu, torch.device(DEV))
-    qg, kg, w = ((torch.randn(1, T, H, K, generator=gen) * 0.1).bfloat16().to(DEV) for _ in range(3))
-    do = torch.randn(1, T, H, V, generator=gen).bfloat16().to(DEV)
-    eg = (torch.rand(plan.NT, H, K, generator=gen) * 0.5 + 0.5).to(DEV)
+    plan, qg, kg, w, do, eg = _dh_scan_inputs(lengths, H, gen)
     dht = torch.randn(N, H, K, V, generator=gen).to(DEV)
     scale = K**-0.5
     dscale = 2.0 ** (math.frexp(scale)[1] - 1)

@@ -14,12 +14,13 @@ dbeta whole (the intra backward then takes one partial).
 
 The kernel's shape: a persistent grid, one CTA per SM; a 1-warp loader partition streams each item by TMA as three
 stages through a 2-slot ring of 112 KB slots: the two 64-column halves of V (v_new, dRv, U, dO, v and the state
-tiles h, dh of those columns), then the key side's q, k, W, Gamma (and Gamma's last valid row). The slots are one
-allocation of fp32 [64, 64] units, each stage's tiles reinterpreted over them. The 8-warp consumer (two
+tiles h, dh of those columns), then the key side's q, k, W, Gamma. A slot is seven fp32 [64, 64] units (three
+allocations: shapes must be powers of two), each stage's tiles reinterpreted over them. The 8-warp consumer (two
 warpgroups splitting N of every product) accumulates the V-contractions over the two halves, then applies the chain
 rule and stores. Products: 16-bit operands where one side is 16-bit (dO, h, v's tiles; the fp32 side split into a
 bf16 high part and remainder, two products), tf32 where both are fp32 (U dRv^T and v_new dh^T, as the Triton
-kernel's tf32 products), and dA_k from dRk's 16-bit parts written over the item's q and k tiles once they are read.
+kernel's tf32 products), and dA_k from dRk's 16-bit parts written into the key stage's free unit and over Gamma once
+it is read.
 
 Prepared offline (nineteenth session): emulator-tested against the Triton kernel and compiled for sm_90, untimed;
 ``triton_backward.GLUON_WY_BWD`` selects it (off by default). It applies where ``supported`` says (sm_90, K = V = 128,
@@ -100,8 +101,8 @@ def _loader(ready, empty, s4, s2, s1, vn_d, drv_d, u_d, do_d, v_d, h_d, dh_d, q_
 
 
 @gluon.jit
-def _consumer(ready, empty, s4, s2, s1, vn_d, do_d, h_d, dh_d, G_d, q_d, G_ptr, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
-              dv_ptr, dbeta_ptr, daqk_ptr, da_ptr, cidx_ptr, cu_ptr, n_items, H, scale, K: gl.constexpr):
+def _consumer(ready, empty, s4, s2, s1, do_d, h_d, G_d, q_d, G_ptr, beta_ptr, dq_ptr, dk_ptr, dG_ptr, dv_ptr,
+              dbeta_ptr, daqk_ptr, da_ptr, cidx_ptr, cu_ptr, n_items, H, scale, K: gl.constexpr):
     """The consumer partition: each item's V-contractions over its two V halves, then the key side (module
     docstring); the two warpgroups split N of every product."""
     M128: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
@@ -216,7 +217,7 @@ def _gluon_bwd_wy_kernel(vn_d, drv_d, u_d, do_d, v_d, h_d, dh_d, q_d, k_d, w_d, 
     s1 = gl.allocate_shared_memory(gl.float32, [RING, 64, 64], vn_d.layout)
     ready, empty = ring_barriers(RING, 1)
     gl.warp_specialize([
-        (_consumer, (ready, empty, s4, s2, s1, vn_d, do_d, h_d, dh_d, G_d, q_d, G_ptr, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
+        (_consumer, (ready, empty, s4, s2, s1, do_d, h_d, G_d, q_d, G_ptr, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
                      dv_ptr, dbeta_ptr, daqk_ptr, da_ptr, cidx_ptr, cu_ptr, NT * H, H, scale, K)),
         (_loader, (ready, empty, s4, s2, s1, vn_d, drv_d, u_d, do_d, v_d, h_d, dh_d, q_d, k_d, w_d, G_d,
                    cidx_ptr, cu_ptr, NT * H, H, K)),

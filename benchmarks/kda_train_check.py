@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kda_tries import overridden, parse_experiment  # noqa: E402  (--try: kda_kernel.py's experiment switches)
 
 
-GLUON_MODULES = ("gluon_wy", "gluon_phase_a", "gluon_scan", "gluon_bwd_scan", "gluon_bwd_intra")
+GLUON_MODULES = ("gluon_wy", "gluon_phase_a", "gluon_scan", "gluon_bwd_scan", "gluon_bwd_wy", "gluon_bwd_intra")
 
 
 @contextlib.contextmanager

@@ -23,7 +23,8 @@ Kernels:
      each chunk's exit state) [NT, H, K, V] fp32 (16-bit with ``DH_16BIT``), dv_new, and d initial_state.
   3. ``_bwd_wy_kernel``  per (chunk, head): the V-contractions above, the K-independent ones first
      (``_wy_v_side``), then per BK-column key block (``_wy_k_side``); writes dv, the partial
-     dq / dk / dGamma / dbeta, and dAqk, dA [NT, H, 64, 64] fp32.
+     dq / dk / dGamma / dbeta, and dAqk, dA [NT, H, 64, 64] fp32 (with ``GLUON_WY_BWD``, ``gluon_bwd_wy.py``'s
+     kernel instead: one program per (chunk, head), dA and dbeta whole).
   4. ``triton_bwd_intra.py``: the gradients through Aqk and A on 16 x 16 blocks, the partials added,
      and dGamma turned into dg by a suffix sum over the chunk; with ``preact`` (K3's layer) the fused
      pre-activations' chain rules there too, else by ``triton_preact.py``'s pass.

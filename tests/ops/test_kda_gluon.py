@@ -39,18 +39,23 @@ DEV = "cuda" if ON_GPU else "cpu"
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
+def _packed_plan(lengths):
+    """The chunk plan of one packed batch of sequences of these lengths (varlen: cu_seqlens from the lengths)."""
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    return tf.make_plan(1, sum(lengths), cu, torch.device(DEV))
+
+
 def _chunk_inputs(lengths, H, K, seed=0, gate_scale=0.3):
     """Phases A and C's inputs for a packed batch of sequences: bf16 q, k, v, the within-chunk cumulative log-decay
     Gamma (fp32, each chunk from zero; per-token decays in [-gate_scale, 0]), sigmoid(beta) (fp32), and a
     lower-triangular T per chunk and head."""
     gen = torch.Generator().manual_seed(seed)
     T = sum(lengths)
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    plan = tf.make_plan(1, T, cu, torch.device(DEV))
+    plan = _packed_plan(lengths)
     q, k, v = (torch.randn(1, T, H, K, generator=gen).div(K**0.5).bfloat16().to(DEV) for _ in range(3))
     g = -torch.rand(1, T, H, K, generator=gen) * gate_scale
     G = torch.empty_like(g)
-    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+    for s, e in zip(plan.cu[:-1].tolist(), plan.cu[1:].tolist()):
         for c0 in range(s, e, 64):
             G[:, c0:min(c0 + 64, e)] = g[:, c0:min(c0 + 64, e)].cumsum(1)
     beta = torch.rand(1, T, H, generator=gen).to(DEV)
@@ -70,8 +75,7 @@ def _dh_scan_inputs(lengths, H, gen):
     and dO, and each chunk's decay eg in [0.5, 1)."""
     K = V = 128
     T = sum(lengths)
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    plan = tf.make_plan(1, T, cu, torch.device(DEV))
+    plan = _packed_plan(lengths)
     qg, kg, w = ((torch.randn(1, T, H, K, generator=gen) * 0.1).bfloat16().to(DEV) for _ in range(3))
     do = torch.randn(1, T, H, V, generator=gen).bfloat16().to(DEV)
     eg = (torch.rand(plan.NT, H, K, generator=gen) * 0.5 + 0.5).to(DEV)
@@ -132,8 +136,7 @@ def _scan_inputs(lengths, H, V, seed=0):
     fp32 initial state per sequence."""
     gen = torch.Generator().manual_seed(seed)
     K, T = 128, sum(lengths)
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    plan = tf.make_plan(1, T, cu, torch.device(DEV))
+    plan = _packed_plan(lengths)
     w, kg = ((torch.randn(1, T, H, K, generator=gen) * 0.1).bfloat16().to(DEV) for _ in range(2))
     u = torch.randn(1, T, H, V, generator=gen).to(DEV)
     eg = (torch.rand(plan.NT, H, K, generator=gen) * 0.5 + 0.5).to(DEV)
@@ -367,8 +370,7 @@ def test_gluon_wy_backward_equals_the_triton_kernel(monkeypatch, lengths, H):
     K = 128
     gen = torch.Generator().manual_seed(3)
     T = sum(lengths)
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    plan = tf.make_plan(1, T, cu, torch.device(DEV))
+    plan = _packed_plan(lengths)
     q, k, v = (torch.randn(1, T, H, K, generator=gen).div(K**0.5).bfloat16().to(DEV) for _ in range(3))
     k = (k.float() / k.float().norm(dim=-1, keepdim=True)).bfloat16()
     g = (-torch.rand(1, T, H, K, generator=gen) * 0.05).to(DEV)  # (a chunk's decay e^Gamma_C about 0.2: deg counts)

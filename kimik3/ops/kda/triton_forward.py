@@ -365,7 +365,7 @@ def _cfg(K: int, V: int):
 @functools.lru_cache(maxsize=None)
 def _gluon(name: str):
     """The Gluon kernel module ``name`` (``gluon_wy``, ``gluon_phase_a``, ``gluon_scan``, ``gluon_bwd_scan``,
-    ``gluon_bwd_intra``), or None where this Triton has no Gluon (imported only where it may run)."""
+    ``gluon_bwd_wy``, ``gluon_bwd_intra``), or None where this Triton has no Gluon (imported only where it may run)."""
     import importlib
 
     try:

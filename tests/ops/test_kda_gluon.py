@@ -406,7 +406,7 @@ def test_gluon_wy_backward_equals_the_triton_kernel(monkeypatch, lengths, H):
 
 
 INTRA_SPILL_LIMIT = 512
-WY_BWD_SPILL_LIMIT = 768  # the WY backward (the default on sm_90): 564 B in the local sm_90 compile
+WY_BWD_SPILL_LIMIT = 512  # the WY backward: 332 B in the local sm_90 compile (564 before dAqk was stored early)
 
 
 def test_gluon_kernels_compile_for_sm90(tmp_path):

@@ -22,7 +22,7 @@ bf16 high part and remainder, two products), tf32 where both are fp32 (U dRv^T a
 kernel's tf32 products), and dA_k from dRk's 16-bit parts written into the key stage's free unit and over Gamma once
 it is read.
 
-``triton_backward.GLUON_WY_BWD`` selects it (on by default; H200, K3's shape: 2.41 ms against the Triton kernel's
+``triton_backward.GLUON_WY_BWD`` selects it (on by default; H200, K3's shape: 2.10 ms against the Triton kernel's
 2.80). It applies where ``supported`` says (sm_90, K = V = 128, bf16 q, k, v, dO, W and states, fp32 Gamma, U, v_new,
 dRv and dh).
 """
@@ -37,12 +37,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .gluon_wy import (_item, _my_items, _wait_slot, launch_options, on_hopper, release_ring, ring_barriers,
-                       run_persistent, split16, tile_descriptor)
+from .gluon_wy import (_item, _item_ahead, _my_items, _wait_slot, launch_options, on_hopper, release_ring,
+                       ring_barriers, run_persistent, split16, tile_descriptor)
 
 CONSUMER_WARPS = 8  # two warpgroups, splitting N of every product
-# the loader partition at setmaxnreg's floor, so that the consumer's warps get 240 registers (sm_90 compile: 564 B
-# spilled, 660 with the loader at 40)
+# the loader partition at setmaxnreg's floor, so that the consumer's warps get 240 registers (sm_90 compile: 332 B
+# spilled)
 LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(24)
 MAXNREG: Optional[int] = 168  # registers per thread at launch: 12 warps (the loader's padded to a warpgroup)
 CTAS_PER_SM = 1
@@ -103,10 +103,25 @@ def _loader(ready, empty, s4, s2, s1, vn_d, drv_d, u_d, do_d, v_d, h_d, dh_d, q_
 
 
 @gluon.jit
+def _store_matrix(ptr, x_t, i_t, i_h, H, L, rs, ct, DIAG: gl.constexpr):
+    """A chunk's [64, 64] matrix from its transpose x_t ([s, t], rows rs, columns ct) into ptr's [NT, H, 64, 64] as
+    [t, s]: the strictly lower triangle (and the diagonal when DIAG) of the chunk's L valid rows and columns; the
+    rest zero."""
+    valid = gl.expand_dims(rs < L, 1) & gl.expand_dims(ct < L, 0)
+    keep = gl.expand_dims(ct, 0) > gl.expand_dims(rs, 1)
+    if DIAG:
+        keep = keep | (gl.expand_dims(ct, 0) == gl.expand_dims(rs, 1))
+    moff = (i_t * H + i_h) * 4096 + gl.expand_dims(rs, 1) + gl.expand_dims(ct, 0) * 64
+    gl.store(ptr + moff, gl.where(valid & keep, x_t, 0.0))
+
+
+@gluon.jit
 def _consumer(ready, empty, s4, s2, s1, do_d, h_d, G_d, q_d, G_ptr, beta_ptr, dq_ptr, dk_ptr, dG_ptr, dv_ptr,
               dbeta_ptr, daqk_ptr, da_ptr, cidx_ptr, cu_ptr, n_items, H, scale, K: gl.constexpr):
     """The consumer partition: each item's V-contractions over its two V halves, then the key side (module
-    docstring); the two warpgroups split N of every product."""
+    docstring); the two warpgroups split N of every product. Registers are what bounds it (one item in flight, 240
+    per thread): dAqk is stored as soon as the V halves are done and U dRv^T becomes dA_k's starting accumulator, so
+    that two [64, 64] accumulators fewer live through the key side (H200, K3's shape: 2.41 -> 2.10 ms)."""
     M128: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
     M128T: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 8])
     M64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
@@ -122,8 +137,10 @@ def _consumer(ready, empty, s4, s2, s1, do_d, h_d, G_d, q_d, G_ptr, beta_ptr, dq
     cb = gl.arange(0, 64, layout=gl.SliceLayout(0, BL))
     HK = H * K
     pid, nprog, count = _my_items(n_items)
-    for i in range(count):
-        i_t, i_h, _, t0, L = _item(pid + i * nprog, H, cidx_ptr, cu_ptr, 1)
+    nxt_t, nxt_h, _, nxt_t0, nxt_L = _item_ahead(pid, nprog, 0, n_items, H, cidx_ptr, cu_ptr)
+    for i in range(count):  # (each item's metadata read during the item before it)
+        i_t, i_h, t0, L = nxt_t, nxt_h, nxt_t0, nxt_L
+        nxt_t, nxt_h, _, nxt_t0, nxt_L = _item_ahead(pid, nprog, i + 1, n_items, H, cidx_ptr, cu_ptr)
         tok = (t0 + rb).to(gl.int64)
         beta_b = gl.load(beta_ptr + tok * H + i_h, mask=rb < L, other=0.0).to(gl.float32)
         daqk_t = gl.zeros([64, 64], gl.float32, layout=M64)  # [s, t]: the transposes of dAqk and U dRv^T
@@ -157,6 +174,9 @@ def _consumer(ready, empty, s4, s2, s1, do_d, h_d, G_d, q_d, G_ptr, beta_ptr, dq
             dbv += gl.sum(gl.where(rows_b, de * v.load(BL).to(gl.float32), 0.0), axis=1)
             fence_async_shared()
             mbarrier.arrive(empty.index(st), count=1)
+        # dAqk now, and U dRv^T as dA_k's starting accumulator (dA = -(U dRv^T + W dRk^T)): two tiles fewer below
+        _store_matrix(daqk_ptr, daqk_t * scale, i_t, i_h, H, L, rs, ct, True)
+        dak_t = gl.convert_layout(udrv_t, M64)
         # the key side: the chain rule through the exponentials (``triton_backward._wy_k_side``)
         st = _wait_slot(ready, i * STAGES + 2, 0)
         Gs, qs, ks, ws = _key_tiles(s4, s2, st, G_d, q_d)
@@ -165,23 +185,23 @@ def _consumer(ready, empty, s4, s2, s1, do_d, h_d, G_d, q_d, G_ptr, beta_ptr, dq
         G = Gs.load(M128)
         g_last = gl.expand_dims(gl.load(G_ptr + (t0 + L - 1).to(gl.int64) * HK + i_h * K + c), 0)  # its last token
         eG = gl.where(rows, gl.exp(G), 0.0)
-        # dA_k^T = -W dRk^T, issued first and waited for last: dRk = -dRv h^T as 16-bit parts in the slot's free unit
-        # and over Gamma (read above for the last time), the right operand of products with W's tile
+        # dA^T's key part -W dRk^T onto U dRv^T, issued first and waited for last: dRk = -dRv h^T as 16-bit parts in
+        # the slot's free unit and over Gamma (read above for the last time), the right operand of products with W's
+        # tile
         drk = -drk
-        rk = drk * eG
         r_hi, r_lo = split16(drk)
         free = s4.index(st * 4 + 3)._reinterpret(gl.bfloat16, [64, K], q_d.layout)
         over_g = s2.index(st)._reinterpret(gl.bfloat16, [2, 64, K], q_d.layout).index(0)
         free.store(r_hi)
         over_g.store(r_lo)
         fence_async_shared()
-        dak_t = warpgroup_mma(ws, free.permute((1, 0)), gl.zeros([64, 64], gl.float32, layout=M64), use_acc=False,
-                              is_async=True)
+        dak_t = warpgroup_mma(ws, free.permute((1, 0)), dak_t, is_async=True)
         dak_t = warpgroup_mma(ws, over_g.permute((1, 0)), dak_t, is_async=True)
         # the partial dq, dk, dGamma, each term as soon as its factors are at hand (fewer registers live)
         dq = dqg * scale * eG
         gl.store(dq_ptr + off, dq, mask=rows)
         dG = dq * qs.load(M128).to(gl.float32)
+        rk = drk * eG  # (after dq: dqg's registers free before rk's are taken)
         dkc = gl.convert_layout(dkg, M128) * gl.where(rows, gl.exp(g_last - G), 0.0)
         k = ks.load(M128).to(gl.float32)
         dG -= dkc * k
@@ -195,14 +215,8 @@ def _consumer(ready, empty, s4, s2, s1, do_d, h_d, G_d, q_d, G_ptr, beta_ptr, dq
         dak_t = warpgroup_mma_wait(0, deps=[dak_t])
         fence_async_shared()
         mbarrier.arrive(empty.index(st), count=1)
-        # dAqk and dA: [s, t] here, stored as [t, s] (dAqk with its diagonal, dA strictly lower; rows and columns
-        # past the chunk zero); dbeta whole
-        valid = gl.expand_dims(rs < L, 1) & gl.expand_dims(ct < L, 0)
-        moff = (i_t * H + i_h) * 4096 + gl.expand_dims(rs, 1) + gl.expand_dims(ct, 0) * 64
-        lower = gl.expand_dims(ct, 0) > gl.expand_dims(rs, 1)
-        gl.store(daqk_ptr + moff, gl.where(valid & (lower | (gl.expand_dims(ct, 0) == gl.expand_dims(rs, 1))),
-                                           daqk_t * scale, 0.0))
-        gl.store(da_ptr + moff, gl.where(valid & lower, -(gl.convert_layout(udrv_t, M64) + dak_t), 0.0))
+        # dAqk and dA (stored as [t, s]: ``_store_matrix``); dbeta whole
+        _store_matrix(da_ptr, -dak_t, i_t, i_h, H, L, rs, ct, False)
         db = dbv + gl.convert_layout(dbk, gl.SliceLayout(1, BL))
         gl.store(dbeta_ptr + tok * H + i_h, db, mask=rb < L)
 

@@ -65,6 +65,13 @@ def _item(item, H, cidx_ptr, cu_ptr, NP: gl.constexpr):
 
 
 @gluon.jit
+def _item_ahead(pid, nprog, i, n_items, H, cidx_ptr, cu_ptr):
+    """``_item`` of this persistent program's i-th item (``_my_items``), clamped to the last item: a consumer reads
+    its next item's metadata while working on the current one, so that the loads' latency is hidden."""
+    return _item(gl.minimum(pid + i * nprog, n_items - 1), H, cidx_ptr, cu_ptr, 1)
+
+
+@gluon.jit
 def _my_items(n_items):
     """This persistent program's share of n_items: (program id, program count, how many items it takes); its
     i-th item is pid + i * nprog."""

@@ -1,9 +1,14 @@
 """Numeric helpers shared by the tests."""
 
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+
+def cu_seqlens(lengths: Sequence[int], device="cpu") -> torch.Tensor:
+    """The int32 cu_seqlens of a packed batch of sequences of these lengths: [0, l0, l0 + l1, ...]."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
 
 def rel_rms(ref: torch.Tensor, out: torch.Tensor) -> float:

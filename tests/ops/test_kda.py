@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.numerics import kda_inputs, rel_rms
+from tests.numerics import cu_seqlens, kda_inputs, rel_rms
 from kimik3.ops.kda import chunk_kda, naive_recurrent_kda, recurrent_kda_step
 
 G_MIN = -5.0  # K3's gate lower bound; chunk_kda's overflow-free contract
@@ -166,15 +166,11 @@ SEGMENTS_MIXED = [1, 1, 63, 64, 65, 130]
 SEGMENTS_ONES = [1] * 7
 
 
-def _cu(lengths: Sequence[int]) -> torch.Tensor:
-    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
-
-
 @pytest.mark.parametrize("lengths", [SEGMENTS_MIXED, SEGMENTS_ONES, [5, 0, 70]], ids=["mixed", "ones", "empty"])
 def test_varlen_matches_separate_sequences(lengths):
     H, K, V = 2, 16, 12
     T, N = sum(lengths), len(lengths)
-    cu = _cu(lengths)
+    cu = cu_seqlens(lengths)
     inputs = make_inputs(1, T, H, K, V, seed=21)
     h0 = make_state(N, H, K, V)
     o, s, g = run_with_grads(chunk_kda, inputs, h0, cu_seqlens=cu)
@@ -208,7 +204,7 @@ def test_varlen_matches_separate_sequences(lengths):
 def test_varlen_chunk_matches_naive_varlen():
     lengths = [3, 130, 64, 1, 77]
     H, K, V = 2, 12, 20
-    cu = _cu(lengths).long()
+    cu = cu_seqlens(lengths).long()
     inputs = make_inputs(1, sum(lengths), H, K, V, seed=5)
     for h0 in (None, make_state(len(lengths), H, K, V)):
         o_ref, s_ref, g_ref = run_with_grads(naive_recurrent_kda, inputs, h0, cu_seqlens=cu)
@@ -225,7 +221,7 @@ def test_varlen_equal_lengths_equals_batch():
     h0 = make_state(B, H, K, V)
     o_b, s_b = chunk_kda(*inputs, initial_state=h0, output_final_state=True)
     packed = [x.reshape((1, B * T) + tuple(x.shape[2:])) for x in inputs]
-    o_p, s_p = chunk_kda(*packed, initial_state=h0, output_final_state=True, cu_seqlens=_cu([T] * B))
+    o_p, s_p = chunk_kda(*packed, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens([T] * B))
     torch.testing.assert_close(o_p.reshape(o_b.shape), o_b, rtol=0, atol=1e-6)
     torch.testing.assert_close(s_p, s_b, rtol=0, atol=1e-6)
 
@@ -333,7 +329,7 @@ def test_fast_path_equals_packed():
     o_b, s_b, g_b = run_with_grads(chunk_kda, inputs, h0)
     packed = [x.detach().reshape((1, B * T) + tuple(x.shape[2:])).requires_grad_() for x in inputs]
     h0_p = h0.detach().clone().requires_grad_()
-    o_p, s_p, g_p = run_with_grads(chunk_kda, packed, h0_p, cu_seqlens=_cu([T] * B))
+    o_p, s_p, g_p = run_with_grads(chunk_kda, packed, h0_p, cu_seqlens=cu_seqlens([T] * B))
     torch.testing.assert_close(o_p.reshape(o_b.shape), o_b, rtol=0, atol=1e-6)
     torch.testing.assert_close(s_p, s_b, rtol=0, atol=1e-6)
     for name, a, b in zip(GRAD_NAMES, g_b, g_p):

@@ -27,7 +27,7 @@ from tests.triton_bounds import require_triton_kernels
 ON_GPU = torch.cuda.is_available()
 triton = require_triton_kernels()  # (the interpreter on CPU: tests/conftest.py, before the kernels are imported)
 
-from tests.numerics import kda_inputs, rel_rms
+from tests.numerics import cu_seqlens, kda_inputs, rel_rms
 from kimik3.ops.kda import (  # noqa: E402
     _torch_preactivations,
     chunk_kda,
@@ -186,7 +186,7 @@ def test_odd_head_dims(K, V):
 def test_varlen(lengths):
     H, K, V = SMALL[1:]
     T, N = sum(lengths), len(lengths)
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    cu = cu_seqlens(lengths, DEV)
     inputs = make_inputs(1, T, H, K, V, seed=N)
     check_against_naive(inputs, make_state(N, H, K, V), cu=cu)
 
@@ -201,7 +201,7 @@ def test_split_forward(monkeypatch, case):
     cu, dtype = None, torch.float32
     if case == "varlen":
         lengths = [1, 1, 3, 0, 64, 65, 2]  # an empty segment: its final state is its initial state
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+        cu = cu_seqlens(lengths, DEV)
         B, T, N = 1, sum(lengths), len(lengths)
     else:
         B, T, N = 2, {"T1": 1, "T65": 65}.get(case, 130), 2
@@ -256,7 +256,7 @@ def test_split_intra(monkeypatch, mode, case):
     cu, dtype, B, T, N = None, torch.float32, 2, 65, 2
     if case == "varlen":
         lengths = [1, 1, 3, 64, 65, 2]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+        cu = cu_seqlens(lengths, DEV)
         B, T, N = 1, sum(lengths), len(lengths)
     elif case == "bf16":
         dtype, T = torch.bfloat16, 130
@@ -299,7 +299,7 @@ def test_intra_matrices_are_written_in_full(monkeypatch, mode):
 
     monkeypatch.setattr(tf, "INTRA_MODE", mode)
     lengths, H, K, V = [1, 3, 64, 65, 47], 2, 16, 16
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    cu = cu_seqlens(lengths, DEV)
     q, k, v, g, beta = make_inputs(1, sum(lengths), H, K, V, seed=5)
     plan = tf.make_plan(1, sum(lengths), cu, q.device)
     aux = tf.kda_fwd_triton(q, k, v, g, beta, K**-0.5, None, False, plan, return_aux=True)[2]
@@ -377,7 +377,7 @@ def test_backward_launch_sweeps(monkeypatch, case):
         K = int(case[1:4])
     elif case.startswith("varlen"):
         lengths, H, K, V = [1, 1, 3, 64, 65, 2], 2, 64, 32
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+        cu = cu_seqlens(lengths, DEV)
         T = sum(lengths)
     else:
         dtype, T, H, V = torch.bfloat16, 130, 2, 64
@@ -458,7 +458,7 @@ def test_dh16_state_gradients_stored_16bit(monkeypatch, case):
     T, cu, dtype = 130, None, torch.float32 if case == "dh16-fp32" else torch.bfloat16
     if case == "dh16-varlen":
         lengths = [1, 63, 65, 3, 64]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+        cu = cu_seqlens(lengths, DEV)
         B, T = 1, sum(lengths)
     if case == "dh16-nodhacc":
         monkeypatch.setattr(tb, "DH_ACC_DOTS", False)
@@ -505,7 +505,7 @@ def test_dh16_scan_rounds_only_the_stored_copy(acc):
     gen = torch.Generator().manual_seed(3)
     H, K, V, lengths = 2, 32, 32, [1, 63, 65, 7, 64]
     N, T = len(lengths), sum(lengths)
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    cu = cu_seqlens(lengths, DEV)
     plan = make_plan(1, T, cu, torch.device(DEV))
     qg, kg, w = ((torch.randn(1, T, H, K, generator=gen) * 0.2).bfloat16().to(DEV) for _ in range(3))
     do = torch.randn(1, T, H, V, generator=gen).bfloat16().to(DEV)
@@ -672,7 +672,7 @@ def test_fused_preact_backward(monkeypatch, case):
         K = int(case.split("K")[1][:3])
     if "varlen" in case:
         lengths = [1, 2, 17, 50]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+        cu = cu_seqlens(lengths, DEV)
         T = sum(lengths)
     if "bf16" in case:
         dtype, V = torch.bfloat16, 32
@@ -802,7 +802,7 @@ def test_backward_modes_agree(monkeypatch):
     monkeypatch.setattr(triton_backward, "kda_bwd_triton", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
     H, K, V = SMALL[1:]
     lengths = [3, 0, 66, 1]
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    cu = cu_seqlens(lengths, DEV)
     inputs = make_inputs(1, sum(lengths), H, K, V, seed=13)
     with torch.no_grad():
         inputs[3][:, 60:] = G_MIN

@@ -367,6 +367,20 @@ def _unwrapped(fn: Callable) -> Callable:
     return lambda *args, **kw: Tile(fn(*[torch.as_tensor(_val(a)) for a in args]))
 
 
+def _reduce(inputs, axis, combine_fn, keep_dims=False, **_):
+    """``gl.reduce``: one tile or a tuple of tiles reduced along axis by combine_fn, a jit function of two groups of
+    values (the running results, then the next slice), applied slice by slice in order."""
+    single = not isinstance(inputs, (tuple, list))
+    tiles = [_val(x) for x in ([inputs] if single else inputs)]
+    axis = int(_val(axis))
+    acc = [t.select(axis, 0) for t in tiles]
+    for i in range(1, tiles[0].shape[axis]):
+        out = combine_fn(*[Tile(a) for a in acc], *[Tile(t.select(axis, i)) for t in tiles])
+        acc = [_val(o) for o in ((out,) if isinstance(out, Tile) else out)]
+    acc = [a.unsqueeze(axis) if keep_dims else a for a in acc]
+    return Tile(acc[0]) if single else tuple(Tile(a) for a in acc)
+
+
 def _int32(x: int) -> Tile:
     """A scalar as the int32 tensor a kernel's program id is."""
     return Tile(torch.tensor(x, dtype=torch.int32))
@@ -440,6 +454,7 @@ def _patched(machine: _Machine, fn_globals: dict):
         "maximum": _unwrapped(torch.maximum),
         "minimum": _unwrapped(torch.minimum),
         "sum": lambda x, axis=None, **_: Tile(_val(x).sum(int(_val(axis))) if axis is not None else _val(x).sum()),
+        "reduce": _reduce,
         "max": lambda x, axis=None, **_: Tile(_val(x).amax(int(_val(axis))) if axis is not None else _val(x).max()),
         "static_range": lambda *a, **_: range(*[int(_val(x)) for x in a]),
         "allocate_shared_memory": _shared_alloc,

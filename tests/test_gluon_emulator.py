@@ -177,6 +177,31 @@ def test_program_ids_cover_the_grid(grid):
     assert torch.equal(y[..., 3:6], torch.tensor(full, dtype=torch.int32).expand(*full[::-1], 3))
 
 
+@gluon.jit
+def _sum_and_max(a0, a1, b0, b1):
+    return a0 + b0, gl.maximum(a1, b1)
+
+
+@gluon.jit
+def _two_reductions_kernel(x_ptr, y_ptr):
+    """y[0] = x's row sums, y[1] = its row maxima: one two-operand ``gl.reduce`` over a [64, 64] tile."""
+    BL: gl.constexpr = _layout()
+    x = gl.load(x_ptr + _tile_offsets(0, BL))
+    total, top = gl.reduce((x, x), 1, _sum_and_max)
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, BL))
+    gl.store(y_ptr + r, total)
+    gl.store(y_ptr + 64 + r, top)
+
+
+def test_a_two_operand_reduction():
+    """``gl.reduce`` over a tuple of tiles: each operand reduced by its own half of the combine function."""
+    x = _rows(64)
+    y = torch.zeros(2, 64)
+    emulate(_two_reductions_kernel, (1,), x, y)
+    torch.testing.assert_close(y[0], x.sum(1))
+    assert torch.equal(y[1], x.amax(1))
+
+
 def _compile_for_sm90() -> list:
     """Compile the kernels for sm_90 (``benchmarks/kda_sm90_report.Sm90Compiler``): ptxas's rows."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
@@ -189,6 +214,7 @@ def _compile_for_sm90() -> list:
     compiler(_ring_kernel, [_desc(x, gl.float32), _desc(w, gl.bfloat16), torch.zeros(128, 64), 2],
              dict(NB=2, SKEW=0, num_warps=4), (1,))
     compiler(_grid_kernel, [torch.zeros(3, 2, 8, dtype=torch.int32)], dict(num_warps=1), (2, 3))
+    compiler(_two_reductions_kernel, [x, torch.zeros(2, 64)], dict(num_warps=4), (1,))
     return compiler.rows
 
 
@@ -196,7 +222,7 @@ def test_the_kernels_compile_for_sm90(tmp_path):
     """In a process of its own, without the interpreter the test session switches on and with an empty Triton
     cache: the kernels compile, without spilling."""
     rows = last_json_line(run_without_interpreter(["-m", "tests.test_gluon_emulator"], tmp_path))
-    assert len(rows) == 3 and all(r["spill_store_bytes"] == 0 for r in rows), rows
+    assert len(rows) == 4 and all(r["spill_store_bytes"] == 0 for r in rows), rows
 
 
 if __name__ == "__main__":

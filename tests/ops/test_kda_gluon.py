@@ -16,6 +16,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
+from tests.numerics import cu_seqlens  # noqa: E402
 from tests.triton_bounds import require_triton_kernels  # noqa: E402
 
 if __name__ != "__main__":  # (the sm_90 compile step below runs without the interpreter)
@@ -41,8 +42,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 def _packed_plan(lengths):
     """The chunk plan of one packed batch of sequences of these lengths (varlen: cu_seqlens from the lengths)."""
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    return tf.make_plan(1, sum(lengths), cu, torch.device(DEV))
+    return tf.make_plan(1, sum(lengths), cu_seqlens(lengths, DEV), torch.device(DEV))
 
 
 def _chunk_inputs(lengths, H, K, seed=0, gate_scale=0.3):
@@ -230,13 +230,15 @@ def test_gluon_state_gradient_scan_equals_the_triton_kernel(lengths, H, with_sta
         assert d <= 2e-3 * r.abs().max(), (name, d.item())
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("fused,one_reduce", [(True, False), (True, True), (False, False)],
+                         ids=["fused", "fused-one-reduce", "unfused"])
 @pytest.mark.parametrize("lengths,H,npart", [([1, 63, 64, 65, 130, 7], 2, 3), ([200], 3, 1)])
-def test_gluon_intra_backward_equals_the_triton_kernel(monkeypatch, lengths, H, npart, fused):
+def test_gluon_intra_backward_equals_the_triton_kernel(monkeypatch, lengths, H, npart, fused, one_reduce):
     """The backward's intra-chunk gradients (kernel 4, then the suffix-sum pass, through ``bwd_intra``) with the
     Gluon kernel against the Triton "rows" kernel: varlen batches with partial chunks and one-token sequences (a
     chunk's TMA tiles run into the next sequence), per-token decays up to the bound, dA as three partials or one
-    (dbeta then updated in place), with the fused L2 norm, sigmoid and gate chain rules and without. Every gradient
+    (dbeta then updated in place), with the fused L2 norm, sigmoid and gate chain rules (the L2 norm's two row sums
+    apart or in one reduction, ``L2_ONE_REDUCE``) and without. Every gradient
     within 2e-3 (relative RMS) of the Triton kernel's on the GPU, where its products are tf32 and the Gluon kernel's
     three 16-bit ones (about 16 mantissa bits); on the CPU, where the interpreter's products are fp32, within 1e-4
     (the emulated kernel: 4e-5 at most; every rescale between tiles off by 1e-3 moves dq by 1.8e-4)."""
@@ -259,6 +261,7 @@ def test_gluon_intra_backward_equals_the_triton_kernel(monkeypatch, lengths, H, 
                           A_log=rand(H), dt_bias=rand(H * K), g_min=-5.0, use_gate=True, use_l2=True,
                           use_beta_sigmoid=True) if fused else None
     here = _run_here()
+    monkeypatch.setattr(gluon_bwd_intra, "L2_ONE_REDUCE", one_reduce)
 
     class Emulated:  # the Gluon module as ``bwd_intra`` finds it, launched here (on the CPU: the emulator)
         supported = staticmethod(gluon_bwd_intra.supported)

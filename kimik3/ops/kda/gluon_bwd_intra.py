@@ -64,6 +64,11 @@ CTAS_PER_SM = 1
 # K3's shape, bf16, same run (eighteenth session): the kernel 3.019 ms early against 2.948 after, forward+backward
 # 9.833 against 9.736. False: after.
 EARLY_DG_LOAD = False
+# The L2 norm's chain rule taking its two row sums (|x|^2 and x . dx) in one two-operand reduction: each row sum over
+# the key columns is an exchange between the two warpgroups (each holds one key half) behind a barrier, and Nsight
+# Compute (twentieth session, H200, K3's shape) put 9 % of the kernel's stall samples on the row sums. Prepared
+# offline (emulator-tested, sm_90-compiled), untimed: off.
+L2_ONE_REDUCE = False
 NREF = gl.constexpr(8)  # Gamma's reference rows per item: the 4 tiles' first tokens, then their last
 
 
@@ -155,9 +160,20 @@ def _per_tile_ref(refs_s, first, r, MMA: gl.constexpr):
 
 
 @gluon.jit
-def _l2_chain(x, dx, EPS: gl.constexpr):
+def _add_pairs(a0, a1, b0, b1):
+    """A two-operand reduction's combine: both running sums."""
+    return a0 + b0, a1 + b1
+
+
+@gluon.jit
+def _l2_chain(x, dx, EPS: gl.constexpr, ONE_REDUCE: gl.constexpr):
     """The L2 norm's chain rule on the raw rows x, from the gradient dx w.r.t. the normalised rows:
-    (dx - x r^2 sum(x dx)) r with r = 1 / |x| (``triton_preact.l2_bwd_rows``)."""
+    (dx - x r^2 sum(x dx)) r with r = 1 / |x| (``triton_preact.l2_bwd_rows``); ONE_REDUCE: both row sums in one
+    reduction (``L2_ONE_REDUCE``)."""
+    if ONE_REDUCE:
+        xx, xdx = gl.reduce((x * x, x * dx), 1, _add_pairs)
+        rn = gl.rsqrt(xx + EPS)
+        return (dx - x * gl.expand_dims(rn * rn * xdx, 1)) * gl.expand_dims(rn, 1)
     rn = gl.rsqrt(gl.sum(x * x, axis=1) + EPS)
     return (dx - x * gl.expand_dims(rn * rn * gl.sum(x * dx, axis=1), 1)) * gl.expand_dims(rn, 1)
 
@@ -166,7 +182,7 @@ def _l2_chain(x, dx, EPS: gl.constexpr):
 def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_s, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
               dbeta_in_ptr, dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, n_items, H, part_beta,
               K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr, EPS: gl.constexpr,
-              EARLY_DG: gl.constexpr):
+              EARLY_DG: gl.constexpr, ONE_REDUCE: gl.constexpr):
     """The consumer partition: every item's products and epilogue (module docstring), the two warpgroups splitting
     the key columns."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
@@ -245,8 +261,8 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
         dq = gl.load(dq_ptr + off, mask=rows, other=0.0) + dq_r
         dk = gl.load(dk_ptr + off, mask=rows, other=0.0) + dk_c + beta * x
         if L2:
-            dq = _l2_chain(gl.load(qr_ptr + off, mask=rows, other=0.0).to(gl.float32), dq, EPS)
-            dk = _l2_chain(gl.load(kr_ptr + off, mask=rows, other=0.0).to(gl.float32), dk, EPS)
+            dq = _l2_chain(gl.load(qr_ptr + off, mask=rows, other=0.0).to(gl.float32), dq, EPS, ONE_REDUCE)
+            dk = _l2_chain(gl.load(kr_ptr + off, mask=rows, other=0.0).to(gl.float32), dk, EPS, ONE_REDUCE)
         gl.store(dq_out + off, dq.to(dq_out.dtype.element_ty), mask=rows)
         gl.store(dk_out + off, dk.to(dk_out.dtype.element_ty), mask=rows)
         # dbeta: the rows' sums of k x, the WY kernel's partials, the sigmoid's chain rule (as
@@ -266,7 +282,8 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
 def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, dk_ptr, dG_ptr, dbeta_in_ptr,
                             dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, NT, H, part_rows,
                             part_beta, K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr,
-                            EPS: gl.constexpr, RING: gl.constexpr, EARLY_DG: gl.constexpr, num_warps: gl.constexpr):
+                            EPS: gl.constexpr, RING: gl.constexpr, EARLY_DG: gl.constexpr, ONE_REDUCE: gl.constexpr,
+                            num_warps: gl.constexpr):
     """Kernel 4 over NT chunks x H heads (q_d, k_d, G_d: TMA descriptors of [64, K] tiles of q, k, Gamma as [tokens,
     H K], ref_d of Gamma's [1, K] rows; a_d, da_d: of dAqk as [NT H 64, 64] and dA's partials as [NPART NT H 64, 64],
     part_rows = NT H 64 apart)."""
@@ -282,7 +299,7 @@ def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, d
     gl.warp_specialize([
         (_consumer, (t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_s, beta_ptr, dq_ptr, dk_ptr,
                      dG_ptr, dbeta_in_ptr, dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, NT * H,
-                     H, part_beta, K, NPART, L2, BSIG, EPS, EARLY_DG)),
+                     H, part_beta, K, NPART, L2, BSIG, EPS, EARLY_DG, ONE_REDUCE)),
         (_loader, (t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, q_d, k_d, G_d, ref_d, a_d, da_d,
                    cidx_ptr, cu_ptr, NT * H, H, part_rows, K, NPART)),
     ], [LOADER_WARPS], [LOADER_REGS])
@@ -321,4 +338,5 @@ def launch(q, k, G, beta, daqk, da, dq, dk, dG, dbeta_parts, dbeta, plan, H: int
             rows, dbeta_parts.numel() // npart)
     run_persistent(_gluon_bwd_intra_kernel, plan.NT * H, q.device, args, launcher, programs, CTAS_PER_SM, K=K,
                    NPART=npart, L2=l2, BSIG=bsig, EPS=eps, RING=TILE_RING, EARLY_DG=EARLY_DG_LOAD,
+                   ONE_REDUCE=L2_ONE_REDUCE,
                    num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))

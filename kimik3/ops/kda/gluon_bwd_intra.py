@@ -69,6 +69,13 @@ EARLY_DG_LOAD = False
 # Compute (twentieth session, H200, K3's shape) put 9 % of the kernel's stall samples on the row sums. Prepared
 # offline (emulator-tested, sm_90-compiled), untimed: off.
 L2_ONE_REDUCE = False
+# The epilogue in two parts: the row side's (dq complete, dGamma's and dk's row terms added to their partials in global
+# memory, dbeta complete) between the row and column products, the column side's after them, so that the row side's
+# two [64, 128] accumulators are not held through the column products and the epilogue meets one accumulator at a
+# time (its spills: 498 B with one dA partial). Costs a second read-modify-write of the partial dGamma and dk (64 KB
+# an item; the kernel ran at 32 % of DRAM bandwidth, twentieth session). Prepared offline (emulator-tested,
+# sm_90-compiled), untimed: off.
+SPLIT_EPILOGUE = False
 NREF = gl.constexpr(8)  # Gamma's reference rows per item: the 4 tiles' first tokens, then their last
 
 
@@ -179,10 +186,25 @@ def _l2_chain(x, dx, EPS: gl.constexpr, ONE_REDUCE: gl.constexpr):
 
 
 @gluon.jit
+def _store_dbeta(db, dbeta_in_ptr, dbeta_ptr, br_ptr, bo, r, L, part_beta, NPART: gl.constexpr, BSIG: gl.constexpr):
+    """dbeta complete: the rows' sums of k x (db), the WY kernel's NPART partials, the sigmoid's chain rule (as
+    ``triton_preact.sigmoid_bwd``; loading the partials at the item's start, with beta, was slower: 3.17 against
+    2.97 ms, H200, K3's shape)."""
+    for p in gl.static_range(NPART):
+        db += gl.load(dbeta_in_ptr + p * part_beta + bo, mask=r < L, other=0.0)
+    if BSIG:
+        s = 1.0 / (1.0 + gl.exp(-gl.load(br_ptr + bo, mask=r < L, other=0.0).to(gl.float32)))
+        db = db * s * (1.0 - s)
+    if NPART == 1:  # dbeta's one partial is dbeta itself, and each row's value lives in several threads: all of
+        gl.thread_barrier()  # them read it before any writes it back
+    gl.store(dbeta_ptr + bo, db.to(dbeta_ptr.dtype.element_ty), mask=r < L)
+
+
+@gluon.jit
 def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_s, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
               dbeta_in_ptr, dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, n_items, H, part_beta,
               K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr, EPS: gl.constexpr,
-              EARLY_DG: gl.constexpr, ONE_REDUCE: gl.constexpr):
+              EARLY_DG: gl.constexpr, ONE_REDUCE: gl.constexpr, SPLIT: gl.constexpr):
     """The consumer partition: every item's products and epilogue (module docstring), the two warpgroups splitting
     the key columns."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
@@ -218,6 +240,23 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
             acc_q = _mma3(a_hi, a_lo, b_s, 0, acc_q)
             acc_b = _mma3(d_hi, d_lo, b_s, 0, acc_b)
             acc_q, acc_b = warpgroup_mma_wait(0, deps=[acc_q, acc_b])
+        if SPLIT:  # the row side's epilogue now (``SPLIT_EPILOGUE``): dq, dbeta complete, dGamma's and dk's row terms
+            rows = gl.expand_dims(r < L, 1)
+            off = gl.expand_dims((t0 + r).to(gl.int64) * HK, 1) + gl.expand_dims(i_h * K + c, 0)
+            er = gl.exp(gl.where(rows, Gs.load(MMA) - _per_tile_ref(refs_s, ref0, r, MMA), float("-inf")))
+            dq_r = acc_q * er
+            x = acc_b * er  # the gradient of the row operand beta k
+            gl.thread_barrier()
+            ki = ks.load(MMA).to(gl.float32)
+            dG = gl.load(dG_ptr + off, mask=rows, other=0.0) + qs.load(MMA).to(gl.float32) * dq_r + ki * (beta * x)
+            gl.store(dG_ptr + off, dG, mask=rows)
+            _store_dbeta(gl.sum(ki * x, axis=1), dbeta_in_ptr, dbeta_ptr, br_ptr, bo, r, L, part_beta, NPART, BSIG)
+            gl.thread_barrier()
+            gl.store(dk_ptr + off, gl.load(dk_ptr + off, mask=rows, other=0.0) + beta * x, mask=rows)
+            dq = gl.load(dq_ptr + off, mask=rows, other=0.0) + dq_r
+            if L2:
+                dq = _l2_chain(gl.load(qr_ptr + off, mask=rows, other=0.0).to(gl.float32), dq, EPS, ONE_REDUCE)
+            gl.store(dq_out + off, dq.to(dq_out.dtype.element_ty), mask=rows)
         # column side: row tile m's terms, the rows of tiles <= m referenced at Gamma_mL (its last token)
         acc_c = gl.zeros([64, K], gl.float32, layout=MMA)
         for m in gl.static_range(3, -1, -1):
@@ -238,44 +277,50 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
             acc_c = warpgroup_mma_wait(0, deps=[acc_c])
         fence_async_shared()
         mbarrier.arrive(m_empty.index(ms), count=1)  # the next item's matrices load during the epilogue
-        # epilogue: each row against its own tile's reference, the WY kernel's partials added. The thread barriers
-        # keep the compiler from hoisting every load of the epilogue above the first (registers: spills)
-        rows = gl.expand_dims(r < L, 1)
-        off = gl.expand_dims((t0 + r).to(gl.int64) * HK, 1) + gl.expand_dims(i_h * K + c, 0)
-        if EARLY_DG:  # the partial dGamma in flight while the factors are applied
-            dG = gl.load(dG_ptr + off, mask=rows, other=0.0)
-        er = gl.exp(gl.where(rows, Gs.load(MMA) - _per_tile_ref(refs_s, ref0, r, MMA), float("-inf")))  # [e^-75, 1]
-        dq_r = acc_q * er
-        x = acc_b * er  # the gradient of the row operand beta k
-        dk_c = acc_c * gl.exp(gl.where(rows, _per_tile_ref(refs_s, ref0 + 4, r, MMA) - Gs.load(MMA), float("-inf")))
-        gl.thread_barrier()
-        ki = ks.load(MMA).to(gl.float32)
-        if not EARLY_DG:
-            dG = gl.load(dG_ptr + off, mask=rows, other=0.0)
-        dG += qs.load(MMA).to(gl.float32) * dq_r + ki * (beta * x - dk_c)
-        gl.store(dG_ptr + off, dG, mask=rows)
-        db = gl.sum(ki * x, axis=1)
-        fence_async_shared()
-        mbarrier.arrive(t_empty.index(ts), count=1)
-        gl.thread_barrier()
-        dq = gl.load(dq_ptr + off, mask=rows, other=0.0) + dq_r
-        dk = gl.load(dk_ptr + off, mask=rows, other=0.0) + dk_c + beta * x
-        if L2:
-            dq = _l2_chain(gl.load(qr_ptr + off, mask=rows, other=0.0).to(gl.float32), dq, EPS, ONE_REDUCE)
-            dk = _l2_chain(gl.load(kr_ptr + off, mask=rows, other=0.0).to(gl.float32), dk, EPS, ONE_REDUCE)
-        gl.store(dq_out + off, dq.to(dq_out.dtype.element_ty), mask=rows)
-        gl.store(dk_out + off, dk.to(dk_out.dtype.element_ty), mask=rows)
-        # dbeta: the rows' sums of k x, the WY kernel's partials, the sigmoid's chain rule (as
-        # ``triton_preact.sigmoid_bwd``; loading the partials at the item's start, with beta, was slower: 3.17 against
-        # 2.97 ms, H200, K3's shape)
-        for p in gl.static_range(NPART):
-            db += gl.load(dbeta_in_ptr + p * part_beta + bo, mask=r < L, other=0.0)
-        if BSIG:
-            s = 1.0 / (1.0 + gl.exp(-gl.load(br_ptr + bo, mask=r < L, other=0.0).to(gl.float32)))
-            db = db * s * (1.0 - s)
-        if NPART == 1:  # dbeta's one partial is dbeta itself, and each row's value lives in several threads: all of
-            gl.thread_barrier()  # them read it before any writes it back
-        gl.store(dbeta_ptr + bo, db.to(dbeta_ptr.dtype.element_ty), mask=r < L)
+        if SPLIT:  # the column side's epilogue: dGamma's column term, dk complete
+            rows = gl.expand_dims(r < L, 1)
+            off = gl.expand_dims((t0 + r).to(gl.int64) * HK, 1) + gl.expand_dims(i_h * K + c, 0)
+            dk_c = acc_c * gl.exp(gl.where(rows, _per_tile_ref(refs_s, ref0 + 4, r, MMA) - Gs.load(MMA),
+                                           float("-inf")))
+            gl.thread_barrier()
+            ki = ks.load(MMA).to(gl.float32)
+            gl.store(dG_ptr + off, gl.load(dG_ptr + off, mask=rows, other=0.0) - ki * dk_c, mask=rows)
+            fence_async_shared()
+            mbarrier.arrive(t_empty.index(ts), count=1)
+            gl.thread_barrier()
+            dk = gl.load(dk_ptr + off, mask=rows, other=0.0) + dk_c
+            if L2:
+                dk = _l2_chain(gl.load(kr_ptr + off, mask=rows, other=0.0).to(gl.float32), dk, EPS, ONE_REDUCE)
+            gl.store(dk_out + off, dk.to(dk_out.dtype.element_ty), mask=rows)
+        else:  # the whole epilogue after both sides' products
+            # epilogue: each row against its own tile's reference, the WY kernel's partials added. The thread barriers
+            # keep the compiler from hoisting every load of the epilogue above the first (registers: spills)
+            rows = gl.expand_dims(r < L, 1)
+            off = gl.expand_dims((t0 + r).to(gl.int64) * HK, 1) + gl.expand_dims(i_h * K + c, 0)
+            if EARLY_DG:  # the partial dGamma in flight while the factors are applied
+                dG = gl.load(dG_ptr + off, mask=rows, other=0.0)
+            er = gl.exp(gl.where(rows, Gs.load(MMA) - _per_tile_ref(refs_s, ref0, r, MMA), float("-inf")))  # [e^-75, 1]
+            dq_r = acc_q * er
+            x = acc_b * er  # the gradient of the row operand beta k
+            dk_c = acc_c * gl.exp(gl.where(rows, _per_tile_ref(refs_s, ref0 + 4, r, MMA) - Gs.load(MMA), float("-inf")))
+            gl.thread_barrier()
+            ki = ks.load(MMA).to(gl.float32)
+            if not EARLY_DG:
+                dG = gl.load(dG_ptr + off, mask=rows, other=0.0)
+            dG += qs.load(MMA).to(gl.float32) * dq_r + ki * (beta * x - dk_c)
+            gl.store(dG_ptr + off, dG, mask=rows)
+            db = gl.sum(ki * x, axis=1)
+            fence_async_shared()
+            mbarrier.arrive(t_empty.index(ts), count=1)
+            gl.thread_barrier()
+            dq = gl.load(dq_ptr + off, mask=rows, other=0.0) + dq_r
+            dk = gl.load(dk_ptr + off, mask=rows, other=0.0) + dk_c + beta * x
+            if L2:
+                dq = _l2_chain(gl.load(qr_ptr + off, mask=rows, other=0.0).to(gl.float32), dq, EPS, ONE_REDUCE)
+                dk = _l2_chain(gl.load(kr_ptr + off, mask=rows, other=0.0).to(gl.float32), dk, EPS, ONE_REDUCE)
+            gl.store(dq_out + off, dq.to(dq_out.dtype.element_ty), mask=rows)
+            gl.store(dk_out + off, dk.to(dk_out.dtype.element_ty), mask=rows)
+            _store_dbeta(db, dbeta_in_ptr, dbeta_ptr, br_ptr, bo, r, L, part_beta, NPART, BSIG)
 
 
 @gluon.jit
@@ -283,7 +328,7 @@ def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, d
                             dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, NT, H, part_rows,
                             part_beta, K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr,
                             EPS: gl.constexpr, RING: gl.constexpr, EARLY_DG: gl.constexpr, ONE_REDUCE: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            SPLIT: gl.constexpr, num_warps: gl.constexpr):
     """Kernel 4 over NT chunks x H heads (q_d, k_d, G_d: TMA descriptors of [64, K] tiles of q, k, Gamma as [tokens,
     H K], ref_d of Gamma's [1, K] rows; a_d, da_d: of dAqk as [NT H 64, 64] and dA's partials as [NPART NT H 64, 64],
     part_rows = NT H 64 apart)."""
@@ -299,7 +344,7 @@ def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, d
     gl.warp_specialize([
         (_consumer, (t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_s, beta_ptr, dq_ptr, dk_ptr,
                      dG_ptr, dbeta_in_ptr, dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, NT * H,
-                     H, part_beta, K, NPART, L2, BSIG, EPS, EARLY_DG, ONE_REDUCE)),
+                     H, part_beta, K, NPART, L2, BSIG, EPS, EARLY_DG, ONE_REDUCE, SPLIT)),
         (_loader, (t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, q_d, k_d, G_d, ref_d, a_d, da_d,
                    cidx_ptr, cu_ptr, NT * H, H, part_rows, K, NPART)),
     ], [LOADER_WARPS], [LOADER_REGS])
@@ -338,5 +383,5 @@ def launch(q, k, G, beta, daqk, da, dq, dk, dG, dbeta_parts, dbeta, plan, H: int
             rows, dbeta_parts.numel() // npart)
     run_persistent(_gluon_bwd_intra_kernel, plan.NT * H, q.device, args, launcher, programs, CTAS_PER_SM, K=K,
                    NPART=npart, L2=l2, BSIG=bsig, EPS=eps, RING=TILE_RING, EARLY_DG=EARLY_DG_LOAD,
-                   ONE_REDUCE=L2_ONE_REDUCE,
+                   ONE_REDUCE=L2_ONE_REDUCE, SPLIT=SPLIT_EPILOGUE,
                    num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))

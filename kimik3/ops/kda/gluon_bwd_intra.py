@@ -33,7 +33,8 @@ partition per half, two copies of about 90 KB each, the warps stalled on instruc
 eighteenth session: "no instruction" 45 % of their stall samples, 4.27 ms against the Triton kernel's 3.08).
 
 H200, K3's shape (B1 T8192 H96 D128, bf16), same run: 2.948 ms against the Triton kernel's 3.048, forward+backward
-9.736 against 9.822 ms. The epilogue is what is left: its global loads (the WY kernel's partial dq, dk, dGamma, the
+9.736 against 9.822 ms; 2.83 ms since the Gluon WY backward hands it dA as one partial instead of three (twentieth
+session). The epilogue is what is left: its global loads (the WY kernel's partial dq, dk, dGamma, the
 raw q, k) wait in turn on one item at a time (Nsight Compute: its lines hold 29 % of the stall samples, the product
 loops' 12 %).
 
@@ -292,9 +293,9 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
             if L2:
                 dk = _l2_chain(gl.load(kr_ptr + off, mask=rows, other=0.0).to(gl.float32), dk, EPS, ONE_REDUCE)
             gl.store(dk_out + off, dk.to(dk_out.dtype.element_ty), mask=rows)
-        else:  # the whole epilogue after both sides' products
-            # epilogue: each row against its own tile's reference, the WY kernel's partials added. The thread barriers
-            # keep the compiler from hoisting every load of the epilogue above the first (registers: spills)
+        else:  # the whole epilogue after both sides' products: each row against its own tile's reference, the WY
+            # kernel's partials added. The thread barriers keep the compiler from hoisting every load of the epilogue
+            # above the first (registers: spills)
             rows = gl.expand_dims(r < L, 1)
             off = gl.expand_dims((t0 + r).to(gl.int64) * HK, 1) + gl.expand_dims(i_h * K + c, 0)
             if EARLY_DG:  # the partial dGamma in flight while the factors are applied

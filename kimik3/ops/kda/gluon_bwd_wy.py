@@ -48,8 +48,10 @@ MAXNREG: Optional[int] = 168  # registers per thread at launch: 12 warps (the lo
 CTAS_PER_SM = 1
 RING = 2  # slots of seven fp32 [64, 64] units (112 KB each), allocated as 4 + 2 + 1 (shapes are powers of two)
 STAGES = gl.constexpr(3)  # per item: V columns [0, 64), [64, 128), then the key side
-# dAqk's and dA's stores addressed from the item's scalar base pointer plus the [64, 64] offsets, instead of the
-# pointer plus the item's offset added to every element's: sm_90 spills 332 -> 180 B. Prepared offline, untimed: off.
+# The key side's stores (the partial dq, dk, dGamma, then dAqk, dA) addressed from the item's scalar base pointer plus
+# per-element offsets within the item, instead of the tensor's pointer plus the item's offset added to every
+# element's: sm_90 spills 332 -> 136 B (180 with dAqk's and dA's alone). Prepared offline (emulator-tested), untimed:
+# off.
 STORE_FROM_BASE = False
 
 
@@ -189,7 +191,13 @@ def _consumer(ready, empty, s4, s2, s1, do_d, h_d, G_d, q_d, G_ptr, beta_ptr, dq
         st = _wait_slot(ready, i * STAGES + 2, 0)
         Gs, qs, ks, ws = _key_tiles(s4, s2, st, G_d, q_d)
         rows = gl.expand_dims(r < L, 1)
-        off = gl.expand_dims((t0 + r).to(gl.int64) * HK, 1) + gl.expand_dims(i_h * K + c, 0)
+        if FROM_BASE:  # (the item's first element, then offsets within it)
+            item0 = t0.to(gl.int64) * HK + i_h * K
+            dq_i, dk_i, dG_i = dq_ptr + item0, dk_ptr + item0, dG_ptr + item0
+            off = gl.expand_dims(r * HK, 1) + gl.expand_dims(c, 0)
+        else:
+            dq_i, dk_i, dG_i = dq_ptr, dk_ptr, dG_ptr
+            off = gl.expand_dims((t0 + r).to(gl.int64) * HK, 1) + gl.expand_dims(i_h * K + c, 0)
         G = Gs.load(M128)
         g_last = gl.expand_dims(gl.load(G_ptr + (t0 + L - 1).to(gl.int64) * HK + i_h * K + c), 0)  # its last token
         eG = gl.where(rows, gl.exp(G), 0.0)
@@ -207,7 +215,7 @@ def _consumer(ready, empty, s4, s2, s1, do_d, h_d, G_d, q_d, G_ptr, beta_ptr, dq
         dak_t = warpgroup_mma(ws, over_g.permute((1, 0)), dak_t, is_async=True)
         # the partial dq, dk, dGamma, each term as soon as its factors are at hand (fewer registers live)
         dq = dqg * scale * eG
-        gl.store(dq_ptr + off, dq, mask=rows)
+        gl.store(dq_i + off, dq, mask=rows)
         dG = dq * qs.load(M128).to(gl.float32)
         rk = drk * eG  # (after dq: dqg's registers free before rk's are taken)
         dkc = gl.convert_layout(dkg, M128) * gl.where(rows, gl.exp(g_last - G), 0.0)
@@ -215,11 +223,11 @@ def _consumer(ready, empty, s4, s2, s1, do_d, h_d, G_d, q_d, G_ptr, beta_ptr, dq
         dG -= dkc * k
         dgc = gl.sum(dkc * k, axis=0) + gl.convert_layout(deg, gl.SliceLayout(0, M128)) * gl.exp(gl.sum(g_last, 0))
         beta = gl.expand_dims(gl.convert_layout(beta_b, gl.SliceLayout(1, M128)), 1)
-        gl.store(dk_ptr + off, dkc + beta * rk, mask=rows)
+        gl.store(dk_i + off, dkc + beta * rk, mask=rows)
         dG += beta * rk * k
         dbk = gl.sum(rk * k, axis=1)
         dG += gl.where(gl.expand_dims(r == L - 1, 1), gl.expand_dims(dgc, 0), 0.0)
-        gl.store(dG_ptr + off, dG, mask=rows)
+        gl.store(dG_i + off, dG, mask=rows)
         dak_t = warpgroup_mma_wait(0, deps=[dak_t])
         fence_async_shared()
         mbarrier.arrive(empty.index(st), count=1)

@@ -544,8 +544,6 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     daqk = torch.empty(NT, H, 64, 64, **f32)
     da = torch.empty(npart, NT, H, 64, 64, **f32)
     dbeta_parts = dbeta if npart == 1 else torch.empty(npart, B, T, H, **f32)
-    part_a, part_beta = NT * H * 4096, B * T * H
-    warps = BWD_WARPS or (8 if BKF >= 128 else 4)  # sm_90 compile: the split spills 176 B at 8 warps, 1.7 KB at 4
     if DRV_PASS and not drv_in_scan:  # dRv = T^T dv_new once per chunk, over dv_new (the WY kernel needs only it)
         _drv_kernel[part_grid(NT, H, nv)](aux["tinv"], dvn, plan.cu, plan.chunk_idx, H, V=V, BV=BV, NV=nv,
                                           PREC=PREC, num_warps=4)
@@ -555,6 +553,8 @@ def kda_bwd_triton(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: 
     else:
         h16 = h.dtype in (torch.bfloat16, torch.float16)
         stages = WY_LOOP_STAGES if h16 else 1  # (fp32 stored states: no room in shared memory)
+        part_a, part_beta = NT * H * 4096, B * T * H
+        warps = BWD_WARPS or (8 if BKF >= 128 else 4)  # sm_90 compile: the split spills 176 B at 8 warps, 1.7 KB at 4
         _bwd_wy_kernel[part_grid(NT, H, npart)](
             q, k, v, G, beta, aux["tinv"], aux["w"], aux["u"], h, dh, vn, dvn, do,
             dq, dk, dg, dv, dbeta_parts, daqk, da, plan.cu, plan.chunk_idx, H, float(scale), part_beta, part_a,

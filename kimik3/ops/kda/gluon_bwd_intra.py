@@ -187,6 +187,27 @@ def _l2_chain(x, dx, EPS: gl.constexpr, ONE_REDUCE: gl.constexpr):
 
 
 @gluon.jit
+def _item_tiles(t0, L, i_h, r, c, HK, K: gl.constexpr):
+    """The item's valid rows (a [64, 1] mask) and its [64, K] element offsets in a [tokens, H K] tensor."""
+    rows = gl.expand_dims(r < L, 1)
+    return rows, gl.expand_dims((t0 + r).to(gl.int64) * HK, 1) + gl.expand_dims(i_h * K + c, 0)
+
+
+@gluon.jit
+def _row_factors(acc_q, acc_b, Gs, refs_s, ref0, r, rows, MMA: gl.constexpr):
+    """The row side's accumulators with each row against its own tile's reference (factors in [e^-75, 1]): dq's
+    intra-chunk part and x, the gradient of the row operand beta k."""
+    er = gl.exp(gl.where(rows, Gs.load(MMA) - _per_tile_ref(refs_s, ref0, r, MMA), float("-inf")))
+    return acc_q * er, acc_b * er
+
+
+@gluon.jit
+def _col_factor(acc_c, Gs, refs_s, ref0, r, rows, MMA: gl.constexpr):
+    """The column side's accumulator against each row's own tile's reference: dk's intra-chunk part."""
+    return acc_c * gl.exp(gl.where(rows, _per_tile_ref(refs_s, ref0 + 4, r, MMA) - Gs.load(MMA), float("-inf")))
+
+
+@gluon.jit
 def _store_dbeta(db, dbeta_in_ptr, dbeta_ptr, br_ptr, bo, r, L, part_beta, NPART: gl.constexpr, BSIG: gl.constexpr):
     """dbeta complete: the rows' sums of k x (db), the WY kernel's NPART partials, the sigmoid's chain rule (as
     ``triton_preact.sigmoid_bwd``; loading the partials at the item's start, with beta, was slower: 3.17 against
@@ -242,11 +263,8 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
             acc_b = _mma3(d_hi, d_lo, b_s, 0, acc_b)
             acc_q, acc_b = warpgroup_mma_wait(0, deps=[acc_q, acc_b])
         if SPLIT:  # the row side's epilogue now (``SPLIT_EPILOGUE``): dq, dbeta complete, dGamma's and dk's row terms
-            rows = gl.expand_dims(r < L, 1)
-            off = gl.expand_dims((t0 + r).to(gl.int64) * HK, 1) + gl.expand_dims(i_h * K + c, 0)
-            er = gl.exp(gl.where(rows, Gs.load(MMA) - _per_tile_ref(refs_s, ref0, r, MMA), float("-inf")))
-            dq_r = acc_q * er
-            x = acc_b * er  # the gradient of the row operand beta k
+            rows, off = _item_tiles(t0, L, i_h, r, c, HK, K)
+            dq_r, x = _row_factors(acc_q, acc_b, Gs, refs_s, ref0, r, rows, MMA)
             gl.thread_barrier()
             ki = ks.load(MMA).to(gl.float32)
             dG = gl.load(dG_ptr + off, mask=rows, other=0.0) + qs.load(MMA).to(gl.float32) * dq_r + ki * (beta * x)
@@ -279,10 +297,8 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
         fence_async_shared()
         mbarrier.arrive(m_empty.index(ms), count=1)  # the next item's matrices load during the epilogue
         if SPLIT:  # the column side's epilogue: dGamma's column term, dk complete
-            rows = gl.expand_dims(r < L, 1)
-            off = gl.expand_dims((t0 + r).to(gl.int64) * HK, 1) + gl.expand_dims(i_h * K + c, 0)
-            dk_c = acc_c * gl.exp(gl.where(rows, _per_tile_ref(refs_s, ref0 + 4, r, MMA) - Gs.load(MMA),
-                                           float("-inf")))
+            rows, off = _item_tiles(t0, L, i_h, r, c, HK, K)
+            dk_c = _col_factor(acc_c, Gs, refs_s, ref0, r, rows, MMA)
             gl.thread_barrier()
             ki = ks.load(MMA).to(gl.float32)
             gl.store(dG_ptr + off, gl.load(dG_ptr + off, mask=rows, other=0.0) - ki * dk_c, mask=rows)
@@ -296,14 +312,11 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
         else:  # the whole epilogue after both sides' products: each row against its own tile's reference, the WY
             # kernel's partials added. The thread barriers keep the compiler from hoisting every load of the epilogue
             # above the first (registers: spills)
-            rows = gl.expand_dims(r < L, 1)
-            off = gl.expand_dims((t0 + r).to(gl.int64) * HK, 1) + gl.expand_dims(i_h * K + c, 0)
+            rows, off = _item_tiles(t0, L, i_h, r, c, HK, K)
             if EARLY_DG:  # the partial dGamma in flight while the factors are applied
                 dG = gl.load(dG_ptr + off, mask=rows, other=0.0)
-            er = gl.exp(gl.where(rows, Gs.load(MMA) - _per_tile_ref(refs_s, ref0, r, MMA), float("-inf")))  # [e^-75, 1]
-            dq_r = acc_q * er
-            x = acc_b * er  # the gradient of the row operand beta k
-            dk_c = acc_c * gl.exp(gl.where(rows, _per_tile_ref(refs_s, ref0 + 4, r, MMA) - Gs.load(MMA), float("-inf")))
+            dq_r, x = _row_factors(acc_q, acc_b, Gs, refs_s, ref0, r, rows, MMA)
+            dk_c = _col_factor(acc_c, Gs, refs_s, ref0, r, rows, MMA)
             gl.thread_barrier()
             ki = ks.load(MMA).to(gl.float32)
             if not EARLY_DG:

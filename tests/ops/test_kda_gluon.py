@@ -413,7 +413,7 @@ def test_gluon_wy_backward_equals_the_triton_kernel(monkeypatch, lengths, H, fro
 
 
 # The intra backward's spill allowance: with the local ptxas (Triton 3.6's wheel) and one dA partial (the Gluon WY
-# backward's, the default on sm_90) 486 B stored and 572 loaded (236 / 252 with three), nearly all in its epilogue,
+# backward's, the default on sm_90) 486 B stored and 572 loaded (about 280 with three), nearly all in its epilogue,
 # where the WY kernel's partials meet the three [64, 128] accumulators (``SPLIT_EPILOGUE``: none)
 INTRA_SPILL_LIMIT = 640
 WY_BWD_SPILL_LIMIT = 512  # the WY backward: 332 B in the local sm_90 compile (564 before dAqk was stored early)

@@ -230,18 +230,16 @@ def test_gluon_state_gradient_scan_equals_the_triton_kernel(lengths, H, with_sta
         assert d <= 2e-3 * r.abs().max(), (name, d.item())
 
 
-@pytest.mark.parametrize("fused,one_reduce,split", [(True, False, False), (True, True, False), (True, False, True),
-                                                     (False, False, False), (False, False, True)],
-                         ids=["fused", "fused-one-reduce", "fused-split", "unfused", "unfused-split"])
+@pytest.mark.parametrize("fused,from_base", [(True, False), (True, True), (False, False)],
+                         ids=["fused", "fused-from-base", "unfused"])
 @pytest.mark.parametrize("lengths,H,npart", [([1, 63, 64, 65, 130, 7], 2, 3), ([200], 3, 1)])
-def test_gluon_intra_backward_equals_the_triton_kernel(monkeypatch, lengths, H, npart, fused, one_reduce, split):
+def test_gluon_intra_backward_equals_the_triton_kernel(monkeypatch, lengths, H, npart, fused, from_base):
     """The backward's intra-chunk gradients (kernel 4, then the suffix-sum pass, through ``bwd_intra``) with the
     Gluon kernel against the Triton "rows" kernel: varlen batches with partial chunks and one-token sequences (a
     chunk's TMA tiles run into the next sequence), per-token decays up to the bound, dA as three partials or one
-    (dbeta then updated in place), with the fused L2 norm, sigmoid and gate chain rules (the L2 norm's two row sums
-    apart or in one reduction, ``L2_ONE_REDUCE``) and without, the epilogue whole or in two parts
-    (``SPLIT_EPILOGUE``). Every gradient
-    within 2e-3 (relative RMS) of the Triton kernel's on the GPU, where its products are tf32 and the Gluon kernel's
+    (dbeta then updated in place), with the fused L2 norm, sigmoid and gate chain rules and without, the epilogue's
+    addresses per element or from the item's first element (``EPILOGUE_FROM_BASE``). Every gradient within 2e-3
+    (relative RMS) of the Triton kernel's on the GPU, where its products are tf32 and the Gluon kernel's
     three 16-bit ones (about 16 mantissa bits); on the CPU, where the interpreter's products are fp32, within 1e-4
     (the emulated kernel: 4e-5 at most; every rescale between tiles off by 1e-3 moves dq by 1.8e-4)."""
     from kimik3.ops.kda import triton_bwd_intra as tbi
@@ -263,8 +261,7 @@ def test_gluon_intra_backward_equals_the_triton_kernel(monkeypatch, lengths, H, 
                           A_log=rand(H), dt_bias=rand(H * K), g_min=-5.0, use_gate=True, use_l2=True,
                           use_beta_sigmoid=True) if fused else None
     here = _run_here()
-    monkeypatch.setattr(gluon_bwd_intra, "L2_ONE_REDUCE", one_reduce)
-    monkeypatch.setattr(gluon_bwd_intra, "SPLIT_EPILOGUE", split)
+    monkeypatch.setattr(gluon_bwd_intra, "EPILOGUE_FROM_BASE", from_base)
 
     class Emulated:  # the Gluon module as ``bwd_intra`` finds it, launched here (on the CPU: the emulator)
         supported = staticmethod(gluon_bwd_intra.supported)
@@ -357,14 +354,13 @@ def test_gluon_taking_asks_the_kernel_too(monkeypatch):
     assert len(seen) == 2
 
 
-@pytest.mark.parametrize("lengths,H,from_base", [([1, 63, 64, 65, 130, 7], 2, False), ([200], 1, False),
-                                                 ([1, 63, 64, 65, 130, 7], 2, True)])
-def test_gluon_wy_backward_equals_the_triton_kernel(monkeypatch, lengths, H, from_base):
+@pytest.mark.parametrize("lengths,H", [([1, 63, 64, 65, 130, 7], 2), ([200], 1)])
+def test_gluon_wy_backward_equals_the_triton_kernel(monkeypatch, lengths, H):
     """The Triton backward (``kda_bwd_triton``, bf16, K = V = 128, from the Triton forward's saved tensors) with the WY
     backward by the Gluon kernel (``triton_backward.GLUON_WY_BWD``: dA and dbeta whole, one partial for the intra
     backward) against the Triton WY kernel (three partials): varlen batches with partial chunks and one-token
-    sequences (a chunk's TMA tiles run into the next sequence; dAqk and dA stored either way, ``STORE_FROM_BASE``),
-    with initial states and final-state gradients (so that every chunk's h and dh, and deg = rowsum(h dh), are
+    sequences (a chunk's TMA tiles run into the next sequence), with initial states and final-state gradients (so that
+    every chunk's h and dh, and deg = rowsum(h dh), are
     nonzero). Every gradient within 1e-4 (relative RMS) of the
     Triton path's on the CPU, where the interpreter's products are fp32 and the emulator's are made exact too (its
     tf32 rounding off; the Gluon kernel's 16-bit splits hold ~16 mantissa bits); within 2e-3 on the GPU, where both
@@ -386,7 +382,6 @@ def test_gluon_wy_backward_equals_the_triton_kernel(monkeypatch, lengths, H, fro
     scale = K**-0.5
     aux = tf.kda_fwd_triton(q, k, v, g, beta, scale, h0, True, plan, return_aux=True)[2]
     here = _run_here()
-    monkeypatch.setattr(gluon_bwd_wy, "STORE_FROM_BASE", from_base)
     if not ON_GPU:
         monkeypatch.setattr(gluon_emulator, "_tf32", lambda x: x.float())
     launched = []
@@ -412,18 +407,16 @@ def test_gluon_wy_backward_equals_the_triton_kernel(monkeypatch, lengths, H, fro
         assert err < (2e-3 if ON_GPU else 1e-4), (name, err)
 
 
-# The intra backward's spill allowance: with the local ptxas (Triton 3.6's wheel) and one dA partial (the Gluon WY
-# backward's, the default on sm_90) 486 B stored and 572 loaded (about 280 with three), nearly all in its epilogue,
-# where the WY kernel's partials meet the three [64, 128] accumulators (``SPLIT_EPILOGUE``: none)
-INTRA_SPILL_LIMIT = 640
-WY_BWD_SPILL_LIMIT = 512  # the WY backward: 332 B in the local sm_90 compile (564 before dAqk was stored early)
+# The WY backward's spill allowance: 136 B stored and 156 loaded with the local ptxas (Triton 3.6's wheel; 564 before
+# dAqk was stored early, 332 before the key side's stores were addressed from the item's first element)
+WY_BWD_SPILL_LIMIT = 256
 
 
 def test_gluon_kernels_compile_for_sm90(tmp_path):
     """In a process of its own, without the interpreter and with an empty Triton cache: the kernels compile for
     sm_90, without spilling (the state-gradient scan storing dRv, ``FUSE_DRV``: at most 256 B, 208 when it was timed
-    faster than the dRv pass it replaces; the intra backward: ``INTRA_SPILL_LIMIT``; the WY backward:
-    ``WY_BWD_SPILL_LIMIT``), and as many CTAs of each as its launch counts on (its warps as launched, the loader's
+    faster than the dRv pass it replaces; the WY backward: ``WY_BWD_SPILL_LIMIT``), and as many CTAs of each as its
+    launch counts on (its warps as launched, the loader's
     padded to a warpgroup) fit an H200 SM -- two of the scan
     when each holds one 64-column half of V, so that the 192 chains at K3's shape run at once on 132 SMs."""
     from tests.gluon_emulator import last_json_line, run_without_interpreter
@@ -431,7 +424,7 @@ def test_gluon_kernels_compile_for_sm90(tmp_path):
     rows = last_json_line(run_without_interpreter(["-m", "tests.ops.test_kda_gluon"], tmp_path))
     ctas_per_sm = (gluon_wy.CTAS_PER_SM, gluon_phase_a.CTAS_PER_SM, 1 if gluon_scan.SHARED_HALVES else 2, 1,
                    gluon_bwd_intra.CTAS_PER_SM, gluon_bwd_wy.CTAS_PER_SM)
-    spill_limits = (0, 0, 0, 256 if gluon_bwd_scan.FUSE_DRV else 0, INTRA_SPILL_LIMIT, WY_BWD_SPILL_LIMIT)
+    spill_limits = (0, 0, 0, 256 if gluon_bwd_scan.FUSE_DRV else 0, 0, WY_BWD_SPILL_LIMIT)
     names = ("phase C", "phase A", "scan", "state-gradient scan", "intra backward", "WY backward")
     assert len(rows) == len(names)
     for name, row, ctas, spill in zip(names, rows, ctas_per_sm, spill_limits):

@@ -60,23 +60,10 @@ LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
 MAXNREG: Optional[int] = 168  # registers per thread at launch: 12 warps (the loader's padded to a warpgroup)
 TILE_RING = 2  # slots of the q, k, Gamma ring (64 KB each, with Gamma's reference rows 4 KB more)
 CTAS_PER_SM = 1
-# The epilogue's load of the WY kernel's partial dGamma issued before the factors are applied (its latency hidden
-# behind them) rather than after them (fewer registers live: 280 B spilled against 332 with the local ptxas). H200,
-# K3's shape, bf16, same run (eighteenth session): the kernel 3.019 ms early against 2.948 after, forward+backward
-# 9.833 against 9.736. False: after.
-EARLY_DG_LOAD = False
-# The L2 norm's chain rule taking its two row sums (|x|^2 and x . dx) in one two-operand reduction: each row sum over
-# the key columns is an exchange between the two warpgroups (each holds one key half) behind a barrier, and Nsight
-# Compute (twentieth session, H200, K3's shape) put 9 % of the kernel's stall samples on the row sums. Prepared
-# offline (emulator-tested, sm_90-compiled), untimed: off.
-L2_ONE_REDUCE = False
-# The epilogue in two parts: the row side's (dq complete, dGamma's and dk's row terms added to their partials in global
-# memory, dbeta complete) between the row and column products, the column side's after them, so that the row side's
-# two [64, 128] accumulators are not held through the column products and the epilogue meets one accumulator at a
-# time (its spills: 498 B with one dA partial). Costs a second read-modify-write of the partial dGamma and dk (64 KB
-# an item; the kernel ran at 32 % of DRAM bandwidth, twentieth session). Prepared offline (emulator-tested,
-# sm_90-compiled), untimed: off.
-SPLIT_EPILOGUE = False
+# The epilogue's loads and stores addressed from the item's first element (a scalar pointer) plus 32-bit offsets
+# within the item, instead of 64-bit offsets per element: the WY backward's key side went 2.10 -> 1.82 ms so (H200,
+# K3's shape, twenty-first session). Prepared offline, untimed: off.
+EPILOGUE_FROM_BASE = False
 NREF = gl.constexpr(8)  # Gamma's reference rows per item: the 4 tiles' first tokens, then their last
 
 
@@ -168,29 +155,27 @@ def _per_tile_ref(refs_s, first, r, MMA: gl.constexpr):
 
 
 @gluon.jit
-def _add_pairs(a0, a1, b0, b1):
-    """A two-operand reduction's combine: both running sums."""
-    return a0 + b0, a1 + b1
-
-
-@gluon.jit
-def _l2_chain(x, dx, EPS: gl.constexpr, ONE_REDUCE: gl.constexpr):
+def _l2_chain(x, dx, EPS: gl.constexpr):
     """The L2 norm's chain rule on the raw rows x, from the gradient dx w.r.t. the normalised rows:
-    (dx - x r^2 sum(x dx)) r with r = 1 / |x| (``triton_preact.l2_bwd_rows``); ONE_REDUCE: both row sums in one
-    reduction (``L2_ONE_REDUCE``)."""
-    if ONE_REDUCE:
-        xx, xdx = gl.reduce((x * x, x * dx), 1, _add_pairs)
-        rn = gl.rsqrt(xx + EPS)
-        return (dx - x * gl.expand_dims(rn * rn * xdx, 1)) * gl.expand_dims(rn, 1)
+    (dx - x r^2 sum(x dx)) r with r = 1 / |x| (``triton_preact.l2_bwd_rows``). (Both row sums in one two-operand
+    reduction, one exchange between the warpgroups instead of two, timed slower: 8.79 against 8.71 ms forward+backward,
+    H200, K3's shape, twenty-first session.)"""
     rn = gl.rsqrt(gl.sum(x * x, axis=1) + EPS)
     return (dx - x * gl.expand_dims(rn * rn * gl.sum(x * dx, axis=1), 1)) * gl.expand_dims(rn, 1)
 
 
 @gluon.jit
-def _item_tiles(t0, L, i_h, r, c, HK, K: gl.constexpr):
-    """The item's valid rows (a [64, 1] mask) and its [64, K] element offsets in a [tokens, H K] tensor."""
-    rows = gl.expand_dims(r < L, 1)
-    return rows, gl.expand_dims((t0 + r).to(gl.int64) * HK, 1) + gl.expand_dims(i_h * K + c, 0)
+def _item_tiles(t0, L, i_h, r, c, HK, K: gl.constexpr, FROM_BASE: gl.constexpr):
+    """The item's valid rows (a [64, 1] mask) and where its [64, K] elements lie in a [tokens, H K] tensor: ptr +
+    item0 + off (FROM_BASE: item0 the item's first element, a scalar, and off 32-bit offsets within the item; else
+    item0 = 0 and off the elements' 64-bit offsets)."""
+    if FROM_BASE:
+        item0 = t0.to(gl.int64) * HK + i_h * K
+        off = gl.expand_dims(r * HK, 1) + gl.expand_dims(c, 0)
+    else:
+        item0 = 0
+        off = gl.expand_dims((t0 + r).to(gl.int64) * HK, 1) + gl.expand_dims(i_h * K + c, 0)
+    return gl.expand_dims(r < L, 1), item0, off
 
 
 @gluon.jit
@@ -226,9 +211,14 @@ def _store_dbeta(db, dbeta_in_ptr, dbeta_ptr, br_ptr, bo, r, L, part_beta, NPART
 def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_s, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
               dbeta_in_ptr, dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, n_items, H, part_beta,
               K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr, EPS: gl.constexpr,
-              EARLY_DG: gl.constexpr, ONE_REDUCE: gl.constexpr, SPLIT: gl.constexpr):
+              FROM_BASE: gl.constexpr):
     """The consumer partition: every item's products and epilogue (module docstring), the two warpgroups splitting
-    the key columns."""
+    the key columns. The epilogue runs in two parts: the row side's (dq complete, dGamma's and dk's row terms added to
+    their partials in global memory, dbeta complete) between the row and the column products, the column side's
+    after them. The row side's two [64, 128] accumulators are then not held through the column products, and no
+    epilogue meets more than two: no spills in the sm_90 compile, against 498 B with one epilogue after both sides,
+    for a second read-modify-write of the partial dGamma and dk (H200, K3's shape: 2.84 -> 2.64 ms, twenty-first
+    session)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
     AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     BL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 2], [1, 0])  # the [16, K] right operands
@@ -262,20 +252,20 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
             acc_q = _mma3(a_hi, a_lo, b_s, 0, acc_q)
             acc_b = _mma3(d_hi, d_lo, b_s, 0, acc_b)
             acc_q, acc_b = warpgroup_mma_wait(0, deps=[acc_q, acc_b])
-        if SPLIT:  # the row side's epilogue now (``SPLIT_EPILOGUE``): dq, dbeta complete, dGamma's and dk's row terms
-            rows, off = _item_tiles(t0, L, i_h, r, c, HK, K)
-            dq_r, x = _row_factors(acc_q, acc_b, Gs, refs_s, ref0, r, rows, MMA)
-            gl.thread_barrier()
-            ki = ks.load(MMA).to(gl.float32)
-            dG = gl.load(dG_ptr + off, mask=rows, other=0.0) + qs.load(MMA).to(gl.float32) * dq_r + ki * (beta * x)
-            gl.store(dG_ptr + off, dG, mask=rows)
-            _store_dbeta(gl.sum(ki * x, axis=1), dbeta_in_ptr, dbeta_ptr, br_ptr, bo, r, L, part_beta, NPART, BSIG)
-            gl.thread_barrier()
-            gl.store(dk_ptr + off, gl.load(dk_ptr + off, mask=rows, other=0.0) + beta * x, mask=rows)
-            dq = gl.load(dq_ptr + off, mask=rows, other=0.0) + dq_r
-            if L2:
-                dq = _l2_chain(gl.load(qr_ptr + off, mask=rows, other=0.0).to(gl.float32), dq, EPS, ONE_REDUCE)
-            gl.store(dq_out + off, dq.to(dq_out.dtype.element_ty), mask=rows)
+        # the row side's epilogue: dq, dbeta complete, dGamma's and dk's row terms
+        rows, item0, off = _item_tiles(t0, L, i_h, r, c, HK, K, FROM_BASE)
+        dq_r, x = _row_factors(acc_q, acc_b, Gs, refs_s, ref0, r, rows, MMA)
+        gl.thread_barrier()
+        ki = ks.load(MMA).to(gl.float32)
+        dG = gl.load(dG_ptr + item0 + off, mask=rows, other=0.0)
+        gl.store(dG_ptr + item0 + off, dG + qs.load(MMA).to(gl.float32) * dq_r + ki * (beta * x), mask=rows)
+        _store_dbeta(gl.sum(ki * x, axis=1), dbeta_in_ptr, dbeta_ptr, br_ptr, bo, r, L, part_beta, NPART, BSIG)
+        gl.thread_barrier()
+        gl.store(dk_ptr + item0 + off, gl.load(dk_ptr + item0 + off, mask=rows, other=0.0) + beta * x, mask=rows)
+        dq = gl.load(dq_ptr + item0 + off, mask=rows, other=0.0) + dq_r
+        if L2:
+            dq = _l2_chain(gl.load(qr_ptr + item0 + off, mask=rows, other=0.0).to(gl.float32), dq, EPS)
+        gl.store(dq_out + item0 + off, dq.to(dq_out.dtype.element_ty), mask=rows)
         # column side: row tile m's terms, the rows of tiles <= m referenced at Gamma_mL (its last token)
         acc_c = gl.zeros([64, K], gl.float32, layout=MMA)
         for m in gl.static_range(3, -1, -1):
@@ -296,53 +286,26 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
             acc_c = warpgroup_mma_wait(0, deps=[acc_c])
         fence_async_shared()
         mbarrier.arrive(m_empty.index(ms), count=1)  # the next item's matrices load during the epilogue
-        if SPLIT:  # the column side's epilogue: dGamma's column term, dk complete
-            rows, off = _item_tiles(t0, L, i_h, r, c, HK, K)
-            dk_c = _col_factor(acc_c, Gs, refs_s, ref0, r, rows, MMA)
-            gl.thread_barrier()
-            ki = ks.load(MMA).to(gl.float32)
-            gl.store(dG_ptr + off, gl.load(dG_ptr + off, mask=rows, other=0.0) - ki * dk_c, mask=rows)
-            fence_async_shared()
-            mbarrier.arrive(t_empty.index(ts), count=1)
-            gl.thread_barrier()
-            dk = gl.load(dk_ptr + off, mask=rows, other=0.0) + dk_c
-            if L2:
-                dk = _l2_chain(gl.load(kr_ptr + off, mask=rows, other=0.0).to(gl.float32), dk, EPS, ONE_REDUCE)
-            gl.store(dk_out + off, dk.to(dk_out.dtype.element_ty), mask=rows)
-        else:  # the whole epilogue after both sides' products: each row against its own tile's reference, the WY
-            # kernel's partials added. The thread barriers keep the compiler from hoisting every load of the epilogue
-            # above the first (registers: spills)
-            rows, off = _item_tiles(t0, L, i_h, r, c, HK, K)
-            if EARLY_DG:  # the partial dGamma in flight while the factors are applied
-                dG = gl.load(dG_ptr + off, mask=rows, other=0.0)
-            dq_r, x = _row_factors(acc_q, acc_b, Gs, refs_s, ref0, r, rows, MMA)
-            dk_c = _col_factor(acc_c, Gs, refs_s, ref0, r, rows, MMA)
-            gl.thread_barrier()
-            ki = ks.load(MMA).to(gl.float32)
-            if not EARLY_DG:
-                dG = gl.load(dG_ptr + off, mask=rows, other=0.0)
-            dG += qs.load(MMA).to(gl.float32) * dq_r + ki * (beta * x - dk_c)
-            gl.store(dG_ptr + off, dG, mask=rows)
-            db = gl.sum(ki * x, axis=1)
-            fence_async_shared()
-            mbarrier.arrive(t_empty.index(ts), count=1)
-            gl.thread_barrier()
-            dq = gl.load(dq_ptr + off, mask=rows, other=0.0) + dq_r
-            dk = gl.load(dk_ptr + off, mask=rows, other=0.0) + dk_c + beta * x
-            if L2:
-                dq = _l2_chain(gl.load(qr_ptr + off, mask=rows, other=0.0).to(gl.float32), dq, EPS, ONE_REDUCE)
-                dk = _l2_chain(gl.load(kr_ptr + off, mask=rows, other=0.0).to(gl.float32), dk, EPS, ONE_REDUCE)
-            gl.store(dq_out + off, dq.to(dq_out.dtype.element_ty), mask=rows)
-            gl.store(dk_out + off, dk.to(dk_out.dtype.element_ty), mask=rows)
-            _store_dbeta(db, dbeta_in_ptr, dbeta_ptr, br_ptr, bo, r, L, part_beta, NPART, BSIG)
+        # the column side's epilogue: dGamma's column term, dk complete
+        rows, item0, off = _item_tiles(t0, L, i_h, r, c, HK, K, FROM_BASE)
+        dk_c = _col_factor(acc_c, Gs, refs_s, ref0, r, rows, MMA)
+        gl.thread_barrier()
+        ki = ks.load(MMA).to(gl.float32)
+        gl.store(dG_ptr + item0 + off, gl.load(dG_ptr + item0 + off, mask=rows, other=0.0) - ki * dk_c, mask=rows)
+        fence_async_shared()
+        mbarrier.arrive(t_empty.index(ts), count=1)
+        gl.thread_barrier()
+        dk = gl.load(dk_ptr + item0 + off, mask=rows, other=0.0) + dk_c
+        if L2:
+            dk = _l2_chain(gl.load(kr_ptr + item0 + off, mask=rows, other=0.0).to(gl.float32), dk, EPS)
+        gl.store(dk_out + item0 + off, dk.to(dk_out.dtype.element_ty), mask=rows)
 
 
 @gluon.jit
 def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, dk_ptr, dG_ptr, dbeta_in_ptr,
                             dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, NT, H, part_rows,
                             part_beta, K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr,
-                            EPS: gl.constexpr, RING: gl.constexpr, EARLY_DG: gl.constexpr, ONE_REDUCE: gl.constexpr,
-                            SPLIT: gl.constexpr, num_warps: gl.constexpr):
+                            EPS: gl.constexpr, RING: gl.constexpr, FROM_BASE: gl.constexpr, num_warps: gl.constexpr):
     """Kernel 4 over NT chunks x H heads (q_d, k_d, G_d: TMA descriptors of [64, K] tiles of q, k, Gamma as [tokens,
     H K], ref_d of Gamma's [1, K] rows; a_d, da_d: of dAqk as [NT H 64, 64] and dA's partials as [NPART NT H 64, 64],
     part_rows = NT H 64 apart)."""
@@ -358,7 +321,7 @@ def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, d
     gl.warp_specialize([
         (_consumer, (t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_s, beta_ptr, dq_ptr, dk_ptr,
                      dG_ptr, dbeta_in_ptr, dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, NT * H,
-                     H, part_beta, K, NPART, L2, BSIG, EPS, EARLY_DG, ONE_REDUCE, SPLIT)),
+                     H, part_beta, K, NPART, L2, BSIG, EPS, FROM_BASE)),
         (_loader, (t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, q_d, k_d, G_d, ref_d, a_d, da_d,
                    cidx_ptr, cu_ptr, NT * H, H, part_rows, K, NPART)),
     ], [LOADER_WARPS], [LOADER_REGS])
@@ -396,6 +359,5 @@ def launch(q, k, G, beta, daqk, da, dq, dk, dG, dbeta_parts, dbeta, plan, H: int
             beta, dq, dk, dG, dbeta_parts, dbeta, qr, kr, br, dq_out, dk_out, plan.chunk_idx, plan.cu, plan.NT, H,
             rows, dbeta_parts.numel() // npart)
     run_persistent(_gluon_bwd_intra_kernel, plan.NT * H, q.device, args, launcher, programs, CTAS_PER_SM, K=K,
-                   NPART=npart, L2=l2, BSIG=bsig, EPS=eps, RING=TILE_RING, EARLY_DG=EARLY_DG_LOAD,
-                   ONE_REDUCE=L2_ONE_REDUCE, SPLIT=SPLIT_EPILOGUE,
+                   NPART=npart, L2=l2, BSIG=bsig, EPS=eps, RING=TILE_RING, FROM_BASE=EPILOGUE_FROM_BASE,
                    num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))

@@ -22,7 +22,7 @@ bf16 high part and remainder, two products), tf32 where both are fp32 (U dRv^T a
 kernel's tf32 products), and dA_k from dRk's 16-bit parts written into the key stage's free unit and over Gamma once
 it is read.
 
-``triton_backward.GLUON_WY_BWD`` selects it (on by default; H200, K3's shape: 2.10 ms against the Triton kernel's
+``triton_backward.GLUON_WY_BWD`` selects it (on by default; H200, K3's shape: 1.82 ms against the Triton kernel's
 2.80). It applies where ``supported`` says (sm_90, K = V = 128, bf16 q, k, v, dO, W and states, fp32 Gamma, U, v_new,
 dRv and dh).
 """
@@ -41,18 +41,13 @@ from .gluon_wy import (_item, _item_ahead, _my_items, _wait_slot, launch_options
                        ring_barriers, run_persistent, split16, tile_descriptor)
 
 CONSUMER_WARPS = 8  # two warpgroups, splitting N of every product
-# the loader partition at setmaxnreg's floor, so that the consumer's warps get 240 registers (sm_90 compile: 332 B
+# the loader partition at setmaxnreg's floor, so that the consumer's warps get 240 registers (sm_90 compile: 136 B
 # spilled)
 LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(24)
 MAXNREG: Optional[int] = 168  # registers per thread at launch: 12 warps (the loader's padded to a warpgroup)
 CTAS_PER_SM = 1
 RING = 2  # slots of seven fp32 [64, 64] units (112 KB each), allocated as 4 + 2 + 1 (shapes are powers of two)
 STAGES = gl.constexpr(3)  # per item: V columns [0, 64), [64, 128), then the key side
-# The key side's stores (the partial dq, dk, dGamma, then dAqk, dA) addressed from the item's scalar base pointer plus
-# per-element offsets within the item, instead of the tensor's pointer plus the item's offset added to every
-# element's: sm_90 spills 332 -> 136 B (180 with dAqk's and dA's alone). Prepared offline (emulator-tested), untimed:
-# off.
-STORE_FROM_BASE = False
 
 
 @gluon.jit
@@ -108,30 +103,28 @@ def _loader(ready, empty, s4, s2, s1, vn_d, drv_d, u_d, do_d, v_d, h_d, dh_d, q_
 
 
 @gluon.jit
-def _store_matrix(ptr, x_t, i_t, i_h, H, L, rs, ct, DIAG: gl.constexpr, FROM_BASE: gl.constexpr):
+def _store_matrix(ptr, x_t, i_t, i_h, H, L, rs, ct, DIAG: gl.constexpr):
     """A chunk's [64, 64] matrix from its transpose x_t ([s, t], rows rs, columns ct) into ptr's [NT, H, 64, 64] as
     [t, s]: the strictly lower triangle (and the diagonal when DIAG) of the chunk's L valid rows and columns; the
-    rest zero. FROM_BASE: ``STORE_FROM_BASE``."""
+    rest zero. Addressed from the item's first element (a scalar pointer) plus offsets within it, as the key side's
+    stores (``_consumer``)."""
     valid = gl.expand_dims(rs < L, 1) & gl.expand_dims(ct < L, 0)
     keep = gl.expand_dims(ct, 0) > gl.expand_dims(rs, 1)
     if DIAG:
         keep = keep | (gl.expand_dims(ct, 0) == gl.expand_dims(rs, 1))
-    if FROM_BASE:
-        base = ptr + (i_t * H + i_h) * 4096
-        gl.store(base + gl.expand_dims(rs, 1) + gl.expand_dims(ct, 0) * 64, gl.where(valid & keep, x_t, 0.0))
-    else:
-        moff = (i_t * H + i_h) * 4096 + gl.expand_dims(rs, 1) + gl.expand_dims(ct, 0) * 64
-        gl.store(ptr + moff, gl.where(valid & keep, x_t, 0.0))
+    base = ptr + (i_t * H + i_h) * 4096
+    gl.store(base + gl.expand_dims(rs, 1) + gl.expand_dims(ct, 0) * 64, gl.where(valid & keep, x_t, 0.0))
 
 
 @gluon.jit
 def _consumer(ready, empty, s4, s2, s1, do_d, h_d, G_d, q_d, G_ptr, beta_ptr, dq_ptr, dk_ptr, dG_ptr, dv_ptr,
-              dbeta_ptr, daqk_ptr, da_ptr, cidx_ptr, cu_ptr, n_items, H, scale, K: gl.constexpr,
-              FROM_BASE: gl.constexpr):
+              dbeta_ptr, daqk_ptr, da_ptr, cidx_ptr, cu_ptr, n_items, H, scale, K: gl.constexpr):
     """The consumer partition: each item's V-contractions over its two V halves, then the key side (module
     docstring); the two warpgroups split N of every product. Registers are what bounds it (one item in flight, 240
     per thread): dAqk is stored as soon as the V halves are done and U dRv^T becomes dA_k's starting accumulator, so
-    that two [64, 64] accumulators fewer live through the key side (H200, K3's shape: 2.41 -> 2.10 ms)."""
+    that two [64, 64] accumulators fewer live through the key side (H200, K3's shape: 2.41 -> 2.10 ms); the key
+    side's stores are addressed from the item's first element plus 32-bit offsets within it, instead of 64-bit
+    offsets per element (sm_90 spills 332 -> 136 B; 2.10 -> 1.82 ms, twenty-first session)."""
     M128: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
     M128T: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 8])
     M64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
@@ -185,19 +178,15 @@ def _consumer(ready, empty, s4, s2, s1, do_d, h_d, G_d, q_d, G_ptr, beta_ptr, dq
             fence_async_shared()
             mbarrier.arrive(empty.index(st), count=1)
         # dAqk now, and U dRv^T as dA_k's starting accumulator (dA = -(U dRv^T + W dRk^T)): two tiles fewer below
-        _store_matrix(daqk_ptr, daqk_t * scale, i_t, i_h, H, L, rs, ct, True, FROM_BASE)
+        _store_matrix(daqk_ptr, daqk_t * scale, i_t, i_h, H, L, rs, ct, True)
         dak_t = gl.convert_layout(udrv_t, M64)
         # the key side: the chain rule through the exponentials (``triton_backward._wy_k_side``)
         st = _wait_slot(ready, i * STAGES + 2, 0)
         Gs, qs, ks, ws = _key_tiles(s4, s2, st, G_d, q_d)
         rows = gl.expand_dims(r < L, 1)
-        if FROM_BASE:  # (the item's first element, then offsets within it)
-            item0 = t0.to(gl.int64) * HK + i_h * K
-            dq_i, dk_i, dG_i = dq_ptr + item0, dk_ptr + item0, dG_ptr + item0
-            off = gl.expand_dims(r * HK, 1) + gl.expand_dims(c, 0)
-        else:
-            dq_i, dk_i, dG_i = dq_ptr, dk_ptr, dG_ptr
-            off = gl.expand_dims((t0 + r).to(gl.int64) * HK, 1) + gl.expand_dims(i_h * K + c, 0)
+        item0 = t0.to(gl.int64) * HK + i_h * K  # the item's first element, then offsets within it
+        dq_i, dk_i, dG_i = dq_ptr + item0, dk_ptr + item0, dG_ptr + item0
+        off = gl.expand_dims(r * HK, 1) + gl.expand_dims(c, 0)
         G = Gs.load(M128)
         g_last = gl.expand_dims(gl.load(G_ptr + (t0 + L - 1).to(gl.int64) * HK + i_h * K + c), 0)  # its last token
         eG = gl.where(rows, gl.exp(G), 0.0)
@@ -232,7 +221,7 @@ def _consumer(ready, empty, s4, s2, s1, do_d, h_d, G_d, q_d, G_ptr, beta_ptr, dq
         fence_async_shared()
         mbarrier.arrive(empty.index(st), count=1)
         # dAqk and dA (stored as [t, s]: ``_store_matrix``); dbeta whole
-        _store_matrix(da_ptr, -dak_t, i_t, i_h, H, L, rs, ct, False, FROM_BASE)
+        _store_matrix(da_ptr, -dak_t, i_t, i_h, H, L, rs, ct, False)
         db = dbv + gl.convert_layout(dbk, gl.SliceLayout(1, BL))
         gl.store(dbeta_ptr + tok * H + i_h, db, mask=rb < L)
 
@@ -240,7 +229,7 @@ def _consumer(ready, empty, s4, s2, s1, do_d, h_d, G_d, q_d, G_ptr, beta_ptr, dq
 @gluon.jit
 def _gluon_bwd_wy_kernel(vn_d, drv_d, u_d, do_d, v_d, h_d, dh_d, q_d, k_d, w_d, G_d, beta_ptr, dq_ptr, dk_ptr,
                          dG_ptr, dv_ptr, dbeta_ptr, daqk_ptr, da_ptr, G_ptr, cidx_ptr, cu_ptr, NT, H, scale,
-                         K: gl.constexpr, RING: gl.constexpr, FROM_BASE: gl.constexpr, num_warps: gl.constexpr):
+                         K: gl.constexpr, RING: gl.constexpr, num_warps: gl.constexpr):
     """The WY backward over NT chunks x H heads (module docstring). Descriptors: vn_d, drv_d, u_d of fp32 and do_d, v_d
     of bf16 [64, 64] tiles of [tokens, H V]; h_d (bf16) and dh_d (fp32) of [K, 64] tiles of the states as [NT H K, V];
     q_d, k_d, w_d (bf16) and G_d (fp32) of [64, K] tiles of [tokens, H K]; G_ptr: Gamma itself."""
@@ -250,7 +239,7 @@ def _gluon_bwd_wy_kernel(vn_d, drv_d, u_d, do_d, v_d, h_d, dh_d, q_d, k_d, w_d, 
     ready, empty = ring_barriers(RING, 1)
     gl.warp_specialize([
         (_consumer, (ready, empty, s4, s2, s1, do_d, h_d, G_d, q_d, G_ptr, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
-                     dv_ptr, dbeta_ptr, daqk_ptr, da_ptr, cidx_ptr, cu_ptr, NT * H, H, scale, K, FROM_BASE)),
+                     dv_ptr, dbeta_ptr, daqk_ptr, da_ptr, cidx_ptr, cu_ptr, NT * H, H, scale, K)),
         (_loader, (ready, empty, s4, s2, s1, vn_d, drv_d, u_d, do_d, v_d, h_d, dh_d, q_d, k_d, w_d, G_d,
                    cidx_ptr, cu_ptr, NT * H, H, K)),
     ], [LOADER_WARPS], [LOADER_REGS])
@@ -288,4 +277,4 @@ def launch(q, k, v, G, beta, w, u, h, dh, vn, drv, do, dq, dk, dG, dv, dbeta, da
             tile_descriptor(G, gl.float32, tok, (64, K)), beta, dq, dk, dG, dv, dbeta, daqk, da, G, plan.chunk_idx,
             plan.cu, plan.NT, H, float(scale))
     run_persistent(_gluon_bwd_wy_kernel, plan.NT * H, q.device, args, launcher, programs, CTAS_PER_SM, K=K,
-                   RING=RING, FROM_BASE=STORE_FROM_BASE, num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))
+                   RING=RING, num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))

@@ -60,10 +60,6 @@ LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
 MAXNREG: Optional[int] = 168  # registers per thread at launch: 12 warps (the loader's padded to a warpgroup)
 TILE_RING = 2  # slots of the q, k, Gamma ring (64 KB each, with Gamma's reference rows 4 KB more)
 CTAS_PER_SM = 1
-# The epilogue's loads and stores addressed from the item's first element (a scalar pointer) plus 32-bit offsets
-# within the item, instead of 64-bit offsets per element: the WY backward's key side went 2.10 -> 1.82 ms so (H200,
-# K3's shape, twenty-first session). Prepared offline, untimed: off.
-EPILOGUE_FROM_BASE = False
 NREF = gl.constexpr(8)  # Gamma's reference rows per item: the 4 tiles' first tokens, then their last
 
 
@@ -165,17 +161,12 @@ def _l2_chain(x, dx, EPS: gl.constexpr):
 
 
 @gluon.jit
-def _item_tiles(t0, L, i_h, r, c, HK, K: gl.constexpr, FROM_BASE: gl.constexpr):
-    """The item's valid rows (a [64, 1] mask) and where its [64, K] elements lie in a [tokens, H K] tensor: ptr +
-    item0 + off (FROM_BASE: item0 the item's first element, a scalar, and off 32-bit offsets within the item; else
-    item0 = 0 and off the elements' 64-bit offsets)."""
-    if FROM_BASE:
-        item0 = t0.to(gl.int64) * HK + i_h * K
-        off = gl.expand_dims(r * HK, 1) + gl.expand_dims(c, 0)
-    else:
-        item0 = 0
-        off = gl.expand_dims((t0 + r).to(gl.int64) * HK, 1) + gl.expand_dims(i_h * K + c, 0)
-    return gl.expand_dims(r < L, 1), item0, off
+def _item_tiles(t0, L, i_h, r, c, HK, K: gl.constexpr):
+    """The item's valid rows (a [64, 1] mask) and its [64, K] element offsets in a [tokens, H K] tensor. (Offsets
+    within the item added to its first element's pointer, as the WY backward's stores, timed slower here: the kernel
+    2.64 -> 2.70 ms, H200, K3's shape, twenty-first session.)"""
+    rows = gl.expand_dims(r < L, 1)
+    return rows, gl.expand_dims((t0 + r).to(gl.int64) * HK, 1) + gl.expand_dims(i_h * K + c, 0)
 
 
 @gluon.jit
@@ -210,8 +201,7 @@ def _store_dbeta(db, dbeta_in_ptr, dbeta_ptr, br_ptr, bo, r, L, part_beta, NPART
 @gluon.jit
 def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_s, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
               dbeta_in_ptr, dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, n_items, H, part_beta,
-              K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr, EPS: gl.constexpr,
-              FROM_BASE: gl.constexpr):
+              K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr, EPS: gl.constexpr):
     """The consumer partition: every item's products and epilogue (module docstring), the two warpgroups splitting
     the key columns. The epilogue runs in two parts: the row side's (dq complete, dGamma's and dk's row terms added to
     their partials in global memory, dbeta complete) between the row and the column products, the column side's
@@ -253,19 +243,19 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
             acc_b = _mma3(d_hi, d_lo, b_s, 0, acc_b)
             acc_q, acc_b = warpgroup_mma_wait(0, deps=[acc_q, acc_b])
         # the row side's epilogue: dq, dbeta complete, dGamma's and dk's row terms
-        rows, item0, off = _item_tiles(t0, L, i_h, r, c, HK, K, FROM_BASE)
+        rows, off = _item_tiles(t0, L, i_h, r, c, HK, K)
         dq_r, x = _row_factors(acc_q, acc_b, Gs, refs_s, ref0, r, rows, MMA)
         gl.thread_barrier()
         ki = ks.load(MMA).to(gl.float32)
-        dG = gl.load(dG_ptr + item0 + off, mask=rows, other=0.0)
-        gl.store(dG_ptr + item0 + off, dG + qs.load(MMA).to(gl.float32) * dq_r + ki * (beta * x), mask=rows)
+        dG = gl.load(dG_ptr + off, mask=rows, other=0.0)
+        gl.store(dG_ptr + off, dG + qs.load(MMA).to(gl.float32) * dq_r + ki * (beta * x), mask=rows)
         _store_dbeta(gl.sum(ki * x, axis=1), dbeta_in_ptr, dbeta_ptr, br_ptr, bo, r, L, part_beta, NPART, BSIG)
         gl.thread_barrier()
-        gl.store(dk_ptr + item0 + off, gl.load(dk_ptr + item0 + off, mask=rows, other=0.0) + beta * x, mask=rows)
-        dq = gl.load(dq_ptr + item0 + off, mask=rows, other=0.0) + dq_r
+        gl.store(dk_ptr + off, gl.load(dk_ptr + off, mask=rows, other=0.0) + beta * x, mask=rows)
+        dq = gl.load(dq_ptr + off, mask=rows, other=0.0) + dq_r
         if L2:
-            dq = _l2_chain(gl.load(qr_ptr + item0 + off, mask=rows, other=0.0).to(gl.float32), dq, EPS)
-        gl.store(dq_out + item0 + off, dq.to(dq_out.dtype.element_ty), mask=rows)
+            dq = _l2_chain(gl.load(qr_ptr + off, mask=rows, other=0.0).to(gl.float32), dq, EPS)
+        gl.store(dq_out + off, dq.to(dq_out.dtype.element_ty), mask=rows)
         # column side: row tile m's terms, the rows of tiles <= m referenced at Gamma_mL (its last token)
         acc_c = gl.zeros([64, K], gl.float32, layout=MMA)
         for m in gl.static_range(3, -1, -1):
@@ -287,25 +277,25 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
         fence_async_shared()
         mbarrier.arrive(m_empty.index(ms), count=1)  # the next item's matrices load during the epilogue
         # the column side's epilogue: dGamma's column term, dk complete
-        rows, item0, off = _item_tiles(t0, L, i_h, r, c, HK, K, FROM_BASE)
+        rows, off = _item_tiles(t0, L, i_h, r, c, HK, K)
         dk_c = _col_factor(acc_c, Gs, refs_s, ref0, r, rows, MMA)
         gl.thread_barrier()
         ki = ks.load(MMA).to(gl.float32)
-        gl.store(dG_ptr + item0 + off, gl.load(dG_ptr + item0 + off, mask=rows, other=0.0) - ki * dk_c, mask=rows)
+        gl.store(dG_ptr + off, gl.load(dG_ptr + off, mask=rows, other=0.0) - ki * dk_c, mask=rows)
         fence_async_shared()
         mbarrier.arrive(t_empty.index(ts), count=1)
         gl.thread_barrier()
-        dk = gl.load(dk_ptr + item0 + off, mask=rows, other=0.0) + dk_c
+        dk = gl.load(dk_ptr + off, mask=rows, other=0.0) + dk_c
         if L2:
-            dk = _l2_chain(gl.load(kr_ptr + item0 + off, mask=rows, other=0.0).to(gl.float32), dk, EPS)
-        gl.store(dk_out + item0 + off, dk.to(dk_out.dtype.element_ty), mask=rows)
+            dk = _l2_chain(gl.load(kr_ptr + off, mask=rows, other=0.0).to(gl.float32), dk, EPS)
+        gl.store(dk_out + off, dk.to(dk_out.dtype.element_ty), mask=rows)
 
 
 @gluon.jit
 def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, dk_ptr, dG_ptr, dbeta_in_ptr,
                             dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, NT, H, part_rows,
                             part_beta, K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr,
-                            EPS: gl.constexpr, RING: gl.constexpr, FROM_BASE: gl.constexpr, num_warps: gl.constexpr):
+                            EPS: gl.constexpr, RING: gl.constexpr, num_warps: gl.constexpr):
     """Kernel 4 over NT chunks x H heads (q_d, k_d, G_d: TMA descriptors of [64, K] tiles of q, k, Gamma as [tokens,
     H K], ref_d of Gamma's [1, K] rows; a_d, da_d: of dAqk as [NT H 64, 64] and dA's partials as [NPART NT H 64, 64],
     part_rows = NT H 64 apart)."""
@@ -321,7 +311,7 @@ def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, d
     gl.warp_specialize([
         (_consumer, (t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_s, beta_ptr, dq_ptr, dk_ptr,
                      dG_ptr, dbeta_in_ptr, dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, NT * H,
-                     H, part_beta, K, NPART, L2, BSIG, EPS, FROM_BASE)),
+                     H, part_beta, K, NPART, L2, BSIG, EPS)),
         (_loader, (t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, q_d, k_d, G_d, ref_d, a_d, da_d,
                    cidx_ptr, cu_ptr, NT * H, H, part_rows, K, NPART)),
     ], [LOADER_WARPS], [LOADER_REGS])
@@ -359,5 +349,5 @@ def launch(q, k, G, beta, daqk, da, dq, dk, dG, dbeta_parts, dbeta, plan, H: int
             beta, dq, dk, dG, dbeta_parts, dbeta, qr, kr, br, dq_out, dk_out, plan.chunk_idx, plan.cu, plan.NT, H,
             rows, dbeta_parts.numel() // npart)
     run_persistent(_gluon_bwd_intra_kernel, plan.NT * H, q.device, args, launcher, programs, CTAS_PER_SM, K=K,
-                   NPART=npart, L2=l2, BSIG=bsig, EPS=eps, RING=TILE_RING, FROM_BASE=EPILOGUE_FROM_BASE,
+                   NPART=npart, L2=l2, BSIG=bsig, EPS=eps, RING=TILE_RING,
                    num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))

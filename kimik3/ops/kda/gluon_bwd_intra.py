@@ -34,9 +34,12 @@ eighteenth session: "no instruction" 45 % of their stall samples, 4.27 ms agains
 
 H200, K3's shape (B1 T8192 H96 D128, bf16), same run: 2.948 ms against the Triton kernel's 3.048, forward+backward
 9.736 against 9.822 ms; 2.83 ms since the Gluon WY backward hands it dA as one partial instead of three (twentieth
-session). The epilogue is what is left: its global loads (the WY kernel's partial dq, dk, dGamma, the
-raw q, k) wait in turn on one item at a time (Nsight Compute: its lines hold 29 % of the stall samples, the product
-loops' 12 %).
+session), and 2.64 ms since its epilogue runs in two parts, the row side's between the two sides' products (no
+spills; twenty-first session). The epilogue is what is left: its global loads (the WY kernel's partial dq, dk, dGamma,
+the raw q, k) wait in turn on one item at a time (Nsight Compute: its lines hold 29 % of the stall samples, the
+product loops' 12 %). Whatever is added to that one chain costs its latency: the suffix pass and the gate's chain
+rule fused into the column side's epilogue (dg as one product with a triangular matrix of ones) made the kernel
+0.65 ms slower against the 0.34 ms pass it would replace (nineteenth session, and again in the twenty-first).
 
 It applies where ``supported`` says (sm_90, bf16 q / k, fp32 Gamma, K = 128), as ``triton_bwd_intra.GLUON_INTRA``
 selects. CI runs it through ``tests/gluon_emulator.py`` and compiles it for sm_90.

@@ -111,7 +111,8 @@ DRV_PASS = True
 # ``triton_forward.GLUON_MIN_ITEMS`` (chunk, head) items; else, or with KIMIK3_KDA_GLUON_WY_BWD=0, the Triton
 # ``_bwd_wy_kernel`` in three parts. H200, K3's shape, same run: the WY backward 2.80 -> 2.41 ms, the intra backward
 # (one dA partial) 2.94 -> 2.83 ms, forward+backward 9.754 -> 9.258 ms (B4 T4096 H64: 12.648 -> 12.009 ms); with
-# fewer registers held through its key side since, 2.10 ms (forward+backward 8.93 ms).
+# fewer registers held through its key side since, 2.10 ms (forward+backward 8.93 ms), and 1.82 ms with the key side's
+# stores addressed from the item's first element (forward+backward 8.48 ms, twenty-first session).
 GLUON_WY_BWD = os.environ.get("KIMIK3_KDA_GLUON_WY_BWD", "1") == "1"
 # The WY kernel's dO S^T on the 16-bit dO and stored states as they are (exact products) when both share a
 # 16-bit dtype, instead of both widened to fp32 for a tf32 product.

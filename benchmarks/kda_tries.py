@@ -52,13 +52,12 @@ Backward:
   bik=BK/warps           the intra backward's key block and warps
   brows | btiles         that kernel per row tile (the default) or per chunk (KIMIK3_KDA_BWD_INTRA)
   bis=S                  the "rows" kernel's pipeline stages (default: Triton's 3)
-  sfxrev | nosfxrev      the suffix-sum pass's dg by one reverse scan (the default) or as the column total minus the
-                         prefix sum (triton_bwd_intra.SUFFIX_REVERSE_SCAN)
   gintra | nogintra      the intra backward by the Gluon kernel (gluon_bwd_intra.py; the default) or the Triton
                          "rows" kernel (triton_bwd_intra.GLUON_INTRA)
   fpb | nofpb            the pre-activations' backward inside the intra backward and the suffix-sum pass (the
                          default) or its own pass (KIMIK3_KDA_FUSE_PREACT_BWD)
-  sfx=BK/warps           the suffix-sum pass's key block and warps (default 64 / 4)
+  sfx=BK                 the suffix-sum pass's key columns per program (triton_bwd_intra.SUFFIX_BK; default 128, one
+                         per thread)
 """
 
 from __future__ import annotations
@@ -99,14 +98,12 @@ def parse_experiment(token: str):
             overrides[(tbi, "BWD_INTRA_BK")], overrides[(tbi, "BWD_INTRA_WARPS")] = cfg
         elif part in ("brows", "btiles"):
             overrides[(tbi, "BWD_INTRA_MODE")] = part[1:]
-        elif part in ("sfxrev", "nosfxrev"):  # dg's suffix sum by a reverse scan, or the total minus the prefix
-            overrides[(tbi, "SUFFIX_REVERSE_SCAN")] = part == "sfxrev"
         elif part in ("gintra", "nogintra"):  # the intra backward by the Gluon kernel or the Triton "rows" kernel
             overrides[(tbi, "GLUON_INTRA")] = part == "gintra"
         elif part.startswith("bis=") and part[4:].isdigit():  # pipeline stages of the "rows" kernel's launch
             overrides[(tbi, "ROWS_STAGES")] = int(part[4:])
-        elif part.startswith("sfx="):  # the suffix-sum pass (key block, warps)
-            overrides[(tbi, "SUFFIX_CONFIG")] = _slash_ints(part, "sfx=BK/warps")
+        elif part.startswith("sfx="):  # the suffix-sum pass's key columns per program
+            overrides[(tbi, "SUFFIX_BK")] = _slash_ints(part, "sfx=BK")[0]
         elif part in ("fpb", "nofpb"):  # the pre-activations' backward inside the intra backward, or its own pass
             overrides[(tbi, "FUSE_PREACT_BWD")] = part == "fpb"
         elif part in ("dhacc", "nodhacc"):  # the state-gradient scan's 16-bit products accumulated in place or not
@@ -191,8 +188,8 @@ def parse_experiment(token: str):
                              "i16[=BK/W], wy, nowy, var=LETTERS, solve3, solve=MODE/W, bscan=W, bwarps=W, wyb=BK/BV, "
                              "st32, bik=BK/W, brows, btiles, bsc=BV/S, fwd=fused|split, nodrv, nodq16, w32, "
                              "prep1|prep3, dhacc|nodhacc, out=BV/W, l2rows|l2prep, l2r=BR/W, gcw=W, iw=A/B/C, "
-                             "wyc=BK/BV, abk=BK, wydyn|wyunroll, wys=S, wyv|nowyv, fpb|nofpb, sfx=BK/W, bis=S, "
-                             "iwarps=W, sfxrev|nosfxrev, gintra|nogintra, gwy|nogwy, ga|noga, "
+                             "wyc=BK/BV, abk=BK, wydyn|wyunroll, wys=S, wyv|nowyv, fpb|nofpb, sfx=BK, bis=S, "
+                             "iwarps=W, gintra|nogintra, gwy|nogwy, ga|noga, "
                              "gscan|nogscan, gdh|nogdh, dh16|nodh16, "
                              "module.ATTR=value)")
     return token, overrides

@@ -188,9 +188,9 @@ def test_backward_form_switches(kk):
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
 
-    assert kk.parse_experiment("wyunroll+wys=1+nowyv+nofpb+sfx=32/4")[1] == {
+    assert kk.parse_experiment("wyunroll+wys=1+nowyv+nofpb+sfx=32")[1] == {
         (tb, "WY_DYN_LOOP"): False, (tb, "WY_LOOP_STAGES"): 1, (tb, "WY_V_LOOP"): False,
-        (tbi, "FUSE_PREACT_BWD"): False, (tbi, "SUFFIX_CONFIG"): (32, 4)}
+        (tbi, "FUSE_PREACT_BWD"): False, (tbi, "SUFFIX_BK"): 32}
     assert kk.parse_experiment("wydyn+wys=3+wyv+fpb+bis=2")[1] == {
         (tb, "WY_DYN_LOOP"): True, (tb, "WY_LOOP_STAGES"): 3, (tb, "WY_V_LOOP"): True, (tbi, "FUSE_PREACT_BWD"): True,
         (tbi, "ROWS_STAGES"): 2}

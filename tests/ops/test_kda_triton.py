@@ -653,16 +653,15 @@ def test_preact_backward_kernel(flags, dtype):
 
 
 @pytest.mark.parametrize("case", ["all", "all-K100", "all-varlen", "all-bf16", "gate", "l2", "bsig", "l2-bsig",
-                                  "all-K130-unfused", "all-tiles-unfused", "all-K100-sfx32", "all-varlen-suffixsub",
-                                  "all-K100-sfx32-suffixsub"])
+                                  "all-K130-unfused", "all-tiles-unfused", "all-K100-sfx32", "all-varlen-sfx32"])
 def test_fused_preact_backward(monkeypatch, case):
     """The pre-activations' chain rules inside the intra backward (``FUSE_PREACT_BWD``: the L2 norm and the
     sigmoid where dq, dk, dbeta are completed, the gate in the suffix-sum pass) give the separate pass's
     gradients, and the naive loop's: each stage alone and together, K = 100 (one 128-column key block, the
-    last 28 masked; "sfx32": the suffix-sum pass in 32-column blocks, the last partial), varlen with tiny
+    last 28 masked; "sfx32": the suffix-sum pass in 32-column blocks of one warp, the last partial), varlen with tiny
     segments, bf16. Where it cannot fuse (K = 130 needs two key blocks; the "tiles" form) the separate pass runs
-    instead; the test counts which ran. Also with dg's suffix sum as the column total minus the prefix sum
-    ("suffixsub"; by default one reverse scan)."""
+    instead; the test counts which ran. The suffix-sum pass runs in both: with the gate's chain rule (fused) and
+    writing dg in place (separate), at K = 130 in two key blocks, the second of 2 columns."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
 
@@ -679,9 +678,7 @@ def test_fused_preact_backward(monkeypatch, case):
     if "tiles" in case:
         monkeypatch.setattr(tbi, "BWD_INTRA_MODE", "tiles")
     if "sfx32" in case:
-        monkeypatch.setattr(tbi, "SUFFIX_CONFIG", (32, 2))
-    if "suffixsub" in case:  # dg's suffix sum as the total minus the prefix sum (``SUFFIX_REVERSE_SCAN`` off)
-        monkeypatch.setattr(tbi, "SUFFIX_REVERSE_SCAN", False)
+        monkeypatch.setattr(tbi, "SUFFIX_BK", 32)
     gen = torch.Generator().manual_seed(11)
     raw = [torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen),
            torch.randn(B, T, H, V, generator=gen), torch.randn(B, T, H, K, generator=gen) - (0 if flags[0] else 2),

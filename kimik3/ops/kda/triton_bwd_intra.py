@@ -40,8 +40,8 @@ import triton.language as tl
 
 from . import L2_EPS
 from .triton_forward import INTERPRET, ChunkPlan, _gluon_taking, _next_pow2
-from .triton_preact import PreactInputs, gate_bwd, l2_bwd_rows, sigmoid_bwd
-from .triton_scan import _chunk_block, _chunk_bounds, _chunk_part, part_grid
+from .triton_preact import PreactInputs, gate_grad, l2_bwd_rows, sigmoid_bwd
+from .triton_scan import _chunk_bounds, _chunk_part, part_grid
 
 BWD_INTRA_MODE = os.environ.get("KIMIK3_KDA_BWD_INTRA", "rows")
 # Key block BWD_INTRA_BK at BWD_INTRA_WARPS warps (None: the defaults). "tiles": 64-column blocks for 16-bit
@@ -57,19 +57,12 @@ BWD_INTRA_WARPS: Optional[int] = None
 # (the rows kernel 2.73 -> 3.06 ms at 128 columns, the suffix pass 0.21 -> 0.36, the separate pass's 0.60 gone;
 # NOTES-kda.md, eleventh session). 0: the separate pass.
 FUSE_PREACT_BWD = os.environ.get("KIMIK3_KDA_FUSE_PREACT_BWD", "1") == "1"
-# The suffix-sum pass's (key block, num_warps); with the gate's chain rule fused it takes 163 registers at
-# (64, 4) on sm_90 (3 CTAs per SM, 110 without it). (32, 4) (72 registers, 7 CTAs) and (64, 8) timed flat or
-# slower on the H200 at K3's shape (NOTES-kda.md, eleventh session).
-SUFFIX_CONFIG = (64, 4)
 # Pipeline stages of the "rows" kernel's launch (None: Triton's default, 3). H200, K3's shape, fwd+bwd (twelfth
 # session, same run): 1 stage 11.089 ms, 2 10.817, 4 10.827 against 10.690 at 3.
 ROWS_STAGES: Optional[int] = None
-# The suffix-sum pass's dg by one reverse scan down each column instead of the column total minus the prefix sum (no
-# cancellation; Nsight Compute, H200, K3's shape: the total's reduction and the subtraction were about 30 % of the
-# pass's instructions). H200, K3's shape, bf16, same run (eighteenth session): the pass 0.367 -> 0.342 ms,
-# forward+backward 9.935 -> 9.897 ms, gradients within 4.5e-5 of the subtraction's (relative RMS). False: the total
-# minus the prefix sum.
-SUFFIX_REVERSE_SCAN = True
+# The suffix-sum pass's key columns per program (``_suffix_sum_kernel``: one per thread, BK / 32 warps). 64 timed the
+# same as 128 on the H200 at K3's shape (8.377 against 8.385 ms forward+backward, twenty-first session).
+SUFFIX_BK = 128
 # The "rows" kernel as the warp-specialised Gluon kernel of ``gluon_bwd_intra.py`` (64-row products with per-tile
 # factor recurrences, a TMA ring, both key halves per CTA) where it applies (sm_90, bf16 q / k, K = 128, at least
 # ``triton_forward.GLUON_MIN_ITEMS`` (chunk, head) items); the suffix-sum pass runs after it as after the Triton kernel.
@@ -95,11 +88,9 @@ def _parts_masked(ptr, off, stride, mask, NPART: tl.constexpr):
 
 
 @triton.jit
-def _suffix_sum(x, REVERSE: tl.constexpr = False):
-    """Per column of the [rows, BK] tile x: the sum of x over this row and every later one; REVERSE
-    (``SUFFIX_REVERSE_SCAN``): by one reverse scan, else as the column total minus the inclusive prefix sum."""
-    if REVERSE:
-        return tl.cumsum(x, axis=0, reverse=True)
+def _suffix_sum(x):
+    """Per column of the [rows, BK] tile x: the sum of x over this row and every later one (the column total minus
+    the inclusive prefix sum)."""
     return tl.sum(x, axis=0)[None, :] - tl.cumsum(x, axis=0) + x
 
 
@@ -285,20 +276,82 @@ def _bwd_intra_rows_kernel(
 
 
 @triton.jit
-def _suffix_sum_kernel(x_ptr, cu_ptr, cidx_ptr, H, z_ptr, alog_ptr, dtb_ptr, dz_ptr, pa_ptr, pd_ptr, g_min,
-                       K: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, GATE: tl.constexpr,
-                       REVERSE: tl.constexpr):
-    """Per (chunk, head, key block): x_t <- sum_{t' >= t in the chunk} x_t' (dGamma -> dg), in place; GATE:
-    the fused gate's chain rule instead, dz to dz_ptr (the raw z's layout) and this block's partial d dt_bias
-    (pd, [NT, H, K]) and d A_log (pa, [NT, H, NKB])."""
-    i_t, i_h, i_k = _chunk_part(NKB)
-    t0, r, rv, ck, km, m, o = _chunk_block(i_t, i_h, i_k, cidx_ptr, cu_ptr, H, K, BK)
-    dg = _suffix_sum(tl.load(x_ptr + o, mask=m, other=0.0), REVERSE)
+def _suffix_row(x_ptr, z_ptr, first, row, L, cm, HK, GATE: tl.constexpr):
+    """Row ``row`` of a chunk's key block (nothing loaded past the chunk or before its first row): dGamma and, with
+    the gate, the raw z (fp32; else dGamma again)."""
+    m = cm & (row >= 0) & (row < L)
+    x = tl.load(x_ptr + first + row * HK, mask=m, other=0.0)
+    z = x
     if GATE:
-        gate_bwd(z_ptr, alog_ptr, dtb_ptr, dz_ptr, pd_ptr, pa_ptr, o, m, ck, km, dg, i_h, (i_t * H + i_h) * K,
-                 (i_t * H + i_h) * NKB + i_k, g_min, K)
+        z = tl.load(z_ptr + first + row * HK, mask=m, other=0.0).to(tl.float32)
+    return x, z
+
+
+@triton.jit
+def _suffix_step(acc, pd, pa, x, z, row, L, cm, first, HK, x_ptr, dz_ptr, rate, bias, g_min, GATE: tl.constexpr):
+    """One row of ``_suffix_sum_kernel``, walking up: the running sum takes this row's dGamma and is its dg, stored
+    in place; GATE: the gate's chain rule on it instead (``triton_preact.gate_grad``), dz stored and the row added
+    to the parameters' partials."""
+    m = cm & (row < L)
+    acc += x
+    if GATE:
+        t, xg = gate_grad(acc, z, rate, bias, g_min, m)
+        tl.store(dz_ptr + first + row * HK, (t * rate).to(dz_ptr.dtype.element_ty), mask=m)
+        pd += t * rate
+        pa += t * xg
     else:
-        tl.store(x_ptr + o, dg, mask=m)
+        tl.store(x_ptr + first + row * HK, acc, mask=m)
+    return acc, pd, pa
+
+
+@triton.jit
+def _suffix_sum_kernel(x_ptr, cu_ptr, cidx_ptr, H, z_ptr, alog_ptr, dtb_ptr, dz_ptr, pa_ptr, pd_ptr, g_min,
+                       K: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, GATE: tl.constexpr):
+    """Per (chunk, head, key block): x_t <- sum_{t' >= t in the chunk} x_t' (dGamma -> dg), in place; GATE: the fused
+    gate's chain rule instead, dz to dz_ptr (the raw z's layout) and this block's partial d dt_bias (pd, [NT, H, K])
+    and d A_log (pa, [NT, H, NKB]).
+
+    The chunk's rows are walked from its last to its first, each thread holding one column's running sums, so that
+    the suffix sum and d dt_bias's column sums need no exchange between threads (only d A_log's one sum at the end);
+    four rows at a time, the next four loaded before these are stored (the compiler keeps a load after any earlier
+    store that might alias it). H200, K3's shape, bf16, same run (twenty-first session): 0.344 -> 0.217 ms against a
+    [64, 64] tile per program with the sums by scans and reductions across threads, forward+backward 8.497 -> 8.385
+    ms (B4 T4096 H64 10.946 -> 10.831)."""
+    i_t, i_h, i_k = _chunk_part(NKB)
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
+    c = i_k * BK + tl.arange(0, BK)
+    cm = c < K
+    HK = H * K
+    first = (t0 * H + i_h) * K + c  # the chunk's first row of this key block
+    acc = tl.zeros([BK], tl.float32)
+    pd = tl.zeros([BK], tl.float32)
+    pa = tl.zeros([BK], tl.float32)
+    rate = 0.0
+    bias = pd
+    if GATE:
+        rate = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
+        bias = tl.load(dtb_ptr + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
+    x0, z0 = _suffix_row(x_ptr, z_ptr, first, 63, L, cm, HK, GATE)
+    x1, z1 = _suffix_row(x_ptr, z_ptr, first, 62, L, cm, HK, GATE)
+    x2, z2 = _suffix_row(x_ptr, z_ptr, first, 61, L, cm, HK, GATE)
+    x3, z3 = _suffix_row(x_ptr, z_ptr, first, 60, L, cm, HK, GATE)
+    for b in tl.static_range(16):
+        top = 63 - 4 * b
+        y0, w0 = _suffix_row(x_ptr, z_ptr, first, top - 4, L, cm, HK, GATE)
+        y1, w1 = _suffix_row(x_ptr, z_ptr, first, top - 5, L, cm, HK, GATE)
+        y2, w2 = _suffix_row(x_ptr, z_ptr, first, top - 6, L, cm, HK, GATE)
+        y3, w3 = _suffix_row(x_ptr, z_ptr, first, top - 7, L, cm, HK, GATE)
+        acc, pd, pa = _suffix_step(acc, pd, pa, x0, z0, top, L, cm, first, HK, x_ptr, dz_ptr, rate, bias, g_min, GATE)
+        acc, pd, pa = _suffix_step(acc, pd, pa, x1, z1, top - 1, L, cm, first, HK, x_ptr, dz_ptr, rate, bias, g_min,
+                                   GATE)
+        acc, pd, pa = _suffix_step(acc, pd, pa, x2, z2, top - 2, L, cm, first, HK, x_ptr, dz_ptr, rate, bias, g_min,
+                                   GATE)
+        acc, pd, pa = _suffix_step(acc, pd, pa, x3, z3, top - 3, L, cm, first, HK, x_ptr, dz_ptr, rate, bias, g_min,
+                                   GATE)
+        x0, z0, x1, z1, x2, z2, x3, z3 = y0, w0, y1, w1, y2, w2, y3, w3
+    if GATE:
+        tl.store(pd_ptr + (i_t * H + i_h) * K + c, pd, mask=cm)
+        tl.store(pa_ptr + (i_t * H + i_h) * NKB + i_k, tl.sum(pa, axis=0))
 
 
 def fuses_preact(preact: Optional[PreactInputs], K: int) -> bool:
@@ -358,7 +411,7 @@ def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Ten
                 *args, *raw, dq_out, dk_out, K=K, BK=BK, PREC=prec, NPART=npart, NKB=nkb, INTERP=INTERPRET, L2=l2,
                 BSIG=bsig, EPS=L2_EPS, num_warps=warps,
                 **({} if ROWS_STAGES is None else dict(num_stages=ROWS_STAGES)))
-        BKs = min(SUFFIX_CONFIG[0], BKF)
+        BKs = min(SUFFIX_BK, BKF)
         nks = triton.cdiv(K, BKs)
         dz, d_alog, d_dtb = dg, None, None
         gate_args = (dg, dg, dg, dg, dg, dg, 0.0)
@@ -368,7 +421,7 @@ def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Ten
             pd = torch.empty(NT, H, K, device=q.device, dtype=torch.float32)
             gate_args = (preact.z, preact.A_log, preact.dt_bias, dz, pa, pd, float(preact.g_min))
         _suffix_sum_kernel[part_grid(NT, H, nks)](dg, plan.cu, plan.chunk_idx, H, *gate_args, K=K, BK=BKs, NKB=nks,
-                                                  GATE=gate, REVERSE=SUFFIX_REVERSE_SCAN, num_warps=SUFFIX_CONFIG[1])
+                                                  GATE=gate, num_warps=max(1, BKs // 32))
         if gate:
             d_alog, d_dtb = pa.sum((0, 2)), pd.sum(0).view_as(preact.dt_bias)
     else:

@@ -63,6 +63,16 @@ def l2_bwd_rows(x, dx, EPS: tl.constexpr):
 
 
 @triton.jit
+def gate_grad(dg, z, rate, bias, g_min, m):
+    """The gate g = g_min sigmoid(x) with x = rate (z + bias), elementwise from its gradient dg (fp32): returns
+    (t, x) with t = dg g'(x) = dg g_min s (1 - s), s = sigmoid(x) (0 where m is false), so that dz = t rate,
+    d dt_bias sums t rate and d A_log sums t x."""
+    x = rate * (z + bias)
+    s = tl.sigmoid(x)
+    return tl.where(m, dg * g_min * s * (1.0 - s), 0.0), x
+
+
+@triton.jit
 def gate_bwd(z_ptr, alog_ptr, dtb_ptr, dz_ptr, pd_ptr, pa_ptr, off, m, cols, cm, dg, i_h, pd_at, pa_at, g_min,
              K: tl.constexpr):
     """The gate's chain rule on a tile of head i_h (offsets off, mask m; its key columns cols, mask cm) from dg
@@ -70,9 +80,8 @@ def gate_bwd(z_ptr, alog_ptr, dtb_ptr, dz_ptr, pd_ptr, pa_ptr, off, m, cols, cm,
     pd_ptr + pd_at + cols) and of d A_log (one value, at pa_ptr + pa_at)."""
     z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)
     rate = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
-    x = rate * (z + tl.load(dtb_ptr + i_h * K + cols, mask=cm, other=0.0).to(tl.float32)[None, :])
-    s = tl.sigmoid(x)
-    t = tl.where(m, dg * g_min * s * (1.0 - s), 0.0)
+    bias = tl.load(dtb_ptr + i_h * K + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+    t, x = gate_grad(dg, z, rate, bias, g_min, m)
     dz = t * rate
     tl.store(dz_ptr + off, dz.to(dz_ptr.dtype.element_ty), mask=m)
     tl.store(pd_ptr + pd_at + cols, tl.sum(dz, axis=0), mask=cm)

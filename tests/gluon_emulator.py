@@ -330,6 +330,17 @@ def _store(ptr: Pointer, value, mask=None, **_):
     ptr.base.reshape(-1)[offs[m]] = v[m]
 
 
+def _atomic_add(ptr: Pointer, val, mask=None, **_):
+    """``gl.atomic_add``: each unmasked lane's value added at its address (lanes sharing an address all land);
+    returns the old values."""
+    offs, m = ptr.lanes(mask)
+    flat = ptr.base.reshape(-1)
+    old = flat[torch.where(m, offs, 0)].clone()
+    v = torch.as_tensor(_val(val)).to(ptr.base.dtype).expand(offs.shape)
+    flat.index_add_(0, offs[m], v[m])
+    return Tile(old)
+
+
 def _tf32(x: torch.Tensor) -> torch.Tensor:
     """fp32 rounded to tf32's 10 mantissa bits (round to nearest even), as the tensor cores take fp32 operands."""
     if x.dtype != torch.float32:
@@ -442,6 +453,7 @@ def _patched(machine: _Machine, fn_globals: dict):
                                                                                _val(value), dtype=_torch_dtype(dtype))),
         "load": _load,
         "store": _store,
+        "atomic_add": _atomic_add,
         "expand_dims": lambda x, axis, **_: Tile(_val(x).unsqueeze(int(_val(axis)))),
         "convert_layout": lambda x, layout=None, **_: x,
         "exp": _unwrapped(torch.exp),

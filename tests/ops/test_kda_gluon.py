@@ -230,16 +230,18 @@ def test_gluon_state_gradient_scan_equals_the_triton_kernel(lengths, H, with_sta
         assert d <= 2e-3 * r.abs().max(), (name, d.item())
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("fused,reduce", [(True, ""), (True, "dG"), (True, "dG+dk"), (False, ""), (False, "dG+dk")],
+                         ids=["fused", "fused-reduce-dG", "fused-reduce-dG-dk", "unfused", "unfused-reduce-dG-dk"])
 @pytest.mark.parametrize("lengths,H,npart", [([1, 63, 64, 65, 130, 7], 2, 3), ([200], 3, 1)])
-def test_gluon_intra_backward_equals_the_triton_kernel(monkeypatch, lengths, H, npart, fused):
+def test_gluon_intra_backward_equals_the_triton_kernel(monkeypatch, lengths, H, npart, fused, reduce):
     """The backward's intra-chunk gradients (kernel 4, then the suffix-sum pass, through ``bwd_intra``) with the
     Gluon kernel against the Triton "rows" kernel: varlen batches with partial chunks and one-token sequences (a
     chunk's TMA tiles run into the next sequence), per-token decays up to the bound, dA as three partials or one
-    (dbeta then updated in place), with the fused L2 norm, sigmoid and gate chain rules and without. Every gradient
-    within 2e-3 (relative RMS) of the Triton kernel's on the GPU, where its products are tf32 and the Gluon kernel's
-    three 16-bit ones (about 16 mantissa bits); on the CPU, where the interpreter's products are fp32, within 1e-4
-    (the emulated kernel: 4e-5 at most; every rescale between tiles off by 1e-3 moves dq by 1.8e-4)."""
+    (dbeta then updated in place), with the fused L2 norm, sigmoid and gate chain rules and without, dGamma updated
+    (and dk) by load-add-store or by reductions in memory (``DG_REDUCE``, ``DK_REDUCE``). Every gradient within
+    2e-3 (relative RMS) of the Triton kernel's on the GPU, where its products are tf32 and the Gluon kernel's three
+    16-bit ones (about 16 mantissa bits); on the CPU, where the interpreter's products are fp32, within 1e-4 (the
+    emulated kernel: 4e-5 at most; every rescale between tiles off by 1e-3 moves dq by 1.8e-4)."""
     from kimik3.ops.kda import triton_bwd_intra as tbi
     from kimik3.ops.kda.triton_preact import PreactInputs
 
@@ -259,6 +261,8 @@ def test_gluon_intra_backward_equals_the_triton_kernel(monkeypatch, lengths, H, 
                           A_log=rand(H), dt_bias=rand(H * K), g_min=-5.0, use_gate=True, use_l2=True,
                           use_beta_sigmoid=True) if fused else None
     here = _run_here()
+    monkeypatch.setattr(gluon_bwd_intra, "DG_REDUCE", "dG" in reduce)
+    monkeypatch.setattr(gluon_bwd_intra, "DK_REDUCE", "dk" in reduce)
 
     class Emulated:  # the Gluon module as ``bwd_intra`` finds it, launched here (on the CPU: the emulator)
         supported = staticmethod(gluon_bwd_intra.supported)

@@ -63,6 +63,16 @@ LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
 MAXNREG: Optional[int] = 168  # registers per thread at launch: 12 warps (the loader's padded to a warpgroup)
 TILE_RING = 2  # slots of the q, k, Gamma ring (64 KB each, with Gamma's reference rows 4 KB more)
 CTAS_PER_SM = 1
+# dGamma's two updates (the row side's terms, then the column side's) as reductions in memory (red.global.add, fire
+# and forget: the thread does not wait for the partial's load twice per item), instead of load-add-store. Each
+# element's two adds come from the one thread that holds it, in program order: the same sums as load-add-store.
+# Prepared offline (emulator-tested, sm_90-compiled), untimed: off.
+DG_REDUCE = False
+# The partial dk likewise: the row side's term added by a reduction, and the column side's by an atomic add whose
+# returned old value (the partial with the row term) completes dk for the L2 chain rule: one wait on memory per item
+# instead of two (the atomic and the reduction, strong operations on one address from one thread, stay in order).
+# Prepared offline, untimed: off.
+DK_REDUCE = False
 NREF = gl.constexpr(8)  # Gamma's reference rows per item: the 4 tiles' first tokens, then their last
 
 
@@ -204,7 +214,8 @@ def _store_dbeta(db, dbeta_in_ptr, dbeta_ptr, br_ptr, bo, r, L, part_beta, NPART
 @gluon.jit
 def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_s, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
               dbeta_in_ptr, dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, n_items, H, part_beta,
-              K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr, EPS: gl.constexpr):
+              K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr, EPS: gl.constexpr,
+              DG_RED: gl.constexpr, DK_RED: gl.constexpr):
     """The consumer partition: every item's products and epilogue (module docstring), the two warpgroups splitting
     the key columns. The epilogue runs in two parts: the row side's (dq complete, dGamma's and dk's row terms added to
     their partials in global memory, dbeta complete) between the row and the column products, the column side's
@@ -250,11 +261,18 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
         dq_r, x = _row_factors(acc_q, acc_b, Gs, refs_s, ref0, r, rows, MMA)
         gl.thread_barrier()
         ki = ks.load(MMA).to(gl.float32)
-        dG = gl.load(dG_ptr + off, mask=rows, other=0.0)
-        gl.store(dG_ptr + off, dG + qs.load(MMA).to(gl.float32) * dq_r + ki * (beta * x), mask=rows)
+        if DG_RED:  # (``DG_REDUCE``)
+            gl.atomic_add(dG_ptr + off, qs.load(MMA).to(gl.float32) * dq_r + ki * (beta * x), mask=rows,
+                          sem="relaxed")
+        else:
+            dG = gl.load(dG_ptr + off, mask=rows, other=0.0)
+            gl.store(dG_ptr + off, dG + qs.load(MMA).to(gl.float32) * dq_r + ki * (beta * x), mask=rows)
         _store_dbeta(gl.sum(ki * x, axis=1), dbeta_in_ptr, dbeta_ptr, br_ptr, bo, r, L, part_beta, NPART, BSIG)
         gl.thread_barrier()
-        gl.store(dk_ptr + off, gl.load(dk_ptr + off, mask=rows, other=0.0) + beta * x, mask=rows)
+        if DK_RED:  # (``DK_REDUCE``)
+            gl.atomic_add(dk_ptr + off, beta * x, mask=rows, sem="relaxed")
+        else:
+            gl.store(dk_ptr + off, gl.load(dk_ptr + off, mask=rows, other=0.0) + beta * x, mask=rows)
         dq = gl.load(dq_ptr + off, mask=rows, other=0.0) + dq_r
         if L2:
             dq = _l2_chain(gl.load(qr_ptr + off, mask=rows, other=0.0).to(gl.float32), dq, EPS)
@@ -284,11 +302,17 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
         dk_c = _col_factor(acc_c, Gs, refs_s, ref0, r, rows, MMA)
         gl.thread_barrier()
         ki = ks.load(MMA).to(gl.float32)
-        gl.store(dG_ptr + off, gl.load(dG_ptr + off, mask=rows, other=0.0) - ki * dk_c, mask=rows)
+        if DG_RED:
+            gl.atomic_add(dG_ptr + off, -(ki * dk_c), mask=rows, sem="relaxed")
+        else:
+            gl.store(dG_ptr + off, gl.load(dG_ptr + off, mask=rows, other=0.0) - ki * dk_c, mask=rows)
         fence_async_shared()
         mbarrier.arrive(t_empty.index(ts), count=1)
         gl.thread_barrier()
-        dk = gl.load(dk_ptr + off, mask=rows, other=0.0) + dk_c
+        if DK_RED:  # the partial with the row side's term, as the atomic returns it
+            dk = gl.atomic_add(dk_ptr + off, dk_c, mask=rows, sem="relaxed") + dk_c
+        else:
+            dk = gl.load(dk_ptr + off, mask=rows, other=0.0) + dk_c
         if L2:
             dk = _l2_chain(gl.load(kr_ptr + off, mask=rows, other=0.0).to(gl.float32), dk, EPS)
         gl.store(dk_out + off, dk.to(dk_out.dtype.element_ty), mask=rows)
@@ -298,7 +322,8 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
 def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, dk_ptr, dG_ptr, dbeta_in_ptr,
                             dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, NT, H, part_rows,
                             part_beta, K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr,
-                            EPS: gl.constexpr, RING: gl.constexpr, num_warps: gl.constexpr):
+                            EPS: gl.constexpr, RING: gl.constexpr, DG_RED: gl.constexpr, DK_RED: gl.constexpr,
+                            num_warps: gl.constexpr):
     """Kernel 4 over NT chunks x H heads (q_d, k_d, G_d: TMA descriptors of [64, K] tiles of q, k, Gamma as [tokens,
     H K], ref_d of Gamma's [1, K] rows; a_d, da_d: of dAqk as [NT H 64, 64] and dA's partials as [NPART NT H 64, 64],
     part_rows = NT H 64 apart)."""
@@ -314,7 +339,7 @@ def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, d
     gl.warp_specialize([
         (_consumer, (t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_s, beta_ptr, dq_ptr, dk_ptr,
                      dG_ptr, dbeta_in_ptr, dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, NT * H,
-                     H, part_beta, K, NPART, L2, BSIG, EPS)),
+                     H, part_beta, K, NPART, L2, BSIG, EPS, DG_RED, DK_RED)),
         (_loader, (t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, q_d, k_d, G_d, ref_d, a_d, da_d,
                    cidx_ptr, cu_ptr, NT * H, H, part_rows, K, NPART)),
     ], [LOADER_WARPS], [LOADER_REGS])
@@ -352,5 +377,5 @@ def launch(q, k, G, beta, daqk, da, dq, dk, dG, dbeta_parts, dbeta, plan, H: int
             beta, dq, dk, dG, dbeta_parts, dbeta, qr, kr, br, dq_out, dk_out, plan.chunk_idx, plan.cu, plan.NT, H,
             rows, dbeta_parts.numel() // npart)
     run_persistent(_gluon_bwd_intra_kernel, plan.NT * H, q.device, args, launcher, programs, CTAS_PER_SM, K=K,
-                   NPART=npart, L2=l2, BSIG=bsig, EPS=eps, RING=TILE_RING,
+                   NPART=npart, L2=l2, BSIG=bsig, EPS=eps, RING=TILE_RING, DG_RED=DG_REDUCE, DK_RED=DK_REDUCE,
                    num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))

@@ -65,8 +65,8 @@ TILE_RING = 2  # slots of the q, k, Gamma ring (64 KB each, with Gamma's referen
 CTAS_PER_SM = 1
 # dGamma's two updates (the row side's terms, then the column side's) as reductions in memory (red.global.add, fire
 # and forget: the thread does not wait for the partial's load twice per item), instead of load-add-store. Each
-# element's two adds come from the one thread that holds it, in program order: the same sums as load-add-store.
-# Prepared offline (emulator-tested, sm_90-compiled), untimed: off.
+# element's two adds come from the one thread that holds it, in program order: the same sums as load-add-store (but
+# for denormals, which the reduction flushes). Prepared offline (emulator-tested, sm_90-compiled), untimed: off.
 DG_REDUCE = False
 # The partial dk likewise: the row side's term added by a reduction, and the column side's by an atomic add whose
 # returned old value (the partial with the row term) completes dk for the L2 chain rule: one wait on memory per item

@@ -693,7 +693,7 @@ def test_preact_backward_kernel(flags, dtype):
 
 @pytest.mark.parametrize("case", ["all", "all-K100", "all-varlen", "all-bf16", "gate", "l2", "bsig", "l2-bsig",
                                   "all-K130-unfused", "all-tiles-unfused", "all-K100-sfx32", "all-varlen-sfx32",
-                                  "all-varlen-gaterows", "l2-bsig-gaterows"])
+                                  "all-varlen-gaterows", "l2-bsig-gaterows", "all-varlen-step1", "l2-bsig-step1"])
 def test_fused_preact_backward(monkeypatch, case):
     """The pre-activations' chain rules inside the intra backward (``FUSE_PREACT_BWD``: the L2 norm and the
     sigmoid where dq, dk, dbeta are completed, the gate in the suffix-sum pass) give the separate pass's
@@ -701,7 +701,8 @@ def test_fused_preact_backward(monkeypatch, case):
     last 28 masked; "sfx32": the suffix-sum pass in 32-column blocks of one warp, the last partial), varlen with tiny
     segments, bf16. Where it cannot fuse (K = 130 needs two key blocks; the "tiles" form) the separate pass runs
     instead; the test counts which ran. The suffix-sum pass runs in both: with the gate's chain rule (fused) and
-    writing dg in place (separate), at K = 130 in two key blocks, the second of 2 columns."""
+    writing dg in place (separate), at K = 130 in two key blocks, the second of 2 columns, and one row a step as on
+    the GPU ("step1"; the interpreter's default is 16)."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
     import kimik3.ops.kda.triton_prologue as tp
@@ -720,6 +721,8 @@ def test_fused_preact_backward(monkeypatch, case):
         monkeypatch.setattr(tbi, "BWD_INTRA_MODE", "tiles")
     if "sfx32" in case:
         monkeypatch.setattr(tbi, "SUFFIX_BK", 32)
+    if "step1" in case:  # the suffix-sum pass one row a step, as on the GPU (the interpreter's default: 16)
+        monkeypatch.setattr(tbi, "SUFFIX_STEP", 1)
     if "gaterows" in case:  # the forward's gate by the row-walking kernel (``triton_prologue.GATE_ROWS``)
         monkeypatch.setattr(tp, "GATE_ROWS", True)
     gen = torch.Generator().manual_seed(11)

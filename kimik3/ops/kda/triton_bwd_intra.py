@@ -63,6 +63,11 @@ ROWS_STAGES: Optional[int] = None
 # The suffix-sum pass's key columns per program (``_suffix_sum_kernel``: one per thread, BK / 32 warps). 64 timed the
 # same as 128 on the H200 at K3's shape (8.377 against 8.385 ms forward+backward, twenty-first session).
 SUFFIX_BK = 128
+# Its rows per step (1, 2, 4, 8 or 16; each of a program's four steps in flight holds STEP rows): one on the GPU (each
+# thread walks its column, as timed); 16 under the Triton interpreter, where every step's operations cost the same
+# whatever their size (the whole chunk in one round of four steps: the CPU test suite's backward passes about 20x
+# faster there). tests/ops/test_kda_triton.py runs the GPU's step under the interpreter too.
+SUFFIX_STEP = 16 if INTERPRET else 1
 # The "rows" kernel as the warp-specialised Gluon kernel of ``gluon_bwd_intra.py`` (64-row products with per-tile
 # factor recurrences, a TMA ring, both key halves per CTA) where it applies (sm_90, bf16 q / k, K = 128, at least
 # ``triton_forward.GLUON_MIN_ITEMS`` (chunk, head) items); the suffix-sum pass runs after it as after the Triton kernel.
@@ -276,47 +281,73 @@ def _bwd_intra_rows_kernel(
 
 
 @triton.jit
-def _suffix_row(x_ptr, z_ptr, first, row, L, cm, HK, GATE: tl.constexpr):
-    """Row ``row`` of a chunk's key block (nothing loaded past the chunk or before its first row): dGamma and, with
-    the gate, the raw z (fp32; else dGamma again)."""
-    m = cm & (row >= 0) & (row < L)
-    x = tl.load(x_ptr + first + row * HK, mask=m, other=0.0)
-    z = x
-    if GATE:
-        z = tl.load(z_ptr + first + row * HK, mask=m, other=0.0).to(tl.float32)
+def _suffix_rows(x_ptr, z_ptr, first, top, L, cm, HK, STEP: tl.constexpr, GATE: tl.constexpr):
+    """Rows top - STEP + 1 .. top of a chunk's key block (nothing loaded past the chunk or before its first row):
+    dGamma and, with the gate, the raw z (fp32; else dGamma again); [BK] vectors for one row, else [STEP, BK]."""
+    if STEP == 1:
+        m = cm & (top >= 0) & (top < L)
+        x = tl.load(x_ptr + first + top * HK, mask=m, other=0.0)
+        z = x
+        if GATE:
+            z = tl.load(z_ptr + first + top * HK, mask=m, other=0.0).to(tl.float32)
+    else:
+        rows = top - STEP + 1 + tl.arange(0, STEP)
+        m = cm[None, :] & ((rows >= 0) & (rows < L))[:, None]
+        o = first[None, :] + rows[:, None] * HK
+        x = tl.load(x_ptr + o, mask=m, other=0.0)
+        z = x
+        if GATE:
+            z = tl.load(z_ptr + o, mask=m, other=0.0).to(tl.float32)
     return x, z
 
 
 @triton.jit
-def _suffix_step(acc, pd, pa, x, z, row, L, cm, first, HK, x_ptr, dz_ptr, rate, bias, g_min, GATE: tl.constexpr):
-    """One row of ``_suffix_sum_kernel``, walking up: the running sum takes this row's dGamma and is its dg, stored
-    in place; GATE: the gate's chain rule on it instead (``triton_preact.gate_grad``), dz stored and the row added
-    to the parameters' partials."""
-    m = cm & (row < L)
-    acc += x
-    if GATE:
-        t, xg = gate_grad(acc, z, rate, bias, g_min, m)
-        tl.store(dz_ptr + first + row * HK, (t * rate).to(dz_ptr.dtype.element_ty), mask=m)
-        pd += t * rate
-        pa += t * xg
+def _suffix_step(acc, pd, pa, x, z, top, L, cm, first, HK, x_ptr, dz_ptr, rate, bias, g_min, STEP: tl.constexpr,
+                 GATE: tl.constexpr):
+    """Rows top - STEP + 1 .. top of ``_suffix_sum_kernel``, walking up: each row's dg is the running sum acc (the
+    rows below) plus its own and the step's later rows' dGamma, stored in place; GATE: the gate's chain rule on it
+    instead (``triton_preact.gate_grad``), dz stored and the rows added to the parameters' partials. Returns acc
+    with the step's rows added."""
+    if STEP == 1:  # (the form timed on the GPU)
+        m = cm & (top < L)
+        acc += x
+        if GATE:
+            t, xg = gate_grad(acc, z, rate, bias, g_min, m)
+            tl.store(dz_ptr + first + top * HK, (t * rate).to(dz_ptr.dtype.element_ty), mask=m)
+            pd += t * rate
+            pa += t * xg
+        else:
+            tl.store(x_ptr + first + top * HK, acc, mask=m)
     else:
-        tl.store(x_ptr + first + row * HK, acc, mask=m)
+        rows = top - STEP + 1 + tl.arange(0, STEP)
+        m = cm[None, :] & (rows < L)[:, None]
+        o = first[None, :] + rows[:, None] * HK
+        dg = tl.cumsum(x, axis=0, reverse=True) + acc[None, :]
+        acc += tl.sum(x, axis=0)
+        if GATE:
+            t, xg = gate_grad(dg, z, rate, bias[None, :], g_min, m)
+            tl.store(dz_ptr + o, (t * rate).to(dz_ptr.dtype.element_ty), mask=m)
+            pd += tl.sum(t * rate, axis=0)
+            pa += tl.sum(t * xg, axis=0)
+        else:
+            tl.store(x_ptr + o, dg, mask=m)
     return acc, pd, pa
 
 
 @triton.jit
 def _suffix_sum_kernel(x_ptr, cu_ptr, cidx_ptr, H, z_ptr, alog_ptr, dtb_ptr, dz_ptr, pa_ptr, pd_ptr, g_min,
-                       K: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, GATE: tl.constexpr):
+                       K: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, GATE: tl.constexpr,
+                       STEP: tl.constexpr):
     """Per (chunk, head, key block): x_t <- sum_{t' >= t in the chunk} x_t' (dGamma -> dg), in place; GATE: the fused
     gate's chain rule instead, dz to dz_ptr (the raw z's layout) and this block's partial d dt_bias (pd, [NT, H, K])
     and d A_log (pa, [NT, H, NKB]).
 
-    The chunk's rows are walked from its last to its first, each thread holding one column's running sums, so that
-    the suffix sum and d dt_bias's column sums need no exchange between threads (only d A_log's one sum at the end);
-    four rows at a time, the next four loaded before these are stored (the compiler keeps a load after any earlier
-    store that might alias it). H200, K3's shape, bf16, same run (twenty-first session): 0.344 -> 0.217 ms against a
-    [64, 64] tile per program with the sums by scans and reductions across threads, forward+backward 8.497 -> 8.385
-    ms (B4 T4096 H64 10.946 -> 10.831)."""
+    The chunk's rows are walked from its last to its first, STEP rows a step: on the GPU one (``SUFFIX_STEP``), each
+    thread holding one column's running sums, so that the suffix sum and d dt_bias's column sums need no exchange
+    between threads (only d A_log's one sum at the end); four steps at a time, the next four loaded before these are
+    stored (the compiler keeps a load after any earlier store that might alias it). H200, K3's shape, bf16, same run
+    (twenty-first session): 0.344 -> 0.217 ms against a [64, 64] tile per program with the sums by scans and
+    reductions across threads, forward+backward 8.497 -> 8.385 ms (B4 T4096 H64 10.946 -> 10.831)."""
     i_t, i_h, i_k = _chunk_part(NKB)
     t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
     c = i_k * BK + tl.arange(0, BK)
@@ -331,23 +362,24 @@ def _suffix_sum_kernel(x_ptr, cu_ptr, cidx_ptr, H, z_ptr, alog_ptr, dtb_ptr, dz_
     if GATE:
         rate = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
         bias = tl.load(dtb_ptr + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
-    x0, z0 = _suffix_row(x_ptr, z_ptr, first, 63, L, cm, HK, GATE)
-    x1, z1 = _suffix_row(x_ptr, z_ptr, first, 62, L, cm, HK, GATE)
-    x2, z2 = _suffix_row(x_ptr, z_ptr, first, 61, L, cm, HK, GATE)
-    x3, z3 = _suffix_row(x_ptr, z_ptr, first, 60, L, cm, HK, GATE)
-    for b in tl.static_range(16):
-        top = 63 - 4 * b
-        y0, w0 = _suffix_row(x_ptr, z_ptr, first, top - 4, L, cm, HK, GATE)
-        y1, w1 = _suffix_row(x_ptr, z_ptr, first, top - 5, L, cm, HK, GATE)
-        y2, w2 = _suffix_row(x_ptr, z_ptr, first, top - 6, L, cm, HK, GATE)
-        y3, w3 = _suffix_row(x_ptr, z_ptr, first, top - 7, L, cm, HK, GATE)
-        acc, pd, pa = _suffix_step(acc, pd, pa, x0, z0, top, L, cm, first, HK, x_ptr, dz_ptr, rate, bias, g_min, GATE)
-        acc, pd, pa = _suffix_step(acc, pd, pa, x1, z1, top - 1, L, cm, first, HK, x_ptr, dz_ptr, rate, bias, g_min,
+    x0, z0 = _suffix_rows(x_ptr, z_ptr, first, 63, L, cm, HK, STEP, GATE)
+    x1, z1 = _suffix_rows(x_ptr, z_ptr, first, 63 - STEP, L, cm, HK, STEP, GATE)
+    x2, z2 = _suffix_rows(x_ptr, z_ptr, first, 63 - 2 * STEP, L, cm, HK, STEP, GATE)
+    x3, z3 = _suffix_rows(x_ptr, z_ptr, first, 63 - 3 * STEP, L, cm, HK, STEP, GATE)
+    for b in tl.static_range(64 // (4 * STEP)):
+        top = 63 - 4 * STEP * b
+        y0, w0 = _suffix_rows(x_ptr, z_ptr, first, top - 4 * STEP, L, cm, HK, STEP, GATE)
+        y1, w1 = _suffix_rows(x_ptr, z_ptr, first, top - 5 * STEP, L, cm, HK, STEP, GATE)
+        y2, w2 = _suffix_rows(x_ptr, z_ptr, first, top - 6 * STEP, L, cm, HK, STEP, GATE)
+        y3, w3 = _suffix_rows(x_ptr, z_ptr, first, top - 7 * STEP, L, cm, HK, STEP, GATE)
+        acc, pd, pa = _suffix_step(acc, pd, pa, x0, z0, top, L, cm, first, HK, x_ptr, dz_ptr, rate, bias, g_min, STEP,
                                    GATE)
-        acc, pd, pa = _suffix_step(acc, pd, pa, x2, z2, top - 2, L, cm, first, HK, x_ptr, dz_ptr, rate, bias, g_min,
-                                   GATE)
-        acc, pd, pa = _suffix_step(acc, pd, pa, x3, z3, top - 3, L, cm, first, HK, x_ptr, dz_ptr, rate, bias, g_min,
-                                   GATE)
+        acc, pd, pa = _suffix_step(acc, pd, pa, x1, z1, top - STEP, L, cm, first, HK, x_ptr, dz_ptr, rate, bias,
+                                   g_min, STEP, GATE)
+        acc, pd, pa = _suffix_step(acc, pd, pa, x2, z2, top - 2 * STEP, L, cm, first, HK, x_ptr, dz_ptr, rate, bias,
+                                   g_min, STEP, GATE)
+        acc, pd, pa = _suffix_step(acc, pd, pa, x3, z3, top - 3 * STEP, L, cm, first, HK, x_ptr, dz_ptr, rate, bias,
+                                   g_min, STEP, GATE)
         x0, z0, x1, z1, x2, z2, x3, z3 = y0, w0, y1, w1, y2, w2, y3, w3
     if GATE:
         tl.store(pd_ptr + (i_t * H + i_h) * K + c, pd, mask=cm)
@@ -421,7 +453,7 @@ def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Ten
             pd = torch.empty(NT, H, K, device=q.device, dtype=torch.float32)
             gate_args = (preact.z, preact.A_log, preact.dt_bias, dz, pa, pd, float(preact.g_min))
         _suffix_sum_kernel[part_grid(NT, H, nks)](dg, plan.cu, plan.chunk_idx, H, *gate_args, K=K, BK=BKs, NKB=nks,
-                                                  GATE=gate, num_warps=max(1, BKs // 32))
+                                                  GATE=gate, STEP=SUFFIX_STEP, num_warps=max(1, BKs // 32))
         if gate:
             d_alog, d_dtb = pa.sum((0, 2)), pd.sum(0).view_as(preact.dt_bias)
     else:

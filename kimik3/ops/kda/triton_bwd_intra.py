@@ -41,7 +41,8 @@ import triton.language as tl
 from . import L2_EPS
 from .triton_forward import INTERPRET, ChunkPlan, _gluon_taking, _next_pow2
 from .triton_preact import PreactInputs, gate_grad, l2_bwd_rows, sigmoid_bwd
-from .triton_scan import _chunk_bounds, _chunk_part, part_grid
+from .triton_prologue import gate_params
+from .triton_scan import _chunk_bounds, _chunk_columns, _chunk_part, part_grid
 
 BWD_INTRA_MODE = os.environ.get("KIMIK3_KDA_BWD_INTRA", "rows")
 # Key block BWD_INTRA_BK at BWD_INTRA_WARPS warps (None: the defaults). "tiles": 64-column blocks for 16-bit
@@ -349,19 +350,15 @@ def _suffix_sum_kernel(x_ptr, cu_ptr, cidx_ptr, H, z_ptr, alog_ptr, dtb_ptr, dz_
     (twenty-first session): 0.344 -> 0.217 ms against a [64, 64] tile per program with the sums by scans and
     reductions across threads, forward+backward 8.497 -> 8.385 ms (B4 T4096 H64 10.946 -> 10.831)."""
     i_t, i_h, i_k = _chunk_part(NKB)
-    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
-    c = i_k * BK + tl.arange(0, BK)
-    cm = c < K
+    t0, L, c, cm, first = _chunk_columns(i_t, i_h, i_k, cidx_ptr, cu_ptr, H, K, BK)
     HK = H * K
-    first = (t0 * H + i_h) * K + c  # the chunk's first row of this key block
     acc = tl.zeros([BK], tl.float32)
     pd = tl.zeros([BK], tl.float32)
     pa = tl.zeros([BK], tl.float32)
     rate = 0.0
     bias = pd
     if GATE:
-        rate = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
-        bias = tl.load(dtb_ptr + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
+        rate, bias = gate_params(alog_ptr, dtb_ptr, i_h, c, cm, K)
     x0, z0 = _suffix_rows(x_ptr, z_ptr, first, 63, L, cm, HK, STEP, GATE)
     x1, z1 = _suffix_rows(x_ptr, z_ptr, first, 63 - STEP, L, cm, HK, STEP, GATE)
     x2, z2 = _suffix_rows(x_ptr, z_ptr, first, 63 - 2 * STEP, L, cm, HK, STEP, GATE)

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from . import L2_EPS
 from .triton_forward import _next_pow2
+from .triton_prologue import gate_params
 
 ROWS = 32  # tokens per program
 
@@ -79,9 +80,8 @@ def gate_bwd(z_ptr, alog_ptr, dtb_ptr, dz_ptr, pd_ptr, pa_ptr, off, m, cols, cm,
     (fp32): stores dz in dz_ptr's dtype, and this program's partials of d dt_bias (its column sums, at
     pd_ptr + pd_at + cols) and of d A_log (one value, at pa_ptr + pa_at)."""
     z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)
-    rate = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
-    bias = tl.load(dtb_ptr + i_h * K + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
-    t, x = gate_grad(dg, z, rate, bias, g_min, m)
+    rate, bias = gate_params(alog_ptr, dtb_ptr, i_h, cols, cm, K)
+    t, x = gate_grad(dg, z, rate, bias[None, :], g_min, m)
     dz = t * rate
     tl.store(dz_ptr + off, dz.to(dz_ptr.dtype.element_ty), mask=m)
     tl.store(pd_ptr + pd_at + cols, tl.sum(dz, axis=0), mask=cm)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import L2_EPS
-from .triton_scan import _chunk_block, _chunk_bounds, _chunk_part, part_grid
+from .triton_scan import _chunk_block, _chunk_columns, _chunk_part, part_grid
 
 # The prologue (``_prep0_kernel``) as one program per (chunk, head) doing the gate, the cumulative
 # log-decay and both L2 norms (1), or as three programs per (chunk, head), each streaming one tensor (3:
@@ -93,6 +93,13 @@ def _gate_cumsum(g_ptr, G_ptr, alog_ptr, dtb_ptr, offs, m, c, cm, i_h, g_min, K:
 
 
 @triton.jit
+def gate_params(alog_ptr, dtb_ptr, i_h, cols, cm, K: tl.constexpr):
+    """Head i_h's gate parameters, fp32: its rate exp(A_log) and the dt_bias of its key columns cols (mask cm)."""
+    rate = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
+    return rate, tl.load(dtb_ptr + i_h * K + cols, mask=cm, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gate_row(g_ptr, first, row, L, cm, HK):
     """Row ``row`` of a chunk's key block of the gate's input (fp32; nothing loaded past the chunk)."""
     return tl.load(g_ptr + first + row * HK, mask=cm & (row < L), other=0.0).to(tl.float32)
@@ -117,17 +124,13 @@ def _gate_rows_kernel(g_ptr, G_ptr, beta_ptr, betan_ptr, alog_ptr, dtb_ptr, cu_p
     """``_gate_cols_kernel``'s work (``GATE_ROWS``) with each thread holding one column's running sum down the
     chunk's rows, four rows at a time, the next four loaded before these are stored."""
     i_t, i_h, p = _chunk_part(NKB)
-    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
-    c = p * BK + tl.arange(0, BK)
-    cm = c < K
+    t0, L, c, cm, first = _chunk_columns(i_t, i_h, p, cidx_ptr, cu_ptr, H, K, BK)
     HK = H * K
-    first = (t0 * H + i_h) * K + c  # the chunk's first row of this key block
     acc = tl.zeros([BK], tl.float32)
     a = 0.0
     bias = acc
     if USE_GATE:
-        a = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
-        bias = tl.load(dtb_ptr + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
+        a, bias = gate_params(alog_ptr, dtb_ptr, i_h, c, cm, K)
     g0 = _gate_row(g_ptr, first, 0, L, cm, HK)
     g1 = _gate_row(g_ptr, first, 1, L, cm, HK)
     g2 = _gate_row(g_ptr, first, 2, L, cm, HK)

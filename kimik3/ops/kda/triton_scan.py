@@ -124,6 +124,15 @@ def _chunk_block(i_t, i_h, i_b, cidx_ptr, cu_ptr, H, D: tl.constexpr, B: tl.cons
 
 
 @triton.jit
+def _chunk_columns(i_t, i_h, i_b, cidx_ptr, cu_ptr, H, D: tl.constexpr, B: tl.constexpr):
+    """Chunk i_t's first token and valid length, and column block i_b of head i_h in a [.., H, D] tensor (token
+    layout): the B columns, their mask, and their offsets in the chunk's first row (the next row H D further)."""
+    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
+    c = i_b * B + tl.arange(0, B)
+    return t0, L, c, c < D, (t0 * H + i_h) * D + c
+
+
+@triton.jit
 def _chunk_beta(i_t, i_h, beta_ptr, cidx_ptr, cu_ptr, H):
     """``_chunk_bounds`` of chunk i_t, its 64 row indices, and head i_h's beta on them (fp32, 0 past L)."""
     t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)

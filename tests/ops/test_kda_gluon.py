@@ -314,6 +314,8 @@ def test_supported_names_what_it_needs():
     assert "K = V = 128" in gluon_bwd_wy.supported(*wy_args[:2], us.bfloat16(), *wy_args[3:])
     assert "bf16" in gluon_bwd_wy.supported(*wy_args[:5], st32, *wy_args[6:])
     assert "fp32" in gluon_bwd_wy.supported(*wy_args[:9], st16)  # (a 16-bit dh, ``DH_16BIT``)
+    many = st16.expand(2**19, 1, 128, 128)  # 2^19 (chunk, head) items: dAqk's 2^31 elements, as a view
+    assert "dAqk" in gluon_bwd_wy.supported(*wy_args[:5], many, *wy_args[6:])
     if not ON_GPU:
         assert gluon_bwd_wy.supported(*wy_args) == "a Hopper GPU (sm_90)"
         assert gluon_bwd_scan.supported(wk, wk, wk, wk, True) == "a Hopper GPU (sm_90)"

@@ -257,6 +257,8 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
         return "fp32 Gamma, U, v_new and dh"
     if h.numel() // h.shape[-1] >= 2**31:
         return "fewer than 2^31 state rows (TMA coordinates are 32-bit)"
+    if h.numel() // (h.shape[-1] * h.shape[-2]) * 4096 >= 2**31:  # NT H items of [64, 64]
+        return "fewer than 2^31 elements of dAqk and dA (NT H 64 64; their stores' offsets are 32-bit)"
     return on_hopper(q)
 
 

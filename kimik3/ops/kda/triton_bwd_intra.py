@@ -349,6 +349,7 @@ def _suffix_sum_kernel(x_ptr, cu_ptr, cidx_ptr, H, z_ptr, alog_ptr, dtb_ptr, dz_
     stored (the compiler keeps a load after any earlier store that might alias it). H200, K3's shape, bf16, same run
     (twenty-first session): 0.344 -> 0.217 ms against a [64, 64] tile per program with the sums by scans and
     reductions across threads, forward+backward 8.497 -> 8.385 ms (B4 T4096 H64 10.946 -> 10.831)."""
+    tl.static_assert(64 % (4 * STEP) == 0, "SUFFIX_STEP: rows a step must divide a chunk in rounds of four steps")
     i_t, i_h, i_k = _chunk_part(NKB)
     t0, L, c, cm, first = _chunk_columns(i_t, i_h, i_k, cidx_ptr, cu_ptr, H, K, BK)
     HK = H * K

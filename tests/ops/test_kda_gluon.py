@@ -363,8 +363,7 @@ def test_gluon_wy_backward_equals_the_triton_kernel(monkeypatch, lengths, H):
     backward by the Gluon kernel (``triton_backward.GLUON_WY_BWD``: dA and dbeta whole, one partial for the intra
     backward) against the Triton WY kernel (three partials): varlen batches with partial chunks and one-token
     sequences (a chunk's TMA tiles run into the next sequence), with initial states and final-state gradients (so that
-    every chunk's h and dh, and deg = rowsum(h dh), are
-    nonzero). Every gradient within 1e-4 (relative RMS) of the
+    every chunk's h and dh, and deg = rowsum(h dh), are nonzero). Every gradient within 1e-4 (relative RMS) of the
     Triton path's on the CPU, where the interpreter's products are fp32 and the emulator's are made exact too (its
     tf32 rounding off; the Gluon kernel's 16-bit splits hold ~16 mantissa bits); within 2e-3 on the GPU, where both
     take tf32 products."""

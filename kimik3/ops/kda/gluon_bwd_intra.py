@@ -297,7 +297,8 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
             acc_c = warpgroup_mma_wait(0, deps=[acc_c])
         fence_async_shared()
         mbarrier.arrive(m_empty.index(ms), count=1)  # the next item's matrices load during the epilogue
-        # the column side's epilogue: dGamma's column term, dk complete
+        # the column side's epilogue: dGamma's column term, dk complete (the rows and offsets, and k below, taken
+        # again rather than held in registers through the column products)
         rows, off = _item_tiles(t0, L, i_h, r, c, HK, K)
         dk_c = _col_factor(acc_c, Gs, refs_s, ref0, r, rows, MMA)
         gl.thread_barrier()

@@ -230,15 +230,16 @@ def test_gluon_state_gradient_scan_equals_the_triton_kernel(lengths, H, with_sta
         assert d <= 2e-3 * r.abs().max(), (name, d.item())
 
 
-@pytest.mark.parametrize("fused,reduce", [(True, ""), (True, "dG"), (True, "dG+dk"), (False, ""), (False, "dG+dk")],
-                         ids=["fused", "fused-reduce-dG", "fused-reduce-dG-dk", "unfused", "unfused-reduce-dG-dk"])
-@pytest.mark.parametrize("lengths,H,npart", [([1, 63, 64, 65, 130, 7], 2, 3), ([200], 3, 1)])
-def test_gluon_intra_backward_equals_the_triton_kernel(monkeypatch, lengths, H, npart, fused, reduce):
+@pytest.mark.parametrize("fused,dk_smem", [(True, True), (True, False), (False, True)],
+                         ids=["fused", "fused-dk-global", "unfused"])
+@pytest.mark.parametrize("lengths,H,npart", [([1, 63, 64, 65, 130, 7], 2, 3), ([200], 3, 1),
+                                             ([1, 63, 64, 65, 130, 7], 2, 1)])
+def test_gluon_intra_backward_equals_the_triton_kernel(monkeypatch, lengths, H, npart, fused, dk_smem):
     """The backward's intra-chunk gradients (kernel 4, then the suffix-sum pass, through ``bwd_intra``) with the
     Gluon kernel against the Triton "rows" kernel: varlen batches with partial chunks and one-token sequences (a
     chunk's TMA tiles run into the next sequence), per-token decays up to the bound, dA as three partials or one
-    (dbeta then updated in place), with the fused L2 norm, sigmoid and gate chain rules and without, dGamma updated
-    (and dk) by load-add-store or by reductions in memory (``DG_REDUCE``, ``DK_REDUCE``). Every gradient within
+    (dbeta then updated in place), with the fused L2 norm, sigmoid and gate chain rules and without, dk's row term
+    through shared memory (``DK_SMEM``, one partial only) or global memory. Every gradient within
     2e-3 (relative RMS) of the Triton kernel's on the GPU, where its products are tf32 and the Gluon kernel's three
     16-bit ones (about 16 mantissa bits); on the CPU, where the interpreter's products are fp32, within 1e-4 (the
     emulated kernel: 4e-5 at most; every rescale between tiles off by 1e-3 moves dq by 1.8e-4)."""
@@ -261,8 +262,7 @@ def test_gluon_intra_backward_equals_the_triton_kernel(monkeypatch, lengths, H, 
                           A_log=rand(H), dt_bias=rand(H * K), g_min=-5.0, use_gate=True, use_l2=True,
                           use_beta_sigmoid=True) if fused else None
     here = _run_here()
-    monkeypatch.setattr(gluon_bwd_intra, "DG_REDUCE", "dG" in reduce)
-    monkeypatch.setattr(gluon_bwd_intra, "DK_REDUCE", "dk" in reduce)
+    monkeypatch.setattr(gluon_bwd_intra, "DK_SMEM", dk_smem)
 
     class Emulated:  # the Gluon module as ``bwd_intra`` finds it, launched here (on the CPU: the emulator)
         supported = staticmethod(gluon_bwd_intra.supported)
@@ -412,12 +412,15 @@ def test_gluon_wy_backward_equals_the_triton_kernel(monkeypatch, lengths, H):
 # The WY backward's spill allowance: 136 B stored and 156 loaded with the local ptxas (Triton 3.6's wheel; 564 before
 # dAqk was stored early, 332 before the key side's stores were addressed from the item's first element)
 WY_BWD_SPILL_LIMIT = 256
+# The intra backward's: 4 B with the local ptxas since dk's row term waits in shared memory (``DK_SMEM``; none before)
+INTRA_BWD_SPILL_LIMIT = 16
 
 
 def test_gluon_kernels_compile_for_sm90(tmp_path):
     """In a process of its own, without the interpreter and with an empty Triton cache: the kernels compile for
     sm_90, without spilling (the state-gradient scan storing dRv, ``FUSE_DRV``: at most 256 B, 208 when it was timed
-    faster than the dRv pass it replaces; the WY backward: ``WY_BWD_SPILL_LIMIT``), and as many CTAs of each as its
+    faster than the dRv pass it replaces; the WY and intra backwards: ``WY_BWD_SPILL_LIMIT``,
+    ``INTRA_BWD_SPILL_LIMIT``), and as many CTAs of each as its
     launch counts on (its warps as launched, the loader's
     padded to a warpgroup) fit an H200 SM -- two of the scan
     when each holds one 64-column half of V, so that the 192 chains at K3's shape run at once on 132 SMs."""
@@ -426,7 +429,8 @@ def test_gluon_kernels_compile_for_sm90(tmp_path):
     rows = last_json_line(run_without_interpreter(["-m", "tests.ops.test_kda_gluon"], tmp_path))
     ctas_per_sm = (gluon_wy.CTAS_PER_SM, gluon_phase_a.CTAS_PER_SM, 1 if gluon_scan.SHARED_HALVES else 2, 1,
                    gluon_bwd_intra.CTAS_PER_SM, gluon_bwd_wy.CTAS_PER_SM)
-    spill_limits = (0, 0, 0, 256 if gluon_bwd_scan.FUSE_DRV else 0, 0, WY_BWD_SPILL_LIMIT)
+    spill_limits = (0, 0, 0, 256 if gluon_bwd_scan.FUSE_DRV else 0, INTRA_BWD_SPILL_LIMIT,
+                    WY_BWD_SPILL_LIMIT)
     names = ("phase C", "phase A", "scan", "state-gradient scan", "intra backward", "WY backward")
     assert len(rows) == len(names)
     for name, row, ctas, spill in zip(names, rows, ctas_per_sm, spill_limits):

@@ -35,11 +35,13 @@ eighteenth session: "no instruction" 45 % of their stall samples, 4.27 ms agains
 H200, K3's shape (B1 T8192 H96 D128, bf16), same run: 2.948 ms against the Triton kernel's 3.048, forward+backward
 9.736 against 9.822 ms; 2.83 ms since the Gluon WY backward hands it dA as one partial instead of three (twentieth
 session), and 2.64 ms since its epilogue runs in two parts, the row side's between the two sides' products (no
-spills; twenty-first session). The epilogue is what is left: its global loads (the WY kernel's partial dq, dk, dGamma,
-the raw q, k) wait in turn on one item at a time (Nsight Compute: its lines hold 29 % of the stall samples, the
-product loops' 12 %). Whatever is added to that one chain costs its latency: the suffix pass and the gate's chain
-rule fused into the column side's epilogue (dg as one product with a triangular matrix of ones) made the kernel
-0.65 ms slower against the 0.34 ms pass it would replace (nineteenth session, and again in the twenty-first).
+spills; twenty-first session), 2.47 ms since dGamma's updates are reductions in memory and dk's row term waits in
+shared memory (twenty-second session). The epilogue is what is left: its global loads (the WY kernel's partial dq
+and dk, the raw q and k) wait in turn on one item at a time (Nsight Compute, before those two changes: its lines
+held 29 % of the stall samples, the product loops' 12 %); dk's term as an atomic add returning the partial was
+slower (2.93 ms against 2.56). Whatever is added to that one chain costs its latency: the suffix pass and the
+gate's chain rule fused into the column side's epilogue (dg as one product with a triangular matrix of ones) made
+the kernel 0.65 ms slower against the 0.34 ms pass it would replace (nineteenth session, and again in the twenty-first).
 
 It applies where ``supported`` says (sm_90, bf16 q / k, fp32 Gamma, K = 128), as ``triton_bwd_intra.GLUON_INTRA``
 selects. CI runs it through ``tests/gluon_emulator.py`` and compiles it for sm_90.
@@ -63,16 +65,11 @@ LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
 MAXNREG: Optional[int] = 168  # registers per thread at launch: 12 warps (the loader's padded to a warpgroup)
 TILE_RING = 2  # slots of the q, k, Gamma ring (64 KB each, with Gamma's reference rows 4 KB more)
 CTAS_PER_SM = 1
-# dGamma's two updates (the row side's terms, then the column side's) as reductions in memory (red.global.add, fire
-# and forget: the thread does not wait for the partial's load twice per item), instead of load-add-store. Each
-# element's two adds come from the one thread that holds it, in program order: the same sums as load-add-store (but
-# for denormals, which the reduction flushes). Prepared offline (emulator-tested, sm_90-compiled), untimed: off.
-DG_REDUCE = False
-# The partial dk likewise: the row side's term added by a reduction, and the column side's by an atomic add whose
-# returned old value (the partial with the row term) completes dk for the L2 chain rule: one wait on memory per item
-# instead of two (the atomic and the reduction, strong operations on one address from one thread, stay in order).
-# Prepared offline, untimed: off.
-DK_REDUCE = False
+# With dA as one partial (the Gluon WY backward's), the row side's term of dk (beta x) kept in shared memory (32 KB
+# fp32; 217 KB in all, where three partials would need 248) until the column side completes dk, instead of added to
+# the partial dk in global memory and loaded back: one load and one store of the partial fewer per item. H200, K3's
+# shape, same run: the kernel 2.548 -> 2.470 ms (flat at B4 T4096 H64: 3.311 -> 3.306). False: through global memory.
+DK_SMEM = True
 NREF = gl.constexpr(8)  # Gamma's reference rows per item: the 4 tiles' first tokens, then their last
 
 
@@ -215,7 +212,7 @@ def _store_dbeta(db, dbeta_in_ptr, dbeta_ptr, br_ptr, bo, r, L, part_beta, NPART
 def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_s, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
               dbeta_in_ptr, dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, n_items, H, part_beta,
               K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr, EPS: gl.constexpr,
-              DG_RED: gl.constexpr, DK_RED: gl.constexpr):
+              DK_SM: gl.constexpr, dkr_s):
     """The consumer partition: every item's products and epilogue (module docstring), the two warpgroups splitting
     the key columns. The epilogue runs in two parts: the row side's (dq complete, dGamma's and dk's row terms added to
     their partials in global memory, dbeta complete) between the row and the column products, the column side's
@@ -261,16 +258,15 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
         dq_r, x = _row_factors(acc_q, acc_b, Gs, refs_s, ref0, r, rows, MMA)
         gl.thread_barrier()
         ki = ks.load(MMA).to(gl.float32)
-        if DG_RED:  # (``DG_REDUCE``)
-            gl.atomic_add(dG_ptr + off, qs.load(MMA).to(gl.float32) * dq_r + ki * (beta * x), mask=rows,
-                          sem="relaxed")
-        else:
-            dG = gl.load(dG_ptr + off, mask=rows, other=0.0)
-            gl.store(dG_ptr + off, dG + qs.load(MMA).to(gl.float32) * dq_r + ki * (beta * x), mask=rows)
+        # dGamma's updates (this, then the column side's) as reductions in memory (red.global.add, fire and forget:
+        # no wait on the partial's load), each element's two from the one thread that holds it, in program order:
+        # the sums of load-add-store, but for denormals, which the reduction flushes. H200, K3's shape, same run:
+        # the kernel 2.665 -> 2.559 ms, forward+backward 8.376 -> 8.321 (10.829 -> 10.695 at B4 T4096 H64).
+        gl.atomic_add(dG_ptr + off, qs.load(MMA).to(gl.float32) * dq_r + ki * (beta * x), mask=rows, sem="relaxed")
         _store_dbeta(gl.sum(ki * x, axis=1), dbeta_in_ptr, dbeta_ptr, br_ptr, bo, r, L, part_beta, NPART, BSIG)
         gl.thread_barrier()
-        if DK_RED:  # (``DK_REDUCE``)
-            gl.atomic_add(dk_ptr + off, beta * x, mask=rows, sem="relaxed")
+        if DK_SM:  # (``DK_SMEM``; each thread reads back the elements it stores, barriers between)
+            dkr_s.store(beta * x)
         else:
             gl.store(dk_ptr + off, gl.load(dk_ptr + off, mask=rows, other=0.0) + beta * x, mask=rows)
         dq = gl.load(dq_ptr + off, mask=rows, other=0.0) + dq_r
@@ -303,17 +299,14 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
         dk_c = _col_factor(acc_c, Gs, refs_s, ref0, r, rows, MMA)
         gl.thread_barrier()
         ki = ks.load(MMA).to(gl.float32)
-        if DG_RED:
-            gl.atomic_add(dG_ptr + off, -(ki * dk_c), mask=rows, sem="relaxed")
-        else:
-            gl.store(dG_ptr + off, gl.load(dG_ptr + off, mask=rows, other=0.0) - ki * dk_c, mask=rows)
+        gl.atomic_add(dG_ptr + off, -(ki * dk_c), mask=rows, sem="relaxed")
         fence_async_shared()
         mbarrier.arrive(t_empty.index(ts), count=1)
         gl.thread_barrier()
-        if DK_RED:  # the partial with the row side's term, as the atomic returns it
-            dk = gl.atomic_add(dk_ptr + off, dk_c, mask=rows, sem="relaxed") + dk_c
-        else:
-            dk = gl.load(dk_ptr + off, mask=rows, other=0.0) + dk_c
+        dk = gl.load(dk_ptr + off, mask=rows, other=0.0)
+        if DK_SM:
+            dk += dkr_s.load(MMA)
+        dk += dk_c
         if L2:
             dk = _l2_chain(gl.load(kr_ptr + off, mask=rows, other=0.0).to(gl.float32), dk, EPS)
         gl.store(dk_out + off, dk.to(dk_out.dtype.element_ty), mask=rows)
@@ -323,7 +316,7 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
 def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, dk_ptr, dG_ptr, dbeta_in_ptr,
                             dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, NT, H, part_rows,
                             part_beta, K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr,
-                            EPS: gl.constexpr, RING: gl.constexpr, DG_RED: gl.constexpr, DK_RED: gl.constexpr,
+                            EPS: gl.constexpr, RING: gl.constexpr, DK_SM: gl.constexpr,
                             num_warps: gl.constexpr):
     """Kernel 4 over NT chunks x H heads (q_d, k_d, G_d: TMA descriptors of [64, K] tiles of q, k, Gamma as [tokens,
     H K], ref_d of Gamma's [1, K] rows; a_d, da_d: of dAqk as [NT H 64, 64] and dA's partials as [NPART NT H 64, 64],
@@ -335,12 +328,14 @@ def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, d
     m_s = gl.allocate_shared_memory(gl.float32, [1 + NPART, 64, 64], a_d.layout)
     b_s = gl.allocate_shared_memory(gl.bfloat16, [4, 16, K], gl.NVMMASharedLayout.get_default_for([16, K],
                                                                                                 gl.bfloat16))
+    # the row side's dk term (``DK_SMEM``; a row, unused, when off)
+    dkr_s = gl.allocate_shared_memory(gl.float32, [64 if DK_SM else 1, K], G_d.layout)
     t_ready, t_empty = ring_barriers(RING, 1)
     m_ready, m_empty = ring_barriers(1, 1)
     gl.warp_specialize([
         (_consumer, (t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_s, beta_ptr, dq_ptr, dk_ptr,
                      dG_ptr, dbeta_in_ptr, dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, NT * H,
-                     H, part_beta, K, NPART, L2, BSIG, EPS, DG_RED, DK_RED)),
+                     H, part_beta, K, NPART, L2, BSIG, EPS, DK_SM, dkr_s)),
         (_loader, (t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, q_d, k_d, G_d, ref_d, a_d, da_d,
                    cidx_ptr, cu_ptr, NT * H, H, part_rows, K, NPART)),
     ], [LOADER_WARPS], [LOADER_REGS])
@@ -378,5 +373,5 @@ def launch(q, k, G, beta, daqk, da, dq, dk, dG, dbeta_parts, dbeta, plan, H: int
             beta, dq, dk, dG, dbeta_parts, dbeta, qr, kr, br, dq_out, dk_out, plan.chunk_idx, plan.cu, plan.NT, H,
             rows, dbeta_parts.numel() // npart)
     run_persistent(_gluon_bwd_intra_kernel, plan.NT * H, q.device, args, launcher, programs, CTAS_PER_SM, K=K,
-                   NPART=npart, L2=l2, BSIG=bsig, EPS=eps, RING=TILE_RING, DG_RED=DG_REDUCE, DK_RED=DK_REDUCE,
+                   NPART=npart, L2=l2, BSIG=bsig, EPS=eps, RING=TILE_RING, DK_SM=DK_SMEM and npart == 1,
                    num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))

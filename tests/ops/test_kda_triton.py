@@ -562,17 +562,15 @@ def test_bf16_inputs():
     assert rel_rms(s_ref, s) < 5e-3, rel_rms(s_ref, s)
 
 
-@pytest.mark.parametrize("gate_rows", [False, True], ids=["cols", "rows"])
 @pytest.mark.parametrize("use_gate,K", [(True, 100), (False, 16)])
-def test_prologue_gamma_is_the_chunk_cumsum_of_the_gate(monkeypatch, gate_rows, use_gate, K):
-    """The forward prologue's Gamma and sigmoid(beta), by ``_gate_cols_kernel`` or ``_gate_rows_kernel``
-    (``GATE_ROWS``), against torch: each chunk's inclusive cumulative sum of the gate g_min sigmoid(exp(A_log)
-    (z + dt_bias)) (or of g itself without the fused gate), restarting at every sequence and every 64 tokens; varlen
-    with one-token sequences and partial chunks, K = 100 (a partial key block). fp32 throughout: within 1e-5."""
+def test_prologue_gamma_is_the_chunk_cumsum_of_the_gate(use_gate, K):
+    """The forward prologue's Gamma and sigmoid(beta) (``_gate_cols_kernel``) against torch: each chunk's inclusive
+    cumulative sum of the gate g_min sigmoid(exp(A_log) (z + dt_bias)) (or of g itself without the fused gate),
+    restarting at every sequence and every 64 tokens; varlen with one-token sequences and partial chunks, K = 100 (a
+    partial key block). fp32 throughout: within 1e-5."""
     import kimik3.ops.kda.triton_prologue as tp
     from kimik3.ops.kda.triton_forward import make_plan
 
-    monkeypatch.setattr(tp, "GATE_ROWS", gate_rows)
     gen = torch.Generator().manual_seed(4)
     lengths, H = [1, 63, 130, 2], 2
     T = sum(lengths)
@@ -598,15 +596,13 @@ def test_prologue_gamma_is_the_chunk_cumsum_of_the_gate(monkeypatch, gate_rows, 
     assert torch.allclose(betan.cpu(), torch.sigmoid(beta), atol=1e-6)
 
 
-@pytest.mark.parametrize("prep_parts", [1, 3, "l2rows", "l2rows-K100", "fused-intra", "l2rows-gaterows",
-                                        "l2rows-K100-gaterows"])
+@pytest.mark.parametrize("prep_parts", [1, 3, "l2rows", "l2rows-K100", "fused-intra"])
 def test_fused_preactivations(monkeypatch, prep_parts):
     """Gate, q/k L2 norm and beta sigmoid fused: values and gradients (raw z, A_log, dt_bias too), with the
     prologue as one program per (chunk, head), as three (``triton_prologue.PREP_PARTS``), and as the gate alone
     per column block with the norms over contiguous rows in 32-row programs (``L2_ROWS``; 140 rows, so the last
-    program is partial; K = 100: two column blocks, the second partial; the default), with the gate by the
-    row-walking kernel instead (``GATE_ROWS``; K = 100: one block of 128, 28 columns masked), and that prologue
-    before the fused intra kernel."""
+    program is partial; K = 100: two column blocks, the second partial; the default), and that prologue before
+    the fused intra kernel."""
     import kimik3.ops.kda.triton_forward as tf
     import kimik3.ops.kda.triton_prologue as tp
 
@@ -616,7 +612,6 @@ def test_fused_preactivations(monkeypatch, prep_parts):
         monkeypatch.setattr(tp, "L2_ROWS_CONFIG", (32, 2))
         if "K100" in prep_parts:
             K, V = 100, 16
-        monkeypatch.setattr(tp, "GATE_ROWS", prep_parts.endswith("gaterows"))
     elif prep_parts == "fused-intra":
         monkeypatch.setattr(tf, "INTRA_MODE", "fused")
     else:
@@ -693,7 +688,7 @@ def test_preact_backward_kernel(flags, dtype):
 
 @pytest.mark.parametrize("case", ["all", "all-K100", "all-varlen", "all-bf16", "gate", "l2", "bsig", "l2-bsig",
                                   "all-K130-unfused", "all-tiles-unfused", "all-K100-sfx32", "all-varlen-sfx32",
-                                  "all-varlen-gaterows", "l2-bsig-gaterows", "all-varlen-step1", "l2-bsig-step1"])
+                                  "all-varlen-step1", "l2-bsig-step1"])
 def test_fused_preact_backward(monkeypatch, case):
     """The pre-activations' chain rules inside the intra backward (``FUSE_PREACT_BWD``: the L2 norm and the
     sigmoid where dq, dk, dbeta are completed, the gate in the suffix-sum pass) give the separate pass's
@@ -705,7 +700,6 @@ def test_fused_preact_backward(monkeypatch, case):
     the GPU ("step1"; the interpreter's default is 16)."""
     import kimik3.ops.kda.triton_backward as tb
     import kimik3.ops.kda.triton_bwd_intra as tbi
-    import kimik3.ops.kda.triton_prologue as tp
 
     B, T, H, K, V, cu, dtype = 1, 70, 2, 16, 16, None, torch.float32
     flags = tuple(name in case or "all" in case for name in ("gate", "l2", "bsig"))
@@ -723,8 +717,6 @@ def test_fused_preact_backward(monkeypatch, case):
         monkeypatch.setattr(tbi, "SUFFIX_BK", 32)
     if "step1" in case:  # the suffix-sum pass one row a step, as on the GPU (the interpreter's default: 16)
         monkeypatch.setattr(tbi, "SUFFIX_STEP", 1)
-    if "gaterows" in case:  # the forward's gate by the row-walking kernel (``triton_prologue.GATE_ROWS``)
-        monkeypatch.setattr(tp, "GATE_ROWS", True)
     gen = torch.Generator().manual_seed(11)
     raw = [torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen),
            torch.randn(B, T, H, V, generator=gen), torch.randn(B, T, H, K, generator=gen) - (0 if flags[0] else 2),

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import L2_EPS
-from .triton_scan import _chunk_block, _chunk_columns, _chunk_part, part_grid
+from .triton_scan import _chunk_block, _chunk_part, part_grid
 
 # The prologue (``_prep0_kernel``) as one program per (chunk, head) doing the gate, the cumulative
 # log-decay and both L2 norms (1), or as three programs per (chunk, head), each streaming one tensor (3:
@@ -37,12 +37,6 @@ PREP_PARTS = int(os.environ.get("KIMIK3_KDA_PREP_PARTS", "3"))
 L2_ROWS = os.environ.get("KIMIK3_KDA_L2_ROWS", "1") == "1"
 L2_ROWS_CONFIG: Tuple[int, int] = (64, 4)
 GATE_COLS_WARPS = 4
-# The gate and Gamma as ``_gate_rows_kernel`` instead of ``_gate_cols_kernel``: GATE_ROWS_BK columns per program,
-# one per thread, each chunk's rows walked first to last with the running sums in registers (no scan across
-# threads), as the backward's suffix-sum pass (0.344 -> 0.217 ms there, twenty-first session). Prepared offline
-# (interpreter-tested), untimed: off.
-GATE_ROWS = False
-GATE_ROWS_BK = 128
 
 
 @triton.jit
@@ -97,58 +91,6 @@ def gate_params(alog_ptr, dtb_ptr, i_h, cols, cm, K: tl.constexpr):
     """Head i_h's gate parameters, fp32: its rate exp(A_log) and the dt_bias of its key columns cols (mask cm)."""
     rate = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
     return rate, tl.load(dtb_ptr + i_h * K + cols, mask=cm, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _gate_row(g_ptr, first, row, L, cm, HK):
-    """Row ``row`` of a chunk's key block of the gate's input (fp32; nothing loaded past the chunk)."""
-    return tl.load(g_ptr + first + row * HK, mask=cm & (row < L), other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _gamma_step(acc, g, row, L, cm, first, HK, G_ptr, a, bias, g_min, USE_GATE: tl.constexpr):
-    """One row of ``_gate_rows_kernel``, walking down: the (fused) gate on it, added to the running sum, which is
-    this row's Gamma."""
-    m = cm & (row < L)
-    if USE_GATE:
-        g = tl.where(m, g_min * tl.sigmoid(a * (g + bias)), 0.0)
-    acc += g
-    tl.store(G_ptr + first + row * HK, acc, mask=m)
-    return acc
-
-
-@triton.jit
-def _gate_rows_kernel(g_ptr, G_ptr, beta_ptr, betan_ptr, alog_ptr, dtb_ptr, cu_ptr, cidx_ptr, H, g_min,
-                      K: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, USE_GATE: tl.constexpr,
-                      USE_BETA_SIG: tl.constexpr):
-    """``_gate_cols_kernel``'s work (``GATE_ROWS``) with each thread holding one column's running sum down the
-    chunk's rows, four rows at a time, the next four loaded before these are stored."""
-    i_t, i_h, p = _chunk_part(NKB)
-    t0, L, c, cm, first = _chunk_columns(i_t, i_h, p, cidx_ptr, cu_ptr, H, K, BK)
-    HK = H * K
-    acc = tl.zeros([BK], tl.float32)
-    a = 0.0
-    bias = acc
-    if USE_GATE:
-        a, bias = gate_params(alog_ptr, dtb_ptr, i_h, c, cm, K)
-    g0 = _gate_row(g_ptr, first, 0, L, cm, HK)
-    g1 = _gate_row(g_ptr, first, 1, L, cm, HK)
-    g2 = _gate_row(g_ptr, first, 2, L, cm, HK)
-    g3 = _gate_row(g_ptr, first, 3, L, cm, HK)
-    for b in tl.static_range(16):
-        n0 = _gate_row(g_ptr, first, 4 * b + 4, L, cm, HK)  # (rows past 63: past every chunk, none loaded)
-        n1 = _gate_row(g_ptr, first, 4 * b + 5, L, cm, HK)
-        n2 = _gate_row(g_ptr, first, 4 * b + 6, L, cm, HK)
-        n3 = _gate_row(g_ptr, first, 4 * b + 7, L, cm, HK)
-        acc = _gamma_step(acc, g0, 4 * b, L, cm, first, HK, G_ptr, a, bias, g_min, USE_GATE)
-        acc = _gamma_step(acc, g1, 4 * b + 1, L, cm, first, HK, G_ptr, a, bias, g_min, USE_GATE)
-        acc = _gamma_step(acc, g2, 4 * b + 2, L, cm, first, HK, G_ptr, a, bias, g_min, USE_GATE)
-        acc = _gamma_step(acc, g3, 4 * b + 3, L, cm, first, HK, G_ptr, a, bias, g_min, USE_GATE)
-        g0, g1, g2, g3 = n0, n1, n2, n3
-    if USE_BETA_SIG:
-        if p == 0:
-            r = tl.arange(0, 64)
-            _beta_sigmoid(beta_ptr, betan_ptr, t0, r, r < L, i_h, H)
 
 
 @triton.jit
@@ -223,16 +165,11 @@ def launch_prologue(g, G, q, k, qn, kn, beta, betan, alog, dtb, plan, H, K, BKF,
     prep_kw = dict(K=K, BKF=BKF, USE_GATE=use_gate, USE_BETA_SIG=use_beta_sigmoid, EPS=L2_EPS,
                    num_warps=4 if BKF <= 64 else 8)
     if L2_ROWS and use_l2:
-        gate_args = (g, G, beta, betan, alog, dtb, plan.cu, plan.chunk_idx, H, g_min)
-        if GATE_ROWS:
-            BKr = min(GATE_ROWS_BK, BKF)
-            nkb = triton.cdiv(K, BKr)
-            _gate_rows_kernel[part_grid(NT, H, nkb)](*gate_args, K=K, BK=BKr, NKB=nkb, USE_GATE=use_gate,
-                                                     USE_BETA_SIG=use_beta_sigmoid, num_warps=max(1, BKr // 32))
-        else:
-            nkb = triton.cdiv(K, BK)
-            _gate_cols_kernel[part_grid(NT, H, nkb)](*gate_args, K=K, BK=BK, NKB=nkb, USE_GATE=use_gate,
-                                                     USE_BETA_SIG=use_beta_sigmoid, num_warps=GATE_COLS_WARPS)
+        nkb = triton.cdiv(K, BK)
+        _gate_cols_kernel[part_grid(NT, H, nkb)](
+            g, G, beta, betan, alog, dtb, plan.cu, plan.chunk_idx, H, g_min,
+            K=K, BK=BK, NKB=nkb, USE_GATE=use_gate, USE_BETA_SIG=use_beta_sigmoid, num_warps=GATE_COLS_WARPS,
+        )
         rows, (BR, warps_r) = q.numel() // K, L2_ROWS_CONFIG
         _l2_norm_rows_kernel[(triton.cdiv(rows, BR), 2)](q, k, qn, kn, rows, K=K, BKF=BKF, BR=BR, EPS=L2_EPS,
                                                          num_warps=warps_r)

@@ -214,12 +214,12 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
               K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr, EPS: gl.constexpr,
               DK_SM: gl.constexpr, dkr_s):
     """The consumer partition: every item's products and epilogue (module docstring), the two warpgroups splitting
-    the key columns. The epilogue runs in two parts: the row side's (dq complete, dGamma's and dk's row terms added to
-    their partials in global memory, dbeta complete) between the row and the column products, the column side's
-    after them. The row side's two [64, 128] accumulators are then not held through the column products, and no
-    epilogue meets more than two: no spills in the sm_90 compile, against 498 B with one epilogue after both sides,
-    for a second read-modify-write of the partial dGamma and dk (H200, K3's shape: 2.84 -> 2.64 ms, twenty-first
-    session)."""
+    the key columns. The epilogue runs in two parts: the row side's (dq complete, dGamma's row terms reduced into its
+    partial in global memory, dk's kept in dkr_s (``DK_SMEM``) or added to its partial, dbeta complete) between the
+    row and the column products, the column side's after them. The row side's two [64, 128] accumulators are then
+    not held through the column products, and no epilogue meets more than two: no spills in the sm_90 compile
+    (4 B since ``DK_SMEM``), against 498 B with one epilogue after both sides (H200, K3's shape: 2.84 -> 2.64 ms,
+    twenty-first session)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
     AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     BL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 2], [1, 0])  # the [16, K] right operands

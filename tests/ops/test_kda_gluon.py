@@ -230,16 +230,18 @@ def test_gluon_state_gradient_scan_equals_the_triton_kernel(lengths, H, with_sta
         assert d <= 2e-3 * r.abs().max(), (name, d.item())
 
 
-@pytest.mark.parametrize("fused,dk_smem", [(True, True), (True, False), (False, True)],
-                         ids=["fused", "fused-dk-global", "unfused"])
+@pytest.mark.parametrize("fused,dk_smem,beta_early", [(True, True, False), (True, False, False), (False, True, False),
+                                                      (True, True, True)],
+                         ids=["fused", "fused-dk-global", "unfused", "fused-beta-early"])
 @pytest.mark.parametrize("lengths,H,npart", [([1, 63, 64, 65, 130, 7], 2, 3), ([200], 3, 1),
                                              ([1, 63, 64, 65, 130, 7], 2, 1)])
-def test_gluon_intra_backward_equals_the_triton_kernel(monkeypatch, lengths, H, npart, fused, dk_smem):
+def test_gluon_intra_backward_equals_the_triton_kernel(monkeypatch, lengths, H, npart, fused, dk_smem, beta_early):
     """The backward's intra-chunk gradients (kernel 4, then the suffix-sum pass, through ``bwd_intra``) with the
     Gluon kernel against the Triton "rows" kernel: varlen batches with partial chunks and one-token sequences (a
     chunk's TMA tiles run into the next sequence), per-token decays up to the bound, dA as three partials or one
     (dbeta then updated in place), with the fused L2 norm, sigmoid and gate chain rules and without, dk's row term
-    through shared memory (``DK_SMEM``, one partial only) or global memory. Every gradient within
+    through shared memory (``DK_SMEM``, one partial only) or global memory, the column side's beta loaded per tile or
+    at the item's start (``BETA_EARLY``). Every gradient within
     2e-3 (relative RMS) of the Triton kernel's on the GPU, where its products are tf32 and the Gluon kernel's three
     16-bit ones (about 16 mantissa bits); on the CPU, where the interpreter's products are fp32, within 1e-4 (the
     emulated kernel: 4e-5 at most; every rescale between tiles off by 1e-3 moves dq by 1.8e-4)."""
@@ -263,6 +265,7 @@ def test_gluon_intra_backward_equals_the_triton_kernel(monkeypatch, lengths, H, 
                           use_beta_sigmoid=True) if fused else None
     here = _run_here()
     monkeypatch.setattr(gluon_bwd_intra, "DK_SMEM", dk_smem)
+    monkeypatch.setattr(gluon_bwd_intra, "BETA_EARLY", beta_early)
 
     class Emulated:  # the Gluon module as ``bwd_intra`` finds it, launched here (on the CPU: the emulator)
         supported = staticmethod(gluon_bwd_intra.supported)

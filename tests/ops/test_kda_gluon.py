@@ -23,7 +23,8 @@ if __name__ != "__main__":  # (the sm_90 compile step below runs without the int
     triton = require_triton_kernels()
 import triton.language as tl  # noqa: E402
 
-from kimik3.ops.kda import gluon_bwd_intra, gluon_bwd_scan, gluon_bwd_wy, gluon_phase_a, gluon_scan, gluon_wy  # noqa: E402
+from kimik3.ops.kda import (gluon_bwd_intra, gluon_bwd_scan, gluon_bwd_wy, gluon_local_wy, gluon_phase_a,  # noqa: E402
+                             gluon_scan, gluon_wy)
 from kimik3.ops.kda import triton_forward as tf  # noqa: E402
 from kimik3.ops.kda.triton_backward import _bwd_dh_kernel, _drv_kernel, _dvn_local_kernel  # noqa: E402
 from kimik3.ops.kda.triton_scan import _fwd_h_kernel, part_grid  # noqa: E402
@@ -176,6 +177,148 @@ def test_gluon_scan_equals_the_triton_kernel(lengths, H, V, with_states, shared,
         assert not o.float().isnan().any(), f"{name}: {int(o.float().isnan().sum())} elements unwritten"
         d = (r.float() - o.float()).abs().max()
         assert d <= 2.0**-8 * r.float().abs().max(), (name, d.item())
+
+
+@pytest.mark.parametrize("store,o_dtype", [(True, torch.float32), (False, torch.float32), (False, torch.bfloat16)])
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("lengths,H,V,with_states", [([1, 63, 64, 65, 130, 7], 2, 128, True), ([200], 1, 64, False)])
+def test_gluon_scan_with_the_output_equals_the_output_kernel(lengths, H, V, with_states, shared, store, o_dtype,
+                                                             monkeypatch):
+    """The scan computing the output itself (``launch(qg=, aqk=, o=)``) against ``_output_kernel`` run on the
+    states-only scan's stored states and v_new (which the test above holds to the Triton scan): every output row
+    written and equal to the output kernel's to fp32 summation order (an fp32 o, where the remainders' products, 2^-9
+    of the output, show) or within one bf16 rounding (a bf16 o); store: the stored states, v_new and final state as
+    well, bit-identical to the states-only scan's (the output's products leave the chain alone), else none stored.
+    Varlen with partial chunks and one-token sequences (a chunk's qg tile then runs into the next sequence), V = 128
+    and 64, both CTA forms."""
+    from kimik3.ops.kda.triton_scan import _output_kernel
+
+    monkeypatch.setattr(gluon_scan, "SHARED_HALVES", shared)
+    plan, w, kg, u, eg, h0 = _scan_inputs(lengths, H, V, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    K, N, T = 128, len(lengths), sum(lengths)
+    qg = (torch.randn(1, T, H, K, generator=gen) * 0.1).bfloat16().to(DEV)
+    aqk = (torch.randn(plan.NT, H, 64, 64, generator=gen).tril() * 0.2).to(DEV)
+    scale = K**-0.5
+    launcher = {k: v for k, v in _run_here().items() if k == "launcher"}
+
+    def states():
+        return (torch.full((plan.NT, H, K, V), float("nan"), device=DEV).bfloat16(),
+                torch.full((1, T, H, V), float("nan"), device=DEV),
+                torch.full((N, H, K, V), float("nan"), device=DEV) if with_states else None)
+
+    h, vn, ht = states()
+    gluon_scan.launch(kg, eg, w, u, h0 if with_states else None, h, vn, ht, plan, H, K, V, **launcher)
+    o_ref = torch.full((1, T, H, V), float("nan"), device=DEV, dtype=o_dtype)
+    _output_kernel[(V // 64, plan.NT, H)](qg, aqk, h, vn, o_ref, plan.cu, plan.chunk_idx, H, scale, K=K, V=V, BKF=K,
+                                          BV=64, PREC="tf32", DT=tl.bfloat16, HILO=True, num_warps=4)
+    o = torch.full_like(o_ref, float("nan"))
+    h1, vn1, ht1 = states()
+    gluon_scan.launch(kg, eg, w, u, h0 if with_states else None, h1 if store else None, vn1 if store else None, ht1,
+                      plan, H, K, V, qg=qg, aqk=aqk, o=o, scale=scale, **launcher)
+    assert not o.float().isnan().any(), f"o: {int(o.float().isnan().sum())} elements unwritten"
+    d = (o_ref.float() - o.float()).abs()
+    if o_dtype == torch.float32:
+        assert d.max() <= 1e-5 * o_ref.abs().max(), d.max().item()
+    else:
+        assert (d <= 2.0**-7 * o_ref.float().abs() + 1e-5 * o_ref.float().abs().max()).all(), d.max().item()
+    if store:
+        assert torch.equal(h1, h) and torch.equal(vn1, vn)
+    else:
+        assert h1.float().isnan().all() and vn1.isnan().all()  # nothing stored
+    assert ht1 is None or torch.equal(ht1, ht)
+    assert gluon_scan.supported(w, kg, u, None, True, qg) in (None, "a Hopper GPU (sm_90)")
+
+
+class _Emulated:
+    """A Gluon kernel module as the forward finds it, its launches run here (on the CPU: through the emulator)."""
+
+    def __init__(self, module, persistent: bool):
+        self.module, self.persistent = module, persistent
+
+    def launch(self, *a, **kw):
+        here = _run_here()
+        self.module.launch(*a, **kw, **(here if self.persistent else {k: v for k, v in here.items() if k == "launcher"}))
+
+
+@pytest.mark.parametrize("lengths,H,with_states", [([1, 63, 64, 65, 130, 7], 2, True), ([200], 1, False)])
+def test_local_forward_equals_the_training_forward(lengths, H, with_states):
+    """The forward alone on the local path (``triton_local.forward_local``: the gate, Gamma, the q / k L2 norms and
+    beta's sigmoid computed inside ``_local_a_kernel`` and ``gluon_local_wy`` from the raw inputs, the output in the
+    scan) against the forward the backward runs after (the prologue written and read back, the output kernel) on the
+    same raw K3-contract inputs: every output and final state written, the outputs within 1e-2 relative RMS (the
+    training forward rounds the normalised q, k to bf16 before its products, the local path does not), the states
+    within 5e-3; and both against the fp32 token loop. Varlen with partial chunks and one-token sequences; gates to
+    the bound."""
+    from kimik3.ops.kda import _torch_preactivations, naive_recurrent_kda, triton_local
+
+    gen = torch.Generator().manual_seed(3)
+    K = V = 128
+    N, T = len(lengths), sum(lengths)
+    plan = _packed_plan(lengths)
+    q, k, v = (torch.randn(1, T, H, K, generator=gen).bfloat16().to(DEV) for _ in range(3))
+    z = (torch.randn(1, T, H, K, generator=gen) * 4).bfloat16().to(DEV)  # (sigmoids near 1: gates near -5)
+    b = torch.randn(1, T, H, generator=gen).bfloat16().to(DEV)
+    a_log = torch.log(torch.empty(H).uniform_(1, 16, generator=gen)).to(DEV)
+    dtb = (torch.randn(H, K, generator=gen) * 0.5).to(DEV)
+    h0 = torch.randn(N, H, K, V, generator=gen).to(DEV) if with_states else None
+    scale = K**-0.5
+    kw = dict(A_log=a_log, dt_bias=dtb, g_min=-5.0, use_gate=True, use_l2=True, use_beta_sigmoid=True)
+    o_ref, s_ref = tf.kda_fwd_triton(q, k, v, z, b, scale, h0, with_states, plan, return_aux=True, **kw)[:2]
+    o = torch.full_like(o_ref, float("nan"))
+    ht = torch.full((N, H, K, V), float("nan"), device=DEV) if with_states else None
+    triton_local.forward_local(q, k, v, z, b, a_log, dtb, -5.0, scale, h0, o, ht, plan,
+                               _Emulated(gluon_local_wy, True), _Emulated(gluon_scan, False), solve=tf.SOLVE)
+    rel = lambda a, r: ((a.float() - r.float()).norm() / r.float().norm()).item()  # noqa: E731
+    assert not o.float().isnan().any() and rel(o, o_ref) < 1e-2, rel(o, o_ref)
+    qq, kk, gg, bb = _torch_preactivations(q.float(), k.float(), z.float(), b.float(), a_log, dtb, -5.0, True, True,
+                                           True)
+    o_f, s_f = naive_recurrent_kda(qq, kk, v.float(), gg, bb, scale=scale, initial_state=h0, output_final_state=True,
+                                   cu_seqlens=plan.cu)
+    assert rel(o, o_f) <= 1.1 * rel(o_ref, o_f) + 1e-3, (rel(o, o_f), rel(o_ref, o_f))
+    if with_states:
+        assert not ht.isnan().any() and rel(ht, s_ref) < 5e-3 and rel(ht, s_f) <= 1.1 * rel(s_ref, s_f) + 1e-3
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the whole forward on the Gluon kernels needs sm_90")
+@pytest.mark.parametrize("grad", [False, True])
+def test_gpu_forward_computes_the_output_in_the_scan(grad, monkeypatch):
+    """``chunk_kda`` under K3's contract (bf16, B1 T2048 H8 D128, varlen) with the Gluon kernels forced on at this
+    size: the output computed in the scan (``GLUON_SCAN_OUT``) against the output kernel after it, and against the
+    fp32 torch path. grad: with the backward (the scan then stores the states and v_new; the same function as the
+    output kernel's run: outputs within 2e-3 relative RMS, bf16 outputs summed in another order, the same final
+    states, gradients within 2e-3); else a forward alone, which takes the local path (``triton_local``: nothing per
+    chunk stored, the normalised q, k never rounded to bf16 on their own: within 1e-2 of the other run)."""
+    from kimik3.ops.kda import chunk_kda
+
+    monkeypatch.setattr(tf, "GLUON_MIN_ITEMS", 0)
+    monkeypatch.setattr(tf, "GLUON_SCAN_MIN_ITEMS", 0)
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    T, H, D = 2048, 8, 128
+    xs = [torch.randn(1, T, H, D, generator=gen, device=DEV).bfloat16() for _ in range(4)]
+    xs.append(torch.randn(1, T, H, generator=gen, device=DEV).bfloat16())
+    a_log = torch.log(torch.empty(H, device=DEV).uniform_(1, 16, generator=gen))
+    dtb = torch.randn(H, D, generator=gen, device=DEV) * 0.5
+    cu = cu_seqlens([700, 1, 1347], DEV)
+    do = torch.randn(1, T, H, D, generator=gen, device=DEV).bfloat16()
+    kw = dict(A_log=a_log, dt_bias=dtb, lower_bound=-5.0, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, cu_seqlens=cu, output_final_state=True)
+
+    def run(backend, fused_out):
+        monkeypatch.setattr(tf, "GLUON_SCAN_OUT", fused_out)
+        leaves = [x.clone().requires_grad_(grad) for x in xs]
+        o, s = chunk_kda(*(x.float() if backend == "torch" else x for x in leaves), backend=backend, **kw)
+        grads = torch.autograd.grad(o, leaves, do.to(o.dtype)) if grad else ()
+        return o, s, grads
+
+    (o1, s1, g1), (o0, s0, g0), (o_ref, s_ref, _) = run("triton", True), run("triton", False), run("torch", False)
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    assert not o1.isnan().any() and rel(o1, o0) < (2e-3 if grad else 1e-2) and rel(o1, o_ref) < 1e-2
+    assert rel(s1, s_ref) < 5e-3
+    if grad:
+        assert torch.equal(s1, s0)  # (the chain is the same either way)
+    for a, b in zip(g1, g0):
+        assert rel(a, b) < 2e-3
 
 
 @pytest.mark.parametrize("local,drv", [(True, False), (False, False), (True, True)])
@@ -430,11 +573,13 @@ def test_gluon_kernels_compile_for_sm90(tmp_path):
     from tests.gluon_emulator import last_json_line, run_without_interpreter
 
     rows = last_json_line(run_without_interpreter(["-m", "tests.ops.test_kda_gluon"], tmp_path))
-    ctas_per_sm = (gluon_wy.CTAS_PER_SM, gluon_phase_a.CTAS_PER_SM, 1 if gluon_scan.SHARED_HALVES else 2, 1,
-                   gluon_bwd_intra.CTAS_PER_SM, gluon_bwd_wy.CTAS_PER_SM)
-    spill_limits = (0, 0, 0, 256 if gluon_bwd_scan.FUSE_DRV else 0, INTRA_BWD_SPILL_LIMIT,
-                    WY_BWD_SPILL_LIMIT)
-    names = ("phase C", "phase A", "scan", "state-gradient scan", "intra backward", "WY backward")
+    scan_ctas = 1 if gluon_scan.SHARED_HALVES else 2
+    ctas_per_sm = (gluon_wy.CTAS_PER_SM, gluon_phase_a.CTAS_PER_SM, scan_ctas, scan_ctas, scan_ctas, 1,
+                   gluon_bwd_intra.CTAS_PER_SM, gluon_bwd_wy.CTAS_PER_SM, gluon_local_wy.CTAS_PER_SM)
+    spill_limits = (0, 0, 0, 0, 0, 256 if gluon_bwd_scan.FUSE_DRV else 0, INTRA_BWD_SPILL_LIMIT,
+                    WY_BWD_SPILL_LIMIT, 0)
+    names = ("phase C", "phase A", "scan", "scan with the output, storing", "scan with the output alone",
+             "state-gradient scan", "intra backward", "WY backward", "phase C with the prologue")
     assert len(rows) == len(names)
     for name, row, ctas, spill in zip(names, rows, ctas_per_sm, spill_limits):
         assert row["spill_store_bytes"] <= spill and row["spill_load_bytes"] <= spill, (name, row)
@@ -495,8 +640,12 @@ if __name__ == "__main__":  # the compile step of test_gluon_kernels_compile_for
     gluon_wy.launch(q, k, v, G, beta, tinv, *_outputs(q, plan, 2, 128), plan, 2, 128, **compile_only)
     gluon_phase_a.launch(q, k, G, beta, tinv, tinv.clone(), plan, 2, 128, **compile_only)
     plan, w, kg, u, eg, h0 = _scan_inputs([128, 70], 2, 128)
-    gluon_scan.launch(kg, eg, w, u, h0, torch.zeros(plan.NT, 2, 128, 128).bfloat16(), u.clone(), h0.clone(), plan, 2,
-                      128, 128, launcher=compile_only["launcher"])
+    h = torch.zeros(plan.NT, 2, 128, 128).bfloat16()
+    gluon_scan.launch(kg, eg, w, u, h0, h, u.clone(), h0.clone(), plan, 2, 128, 128, launcher=compile_only["launcher"])
+    out = dict(qg=w.clone(), aqk=torch.zeros(plan.NT, 2, 64, 64), o=w.clone(), scale=0.088,
+               launcher=compile_only["launcher"])  # (the training forward's form, then the forward alone's)
+    gluon_scan.launch(kg, eg, w, u, h0, h, u.clone(), h0.clone(), plan, 2, 128, 128, **out)
+    gluon_scan.launch(kg, eg, w, u, None, None, None, None, plan, 2, 128, 128, **out)
     dh = torch.zeros(plan.NT, 2, 128, 128)
     gluon_bwd_scan.launch(w, kg, eg, w, kg, h0, dh, u, h0.clone(), plan, 2, 0.088, 0.0625,
                           aqk=torch.zeros(plan.NT, 2, 64, 64) if gluon_bwd_scan.FUSE_LOCAL else None,
@@ -515,5 +664,8 @@ if __name__ == "__main__":  # the compile step of test_gluon_kernels_compile_for
     gluon_bwd_wy.launch(q, k, v, G, b, q.clone(), f32, st16, st32, f32.clone(), f32.clone(), q.clone(), f32.clone(),
                         f32.clone(), f32.clone(), v.clone(), b.clone(), m64, m64.clone(), plan, 2, 0.088,
                         **compile_only)
+    q, k, v, z = (torch.randn(1, T, 2, 128).bfloat16() for _ in range(4))
+    gluon_local_wy.launch(q, k, v, z, b, torch.zeros(2), torch.zeros(2 * 128), m64, q.clone(), f32.clone(), q.clone(),
+                          q.clone(), torch.zeros(plan.NT, 2, 128), plan, 2, -5.0, 1e-6, **compile_only)
     print(json.dumps([{k: row[k] for k in ("registers", "num_warps", "shared_bytes", "spill_store_bytes",
                                            "spill_load_bytes")} for row in compiler.rows]))

@@ -64,29 +64,37 @@ def _sequence(cu_ptr, coff_ptr, H):
 
 
 @gluon.jit
-def _loader(ready, empty, w_s, g_s, w_d, g_d, cu_ptr, coff_ptr, H, K: gl.constexpr):
-    """The loader partition: chunk c's W and kg tiles (both K halves) once the consumer has freed the slot."""
+def _loader(ready, empty, w_s, g_s, q_s, a_s, w_d, g_d, q_d, a_d, cu_ptr, coff_ptr, H, K: gl.constexpr,
+            OUT: gl.constexpr):
+    """The loader partition: chunk c's W and kg tiles (both K halves), and with the output (OUT) its qg tiles and
+    its Aqk (fp32), once the consumers have freed the slot."""
     i_h, bos, eos, nc, coff = _sequence(cu_ptr, coff_ptr, H)
     for c in range(nc):
         slot = _wait_slot(empty, c, 1)
         bar = ready.index(slot)
-        mbarrier.expect(bar, 4 * 64 * 64 * 2)
+        mbarrier.expect(bar, (8 if OUT else 4) * 64 * 64 * 2)  # (Aqk: two bf16 tiles' bytes)
         t0 = bos + c * 64
+        if OUT:
+            tma.async_copy_global_to_shared(a_d, [((coff + c) * H + i_h) * 64, 0], bar, a_s.index(slot))
         for kb in gl.static_range(2):
             tma.async_copy_global_to_shared(w_d, [t0, i_h * K + kb * 64], bar, w_s.index(2 * slot + kb))
             tma.async_copy_global_to_shared(g_d, [t0, i_h * K + kb * 64], bar, g_s.index(2 * slot + kb))
+            if OUT:
+                tma.async_copy_global_to_shared(q_d, [t0, i_h * K + kb * 64], bar, q_s.index(2 * slot + kb))
 
 
 @gluon.jit
-def _consumer(ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr, H,
-              K: gl.constexpr, V: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, NW: gl.constexpr,
-              HALF: gl.constexpr, NHALF: gl.constexpr):
+def _consumer(ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, o_ptr, scale, cu_ptr,
+              coff_ptr, H, K: gl.constexpr, V: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
+              NW: gl.constexpr, HALF: gl.constexpr, NHALF: gl.constexpr, OUT: gl.constexpr, STORE: gl.constexpr):
     """A consumer partition: the scan's chain for 64 V columns, chunk by chunk (module docstring); the CTA's HALF-th
-    of its NHALF column blocks."""
+    of its NHALF column blocks. OUT: also the chunk's output o = scale (qg S + Aqk v_new), its products issued where
+    the chain waits. STORE: store each chunk's entry state and v_new (what the backward reads)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, 64, 16])
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))  # tile rows (tokens, or state rows) and V columns
     col0 = (gl.program_id(0) * NHALF + HALF) * 64
     cv = col0 + gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
+    AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)  # Aqk as a left operand
     i_h, bos, eos, nc, coff = _sequence(cu_ptr, coff_ptr, H)
     tile = gl.expand_dims(r, 1) * V + gl.expand_dims(cv, 0)  # a [64, 64] block of a [K, V] state
     state = gl.program_id(1).to(gl.int64) * (K * V)  # this sequence and head's state in [N, H, K, V]
@@ -104,20 +112,30 @@ def _consumer(ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr
         ch = (coff + c) * H + i_h  # the global chunk's (chunk, head) index
         eg_top = gl.expand_dims(gl.load(eg_ptr + ch * K + r), 1)
         eg_bot = gl.expand_dims(gl.load(eg_ptr + ch * K + 64 + r), 1)
-        # the state entering the chunk: its 16-bit copy is the next product's operand and the stored state
-        tma.store_wait(0)  # the previous chunk's state stores have read hs
+        # the state entering the chunk: its 16-bit copy is the next products' operand (and, STORE, the stored state)
+        if STORE:
+            tma.store_wait(0)  # the previous chunk's state stores have read hs
         hs.index(0).store(h_top.to(gl.bfloat16))
         hs.index(1).store(h_bot.to(gl.bfloat16))
         fence_async_shared()
-        tma.async_copy_shared_to_global(h_d, [ch * K, col0], hs.index(0))
-        tma.async_copy_shared_to_global(h_d, [ch * K + 64, col0], hs.index(1))
+        if STORE:
+            tma.async_copy_shared_to_global(h_d, [ch * K, col0], hs.index(0))
+            tma.async_copy_shared_to_global(h_d, [ch * K + 64, col0], hs.index(1))
         slot = _wait_slot(ready, c, 0)
         # v_new = U - W S, rows past the sequence zero (their W, kg rows belong to the next one)
         p = warpgroup_mma(w_s.index(2 * slot), hs.index(0), gl.zeros([64, 64], gl.float32, layout=MMA),
                           use_acc=False, is_async=True)
-        p = warpgroup_mma_wait(0, deps=[warpgroup_mma(w_s.index(2 * slot + 1), hs.index(1), p, is_async=True)])
+        p = warpgroup_mma(w_s.index(2 * slot + 1), hs.index(1), p, is_async=True)
+        if OUT:  # qg S, off the chain: it runs while v_new is formed
+            o = warpgroup_mma(q_s.index(2 * slot), hs.index(0), gl.zeros([64, 64], gl.float32, layout=MMA),
+                              use_acc=False, is_async=True)
+            o = warpgroup_mma(q_s.index(2 * slot + 1), hs.index(1), o, is_async=True)
+            p = warpgroup_mma_wait(2, deps=[p])
+        else:
+            p = warpgroup_mma_wait(0, deps=[p])
         v = gl.where(rows, u - p, 0.0)
-        gl.store(vn_ptr + tok, v, mask=rows)
+        if STORE:
+            gl.store(vn_ptr + tok, v, mask=rows)
         v_hi, v_lo = split16(v)
         vs.index(0).store(v_hi)
         vs.index(1).store(v_lo)
@@ -128,71 +146,107 @@ def _consumer(ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr
         h_bot = warpgroup_mma(g_s.index(2 * slot + 1).permute((1, 0)), vs.index(0), h_bot * eg_bot, is_async=True)
         h_top = warpgroup_mma(g_s.index(2 * slot).permute((1, 0)), vs.index(1), h_top, is_async=True)
         h_bot = warpgroup_mma(g_s.index(2 * slot + 1).permute((1, 0)), vs.index(1), h_bot, is_async=True)
-        h_top, h_bot = warpgroup_mma_wait(0, deps=[h_top, h_bot])
-        mbarrier.arrive(empty.index(slot), count=1)
-    tma.store_wait(0)
+        if OUT:  # + Aqk v_new (hi hi + hi lo + lo hi), behind the state update's products
+            a_hi, a_lo = split16(a_s.index(slot).load(AOP))
+            o = warpgroup_mma(a_hi, vs.index(0), o, is_async=True)
+            o = warpgroup_mma(a_hi, vs.index(1), o, is_async=True)
+            o = warpgroup_mma(a_lo, vs.index(0), o, is_async=True)
+            h_top, h_bot = warpgroup_mma_wait(3, deps=[h_top, h_bot])
+            fence_async_shared()  # (Aqk was read by plain loads) before the loader's next TMA write into the slot
+            mbarrier.arrive(empty.index(slot), count=1)  # the slot's tiles are read
+            o = warpgroup_mma_wait(0, deps=[o])
+            gl.store(o_ptr + tok, (o * scale).to(o_ptr.dtype.element_ty), mask=rows)
+        else:
+            h_top, h_bot = warpgroup_mma_wait(0, deps=[h_top, h_bot])
+            mbarrier.arrive(empty.index(slot), count=1)
+    if STORE:
+        tma.store_wait(0)
     if STORE_HT:
         gl.store(ht_ptr + state + tile, h_top)
         gl.store(ht_ptr + state + tile + 64 * V, h_bot)
 
 
 @gluon.jit
-def _gluon_scan_kernel(w_d, g_d, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr, H,
+def _gluon_scan_kernel(w_d, g_d, q_d, a_d, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, o_ptr, scale, cu_ptr, coff_ptr, H,
                        K: gl.constexpr, V: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
-                       RING: gl.constexpr, NHALF: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
+                       RING: gl.constexpr, NHALF: gl.constexpr, REGS: gl.constexpr, OUT: gl.constexpr,
+                       STORE: gl.constexpr, num_warps: gl.constexpr):
     """The scan over (V / (64 NHALF), N H) programs, each with NHALF consumer partitions (one per 64-column block of
-    V; two share the loader's W and kg tiles). w_d, g_d: TMA descriptors of [64, 64] tiles of W and kg as [tokens,
-    H K] bf16; h_d: of the states as [NT H K, V] bf16."""
+    V; two share the loader's W, kg and qg tiles). w_d, g_d, q_d: TMA descriptors of [64, 64] tiles of W, kg and qg
+    as [tokens, H K] bf16, and a_d of Aqk as [NT H 64, 64] fp32 (q_d, a_d read with OUT only); h_d: of the states as
+    [NT H K, V] bf16 (written with STORE only; its layout is the 16-bit operand buffers' either way)."""
     w_s = gl.allocate_shared_memory(gl.bfloat16, [2 * RING, 64, 64], w_d.layout)
     g_s = gl.allocate_shared_memory(gl.bfloat16, [2 * RING, 64, 64], g_d.layout)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [2 * RING if OUT else 1, 64, 64], q_d.layout)
+    a_s = gl.allocate_shared_memory(gl.float32, [RING if OUT else 1, 64, 64], a_d.layout)
     hs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)  # the state's two 64-row halves
     vs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)  # v_new's high part and remainder
     ready, empty = ring_barriers(RING, NHALF)  # every consumer releases a slot
     if NHALF == 1:
         gl.warp_specialize([
-            (_consumer, (ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr,
-                         H, K, V, HAS_H0, STORE_HT, num_warps, 0, NHALF)),
-            (_loader, (ready, empty, w_s, g_s, w_d, g_d, cu_ptr, coff_ptr, H, K)),
+            (_consumer, (ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, o_ptr,
+                         scale, cu_ptr, coff_ptr, H, K, V, HAS_H0, STORE_HT, num_warps, 0, NHALF, OUT, STORE)),
+            (_loader, (ready, empty, w_s, g_s, q_s, a_s, w_d, g_d, q_d, a_d, cu_ptr, coff_ptr, H, K, OUT)),
         ], [LOADER_WARPS], [LOADER_REGS])
     else:  # the second half's own state and v_new buffers
         hs2 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)
         vs2 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)
         gl.warp_specialize([
-            (_consumer, (ready, empty, w_s, g_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr,
-                         H, K, V, HAS_H0, STORE_HT, num_warps, 0, NHALF)),
-            (_consumer, (ready, empty, w_s, g_s, hs2, vs2, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, cu_ptr,
-                         coff_ptr, H, K, V, HAS_H0, STORE_HT, num_warps, 1, NHALF)),
-            (_loader, (ready, empty, w_s, g_s, w_d, g_d, cu_ptr, coff_ptr, H, K)),
+            (_consumer, (ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, o_ptr,
+                         scale, cu_ptr, coff_ptr, H, K, V, HAS_H0, STORE_HT, num_warps, 0, NHALF, OUT, STORE)),
+            (_consumer, (ready, empty, w_s, g_s, q_s, a_s, hs2, vs2, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, o_ptr,
+                         scale, cu_ptr, coff_ptr, H, K, V, HAS_H0, STORE_HT, num_warps, 1, NHALF, OUT, STORE)),
+            (_loader, (ready, empty, w_s, g_s, q_s, a_s, w_d, g_d, q_d, a_d, cu_ptr, coff_ptr, H, K, OUT)),
         ], [num_warps, LOADER_WARPS], [REGS, LOADER_REGS])
     release_ring(ready, empty)
 
 
-def supported(w: torch.Tensor, kg: torch.Tensor, u: torch.Tensor, h: torch.Tensor, hilo: bool) -> Optional[str]:
-    """None if this kernel runs the split forward's scan on these tensors, else why not (the Triton kernel runs)."""
+def supported(w: torch.Tensor, kg: torch.Tensor, u: torch.Tensor, h: Optional[torch.Tensor], hilo: bool,
+              qg: Optional[torch.Tensor] = None, aqk: Optional[torch.Tensor] = None) -> Optional[str]:
+    """None if this kernel runs the split forward's scan on these tensors, else why not (the Triton kernel runs). h:
+    the stored states (None: none stored, the output computed in the scan); qg, aqk: given when the scan may compute
+    the output."""
     K, V = w.shape[-1], u.shape[-1]
     if K != 128 or V % 64:
         return f"K = 128 and V a multiple of 64 (got K={K}, V={V})"
-    if (w.dtype, kg.dtype, u.dtype, h.dtype) != (torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16):
-        return "bf16 W, kg and stored states with fp32 U"
+    if (w.dtype, kg.dtype, u.dtype) != (torch.bfloat16, torch.bfloat16, torch.float32) or \
+            (h is not None and h.dtype != torch.bfloat16) or (qg is not None and qg.dtype != torch.bfloat16):
+        return "bf16 W, kg (qg) and stored states with fp32 U"
     if not hilo:
         return "v_new split into high and low parts (the variant's 'h')"
-    if h.numel() // V >= 2**31:  # the states' TMA stores address [NT H K, V] rows with 32-bit coordinates
+    if h is not None and h.numel() // V >= 2**31:  # the states' TMA stores address [NT H K, V] rows in 32 bits
         return "fewer than 2^31 rows of stored states (chunks x heads x K)"
+    if aqk is not None and aqk.numel() // 64 >= 2**31:  # Aqk's TMA loads address [NT H 64, 64] rows in 32 bits
+        return "fewer than 2^31 rows of Aqk (chunks x heads x 64)"
     return on_hopper(w)
 
 
-def launch(kg, eg, w, u, h0, h, vn, ht, plan, H: int, K: int, V: int, launcher: Optional[Callable] = None) -> None:
+def launch(kg, eg, w, u, h0, h, vn, ht, plan, H: int, K: int, V: int, qg=None, aqk=None, o=None, scale: float = 1.0,
+           launcher: Optional[Callable] = None) -> None:
     """The scan by ``_gluon_scan_kernel`` on ``triton_forward``'s tensors (token layout [B, T, H, D]; h as [NT, H, K,
-    V]; h0 / ht as [N, H, K, V] fp32 or None). launcher: how to run it (default: on the GPU;
-    ``tests/gluon_emulator.emulate`` on the CPU)."""
+    V]; h0 / ht as [N, H, K, V] fp32 or None).
+    - h, vn: where the chunks' entry states (bf16) and v_new (fp32) are stored, or both None to store neither;
+    - qg, aqk, o: with o given, the scan also computes the output o = scale (qg S + Aqk v_new) (qg bf16 in token
+      layout, Aqk as [NT, H, 64, 64] fp32, o in token layout), so the output kernel need not run.
+    launcher: how to run it (default: on the GPU; ``tests/gluon_emulator.emulate`` on the CPU)."""
+    if (h is None) != (vn is None):
+        raise ValueError("the scan stores the states h and v_new together, or neither")
+    out = o is not None
+    if out and (qg is None or aqk is None):
+        raise ValueError("the scan's output needs qg and Aqk")
+    if h is None and not out:
+        raise ValueError("a scan that stores no states must compute the output")
     tok = (w.numel() // (H * K), H * K)
-    args = (tile_descriptor(w, gl.bfloat16, tok), tile_descriptor(kg, gl.bfloat16, tok),
-            tile_descriptor(h, gl.bfloat16, (plan.NT * H * K, V)), u, eg, h0 if h0 is not None else u, vn,
-            ht if ht is not None else u, plan.cu, plan.chunk_off, H)
+    w_d = tile_descriptor(w, gl.bfloat16, tok)
+    args = (w_d, tile_descriptor(kg, gl.bfloat16, tok), tile_descriptor(qg, gl.bfloat16, tok) if out else w_d,
+            tile_descriptor(aqk if out else u, gl.float32, (-1, 64)),
+            tile_descriptor(h, gl.bfloat16, (plan.NT * H * K, V)) if h is not None else w_d, u, eg,
+            h0 if h0 is not None else u, vn if vn is not None else u, ht if ht is not None else u,
+            o if out else u, float(scale), plan.cu, plan.chunk_off, H)
     nhalf = 2 if SHARED_HALVES and V % 128 == 0 else 1
     grid = (V // (64 * nhalf), plan.N * H)
     meta = dict(K=K, V=V, HAS_H0=h0 is not None, STORE_HT=ht is not None, RING=RING, NHALF=nhalf, REGS=CONSUMER_REGS,
-                num_warps=CONSUMER_WARPS,
+                OUT=out, STORE=h is not None, num_warps=CONSUMER_WARPS,
                 **launch_options(MAXNREG if nhalf == 1 else MAXNREG_SHARED))
     if launcher is None:
         _gluon_scan_kernel[grid](*args, **meta)

@@ -392,20 +392,6 @@ def _reduce(inputs, axis, combine_fn, keep_dims=False, **_):
     return Tile(acc[0]) if single else tuple(Tile(a) for a in acc)
 
 
-def _scan(inputs, axis, combine_fn, reverse=False, **_):
-    """``gl.associative_scan``: the running combine_fn (a jit function of the running result and the next slice) of
-    one tile along axis, slice by slice in order (from the last slice when reverse)."""
-    t = _val(inputs)
-    axis = int(_val(axis))
-    order = range(t.shape[axis] - 1, -1, -1) if _val(reverse) else range(t.shape[axis])
-    out, acc = torch.empty_like(t), None
-    for i in order:
-        x = t.select(axis, i)
-        acc = x if acc is None else _val(combine_fn(Tile(acc), Tile(x)))
-        out.select(axis, i).copy_(acc)
-    return Tile(out)
-
-
 def _int32(x: int) -> Tile:
     """A scalar as the int32 tensor a kernel's program id is."""
     return Tile(torch.tensor(x, dtype=torch.int32))
@@ -481,7 +467,6 @@ def _patched(machine: _Machine, fn_globals: dict):
         "minimum": _unwrapped(torch.minimum),
         "sum": lambda x, axis=None, **_: Tile(_val(x).sum(int(_val(axis))) if axis is not None else _val(x).sum()),
         "reduce": _reduce,
-        "associative_scan": _scan,
         "max": lambda x, axis=None, **_: Tile(_val(x).amax(int(_val(axis))) if axis is not None else _val(x).max()),
         "static_range": lambda *a, **_: range(*[int(_val(x)) for x in a]),
         "allocate_shared_memory": _shared_alloc,

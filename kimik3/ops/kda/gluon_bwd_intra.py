@@ -70,10 +70,6 @@ CTAS_PER_SM = 1
 # the partial dk in global memory and loaded back: one load and one store of the partial fewer per item. H200, K3's
 # shape, same run: the kernel 2.548 -> 2.470 ms (flat at B4 T4096 H64: 3.311 -> 3.306). False: through global memory.
 DK_SMEM = True
-# The column side's four 16-row slices of beta loaded at the item's start, with the row side's beta, instead of each
-# in its tile's step of the column products (four global loads off the item's chain, four registers held). Prepared
-# offline (emulator-tested, sm_90-compiled), untimed: off.
-BETA_EARLY = False
 NREF = gl.constexpr(8)  # Gamma's reference rows per item: the 4 tiles' first tokens, then their last
 
 
@@ -222,7 +218,7 @@ def _store_dbeta(db, dbeta_in_ptr, dbeta_ptr, br_ptr, bo, r, L, part_beta, NPART
 def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_s, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
               dbeta_in_ptr, dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, n_items, H, part_beta,
               K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr, EPS: gl.constexpr,
-              DK_SM: gl.constexpr, dkr_s, B_EARLY: gl.constexpr):
+              DK_SM: gl.constexpr, dkr_s):
     """The consumer partition: every item's products and epilogue (module docstring), the two warpgroups splitting
     the key columns. The epilogue runs in two parts: the row side's (dq complete, dGamma's row terms reduced into its
     partial in global memory, dk's kept in dkr_s (``DK_SMEM``) or added to its partial, dbeta complete) between the
@@ -242,11 +238,6 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
         i_t, i_h, _, t0, L = _item(pid + i * nprog, H, cidx_ptr, cu_ptr, 1)
         bo = (t0 + r).to(gl.int64) * H + i_h  # the item's per-token scalars, loaded before its tiles are waited for
         beta = gl.expand_dims(gl.load(beta_ptr + bo, mask=r < L, other=0.0).to(gl.float32), 1)
-        if B_EARLY:  # (``BETA_EARLY``) the column side's slices, tile m's at rows [16 m, 16 m + 16)
-            beta0 = _beta_rows(beta_ptr, t0, r16, L, H, i_h)
-            beta1 = _beta_rows(beta_ptr, t0, 16 + r16, L, H, i_h)
-            beta2 = _beta_rows(beta_ptr, t0, 32 + r16, L, H, i_h)
-            beta3 = _beta_rows(beta_ptr, t0, 48 + r16, L, H, i_h)
         ts = _wait_slot(t_ready, i, 0)
         ms = _wait_slot(m_ready, i, 0)
         Gs = G_s.index(ts)
@@ -297,16 +288,7 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
             tok = m * 16 + r16
             valid = gl.expand_dims(tok < L, 1)
             f = gl.exp(Gs.slice(m * 16, 16).load(BL) - refs_s.index(ref0 + 4 + m).load(BL))  # in [1, e^75]
-            if not B_EARLY:
-                bm = _beta_rows(beta_ptr, t0, tok, L, H, i_h)
-            elif m == 3:
-                bm = beta3
-            elif m == 2:
-                bm = beta2
-            elif m == 1:
-                bm = beta1
-            else:
-                bm = beta0
+            bm = _beta_rows(beta_ptr, t0, tok, L, H, i_h)
             _b_parts(b_s, 0, gl.where(valid, qs.slice(m * 16, 16).load(BL).to(gl.float32) * f, 0.0))
             _b_parts(b_s, 2, gl.where(valid, ks.slice(m * 16, 16).load(BL).to(gl.float32) * f
                                       * gl.expand_dims(bm, 1), 0.0))
@@ -340,8 +322,7 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
 def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, dk_ptr, dG_ptr, dbeta_in_ptr,
                             dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, NT, H, part_rows,
                             part_beta, K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr,
-                            EPS: gl.constexpr, RING: gl.constexpr, DK_SM: gl.constexpr,
-                            B_EARLY: gl.constexpr, num_warps: gl.constexpr):
+                            EPS: gl.constexpr, RING: gl.constexpr, DK_SM: gl.constexpr, num_warps: gl.constexpr):
     """Kernel 4 over NT chunks x H heads (q_d, k_d, G_d: TMA descriptors of [64, K] tiles of q, k, Gamma as [tokens,
     H K], ref_d of Gamma's [1, K] rows; a_d, da_d: of dAqk as [NT H 64, 64] and dA's partials as [NPART NT H 64, 64],
     part_rows = NT H 64 apart)."""
@@ -359,7 +340,7 @@ def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, d
     gl.warp_specialize([
         (_consumer, (t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_s, beta_ptr, dq_ptr, dk_ptr,
                      dG_ptr, dbeta_in_ptr, dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, NT * H,
-                     H, part_beta, K, NPART, L2, BSIG, EPS, DK_SM, dkr_s, B_EARLY)),
+                     H, part_beta, K, NPART, L2, BSIG, EPS, DK_SM, dkr_s)),
         (_loader, (t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, q_d, k_d, G_d, ref_d, a_d, da_d,
                    cidx_ptr, cu_ptr, NT * H, H, part_rows, K, NPART)),
     ], [LOADER_WARPS], [LOADER_REGS])
@@ -398,4 +379,4 @@ def launch(q, k, G, beta, daqk, da, dq, dk, dG, dbeta_parts, dbeta, plan, H: int
             rows, dbeta_parts.numel() // npart)
     run_persistent(_gluon_bwd_intra_kernel, plan.NT * H, q.device, args, launcher, programs, CTAS_PER_SM, K=K,
                    NPART=npart, L2=l2, BSIG=bsig, EPS=eps, RING=TILE_RING, DK_SM=DK_SMEM and npart == 1,
-                   B_EARLY=BETA_EARLY, num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))
+                   num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))

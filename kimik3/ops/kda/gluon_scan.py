@@ -20,7 +20,18 @@ per SM for the 96 heads at K3's shape); otherwise one CTA per half, launched at 
 H96 D128), same runs: 0.500-0.505 ms shared, 0.519-0.524 per half at two CTAs per SM (0.701 at one), against the
 Triton scan's 0.561. Loading U a chunk ahead (registers) was timed and gave nothing (0.505 against 0.498).
 
-It applies where ``supported`` says (sm_90, bf16 W and kg, fp32 U, K = 128, V a multiple of 64, 16-bit stored
+With the output (``OUT``, ``launch(qg=, aqk=, o=)``; ``triton_forward.GLUON_SCAN_OUT``) the scan also computes
+o = scale (qg S + Aqk v_new), so the parallel output kernel does not run and nothing it would read (the stored
+states, v_new) has to be stored for it. The output is off the chain, so its products go where the chain waits:
+qg S is issued right after W S and runs while v_new is formed, and Aqk v_new (Aqk's 16-bit high and low parts from
+a fourth ring tile, fp32, read into registers) is issued behind the state update's products; the slot goes back once
+the state's products are done. ``STORE`` (the forward the backward runs after) keeps storing the states and v_new.
+H200, bf16 (twenty-third session): at K3's shape the scan and the output kernel, 0.48 + 0.39 ms, became one kernel
+of 0.564 ms (torch.profiler, the forward alone's form); the forward 2.627 -> 2.311 ms, forward+backward 8.248 ->
+8.076 in the same run; at B4 T4096 H64 3.415 -> 2.897 and 10.666 -> 10.320. sm_90 compile: 197 KB of shared memory,
+no spill (Aqk loaded from global memory into registers at the chunk's top instead spilled 112 B).
+
+It applies where ``supported`` says (sm_90, bf16 W, kg, qg and fp32 U, K = 128, V a multiple of 64, 16-bit stored
 states), as ``triton_forward.GLUON_SCAN`` selects. CI runs it through ``tests/gluon_emulator.py`` and compiles it
 for sm_90.
 """

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_local, triton_prologue
+from . import triton_prologue
 from .triton_intra16 import _diag16_kernel, _intra16_kernel
 from .triton_scan import (_chunk_beta, _chunk_part, _fwd_h_kernel, _output_kernel, _state_out_kernel, part_grid,
                           states_dtype)
@@ -129,17 +129,11 @@ GLUON_SCAN = os.environ.get("KIMIK3_KDA_GLUON_SCAN", "1") == "1"
 GLUON_SCAN_MIN_ITEMS = 6144
 # The output o = scale (qg S + Aqk v_new) computed by the Gluon scan itself (``gluon_scan.py``, OUT: qg S while
 # v_new is formed, Aqk v_new behind the state update's products) where that scan runs, instead of by the parallel
-# ``_output_kernel`` after it; a forward without the backward then stores no per-chunk state or v_new at all.
-# KIMIK3_KDA_GLUON_SCAN_OUT=0: the output kernel.
+# ``_output_kernel`` after it; a forward without the backward then stores no per-chunk state or v_new at all. H200,
+# same runs: forward 2.627 -> 2.311 ms and forward+backward 8.248 -> 8.076 at K3's shape, 3.415 -> 2.897 and 10.666
+# -> 10.320 at B4 T4096 H64 (outputs 2.6e-5 relative RMS apart, gradients identical). KIMIK3_KDA_GLUON_SCAN_OUT=0:
+# the output kernel.
 GLUON_SCAN_OUT = os.environ.get("KIMIK3_KDA_GLUON_SCAN_OUT", "1") == "1"
-# A forward alone (no backward to feed) under K3's contract (gate, q / k L2 norms and beta's sigmoid fused; bf16,
-# K = V = 128, the default variant and kernel forms) takes the local path where its Gluon kernels run
-# (``triton_local.py``): the prologue is computed inside the chunk kernels from the raw inputs instead of written
-# (Gamma, normalised q, k) and read back, phases A and B are one Triton kernel per (chunk, head), phase C is
-# ``gluon_local_wy`` and the scan computes the output. KIMIK3_KDA_LOCAL_FWD=0: the prologue and phases as for training.
-LOCAL_FWD = os.environ.get("KIMIK3_KDA_LOCAL_FWD", "1") == "1"
-# num_warps of ``triton_local._local_a_kernel`` (8: 214 registers, no spill, one CTA per SM; 4 spills at 255)
-LOCAL_A_WARPS = 8
 # Phase A by the warp-specialised Gluon kernel (``gluon_phase_a.py``: one (chunk, head) per item, its four column
 # tiles from one TMA load of q, k, Gamma) where ``gluon_phase_a.supported`` allows it: KIMIK3_KDA_GLUON_A=1.
 GLUON_A = os.environ.get("KIMIK3_KDA_GLUON_A", "0") == "1"
@@ -419,23 +413,6 @@ def _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V,
     )
 
 
-def _local_forward_modules(q, k, v, z, plan: ChunkPlan, H: int):
-    """(gluon_local_wy, gluon_scan) where a forward alone takes the local path (``LOCAL_FWD``: the prologue folded
-    into the chunk kernels, the output in the scan) on these raw inputs, else None."""
-    if not (LOCAL_FWD and GLUON_SCAN and GLUON_SCAN_OUT):
-        return None
-    wy = _gluon_taking("gluon_local_wy", True, plan.NT * H * 2, (q, k, v, z))
-    if wy is None:
-        return None
-    K, V = q.shape[-1], v.shape[-1]
-    tokens = q.numel() // (H * K)
-    spec = lambda *shape, dt=q.dtype: torch.empty(*shape, device="meta", dtype=dt)  # noqa: E731
-    scan = _gluon_taking("gluon_scan", True, plan.NT * H * triton.cdiv(V, 64),
-                         (q, spec(tokens, H, K), spec(tokens, H, V, dt=torch.float32), None, True, spec(tokens, H, K),
-                          spec(plan.NT, H, 64, 64, dt=torch.float32)), GLUON_SCAN_MIN_ITEMS)
-    return (wy, scan) if scan is not None else None
-
-
 def kda_fwd_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     scale: float, initial_state: Optional[torch.Tensor], output_final_state: bool,
@@ -483,13 +460,6 @@ def kda_fwd_triton(
             ht.copy_(initial_state.float() if initial_state is not None else torch.zeros_like(ht))
         return (o, ht, None) if return_aux else (o, ht)
 
-    if not return_aux and use_gate and use_l2 and use_beta_sigmoid and variant == "h" and INTRA_MODE == "split" \
-            and FWD_MODE == "split":
-        local = _local_forward_modules(q, k, v, g, plan, H)
-        if local is not None:  # a forward alone under K3's contract: the prologue inside the chunk kernels
-            triton_local.forward_local(q, k, v, g, beta, A_log, dt_bias, g_min, scale, initial_state, o, ht, plan,
-                                       *local, solve=SOLVE)
-            return o, ht
 
     G = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
     qn, kn, betan = q, k, beta

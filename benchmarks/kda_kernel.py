@@ -173,10 +173,9 @@ def ceilings():
 
 
 def changes_precision(overrides: dict) -> bool:
-    """Whether a --try sets the precision variant, or turns the forward's local path (``triton_forward.LOCAL_FWD``)
-    on or off: it then differs from the default by its roundings (the local path never rounds the normalised q, k to
-    bf16 on their own), and is held to the bf16 tests' bounds rather than the structural tries' tighter ones."""
-    return any(attr in ("DEFAULT_VARIANT", "LOCAL_FWD") for _, attr in overrides)
+    """Whether a --try sets the precision variant: it then differs from the default by its roundings, and is held to
+    the bf16 tests' bounds rather than the structural tries' tighter ones."""
+    return any(attr == "DEFAULT_VARIANT" for _, attr in overrides)
 
 
 def chunk_counts(B, T, H, D, bwd: bool):

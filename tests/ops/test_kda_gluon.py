@@ -395,6 +395,12 @@ def test_supported_names_what_it_needs():
     assert "high and low" in gluon_scan.supported(wk, wk, us, hs, False)
     huge = hs.expand(2**24, 1, 128, 64)  # 2^31 state rows, as a view (no memory)
     assert "2^31" in gluon_scan.supported(wk, wk, us, huge, True)
+    assert "qg" in gluon_scan.supported(wk, wk, us, None, True, wk.float())  # (the output's qg)
+    many_chunks = torch.zeros(1, 1, 1, 64, 64, device=DEV).expand(2**25, 1, 1, 64, 64)  # 2^31 Aqk rows, a view
+    assert "2^31 rows of Aqk" in gluon_scan.supported(wk, wk, us, None, True, wk, many_chunks)
+    for kw, why in ((dict(vn=us), "together"), (dict(o=us), "needs qg and Aqk"), ({}, "must compute the output")):
+        with pytest.raises(ValueError, match=why):  # (refused before anything is launched)
+            gluon_scan.launch(wk, None, wk, us, None, None, kw.pop("vn", None), None, plan, 1, 128, 64, **kw)
     assert "K = V = 128" in gluon_bwd_scan.supported(wk, wk, wk, us.bfloat16(), True)
     assert "bf16" in gluon_bwd_scan.supported(wk, wk, wk.float(), wk, True)
     assert "in-place" in gluon_bwd_scan.supported(wk, wk, wk, wk, False)

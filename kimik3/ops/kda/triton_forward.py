@@ -26,7 +26,9 @@ Three kernels (chunk C = 64 tokens, sub-tiles of 16; math as in ``chunk.py``):
    sequence's chunks, v_new = U - W S, S <- exp(Gamma_C) S + (k exp(Gamma_C - Gamma))^T v_new, with the state
    kept in fp32 registers; by default it stores each chunk's entry state and v_new, and the output
    o = scale (q exp(Gamma) S + Aqk v_new) runs in parallel over chunks after it (``KIMIK3_KDA_FWD=fused``:
-   one ``_state_out`` kernel with the output on the scan's serial path, nothing per chunk stored).
+   one ``_state_out`` kernel with the output on the scan's serial path, nothing per chunk stored). On Hopper the
+   Gluon scan (``gluon_scan.py``) computes the output itself, off its chain (``GLUON_SCAN_OUT``), and stores the
+   states and v_new only for the backward.
 
 Accumulation is always fp32. fp32 inputs: every matmul at "tf32x3" (about fp32 accuracy on tensor
 cores). 16-bit inputs: the precision variant (``kda_fwd_triton``; default 'h') picks tf32 or 16-bit
@@ -459,7 +461,6 @@ def kda_fwd_triton(
         if ht is not None:
             ht.copy_(initial_state.float() if initial_state is not None else torch.zeros_like(ht))
         return (o, ht, None) if return_aux else (o, ht)
-
 
     G = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
     qn, kn, betan = q, k, beta

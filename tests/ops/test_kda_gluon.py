@@ -92,6 +92,11 @@ def _run_here() -> dict:
     return dict(launcher=emulate, programs=3)
 
 
+def _launcher_here() -> dict:
+    """``_run_here`` for a kernel launched on a fixed grid: the launcher alone (no persistent programs)."""
+    return {k: v for k, v in _run_here().items() if k == "launcher"}
+
+
 @pytest.mark.parametrize("lengths,H,K", [([1, 63, 64, 65, 130, 7], 2, 128), ([200], 3, 64)])
 def test_gluon_phase_c_equals_the_triton_kernel(lengths, H, K):
     """Varlen with partial chunks and one-token sequences (a chunk's tiles then run into the next sequence), two
@@ -162,7 +167,7 @@ def test_gluon_scan_equals_the_triton_kernel(lengths, H, V, with_states, shared,
         ht = torch.full((N, H, K, V), float("nan"), device=DEV) if with_states else None
         if gluon:
             gluon_scan.launch(kg, eg, w, u, h0 if with_states else None, h, vn, ht, plan, H, K, V,
-                              **{k: v for k, v in _run_here().items() if k == "launcher"})
+                              **_launcher_here())
         else:
             _fwd_h_kernel[(V // 64, N * H)](kg, eg, w, u, h0, h, vn, ht if with_states else u, plan.cu, plan.chunk_off,
                                             H, K=K, V=V, BKF=K, BV=64, PREC="tf32", HAS_H0=with_states,
@@ -199,7 +204,7 @@ def test_gluon_scan_with_the_output_equals_the_output_kernel(lengths, H, V, with
     qg = (torch.randn(1, T, H, K, generator=gen) * 0.1).bfloat16().to(DEV)
     aqk = (torch.randn(plan.NT, H, 64, 64, generator=gen).tril() * 0.2).to(DEV)
     scale = K**-0.5
-    launcher = {k: v for k, v in _run_here().items() if k == "launcher"}
+    launcher = _launcher_here()
 
     def states():
         return (torch.full((plan.NT, H, K, V), float("nan"), device=DEV).bfloat16(),
@@ -299,7 +304,7 @@ def test_gluon_state_gradient_scan_equals_the_triton_kernel(lengths, H, with_sta
         dh0 = torch.full((N, H, K, V), float("nan"), device=DEV) if with_states else None
         if gluon:
             gluon_bwd_scan.launch(qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H, scale, dscale, aqk=aqk, tinv=tinv,
-                                  **{k: v for k, v in _run_here().items() if k == "launcher"})
+                                  **_launcher_here())
         else:
             _bwd_dh_kernel[(V // 64, N * H)](qg, kg, eg, w, do, dht if with_states else dh, dh, dvn,
                                              dh0 if with_states else dh, plan.cu, plan.chunk_off, H, float(scale),
@@ -565,7 +570,7 @@ def test_gluon_state_gradient_scan_stores_a_16bit_dh():
         dvn = dv_local.clone() if dv_local is not None else torch.full((1, T, H, V), float("nan"), device=DEV)
         dh0 = torch.full((N, H, K, V), float("nan"), device=DEV)
         gluon_bwd_scan.launch(qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H, scale, dscale, aqk=aqk, tinv=tinv,
-                              **{k: v for k, v in _run_here().items() if k == "launcher"})
+                              **_launcher_here())
         out[dt] = dh, dvn, dh0
     (dh32, dvn32, dh0_32), (dh16, dvn16, dh0_16) = out[torch.float32], out[torch.bfloat16]
     assert dh16.dtype == torch.bfloat16 and not dh32.isnan().any() and not dh16.float().isnan().any()

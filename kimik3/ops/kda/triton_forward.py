@@ -525,9 +525,14 @@ def kda_fwd_triton(
     aux = dict(G=G, aqk=aqk, tinv=tinv, w=w, u=u, q=qn, k=kn, beta=betan, qg=qg, kg=kg, eg=eg, hilo=hilo)
     if FWD_MODE == "split":  # the scans on the variant's operand width, as the fused scan
         h_spec = torch.empty(NT, H, K, V, device="meta", dtype=states_dtype(sc_dtype))
-        gluon_scan = _gluon_taking("gluon_scan", GLUON_SCAN, NT * H * triton.cdiv(V, 64),
-                                   (w, kg, u, h_spec, hilo, qg, aqk), GLUON_SCAN_MIN_ITEMS)
-        out_in_scan = gluon_scan is not None and GLUON_SCAN_OUT
+        items = NT * H * triton.cdiv(V, 64)
+        # the Gluon scan with the output (storing the states only for the backward), else without it: each form is
+        # asked about what it takes
+        gluon_scan = _gluon_taking("gluon_scan", GLUON_SCAN and GLUON_SCAN_OUT, items,
+                                   (w, kg, u, h_spec if return_aux else None, hilo, qg, aqk), GLUON_SCAN_MIN_ITEMS)
+        out_in_scan = gluon_scan is not None
+        if gluon_scan is None:
+            gluon_scan = _gluon_taking("gluon_scan", GLUON_SCAN, items, (w, kg, u, h_spec, hilo), GLUON_SCAN_MIN_ITEMS)
         # the chunks' entry states and v_new: what the backward reads, and the output kernel's input
         store = return_aux or not out_in_scan
         h = torch.empty(h_spec.shape, device=dev, dtype=h_spec.dtype) if store else None

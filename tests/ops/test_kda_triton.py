@@ -424,22 +424,6 @@ def test_in_place_state_gradient_scan_keeps_dO_exact(monkeypatch, scale):
         assert rel_rms(b, a) < 3e-4, (name, rel_rms(b, a))
 
 
-class _Recorded:
-    """A kernel wrapped for a test: each launch's keywords recorded in ``calls`` (and its arguments handed to
-    on_launch, when given), then launched."""
-
-    def __init__(self, kernel, on_launch=None):
-        self.kernel, self.on_launch, self.calls = kernel, on_launch, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            self.calls.append(kw)
-            if self.on_launch is not None:
-                self.on_launch(args)
-            return self.kernel[grid](*args, **kw)
-        return launch
-
-
 def _dh_dtypes_seen(monkeypatch) -> list:
     """Record the dtype of dh as each launch of the WY kernel receives it (the kernel then launched as usual): what
     ``DH_16BIT`` must change, so that a test of it fails if the knob silently does nothing."""
@@ -447,7 +431,15 @@ def _dh_dtypes_seen(monkeypatch) -> list:
 
     kernel, seen = tb._bwd_wy_kernel, []
     at = kernel.arg_names.index("dh_ptr")
-    monkeypatch.setattr(tb, "_bwd_wy_kernel", _Recorded(kernel, lambda args: seen.append(args[at].dtype)))
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(args[at].dtype)
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(tb, "_bwd_wy_kernel", Recorded())
     return seen
 
 
@@ -660,12 +652,12 @@ def test_fused_preactivations(monkeypatch, prep_parts):
 
 
 @pytest.mark.parametrize("case", ["small", "varlen-K100"])
-def test_forward_alone_equals_the_training_forwards_output(monkeypatch, case):
-    """A forward alone with the L2 norm fused: the prologue writes each q and k row's 1 / norm instead of qn, kn
-    (``triton_forward.NORM_AS_RSTD``), phases A and C normalise as they load, and the solve writes T in bf16
-    (``T16_FWD``). o and the final state are bit-identical to the forward with both off (bf16 inputs, so the
-    rounding of the normalised rows and of T matters). K = 100 with varlen partial chunks: two column blocks, the
-    second partial. A forward whose gradients are wanted stores qn, kn and the fp32 T for the backward."""
+def test_norm_as_rstd_forward_equals_the_stored_norm(monkeypatch, case):
+    """A forward alone with the L2 norm fused (``triton_forward.NORM_AS_RSTD``): the prologue writes each q and k
+    row's 1 / norm instead of qn, kn, and phases A and C normalise as they load; o and the final state are
+    bit-identical to the stored-norm forward's (bf16 inputs, so the rounding of the normalised rows matters). K = 100
+    with varlen partial chunks: two column blocks, the second partial. A forward whose gradients are wanted stores
+    qn, kn for the backward (its prologue is asked for no rstd)."""
     import kimik3.ops.kda.triton_forward as tf
     import kimik3.ops.kda.triton_prologue as tp
 
@@ -684,8 +676,6 @@ def test_forward_alone_equals_the_training_forwards_output(monkeypatch, case):
     launch = tp.launch_prologue
     monkeypatch.setattr(tp, "launch_prologue", lambda *a, rstd=None: asked.append(rstd is not None) or
                         launch(*a, rstd=rstd))
-    solve = _Recorded(tf._intra_solve_kernel)
-    monkeypatch.setattr(tf, "_intra_solve_kernel", solve)
 
     def run(*xs):
         return chunk_kda(*xs, initial_state=h0, output_final_state=True, backend="triton", A_log=a_log,
@@ -695,14 +685,13 @@ def test_forward_alone_equals_the_training_forwards_output(monkeypatch, case):
     outs = {}
     for on in (False, True):
         monkeypatch.setattr(tf, "NORM_AS_RSTD", on)
-        monkeypatch.setattr(tf, "T16_FWD", on)
         outs[on] = run(q, k, v, z, b)
-    assert asked == [False, True] and [kw["T16"] for kw in solve.calls] == [False, True]
+    assert asked == [False, True]
     (o_ref, s_ref), (o, s) = outs[False], outs[True]
     assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     o_train, _ = run(*leaves, z, b)
-    assert asked[-1] is False and solve.calls[-1]["T16"] is False and torch.equal(o_train, o_ref)
+    assert asked[-1] is False and torch.equal(o_train, o_ref)
     torch.autograd.grad(o_train.float().sum(), leaves)  # (the stored qn, kn serve the backward)
 
 

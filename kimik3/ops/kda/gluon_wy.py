@@ -122,7 +122,7 @@ def release_ring(ready, empty):
 
 @gluon.jit
 def _loader(ready, empty, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, cidx_ptr, cu_ptr, n_items, H,
-            K: gl.constexpr, NP: gl.constexpr, T16: gl.constexpr):
+            K: gl.constexpr, NP: gl.constexpr):
     """The loader partition: each item's T, k, q, Gamma, v tiles by TMA, once the consumer has freed the slot."""
     pid, nprog, count = _my_items(n_items)
     for i in range(count):
@@ -130,7 +130,7 @@ def _loader(ready, empty, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, cidx
         i_t, i_h, p, t0, L = _item(pid + i * nprog, H, cidx_ptr, cu_ptr, NP)
         col = i_h * K + p * 64
         bar = ready.index(slot)
-        mbarrier.expect(bar, (2 if T16 else 4) * 64 * 64 + 64 * 64 * 4 + 3 * 64 * 64 * 2)
+        mbarrier.expect(bar, 2 * 64 * 64 * 4 + 3 * 64 * 64 * 2)
         tma.async_copy_global_to_shared(t_d, [(i_t * H + i_h) * 64, 0], bar, t_s.index(slot))
         tma.async_copy_global_to_shared(k_d, [t0, col], bar, k_s.index(slot))
         tma.async_copy_global_to_shared(q_d, [t0, col], bar, q_s.index(slot))
@@ -196,12 +196,12 @@ def _normed(x, rs_ptr, t0, r, L, i_h, H, NORM: gl.constexpr):
 @gluon.jit
 def _gluon_wy_kernel(t_d, k_d, q_d, G_d, v_d, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr, u_ptr, rq_ptr, rk_ptr,
                      cidx_ptr, cu_ptr, NT, H, K: gl.constexpr, RING: gl.constexpr, NORM: gl.constexpr,
-                     T16: gl.constexpr, num_warps: gl.constexpr):
+                     num_warps: gl.constexpr):
     """Phase C over NT chunks x H heads x K / 64 column blocks (the _d arguments are TMA descriptors of [64, 64]
-    tiles: T as [NT H 64, 64] fp32, or bf16 with T16, k, q, v as [tokens, H K] bf16, Gamma as [tokens, H K] fp32).
-    NORM: q, k raw, with their rows' 1 / norm at rq_ptr, rk_ptr."""
+    tiles: T as [NT H 64, 64] fp32, k, q, v as [tokens, H K] bf16, Gamma as [tokens, H K] fp32). NORM: q, k raw,
+    with their rows' 1 / norm at rq_ptr, rk_ptr."""
     NP: gl.constexpr = K // 64
-    t_s = gl.allocate_shared_memory(gl.bfloat16 if T16 else gl.float32, [RING, 64, 64], t_d.layout)
+    t_s = gl.allocate_shared_memory(gl.float32, [RING, 64, 64], t_d.layout)
     k_s = gl.allocate_shared_memory(gl.bfloat16, [RING, 64, 64], k_d.layout)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [RING, 64, 64], q_d.layout)
     G_s = gl.allocate_shared_memory(gl.float32, [RING, 64, 64], G_d.layout)
@@ -213,7 +213,7 @@ def _gluon_wy_kernel(t_d, k_d, q_d, G_d, v_d, beta_ptr, G_ptr, eg_ptr, w_ptr, qg
         (_consumer, (ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr,
                      u_ptr, rq_ptr, rk_ptr, cidx_ptr, cu_ptr, n_items, H, K, NP, num_warps, NORM)),
         (_loader, (ready, empty, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, cidx_ptr, cu_ptr, n_items, H,
-                   K, NP, T16)),
+                   K, NP)),
     ], [LOADER_WARPS], [LOADER_REGS])
     release_ring(ready, empty)
 
@@ -228,9 +228,8 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor
         return f"K == V, a multiple of 64 (got K={K}, V={V})"
     if any(x.dtype != torch.bfloat16 for x in (q, k, v)) or DTC != tl.bfloat16:
         return "bf16 inputs and 16-bit WY products"
-    if (w.dtype, qg.dtype, kg.dtype, u.dtype, G.dtype) != (torch.bfloat16,) * 3 + (torch.float32,) * 2 or \
-            tinv.dtype not in (torch.float32, torch.bfloat16):
-        return "W, qg, kg in bf16, U, Gamma in fp32, T in fp32 or bf16"
+    if (w.dtype, qg.dtype, kg.dtype, u.dtype, G.dtype, tinv.dtype) != (torch.bfloat16,) * 3 + (torch.float32,) * 3:
+        return "W, qg, kg in bf16 and U, Gamma, T in fp32"
     return on_hopper(q)
 
 
@@ -274,15 +273,13 @@ def run_persistent(kernel, n_items: int, device: torch.device, args: tuple, laun
 def launch(q, k, v, G, beta, tinv, w, u, qg, kg, eg, plan, H: int, K: int,
            launcher: Optional[Callable] = None, programs: Optional[int] = None, rstd: Optional[tuple] = None) -> None:
     """Phase C by ``_gluon_wy_kernel`` on the tensors ``triton_forward`` holds (token layout [B, T, H, D], T as
-    [NT, H, 64, 64], fp32 or bf16); launcher, programs: ``run_persistent``; rstd: (rq, rk), fp32 per token row and
-    head, when q and k are raw (``triton_prologue.norms_as_rstd``)."""
+    [NT, H, 64, 64]); launcher, programs: ``run_persistent``; rstd: (rq, rk), fp32 per token row and head, when q
+    and k are raw (``triton_prologue.norms_as_rstd``)."""
     tok = (q.numel() // (H * K), H * K)
     rq, rk = rstd if rstd is not None else (beta, beta)
-    t16 = tinv.dtype == torch.bfloat16
-    args = (tile_descriptor(tinv, gl.bfloat16 if t16 else gl.float32, (plan.NT * H * 64, 64)),
-            tile_descriptor(k, gl.bfloat16, tok),
+    args = (tile_descriptor(tinv, gl.float32, (plan.NT * H * 64, 64)), tile_descriptor(k, gl.bfloat16, tok),
             tile_descriptor(q, gl.bfloat16, tok), tile_descriptor(G, gl.float32, tok),
             tile_descriptor(v, gl.bfloat16, tok), beta, G, eg, w, qg, kg, u, rq, rk, plan.chunk_idx, plan.cu, plan.NT,
             H)
     run_persistent(_gluon_wy_kernel, plan.NT * H * (K // 64), q.device, args, launcher, programs, CTAS_PER_SM, K=K,
-                   RING=RING, NORM=rstd is not None, T16=t16, num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))
+                   RING=RING, NORM=rstd is not None, num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))

@@ -51,7 +51,7 @@ from .triton_prologue import normed_rows, row_rstd
 from .triton_intra16 import _diag16_kernel, _intra16_kernel
 from .triton_scan import (_chunk_beta, _chunk_part, _fwd_h_kernel, _output_kernel, _state_out_kernel, part_grid,
                           states_dtype)
-from .triton_solve import _solve, solve_blocks16, store_blocks16
+from .triton_solve import _solve
 
 BT = 64  # chunk size (tokens)
 BC = 16  # sub-tile rows: the gate bound makes 16 * 5 = 80 the largest in-tile log-decay
@@ -143,10 +143,6 @@ GLUON_SCAN_OUT = os.environ.get("KIMIK3_KDA_GLUON_SCAN_OUT", "1") == "1"
 # rows as they load them, rounding to the input dtype as the stored norm does, so o and the final state are the
 # same. The training forward stores qn, kn for the backward as before. KIMIK3_KDA_NORM_AS_RSTD=0: qn, kn always.
 NORM_AS_RSTD = os.environ.get("KIMIK3_KDA_NORM_AS_RSTD", "1") == "1"
-# A forward without the backward whose WY products take T on 16-bit operands (DTC; SOLVE 3 / 4, split intra):
-# the solve writes T rounded to the input dtype into a buffer of its own (phase C rounded it as it loaded the fp32
-# T, so W and U are the same) and phase C reads half the bytes. KIMIK3_KDA_T16=0: fp32 T always.
-T16_FWD = os.environ.get("KIMIK3_KDA_T16", "1") == "1"
 # Phase A by the warp-specialised Gluon kernel (``gluon_phase_a.py``: one (chunk, head) per item, its four column
 # tiles from one TMA load of q, k, Gamma) where ``gluon_phase_a.supported`` allows it: KIMIK3_KDA_GLUON_A=1.
 GLUON_A = os.environ.get("KIMIK3_KDA_GLUON_A", "0") == "1"
@@ -163,13 +159,13 @@ INTRA16_CONFIG: Tuple[int, ...] = (32, 4)
 INTRA_ABLATE = 0
 
 
-def _scratch(shape: tuple, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A buffer (fp32 by default) the kernels write in full before anything reads it. Under the interpreter (the
-    tests) it starts as NaN, so a kernel change that leaves part of it unwritten fails the tests instead of reading
-    the zeros of a fresh page."""
+def _scratch(shape: tuple, device: torch.device) -> torch.Tensor:
+    """An fp32 buffer the kernels write in full before anything reads it. Under the interpreter (the tests) it
+    starts as NaN, so a kernel change that leaves part of it unwritten fails the tests instead of reading the zeros
+    of a fresh page."""
     if INTERPRET:
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-    return torch.empty(shape, device=device, dtype=dtype)
+        return torch.full(shape, float("nan"), device=device)
+    return torch.empty(shape, device=device, dtype=torch.float32)
 
 
 def _next_pow2(x: int) -> int:
@@ -356,17 +352,11 @@ def _intra_a_kernel(q_ptr, k_ptr, G_ptr, beta_ptr, aqk_ptr, tinv_ptr, rq_ptr, rk
 
 
 @triton.jit
-def _intra_solve_kernel(tinv_ptr, t16_ptr, H, SOLVE: tl.constexpr, SPREC: tl.constexpr, T16: tl.constexpr):
-    """Phase B, one program per (chunk, head): T written over A, or with T16 (SOLVE 3 / 4) rounded to 16 bits at
-    t16_ptr."""
+def _intra_solve_kernel(tinv_ptr, H, SOLVE: tl.constexpr, SPREC: tl.constexpr):
+    """Phase B, one program per (chunk, head): T written over A."""
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
-    if T16:
-        base = (i_t * H + i_h) * 4096
-        d0, t10, d1, t20, t21, d2, t30, t31, t32, d3 = solve_blocks16(tinv_ptr, base, SPREC, SOLVE == 4)
-        store_blocks16(t16_ptr, base, d0, t10, d1, t20, t21, d2, t30, t31, t32, d3)
-    else:
-        _solve(tinv_ptr, (i_t * H + i_h) * 4096, SOLVE, SPREC, 0)
+    _solve(tinv_ptr, (i_t * H + i_h) * 4096, SOLVE, SPREC, 0)
 
 
 @triton.jit
@@ -538,15 +528,9 @@ def kda_fwd_triton(
             _intra_a_kernel[part_grid(NT, H, 4)](qn, kn, G, betan, aqk, tinv, rq, rk, plan.cu, plan.chunk_idx, H,
                                                  K=K, BK=min(A_BK or BK, BKF), DTA=DTA, PREC=PREC,
                                                  NORM=rstd is not None, num_warps=wa, maxnreg=128)
-        # a forward alone whose WY products take T as a 16-bit operand: the solve writes it in 16 bits (the same
-        # rounding phase C's load would make), a buffer of its own
-        t16 = None
-        if T16_FWD and not return_aux and SOLVE in (3, 4) and DTC != tl.float32:
-            t16 = _scratch((NT, H, 64, 64), dev, q.dtype)
-        _intra_solve_kernel[(NT, H)](tinv, t16 if t16 is not None else tinv, H, SOLVE=SOLVE, SPREC=SPREC,
-                                     T16=t16 is not None, num_warps=ws)
-        _launch_intra_wy(qn, kn, v, G, betan, t16 if t16 is not None else tinv, w, u, qg, kg, eg, plan, H, K, V, BK,
-                         BV_intra, DTC, PREC, wc, rstd)
+        _intra_solve_kernel[(NT, H)](tinv, H, SOLVE=SOLVE, SPREC=SPREC, num_warps=ws)
+        _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV_intra, DTC, PREC, wc,
+                         rstd)
     elif INTRA_MODE == "tiles16":
         BK16, warps16, split_wy, split_diag = (tuple(INTRA16_CONFIG) + (0, 0))[:4]
         if split_diag:

@@ -1,6 +1,5 @@
 """Phase B of the Triton KDA forward: T = (I + A)^-1 for a chunk's strictly lower 64 x 64 A (A = diag(beta) Akk),
-in place in the scratch buffer phase A wrote A to (the Triton backward reads T there), or for a forward alone
-rounded to 16 bits into a buffer of its own (``solve_blocks16``, ``store_blocks16``). ``triton_forward`` runs it
+in place in the scratch buffer phase A wrote A to (the Triton backward reads T there). ``triton_forward`` runs it
 inside the fused intra kernel or as ``_intra_solve_kernel`` (one program per chunk and head); ``SOLVE`` there picks
 the form (``_solve``)."""
 
@@ -26,12 +25,12 @@ def _inv16(a, PREC: tl.constexpr):
 
 
 @triton.jit
-def solve_blocks16(t_ptr, base, PREC: tl.constexpr, SUBST: tl.constexpr):
+def _solve_blocks(t_ptr, base, PREC: tl.constexpr, SUBST: tl.constexpr):
     """SOLVE 3 / 4: T = (I + A)^-1 for the strictly lower 64 x 64 A stored at t_ptr + base (row-major), by
     16 x 16 blocks held in registers: the diagonal inverses by ``_inv16`` (SUBST False) or by the four
     blocks' forward substitutions interleaved in one loop (SUBST True; ``triton_intra16.diag_inverses16``),
-    then the block rows T_ij = -D_i sum_{j <= m < i} A_im T_mj. Returns T's ten lower blocks (fp32) in row-major
-    block order: d0, t10, d1, t20, t21, d2, t30, t31, t32, d3."""
+    then the block rows T_ij = -D_i sum_{j <= m < i} A_im T_mj. Writes T over A (one barrier) and returns
+    it as 64 x 64."""
     r16 = tl.arange(0, 16)
     o = r16[:, None] * 64 + r16[None, :]
     a10 = tl.load(t_ptr + base + o + 16 * 64)
@@ -50,15 +49,6 @@ def solve_blocks16(t_ptr, base, PREC: tl.constexpr, SUBST: tl.constexpr):
         d2 = _inv16(tl.load(t_ptr + base + o + 32 * 64 + 32), PREC)
         d3 = _inv16(tl.load(t_ptr + base + o + 48 * 64 + 48), PREC)
     t10, t20, t21, t30, t31, t32 = block_subst16(d0, d1, d2, d3, a10, a20, a21, a30, a31, a32, PREC)
-    return d0, t10, d1, t20, t21, d2, t30, t31, t32, d3
-
-
-@triton.jit
-def _solve_blocks(t_ptr, base, PREC: tl.constexpr, SUBST: tl.constexpr):
-    """``solve_blocks16`` with T written over A (one barrier), returned as 64 x 64."""
-    r16 = tl.arange(0, 16)
-    o = r16[:, None] * 64 + r16[None, :]
-    d0, t10, d1, t20, t21, d2, t30, t31, t32, d3 = solve_blocks16(t_ptr, base, PREC, SUBST)
     tl.debug_barrier()  # every block of A is read before T overwrites it (upper blocks stay zero)
     tl.store(t_ptr + base + o, d0)
     tl.store(t_ptr + base + o + 16 * 64, t10)
@@ -73,32 +63,6 @@ def _solve_blocks(t_ptr, base, PREC: tl.constexpr, SUBST: tl.constexpr):
     tl.debug_barrier()
     r = tl.arange(0, 64)
     return tl.load(t_ptr + base + r[:, None] * 64 + r[None, :])
-
-
-@triton.jit
-def store_blocks16(out_ptr, base, d0, t10, d1, t20, t21, d2, t30, t31, t32, d3):
-    """T's ten lower 16 x 16 blocks (fp32, row-major block order) and six zero blocks above them, in out_ptr's
-    16-bit dtype, as the row-major 64 x 64 at out_ptr + base."""
-    r16 = tl.arange(0, 16)
-    o = r16[:, None] * 64 + r16[None, :]
-    ty = out_ptr.dtype.element_ty
-    z = tl.zeros([16, 16], dtype=ty)
-    tl.store(out_ptr + base + o, d0.to(ty))
-    tl.store(out_ptr + base + o + 16, z)
-    tl.store(out_ptr + base + o + 32, z)
-    tl.store(out_ptr + base + o + 48, z)
-    tl.store(out_ptr + base + o + 16 * 64, t10.to(ty))
-    tl.store(out_ptr + base + o + 16 * 64 + 16, d1.to(ty))
-    tl.store(out_ptr + base + o + 16 * 64 + 32, z)
-    tl.store(out_ptr + base + o + 16 * 64 + 48, z)
-    tl.store(out_ptr + base + o + 32 * 64, t20.to(ty))
-    tl.store(out_ptr + base + o + 32 * 64 + 16, t21.to(ty))
-    tl.store(out_ptr + base + o + 32 * 64 + 32, d2.to(ty))
-    tl.store(out_ptr + base + o + 32 * 64 + 48, z)
-    tl.store(out_ptr + base + o + 48 * 64, t30.to(ty))
-    tl.store(out_ptr + base + o + 48 * 64 + 16, t31.to(ty))
-    tl.store(out_ptr + base + o + 48 * 64 + 32, t32.to(ty))
-    tl.store(out_ptr + base + o + 48 * 64 + 48, d3.to(ty))
 
 
 @triton.jit

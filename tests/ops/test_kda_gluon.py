@@ -119,9 +119,8 @@ def test_gluon_phase_c_equals_the_triton_kernel(lengths, H, K):
 
 def test_phase_c_normalises_raw_rows_as_the_stored_norm():
     """Phase C given raw q, k and each row's 1 / norm (``triton_forward.NORM_AS_RSTD``), Gluon and Triton kernels:
-    qg, kg within one bf16 rounding of the same kernel's on q, k normalised beforehand and rounded to bf16 (as the
-    prologue stores them), W normwise, U and exp(Gamma_C) (no q, k in them) equal. Varlen with partial chunks, so rows past a
-    sequence's end take no norm."""
+    every output equals the same kernel's on q, k normalised beforehand and rounded to bf16 (as the prologue stores
+    them). Varlen with partial chunks, so rows past a sequence's end take no norm."""
     lengths, H, K = [1, 63, 65, 7], 2, 128
     plan, q, k, v, G, beta, tinv = _chunk_inputs(lengths, H, K)
     gen = torch.Generator().manual_seed(1)
@@ -133,14 +132,7 @@ def test_phase_c_normalises_raw_rows_as_the_stored_norm():
         launch(qn, kn, v, G, beta, tinv, *ref, plan, H, K)
         launch(q, k, v, G, beta, tinv, *out, plan, H, K, rstd=(rq, rk))
         for name, r, o in zip(("w", "u", "qg", "kg", "eg"), ref, out):
-            assert not o.isnan().any(), name
-            if name in ("u", "eg"):
-                assert torch.equal(r, o), name
-            elif name == "w":  # a sum over the chunk's rows of operands rounded differently: bf16 rounding, normwise
-                assert (r.float() - o.float()).norm() <= 2.0**-8 * r.float().norm(), name
-            else:
-                d = (r.float() - o.float()).abs()
-                assert (d <= r.float().abs() * 2.0**-7 + 1e-6 * r.float().abs().max()).all(), (name, d.max().item())
+            assert not o.isnan().any() and torch.equal(r, o), name
 
 
 @pytest.mark.parametrize("lengths,H,K", [([1, 63, 64, 65, 130, 7], 2, 128), ([200], 3, 64)])

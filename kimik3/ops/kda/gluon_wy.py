@@ -143,8 +143,7 @@ def _consumer(ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_pt
               rq_ptr, rk_ptr, cidx_ptr, cu_ptr, n_items, H, K: gl.constexpr, NP: gl.constexpr, NW: gl.constexpr,
               NORM: gl.constexpr):
     """The default partition: each item once its slot is ready, the slot handed back once its tiles are read.
-    NORM: the q, k tiles are raw, scaled here by their rows' 1 / norm (rq_ptr, rk_ptr) in fp32, so the normalised
-    rows are rounded to bf16 only inside the products' operands (the stored norm rounds them once before)."""
+    NORM: the q, k tiles are raw, normalised here by their rows' 1 / norm (rq_ptr, rk_ptr)."""
     BL: gl.constexpr = _blocked(NW)
     MMA: gl.constexpr = _mma(NW)
     AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -152,16 +151,13 @@ def _consumer(ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_pt
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, BL))
     pid, nprog, count = _my_items(n_items)
     for i in range(count):
-        # the item's rows' scalars are loaded before its tiles are waited for, so that their latency overlaps
-        i_t, i_h, p, t0, L = _item(pid + i * nprog, H, cidx_ptr, cu_ptr, NP)
-        beta = gl.expand_dims(_row_scalars(beta_ptr, t0, r, L, i_h, H), 1)
-        if NORM:
-            rk = gl.expand_dims(_row_scalars(rk_ptr, t0, r, L, i_h, H), 1)
-            rq = gl.expand_dims(_row_scalars(rq_ptr, t0, r, L, i_h, H), 1)
         si = _wait_slot(ready, i, 0)
+        i_t, i_h, p, t0, L = _item(pid + i * nprog, H, cidx_ptr, cu_ptr, NP)
         rows = gl.expand_dims(r < L, 1)  # the chunk's valid rows (the tiles may run past its sequence)
         col = i_h * K + p * 64
         offs = gl.expand_dims(t0.to(gl.int64) + r, 1) * (H * K) + col + gl.expand_dims(c, 0)
+        beta = gl.load(beta_ptr + (t0.to(gl.int64) + r) * H + i_h, mask=r < L, other=0.0).to(gl.float32)
+        beta = gl.expand_dims(beta, 1)
         tm = gl.convert_layout(t_s.index(si).load(BL).to(gl.bfloat16), AOP)
         acc = gl.zeros([64, 64], gl.float32, layout=MMA)
         # U = T (beta v)
@@ -172,9 +168,7 @@ def _consumer(ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_pt
         # W = T (beta k exp(Gamma))
         G = G_s.index(si).load(BL)
         eG = gl.exp(G)
-        kr = k_s.index(si).load(BL).to(gl.float32)
-        if NORM:
-            kr = kr * rk
+        kr = _normed(k_s.index(si).load(BL), rk_ptr, t0, r, L, i_h, H, NORM)
         b_s.store(gl.where(rows, kr * beta * eG, 0.0).to(gl.bfloat16))
         fence_async_shared()
         w = warpgroup_mma(tm, b_s, acc, use_acc=False)
@@ -182,9 +176,7 @@ def _consumer(ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_pt
         # the scan operands and the chunk decay
         g_last = gl.expand_dims(gl.load(G_ptr + (t0.to(gl.int64) + L - 1) * (H * K) + col + c), 0)
         gl.store(kg_ptr + offs, (kr * gl.exp(g_last - G)).to(gl.bfloat16), mask=rows)
-        qr = q_s.index(si).load(BL).to(gl.float32)
-        if NORM:
-            qr = qr * rq
+        qr = _normed(q_s.index(si).load(BL), rq_ptr, t0, r, L, i_h, H, NORM)
         gl.store(qg_ptr + offs, (qr * eG).to(gl.bfloat16), mask=rows)
         gl.store(eg_ptr + (i_t * H + i_h) * K + p * 64 + c, gl.exp(gl.sum(g_last, 0)))
         fence_async_shared()  # the slot's reads, before the loader's next TMA write into it
@@ -192,9 +184,13 @@ def _consumer(ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_pt
 
 
 @gluon.jit
-def _row_scalars(x_ptr, t0, r, L, i_h, H):
-    """A per-(token, head) fp32 scalar (beta, a row's 1 / norm) on a chunk's rows r: zero past its L valid rows."""
-    return gl.load(x_ptr + (t0.to(gl.int64) + r) * H + i_h, mask=r < L, other=0.0).to(gl.float32)
+def _normed(x, rs_ptr, t0, r, L, i_h, H, NORM: gl.constexpr):
+    """A bf16 q or k tile of a chunk's rows r, in fp32: with NORM, the raw rows times their 1 / norm (rs_ptr, fp32
+    per token row and head), rounded to bf16 as the stored norm is (``triton_prologue.normed_rows``)."""
+    if NORM:
+        rs = gl.load(rs_ptr + (t0.to(gl.int64) + r) * H + i_h, mask=r < L, other=0.0)
+        x = (x.to(gl.float32) * gl.expand_dims(rs, 1)).to(gl.bfloat16)
+    return x.to(gl.float32)
 
 
 @gluon.jit

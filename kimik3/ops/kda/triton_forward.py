@@ -139,13 +139,10 @@ GLUON_SCAN_MIN_ITEMS = 6144
 GLUON_SCAN_OUT = os.environ.get("KIMIK3_KDA_GLUON_SCAN_OUT", "1") == "1"
 # A forward without the backward (no ``return_aux``), with the L2 norm fused, the split intra kernels and the
 # row-norm prologue (``triton_prologue.L2_ROWS``): the prologue writes only each q and k row's 1 / norm (fp32,
-# 4 bytes a row) instead of the normalised q and k (2 K bytes a row each); phase A scales its products' rows and
-# columns by them, phase C the raw rows as it loads them (fp32: the normalised rows are rounded to bf16 once, inside
-# the operands, where the stored norm rounds them before too). The training forward stores qn, kn for the backward
-# as before. KIMIK3_KDA_NORM_AS_RSTD=0: qn, kn always.
+# 4 bytes a row) instead of the normalised q and k (2 K bytes a row each), and phases A and C normalise the raw
+# rows as they load them, rounding to the input dtype as the stored norm does, so o and the final state are the
+# same. The training forward stores qn, kn for the backward as before. KIMIK3_KDA_NORM_AS_RSTD=0: qn, kn always.
 NORM_AS_RSTD = os.environ.get("KIMIK3_KDA_NORM_AS_RSTD", "1") == "1"
-# registers per thread at launch of phase A's NORM form (None: the compiler's 136, three CTAs per SM; 128: four)
-A_NORM_MAXNREG: Optional[int] = 128
 # Phase A by the warp-specialised Gluon kernel (``gluon_phase_a.py``: one (chunk, head) per item, its four column
 # tiles from one TMA load of q, k, Gamma) where ``gluon_phase_a.supported`` allows it: KIMIK3_KDA_GLUON_A=1.
 GLUON_A = os.environ.get("KIMIK3_KDA_GLUON_A", "0") == "1"
@@ -236,7 +233,7 @@ def _a_tile(j, q_ptr, k_ptr, G_ptr, aqk_ptr, tinv_ptr, a_base, t0, L, beta, i_h,
             rq_ptr=None, rk_ptr=None, NORM: tl.constexpr = False):
     """Phase A for the 64 x 16 column tile j: Aqk (lower) and diag(beta) Akk (strictly lower), against the
     reference eps_j = Gamma at the tile's last valid token (the gate bound keeps both factors finite). NORM: q and
-    k are raw; their rows' 1 / norm (rq_ptr, rk_ptr) scales the products' rows and columns."""
+    k are raw, normalised here by their rows' 1 / norm at rq_ptr, rk_ptr (``triton_prologue.normed_rows``)."""
     r = tl.arange(0, 64)
     r16 = tl.arange(0, 16)
     rv = r < L
@@ -247,29 +244,28 @@ def _a_tile(j, q_ptr, k_ptr, G_ptr, aqk_ptr, tinv_ptr, a_base, t0, L, beta, i_h,
     row_ok = rv & (r >= j * 16)  # rows before tile j are in its past: never read
     acc_q = tl.zeros([64, 16], dtype=tl.float32)
     acc_k = tl.zeros([64, 16], dtype=tl.float32)
-    for kb in tl.static_range(0, K, BK):
+    for kb in tl.static_range(0, K, BK):  # (the rows' 1 / norm loaded per K block: hoisted, they took 9 registers)
         c = kb + tl.arange(0, BK)
         cm = c < K
         g_ref = tl.load(G_ptr + (t0 + ref) * (H * K) + i_h * K + c, mask=cm, other=0.0)
         mr = row_ok[:, None] & cm[None, :]  # rows in tile j's past are not loaded
         ro = (t0 + r)[:, None] * (H * K) + i_h * K + c[None, :]
         Gr = tl.load(G_ptr + ro, mask=mr, other=0.0)
-        qr = tl.load(q_ptr + ro, mask=mr, other=0.0).to(tl.float32)
-        kr = tl.load(k_ptr + ro, mask=mr, other=0.0).to(tl.float32)
+        qr = normed_rows(tl.load(q_ptr + ro, mask=mr, other=0.0), row_rstd(rq_ptr, (t0 + r) * H + i_h, row_ok, NORM),
+                         NORM)
+        kr = normed_rows(tl.load(k_ptr + ro, mask=mr, other=0.0), row_rstd(rk_ptr, (t0 + r) * H + i_h, row_ok, NORM),
+                         NORM)
         ms = sv[:, None] & cm[None, :]
         so = (t0 + s)[:, None] * (H * K) + i_h * K + c[None, :]
         Gs = tl.load(G_ptr + so, mask=ms, other=0.0)
-        ks = tl.load(k_ptr + so, mask=ms, other=0.0).to(tl.float32)
+        ks = normed_rows(tl.load(k_ptr + so, mask=ms, other=0.0), row_rstd(rk_ptr, (t0 + s) * H + i_h, sv, NORM),
+                         NORM)
         e_r = tl.exp(tl.where(mr, Gr - g_ref[None, :], NEG))  # (0, e^75]
         e_s = tl.exp(tl.where(ms, g_ref[None, :] - Gs, NEG))  # [e^-75, 1]
         kc = tl.trans((ks * e_s).to(DTA))
         if ABLATE != 2:
             acc_q += tl.dot((qr * e_r).to(DTA), kc, input_precision=PREC)
             acc_k += tl.dot((kr * e_r).to(DTA), kc, input_precision=PREC)
-    if NORM:  # the norms are per-row scales: applied to the products (Aqk_rs = |q_r|^-1 |k_s|^-1 q_r . k_s ...)
-        rk_s = row_rstd(rk_ptr, (t0 + s) * H + i_h, sv, NORM)[None, :]
-        acc_q *= row_rstd(rq_ptr, (t0 + r) * H + i_h, row_ok, NORM)[:, None] * rk_s
-        acc_k *= row_rstd(rk_ptr, (t0 + r) * H + i_h, row_ok, NORM)[:, None] * rk_s
     o2 = a_base + r[:, None] * 64 + s[None, :]
     tl.store(aqk_ptr + o2, tl.where(r[:, None] >= s[None, :], acc_q, 0.0))
     tl.store(tinv_ptr + o2, tl.where(r[:, None] > s[None, :], acc_k * beta[:, None], 0.0))
@@ -528,11 +524,10 @@ def kda_fwd_triton(
             gluon_a.launch(qn, kn, G, betan, aqk, tinv, plan, H, K)
         else:
             rq, rk = rstd if rstd is not None else (dummy, dummy)
+            # (at most 128 registers: the norm's arithmetic took the NORM form to 137, three CTAs per SM, not four)
             _intra_a_kernel[part_grid(NT, H, 4)](qn, kn, G, betan, aqk, tinv, rq, rk, plan.cu, plan.chunk_idx, H,
                                                  K=K, BK=min(A_BK or BK, BKF), DTA=DTA, PREC=PREC,
-                                                 NORM=rstd is not None, num_warps=wa,
-                                                 **({} if rstd is None or A_NORM_MAXNREG is None else
-                                                    dict(maxnreg=A_NORM_MAXNREG)))
+                                                 NORM=rstd is not None, num_warps=wa, maxnreg=128)
         _intra_solve_kernel[(NT, H)](tinv, H, SOLVE=SOLVE, SPREC=SPREC, num_warps=ws)
         _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV_intra, DTC, PREC, wc,
                          rstd)

@@ -70,12 +70,10 @@ def row_rstd(rstd_ptr, rows, rm, NORM: tl.constexpr):
 @triton.jit
 def normed_rows(x, rs, NORM: tl.constexpr):
     """A loaded tile of q or k as the chunk kernels take it, in fp32: with NORM, the raw rows times their
-    ``row_rstd`` rs (not rounded: the normalised rows meet bf16 only as a product's operand, where the stored norm
-    rounds them once before); else the tile as stored."""
-    x = x.to(tl.float32)
+    ``row_rstd`` rs, rounded to the input dtype as the stored norm ``_l2_rows`` is; else the tile as stored."""
     if NORM:
-        x = x * rs[:, None]
-    return x
+        x = (x.to(tl.float32) * rs[:, None]).to(x.dtype)
+    return x.to(tl.float32)
 
 
 @triton.jit

@@ -97,8 +97,6 @@ class Sm90Compiler:
 
         self.target = GPUTarget("cuda", 90, 32)
         self.rows: list[dict] = []
-        self.note = None  # a label for the rows compiled from now on (a second call path); None: none
-        self._keys: set = set()  # (kernel, constexprs, options) of every row so far
 
     def __call__(self, fn, args, kwargs, grid) -> None:
         import torch
@@ -140,12 +138,6 @@ class Sm90Compiler:
         row = {"kernel": fn.__name__, "grid": list(grid), "num_warps": kernel.metadata.num_warps,
                "num_stages": kernel.metadata.num_stages, "shared_bytes": kernel.metadata.shared}
         row.update(ptxas_usage(kernel.asm["ptx"]))
-        key = (fn.__name__, repr(sorted(constexprs.items())), repr(options))
-        if self.note is not None:  # a second path's kernel: a row only where it compiled another specialisation
-            if key in self._keys:
-                return
-            row["kernel"] = f"{fn.__name__} ({self.note})"
-        self._keys.add(key)
         self.rows.append(row)
 
 
@@ -208,10 +200,6 @@ def run_kda(args, compiler: Sm90Compiler) -> None:
         plan = tf.make_plan(B, T, None, q.device)
         o, ht, aux = tf.kda_fwd_triton(q, k, v, g, beta, K ** -0.5, h0, True, plan, A_log=a_log, dt_bias=dt_bias,
                                        use_gate=True, use_l2=True, use_beta_sigmoid=True, return_aux=True)
-        compiler.note = "forward alone"  # (its kernels where they differ from the training forward's: the norms)
-        tf.kda_fwd_triton(q, k, v, g, beta, K ** -0.5, h0, True, plan, A_log=a_log, dt_bias=dt_bias,
-                          use_gate=True, use_l2=True, use_beta_sigmoid=True)
-        compiler.note = None
         preact = PreactInputs(q, k, g, beta, a_log, dt_bias, -5.0, True, True, True)  # as K3's layer calls it
         tb.kda_bwd_triton(torch.zeros_like(v), torch.zeros_like(h0), aux, v, h0, K ** -0.5, plan, preact=preact)
         if args.decode_batch:  # the serving decode kernel, one token for each of decode_batch sequences

@@ -117,24 +117,6 @@ def test_gluon_phase_c_equals_the_triton_kernel(lengths, H, K):
             assert d.max() <= 1e-5 * r.float().abs().max(), (name, d.max().item())
 
 
-def test_phase_c_normalises_raw_rows_as_the_stored_norm():
-    """Phase C given raw q, k and each row's 1 / norm (``triton_forward.NORM_AS_RSTD``), Gluon and Triton kernels:
-    every output equals the same kernel's on q, k normalised beforehand and rounded to bf16 (as the prologue stores
-    them). Varlen with partial chunks, so rows past a sequence's end take no norm."""
-    lengths, H, K = [1, 63, 65, 7], 2, 128
-    plan, q, k, v, G, beta, tinv = _chunk_inputs(lengths, H, K)
-    gen = torch.Generator().manual_seed(1)
-    rq, rk = ((torch.rand(q.shape[:-1], generator=gen) + 0.5).to(DEV) for _ in range(2))
-    qn, kn = ((x.float() * r[..., None]).bfloat16() for x, r in ((q, rq), (k, rk)))
-    for launch in (lambda *a, **kw: gluon_wy.launch(*a, **kw, **_run_here()),
-                   lambda *a, rstd=None: tf._launch_intra_wy(*a, K, 64, 64, tl.bfloat16, "tf32", 4, rstd)):
-        ref, out = _outputs(q, plan, H, K), _outputs(q, plan, H, K)
-        launch(qn, kn, v, G, beta, tinv, *ref, plan, H, K)
-        launch(q, k, v, G, beta, tinv, *out, plan, H, K, rstd=(rq, rk))
-        for name, r, o in zip(("w", "u", "qg", "kg", "eg"), ref, out):
-            assert not o.isnan().any() and torch.equal(r, o), name
-
-
 @pytest.mark.parametrize("lengths,H,K", [([1, 63, 64, 65, 130, 7], 2, 128), ([200], 3, 64)])
 def test_gluon_phase_a_equals_the_triton_kernel(lengths, H, K):
     """Phase A (Aqk and the solve's input A = diag(beta) Akk) over varlen batches with partial chunks, per-token
@@ -144,8 +126,8 @@ def test_gluon_phase_a_equals_the_triton_kernel(lengths, H, K):
     plan, q, k, v, G, beta, _ = _chunk_inputs(lengths, H, K, gate_scale=5.0)
     ref = [torch.full((plan.NT, H, 64, 64), float("nan"), device=DEV) for _ in range(2)]
     out = [torch.full((plan.NT, H, 64, 64), float("nan"), device=DEV) for _ in range(2)]
-    tf._intra_a_kernel[part_grid(plan.NT, H, 4)](q, k, G, beta, *ref, G, G, plan.cu, plan.chunk_idx, H, K=K, BK=64,
-                                                 DTA=tl.bfloat16, PREC="tf32", NORM=False, num_warps=4)
+    tf._intra_a_kernel[part_grid(plan.NT, H, 4)](q, k, G, beta, *ref, plan.cu, plan.chunk_idx, H, K=K, BK=64,
+                                                 DTA=tl.bfloat16, PREC="tf32", num_warps=4)
     assert gluon_phase_a.supported(q, k, G, tl.bfloat16) in (None, "a Hopper GPU (sm_90)")
     gluon_phase_a.launch(q, k, G, beta, *out, plan, H, K, **_run_here())
     for name, r, o in zip(("Aqk", "A"), ref, out):
@@ -546,11 +528,11 @@ def test_gluon_kernels_compile_for_sm90(tmp_path):
 
     rows = last_json_line(run_without_interpreter(["-m", "tests.ops.test_kda_gluon"], tmp_path))
     scan_ctas = 1 if gluon_scan.SHARED_HALVES else 2
-    ctas_per_sm = (gluon_wy.CTAS_PER_SM, gluon_wy.CTAS_PER_SM, gluon_phase_a.CTAS_PER_SM, scan_ctas, scan_ctas, scan_ctas, 1,
+    ctas_per_sm = (gluon_wy.CTAS_PER_SM, gluon_phase_a.CTAS_PER_SM, scan_ctas, scan_ctas, scan_ctas, 1,
                    gluon_bwd_intra.CTAS_PER_SM, gluon_bwd_wy.CTAS_PER_SM)
-    spill_limits = (0, 0, 0, 0, 0, 0, 256 if gluon_bwd_scan.FUSE_DRV else 0, INTRA_BWD_SPILL_LIMIT,
+    spill_limits = (0, 0, 0, 0, 0, 256 if gluon_bwd_scan.FUSE_DRV else 0, INTRA_BWD_SPILL_LIMIT,
                     WY_BWD_SPILL_LIMIT)
-    names = ("phase C", "phase C on raw q, k", "phase A", "scan", "scan with the output, storing", "scan with the output alone",
+    names = ("phase C", "phase A", "scan", "scan with the output, storing", "scan with the output alone",
              "state-gradient scan", "intra backward", "WY backward")
     assert len(rows) == len(names)
     for name, row, ctas, spill in zip(names, rows, ctas_per_sm, spill_limits):
@@ -610,8 +592,6 @@ if __name__ == "__main__":  # the compile step of test_gluon_kernels_compile_for
     compile_only = dict(launcher=lambda kern, grid, *a, **kw: compiler(kern, list(a), kw, grid), programs=132)
     plan, q, k, v, G, beta, tinv = _chunk_inputs([128, 70], 2, 128)
     gluon_wy.launch(q, k, v, G, beta, tinv, *_outputs(q, plan, 2, 128), plan, 2, 128, **compile_only)
-    gluon_wy.launch(q, k, v, G, beta, tinv, *_outputs(q, plan, 2, 128), plan, 2, 128, rstd=(beta, beta),
-                    **compile_only)
     gluon_phase_a.launch(q, k, G, beta, tinv, tinv.clone(), plan, 2, 128, **compile_only)
     plan, w, kg, u, eg, h0 = _scan_inputs([128, 70], 2, 128)
     h = torch.zeros(plan.NT, 2, 128, 128).bfloat16()

@@ -651,50 +651,6 @@ def test_fused_preactivations(monkeypatch, prep_parts):
         run("triton", [x.to(DEV) for x in raw])
 
 
-@pytest.mark.parametrize("case", ["small", "varlen-K100"])
-def test_norm_as_rstd_forward_equals_the_stored_norm(monkeypatch, case):
-    """A forward alone with the L2 norm fused (``triton_forward.NORM_AS_RSTD``): the prologue writes each q and k
-    row's 1 / norm instead of qn, kn, and phases A and C normalise as they load; o and the final state are
-    bit-identical to the stored-norm forward's (bf16 inputs, so the rounding of the normalised rows matters). K = 100
-    with varlen partial chunks: two column blocks, the second partial. A forward whose gradients are wanted stores
-    qn, kn for the backward (its prologue is asked for no rstd)."""
-    import kimik3.ops.kda.triton_forward as tf
-    import kimik3.ops.kda.triton_prologue as tp
-
-    H, K, V = SMALL[1], SMALL[2], SMALL[3]
-    lengths = [70]
-    if case == "varlen-K100":
-        K, V, lengths = 100, 16, [1, 63, 65, 7]
-    T = sum(lengths)
-    gen = torch.Generator().manual_seed(4)
-    q, k, z = (torch.randn(1, T, H, K, generator=gen).bfloat16().to(DEV) for _ in range(3))
-    v = torch.randn(1, T, H, V, generator=gen).bfloat16().to(DEV)
-    b = torch.randn(1, T, H, generator=gen).bfloat16().to(DEV)
-    a_log, dtb = (torch.rand(H, generator=gen) * 2).to(DEV), (0.5 * torch.randn(H, K, generator=gen)).to(DEV)
-    h0 = torch.randn(len(lengths), H, K, V, generator=gen).to(DEV)
-    asked = []
-    launch = tp.launch_prologue
-    monkeypatch.setattr(tp, "launch_prologue", lambda *a, rstd=None: asked.append(rstd is not None) or
-                        launch(*a, rstd=rstd))
-
-    def run(*xs):
-        return chunk_kda(*xs, initial_state=h0, output_final_state=True, backend="triton", A_log=a_log,
-                         dt_bias=dtb, lower_bound=G_MIN, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-                         use_beta_sigmoid_in_kernel=True, cu_seqlens=cu_seqlens(lengths, DEV))
-
-    outs = {}
-    for on in (False, True):
-        monkeypatch.setattr(tf, "NORM_AS_RSTD", on)
-        outs[on] = run(q, k, v, z, b)
-    assert asked == [False, True]
-    (o_ref, s_ref), (o, s) = outs[False], outs[True]
-    assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    o_train, _ = run(*leaves, z, b)
-    assert asked[-1] is False and torch.equal(o_train, o_ref)
-    torch.autograd.grad(o_train.float().sum(), leaves)  # (the stored qn, kn serve the backward)
-
-
 # --------------------------------------------------------------------------
 # Triton backward specifics
 # --------------------------------------------------------------------------

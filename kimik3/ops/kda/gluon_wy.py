@@ -140,10 +140,8 @@ def _loader(ready, empty, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, cidx
 
 @gluon.jit
 def _consumer(ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr, u_ptr,
-              rq_ptr, rk_ptr, cidx_ptr, cu_ptr, n_items, H, K: gl.constexpr, NP: gl.constexpr, NW: gl.constexpr,
-              NORM: gl.constexpr):
-    """The default partition: each item once its slot is ready, the slot handed back once its tiles are read.
-    NORM: the q, k tiles are raw, normalised here by their rows' 1 / norm (rq_ptr, rk_ptr)."""
+              cidx_ptr, cu_ptr, n_items, H, K: gl.constexpr, NP: gl.constexpr, NW: gl.constexpr):
+    """The default partition: each item once its slot is ready, the slot handed back once its tiles are read."""
     BL: gl.constexpr = _blocked(NW)
     MMA: gl.constexpr = _mma(NW)
     AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -168,7 +166,7 @@ def _consumer(ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_pt
         # W = T (beta k exp(Gamma))
         G = G_s.index(si).load(BL)
         eG = gl.exp(G)
-        kr = _normed(k_s.index(si).load(BL), rk_ptr, t0, r, L, i_h, H, NORM)
+        kr = k_s.index(si).load(BL).to(gl.float32)
         b_s.store(gl.where(rows, kr * beta * eG, 0.0).to(gl.bfloat16))
         fence_async_shared()
         w = warpgroup_mma(tm, b_s, acc, use_acc=False)
@@ -176,30 +174,17 @@ def _consumer(ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_pt
         # the scan operands and the chunk decay
         g_last = gl.expand_dims(gl.load(G_ptr + (t0.to(gl.int64) + L - 1) * (H * K) + col + c), 0)
         gl.store(kg_ptr + offs, (kr * gl.exp(g_last - G)).to(gl.bfloat16), mask=rows)
-        qr = _normed(q_s.index(si).load(BL), rq_ptr, t0, r, L, i_h, H, NORM)
-        gl.store(qg_ptr + offs, (qr * eG).to(gl.bfloat16), mask=rows)
+        gl.store(qg_ptr + offs, (q_s.index(si).load(BL).to(gl.float32) * eG).to(gl.bfloat16), mask=rows)
         gl.store(eg_ptr + (i_t * H + i_h) * K + p * 64 + c, gl.exp(gl.sum(g_last, 0)))
         fence_async_shared()  # the slot's reads, before the loader's next TMA write into it
         mbarrier.arrive(empty.index(si), count=1)
 
 
 @gluon.jit
-def _normed(x, rs_ptr, t0, r, L, i_h, H, NORM: gl.constexpr):
-    """A bf16 q or k tile of a chunk's rows r, in fp32: with NORM, the raw rows times their 1 / norm (rs_ptr, fp32
-    per token row and head), rounded to bf16 as the stored norm is (``triton_prologue.normed_rows``)."""
-    if NORM:
-        rs = gl.load(rs_ptr + (t0.to(gl.int64) + r) * H + i_h, mask=r < L, other=0.0)
-        x = (x.to(gl.float32) * gl.expand_dims(rs, 1)).to(gl.bfloat16)
-    return x.to(gl.float32)
-
-
-@gluon.jit
-def _gluon_wy_kernel(t_d, k_d, q_d, G_d, v_d, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr, u_ptr, rq_ptr, rk_ptr,
-                     cidx_ptr, cu_ptr, NT, H, K: gl.constexpr, RING: gl.constexpr, NORM: gl.constexpr,
-                     num_warps: gl.constexpr):
+def _gluon_wy_kernel(t_d, k_d, q_d, G_d, v_d, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr, u_ptr, cidx_ptr, cu_ptr,
+                     NT, H, K: gl.constexpr, RING: gl.constexpr, num_warps: gl.constexpr):
     """Phase C over NT chunks x H heads x K / 64 column blocks (the _d arguments are TMA descriptors of [64, 64]
-    tiles: T as [NT H 64, 64] fp32, k, q, v as [tokens, H K] bf16, Gamma as [tokens, H K] fp32). NORM: q, k raw,
-    with their rows' 1 / norm at rq_ptr, rk_ptr."""
+    tiles: T as [NT H 64, 64] fp32, k, q, v as [tokens, H K] bf16, Gamma as [tokens, H K] fp32)."""
     NP: gl.constexpr = K // 64
     t_s = gl.allocate_shared_memory(gl.float32, [RING, 64, 64], t_d.layout)
     k_s = gl.allocate_shared_memory(gl.bfloat16, [RING, 64, 64], k_d.layout)
@@ -211,7 +196,7 @@ def _gluon_wy_kernel(t_d, k_d, q_d, G_d, v_d, beta_ptr, G_ptr, eg_ptr, w_ptr, qg
     n_items = NT * H * NP
     gl.warp_specialize([
         (_consumer, (ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr,
-                     u_ptr, rq_ptr, rk_ptr, cidx_ptr, cu_ptr, n_items, H, K, NP, num_warps, NORM)),
+                     u_ptr, cidx_ptr, cu_ptr, n_items, H, K, NP, num_warps)),
         (_loader, (ready, empty, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, cidx_ptr, cu_ptr, n_items, H,
                    K, NP)),
     ], [LOADER_WARPS], [LOADER_REGS])
@@ -271,15 +256,12 @@ def run_persistent(kernel, n_items: int, device: torch.device, args: tuple, laun
 
 
 def launch(q, k, v, G, beta, tinv, w, u, qg, kg, eg, plan, H: int, K: int,
-           launcher: Optional[Callable] = None, programs: Optional[int] = None, rstd: Optional[tuple] = None) -> None:
+           launcher: Optional[Callable] = None, programs: Optional[int] = None) -> None:
     """Phase C by ``_gluon_wy_kernel`` on the tensors ``triton_forward`` holds (token layout [B, T, H, D], T as
-    [NT, H, 64, 64]); launcher, programs: ``run_persistent``; rstd: (rq, rk), fp32 per token row and head, when q
-    and k are raw (``triton_prologue.norms_as_rstd``)."""
+    [NT, H, 64, 64]); launcher, programs: ``run_persistent``."""
     tok = (q.numel() // (H * K), H * K)
-    rq, rk = rstd if rstd is not None else (beta, beta)
     args = (tile_descriptor(tinv, gl.float32, (plan.NT * H * 64, 64)), tile_descriptor(k, gl.bfloat16, tok),
             tile_descriptor(q, gl.bfloat16, tok), tile_descriptor(G, gl.float32, tok),
-            tile_descriptor(v, gl.bfloat16, tok), beta, G, eg, w, qg, kg, u, rq, rk, plan.chunk_idx, plan.cu, plan.NT,
-            H)
+            tile_descriptor(v, gl.bfloat16, tok), beta, G, eg, w, qg, kg, u, plan.chunk_idx, plan.cu, plan.NT, H)
     run_persistent(_gluon_wy_kernel, plan.NT * H * (K // 64), q.device, args, launcher, programs, CTAS_PER_SM, K=K,
-                   RING=RING, NORM=rstd is not None, num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))
+                   RING=RING, num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))

@@ -47,7 +47,6 @@ import triton
 import triton.language as tl
 
 from . import triton_prologue
-from .triton_prologue import normed_rows, row_rstd
 from .triton_intra16 import _diag16_kernel, _intra16_kernel
 from .triton_scan import (_chunk_beta, _chunk_part, _fwd_h_kernel, _output_kernel, _state_out_kernel, part_grid,
                           states_dtype)
@@ -137,12 +136,6 @@ GLUON_SCAN_MIN_ITEMS = 6144
 # -> 10.320 at B4 T4096 H64 (outputs 2.6e-5 relative RMS apart, gradients identical). KIMIK3_KDA_GLUON_SCAN_OUT=0:
 # the output kernel.
 GLUON_SCAN_OUT = os.environ.get("KIMIK3_KDA_GLUON_SCAN_OUT", "1") == "1"
-# A forward without the backward (no ``return_aux``), with the L2 norm fused, the split intra kernels and the
-# row-norm prologue (``triton_prologue.L2_ROWS``): the prologue writes only each q and k row's 1 / norm (fp32,
-# 4 bytes a row) instead of the normalised q and k (2 K bytes a row each), and phases A and C normalise the raw
-# rows as they load them, rounding to the input dtype as the stored norm does, so o and the final state are the
-# same. The training forward stores qn, kn for the backward as before. KIMIK3_KDA_NORM_AS_RSTD=0: qn, kn always.
-NORM_AS_RSTD = os.environ.get("KIMIK3_KDA_NORM_AS_RSTD", "1") == "1"
 # Phase A by the warp-specialised Gluon kernel (``gluon_phase_a.py``: one (chunk, head) per item, its four column
 # tiles from one TMA load of q, k, Gamma) where ``gluon_phase_a.supported`` allows it: KIMIK3_KDA_GLUON_A=1.
 GLUON_A = os.environ.get("KIMIK3_KDA_GLUON_A", "0") == "1"
@@ -229,11 +222,9 @@ def make_plan(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device: torch.
 
 @triton.jit
 def _a_tile(j, q_ptr, k_ptr, G_ptr, aqk_ptr, tinv_ptr, a_base, t0, L, beta, i_h, H,
-            K: tl.constexpr, BK: tl.constexpr, DTA: tl.constexpr, PREC: tl.constexpr, ABLATE: tl.constexpr,
-            rq_ptr=None, rk_ptr=None, NORM: tl.constexpr = False):
+            K: tl.constexpr, BK: tl.constexpr, DTA: tl.constexpr, PREC: tl.constexpr, ABLATE: tl.constexpr):
     """Phase A for the 64 x 16 column tile j: Aqk (lower) and diag(beta) Akk (strictly lower), against the
-    reference eps_j = Gamma at the tile's last valid token (the gate bound keeps both factors finite). NORM: q and
-    k are raw, normalised here by their rows' 1 / norm at rq_ptr, rk_ptr (``triton_prologue.normed_rows``)."""
+    reference eps_j = Gamma at the tile's last valid token (the gate bound keeps both factors finite)."""
     r = tl.arange(0, 64)
     r16 = tl.arange(0, 16)
     rv = r < L
@@ -244,22 +235,19 @@ def _a_tile(j, q_ptr, k_ptr, G_ptr, aqk_ptr, tinv_ptr, a_base, t0, L, beta, i_h,
     row_ok = rv & (r >= j * 16)  # rows before tile j are in its past: never read
     acc_q = tl.zeros([64, 16], dtype=tl.float32)
     acc_k = tl.zeros([64, 16], dtype=tl.float32)
-    for kb in tl.static_range(0, K, BK):  # (the rows' 1 / norm loaded per K block: hoisted, they took 9 registers)
+    for kb in tl.static_range(0, K, BK):
         c = kb + tl.arange(0, BK)
         cm = c < K
         g_ref = tl.load(G_ptr + (t0 + ref) * (H * K) + i_h * K + c, mask=cm, other=0.0)
         mr = row_ok[:, None] & cm[None, :]  # rows in tile j's past are not loaded
         ro = (t0 + r)[:, None] * (H * K) + i_h * K + c[None, :]
         Gr = tl.load(G_ptr + ro, mask=mr, other=0.0)
-        qr = normed_rows(tl.load(q_ptr + ro, mask=mr, other=0.0), row_rstd(rq_ptr, (t0 + r) * H + i_h, row_ok, NORM),
-                         NORM)
-        kr = normed_rows(tl.load(k_ptr + ro, mask=mr, other=0.0), row_rstd(rk_ptr, (t0 + r) * H + i_h, row_ok, NORM),
-                         NORM)
+        qr = tl.load(q_ptr + ro, mask=mr, other=0.0).to(tl.float32)
+        kr = tl.load(k_ptr + ro, mask=mr, other=0.0).to(tl.float32)
         ms = sv[:, None] & cm[None, :]
         so = (t0 + s)[:, None] * (H * K) + i_h * K + c[None, :]
         Gs = tl.load(G_ptr + so, mask=ms, other=0.0)
-        ks = normed_rows(tl.load(k_ptr + so, mask=ms, other=0.0), row_rstd(rk_ptr, (t0 + s) * H + i_h, sv, NORM),
-                         NORM)
+        ks = tl.load(k_ptr + so, mask=ms, other=0.0).to(tl.float32)
         e_r = tl.exp(tl.where(mr, Gr - g_ref[None, :], NEG))  # (0, e^75]
         e_s = tl.exp(tl.where(ms, g_ref[None, :] - Gs, NEG))  # [e^-75, 1]
         kc = tl.trans((ks * e_s).to(DTA))
@@ -273,25 +261,22 @@ def _a_tile(j, q_ptr, k_ptr, G_ptr, aqk_ptr, tinv_ptr, a_base, t0, L, beta, i_h,
 
 @triton.jit
 def _wy_k_block(kb, t_all, q_ptr, k_ptr, G_ptr, w_ptr, qg_ptr, kg_ptr, eg_ptr, beta, t0, L, i_t, i_h, H,
-                K: tl.constexpr, BK: tl.constexpr, DTC: tl.constexpr, PREC: tl.constexpr,
-                rq_ptr=None, rk_ptr=None, NORM: tl.constexpr = False):
+                K: tl.constexpr, BK: tl.constexpr, DTC: tl.constexpr, PREC: tl.constexpr):
     """Phase C, key columns [kb, kb + BK): W = T (beta k exp(Gamma)) and the scan operands, which do not
     depend on the state (so they stay off the scan's serial path): q exp(Gamma), k exp(Gamma_C - Gamma)
-    and the chunk decay exp(Gamma_C). NORM: q, k raw, normalised here (``_a_tile``)."""
+    and the chunk decay exp(Gamma_C)."""
     r = tl.arange(0, 64)
     c = kb + tl.arange(0, BK)
     mr = (r < L)[:, None] & (c < K)[None, :]
     ro = (t0 + r)[:, None] * (H * K) + i_h * K + c[None, :]
     Gr = tl.load(G_ptr + ro, mask=mr, other=0.0)
-    kr = normed_rows(tl.load(k_ptr + ro, mask=mr, other=0.0), row_rstd(rk_ptr, (t0 + r) * H + i_h, r < L, NORM),
-                     NORM)
+    kr = tl.load(k_ptr + ro, mask=mr, other=0.0).to(tl.float32)
     eG = tl.exp(Gr)
     rk = tl.where(mr, kr * beta[:, None] * eG, 0.0)
     w = tl.dot(t_all, rk.to(DTC), input_precision=PREC)
     tl.store(w_ptr + ro, w.to(w_ptr.dtype.element_ty), mask=mr)
     g_last = tl.load(G_ptr + (t0 + L - 1) * (H * K) + i_h * K + c, mask=c < K, other=0.0)
-    qr = normed_rows(tl.load(q_ptr + ro, mask=mr, other=0.0), row_rstd(rq_ptr, (t0 + r) * H + i_h, r < L, NORM),
-                     NORM)
+    qr = tl.load(q_ptr + ro, mask=mr, other=0.0).to(tl.float32)
     tl.store(qg_ptr + ro, tl.where(mr, qr * eG, 0.0).to(qg_ptr.dtype.element_ty), mask=mr)
     kg = tl.where(mr, kr * tl.exp(g_last[None, :] - Gr), 0.0)
     tl.store(kg_ptr + ro, kg.to(kg_ptr.dtype.element_ty), mask=mr)
@@ -342,13 +327,13 @@ def _intra_kernel(
 
 
 @triton.jit
-def _intra_a_kernel(q_ptr, k_ptr, G_ptr, beta_ptr, aqk_ptr, tinv_ptr, rq_ptr, rk_ptr, cu_ptr, cidx_ptr, H,
-                    K: tl.constexpr, BK: tl.constexpr, DTA: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr):
-    """Phase A, one program per (chunk, head, column tile); NORM: q, k raw, with their rows' 1 / norm."""
+def _intra_a_kernel(q_ptr, k_ptr, G_ptr, beta_ptr, aqk_ptr, tinv_ptr, cu_ptr, cidx_ptr, H,
+                    K: tl.constexpr, BK: tl.constexpr, DTA: tl.constexpr, PREC: tl.constexpr):
+    """Phase A, one program per (chunk, head, column tile)."""
     i_t, i_h, j = _chunk_part(4)
     t0, L, r, beta = _chunk_beta(i_t, i_h, beta_ptr, cidx_ptr, cu_ptr, H)
     _a_tile(j, q_ptr, k_ptr, G_ptr, aqk_ptr, tinv_ptr, (i_t * H + i_h) * 4096, t0, L, beta, i_h, H, K, BK, DTA,
-            PREC, 0, rq_ptr, rk_ptr, NORM)
+            PREC, 0)
 
 
 @triton.jit
@@ -361,16 +346,16 @@ def _intra_solve_kernel(tinv_ptr, H, SOLVE: tl.constexpr, SPREC: tl.constexpr):
 
 @triton.jit
 def _intra_wy_kernel(q_ptr, k_ptr, v_ptr, G_ptr, beta_ptr, tinv_ptr, w_ptr, u_ptr, qg_ptr, kg_ptr, eg_ptr,
-                     rq_ptr, rk_ptr, cu_ptr, cidx_ptr, H,
+                     cu_ptr, cidx_ptr, H,
                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NKB: tl.constexpr,
-                     NP: tl.constexpr, DTC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr):
-    """Phase C, one program per (chunk, head, K block or V block); NORM: q, k raw, with their rows' 1 / norm."""
+                     NP: tl.constexpr, DTC: tl.constexpr, PREC: tl.constexpr):
+    """Phase C, one program per (chunk, head, K block or V block)."""
     i_t, i_h, p = _chunk_part(NP)
     t0, L, r, beta = _chunk_beta(i_t, i_h, beta_ptr, cidx_ptr, cu_ptr, H)
     t_all = tl.load(tinv_ptr + (i_t * H + i_h) * 4096 + r[:, None] * 64 + r[None, :]).to(DTC)
     if p < NKB:
         _wy_k_block(p * BK, t_all, q_ptr, k_ptr, G_ptr, w_ptr, qg_ptr, kg_ptr, eg_ptr, beta, t0, L, i_t, i_h, H,
-                    K, BK, DTC, PREC, rq_ptr, rk_ptr, NORM)
+                    K, BK, DTC, PREC)
     else:
         _wy_v_block((p - NKB) * BV, t_all, v_ptr, u_ptr, beta, t0, L, i_h, H, V, BV, DTC, PREC)
 
@@ -412,24 +397,21 @@ def _gluon_taking(name: str, on: bool, items: int, supported_args: tuple, min_it
     return gluon if gluon is not None and gluon.supported(*supported_args) is None else None
 
 
-def _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV, DTC, PREC, warps,
-                     rstd=None):
+def _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV, DTC, PREC, warps):
     """Phase C as its own kernel: one program per (chunk, head, K block or V block), at ``WY_BLOCKS`` when set;
-    the Gluon kernel (``gluon_wy.py``) instead where ``GLUON_WY`` is on and it supports the tensors. rstd: (rq, rk)
-    when qn, kn are the raw q, k (``NORM_AS_RSTD``)."""
+    the Gluon kernel (``gluon_wy.py``) instead where ``GLUON_WY`` is on and it supports the tensors."""
     gluon_wy = _gluon_taking("gluon_wy", GLUON_WY and WY_BLOCKS is None, plan.NT * H * triton.cdiv(K, 64),
                              (qn, kn, v, G, tinv, w, u, qg, kg, DTC))
     if gluon_wy is not None:
-        gluon_wy.launch(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, rstd=rstd)
+        gluon_wy.launch(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K)
         return
     if WY_BLOCKS is not None:
         BK, BV = min(WY_BLOCKS[0], _next_pow2(K)), min(WY_BLOCKS[1], _next_pow2(V))
     nkb = triton.cdiv(K, BK)
     nparts = nkb + triton.cdiv(V, BV)
-    rq, rk = rstd if rstd is not None else (betan, betan)
     _intra_wy_kernel[part_grid(plan.NT, H, nparts)](
-        qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, rq, rk, plan.cu, plan.chunk_idx, H,
-        K=K, V=V, BK=BK, BV=BV, NKB=nkb, NP=nparts, DTC=DTC, PREC=PREC, NORM=rstd is not None, num_warps=warps,
+        qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
+        K=K, V=V, BK=BK, BV=BV, NKB=nkb, NP=nparts, DTC=DTC, PREC=PREC, num_warps=warps,
     )
 
 
@@ -482,21 +464,14 @@ def kda_fwd_triton(
 
     G = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
     qn, kn, betan = q, k, beta
-    # a forward without the backward takes the norms as 1 / norm per row, applied as phases A and C load q and k
-    gluon_a = _gluon_taking("gluon_phase_a", GLUON_A and A_BK is None and INTRA_MODE == "split",
-                            NT * H * triton.cdiv(K, 64), (q, k, G, DTA))
-    rstd = None
-    if (NORM_AS_RSTD and not return_aux and INTRA_MODE == "split" and gluon_a is None
-            and triton_prologue.norms_as_rstd(use_l2)):
-        rstd = tuple(torch.empty(q.shape[:-1], device=dev, dtype=torch.float32) for _ in range(2))
-    elif use_l2:
+    if use_l2:
         qn, kn = torch.empty_like(q), torch.empty_like(k)
     if use_beta_sigmoid:
         betan = torch.empty(beta.shape, device=dev, dtype=torch.float32)
     dummy = G
     alog_, dtb_ = (A_log, dt_bias) if use_gate else (dummy, dummy)
     triton_prologue.launch_prologue(g, G, q, k, qn, kn, beta, betan, alog_, dtb_, plan, H, K, BKF, BK,
-                                    float(g_min), use_gate, use_l2, use_beta_sigmoid, rstd=rstd)
+                                    float(g_min), use_gate, use_l2, use_beta_sigmoid)
     # W/U in fp32 when the scan is 16-bit too: a 16-bit W loaded straight into the scan's bf16 dot
     # gave wrong results / illegal addresses on the H200 (Triton 3.6; variants '', 'a', 'c' at
     # T2048 H96 D128, the scan of the first version) while every variant with 'w' or 's' was right --
@@ -520,17 +495,15 @@ def kda_fwd_triton(
         )
     elif INTRA_MODE == "split":
         wa, ws, wc = INTRA_SPLIT_WARPS
+        gluon_a = _gluon_taking("gluon_phase_a", GLUON_A and A_BK is None, NT * H * triton.cdiv(K, 64),
+                                (qn, kn, G, DTA))
         if gluon_a is not None:
             gluon_a.launch(qn, kn, G, betan, aqk, tinv, plan, H, K)
         else:
-            rq, rk = rstd if rstd is not None else (dummy, dummy)
-            # (at most 128 registers: the norm's arithmetic took the NORM form to 137, three CTAs per SM, not four)
-            _intra_a_kernel[part_grid(NT, H, 4)](qn, kn, G, betan, aqk, tinv, rq, rk, plan.cu, plan.chunk_idx, H,
-                                                 K=K, BK=min(A_BK or BK, BKF), DTA=DTA, PREC=PREC,
-                                                 NORM=rstd is not None, num_warps=wa, maxnreg=128)
+            _intra_a_kernel[part_grid(NT, H, 4)](qn, kn, G, betan, aqk, tinv, plan.cu, plan.chunk_idx, H,
+                                                 K=K, BK=min(A_BK or BK, BKF), DTA=DTA, PREC=PREC, num_warps=wa)
         _intra_solve_kernel[(NT, H)](tinv, H, SOLVE=SOLVE, SPREC=SPREC, num_warps=ws)
-        _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV_intra, DTC, PREC, wc,
-                         rstd)
+        _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV_intra, DTC, PREC, wc)
     elif INTRA_MODE == "tiles16":
         BK16, warps16, split_wy, split_diag = (tuple(INTRA16_CONFIG) + (0, 0))[:4]
         if split_diag:

@@ -40,15 +40,9 @@ GATE_COLS_WARPS = 4
 
 
 @triton.jit
-def _l2_rstd(x, EPS: tl.constexpr):
-    """1 / sqrt(sum_row x^2 + EPS) for an fp32 tile whose rows are tokens."""
-    return tl.rsqrt(tl.sum(x * x, axis=1) + EPS)
-
-
-@triton.jit
 def _l2_scale(x, EPS: tl.constexpr):
     """x / sqrt(sum_row x^2 + EPS) for an fp32 tile whose rows are tokens."""
-    return x * _l2_rstd(x, EPS)[:, None]
+    return x * tl.rsqrt(tl.sum(x * x, axis=1) + EPS)[:, None]
 
 
 @triton.jit
@@ -59,44 +53,17 @@ def _l2_rows(x_ptr, out_ptr, offs, m, EPS: tl.constexpr):
 
 
 @triton.jit
-def row_rstd(rstd_ptr, rows, rm, NORM: tl.constexpr):
-    """With NORM, the ``_l2_rstd`` of these token rows (at rstd_ptr + rows, mask rm; fp32), else 1."""
-    if NORM:
-        return tl.load(rstd_ptr + rows, mask=rm, other=0.0)
-    else:
-        return 1.0
-
-
-@triton.jit
-def normed_rows(x, rs, NORM: tl.constexpr):
-    """A loaded tile of q or k as the chunk kernels take it, in fp32: with NORM, the raw rows times their
-    ``row_rstd`` rs, rounded to the input dtype as the stored norm ``_l2_rows`` is; else the tile as stored."""
-    if NORM:
-        x = (x.to(tl.float32) * rs[:, None]).to(x.dtype)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _l2_norm_rows_kernel(q_ptr, k_ptr, qn_ptr, kn_ptr, rq_ptr, rk_ptr, R, K: tl.constexpr, BKF: tl.constexpr,
-                         BR: tl.constexpr, EPS: tl.constexpr, STORE_X: tl.constexpr):
-    """The L2 norms of BR contiguous rows of the [R, K] view of q (grid axis 1 = 0) or k (1), R = B T H: with
-    STORE_X the normalised rows (``_l2_rows``) at qn_ptr / kn_ptr, else only each row's ``_l2_rstd`` at rq_ptr /
-    rk_ptr (fp32, [R]), which the chunk kernels apply as they load q and k (``normed_rows``)."""
+def _l2_norm_rows_kernel(q_ptr, k_ptr, qn_ptr, kn_ptr, R, K: tl.constexpr, BKF: tl.constexpr, BR: tl.constexpr,
+                         EPS: tl.constexpr):
+    """``_l2_rows`` over BR contiguous rows of the [R, K] view of q (grid axis 1 = 0) or k (1); R = B T H."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     c = tl.arange(0, BKF)
     m = (rows < R)[:, None] & (c < K)[None, :]
     offs = rows[:, None] * K + c[None, :]
-    is_q = tl.program_id(1) == 0
-    if STORE_X:
-        if is_q:
-            _l2_rows(q_ptr, qn_ptr, offs, m, EPS)
-        else:
-            _l2_rows(k_ptr, kn_ptr, offs, m, EPS)
+    if tl.program_id(1) == 0:
+        _l2_rows(q_ptr, qn_ptr, offs, m, EPS)
     else:
-        x_ptr = q_ptr if is_q else k_ptr
-        rs_ptr = rq_ptr if is_q else rk_ptr
-        rs = _l2_rstd(tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32), EPS)
-        tl.store(rs_ptr + rows, rs, mask=rows < R)
+        _l2_rows(k_ptr, kn_ptr, offs, m, EPS)
 
 
 @triton.jit
@@ -187,21 +154,12 @@ def _prep_parts_kernel(
         _l2_rows(k_ptr, kn_ptr, offs, m, EPS)
 
 
-def norms_as_rstd(use_l2: bool) -> bool:
-    """Whether ``launch_prologue`` can hand q's and k's L2 norms over as per-row 1 / norm (``rstd``)."""
-    return use_l2 and L2_ROWS
-
-
 def launch_prologue(g, G, q, k, qn, kn, beta, betan, alog, dtb, plan, H, K, BKF, BK, g_min, use_gate, use_l2,
-                    use_beta_sigmoid, rstd=None):
+                    use_beta_sigmoid):
     """The gate, Gamma, the L2 norms and beta's sigmoid, as ``L2_ROWS`` / ``PREP_PARTS`` say. plan: the
-    forward's ``ChunkPlan``; BKF: K padded to a power of two, BK: the column block (``triton_forward._cfg``).
-    rstd: (rq, rk), fp32 [B T H] each, to take q's and k's row norms as 1 / norm there instead of writing qn, kn
-    (only with the norm fused and ``L2_ROWS``; ``norms_as_rstd``)."""
+    forward's ``ChunkPlan``; BKF: K padded to a power of two, BK: the column block (``triton_forward._cfg``)."""
     if PREP_PARTS not in (1, 3):
         raise ValueError(f"KIMIK3_KDA_PREP_PARTS must be 1 or 3, got {PREP_PARTS}")
-    if rstd is not None and not norms_as_rstd(use_l2):
-        raise ValueError("the norms as rstd need the L2 norm fused and the row-norm prologue (L2_ROWS)")
     NT = plan.NT
     prep_args = (g, G, q, k, qn, kn, beta, betan, alog, dtb, plan.cu, plan.chunk_idx, H, g_min)
     prep_kw = dict(K=K, BKF=BKF, USE_GATE=use_gate, USE_BETA_SIG=use_beta_sigmoid, EPS=L2_EPS,
@@ -213,9 +171,8 @@ def launch_prologue(g, G, q, k, qn, kn, beta, betan, alog, dtb, plan, H, K, BKF,
             K=K, BK=BK, NKB=nkb, USE_GATE=use_gate, USE_BETA_SIG=use_beta_sigmoid, num_warps=GATE_COLS_WARPS,
         )
         rows, (BR, warps_r) = q.numel() // K, L2_ROWS_CONFIG
-        rq, rk = rstd if rstd is not None else (G, G)
-        _l2_norm_rows_kernel[(triton.cdiv(rows, BR), 2)](q, k, qn, kn, rq, rk, rows, K=K, BKF=BKF, BR=BR,
-                                                         EPS=L2_EPS, STORE_X=rstd is None, num_warps=warps_r)
+        _l2_norm_rows_kernel[(triton.cdiv(rows, BR), 2)](q, k, qn, kn, rows, K=K, BKF=BKF, BR=BR, EPS=L2_EPS,
+                                                         num_warps=warps_r)
     elif PREP_PARTS == 3 and use_l2:
         _prep_parts_kernel[part_grid(NT, H, 3)](*prep_args, **prep_kw)
     else:

@@ -456,6 +456,8 @@ def _patched(machine: _Machine, fn_globals: dict):
         "atomic_add": _atomic_add,
         "expand_dims": lambda x, axis, **_: Tile(_val(x).unsqueeze(int(_val(axis)))),
         "convert_layout": lambda x, layout=None, **_: x,
+        "permute": lambda x, *dims, **_: Tile(_val(x).permute(*[int(_val(d)) for d in
+                                                                 (dims[0] if len(dims) == 1 else dims)])),
         "exp": _unwrapped(torch.exp),
         "exp2": _unwrapped(torch.exp2),
         "log": _unwrapped(torch.log),

@@ -139,6 +139,12 @@ GLUON_SCAN_OUT = os.environ.get("KIMIK3_KDA_GLUON_SCAN_OUT", "1") == "1"
 # Phase A by the warp-specialised Gluon kernel (``gluon_phase_a.py``: one (chunk, head) per item, its four column
 # tiles from one TMA load of q, k, Gamma) where ``gluon_phase_a.supported`` allows it: KIMIK3_KDA_GLUON_A=1.
 GLUON_A = os.environ.get("KIMIK3_KDA_GLUON_A", "0") == "1"
+# Phases A, B, C by one warp-specialised Gluon kernel (``gluon_local.py``: one (chunk, head) per item, its q, k, v,
+# Gamma by TMA, Aqk, T, W, U and the scan operands from shared memory, two CTAs per SM) where ``gluon_local.supported``
+# allows it, instead of the split kernels' three launches: KIMIK3_KDA_GLUON_LOCAL=1. H200, K3's shape, same run
+# (benchmarks/gluon_local_probe.py): 1.551 ms against their 1.358 (the forward 2.517 against 2.311), the outputs within
+# 2e-5 relative RMS.
+GLUON_LOCAL = os.environ.get("KIMIK3_KDA_GLUON_LOCAL", "0") == "1"
 # W = T (beta k exp(Gamma)) stored in the 16-bit input dtype (U stays fp32: v_new = U - W S needs its
 # low bits). Every scan takes W as a 16-bit operand, so the scans compute the same; the WY backward's
 # dA = -dRk W^T sees W at 8 mantissa bits instead of tf32's 10. Halves W's traffic (written once, read by
@@ -493,6 +499,9 @@ def kda_fwd_triton(
             K=K, V=V, BK=BK, BV=BV_intra, DTA=DTA, DTC=DTC, PREC=PREC, SPREC=SPREC,
             SOLVE=SOLVE, ABLATE=INTRA_ABLATE, num_warps=INTRA_WARPS or (8 if DT != tl.float32 else 4),
         )
+    elif INTRA_MODE == "split" and _gluon_taking("gluon_local", GLUON_LOCAL, NT * H * triton.cdiv(K, 64),
+                                                 (qn, kn, v, G, w, u, qg, kg, DTA, DTC)) is not None:
+        _gluon("gluon_local").launch(qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan, H, store_t=return_aux)
     elif INTRA_MODE == "split":
         wa, ws, wc = INTRA_SPLIT_WARPS
         gluon_a = _gluon_taking("gluon_phase_a", GLUON_A and A_BK is None, NT * H * triton.cdiv(K, 64),

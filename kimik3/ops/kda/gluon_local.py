@@ -53,7 +53,7 @@ MAXNREG: Optional[int] = 128  # registers per thread at launch (ptxas .maxnreg):
 # padded to a warpgroup) per SM; the consumer raises its own
 CTAS_PER_SM = 2  # the persistent grid's CTAs per SM
 LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
-# Timing ablation (benchmarks only; results are WRONG when non-zero): 1 skips the solve (T = I - A), 2 phase A's
+# Timing ablation (benchmarks only; results are WRONG when non-zero): 1 skips the solve (T taken as A), 2 phase A's
 # products, 3 the scan operands' pass (qg, kg, e^Gamma_C, W's and U's right operands)
 ABLATE = 0
 NEG_INF = gl.constexpr(float("-inf"))

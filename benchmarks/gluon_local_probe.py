@@ -49,9 +49,8 @@ def main() -> None:
         raise SystemExit("gluon_local_probe.py times the kernel on an sm_90 GPU")
     import triton.language as tl
 
-    from kimik3.ops.kda import gluon_local, gluon_wy
+    from kimik3.ops.kda import gluon_local
     from kimik3.ops.kda import triton_forward as tf
-    from kimik3.ops.kda.triton_scan import part_grid
 
     T, H, K = a.T, a.H, 128
     dev = torch.device("cuda")
@@ -70,12 +69,9 @@ def main() -> None:
 
     ref = outputs()
 
-    def split():
-        aqk, tinv, w, u, qg, kg, eg = ref
-        tf._intra_a_kernel[part_grid(plan.NT, H, 4)](q, k, G, beta, aqk, tinv, plan.cu, plan.chunk_idx, H, K=K, BK=64,
-                                                     DTA=tl.bfloat16, PREC="tf32", num_warps=4)
-        tf._intra_solve_kernel[(plan.NT, H)](tinv, H, SOLVE=tf.SOLVE, SPREC="tf32", num_warps=1)
-        gluon_wy.launch(q, k, v, G, beta, tinv, w, u, qg, kg, eg, plan, H, K)
+    def split():  # the three kernels the forward runs (at this size: Triton phase A and solve, Gluon phase C)
+        tf._launch_split_intra(q, k, v, G, beta, *ref, plan, H, K, K, K, 64, 64, tl.bfloat16, tl.bfloat16, "tf32",
+                               "tf32")
 
     split()
     rows = [{"setting": "split kernels (phase A, solve, Gluon phase C)", "ms": bench(split)}]

@@ -150,10 +150,8 @@ def test_gluon_local_equals_the_split_kernels(lengths, H, gate_scale):
     nan = lambda: torch.full((plan.NT, H, 64, 64), float("nan"), device=DEV)  # noqa: E731
     ref_aqk, ref_t, out_aqk, out_t = nan(), nan(), nan(), nan()
     ref, out = _outputs(q, plan, H, K), _outputs(q, plan, H, K)
-    tf._intra_a_kernel[part_grid(plan.NT, H, 4)](q, k, G, beta, ref_aqk, ref_t, plan.cu, plan.chunk_idx, H, K=K,
-                                                 BK=64, DTA=tl.bfloat16, PREC="tf32", num_warps=4)
-    tf._intra_solve_kernel[(plan.NT, H)](ref_t, H, SOLVE=4, SPREC="tf32", num_warps=1)
-    tf._launch_intra_wy(q, k, v, G, beta, ref_t, *ref, plan, H, K, K, 64, 64, tl.bfloat16, "tf32", 4)
+    tf._launch_split_intra(q, k, v, G, beta, ref_aqk, ref_t, *ref, plan, H, K, K, K, 64, 64, tl.bfloat16, tl.bfloat16,
+                           "tf32", "tf32")
     assert gluon_local.supported(q, k, v, G, *ref[:4], tl.bfloat16, tl.bfloat16) in (None, "a Hopper GPU (sm_90)")
     gluon_local.launch(q, k, v, G, beta, out_aqk, out_t, *out, plan, H, True, **_run_here())
     for name, r, o, tol in zip(("Aqk", "T", "w", "u", "qg", "kg", "eg"), (ref_aqk, ref_t, *ref), (out_aqk, out_t, *out),
@@ -161,7 +159,6 @@ def test_gluon_local_equals_the_split_kernels(lengths, H, gate_scale):
         assert not o.isnan().any(), f"{name}: {int(o.isnan().sum())} elements unwritten"
         err = rel_rms(r.float(), o.float())
         assert err <= tol, (name, err)
-        print(name, err)
     assert torch.equal(out_aqk.triu(1), torch.zeros_like(out_aqk).triu(1))
     assert torch.equal(out_t.triu(1), torch.zeros_like(out_t).triu(1))
     kept = nan()

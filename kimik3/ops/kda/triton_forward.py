@@ -421,6 +421,22 @@ def _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V,
     )
 
 
+def _launch_split_intra(qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan, H, K, V, BKF, BK, BV, DTA, DTC, PREC,
+                        SPREC):
+    """Phases A, B, C as three kernels (``INTRA_MODE`` "split"): phase A per column tile (by ``gluon_phase_a`` where
+    ``GLUON_A`` is on and it applies), the solve per (chunk, head), phase C (``_launch_intra_wy``)."""
+    wa, ws, wc = INTRA_SPLIT_WARPS
+    NT = plan.NT
+    gluon_a = _gluon_taking("gluon_phase_a", GLUON_A and A_BK is None, NT * H * triton.cdiv(K, 64), (qn, kn, G, DTA))
+    if gluon_a is not None:
+        gluon_a.launch(qn, kn, G, betan, aqk, tinv, plan, H, K)
+    else:
+        _intra_a_kernel[part_grid(NT, H, 4)](qn, kn, G, betan, aqk, tinv, plan.cu, plan.chunk_idx, H,
+                                             K=K, BK=min(A_BK or BK, BKF), DTA=DTA, PREC=PREC, num_warps=wa)
+    _intra_solve_kernel[(NT, H)](tinv, H, SOLVE=SOLVE, SPREC=SPREC, num_warps=ws)
+    _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV, DTC, PREC, wc)
+
+
 def kda_fwd_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     scale: float, initial_state: Optional[torch.Tensor], output_final_state: bool,
@@ -503,16 +519,8 @@ def kda_fwd_triton(
                                                  (qn, kn, v, G, w, u, qg, kg, DTA, DTC)) is not None:
         _gluon("gluon_local").launch(qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan, H, store_t=return_aux)
     elif INTRA_MODE == "split":
-        wa, ws, wc = INTRA_SPLIT_WARPS
-        gluon_a = _gluon_taking("gluon_phase_a", GLUON_A and A_BK is None, NT * H * triton.cdiv(K, 64),
-                                (qn, kn, G, DTA))
-        if gluon_a is not None:
-            gluon_a.launch(qn, kn, G, betan, aqk, tinv, plan, H, K)
-        else:
-            _intra_a_kernel[part_grid(NT, H, 4)](qn, kn, G, betan, aqk, tinv, plan.cu, plan.chunk_idx, H,
-                                                 K=K, BK=min(A_BK or BK, BKF), DTA=DTA, PREC=PREC, num_warps=wa)
-        _intra_solve_kernel[(NT, H)](tinv, H, SOLVE=SOLVE, SPREC=SPREC, num_warps=ws)
-        _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV_intra, DTC, PREC, wc)
+        _launch_split_intra(qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan, H, K, V, BKF, BK, BV_intra, DTA,
+                            DTC, PREC, SPREC)
     elif INTRA_MODE == "tiles16":
         BK16, warps16, split_wy, split_diag = (tuple(INTRA16_CONFIG) + (0, 0))[:4]
         if split_diag:

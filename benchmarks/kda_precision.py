@@ -32,7 +32,8 @@ import kda_k3 as k3  # noqa: E402  (the K3-contract inputs and callers; k3.DEVIC
 from harness import log, rel  # noqa: E402
 from kda_tries import overridden, parse_experiment  # noqa: E402  (--try: kda_kernel.py's experiment switches)
 
-FIELDS = ["o", "state", "dq", "dk", "dv", "dz", "dbeta", "dh0"]
+# o_fwd, state_fwd: a forward alone (no autograd), which takes other kernel forms than the training forward (o, state)
+FIELDS = ["o", "state", "o_fwd", "state_fwd", "dq", "dk", "dv", "dz", "dbeta", "dh0"]
 CLASS_RATIO, CLASS_FLOOR = 1.25, 1e-3
 
 
@@ -40,7 +41,9 @@ def errors(call, xs, h0, do, ds, ref) -> dict:
     """call(xs, h0) -> (o, final state); its errors against ref (same FIELDS order) as a dict."""
     o, s = call(xs, h0)
     grads = torch.autograd.grad((o.float() * do).sum() + (s.float() * ds).sum(), xs + [h0])
-    return {name: rel(r, x) for name, r, x in zip(FIELDS, ref, [o, s, *grads])}
+    with torch.no_grad():
+        o_fwd, s_fwd = call(xs, h0)
+    return {name: rel(r, x) for name, r, x in zip(FIELDS, ref, [o, s, o_fwd, s_fwd, *grads])}
 
 
 def measure(shape, variants, use_fla: bool, seed: int, tries=()) -> dict:
@@ -56,7 +59,7 @@ def measure(shape, variants, use_fla: bool, seed: int, tries=()) -> dict:
     ds = torch.randn(B, H, D, D, generator=gen, device=k3.DEVICE)
     xs32 = [x.detach().float().requires_grad_() for x in xs]
     o_n, s_n = k3.naive_k3(xs32, a_log, dtb, h0)
-    ref = [o_n, s_n, *torch.autograd.grad((o_n * do).sum() + (s_n * ds).sum(), xs32 + [h0])]
+    ref = [o_n, s_n, o_n, s_n, *torch.autograd.grad((o_n * do).sum() + (s_n * ds).sum(), xs32 + [h0])]
     del xs32, o_n, s_n
     out = {}
     for variant in variants:

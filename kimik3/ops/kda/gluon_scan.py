@@ -75,10 +75,12 @@ def _sequence(cu_ptr, coff_ptr, H):
 
 
 @gluon.jit
-def _loader(ready, empty, w_s, g_s, q_s, a_s, w_d, g_d, q_d, a_d, cu_ptr, coff_ptr, H, K: gl.constexpr,
-            OUT: gl.constexpr):
+def _loader(ready, empty, w_s, g_s, q_s, a_s, w_d, g_d, q_d, a_d, ready_u, empty_u, tb_s, vin_s, tb_d, v_d, cu_ptr,
+            coff_ptr, H, K: gl.constexpr, V: gl.constexpr, OUT: gl.constexpr, U_IN: gl.constexpr,
+            NHALF: gl.constexpr):
     """The loader partition: chunk c's W and kg tiles (both K halves), and with the output (OUT) its qg tiles and
-    its Aqk (fp32), once the consumers have freed the slot."""
+    its Aqk (fp32), once the consumers have freed the slot; with U_IN, into a slot of its own, the chunk's
+    -T diag(beta) and the CTA's v tiles, from which the consumers form U."""
     i_h, bos, eos, nc, coff = _sequence(cu_ptr, coff_ptr, H)
     for c in range(nc):
         slot = _wait_slot(empty, c, 1)
@@ -92,15 +94,25 @@ def _loader(ready, empty, w_s, g_s, q_s, a_s, w_d, g_d, q_d, a_d, cu_ptr, coff_p
             tma.async_copy_global_to_shared(g_d, [t0, i_h * K + kb * 64], bar, g_s.index(2 * slot + kb))
             if OUT:
                 tma.async_copy_global_to_shared(q_d, [t0, i_h * K + kb * 64], bar, q_s.index(2 * slot + kb))
+        if U_IN:
+            _wait_slot(empty_u, c, 1)
+            bar_u = ready_u.index(0)
+            mbarrier.expect(bar_u, (1 + NHALF) * 64 * 64 * 2)
+            tma.async_copy_global_to_shared(tb_d, [((coff + c) * H + i_h) * 64, 0], bar_u, tb_s)
+            for hb in gl.static_range(NHALF):
+                col = i_h * V + (gl.program_id(0) * NHALF + hb) * 64
+                tma.async_copy_global_to_shared(v_d, [t0, col], bar_u, vin_s.index(hb))
 
 
 @gluon.jit
-def _consumer(ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, o_ptr, scale, cu_ptr,
-              coff_ptr, H, K: gl.constexpr, V: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
-              NW: gl.constexpr, HALF: gl.constexpr, NHALF: gl.constexpr, OUT: gl.constexpr, STORE: gl.constexpr):
+def _consumer(ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, ready_u, empty_u, tb_s, vin_s, u_ptr, eg_ptr, h0_ptr,
+              vn_ptr, ht_ptr, o_ptr, scale, cu_ptr, coff_ptr, H, K: gl.constexpr, V: gl.constexpr,
+              HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, NW: gl.constexpr, HALF: gl.constexpr,
+              NHALF: gl.constexpr, OUT: gl.constexpr, STORE: gl.constexpr, U_IN: gl.constexpr):
     """A consumer partition: the scan's chain for 64 V columns, chunk by chunk (module docstring); the CTA's HALF-th
     of its NHALF column blocks. OUT: also the chunk's output o = scale (qg S + Aqk v_new), its products issued where
-    the chain waits. STORE: store each chunk's entry state and v_new (what the backward reads)."""
+    the chain waits. STORE: store each chunk's entry state and v_new (what the backward reads). U_IN: U not read
+    but formed, -U = (-T diag(beta)) v, as the first product of the accumulator that W S then joins."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, 64, 16])
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))  # tile rows (tokens, or state rows) and V columns
     col0 = (gl.program_id(0) * NHALF + HALF) * 64
@@ -119,7 +131,12 @@ def _consumer(ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, u_ptr, eg_ptr, h0_p
         t0 = bos + c * 64
         rows = gl.expand_dims(r < eos - t0, 1)
         tok = gl.expand_dims((t0 + r).to(gl.int64), 1) * (H * V) + i_h * V + gl.expand_dims(cv, 0)
-        u = gl.load(u_ptr + tok, mask=rows, other=0.0)
+        if U_IN:  # -U, off the chain: issued before the state is written for W S
+            _wait_slot(ready_u, c, 0)
+            p = warpgroup_mma(tb_s, vin_s.index(HALF), gl.zeros([64, 64], gl.float32, layout=MMA), use_acc=False,
+                              is_async=True)
+        else:
+            u = gl.load(u_ptr + tok, mask=rows, other=0.0)
         ch = (coff + c) * H + i_h  # the global chunk's (chunk, head) index
         eg_top = gl.expand_dims(gl.load(eg_ptr + ch * K + r), 1)
         eg_bot = gl.expand_dims(gl.load(eg_ptr + ch * K + 64 + r), 1)
@@ -134,8 +151,11 @@ def _consumer(ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, u_ptr, eg_ptr, h0_p
             tma.async_copy_shared_to_global(h_d, [ch * K + 64, col0], hs.index(1))
         slot = _wait_slot(ready, c, 0)
         # v_new = U - W S, rows past the sequence zero (their W, kg rows belong to the next one)
-        p = warpgroup_mma(w_s.index(2 * slot), hs.index(0), gl.zeros([64, 64], gl.float32, layout=MMA),
-                          use_acc=False, is_async=True)
+        if U_IN:  # p = W S - U = -v_new
+            p = warpgroup_mma(w_s.index(2 * slot), hs.index(0), p, is_async=True)
+        else:
+            p = warpgroup_mma(w_s.index(2 * slot), hs.index(0), gl.zeros([64, 64], gl.float32, layout=MMA),
+                              use_acc=False, is_async=True)
         p = warpgroup_mma(w_s.index(2 * slot + 1), hs.index(1), p, is_async=True)
         if OUT:  # qg S, off the chain: it runs while v_new is formed
             o = warpgroup_mma(q_s.index(2 * slot), hs.index(0), gl.zeros([64, 64], gl.float32, layout=MMA),
@@ -144,7 +164,11 @@ def _consumer(ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, u_ptr, eg_ptr, h0_p
             p = warpgroup_mma_wait(2, deps=[p])
         else:
             p = warpgroup_mma_wait(0, deps=[p])
-        v = gl.where(rows, u - p, 0.0)
+        if U_IN:
+            mbarrier.arrive(empty_u.index(0), count=1)  # -T diag(beta) and v are read
+            v = gl.where(rows, -p, 0.0)
+        else:
+            v = gl.where(rows, u - p, 0.0)
         if STORE:
             gl.store(vn_ptr + tok, v, mask=rows)
         v_hi, v_lo = split16(v)
@@ -178,14 +202,15 @@ def _consumer(ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, u_ptr, eg_ptr, h0_p
 
 
 @gluon.jit
-def _gluon_scan_kernel(w_d, g_d, q_d, a_d, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, o_ptr, scale, cu_ptr, coff_ptr, H,
-                       K: gl.constexpr, V: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
+def _gluon_scan_kernel(w_d, g_d, q_d, a_d, h_d, tb_d, v_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, o_ptr, scale, cu_ptr,
+                       coff_ptr, H, K: gl.constexpr, V: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
                        RING: gl.constexpr, NHALF: gl.constexpr, REGS: gl.constexpr, OUT: gl.constexpr,
-                       STORE: gl.constexpr, num_warps: gl.constexpr):
+                       STORE: gl.constexpr, U_IN: gl.constexpr, num_warps: gl.constexpr):
     """The scan over (V / (64 NHALF), N H) programs, each with NHALF consumer partitions (one per 64-column block of
     V; two share the loader's W, kg and qg tiles). w_d, g_d, q_d: TMA descriptors of [64, 64] tiles of W, kg and qg
     as [tokens, H K] bf16, and a_d of Aqk as [NT H 64, 64] fp32 (q_d, a_d read with OUT only); h_d: of the states as
-    [NT H K, V] bf16 (written with STORE only; its layout is the 16-bit operand buffers' either way)."""
+    [NT H K, V] bf16 (written with STORE only; its layout is the 16-bit operand buffers' either way); tb_d, v_d (read
+    with U_IN only): of -T diag(beta) as [NT H 64, 64] and of v as [tokens, H V], bf16."""
     w_s = gl.allocate_shared_memory(gl.bfloat16, [2 * RING, 64, 64], w_d.layout)
     g_s = gl.allocate_shared_memory(gl.bfloat16, [2 * RING, 64, 64], g_d.layout)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [2 * RING if OUT else 1, 64, 64], q_d.layout)
@@ -193,23 +218,32 @@ def _gluon_scan_kernel(w_d, g_d, q_d, a_d, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, h
     hs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)  # the state's two 64-row halves
     vs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)  # v_new's high part and remainder
     ready, empty = ring_barriers(RING, NHALF)  # every consumer releases a slot
+    tb_s = gl.allocate_shared_memory(gl.bfloat16, [64 if U_IN else 8, 64], tb_d.layout)
+    vin_s = gl.allocate_shared_memory(gl.bfloat16, [NHALF if U_IN else 1, 64 if U_IN else 8, 64], v_d.layout)
+    ready_u, empty_u = ring_barriers(1, NHALF)  # (U_IN) the one slot of -T diag(beta) and v
     if NHALF == 1:
         gl.warp_specialize([
-            (_consumer, (ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, o_ptr,
-                         scale, cu_ptr, coff_ptr, H, K, V, HAS_H0, STORE_HT, num_warps, 0, NHALF, OUT, STORE)),
-            (_loader, (ready, empty, w_s, g_s, q_s, a_s, w_d, g_d, q_d, a_d, cu_ptr, coff_ptr, H, K, OUT)),
+            (_consumer, (ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, ready_u, empty_u, tb_s, vin_s, u_ptr, eg_ptr,
+                         h0_ptr, vn_ptr, ht_ptr, o_ptr, scale, cu_ptr, coff_ptr, H, K, V, HAS_H0, STORE_HT, num_warps,
+                         0, NHALF, OUT, STORE, U_IN)),
+            (_loader, (ready, empty, w_s, g_s, q_s, a_s, w_d, g_d, q_d, a_d, ready_u, empty_u, tb_s, vin_s, tb_d,
+                       v_d, cu_ptr, coff_ptr, H, K, V, OUT, U_IN, NHALF)),
         ], [LOADER_WARPS], [LOADER_REGS])
     else:  # the second half's own state and v_new buffers
         hs2 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)
         vs2 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)
         gl.warp_specialize([
-            (_consumer, (ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, o_ptr,
-                         scale, cu_ptr, coff_ptr, H, K, V, HAS_H0, STORE_HT, num_warps, 0, NHALF, OUT, STORE)),
-            (_consumer, (ready, empty, w_s, g_s, q_s, a_s, hs2, vs2, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, o_ptr,
-                         scale, cu_ptr, coff_ptr, H, K, V, HAS_H0, STORE_HT, num_warps, 1, NHALF, OUT, STORE)),
-            (_loader, (ready, empty, w_s, g_s, q_s, a_s, w_d, g_d, q_d, a_d, cu_ptr, coff_ptr, H, K, OUT)),
+            (_consumer, (ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, ready_u, empty_u, tb_s, vin_s, u_ptr, eg_ptr,
+                         h0_ptr, vn_ptr, ht_ptr, o_ptr, scale, cu_ptr, coff_ptr, H, K, V, HAS_H0, STORE_HT, num_warps,
+                         0, NHALF, OUT, STORE, U_IN)),
+            (_consumer, (ready, empty, w_s, g_s, q_s, a_s, hs2, vs2, h_d, ready_u, empty_u, tb_s, vin_s, u_ptr, eg_ptr,
+                         h0_ptr, vn_ptr, ht_ptr, o_ptr, scale, cu_ptr, coff_ptr, H, K, V, HAS_H0, STORE_HT, num_warps,
+                         1, NHALF, OUT, STORE, U_IN)),
+            (_loader, (ready, empty, w_s, g_s, q_s, a_s, w_d, g_d, q_d, a_d, ready_u, empty_u, tb_s, vin_s, tb_d,
+                       v_d, cu_ptr, coff_ptr, H, K, V, OUT, U_IN, NHALF)),
         ], [num_warps, LOADER_WARPS], [REGS, LOADER_REGS])
     release_ring(ready, empty)
+    release_ring(ready_u, empty_u)
 
 
 def supported(w: torch.Tensor, kg: torch.Tensor, u: torch.Tensor, h: Optional[torch.Tensor], hilo: bool,
@@ -233,12 +267,14 @@ def supported(w: torch.Tensor, kg: torch.Tensor, u: torch.Tensor, h: Optional[to
 
 
 def launch(kg, eg, w, u, h0, h, vn, ht, plan, H: int, K: int, V: int, qg=None, aqk=None, o=None, scale: float = 1.0,
-           launcher: Optional[Callable] = None) -> None:
+           launcher: Optional[Callable] = None, tbeta=None, v=None) -> None:
     """The scan by ``_gluon_scan_kernel`` on ``triton_forward``'s tensors (token layout [B, T, H, D]; h as [NT, H, K,
     V]; h0 / ht as [N, H, K, V] fp32 or None).
     - h, vn: where the chunks' entry states (bf16) and v_new (fp32) are stored, or both None to store neither;
     - qg, aqk, o: with o given, the scan also computes the output o = scale (qg S + Aqk v_new) (qg bf16 in token
-      layout, Aqk as [NT, H, 64, 64] fp32, o in token layout), so the output kernel need not run.
+      layout, Aqk as [NT, H, 64, 64] fp32, o in token layout), so the output kernel need not run;
+    - tbeta, v: with u None, U = T (beta v) is formed here from -T diag(beta) ([NT, H, 64, 64] bf16, as
+      ``gluon_wy.launch(tbeta=)`` stores it) and v (bf16, token layout) instead of read.
     launcher: how to run it (default: on the GPU; ``tests/gluon_emulator.emulate`` on the CPU)."""
     if (h is None) != (vn is None):
         raise ValueError("the scan stores the states h and v_new together, or neither")
@@ -247,17 +283,24 @@ def launch(kg, eg, w, u, h0, h, vn, ht, plan, H: int, K: int, V: int, qg=None, a
         raise ValueError("the scan's output needs qg and Aqk")
     if h is None and not out:
         raise ValueError("a scan that stores no states must compute the output")
+    u_in = u is None
+    if u_in and (tbeta is None or v is None):
+        raise ValueError("without U the scan forms it from -T diag(beta) (tbeta) and v: both needed")
+    if u_in and (tbeta.dtype, v.dtype) != (torch.bfloat16, torch.bfloat16):
+        raise ValueError(f"-T diag(beta) and v in bf16 (got {tbeta.dtype}, {v.dtype})")
     tok = (w.numel() // (H * K), H * K)
     w_d = tile_descriptor(w, gl.bfloat16, tok)
     args = (w_d, tile_descriptor(kg, gl.bfloat16, tok), tile_descriptor(qg, gl.bfloat16, tok) if out else w_d,
-            tile_descriptor(aqk if out else u, gl.float32, (-1, 64)),
-            tile_descriptor(h, gl.bfloat16, (plan.NT * H * K, V)) if h is not None else w_d, u, eg,
-            h0 if h0 is not None else u, vn if vn is not None else u, ht if ht is not None else u,
-            o if out else u, float(scale), plan.cu, plan.chunk_off, H)
+            tile_descriptor(aqk if out else (u if u is not None else eg), gl.float32, (-1, 64)),
+            tile_descriptor(h, gl.bfloat16, (plan.NT * H * K, V)) if h is not None else w_d,
+            tile_descriptor(tbeta, gl.bfloat16, (-1, 64)) if u_in else w_d,
+            tile_descriptor(v, gl.bfloat16, (w.numel() // (H * K), H * V)) if u_in else w_d, eg if u_in else u, eg,
+            h0 if h0 is not None else eg, vn if vn is not None else eg, ht if ht is not None else eg,
+            o if out else eg, float(scale), plan.cu, plan.chunk_off, H)
     nhalf = 2 if SHARED_HALVES and V % 128 == 0 else 1
     grid = (V // (64 * nhalf), plan.N * H)
     meta = dict(K=K, V=V, HAS_H0=h0 is not None, STORE_HT=ht is not None, RING=RING, NHALF=nhalf, REGS=CONSUMER_REGS,
-                OUT=out, STORE=h is not None, num_warps=CONSUMER_WARPS,
+                OUT=out, STORE=h is not None, U_IN=u_in, num_warps=CONSUMER_WARPS,
                 **launch_options(MAXNREG if nhalf == 1 else MAXNREG_SHARED))
     if launcher is None:
         _gluon_scan_kernel[grid](*args, **meta)

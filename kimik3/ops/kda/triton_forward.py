@@ -145,6 +145,11 @@ GLUON_A = os.environ.get("KIMIK3_KDA_GLUON_A", "0") == "1"
 # (benchmarks/gluon_local_probe.py): 1.551 ms against their 1.358 (the forward 2.517 against 2.311), the outputs within
 # 2e-5 relative RMS.
 GLUON_LOCAL = os.environ.get("KIMIK3_KDA_GLUON_LOCAL", "0") == "1"
+# A forward alone (no backward to read U) on the Gluon phase C and the Gluon scan with the output: U = T (beta v) is
+# formed in the scan, as one more product in the accumulator of W S (issued before the state it waits on), from
+# -T diag(beta) in bf16 that phase C stores instead of U; phase C then reads no v and writes no fp32 U (0.4 + 0.2 GB
+# at K3's shape). KIMIK3_KDA_GLUON_SCAN_U=0: phase C forms U and the scan reads it.
+GLUON_SCAN_U = os.environ.get("KIMIK3_KDA_GLUON_SCAN_U", "1") == "1"
 # W = T (beta k exp(Gamma)) stored in the 16-bit input dtype (U stays fp32: v_new = U - W S needs its
 # low bits). Every scan takes W as a 16-bit operand, so the scans compute the same; the WY backward's
 # dA = -dRk W^T sees W at 8 mantissa bits instead of tf32's 10. Halves W's traffic (written once, read by
@@ -403,13 +408,22 @@ def _gluon_taking(name: str, on: bool, items: int, supported_args: tuple, min_it
     return gluon if gluon is not None and gluon.supported(*supported_args) is None else None
 
 
-def _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV, DTC, PREC, warps):
+def _gluon_wy_taking(qn, kn, v, G, tinv, w, u, qg, kg, plan, H, K, DTC):
+    """The Gluon phase C module where it runs this call (``GLUON_WY``, no ``WY_BLOCKS``, its ``supported``), else
+    None. u: U or a tensor of its shape and dtype (device "meta" where U is not allocated)."""
+    return _gluon_taking("gluon_wy", GLUON_WY and WY_BLOCKS is None, plan.NT * H * triton.cdiv(K, 64),
+                         (qn, kn, v, G, tinv, w, u, qg, kg, DTC))
+
+
+def _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV, DTC, PREC, warps,
+                     tbeta=None):
     """Phase C as its own kernel: one program per (chunk, head, K block or V block), at ``WY_BLOCKS`` when set;
-    the Gluon kernel (``gluon_wy.py``) instead where ``GLUON_WY`` is on and it supports the tensors."""
-    gluon_wy = _gluon_taking("gluon_wy", GLUON_WY and WY_BLOCKS is None, plan.NT * H * triton.cdiv(K, 64),
-                             (qn, kn, v, G, tinv, w, u, qg, kg, DTC))
+    the Gluon kernel (``gluon_wy.py``) instead where ``GLUON_WY`` is on and it supports the tensors. tbeta: -T
+    diag(beta) stored instead of U (u None; the Gluon kernel only)."""
+    gluon_wy = _gluon("gluon_wy") if tbeta is not None else \
+        _gluon_wy_taking(qn, kn, v, G, tinv, w, u, qg, kg, plan, H, K, DTC)
     if gluon_wy is not None:
-        gluon_wy.launch(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K)
+        gluon_wy.launch(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, tbeta=tbeta)
         return
     if WY_BLOCKS is not None:
         BK, BV = min(WY_BLOCKS[0], _next_pow2(K)), min(WY_BLOCKS[1], _next_pow2(V))
@@ -422,9 +436,9 @@ def _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V,
 
 
 def _launch_split_intra(qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan, H, K, V, BKF, BK, BV, DTA, DTC, PREC,
-                        SPREC):
+                        SPREC, tbeta=None):
     """Phases A, B, C as three kernels (``INTRA_MODE`` "split"): phase A per column tile (by ``gluon_phase_a`` where
-    ``GLUON_A`` is on and it applies), the solve per (chunk, head), phase C (``_launch_intra_wy``)."""
+    ``GLUON_A`` is on and it applies), the solve per (chunk, head), phase C (``_launch_intra_wy``; tbeta: there)."""
     wa, ws, wc = INTRA_SPLIT_WARPS
     NT = plan.NT
     gluon_a = _gluon_taking("gluon_phase_a", GLUON_A and A_BK is None, NT * H * triton.cdiv(K, 64), (qn, kn, G, DTA))
@@ -434,7 +448,7 @@ def _launch_split_intra(qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan, 
         _intra_a_kernel[part_grid(NT, H, 4)](qn, kn, G, betan, aqk, tinv, plan.cu, plan.chunk_idx, H,
                                              K=K, BK=min(A_BK or BK, BKF), DTA=DTA, PREC=PREC, num_warps=wa)
     _intra_solve_kernel[(NT, H)](tinv, H, SOLVE=SOLVE, SPREC=SPREC, num_warps=ws)
-    _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV, DTC, PREC, wc)
+    _launch_intra_wy(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV, DTC, PREC, wc, tbeta)
 
 
 def kda_fwd_triton(
@@ -503,24 +517,36 @@ def kda_fwd_triton(
     aqk = _scratch((NT, H, 64, 64), dev)
     tinv = _scratch((NT, H, 64, 64), dev)
     w = torch.empty(B, T, H, K, device=dev, dtype=w_dtype)
-    u = torch.empty(B, T, H, V, device=dev, dtype=wu_dtype)
+    u_spec = torch.empty(B, T, H, V, device="meta", dtype=wu_dtype)
     sc_dtype = torch.float32 if DTS == tl.float32 else q.dtype  # scan operands qg, kg
     qg = torch.empty(B, T, H, K, device=dev, dtype=sc_dtype)
     kg = torch.empty(B, T, H, K, device=dev, dtype=sc_dtype)
     eg = torch.empty(NT, H, K, device=dev, dtype=torch.float32)
     SPREC = "tf32x3" if (DT == tl.float32 or DTA == tl.float32) else "tf32"
+    hilo = "h" in variant and DTS != tl.float32  # the scans' v_new / Aqk hi-lo splits
+    gluon_local_on = INTRA_MODE == "split" and _gluon_taking(
+        "gluon_local", GLUON_LOCAL, NT * H * triton.cdiv(K, 64), (qn, kn, v, G, w, u_spec, qg, kg, DTA, DTC)) is not None
+    # the scan with the output, and which of its forms (storing the states only for the backward)
+    scan_items = NT * H * triton.cdiv(V, 64)
+    h_spec = torch.empty(NT, H, K, V, device="meta", dtype=states_dtype(sc_dtype))
+    scan_out = _gluon_taking("gluon_scan", FWD_MODE == "split" and GLUON_SCAN and GLUON_SCAN_OUT, scan_items,
+                             (w, kg, u_spec, h_spec if return_aux else None, hilo, qg, aqk), GLUON_SCAN_MIN_ITEMS)
+    u_in_scan = (GLUON_SCAN_U and scan_out is not None and not return_aux and INTRA_MODE == "split"
+                 and not gluon_local_on and v.dtype == torch.bfloat16
+                 and _gluon_wy_taking(qn, kn, v, G, tinv, w, u_spec, qg, kg, plan, H, K, DTC) is not None)
+    u = None if u_in_scan else torch.empty(u_spec.shape, device=dev, dtype=wu_dtype)
+    tbeta = torch.empty(NT, H, 64, 64, device=dev, dtype=torch.bfloat16) if u_in_scan else None
     if INTRA_MODE == "fused":
         _intra_kernel[(NT, H)](
             qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan.cu, plan.chunk_idx, H,
             K=K, V=V, BK=BK, BV=BV_intra, DTA=DTA, DTC=DTC, PREC=PREC, SPREC=SPREC,
             SOLVE=SOLVE, ABLATE=INTRA_ABLATE, num_warps=INTRA_WARPS or (8 if DT != tl.float32 else 4),
         )
-    elif INTRA_MODE == "split" and _gluon_taking("gluon_local", GLUON_LOCAL, NT * H * triton.cdiv(K, 64),
-                                                 (qn, kn, v, G, w, u, qg, kg, DTA, DTC)) is not None:
+    elif gluon_local_on:
         _gluon("gluon_local").launch(qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan, H, store_t=return_aux)
     elif INTRA_MODE == "split":
         _launch_split_intra(qn, kn, v, G, betan, aqk, tinv, w, u, qg, kg, eg, plan, H, K, V, BKF, BK, BV_intra, DTA,
-                            DTC, PREC, SPREC)
+                            DTC, PREC, SPREC, tbeta)
     elif INTRA_MODE == "tiles16":
         BK16, warps16, split_wy, split_diag = (tuple(INTRA16_CONFIG) + (0, 0))[:4]
         if split_diag:
@@ -537,26 +563,23 @@ def kda_fwd_triton(
     else:  # validated above
         raise AssertionError(INTRA_MODE)
     h0 = initial_state.float().contiguous() if initial_state is not None else dummy
-    hilo = "h" in variant and DTS != tl.float32  # the scans' v_new / Aqk hi-lo splits
     # what the Triton backward reads (the split forward adds the states h and v_new)
     aux = dict(G=G, aqk=aqk, tinv=tinv, w=w, u=u, q=qn, k=kn, beta=betan, qg=qg, kg=kg, eg=eg, hilo=hilo)
     if FWD_MODE == "split":  # the scans on the variant's operand width, as the fused scan
-        h_spec = torch.empty(NT, H, K, V, device="meta", dtype=states_dtype(sc_dtype))
-        items = NT * H * triton.cdiv(V, 64)
-        # the Gluon scan with the output (storing the states only for the backward), else without it: each form is
-        # asked about what it takes
-        gluon_scan = _gluon_taking("gluon_scan", GLUON_SCAN and GLUON_SCAN_OUT, items,
-                                   (w, kg, u, h_spec if return_aux else None, hilo, qg, aqk), GLUON_SCAN_MIN_ITEMS)
+        # the Gluon scan with the output (above), else without it: each form is asked about what it takes
+        gluon_scan = scan_out
         out_in_scan = gluon_scan is not None
         if gluon_scan is None:
-            gluon_scan = _gluon_taking("gluon_scan", GLUON_SCAN, items, (w, kg, u, h_spec, hilo), GLUON_SCAN_MIN_ITEMS)
+            gluon_scan = _gluon_taking("gluon_scan", GLUON_SCAN, scan_items, (w, kg, u_spec, h_spec, hilo),
+                                       GLUON_SCAN_MIN_ITEMS)
         # the chunks' entry states and v_new: what the backward reads, and the output kernel's input
         store = return_aux or not out_in_scan
         h = torch.empty(h_spec.shape, device=dev, dtype=h_spec.dtype) if store else None
         vn = torch.empty(B, T, H, V, device=dev, dtype=torch.float32) if store else None
         if gluon_scan is not None:
             gluon_scan.launch(kg, eg, w, u, h0 if initial_state is not None else None, h, vn, ht, plan, H, K, V,
-                              **(dict(qg=qg, aqk=aqk, o=o, scale=scale) if out_in_scan else {}))
+                              **(dict(qg=qg, aqk=aqk, o=o, scale=scale) if out_in_scan else {}),
+                              **(dict(tbeta=tbeta, v=v) if u_in_scan else {}))
         else:
             BV_h, warps_h, stages_h = SPLIT_CONFIG
             BV_h = min(BV_h, _next_pow2(V))

@@ -41,8 +41,8 @@ def errors(call, xs, h0, do, ds, ref) -> dict:
     """call(xs, h0) -> (o, final state); its errors against ref (same FIELDS order) as a dict."""
     o, s = call(xs, h0)
     grads = torch.autograd.grad((o.float() * do).sum() + (s.float() * ds).sum(), xs + [h0])
-    with torch.no_grad():
-        o_fwd, s_fwd = call(xs, h0)
+    with torch.no_grad():  # (detached: an autograd.Function sees inputs that require grad even under no_grad)
+        o_fwd, s_fwd = call([x.detach() for x in xs], h0.detach())
     return {name: rel(r, x) for name, r, x in zip(FIELDS, ref, [o, s, o_fwd, s_fwd, *grads])}
 
 

@@ -31,6 +31,13 @@ of 0.564 ms (torch.profiler, the forward alone's form); the forward 2.627 -> 2.3
 8.076 in the same run; at B4 T4096 H64 3.415 -> 2.897 and 10.666 -> 10.320. sm_90 compile: 197 KB of shared memory,
 no spill (Aqk loaded from global memory into registers at the chunk's top instead spilled 112 B).
 
+A forward alone forms U itself (``launch(u=None, tbeta=, v=)``, ``triton_forward.GLUON_SCAN_U``): a 1-slot ring of its
+own holds the chunk's -T diag(beta) (bf16, from ``gluon_wy``) and the CTA's v tiles, and -U = (-T diag(beta)) v is
+the first product of the accumulator that W S then joins, issued at the chunk's top before the state it waits on is
+written, so the chain gains no wait; the plain fp32 U loads go. H200, K3's shape, same run: 0.558 -> 0.491 ms, and
+phase C 0.643 -> 0.525; the forward 2.319 -> 2.122 ms (B4 T4096 H64: 2.902 -> 2.653). 221 KB of shared memory, no
+spill.
+
 It applies where ``supported`` says (sm_90, bf16 W, kg, qg and fp32 U, K = 128, V a multiple of 64, 16-bit stored
 states), as ``triton_forward.GLUON_SCAN`` selects. CI runs it through ``tests/gluon_emulator.py`` and compiles it
 for sm_90.

@@ -148,7 +148,10 @@ GLUON_LOCAL = os.environ.get("KIMIK3_KDA_GLUON_LOCAL", "0") == "1"
 # A forward alone (no backward to read U) on the Gluon phase C and the Gluon scan with the output: U = T (beta v) is
 # formed in the scan, as one more product in the accumulator of W S (issued before the state it waits on), from
 # -T diag(beta) in bf16 that phase C stores instead of U; phase C then reads no v and writes no fp32 U (0.4 + 0.2 GB
-# at K3's shape). KIMIK3_KDA_GLUON_SCAN_U=0: phase C forms U and the scan reads it.
+# at K3's shape). H200, same run: forward 2.319 -> 2.122 ms at K3's shape (phase C 0.643 -> 0.525, the scan 0.558 ->
+# 0.491), 2.902 -> 2.653 at B4 T4096 H64; a forward alone's o and state errors against the fp32 token loop 3.97e-3 ->
+# 3.95e-3 and 2.51e-3 -> 2.42e-3 (benchmarks/kda_precision.py). KIMIK3_KDA_GLUON_SCAN_U=0: phase C forms U and the
+# scan reads it.
 GLUON_SCAN_U = os.environ.get("KIMIK3_KDA_GLUON_SCAN_U", "1") == "1"
 # W = T (beta k exp(Gamma)) stored in the 16-bit input dtype (U stays fp32: v_new = U - W S needs its
 # low bits). Every scan takes W as a 16-bit operand, so the scans compute the same; the WY backward's

@@ -212,6 +212,12 @@ def _scan_inputs(lengths, H, V, seed=0):
     return plan, w, kg, u, eg, torch.randn(len(lengths), H, K, V, generator=gen).to(DEV)
 
 
+def _output_operands(plan, H, T, gen):
+    """The scan's output operands at random: bf16 qg (x 0.1) in token layout and a lower-triangular fp32 Aqk (x 0.2)."""
+    qg = (torch.randn(1, T, H, 128, generator=gen) * 0.1).bfloat16().to(DEV)
+    return qg, (torch.randn(plan.NT, H, 64, 64, generator=gen).tril() * 0.2).to(DEV)
+
+
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("lengths,H,V,with_states", [([1, 63, 64, 65, 130, 7], 2, 128, True), ([200], 1, 64, False)])
 def test_gluon_scan_equals_the_triton_kernel(lengths, H, V, with_states, shared, monkeypatch):
@@ -265,8 +271,7 @@ def test_gluon_scan_with_the_output_equals_the_output_kernel(lengths, H, V, with
     plan, w, kg, u, eg, h0 = _scan_inputs(lengths, H, V, seed=1)
     gen = torch.Generator().manual_seed(2)
     K, N, T = 128, len(lengths), sum(lengths)
-    qg = (torch.randn(1, T, H, K, generator=gen) * 0.1).bfloat16().to(DEV)
-    aqk = (torch.randn(plan.NT, H, 64, 64, generator=gen).tril() * 0.2).to(DEV)
+    qg, aqk = _output_operands(plan, H, T, gen)
     scale = K**-0.5
     launcher = _launcher_here()
 
@@ -304,16 +309,15 @@ def test_gluon_scan_forming_u_equals_the_scan_reading_it(lengths, H, V, with_sta
     """The scan with the output forming U = T (beta v) itself from -T diag(beta) and v (``launch(u=None, tbeta=,
     v=)``), against the same scan reading the U that torch forms from the same bf16 operands: o (fp32) within fp32
     summation order, up to where a chunk's 16-bit state copy rounds the other way (one bf16 rounding of the state at
-    the output's scale), the final state, and (store) the stored states and v_new likewise. -T diag(beta)'s columns past a
-    chunk's valid rows are zero, as phase C stores them, so the next sequence's v rows under the scan's v tile add
-    nothing; past the tensor's end the tile is TMA's zeros. Varlen with partial chunks and one-token sequences, V =
+    the output's scale), the final state, and (store) the stored states and v_new likewise. -T diag(beta)'s columns
+    past a chunk's valid rows are zero, as phase C stores them, so the next sequence's v rows under the scan's v tile
+    add nothing; past the tensor's end the tile is TMA's zeros. Varlen with partial chunks and one-token sequences, V =
     128 and 64, both CTA forms."""
     monkeypatch.setattr(gluon_scan, "SHARED_HALVES", shared)
     plan, w, kg, _, eg, h0 = _scan_inputs(lengths, H, V, seed=3)
     gen = torch.Generator().manual_seed(4)
     K, N, T = 128, len(lengths), sum(lengths)
-    qg = (torch.randn(1, T, H, K, generator=gen) * 0.1).bfloat16().to(DEV)
-    aqk = (torch.randn(plan.NT, H, 64, 64, generator=gen).tril() * 0.2).to(DEV)
+    qg, aqk = _output_operands(plan, H, T, gen)
     v = torch.randn(1, T, H, V, generator=gen).bfloat16().to(DEV)
     tb = (torch.randn(plan.NT, H, 64, 64, generator=gen).tril() * -0.3).bfloat16().to(DEV)
     u = torch.zeros(1, T, H, V, device=DEV)

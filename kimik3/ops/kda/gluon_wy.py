@@ -19,10 +19,11 @@ kernel's 0.717, both exact against each other.
 
 For a forward alone (``launch(u=None, tbeta=)``, ``triton_forward.GLUON_SCAN_U``) the kernel forms no U: each chunk's
 first column block stores -T diag(beta) in bf16 (8 KB per chunk and head) and ``gluon_scan`` forms U from it and v,
-so v is not read and no fp32 U is written. H200, K3's shape, same run: 0.643 -> 0.525 ms. It runs where ``supported`` says (sm_90, bf16, K == V, a multiple
-of 64; the precision variant's 16-bit W and WY products), as ``triton_forward.GLUON_WY`` selects; everywhere else
-the Triton kernel runs. Gluon does not run under the Triton interpreter: CI runs this kernel through
-``tests/gluon_emulator.py`` and compiles it for sm_90.
+so v is not read and no fp32 U is written. H200, K3's shape, same run: 0.643 -> 0.525 ms.
+
+It runs where ``supported`` says (sm_90, bf16, K == V, a multiple of 64; the precision variant's 16-bit W and WY
+products), as ``triton_forward.GLUON_WY`` selects; everywhere else the Triton kernel runs. Gluon does not run under
+the Triton interpreter: CI runs this kernel through ``tests/gluon_emulator.py`` and compiles it for sm_90.
 """
 
 from __future__ import annotations

@@ -528,7 +528,8 @@ def kda_fwd_triton(
     SPREC = "tf32x3" if (DT == tl.float32 or DTA == tl.float32) else "tf32"
     hilo = "h" in variant and DTS != tl.float32  # the scans' v_new / Aqk hi-lo splits
     gluon_local_on = INTRA_MODE == "split" and _gluon_taking(
-        "gluon_local", GLUON_LOCAL, NT * H * triton.cdiv(K, 64), (qn, kn, v, G, w, u_spec, qg, kg, DTA, DTC)) is not None
+        "gluon_local", GLUON_LOCAL, NT * H * triton.cdiv(K, 64),
+        (qn, kn, v, G, w, u_spec, qg, kg, DTA, DTC)) is not None
     # the scan with the output, and which of its forms (storing the states only for the backward)
     scan_items = NT * H * triton.cdiv(V, 64)
     h_spec = torch.empty(NT, H, K, V, device="meta", dtype=states_dtype(sc_dtype))

@@ -47,6 +47,17 @@ def _packed_plan(lengths):
     return tf.make_plan(1, sum(lengths), cu_seqlens(lengths, DEV), torch.device(DEV))
 
 
+def _chunk_bounds(plan):
+    """Each global chunk's (first token, valid rows)."""
+    cu, cidx = plan.cu.tolist(), plan.chunk_idx.reshape(-1).tolist()
+    out = []
+    for i_t in range(plan.NT):
+        n, c = cidx[2 * i_t], cidx[2 * i_t + 1]
+        t0 = cu[n] + 64 * c
+        out.append((t0, min(cu[n + 1] - t0, 64)))
+    return out
+
+
 def _chunk_inputs(lengths, H, K, seed=0, gate_scale=0.3):
     """Phases A and C's inputs for a packed batch of sequences: bf16 q, k, v, the within-chunk cumulative log-decay
     Gamma (fp32, each chunk from zero; per-token decays in [-gate_scale, 0]), sigmoid(beta) (fp32), and a
@@ -57,9 +68,8 @@ def _chunk_inputs(lengths, H, K, seed=0, gate_scale=0.3):
     q, k, v = (torch.randn(1, T, H, K, generator=gen).div(K**0.5).bfloat16().to(DEV) for _ in range(3))
     g = -torch.rand(1, T, H, K, generator=gen) * gate_scale
     G = torch.empty_like(g)
-    for s, e in zip(plan.cu[:-1].tolist(), plan.cu[1:].tolist()):
-        for c0 in range(s, e, 64):
-            G[:, c0:min(c0 + 64, e)] = g[:, c0:min(c0 + 64, e)].cumsum(1)
+    for t0, L in _chunk_bounds(plan):
+        G[:, t0:t0 + L] = g[:, t0:t0 + L].cumsum(1)
     beta = torch.rand(1, T, H, generator=gen).to(DEV)
     tinv = (torch.randn(plan.NT, H, 64, 64, generator=gen).tril() * 0.1).to(DEV)
     return plan, q, k, v, G.to(DEV), beta, tinv
@@ -117,17 +127,6 @@ def test_gluon_phase_c_equals_the_triton_kernel(lengths, H, K):
             assert (d <= r.float().abs() * 2.0**-7 + 1e-6 * r.float().abs().max()).all(), (name, d.max().item())
         else:
             assert d.max() <= 1e-5 * r.float().abs().max(), (name, d.max().item())
-
-
-def _chunk_bounds(plan):
-    """Each global chunk's (first token, valid rows)."""
-    cu, cidx = plan.cu.tolist(), plan.chunk_idx.reshape(-1).tolist()
-    out = []
-    for i_t in range(plan.NT):
-        n, c = cidx[2 * i_t], cidx[2 * i_t + 1]
-        t0 = cu[n] + 64 * c
-        out.append((t0, min(cu[n + 1] - t0, 64)))
-    return out
 
 
 @pytest.mark.parametrize("lengths,H,K", [([1, 63, 64, 65, 130, 7], 2, 128), ([200], 3, 64)])

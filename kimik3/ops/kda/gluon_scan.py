@@ -301,7 +301,7 @@ def launch(kg, eg, w, u, h0, h, vn, ht, plan, H: int, K: int, V: int, qg=None, a
             tile_descriptor(aqk if out else (u if u is not None else eg), gl.float32, (-1, 64)),
             tile_descriptor(h, gl.bfloat16, (plan.NT * H * K, V)) if h is not None else w_d,
             tile_descriptor(tbeta, gl.bfloat16, (-1, 64)) if u_in else w_d,
-            tile_descriptor(v, gl.bfloat16, (w.numel() // (H * K), H * V)) if u_in else w_d, eg if u_in else u, eg,
+            tile_descriptor(v, gl.bfloat16, (tok[0], H * V)) if u_in else w_d, eg if u_in else u, eg,
             h0 if h0 is not None else eg, vn if vn is not None else eg, ht if ht is not None else eg,
             o if out else eg, float(scale), plan.cu, plan.chunk_off, H)
     nhalf = 2 if SHARED_HALVES and V % 128 == 0 else 1

@@ -536,7 +536,7 @@ def kda_fwd_triton(
     scan_out = _gluon_taking("gluon_scan", FWD_MODE == "split" and GLUON_SCAN and GLUON_SCAN_OUT, scan_items,
                              (w, kg, u_spec, h_spec if return_aux else None, hilo, qg, aqk), GLUON_SCAN_MIN_ITEMS)
     u_in_scan = (GLUON_SCAN_U and scan_out is not None and not return_aux and INTRA_MODE == "split"
-                 and not gluon_local_on and v.dtype == torch.bfloat16
+                 and not gluon_local_on
                  and _gluon_wy_taking(qn, kn, v, G, tinv, w, u_spec, qg, kg, plan, H, K, DTC) is not None)
     u = None if u_in_scan else torch.empty(u_spec.shape, device=dev, dtype=wu_dtype)
     tbeta = torch.empty(NT, H, 64, 64, device=dev, dtype=torch.bfloat16) if u_in_scan else None

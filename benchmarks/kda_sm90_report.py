@@ -148,13 +148,14 @@ def parse_override(text: str):
     import kimik3.ops.kda.triton_bwd_intra as tbi
     import kimik3.ops.kda.triton_decode as td
     import kimik3.ops.kda.triton_forward as tf
+    import kimik3.ops.kda.triton_prep16 as tp16
     import kimik3.ops.kda.triton_prologue as tp
     import kimik3.ops.kda.triton_scan as ts
 
     target, sep, value = text.partition("=")
     module, dot, attr = target.partition(".")
     modules = {"triton_forward": tf, "triton_prologue": tp, "triton_scan": ts, "triton_backward": tb,
-               "triton_bwd_intra": tbi, "triton_decode": td}
+               "triton_bwd_intra": tbi, "triton_decode": td, "triton_prep16": tp16}
     if module.startswith("gluon_"):  # the Gluon kernels' modules, imported only when named (a Triton with Gluon)
         import importlib
 

@@ -347,7 +347,7 @@ def test_gluon_scan_forming_u_equals_the_scan_reading_it(lengths, H, V, with_sta
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the whole forward on the Gluon kernels needs sm_90")
-@pytest.mark.parametrize("switch", ["GLUON_SCAN_OUT", "GLUON_SCAN_U", "GLUON_LOCAL"])
+@pytest.mark.parametrize("switch", ["GLUON_SCAN_OUT", "GLUON_SCAN_U", "GLUON_LOCAL", "CHUNK16"])
 @pytest.mark.parametrize("grad", [False, True])
 def test_gpu_forward_with_and_without_a_gluon_form(grad, switch, monkeypatch):
     """``chunk_kda`` under K3's contract (bf16, B1 T2048 H8 D128, varlen) with the Gluon kernels forced on at this
@@ -357,13 +357,15 @@ def test_gpu_forward_with_and_without_a_gluon_form(grad, switch, monkeypatch):
     form, within 2e-3 for the local form's tf32 solve), and U formed in the scan (``GLUON_SCAN_U``, a forward alone's)
     against U from phase C: it rounds T diag(beta) where phase C rounds T and beta v, which moves a bf16 o by about
     one rounding (3e-3 relative RMS), so both runs are held to the fp32 torch path instead, the new no less accurate
-    (1.05x the other's error). grad: with the backward (gradients within 2e-3 of the other run's), else a forward
+    (1.05x the other's error); so is the forward on 16-token tiles (``CHUNK16``, a forward alone's; with the backward
+    both runs take the 64-token kernels). grad: with the backward (gradients within 2e-3 of the other run's), else a forward
     alone."""
     from kimik3.ops.kda import chunk_kda
 
     monkeypatch.setattr(tf, "GLUON_MIN_ITEMS", 0)
     monkeypatch.setattr(tf, "GLUON_SCAN_MIN_ITEMS", 0)
     monkeypatch.setattr(tf, "GLUON_SCAN_U", False)
+    monkeypatch.setattr(tf, "CHUNK16", False)
     gen = torch.Generator(device=DEV).manual_seed(11)
     T, H, D = 2048, 8, 128
     xs = [torch.randn(1, T, H, D, generator=gen, device=DEV).bfloat16() for _ in range(4)]
@@ -384,7 +386,7 @@ def test_gpu_forward_with_and_without_a_gluon_form(grad, switch, monkeypatch):
 
     (o1, s1, g1), (o0, s0, g0), (o_ref, s_ref, _) = run("triton", True), run("triton", False), run("torch", False)
     assert not o1.isnan().any() and rel_rms(o_ref, o1) < 1e-2 and rel_rms(s_ref, s1) < 5e-3
-    if switch == "GLUON_SCAN_U":
+    if switch in ("GLUON_SCAN_U", "CHUNK16"):
         assert rel_rms(o_ref, o1) <= 1.05 * rel_rms(o_ref, o0) and rel_rms(s_ref, s1) <= 1.05 * rel_rms(s_ref, s0)
         assert rel_rms(o0, o1) < 6e-3
     else:

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_prologue
+from . import L2_EPS, triton_prep16, triton_prologue
 from .triton_intra16 import _diag16_kernel, _intra16_kernel
 from .triton_scan import (_chunk_beta, _chunk_part, _fwd_h_kernel, _output_kernel, _state_out_kernel, part_grid,
                           states_dtype)
@@ -153,6 +153,12 @@ GLUON_LOCAL = os.environ.get("KIMIK3_KDA_GLUON_LOCAL", "0") == "1"
 # 3.95e-3 and 2.51e-3 -> 2.42e-3 (benchmarks/kda_precision.py). KIMIK3_KDA_GLUON_SCAN_U=0: phase C forms U and the
 # scan reads it.
 GLUON_SCAN_U = os.environ.get("KIMIK3_KDA_GLUON_SCAN_U", "1") == "1"
+# A forward alone on 16-token tiles (``triton_prep16`` + ``gluon_scan16``) instead of the 64-token kernels: one
+# chunk-parallel Triton kernel forms every tile's operands from the raw inputs (gate, norms and beta's sigmoid fused;
+# a tile's [16, 16] matrices are single dense products by the gate bound), and one Gluon scan keeps the state in its
+# accumulators and computes the output. Where ``gluon_scan16.supported`` allows it (sm_90, bf16, K = 128), with the
+# precision variant 'h' and at least GLUON_SCAN_MIN_ITEMS scan items. KIMIK3_KDA_CHUNK16=0: the 64-token forward.
+CHUNK16 = os.environ.get("KIMIK3_KDA_CHUNK16", "1") == "1"
 # W = T (beta k exp(Gamma)) stored in the 16-bit input dtype (U stays fp32: v_new = U - W S needs its
 # low bits). Every scan takes W as a 16-bit operand, so the scans compute the same; the WY backward's
 # dA = -dRk W^T sees W at 8 mantissa bits instead of tf32's 10. Halves W's traffic (written once, read by
@@ -195,6 +201,11 @@ class ChunkPlan(NamedTuple):
     N: int
     NT: int
     seq_lens: Tuple[int, ...]
+    offsets: Tuple[int, ...] = (0,)  # cu, on the host
+
+    def tiles(self, size: int) -> "ChunkPlan":
+        """The same sequences' plan in chunks of ``size`` tokens (``triton_prep16``'s 16-token tiles)."""
+        return _plan_cached(self.offsets, self.cu.device, size)
 
     def covers(self, n_tokens: int) -> bool:
         """Whether the plan's sequences hold all n_tokens tokens (B * T), so that kernels writing every token of
@@ -203,11 +214,11 @@ class ChunkPlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def _plan_cached(offsets: Tuple[int, ...], device: torch.device) -> ChunkPlan:
+def _plan_cached(offsets: Tuple[int, ...], device: torch.device, size: int = BT) -> ChunkPlan:
     lens = tuple(b - a for a, b in zip(offsets[:-1], offsets[1:]))
     idx, off = [], [0]
     for n, L in enumerate(lens):
-        nc = (L + BT - 1) // BT
+        nc = (L + size - 1) // size
         idx.extend((n, c) for c in range(nc))
         off.append(off[-1] + nc)
     ci = torch.tensor(idx if idx else [[0, 0]], dtype=torch.int32).view(-1, 2)
@@ -218,15 +229,17 @@ def _plan_cached(offsets: Tuple[int, ...], device: torch.device) -> ChunkPlan:
         len(lens),
         len(idx),
         lens,
+        offsets,
     )
 
 
-def make_plan(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device: torch.device) -> ChunkPlan:
+def make_plan(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device: torch.device, size: int = BT) -> ChunkPlan:
+    """The sequences' chunks of ``size`` tokens (the forward's 64; the 16-token tiles of ``triton_prep16``)."""
     if cu_seqlens is None:
         offsets = tuple(b * T for b in range(B + 1))
     else:
         offsets = tuple(int(x) for x in cu_seqlens.tolist())
-    return _plan_cached(offsets, device)
+    return _plan_cached(offsets, device, size)
 
 
 # --------------------------------------------------------------------------
@@ -501,6 +514,17 @@ def kda_fwd_triton(
             ht.copy_(initial_state.float() if initial_state is not None else torch.zeros_like(ht))
         return (o, ht, None) if return_aux else (o, ht)
 
+    scan16 = None
+    if not return_aux and variant == "h":
+        scan16 = _gluon_taking("gluon_scan16", CHUNK16, NT * H * triton.cdiv(V, 64), (q, v), GLUON_SCAN_MIN_ITEMS)
+    if scan16 is not None:
+        tplan = plan.tiles(triton_prep16.TILE)
+        prep = triton_prep16.prep16_outputs(tplan, H, K, dev, q.dtype)
+        triton_prep16.launch(q, k, g, beta, A_log, dt_bias, prep, tplan, H, K, scale, g_min, use_gate, use_l2,
+                             use_beta_sigmoid, L2_EPS)
+        scan16.launch(prep, v, initial_state.float().contiguous() if initial_state is not None else None, ht, o,
+                      tplan, H, K, V)
+        return o, ht
     G = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
     qn, kn, betan = q, k, beta
     if use_l2:

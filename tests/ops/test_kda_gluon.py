@@ -357,9 +357,9 @@ def test_gpu_forward_with_and_without_a_gluon_form(grad, switch, monkeypatch):
     form, within 2e-3 for the local form's tf32 solve), and U formed in the scan (``GLUON_SCAN_U``, a forward alone's)
     against U from phase C: it rounds T diag(beta) where phase C rounds T and beta v, which moves a bf16 o by about
     one rounding (3e-3 relative RMS), so both runs are held to the fp32 torch path instead, the new no less accurate
-    (1.05x the other's error); so is the forward on 16-token tiles (``CHUNK16``, a forward alone's; with the backward
-    both runs take the 64-token kernels). grad: with the backward (gradients within 2e-3 of the other run's), else a forward
-    alone."""
+    (1.05x the other's error); so is the forward on 16-token tiles (``CHUNK16``, a forward alone's; with the
+    backward both runs take the 64-token kernels). grad: with the backward (gradients within 2e-3 of the other run's),
+    else a forward alone."""
     from kimik3.ops.kda import chunk_kda
 
     monkeypatch.setattr(tf, "GLUON_MIN_ITEMS", 0)

@@ -9,7 +9,8 @@ inside fp32 and bf16 range, and the tile's two [16, 16] matrices are each one de
     T   = (I + Akk)^-1 (exactly, by block doubling),              W = T diag(beta) (k e^Gamma),
 
 and the scan (``gluon_scan16``) then needs per tile, with S the state entering it:
-    v_new = T diag(beta) v - W S,   o = (scale q e^Gamma) S + Aqk v_new,   S <- e^Gamma_C S + (k e^(Gamma_C - Gamma))^T v_new.
+    v_new = T diag(beta) v - W S,   o = (scale q e^Gamma) S + Aqk v_new,
+    S <- e^Gamma_C S + (k e^(Gamma_C - Gamma))^T v_new.
 
 Each program reads its tile of q, k, the gate's input z and beta once (the gate, the L2 norms and beta's sigmoid
 fused: the normalised q, k are never rounded to 16 bits on their own) and writes, chunk-major ([NT16, H, 16, D], so
@@ -36,8 +37,8 @@ PREP_WARPS = 2
 
 @triton.jit
 def _inverse_unit_lower16(a):
-    """(I + a)^-1 for a strictly lower-triangular [16, 16] fp32 a, by block doubling (products at tf32x3, about fp32): with T_s the inverse of the
-    block-diagonal part on s-blocks and E the part of a inside the 2s-blocks but off the s-blocks,
+    """(I + a)^-1 for a strictly lower-triangular [16, 16] fp32 a, by block doubling (products at tf32x3, about
+    fp32): with T_s the inverse of the block-diagonal part on s-blocks and E the part of a inside the 2s-blocks but off the s-blocks,
     T_2s = T_s - T_s E T_s exactly (E T_s E = 0). Four levels, six [16, 16] products."""
     r = tl.arange(0, 16)
     ri, rj = r[:, None], r[None, :]

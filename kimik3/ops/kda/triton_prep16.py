@@ -38,8 +38,8 @@ PREP_WARPS = 2
 @triton.jit
 def _inverse_unit_lower16(a):
     """(I + a)^-1 for a strictly lower-triangular [16, 16] fp32 a, by block doubling (products at tf32x3, about
-    fp32): with T_s the inverse of the block-diagonal part on s-blocks and E the part of a inside the 2s-blocks but off the s-blocks,
-    T_2s = T_s - T_s E T_s exactly (E T_s E = 0). Four levels, six [16, 16] products."""
+    fp32): with T_s the inverse of the block-diagonal part on s-blocks and E the part of a inside the 2s-blocks but
+    off the s-blocks, T_2s = T_s - T_s E T_s exactly (E T_s E = 0). Four levels, six [16, 16] products."""
     r = tl.arange(0, 16)
     ri, rj = r[:, None], r[None, :]
     t = (ri == rj).to(tl.float32) - tl.where(ri // 2 == rj // 2, a, 0.0)

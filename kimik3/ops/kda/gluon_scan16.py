@@ -20,6 +20,11 @@ A 1-warp loader streams each tile's W, kr, qd (two [16, 64] boxes each), v (one 
 warpgroup per 64-column half sharing the loader's tiles (``gluon_scan``'s shape). o is stored from registers, masked
 to the sequence's tokens.
 
+H200, K3's shape (B1 T8192 H96 D128, 512 tiles per head): 0.583 ms (1.14 us a step); each tile's e^Gamma_C loaded at
+the top of its own step, where the decay waits on it, took 0.729 ms, so it is loaded a step ahead; 4 ring slots
+instead of 6 changed nothing. With the prep (0.651 ms) the forward takes 1.234 ms against fla 0.6.0's 2.610.
+sm_90 compile: 168 registers at launch (12 warps), 108 KB of shared memory, no spill.
+
 It applies where ``supported`` says (sm_90, bf16, K = 128, V a multiple of 64). CI runs it through
 ``tests/gluon_emulator.py`` and compiles it for sm_90.
 """

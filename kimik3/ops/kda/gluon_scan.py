@@ -72,13 +72,14 @@ CONSUMER_REGS = gl.constexpr(232)
 
 
 @gluon.jit
-def _sequence(cu_ptr, coff_ptr, H):
-    """This program's head, its sequence's first token and chunk count, and the sequence's first global chunk."""
+def _sequence(cu_ptr, coff_ptr, H, C: gl.constexpr = 64):
+    """This program's head, its sequence's first and end tokens and its count of C-token chunks, and the sequence's
+    first global chunk (coff_ptr: the plan's chunk_off)."""
     i_nh = gl.program_id(1)
     i_n = i_nh // H
     bos = gl.load(cu_ptr + i_n)
     eos = gl.load(cu_ptr + i_n + 1)
-    return i_nh % H, bos, eos, (eos - bos + 63) // 64, gl.load(coff_ptr + i_n)
+    return i_nh % H, bos, eos, (eos - bos + C - 1) // C, gl.load(coff_ptr + i_n)
 
 
 @gluon.jit

@@ -38,6 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from .gluon_scan import _sequence
 from .gluon_wy import _wait_slot, launch_options, on_hopper, release_ring, ring_barriers, split16, tile_descriptor
 
 CONSUMER_WARPS = 4
@@ -48,20 +49,10 @@ CONSUMER_REGS = gl.constexpr(232)  # what each consumer warpgroup raises itself 
 
 
 @gluon.jit
-def _sequence(cu_ptr, toff_ptr, H):
-    """This program's head, its sequence's first and end tokens, its tile count, and its first global tile."""
-    i_nh = gl.program_id(1)
-    i_n = i_nh // H
-    bos = gl.load(cu_ptr + i_n)
-    eos = gl.load(cu_ptr + i_n + 1)
-    return i_nh % H, bos, eos, (eos - bos + 15) // 16, gl.load(toff_ptr + i_n)
-
-
-@gluon.jit
 def _loader(ready, empty, w_s, r_s, q_s, v_s, tb_s, ah_s, al_s, w_d, r_d, q_d, v_d, tb_d, ah_d, al_d, cu_ptr,
             toff_ptr, H, V: gl.constexpr, NHALF: gl.constexpr):
     """The loader partition: tile c's operands into ring slot c % RING once every consumer has freed it."""
-    i_h, bos, eos, nc, toff = _sequence(cu_ptr, toff_ptr, H)
+    i_h, bos, eos, nc, toff = _sequence(cu_ptr, toff_ptr, H, 16)
     for c in range(nc):
         slot = _wait_slot(empty, c, 1)
         bar = ready.index(slot)
@@ -88,7 +79,7 @@ def _consumer(ready, empty, w_s, r_s, q_s, v_s, tb_s, ah_s, al_s, eg_ptr, h0_ptr
     S16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, 16, 16])
     A16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S16, k_width=2)  # left of the N = 16 products
     A64: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S64, k_width=2)  # left of the state update
-    i_h, bos, eos, nc, toff = _sequence(cu_ptr, toff_ptr, H)
+    i_h, bos, eos, nc, toff = _sequence(cu_ptr, toff_ptr, H, 16)
     col0 = (gl.program_id(0) * NHALF + HALF) * 64
     sv = gl.arange(0, 64, layout=gl.SliceLayout(1, S64))  # S^T's rows: V columns col0 + sv
     sk = gl.arange(0, 64, layout=gl.SliceLayout(0, S64))  # S^T's columns: keys within a half

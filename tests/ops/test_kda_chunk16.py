@@ -125,13 +125,19 @@ def test_prep16_tiles_are_the_wy_form():
 
 
 def test_supported_and_launch_refuse_what_they_cannot_run():
-    """``gluon_scan16.supported`` names what it needs; the forward's dispatch asks it."""
+    """``gluon_scan16.supported`` names what it needs (the forward's dispatch asks it), and ``launch`` refuses a plan
+    whose tile rows its 32-bit TMA coordinates cannot address, before anything runs."""
+    from types import SimpleNamespace
+
     x = torch.zeros(1, 16, 1, 128, device=DEV).bfloat16()
     assert "K = 128" in gluon_scan16.supported(x[..., :64], x)
     assert "multiple of 64" in gluon_scan16.supported(x, x[..., :96])
     assert "bf16" in gluon_scan16.supported(x.float(), x)
     if not ON_GPU:
         assert gluon_scan16.supported(x, x) == "a Hopper GPU (sm_90)"
+    huge = SimpleNamespace(NT=2**27)  # 2^27 tiles x 1 head x 16 rows = 2^31
+    with pytest.raises(ValueError, match="2\\^31"):
+        gluon_scan16.launch((x,) * 7, x, None, None, x, huge, 1, 128, 128)
 
 
 def test_scan16_compiles_for_sm90(tmp_path):

@@ -204,7 +204,7 @@ class ChunkPlan(NamedTuple):
     N: int
     NT: int
     seq_lens: Tuple[int, ...]
-    offsets: Tuple[int, ...] = (0,)  # cu, on the host
+    offsets: Tuple[int, ...]  # cu, on the host
 
     def tiles(self, size: int) -> "ChunkPlan":
         """The same sequences' plan in chunks of ``size`` tokens (``triton_prep16``'s 16-token tiles)."""
@@ -478,7 +478,9 @@ def kda_fwd_triton(
     use_gate: bool = False, use_l2: bool = False, use_beta_sigmoid: bool = False,
     return_aux: bool = False, variant: Optional[str] = None,
 ):
-    """Forward only. All tensors contiguous on one device. Returns (o, final_state or None[, aux]).
+    """Forward only. All tensors contiguous on one device. Returns (o, final_state or None[, aux]). A forward alone
+    (not return_aux) runs on 16-token tiles where ``CHUNK16`` says (``triton_prep16`` + ``gluon_scan16``), else, as
+    the training forward always does, on the 64-token kernels.
 
     variant (16-bit inputs only; fp32 inputs always compute in fp32 / tf32x3): which products take
     16-bit operands. A string of letters, default ``DEFAULT_VARIANT``:

@@ -22,6 +22,7 @@ nothing to the scan. CI runs it under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -113,8 +114,6 @@ def _prep16_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, w_ptr, kr_p
 def prep16_outputs(tplan, H: int, K: int, device, dtype):
     """The prep's output tensors for a 16-token plan: W, kr, qd ([NT16, H, 16, K] dtype), e^Gamma_C ([NT16, H, K]
     fp32), -T diag(beta), Aqk high, Aqk low ([NT16, H, 16, 16] dtype)."""
-    import torch
-
     NT = tplan.NT
     w, kr, qd = (torch.empty(NT, H, TILE, K, device=device, dtype=dtype) for _ in range(3))
     eg = torch.empty(NT, H, K, device=device, dtype=torch.float32)

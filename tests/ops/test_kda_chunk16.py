@@ -76,6 +76,7 @@ def _reference(lengths, xs, with_states):
     ([1, 15, 16, 17, 40], 2, 128, True, 0.0),  # one-token, partial and whole tiles; two V halves per CTA
     ([33], 1, 64, False, 0.0),  # one V half per CTA, no states
     ([20, 12], 1, 128, True, 8.0),  # every gate at its bound: a tile's log-decay reaches -80
+    ([63, 64, 65, 1000], 1, 128, True, 0.0),  # the issue's lengths
 ])
 def test_forward16_equals_the_token_loop(lengths, H, V, with_states, gate_shift):
     """Prep and scan against the fp32 torch path in fp32: o within bf16's output rounding (6e-3 relative RMS), the

@@ -519,9 +519,10 @@ def kda_fwd_triton(
             ht.copy_(initial_state.float() if initial_state is not None else torch.zeros_like(ht))
         return (o, ht, None) if return_aux else (o, ht)
 
+    scan_items = NT * H * triton.cdiv(V, 64)  # (chunk, head, 64 V columns): what the Gluon scans' threshold counts
     scan16 = None
     if not return_aux and variant == "h":
-        scan16 = _gluon_taking("gluon_scan16", CHUNK16, NT * H * triton.cdiv(V, 64), (q, v), GLUON_SCAN_MIN_ITEMS)
+        scan16 = _gluon_taking("gluon_scan16", CHUNK16, scan_items, (q, v), GLUON_SCAN_MIN_ITEMS)
     if scan16 is not None:
         tplan = plan.tiles(triton_prep16.TILE)
         prep = triton_prep16.prep16_outputs(tplan, H, K, dev, q.dtype)
@@ -560,7 +561,6 @@ def kda_fwd_triton(
         "gluon_local", GLUON_LOCAL, NT * H * triton.cdiv(K, 64),
         (qn, kn, v, G, w, u_spec, qg, kg, DTA, DTC)) is not None
     # the scan with the output, and which of its forms (storing the states only for the backward)
-    scan_items = NT * H * triton.cdiv(V, 64)
     h_spec = torch.empty(NT, H, K, V, device="meta", dtype=states_dtype(sc_dtype))
     scan_out = _gluon_taking("gluon_scan", FWD_MODE == "split" and GLUON_SCAN and GLUON_SCAN_OUT, scan_items,
                              (w, kg, u_spec, h_spec if return_aux else None, hilo, qg, aqk), GLUON_SCAN_MIN_ITEMS)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .triton_prologue import _l2_scale, gate_params
+from .triton_scan import _chunk_bounds
 
 TILE = 16  # tokens per tile: 16 |g_min| = 80 is the largest log-decay inside one
 # num_warps of the prep kernel. Each program is one short dependent chain (norms, cumulative sum, two products, the
@@ -59,9 +60,7 @@ def _prep16_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, w_ptr, kr_p
     (bf16: the forward's precision variant 'h')."""
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
-    i_n = tl.load(tidx_ptr + 2 * i_t)
-    t0 = (tl.load(cu_ptr + i_n) + tl.load(tidx_ptr + 2 * i_t + 1) * 16).to(tl.int64)
-    L = tl.minimum(tl.load(cu_ptr + i_n + 1) - t0, 16)
+    t0, L = _chunk_bounds(i_t, tidx_ptr, cu_ptr, 16)
     r = tl.arange(0, 16)
     rv = r < L
     c = tl.arange(0, BKF)
@@ -99,10 +98,9 @@ def _prep16_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, w_ptr, kr_p
     w = tl.dot(tb.to(DTA), kd)
     base = (i_t * H + i_h) * 16  # the tile's first row in the chunk-major [NT16 H 16, .] views
     ro = (base + r)[:, None] * K + c[None, :]
-    cm2 = (r < 16)[:, None] & cm[None, :]
-    tl.store(w_ptr + ro, w.to(w_ptr.dtype.element_ty), mask=cm2)
-    tl.store(kr_ptr + ro, kr, mask=cm2)
-    tl.store(qd_ptr + ro, qd.to(qd_ptr.dtype.element_ty), mask=cm2)
+    tl.store(w_ptr + ro, w.to(w_ptr.dtype.element_ty), mask=cm[None, :])  # every row: padding rows are zeros
+    tl.store(kr_ptr + ro, kr, mask=cm[None, :])
+    tl.store(qd_ptr + ro, qd.to(qd_ptr.dtype.element_ty), mask=cm[None, :])
     tl.store(eg_ptr + (i_t * H + i_h) * K + c, eg_c, mask=cm)
     so = (base + r)[:, None] * 16 + rj
     tl.store(tb_ptr + so, (-tb).to(tb_ptr.dtype.element_ty))

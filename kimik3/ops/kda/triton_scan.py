@@ -99,15 +99,15 @@ def _chunk_part(NP: tl.constexpr):
 
 
 @triton.jit
-def _chunk_bounds(i_t, cidx_ptr, cu_ptr):
-    """Chunk i_t of the plan (global chunk index): its first token and its number of valid tokens (<= 64).
-    Per-chunk buffers ([NT, ...]) are indexed by i_t: it equals chunk_off[n] + (chunk within n)."""
+def _chunk_bounds(i_t, cidx_ptr, cu_ptr, C: tl.constexpr = 64):
+    """Chunk i_t of a plan of C-token chunks (global chunk index): its first token and its number of valid tokens
+    (<= C). Per-chunk buffers ([NT, ...]) are indexed by i_t: it equals chunk_off[n] + (chunk within n)."""
     i_n = tl.load(cidx_ptr + 2 * i_t).to(tl.int64)
     i_c = tl.load(cidx_ptr + 2 * i_t + 1).to(tl.int64)
     bos = tl.load(cu_ptr + i_n).to(tl.int64)
     eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
-    t0 = bos + i_c * 64
-    return t0, tl.minimum(64, eos - t0)
+    t0 = bos + i_c * C
+    return t0, tl.minimum(C, eos - t0)
 
 
 @triton.jit

@@ -3,11 +3,19 @@
 The core (``scheduler.EngineCore``) is single-threaded; one worker thread owns it and runs steps
 while there is work, sleeping on a condition otherwise. Callers on any thread submit and abort
 under one lock; events travel back to each caller's event loop with ``call_soon_threadsafe``.
+
+Supervision: the core ends a request that fails on its own (``finish_reason="error"``); an error
+that escapes a step (``EngineBroken``, or a bug in the core's bookkeeping) ends every request with
+the error and the core is rebuilt from scratch (fresh cache pools, empty prefix cache). After
+``MAX_RESTARTS`` rebuilds within ``RESTART_WINDOW_S`` the engine gives up: ``health()`` names the
+error, new requests are refused, and ``kimik3 serve`` exits non-zero so a process supervisor
+can restart it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -19,7 +27,11 @@ import torch
 from kimik3.model.k3 import K3ForCausalLM
 from kimik3.serve.memory import EngineConfig
 from kimik3.serve.scheduler import EngineCore
-from kimik3.serve.types import EngineStats, GenerationRequest, SamplingParams, TokenEvent
+from kimik3.serve.types import EngineStats, EngineUnavailable, GenerationRequest, SamplingParams, TokenEvent
+
+log = logging.getLogger(__name__)
+MAX_RESTARTS = 3          # core rebuilds tolerated within RESTART_WINDOW_S before giving up
+RESTART_WINDOW_S = 60.0
 
 
 class LLMEngine:
@@ -27,14 +39,16 @@ class LLMEngine:
 
     def __init__(self, model: K3ForCausalLM, tokenizer: Any, config: EngineConfig | None = None,
                  model_name: str = "kimik3", eos_token_id: int | None = None):
-        self.core = EngineCore(model, tokenizer, config or EngineConfig(), eos_token_id)
+        self._build = lambda: EngineCore(model, tokenizer, config or EngineConfig(), eos_token_id)
+        self.core = self._build()
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.max_context = self.core.max_context
         self._lock = threading.Condition()
         self._closed = False
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None     # set once the engine gave up
+        self._restarts: list[float] = []               # monotonic times of recent core rebuilds
         self._thread = threading.Thread(target=self._loop, name=f"{model_name}-engine", daemon=True)
         self._thread.start()
 
@@ -62,19 +76,44 @@ class LLMEngine:
                     return
                 try:
                     self.core.step()
-                except BaseException as error:   # a crashed engine must not hang its callers
-                    self._error = error
-                    self._fail_all(error)
-                    return
+                except Exception as error:   # a crashed core must not hang its callers
+                    if not self._recover(error):
+                        return
             # Let submitters and aborts in between steps (the lock is not fair otherwise).
             time.sleep(0)
 
-    def _fail_all(self, error: BaseException) -> None:
-        for seq in list(self.core.waiting) + list(self.core.running):
-            seq.sink(TokenEvent(seq.request.request_id, None, f"[engine error: {error}]",
-                                finished=True, finish_reason="abort"))
-        self.core.waiting.clear()
-        self.core.running.clear()
+    def _recover(self, error: Exception) -> bool:
+        """End every request with ``error`` and rebuild the core; False once the engine gave up."""
+        log.error("the engine failed: %s: %s", type(error).__name__, error,
+                  exc_info=(type(error), error, error.__traceback__))
+        self.core.fail_all(error)
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S] + [now]
+        if len(self._restarts) > MAX_RESTARTS:
+            self._error = error
+            log.critical("the engine failed %d times within %.0f s: giving up", len(self._restarts),
+                         RESTART_WINDOW_S)
+            return False
+        self.core = None                                  # let the old pools go before the new ones
+        try:
+            self.core = self._build()
+        except Exception as rebuild_error:
+            self._error = rebuild_error
+            log.critical("rebuilding the engine failed: %s", rebuild_error)
+            return False
+        log.warning("the engine was rebuilt (%d rebuild(s) in the last %.0f s)", len(self._restarts),
+                    RESTART_WINDOW_S)
+        return True
+
+    def health(self) -> str | None:
+        """None while the engine can serve; otherwise why it cannot."""
+        if self._error is not None:
+            return f"the engine stopped after an error: {type(self._error).__name__}: {self._error}"
+        if self._closed:
+            return "the engine is closed"
+        if not self._thread.is_alive():
+            return "the engine's worker thread is not running"
+        return None
 
     def close(self) -> None:
         with self._lock:
@@ -85,27 +124,27 @@ class LLMEngine:
     # ------------------------------------------------------------------ submission
     def submit(self, request: GenerationRequest, sink: Callable[[TokenEvent], None]) -> None:
         """Queue ``request``; ``sink`` is called on the worker thread with each event.
-        Raises RequestTooLong / AdmissionRejected / ValueError synchronously."""
+        Raises RequestTooLong / AdmissionRejected / ValueError / EngineUnavailable synchronously."""
         with self._lock:
-            if self._error is not None:
-                raise RuntimeError(f"the engine stopped after an error: {self._error!r}")
-            if self._closed:
-                raise RuntimeError("the engine is closed")
+            reason = self.health()
+            if reason is not None:
+                raise EngineUnavailable(reason)
             self.core.add(request, sink)
             self._lock.notify_all()
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            self.core.abort(request_id)
+            if self.core is not None:
+                self.core.abort(request_id)
 
     def stats(self) -> EngineStats:
         with self._lock:
-            return self.core.stats()
+            return self.core.stats() if self.core is not None else EngineStats()
 
     def prefix_match(self, prompt_ids: list[int]) -> int:
         """Tokens of ``prompt_ids`` a request sent here now would restore from the prefix cache."""
         with self._lock:
-            return self.core.prefix_cache.match_length(prompt_ids)
+            return self.core.prefix_cache.match_length(prompt_ids) if self.core is not None else 0
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         loop = asyncio.get_running_loop()

@@ -70,6 +70,7 @@ class FakeEngine:
         self.allocated = 0                       # cache blocks held by live requests
         self.peak_running = 0
         self.paused = False                      # tests set it to hold every request before its next token
+        self.failure: str | None = None          # tests set it to make health() report a dead engine
         self.requests: list[GenerationRequest] = []   # every request seen, in order
         self.abort_calls: list[str] = []         # ids passed to abort()
         self.ended_early: list[str] = []         # ids that ended without stop/length (aborted or closed)
@@ -95,6 +96,9 @@ class FakeEngine:
             checkpoints_total=self._store_limit, prefix_queries=t.prefix_queries, prefix_hits=t.prefix_hits,
             prompt_tokens=t.prompt_tokens, cached_prompt_tokens=t.cached_prompt_tokens,
             completion_tokens=t.completion_tokens, cost_usd=t.cost_usd, rejected=t.rejected)
+
+    def health(self) -> str | None:
+        return self.failure
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Validate and admit on the first ``__anext__`` (the contract), then echo the prompt."""

@@ -3,8 +3,9 @@
 A request goes to the replica that would restore the longest prefix of its prompt from its prefix
 cache (a multi-turn session keeps landing where its history is cached), unless that replica is
 overloaded: more than ``slack`` requests (running + waiting) above the least loaded replica. Ties
-and cold prompts go to the least loaded replica. The router is itself an ``EngineLike``: the HTTP
-server cannot tell one engine from several.
+and cold prompts go to the least loaded replica. A replica whose ``health()`` reports a failure
+gets no new requests; the router is healthy while one replica is. The router is itself an
+``EngineLike``: the HTTP server cannot tell one engine from several.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import fields
 
 from kimik3.serve.engine import LLMEngine
-from kimik3.serve.types import EngineStats, GenerationRequest, TokenEvent
+from kimik3.serve.types import EngineStats, EngineUnavailable, GenerationRequest, TokenEvent
 
 
 class ReplicaRouter:
@@ -34,10 +35,13 @@ class ReplicaRouter:
         self.affinity_hits = 0                   # requests sent for their cached prefix
 
     def choose(self, prompt_ids: list[int]) -> int:
+        alive = [i for i, r in enumerate(self.replicas) if r.health() is None]
+        if not alive:
+            raise EngineUnavailable(self.health() or "no replica can serve")
         loads = [stats.running + stats.waiting for stats in (r.stats() for r in self.replicas)]
-        least = min(loads)
-        matches = [r.prefix_match(prompt_ids) for r in self.replicas]
-        eligible = [i for i in range(len(self.replicas)) if loads[i] <= least + self.slack]
+        least = min(loads[i] for i in alive)
+        matches = [r.prefix_match(prompt_ids) if i in alive else 0 for i, r in enumerate(self.replicas)]
+        eligible = [i for i in alive if loads[i] <= least + self.slack]
         best = max(eligible, key=lambda i: (matches[i], -loads[i]))
         if matches[best] > 0:
             self.affinity_hits += 1
@@ -65,6 +69,13 @@ class ReplicaRouter:
             for f in fields(EngineStats):
                 setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
         return total
+
+    def health(self) -> str | None:
+        """None while any replica can serve; otherwise every replica's reason."""
+        reasons = [r.health() for r in self.replicas]
+        if any(reason is None for reason in reasons):
+            return None
+        return "; ".join(f"replica {i}: {reason}" for i, reason in enumerate(reasons))
 
     def close(self) -> None:
         for replica in self.replicas:

@@ -15,11 +15,17 @@ Life of a request:
 A prefix checkpoint's payload is its KDA slot plus references to the MLA blocks that hold its
 prefix, so the MLA latents a hit needs live exactly as long as the checkpoint does.
 
+Failures are contained per request: an exception while one sequence is prefilled, sampled or
+streamed ends that sequence alone with ``finish_reason="error"`` (its cache freed) and the others
+go on; a failed batched forward ends the sequences of that batch. Only ``BROKEN_AFTER`` failed
+forwards in a row (a broken device, not a bad request) escape ``step`` as ``EngineBroken``.
+
 This class is single-threaded; ``engine.LLMEngine`` runs it on a worker thread.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Callable
@@ -38,6 +44,12 @@ from kimik3.serve.types import (AdmissionRejected, EngineStats, FinishReason, Ge
                                 RequestTooLong, TokenEvent, Usage)
 
 EventSink = Callable[[TokenEvent], None]
+log = logging.getLogger(__name__)
+BROKEN_AFTER = 3   # failed forwards in a row after which the engine, not a request, is at fault
+
+
+class EngineBroken(RuntimeError):
+    """Forwards keep failing whatever the batch: the engine cannot serve until it is rebuilt."""
 
 
 @dataclass(slots=True)
@@ -58,6 +70,9 @@ class Sequence:
     slot: int = -1
     blocks: list[int] = field(default_factory=list)
     boundaries: deque[int] = field(default_factory=deque)   # planned prefill checkpoints
+    # The checkpoint of the prompt's deepest boundary, pinned while the sequence lives so that its
+    # own decode checkpoints (which dominate it) cannot evict it: an identical resend must hit.
+    pin: Checkpoint | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -70,6 +85,10 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.computed < self.prompt_len
+
+    def prompt_tail(self, hash_block: int) -> int:
+        """The deepest boundary a lookup of this prompt can hit (one token is always recomputed)."""
+        return (self.prompt_len - 1) // hash_block * hash_block
 
 
 class EngineCore:
@@ -94,6 +113,7 @@ class EngineCore:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._counters = EngineStats()
+        self._failed_forwards = 0
 
     # ------------------------------------------------------------------ admission
     def blocks_needed(self, tokens: int) -> int:
@@ -116,18 +136,24 @@ class EngineCore:
                                  f"has {self.layout.num_blocks}")
 
     def add(self, request: GenerationRequest, sink: EventSink) -> None:
-        """Queue a request (after ``check``); refuse it when the queue is full."""
+        """Queue a request (after ``check``); refuse it when more than ``max_waiting`` requests
+        would be left waiting. Admission is tried first, so a request that can start now is never
+        refused (``max_waiting=0`` means: no queue, not: no requests)."""
         self.check(request)
-        if len(self.waiting) >= self.config.max_waiting:
-            self._counters.rejected += 1
-            raise AdmissionRejected(f"{len(self.waiting)} requests are already waiting (limit "
-                                    f"{self.config.max_waiting}); retry later")
         params = request.params
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
-        self.waiting.append(Sequence(request, sink, StreamDetokenizer(self.tokenizer, params.stop), generator,
-                                     tokens=list(request.prompt_ids)))
+        seq = Sequence(request, sink, StreamDetokenizer(self.tokenizer, params.stop), generator,
+                       tokens=list(request.prompt_ids))
+        self.waiting.append(seq)
+        if len(self.waiting) > self.config.max_waiting:
+            self._admit()
+        if len(self.waiting) > self.config.max_waiting and self.waiting and self.waiting[-1] is seq:
+            self.waiting.pop()
+            self._counters.rejected += 1
+            raise AdmissionRejected(f"{len(self.waiting)} requests are already waiting (limit "
+                                    f"{self.config.max_waiting}); retry later")
 
     def abort(self, request_id: str) -> bool:
         for seq in list(self.waiting):
@@ -162,14 +188,25 @@ class EngineCore:
             if hit is not None:
                 self.prefix_cache.acquire(hit)
             self.waiting.popleft()
-            seq.slot = self.states.allocate()
-            if hit is None:
-                self.states.zero(seq.slot)
-                seq.blocks = self.allocator.allocate(needed)
-            else:
-                self._restore(seq, hit, shared, needed)
-                self.prefix_cache.release(hit)
-            seq.boundaries = deque(self.prefix_cache.plan(seq.tokens, seq.computed, seq.request.boundary_hints))
+            try:
+                seq.slot = self.states.allocate()
+                if hit is None:
+                    self.states.zero(seq.slot)
+                    seq.blocks = self.allocator.allocate(needed)
+                else:
+                    self._restore(seq, hit, shared, needed)
+                seq.boundaries = deque(self.prefix_cache.plan(seq.tokens, seq.computed,
+                                                              seq.request.boundary_hints))
+            except Exception as error:
+                if hit is not None:
+                    self.prefix_cache.release(hit)
+                self._fail(seq, error)
+                continue
+            if hit is not None:
+                if hit.boundary == seq.prompt_tail(self.config.hash_block):
+                    seq.pin = hit                        # keep the pin: see Sequence.pin
+                else:
+                    self.prefix_cache.release(hit)
             self.running.append(seq)
 
     def _restore(self, seq: Sequence, hit: Checkpoint, shared: int, needed: int) -> None:
@@ -183,17 +220,23 @@ class EngineCore:
         seq.computed = seq.cached_tokens = hit.boundary
 
     # ------------------------------------------------------------------ checkpoints
-    def _snapshot(self, seq: Sequence) -> None:
-        """Offer the prefix cache a checkpoint of ``seq`` at its current (hash-aligned) length."""
+    def _snapshot(self, seq: Sequence) -> Checkpoint | None:
+        """Offer the prefix cache a checkpoint of ``seq`` at its current (hash-aligned) length;
+        returns the checkpoint stored at that boundary (new or already there), or None."""
         boundary = seq.computed
         slot = self.states.allocate()                 # the spare slot: the pool has one more than needed
-        self.states.copy(seq.slot, slot)
         blocks = seq.blocks[:self.blocks_needed(boundary)]
         self.allocator.incref(blocks)
         payload = CheckpointPayload(slot, blocks)
-        stored = self.prefix_cache.insert(seq.tokens, boundary, payload)   # the hasher extends, not rehashes
+        try:
+            self.states.copy(seq.slot, slot)
+            stored = self.prefix_cache.insert(seq.tokens, boundary, payload)   # the hasher extends, not rehashes
+        except BaseException:
+            self._free_payload(payload)
+            raise
         if stored is None or stored.payload is not payload:
             self._free_payload(payload)
+        return stored
 
     def _free_checkpoint(self, checkpoint: Checkpoint) -> None:
         self._free_payload(checkpoint.payload)
@@ -212,6 +255,16 @@ class EngineCore:
             self._prefill_chunk(prefilling)
         if decoding:
             self._decode(decoding)
+
+    def _forward_failed(self, seqs: list[Sequence], error: Exception) -> None:
+        """A batched forward raised: its sequences end with the error; repeated failures whatever
+        the batch mean the engine itself is broken (``EngineBroken``)."""
+        self._failed_forwards += 1
+        for seq in seqs:
+            self._fail(seq, error)
+        if self._failed_forwards >= BROKEN_AFTER:
+            raise EngineBroken(f"{self._failed_forwards} forwards in a row failed; the last: "
+                               f"{type(error).__name__}: {error}") from error
 
     def _forward(self, seqs: list[Sequence], input_ids: torch.Tensor) -> torch.Tensor:
         device = self.model.device
@@ -232,23 +285,43 @@ class EngineCore:
         if seq.boundaries:
             end = min(end, seq.boundaries[0])
         chunk = torch.tensor([seq.tokens[seq.computed:end]], dtype=torch.long, device=self.model.device)
-        logits = self._forward([seq], chunk)
-        seq.computed = end
-        if seq.boundaries and seq.boundaries[0] == end:
-            seq.boundaries.popleft()
-            self._snapshot(seq)
-        if not seq.prefilling:
-            self._accept(seq, logits[0])
+        try:
+            logits = self._forward([seq], chunk)
+        except Exception as error:
+            self._forward_failed([seq], error)
+            return
+        self._failed_forwards = 0
+        try:
+            seq.computed = end
+            if seq.boundaries and seq.boundaries[0] == end:
+                seq.boundaries.popleft()
+                stored = self._snapshot(seq)
+                if stored is not None and seq.pin is None and end == seq.prompt_tail(self.config.hash_block):
+                    self.prefix_cache.acquire(stored)
+                    seq.pin = stored
+            if not seq.prefilling:
+                self._accept(seq, logits[0])
+        except Exception as error:
+            self._fail(seq, error)
 
     def _decode(self, seqs: list[Sequence]) -> None:
         input_ids = torch.tensor([[seq.tokens[-1]] for seq in seqs], dtype=torch.long, device=self.model.device)
-        logits = self._forward(seqs, input_ids)
+        try:
+            logits = self._forward(seqs, input_ids)
+        except Exception as error:
+            self._forward_failed(seqs, error)
+            return
+        self._failed_forwards = 0
         hash_block = self.config.hash_block
         for row, seq in enumerate(seqs):
-            seq.computed += 1
-            if seq.computed % hash_block == 0 and self.prefix_cache.want_decode_checkpoint(seq.tokens[:seq.computed]):
-                self._snapshot(seq)
-            self._accept(seq, logits[row])
+            try:
+                seq.computed += 1
+                if (seq.computed % hash_block == 0
+                        and self.prefix_cache.want_decode_checkpoint(seq.tokens[:seq.computed])):
+                    self._snapshot(seq)
+                self._accept(seq, logits[row])
+            except Exception as error:
+                self._fail(seq, error)
 
     def _accept(self, seq: Sequence, logits_V: torch.Tensor) -> None:
         """Sample the next token of ``seq``, stream it, and finish the sequence if it is done."""
@@ -264,22 +337,47 @@ class EngineCore:
             self._finish(seq, "stop", text, token)
         elif seq.generated >= params.max_tokens:
             self._finish(seq, "length", text + seq.detokenizer.flush(), token)
-        else:
-            seq.sink(TokenEvent(seq.request.request_id, token, text))
+        elif not self._send(seq, TokenEvent(seq.request.request_id, token, text)):
+            self._finish(seq, "abort")                 # nobody is listening any more
+
+    def _send(self, seq: Sequence, event: TokenEvent) -> bool:
+        """Hand ``event`` to the request's sink; False (logged) if the sink raised: a caller whose
+        event loop is gone must not take the engine down."""
+        try:
+            seq.sink(event)
+            return True
+        except Exception:
+            log.exception("delivering an event of request %s failed", seq.request.request_id)
+            return False
 
     # ------------------------------------------------------------------ the end
     def _finish(self, seq: Sequence, reason: FinishReason, text: str = "", token: int | None = None) -> None:
         """End ``seq``; ``token`` is the last sampled one (it rides on the final event), None on abort."""
         if reason != "abort":
             self.prefix_cache.finish(seq.tokens)
-        self.running.remove(seq)
-        self.states.free(seq.slot)
-        self.allocator.decref(seq.blocks)
-        seq.slot, seq.blocks = -1, []
+        self._release(seq)
         self._emit_finish(seq, reason, text, token)
 
+    def _fail(self, seq: Sequence, error: BaseException) -> None:
+        """End ``seq`` alone after ``error``; whatever it held (slot, blocks, pin) is freed."""
+        log.error("request %s failed: %s: %s", seq.request.request_id, type(error).__name__, error,
+                  exc_info=(type(error), error, error.__traceback__))
+        self._release(seq)
+        self._emit_finish(seq, "error", error=f"{type(error).__name__}: {error}")
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.pin is not None:
+            self.prefix_cache.release(seq.pin)
+            seq.pin = None
+        if seq.slot >= 0:
+            self.states.free(seq.slot)
+        self.allocator.decref(seq.blocks)
+        seq.slot, seq.blocks = -1, []
+
     def _emit_finish(self, seq: Sequence, reason: FinishReason, text: str = "", token: int | None = None,
-                     count: bool = True) -> None:
+                     count: bool = True, error: str | None = None) -> None:
         usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=seq.generated, cached_tokens=seq.cached_tokens)
         if count:
             counters = self._counters
@@ -287,7 +385,15 @@ class EngineCore:
             counters.cached_prompt_tokens += usage.cached_tokens
             counters.completion_tokens += usage.completion_tokens
             counters.cost_usd += usage.cost_usd
-        seq.sink(TokenEvent(seq.request.request_id, token, text, finished=True, finish_reason=reason, usage=usage))
+        self._send(seq, TokenEvent(seq.request.request_id, token, text, finished=True, finish_reason=reason,
+                                   usage=usage, error=error))
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every queued and running request with ``error`` (the engine is being rebuilt or stopped)."""
+        for seq in list(self.waiting) + list(self.running):
+            self._emit_finish(seq, "error", count=False, error=f"the engine failed: {type(error).__name__}: {error}")
+        self.waiting.clear()
+        self.running.clear()
 
     def stats(self) -> EngineStats:
         counters, cache_stats = self._counters, self.prefix_cache.stats

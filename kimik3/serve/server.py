@@ -4,6 +4,12 @@ Routes: ``GET /health``, ``GET /metrics`` (no auth), ``GET /v1/models``, ``GET /
 ``POST /v1/completions``, ``POST /v1/chat/completions``. Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``; see ``docs/serving.md`` for the full contract.
 
+Hostile input is refused before it costs anything: a body over ``max_request_bytes`` gets 413
+before it is read whole; a prompt with more characters than the context could hold gets 400
+before it is tokenised (a byte-level token covers at most ``max_token_chars`` characters); a lone
+UTF-16 surrogate anywhere in the body gets 400. A request the engine fails on gets a 500 of its
+own while the engine serves the others; ``/health`` answers 503 once the engine cannot serve.
+
 Every generation runs in its own task (``_Generation``) that pumps the engine's iterator into a
 queue, next to a task that watches the connection: a client that goes away, while queued or
 mid-stream, cancels the pump at once, which aborts the request and closes the iterator so the
@@ -17,6 +23,8 @@ import asyncio
 import hmac
 import json
 import logging
+import re
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -25,18 +33,23 @@ from typing import Any, Literal, TypeVar
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kimik3.serve import chat
 from kimik3.serve.metrics import CONTENT_TYPE, RequestTrack, ServerMetrics, StatusMiddleware
-from kimik3.serve.types import (AdmissionRejected, EngineLike, GenerationRequest, RequestTooLong, SamplingParams,
-                                TokenEvent, Usage)
+from kimik3.serve.types import (AdmissionRejected, EngineLike, EngineUnavailable, GenerationRequest, RequestTooLong,
+                                SamplingParams, TokenEvent, Usage)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"})
+OPEN_ROUTES = frozenset({"/health", "/metrics"})   # the only routes served without the API key
+BODY_SLACK_BYTES = 2**20             # room for everything in a body besides the prompt
+JSON_BYTES_PER_BYTE = 6              # the most JSON's escapes (\u00XX) inflate one byte of text
+_SURROGATE = re.compile("[\ud800-\udfff]")   # json.loads pairs valid ones: any left is lone
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 OFF_LOOP_CHARS = 20_000              # inputs longer than this are tokenised off the event loop
 # Accepted for compatibility only at their "off" value; anything else is a clear 400, not silence.
@@ -66,11 +79,41 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _lone_surrogate(body: Any) -> str | None:
+    """The location (``messages[0].content``) of the first string or key in ``body`` holding a
+    lone UTF-16 surrogate, which no tokenizer or UTF-8 writer accepts; None if there is none.
+    Iterative: a deeply nested body must not exhaust the stack."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                return where or "body"
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if isinstance(key, str) and _SURROGATE.search(key):
+                    return where or "body"
+                stack.append((value, f"{where}.{key}" if where else str(key)))
+        elif isinstance(node, list):
+            stack.extend((value, f"{where}[{i}]") for i, value in enumerate(node))
+    return None
+
+
 class _Body(BaseModel):
     """Fields both endpoints share. Strict: ``"5"`` is not an integer; unknown fields are kept in
     ``model_extra`` and ignored unless listed in ``UNSUPPORTED``."""
 
     model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        where = _lone_surrogate(data)
+        if where is not None:
+            raise PydanticCustomError("lone_surrogate", "the text holds a lone UTF-16 surrogate (U+D800-U+DFFF), "
+                                      "which is not valid Unicode", {"param": where})
+        return data
+
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -132,6 +175,11 @@ class _Generation:
         it = aiter(self.engine.generate(self.request))
         try:
             async for event in it:
+                if event.finish_reason == "error":   # the engine failed on this request alone
+                    finished, reason, usage = True, "error", event.usage
+                    self.queue.put_nowait(APIError(500, f"The engine failed on this request: {event.error}",
+                                                   type="server_error"))
+                    break
                 self.track.event(event)
                 self.queue.put_nowait(event)
                 if event.finished:
@@ -145,18 +193,23 @@ class _Generation:
             reason = "too_long"
             self.queue.put_nowait(APIError(400, f"The request does not fit the model's context: {err}",
                                            code="context_length_exceeded"))
+        except EngineUnavailable as err:
+            reason = "unavailable"
+            self.queue.put_nowait(APIError(503, f"The engine cannot serve: {err}", type="server_error",
+                                           code="engine_unavailable"))
         except Exception as err:  # an engine bug: report it, keep serving
             log.exception("engine failed on request %s", rid)
             reason = "error"
             self.queue.put_nowait(APIError(500, f"The engine failed: {err}", type="server_error"))
         finally:
             # Bookkeeping first, without awaiting: a second cancel() must not be able to skip it.
-            if not finished and reason not in ("rejected", "too_long"):
+            refused = reason in ("rejected", "too_long", "unavailable")
+            if not finished and not refused:
                 try:
                     self.engine.abort(rid)
                 except Exception:
                     log.exception("engine.abort(%s) failed", rid)
-            self.track.finish(reason, usage, admitted=reason not in ("rejected", "too_long"))
+            self.track.finish(reason, usage, admitted=not refused)
             self.queue.put_nowait(None)
             if hasattr(it, "aclose"):
                 try:
@@ -282,6 +335,33 @@ async def _off_loop(chars: int, fn: Callable[[], T]) -> T:
     return await asyncio.to_thread(fn) if chars > OFF_LOOP_CHARS else fn()
 
 
+def max_token_chars(tokenizer: Any) -> int | None:
+    """The longest token of ``tokenizer``'s vocabulary (special tokens included), in characters.
+
+    With a byte-level BPE a token string has one character per byte and a character of text takes
+    at least one byte, so a text of c characters has at least c / max_token_chars tokens. None when
+    the tokenizer does not expose its vocabulary (no bound is applied then)."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    vocab = get_vocab(with_added_tokens=True)
+    return max((len(token) for token in vocab), default=None)
+
+
+def default_max_request_bytes(max_context: int, token_chars: int | None) -> int:
+    """A body limit that never refuses a prompt that fits: ``max_context`` tokens of at most
+    ``token_chars`` bytes each, every byte JSON-escaped, plus room for the other fields."""
+    return JSON_BYTES_PER_BYTE * (token_chars or 16) * max_context + BODY_SLACK_BYTES
+
+
+def _check_chars(chars: int, token_chars: int | None, max_context: int, param: str) -> None:
+    """Refuse, before tokenising it, a text too long to fit the context whatever its tokens."""
+    if token_chars is not None and chars > token_chars * max_context:
+        raise APIError(400, f"This model's maximum context length is {max_context} tokens. However, your "
+                       f"{param} has {chars:,} characters, so at least {chars // token_chars + 1:,} tokens. "
+                       "Please reduce the prompt.", param=param, code="context_length_exceeded")
+
+
 def _check_context(prompt_len: int, max_tokens: int, max_context: int, param: str) -> None:
     if prompt_len + max_tokens > max_context:
         raise APIError(400, f"This model's maximum context length is {max_context} tokens. However, you requested "
@@ -304,6 +384,9 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if err.get("type") == "json_invalid":
         message, param = "We could not parse the JSON body of your request: it must be a JSON object.", None
+    elif err.get("type") == "lone_surrogate":
+        param = err.get("ctx", {}).get("param")
+        message = f"Invalid value for '{param}': {msg}"
     elif param is None:
         message = f"The request body must be a JSON object ({msg})."
     elif err.get("type") == "missing":
@@ -322,14 +405,61 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return APIError(exc.status_code, message, code=None).response()
 
 
+class _BodyLimit:
+    """Pure-ASGI limit on the request body: 413 as soon as ``Content-Length`` or the bytes received
+    so far pass ``max_bytes``, so an oversized body is never held whole in memory."""
+
+    def __init__(self, app: Callable, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    def _error(self, size: str) -> APIError:
+        return APIError(413, f"The request body ({size}) is larger than this server's limit of {self.max_bytes:,} "
+                        "bytes (kimik3 serve --max-request-bytes).", code="request_too_large")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await self._error(f"{length.decode(errors='replace')} bytes").response()(scope, receive, send)
+            return
+        received, over, answered = 0, False, False
+
+        async def counting_receive():
+            nonlocal received, over
+            if over:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    over = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message) -> None:
+            nonlocal answered
+            if not over:
+                await send(message)
+            elif not answered:   # the app answered a truncated body: answer 413 instead
+                answered = True
+                await self._error(f"over {self.max_bytes:,} bytes").response()(scope, receive, send)
+
+        await self.app(scope, counting_receive, guarded_send)
+        if over and not answered:
+            await self._error(f"over {self.max_bytes:,} bytes").response()(scope, receive, send)
+
+
 class _BearerAuth:
-    """Pure-ASGI check of ``Authorization: Bearer <key>`` on ``/v1`` routes, before the body is read."""
+    """Pure-ASGI check of ``Authorization: Bearer <key>`` on every route but ``OPEN_ROUTES``
+    (``/docs`` and ``/openapi.json`` included), before the body is read."""
 
     def __init__(self, app: Callable, api_key: str) -> None:
         self.app, self.key = app, api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_ROUTES:
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
             if not header:
@@ -346,13 +476,21 @@ class _BearerAuth:
 
 
 # -- the app --------------------------------------------------------------------------------------------
-def create_app(engine: EngineLike, api_key: str | None = None) -> FastAPI:
-    """The ASGI app serving ``engine``; ``api_key`` (if set) is required as a Bearer token on /v1."""
+def create_app(engine: EngineLike, api_key: str | None = None, max_request_bytes: int | None = None) -> FastAPI:
+    """The ASGI app serving ``engine``; ``api_key`` (if set) is required as a Bearer token on every
+    route but /health and /metrics; ``max_request_bytes`` (default: ``default_max_request_bytes``)
+    bounds a request body."""
     app = FastAPI(title="Kimi K3", summary="OpenAI-compatible completions over a kimik3 engine")
     metrics = ServerMetrics(engine)
     app.state.engine, app.state.metrics = engine, metrics
     started = int(time.time())
     vocab_size = getattr(engine.tokenizer, "get_vocab_size", lambda: None)()
+    token_chars = max_token_chars(engine.tokenizer)
+    if max_request_bytes is None:
+        max_request_bytes = default_max_request_bytes(engine.max_context, token_chars)
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    app.state.max_request_bytes = max_request_bytes
     router = APIRouter(prefix="/v1")
 
     def model_card() -> dict[str, Any]:
@@ -360,9 +498,14 @@ def create_app(engine: EngineLike, api_key: str | None = None) -> FastAPI:
                 "max_model_len": engine.max_context}
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> JSONResponse:
+        reason = engine.health()
+        if reason is not None:
+            return JSONResponse({"status": "unavailable", "model": engine.model_name, "error": reason},
+                                status_code=503)
         stats = engine.stats()
-        return {"status": "ok", "model": engine.model_name, "running": stats.running, "waiting": stats.waiting}
+        return JSONResponse({"status": "ok", "model": engine.model_name, "running": stats.running,
+                             "waiting": stats.waiting})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -410,6 +553,10 @@ def create_app(engine: EngineLike, api_key: str | None = None) -> FastAPI:
         arrival = time.perf_counter()
         _check_common(body, engine.model_name)
         prompt = body.prompt
+        if isinstance(prompt, str):
+            _check_chars(len(prompt), token_chars, engine.max_context, "prompt")
+        elif len(prompt) > engine.max_context:
+            _check_context(len(prompt), 0, engine.max_context, "prompt")
         ids = (await _off_loop(len(prompt), lambda: engine.tokenizer.encode(prompt).ids)
                if isinstance(prompt, str) else list(prompt))
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
@@ -428,8 +575,9 @@ def create_app(engine: EngineLike, api_key: str | None = None) -> FastAPI:
         arrival = time.perf_counter()
         _check_common(body, engine.model_name)
         try:
-            size = len(json.dumps(body.messages)) if isinstance(body.messages, list) else 0
-            ids, hints = await _off_loop(size, lambda: chat.render_ids(engine.tokenizer, body.messages))
+            chars = sum(len(message.content) for message in chat.parse_messages(body.messages))
+            _check_chars(chars, token_chars, engine.max_context, "messages")
+            ids, hints = await _off_loop(chars, lambda: chat.render_ids(engine.tokenizer, body.messages))
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from None
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -444,15 +592,33 @@ def create_app(engine: EngineLike, api_key: str | None = None) -> FastAPI:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
     if api_key:
-        app.add_middleware(_BearerAuth, api_key=api_key)
+        app.add_middleware(_BearerAuth, api_key=api_key)                  # before any body is read
     app.add_middleware(StatusMiddleware, metrics=metrics, routes=ROUTES)  # outermost: sees 401s too
     return app
 
 
 def serve(engine: EngineLike, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          log_level: str = "info") -> None:
-    """Serve ``engine`` with uvicorn until interrupted."""
+          log_level: str = "info", max_request_bytes: int | None = None, health_poll_s: float = 1.0) -> int:
+    """Serve ``engine`` with uvicorn until interrupted (returns 0) or until the engine can no longer
+    serve (returns 1, so that a process supervisor restarts the server)."""
     import uvicorn
 
-    uvicorn.run(create_app(engine, api_key), host=host, port=port, log_level=log_level)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, api_key, max_request_bytes), host=host, port=port,
+                                           log_level=log_level))
+    failure: list[str] = []
+
+    def watch() -> None:
+        while not server.should_exit:
+            reason = engine.health()
+            if reason is not None:
+                log.critical("%s: shutting the server down", reason)
+                failure.append(reason)
+                server.should_exit = True
+                return
+            time.sleep(health_poll_s)
+
+    threading.Thread(target=watch, name="engine-health", daemon=True).start()
+    server.run()
+    return 1 if failure else 0

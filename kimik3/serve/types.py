@@ -12,7 +12,8 @@ from typing import Any, Literal, Protocol
 
 from kimik3.serve.cost import request_cost
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+SEED_RANGE = (-2**63, 2**63)   # a 64-bit signed integer, as torch.Generator and OpenAI's API take it
 
 class AdmissionRejected(Exception):
     """The engine's queue is full: the request was refused (HTTP 429), nothing was allocated."""
@@ -20,6 +21,10 @@ class AdmissionRejected(Exception):
 
 class RequestTooLong(ValueError):
     """The prompt plus max_tokens does not fit the model's context (HTTP 400)."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot serve: it gave up after repeated failures, or it was closed (HTTP 503)."""
 
 
 @dataclass(slots=True)
@@ -40,6 +45,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if len(self.stop) > 4 or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be at most 4 non-empty strings")
 
@@ -69,7 +76,8 @@ class GenerationRequest:
 class TokenEvent:
     """One step of a request's stream. ``text`` is the newly decoded text (may be empty while a
     multi-byte character or a possible stop string is pending). The last event has
-    ``finished=True``, a ``finish_reason`` and the ``usage``."""
+    ``finished=True``, a ``finish_reason`` and the ``usage``; ``finish_reason == "error"`` means
+    the engine failed on this request alone, and ``error`` says how."""
 
     request_id: str
     token_id: int | None
@@ -77,6 +85,7 @@ class TokenEvent:
     finished: bool = False
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -109,7 +118,8 @@ class EngineLike(Protocol):
     ``RequestTooLong`` (400) or ``AdmissionRejected`` (429) on the first ``__anext__``; then it
     yields ``TokenEvent`` s, the last with ``finished=True``. Closing the iterator early (client
     gone) aborts the request and frees its cache. Detokenisation and stop strings are the
-    engine's job: ``TokenEvent.text`` is ready to send.
+    engine's job: ``TokenEvent.text`` is ready to send. ``health()`` is None while the engine can
+    serve, else why it cannot (``/health`` answers 503 with it).
     """
 
     model_name: str
@@ -122,3 +132,5 @@ class EngineLike(Protocol):
     def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    def health(self) -> str | None: ...

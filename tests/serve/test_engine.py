@@ -143,18 +143,21 @@ def test_admission_waits_for_memory_and_refuses_past_the_queue_limit(serve_model
         with pytest.raises(RequestTooLong, match="exceeds the context"):
             engine.submit(GenerationRequest("long", [1] * 399, SamplingParams(max_tokens=2)), lambda e: None)
         events = []
-        with engine._lock:     # hold the worker so that nothing starts while we queue
-            for i in range(3):
+        with engine._lock:     # hold the worker so that no step runs while we queue
+            # The fourth overflows the queue of 3, so admission is tried: two start (max_running=2)
+            # and two are left waiting; one more fills the queue; the sixth cannot start: 429.
+            for i in range(5):
                 engine.core.add(GenerationRequest(f"q{i}", prompts(1, 150, seed=i)[0],
                                                   SamplingParams(max_tokens=3, **GREEDY)), events.append)
+            assert len(engine.core.running) == 2 and len(engine.core.waiting) == 3
             with pytest.raises(AdmissionRejected, match="waiting"):
-                engine.core.add(GenerationRequest("q3", [1, 2, 3], SamplingParams(max_tokens=3)), events.append)
+                engine.core.add(GenerationRequest("q5", [1, 2, 3], SamplingParams(max_tokens=3)), events.append)
             engine._lock.notify_all()
         deadline = 200
-        while sum(e.finished for e in events) < 3 and deadline:
+        while sum(e.finished for e in events) < 5 and deadline:
             asyncio.run(asyncio.sleep(0.05))
             deadline -= 1
-        assert sum(e.finished for e in events) == 3
+        assert sum(e.finished for e in events) == 5
         assert engine.stats().rejected == 1
         assert_no_leak(engine)
     finally:

@@ -37,8 +37,8 @@ def serve_model():
 def serve() -> Iterator[Callable[..., Server]]:
     servers = []
 
-    def start(engine: FakeEngine | None = None, api_key: str | None = KEY) -> Server:
-        servers.append(Server(engine or FakeEngine(), api_key))
+    def start(engine: FakeEngine | None = None, api_key: str | None = KEY, **app_options) -> Server:
+        servers.append(Server(engine or FakeEngine(), api_key, **app_options))
         return servers[-1]
 
     yield start

@@ -19,13 +19,13 @@ KEY = "sk-test"
 
 
 class Server:
-    def __init__(self, engine: EngineLike, api_key: str | None) -> None:
+    def __init__(self, engine: EngineLike, api_key: str | None, **app_options) -> None:
         self.engine = engine
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        config = uvicorn.Config(create_app(engine, api_key), log_level="warning", lifespan="off",
+        config = uvicorn.Config(create_app(engine, api_key, **app_options), log_level="warning", lifespan="off",
                                 timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)

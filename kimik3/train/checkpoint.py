@@ -3,17 +3,23 @@
 Layout of a run directory::
 
     checkpoints/step-000120/   config.json  model.safetensors  tokenizer.json
-                               train_state.safetensors  train_state.json
+                               train_state.safetensors  train_state.json  manifest.json
     checkpoint -> checkpoints/step-000120          (a symlink, swapped atomically)
     config.json, model.safetensors, tokenizer.json,
     train_state.safetensors, train_state.json      (symlinks through ``checkpoint``)
-    metrics.jsonl  loss.png
+    run.json  metrics.jsonl  loss.png
 
-A checkpoint is written whole into a temporary directory, fsynced and renamed into
-``checkpoints/``; only then does the single ``checkpoint`` symlink move to it, with
-``os.replace``. So a reader always sees one complete checkpoint: the new one or the previous one.
-The top-level names let ``from_pretrained(run_dir)`` and ``kimik3 generate --run`` read the latest
-weights directly.
+A checkpoint is written whole into a temporary directory, fsynced, checksummed (``manifest.json``:
+the sha256 of every file, ``kimik3.train.integrity``) and renamed into ``checkpoints/``; only then
+does the single ``checkpoint`` symlink move to it, with ``os.replace``. So a reader always sees one
+complete checkpoint: the new one or the previous one. The top-level names let
+``from_pretrained(run_dir)`` and ``kimik3 generate --run`` read the latest weights directly.
+
+Resuming verifies the checksums; when the current checkpoint is damaged (a file missing, unreadable
+or changed since it was written) it falls back to the newest intact one under ``checkpoints/``.
+Checkpoints written without a manifest load unverified. A write killed half-way leaves only
+temporaries (``checkpoints/.step-*.*``, ``.checkpoint.<pid>.tmp``), which ``remove_temporaries``
+deletes when the run starts again.
 
 Training state = tensors (optimizer moments, RNG state) in ``train_state.safetensors`` plus
 everything else in ``train_state.json``: the nested structure of the optimizer state with
@@ -24,8 +30,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
+import warnings
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +43,25 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kimik3.model.pretrained import CONFIG_FILE, WEIGHTS_FILE, check_tensors, read_config, state_tensors
+from kimik3.train.integrity import IntegrityError, fsync_dir, verify_manifest, write_manifest
 
 TOKENIZER_FILE = "tokenizer.json"
 STATE_TENSORS_FILE = "train_state.safetensors"
 STATE_JSON_FILE = "train_state.json"
 CHECKPOINT_FILES = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, STATE_TENSORS_FILE, STATE_JSON_FILE)
 POINTER = "checkpoint"
+STORE = "checkpoints"
+# (folder, name) of the temporaries a killed checkpoint write leaves: save_checkpoint's directory
+# (tempfile.mkdtemp: ".step-NNNNNNN." + random [a-z0-9_]) and point_to's symlink.
+CHECKPOINT_TEMPORARIES = ((STORE, r"\.step-\d+\.[a-z0-9_]+"), (".", r"\.checkpoint\.\d+\.tmp"))
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or does not match the run; the message names the file."""
+
+
+class CheckpointWarning(UserWarning):
+    """A damaged checkpoint was skipped in favour of an older intact one."""
 
 
 # ---------------------------------------------------------------------- nested state <-> (tensors, JSON)
@@ -79,25 +97,19 @@ def unflatten_state(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 # ---------------------------------------------------------------------- writing
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, tokenizer_json: str,
                     train_state: dict[str, Any], keep: int = 2,
-                    weights: dict[str, torch.Tensor] | None = None) -> Path:
+                    weights: dict[str, torch.Tensor] | None = None,
+                    protect: Collection[str] = (), corrupt: Collection[str] = ()) -> Path:
     """Write the checkpoint of ``step`` and make it the run's current one. Returns its directory.
 
     ``train_state`` is any nested structure of dicts, lists, tensors and JSON scalars.
     ``weights``: the full state dict to write instead of ``model``'s own (a sharded model's
     gathered state, ``full_model_state``); ``model`` then only supplies the config.
+    ``keep``, ``protect``, ``corrupt``: what ``prune`` keeps afterwards.
     """
     run_dir = Path(run_dir)
-    store = run_dir / "checkpoints"
+    store = run_dir / STORE
     store.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:07d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=store))
@@ -114,19 +126,38 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, toke
         for file in CHECKPOINT_FILES:
             with open(tmp / file, "rb") as handle:
                 os.fsync(handle.fileno())
+        write_manifest(tmp, CHECKPOINT_FILES)
+        fsync_dir(tmp)
         final = store / name
-        if final.exists():  # re-saving the same step (e.g. the end of a resumed run)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(store)
+        _publish(tmp, final)
+        fsync_dir(store)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    point_to(run_dir, name)
+    prune(run_dir, keep, protect={name, *protect}, corrupt=corrupt)
+    return final
 
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished ``tmp`` onto ``final``. A checkpoint already there (the same step saved
+    again) is first renamed aside under a temporary name, so ``final`` is never half deleted."""
+    if not final.exists():
+        os.replace(tmp, final)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    os.replace(final, aside)    # onto an empty directory: allowed, atomic
+    os.replace(tmp, final)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def point_to(run_dir: str | Path, name: str) -> None:
+    """Make ``checkpoints/<name>`` the run's current checkpoint (one atomic symlink swap)."""
+    run_dir = Path(run_dir)
     link_tmp = run_dir / f".{POINTER}.{os.getpid()}.tmp"
     if link_tmp.is_symlink() or link_tmp.exists():
         link_tmp.unlink()
-    link_tmp.symlink_to(Path("checkpoints") / name)
+    link_tmp.symlink_to(Path(STORE) / name)
     os.replace(link_tmp, run_dir / POINTER)
     for file in CHECKPOINT_FILES:
         top = run_dir / file
@@ -134,15 +165,60 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, toke
             if top.exists():
                 top.unlink()
             top.symlink_to(Path(POINTER) / file)
-    _fsync_dir(run_dir)
+    fsync_dir(run_dir)
 
-    old = sorted(p for p in store.glob("step-*") if p.name != name)
-    for stale in old[: max(0, len(old) - (keep - 1))]:
-        shutil.rmtree(stale, ignore_errors=True)
-    return final
+
+def prune(run_dir: str | Path, keep: int, protect: Collection[str] = (), corrupt: Collection[str] = ()) -> None:
+    """Keep the newest ``keep`` good checkpoints and those named in ``protect`` (the current one, the
+    one the run resumed from); delete the rest. ``corrupt``: names known to be damaged, never
+    counted as kept, so a bad checkpoint cannot push a good one out."""
+    found = checkpoint_dirs(run_dir)
+    good = [p.name for p in found if p.name not in corrupt]
+    kept = set(good[:keep]) | set(protect)
+    for stale in found:
+        if stale.name not in kept:
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def remove_temporaries(run_dir: str | Path, patterns: Iterable[tuple[str, str]] = CHECKPOINT_TEMPORARIES
+                       ) -> list[Path]:
+    """Delete the temporaries an interrupted write left in ``run_dir``: the entries of each
+    ``(folder, regex)`` whose whole name matches. Returns what was removed.
+
+    Only for a run directory no other process is writing to (the start of a run or resume).
+    """
+    removed = []
+    for folder, pattern in patterns:
+        base = Path(run_dir) / folder
+        if not base.is_dir():
+            continue
+        regex = re.compile(pattern)
+        for entry in sorted(base.iterdir()):
+            if not regex.fullmatch(entry.name):
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
 
 
 # ---------------------------------------------------------------------- reading
+def _step_of(path: Path) -> int | None:
+    match = re.fullmatch(r"step-(\d+)", path.name)
+    return int(match.group(1)) if match else None
+
+
+def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
+    """Every published checkpoint directory of the run, newest (highest step) first."""
+    store = Path(run_dir) / STORE
+    if not store.is_dir():
+        return []
+    found = [p for p in store.iterdir() if _step_of(p) is not None and p.is_dir()]
+    return sorted(found, key=_step_of, reverse=True)
+
+
 def current_checkpoint(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     pointer = run_dir / POINTER
@@ -151,9 +227,68 @@ def current_checkpoint(run_dir: str | Path) -> Path:
     return pointer.resolve()
 
 
-def read_state_entry(run_dir: str | Path, key: str) -> Any:
-    """One top-level entry of the current training state that holds no tensors (e.g. the run's args)."""
-    path = current_checkpoint(run_dir) / STATE_JSON_FILE
+def verify_checkpoint(ckpt: Path) -> bool:
+    """Raise ``CheckpointError`` naming the first file of ``ckpt`` that is missing, unreadable or not
+    what was written. Returns False for a checkpoint without a manifest (its checksums unknown)."""
+    for file in CHECKPOINT_FILES:
+        if not (ckpt / file).is_file():
+            raise CheckpointError(f"{ckpt / file}: missing from the checkpoint")
+    try:
+        return verify_manifest(ckpt)
+    except IntegrityError as err:
+        raise CheckpointError(str(err)) from None
+
+
+def intact_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, str]]:
+    """The checkpoint to resume from: the current one if it verifies, else the newest intact one
+    under ``checkpoints/``; with ``{name: what is wrong}`` for each damaged one skipped on the way.
+
+    Raises ``CheckpointError`` when the run has no checkpoint, or none intact (naming each).
+    """
+    run_dir = Path(run_dir)
+    candidates = checkpoint_dirs(run_dir)
+    pointer = run_dir / POINTER
+    if pointer.exists():
+        current = run_dir / STORE / pointer.resolve().name
+        candidates = [current] + [p for p in candidates if p.name != current.name]
+    problems: dict[str, str] = {}
+    for ckpt in candidates:
+        try:
+            verify_checkpoint(ckpt)
+            return ckpt, problems
+        except CheckpointError as err:
+            problems[ckpt.name] = str(err)
+    if not problems:
+        raise CheckpointError(f"{pointer}: no checkpoint in {run_dir} (nothing to resume)")
+    raise CheckpointError(f"no intact checkpoint left in {run_dir}: " + "; ".join(problems.values()))
+
+
+def adopt_checkpoint(run_dir: str | Path, ckpt: Path, problems: dict[str, str],
+                     warn: Callable[[str], None] | None = None) -> None:
+    """Report each damaged checkpoint ``intact_checkpoint`` skipped through ``warn`` (default: a
+    ``CheckpointWarning``) and make ``ckpt`` the current one (re-pointing the symlink if needed)."""
+    run_dir = Path(run_dir)
+    for problem in problems.values():
+        message = f"{problem}: resuming from {ckpt} instead"
+        if warn is None:
+            warnings.warn(message, CheckpointWarning, stacklevel=3)
+        else:
+            warn(message)
+    pointer = run_dir / POINTER
+    if not pointer.exists() or pointer.resolve().name != ckpt.name:
+        point_to(run_dir, ckpt.name)
+
+
+def resume_checkpoint(run_dir: str | Path, warn: Callable[[str], None] | None = None) -> Path:
+    """The intact checkpoint to resume from (``intact_checkpoint``), made the current one."""
+    ckpt, problems = intact_checkpoint(run_dir)
+    adopt_checkpoint(run_dir, ckpt, problems, warn)
+    return ckpt
+
+
+def read_state_entry(ckpt: str | Path, key: str) -> Any:
+    """One top-level entry of checkpoint ``ckpt``'s training state that holds no tensors (e.g. the run's args)."""
+    path = Path(ckpt) / STATE_JSON_FILE
     try:
         entries = dict(json.loads(path.read_text())["state"]["dict"])
         return unflatten_state(entries[key], {})
@@ -161,12 +296,15 @@ def read_state_entry(run_dir: str | Path, key: str) -> Any:
         raise CheckpointError(f"{path}: malformed training state ({err!r})") from None
 
 
-def load_checkpoint(run_dir: str | Path, model: torch.nn.Module) -> tuple[int, dict[str, Any], str]:
+def load_checkpoint(run_dir: str | Path, model: torch.nn.Module, checkpoint: str | Path | None = None,
+                    warn: Callable[[str], None] | None = None) -> tuple[int, dict[str, Any], str]:
     """Load weights into ``model`` (in place) and return (step, train_state, tokenizer_json).
 
+    ``checkpoint``: the directory to load, already verified; by default ``resume_checkpoint``
+    picks it (checksums verified, falling back past damaged ones, each reported through ``warn``).
     Everything is read and checked before the model is touched, so a bad file changes nothing.
     """
-    ckpt = current_checkpoint(run_dir)
+    ckpt = Path(checkpoint) if checkpoint is not None else resume_checkpoint(run_dir, warn)
     for file in CHECKPOINT_FILES:
         if not (ckpt / file).is_file():
             raise CheckpointError(f"{ckpt / file}: missing from the checkpoint")

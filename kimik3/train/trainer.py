@@ -36,13 +36,17 @@ from kimik3.optim.clip import clip_grad_norm
 from kimik3.optim.schedule import cosine_lr, parse_stages, seq_len_at
 from kimik3.parallel.mesh import ParallelDims
 from kimik3.train.checkpoint import (
+    CHECKPOINT_TEMPORARIES,
     STATE_JSON_FILE,
     CheckpointError,
+    adopt_checkpoint,
     full_model_state,
     full_optimizer_state,
+    intact_checkpoint,
     load_checkpoint,
     load_optimizer_state,
     read_state_entry,
+    remove_temporaries,
     save_checkpoint,
 )
 from kimik3.train.data import Corpus, load_corpus
@@ -50,6 +54,9 @@ from kimik3.train.loader import batch_at, eval_windows
 from kimik3.train.tokenizer import EOS, encode_documents, tokenize_corpus
 
 SAMPLE_PROMPT = "def fibonacci(n):\n"
+# The temporaries an interrupted write leaves in a run directory (plot_run's), removed when the run
+# starts again; the checkpoints' own are in CHECKPOINT_TEMPORARIES.
+RUN_TEMPORARIES = (*CHECKPOINT_TEMPORARIES, (".", r"\.loss\.png\.tmp\.png"))
 
 
 class TrainingError(RuntimeError):
@@ -137,6 +144,8 @@ class Trainer:
                  log: Callable[[str], None] = print, parallel: ParallelDims | None = None,
                  activation_checkpointing: bool = False):
         self.resume_dir = Path(resume) if resume is not None else None
+        self.resume_checkpoint: Path | None = None  # the intact checkpoint a resume starts from
+        self.damaged_checkpoints: dict[str, str] = {}
         if self.resume_dir is not None:
             args = self._args_from_run(self.resume_dir, args)
         args.validate()
@@ -248,13 +257,16 @@ class Trainer:
         torch.distributed.broadcast(buf, src=0)
         return bytes(buf.cpu().tolist()).decode()
 
-    @staticmethod
-    def _args_from_run(run_dir: Path, overrides: TrainArgs) -> TrainArgs:
-        saved = read_state_entry(run_dir, "args")
+    def _args_from_run(self, run_dir: Path, overrides: TrainArgs) -> TrainArgs:
+        """The saved arguments of the run to resume, from its newest intact checkpoint.
+        ``overrides``: the --steps and --progress of this call."""
+        self.resume_checkpoint, self.damaged_checkpoints = intact_checkpoint(run_dir)
+        saved = read_state_entry(self.resume_checkpoint, "args")
         try:
             args = TrainArgs(**saved)
         except TypeError as err:
-            raise CheckpointError(f"{run_dir / STATE_JSON_FILE}: unusable run arguments ({err})") from None
+            raise CheckpointError(f"{self.resume_checkpoint / STATE_JSON_FILE}: unusable run arguments "
+                                  f"({err})") from None
         args.out = str(run_dir)
         if overrides.steps is not None:
             args.steps = overrides.steps
@@ -292,6 +304,10 @@ class Trainer:
         self._barrier()  # every rank has checked before rank 0 creates anything
         if self.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
+            removed = remove_temporaries(run_dir, RUN_TEMPORARIES)
+            if removed:
+                self.log(f"removed {len(removed)} temporaries left by an interrupted write: "
+                         + ", ".join(str(p.relative_to(run_dir)) for p in removed))
         self._barrier()
         return run_dir
 
@@ -306,7 +322,11 @@ class Trainer:
         }
 
     def _restore(self) -> None:
-        step, state, tokenizer_json = load_checkpoint(self.run_dir, self.model)
+        if self.rank == 0:
+            adopt_checkpoint(self.run_dir, self.resume_checkpoint, self.damaged_checkpoints,
+                             warn=lambda message: self.log(f"warning: {message}"))
+        self._barrier()
+        step, state, tokenizer_json = load_checkpoint(self.run_dir, self.model, checkpoint=self.resume_checkpoint)
         if state.get("corpus_fingerprint") != self.corpus.fingerprint:
             raise CheckpointError(f"{self.run_dir / STATE_JSON_FILE}: the data changed since this run was "
                                   "checkpointed; resuming needs the same corpus")
@@ -328,7 +348,7 @@ class Trainer:
         if self.rank == 0:
             self._truncate_metrics(step)
         self._barrier()
-        self.log(f"resumed {self.run_dir} at step {step}")
+        self.log(f"resumed {self.run_dir} at step {step} from {self.resume_checkpoint.relative_to(self.run_dir)}")
 
     def _truncate_metrics(self, step: int) -> None:
         path = self.run_dir / "metrics.jsonl"
@@ -474,6 +494,7 @@ class Trainer:
         consecutive_bad = 0
         last_val = None
         progress = _progress(total, self.step, a.progress)
+        first_step = self.step
         try:
             with (open(metrics_path, "a") if self.rank == 0 else open(os.devnull, "w")) as metrics_file:
                 while self.step < total:
@@ -499,7 +520,8 @@ class Trainer:
                         on_step(record)
         finally:
             progress.close()
-        self.save()
+        if self.step > first_step:  # a resumed run that had nothing to do keeps its checkpoint as is
+            self.save()
         from kimik3.train.plot import plot_run
 
         plot_path = plot_run(metrics_path, self.run_dir / "loss.png", unigram=self.unigram) if self.rank == 0 else None
@@ -517,15 +539,23 @@ class Trainer:
         return RunSummary(self.run_dir, self.step, final_loss, last_val, self.unigram, tokens_per_s, sample, history)
 
     def save(self) -> None:
-        """Write a checkpoint. Distributed: every rank gathers, rank 0 alone writes, then all wait."""
+        """Write a checkpoint. Distributed: every rank gathers, rank 0 alone writes, then all wait.
+
+        Pruning keeps the checkpoint this run resumed from (verified intact) and drops the damaged
+        ones it skipped."""
+        pruning = {"protect": [self.resume_checkpoint.name] if self.resume_checkpoint is not None else [],
+                   "corrupt": set(self.damaged_checkpoints)}
         if not self.distributed:
-            save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer.to_str(), self._train_state())
-            return
-        weights = full_model_state(self.model)  # collective; the tensors land on rank 0 only
-        state = self._train_state()             # collective too (optimizer moments)
-        if self.rank == 0:
-            save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer.to_str(), state, weights=weights)
-        self._barrier()
+            save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer.to_str(), self._train_state(),
+                            **pruning)
+        else:
+            weights = full_model_state(self.model)  # collective; the tensors land on rank 0 only
+            state = self._train_state()             # collective too (optimizer moments)
+            if self.rank == 0:
+                save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer.to_str(), state,
+                                weights=weights, **pruning)
+            self._barrier()
+        self.damaged_checkpoints = {}  # that save's pruning deleted them; their names may now be good ones
 
     @torch.no_grad()
     def sample(self, prompt: str, max_new_tokens: int = 80) -> str:

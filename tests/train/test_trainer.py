@@ -1,11 +1,12 @@
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from kimik3 import K3ForCausalLM
-from kimik3.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from kimik3.train.checkpoint import CheckpointError, CheckpointWarning, load_checkpoint, save_checkpoint
 from kimik3.train.trainer import TrainArgs, Trainer, TrainingError
 
 
@@ -144,14 +145,19 @@ def test_corrupt_checkpoints_name_the_file(tiny_run, tmp_path):
     out, _ = tiny_run
     copy = tmp_path / "copy"
     shutil.copytree(out, copy, symlinks=True)
-    weights = os.path.realpath(copy / "model.safetensors")
-    data = open(weights, "rb").read()
-    open(weights, "wb").write(data[:1000])
-    with pytest.raises(CheckpointError, match="unreadable or truncated"):
+    weights = Path(os.path.realpath(copy / "model.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.warns(CheckpointWarning, match=r"step-0000006/model.safetensors: 1000 bytes"):
+        step, _, _ = load_checkpoint(copy, K3ForCausalLM.from_pretrained(out))
+    assert step == 3  # the checkpoint before the truncated one
+    older = Path(os.path.realpath(copy / "train_state.json"))
+    older.write_text("{broken")
+    with pytest.raises(CheckpointError, match="no intact checkpoint") as caught:
         load_checkpoint(copy, K3ForCausalLM.from_pretrained(out))
-    open(weights, "wb").write(data)
-    state_json = copy / "train_state.json"
-    text = os.path.realpath(state_json)
-    open(text, "w").write("{broken")
-    with pytest.raises(CheckpointError, match="train_state.json"):
+    assert "step-0000006/model.safetensors" in str(caught.value)
+    assert "step-0000003/train_state.json" in str(caught.value)
+    # A checkpoint without a manifest (written before checksums) is read unverified; its errors
+    # still name the file.
+    (older.parent / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="train_state.json: malformed training state"):
         load_checkpoint(copy, K3ForCausalLM.from_pretrained(out))

@@ -1,16 +1,19 @@
 """The K3 configuration: nested dataclasses, validation, JSON round-trip and the layer plan.
 
 Every number that shapes the model lives here; nothing else in the package invents a size.
-Presets (``K3Config.preset``) are defined in ``presets.py``; parameter counting in ``params.py``.
+Presets (``K3Config.preset``) are data in ``presets.py``; parameter counting in ``params.py``.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from kimik3.config.presets import PRESETS
 
 Mixer = Literal["kda", "mla"]
 FFNKind = Literal["dense", "moe"]
@@ -242,11 +245,9 @@ class K3Config:
     # ------------------------------------------------------------------ presets and JSON
     @classmethod
     def preset(cls, name: str) -> "K3Config":
-        from kimik3.config.presets import PRESETS
-
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return PRESETS[name]()
+        return cls.from_dict(copy.deepcopy(PRESETS[name]))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -27,6 +27,7 @@ from kimik3.model.init import init_weights
 from kimik3.model.moe import Router
 from kimik3.model.mtp import MTPModule
 from kimik3.model.norm import RMSNorm
+from kimik3.model.pretrained import load_pretrained, save_pretrained
 from kimik3.model.sampling import sample_next_token
 
 IGNORE_INDEX = -100
@@ -191,17 +192,15 @@ class K3ForCausalLM(nn.Module):
     # ------------------------------------------------------------------ files
     def save_pretrained(self, directory: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` into ``directory`` (atomically)."""
-        from kimik3.model.pretrained import save_pretrained
-
         save_pretrained(self, directory)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, device: torch.device | str | None = None,
                         dtype: torch.dtype | None = None) -> "K3ForCausalLM":
-        """Read a directory written by ``save_pretrained`` (never uses pickle)."""
-        from kimik3.model.pretrained import load_pretrained
-
-        return load_pretrained(cls, directory, device=device, dtype=dtype)
+        """Read a directory written by ``save_pretrained`` (never uses pickle); the dtype defaults
+        to ``default_dtype(device)`` (device default: CPU)."""
+        device = torch.device(device if device is not None else "cpu")
+        return load_pretrained(cls, directory, device=device, dtype=dtype or default_dtype(device))
 
 
 def cross_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:

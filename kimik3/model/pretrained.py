@@ -88,20 +88,18 @@ def check_tensors(expected: dict[str, torch.Tensor], found: dict[str, torch.Tens
             raise ValueError(f"{path}: tensor {name!r} has dtype {found[name].dtype}, expected floating point")
 
 
-def load_pretrained(cls: type["K3ForCausalLM"], directory: str | Path, *, device=None,
-                    dtype: torch.dtype | None = None) -> "K3ForCausalLM":
+def load_pretrained(cls: type["K3ForCausalLM"], directory: str | Path, *, device: torch.device | str,
+                    dtype: torch.dtype) -> "K3ForCausalLM":
+    """Build ``cls`` from ``directory`` on the meta device, check and assign the weights, then move
+    the model to ``device`` in ``dtype``."""
     directory = Path(directory)
     config = read_config(directory)
     weights_path = directory / WEIGHTS_FILE
     tensors = read_weights(weights_path)
     model = cls(config, device="meta")
     check_tensors(model.state_dict(), tensors, weights_path)
-
-    from kimik3.model.k3 import default_dtype
-
-    device = torch.device(device if device is not None else "cpu")
     model.load_state_dict(tensors, strict=True, assign=True)
-    model.to(device)
-    model.cast(dtype or default_dtype(device))
+    model.to(torch.device(device))
+    model.cast(dtype)
     return model
 

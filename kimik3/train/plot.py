@@ -4,6 +4,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
+
+
+def parse_record(line: str) -> dict[str, Any] | None:
+    """One ``metrics.jsonl`` line as a record, or None when it is not one: blank, or cut short by a
+    kill in the middle of its write."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if (not isinstance(record, dict) or type(record.get("step")) is not int
+            or not isinstance(record.get("loss"), (int, float))):
+        return None
+    return record
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl``, skipping any line that is not one (see ``parse_record``)."""
+    lines = Path(path).read_text(errors="replace").splitlines()
+    return [record for record in map(parse_record, lines) if record is not None]
 
 
 def _smooth(values: list[float], window: int = 10) -> list[float]:
@@ -26,7 +46,7 @@ def plot_run(metrics_path: str | Path, out_path: str | Path, unigram: float | No
     except ImportError:
         print("matplotlib is not installed: skipping loss.png (pip install matplotlib)")
         return None
-    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    records = read_metrics(metrics_path)
     kept = [r for r in records if not r.get("skipped")]
     if not kept:
         return None

@@ -50,13 +50,17 @@ from kimik3.train.checkpoint import (
     save_checkpoint,
 )
 from kimik3.train.data import Corpus, load_corpus
+from kimik3.train.integrity import write_text_atomic
 from kimik3.train.loader import batch_at, eval_windows
+from kimik3.train.plot import parse_record
 from kimik3.train.tokenizer import EOS, encode_documents, tokenize_corpus
 
 SAMPLE_PROMPT = "def fibonacci(n):\n"
-# The temporaries an interrupted write leaves in a run directory (plot_run's), removed when the run
-# starts again; the checkpoints' own are in CHECKPOINT_TEMPORARIES.
-RUN_TEMPORARIES = (*CHECKPOINT_TEMPORARIES, (".", r"\.loss\.png\.tmp\.png"))
+METRICS_FILE = "metrics.jsonl"
+# The temporaries an interrupted write leaves in a run directory (write_text_atomic's and plot_run's),
+# removed when the run starts again; the checkpoints' own are in CHECKPOINT_TEMPORARIES.
+RUN_TEMPORARIES = (*CHECKPOINT_TEMPORARIES, (".", r"\.metrics\.jsonl\.\d+\.tmp"),
+                   (".", r"\.loss\.png\.tmp\.png"))
 
 
 class TrainingError(RuntimeError):
@@ -351,10 +355,17 @@ class Trainer:
         self.log(f"resumed {self.run_dir} at step {step} from {self.resume_checkpoint.relative_to(self.run_dir)}")
 
     def _truncate_metrics(self, step: int) -> None:
-        path = self.run_dir / "metrics.jsonl"
-        if path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
-            path.write_text("".join(line + "\n" for line in kept))
+        """Keep the records of the steps before ``step``, dropping any line that is not a record (the
+        last one, torn by a kill in the middle of its write)."""
+        path = self.run_dir / METRICS_FILE
+        if not path.exists():
+            return
+        kept = []
+        for line in path.read_text(errors="replace").splitlines():
+            record = parse_record(line)
+            if record is not None and record["step"] < step:
+                kept.append(line + "\n")
+        write_text_atomic(path, "".join(kept))
 
     # ------------------------------------------------------------------ one step
     def batch_shape(self, step: int, total: int) -> tuple[int, int]:
@@ -489,7 +500,7 @@ class Trainer:
         self.log(f"data: {self.corpus.description}: {len(self.corpus.train)} train / {len(self.corpus.val)} "
                  f"val documents, {len(self.train_ids):,} / {len(self.val_ids):,} tokens; unigram val loss "
                  f"{self.unigram:.3f}")
-        metrics_path = self.run_dir / "metrics.jsonl"
+        metrics_path = self.run_dir / METRICS_FILE
         history: list[dict[str, Any]] = []
         consecutive_bad = 0
         last_val = None

@@ -1,0 +1,37 @@
+"""Runs stopped at awkward moments: in the middle of a metrics line."""
+
+from __future__ import annotations
+
+import pytest
+
+from kimik3.train.plot import plot_run, read_metrics
+from kimik3.train.trainer import Trainer
+from tests.train.small_run import losses, resume, small_args
+
+
+def _stop_after(step):
+    def on_step(record):
+        if record["step"] == step:
+            raise KeyboardInterrupt
+    return on_step
+
+
+def test_a_torn_metrics_line_neither_blocks_resume_nor_the_plot(straight, small_config_path, code_corpus,
+                                                                tmp_path):
+    out = tmp_path / "torn"
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(small_args(small_config_path, code_corpus, out), log=lambda _: None).run(on_step=_stop_after(4))
+    with open(out / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 5, "seq_len": 32, "batch_size": 2, "lr": 0.0')   # half a line, no newline
+    assert plot_run(out / "metrics.jsonl", tmp_path / "torn.png") is not None
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+    resume(out).run()
+    assert losses(out) == losses(straight)
+
+
+def test_temporaries_of_interrupted_small_writes_are_removed_on_resume(run_copy):
+    leftovers = [run_copy / ".metrics.jsonl.31337.tmp"]
+    for path in leftovers:
+        path.write_text("{")
+    resume(run_copy, steps=7).run()
+    assert not [p for p in leftovers if p.exists()]

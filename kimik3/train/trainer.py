@@ -6,6 +6,8 @@ the router biases -> cosine schedule with context-length stages -> checkpoints, 
 Exact resume: the batch of step s is a pure function of (seed, s) (``loader.batch_at``), the
 model, optimizer and router biases are checkpointed, and no other state carries across steps, so
 ``--resume`` after an interruption reproduces the uninterrupted run's losses bit for bit on CPU.
+A run killed before its first checkpoint restarts from step 0 with the arguments it saved in
+``run.json``.
 
 Distributed (launched by torchrun, or ``kimik3 train --nproc N`` which relaunches through it; see
 docs/parallel.md): every rank builds the same model, ``kimik3.parallel.parallelize`` shards it,
@@ -37,9 +39,12 @@ from kimik3.optim.schedule import cosine_lr, parse_stages, seq_len_at
 from kimik3.parallel.mesh import ParallelDims
 from kimik3.train.checkpoint import (
     CHECKPOINT_TEMPORARIES,
+    POINTER,
     STATE_JSON_FILE,
+    STORE,
     CheckpointError,
     adopt_checkpoint,
+    checkpoint_dirs,
     full_model_state,
     full_optimizer_state,
     intact_checkpoint,
@@ -56,10 +61,11 @@ from kimik3.train.plot import parse_record
 from kimik3.train.tokenizer import EOS, encode_documents, tokenize_corpus
 
 SAMPLE_PROMPT = "def fibonacci(n):\n"
+RUN_FILE = "run.json"      # the run's arguments, written before its first step
 METRICS_FILE = "metrics.jsonl"
 # The temporaries an interrupted write leaves in a run directory (write_text_atomic's and plot_run's),
 # removed when the run starts again; the checkpoints' own are in CHECKPOINT_TEMPORARIES.
-RUN_TEMPORARIES = (*CHECKPOINT_TEMPORARIES, (".", r"\.metrics\.jsonl\.\d+\.tmp"),
+RUN_TEMPORARIES = (*CHECKPOINT_TEMPORARIES, (".", r"\.(run\.json|metrics\.jsonl)\.\d+\.tmp"),
                    (".", r"\.loss\.png\.tmp\.png"))
 
 
@@ -69,7 +75,8 @@ class TrainingError(RuntimeError):
 
 @dataclass(slots=True)
 class TrainArgs:
-    """Everything that defines a run; saved with every checkpoint and restored by ``--resume``."""
+    """Everything that defines a run; saved in ``run.json`` before the first step and with every
+    checkpoint, and restored by ``--resume``."""
 
     preset: str = "tiny"
     config_path: str | None = None
@@ -148,7 +155,7 @@ class Trainer:
                  log: Callable[[str], None] = print, parallel: ParallelDims | None = None,
                  activation_checkpointing: bool = False):
         self.resume_dir = Path(resume) if resume is not None else None
-        self.resume_checkpoint: Path | None = None  # the intact checkpoint a resume starts from
+        self.resume_checkpoint: Path | None = None  # None on resume: restart from step 0 (run.json)
         self.damaged_checkpoints: dict[str, str] = {}
         if self.resume_dir is not None:
             args = self._args_from_run(self.resume_dir, args)
@@ -262,15 +269,25 @@ class Trainer:
         return bytes(buf.cpu().tolist()).decode()
 
     def _args_from_run(self, run_dir: Path, overrides: TrainArgs) -> TrainArgs:
-        """The saved arguments of the run to resume, from its newest intact checkpoint.
+        """The saved arguments of the run to resume: from its newest intact checkpoint, or from its
+        ``run.json`` when it was stopped before its first checkpoint (it then restarts from step 0).
         ``overrides``: the --steps and --progress of this call."""
-        self.resume_checkpoint, self.damaged_checkpoints = intact_checkpoint(run_dir)
-        saved = read_state_entry(self.resume_checkpoint, "args")
+        if not run_dir.is_dir():
+            raise FileNotFoundError(f"--resume {run_dir}: no such run directory")
+        if checkpoint_dirs(run_dir) or (run_dir / POINTER).exists():
+            self.resume_checkpoint, self.damaged_checkpoints = intact_checkpoint(run_dir)
+            source = self.resume_checkpoint / STATE_JSON_FILE
+            saved = read_state_entry(self.resume_checkpoint, "args")
+        elif (run_dir / RUN_FILE).is_file():
+            source = run_dir / RUN_FILE
+            saved = read_run_args(run_dir)
+        else:
+            raise CheckpointError(f"{run_dir}: nothing to resume: it has neither a checkpoint ({STORE}/step-*) nor "
+                                  f"{RUN_FILE} (the arguments a run writes before its first step)")
         try:
             args = TrainArgs(**saved)
         except TypeError as err:
-            raise CheckpointError(f"{self.resume_checkpoint / STATE_JSON_FILE}: unusable run arguments "
-                                  f"({err})") from None
+            raise CheckpointError(f"{source}: unusable run arguments ({err})") from None
         args.out = str(run_dir)
         if overrides.steps is not None:
             args.steps = overrides.steps
@@ -303,8 +320,7 @@ class Trainer:
         self.args.out = self._broadcast_str(self.args.out)  # one run directory, rank 0's
         run_dir = Path(self.args.out)
         if self.resume_dir is None and run_dir.exists() and any(run_dir.iterdir()):
-            raise ValueError(f"output directory {run_dir} is not empty: pass --resume {run_dir} to continue "
-                             "that run, or choose another --out")
+            raise ValueError(_not_empty(run_dir))
         self._barrier()  # every rank has checked before rank 0 creates anything
         if self.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -326,6 +342,13 @@ class Trainer:
         }
 
     def _restore(self) -> None:
+        if self.resume_checkpoint is None:
+            if self.rank == 0:
+                self._truncate_metrics(0)
+            self._barrier()
+            self.log(f"{self.run_dir} has no checkpoint (it was stopped before its first one): restarting it "
+                     f"from step 0 with the arguments saved in {self.run_dir / RUN_FILE}")
+            return
         if self.rank == 0:
             adopt_checkpoint(self.run_dir, self.resume_checkpoint, self.damaged_checkpoints,
                              warn=lambda message: self.log(f"warning: {message}"))
@@ -495,6 +518,8 @@ class Trainer:
         a = self.args
         total = self.plan_steps() if self.resume_dir is None else (a.steps or 0)
         a.steps = total
+        if self.rank == 0:
+            write_run_args(self.run_dir, a)  # from here on, --resume can restart the run
         if self.step >= total:
             self.log(f"{self.run_dir} is already at step {self.step} >= --steps {total}: nothing to do")
         self.log(f"data: {self.corpus.description}: {len(self.corpus.train)} train / {len(self.corpus.val)} "
@@ -582,6 +607,30 @@ class Trainer:
         out = self.model.generate(ids, max_new_tokens, temperature=0.8, top_p=0.95, eos_token_id=eos,
                                   generator=generator)
         return self.tokenizer.decode(out[0, ids.shape[1]:].tolist())
+
+
+def write_run_args(run_dir: Path, args: TrainArgs) -> None:
+    """Save the run's arguments in ``run_dir/run.json`` (atomically: temp file, fsync, rename)."""
+    write_text_atomic(run_dir / RUN_FILE, json.dumps({"args": dataclasses.asdict(args)}, indent=1))
+
+
+def read_run_args(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / RUN_FILE
+    try:
+        saved = json.loads(path.read_text())["args"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path}: unreadable run arguments ({err!r})") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path}: unreadable run arguments (not an object)")
+    return saved
+
+
+def _not_empty(run_dir: Path) -> str:
+    if (run_dir / RUN_FILE).is_file() or checkpoint_dirs(run_dir):
+        return (f"output directory {run_dir} is not empty: it holds a run; continue it with --resume {run_dir} "
+                "(from its last checkpoint, or from step 0 if it stopped before its first one), or choose "
+                "another --out")
+    return f"output directory {run_dir} is not empty and holds no run to --resume: choose another --out"
 
 
 def _progress(total: int, initial: int, enabled: bool):

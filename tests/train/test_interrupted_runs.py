@@ -1,9 +1,12 @@
-"""Runs stopped at awkward moments: in the middle of a metrics line."""
+"""Runs stopped at awkward moments: in the middle of a metrics line, before the first checkpoint."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from kimik3.train.checkpoint import CheckpointError
 from kimik3.train.plot import plot_run, read_metrics
 from kimik3.train.trainer import Trainer
 from tests.train.small_run import losses, resume, small_args
@@ -29,8 +32,35 @@ def test_a_torn_metrics_line_neither_blocks_resume_nor_the_plot(straight, small_
     assert losses(out) == losses(straight)
 
 
+def test_a_run_stopped_before_its_first_checkpoint_restarts_from_run_json(straight, small_config_path,
+                                                                          code_corpus, tmp_path):
+    out = tmp_path / "early"
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(small_args(small_config_path, code_corpus, out, checkpoint_every=100), log=lambda _: None).run(
+            on_step=_stop_after(2))
+    assert (out / "run.json").is_file() and not (out / "checkpoint").exists()
+    assert json.loads((out / "run.json").read_text())["args"]["steps"] == 6
+    with pytest.raises(ValueError, match=f"not empty.*--resume {out}"):
+        Trainer(small_args(small_config_path, code_corpus, out), log=lambda _: None)
+
+    log = []
+    resume(out, log).run()
+    assert any("restarting it from step 0" in line and "run.json" in line for line in log)
+    assert losses(out) == losses(straight)   # metrics.jsonl truncated, then the whole run again
+
+
+def test_resuming_a_directory_that_holds_no_run_names_what_is_missing(small_config_path, code_corpus, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such run directory"):
+        resume(tmp_path / "absent")
+    (tmp_path / "notes.txt").write_text("not a run")
+    with pytest.raises(CheckpointError, match=r"neither a checkpoint \(checkpoints/step-\*\) nor run.json"):
+        resume(tmp_path)
+    with pytest.raises(ValueError, match="not empty and holds no run"):
+        Trainer(small_args(small_config_path, code_corpus, tmp_path), log=lambda _: None)
+
+
 def test_temporaries_of_interrupted_small_writes_are_removed_on_resume(run_copy):
-    leftovers = [run_copy / ".metrics.jsonl.31337.tmp"]
+    leftovers = [run_copy / ".run.json.31337.tmp", run_copy / ".metrics.jsonl.31337.tmp"]
     for path in leftovers:
         path.write_text("{")
     resume(run_copy, steps=7).run()

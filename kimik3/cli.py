@@ -65,7 +65,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         preset=args.preset, config_path=args.config, data=args.data, steps=args.steps,
         time_budget_s=args.time_budget, out=args.out, seed=args.seed, seq_len=args.seq_len,
         batch_size=args.batch_size, lr=args.lr, device=args.device, balance=args.balance, qb_rate=args.qb_rate,
-        ep_planner=args.ep_planner, progress=not args.no_progress)
+        ep_planner=args.ep_planner, checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
     Trainer(train_args, resume=args.resume, parallel=parallel,
             activation_checkpointing=args.activation_checkpointing).run()
     import torch.distributed as dist
@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, help="total steps (default: as many as fit --time-budget)")
     t.add_argument("--time-budget", type=float, default=300.0, help="seconds, when --steps is not given")
     t.add_argument("--out", help="run directory (default: runs/<preset>-<time>)")
-    t.add_argument("--resume", help="continue the run in this directory up to --steps")
+    t.add_argument("--resume", help="continue the run in this directory up to --steps (from its newest intact "
+                   "checkpoint, or from step 0 if it stopped before its first one)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--seq-len", type=int, help="fixed sequence length (default: context stages 128/256/512)")
     t.add_argument("--batch-size", type=int, help="sequences per step (default: 4096 tokens / seq-len)")
@@ -187,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="router-bias balancing: Quantile Balancing (K3), DeepSeek-V3 sign update, or none")
     t.add_argument("--qb-rate", type=float, default=1.0,
                    help="fraction of the way to the quantile bias per step (1: K3's one-shot update)")
+    t.add_argument("--checkpoint-every", metavar="N|DURATION",
+                   help="checkpoint every N steps (100) or every DURATION of wall time (30s, 2m); default 60s, "
+                        "stretched to 10x a checkpoint write's duration when writes are slow. With --resume: "
+                        "the run's own setting unless given")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--nproc", type=int, help="train on N processes (relaunches itself through torchrun; "
                    "gloo on CPU, nccl on CUDA); under torchrun, leave it out")

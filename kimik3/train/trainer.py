@@ -6,8 +6,9 @@ the router biases -> cosine schedule with context-length stages -> checkpoints, 
 Exact resume: the batch of step s is a pure function of (seed, s) (``loader.batch_at``), the
 model, optimizer and router biases are checkpointed, and no other state carries across steps, so
 ``--resume`` after an interruption reproduces the uninterrupted run's losses bit for bit on CPU.
-A run killed before its first checkpoint restarts from step 0 with the arguments it saved in
-``run.json``.
+Checkpoints come every 60 s of wall time by default (``--checkpoint-every``: a duration or a step
+count), so a kill loses about a minute of work at most; a run killed before its first checkpoint
+restarts from step 0 with the arguments it saved in ``run.json``.
 
 Distributed (launched by torchrun, or ``kimik3 train --nproc N`` which relaunches through it; see
 docs/parallel.md): every rank builds the same model, ``kimik3.parallel.parallelize`` shards it,
@@ -24,6 +25,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +69,8 @@ METRICS_FILE = "metrics.jsonl"
 # removed when the run starts again; the checkpoints' own are in CHECKPOINT_TEMPORARIES.
 RUN_TEMPORARIES = (*CHECKPOINT_TEMPORARIES, (".", r"\.(run\.json|metrics\.jsonl)\.\d+\.tmp"),
                    (".", r"\.loss\.png\.tmp\.png"))
+DEFAULT_CHECKPOINT_EVERY = "60s"
+WRITE_SHARE = 10           # a time-based checkpoint interval is at least 10x the last write's duration
 
 
 class TrainingError(RuntimeError):
@@ -97,7 +101,7 @@ class TrainArgs:
     device: str = "cpu"
     eval_every: int = 25
     eval_windows: int = 16
-    checkpoint_every: int = 100
+    checkpoint_every: int | str | None = None  # steps (100) or a duration ("30s", "2m"); None: every 60 s
     max_nonfinite: int = 5
     balance: str = "quantile"         # quantile | sign | none
     ep_planner: str = "moonep"        # under expert parallelism: moonep (perfect balance) | none (owners only)
@@ -121,7 +125,80 @@ class TrainArgs:
             raise ValueError(f"--balance must be quantile, sign or none, got {self.balance!r}")
         if self.ep_planner not in ("moonep", "none"):
             raise ValueError(f"--ep-planner must be moonep or none, got {self.ep_planner!r}")
+        parse_checkpoint_every(self.checkpoint_every)
         parse_stages(self.stages)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointEvery:
+    """How often to checkpoint: every ``steps`` steps, or every ``seconds`` of wall time."""
+
+    steps: int | None = None
+    seconds: float | None = None
+
+
+_UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_checkpoint_every(value: int | str | None) -> CheckpointEvery:
+    """``--checkpoint-every``: a step count (``100``, or an int as older checkpoints saved it) or a
+    duration (``30s``, ``2m``, ``1.5h``); None means the default, every 60 s."""
+    value = DEFAULT_CHECKPOINT_EVERY if value is None else value
+    text = value.strip().lower() if isinstance(value, str) else None
+    if isinstance(value, int) and not isinstance(value, bool):
+        steps = value
+    elif text is not None and text.isdigit():
+        steps = int(text)
+    elif text is not None and (match := re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([smh])", text)):
+        seconds = float(match[1]) * _UNIT_SECONDS[match[2]]
+        if seconds <= 0:
+            raise ValueError(f"--checkpoint-every must be a positive duration, got {value!r}")
+        return CheckpointEvery(seconds=seconds)
+    else:
+        raise ValueError(f"--checkpoint-every must be a step count (100) or a duration (30s, 2m), got {value!r}")
+    if steps < 1:
+        raise ValueError(f"--checkpoint-every must be >= 1 step, got {value!r}")
+    return CheckpointEvery(steps=steps)
+
+
+class CheckpointClock:
+    """Says after each step whether a checkpoint is due.
+
+    By steps: every N-th step. By time: once ``interval`` seconds have passed since the last write
+    ended, where ``interval`` = max(the duration asked for, 10 x the last write's duration), so
+    that writing a big model never takes more than ~10% of the run.
+    """
+
+    def __init__(self, every: CheckpointEvery, log: Callable[[str], None] = print,
+                 now: Callable[[], float] = time.monotonic):
+        self.every, self.log, self.now = every, log, now
+        self.interval = every.seconds
+        self.last = now()
+        self.stretched = False
+
+    @property
+    def timed(self) -> bool:
+        return self.every.seconds is not None
+
+    def restart(self) -> None:
+        self.last = self.now()
+
+    def due(self, step: int) -> bool:
+        if self.every.steps is not None:
+            return step % self.every.steps == 0
+        return self.now() - self.last >= self.interval
+
+    def written(self, seconds: float) -> None:
+        """A checkpoint write of ``seconds`` just ended."""
+        self.last = self.now()
+        if not self.timed:
+            return
+        self.interval = max(self.every.seconds, WRITE_SHARE * seconds)
+        if self.interval > self.every.seconds and not self.stretched:
+            self.stretched = True
+            self.log(f"a checkpoint write takes {seconds:.1f} s: checkpointing every {self.interval:.0f} s "
+                     f"instead of every {self.every.seconds:g} s, so that writing costs at most "
+                     f"~{100 // WRITE_SHARE}% of the run")
 
 
 @dataclass(slots=True)
@@ -159,6 +236,8 @@ class Trainer:
         self.damaged_checkpoints: dict[str, str] = {}
         if self.resume_dir is not None:
             args = self._args_from_run(self.resume_dir, args)
+        if args.checkpoint_every is None:
+            args.checkpoint_every = DEFAULT_CHECKPOINT_EVERY  # saved explicitly with the run
         args.validate()
         self.args = args
         self.device = torch.device(args.device)
@@ -203,6 +282,7 @@ class Trainer:
         self.balancer = self._build_balancer()
         self.step = 0
         self.nonfinite_total = 0
+        self.clock = CheckpointClock(parse_checkpoint_every(args.checkpoint_every), self.log)
         self.run_dir = self._prepare_run_dir()
         if self.resume_dir is not None:
             self._restore()
@@ -271,7 +351,7 @@ class Trainer:
     def _args_from_run(self, run_dir: Path, overrides: TrainArgs) -> TrainArgs:
         """The saved arguments of the run to resume: from its newest intact checkpoint, or from its
         ``run.json`` when it was stopped before its first checkpoint (it then restarts from step 0).
-        ``overrides``: the --steps and --progress of this call."""
+        ``overrides``: the --steps, --checkpoint-every (when given) and --progress of this call."""
         if not run_dir.is_dir():
             raise FileNotFoundError(f"--resume {run_dir}: no such run directory")
         if checkpoint_dirs(run_dir) or (run_dir / POINTER).exists():
@@ -291,6 +371,8 @@ class Trainer:
         args.out = str(run_dir)
         if overrides.steps is not None:
             args.steps = overrides.steps
+        if overrides.checkpoint_every is not None:
+            args.checkpoint_every = overrides.checkpoint_every
         args.progress = overrides.progress
         return args
 
@@ -531,6 +613,7 @@ class Trainer:
         last_val = None
         progress = _progress(total, self.step, a.progress)
         first_step = self.step
+        self.clock.restart()
         try:
             with (open(metrics_path, "a") if self.rank == 0 else open(os.devnull, "w")) as metrics_file:
                 while self.step < total:
@@ -550,7 +633,7 @@ class Trainer:
                     progress.update(1)
                     progress.set_postfix(_postfix(record, last_val), refresh=False)
                     # No checkpoint in the middle of a run of skipped steps: the last one stays the last good one.
-                    if self.step % a.checkpoint_every == 0 and self.step < total and consecutive_bad == 0:
+                    if self.step < total and consecutive_bad == 0 and self._checkpoint_due():
                         self.save()
                     if on_step is not None:
                         on_step(record)
@@ -574,11 +657,18 @@ class Trainer:
                  f"train_state.* metrics.jsonl {plot_path.name if plot_path else ''}")
         return RunSummary(self.run_dir, self.step, final_loss, last_val, self.unigram, tokens_per_s, sample, history)
 
+    def _checkpoint_due(self) -> bool:
+        due = self.clock.due(self.step)
+        if self.distributed and self.clock.timed:
+            due = bool(self._broadcast_int(int(due)))  # rank 0's clock decides for every rank
+        return due
+
     def save(self) -> None:
         """Write a checkpoint. Distributed: every rank gathers, rank 0 alone writes, then all wait.
 
         Pruning keeps the checkpoint this run resumed from (verified intact) and drops the damaged
         ones it skipped."""
+        start = time.monotonic()
         pruning = {"protect": [self.resume_checkpoint.name] if self.resume_checkpoint is not None else [],
                    "corrupt": set(self.damaged_checkpoints)}
         if not self.distributed:
@@ -591,6 +681,7 @@ class Trainer:
                 save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer.to_str(), state,
                                 weights=weights, **pruning)
             self._barrier()
+        self.clock.written(time.monotonic() - start)
         self.damaged_checkpoints = {}  # that save's pruning deleted them; their names may now be good ones
 
     @torch.no_grad()

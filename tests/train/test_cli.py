@@ -31,3 +31,10 @@ def test_command_line_errors_are_clear(tmp_path, capsys):
     empty.mkdir()
     assert main(["train", "--data", str(empty), "--steps", "1"]) == 2
     assert "no readable documents" in capsys.readouterr().err
+
+
+def test_train_checks_checkpoint_every_before_anything(code_corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(code_corpus), "--steps", "1", "--out", str(out),
+                 "--checkpoint-every", "soon"]) == 2
+    assert "--checkpoint-every" in capsys.readouterr().err and not out.exists()

@@ -127,9 +127,32 @@ def cmd_cost(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_generate_options(args: argparse.Namespace) -> None:
+    """Every ``generate`` option, checked before anything is loaded or printed."""
+    import torch
+
+    if args.prompt == "":
+        raise ValueError("--prompt is empty")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if not args.temperature >= 0:   # also refuses nan
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k must be >= 0, got {args.top_k}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r} is not a device (cpu, cuda, cuda:1, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device} was asked for but torch sees no CUDA GPU")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
+    _check_generate_options(args)
     from kimik3.model.k3 import K3ForCausalLM
     from kimik3.train.tokenizer import EOS, load_tokenizer
 

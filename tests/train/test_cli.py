@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from kimik3.cli import main
 
 
@@ -31,6 +33,36 @@ def test_command_line_errors_are_clear(tmp_path, capsys):
     empty.mkdir()
     assert main(["train", "--data", str(empty), "--steps", "1"]) == 2
     assert "no readable documents" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def small_run(small_config_path, code_corpus, tmp_path_factory):
+    from kimik3.train.trainer import Trainer
+    from tests.train.small_run import small_args
+
+    out = tmp_path_factory.mktemp("runs") / "small"
+    Trainer(small_args(small_config_path, code_corpus, out, steps=1), log=lambda _: None).run()
+    return out
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--max-tokens", "0"), ("--temperature", "-0.5"), ("--temperature", "nan"), ("--top-p", "0"),
+    ("--top-p", "1.5"), ("--top-k", "-1"), ("--prompt", ""), ("--device", "cuda"), ("--device", "warp-drive")])
+def test_generate_checks_every_option_before_loading_anything(small_run, option, value, capsys, monkeypatch):
+    import torch
+
+    from kimik3.model.k3 import K3ForCausalLM
+
+    if option == "--device" and value == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    loaded = []
+    real = K3ForCausalLM.from_pretrained.__func__
+    monkeypatch.setattr(K3ForCausalLM, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: loaded.append(a) or real(cls, *a, **k)))
+    argv = {"--run": str(small_run), "--prompt": "def alpha", "--max-tokens": "4", option: value}
+    assert main(["generate", *[item for pair in argv.items() for item in pair]]) == 2
+    captured = capsys.readouterr()
+    assert option in captured.err and captured.out == "" and not loaded
 
 
 def test_train_checks_checkpoint_every_before_anything(code_corpus, tmp_path, capsys):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kimik3.train.trainer import CheckpointClock, CheckpointEvery, TrainArgs, Trainer, parse_checkpoint_every
-from tests.train.small_run import small_args
+from tests.train.small_run import resume, small_args
 
 
 def test_checkpoint_every_takes_a_step_count_or_a_duration():
@@ -55,3 +55,8 @@ def test_the_default_is_every_minute_and_a_run_checkpoints_by_time(small_config_
                       log=lambda _: None)
     trainer.run(on_step=lambda record: seen.append((out / "checkpoint").exists()))
     assert any(seen[:-1]), "no checkpoint before the end of a run checkpointed every 0.2 s"
+
+
+def test_resume_keeps_the_runs_setting_unless_one_is_given(run_copy):
+    assert resume(run_copy).args.checkpoint_every == 2   # saved as an int of steps
+    assert resume(run_copy, checkpoint_every="5s").args.checkpoint_every == "5s"

@@ -13,3 +13,21 @@ if not torch.cuda.is_available():
 # which makes the many small ops in these tests spin-wait and run several times slower.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+
+_started: list[float] = []
+
+
+def pytest_sessionstart(session):
+    import time
+
+    _started.append(time.monotonic())
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The suite's wall time on its own line (before pytest's closing line, which CI reads)."""
+    import time
+
+    if _started and not os.environ.get("PYTEST_XDIST_WORKER"):
+        elapsed = time.monotonic() - _started[0]
+        terminalreporter.write_line(f"test suite wall time: {elapsed:.0f} s ({elapsed / 60:.1f} min)")

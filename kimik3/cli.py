@@ -93,10 +93,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kimik3.serve.engine import LLMEngine
     from kimik3.serve.memory import EngineConfig
     from kimik3.serve.router import ReplicaRouter
-    from kimik3.serve.server import serve
+    from kimik3.serve.server import default_max_request_bytes, max_token_chars, serve
 
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     run = resolve_run(args.run)
     config = EngineConfig(memory_bytes=int(args.memory_mb * 2**20), hash_block=args.hash_block,
                           physical_block=args.physical_block, max_running=args.max_running,
@@ -107,10 +109,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"kimik3 serve: warning: listening on {args.host} without --api-key: anyone who can reach "
               "this port can use the model", file=sys.stderr)
+    body_limit = args.max_request_bytes or default_max_request_bytes(engine.max_context,
+                                                                      max_token_chars(engine.tokenizer))
     print(f"serving {run} as '{engine.model_name}' on http://{args.host}:{args.port}/v1 "
-          f"({args.replicas} replica(s), {replicas[0].core.layout.num_blocks} cache blocks each)", file=sys.stderr)
-    serve(engine, host=args.host, port=args.port, api_key=args.api_key)
-    return 0
+          f"({args.replicas} replica(s), {replicas[0].core.layout.num_blocks} cache blocks each, "
+          f"request bodies up to {body_limit:,} bytes)", file=sys.stderr)
+    # 1 when the engine gave up after repeated failures: a process supervisor restarts the server.
+    return serve(engine, host=args.host, port=args.port, api_key=args.api_key, max_request_bytes=body_limit)
 
 
 def cmd_cost(args: argparse.Namespace) -> int:
@@ -251,7 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--checkpoints", type=int, default=64, help="KDA prefix checkpoints kept (0: no prefix cache)")
     s.add_argument("--prefix-policy", default="ours", choices=["ours", "vllm", "coarse", "none"])
     s.add_argument("--max-running", type=int, default=32, help="sequences decoded together")
-    s.add_argument("--max-waiting", type=int, default=128, help="queued requests before answering 429")
+    s.add_argument("--max-waiting", type=int, default=128,
+                   help="requests left waiting beyond which new ones get 429 (0: no queue; a request that can "
+                        "start at once is always taken)")
+    s.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest request body accepted, else 413 (default: what the context can hold, "
+                        "JSON-escaped, plus 1 MiB)")
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("cost", help="what a multi-turn session costs at K3's prices, with and without prefix cache")

@@ -25,7 +25,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +55,7 @@ from kimik3.train.checkpoint import (
     remove_temporaries,
     save_checkpoint,
 )
+from kimik3.train.checkpoint_clock import DEFAULT_CHECKPOINT_EVERY, CheckpointClock, parse_checkpoint_every
 from kimik3.train.data import Corpus, load_corpus
 from kimik3.train.integrity import write_text_atomic
 from kimik3.train.loader import batch_at, eval_windows
@@ -69,8 +69,6 @@ METRICS_FILE = "metrics.jsonl"
 # removed when the run starts again; the checkpoints' own are in CHECKPOINT_TEMPORARIES.
 RUN_TEMPORARIES = (*CHECKPOINT_TEMPORARIES, (".", r"\.(run\.json|metrics\.jsonl)\.\d+\.tmp"),
                    (".", r"\.loss\.png\.tmp\.png"))
-DEFAULT_CHECKPOINT_EVERY = "60s"
-WRITE_SHARE = 10           # a time-based checkpoint interval is at least 10x the last write's duration
 
 
 class TrainingError(RuntimeError):
@@ -127,78 +125,6 @@ class TrainArgs:
             raise ValueError(f"--ep-planner must be moonep or none, got {self.ep_planner!r}")
         parse_checkpoint_every(self.checkpoint_every)
         parse_stages(self.stages)
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointEvery:
-    """How often to checkpoint: every ``steps`` steps, or every ``seconds`` of wall time."""
-
-    steps: int | None = None
-    seconds: float | None = None
-
-
-_UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def parse_checkpoint_every(value: int | str | None) -> CheckpointEvery:
-    """``--checkpoint-every``: a step count (``100``, or an int as older checkpoints saved it) or a
-    duration (``30s``, ``2m``, ``1.5h``); None means the default, every 60 s."""
-    value = DEFAULT_CHECKPOINT_EVERY if value is None else value
-    text = value.strip().lower() if isinstance(value, str) else None
-    if isinstance(value, int) and not isinstance(value, bool):
-        steps = value
-    elif text is not None and text.isdigit():
-        steps = int(text)
-    elif text is not None and (match := re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([smh])", text)):
-        seconds = float(match[1]) * _UNIT_SECONDS[match[2]]
-        if seconds <= 0:
-            raise ValueError(f"--checkpoint-every must be a positive duration, got {value!r}")
-        return CheckpointEvery(seconds=seconds)
-    else:
-        raise ValueError(f"--checkpoint-every must be a step count (100) or a duration (30s, 2m), got {value!r}")
-    if steps < 1:
-        raise ValueError(f"--checkpoint-every must be >= 1 step, got {value!r}")
-    return CheckpointEvery(steps=steps)
-
-
-class CheckpointClock:
-    """Says after each step whether a checkpoint is due.
-
-    By steps: every N-th step. By time: once ``interval`` seconds have passed since the last write
-    ended, where ``interval`` = max(the duration asked for, 10 x the last write's duration), so
-    that writing a big model never takes more than ~10% of the run.
-    """
-
-    def __init__(self, every: CheckpointEvery, log: Callable[[str], None] = print,
-                 now: Callable[[], float] = time.monotonic):
-        self.every, self.log, self.now = every, log, now
-        self.interval = every.seconds
-        self.last = now()
-        self.stretched = False
-
-    @property
-    def timed(self) -> bool:
-        return self.every.seconds is not None
-
-    def restart(self) -> None:
-        self.last = self.now()
-
-    def due(self, step: int) -> bool:
-        if self.every.steps is not None:
-            return step % self.every.steps == 0
-        return self.now() - self.last >= self.interval
-
-    def written(self, seconds: float) -> None:
-        """A checkpoint write of ``seconds`` just ended."""
-        self.last = self.now()
-        if not self.timed:
-            return
-        self.interval = max(self.every.seconds, WRITE_SHARE * seconds)
-        if self.interval > self.every.seconds and not self.stretched:
-            self.stretched = True
-            self.log(f"a checkpoint write takes {seconds:.1f} s: checkpointing every {self.interval:.0f} s "
-                     f"instead of every {self.every.seconds:g} s, so that writing costs at most "
-                     f"~{100 // WRITE_SHARE}% of the run")
 
 
 @dataclass(slots=True)

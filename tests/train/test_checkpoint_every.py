@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kimik3.train.trainer import CheckpointClock, CheckpointEvery, TrainArgs, Trainer, parse_checkpoint_every
+from kimik3.train.checkpoint_clock import CheckpointClock, CheckpointEvery, parse_checkpoint_every
+from kimik3.train.trainer import TrainArgs, Trainer
 from tests.train.small_run import resume, small_args
 
 

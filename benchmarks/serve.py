@@ -46,7 +46,8 @@ def random_tiny():
     """The tiny preset with random weights and a byte-level BPE trained on our own sources."""
     import kimik3
     from kimik3.train.data import Document
-    from kimik3.train.tokenizer import EOS, train_tokenizer
+    from kimik3.tokenizer import EOS
+    from kimik3.train.tokenizer import train_tokenizer
 
     config = K3Config.preset("tiny")
     text = "".join(inspect.getsource(m) for m in (kimik3.model.k3, kimik3.serve.scheduler, kimik3.serve.engine))

@@ -159,7 +159,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     _check_generate_options(args)
     from kimik3.model.k3 import K3ForCausalLM
-    from kimik3.train.tokenizer import EOS, load_tokenizer
+    from kimik3.tokenizer import EOS, load_tokenizer
 
     run = resolve_run(args.run)
     tokenizer = load_tokenizer(run / "tokenizer.json")

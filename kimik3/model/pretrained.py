@@ -8,9 +8,6 @@ and names the file at fault.
 
 from __future__ import annotations
 
-import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,28 +16,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kimik3.config.schema import K3Config
+from kimik3.files import atomic_write
 
 if TYPE_CHECKING:
     from kimik3.model.k3 import K3ForCausalLM
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-
-
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` on a temporary sibling of ``path``, fsync it, then rename onto ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

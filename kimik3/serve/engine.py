@@ -56,7 +56,7 @@ class LLMEngine:
     def from_run(cls, run_dir: str | Path, config: EngineConfig | None = None,
                  device: str | torch.device = "cpu", model_name: str | None = None) -> "LLMEngine":
         """Load ``model.safetensors``/``config.json``/``tokenizer.json`` written by ``kimik3 train``."""
-        from kimik3.train.tokenizer import EOS, load_tokenizer
+        from kimik3.tokenizer import EOS, load_tokenizer
 
         run = Path(run_dir)
         for name in ("config.json", "model.safetensors", "tokenizer.json"):

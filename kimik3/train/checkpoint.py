@@ -43,7 +43,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kimik3.model.pretrained import CONFIG_FILE, WEIGHTS_FILE, check_tensors, read_config, state_tensors
-from kimik3.train.integrity import IntegrityError, fsync_dir, verify_manifest, write_manifest
+from kimik3.files import fsync_dir
+from kimik3.train.integrity import IntegrityError, verify_manifest, write_manifest
 
 TOKENIZER_FILE = "tokenizer.json"
 STATE_TENSORS_FILE = "train_state.safetensors"

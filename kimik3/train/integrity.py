@@ -1,5 +1,4 @@
-"""Checksums for checkpoint directories (a ``manifest.json`` of the sha256 and size of every file),
-and atomic replacement of small text files.
+"""Checksums for checkpoint directories: a ``manifest.json`` of the sha256 and size of every file.
 
 The manifest is written (and fsynced) inside a checkpoint's temporary directory after its other
 files, so a published checkpoint always carries one. ``verify_manifest`` re-hashes every listed
@@ -22,30 +21,6 @@ CHUNK_BYTES = 8 << 20
 
 class IntegrityError(ValueError):
     """A file of a checksummed directory is missing, unreadable or changed; the message names it."""
-
-
-def fsync_dir(path: Path) -> None:
-    """Make the entries of ``path`` (new, renamed or removed files) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` by ``text`` all at once: written to ``.<name>.<pid>.tmp`` beside it, fsynced,
-    renamed over it, and the rename made durable. A kill leaves the old file or the new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
 
 
 def sha256_file(path: Path) -> str:

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kimik3.files import atomic_write
+from kimik3.tokenizer import EOS, load_tokenizer, tokenizers_module
 from kimik3.train.data import Corpus, Document
 
-EOS = "<|endoftext|>"
 RECIPE_VERSION = "bytelevel-bpe-v1"
 
 
@@ -25,17 +26,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KIMIK3_CACHE", Path.home() / ".cache" / "kimik3"))
 
 
-def _tokenizers():
-    try:
-        import tokenizers
-    except ImportError:
-        raise RuntimeError("training needs the 'tokenizers' package: pip install tokenizers") from None
-    return tokenizers
-
-
 def train_tokenizer(docs: list[Document], vocab_size: int):
     """Train a byte-level BPE with ``vocab_size`` entries (EOS included) on ``docs``."""
-    tk = _tokenizers()
+    tk = tokenizers_module()
     if vocab_size < 257:
         raise ValueError(f"vocab_size must be >= 257 for a byte-level BPE (256 bytes + EOS), got {vocab_size}")
     tokenizer = tk.Tokenizer(tk.models.BPE())
@@ -46,24 +39,6 @@ def train_tokenizer(docs: list[Document], vocab_size: int):
         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator((d.text for d in docs), trainer=trainer, length=len(docs))
     return tokenizer
-
-
-def load_tokenizer(path: str | Path):
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: tokenizer file missing")
-    try:
-        return _tokenizers().Tokenizer.from_file(str(path))
-    except Exception as err:  # tokenizers raises a bare Exception for malformed files
-        raise ValueError(f"{path}: not a valid tokenizer file ({err})") from None
-
-
-def load_tokenizer_from_json(text: str, source: str | Path = "<string>"):
-    """Parse a tokenizer serialised with ``to_str()``; ``source`` names it in errors."""
-    try:
-        return _tokenizers().Tokenizer.from_str(text)
-    except Exception as err:  # tokenizers raises a bare Exception for malformed input
-        raise ValueError(f"{source}: not a valid tokenizer file ({err})") from None
 
 
 def encode_documents(tokenizer, docs: list[Document]) -> np.ndarray:
@@ -107,8 +82,6 @@ def tokenize_corpus(corpus: Corpus, vocab_size: int, use_cache: bool = True) -> 
     train_ids = encode_documents(tokenizer, corpus.train)
     val_ids = encode_documents(tokenizer, corpus.val)
     if use_cache:
-        from kimik3.model.pretrained import atomic_write
-
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write(tok_path, lambda tmp: tokenizer.save(str(tmp)))
         for path, ids in ((train_path, train_ids), (val_path, val_ids)):

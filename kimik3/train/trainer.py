@@ -55,19 +55,21 @@ from kimik3.train.checkpoint import (
     remove_temporaries,
     save_checkpoint,
 )
+from kimik3.files import TEMPORARY_PATTERN, write_text_atomic
 from kimik3.train.checkpoint_clock import DEFAULT_CHECKPOINT_EVERY, CheckpointClock, parse_checkpoint_every
 from kimik3.train.data import Corpus, load_corpus
-from kimik3.train.integrity import write_text_atomic
 from kimik3.train.loader import batch_at, eval_windows
 from kimik3.train.plot import parse_record
-from kimik3.train.tokenizer import EOS, encode_documents, tokenize_corpus
+from kimik3.tokenizer import EOS, load_tokenizer_from_json
+from kimik3.train.tokenizer import encode_documents, tokenize_corpus
 
 SAMPLE_PROMPT = "def fibonacci(n):\n"
 RUN_FILE = "run.json"      # the run's arguments, written before its first step
 METRICS_FILE = "metrics.jsonl"
 # The temporaries an interrupted write leaves in a run directory (write_text_atomic's and plot_run's),
 # removed when the run starts again; the checkpoints' own are in CHECKPOINT_TEMPORARIES.
-RUN_TEMPORARIES = (*CHECKPOINT_TEMPORARIES, (".", r"\.(run\.json|metrics\.jsonl)\.\d+\.tmp"),
+RUN_TEMPORARIES = (*CHECKPOINT_TEMPORARIES,
+                   *((".", TEMPORARY_PATTERN.format(name=name.replace(".", r"\."))) for name in (RUN_FILE, METRICS_FILE)),
                    (".", r"\.loss\.png\.tmp\.png"))
 
 
@@ -365,8 +367,6 @@ class Trainer:
         if state.get("corpus_fingerprint") != self.corpus.fingerprint:
             raise CheckpointError(f"{self.run_dir / STATE_JSON_FILE}: the data changed since this run was "
                                   "checkpointed; resuming needs the same corpus")
-        from kimik3.train.tokenizer import load_tokenizer_from_json
-
         saved_tokenizer = load_tokenizer_from_json(tokenizer_json, self.run_dir / "tokenizer.json")
         if saved_tokenizer.get_vocab_size() > self.model_config.vocab_size:
             raise CheckpointError(f"{self.run_dir / 'tokenizer.json'}: vocabulary of "

@@ -5,7 +5,8 @@ import pytest
 
 from kimik3.train.data import DataError, load_corpus
 from kimik3.train.loader import batch_at, eval_windows
-from kimik3.train.tokenizer import EOS, tokenize_corpus
+from kimik3.tokenizer import EOS
+from kimik3.train.tokenizer import tokenize_corpus
 
 
 def test_default_corpus_is_the_stdlib_without_tests():

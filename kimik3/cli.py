@@ -9,6 +9,26 @@ from pathlib import Path
 from kimik3.config import K3Config, format_param_table
 
 
+class _Help(argparse.HelpFormatter):
+    """Appends each option's default to its help, unless the help already names it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.default is not None and action.default is not False and action.default != argparse.SUPPRESS
+        if shown and "default" not in text and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kimik3")
+    except PackageNotFoundError:   # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def _load_config(name_or_path: str) -> K3Config:
     if name_or_path.endswith(".json"):
         return K3Config.from_json(name_or_path)
@@ -192,13 +212,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kimik3", description="Kimi K3 in PyTorch: inspect, train, serve.")
+    parser = argparse.ArgumentParser(prog="kimik3", description="Kimi K3 in PyTorch: inspect, train, serve.",
+                                     formatter_class=_Help)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("params", help="print the parameter counts of a preset or config file")
+    p = sub.add_parser("params", formatter_class=_Help, help="print the parameter counts of a preset or config file")
     p.add_argument("config", nargs="?", default="k3", help="preset name (k3, debug, tiny) or a .json config")
     p.set_defaults(func=cmd_params)
 
-    t = sub.add_parser("train", help="train K3 (default: the tiny preset on the stdlib sources, ~5 minutes)")
+    t = sub.add_parser("train", formatter_class=_Help, help="train K3 (default: the tiny preset on the stdlib sources, ~5 minutes)")
     t.add_argument("--preset", default="tiny", help="model preset (tiny, debug, k3)")
     t.add_argument("--config", help="a K3Config JSON file (overrides --preset)")
     t.add_argument("--data", help="folder or file of .txt/code, .jsonl (text field) or .parquet; default: stdlib")
@@ -207,11 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="run directory (default: runs/<preset>-<time>)")
     t.add_argument("--resume", help="continue the run in this directory up to --steps (from its newest intact "
                    "checkpoint, or from step 0 if it stopped before its first one)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="seeds the weights, the batches and the sample")
     t.add_argument("--seq-len", type=int, help="fixed sequence length (default: context stages 128/256/512)")
     t.add_argument("--batch-size", type=int, help="sequences per step (default: 4096 tokens / seq-len)")
-    t.add_argument("--lr", type=float, default=4e-3)
-    t.add_argument("--device", default="cpu")
+    t.add_argument("--lr", type=float, default=4e-3, help="peak learning rate of the cosine schedule")
+    t.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")
     t.add_argument("--balance", default="quantile", choices=["quantile", "sign", "none"],
                    help="router-bias balancing: Quantile Balancing (K3), DeepSeek-V3 sign update, or none")
     t.add_argument("--qb-rate", type=float, default=1.0,
@@ -232,29 +254,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute each block in backward instead of storing its activations")
     t.set_defaults(func=cmd_train)
 
-    g = sub.add_parser("generate", help="stream a completion from a trained run")
+    g = sub.add_parser("generate", formatter_class=_Help, help="stream a completion from a trained run")
     g.add_argument("--run", help="run directory written by kimik3 train (default: the newest under ./runs)")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--prompt", required=True, help="the text to continue")
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.8, help="0 (or below 1e-5): greedy")
+    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass, in (0, 1]")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    g.add_argument("--seed", type=int, default=0, help="seeds the sampling")
+    g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", help="an OpenAI-compatible server for a trained run (docs/serving.md)")
+    s = sub.add_parser("serve", formatter_class=_Help, help="an OpenAI-compatible server for a trained run (docs/serving.md)")
     s.add_argument("--run", help="run directory written by kimik3 train (default: the newest under ./runs)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="TCP port")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route")
     s.add_argument("--replicas", type=int, default=1, help="engine replicas behind a cache-affinity router")
-    s.add_argument("--device", default="cpu")
+    s.add_argument("--device", default="cpu", help="cpu or cuda")
     s.add_argument("--memory-mb", type=float, default=256.0, help="cache budget per replica (MLA blocks + KDA slots)")
     s.add_argument("--hash-block", type=int, default=16, help="prefix-hash block in tokens (512 at full scale)")
     s.add_argument("--physical-block", type=int, default=192, help="MLA block in tokens (6144 at full scale)")
     s.add_argument("--checkpoints", type=int, default=64, help="KDA prefix checkpoints kept (0: no prefix cache)")
-    s.add_argument("--prefix-policy", default="ours", choices=["ours", "vllm", "coarse", "none"])
+    s.add_argument("--prefix-policy", default="ours", choices=["ours", "vllm", "coarse", "none"],
+                   help="which KDA checkpoints the prefix cache keeps (docs/prefix_cache.md)")
     s.add_argument("--max-running", type=int, default=32, help="sequences decoded together")
     s.add_argument("--max-waiting", type=int, default=128,
                    help="requests left waiting beyond which new ones get 429 (0: no queue; a request that can "
@@ -264,8 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "JSON-escaped, plus 1 MiB)")
     s.set_defaults(func=cmd_serve)
 
-    c = sub.add_parser("cost", help="what a multi-turn session costs at K3's prices, with and without prefix cache")
-    c.add_argument("--turns", type=int, default=50)
+    c = sub.add_parser("cost", formatter_class=_Help, help="what a multi-turn session costs at K3's prices, with and without prefix cache")
+    c.add_argument("--turns", type=int, default=50, help="turns of the session")
     c.add_argument("--prefix", type=int, default=400_000, help="prompt tokens seen before, each turn")
     c.add_argument("--new", type=int, default=4_000, help="new prompt tokens each turn")
     c.add_argument("--output", type=int, default=0, help="output tokens each turn")

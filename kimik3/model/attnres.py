@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from kimik3.ops.precision import no_autocast
+from kimik3.model.param_rules import ParamRule, adamw
 
 
 class AttnResMix(nn.Module):
@@ -31,6 +32,11 @@ class AttnResMix(nn.Module):
         self.eps = eps
         self.key_norm_weight = nn.Parameter(torch.empty(dim))
         self.query = nn.Parameter(torch.empty(dim))
+
+    def optimizer_rules(self) -> list[tuple[str, ParamRule]]:
+        # The pseudo-query starts at zero and encodes a preference, not capacity: no decay.
+        return [("key_norm_weight", adamw(False, "AttnResMix.key_norm_weight")),
+                ("query", adamw(False, "AttnResMix.query"))]
 
     def forward(self, entries: list[torch.Tensor]) -> torch.Tensor:
         """entries: N tensors [..., D] -> their mixture [..., D] in the entries' dtype."""

@@ -27,6 +27,7 @@ from kimik3.model.init import init_weights
 from kimik3.model.moe import Router
 from kimik3.model.mtp import MTPModule
 from kimik3.model.norm import RMSNorm
+from kimik3.model.param_rules import ParamRule, adamw
 from kimik3.model.pretrained import load_pretrained, save_pretrained
 from kimik3.model.sampling import sample_next_token
 
@@ -101,6 +102,10 @@ class K3ForCausalLM(nn.Module):
         return F.linear(hidden, weight)
 
     # ------------------------------------------------------------------ forward
+    def optimizer_rules(self) -> list[tuple[str, ParamRule]]:
+        # The output head maps to vocabulary logits, not hidden features: AdamW like the embedding.
+        return [("lm_head.weight", adamw(True, "K3ForCausalLM.lm_head"))] if self.lm_head is not None else []
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 cache: K3Cache | None = None, cu_seqlens: torch.Tensor | None = None,
                 last_only: bool = False) -> K3Output:

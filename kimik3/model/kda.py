@@ -18,6 +18,7 @@ from torch import nn
 from kimik3.config.schema import K3Config
 from kimik3.model.cache import KDAState
 from kimik3.model.conv import short_conv
+from kimik3.model.param_rules import ParamRule, adamw, muon
 from kimik3.ops.kda import chunk_kda, kda_decode
 
 
@@ -47,6 +48,26 @@ class KDA(nn.Module):
         self.output_norm_weight = nn.Parameter(torch.empty(self.head_dim))
         self.norm_eps = config.kda.norm_eps
         self.o_proj = nn.Linear(proj, d, bias=False)
+
+    def optimizer_rules(self) -> list[tuple[str, ParamRule]]:
+        """Per-head Muon on the head-major projections, AdamW on the rest (``model/param_rules.py``)."""
+        rows, cols = ("rows", self.num_heads), ("cols", self.num_heads)
+        return [
+            # Output features are head-major ([H*K, .]): one row block per head.
+            *((f"{proj}.weight", muon(rows, f"KDA.{proj}"))
+              for proj in ("q_proj", "k_proj", "v_proj", "output_gate", "forget_b")),
+            ("o_proj.weight", muon(cols, "KDA.o_proj")),        # input features are head-major
+            ("forget_a.weight", muon(("whole",), "KDA.forget_a")),  # D -> gate rank: no head axis
+            # One row per head ([H, D]): a per-head block would be a single vector, whose
+            # "orthogonalisation" is just sign(g) normalised; AdamW handles it better.
+            ("beta_proj.weight", adamw(True, "KDA.beta_proj")),
+            *((conv, adamw(True, f"KDA.{conv}")) for conv in ("q_conv", "k_conv", "v_conv")),  # [C, W] kernels
+            # Gate offsets and decay rates set the operating point of the forget gate; decaying
+            # them towards zero would change the function, not just limit capacity.
+            ("A_log", adamw(False, "KDA.A_log")),
+            ("dt_bias", adamw(False, "KDA.dt_bias")),
+            ("output_norm_weight", adamw(False, "KDA.output_norm_weight")),
+        ]
 
     def forward(self, x_BTD: torch.Tensor, state: KDAState | None = None,
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:

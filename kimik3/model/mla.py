@@ -26,6 +26,7 @@ from kimik3.config.schema import K3Config
 from kimik3.model.cache import LatentCache
 from kimik3.model.norm import RMSNorm
 from kimik3.model.packing import sequence_ids
+from kimik3.model.param_rules import ParamRule, muon
 
 
 def packed_causal_mask(total: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -62,6 +63,17 @@ class GatedMLA(nn.Module):
         """What the cache stores for these tokens: [RMSNorm(latent), slice], [B, T, C + R]."""
         latent, k_slice = self.wkv_a(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         return torch.cat([self.kv_norm(latent), k_slice], dim=-1)
+
+    def optimizer_rules(self) -> list[tuple[str, ParamRule]]:
+        """Per-head Muon on the head-major projections, whole-matrix Muon into the latents."""
+        rows, cols = ("rows", self.num_heads), ("cols", self.num_heads)
+        return [
+            # wkv_b's head block holds that head's k_nope rows and its v rows together.
+            *((f"{proj}.weight", muon(rows, f"GatedMLA.{proj}")) for proj in ("wq_b", "wkv_b", "gate")),
+            ("wo.weight", muon(cols, "GatedMLA.wo")),
+            ("wq_a.weight", muon(("whole",), "GatedMLA.wq_a")),    # into the shared latents
+            ("wkv_a.weight", muon(("whole",), "GatedMLA.wkv_a")),
+        ]
 
     def forward(self, x_BTD: torch.Tensor, state: LatentCache | None = None,
                 cu_seqlens: torch.Tensor | None = None, absorbed: bool | None = None) -> torch.Tensor:

@@ -25,6 +25,7 @@ from torch import nn
 from kimik3.config.schema import K3Config
 from kimik3.model.ffn import GLUFeedForward, situ_glu
 from kimik3.model.norm import RMSNorm
+from kimik3.model.param_rules import ParamRule, muon
 from kimik3.ops.moe import grouped_mm
 from kimik3.ops.precision import no_autocast
 
@@ -50,6 +51,14 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.record_scores = False  # set by the balancer: keep scores and cutoffs of the last call
         self.last_stats: RoutingStats | None = None
+
+    def optimizer_rules(self) -> list[tuple[str, ParamRule]]:
+        # The router gate [E, D] is a real linear map of the hidden state, and torchtitan's
+        # kimi_k3 recipe leaves it in the catch-all Muon group as a whole matrix (its AdamW
+        # patterns cover only norms, biases, A_log, dt_bias, embeddings, lm_head, AttnRes and
+        # convs). Its rows are experts, not heads, and one expert's row alone is a vector, so
+        # there is no per-block split to make: whole-matrix Muon.
+        return [("gate.weight", muon(("whole",), "Router.gate"))]
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns fp32 mixture weights [T, K] and int64 expert ids [T, K]."""
@@ -80,6 +89,12 @@ class RoutedExperts(nn.Module):
         self.w_gate_ELF = nn.Parameter(torch.empty(num_experts, latent_dim, hidden))
         self.w_up_ELF = nn.Parameter(torch.empty(num_experts, latent_dim, hidden))
         self.w_down_EFL = nn.Parameter(torch.empty(num_experts, hidden, latent_dim))
+
+    def optimizer_rules(self) -> list[tuple[str, ParamRule]]:
+        # Stored [E, in, out] (x @ W); orthogonalisation and the max(m, n) scale do not care
+        # about orientation, so no transpose is needed. One block per expert.
+        return [(name, muon(("experts",), f"RoutedExperts.{name}"))
+                for name in ("w_gate_ELF", "w_up_ELF", "w_down_EFL")]
 
     def forward(self, x_TL: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
         """Weighted sum over each token's experts: [T, L] -> [T, L]."""

@@ -19,7 +19,8 @@ Public pieces:
 - ``newton_schulz``: quintic Newton–Schulz on [..., m, n] (every matrix on its own).
 - ``Muon``: the optimizer; each param group carries a ``split`` saying how to cut its params.
 - ``MultiOptimizer``: Muon + AdamW behind one optimizer-like object for the trainer.
-- ``classify_parameters`` / ``build_param_groups``: the grouping of a ``K3ForCausalLM``.
+- ``classify_parameters`` / ``build_param_groups``: the grouping of a ``K3ForCausalLM``, from the
+  ``optimizer_rules()`` its modules declare (``kimik3/model/param_rules.py``).
 """
 
 from __future__ import annotations
@@ -33,12 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from kimik3.model.attnres import AttnResMix
-from kimik3.model.k3 import K3ForCausalLM
-from kimik3.model.kda import KDA
-from kimik3.model.mla import GatedMLA
-from kimik3.model.moe import RoutedExperts, Router
-from kimik3.model.norm import RMSNorm
+from kimik3.model.param_rules import ParamRule, adamw, muon
 
 # Keller Jordan's quintic coefficients: they maximise the slope at zero, so 5 steps push every
 # singular value into roughly [0.7, 1.2] rather than converging exactly to 1 (good enough for
@@ -463,93 +459,23 @@ class MultiOptimizer:
 
 
 # --------------------------------------------------------------------------- K3 grouping
-@dataclass(frozen=True)
-class ParamRule:
-    """Where one parameter goes.
-
-    optimizer: "muon" or "adamw"; split: the Muon split (None for AdamW); decay: whether the
-    group applies weight decay; source: the rule that claimed it (for error messages and
-    printing the table).
-    """
-
-    optimizer: str
-    split: tuple | None
-    decay: bool
-    source: str
-
-
-def _muon(split: tuple, source: str) -> ParamRule:
-    return ParamRule("muon", split, True, source)
-
-
-def _adamw(decay: bool, source: str) -> ParamRule:
-    return ParamRule("adamw", None, decay, source)
-
-
 def _module_rules(module: nn.Module) -> list[tuple[str, ParamRule]]:
-    """The (local parameter name, rule) pairs a module claims for itself and its children.
-
-    Parents are visited before children, so a container's rules (KDA, GatedMLA, the model's
-    lm_head) win over the generic nn.Linear rule for the Linears it owns.
-    """
-    if isinstance(module, KDA):
-        rows, cols = ("rows", module.num_heads), ("cols", module.num_heads)
-        return [
-            # Output features are head-major ([H*K, .]): one row block per head.
-            *((f"{proj}.weight", _muon(rows, f"KDA.{proj}"))
-              for proj in ("q_proj", "k_proj", "v_proj", "output_gate", "forget_b")),
-            ("o_proj.weight", _muon(cols, "KDA.o_proj")),        # input features are head-major
-            ("forget_a.weight", _muon(("whole",), "KDA.forget_a")),  # D -> gate rank: no head axis
-            # One row per head ([H, D]): a per-head block would be a single vector, whose
-            # "orthogonalisation" is just sign(g) normalised; AdamW handles it better.
-            ("beta_proj.weight", _adamw(True, "KDA.beta_proj")),
-            *((conv, _adamw(True, f"KDA.{conv}")) for conv in ("q_conv", "k_conv", "v_conv")),  # [C, W] kernels
-            # Gate offsets and decay rates set the operating point of the forget gate; decaying
-            # them towards zero would change the function, not just limit capacity.
-            ("A_log", _adamw(False, "KDA.A_log")),
-            ("dt_bias", _adamw(False, "KDA.dt_bias")),
-            ("output_norm_weight", _adamw(False, "KDA.output_norm_weight")),
-        ]
-    if isinstance(module, GatedMLA):
-        rows, cols = ("rows", module.num_heads), ("cols", module.num_heads)
-        return [
-            # wkv_b's head block holds that head's k_nope rows and its v rows together.
-            *((f"{proj}.weight", _muon(rows, f"GatedMLA.{proj}")) for proj in ("wq_b", "wkv_b", "gate")),
-            ("wo.weight", _muon(cols, "GatedMLA.wo")),
-            ("wq_a.weight", _muon(("whole",), "GatedMLA.wq_a")),    # into the shared latents
-            ("wkv_a.weight", _muon(("whole",), "GatedMLA.wkv_a")),
-        ]
-    if isinstance(module, RoutedExperts):
-        # Stored [E, in, out] (x @ W); orthogonalisation and the max(m, n) scale do not care
-        # about orientation, so no transpose is needed.
-        return [(name, _muon(("experts",), f"RoutedExperts.{name}"))
-                for name in ("w_gate_ELF", "w_up_ELF", "w_down_EFL")]
-    if isinstance(module, Router):
-        # The router gate [E, D] is a real linear map of the hidden state, and torchtitan's
-        # kimi_k3 recipe leaves it in the catch-all Muon group as a whole matrix (its AdamW
-        # patterns cover only norms, biases, A_log, dt_bias, embeddings, lm_head, AttnRes and
-        # convs). Its rows are experts, not heads, and one expert's row alone is a vector, so
-        # there is no per-block split to make: whole-matrix Muon.
-        return [("gate.weight", _muon(("whole",), "Router.gate"))]
-    if isinstance(module, AttnResMix):
-        # The pseudo-query starts at zero and encodes a preference, not capacity: no decay.
-        return [("key_norm_weight", _adamw(False, "AttnResMix.key_norm_weight")),
-                ("query", _adamw(False, "AttnResMix.query"))]
-    if isinstance(module, RMSNorm):
-        return [("weight", _adamw(False, "RMSNorm.weight"))]
+    """The (local parameter name, rule) pairs ``module`` declares (``optimizer_rules()``, see
+    ``kimik3.model.param_rules``); an ``nn.Embedding`` takes AdamW with decay."""
+    declared = getattr(module, "optimizer_rules", None)
+    if declared is not None:
+        return list(declared())
     if isinstance(module, nn.Embedding):
-        return [("weight", _adamw(True, "Embedding.weight"))]
-    if isinstance(module, K3ForCausalLM) and module.lm_head is not None:
-        # The output head maps to vocabulary logits, not hidden features: AdamW like the embedding.
-        return [("lm_head.weight", _adamw(True, "K3ForCausalLM.lm_head"))]
+        return [("weight", adamw(True, "Embedding.weight"))]
     return []
 
 
 def classify_parameters(model: nn.Module) -> dict[str, ParamRule]:
     """Decide the optimizer group of every parameter of ``model`` (a K3ForCausalLM or any of its parts).
 
-    Rules are attached to module types (see ``_module_rules``); leftovers are handled by two
-    generic rules: the weight of any other nn.Linear -> Muon ("whole",) and its bias, like any
+    Rules are declared by the modules that own the parameters (``optimizer_rules()``, visited
+    parents first, so a container's rules win over the generic one for the Linears it owns);
+    leftovers are handled by two generic rules: the weight of any other nn.Linear -> Muon ("whole",) and its bias, like any
     other 1-D parameter -> AdamW without decay. Returns {parameter name: ParamRule} in
     ``named_parameters`` order. Raises ValueError listing every parameter that no rule claims or
     that more than one rule claims (e.g. a new 3-D parameter, or one tensor shared by two modules).
@@ -568,12 +494,12 @@ def classify_parameters(model: nn.Module) -> dict[str, ParamRule]:
         for local_name, rule in _module_rules(module):
             claim(module.get_parameter(local_name), dot + local_name, rule)
         if isinstance(module, nn.Linear) and f"{dot}weight" not in claimed_names:
-            claim(module.weight, f"{dot}weight", _muon(("whole",), "Linear.weight"))
+            claim(module.weight, f"{dot}weight", muon(("whole",), "Linear.weight"))
 
     named = list(model.named_parameters())
     for name, param in named:
         if id(param) not in claims and param.ndim == 1:
-            claim(param, name, _adamw(False, "1-D parameter"))
+            claim(param, name, adamw(False, "1-D parameter"))
 
     uncovered = [f"{name} {tuple(p.shape)}" for name, p in named if id(p) not in claims]
     doubled = [f"{name} (claimed as {', '.join(f'{n} by {r.source}' for n, r in claims[id(p)])})"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -215,12 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kimik3", description="Kimi K3 in PyTorch: inspect, train, serve.",
                                      formatter_class=_Help)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("params", formatter_class=_Help, help="print the parameter counts of a preset or config file")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser, formatter_class=_Help))
+    p = sub.add_parser("params", help="print the parameter counts of a preset or config file")
     p.add_argument("config", nargs="?", default="k3", help="preset name (k3, debug, tiny) or a .json config")
     p.set_defaults(func=cmd_params)
 
-    t = sub.add_parser("train", formatter_class=_Help, help="train K3 (default: the tiny preset on the stdlib sources, ~5 minutes)")
+    t = sub.add_parser("train", help="train K3 (default: the tiny preset on the stdlib sources, ~5 minutes)")
     t.add_argument("--preset", default="tiny", help="model preset (tiny, debug, k3)")
     t.add_argument("--config", help="a K3Config JSON file (overrides --preset)")
     t.add_argument("--data", help="folder or file of .txt/code, .jsonl (text field) or .parquet; default: stdlib")
@@ -254,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute each block in backward instead of storing its activations")
     t.set_defaults(func=cmd_train)
 
-    g = sub.add_parser("generate", formatter_class=_Help, help="stream a completion from a trained run")
+    g = sub.add_parser("generate", help="stream a completion from a trained run")
     g.add_argument("--run", help="run directory written by kimik3 train (default: the newest under ./runs)")
     g.add_argument("--prompt", required=True, help="the text to continue")
     g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
@@ -265,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", formatter_class=_Help, help="an OpenAI-compatible server for a trained run (docs/serving.md)")
+    s = sub.add_parser("serve", help="an OpenAI-compatible server for a trained run (docs/serving.md)")
     s.add_argument("--run", help="run directory written by kimik3 train (default: the newest under ./runs)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port")
@@ -287,8 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "JSON-escaped, plus 1 MiB)")
     s.set_defaults(func=cmd_serve)
 
-    c = sub.add_parser("cost", formatter_class=_Help, help="what a multi-turn session costs at K3's prices, with and without prefix cache")
-    c.add_argument("--turns", type=int, default=50, help="turns of the session")
+    c = sub.add_parser("cost", help="what a multi-turn session costs at K3's prices, with and without prefix cache")
+    c.add_argument("--turns", type=int, default=50, help="conversation turns")
     c.add_argument("--prefix", type=int, default=400_000, help="prompt tokens seen before, each turn")
     c.add_argument("--new", type=int, default=4_000, help="new prompt tokens each turn")
     c.add_argument("--output", type=int, default=0, help="output tokens each turn")

@@ -8,12 +8,15 @@ the target and fsyncs the folder, so the rename itself survives a power cut. Use
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-# The regex of the temporaries ``atomic_write`` leaves for ``name`` if killed mid-write.
-TEMPORARY_PATTERN = r"\.{name}\.[a-z0-9_]+\.tmp"
+
+def temporary_pattern(name: str) -> str:
+    """The regex of the temporaries ``atomic_write`` leaves beside ``name`` if killed mid-write."""
+    return rf"\.{re.escape(name)}\.[a-z0-9_]+\.tmp"
 
 
 def fsync_dir(path: Path) -> None:

@@ -94,9 +94,15 @@ def render_ids(tokenizer: Any, messages: Any, add_generation_prompt: bool = True
     ``tokenizer`` needs ``encode(text).ids`` (a HF ``tokenizers.Tokenizer``). Every piece is encoded
     on its own so the ids are prefix-stable across turns (see the module docstring).
     """
+    return encode_messages(tokenizer, parse_messages(messages), add_generation_prompt)
+
+
+def encode_messages(tokenizer: Any, messages: list[Message],
+                    add_generation_prompt: bool = True) -> tuple[list[int], list[int]]:
+    """``render_ids`` of messages already validated by ``parse_messages``."""
     ids: list[int] = []
     hints: list[int] = []
-    for message in parse_messages(messages):
+    for message in messages:
         for piece in _pieces(message):
             if piece:
                 ids.extend(tokenizer.encode(piece).ids)

@@ -149,7 +149,7 @@ class EngineCore:
         self.waiting.append(seq)
         if len(self.waiting) > self.config.max_waiting:
             self._admit()
-        if len(self.waiting) > self.config.max_waiting and self.waiting and self.waiting[-1] is seq:
+        if len(self.waiting) > self.config.max_waiting and self.waiting[-1] is seq:
             self.waiting.pop()
             self._counters.rejected += 1
             raise AdmissionRejected(f"{len(self.waiting)} requests are already waiting (limit "

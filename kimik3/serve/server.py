@@ -575,9 +575,10 @@ def create_app(engine: EngineLike, api_key: str | None = None, max_request_bytes
         arrival = time.perf_counter()
         _check_common(body, engine.model_name)
         try:
-            chars = sum(len(message.content) for message in chat.parse_messages(body.messages))
+            messages = chat.parse_messages(body.messages)
+            chars = sum(len(message.content) for message in messages)
             _check_chars(chars, token_chars, engine.max_context, "messages")
-            ids, hints = await _off_loop(chars, lambda: chat.render_ids(engine.tokenizer, body.messages))
+            ids, hints = await _off_loop(chars, lambda: chat.encode_messages(engine.tokenizer, messages))
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from None
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -306,9 +306,6 @@ def load_checkpoint(run_dir: str | Path, model: torch.nn.Module, checkpoint: str
     Everything is read and checked before the model is touched, so a bad file changes nothing.
     """
     ckpt = Path(checkpoint) if checkpoint is not None else resume_checkpoint(run_dir, warn)
-    for file in CHECKPOINT_FILES:
-        if not (ckpt / file).is_file():
-            raise CheckpointError(f"{ckpt / file}: missing from the checkpoint")
     config = read_config(ckpt)
     if config != model.config:
         raise CheckpointError(f"{ckpt / CONFIG_FILE}: the checkpoint's config differs from the run's model config")

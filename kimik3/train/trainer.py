@@ -55,7 +55,7 @@ from kimik3.train.checkpoint import (
     remove_temporaries,
     save_checkpoint,
 )
-from kimik3.files import TEMPORARY_PATTERN, write_text_atomic
+from kimik3.files import temporary_pattern, write_text_atomic
 from kimik3.train.checkpoint_clock import DEFAULT_CHECKPOINT_EVERY, CheckpointClock, parse_checkpoint_every
 from kimik3.train.data import Corpus, load_corpus
 from kimik3.train.loader import batch_at, eval_windows
@@ -68,8 +68,7 @@ RUN_FILE = "run.json"      # the run's arguments, written before its first step
 METRICS_FILE = "metrics.jsonl"
 # The temporaries an interrupted write leaves in a run directory (write_text_atomic's and plot_run's),
 # removed when the run starts again; the checkpoints' own are in CHECKPOINT_TEMPORARIES.
-RUN_TEMPORARIES = (*CHECKPOINT_TEMPORARIES,
-                   *((".", TEMPORARY_PATTERN.format(name=name.replace(".", r"\."))) for name in (RUN_FILE, METRICS_FILE)),
+RUN_TEMPORARIES = (*CHECKPOINT_TEMPORARIES, *((".", temporary_pattern(name)) for name in (RUN_FILE, METRICS_FILE)),
                    (".", r"\.loss\.png\.tmp\.png"))
 
 

@@ -15,12 +15,15 @@ The model never allocates a cache itself; ``K3Cache.allocate`` (or the engine) d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
 from kimik3.config.schema import K3Config
+
+StepResult = TypeVar("StepResult")
 
 
 class LatentCache(Protocol):
@@ -65,9 +68,12 @@ class KDAState:
     recurrent state, held one of two ways:
 
     - owned: ``recurrent_BHKV`` [B, H, K, V], replaced (not mutated) by each forward;
-    - pooled (the serving engine's): ``recurrent_BHKV`` is None and sequence b's state is row ``slots_B[b]``
-      of ``pool_PHKV`` [P, H, K, V], which each forward updates in place (one-token steps read and write each
-      state once, through ``kimik3.ops.kda.kda_decode``).
+    - pooled (the serving engine's, ``kimik3.serve.paged_cache.StatePool``): ``recurrent_BHKV`` is None and
+      sequence b's state is row ``slots_B[b]`` of ``pool_PHKV`` [P, H, K, V], which each forward updates in
+      place (one-token steps read and write each state once, through ``kimik3.ops.kda.kda_decode``).
+
+    A KDA layer reads and writes the recurrent state only through ``recurrent``, ``set_recurrent`` and
+    ``advance_in_place``, so it never needs to know which way it is held.
     """
 
     conv_BCW: torch.Tensor
@@ -92,6 +98,20 @@ class KDAState:
             self.recurrent_BHKV = final_BHKV
         else:
             self.pool_PHKV[self.slots_B] = final_BHKV
+
+    def advance_in_place(self, step: Callable[[torch.Tensor, torch.Tensor], StepResult]) -> StepResult:
+        """Advance the recurrent states by one in-place update and return what ``step`` returns.
+
+        ``step(states_PHKV, rows_B)`` must update rows ``rows_B`` of the fp32, contiguous ``states_PHKV`` in
+        place, as ``kimik3.ops.kda.kda_decode`` does. A pooled state hands over its pool, so its rows move where
+        they lie (nothing copied in or out); an owned state hands over a copy of its states, which then replaces
+        them (the tensor it held before is never written)."""
+        if self.pool_PHKV is not None:
+            return step(self.pool_PHKV, self.slots_B)
+        states_BHKV = self.recurrent_BHKV.to(torch.float32, copy=True).contiguous()
+        result = step(states_BHKV, torch.arange(states_BHKV.shape[0], device=states_BHKV.device))
+        self.recurrent_BHKV = states_BHKV
+        return result
 
 
 @dataclass(slots=True)

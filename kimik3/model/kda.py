@@ -105,16 +105,11 @@ class KDA(nn.Module):
 
     def _one_token(self, state: KDAState, q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor,
                    raw_gate_BTHK: torch.Tensor, beta_logit_BTH: torch.Tensor, preacts: dict) -> torch.Tensor:
-        """One token for every sequence: ``kda_decode`` advances each state where it lies (the Triton kernel on
-        CUDA, the torch path elsewhere), from the raw gate, q / k and beta logit. A pooled state's rows move in
-        place; an owned state is advanced in a copy, which replaces it."""
-        if state.pool_PHKV is not None:
-            pool_PHKV, slots_B = state.pool_PHKV, state.slots_B
-        else:
-            pool_PHKV = state.recurrent_BHKV.to(torch.float32, copy=True).contiguous()
-            slots_B = torch.arange(pool_PHKV.shape[0], device=pool_PHKV.device)
-        o_BHV = kda_decode(q_BTHK[:, 0], k_BTHK[:, 0], v_BTHV[:, 0], raw_gate_BTHK[:, 0], beta_logit_BTH[:, 0],
-                           pool_PHKV, slots_B, g_min=self.g_min, **preacts)
-        if state.pool_PHKV is None:
-            state.recurrent_BHKV = pool_PHKV
+        """One token for every sequence: ``kda_decode`` advances each recurrent state in place wherever the state
+        object keeps it (the Triton kernel on CUDA, the torch path elsewhere), from the raw gate, q / k and beta
+        logit."""
+        o_BHV = state.advance_in_place(
+            lambda states_PHKV, rows_B: kda_decode(q_BTHK[:, 0], k_BTHK[:, 0], v_BTHV[:, 0], raw_gate_BTHK[:, 0],
+                                                   beta_logit_BTH[:, 0], states_PHKV, rows_B, g_min=self.g_min,
+                                                   **preacts))
         return o_BHV[:, None]

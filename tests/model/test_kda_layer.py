@@ -75,6 +75,29 @@ def test_pooled_state_advances_its_pool_rows_like_an_owned_state():
     assert torch.equal(pool[[1, 2, 4]], before[[1, 2, 4]])
 
 
+def test_advance_in_place_hands_a_pool_over_as_it_is_and_an_owned_state_as_a_copy():
+    """The decode step's contract (``KDAState.advance_in_place``): a pooled state's step gets the pool itself
+    and its rows (no copy in or out); an owned state's step gets a contiguous fp32 copy, which replaces it."""
+    pool, slots = torch.zeros(4, 2, 3, 3), torch.tensor([2, 0])
+    pooled = KDAState(torch.zeros(2, 6, 3), None, pool_PHKV=pool, slots_B=slots)
+    seen = []
+
+    def step(states, rows):
+        seen.append((states, rows))
+        states[rows] += 1.0
+        return "out"
+
+    assert pooled.advance_in_place(step) == "out"
+    assert seen[-1][0] is pool and seen[-1][1] is slots
+    assert torch.equal(pool[:, 0, 0, 0], torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    before = torch.zeros(2, 2, 3, 3, dtype=torch.float64)
+    owned = KDAState(torch.zeros(2, 6, 3), before)
+    owned.advance_in_place(step)
+    states, rows = seen[-1]
+    assert states is owned.recurrent_BHKV and states.dtype == torch.float32 and states.is_contiguous()
+    assert torch.equal(rows, torch.arange(2)) and (states == 1).all() and (before == 0).all()
+
+
 def test_kda_state_holds_its_recurrent_state_one_way():
     conv, rec = torch.zeros(1, 6, 3), torch.zeros(1, 2, 4, 4)
     with pytest.raises(ValueError, match="give exactly one"):

@@ -157,16 +157,16 @@ def _check_generate_options(args: argparse.Namespace) -> None:
     """Every ``generate`` option, checked before anything is loaded or printed."""
     import torch
 
+    from kimik3.model.sampling import SamplingOptionError, check_sampling
+
     if args.prompt == "":
         raise ValueError("--prompt is empty")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if not args.temperature >= 0:   # also refuses nan
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0.0 < args.top_p <= 1.0:
-        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.top_k < 0:
-        raise ValueError(f"--top-k must be >= 0, got {args.top_k}")
+    try:
+        check_sampling(args.temperature, args.top_p, args.top_k)
+    except SamplingOptionError as err:   # the same rules as the sampler's, said with the flag's name
+        raise ValueError(f"--{err.option.replace('_', '-')} must be {err.rule}, got {err.value!r}") from None
     try:
         device = torch.device(args.device)
     except RuntimeError:

@@ -1,14 +1,46 @@
-"""Next-token sampling: greedy, temperature, top-k and top-p (nucleus), with an optional generator."""
+"""Next-token sampling: greedy, temperature, top-k and top-p (nucleus), with an optional generator.
+
+``check_sampling`` holds the rules of the sampling options; the sampler, the server's
+``SamplingParams`` (``serve/types.py``) and ``kimik3 generate`` (``cli.py``) all check through it,
+so the three accept and refuse the same values.
+"""
 
 from __future__ import annotations
 
 import math
+from numbers import Integral, Real
 
 import torch
 
 # Temperatures below this sample greedily: dividing logits by a tiny temperature overflows to inf
 # (softmax then yields NaN) long before it differs from the argmax. vLLM uses the same cut.
 GREEDY_BELOW = 1e-5
+
+
+class SamplingOptionError(ValueError):
+    """A sampling option out of its range. ``option`` is its name (``temperature``, ``top_p``,
+    ``top_k``), ``rule`` what it must be and ``value`` what it was, so that a caller can say it
+    in its own terms (``kimik3 generate`` names the ``--top-p`` flag)."""
+
+    def __init__(self, option: str, rule: str, value: object) -> None:
+        super().__init__(f"{option} must be {rule}, got {value!r}")
+        self.option, self.rule, self.value = option, rule, value
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int, max_temperature: float = math.inf) -> None:
+    """Raise ``SamplingOptionError`` for the first sampling option out of range.
+
+    temperature: a finite number >= 0 (and <= ``max_temperature``: the server passes the OpenAI API's 2);
+    top_p: in (0, 1]; top_k: an integer >= 0, 0 meaning no cut. NaN is refused everywhere.
+    """
+    bounded = math.isfinite(max_temperature)
+    if not (isinstance(temperature, Real) and math.isfinite(temperature) and 0 <= temperature <= max_temperature):
+        rule = f"a number in [0, {max_temperature:g}]" if bounded else "a finite number >= 0"
+        raise SamplingOptionError("temperature", rule, temperature)
+    if not (isinstance(top_p, Real) and 0.0 < top_p <= 1.0):
+        raise SamplingOptionError("top_p", "in (0, 1]", top_p)
+    if not (isinstance(top_k, Integral) and top_k >= 0):
+        raise SamplingOptionError("top_k", "an integer >= 0 (0: no cut)", top_k)
 
 
 def sample_next_token(logits_BV: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -19,12 +51,7 @@ def sample_next_token(logits_BV: torch.Tensor, temperature: float = 0.0, top_k: 
     restricted to the ``top_k`` largest (0 = all) and to the smallest set whose probability
     reaches ``top_p``, and sampled with ``generator``.
     """
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    check_sampling(temperature, top_p, top_k)
     if temperature < GREEDY_BELOW:
         return logits_BV.argmax(dim=-1)
     logits = logits_BV.float() / temperature

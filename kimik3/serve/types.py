@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 from collections.abc import AsyncIterator
 from typing import Any, Literal, Protocol
 
+from kimik3.model.sampling import check_sampling
 from kimik3.serve.cost import request_cost
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 SEED_RANGE = (-2**63, 2**63)   # a 64-bit signed integer, as torch.Generator and OpenAI's API take it
+MAX_TEMPERATURE = 2.0          # the OpenAI API's bound; the sampler itself takes any finite temperature
 
 class AdmissionRejected(Exception):
     """The engine's queue is full: the request was refused (HTTP 429), nothing was allocated."""
@@ -39,12 +41,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature <= 2.0:
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        check_sampling(self.temperature, self.top_p, self.top_k, max_temperature=MAX_TEMPERATURE)
         if self.seed is not None and not (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if len(self.stop) > 4 or not all(isinstance(s, str) and s for s in self.stop):

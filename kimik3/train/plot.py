@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kimik3.files import atomic_write
+
 
 def parse_record(line: str) -> dict[str, Any] | None:
     """One ``metrics.jsonl`` line as a record, or None when it is not one: blank, or cut short by a
@@ -37,7 +39,11 @@ def _smooth(values: list[float], window: int = 10) -> list[float]:
 
 
 def plot_run(metrics_path: str | Path, out_path: str | Path, unigram: float | None = None) -> Path | None:
-    """Draw the run's curves from ``metrics.jsonl``; returns the PNG path (None without matplotlib)."""
+    """Draw the run's curves from ``metrics.jsonl`` into the PNG ``out_path``, written atomically
+    (``files.atomic_write``: a failure leaves the previous plot, or none, and no temporary).
+
+    Returns ``out_path``, or None without matplotlib or when there is nothing to draw.
+    """
     try:
         import matplotlib
 
@@ -53,29 +59,30 @@ def plot_run(metrics_path: str | Path, out_path: str | Path, unigram: float | No
     steps = [r["step"] for r in kept]
     fig, (ax_loss, ax_load) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
                                            gridspec_kw={"height_ratios": [2, 1]})
-    # The next-token loss, comparable with validation (the optimised loss adds the weighted MTP term).
-    train = [r.get("main_loss", r["loss"]) for r in kept]
-    ax_loss.plot(steps, train, color="tab:blue", alpha=0.25, lw=0.8)
-    ax_loss.plot(steps, _smooth(train), color="tab:blue", label="train next-token loss (smoothed)")
-    val = [(r["step"], r["val_loss"]) for r in kept if "val_loss" in r]
-    if val:
-        ax_loss.plot(*zip(*val), "o-", color="tab:orange", label="validation")
-    if unigram is not None:
-        ax_loss.axhline(unigram, color="gray", ls="--", lw=1, label=f"unigram baseline ({unigram:.2f})")
-    ax_loss.set_ylabel("loss (nats/token)")
-    ax_loss.legend()
-    ax_loss.grid(alpha=0.3)
-    loads = [(r["step"], r["expert_load_max_over_mean"]) for r in kept if r.get("expert_load_max_over_mean")]
-    if loads:
-        ax_load.plot(*zip(*loads), color="tab:green")
-        ax_load.axhline(1.0, color="gray", ls=":", lw=1)
-    ax_load.set_ylabel("expert load max/mean")
-    ax_load.set_xlabel("step")
-    ax_load.grid(alpha=0.3)
-    fig.tight_layout()
     out_path = Path(out_path)
-    tmp = out_path.with_name(f".{out_path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(out_path)
+    try:
+        # The next-token loss, comparable with validation (the optimised loss adds the weighted MTP term).
+        train = [r.get("main_loss", r["loss"]) for r in kept]
+        ax_loss.plot(steps, train, color="tab:blue", alpha=0.25, lw=0.8)
+        ax_loss.plot(steps, _smooth(train), color="tab:blue", label="train next-token loss (smoothed)")
+        val = [(r["step"], r["val_loss"]) for r in kept if "val_loss" in r]
+        if val:
+            ax_loss.plot(*zip(*val), "o-", color="tab:orange", label="validation")
+        if unigram is not None:
+            ax_loss.axhline(unigram, color="gray", ls="--", lw=1, label=f"unigram baseline ({unigram:.2f})")
+        ax_loss.set_ylabel("loss (nats/token)")
+        ax_loss.legend()
+        ax_loss.grid(alpha=0.3)
+        loads = [(r["step"], r["expert_load_max_over_mean"]) for r in kept if r.get("expert_load_max_over_mean")]
+        if loads:
+            ax_load.plot(*zip(*loads), color="tab:green")
+            ax_load.axhline(1.0, color="gray", ls=":", lw=1)
+        ax_load.set_ylabel("expert load max/mean")
+        ax_load.set_xlabel("step")
+        ax_load.grid(alpha=0.3)
+        fig.tight_layout()
+        # The temporary's name ends in .tmp: the format is given, not guessed from the suffix.
+        atomic_write(out_path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    finally:
+        plt.close(fig)   # also when drawing or writing failed: pyplot keeps every open figure
     return out_path

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from kimik3.config import K3Config, format_param_table
+from kimik3.extras import MissingExtra, require
 
 
 class _Help(argparse.HelpFormatter):
@@ -111,6 +112,7 @@ def resolve_run(run: str | None) -> Path:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    require("serve", "kimik3 serve")   # before anything is loaded: a missing extra is one clear line
     from kimik3.serve.engine import LLMEngine
     from kimik3.serve.memory import EngineConfig
     from kimik3.serve.router import ReplicaRouter
@@ -305,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for `train --nproc`, which relaunches itself
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
+    except (ValueError, FileNotFoundError, RuntimeError, MissingExtra) as err:
         print(f"kimik3 {args.command}: error: {err}", file=sys.stderr)
         return 2
 

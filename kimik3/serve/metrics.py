@@ -5,6 +5,9 @@ refuse duplicate names). Latencies are observed by the server as events arrive; 
 state is read from ``engine.stats()`` at scrape time by a custom collector, so /metrics is never
 staler than the scrape and the engine needs no Prometheus dependency. Cumulative engine figures
 are exposed as counters (``*_total``), instantaneous ones as gauges.
+
+``prometheus_client`` belongs to the ``[serve]`` extra: it is imported when metrics are built or
+collected, so this module imports without it and a missing extra is named by ``MissingExtra``.
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
-
+from kimik3.extras import require
 from kimik3.serve.types import EngineLike, TokenEvent, Usage
+
+if TYPE_CHECKING:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +30,10 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 2
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.5)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-
-class EngineCollector(Collector):
-    """Reads ``engine.stats()`` once per scrape."""
+class EngineCollector:
+    """Reads ``engine.stats()`` once per scrape. A Prometheus collector by its ``collect`` method
+    alone (the registry asks for no base class), so defining it needs no prometheus_client."""
 
     def __init__(self, engine: EngineLike) -> None:
         self.engine = engine
@@ -41,6 +44,8 @@ class EngineCollector(Collector):
         except Exception:  # a broken engine must not take /metrics down with it
             log.exception("engine.stats() failed during a scrape")
             return
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         gauges = {
             "running": ("Sequences in prefill or decode", s.running),
             "waiting": ("Requests admitted to the queue, not yet holding cache", s.waiting),
@@ -69,6 +74,10 @@ class ServerMetrics:
     """The app's registry and the metrics the request handlers update."""
 
     def __init__(self, engine: EngineLike) -> None:
+        require("serve", "the server's metrics", ("prometheus_client",))
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+
+        self.content_type = CONTENT_TYPE_LATEST   # the format exposition() writes, for /metrics' header
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("kimik3_time_to_first_token_seconds", "Request arrival to first generated token",
@@ -93,6 +102,8 @@ class ServerMetrics:
         r.register(EngineCollector(engine))
 
     def exposition(self) -> bytes:
+        from prometheus_client import generate_latest
+
         return generate_latest(self.registry)
 
     def track(self, endpoint: str, arrival: float | None = None) -> RequestTrack:

@@ -30,15 +30,20 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal, TypeVar
 
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic_core import PydanticCustomError
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from kimik3.extras import MissingExtra, require
+
+try:   # the [serve] extra: without it, importing this module says what to install
+    from fastapi import APIRouter, FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+    from pydantic_core import PydanticCustomError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+except ImportError as err:
+    raise MissingExtra("kimik3's HTTP server", "serve", err.name or "fastapi") from err
 
 from kimik3.serve import chat
-from kimik3.serve.metrics import CONTENT_TYPE, RequestTrack, ServerMetrics, StatusMiddleware
+from kimik3.serve.metrics import RequestTrack, ServerMetrics, StatusMiddleware
 from kimik3.serve.types import (AdmissionRejected, EngineLike, EngineUnavailable, GenerationRequest, RequestTooLong,
                                 SamplingParams, TokenEvent, Usage)
 
@@ -509,7 +514,7 @@ def create_app(engine: EngineLike, api_key: str | None = None, max_request_bytes
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+        return Response(metrics.exposition(), media_type=metrics.content_type)
 
     @router.get("/models")
     async def models() -> dict[str, Any]:
@@ -604,6 +609,7 @@ def serve(engine: EngineLike, host: str = "127.0.0.1", port: int = 8000, api_key
           log_level: str = "info", max_request_bytes: int | None = None, health_poll_s: float = 1.0) -> int:
     """Serve ``engine`` with uvicorn until interrupted (returns 0) or until the engine can no longer
     serve (returns 1, so that a process supervisor restarts the server)."""
+    require("serve", "kimik3's HTTP server", ("uvicorn",))
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(create_app(engine, api_key, max_request_bytes), host=host, port=port,

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kimik3.extras import MissingExtra, require
 from kimik3.files import atomic_write
 
 
@@ -42,20 +43,23 @@ def plot_run(metrics_path: str | Path, out_path: str | Path, unigram: float | No
     """Draw the run's curves from ``metrics.jsonl`` into the PNG ``out_path``, written atomically
     (``files.atomic_write``: a failure leaves the previous plot, or none, and no temporary).
 
-    Returns ``out_path``, or None without matplotlib or when there is nothing to draw.
+    Returns ``out_path``, or None when there is nothing to draw, or when matplotlib (the [plot]
+    extra) is missing: the plot is then skipped with a one-line notice.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipping loss.png (pip install matplotlib)")
-        return None
     records = read_metrics(metrics_path)
     kept = [r for r in records if not r.get("skipped")]
     if not kept:
         return None
+    try:
+        require("plot", "the loss plot", ("matplotlib",))
+    except MissingExtra as missing:
+        print(f"skipping loss.png: {missing}")
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     steps = [r["step"] for r in kept]
     fig, (ax_loss, ax_load) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
                                            gridspec_kw={"height_ratios": [2, 1]})

@@ -1,5 +1,5 @@
 """K3's KDA contract for the benchmark scripts: inputs, and the calls of ours, the torch path, fla 0.6.0 and the
-fp32 token loop on them (kda_kernel.py, kda_precision.py).
+fp32 token loop on them (kda_kernel.py, kda_precision.py, kda_ncu.py, kda_serve_decode.py).
 
 K3's layer hands the op raw q, k, the gate input z and beta logits, with the gate (lower bound -5), the q / k
 L2 norm and the beta sigmoid fused (``use_gate_in_kernel``, ``use_qk_l2norm_in_kernel``,
@@ -15,6 +15,16 @@ from harness import log
 
 G_MIN = -5.0
 DEVICE = "cuda"  # where inputs are built (a CPU smoke test sets "cpu")
+
+
+def interpreter_bf16_fix() -> None:
+    """Patch the Triton interpreter's bf16 dots and casts, which are not the GPU's (Triton 3.6), for runs of our
+    kernels on bf16 inputs off the GPU (the CPU smoke runs)."""
+    try:
+        from kimik3.ops.kda.interpreter import interpreter_bf16_fix as fix
+    except ImportError:  # (a tree where it still lives beside the autograd function)
+        from kimik3.ops.kda.triton_autograd import interpreter_bf16_fix as fix
+    fix()
 
 
 def sync() -> None:
@@ -71,17 +81,10 @@ def k3_inputs(B, T, H, D, dtype=torch.bfloat16, seed=0, requires_grad=False):
     return xs, a_log, dtb
 
 
-def ours_k3(xs, a_log, dtb, h0=None, final=False, variant=None):
+def ours_k3(xs, a_log, dtb, h0=None, final=False):
+    """Our Triton kernels (``chunk_kda(backend="triton")``) on K3's contract."""
     from kimik3.ops.kda import chunk_kda
 
-    if variant is not None:
-        import kimik3.ops.kda.triton_forward as tf
-
-        saved, tf.DEFAULT_VARIANT = tf.DEFAULT_VARIANT, variant
-        try:
-            return ours_k3(xs, a_log, dtb, h0, final)
-        finally:
-            tf.DEFAULT_VARIANT = saved
     H, D = xs[0].shape[2], xs[0].shape[3]
     return chunk_kda(*xs, initial_state=h0, output_final_state=final, backend="triton",
                      A_log=a_log, dt_bias=dtb.view(H, D), lower_bound=G_MIN, use_gate_in_kernel=True,
@@ -89,6 +92,7 @@ def ours_k3(xs, a_log, dtb, h0=None, final=False, variant=None):
 
 
 def torch_k3(xs, a_log, dtb, h0=None, final=False):
+    """The torch chunk path (``chunk_kda(backend="torch")``) on K3's contract."""
     from kimik3.ops.kda import chunk_kda
 
     H, D = xs[0].shape[2], xs[0].shape[3]
@@ -98,17 +102,27 @@ def torch_k3(xs, a_log, dtb, h0=None, final=False):
 
 
 def fla_k3(fla_fn, xs, a_log, dtb, h0=None, final=False):
+    """fla's ``chunk_kda`` on K3's contract."""
     return fla_fn(*xs, initial_state=h0, output_final_state=final, use_qk_l2norm_in_kernel=True,
                   use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=G_MIN,
                   A_log=a_log, dt_bias=dtb)
 
 
+def k3_preactivations(q, k, z, beta_logit, a_log, dt_bias):
+    """K3's pre-activations in fp32 from fp32 inputs, as the kernels compute them (the normalised q / k never rounded
+    to a 16-bit dtype): the L2-normalised q and k, the bounded gate from z, and beta's sigmoid."""
+    from kimik3.ops.kda import bounded_gate, l2_normalize
+
+    return l2_normalize(q), l2_normalize(k), bounded_gate(z, a_log, dt_bias, G_MIN), torch.sigmoid(beta_logit)
+
+
 def naive_k3(xs, a_log, dtb, h0=None):
-    from kimik3.ops.kda import _torch_preactivations, naive_recurrent_kda
+    """The fp32 token loop after the fp32 pre-activations: the reference every error is measured against."""
+    from kimik3.ops.kda import naive_recurrent_kda
 
     q, k, v, z, b = (x.float() for x in xs)
     H, D = q.shape[2], q.shape[3]
-    qq, kk, gg, bb = _torch_preactivations(q, k, z, b, a_log, dtb.view(H, D), G_MIN, True, True, True)
+    qq, kk, gg, bb = k3_preactivations(q, k, z, b, a_log, dtb.view(H, D))
     return naive_recurrent_kda(qq, kk, v, gg, bb, initial_state=h0, output_final_state=True)
 
 

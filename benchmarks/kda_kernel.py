@@ -1,4 +1,5 @@
-"""KDA kernel benchmark: ours (Triton, kimik3/ops/kda/triton_*.py) vs fla 0.6.0 chunk_kda, on one GPU.
+"""KDA kernel benchmark: ours (the Triton / Gluon kernels behind ``chunk_kda`` and ``kda_decode``) against fla 0.6.0
+and the torch chunk path, on one GPU.
 
 One script, one device call. Sections, in order (each prints PASS/FAIL lines; a failing section does
 not stop the later ones; exit status 1 if anything FAILed):
@@ -8,26 +9,21 @@ not stop the later ones; exit status 1 if anything FAILed):
                 chunk path and vs fla on the same inputs at K3 shape (forward and gradients).
   3. ceilings   measured bf16 matmul TFLOP/s and device copy GB/s (for the roofline floor).
   4. chunk      forward and forward+backward medians (triton.testing.do_bench) at
-                B1 T8192 H96 D128 and B4 T4096 H64 D128, ours (each precision variant, forward) and fla
-                with the K3 contract (use_gate_in_kernel, safe_gate, lower_bound=-5, l2norm and beta
-                sigmoid in kernel), plus the roofline floor from counted FLOPs and bytes.
+                B1 T8192 H96 D128 and B4 T4096 H64 D128, ours and fla with the K3 contract
+                (use_gate_in_kernel, safe_gate, lower_bound=-5, l2norm and beta sigmoid in kernel), the ratios
+                fla / ours against the targets (forward >= 2x, forward+backward >= 1.5x), and the roofline floor
+                from counted FLOPs and bytes.
   5. decode     the batched one-token kernel at H96 D128, B in {1, 64, 256}: time and effective state
-                TB/s (2 * B * H * K * V * 4 bytes) at its default launch, and fla's fused_recurrent_kda as
-                one-token steps over the same pool in the same run; --decode-sweep (or --sweep) adds the
-                launch configurations of DECODE_SWEEP.
-  Not run unless named in --sections: `profile` (torch.profiler per-kernel times of the forward, per
-  variant and per --try experiment, and of one forward+backward; fla's too), `host` (the forward's host
-  overhead, ours and fla's: enqueue time, eager and CUDA-graph medians) and `ablate` (the forward
-  with one phase of the intra kernel skipped: timing only). `--try` adds kernel-structure experiments
-  to `chunk` (and `profile`), each checked against the default forward on the same inputs and timed forward and
-  forward+backward: a comma list of `+`-joined switches, listed in kda_tries.py; e.g.
-  `--try scan=32/4/2,intra=fused,wy,st32,bik=32/4,bsc=64/2`. fla is timed before our experiments, so a run cut
-  short keeps the comparison.
+                TB/s (2 * B * H * K * V * 4 bytes), and fla's fused_recurrent_kda as one-token steps over the
+                same pool in the same run.
+  Not run unless named in --sections: `profile` (torch.profiler per-kernel times of our forward and of one
+  forward+backward, fla's too; plot_kda_profile.py draws them) and `host` (the forward's host overhead, ours and
+  fla's: enqueue time, eager and CUDA-graph medians).
 
 Usage (GPU machine):
     python3 benchmarks/kda_kernel.py            # full run (fla autotunes on first call: minutes)
     python3 benchmarks/kda_kernel.py --quick    # smoke: medium-shape correctness + one timing, < 2 min
-    options: --no-fla, --no-hybrid, --variants a,acsw, --out DIR (default $OUT), --shapes 0,1
+    options: --no-fla, --no-bwd, --shapes 0,1, --sections env,chunk,..., --decode-batches 1,64, --out DIR
 Writes $OUT/kda_kernel.json when --out or $OUT is set. Shared with the other benchmark scripts: harness.py (verdicts,
 sections, do_bench medians) and kda_k3.py (K3-contract inputs and the calls of ours, the torch path, fla, the token
 loop).
@@ -51,12 +47,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kda_k3 as k3  # noqa: E402
 from harness import Report, bench, log, rel  # noqa: E402  (a smoke test replaces bench here)
 from kda_k3 import G_MIN, fla_k3, grad_step, k3_inputs, naive_k3, ours_k3, sync, torch_k3  # noqa: E402
-from kda_tries import overridden, parse_experiment  # noqa: E402,F401  (the --try switches; tests reach them here)
 
 REPORT = Report(timings={})
 RESULTS, verdict, section = REPORT.results, REPORT.verdict, REPORT.section
-CHECK_VARIANTS = ["", "h", "ach", "acsw"]  # --check-variants
-EXPERIMENTS: list = []  # --try: (name, {(module, attribute): value}) kernel-structure overrides
+SHAPES = [(1, 8192, 96, 128), (4, 4096, 64, 128)]  # --shapes indexes these: K3's layer, and a batch of four
+SECTIONS = ("env", "correct", "ceilings", "chunk", "profile", "host", "decode")
+TARGET_FWD, TARGET_FWDBWD = 2.0, 1.5  # fla / ours (issue 5)
 
 
 # --------------------------------------------------------------------------
@@ -117,17 +113,13 @@ def correct(quick: bool, use_fla: bool):
     xs, a_log, dtb = k3_inputs(B, T, H, D, seed=1)
     h0 = 0.5 * torch.randn(B, H, D, D, device="cuda")
     o_n, s_n = naive_k3(xs, a_log, dtb, h0)
-    for variant in CHECK_VARIANTS:
-        o, s = ours_k3(xs, a_log, dtb, h0, True, variant=variant)
-        torch.cuda.synchronize()
-        eo, es = rel(o_n, o), rel(s_n, s)
-        RESULTS.setdefault("variant_error", {})[variant or "bf16"] = {"o": eo, "state": es}
-        verdict(f"K3 contract bf16 T{T} H{H} variant '{variant}' vs naive", eo < 2.5e-2 and es < 2e-2,
-                f"o {eo:.2e} state {es:.2e} (informational tolerance for bf16 operands)")
     o, s = ours_k3(xs, a_log, dtb, h0, True)
+    eo, es = rel(o_n, o), rel(s_n, s)
+    verdict(f"K3 contract bf16 T{T} H{H} vs naive", eo < 2.5e-2 and es < 2e-2,
+            f"o {eo:.2e} state {es:.2e} (informational tolerance for bf16 operands)")
     o_t, s_t = torch_k3(xs, a_log, dtb, h0, True)
     eo, es = rel(o_t, o), rel(s_t, s)
-    verdict(f"K3 contract bf16 T{T} H{H} default vs torch chunk path", eo < 1e-2 and es < 5e-3,
+    verdict(f"K3 contract bf16 T{T} H{H} vs torch chunk path", eo < 1e-2 and es < 5e-3,
             f"o {eo:.2e} state {es:.2e}; torch path vs naive o {rel(o_n, o_t):.2e}")
     fla_fn, _ = k3.load_fla() if use_fla else (None, None)
     if fla_fn is not None:
@@ -136,7 +128,7 @@ def correct(quick: bool, use_fla: bool):
         log(f"info fla vs naive: o {eo:.2e} state {es:.2e}")
         eo2 = rel(o_f, o)
         verdict("K3 contract ours vs fla (same inputs)", eo2 < 3e-2, f"o {eo2:.2e}")
-    # gradients: ours (Triton backward unless KIMIK3_KDA_TRITON_BWD=torch) vs naive (fp32, medium)
+    # gradients: ours vs naive (fp32, medium)
     Bg, Tg, Hg = 1, (300 if quick else 1000), 4
     xs, a_log, dtb = k3_inputs(Bg, Tg, Hg, D, dtype=torch.float32, seed=2, requires_grad=True)
     h0 = (0.5 * torch.randn(Bg, Hg, D, D, device="cuda")).requires_grad_()
@@ -172,12 +164,6 @@ def ceilings():
     torch.cuda.empty_cache()
 
 
-def changes_precision(overrides: dict) -> bool:
-    """Whether a --try sets the precision variant: it then differs from the default by its roundings, and is held to
-    the bf16 tests' bounds rather than the structural tries' tighter ones."""
-    return any(attr == "DEFAULT_VARIANT" for _, attr in overrides)
-
-
 def chunk_counts(B, T, H, D, bwd: bool):
     """FLOPs (the useful matmul work of the chunk algorithm) and minimal HBM bytes (K3 contract, bf16)."""
     n_chunks = B * math.ceil(T / 64) * H
@@ -194,28 +180,26 @@ def chunk_counts(B, T, H, D, bwd: bool):
 
 
 @section
-def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_bwd: bool = True,
-          no_hybrid: bool = False):
+def chunk(shapes, use_fla: bool, quick: bool, do_bwd: bool = True):
+    """Forward and forward+backward medians, ours and fla's on the same inputs, their ratios, and the roofline
+    floor, per shape. quick: our forward alone."""
     ceil = RESULTS.get("ceilings", {"bf16_matmul_tflops": 700.0, "copy_gbs": 4000.0})
-    fla_fn, _ = k3.load_fla() if use_fla else (None, None)
+    fla_fn, _ = k3.load_fla() if use_fla and not quick else (None, None)
+    do_bwd = do_bwd and not quick
     table = []
     for (B, T, H, D) in shapes:
         key = f"B{B} T{T} H{H} D{D}"
         row = {"shape": key}
         xs, a_log, dtb = k3_inputs(B, T, H, D, seed=3)
-        if not quick and do_bwd:
+        fn = lambda: ours_k3(xs, a_log, dtb)  # noqa: E731  (a forward alone: no input needs a gradient)
+        fn()
+        sync()
+        row["ours_fwd"] = bench(fn)
+        log(f"{key} ours fwd: {row['ours_fwd']:.3f} ms")
+        if do_bwd:
             xg = [x.detach().requires_grad_() for x in xs]
             do = torch.randn_like(xs[2])
-        for var in variants:
-            fn = lambda var=var: ours_k3(xs, a_log, dtb, variant=var)  # noqa: E731
-            fn()
-            sync()
-            name = f"ours_fwd[{var or 'bf16'}]"
-            row[name] = bench(fn)
-            log(f"{key} ours fwd variant '{var}': {row[name]:.3f} ms")
-        # the peer first (its first calls autotune for minutes): a step cut by its time limit loses our
-        # experiments, not the comparison
-        if fla_fn is not None and not quick:
+        if fla_fn is not None:
             t0 = time.time()
             fla_k3(fla_fn, xs, a_log, dtb)
             sync()
@@ -227,71 +211,11 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
                 row["fla_fwdbwd"] = bench(lambda: grad_step(lambda: fla_k3(fla_fn, xg, a_log, dtb), xg, do),
                                           warmup=2, rep=10)
                 log(f"{key} fla fwd+bwd: {row['fla_fwdbwd']:.3f} ms")
-        o_ref = ours_k3(xs, a_log, dtb, final=True) if EXPERIMENTS else None
-        for name, overrides in EXPERIMENTS:  # kernel-structure experiments, default precision variant
-            try:
-                with overridden(overrides):
-                    o_try = ours_k3(xs, a_log, dtb, final=True)
-                    e_o, e_s = rel(o_ref[0], o_try[0]), rel(o_ref[1], o_try[1])
-                    loose = changes_precision(overrides)
-                    ok = (e_o < 1e-2 and e_s < 5e-3) if loose else (e_o < 2e-3 and e_s < 1e-3)
-                    verdict(f"{key} try [{name}] vs default", ok, f"o {e_o:.2e} state {e_s:.2e}")
-                    fn = lambda: ours_k3(xs, a_log, dtb)  # noqa: E731
-                    sync()
-                    row[f"ours_fwd[{name}]"] = t = bench(fn)
-                log(f"{key} ours fwd [{name}]: {t:.3f} ms")
-            except Exception as exc:  # noqa: BLE001
-                verdict(f"{key} ours fwd [{name}]", False, repr(exc)[:300])
-        del o_ref
-        if sweep and (B, T, H, D) == shapes[0]:
-            # launch-configuration sweep of the default variant (scan BV / warps, intra warps)
-            import kimik3.ops.kda.triton_forward as tf
-
-            sweep = {}
-            for scan_cfg in [(32, 4, 1), (32, 4, 2), (64, 4, 1), (64, 4, 2), (64, 8, 1), (128, 8, 1)]:
-                for iw in (8,) if scan_cfg != (32, 4, 1) else (4, 8):
-                    tf.SCAN_CONFIG, tf.INTRA_WARPS = scan_cfg, iw
-                    try:
-                        fn = lambda: ours_k3(xs, a_log, dtb)  # noqa: E731
-                        fn()
-                        sync()
-                        sweep[f"scan{scan_cfg} intra_warps={iw}"] = t = bench(fn)
-                        log(f"{key} ours fwd default variant, scan (BV, warps)={scan_cfg} intra warps={iw}: {t:.3f} ms")
-                    except Exception as exc:  # noqa: BLE001
-                        log(f"config scan{scan_cfg} intra{iw} failed: {exc!r}"[:300])
-            tf.SCAN_CONFIG, tf.INTRA_WARPS = None, None
-            RESULTS["timings"]["launch_sweep"] = sweep
-        if not quick and do_bwd:
-            # both backwards: the Triton kernels (default) and the v1 HYBRID (torch chunk path recomputed);
-            # KIMIK3_KDA_TRITON_BWD is read at forward time
-            saved_env = os.environ.get("KIMIK3_KDA_TRITON_BWD")
-            runs = [("triton", "ours_fwdbwd", {})] + ([] if no_hybrid else [("torch", "ours_fwdbwd_hybrid", {})])
-            runs += [("triton", f"ours_fwdbwd[{name}]", overrides) for name, overrides in EXPERIMENTS]
-            g_default = None
-            for mode, name, overrides in runs:
-                os.environ["KIMIK3_KDA_TRITON_BWD"] = mode
-                try:
-                    with overridden(overrides):
-                        if mode != "triton" or not EXPERIMENTS:
-                            grad_step(lambda: ours_k3(xg, a_log, dtb), xg, do)  # the warm-up (compiles)
-                        else:  # the warm-up kept: each try's gradients against the default's
-                            g = torch.autograd.grad(ours_k3(xg, a_log, dtb)[0], xg, do)
-                            if not overrides:  # the default run (first)
-                                g_default = g
-                            elif g_default is not None:
-                                errs = [rel(a, b) for a, b in zip(g_default, g)]
-                                verdict(f"{key} try [{name}] gradients vs default",
-                                        max(errs) < (3e-2 if changes_precision(overrides) else 1e-2),
-                                        " ".join(f"{e:.1e}" for e in errs))
-                            del g
-                        row[name] = bench(lambda: grad_step(lambda: ours_k3(xg, a_log, dtb), xg, do), warmup=2, rep=10)
-                    log(f"{key} {name} ({mode} backward): {row[name]:.3f} ms")
-                except Exception as exc:  # noqa: BLE001
-                    verdict(f"{key} {name}", False, repr(exc)[:300])
-            if saved_env is None:
-                os.environ.pop("KIMIK3_KDA_TRITON_BWD", None)
-            else:
-                os.environ["KIMIK3_KDA_TRITON_BWD"] = saved_env
+        if do_bwd:
+            step = lambda: grad_step(lambda: ours_k3(xg, a_log, dtb), xg, do)  # noqa: E731
+            step()  # compiles
+            row["ours_fwdbwd"] = bench(step, warmup=2, rep=10)
+            log(f"{key} ours fwd+bwd: {row['ours_fwdbwd']:.3f} ms")
             del xg, do
         for bwd in (False, True):
             f, byts = chunk_counts(B, T, H, D, bwd)
@@ -299,29 +223,26 @@ def chunk(shapes, variants, use_fla: bool, quick: bool, sweep: bool = False, do_
             row["floor_fwdbwd" if bwd else "floor_fwd"] = floor
             log(f"{key} roofline floor {'fwd+bwd' if bwd else 'fwd'}: {floor:.3f} ms "
                 f"({f / 1e9:.0f} GFLOP, {byts / 1e6:.0f} MB)")
+        for name, target in (("fwd", TARGET_FWD), ("fwdbwd", TARGET_FWDBWD)):
+            if f"fla_{name}" in row and f"ours_{name}" in row:
+                row[f"ratio_{name}"] = ratio = row[f"fla_{name}"] / row[f"ours_{name}"]
+                log(f"ratio fla/ours {'fwd+bwd' if name == 'fwdbwd' else 'fwd'} {key}: {ratio:.2f}x "
+                    f"(target >= {target:g}: {'met' if ratio >= target else 'not met'})")
         table.append(row)
         del xs
         if k3.DEVICE == "cuda":
             torch.cuda.empty_cache()
     RESULTS["timings"]["chunk"] = table
-    log("\n| shape | " + " | ".join(k for k in table[0] if k != "shape") + " |")
+    columns = [k for k in table[0] if k != "shape"]
+    log("\n| shape | " + " | ".join(columns) + " |")
     for row in table:
-        log(f"| {row['shape']} | " + " | ".join(f"{v:.3f}" for k, v in row.items() if k != "shape") + " |")
-    for row in table:
-        for var in variants:
-            k = f"ours_fwd[{var or 'bf16'}]"
-            if "fla_fwd" in row and k in row:
-                log(f"ratio fla/ours fwd {row['shape']} [{var or 'bf16'}]: {row['fla_fwd'] / row[k]:.2f}x (target >= 2)")
-        if "fla_fwdbwd" in row and "ours_fwdbwd" in row:
-            log(f"ratio fla/ours fwd+bwd {row['shape']}: {row['fla_fwdbwd'] / row['ours_fwdbwd']:.2f}x (target >= 1.5)")
-        if "fla_fwdbwd" in row and "ours_fwdbwd_hybrid" in row:
-            log(f"ratio fla/ours fwd+bwd HYBRID {row['shape']}: {row['fla_fwdbwd'] / row['ours_fwdbwd_hybrid']:.2f}x")
+        log(f"| {row['shape']} | " + " | ".join(f"{row[k]:.3f}" if k in row else "-" for k in columns) + " |")
 
 
 @section
-def profile(shapes, variants, use_fla: bool):
-    """Per-kernel CUDA time (torch.profiler) of our forward per variant and per --try experiment, then of
-    one forward+backward; the same for fla's chunk_kda when its wheels are there (where its time goes)."""
+def profile(shapes, use_fla: bool):
+    """Per-kernel CUDA time (torch.profiler) of our forward alone and of one forward+backward, at the first shape;
+    the same for fla's chunk_kda when its wheels are there (where its time goes)."""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     B, T, H, D = shapes[0]
@@ -351,15 +272,8 @@ def profile(shapes, variants, use_fla: bool):
         RESULTS["timings"].setdefault("profile", {})[label] = {"shape": f"B{B} T{T} H{H} D{D}", "calls": calls,
                                                                 "ms_per_call": per_call}
 
-    for var in variants:
-        kernels(f"ours fwd variant '{var}'", lambda var=var: ours_k3(xs, a_log, dtb, variant=var), 3, 8)
-    for name, overrides in EXPERIMENTS:
-        with overridden(overrides):
-            kernels(f"ours fwd [{name}]", lambda: ours_k3(xs, a_log, dtb), 3, 8)
-    kernels("ours fwd+bwd, default variant", lambda: grad_step(lambda: ours_k3(xg, a_log, dtb), xg, do), 2, 14)
-    for name, overrides in EXPERIMENTS:
-        with overridden(overrides):
-            kernels(f"ours fwd+bwd [{name}]", lambda: grad_step(lambda: ours_k3(xg, a_log, dtb), xg, do), 2, 14)
+    kernels("ours fwd", lambda: ours_k3(xs, a_log, dtb), 3, 8)
+    kernels("ours fwd+bwd", lambda: grad_step(lambda: ours_k3(xg, a_log, dtb), xg, do), 2, 14)
     fla_fn = k3.load_fla()[0] if use_fla else None
     if fla_fn is not None:
         kernels("fla fwd", lambda: fla_k3(fla_fn, xs, a_log, dtb), 3, 10)
@@ -399,8 +313,8 @@ def host_split(fn) -> dict:
 
 @section
 def host(shapes, use_fla: bool):
-    """The forward's host overhead, ours (default variant) and fla's: enqueue time, eager and CUDA-graph
-    medians (``host_split``), at the first shape."""
+    """The forward's host overhead, ours and fla's: enqueue time, eager and CUDA-graph medians (``host_split``), at
+    the first shape."""
     B, T, H, D = shapes[0]
     xs, a_log, dtb = k3_inputs(B, T, H, D, seed=3)
     rows = {"ours": host_split(lambda: ours_k3(xs, a_log, dtb))}
@@ -414,40 +328,12 @@ def host(shapes, use_fla: bool):
     RESULTS["timings"]["host"] = rows
 
 
-@section
-def ablate(shapes):
-    """Where the forward's time goes: the forward timed with one phase of the intra kernel skipped
-    (results wrong, timing only), and with the intra kernel at 4 and 8 warps."""
-    import kimik3.ops.kda.triton_forward as tf
-
-    B, T, H, D = shapes[0]
-    xs, a_log, dtb = k3_inputs(B, T, H, D, seed=3)
-    rows = {}
-    for name, abl, warps in (("full", 0, None), ("no solve (phase B)", 1, None), ("no A dots (phase A)", 2, None),
-                             ("no W/U (phase C)", 3, None), ("full, intra 4 warps", 0, 4),
-                             ("full, intra 16 warps", 0, 16)):
-        tf.INTRA_ABLATE, tf.INTRA_WARPS = abl, warps
-        try:
-            ours_k3(xs, a_log, dtb)
-            torch.cuda.synchronize()
-            rows[name] = t = bench(lambda: ours_k3(xs, a_log, dtb))
-            log(f"ablate B{B} T{T} H{H} D{D} {name}: {t:.3f} ms")
-        except Exception as exc:  # noqa: BLE001
-            log(f"ablate {name} failed: {exc!r}"[:300])
-    tf.INTRA_ABLATE, tf.INTRA_WARPS = 0, None
-    RESULTS["timings"]["ablate"] = rows
-
-
-# decode --sweep: (block_v, num_warps)
-DECODE_SWEEP = [(32, 4), (64, 2), (64, 4), (128, 4), (128, 8)]
-
-
 def decode_time(hs: dict, retime, what: str) -> tuple[float, str]:
     """The time a decode launch is judged on, from ``host_split``'s medians: the CUDA-graph time where there is
     one (the GPU's own time, as a serving engine replays its steps). Where the eager call is GPU-bound (enqueue
-    under half its time) both medians time the same kernel and agree within 0.5%. At B256 on the H200 the first
-    graph captured at a batch size times 4-10% slow, ours and fla's alike (thirteenth session: ours 880 us against
-    798 eager, and 799 / 798 when captured again). A pair that disagrees by more than 2% is timed again
+    under half its time) both medians time the same kernel and agree within 0.5%; but the first graph captured at a
+    batch size can time several per cent slow (seen at B256 on the H200, ours and fla's alike; NOTES-kda.md). A
+    pair that disagrees by more than 2% is timed again
     (``retime`` returns a new ``host_split``), and a pair that still disagrees is judged on the slower of the
     two."""
     graph, eager = hs["graph_ms"], hs["eager_ms"]
@@ -465,13 +351,12 @@ def decode_time(hs: dict, retime, what: str) -> tuple[float, str]:
 
 
 @section
-def decode(batches, sweep: bool, use_fla: bool = True, H: int = 96, D: int = 128):
+def decode(batches, use_fla: bool = True, H: int = 96, D: int = 128):
     """The batched one-token kernel on a state pool (K3 contract: fused gate, L2 norm, beta sigmoid; fp32 state):
-    ours at its default launch (the number the targets are judged on) and fla's ``fused_recurrent_kda`` as
-    one-token steps over the same pool layout in the same run, each checked against the one-token reference;
-    with ``sweep`` also the launch configurations of DECODE_SWEEP."""
-    from kimik3.ops.kda import _torch_preactivations, recurrent_kda_step
-    from kimik3.ops.kda.triton_decode import kda_decode  # the kernel itself (the dispatcher has no launch knobs)
+    ours (``kda_decode(backend="triton")``) and fla's ``fused_recurrent_kda`` as one-token steps over the same pool
+    layout in the same run, each checked against the one-token reference, then timed; the targets' verdicts (B1
+    under 30 us, B >= 64 at 3.8 TB/s or more) for the batch sizes they name."""
+    from kimik3.ops.kda import kda_decode, recurrent_kda_step
 
     fla_step = k3.load_fla_decode() if use_fla else None
     rows = []
@@ -480,15 +365,14 @@ def decode(batches, sweep: bool, use_fla: bool = True, H: int = 96, D: int = 128
         a_log = torch.zeros(H, device=k3.DEVICE)
         dtb = torch.zeros(H, D, device=k3.DEVICE)
         kw = k3.k3_decode_kwargs(a_log, dtb)
-        # Reference pre-activations in fp32, as the kernels compute them (the kernel never rounds the normalised
-        # q / k to bf16; _torch_preactivations on bf16 inputs would, which alone moves the state by ~4e-4
-        # relative: v1's FAIL at 1e-5 was that reference rounding, not the kernel).
-        qq, kk_, gg, bb = _torch_preactivations(q.float(), k.float(), z.float(), braw.float(), a_log, dtb, G_MIN,
-                                                True, True, True)
+        # Reference pre-activations in fp32, as the kernel computes them (rounding the normalised q / k to bf16, as
+        # the torch pre-activations do on bf16 inputs, alone moves the state by ~4e-4 relative, far over the 1e-5
+        # bound below).
+        qq, kk_, gg, bb = k3.k3_preactivations(q.float(), k.float(), z.float(), braw.float(), a_log, dtb)
         o_r, s_r = recurrent_kda_step(qq, kk_, v.float(), gg, bb, pool[slots])
 
-        def ours(p, **launch):
-            return kda_decode(q, k, v, z, braw, p, slots, **kw, **launch)
+        def ours(p):
+            return kda_decode(q, k, v, z, braw, p, slots, **kw, backend="triton")
 
         def fla(p):
             return fla_step(q=q[:, None], k=k[:, None], v=v[:, None], g=z[:, None], beta=braw[:, None], A_log=a_log,
@@ -497,8 +381,6 @@ def decode(batches, sweep: bool, use_fla: bool = True, H: int = 96, D: int = 128
                             lower_bound=G_MIN)[0][:, 0]
 
         checks = [("ours", ours)] + ([("fla", fla)] if fla_step is not None else [])
-        checks += [(f"ours BV={bv} warps={nw}", lambda p, bv=bv, nw=nw: ours(p, block_v=bv, num_warps=nw))
-                   for bv, nw in (DECODE_SWEEP if sweep else [])]
         nbytes = 2 * B * H * D * D * 4
         row = {"B": B}
         for name, fn in checks:
@@ -524,7 +406,8 @@ def decode(batches, sweep: bool, use_fla: bool = True, H: int = 96, D: int = 128
         if k3.DEVICE == "cuda":
             torch.cuda.empty_cache()
     RESULTS["timings"]["decode"] = rows
-    log("\n| B | ours us (judged) | ours eager us | ours TB/s | fla us (judged) | fla eager us | fla TB/s | fla / ours |")
+    log("\n| B | ours us (judged) | ours eager us | ours TB/s | fla us (judged) | fla eager us | fla TB/s "
+        "| fla / ours |")
     for r in rows:
         f, o = r.get("fla"), r["ours"]
         peer = (f"{f['us']:.1f} | {f['eager_us']:.1f} | {f['TBps']:.2f} | {f['us'] / o['us']:.2f}x" if f
@@ -532,47 +415,49 @@ def decode(batches, sweep: bool, use_fla: bool = True, H: int = 96, D: int = 128
         log(f"| {r['B']} | {o['us']:.1f} | {o['eager_us']:.1f} | {o['TBps']:.2f} | {peer} |")
     for r in rows:
         if r["B"] == 1:
-            verdict(f"decode B1 < 30 us (target; {r['ours']['judged']})", r["ours"]["us"] < 30, f"{r['ours']['us']:.1f} us")
+            verdict(f"decode B1 < 30 us (target; {r['ours']['judged']})", r["ours"]["us"] < 30,
+                    f"{r['ours']['us']:.1f} us")
         if r["B"] >= 64:
             verdict(f"decode B{r['B']} >= 3.8 TB/s (target)", r["ours"]["TBps"] >= 3.8, f"{r['ours']['TBps']:.2f} TB/s")
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--no-fla", action="store_true")
-    p.add_argument("--variants", default=None, help="comma list of forward precision variants, '' = bf16")
-    p.add_argument("--shapes", default="0,1")
-    p.add_argument("--out", default=os.environ.get("OUT"))
-    p.add_argument("--sections", default="env,correct,ceilings,chunk,decode")
-    p.add_argument("--sweep", action="store_true", help="launch-config sweeps (scan, decode)")
-    p.add_argument("--decode-sweep", action="store_true", help="the decode section's launch sweep alone")
-    p.add_argument("--check-variants", default=None, help="comma list checked in 'correct' (default ,h,ach,acsw)")
+def _index_list(text: str, n: int, what: str) -> list:
+    """'0,1' -> [0, 1], each an index below n; anything else exits naming ``what``."""
+    try:
+        idx = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"{what}: a comma list of integers, got {text!r}") from None
+    if not idx or any(not 0 <= i < n for i in idx):
+        raise SystemExit(f"{what}: indices 0 .. {n - 1}, got {text!r}")
+    return idx
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="medium-shape correctness and our forward at shape 0 only")
+    p.add_argument("--no-fla", action="store_true", help="leave the peer out")
+    p.add_argument("--shapes", default="0,1", help=f"indices into {SHAPES} (B, T, H, D)")
+    p.add_argument("--out", default=os.environ.get("OUT"), help="write kda_kernel.json here (default $OUT)")
+    p.add_argument("--sections", default="env,correct,ceilings,chunk,decode", help=f"comma list of {SECTIONS}")
     p.add_argument("--no-bwd", action="store_true", help="skip the forward+backward timings")
-    p.add_argument("--no-hybrid", action="store_true", help="skip the HYBRID (torch) backward's timing")
     p.add_argument("--decode-batches", default=None, help="comma list (default 1,64,256; quick 64)")
-    p.add_argument("--try", dest="experiments", default=None,
-                   help="kernel-structure experiments for `chunk` / `profile` (kda_tries.py), e.g. scan=32/4/2,intra,wy")
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    shapes = [SHAPES[i] for i in _index_list(a.shapes, len(SHAPES), "--shapes")]
+    secs = a.sections.split(",")
+    unknown = [x for x in secs if x not in SECTIONS]
+    if unknown:
+        raise SystemExit(f"--sections: unknown {unknown}; sections are {', '.join(SECTIONS)}")
+    if a.decode_batches:
+        try:
+            batches = [int(x) for x in a.decode_batches.split(",")]
+        except ValueError:
+            raise SystemExit(f"--decode-batches: a comma list of integers, got {a.decode_batches!r}") from None
+    else:
+        batches = [64] if a.quick else [1, 64, 256]
     if not torch.cuda.is_available():
         log("FAIL no CUDA device")
         return 1
-    all_shapes = [(1, 8192, 96, 128), (4, 4096, 64, 128)]
-    shapes = [all_shapes[int(i)] for i in a.shapes.split(",")]
-    if a.variants is not None:
-        variants = a.variants.split(",")
-    else:
-        variants = ["h"] if a.quick else ["", "h", "ach", "acsw"]
     t0 = time.time()
-    secs = set(a.sections.split(","))
-    if a.experiments:
-        EXPERIMENTS[:] = [parse_experiment(t) for t in a.experiments.split(",")]
-    if a.check_variants is not None:
-        CHECK_VARIANTS[:] = a.check_variants.split(",")
-    if a.decode_batches:
-        batches = [int(x) for x in a.decode_batches.split(",")]
-    else:
-        batches = [64] if a.quick else [1, 64, 256]
     if "env" in secs:
         env()
     if "correct" in secs:
@@ -580,15 +465,13 @@ def main() -> int:
     if "ceilings" in secs:
         ceilings()
     if "chunk" in secs:
-        chunk(shapes[:1] if a.quick else shapes, variants, not a.no_fla, a.quick, a.sweep, not a.no_bwd, a.no_hybrid)
+        chunk(shapes[:1] if a.quick else shapes, not a.no_fla, a.quick, not a.no_bwd)
     if "profile" in secs:
-        profile(shapes, variants, not a.no_fla)
+        profile(shapes, not a.no_fla)
     if "host" in secs:
         host(shapes, not a.no_fla)
-    if "ablate" in secs:
-        ablate(shapes)
     if "decode" in secs:
-        decode(batches, a.sweep or a.decode_sweep, not a.no_fla)
+        decode(batches, not a.no_fla)
     return REPORT.finish(t0, a.out, "kda_kernel.json")
 
 

@@ -1,20 +1,17 @@
-"""KDA precision class: ours (each bf16 precision variant) and fla 0.6.0 against the fp32 token loop, on the
-same bf16 inputs with K3's contract, forward and every gradient.
+"""KDA precision class: ours (the default kernels) and fla 0.6.0 against the fp32 token loop, on the same bf16 inputs
+with K3's contract, forward and every gradient.
 
-    python benchmarks/kda_precision.py [--shape 1,2048,32,128] [--variants h,ach,] [--try dh16,...] [--seeds 2]
-                                       [--out DIR]
+    python benchmarks/kda_precision.py [--shape 1,2048,32,128] [--seeds 2] [--no-fla] [--out DIR]
 
 The bf16 inputs (raw q, k, v, gate input z, beta logits, and an fp32 initial state) are upcast to fp32 for the
 reference (`naive_recurrent_kda` after the fp32 pre-activations), so every error measured is the kernel's own
-rounding. Printed per implementation: the relative RMS error of o, the final state and the gradients of q, k,
-v, z, the beta logits and the initial state, and each error over fla's on the same inputs. A variant is "in
-fla's precision class" when none of its errors exceeds 1.25x fla's (or its own error is under 1e-3 anyway).
-This is the evidence a precision variant needs before it becomes the bf16 default (benchmarks/NOTES-kda.md).
---try takes kda_kernel.py's experiments (benchmarks/kda_tries.py) whose precision differs from the default's, e.g.
-dh16 (the state gradients stored 16-bit): each is measured as our default variant with the try applied, a row of its
-own (`ours 'h' +dh16`) judged by the same rule, so the try and the default meet fla on the same inputs in one run.
-Timing is kda_kernel.py's job; this script only measures errors. GPU (or CPU under TRITON_INTERPRET=1 at a
-tiny --shape, as the CPU smoke test does).
+rounding. Printed per implementation: the relative RMS error of o and the final state (of the training forward, and
+of a forward alone, which takes other kernels), and of the gradients of q, k, v, z, the beta logits and the initial
+state, and each of our errors over fla's on the same inputs. Ours is "in fla's precision class" when none of its
+errors exceeds 1.25x fla's (or its own error is under 1e-3 anyway). Which kernels run depends on the shape, as it
+does in the model (their dispatch thresholds count chunks x heads); a shape over the thresholds, e.g. H96, measures
+the kernels that run at K3's shape. Timing is kda_kernel.py's job; this script only measures errors. GPU (or CPU
+under TRITON_INTERPRET=1 at a tiny --shape, as the CPU smoke test does).
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kda_k3 as k3  # noqa: E402  (the K3-contract inputs and callers; k3.DEVICE: where inputs are built)
 from harness import log, rel  # noqa: E402
-from kda_tries import overridden, parse_experiment  # noqa: E402  (--try: kda_kernel.py's experiment switches)
 
 # o_fwd, state_fwd: a forward alone (no autograd), which takes other kernel forms than the training forward (o, state)
 FIELDS = ["o", "state", "o_fwd", "state_fwd", "dq", "dk", "dv", "dz", "dbeta", "dh0"]
@@ -46,11 +42,9 @@ def errors(call, xs, h0, do, ds, ref) -> dict:
     return {name: rel(r, x) for name, r, x in zip(FIELDS, ref, [o, s, o_fwd, s_fwd, *grads])}
 
 
-def measure(shape, variants, use_fla: bool, seed: int, tries=()) -> dict:
-    """{implementation: {field: error}} at shape (B, T, H, D) for one input seed; tries: (name, overrides) pairs from
-    ``kda_tries.parse_experiment``, each measured as our default variant under its overrides."""
-    import kimik3.ops.kda.triton_forward as tf
-
+def measure(shape, use_fla: bool, seed: int) -> dict:
+    """{implementation: {field: error}} at shape (B, T, H, D) for one input seed: "ours", and "fla" when use_fla
+    and its wheels are there."""
     B, T, H, D = shape
     xs, a_log, dtb = k3.k3_inputs(B, T, H, D, seed=seed, requires_grad=True)
     gen = torch.Generator(device=k3.DEVICE).manual_seed(seed + 1000)
@@ -61,14 +55,7 @@ def measure(shape, variants, use_fla: bool, seed: int, tries=()) -> dict:
     o_n, s_n = k3.naive_k3(xs32, a_log, dtb, h0)
     ref = [o_n, s_n, o_n, s_n, *torch.autograd.grad((o_n * do).sum() + (s_n * ds).sum(), xs32 + [h0])]
     del xs32, o_n, s_n
-    out = {}
-    for variant in variants:
-        out[f"ours '{variant}'"] = errors(lambda x, h, v=variant: k3.ours_k3(x, a_log, dtb, h, True, variant=v),
-                                          xs, h0, do, ds, ref)
-    for name, overrides in tries:
-        with overridden(overrides):  # forward and backward both under the try (the variant too, if it sets one)
-            out[f"ours '{tf.DEFAULT_VARIANT}' +{name}"] = errors(lambda x, h: k3.ours_k3(x, a_log, dtb, h, True),
-                                                                 xs, h0, do, ds, ref)
+    out = {"ours": errors(lambda x, h: k3.ours_k3(x, a_log, dtb, h, True), xs, h0, do, ds, ref)}
     fla_fn, _ = k3.load_fla() if use_fla else (None, None)
     if fla_fn is not None:
         out["fla"] = errors(lambda x, h: k3.fla_k3(fla_fn, x, a_log, dtb, h, True), xs, h0, do, ds, ref)
@@ -80,7 +67,7 @@ def in_fla_class(errs: dict, fla: dict) -> bool:
 
 
 def report(shape, per_seed: list) -> dict:
-    """Mean over seeds; prints the table and each variant's class verdict. Returns the summary dict."""
+    """Mean over seeds; prints the table and, with fla measured, our class verdict. Returns the summary dict."""
     names = list(per_seed[0])
     mean = {n: {f: sum(s[n][f] for s in per_seed) / len(per_seed) for f in FIELDS} for n in names}
     B, T, H, D = shape
@@ -110,24 +97,22 @@ def report(shape, per_seed: list) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="1,2048,32,128", help="B,T,H,D (the token loop's autograd holds T states)")
-    p.add_argument("--variants", default="h,ach,", help="comma list of our bf16 precision variants ('' = all 16-bit)")
-    p.add_argument("--try", dest="tries", default="",
-                   help="comma list of kda_tries.py experiments, each measured as our default variant with it "
-                        "applied, e.g. dh16")
-    p.add_argument("--seeds", type=int, default=2)
-    p.add_argument("--no-fla", action="store_true")
-    p.add_argument("--out", default=os.environ.get("OUT"))
+    p.add_argument("--seeds", type=int, default=2, help="input seeds 0 .. N-1; the table is their mean")
+    p.add_argument("--no-fla", action="store_true", help="leave the peer out")
+    p.add_argument("--out", default=os.environ.get("OUT"), help="write kda_precision.json here (default $OUT)")
     a = p.parse_args(argv)
-    shape = tuple(int(x) for x in a.shape.split(","))
-    if len(shape) != 4:
-        raise SystemExit(f"--shape takes B,T,H,D, got {a.shape!r}")
-    tries = [parse_experiment(t) for t in a.tries.split(",") if t]  # (a bad name exits here, before any work)
+    try:
+        shape = tuple(int(x) for x in a.shape.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        raise SystemExit(f"--shape takes four positive integers B,T,H,D, got {a.shape!r}")
+    if a.seeds < 1:
+        raise SystemExit(f"--seeds must be >= 1, got {a.seeds}")
     if not torch.cuda.is_available():  # the interpreter at a tiny shape (a smoke run)
-        from kimik3.ops.kda.triton_autograd import interpreter_bf16_fix
-
         k3.DEVICE = "cpu"
-        interpreter_bf16_fix()  # the interpreter's bf16 dots and casts are not the GPU's (Triton 3.6)
-    per_seed = [measure(shape, a.variants.split(","), not a.no_fla, seed, tries) for seed in range(a.seeds)]
+        k3.interpreter_bf16_fix()
+    per_seed = [measure(shape, not a.no_fla, seed) for seed in range(a.seeds)]
     summary = report(shape, per_seed)
     if a.out:
         os.makedirs(a.out, exist_ok=True)

@@ -1,10 +1,9 @@
 """The serving engine's KDA decode step on the GPU: the pooled kernel path against the torch path it replaced.
 
-Until the thirteenth session the engine gathered every live sequence's recurrent state out of its pool, ran the
-torch one-token step (``recurrent_kda_step`` after the pre-activations) and scattered the new states back, for
-each KDA layer at each step. Now the layer advances the pool rows in place through ``kda_decode`` (the Triton
-kernel on CUDA). ``backend="torch"`` of the same call is exactly the former path (gather, step, scatter), so both
-run in one process, on the same inputs:
+The engine's KDA layer advances the pool rows in place through ``kda_decode`` (the Triton kernel on CUDA). The peer
+is ``backend="torch"`` of the same call: gather every live sequence's recurrent state out of the pool, the torch
+one-token step (``recurrent_kda_step`` after the pre-activations), scatter the new states back, as the engine did
+before the kernel. Both run in one process, on the same inputs:
 
   state   the state update alone: B sequences on a pool of 2B rows, H96 D128 fp32 (K3's KDA layer), raw K3
           inputs (gate, L2 norm and beta sigmoid fused);
@@ -87,9 +86,9 @@ def layer_step(B: int, layer, config, device: str = "cuda") -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--batches", default="1,16,64,256", help="comma list of batch sizes (sequences per step)")
     parser.add_argument("--no-layer", action="store_true", help="the state update alone")
-    parser.add_argument("--out", default=os.environ.get("OUT"))
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="write kda_serve_decode.json here (default $OUT)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         log("FAIL no CUDA device: this benchmark times the Triton decode kernel")

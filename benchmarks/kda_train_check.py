@@ -1,12 +1,13 @@
 """Train with the Triton KDA kernels vs the torch chunk path: same run, same data, same seed.
 
     python benchmarks/kda_train_check.py [--steps 60] [--preset debug] [--vocab 16384] [--seeds 1] [--noise]
-                                         [--kda-head-dim 128] [--try EXPERIMENT]
+                                         [--kda-head-dim 128] [--seq-len 512] [--batch-size 8]
 
 Trains the preset (bf16 autocast on CUDA; the preset's vocabulary cut to --vocab, since the stdlib
 corpus does not fill K3's 164K BPE) twice through the same ``Trainer``: KIMIK3_KDA_BACKEND=torch (the
 peer) and =triton (forward and backward kernels). Prints both loss curves, the median tokens/s and
-the peak GPU memory of each, and PASS when the final validation loss agrees within --tol and the mean
+the peak GPU memory of each, the Triton run's kernel launches by kernel (which kernels the dispatch chose at these
+shapes), and PASS when the final validation loss agrees within --tol and the mean
 training loss over the last 10 steps within 2 x --tol (bf16 noise: the two paths round differently,
 so the curves drift apart by a few hundredths; the validation loss, averaged over 16 windows, is the
 steadier of the two). With --seeds N > 1 both paths train once per seed (0 .. N-1): the check then
@@ -17,9 +18,8 @@ and 30 steps of training amplify that) is the noise the Triton path's distance i
 passes when the mean validation |difference| is within --tol or within 2x the torch path's own mean |difference|
 (the last-10-step mean likewise, against 2 x --tol).
 --kda-head-dim sets the preset's KDA head dimension (the debug preset's is 64; K3's is 128, where the Gluon kernels
-of sm_90 run), and --try applies one of kda_kernel.py's experiments (benchmarks/kda_tries.py) to the Triton runs,
-e.g. ``triton_forward.GLUON_MIN_ITEMS=0+triton_forward.GLUON_SCAN_MIN_ITEMS=0`` so that the Gluon kernels run at
-the check's small batch too (their dispatch thresholds are set for K3's shapes).
+of sm_90 run). Which kernels run also depends on the batch: the Gluon ones take over from a count of chunks x heads
+up, so --batch-size and --seq-len decide whether the check goes through them (the launch counts say).
 Exits non-zero on FAIL.
 """
 
@@ -36,38 +36,33 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kimik3.config import K3Config  # noqa: E402
-from kimik3.ops.kda import BACKEND_ENV  # noqa: E402
 from kimik3.train.trainer import TrainArgs, Trainer  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kda_tries import overridden, parse_experiment  # noqa: E402  (--try: kda_kernel.py's experiment switches)
-
-
-GLUON_MODULES = ("gluon_wy", "gluon_phase_a", "gluon_scan", "gluon_bwd_scan", "gluon_bwd_wy", "gluon_bwd_intra")
+BACKEND_ENV = "KIMIK3_KDA_BACKEND"  # the KDA operators' backend override: "torch" or "triton" for the whole run
 
 
 @contextlib.contextmanager
-def counting_gluon_launches(counts: dict):
-    """Count each Gluon kernel module's launches (``launch``) while the block runs, into counts: the evidence of which
-    Gluon kernels a training run went through (their dispatch depends on the GPU, the shapes and the thresholds)."""
-    import importlib
+def counting_kernel_launches(counts: dict):
+    """Count each Triton / Gluon kernel's launches by kernel name into counts while the block runs, whatever module
+    holds the kernel: every compiled launch goes through ``JITFunction.run`` (launches under TRITON_INTERPRET=1 take
+    another path and are not counted). Gluon kernels are named with " (Gluon)"."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # no Triton: nothing can launch
+        yield counts
+        return
+    original = JITFunction.run
 
-    saved = []
-    for name in GLUON_MODULES:
-        module = importlib.import_module(f"kimik3.ops.kda.{name}")
-        launch = module.launch
+    def counted(self, *args, **kwargs):
+        name = self.__name__ + (" (Gluon)" if self.is_gluon() else "")
+        counts[name] = counts.get(name, 0) + 1
+        return original(self, *args, **kwargs)
 
-        def counted(*a, _launch=launch, _name=name, **k):
-            counts[_name] = counts.get(_name, 0) + 1
-            return _launch(*a, **k)
-
-        saved.append((module, launch))
-        module.launch = counted
+    JITFunction.run = counted
     try:
         yield counts
     finally:
-        for module, launch in saved:
-            module.launch = launch
+        JITFunction.run = original
 
 
 def train(backend: str, args: argparse.Namespace, tmp: Path, seed: int,
@@ -99,40 +94,36 @@ def train(backend: str, args: argparse.Namespace, tmp: Path, seed: int,
         speeds.append(record["tokens_per_s"])
 
     launches: dict = {}
-    with overridden(args.overrides if backend == "triton" else {}), counting_gluon_launches(launches):
+    with counting_kernel_launches(launches):
         summary = Trainer(train_args, log=lambda _: None).run(on_step=on_step)
     if backend == "triton":
-        print(f"{backend} seed {seed}: Gluon kernel launches "
-              + (", ".join(f"{k} {v}" for k, v in sorted(launches.items())) or "none"))
+        print(f"{backend} seed {seed}: kernel launches "
+              + (", ".join(f"{k} {v}" for k, v in sorted(launches.items())) or "none counted"))
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     return losses, statistics.median(speeds[2:] or speeds), summary.final_val_loss, peak_gib
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="debug")
-    p.add_argument("--vocab", type=int, default=16384)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--preset", default="debug", help="the model preset trained")
+    p.add_argument("--vocab", type=int, default=16384, help="the preset's vocabulary cut to this size")
+    p.add_argument("--steps", type=int, default=60, help="training steps per run")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per row")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per step")
+    p.add_argument("--device", default="cuda", help="the trainer's device")
     p.add_argument("--tol", type=float, default=0.05,
                    help="allowed |difference| of the validation loss (2x for the last-10-step mean loss)")
     p.add_argument("--seeds", type=int, default=1, help="train both paths once per seed 0 .. N-1")
     p.add_argument("--noise", action="store_true",
                    help="train the torch path twice per seed and judge the Triton path against its own spread")
     p.add_argument("--kda-head-dim", type=int, default=None, help="the preset's KDA head dimension instead of its own")
-    p.add_argument("--try", dest="experiment", default="",
-                   help="one kda_tries.py experiment applied to the Triton runs (parts joined by '+')")
     args = p.parse_args()
     if args.seeds < 1 or args.steps < 1:
         raise SystemExit(f"--seeds and --steps must be >= 1, got {args.seeds} and {args.steps}")
-    args.overrides = parse_experiment(args.experiment)[1] if args.experiment else {}
 
     print(f"{args.preset} vocab {args.vocab}, {args.steps} steps of {args.batch_size} x {args.seq_len}, "
           f"device {args.device}, seeds {args.seeds}"
-          + (f", KDA head dim {args.kda_head_dim}" if args.kda_head_dim is not None else "")
-          + (f", Triton runs under --try {args.experiment}" if args.experiment else ""))
+          + (f", KDA head dim {args.kda_head_dim}" if args.kda_head_dim is not None else ""))
     val_diffs, tail_diffs, torch_vals, finite = [], [], [], True
     noise_val, noise_tail = [], []  # --noise: the torch path against its own second run
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,8 +7,8 @@ forward in panels of their own::
 
     python benchmarks/plot_kda_profile.py h200-logs/shape0/kda_kernel.json --out docs/kda_profile.png
 
-By default it draws our forward and forward+backward at the default variant next to fla's (``--run``, once per
-run, picks other profiled runs by their labels, e.g. a --try experiment's "ours fwd+bwd [wys=1]").
+By default it draws our forward and forward+backward next to fla's (``--run``, once per run, picks profiled runs by
+their labels, e.g. from an older kda_kernel.json whose labels differ).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 import re
 import sys
 
-DEFAULT_RUNS = ["fla fwd+bwd", "ours fwd+bwd, default variant", "fla fwd", "ours fwd variant 'h'"]
+DEFAULT_RUNS = ["fla fwd+bwd", "ours fwd+bwd", "fla fwd", "ours fwd"]  # kda_kernel.py's profile labels
 # kernel-name prefixes and suffixes that say nothing on a narrow segment
 _DROP = re.compile(r"^(chunk_kda_|chunk_gated_delta_rule_|chunk_|_)|(_kernel.*|_blockdim\d+.*)$")
 

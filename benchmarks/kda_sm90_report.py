@@ -2,17 +2,17 @@
 shared memory, registers per thread and register spills, as ptxas reports them, and from those how many
 CTAs fit an H200 SM and how many waves the launch grid takes.
 
-A screening tool for kernel changes between GPU sessions: the launchers run as usual on small CPU
-tensors, but every launch is intercepted -- the kernel is compiled for ``GPUTarget("cuda", 90, 32)``
-with the launch's own signature, constants and alignment, and never run. ptxas (shipped with Triton)
-then prints registers and spill bytes. What it cannot tell: time. A kernel that spills, or needs more
-than the H200's 227 KB of shared memory, is worth fixing before spending device time on it::
+A screening tool for kernel changes between GPU sessions: the public entry points (``chunk_kda`` forward and
+backward, ``kda_decode``) run as usual on small CPU tensors with ``backend="triton"``, but every launch is
+intercepted -- the kernel is compiled for ``GPUTarget("cuda", 90, 32)`` with the launch's own signature, constants
+and alignment, and never run. ptxas (shipped with Triton) then prints registers and spill bytes. What it cannot
+tell: time. A kernel that spills, or needs more than the H200's 227 KB of shared memory, is worth fixing before
+spending device time on it. The kernels are the ones the dispatch picks for CPU tensors (the Triton kernels; the
+Gluon kernels, chosen on an sm_90 device only, are compiled by their own tests' ``Sm90Compiler`` calls)::
 
-    python benchmarks/kda_sm90_report.py                      # default switches, K = V = 128, fp32 inputs
-    python benchmarks/kda_sm90_report.py --dtype bfloat16 --fwd fused --intra fused --wy-split 0
-    python benchmarks/kda_sm90_report.py --set triton_backward.BWD_WARPS=8 --set triton_forward.SCAN_CONFIG=32,4,1
-    python benchmarks/kda_sm90_report.py --set gluon_wy.RING=1   # a gluon_* module (imported when named)
-    python benchmarks/kda_sm90_report.py --json out.json
+    python benchmarks/kda_sm90_report.py                      # K = V = 128, H = 96, fp32 inputs
+    python benchmarks/kda_sm90_report.py --dtype bfloat16 --tokens 8192 --json out.json
+    python benchmarks/kda_sm90_report.py --kernels '_bwd_wy|_decode'   # only the kernels whose name matches
 
 Needs no GPU; must not run under TRITON_INTERPRET=1.
 """
@@ -141,108 +141,72 @@ class Sm90Compiler:
         self.rows.append(row)
 
 
-def parse_override(text: str):
-    """'triton_backward.BWD_WARPS=8' -> (the module, 'BWD_WARPS', 8); '32,4,1' becomes a tuple, None / True / False
-    themselves, a word stays a string."""
-    import kimik3.ops.kda.triton_backward as tb
-    import kimik3.ops.kda.triton_bwd_intra as tbi
-    import kimik3.ops.kda.triton_decode as td
-    import kimik3.ops.kda.triton_forward as tf
-    import kimik3.ops.kda.triton_prep16 as tp16
-    import kimik3.ops.kda.triton_prologue as tp
-    import kimik3.ops.kda.triton_scan as ts
-
-    target, sep, value = text.partition("=")
-    module, dot, attr = target.partition(".")
-    modules = {"triton_forward": tf, "triton_prologue": tp, "triton_scan": ts, "triton_backward": tb,
-               "triton_bwd_intra": tbi, "triton_decode": td, "triton_prep16": tp16}
-    if module.startswith("gluon_"):  # the Gluon kernels' modules, imported only when named (a Triton with Gluon)
-        import importlib
-
-        modules[module] = importlib.import_module(f"kimik3.ops.kda.{module}")
-    if not sep or not dot or module not in modules or not hasattr(modules[module], attr):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected module.ATTR=value with an existing ATTR of "
-                                         f"{', '.join(modules)} or a gluon_* module")
-    if value in ("None", "True", "False"):
-        return modules[module], attr, {"None": None, "True": True, "False": False}[value]
-    try:
-        parts = [int(x) for x in value.split(",")]
-    except ValueError:  # a mode name, e.g. triton_bwd_intra.BWD_INTRA_MODE=rows
-        return modules[module], attr, value
-    return modules[module], attr, parts[0] if len(parts) == 1 else tuple(parts)
-
-
 def run_kda(args, compiler: Sm90Compiler) -> None:
+    """One training forward and its backward through ``chunk_kda`` (K3's contract: gate, L2 norm and beta sigmoid
+    fused), then, with ``args.decode_batch``, one ``kda_decode`` step; every launch of a kernel whose name
+    ``args.kernels`` matches (every launch without it) goes to ``compiler``, the others are skipped."""
     import torch
     import triton.runtime.jit as jit
 
-    import kimik3.ops.kda.triton_backward as tb
-    import kimik3.ops.kda.triton_forward as tf
-    from kimik3.ops.kda.triton_preact import PreactInputs
+    from kimik3.ops.kda import chunk_kda, kda_decode
 
-    tf.FWD_MODE, tf.INTRA_MODE, tb.WY_SPLIT_K = args.fwd, args.intra, bool(args.wy_split)
-    if args.variant is not None:
-        tf.DEFAULT_VARIANT = args.variant
-    for module, attr, value in args.overrides:
-        setattr(module, attr, value)
     original = jit.JITFunction.run
+    wanted = re.compile(args.kernels) if args.kernels else None
 
     def intercepted(self, *a, grid, warmup, **kw):
-        compiler(self, a, kw, grid)
+        if wanted is None or wanted.search(self.__name__):
+            compiler(self, a, kw, grid)
 
     jit.JITFunction.run = intercepted
     try:
         B, T, H, K, V = 1, args.tokens, args.heads, args.head_dim, args.head_dim
         dtype = getattr(torch, args.dtype)
-        q, k = torch.zeros(B, T, H, K, dtype=dtype), torch.zeros(B, T, H, K, dtype=dtype)
-        v, g = torch.zeros(B, T, H, V, dtype=dtype), torch.zeros(B, T, H, K, dtype=torch.float32)
-        beta, h0 = torch.zeros(B, T, H, dtype=torch.float32), torch.zeros(B, H, K, V)
-        a_log, dt_bias = torch.zeros(H), torch.zeros(H * K)
-        plan = tf.make_plan(B, T, None, q.device)
-        o, ht, aux = tf.kda_fwd_triton(q, k, v, g, beta, K ** -0.5, h0, True, plan, A_log=a_log, dt_bias=dt_bias,
-                                       use_gate=True, use_l2=True, use_beta_sigmoid=True, return_aux=True)
-        preact = PreactInputs(q, k, g, beta, a_log, dt_bias, -5.0, True, True, True)  # as K3's layer calls it
-        tb.kda_bwd_triton(torch.zeros_like(v), torch.zeros_like(h0), aux, v, h0, K ** -0.5, plan, preact=preact)
+        q, k, z = (torch.zeros(B, T, H, K, dtype=dtype, requires_grad=True) for _ in range(3))
+        v = torch.zeros(B, T, H, V, dtype=dtype, requires_grad=True)
+        beta = torch.zeros(B, T, H, dtype=dtype, requires_grad=True)
+        h0 = torch.zeros(B, H, K, V, requires_grad=True)
+        a_log, dt_bias = torch.zeros(H), torch.zeros(H, K)
+        fused = dict(A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0, use_gate_in_kernel=True,
+                     use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+        o, ht = chunk_kda(q, k, v, z, beta, initial_state=h0, output_final_state=True, backend="triton", **fused)
+        torch.autograd.grad(o.float().sum() + ht.sum(), [q, k, v, z, beta, h0])
         if args.decode_batch:  # the serving decode kernel, one token for each of decode_batch sequences
-            from kimik3.ops.kda.triton_decode import kda_decode
-
             Bd = args.decode_batch
             x = torch.zeros(Bd, H, K, dtype=dtype)
             kda_decode(x, x, torch.zeros(Bd, H, V, dtype=dtype), x, torch.zeros(Bd, H, dtype=dtype),
-                       torch.zeros(Bd, H, K, V), torch.arange(Bd), A_log=a_log, dt_bias=dt_bias.view(H, K),
-                       use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+                       torch.zeros(Bd, H, K, V), torch.arange(Bd), A_log=a_log, dt_bias=dt_bias,
+                       use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                       backend="triton")
     finally:
         jit.JITFunction.run = original
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--heads", type=int, default=96)
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="q, k, v, z, beta's dtype")
+    p.add_argument("--heads", type=int, default=96, help="H of the dummy inputs")
+    p.add_argument("--head-dim", type=int, default=128, help="K = V of the dummy inputs")
     p.add_argument("--tokens", type=int, default=256,
                    help="tokens of the dummy inputs: the compiled kernels do not depend on it, the chunk-parallel "
                         "grids (and so their waves) do; 8192 for K3's per-layer shape")
-    p.add_argument("--fwd", default="split", choices=["fused", "split"], help="KIMIK3_KDA_FWD")
-    p.add_argument("--intra", default="split", choices=["fused", "split", "tiles16"])
-    p.add_argument("--variant", default=None, help="precision variant (KIMIK3_KDA_VARIANT), e.g. ach")
-    p.add_argument("--wy-split", type=int, choices=[0, 1], default=1, help="KIMIK3_KDA_WY_SPLIT")
     p.add_argument("--decode-batch", type=int, default=64,
-                   help="sequences of the decode kernel's launch (0: leave it out); its blocks from "
-                        "--set triton_decode.DEFAULT_BLOCKS=BV,warps")
-    p.add_argument("--set", dest="overrides", action="append", default=[], type=parse_override,
-                   help="module.ATTR=value, module one of triton_forward, triton_prologue, triton_scan, "
-                        "triton_backward, triton_bwd_intra, triton_decode; value an int or a "
-                        "comma tuple of ints (e.g. triton_backward.BWD_WARPS=8, triton_forward.SCAN_CONFIG=32,4,1)")
-    p.add_argument("--json", help="write the rows here")
+                   help="sequences of the decode kernel's launch (0: leave it out)")
+    p.add_argument("--kernels", default=None, help="a regular expression: compile only the kernels it finds in "
+                                                    "their names (e.g. '_bwd_wy|_decode')")
+    p.add_argument("--json", help="write the arguments and the rows here")
     args = p.parse_args(argv)
+    if args.kernels is not None:
+        try:
+            re.compile(args.kernels)
+        except re.error as exc:
+            raise SystemExit(f"--kernels: not a regular expression ({exc}): {args.kernels!r}") from None
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("kda_sm90_report.py compiles for the GPU: unset TRITON_INTERPRET")
     compiler = Sm90Compiler()
     run_kda(args, compiler)
-    print(f"sm_90a, K = V = {args.head_dim}, H = {args.heads}, {args.dtype}, fwd {args.fwd}, intra {args.intra}, "
-          f"WY split {args.wy_split}, variant {args.variant or 'default'}"
-          + "".join(f", {m.__name__.rsplit('.', 1)[-1]}.{a}={v}" for m, a, v in args.overrides))
+    if not compiler.rows:
+        raise SystemExit(f"no kernel launched matches --kernels {args.kernels!r}")
+    print(f"sm_90a, K = V = {args.head_dim}, H = {args.heads}, T = {args.tokens}, {args.dtype}")
     print("| kernel | grid | warps | stages | shared KB | registers | spill store / load bytes | CTAs / SM | waves |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in compiler.rows:

@@ -1,21 +1,18 @@
-"""Run the Triton KDA forward + backward on a list of shapes and kernel switches, one process per case.
+"""Run the Triton KDA forward + backward (``chunk_kda(backend="triton")``) on a list of shapes, one process per case.
 
 A kernel that faults on the GPU (an illegal address) poisons the CUDA context of its process, so a
 test run stops telling anything after the first one. This script gives every case its own process with
 ``CUDA_LAUNCH_BLOCKING=1`` and reports, per case: PASS (outputs, final state and every gradient match
-the torch chunk path within 1e-3 relative RMS), FAIL (numbers differ) or CRASH (with the last kimik3
-source line of the traceback, i.e. which launch surfaced it)::
+the torch chunk path within 1e-3 relative RMS, 2e-2 in bf16), FAIL (numbers differ) or CRASH (with the last
+kimik3 source line of the traceback, i.e. which launch surfaced it)::
 
     python3 benchmarks/kda_gpu_probe.py                 # the default cases below
-    python3 benchmarks/kda_gpu_probe.py K=128,V=16,scan_bv=16 K=100,V=32
+    python3 benchmarks/kda_gpu_probe.py K=128,V=16 K=100,V=32,lens=1/3/64/65
 
 A case is a comma list of ``key=value``: K, V, H, T (defaults 100, 16, 1, 65), ``lens`` (varlen: the
-segment lengths joined by ``/``, e.g. ``lens=1/1/3/64/65/2``; T is then their sum), ``dtype`` (float32 |
-bfloat16), ``fwd`` (fused | split: ``KIMIK3_KDA_FWD``), ``intra`` (fused | split | tiles16:
-``KIMIK3_KDA_INTRA``, default split), ``wy`` (``KIMIK3_KDA_WY_SPLIT``, default 1) and ``scan_bv`` (the
-backward scans' V block, ``triton_backward.SCAN_BV``).
-The default cases separate the two suspects of the first V = 16 crash (NOTES-kda.md): 16-column V blocks
-in the backward scans, or a K that is not a power of two above 64.
+segment lengths joined by ``/``, e.g. ``lens=1/1/3/64/65/2``; T is then their sum) and ``dtype`` (float32 |
+bfloat16). The default cases cover head sizes that are not powers of two, narrow V blocks, K3's head size in
+both dtypes and short varlen segments.
 """
 
 from __future__ import annotations
@@ -27,24 +24,19 @@ import sys
 import time
 
 DEFAULT_CASES = [
-    "K=100,V=16",                   # the shape that crashed, with the 32-column V blocks now used
-    "K=100,V=16,scan_bv=16",        # ... and with the 16-column scan blocks it crashed with
-    "K=128,V=16,scan_bv=16",        # suspect 1 alone: 16-column blocks, K a power of two
-    "K=100,V=32",                   # suspect 2 alone: K = 100, 32-column blocks
+    "K=100,V=16",                   # K not a power of two, 16-column V blocks
+    "K=128,V=16",                   # 16-column V blocks, K a power of two
+    "K=100,V=32",
     "K=130,V=40",
-    "K=100,V=16,fwd=split,intra=split",
-    "K=100,V=16,wy=0",
-    "K=128,V=128,H=4,T=200",        # the default path at K3's head size (its WY kernel was restructured)
-    "K=128,V=128,H=4,T=200,wy=0",   # the unsplit WY backward at K3's head size
+    "K=16,V=16,H=2,lens=1/3/63/64/65/2",
+    "K=128,V=128,H=4,T=200",        # K3's head size
     "K=128,V=128,H=4,T=200,dtype=bfloat16",
 ]
-KEYS = {"K": int, "V": int, "H": int, "T": int, "lens": str, "dtype": str, "fwd": str, "intra": str, "wy": int,
-        "scan_bv": int}
+KEYS = {"K": int, "V": int, "H": int, "T": int, "lens": str, "dtype": str}
 
 
 def parse_case(text: str) -> dict:
-    case = {"K": 100, "V": 16, "H": 1, "T": 65, "lens": "", "dtype": "float32", "fwd": "fused", "intra": "split",
-            "wy": 1, "scan_bv": 0}
+    case = {"K": 100, "V": 16, "H": 1, "T": 65, "lens": "", "dtype": "float32"}
     for part in filter(None, text.split(",")):
         key, sep, value = part.partition("=")
         if not sep or key not in KEYS:
@@ -53,8 +45,6 @@ def parse_case(text: str) -> dict:
             case[key] = KEYS[key](value)
         except ValueError:
             raise SystemExit(f"bad value in {part!r} of {text!r}: {key} takes {KEYS[key].__name__}") from None
-    if case["fwd"] not in ("fused", "split") or case["intra"] not in ("fused", "split", "tiles16"):
-        raise SystemExit(f"{text!r}: fwd takes 'fused' or 'split', intra 'fused', 'split' or 'tiles16'")
     if case["dtype"] not in ("float32", "bfloat16"):
         raise SystemExit(f"{text!r}: dtype takes float32 or bfloat16")
     if case["lens"]:
@@ -71,13 +61,9 @@ def run_case(text: str) -> dict:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import torch
 
-    import kimik3.ops.kda.triton_backward as tb
-    import kimik3.ops.kda.triton_forward as tf
     from kimik3.ops.kda import chunk_kda
 
     c = parse_case(text)
-    tf.FWD_MODE, tf.INTRA_MODE, tb.WY_SPLIT_K = c["fwd"], c["intra"], bool(c["wy"])
-    tb.SCAN_BV = c["scan_bv"] or None
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: under TRITON_INTERPRET=1 (the CI smoke test)
     dtype = getattr(torch, c["dtype"])
     gen = torch.Generator(device="cpu").manual_seed(c["K"] * 1000 + c["V"])

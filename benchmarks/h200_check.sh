@@ -1,47 +1,35 @@
 #!/usr/bin/env bash
-# One device call that checks and times the GPU code paths (H200, torch 2.11, Triton 3.6):
+# One device call that checks and times the KDA kernels on the GPU (H200, torch 2.11, Triton 3.6); logs under $OUT:
 #
-#   bash benchmarks/h200_check.sh [quick|kernels|check|train|precision|final|decode]  # logs under $OUT
+#   bash benchmarks/h200_check.sh [quick|kernels|check|train|precision|decode]
 #
-# quick    compile + correctness of every Triton KDA kernel on the GPU: kda_gpu_probe.py (one process
-#          per shape, so a fault cannot hide the cases after it) and tests/ops/test_kda_triton.py
-#          (a fresh machine spends most of this compiling)                              <= 9 min
-# kernels  kda_kernel.py at K3's per-layer shape with the experiments (--try) and per-kernel profiles
-#          (ours and fla's), fla 0.6.0 side by side when its wheels are in .whl/ (its first calls
-#          autotune ~90 s each)                                                         <= 9 min
-# check    (two GPUs) the bf16 training check (TRAIN_SEEDS seeds, 2 by default) and then the Triton test file on
-#          GPU 1 while GPU 0 runs `kernels` at shape 0 only, with the host-overhead section: a kernel change checked
-#          and timed in one call (one GPU: the test file and `kernels` in turn, shorter limits; LIMIT0 sets GPU 0's)  <= 9.5 min
-# train    the parallel smoke test and the bf16 training check (Triton kernels vs torch; LIMIT_TRAIN, 300 s) <= 7 min
-# precision (two GPUs) GPU 1: kda_precision.py (each bf16 variant and fla against the fp32 token loop, forward
-#          and gradients), then the bf16 training check for the default and for variant $TRAIN_VARIANT
-#          (TRAIN_SEEDS seeds each); GPU 0: `kernels` at shape 0. Deciding a precision variant in one call  <= 9.5 min
-# final    (two GPUs) closing a session's defaults in one call. GPU 1: the Triton test file (then, with PRECISION_TRIES,
-#          kda_precision.py --try PRECISION_TRIES: the tries' errors against fla's); GPU 0: shape 0 with TRIES_FINAL
-#          (the previous defaults, timed in the same run), shape 1 (B4 T4096 H64) with TRIES1, then the bf16 training
-#          check (TRAIN_SEEDS seeds; LIMIT_TRAIN, 300 s). One GPU: the test file and shape 0 in turn
-#          (`train` and `kernels` do the rest). On a fresh machine fla autotunes ~90 s per shape and pass and
-#          our kernels compile: a shape's step needs ~250-300 s, so the precision table is not part of this
-#          mode (`precision` has it). LIMIT0 / LIMIT1 set the two shapes' limits (200 / 150 s; LIMIT1=0 skips
-#          shape 1). check and final: DECODE=1 adds the decode section with its launch sweep on GPU 0 after
-#          the kernels (LIMIT_DECODE, 120 s)                                                          <= 9.5 min
-# decode   the decode section alone (ours and fla at B 1 / 64 / 256, eager and CUDA-graph times, the launch sweep),
-#          then benchmarks/kda_serve_decode.py (the engine's decode step, kernel vs the torch path), on one GPU
-#                                                                                              <= 2 min
-# Each mode fits one device call (10 minutes at most). Autotune results persist between calls: Triton's cache
-# (TRITON_CACHE_AUTOTUNING=1, so fla's autotune timings too) comes back as $OUT/triton-cache.tgz (only the autotune
-# records, ~20 KB, when the whole cache is over 15 MiB, as it is after any timing step); copy it to
-# .triton-cache.tgz in the repository root (gitignored) and carry it: fla's first call at a shape then takes ~6 s
-# instead of ~90 s, and a shape's timing step about a minute.
-# Step results are in $OUT/rc.txt (one "name status" line each). On a machine with two or more GPUs the steps of
-# a mode run side by side, one GPU each (kernels: shape 1, B4 T4096 H64, on the second GPU too).
+# quick      the GPU tests of the kernels (tests/ops/test_kda_triton.py, test_kda_gluon.py) and kda_gpu_probe.py
+#            (one process per shape, so a fault cannot hide the cases after it)                        <= 9 min
+# kernels    kda_kernel.py, ours against fla 0.6.0: shape 0 (K3's layer, B1 T8192 H96 D128) with the ceilings and
+#            per-kernel profiles; with two GPUs shape 1 (B4 T4096 H64) on the second                   <= 9 min
+# check      a kernel change checked and timed in one call: the tests and the bf16 training check (kda_train_check.py)
+#            on GPU 1, kda_kernel.py at shape 0 with the host-overhead section on GPU 0 (one GPU: the tests and
+#            the kernels in turn, no training check); DECODE=1 adds the decode section after the kernels  <= 9.5 min
+# train      the bf16 training check (Triton kernels against the torch path) and the parallel smoke test <= 7 min
+# precision  kda_precision.py: ours and fla against the fp32 token loop, forward and gradients
+#            (PRECISION_ARGS: more of its options, e.g. --shape 1,2048,96,128)                          <= 5 min
+# decode     kda_kernel.py's decode section (ours and fla at B 1 / 64 / 256, eager and CUDA-graph times), then
+#            kda_serve_decode.py (the engine's decode step, the kernel against the torch path)          <= 2 min
 #
-# fla (fla_core, flash_linear_attention 0.6.0), einops and pytest-xdist travel as wheels in .whl/ (gitignored; see
-# benchmarks/NOTES-kda.md): carry ".whl" in the device call. Each step has its own time limit and
-# writes its log even when it fails; the exit status is non-zero if any step failed.
+# Options (environment): LIMIT0 (GPU 0's kernel step, s), LIMIT_TRAIN, LIMIT_DECODE, LIMIT_SERVE_DECODE; TRAIN_SEEDS
+# (seeds 0 .. N-1, 2 by default), TRAIN_NOISE=1 (kda_train_check.py --noise), TRAIN_ARGS (more of its options, e.g.
+# --kda-head-dim 128).
+#
+# Carry ".whl" (fla_core and flash_linear_attention 0.6.0, einops, pytest-xdist: wheels, gitignored; see
+# benchmarks/NOTES-kda.md) and, when there is one, ".triton-cache.tgz". Triton's cache, with fla's autotune records
+# (TRITON_CACHE_AUTOTUNING=1), comes back as $OUT/triton-cache.tgz (only the autotune records when the whole cache is
+# over 15 MiB); copied to .triton-cache.tgz in the repository root and carried, it saves fla's autotuning (~90 s per
+# shape and pass) in the next call. Each step has its own time limit and writes its log even when it fails; its
+# status is a line of $OUT/rc.txt, and the exit status is non-zero if any step failed. With two or more GPUs the
+# steps of a mode run side by side, one GPU each.
 set -u
 MODE=${1:-kernels}
-case $MODE in quick|kernels|check|train|precision|final|decode) ;; *) echo "usage: $0 [quick|kernels|check|train|precision|final|decode]" >&2; exit 2 ;; esac
+case $MODE in quick|kernels|check|train|precision|decode) ;; *) echo "usage: $0 [quick|kernels|check|train|precision|decode]" >&2; exit 2 ;; esac
 OUT=${OUT:-./h200-logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -58,8 +46,7 @@ if [ -f .triton-cache.tgz ]; then
 fi
 FAILED=()
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
-# the Triton test file compiles ~100 kernels: with pytest-xdist (a wheel in .whl/) 8 workers compile side by
-# side (the whole file in ~4 minutes on a fresh machine instead of > 9)
+# the GPU test files compile ~100 kernels: with pytest-xdist (a wheel in .whl/) 8 workers compile side by side
 XDIST=()
 if python3 -c "import xdist" 2>/dev/null; then XDIST=(-n 8); fi
 PIDS=()
@@ -108,27 +95,15 @@ finish() {
   [ ${#FAILED[@]} -eq 0 ]
 }
 
-VARIANT=${VARIANT:-h}  # the forward precision variant timed as ours_fwd[VARIANT] (the default: 'h')
-# shape 0 (with per-kernel profiles); shape 1 only TRIES1; final: TRIES_FINAL at shape 0
-# (each may be given in the environment)
-TRIES=${TRIES:-wys=3,wys=3+wyv,wys=2}
-TRIES1=${TRIES1:-nofpb+wyunroll}
-TRIES_FINAL=${TRIES_FINAL:-nofpb+wyunroll}
-PRECISION_VARIANTS=${PRECISION_VARIANTS:-h,ach,}  # kda_precision.py's variants ('' = all bf16)
-TRAIN_VARIANT=${TRAIN_VARIANT:-ach}               # precision: the variant trained next to the default
-kernel() {  # kernel GPU NAME LIMIT SHAPE SECTIONS TRIES: kda_kernel.py at one shape (fla side by side)
-  step "$1" "$2" "$3" python3 benchmarks/kda_kernel.py --shapes "$4" --variants "$VARIANT" --sections "$5" \
-    --no-hybrid --try "$6" --out "$OUT/shape$4" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
+kernel() {  # kernel GPU NAME LIMIT SHAPE SECTIONS: kda_kernel.py at one shape (fla side by side)
+  step "$1" "$2" "$3" python3 benchmarks/kda_kernel.py --shapes "$4" --sections "$5" --out "$OUT/shape$4" \
+    ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
 }
-decode_step() {  # DECODE=1: the decode section (ours, fla, the launch sweep) on GPU 0 after the kernels
-  if [ "${DECODE:-0}" = 1 ] || [ "$MODE" = decode ]; then
-    step 0 kda_decode "${LIMIT_DECODE:-120}" python3 benchmarks/kda_kernel.py --sections decode --decode-sweep \
-      --out "$OUT/decode" ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
-  fi
+decode_step() {  # the decode section (ours and fla) on GPU 0
+  step 0 kda_decode "${LIMIT_DECODE:-120}" python3 benchmarks/kda_kernel.py --sections decode --out "$OUT/decode" \
+    ${FLA_ARGS[@]+"${FLA_ARGS[@]}"}
 }
 TESTS="python3 -m pytest -v -rf ${XDIST[*]} tests/ops/test_kda_triton.py tests/ops/test_kda_gluon.py"
-# TRAIN_SEEDS: seeds 0 .. N-1; TRAIN_NOISE=1: the torch path trains twice per seed and the verdict allows twice its own
-# run-to-run distance (kda_train_check.py --noise); TRAIN_ARGS: more of its options (e.g. --kda-head-dim 128 --try ...)
 TRAIN="python3 benchmarks/kda_train_check.py --steps 30 --seeds ${TRAIN_SEEDS:-2}${TRAIN_NOISE:+ --noise}${TRAIN_ARGS:+ $TRAIN_ARGS}"
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
@@ -136,47 +111,26 @@ case $MODE in
     step 1 kda_tests "${LIMITS[0]}" $TESTS
     step 0 kda_gpu_probe "${LIMITS[1]}" python3 benchmarks/kda_gpu_probe.py ;;
   kernels)
-    if [ "$GPUS" -ge 2 ]; then
-      kernel 1 kda_kernel_shape1 540 1 chunk "$TRIES1"
-    fi
-    kernel 0 kda_kernel "${LIMIT0:-540}" 0 env,ceilings,chunk,profile "$TRIES" ;;
-  check)  # two GPUs: the bf16 training check (TRAIN_SEEDS seeds) and then the test file
+    if [ "$GPUS" -ge 2 ]; then kernel 1 kda_kernel_shape1 540 1 chunk; fi
+    kernel 0 kda_kernel "${LIMIT0:-540}" 0 env,ceilings,chunk,profile ;;
+  check)
     if [ "$GPUS" -ge 2 ]; then
       step 1 kda_train_tests 560 bash -c "$TRAIN; rc=\$?; $TESTS && exit \$rc"
-      LIMITS=(540 540)
+      LIMIT=540
     else
-      LIMITS=(300 280)
-      step 1 kda_tests "${LIMITS[0]}" $TESTS
+      step 0 kda_tests 300 $TESTS
+      LIMIT=280
     fi
-    kernel 0 kda_kernel "${LIMIT0:-${LIMITS[1]}}" 0 env,ceilings,chunk,host,profile "$TRIES"
-    decode_step ;;
+    kernel 0 kda_kernel "${LIMIT0:-$LIMIT}" 0 env,ceilings,chunk,host,profile
+    if [ "${DECODE:-0}" = 1 ]; then decode_step; fi ;;
   train)
     step 1 kda_train_check "${LIMIT_TRAIN:-300}" $TRAIN
     step 0 parallel_smoke 120 torchrun --standalone --nproc_per_node 1 benchmarks/parallel_smoke.py ;;
   precision)
-    step 1 kda_precision_train 560 bash -c "python3 benchmarks/kda_precision.py --variants '$PRECISION_VARIANTS' \
-      --out '$OUT' && $TRAIN && KIMIK3_KDA_VARIANT='$TRAIN_VARIANT' $TRAIN"
-    kernel 0 kda_kernel 540 0 chunk,profile "$TRIES" ;;
+    step 0 kda_precision 300 python3 benchmarks/kda_precision.py --out "$OUT" ${PRECISION_ARGS:-} \
+      ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ;;
   decode)
     decode_step
-    # the serving engine's KDA decode step: the pooled kernel path against the torch path it replaced, the state
-    # update alone and K3's whole KDA layer (~30 s)
     step 0 kda_serve_decode "${LIMIT_SERVE_DECODE:-120}" python3 benchmarks/kda_serve_decode.py --out "$OUT/decode" ;;
-  final)
-    if [ "$GPUS" -ge 2 ]; then
-      if [ -n "${PRECISION_TRIES:-}" ]; then  # the tries' precision against fla's after the tests, on GPU 1
-        step 1 kda_tests_precision 560 bash -c "$TESTS; rc=\$?; python3 benchmarks/kda_precision.py --variants \
-          '$VARIANT' --try '$PRECISION_TRIES' --out '$OUT' && exit \$rc"
-      else
-        step 1 kda_tests 560 $TESTS
-      fi
-      kernel 0 kda_kernel "${LIMIT0:-200}" 0 chunk,profile "$TRIES_FINAL"
-      if [ "${LIMIT1:-150}" -gt 0 ]; then kernel 0 kda_kernel_shape1 "${LIMIT1:-150}" 1 chunk "$TRIES1"; fi
-      step 0 kda_train_check "${LIMIT_TRAIN:-300}" $TRAIN
-      decode_step
-    else  # one GPU: the test file first, no training check and no shape 1 (`train` / `kernels` do those)
-      step 0 kda_tests 240 $TESTS
-      kernel 0 kda_kernel 320 0 chunk,profile "$TRIES_FINAL"
-    fi ;;
 esac
 finish

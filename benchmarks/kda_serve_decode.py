@@ -45,7 +45,7 @@ def state_step(B: int, H: int = 96, D: int = 128, device: str = "cuda") -> dict:
     kw = k3_decode_kwargs(a_log, dt_bias)
     pools = {name: pool.clone() for name in ("torch", "triton")}
     outs = {name: kda_decode(q, k, v, z, beta, pools[name], slots, backend=name, **kw) for name in pools}
-    # The torch path rounds the normalised q and k to bf16 (as the layer used to); the kernel keeps them in fp32.
+    # The torch path rounds the normalised q and k to bf16; the kernel keeps them in fp32.
     # That alone moves the new state by ~1e-3 relative at these inputs: the bounds allow it, a wrong kernel is O(1).
     e_o, e_s = rel(outs["torch"], outs["triton"]), rel(pools["torch"][slots], pools["triton"][slots])
     verdict(f"state B{B} kernel vs torch path", e_o < 1e-2 and e_s < 3e-3, f"o {e_o:.1e} state {e_s:.1e}")

@@ -1,8 +1,8 @@
-"""Compile every Triton KDA kernel for the H200 (sm_90a) on a machine without a GPU, and report each one's
-shared memory, registers per thread and register spills, as ptxas reports them, and from those how many
-CTAs fit an H200 SM and how many waves the launch grid takes.
+"""Compile the Triton KDA kernels of a training step and a decode step for the H200 (sm_90a) on a machine without a
+GPU, and report each one's shared memory, registers per thread and register spills, as ptxas reports them, and from
+those how many CTAs fit an H200 SM and how many waves the launch grid takes.
 
-A screening tool for kernel changes between GPU sessions: the public entry points (``chunk_kda`` forward and
+A screening tool for kernel changes before any GPU time: the public entry points (``chunk_kda`` forward and
 backward, ``kda_decode``) run as usual on small CPU tensors with ``backend="triton"``, but every launch is
 intercepted -- the kernel is compiled for ``GPUTarget("cuda", 90, 32)`` with the launch's own signature, constants
 and alignment, and never run. ptxas (shipped with Triton) then prints registers and spill bytes. What it cannot

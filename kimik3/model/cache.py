@@ -124,7 +124,7 @@ class K3Cache:
 
     @classmethod
     def allocate(cls, config: K3Config, batch_size: int, max_len: int,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> "K3Cache":
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> K3Cache:
         """Zeroed states for ``batch_size`` sequences of up to ``max_len`` tokens."""
         if max_len > config.max_seq_len:
             raise ValueError(f"max_len={max_len} exceeds the model's max_seq_len={config.max_seq_len}")

@@ -7,9 +7,14 @@ x / sqrt(sum x^2 + 1e-6); forget gate g = g_min * sigmoid(exp(A_log) * (f + dt_b
 low-rank f = forget_b(forget_a(x)), so g is in (g_min, 0) = (-5, 0); beta = sigmoid(Linear(x))
 in fp32; the delta-rule recurrence (``kimik3.ops.kda``); per-head RMSNorm (fp32, eps 1e-5,
 weighted) times sigmoid(output_gate(x)); output projection.
+
+Context parallelism (``kimik3.parallel.kcp``) enters through one seam, ``KDA.context_parallel``: the two steps
+that read earlier tokens (the short conv's left context and the recurrence's incoming state) ask it when set.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +27,28 @@ from kimik3.model.param_rules import ParamRule, adamw, muon
 from kimik3.ops.kda import chunk_kda, kda_decode
 
 
+class KDAContextParallel(Protocol):
+    """What a KDA layer asks when its sequences are split into contiguous segments over several ranks and it
+    holds one segment (``kimik3.parallel.kcp`` implements it). Everything else in the layer is per token."""
+
+    def conv_state(self, x_BTC: torch.Tensor, width: int) -> torch.Tensor | None:
+        """The W-1 conv inputs just before this segment, [B, C, W-1] in x's dtype (None: zeros), given this
+        segment's conv inputs x_BTC [B, T, C] and the kernel width W."""
+
+    def chunk_kda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  **options) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``kimik3.ops.kda.chunk_kda`` on this segment (same arguments and returns), entered with the state
+        the earlier segments leave."""
+
+
 class KDA(nn.Module):
-    """KDA token mixer: [B, T, D] -> [B, T, D], optionally continuing a ``KDAState``."""
+    """KDA token mixer: [B, T, D] -> [B, T, D], optionally continuing a ``KDAState``.
+
+    ``context_parallel``: None (the default) when the layer sees whole sequences; a ``KDAContextParallel``
+    when it holds one segment of each (then it takes no state and no ``cu_seqlens``).
+    """
+
+    context_parallel: KDAContextParallel | None = None
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -73,11 +98,18 @@ class KDA(nn.Module):
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         batch, length, _ = x_BTD.shape
         heads, head_dim = self.num_heads, self.head_dim
+        split = self.context_parallel
+        if split is not None and (state is not None or cu_seqlens is not None):
+            raise ValueError("KDA: a context-parallel layer runs one segment of unpacked sequences: it takes "
+                             "neither a cache state nor packed cu_seqlens")
 
         qkv_BTC = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], dim=-1)
         conv_weight = torch.cat([self.q_conv, self.k_conv, self.v_conv], dim=0).to(qkv_BTC.dtype)
-        qkv_BTC, conv_state = short_conv(qkv_BTC, conv_weight, state.conv_BCW if state is not None else None,
-                                         cu_seqlens=cu_seqlens)
+        if split is not None:
+            conv_in = split.conv_state(qkv_BTC, conv_weight.shape[1])
+        else:
+            conv_in = state.conv_BCW if state is not None else None
+        qkv_BTC, conv_state = short_conv(qkv_BTC, conv_weight, conv_in, cu_seqlens=cu_seqlens)
         q_BTHK, k_BTHK, v_BTHV = (t.unflatten(-1, (heads, head_dim)) for t in qkv_BTC.chunk(3, dim=-1))
         raw_gate_BTHK = self.forget_b(self.forget_a(x_BTD)).unflatten(-1, (heads, head_dim))
         beta_logit_BTH = self.beta_proj(x_BTD)
@@ -89,10 +121,11 @@ class KDA(nn.Module):
         else:
             # The q/k L2 norm, the bounded gate and the beta sigmoid go into the op (same math as
             # l2_normalize / bounded_gate / sigmoid on the torch path; fused into the Triton kernels).
-            o_BTHV, final = chunk_kda(q_BTHK, k_BTHK, v_BTHV, raw_gate_BTHK, beta_logit_BTH,
-                                      initial_state=state.recurrent() if state is not None else None,
-                                      output_final_state=state is not None, cu_seqlens=cu_seqlens,
-                                      lower_bound=self.g_min, **preacts)
+            recurrence = chunk_kda if split is None else split.chunk_kda
+            o_BTHV, final = recurrence(q_BTHK, k_BTHK, v_BTHV, raw_gate_BTHK, beta_logit_BTH,
+                                       initial_state=state.recurrent() if state is not None else None,
+                                       output_final_state=state is not None, cu_seqlens=cu_seqlens,
+                                       lower_bound=self.g_min, **preacts)
             if state is not None:
                 state.set_recurrent(final)
         if state is not None:

@@ -14,9 +14,14 @@ Two equivalent paths:
   i.e. prefill);
 - ``absorbed``: fold wkv_b's key half into the query and its value half into the output, so
   attention runs directly on the C + R latent (cheap when T << S, i.e. decode).
+
+Context parallelism (``kimik3.parallel.kcp``) enters through one seam, ``GatedMLA.context_parallel``:
+when set, it supplies the latents (and mask) that this rank's queries attend to.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +43,25 @@ def packed_causal_mask(total: int, cu_seqlens: torch.Tensor | None, device: torc
     return (position[None, :] <= position[:, None]) & (seq[:, None] == seq[None, :])
 
 
+class MLAContextParallel(Protocol):
+    """What an MLA layer asks when its sequences are split into contiguous segments over several ranks and
+    it holds one segment (``kimik3.parallel.kcp`` implements it)."""
+
+    def attend(self, kv_BTC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This segment's latents kv_BTC [B, T, C] -> (every latent its queries may see, [B, S, C] in
+        kv's dtype; boolean mask [T, S], True = may attend, or None for plain causal over S = T), as
+        ``LatentCache.attend`` returns them."""
+
+
 class GatedMLA(nn.Module):
     """Gated MLA token mixer: [B, T, D] -> [B, T, D], optionally attending through a latent cache
-    (``MLAState`` or the serving engine's paged view)."""
+    (``MLAState`` or the serving engine's paged view).
+
+    ``context_parallel``: None (the default) when the layer sees whole sequences; an
+    ``MLAContextParallel`` when it holds one segment of each (then it takes no cache and no ``cu_seqlens``).
+    """
+
+    context_parallel: MLAContextParallel | None = None
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -78,7 +99,11 @@ class GatedMLA(nn.Module):
     def forward(self, x_BTD: torch.Tensor, state: LatentCache | None = None,
                 cu_seqlens: torch.Tensor | None = None, absorbed: bool | None = None) -> torch.Tensor:
         """``absorbed=None`` picks the absorbed path for single-token decode, naive otherwise."""
-        batch, length, _ = x_BTD.shape
+        length = x_BTD.shape[1]
+        split = self.context_parallel
+        if split is not None and (state is not None or cu_seqlens is not None):
+            raise ValueError("MLA: a context-parallel layer runs one segment of unpacked sequences: it takes "
+                             "neither a cache nor packed cu_seqlens")
         q_BTHK = self.wq_b(self.q_norm(self.wq_a(x_BTD))).unflatten(-1, (self.num_heads, -1))
         kv_BTC = self.latents(x_BTD)
         if state is not None:
@@ -86,6 +111,8 @@ class GatedMLA(nn.Module):
                 raise ValueError("MLA: packed cu_seqlens cannot be combined with a cache")
             kv_BSC, mask = state.attend(kv_BTC)   # mask [T, S] or per-row [B, 1, T, S]
             kv_BSC = kv_BSC.to(x_BTD.dtype)
+        elif split is not None:
+            kv_BSC, mask = split.attend(kv_BTC)   # the latents of this and the earlier segments, mask [T, S]
         else:
             kv_BSC = kv_BTC
             mask = packed_causal_mask(length, cu_seqlens, x_BTD.device)

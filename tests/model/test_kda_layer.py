@@ -6,7 +6,7 @@ from kimik3 import K3Config
 from kimik3.model.cache import KDAState
 from kimik3.model.conv import short_conv
 from kimik3.model.kda import KDA
-from kimik3.ops.kda import bounded_gate
+from kimik3.ops.kda import bounded_gate, chunk_kda
 from tests.numerics import rel_rms
 
 
@@ -106,6 +106,39 @@ def test_kda_state_holds_its_recurrent_state_one_way():
         KDAState(conv, None)
     with pytest.raises(ValueError, match="needs slots_B"):
         KDAState(conv, None, pool_PHKV=rec)
+
+
+class _ContinueFrom:
+    """A ``KDAContextParallel`` seam for the second of two segments, in one process: it enters the segment
+    with the conv inputs and recurrent state the first segment left (what KCP receives from earlier ranks)."""
+
+    def __init__(self, state: KDAState):
+        self.state = state
+
+    def conv_state(self, x_BTC, width):
+        assert width == self.state.conv_BCW.shape[-1] + 1
+        return self.state.conv_BCW.to(x_BTC.dtype)
+
+    def chunk_kda(self, q, k, v, g, beta, **options):
+        assert options["initial_state"] is None and not options["output_final_state"]
+        return chunk_kda(q, k, v, g, beta, **{**options, "initial_state": self.state.recurrent()})
+
+
+def test_context_parallel_seam_continues_a_segment_like_the_whole_sequence():
+    config, layer = _kda(5)
+    x = torch.randn(2, 50, config.dim)
+    full = layer(x)
+    first = _state(config, 2)
+    head = layer(x[:, :30], first)
+    fresh = layer(x[:, 30:])
+    layer.context_parallel = _ContinueFrom(first)
+    tail = layer(x[:, 30:])
+    assert rel_rms(full, torch.cat([head, tail], 1)) < 1e-5
+    assert rel_rms(full[:, 30:], fresh) > 1e-2  # the test has teeth: without the seam's state, far off
+    with pytest.raises(ValueError, match="context-parallel"):
+        layer(x[:, 30:31], _state(config, 2))
+    with pytest.raises(ValueError, match="context-parallel"):
+        layer(x[:, 30:], cu_seqlens=torch.tensor([0, 20]))
 
 
 def test_packed_sequences_equal_separate_calls():

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from kimik3 import K3Config
@@ -72,3 +73,30 @@ def test_output_gate_is_applied_before_wo():
         mla.gate.weight.fill_(0.0)
         mla.wo.weight.mul_(2.0)           # doubling wo undoes the halving exactly
         torch.testing.assert_close(mla(x), 2 * half)
+
+
+class _AfterEarlier:
+    """An ``MLAContextParallel`` seam for the second of two segments, in one process: its queries see the
+    first segment's latents too (what KCP gathers from earlier ranks)."""
+
+    def __init__(self, earlier_BSC: torch.Tensor):
+        self.earlier_BSC = earlier_BSC
+
+    def attend(self, kv_BTC):
+        kv_BSC = torch.cat([self.earlier_BSC, kv_BTC], dim=1)
+        query_T = torch.arange(kv_BTC.shape[1])[:, None] + self.earlier_BSC.shape[1]
+        return kv_BSC, torch.arange(kv_BSC.shape[1])[None, :] <= query_T
+
+
+def test_context_parallel_seam_attends_over_the_earlier_segment_on_both_paths():
+    config, mla = _mla(5)
+    x = torch.randn(2, 20, config.dim)
+    full = mla(x)
+    assert rel_rms(full[:, 9:], mla(x[:, 9:])) > 1e-2  # the test has teeth: the earlier latents matter
+    mla.context_parallel = _AfterEarlier(mla.latents(x[:, :9]))
+    for absorbed in (False, True):
+        assert rel_rms(full[:, 9:], mla(x[:, 9:], absorbed=absorbed)) < 1e-5
+    with pytest.raises(ValueError, match="context-parallel"):
+        mla(x[:, 9:10], MLAState(torch.zeros(2, 32, config.mla.cache_width)))
+    with pytest.raises(ValueError, match="context-parallel"):
+        mla(x[:, 9:], cu_seqlens=torch.tensor([0, 11]))

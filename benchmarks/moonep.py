@@ -25,11 +25,11 @@ Traces:
   tiny-tiled   real routing: kimik3's trainer trains the ``tiny`` preset (16 experts, top-2, 8 MoE
                routers: 8 MoE layers + the MTP module's) for --real-steps steps with
                --real-balance (default none: the router's own skew), reading every router's
-               ``last_stats.loads_E`` after each step. E=896 is built by tiling: step t's vector
-               concatenates 56 real 16-expert load vectors (56 of the 9 routers x 7 consecutive steps,
-               in a fixed shuffled order), each rescaled to the same share of R·S·K rows. Skew within a
-               16-expert tile is real; tiles are independent of each other (not a real 896-expert
-               router), which is said in the table.
+               loads from each training forward's ``K3Output.routing``. E=896 is built by
+               tiling: step t's vector concatenates 56 real 16-expert load vectors (56 of the 9
+               routers x 7 consecutive steps, in a fixed shuffled order), each rescaled to the same
+               share of R·S·K rows. Skew within a 16-expert tile is real; tiles are independent of
+               each other (not a real 896-expert router), which is said in the table.
 
 Usage:
     python benchmarks/moonep.py                          # synthetic + tiny-tiled, R in {16, 64}
@@ -140,10 +140,20 @@ def record_tiny_loads(steps: int, balance: str, seed: int) -> list[list[np.ndarr
                          eval_every=10 * steps, checkpoint_every=10 * steps, seed=seed)
         trainer = Trainer(args, log=lambda _: None)
         history: list[list[np.ndarray]] = []
+        outputs = []
+        forward = trainer.model.forward
+
+        def keep_output(*a, **k):
+            out = forward(*a, **k)
+            if trainer.model.training:
+                outputs.append(out)   # the call attaches its routing statistics to this very object
+            return out
+
+        trainer.model.forward = keep_output
 
         def on_step(_record):
-            history.append([r.last_stats.loads_E.cpu().numpy().copy() for r in trainer.model.routers()
-                            if r.last_stats is not None])
+            history.append([s.loads_E.cpu().numpy().copy() for s in outputs[-1].routing if s is not None])
+            outputs.clear()
 
         trainer.run(on_step=on_step)
     return history

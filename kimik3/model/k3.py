@@ -7,6 +7,12 @@ Build: parameters are created on the meta device and materialised once (``to_emp
 target device, then filled by the single ``init_weights``. ``device="meta"`` stops before that,
 so the full 2.78T configuration can be inspected without memory. Default dtype: bf16 on CUDA,
 fp32 elsewhere; the router bias, A_log and dt_bias stay fp32 whatever the dtype.
+
+Routing statistics: each call of the model (``model(...)``) opens a ``RoutingRecord`` before its
+forward runs and closes it after every other forward hook, and the output carries what every
+router saw (``K3Output.routing``). The record spans the call, not ``forward`` alone, so work that
+a wrapper does around the forward is recorded too (context parallelism runs the MTP module in a
+forward hook of its own).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +31,7 @@ from kimik3.model.attnres import AttnResMix
 from kimik3.model.block import K3Block
 from kimik3.model.cache import K3Cache
 from kimik3.model.init import init_weights
-from kimik3.model.moe import Router
+from kimik3.model.moe import Router, RoutingRecord, RoutingStats
 from kimik3.model.mtp import MTPModule
 from kimik3.model.norm import RMSNorm
 from kimik3.model.param_rules import ParamRule, adamw
@@ -47,6 +54,10 @@ class K3Output:
     main_loss: torch.Tensor | None = None
     mtp_loss: torch.Tensor | None = None
     hidden: torch.Tensor | None = None      # [B, T, D] final hidden state before the final norm
+    # One entry per router of ``K3ForCausalLM.routers()`` (the layers' in order, then the MTP
+    # module's): what it saw in this call, None for a router that did not run (the MTP module's
+    # without labels). Filled by calling the model; ``forward`` called directly leaves it empty.
+    routing: tuple[RoutingStats | None, ...] = ()
 
 
 class K3ForCausalLM(nn.Module):
@@ -61,6 +72,10 @@ class K3ForCausalLM(nn.Module):
                  dtype: torch.dtype | None = None, seed: int | None = None):
         super().__init__()
         self.config = config
+        self._routers: tuple[Router, ...] | None = None
+        self._open_records: list[RoutingRecord] = []
+        self.register_forward_pre_hook(_open_routing_record)
+        self._close_record_hook = self.register_forward_hook(_close_routing_record, always_call=True).id
         with torch.device("meta"):
             self.embed = nn.Embedding(config.vocab_size, config.dim)
             self.layers = nn.ModuleList(
@@ -95,7 +110,9 @@ class K3ForCausalLM(nn.Module):
 
     def routers(self) -> list[Router]:
         """Every MoE router, in layer order, the MTP module's last (it trains, so it is balanced too)."""
-        return [m for m in self.modules() if isinstance(m, Router)]
+        if self._routers is None:
+            self._routers = tuple(m for m in self.modules() if isinstance(m, Router))
+        return list(self._routers)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
@@ -206,6 +223,24 @@ class K3ForCausalLM(nn.Module):
         to ``default_dtype(device)`` (device default: CPU)."""
         device = torch.device(device if device is not None else "cpu")
         return load_pretrained(cls, directory, device=device, dtype=dtype or default_dtype(device))
+
+
+def _open_routing_record(model: K3ForCausalLM, args: Any) -> None:
+    # Hooks added after construction (context parallelism's, FSDP's) run after this model's own
+    # unless it moves to the end: the record must also see the routers they call.
+    model._forward_hooks.move_to_end(model._close_record_hook)
+    record = RoutingRecord()
+    record.__enter__()
+    model._open_records.append(record)
+
+
+def _close_routing_record(model: K3ForCausalLM, args: Any, output: Any) -> None:
+    if not model._open_records:   # an earlier pre-forward hook raised before the record opened
+        return
+    record = model._open_records.pop()
+    record.__exit__(None, None, None)
+    if isinstance(output, K3Output):
+        output.routing = record.stats(model.routers())
 
 
 def cross_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:

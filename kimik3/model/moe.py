@@ -12,10 +12,21 @@ which Quantile Balancing (``kimik3.train.balance``) turns into the next bias.
 
 Routed path: W_down (D -> L) -> experts (SiTU-GLU in fp32) -> weighted sum -> RMSNorm -> W_up
 (L -> D). Shared experts run at full width on the same input and are added.
+
+Routing statistics: every router call made while a ``RoutingRecord`` is open adds its
+``RoutingStats`` (expert loads; with ``record_scores``, in training mode, also the scores, cutoffs
+and choices Quantile Balancing bins) to that record. ``K3ForCausalLM`` opens one record per call
+of the model and returns it on its output (``K3Output.routing``), so balancing and metrics read
+the statistics of the forward they ran, and nothing stays behind on the modules. The record is
+found through a context variable rather than passed down, because the blocks between the model
+and its routers take no such argument; recomputation in backward (activation checkpointing) runs
+after the record closed, so each token is counted once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
 
 import torch
@@ -32,11 +43,57 @@ from kimik3.ops.precision import no_autocast
 
 @dataclass(slots=True)
 class RoutingStats:
-    """What one router call saw, for balancing and metrics (all detached)."""
+    """What one router call saw, for balancing and metrics (all detached).
 
-    loads_E: torch.Tensor            # int64 tokens routed to each expert
-    scores_TE: torch.Tensor | None   # fp32 sigmoid scores (only when the router records them)
-    cutoff_T: torch.Tensor | None    # fp32 (k+1)-th biased score per token (idem)
+    ``scores_TE``, ``cutoff_T`` and ``ids_TK`` are present only when the router records scores
+    (``Router.record_scores``) and ran in training mode. A consumer done with them (Quantile
+    Balancing, once it has binned them) calls ``drop_scores``, so that they are not held through
+    backward.
+    """
+
+    loads_E: torch.Tensor                   # int64 tokens routed to each expert
+    scores_TE: torch.Tensor | None = None   # fp32 sigmoid scores
+    cutoff_T: torch.Tensor | None = None    # fp32 (k+1)-th biased score per token (-inf when K == E)
+    ids_TK: torch.Tensor | None = None      # int64 chosen experts, best first
+
+    def drop_scores(self) -> None:
+        self.scores_TE = self.cutoff_T = self.ids_TK = None
+
+
+class RoutingRecord:
+    """The ``RoutingStats`` of every router call made while it is open (``with RoutingRecord() as r:``).
+
+    A router called more than once inside one record has its calls merged: loads summed, per-token
+    tensors concatenated in call order. Records nest; the innermost open one receives the calls.
+    """
+
+    def __init__(self) -> None:
+        self._stats: dict[int, RoutingStats] = {}
+        self._tokens: list[Token] = []
+
+    def __enter__(self) -> RoutingRecord:
+        self._tokens.append(_OPEN_RECORD.set(self))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _OPEN_RECORD.reset(self._tokens.pop())
+
+    def add(self, router: Router, stats: RoutingStats) -> None:
+        seen = self._stats.get(id(router))
+        if seen is None:
+            self._stats[id(router)] = stats
+            return
+        seen.loads_E = seen.loads_E + stats.loads_E
+        for name in ("scores_TE", "cutoff_T", "ids_TK"):
+            before, now = getattr(seen, name), getattr(stats, name)
+            setattr(seen, name, torch.cat([before, now]) if before is not None and now is not None else None)
+
+    def stats(self, routers: Sequence[Router]) -> tuple[RoutingStats | None, ...]:
+        """One entry per router of ``routers``, in that order: what it saw, or None if it was not called."""
+        return tuple(self._stats.get(id(router)) for router in routers)
+
+
+_OPEN_RECORD: ContextVar[RoutingRecord | None] = ContextVar("kimik3_routing_record", default=None)
 
 
 class Router(nn.Module):
@@ -49,8 +106,8 @@ class Router(nn.Module):
         self.route_scale = route_scale
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
-        self.record_scores = False  # set by the balancer: keep scores and cutoffs of the last call
-        self.last_stats: RoutingStats | None = None
+        # Set by Quantile Balancing: training-mode calls also report their scores, cutoffs and choices.
+        self.record_scores = False
 
     def optimizer_rules(self) -> list[tuple[str, ParamRule]]:
         # The router gate [E, D] is a real linear map of the hidden state, and torchtitan's
@@ -61,7 +118,8 @@ class Router(nn.Module):
         return [("gate.weight", muon(("whole",), "Router.gate"))]
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns fp32 mixture weights [T, K] and int64 expert ids [T, K]."""
+        """Returns fp32 mixture weights [T, K] and int64 expert ids [T, K]; reports the call's
+        ``RoutingStats`` to the open ``RoutingRecord``, if any."""
         with no_autocast(x_TD.device):  # router logits in fp32, as released
             scores_TE = torch.sigmoid(F.linear(x_TD.float(), self.gate.weight.float()))
         biased_TE = scores_TE.detach() + self.expert_bias
@@ -71,13 +129,14 @@ class Router(nn.Module):
         weights_TK = scores_TE.gather(-1, ids_TK)
         weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20) * self.route_scale
 
-        loads_E = torch.bincount(ids_TK.flatten(), minlength=self.num_experts)
-        if self.record_scores:
-            cutoff_T = (top_vals[:, self.top_k] if take > self.top_k
-                        else torch.full_like(top_vals[:, 0], float("-inf")))
-            self.last_stats = RoutingStats(loads_E, scores_TE.detach(), cutoff_T.detach())
-        else:
-            self.last_stats = RoutingStats(loads_E, None, None)
+        record = _OPEN_RECORD.get()
+        if record is not None:
+            stats = RoutingStats(torch.bincount(ids_TK.flatten(), minlength=self.num_experts))
+            if self.record_scores and self.training:
+                stats.cutoff_T = (top_vals[:, self.top_k] if take > self.top_k
+                                  else torch.full_like(top_vals[:, 0], float("-inf")))
+                stats.scores_TE, stats.ids_TK = scores_TE.detach(), ids_TK
+            record.add(self, stats)
         return weights_TK, ids_TK
 
 

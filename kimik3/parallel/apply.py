@@ -22,8 +22,6 @@ distributed, or for activation checkpointing alone (``mesh=None``).
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
-
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -69,27 +67,11 @@ def is_expert_module(name: str, module: nn.Module) -> bool:
     return isinstance(module, EPRoutedExperts)
 
 
-@contextmanager
-def _routers_silent(model: nn.Module):
-    """Recomputation must not be observed twice: mute the routers' forward hooks (the balancer's)."""
-    from kimik3.model.moe import Router
-
-    routers = [m for m in model.modules() if isinstance(m, Router)]
-    saved = [dict(r._forward_hooks) for r in routers]
-    for r in routers:
-        r._forward_hooks.clear()
-    try:
-        yield
-    finally:
-        for r, hooks in zip(routers, saved):
-            r._forward_hooks.update(hooks)
-
-
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each K3 block (and the MTP block) in backward instead of keeping its activations.
 
-    The recomputed forward re-runs the routers; their forward hooks (Quantile Balancing's
-    histogram) are muted during recomputation so every token is counted once.
+    The recomputed forward re-runs the routers in backward, after the model call's routing record
+    closed (``kimik3.model.moe.RoutingRecord``), so the routing statistics count every token once.
     """
     from torch.distributed._composable import checkpoint
 
@@ -97,7 +79,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     if getattr(model, "mtp", None) is not None:
         blocks.append(model.mtp.block)
     for block in blocks:
-        checkpoint(block, context_fn=lambda b=block: (nullcontext(), _routers_silent(b)))
+        checkpoint(block)
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, *,

@@ -44,8 +44,9 @@ K=2 T=4096 (the tiny preset's scale) the steady states are QB 1.12 vs sign 1.10 
 1.09 (benchmarks/balance.py --settings 16:2:4096), though sign first spends (bias range)/gamma steps
 getting there.
 
-Histogram estimator: instead of sorting all T x E values (and gathering them across ranks), each
-training forward bins ``required_TE`` into a counts matrix ``histogram_EB`` of B uniform bins over
+Histogram estimator: instead of sorting all T x E values (and gathering them across ranks), the
+routing statistics of each training forward (``K3Output.routing``, handed to ``observe``) are binned
+as ``required_TE`` into a counts matrix ``histogram_EB`` of B uniform bins over
 a range that provably holds every value (see ``bin_range``); ``step()`` all-reduces the counts of
 every router in ONE collective (a single flat int32 buffer: sum over routers of E*(B+1)*4 bytes,
 the extra column being the expert loads used for the metrics; K3's 92 layers x 896 experts x
@@ -56,8 +57,7 @@ interpolating linearly inside the bin where the target count falls.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from functools import partial
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -291,10 +291,10 @@ def load_imbalance(loads_E: torch.Tensor) -> float:
 
 # ---------------------------------------------------------------------------- stateful balancers
 class _RouterBalancer:
-    """Shared plumbing: validation, forward hooks on training-mode router calls, one flat int32
-    buffer per balancer (so a step is one all-reduce), metrics."""
+    """Shared plumbing: validation, ``observe`` of the routing statistics of training forwards, one
+    flat int32 buffer per balancer (so a step is one all-reduce), metrics."""
 
-    def __init__(self, routers: Sequence[Router], *, group=None):
+    def __init__(self, routers: Sequence[Router], *, all_reduce: Callable[[torch.Tensor], None] | None = None):
         routers = list(routers)
         if not routers:
             raise ValueError("routers is empty: give the model's routers (K3ForCausalLM.routers())")
@@ -308,8 +308,7 @@ class _RouterBalancer:
             raise ValueError(f"routers live on several devices {sorted(map(str, devices))}; "
                              "one balancer per device (one all-reduce each)")
         self.routers = routers
-        self.group = group
-        self._handles = [r.register_forward_hook(partial(self._hook, i)) for i, r in enumerate(routers)]
+        self.all_reduce = all_reduce
 
     # -- buffer layout: subclasses fill self._slices[i] = {name: (offset, shape)}
     def _allocate(self, layouts: list[dict[str, tuple[int, ...]]]) -> None:
@@ -336,24 +335,38 @@ class _RouterBalancer:
         """Tokens routed to each expert of router ``index`` since the last step (local until ``step()``)."""
         return self._view(index, "loads")
 
-    def _hook(self, index: int, module: Router, args, output) -> None:
-        if not module.training:
-            return
-        if self._buffer.device != module.expert_bias.device:  # the model was moved after construction
-            self._buffer = self._buffer.to(module.expert_bias.device)
-        with torch.no_grad():
-            stats = module.last_stats
-            self.loads(index).add_(stats.loads_E.to(torch.int32))
-            self._observe(index, module, stats, output[1])
+    @torch.no_grad()
+    def observe(self, routing: Sequence[RoutingStats | None]) -> None:
+        """Add the routing statistics of one training forward (``K3Output.routing``: one entry per
+        router of ``routers``, in that order; None for a router that did not run).
 
-    def _observe(self, index: int, router: Router, stats: RoutingStats, ids_TK: torch.Tensor) -> None:
+        Call it after every training-mode forward whose tokens should count (each micro-batch of
+        gradient accumulation), before the next ``step()``; evaluation forwards are not observed.
+        """
+        if len(routing) != len(self.routers):
+            raise ValueError(f"routing has {len(routing)} entries, the balancer {len(self.routers)} routers: "
+                             "give the K3Output.routing of the model whose routers() the balancer was built on")
+        for index, stats in enumerate(routing):   # all checked before anything is added
+            if stats is not None and not isinstance(stats, RoutingStats):
+                raise ValueError(f"routing[{index}] is a {type(stats).__name__}, not RoutingStats")
+            if stats is not None:
+                self._check(index, stats)
+        if self._buffer.device != self.routers[0].expert_bias.device:  # the model was moved after construction
+            self._buffer = self._buffer.to(self.routers[0].expert_bias.device)
+        for index, stats in enumerate(routing):
+            if stats is not None:
+                self.loads(index).add_(stats.loads_E.to(torch.int32))
+                self._observe(index, self.routers[index], stats)
+
+    def _check(self, index: int, stats: RoutingStats) -> None:
+        pass
+
+    def _observe(self, index: int, router: Router, stats: RoutingStats) -> None:
         pass
 
     def _all_reduce(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(self._buffer, op=dist.ReduceOp.SUM, group=self.group)
+        if self.all_reduce is not None:
+            self.all_reduce(self._buffer)
 
     def _metrics(self, extra: dict[str, list[float]] | None = None) -> dict:
         ratios, tokens = [], []
@@ -385,10 +398,7 @@ class _RouterBalancer:
         self._buffer.zero_()
 
     def remove(self) -> None:
-        """Detach the hooks (the biases keep their values)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        """Give the routers back their own settings (the biases keep their values)."""
 
     def __enter__(self):
         return self
@@ -403,34 +413,37 @@ class QuantileBalancer(_RouterBalancer):
     ``routers``: the model's routers (``K3ForCausalLM.routers()``), all on one device.
     ``num_bins``: B, bins per expert; resolution 2/B in score units (1000 -> 0.002), refined by
     interpolation. ``threshold``: ``"others"`` (default, exact) or ``"cutoff"`` (the torchtitan
-    port's (K+1)-th score); see the module docstring. ``group``: process group of the data-parallel
-    ranks whose tokens are pooled (default: the whole world when torch.distributed is initialised).
+    port's (K+1)-th score); see the module docstring. ``all_reduce``: sums a tensor in place over
+    the ranks whose tokens are pooled (every rank that routes different tokens); None (default):
+    this process's tokens alone.
     ``rate``: the fraction of the way to the quantile bias taken per step; 1.0 (default) is K3's
     one-shot update, right at K3's batch sizes; below 1 it averages the sampling noise of small
     batches (a few thousand tokens per step) over about 1/rate steps.
-    ``keep_scores``: leave ``router.last_stats.scores_TE``/``cutoff_T`` in place after binning
-    (by default they are dropped: autograd holds the scores only until backward, and keeping
-    them would hold L x T x E fp32 through the optimizer step).
+    ``keep_scores``: leave the scores, cutoffs and choices in the observed ``RoutingStats`` after
+    binning (by default ``observe`` drops them: autograd holds the scores only until backward, and
+    keeping them would hold L x T x E fp32 through backward and the optimizer step).
 
-    Every training-mode forward of a router (each micro-batch of gradient accumulation, and any
-    activation-checkpointing recompute, which doubles every count alike and so moves no quantile)
-    adds its tokens to that router's histogram; eval-mode forwards add nothing. ``step()``, once
-    per optimizer step and on every rank of ``group`` together, all-reduces the counts (the only
-    communication), writes the new biases in place and clears the histograms. Routers with
-    top_k == num_experts are left alone (everything is always chosen), and so is any router that
-    saw no token since the last step. Biases must change only through ``step()`` between steps:
-    each router's bin range is fixed at its first forward after a step.
+    The balancer sets each router's ``record_scores`` (``remove()`` restores it), so that
+    training-mode forwards report the per-token scores it bins. Each observed forward (``observe``:
+    each micro-batch of gradient accumulation) adds its tokens to every router's histogram; forwards
+    not observed (evaluation, activation checkpointing's recomputation, which runs outside any
+    record) add nothing. ``step()``, once per optimizer step and on every rank together,
+    all-reduces the counts (the only communication), writes the new biases in place and clears the
+    histograms. Routers with top_k == num_experts are left alone (everything is always chosen), and
+    so is any router that saw no token since the last step. Biases must change only through
+    ``step()`` between steps: each router's bin range is fixed at its first observation after a step.
     """
 
     def __init__(self, routers: Sequence[Router], num_bins: int = 1000, *, threshold: str = "others",
-                 group=None, keep_scores: bool = False, rate: float = 1.0):
+                 all_reduce: Callable[[torch.Tensor], None] | None = None, keep_scores: bool = False,
+                 rate: float = 1.0):
         if not isinstance(num_bins, int) or num_bins < 2:
             raise ValueError(f"num_bins must be an int >= 2, got {num_bins!r}")
         if not 0.0 < rate <= 1.0:
             raise ValueError(f"rate must be in (0, 1], got {rate!r}")
         self.rate = rate
         _check_threshold(threshold)
-        super().__init__(routers, group=group)
+        super().__init__(routers, all_reduce=all_reduce)
         self.num_bins = num_bins
         self.threshold = threshold
         self.keep_scores = keep_scores
@@ -451,9 +464,14 @@ class QuantileBalancer(_RouterBalancer):
             self._ranges[index] = bin_range(router.expert_bias, router.top_k, self.threshold)
         return self._ranges[index]
 
-    def _observe(self, index: int, router: Router, stats: RoutingStats, ids_TK: torch.Tensor) -> None:
-        if stats.scores_TE is None:
-            raise RuntimeError(f"routers[{index}] ran without record_scores; QuantileBalancer needs it on")
+    def _check(self, index: int, stats: RoutingStats) -> None:
+        if stats.scores_TE is None or stats.cutoff_T is None or stats.ids_TK is None:
+            raise ValueError(f"routing[{index}] has no scores: QuantileBalancer observes training-mode forwards "
+                             "of routers with record_scores on (it sets them; was remove() called, or is this an "
+                             "eval-mode forward?)")
+
+    def _observe(self, index: int, router: Router, stats: RoutingStats) -> None:
+        ids_TK = stats.ids_TK
         if router.top_k < router.num_experts and stats.scores_TE.shape[0] > 0:
             low, high = self._range(index)
             histogram_EB = self.histogram(index)
@@ -464,7 +482,7 @@ class QuantileBalancer(_RouterBalancer):
                                             router.top_k, threshold=self.threshold, ids_TK=ids_TK[rows])
                 accumulate_histogram(histogram_EB, required_TE, low, high)
         if not self.keep_scores:
-            router.last_stats = RoutingStats(stats.loads_E, None, None)
+            stats.drop_scores()
 
     @torch.no_grad()
     def step(self) -> dict:
@@ -500,8 +518,7 @@ class QuantileBalancer(_RouterBalancer):
         self._ranges = [None] * len(self.routers)
 
     def remove(self) -> None:
-        """Detach the hooks and restore each router's ``record_scores`` (biases keep their values)."""
-        super().remove()
+        """Restore each router's ``record_scores`` (the biases keep their values)."""
         for router, before in zip(self.routers, self._record_before):
             router.record_scores = before
 
@@ -509,14 +526,16 @@ class QuantileBalancer(_RouterBalancer):
 class SignBalancer(_RouterBalancer):
     """DeepSeek-V3's aux-loss-free balancing with the same interface as ``QuantileBalancer``.
 
-    Each training-mode forward adds the expert loads; ``step()`` all-reduces them (E int32 per
-    router, one collective) and applies ``sign_update`` with ``gamma`` to every router's bias.
+    Each observed forward adds the expert loads; ``step()`` all-reduces them (E int32 per router,
+    one collective, through ``all_reduce``) and applies ``sign_update`` with ``gamma`` to every
+    router's bias.
     """
 
-    def __init__(self, routers: Sequence[Router], gamma: float = 1e-3, *, group=None):
+    def __init__(self, routers: Sequence[Router], gamma: float = 1e-3, *,
+                 all_reduce: Callable[[torch.Tensor], None] | None = None):
         if gamma <= 0:
             raise ValueError(f"gamma must be > 0, got {gamma}")
-        super().__init__(routers, group=group)
+        super().__init__(routers, all_reduce=all_reduce)
         self.gamma = gamma
         self._allocate([{"loads": (r.num_experts,)} for r in self.routers])
 

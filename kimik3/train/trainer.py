@@ -310,17 +310,18 @@ class Trainer:
         if self.args.balance == "sign":
             from kimik3.train.balance import SignBalancer
 
-            return SignBalancer(routers, group=self._balance_group())
+            return SignBalancer(routers, all_reduce=self._balance_all_reduce())
         from kimik3.train.balance import QuantileBalancer
 
-        return QuantileBalancer(routers, rate=self.args.qb_rate, group=self._balance_group())
+        return QuantileBalancer(routers, rate=self.args.qb_rate, all_reduce=self._balance_all_reduce())
 
-    def _balance_group(self):
+    def _balance_all_reduce(self):
         if not self.distributed:
             return None
         from kimik3.parallel.mesh import balance_group
 
-        return balance_group(self.mesh)
+        group = balance_group(self.mesh)
+        return lambda tensor: torch.distributed.all_reduce(tensor, group=group)
 
     def _prepare_run_dir(self) -> Path:
         if self.args.out is None:
@@ -431,6 +432,8 @@ class Trainer:
         start = time.perf_counter()
         with self._autocast():
             out = self.model(inputs, labels=labels)
+        if self.balancer is not None:
+            self.balancer.observe(out.routing)   # bins the scores, then drops them before backward
         loss = out.loss
         record: dict[str, Any] = {"step": step, "seq_len": seq, "batch_size": batch,
                                   "lr": self.args.lr * lr_scale}
@@ -460,17 +463,9 @@ class Trainer:
         if out.main_loss is not None and out.mtp_loss is not None:
             record.update(main_loss=float(self._global_loss(out.main_loss.detach())),
                           mtp_loss=float(self._global_loss(out.mtp_loss.detach())))
-        record["expert_load_max_over_mean"] = balance.get("load_max_over_mean_mean", self._router_imbalance())
+        record["expert_load_max_over_mean"] = (balance["load_max_over_mean_mean"] if "load_max_over_mean_mean"
+                                               in balance else _routing_imbalance(out.routing))
         return record
-
-    def _router_imbalance(self) -> float | None:
-        routers = self.model.routers() if hasattr(self.model, "routers") else []
-        values = []
-        for router in routers:
-            if router.last_stats is not None:
-                loads = router.last_stats.loads_E.float()
-                values.append(float(loads.max() / loads.mean().clamp_min(1e-9)))
-        return float(np.mean(values)) if values else None
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -497,18 +492,13 @@ class Trainer:
         inputs, labels = batch_at(self.train_ids, 0, self.args.seed, batch, seq)
         inputs, labels = inputs[:max(1, batch // self.dims.dp)], labels[:max(1, batch // self.dims.dp)]
         inputs, labels = self._context_shard(inputs, labels)
-        routers = self.model.routers() if hasattr(self.model, "routers") else []
         timings = []
-        for _ in range(3):
+        for _ in range(3):   # not observed by the balancer: timing only
             start = time.perf_counter()
             with self._autocast():
                 self.model(inputs.to(self.device), labels=labels.to(self.device)).loss.backward()
             timings.append(time.perf_counter() - start)
         self.model.zero_grad(set_to_none=True)
-        if self.balancer is not None:
-            self.balancer.discard()
-        for router in routers:
-            router.last_stats = None
         step_time = 1.15 * min(timings[1:])  # optimizer, balancing and logging on top
         budget = self.args.time_budget_s - (time.perf_counter() - self.started) - 10.0
         evals = 1 + budget / step_time / self.args.eval_every
@@ -639,6 +629,16 @@ def read_run_args(run_dir: Path) -> dict[str, Any]:
     if not isinstance(saved, dict):
         raise CheckpointError(f"{path}: unreadable run arguments (not an object)")
     return saved
+
+
+def _routing_imbalance(routing) -> float | None:
+    """Mean over the routers that ran of max / mean expert load (this rank's tokens); None without routers."""
+    values = []
+    for stats in routing:
+        if stats is not None:
+            loads = stats.loads_E.float()
+            values.append(float(loads.max() / loads.mean().clamp_min(1e-9)))
+    return float(np.mean(values)) if values else None
 
 
 def _not_empty(run_dir: Path) -> str:

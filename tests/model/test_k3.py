@@ -37,6 +37,43 @@ def test_forward_loss_and_backward_reach_every_parameter(tiny):
     model.eval()
 
 
+def test_the_output_carries_what_every_router_saw_in_that_call(tiny):
+    config, model = tiny
+    ids = torch.randint(0, config.vocab_size, (2, 17))
+    routers = model.routers()
+    assert routers[-1] is model.mtp.block.ffn.router   # the layers' routers in order, the MTP module's last
+    top_k, experts = config.moe.top_k, config.moe.num_experts
+    model.train()
+    for router in routers:
+        router.record_scores = True
+    try:
+        out = model(ids, labels=ids.roll(-1, 1))
+        assert len(out.routing) == len(routers)
+        for stats, tokens in zip(out.routing, [34] * (len(routers) - 1) + [32]):   # MTP: one position less
+            assert int(stats.loads_E.sum()) == tokens * top_k
+            assert stats.scores_TE.shape == (tokens, experts) and not stats.scores_TE.requires_grad
+            assert stats.cutoff_T.shape == (tokens,) and stats.ids_TK.shape == (tokens, top_k)
+        out.loss.backward()
+        model.zero_grad(set_to_none=True)
+        assert model(ids).routing[-1] is None                        # no labels: the MTP module did not run
+        # The record spans the call: a forward hook running part of the model (as context parallelism
+        # runs the MTP module) is recorded too, even one registered after the model was built.
+        handle = model.register_forward_hook(lambda m, args, out: (m.mtp(out.hidden, m.embed(ids), None), None)[1])
+        try:
+            assert int(model(ids).routing[-1].loads_E.sum()) == 34 * top_k
+        finally:
+            handle.remove()
+        model.eval()
+        with torch.no_grad():
+            routing = model(ids).routing
+        assert all(s.scores_TE is None for s in routing[:-1])        # evaluation: loads only
+        assert model.forward(ids).routing == ()                      # forward() alone is not a call
+    finally:
+        for router in routers:
+            router.record_scores = False
+        model.eval()
+
+
 def test_cached_greedy_decode_equals_recomputing_the_full_forward(tiny):
     config, model = tiny
     prompt = torch.randint(0, config.vocab_size, (2, 11))

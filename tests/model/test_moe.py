@@ -3,7 +3,7 @@ import torch
 
 from kimik3 import K3Config
 from kimik3.model.ffn import situ_glu
-from kimik3.model.moe import LatentMoE, Router
+from kimik3.model.moe import LatentMoE, Router, RoutingRecord
 from kimik3.ops.moe import grouped_mm, grouped_mm_loop
 
 
@@ -44,14 +44,46 @@ def test_router_stats_loads_and_margins():
     torch.nn.init.normal_(router.gate.weight)
     router.record_scores = True
     x = torch.randn(40, 8)
-    _, ids = router(x)
-    stats = router.last_stats
+    with RoutingRecord() as record:
+        _, ids = router(x)
+    (stats,) = record.stats([router])
     assert stats.loads_E.sum() == 40 * 2
     assert torch.equal(stats.loads_E, torch.bincount(ids.flatten(), minlength=6))
+    assert torch.equal(stats.ids_TK, ids)
     biased = stats.scores_TE + router.expert_bias
     chosen_min = biased.gather(-1, ids).min(-1).values
     assert (chosen_min >= stats.cutoff_T).all()              # chosen experts beat the cutoff
     assert torch.allclose(stats.cutoff_T, biased.topk(3, -1).values[:, 2])
+    stats.drop_scores()
+    assert stats.scores_TE is None and stats.cutoff_T is None and stats.ids_TK is None
+
+
+def test_routing_record_scope_merges_calls_and_keeps_scores_for_training_only():
+    torch.manual_seed(2)
+    router, other = Router(dim=8, num_experts=6, top_k=2), Router(dim=8, num_experts=6, top_k=2)
+    router.record_scores = True
+    x = torch.randn(30, 8)
+    router(x)   # no record open: nothing is kept anywhere
+    with RoutingRecord() as outer:
+        router(x[:10])
+        with RoutingRecord() as inner:
+            router(x)
+        router(x[10:])
+    merged, missing = outer.stats([router, other])
+    assert missing is None
+    (alone,) = inner.stats([router])
+    assert torch.equal(merged.loads_E, alone.loads_E)                     # 10 + 20 tokens, merged
+    assert torch.equal(merged.scores_TE, alone.scores_TE) and torch.equal(merged.ids_TK, alone.ids_TK)
+    router.eval()
+    with RoutingRecord() as record:
+        router(x)
+    (stats,) = record.stats([router])
+    assert torch.equal(stats.loads_E, alone.loads_E) and stats.scores_TE is None   # eval: loads only
+    router.train()
+    router.record_scores = False
+    with RoutingRecord() as record:
+        router(x)
+    assert record.stats([router])[0].scores_TE is None
 
 
 def test_latent_moe_equals_per_token_reference():

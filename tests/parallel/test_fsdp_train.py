@@ -340,9 +340,12 @@ def _parallelize_worker(rank, world):
     mesh = build_mesh(dims, "cpu")
     model = K3ForCausalLM(K3Config.preset("tiny"), seed=0)
     parallelize(model, dims, mesh, activation_checkpointing=True)
-    balancer = QuantileBalancer(model.routers(), group=balance_group(mesh))
+    group = balance_group(mesh)
+    balancer = QuantileBalancer(model.routers(), all_reduce=lambda t: torch.distributed.all_reduce(t, group=group))
     inputs, labels = _batch()
-    loss = model(inputs[rank:rank + 1], labels=labels[rank:rank + 1]).loss
+    out = model(inputs[rank:rank + 1], labels=labels[rank:rank + 1])
+    balancer.observe(out.routing)
+    loss = out.loss
     loss.backward()
     local_routed = balancer.loads(0).sum().clone()  # before step()'s all-reduce: this rank's tokens only
     out = {"loss": loss.detach(), "routed": local_routed}

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kimik3 import K3Config, K3ForCausalLM
-from kimik3.model.moe import LatentMoE, Router
+from kimik3.model.moe import LatentMoE, Router, RoutingRecord
 from kimik3.train import (
     QuantileBalancer,
     SignBalancer,
@@ -41,6 +41,15 @@ def random_router(dim: int, num_experts: int, top_k: int, seed: int = 0) -> Rout
     # Per-expert offsets through a constant input direction make the loads skewed.
     router.gate.weight.data[:, 0] = torch.linspace(-1.5, 1.5, num_experts)
     return router
+
+
+def observed(balancer, x_TD: torch.Tensor) -> None:
+    """Every router of ``balancer`` routes ``x_TD`` in one record (as one model call does), which the
+    balancer then observes."""
+    with RoutingRecord() as record:
+        for router in balancer.routers:
+            router(x_TD)
+    balancer.observe(record.stats(balancer.routers))
 
 
 def router_inputs(num_tokens: int, dim: int, seed: int = 1) -> torch.Tensor:
@@ -181,11 +190,12 @@ def test_accumulation_over_microbatches_equals_one_forward_and_eval_adds_nothing
     whole = random_router(16, 12, 3)
     split_qb, whole_qb = QuantileBalancer([split], num_bins=500), QuantileBalancer([whole], num_bins=500)
     for chunk in x_TD.split([100, 250, 250]):
-        split(chunk)
-    whole(x_TD)
-    # Eval-mode forwards add nothing.
+        observed(split_qb, chunk)
+    observed(whole_qb, x_TD)
+    # An eval-mode forward reports no scores: observing it is refused, and adds nothing.
     split.eval()
-    split(x_TD)
+    with pytest.raises(ValueError, match="no scores"):
+        observed(split_qb, x_TD)
     split.train()
     assert torch.equal(split_qb.histogram(0), whole_qb.histogram(0))
     assert torch.equal(split_qb.loads(0), whole_qb.loads(0))
@@ -199,7 +209,7 @@ def test_accumulation_over_microbatches_equals_one_forward_and_eval_adds_nothing
 
 
 def test_balancer_update_matches_functional_histogram_and_balances():
-    """The hooked balancer computes the functional histogram update; a real router needs two.
+    """The balancer computes the functional histogram update; a real router needs two.
 
     A router's scores come from a D=16 token vector shared by all 32 experts, so experts are
     strongly correlated: when two that like the same tokens both raise their biases at once they
@@ -211,7 +221,7 @@ def test_balancer_update_matches_functional_histogram_and_balances():
     x_TD = router_inputs(16384, 16)
     qb = QuantileBalancer([router], num_bins=1000)
     with torch.no_grad():
-        router(x_TD)
+        observed(qb, x_TD)
         scores_TE = torch.sigmoid(x_TD @ router.gate.weight.T)
     ids_TK, cutoff_T, loads_E = route_biased(scores_TE, torch.zeros(32), 4)
     expected_E = quantile_bias_histogram(scores_TE, cutoff_T, torch.zeros(32), 4, ids_TK=ids_TK)
@@ -222,7 +232,7 @@ def test_balancer_update_matches_functional_histogram_and_balances():
     after = []
     for _ in range(2):
         with torch.no_grad():
-            router(x_TD)
+            observed(qb, x_TD)
         after.append(qb.step()["load_max_over_mean"][0])
     assert load_imbalance(loads_E) > 2.0 and after[0] < 1.3 and after[1] < 1.05
 
@@ -236,22 +246,22 @@ def test_empty_window_and_full_top_k_are_no_ops():
     assert torch.equal(router.expert_bias, before)
     assert math.isnan(metrics["load_max_over_mean"][0]) and metrics["tokens"] == 0
     x_TD = router_inputs(200, 8)
-    router(x_TD)
-    full(x_TD)
+    observed(qb, x_TD)
     metrics = qb.step()
     assert not torch.equal(router.expert_bias, before)
     assert torch.equal(full.expert_bias, torch.zeros(4))
     assert metrics["load_max_over_mean"][1] == 1.0  # every expert takes every token
     qb.remove()
-    assert not router.record_scores and not full.record_scores
-    router(x_TD)
-    assert int(qb.loads(0).sum()) == 0  # hooks are gone
+    assert not router.record_scores and not full.record_scores   # the routers' own setting is back
+    with RoutingRecord() as record:
+        router(x_TD)
+    assert record.stats([router])[0].scores_TE is None
 
 
 def test_discard_clears_without_updating():
     router = random_router(8, 6, 2)
     qb = QuantileBalancer([router], num_bins=64)
-    router(router_inputs(100, 8))
+    observed(qb, router_inputs(100, 8))
     metrics = qb.discard()
     assert metrics["tokens"] == 100
     assert torch.equal(router.expert_bias, torch.zeros(6))
@@ -266,15 +276,21 @@ def test_bias_never_changes_the_mixture_weights_in_a_latent_moe():
         torch.nn.init.normal_(p, std=0.2) if p.ndim > 1 else torch.nn.init.ones_(p)
     qb = QuantileBalancer([moe.router], num_bins=200, keep_scores=True)
     x = torch.randn(4, 64, config.dim)
-    moe(x)
+    with RoutingRecord() as record:
+        moe(x)
+    qb.observe(record.stats([moe.router]))
     qb.step()
     bias_E = moe.router.expert_bias.clone()
     assert bias_E.abs().max() > 0
     seen = {}
     handle = moe.router.register_forward_hook(lambda m, a, out: seen.update(weights=out[0], ids=out[1]))
-    out = moe(x)
+    with RoutingRecord() as record:
+        out = moe(x)
     handle.remove()
-    scores_TE = moe.router.last_stats.scores_TE
+    (stats,) = record.stats([moe.router])
+    qb.observe([stats])
+    scores_TE = stats.scores_TE   # keep_scores: still there after binning
+    assert torch.equal(stats.ids_TK, seen["ids"])
     chosen_TK = scores_TE.gather(1, seen["ids"])
     torch.testing.assert_close(seen["weights"], chosen_TK / chosen_TK.sum(-1, keepdim=True))
     unbiased_ids = scores_TE.topk(config.moe.top_k, -1).indices.sort(-1).values
@@ -285,7 +301,7 @@ def test_bias_never_changes_the_mixture_weights_in_a_latent_moe():
 def test_sign_balancer_moves_biases_by_gamma():
     router = random_router(8, 6, 2)
     sb = SignBalancer([router], gamma=0.01)
-    router(router_inputs(300, 8))
+    observed(sb, router_inputs(300, 8))
     loads_E = sb.loads(0).clone()
     metrics = sb.step()
     torch.testing.assert_close(router.expert_bias, sign_update(torch.zeros(6), loads_E, 0.01))
@@ -303,7 +319,10 @@ def test_few_training_steps_of_the_tiny_model():
     for step in range(3):
         for micro in range(2):  # gradient accumulation: both micro-batches feed one update
             ids = torch.randint(0, 4096, (2, 33), generator=g)
-            model(ids[:, :-1], labels=ids[:, 1:]).loss.backward()
+            out = model(ids[:, :-1], labels=ids[:, 1:])
+            qb.observe(out.routing)
+            assert all(s.scores_TE is None for s in out.routing)   # binned, then dropped before backward
+            out.loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         history.append(qb.step())
@@ -330,6 +349,11 @@ def test_bad_arguments():
         QuantileBalancer([router], threshold="median")
     with pytest.raises(ValueError, match="gamma"):
         SignBalancer([router], gamma=0.0)
+    qb = QuantileBalancer([router])
+    with pytest.raises(ValueError, match="routing has 2 entries, the balancer 1 routers"):
+        qb.observe([None, None])
+    with pytest.raises(ValueError, match=r"routing\[0\] is a Tensor, not RoutingStats"):
+        qb.observe([torch.zeros(6)])
     scores_TE = skewed_scores(10, 6)
     with pytest.raises(ValueError, match="top_k"):
         route_biased(scores_TE, torch.zeros(6), 7)
@@ -349,12 +373,12 @@ def _rank_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         router = random_router(16, 24, 3)
-        qb = QuantileBalancer([router], num_bins=400)
+        qb = QuantileBalancer([router], num_bins=400, all_reduce=dist.all_reduce)
         biases, metrics = [], []
         for step in range(2):
             x_TD = router_inputs(1200, 16, seed=10 + step)
             for chunk in x_TD.chunk(world)[rank].chunk(2):  # this rank's half, as two micro-batches
-                router(chunk)
+                observed(qb, chunk)
             metrics.append(qb.step())
             biases.append(router.expert_bias.clone())
         save_file({f"bias{i}": b for i, b in enumerate(biases)}, out_file)
@@ -378,7 +402,7 @@ def test_two_gloo_ranks_equal_one_process_over_all_tokens(tmp_path):
     qb = QuantileBalancer([router], num_bins=400)
     single_biases, single_metrics = [], []
     for step in range(2):
-        router(router_inputs(1200, 16, seed=10 + step))
+        observed(qb, router_inputs(1200, 16, seed=10 + step))
         single_metrics.append(qb.step())
         single_biases.append(router.expert_bias.clone())
     for rank in range(2):
@@ -399,7 +423,7 @@ def test_rate_takes_that_fraction_of_the_step_to_the_quantile_bias():
         router.expert_bias.copy_(start)
     x = torch.randn(4096, 8) * 3
     qb_full, qb_half = QuantileBalancer([full]), QuantileBalancer([half], rate=0.5)
-    full(x), half(x)
+    observed(qb_full, x), observed(qb_half, x)
     qb_full.step(), qb_half.step()
     torch.testing.assert_close(half.expert_bias, start + 0.5 * (full.expert_bias - start))
     with pytest.raises(ValueError, match="rate"):

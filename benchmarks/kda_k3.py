@@ -20,10 +20,8 @@ DEVICE = "cuda"  # where inputs are built (a CPU smoke test sets "cpu")
 def interpreter_bf16_fix() -> None:
     """Patch the Triton interpreter's bf16 dots and casts, which are not the GPU's (Triton 3.6), for runs of our
     kernels on bf16 inputs off the GPU (the CPU smoke runs)."""
-    try:
-        from kimik3.ops.kda.interpreter import interpreter_bf16_fix as fix
-    except ImportError:  # (a tree where it still lives beside the autograd function)
-        from kimik3.ops.kda.triton_autograd import interpreter_bf16_fix as fix
+    from kimik3.ops.kda.interpreter import interpreter_bf16_fix as fix
+
     fix()
 
 

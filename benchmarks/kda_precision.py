@@ -17,6 +17,7 @@ under TRITON_INTERPRET=1 at a tiny --shape, as the CPU smoke test does).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -100,6 +101,9 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, default=2, help="input seeds 0 .. N-1; the table is their mean")
     p.add_argument("--no-fla", action="store_true", help="leave the peer out")
     p.add_argument("--out", default=os.environ.get("OUT"), help="write kda_precision.json here (default $OUT)")
+    p.add_argument("--gluon-any-size", action="store_true",
+                   help="the Gluon stages at any size (dispatch.thresholds(0, 0)), so that a shape small enough for "
+                        "the token loop measures them")
     a = p.parse_args(argv)
     try:
         shape = tuple(int(x) for x in a.shape.split(","))
@@ -112,7 +116,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():  # the interpreter at a tiny shape (a smoke run)
         k3.DEVICE = "cpu"
         k3.interpreter_bf16_fix()
-    per_seed = [measure(shape, not a.no_fla, seed) for seed in range(a.seeds)]
+    from kimik3.ops.kda import dispatch
+
+    with dispatch.thresholds(0, 0) if a.gluon_any_size else contextlib.nullcontext():
+        per_seed = [measure(shape, not a.no_fla, seed) for seed in range(a.seeds)]
     summary = report(shape, per_seed)
     if a.out:
         os.makedirs(a.out, exist_ok=True)

@@ -117,6 +117,9 @@ def main() -> None:
     p.add_argument("--noise", action="store_true",
                    help="train the torch path twice per seed and judge the Triton path against its own spread")
     p.add_argument("--kda-head-dim", type=int, default=None, help="the preset's KDA head dimension instead of its own")
+    p.add_argument("--gluon-any-size", action="store_true",
+                   help="the Gluon stages at any size (dispatch.thresholds(0, 0)): a small run through every Hopper "
+                        "kernel that can take its shapes")
     args = p.parse_args()
     if args.seeds < 1 or args.steps < 1:
         raise SystemExit(f"--seeds and --steps must be >= 1, got {args.seeds} and {args.steps}")
@@ -124,6 +127,10 @@ def main() -> None:
     print(f"{args.preset} vocab {args.vocab}, {args.steps} steps of {args.batch_size} x {args.seq_len}, "
           f"device {args.device}, seeds {args.seeds}"
           + (f", KDA head dim {args.kda_head_dim}" if args.kda_head_dim is not None else ""))
+    if args.gluon_any_size:
+        from kimik3.ops.kda import dispatch
+
+        dispatch.thresholds(0, 0).__enter__()  # for the whole process
     val_diffs, tail_diffs, torch_vals, finite = [], [], [], True
     noise_val, noise_tail = [], []  # --noise: the torch path against its own second run
     with tempfile.TemporaryDirectory() as tmp:

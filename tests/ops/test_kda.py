@@ -469,7 +469,7 @@ def test_prefill_then_decode_equals_full_chunk():
 def test_pooled_decode_torch_path_updates_its_rows_in_place():
     """kda_decode on CPU tensors (the torch path): each live slot's row advances as recurrent_kda_step
     advances it, with the K3 pre-activations fused; a negative slot gives o = 0; no other row moves."""
-    from kimik3.ops.kda import _torch_preactivations, kda_decode
+    from kimik3.ops.kda import kda_decode, torch_preactivations
 
     B, H, K, V, P = 3, 2, 8, 12, 6
     gen = torch.Generator().manual_seed(7)
@@ -481,7 +481,7 @@ def test_pooled_decode_torch_path_updates_its_rows_in_place():
     slots = torch.tensor([4, -1, 1])
     o = kda_decode(q, k, v, z, b, pool, slots, A_log=a_log, dt_bias=dtb, g_min=G_MIN, use_gate_in_kernel=True,
                    use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
-    qq, kk, gg, bb = _torch_preactivations(q, k, z, b, a_log, dtb, G_MIN, True, True, True)
+    qq, kk, gg, bb = torch_preactivations(q, k, z, b, a_log, dtb, G_MIN, True, True, True)
     o_ref, s_ref = recurrent_kda_step(qq, kk, v, gg, bb, before[slots.clamp_min(0)])
     for row, slot in enumerate(slots.tolist()):
         if slot < 0:

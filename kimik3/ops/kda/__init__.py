@@ -5,10 +5,22 @@ Public API:
     chunk_kda            chunkwise-parallel path used for training / prefill.
     recurrent_kda_step   one-token update used for decoding.
     kda_decode           one token for B sequences on a state pool updated in place (Triton on CUDA).
+    explain_kernels      which kernel runs at every stage for given inputs (``dispatch.py``).
 
 Layout follows fla: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];
 states [N, H, K, V] float32. See ``naive.py`` for the recurrence and
 ``chunk.py`` for the chunkwise algorithm and the gate-bound contract.
+
+Files, by what they hold:
+    naive.py, chunk*.py      the reference and the chunkwise torch path (any device)
+    preact.py                K3's pre-activations in torch (bounded gate, L2 norm, sigmoid)
+    dispatch.py              which backend and which kernel per stage (the table)
+    forward.py, backward.py  the Triton pipelines, stage by stage; autograd.py joins them
+    prologue.py, intra.py, solve.py, wy.py, fwd_scan.py, prep16.py      forward stages (Triton)
+    bwd_scan.py, bwd_wy.py, bwd_intra.py, preact_bwd.py                 backward stages (Triton)
+    gluon/                   the Hopper Gluon forms of some stages, and their runtime
+    plan.py, triton_common.py  the chunk plan and the shared Triton helpers
+    decode.py, decode_kernel.py  one-token decode on a state pool (dispatch + torch path, Triton kernel)
 """
 
 from __future__ import annotations
@@ -17,77 +29,17 @@ from typing import Optional, Tuple
 
 import torch
 
-import importlib.util
-import os
-
 from .chunk import SUBTILE, chunk_kda_torch
 from .decode import kda_decode
+from .dispatch import explain as explain_kernels
+from .dispatch import kda_backend
 from .naive import check_kda_inputs, naive_recurrent_kda, recurrent_kda_step
+from .preact import L2_EPS, bounded_gate, l2_normalize, torch_preactivations
 
 __all__ = [
-    "chunk_kda", "naive_recurrent_kda", "recurrent_kda_step", "chunk_kda_torch", "kda_decode",
-    "kda_backend", "SUBTILE", "L2_EPS", "l2_normalize", "bounded_gate",
+    "chunk_kda", "naive_recurrent_kda", "recurrent_kda_step", "chunk_kda_torch", "kda_decode", "explain_kernels",
+    "kda_backend", "SUBTILE", "L2_EPS", "l2_normalize", "bounded_gate", "torch_preactivations",
 ]
-
-# Inside the square root of the q / k L2 norm, x / sqrt(sum x^2 + L2_EPS), wherever it is computed: the K3
-# layer, the torch pre-activations, the Triton prologue, the chain rules and the decode kernel.
-L2_EPS = 1e-6
-
-# Backend override for chunk_kda: "torch", "triton" or "auto" (default).
-BACKEND_ENV = "KIMIK3_KDA_BACKEND"
-
-
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def kda_backend(q: torch.Tensor, chunk_size: int = 64, backend: Optional[str] = None) -> str:
-    """The backend ``chunk_kda`` uses for these inputs: "triton" or "torch".
-
-    ``backend`` (else the environment variable KIMIK3_KDA_BACKEND, else "auto"): "auto" picks
-    Triton for CUDA tensors when triton is installed and chunk_size == 64 (forward and backward
-    kernels, verified and timed on the H200: BENCHMARKS.md), else torch. "triton" forces the Triton
-    kernels (CPU tensors only work under TRITON_INTERPRET=1; ``KIMIK3_KDA_TRITON_BWD=torch`` selects
-    the older hybrid backward that re-runs the torch path); errors are raised, never answered by a
-    fallback.
-    """
-    choice = (backend or os.environ.get(BACKEND_ENV) or "auto").lower()
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"KDA backend must be 'auto', 'torch' or 'triton', got {choice!r}")
-    if choice == "auto":
-        return "triton" if (q.is_cuda and chunk_size == 64 and _triton_available()) else "torch"
-    if choice == "triton":
-        if not _triton_available():
-            raise RuntimeError("KDA backend 'triton' requested but triton is not installed")
-        if chunk_size != 64:
-            raise ValueError(f"the Triton KDA kernels use chunk_size 64, got {chunk_size}")
-    return choice
-
-
-def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + L2_EPS) over the last dim, in fp32, cast back (K3's q / k normalisation)."""
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + L2_EPS)).to(x.dtype)
-
-
-def bounded_gate(raw_BTHK: torch.Tensor, a_log_H: torch.Tensor, dt_bias_HK: torch.Tensor,
-                 g_min: float) -> torch.Tensor:
-    """K3's bounded log-decay g_min * sigmoid(exp(A_log) * (raw + dt_bias)), fp32, in (g_min, 0)."""
-    H, K = raw_BTHK.shape[-2], raw_BTHK.shape[-1]
-    rate = a_log_H.float().exp().view(H, 1)
-    return g_min * torch.sigmoid(rate * (raw_BTHK.float() + dt_bias_HK.float().view(H, K)))
-
-
-def _torch_preactivations(q, k, g, beta, A_log, dt_bias, g_min, use_gate, use_l2, use_beta_sigmoid):
-    """The optional fused pre-activations in plain torch (fp32 math, cast back like the K3 layer):
-    g = g_min * sigmoid(exp(A_log) * (z + dt_bias)); q, k <- x / sqrt(sum x^2 + L2_EPS); beta <- sigmoid(beta)."""
-    if use_gate:
-        g = bounded_gate(g, A_log, dt_bias, g_min)
-    if use_l2:
-        q, k = l2_normalize(q), l2_normalize(k)
-    if use_beta_sigmoid:
-        beta = torch.sigmoid(beta.float())
-    return q, k, g, beta
 
 
 def chunk_kda(
@@ -128,8 +80,8 @@ def chunk_kda(
     if use_gate_in_kernel and (A_log is None or dt_bias is None):
         raise ValueError("use_gate_in_kernel needs A_log [H] and dt_bias [H, K]")
     if which == "torch":
-        q, k, g, beta = _torch_preactivations(q, k, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel,
-                                              use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel)
+        q, k, g, beta = torch_preactivations(q, k, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel,
+                                             use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel)
         return chunk_kda_torch(
             q,
             k,
@@ -142,13 +94,13 @@ def chunk_kda(
             cu_seqlens=cu_seqlens,
             chunk_size=chunk_size,
         )
-    from .triton_autograd import chunk_kda_triton
+    from .autograd import chunk_kda_triton  # (imports triton)
 
     # With the gate fused, g is the raw input z and the kernel's log-decay lower_bound * sigmoid(...) lies in
     # [lower_bound, 0] for any z, +-inf included (the output and dz stay finite; dA_log is NaN there, in the
-    # torch path too); a NaN in z shows as NaN in the output, as in fla. So no NaN / +inf scan over z: it cost
-    # 0.08 ms and a host sync per call at K3's shape (H200), on the model's hot path. A raw log-decay g is
-    # still checked: +inf or NaN there would break the kernels' bound.
+    # torch path too); a NaN in z shows as NaN in the output, as in fla. So no NaN / +inf scan over z: it would
+    # cost a host sync per call on the model's hot path. A raw log-decay g is still checked: +inf or NaN there
+    # would break the kernels' bound.
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_gate_finite=not use_gate_in_kernel)
     return chunk_kda_triton(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,

@@ -5,13 +5,17 @@
 serving engine keeps every live sequence's state in such a pool, so a decode step reads and writes each
 state once, with no gather into a batch and no scatter back.
 
-Backends, as ``chunk_kda`` picks them (``kda_backend``): the Triton kernel (``triton_decode.py``) on CUDA
+Backends, as ``chunk_kda`` picks them (``dispatch.kda_backend``): the Triton kernel (``decode_kernel.py``) on CUDA
 tensors, the torch path (gather, ``recurrent_kda_step``, scatter) on any other device.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .dispatch import kda_backend
+from .naive import recurrent_kda_step
+from .preact import torch_preactivations
 
 __all__ = ["check_decode_inputs", "kda_decode", "kda_decode_torch"]
 
@@ -50,11 +54,8 @@ def kda_decode_torch(
 ) -> torch.Tensor:
     """``kda_decode`` in plain torch: the fused pre-activations as ``chunk_kda``'s torch path computes them,
     then ``recurrent_kda_step`` on the gathered states, scattered back into the pool."""
-    from . import _torch_preactivations
-    from .naive import recurrent_kda_step
-
     check_decode_inputs(q, k, v, g, beta, state_pool, slots, use_gate_in_kernel, A_log, dt_bias)
-    q, k, g, beta = _torch_preactivations(q, k, g, beta, A_log, dt_bias, g_min, use_gate_in_kernel,
+    q, k, g, beta = torch_preactivations(q, k, g, beta, A_log, dt_bias, g_min, use_gate_in_kernel,
                                           use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel)
     live = slots >= 0
     rows = slots.clamp_min(0)
@@ -77,13 +78,12 @@ def kda_decode(
     skip the sequence). The pre-activation flags mean what they mean for ``chunk_kda`` (g_min is its
     lower_bound). ``backend``: as ``kda_backend`` ("auto": Triton on CUDA tensors, else torch; "triton" on
     CPU tensors only under TRITON_INTERPRET=1)."""
-    from . import kda_backend
-
     # (kda_backend's chunk-size check is for chunk_kda: the decode kernel has none, so pass the one it accepts)
     kw = {"A_log": A_log, "dt_bias": dt_bias, "g_min": g_min, "use_gate_in_kernel": use_gate_in_kernel,
           "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel, "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel}
     if kda_backend(q, 64, backend) == "torch":
         return kda_decode_torch(q, k, v, g, beta, state_pool, slots, scale, **kw)
-    from .triton_decode import kda_decode as kda_decode_triton
+    check_decode_inputs(q, k, v, g, beta, state_pool, slots, use_gate_in_kernel, A_log, dt_bias)
+    from .decode_kernel import launch_decode  # (imports triton)
 
-    return kda_decode_triton(q, k, v, g, beta, state_pool, slots, scale, **kw)
+    return launch_decode(q, k, v, g, beta, state_pool, slots, scale, **kw)

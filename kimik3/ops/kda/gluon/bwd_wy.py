@@ -1,20 +1,21 @@
-"""Kernel 3 of the Triton KDA backward (``triton_backward._bwd_wy_kernel``, the WY backward) as a warp-specialised
+"""Stage 2 of the KDA backward (the Triton ``bwd_wy.py``'s ``_bwd_wy_kernel``, the WY backward) as a warp-specialised
 Gluon kernel for Hopper.
 
-Per chunk of 64 tokens and head (``triton_backward``'s docstring has the maths), from the state-gradient scan's dRv
+Per chunk of 64 tokens and head (``backward.py``'s docstring has the maths), from the state-gradient scan's dRv
 (stored over dv_new) and the forward's v_new, U, W, states h and the scan's dh:
     V side   dAqk = scale dO v_new^T (lower, diagonal included), dA_v = -dRv U^T, dv = beta dRv,
              dbeta_v = rowsum(dRv v)
     K side   dqg = scale dO h^T, dkg = v_new dh^T, dRk = -dRv h^T, deg = rowsum_V(h dh)
-    then the chain rule through the exponentials (partial dq, dk, dGamma, as ``_wy_k_side``), dA_k = -dRk W^T,
-    dbeta_k = rowsum(dRk k e^Gamma); dA = dA_v + dA_k (strict lower) and dbeta = dbeta_v + dbeta_k whole.
+    then the chain rule through the exponentials (partial dq, dk, dGamma, as the Triton ``_wy_k_side``),
+    dA_k = -dRk W^T, dbeta_k = rowsum(dRk k e^Gamma); dA = dA_v + dA_k (strict lower) and dbeta = dbeta_v + dbeta_k
+    whole.
 The Triton kernel splits each (chunk, head) into three programs (the V side, two 64-column key blocks) that each
 read dO, v_new and dRv, and writes dA and dbeta as three partials. Here one item is a (chunk, head) and writes dA and
 dbeta whole (the intra backward then takes one partial).
 
 The kernel's shape: a persistent grid, one CTA per SM; a 1-warp loader partition streams each item by TMA as three
-stages through a 2-slot ring of 112 KB slots: the two 64-column halves of V (v_new, dRv, U, dO, v and the state
-tiles h, dh of those columns), then the key side's q, k, W, Gamma. A slot is seven fp32 [64, 64] units (three
+stages through a ``RING``-slot ring of 112 KB slots: the two 64-column halves of V (v_new, dRv, U, dO, v and the
+state tiles h, dh of those columns), then the key side's q, k, W, Gamma. A slot is seven fp32 [64, 64] units (three
 allocations: shapes must be powers of two), each stage's tiles reinterpreted over them. The 8-warp consumer (two
 warpgroups splitting N of every product) accumulates the V-contractions over the two halves, then applies the chain
 rule and stores. Products: 16-bit operands where one side is 16-bit (dO, h, v's tiles; the fp32 side split into a
@@ -22,30 +23,28 @@ bf16 high part and remainder, two products), tf32 where both are fp32 (U dRv^T a
 kernel's tf32 products), and dA_k from dRk's 16-bit parts written into the key stage's free unit and over Gamma once
 it is read.
 
-``triton_backward.GLUON_WY_BWD`` selects it (on by default; H200, K3's shape: 1.82 ms against the Triton kernel's
-2.80). It applies where ``supported`` says (sm_90, K = V = 128, bf16 q, k, v, dO, W and states, fp32 Gamma, U, v_new,
-dRv and dh).
+``dispatch.py`` says where it runs (sm_90, bf16, K = V = 128, fewer than 2^31 state rows and dA elements, enough
+items).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .gluon_wy import (_item, _item_ahead, _my_items, _wait_slot, launch_options, on_hopper, release_ring,
-                       ring_barriers, run_persistent, split16, tile_descriptor)
+from .runtime import (_item, _item_ahead, _my_items, _wait_slot, release_ring, ring_barriers, run_persistent, split16,
+                      tile_descriptor)
 
 CONSUMER_WARPS = 8  # two warpgroups, splitting N of every product
-# the loader partition at setmaxnreg's floor, so that the consumer's warps get 240 registers (sm_90 compile: 136 B
-# spilled)
+# the loader partition at setmaxnreg's floor, so that the consumer's warps get 240 registers (the consumer is bound by
+# registers: one item in flight)
 LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(24)
-MAXNREG: Optional[int] = 168  # registers per thread at launch: 12 warps (the loader's padded to a warpgroup)
-CTAS_PER_SM = 1
+MAXNREG = 168  # registers per thread at launch: 12 warps (the loader's padded to a warpgroup)
+CTAS_PER_SM = 1  # the ring's two slots take 224 KB of shared memory
 RING = 2  # slots of seven fp32 [64, 64] units (112 KB each), allocated as 4 + 2 + 1 (shapes are powers of two)
 STAGES = gl.constexpr(3)  # per item: V columns [0, 64), [64, 128), then the key side
 
@@ -122,9 +121,8 @@ def _consumer(ready, empty, s4, s2, s1, do_d, h_d, G_d, q_d, G_ptr, beta_ptr, dq
     """The consumer partition: each item's V-contractions over its two V halves, then the key side (module
     docstring); the two warpgroups split N of every product. Registers are what bounds it (one item in flight, 240
     per thread): dAqk is stored as soon as the V halves are done and U dRv^T becomes dA_k's starting accumulator, so
-    that two [64, 64] accumulators fewer live through the key side (H200, K3's shape: 2.41 -> 2.10 ms); the key
-    side's stores are addressed from the item's first element plus 32-bit offsets within it, instead of 64-bit
-    offsets per element (sm_90 spills 332 -> 136 B; 2.10 -> 1.82 ms, twenty-first session)."""
+    that two [64, 64] accumulators fewer live through the key side; the key side's stores are addressed from the
+    item's first element plus 32-bit offsets within it, instead of 64-bit offsets per element (fewer spills)."""
     M128: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
     M128T: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 8])
     M64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
@@ -180,7 +178,7 @@ def _consumer(ready, empty, s4, s2, s1, do_d, h_d, G_d, q_d, G_ptr, beta_ptr, dq
         # dAqk now, and U dRv^T as dA_k's starting accumulator (dA = -(U dRv^T + W dRk^T)): two tiles fewer below
         _store_matrix(daqk_ptr, daqk_t * scale, i_t, i_h, H, L, rs, ct, True)
         dak_t = gl.convert_layout(udrv_t, M64)
-        # the key side: the chain rule through the exponentials (``triton_backward._wy_k_side``)
+        # the key side: the chain rule through the exponentials (the Triton ``_wy_k_side``)
         st = _wait_slot(ready, i * STAGES + 2, 0)
         Gs, qs, ks, ws = _key_tiles(s4, s2, st, G_d, q_d)
         rows = gl.expand_dims(r < L, 1)
@@ -246,28 +244,12 @@ def _gluon_bwd_wy_kernel(vn_d, drv_d, u_d, do_d, v_d, h_d, dh_d, q_d, k_d, w_d, 
     release_ring(ready, empty)
 
 
-def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, w: torch.Tensor, h: torch.Tensor,
-              G: torch.Tensor, u: torch.Tensor, vn: torch.Tensor, dh: torch.Tensor) -> Optional[str]:
-    """None if this kernel runs the WY backward on these tensors, else why not (the Triton kernel runs instead)."""
-    if q.shape[-1] != 128 or v.shape[-1] != 128:
-        return f"K = V = 128 (got K={q.shape[-1]}, V={v.shape[-1]})"
-    if any(x.dtype != torch.bfloat16 for x in (q, k, v, do, w, h)):
-        return "bf16 q, k, v, dO, W and stored states"
-    if any(x.dtype != torch.float32 for x in (G, u, vn, dh)):
-        return "fp32 Gamma, U, v_new and dh"
-    if h.numel() // h.shape[-1] >= 2**31:
-        return "fewer than 2^31 state rows (TMA coordinates are 32-bit)"
-    if h.numel() // (h.shape[-1] * h.shape[-2]) * 4096 >= 2**31:  # NT H items of [64, 64]
-        return "fewer than 2^31 elements of dAqk and dA (NT H 64 64; their stores' offsets are 32-bit)"
-    return on_hopper(q)
-
-
 def launch(q, k, v, G, beta, w, u, h, dh, vn, drv, do, dq, dk, dG, dv, dbeta, daqk, da, plan, H: int, scale: float,
            launcher: Optional[Callable] = None, programs: Optional[int] = None) -> None:
-    """The WY backward by ``_gluon_bwd_wy_kernel`` on ``triton_backward.kda_bwd_triton``'s tensors (token layout
-    [B, T, H, D]; h, dh as [NT, H, K, V]; drv: dRv, stored over dv_new). Writes the partial dq, dk, dGamma (fp32), dv
-    (v's dtype), dbeta whole, dAqk and dA whole ([NT, H, 64, 64] fp32; dA as the one partial the intra backward
-    sums). launcher, programs: ``gluon_wy.run_persistent``."""
+    """The WY backward by ``_gluon_bwd_wy_kernel`` on the backward's tensors (token layout [B, T, H, D]; h, dh as
+    [NT, H, K, V]; drv: dRv, stored over dv_new). Writes the partial dq, dk, dGamma (fp32), dv (v's dtype), dbeta
+    whole, dAqk and dA whole ([NT, H, 64, 64] fp32; dA as the one partial the intra backward sums). launcher,
+    programs: ``runtime.run_persistent``'s."""
     K = q.shape[-1]
     tok = (q.numel() // (H * K), H * K)
     states = (plan.NT * H * K, K)
@@ -279,4 +261,4 @@ def launch(q, k, v, G, beta, w, u, h, dh, vn, drv, do, dq, dk, dG, dv, dbeta, da
             tile_descriptor(G, gl.float32, tok, (64, K)), beta, dq, dk, dG, dv, dbeta, daqk, da, G, plan.chunk_idx,
             plan.cu, plan.NT, H, float(scale))
     run_persistent(_gluon_bwd_wy_kernel, plan.NT * H, q.device, args, launcher, programs, CTAS_PER_SM, K=K,
-                   RING=RING, num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))
+                   RING=RING, num_warps=CONSUMER_WARPS, maxnreg=MAXNREG)

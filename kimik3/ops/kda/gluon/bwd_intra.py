@@ -1,12 +1,12 @@
-"""Kernel 4 of the Triton KDA backward (the gradients through Aqk and A, ``triton_bwd_intra.py``'s "rows" kernel) as a
-warp-specialised Gluon kernel for Hopper.
+"""Stage 3 of the KDA backward (the Triton ``bwd_intra.py``'s ``_bwd_intra_rows_kernel``: the gradients through Aqk
+and A) as a warp-specialised Gluon kernel for Hopper.
 
-Per chunk of 64 tokens and head, with dAqk and dA (dA as NPART partials, from the WY kernel), on the K = 128 key
+Per chunk of 64 tokens and head, with dAqk and dA (dA as NPART partials, from the WY backward), on the K = 128 key
 columns:
     row side     dq_t   = sum_{s <= t} dAqk[t, s] k_s e^(Gamma_t - Gamma_s)
                  x_t    = sum_{s <  t} dA[t, s]   k_s e^(Gamma_t - Gamma_s)      (gradient of beta_t k_t)
     column side  dk_s   = sum_{t >= s} (dAqk[t, s] q_t + dA[t, s] beta_t k_t) e^(Gamma_t - Gamma_s)
-then the WY kernel's partials added, dGamma, dbeta and (``L2`` / ``BSIG``) the fused L2 norm's and beta sigmoid's
+then the WY backward's partials added, dGamma, dbeta and (``L2`` / ``BSIG``) the fused L2 norm's and beta sigmoid's
 chain rules, as the Triton kernel's ``_combine``; dGamma is stored over the partial, and ``_suffix_sum_kernel`` turns
 it into dg afterwards, as for the Triton kernel.
 
@@ -20,56 +20,39 @@ exponential per element of every [16, K] operand. Here one program walks (chunk,
 - the column side likewise from the last row tile m down: dAqk[tile m, :]^T (read transposed) times
   q_m e^(Gamma_m - Gamma_mL), the reference Gamma_mL at tile m's last token moving back one tile at a time;
 - an exponential per element only in the epilogue, where each row meets its own tile's reference.
-(``benchmarks/kda_chunk_factors.py`` checks this maths against fp64.) Operands are 16-bit: the fp32 dAqk / dA
-slices and the fp32 [16, 128] tiles each split into a bf16 high part and its bf16 remainder, three products each
-(hi hi, hi lo, lo hi), so the products hold about 16 mantissa bits against tf32's 10 in the Triton kernel.
+Operands are 16-bit: the fp32 dAqk / dA slices and the fp32 [16, 128] tiles each split into a bf16 high part and its
+bf16 remainder, three products each (hi hi, hi lo, lo hi), so the products hold about 16 mantissa bits against
+tf32's 10 in the Triton kernel.
 
 The kernel's shape: a persistent grid, one CTA per SM; a 1-warp loader partition streams each item's q, k, Gamma
-tiles and Gamma's reference rows by TMA into a 2-slot ring, and its dAqk and dA partials into a 1-slot ring; the
-8-warp consumer partition (two warpgroups, one per 64-column half of the keys in every [64, 128] product) releases
-the matrix ring once its products are done, so that the next item's matrices load during the epilogue, and the tile
-ring after the epilogue. One partition for both halves keeps a single copy of the (unrolled) code: with a consumer
-partition per half, two copies of about 90 KB each, the warps stalled on instruction fetch (Nsight Compute, H200,
-eighteenth session: "no instruction" 45 % of their stall samples, 4.27 ms against the Triton kernel's 3.08).
+tiles and Gamma's reference rows by TMA into a ``TILE_RING``-slot ring, and its dAqk and dA partials into a 1-slot
+ring; the 8-warp consumer partition (two warpgroups, one per 64-column half of the keys in every [64, 128] product)
+releases the matrix ring once its products are done, so that the next item's matrices load during the epilogue, and
+the tile ring after the epilogue. One partition for both halves keeps a single copy of the (unrolled) code: with a
+consumer partition per half, two copies, the warps stall on instruction fetch. The epilogue's global loads (the WY
+backward's partial dq and dk, the raw q and k) wait in turn on one item at a time: whatever is added to that chain
+costs its latency (the suffix pass fused into the column side's epilogue is slower than the pass it would replace).
 
-H200, K3's shape (B1 T8192 H96 D128, bf16), same run: 2.948 ms against the Triton kernel's 3.048, forward+backward
-9.736 against 9.822 ms; 2.83 ms since the Gluon WY backward hands it dA as one partial instead of three (twentieth
-session), and 2.64 ms since its epilogue runs in two parts, the row side's between the two sides' products (no
-spills; twenty-first session), 2.47 ms since dGamma's updates are reductions in memory and dk's row term waits in
-shared memory (twenty-second session). The epilogue is what is left: its global loads (the WY kernel's partial dq
-and dk, the raw q and k) wait in turn on one item at a time (Nsight Compute, before those two changes: its lines
-held 29 % of the stall samples, the product loops' 12 %); dk's term as an atomic add returning the partial was
-slower (2.93 ms against 2.56). Whatever is added to that one chain costs its latency: the suffix pass and the
-gate's chain rule fused into the column side's epilogue (dg as one product with a triangular matrix of ones) made
-the kernel 0.65 ms slower against the 0.34 ms pass it would replace (nineteenth session, and again in the twenty-first).
-
-It applies where ``supported`` says (sm_90, bf16 q / k, fp32 Gamma, K = 128), as ``triton_bwd_intra.GLUON_INTRA``
-selects. CI runs it through ``tests/gluon_emulator.py`` and compiles it for sm_90.
+``dispatch.py`` says where it runs (sm_90, bf16, K = 128, enough items).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .gluon_wy import (_item, _my_items, _wait_slot, launch_options, on_hopper, release_ring, ring_barriers,
-                       run_persistent, split16, tile_descriptor)
+from .runtime import (_item, _my_items, _wait_slot, release_ring, ring_barriers, run_persistent, split16,
+                      tile_descriptor)
 
 CONSUMER_WARPS = 8  # the consumer partition: two warpgroups, one per 64-column half of the keys
 LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
-MAXNREG: Optional[int] = 168  # registers per thread at launch: 12 warps (the loader's padded to a warpgroup)
+MAXNREG = 168  # registers per thread at launch: 12 warps (the loader's padded to a warpgroup)
 TILE_RING = 2  # slots of the q, k, Gamma ring (64 KB each, with Gamma's reference rows 4 KB more)
-CTAS_PER_SM = 1
-# With dA as one partial (the Gluon WY backward's), the row side's term of dk (beta x) kept in shared memory (32 KB
-# fp32; 217 KB in all, where three partials would need 248) until the column side completes dk, instead of added to
-# the partial dk in global memory and loaded back: one load and one store of the partial fewer per item. H200, K3's
-# shape, same run: the kernel 2.548 -> 2.470 ms (flat at B4 T4096 H64: 3.311 -> 3.306). False: through global memory.
-DK_SMEM = True
+CTAS_PER_SM = 1  # the rings take most of an SM's shared memory
 NREF = gl.constexpr(8)  # Gamma's reference rows per item: the 4 tiles' first tokens, then their last
 
 
@@ -163,9 +146,8 @@ def _per_tile_ref(refs_s, first, r, MMA: gl.constexpr):
 @gluon.jit
 def _l2_chain(x, dx, EPS: gl.constexpr):
     """The L2 norm's chain rule on the raw rows x, from the gradient dx w.r.t. the normalised rows:
-    (dx - x r^2 sum(x dx)) r with r = 1 / |x| (``triton_preact.l2_bwd_rows``). (Both row sums in one two-operand
-    reduction, one exchange between the warpgroups instead of two, timed slower: 8.79 against 8.71 ms forward+backward,
-    H200, K3's shape, twenty-first session.)"""
+    (dx - x r^2 sum(x dx)) r with r = 1 / |x| (``preact_bwd.l2_bwd_rows``). (Both row sums in one two-operand
+    reduction, one exchange between the warpgroups instead of two, is slower.)"""
     rn = gl.rsqrt(gl.sum(x * x, axis=1) + EPS)
     return (dx - x * gl.expand_dims(rn * rn * gl.sum(x * dx, axis=1), 1)) * gl.expand_dims(rn, 1)
 
@@ -173,8 +155,7 @@ def _l2_chain(x, dx, EPS: gl.constexpr):
 @gluon.jit
 def _item_tiles(t0, L, i_h, r, c, HK, K: gl.constexpr):
     """The item's valid rows (a [64, 1] mask) and its [64, K] element offsets in a [tokens, H K] tensor. (Offsets
-    within the item added to its first element's pointer, as the WY backward's stores, timed slower here: the kernel
-    2.64 -> 2.70 ms, H200, K3's shape, twenty-first session.)"""
+    within the item added to its first element's pointer, as the WY backward's stores, are slower here.)"""
     rows = gl.expand_dims(r < L, 1)
     return rows, gl.expand_dims((t0 + r).to(gl.int64) * HK, 1) + gl.expand_dims(i_h * K + c, 0)
 
@@ -202,8 +183,7 @@ def _beta_rows(beta_ptr, t0, tok, L, H, i_h):
 @gluon.jit
 def _store_dbeta(db, dbeta_in_ptr, dbeta_ptr, br_ptr, bo, r, L, part_beta, NPART: gl.constexpr, BSIG: gl.constexpr):
     """dbeta complete: the rows' sums of k x (db), the WY kernel's NPART partials, the sigmoid's chain rule (as
-    ``triton_preact.sigmoid_bwd``; loading the partials at the item's start, with beta, was slower: 3.17 against
-    2.97 ms, H200, K3's shape)."""
+    ``preact_bwd.sigmoid_bwd``; loading the partials at the item's start, with beta, is slower)."""
     for p in gl.static_range(NPART):
         db += gl.load(dbeta_in_ptr + p * part_beta + bo, mask=r < L, other=0.0)
     if BSIG:
@@ -221,11 +201,12 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
               DK_SM: gl.constexpr, dkr_s):
     """The consumer partition: every item's products and epilogue (module docstring), the two warpgroups splitting
     the key columns. The epilogue runs in two parts: the row side's (dq complete, dGamma's row terms reduced into its
-    partial in global memory, dk's kept in dkr_s (``DK_SMEM``) or added to its partial, dbeta complete) between the
-    row and the column products, the column side's after them. The row side's two [64, 128] accumulators are then
-    not held through the column products, and no epilogue meets more than two: no spills in the sm_90 compile
-    (4 B since ``DK_SMEM``), against 498 B with one epilogue after both sides (H200, K3's shape: 2.84 -> 2.64 ms,
-    twenty-first session)."""
+    partial in global memory, dk's kept in dkr_s (DK_SM) or added to its partial, dbeta complete) between the row and
+    the column products, the column side's after them. The row side's two [64, 128] accumulators are then not held
+    through the column products, and no epilogue meets more than two (with one epilogue after both sides the
+    compiler spills). DK_SM (dA as one partial): the row side's term of dk (beta x) waits in shared memory (32 KB
+    fp32) until the column side completes dk, instead of being added to the partial dk in global memory and loaded
+    back; with three partials of dA the matrix ring leaves no room for it."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
     AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     BL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 2], [1, 0])  # the [16, K] right operands
@@ -266,12 +247,11 @@ def _consumer(t_ready, t_empty, m_ready, m_empty, q_s, k_s, G_s, refs_s, m_s, b_
         ki = ks.load(MMA).to(gl.float32)
         # dGamma's updates (this, then the column side's) as reductions in memory (red.global.add, fire and forget:
         # no wait on the partial's load), each element's two from the one thread that holds it, in program order:
-        # the sums of load-add-store, but for denormals, which the reduction flushes. H200, K3's shape, same run:
-        # the kernel 2.665 -> 2.559 ms, forward+backward 8.376 -> 8.321 (10.829 -> 10.695 at B4 T4096 H64).
+        # the sums of load-add-store, but for denormals, which the reduction flushes.
         gl.atomic_add(dG_ptr + off, qs.load(MMA).to(gl.float32) * dq_r + ki * (beta * x), mask=rows, sem="relaxed")
         _store_dbeta(gl.sum(ki * x, axis=1), dbeta_in_ptr, dbeta_ptr, br_ptr, bo, r, L, part_beta, NPART, BSIG)
         gl.thread_barrier()
-        if DK_SM:  # (``DK_SMEM``; each thread reads back the elements it stores, barriers between)
+        if DK_SM:  # (each thread reads back the elements it stores, barriers between)
             dkr_s.store(beta * x)
         else:
             gl.store(dk_ptr + off, gl.load(dk_ptr + off, mask=rows, other=0.0) + beta * x, mask=rows)
@@ -323,7 +303,7 @@ def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, d
                             dbeta_ptr, qr_ptr, kr_ptr, br_ptr, dq_out, dk_out, cidx_ptr, cu_ptr, NT, H, part_rows,
                             part_beta, K: gl.constexpr, NPART: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr,
                             EPS: gl.constexpr, RING: gl.constexpr, DK_SM: gl.constexpr, num_warps: gl.constexpr):
-    """Kernel 4 over NT chunks x H heads (q_d, k_d, G_d: TMA descriptors of [64, K] tiles of q, k, Gamma as [tokens,
+    """Stage 3 over NT chunks x H heads (q_d, k_d, G_d: TMA descriptors of [64, K] tiles of q, k, Gamma as [tokens,
     H K], ref_d of Gamma's [1, K] rows; a_d, da_d: of dAqk as [NT H 64, 64] and dA's partials as [NPART NT H 64, 64],
     part_rows = NT H 64 apart)."""
     q_s = gl.allocate_shared_memory(gl.bfloat16, [RING, 64, K], q_d.layout)
@@ -333,7 +313,7 @@ def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, d
     m_s = gl.allocate_shared_memory(gl.float32, [1 + NPART, 64, 64], a_d.layout)
     b_s = gl.allocate_shared_memory(gl.bfloat16, [4, 16, K], gl.NVMMASharedLayout.get_default_for([16, K],
                                                                                                 gl.bfloat16))
-    # the row side's dk term (``DK_SMEM``; a row, unused, when off)
+    # the row side's dk term (DK_SM; a row, unused, when off)
     dkr_s = gl.allocate_shared_memory(gl.float32, [64 if DK_SM else 1, K], G_d.layout)
     t_ready, t_empty = ring_barriers(RING, 1)
     m_ready, m_empty = ring_barriers(1, 1)
@@ -348,25 +328,14 @@ def _gluon_bwd_intra_kernel(q_d, k_d, G_d, ref_d, a_d, da_d, beta_ptr, dq_ptr, d
     release_ring(m_ready, m_empty)
 
 
-def supported(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, npart: int) -> Optional[str]:
-    """None if this kernel runs kernel 4 on these tensors, else why not (the Triton kernel runs instead)."""
-    if q.shape[-1] != 128:
-        return f"K = 128 (got {q.shape[-1]})"
-    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or G.dtype != torch.float32:
-        return "bf16 q, k and fp32 Gamma"
-    if not 1 <= npart <= 3:
-        return f"1 to 3 partials of dA (got {npart})"
-    return on_hopper(q)
-
-
 def launch(q, k, G, beta, daqk, da, dq, dk, dG, dbeta_parts, dbeta, plan, H: int, npart: int,
            raw: Optional[tuple] = None, out: Optional[tuple] = None, l2: bool = False, bsig: bool = False,
            eps: float = 0.0, launcher: Optional[Callable] = None, programs: Optional[int] = None) -> None:
-    """Kernel 4 by ``_gluon_bwd_intra_kernel`` on ``triton_bwd_intra.bwd_intra``'s tensors (token layout [B, T, H, K];
-    daqk as [NT, H, 64, 64], da as [npart, NT, H, 64, 64], fp32): dG (the partial dGamma) becomes the complete
-    dGamma in place, dbeta the whole dbeta (from dbeta_parts' npart partials). raw: the raw q, k, beta of the fused
-    L2 norm (l2) and sigmoid (bsig), whose gradients go to out = (dq_out, dk_out) (default: dq, dk in place) and to
-    dbeta. launcher, programs: ``gluon_wy.run_persistent``."""
+    """Stage 3 by ``_gluon_bwd_intra_kernel`` on ``bwd_intra.bwd_intra``'s tensors (token layout [B, T, H, K]; daqk
+    as [NT, H, 64, 64], da as [npart, NT, H, 64, 64], fp32; npart 1 or 3): dG (the partial dGamma) becomes the
+    complete dGamma in place, dbeta the whole dbeta (from dbeta_parts' npart partials). raw: the raw q, k, beta of
+    the fused L2 norm (l2) and sigmoid (bsig), whose gradients go to out = (dq_out, dk_out) (default: dq, dk in
+    place) and to dbeta. launcher, programs: ``runtime.run_persistent``'s."""
     K = q.shape[-1]
     tok = (q.numel() // (H * K), H * K)
     rows = plan.NT * H * 64
@@ -378,5 +347,5 @@ def launch(q, k, G, beta, daqk, da, dq, dk, dG, dbeta_parts, dbeta, plan, H: int
             beta, dq, dk, dG, dbeta_parts, dbeta, qr, kr, br, dq_out, dk_out, plan.chunk_idx, plan.cu, plan.NT, H,
             rows, dbeta_parts.numel() // npart)
     run_persistent(_gluon_bwd_intra_kernel, plan.NT * H, q.device, args, launcher, programs, CTAS_PER_SM, K=K,
-                   NPART=npart, L2=l2, BSIG=bsig, EPS=eps, RING=TILE_RING, DK_SM=DK_SMEM and npart == 1,
-                   num_warps=CONSUMER_WARPS, **launch_options(MAXNREG))
+                   NPART=npart, L2=l2, BSIG=bsig, EPS=eps, RING=TILE_RING, DK_SM=npart == 1,
+                   num_warps=CONSUMER_WARPS, maxnreg=MAXNREG)

@@ -1,8 +1,8 @@
-"""The serial half of the 16-token forward (``triton_forward.CHUNK16``): the state scan over 16-token tiles, with the
-output, as a warp-specialised Gluon kernel for Hopper that keeps the state in its ``warpgroup_mma`` accumulators.
+"""The serial half of a forward alone on 16-token tiles: the state scan over the tiles, with the output, as a
+warp-specialised Gluon kernel for Hopper that keeps the state in its ``warpgroup_mma`` accumulators (``prep16.py``
+writes the tiles' operands, in parallel, before it).
 
-Per sequence, head and 64 V columns, tile by tile (``triton_prep16`` wrote the tiles' operands), with S the state
-entering the tile:
+Per sequence, head and 64 V columns, tile by tile, with S the state entering the tile:
 
     v_new = (T diag(beta)) v - W S,   o = qd S + Aqk v_new,   S <- e^Gamma_C S + kr^T v_new.
 
@@ -12,39 +12,33 @@ the state held as S^T ([64 V columns, 128 keys] in fp32, two [64, 64] accumulato
   wait on the state), then S^T's 16-bit copy enters as the left operand straight from its registers (the
   accumulator's layout is the left operand's, so nothing moves), and W's tile read transposed from the ring;
 - o^T = S^T qd^T + v_new^T Aqk^T (Aqk's 16-bit high and low parts: hi hi + hi lo + lo hi), issued beside the chain;
-- S^T <- S^T e^Gamma_C + v_new^T kr, v_new^T entering from registers as a 16-bit high part and its remainder (the
-  forward's variant 'h'), kr's tile as it lies in the ring. The state never passes through shared memory.
+- S^T <- S^T e^Gamma_C + v_new^T kr, v_new^T entering from registers as a 16-bit high part and its remainder, kr's
+  tile as it lies in the ring. The state never passes through shared memory.
 
-A 1-warp loader streams each tile's W, kr, qd (two [16, 64] boxes each), v (one per 64-column half) and the three
-[16, 16] matrices by TMA into a ``RING``-slot ring; one CTA per (sequence, head, 128 V columns) with a consumer
-warpgroup per 64-column half sharing the loader's tiles (``gluon_scan``'s shape). o is stored from registers, masked
-to the sequence's tokens.
+A 1-warp loader streams each tile's W, kr, qd (two [16, 64] boxes each), v (one per 64-column block of V) and the
+three [16, 16] matrices by TMA into a ``RING``-slot ring; one CTA per (sequence, head, 128 V columns) with a
+consumer warpgroup per 64-column block sharing the loader's tiles (as ``scan.py``), or one block per CTA when V is
+not a multiple of 128. Each tile's e^Gamma_C is loaded a step ahead: the decay is on the chain. o is stored from
+registers, masked to the sequence's tokens.
 
-H200, K3's shape (B1 T8192 H96 D128, 512 tiles per head): 0.583 ms (1.14 us a step); each tile's e^Gamma_C loaded at
-the top of its own step, where the decay waits on it, took 0.729 ms, so it is loaded a step ahead; 4 ring slots
-instead of 6 changed nothing. With the prep (0.651 ms) the forward takes 1.234 ms against fla 0.6.0's 2.610.
-sm_90 compile: 168 registers at launch (12 warps), 108 KB of shared memory, no spill.
-
-It applies where ``supported`` says (sm_90, bf16, K = 128, V a multiple of 64). CI runs it through
-``tests/gluon_emulator.py`` and compiles it for sm_90.
+``dispatch.py`` says where it runs (a forward alone on sm_90, bf16, K = 128, V a multiple of 64, enough items).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_scan import _sequence
-from .gluon_wy import _wait_slot, launch_options, on_hopper, release_ring, ring_barriers, split16, tile_descriptor
+from .runtime import _sequence, _wait_slot, release_ring, ring_barriers, run, split16, tile_descriptor
 
-CONSUMER_WARPS = 4
+CONSUMER_WARPS = 4  # per consumer partition (one per 64-column block of V)
 LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
-RING = 6  # ring slots, one tile's operands each (17.5 KB at 128 V columns)
-MAXNREG: Optional[int] = 168  # registers per thread at launch: 12 warps, one CTA per SM
+RING = 6  # ring slots, one tile's operands each (17.5 KB at 128 V columns): the loader runs several tiles ahead
+MAXNREG = 168  # registers per thread at launch with two blocks of V per CTA: 12 warps, one CTA per SM
+MAXNREG_HALF = 128  # with one block per CTA (V not a multiple of 128): two warpgroups, two CTAs per SM
 CONSUMER_REGS = gl.constexpr(232)  # what each consumer warpgroup raises itself to (setmaxnreg)
 
 
@@ -174,20 +168,9 @@ def _gluon_scan16_kernel(w_d, r_d, q_d, v_d, tb_d, ah_d, al_d, eg_ptr, h0_ptr, h
     release_ring(ready, empty)
 
 
-def supported(q: torch.Tensor, v: torch.Tensor) -> Optional[str]:
-    """None if this kernel runs the 16-token forward's scan on these tensors, else why not."""
-    K, V = q.shape[-1], v.shape[-1]
-    if K != 128 or V % 64:
-        return f"K = 128 and V a multiple of 64 (got K={K}, V={V})"
-    if (q.dtype, v.dtype) != (torch.bfloat16, torch.bfloat16):
-        return f"bf16 q and v (got {q.dtype}, {v.dtype})"
-    return on_hopper(q)
-
-
 def launch(prep, v, h0, ht, o, tplan, H: int, K: int, V: int, launcher: Optional[Callable] = None) -> None:
-    """The scan by ``_gluon_scan16_kernel``: prep, ``triton_prep16.prep16_outputs`` as the prep kernel filled them;
-    v and o in token layout [B, T, H, V] (bf16); h0 / ht as [N, H, K, V] fp32 or None. launcher: how to run it
-    (default: on the GPU; ``tests/gluon_emulator.emulate`` on the CPU)."""
+    """The scan by ``_gluon_scan16_kernel``: prep, ``prep16.prep16_outputs`` as the prep kernel filled them; v and o in
+    token layout [B, T, H, V] (bf16); h0 / ht as [N, H, K, V] fp32 or None. launcher: ``runtime.run``'s."""
     w, kr, qd, eg, tb, a_hi, a_lo = prep
     rows = tplan.NT * H * 16
     if rows >= 2**31:  # the TMA boxes' rows are addressed in 32 bits
@@ -201,10 +184,6 @@ def launch(prep, v, h0, ht, o, tplan, H: int, K: int, V: int, launcher: Optional
             tile_descriptor(a_lo, gl.bfloat16, (rows, 16), (16, 16)),
             eg, h0 if h0 is not None else eg, ht if ht is not None else eg, o, tplan.cu, tplan.chunk_off, H)
     nhalf = 2 if V % 128 == 0 else 1
-    grid = (V // (64 * nhalf), tplan.N * H)
-    meta = dict(K=K, V=V, HAS_H0=h0 is not None, STORE_HT=ht is not None, RING=RING, NHALF=nhalf,
-                REGS=CONSUMER_REGS, num_warps=CONSUMER_WARPS, **launch_options(MAXNREG if nhalf == 2 else 128))
-    if launcher is None:
-        _gluon_scan16_kernel[grid](*args, **meta)
-    else:
-        launcher(_gluon_scan16_kernel, grid, *args, **meta)
+    run(_gluon_scan16_kernel, (V // (64 * nhalf), tplan.N * H), args, launcher, K=K, V=V, HAS_H0=h0 is not None,
+        STORE_HT=ht is not None, RING=RING, NHALF=nhalf, REGS=CONSUMER_REGS, num_warps=CONSUMER_WARPS,
+        maxnreg=MAXNREG if nhalf == 2 else MAXNREG_HALF)

@@ -1,5 +1,5 @@
-"""The chunk-parallel half of the 16-token forward (``triton_forward.CHUNK16``): everything a 16-token tile needs
-before the state reaches it, from the layer's raw inputs, in one Triton program per (tile, head).
+"""The chunk-parallel half of a forward alone on 16-token tiles (``dispatch.py``'s "16-token tiles"): everything a
+16-token tile needs before the state reaches it, from the layer's raw inputs, in one Triton program per (tile, head).
 
 With chunks of C = 16 tokens the WY form is small enough that a tile needs no sub-tiles: Gamma (the within-tile
 cumulative log-decay, fp32) lies in [16 g_min, 0] = [-80, 0] by K3's gate bound, so both e^Gamma and e^-Gamma are
@@ -8,7 +8,7 @@ inside fp32 and bf16 range, and the tile's two [16, 16] matrices are each one de
     Akk = diag(beta) strict_lower((k e^Gamma) (k e^-Gamma)^T),   Aqk = scale lower((q e^Gamma) (k e^-Gamma)^T),
     T   = (I + Akk)^-1 (exactly, by block doubling),              W = T diag(beta) (k e^Gamma),
 
-and the scan (``gluon_scan16``) then needs per tile, with S the state entering it:
+and the scan (``gluon/scan16.py``) then needs per tile, with S the state entering it:
     v_new = T diag(beta) v - W S,   o = (scale q e^Gamma) S + Aqk v_new,
     S <- e^Gamma_C S + (k e^(Gamma_C - Gamma))^T v_new.
 
@@ -26,14 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_prologue import _l2_scale, gate_params
-from .triton_scan import _chunk_bounds
+from .prologue import _l2_scale, gate_params
+from .triton_common import _chunk_bounds
 
 TILE = 16  # tokens per tile: 16 |g_min| = 80 is the largest log-decay inside one
 # num_warps of the prep kernel. Each program is one short dependent chain (norms, cumulative sum, two products, the
-# inverse's six, W), so what hides its latency is programs in flight: sm_90 compile at K = 128, 141 registers at 2
-# warps (7 CTAs per SM), 104 at 4, 102 at 8, 255 and 120 B spilled at 1. H200, K3's shape, same run: 0.651 ms at 2
-# warps, 0.898 at 4, 1.690 at 8.
+# inverse's six, W), so what hides its latency is programs in flight: at 2 warps (141 registers on sm_90) seven CTAs
+# fit an SM.
 PREP_WARPS = 2
 
 
@@ -57,7 +56,7 @@ def _prep16_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, w_ptr, kr_p
                    USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr, EPS: tl.constexpr,
                    DTA: tl.constexpr):
     """One (16-token tile, head): the module docstring's outputs. DTA: the operand dtype of the Akk, Aqk products
-    (bf16: the forward's precision variant 'h')."""
+    (bf16 for 16-bit inputs)."""
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     t0, L = _chunk_bounds(i_t, tidx_ptr, cu_ptr, 16)

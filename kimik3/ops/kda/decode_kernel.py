@@ -1,4 +1,4 @@
-"""Batched single-token KDA decode in Triton, on a state pool updated in place.
+"""Decode (Triton): batched single-token KDA on a state pool updated in place.
 
 One token for each of B sequences; each sequence b owns the state ``state_pool[slot[b]]`` of a pool
 [P, H, K, V] fp32. Per (b, h, V block) program: S <- exp(g) * S (rows), S <- S + k (beta (v - S^T k))^T,
@@ -18,13 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import L2_EPS
-from .decode import check_decode_inputs
+from .preact import L2_EPS
 
-__all__ = ["kda_decode"]
-
-# (BV, num_warps) override of the heuristic (set from the benchmark sweep); None = heuristic.
-DEFAULT_BLOCKS = None
+__all__ = ["launch_decode"]
 
 
 @triton.jit
@@ -48,8 +44,7 @@ def _decode_kernel(
     s_off = (slot * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :]
     sm = km[:, None] & vm[None, :] & ok
     # Plain cached load and store: the state's lines stay in L2 between the two, and the store then writes
-    # whole lines back. evict_first on both cost 4% (H200, thirteenth session: B64 3.73 -> 3.90 TB/s,
-    # B256 3.88 -> 4.01; the .cg / .cs modifiers 3.83 / 3.97).
+    # whole lines back (faster than evict_first or the .cg / .cs modifiers).
     S = tl.load(pool_ptr + s_off, mask=sm, other=0.0)
     base = i_bh.to(tl.int64)
     q = tl.load(q_ptr + base * K + ck, mask=km, other=0.0).to(tl.float32)
@@ -81,13 +76,8 @@ def _decode_kernel(
 
 def _default_blocks(BK: int, V: int, BH: int):
     BVF = max(16, triton.next_power_of_2(V))
-    if DEFAULT_BLOCKS is not None:
-        return min(DEFAULT_BLOCKS[0], BVF), DEFAULT_BLOCKS[1]
-    # Enough programs to fill the card at small batch; 8 KB-32 KB of state per program. H200 sweeps (H96 D128,
-    # fp32 state; NOTES-kda.md): BV 64 / 4 warps best at B >= 64 (thirteenth session, plain loads: 3.92 TB/s at
-    # B64, 4.03 at B256; 2 warps 3.90 / 3.88, 32-column blocks 3.69 / 3.79, 128-column 3.79 / 3.98, 128 at 8
-    # warps 2.33 / 2.37; a (V block, b, h) grid order and a persistent form that prefetched the next tile were
-    # slower, with evict_first loads). At B1 an eager call is host-bound; replayed from a CUDA graph it takes ~9 us.
+    # Enough programs to fill the card at small batch; 8 KB-32 KB of state per program; 64-column blocks at 4 warps
+    # from 1024 (sequence, head) pairs (the H200 sweeps in benchmarks/NOTES-kda.md).
     BV = min(BVF, 32 if BH < 1024 else 64)
     while BK * BV > 8192 and BV > 16:
         BV //= 2
@@ -95,7 +85,7 @@ def _default_blocks(BK: int, V: int, BH: int):
     return BV, num_warps
 
 
-def kda_decode(
+def launch_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state_pool: torch.Tensor, slots: torch.Tensor, scale: Optional[float] = None,
     *, A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None, g_min: float = -5.0,
@@ -103,14 +93,14 @@ def kda_decode(
     use_beta_sigmoid_in_kernel: bool = False,
     block_v: Optional[int] = None, num_warps: Optional[int] = None,
 ) -> torch.Tensor:
-    """One KDA token for B sequences in the Triton kernel (``decode.kda_decode`` dispatches here on CUDA);
-    updates ``state_pool`` in place and returns o [B, H, V].
+    """One KDA token for B sequences in the Triton kernel (``decode.kda_decode`` checks the inputs and dispatches here
+    on CUDA); updates ``state_pool`` in place and returns o [B, H, V]. block_v, num_warps: the launch's V block and
+    warps instead of the heuristic's (``benchmarks/kda_kernel.py``'s decode sweep).
 
     q, k, g: [B, H, K] (g is the raw gate input z when use_gate_in_kernel); v: [B, H, V];
     beta: [B, H]; state_pool: [P, H, K, V] float32 contiguous; slots: [B] integer indices into the
     pool (negative: skip). Slots must be distinct (each program owns its state rows).
     """
-    check_decode_inputs(q, k, v, g, beta, state_pool, slots, use_gate_in_kernel, A_log, dt_bias)
     B, H, K = q.shape
     V = v.shape[-1]
     if scale is None:

@@ -1,6 +1,6 @@
-"""Kernel 4 of the Triton KDA backward: the gradients through the intra-chunk matrices Aqk and A.
+"""Stage 3 of the KDA backward (Triton): the gradients through the intra-chunk matrices Aqk and A.
 
-With dAqk and dA (from the WY kernel, ``triton_backward.py``; dA as NPART partials) and the partial
+With dAqk and dA (from the WY backward, ``bwd_wy.py``; dA as NPART partials) and the partial
 dq / dk / dGamma / dbeta the WY kernel stored, per chunk and 16-token row tile i:
     row side     dq_t   += sum_{s <= t} dAqk[t, s] k_s e^(Gamma_t - Gamma_s)
                  x_t     = sum_{s <  t} dA[t, s]   k_s e^(Gamma_t - Gamma_s)      (gradient of beta_t k_t)
@@ -12,67 +12,42 @@ column tile i's LAST token, so every exponential factor is <= 1 except on the di
 gate bound keeps it <= e^75 (no position-pair path). Key columns are independent (dg's suffix sum runs
 down one column): each program owns a block of BK columns and writes its own partial dbeta.
 
-With the fused pre-activations (``FUSE_PREACT_BWD``, K3's layer), the "rows" form also applies their chain
-rules (``triton_preact.py``'s math): one key block of every column, so that ``_combine`` holds whole rows of
-dq and dk and the complete dbeta and maps them through the L2 norm and the sigmoid; the suffix-sum pass maps
-dg through the gate. Their gradients come out in the raw inputs' dtype.
+With the fused pre-activations (K3's layer), the kernel also applies their chain rules (``preact_bwd.py``'s math):
+with the L2 norm or the sigmoid, one key block holds every column, so that ``_combine`` holds whole rows of dq and dk
+and the complete dbeta and maps them through the L2 norm and the sigmoid (K <= 128; above, ``preact_bwd.py``'s pass
+runs after this stage); the suffix-sum pass maps dg through the gate. Their gradients come out in the raw inputs'
+dtype.
 
-Two forms (``BWD_INTRA_MODE``):
-  rows   ``_bwd_intra_rows_kernel`` per (chunk x row tile, head, key block), loops over the other
-         tiles not unrolled, dGamma stored and turned into dg by ``_suffix_sum_kernel`` (fla's
-         chunk_kda_bwd_kernel_intra is organised this way: four times the programs, each light). The
-         default: on the H200 at K3's shape 2.67 + 0.21 ms (suffix pass) against 5.45 ms for "tiles",
-         forward+backward 20.44 -> 17.73 ms in the same run (bf16; 128 registers, no spill). Where the Gluon
-         kernel of ``gluon_bwd_intra.py`` applies (``GLUON_INTRA``: sm_90, bf16, K = 128) it runs instead of
-         ``_bwd_intra_rows_kernel``, with the same suffix pass after it.
-  tiles  ``_bwd_intra_kernel`` per (chunk, head, key block): the four row tiles in turn, last first,
-         the suffix sum carried across them (unrolled; 255 registers and a spill on sm_90).
+``_bwd_intra_rows_kernel`` runs per (chunk x row tile, head, key block), its loops over the other tiles not unrolled
+(fla's chunk_kda_bwd_kernel_intra is organised this way), dGamma stored and turned into dg by ``_suffix_sum_kernel``.
+On Hopper the Gluon kernel ``gluon/bwd_intra.py`` replaces the rows kernel (``dispatch.py``); the suffix pass runs
+after either.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from . import L2_EPS
-from .triton_forward import INTERPRET, ChunkPlan, _gluon_taking, _next_pow2
-from .triton_preact import PreactInputs, gate_grad, l2_bwd_rows, sigmoid_bwd
-from .triton_prologue import gate_params
-from .triton_scan import _chunk_bounds, _chunk_columns, _chunk_part, part_grid
+from .plan import INTERPRET, ChunkPlan, next_pow2
+from .preact import L2_EPS
+from .preact_bwd import PreactInputs, gate_grad, l2_bwd_rows, sigmoid_bwd
+from .prologue import gate_params
+from .triton_common import _chunk_bounds, _chunk_columns, _chunk_part, part_grid
 
-BWD_INTRA_MODE = os.environ.get("KIMIK3_KDA_BWD_INTRA", "rows")
-# Key block BWD_INTRA_BK at BWD_INTRA_WARPS warps (None: the defaults). "tiles": 64-column blocks for 16-bit
-# inputs (timed 22.08 -> 21.54 ms fwd+bwd at K3's shape on the H200 against one 128-column block, same
-# run), one block of all K columns for fp32; warps 8 for a 128-column block, else 4. "rows": 64 / 4, or every
-# column in one block with the fused L2 norm or sigmoid (``fuses_preact``).
-BWD_INTRA_BK: Optional[int] = None
-BWD_INTRA_WARPS: Optional[int] = None
-# The fused pre-activations' backward (q / k L2 norm, beta sigmoid, gate) inside the "rows" form
-# (``fuses_preact``): the L2 norm and the sigmoid where dq, dk, dbeta are completed (one 128-column key block
-# per program), the gate in the suffix-sum pass, instead of ``triton_preact``'s pass over the fp32 gradients
-# (which writes and re-reads 1.6 GB at K3's shape). H200, K3's shape, bf16, same run: fwd+bwd 11.337 -> 11.170 ms
-# (the rows kernel 2.73 -> 3.06 ms at 128 columns, the suffix pass 0.21 -> 0.36, the separate pass's 0.60 gone;
-# NOTES-kda.md, eleventh session). 0: the separate pass.
-FUSE_PREACT_BWD = os.environ.get("KIMIK3_KDA_FUSE_PREACT_BWD", "1") == "1"
-# Pipeline stages of the "rows" kernel's launch (None: Triton's default, 3). H200, K3's shape, fwd+bwd (twelfth
-# session, same run): 1 stage 11.089 ms, 2 10.817, 4 10.827 against 10.690 at 3.
-ROWS_STAGES: Optional[int] = None
-# The suffix-sum pass's key columns per program (``_suffix_sum_kernel``: one per thread, BK / 32 warps). 64 timed the
-# same as 128 on the H200 at K3's shape (8.377 against 8.385 ms forward+backward, twenty-first session).
+
+# The suffix-sum pass's key columns per program (``_suffix_sum_kernel``: one per thread, BK / 32 warps).
 SUFFIX_BK = 128
+
+
 # Its rows per step (1, 2, 4, 8 or 16; each of a program's four steps in flight holds STEP rows): one on the GPU (each
-# thread walks its column, as timed); 16 under the Triton interpreter, where every step's operations cost the same
+# thread walks its column); 16 under the Triton interpreter, where every step's operations cost the same
 # whatever their size (the whole chunk in one round of four steps: the CPU test suite's backward passes about 20x
 # faster there). tests/ops/test_kda_triton.py runs the GPU's step under the interpreter too.
 SUFFIX_STEP = 16 if INTERPRET else 1
-# The "rows" kernel as the warp-specialised Gluon kernel of ``gluon_bwd_intra.py`` (64-row products with per-tile
-# factor recurrences, a TMA ring, both key halves per CTA) where it applies (sm_90, bf16 q / k, K = 128, at least
-# ``triton_forward.GLUON_MIN_ITEMS`` (chunk, head) items); the suffix-sum pass runs after it as after the Triton kernel.
-GLUON_INTRA = os.environ.get("KIMIK3_KDA_GLUON_INTRA", "1") == "1"
 
 
 @triton.jit
@@ -94,17 +69,8 @@ def _parts_masked(ptr, off, stride, mask, NPART: tl.constexpr):
 
 
 @triton.jit
-def _suffix_sum(x):
-    """Per column of the [rows, BK] tile x: the sum of x over this row and every later one (the column total minus
-    the inclusive prefix sum)."""
-    return tl.sum(x, axis=0)[None, :] - tl.cumsum(x, axis=0) + x
-
-
-@triton.jit
 def _f32_tile(ptr, off, m):
-    """fp32 tile at the offsets off (mask m; 0 where masked): Gamma and the WY kernel's partial dq / dk / dGamma. A
-    function of its own: its inlined calls' debug labels reach ptxas, and the "tiles" kernel's sm_90 code differs
-    without them (bf16: 76 / 100 -> 80 / 104 spill bytes)."""
+    """fp32 tile at the offsets off (mask m; 0 where masked): Gamma and the WY kernel's partial dq / dk / dGamma."""
     return tl.load(ptr + off, mask=m, other=0.0)
 
 
@@ -182,48 +148,6 @@ def _combine(i, i_k, acc_q, acc_b, acc_c, g_n, g_l, q_ptr, k_ptr, G_ptr, beta_pt
     tl.store(dbeta_ptr + i_k.to(tl.int64) * part_db + (t0 + rows) * H + i_h, db.to(dbeta_ptr.dtype.element_ty),
              mask=vi)
     return tl.where(mi, dG, 0.0)
-
-
-@triton.jit
-def _bwd_intra_kernel(
-    q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, dq_ptr, dk_ptr, dG_ptr, dbeta_in_ptr, dbeta_ptr,
-    cu_ptr, cidx_ptr, H, part_beta, part_a, part_db,
-    K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr, NKB: tl.constexpr,
-):
-    """"tiles": one (chunk, head, key block), the row tiles last to first, dg's suffix sum carried; writes
-    dg over dGamma (same tile, same program)."""
-    i_t, i_h, i_k = _chunk_part(NKB)
-    t0, L = _chunk_bounds(i_t, cidx_ptr, cu_ptr)
-    r16 = tl.arange(0, 16)
-    ck = i_k * BK + tl.arange(0, BK)
-    km = ck < K
-    hk = i_h * K + ck
-    a_base = (i_t * H + i_h) * 4096
-    carry = tl.zeros([BK], dtype=tl.float32)
-    for ii in tl.static_range(4):
-        i = 3 - ii  # last row tile first: the suffix sum over later tiles is carried
-        g_n = tl.load(G_ptr + (t0 + i * 16) * (H * K) + hk, mask=km & (i * 16 < L), other=0.0)
-        acc_q = tl.zeros([16, BK], dtype=tl.float32)
-        acc_b = tl.zeros([16, BK], dtype=tl.float32)
-        for j in tl.static_range(4):
-            if j <= i:  # (static_range(i + 1) fails under the interpreter; compile-time here)
-                pq, pb = _row_block(i, j, g_n, k_ptr, G_ptr, daqk_ptr, da_ptr, t0, L, hk, km, a_base, H, part_a,
-                                    K, PREC, NPART)
-                acc_q += pq
-                acc_b += pb
-        g_l = tl.load(G_ptr + (t0 + tl.minimum(i * 16 + 15, L - 1)) * (H * K) + hk, mask=km, other=0.0)
-        acc_c = tl.zeros([16, BK], dtype=tl.float32)
-        for m in tl.static_range(4):
-            if m >= i:
-                acc_c += _col_block(i, m, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, daqk_ptr, da_ptr, t0, L, i_h, hk, km,
-                                    a_base, H, part_a, K, PREC, NPART)
-        dG = _combine(i, i_k, acc_q, acc_b, acc_c, g_n, g_l, q_ptr, k_ptr, G_ptr, beta_ptr, dq_ptr, dk_ptr, dG_ptr,
-                      dbeta_in_ptr, dbeta_ptr, t0, L, i_h, hk, km, H, part_beta, part_db, K, NPART,
-                      q_ptr, k_ptr, beta_ptr, dq_ptr, dk_ptr, False, False, 0.0)
-        rows = i * 16 + r16
-        mi = (rows < L)[:, None] & km[None, :]
-        tl.store(dG_ptr + (t0 + rows)[:, None] * (H * K) + hk[None, :], _suffix_sum(dG) + carry[None, :], mask=mi)
-        carry += tl.sum(dG, axis=0)
 
 
 @triton.jit
@@ -307,9 +231,9 @@ def _suffix_step(acc, pd, pa, x, z, top, L, cm, first, HK, x_ptr, dz_ptr, rate, 
                  GATE: tl.constexpr):
     """Rows top - STEP + 1 .. top of ``_suffix_sum_kernel``, walking up: each row's dg is the running sum acc (the
     rows below) plus its own and the step's later rows' dGamma, stored in place; GATE: the gate's chain rule on it
-    instead (``triton_preact.gate_grad``), dz stored and the rows added to the parameters' partials. Returns acc
+    instead (``preact_bwd.gate_grad``), dz stored and the rows added to the parameters' partials. Returns acc
     with the step's rows added."""
-    if STEP == 1:  # (the form timed on the GPU)
+    if STEP == 1:  # (the GPU's form)
         m = cm & (top < L)
         acc += x
         if GATE:
@@ -346,9 +270,8 @@ def _suffix_sum_kernel(x_ptr, cu_ptr, cidx_ptr, H, z_ptr, alog_ptr, dtb_ptr, dz_
     The chunk's rows are walked from its last to its first, STEP rows a step: on the GPU one (``SUFFIX_STEP``), each
     thread holding one column's running sums, so that the suffix sum and d dt_bias's column sums need no exchange
     between threads (only d A_log's one sum at the end); four steps at a time, the next four loaded before these are
-    stored (the compiler keeps a load after any earlier store that might alias it). H200, K3's shape, bf16, same run
-    (twenty-first session): 0.344 -> 0.217 ms against a [64, 64] tile per program with the sums by scans and
-    reductions across threads, forward+backward 8.497 -> 8.385 ms (B4 T4096 H64 10.946 -> 10.831)."""
+    stored (the compiler keeps a load after any earlier store that might alias it). Faster than a [64, 64] tile per
+    program with the sums by scans and reductions across threads."""
     tl.static_assert(64 % (4 * STEP) == 0, "SUFFIX_STEP: rows a step must divide a chunk in rounds of four steps")
     i_t, i_h, i_k = _chunk_part(NKB)
     t0, L, c, cm, first = _chunk_columns(i_t, i_h, i_k, cidx_ptr, cu_ptr, H, K, BK)
@@ -385,77 +308,64 @@ def _suffix_sum_kernel(x_ptr, cu_ptr, cidx_ptr, H, z_ptr, alog_ptr, dtb_ptr, dz_
 
 
 def fuses_preact(preact: Optional[PreactInputs], K: int) -> bool:
-    """Whether ``bwd_intra`` applies the fused pre-activations' chain rules itself (``FUSE_PREACT_BWD``): the
-    "rows" form, and for the L2 norm or the sigmoid every key column in one program (K <= 128)."""
-    if preact is None or not FUSE_PREACT_BWD or BWD_INTRA_MODE != "rows" or not preact.any():
+    """Whether ``bwd_intra`` applies the fused pre-activations' chain rules itself: always for the gate alone, and
+    for the L2 norm or the sigmoid when every key column fits one program (K <= 128)."""
+    if preact is None or not preact.any():
         return False
-    if not (preact.use_l2 or preact.use_beta_sigmoid):
-        return True
-    BKF = _next_pow2(K)
-    return BKF <= 128 and (BWD_INTRA_BK is None or BWD_INTRA_BK >= BKF)
+    return not (preact.use_l2 or preact.use_beta_sigmoid) or next_pow2(K) <= 128
 
 
 def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Tensor, daqk: torch.Tensor,
               da: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dg: torch.Tensor, dbeta_parts: torch.Tensor,
-              dbeta: torch.Tensor, plan: ChunkPlan, npart: int, prec: str,
-              warps_override: Optional[int] = None, preact: Optional[PreactInputs] = None):
-    """Kernel 4 in place: dq, dk gain the intra-chunk parts, dg (holding the partial dGamma) becomes dg,
-    dbeta the sum of every partial (``dbeta_parts``: the WY kernel's npart partials, or dbeta itself when
-    npart == 1). ``warps_override``: the backward's num_warps override for its chunk-local kernels, if any.
+              dbeta: torch.Tensor, plan: ChunkPlan, npart: int, prec: str, gluon: bool,
+              preact: Optional[PreactInputs] = None):
+    """In place: dq, dk gain the intra-chunk parts, dg (holding the partial dGamma) becomes dg, dbeta the sum of every
+    partial (``dbeta_parts``: the WY backward's npart partials, or dbeta itself when npart == 1). gluon: the rows
+    kernel as ``gluon/bwd_intra.py``'s (``dispatch.py``).
 
     preact (the fused pre-activations' raw inputs) when ``fuses_preact``: the gradients w.r.t. the raw inputs
     instead, returned as (dq, dk, dz, dbeta, d A_log, d dt_bias), each fused stage's in its raw input's dtype
     (dq, dk, dg, dbeta themselves for a stage that was not fused; None for the two parameters without the
     gate). Else returns None."""
-    if BWD_INTRA_MODE not in ("tiles", "rows"):
-        raise ValueError(f"KIMIK3_KDA_BWD_INTRA must be 'tiles' or 'rows', got {BWD_INTRA_MODE!r}")
     B, T, H, K = q.shape
     NT = plan.NT
-    BKF = _next_pow2(K)
-    rows = BWD_INTRA_MODE == "rows"
+    BKF = next_pow2(K)
     fuse = fuses_preact(preact, K)
     l2 = fuse and preact.use_l2
     bsig = fuse and preact.use_beta_sigmoid
     gate = fuse and preact.use_gate
-    default_bk = BKF if (l2 or bsig) else (64 if (rows or q.dtype != torch.float32) else BKF)
-    BK = min(BWD_INTRA_BK or default_bk, BKF)
-    warps = BWD_INTRA_WARPS or (4 if rows else (warps_override or (8 if BK >= 128 else 4)))
-    # the Gluon kernel (``GLUON_INTRA``) holds every key column of a (chunk, head): one key block
-    gluon = _gluon_taking("gluon_bwd_intra", GLUON_INTRA, NT * H, (q, k, G, npart)) if rows else None
-    nkb = 1 if gluon is not None else triton.cdiv(K, BK)
+    BK = BKF if (l2 or bsig) else min(64, BKF)
+    nkb = 1 if gluon else triton.cdiv(K, BK)  # the Gluon kernel holds every key column of a (chunk, head)
     new = torch.empty_like if plan.covers(B * T) else torch.zeros_like
     dq_out = new(preact.q) if l2 else dq
     dk_out = new(preact.k) if l2 else dk
     dbeta_k = dbeta if nkb == 1 else torch.empty(nkb, B, T, H, device=q.device, dtype=torch.float32)
     if bsig:  # one key block: the kernel completes dbeta and stores it through the sigmoid's chain rule
         dbeta = dbeta_k = new(preact.beta)
-    args = (q, k, G, beta, daqk, da, dq, dk, dg, dbeta_parts, dbeta_k, plan.cu, plan.chunk_idx, H,
-            B * T * H, NT * H * 4096, B * T * H)
-    if rows:
-        raw = (preact.q, preact.k, preact.beta) if fuse else (q, k, beta)
-        if gluon is not None:
-            gluon.launch(q, k, G, beta, daqk, da, dq, dk, dg, dbeta_parts, dbeta_k, plan, H, npart,
-                         raw=raw if fuse else None, out=(dq_out, dk_out), l2=l2, bsig=bsig, eps=L2_EPS)
-        else:
-            _bwd_intra_rows_kernel[part_grid(NT, H, 4 * nkb)](
-                *args, *raw, dq_out, dk_out, K=K, BK=BK, PREC=prec, NPART=npart, NKB=nkb, INTERP=INTERPRET, L2=l2,
-                BSIG=bsig, EPS=L2_EPS, num_warps=warps,
-                **({} if ROWS_STAGES is None else dict(num_stages=ROWS_STAGES)))
-        BKs = min(SUFFIX_BK, BKF)
-        nks = triton.cdiv(K, BKs)
-        dz, d_alog, d_dtb = dg, None, None
-        gate_args = (dg, dg, dg, dg, dg, dg, 0.0)
-        if gate:
-            dz = new(preact.z)
-            pa = torch.empty(NT, H, nks, device=q.device, dtype=torch.float32)
-            pd = torch.empty(NT, H, K, device=q.device, dtype=torch.float32)
-            gate_args = (preact.z, preact.A_log, preact.dt_bias, dz, pa, pd, float(preact.g_min))
-        _suffix_sum_kernel[part_grid(NT, H, nks)](dg, plan.cu, plan.chunk_idx, H, *gate_args, K=K, BK=BKs, NKB=nks,
-                                                  GATE=gate, STEP=SUFFIX_STEP, num_warps=max(1, BKs // 32))
-        if gate:
-            d_alog, d_dtb = pa.sum((0, 2)), pd.sum(0).view_as(preact.dt_bias)
+    raw = (preact.q, preact.k, preact.beta) if fuse else (q, k, beta)
+    if gluon:
+        from .gluon import bwd_intra as gluon_bwd_intra
+
+        gluon_bwd_intra.launch(q, k, G, beta, daqk, da, dq, dk, dg, dbeta_parts, dbeta_k, plan, H, npart,
+                               raw=raw if fuse else None, out=(dq_out, dk_out), l2=l2, bsig=bsig, eps=L2_EPS)
     else:
-        _bwd_intra_kernel[part_grid(NT, H, nkb)](*args, K=K, BK=BK, PREC=prec, NPART=npart, NKB=nkb, num_warps=warps)
+        _bwd_intra_rows_kernel[part_grid(NT, H, 4 * nkb)](
+            q, k, G, beta, daqk, da, dq, dk, dg, dbeta_parts, dbeta_k, plan.cu, plan.chunk_idx, H,
+            B * T * H, NT * H * 4096, B * T * H, *raw, dq_out, dk_out, K=K, BK=BK, PREC=prec, NPART=npart, NKB=nkb,
+            INTERP=INTERPRET, L2=l2, BSIG=bsig, EPS=L2_EPS, num_warps=4)
+    BKs = min(SUFFIX_BK, BKF)
+    nks = triton.cdiv(K, BKs)
+    dz, d_alog, d_dtb = dg, None, None
+    gate_args = (dg, dg, dg, dg, dg, dg, 0.0)
+    if gate:
+        dz = new(preact.z)
+        pa = torch.empty(NT, H, nks, device=q.device, dtype=torch.float32)
+        pd = torch.empty(NT, H, K, device=q.device, dtype=torch.float32)
+        gate_args = (preact.z, preact.A_log, preact.dt_bias, dz, pa, pd, float(preact.g_min))
+    _suffix_sum_kernel[part_grid(NT, H, nks)](dg, plan.cu, plan.chunk_idx, H, *gate_args, K=K, BK=BKs, NKB=nks,
+                                              GATE=gate, STEP=SUFFIX_STEP, num_warps=max(1, BKs // 32))
+    if gate:
+        d_alog, d_dtb = pa.sum((0, 2)), pd.sum(0).view_as(preact.dt_bias)
     if nkb > 1:
         torch.sum(dbeta_k, dim=0, out=dbeta)
     return (dq_out, dk_out, dz, dbeta, d_alog, d_dtb) if fuse else None

@@ -1,9 +1,7 @@
-"""Backward of KDA's fused pre-activations in one Triton pass (gate, q/k L2 norm, beta sigmoid).
+"""Stage 5 of the KDA backward (Triton): the fused pre-activations' chain rules (gate, q/k L2 norm, beta sigmoid).
 
-The Triton core backward returns gradients w.r.t. what the kernels consumed: the normalised q, k, the
-log-decay g and the post-sigmoid beta. This kernel maps them back to the raw inputs in one read of
-each tensor (the torch autograd recomputation it replaces made ~15 elementwise passes, ~7.6 ms of a
-37 ms forward+backward at B1 T8192 H96 D128 on the H200):
+The core backward returns gradients w.r.t. what the kernels consumed: the normalised q, k, the log-decay g and the
+post-sigmoid beta. This pass maps them back to the raw inputs in one read of each tensor:
 
     q^ = q / sqrt(sum q^2 + eps):     dq = (dq^ - q^ (q^ . dq^)) / sqrt(sum q^2 + eps)      (same for k)
     g = g_min sigmoid(x), x = exp(A_log) (z + dt_bias):   t = dg g_min s (1 - s),  dz = t exp(A_log),
@@ -12,9 +10,8 @@ each tensor (the torch autograd recomputation it replaces made ~15 elementwise p
 
 The two parameter gradients are reduced per program into fp32 partials and summed in torch
 (deterministic: no atomics). The same chain rules (``l2_bwd_rows``, ``gate_bwd``, ``sigmoid_bwd``) run
-inside the intra-chunk backward by default (``triton_bwd_intra.FUSE_PREACT_BWD``), which saves this pass
-its reads of the fp32 gradients; this pass runs where that cannot (K > 128 with the L2 norm or the sigmoid,
-the "tiles" form, or the switch off).
+inside the intra-chunk backward (``bwd_intra.py``), which saves this pass its reads of the fp32 gradients;
+this pass runs where that cannot: K > 128 with the L2 norm or the sigmoid.
 """
 
 from __future__ import annotations
@@ -26,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import L2_EPS
-from .triton_forward import _next_pow2
-from .triton_prologue import gate_params
+from .plan import next_pow2
+from .preact import L2_EPS
+from .prologue import gate_params
 
 ROWS = 32  # tokens per program
 
@@ -36,7 +33,7 @@ ROWS = 32  # tokens per program
 @dataclass(frozen=True)
 class PreactInputs:
     """The raw inputs of the fused pre-activations and which of them ran, for a backward that maps the core
-    gradients back to them (``triton_backward.kda_bwd_triton(..., preact=...)``). z: the gate's raw input (the
+    gradients back to them (``backward.kda_bwd(..., preact=...)``). z: the gate's raw input (the
     log-decay itself when the gate is not fused)."""
 
     q: torch.Tensor
@@ -154,7 +151,7 @@ def preact_bwd_triton(
             q, k, z, beta, dq, dk, dg, dbeta,
             A_log if use_gate else dg, dt_bias if use_gate else dg,
             dq_out, dk_out, dz_out, db_out, pa, pd, ntok, H, float(g_min),
-            K=K, BKF=_next_pow2(K), ROWS=ROWS, EPS=L2_EPS,
+            K=K, BKF=next_pow2(K), ROWS=ROWS, EPS=L2_EPS,
             USE_GATE=use_gate, USE_L2=use_l2, USE_BETA_SIG=use_beta_sigmoid, num_warps=4,
         )
     if not use_gate:

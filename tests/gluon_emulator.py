@@ -16,7 +16,9 @@ Triton's interpreter runs ``tl`` kernels:
   ``store_wait`` (or the kernel's end), so a buffer reused before the store has drained corrupts the result, as
   on the GPU;
 - ``gl.warp_specialize`` runs each partition in its own thread; a wait that could never complete (the kernel
-  would hang on the GPU) raises ``GluonDeadlock`` after ``timeout`` seconds.
+  would hang on the GPU) raises ``GluonDeadlock`` after ``timeout`` seconds;
+- like a GPU launch, a kernel records no autograd: its arguments may require grad (a launch from inside an
+  autograd Function's forward), its outputs do not come to.
 
 Not modelled: integer overflow (offsets are int64 here), the register / shared-memory budgets (``--compile`` in
 the kernel's script reports those), memory-model races other than the two TMA ones above.
@@ -408,7 +410,8 @@ def _warp_specialize(machine: _Machine, functions_and_args, worker_num_warps=Non
 
     def run(i, fn, args):
         try:
-            out = fn(*args)
+            with torch.no_grad():  # (grad mode is per thread: a kernel records no autograd in any partition)
+                out = fn(*args)
             if i == 0:
                 result[0] = out
         except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
@@ -539,7 +542,7 @@ def emulate(kernel: GluonJITFunction, grid, *args, timeout: float = 60.0, **kwar
             raise ValueError(f"gluon emulator: pointer arguments must be contiguous CPU tensors ({names[i]} is not)")
     machine = _Machine(timeout)
     machine.grid = grid
-    with _LOCK, _patched(machine, kernel.fn.__globals__):
+    with _LOCK, _patched(machine, kernel.fn.__globals__), torch.no_grad():  # (a kernel records no autograd)
         for pid in itertools.product(*(range(g) for g in reversed(grid))):
             machine.pid = tuple(reversed(pid))  # axis 0 fastest, as the GPU numbers programs
             machine.barriers.clear()

@@ -146,6 +146,16 @@ def test_warp_specialised_ring(NB):
     torch.testing.assert_close(y, x.bfloat16().float() @ w.float(), rtol=1e-6, atol=1e-6)
 
 
+def test_a_launch_records_no_autograd():
+    """Inputs that require grad (a launch from an autograd Function's forward) through a wrapping ring, in every
+    partition's thread: the output is computed and, as on the GPU, does not come to require grad."""
+    x, w = _rows(3 * 64, seed=1).requires_grad_(), _rows(64, seed=2).bfloat16().requires_grad_()
+    y = torch.full((3 * 64, 64), float("nan"))
+    emulate(_ring_kernel, (1,), _desc(x, gl.float32), _desc(w, gl.bfloat16), y, 3, NB=2, SKEW=0)
+    assert not y.requires_grad
+    torch.testing.assert_close(y, x.detach().bfloat16().float() @ w.detach().float(), rtol=1e-6, atol=1e-6)
+
+
 def test_a_producer_waiting_on_the_wrong_phase_is_a_deadlock():
     """The loader waits for parity 0 of a fresh "empty" barrier, a phase nobody completes: the GPU would hang."""
     x, w = _rows(2 * 64), _rows(64).bfloat16()

@@ -17,8 +17,8 @@ kernels' 16-bit form. The chain from one chunk to the next is serial; what this 
   products are done.
 
 Each program is one chain (no persistent loop). At V a multiple of 128 one CTA holds two 64-column blocks of V in
-two consumer partitions that share the loader's tiles (one CTA per SM, ``MAXNREG_SHARED``); otherwise one CTA per
-block, two CTAs per SM (``MAXNREG``).
+two consumer partitions that share the loader's tiles (``MAXNREG_SHARED``); otherwise one CTA per block
+(``MAXNREG``). Either way one CTA fits an SM.
 
 Two forms of the same chain:
 - ``STORE`` (a training forward): each chunk's entry state (bf16, by TMA from its shared copy, off the chain) and
@@ -47,11 +47,12 @@ CONSUMER_WARPS = 4  # per consumer partition (one per 64-column block of V)
 LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)
 RING = 2  # ring slots, one chunk's W, kg, qg and Aqk tiles each
 # Registers per thread at launch (ptxas .maxnreg) with one 64-column block of V per CTA: the CTA launches as two
-# warpgroups (the loader's warp padded to one), so at 128 it takes 32 K registers and two CTAs fit an SM (the
-# consumer's warpgroup raises itself to CONSUMER_REGS, the loader's drops to LOADER_REGS).
+# warpgroups (the loader's warp padded to one), 32 K registers at 128, half an SM's; the consumer's warpgroup raises
+# itself to CONSUMER_REGS, the loader's drops to LOADER_REGS. (Its rings and buffers, 160 KB of shared memory with
+# the output's tiles, hold it to one CTA per SM.)
 MAXNREG = 128
 # With two blocks of V per CTA (V a multiple of 128): 12 warps, one CTA per SM, the second consumer raised to
-# CONSUMER_REGS. Sharing the loader's tiles between the two blocks is faster than a CTA per block at two per SM.
+# CONSUMER_REGS. Sharing the loader's tiles between the two blocks is faster than a CTA per block.
 MAXNREG_SHARED = 168
 CONSUMER_REGS = gl.constexpr(232)
 

@@ -1,4 +1,5 @@
-"""Stage 4 of the KDA forward (the Triton ``ops/kda/wy.py``'s ``_intra_wy_kernel``) as a warp-specialised Gluon kernel for Hopper.
+"""Stage 4 of the KDA forward (the Triton ``ops/kda/wy.py``'s ``_intra_wy_kernel``) as a warp-specialised Gluon
+kernel for Hopper.
 
 Per chunk of 64 tokens and head, with T = (I + A)^-1 the chunk's solved WY matrix: W = T (beta k exp(Gamma)),
 U = T (beta v), qg = q exp(Gamma), kg = k exp(Gamma_C - Gamma) and exp(Gamma_C), as the Triton kernel:
@@ -30,7 +31,7 @@ from .runtime import _item, _my_items, _wait_slot, release_ring, ring_barriers, 
 
 RING = 2  # ring slots: the next item's tiles load while the consumer works on this one's
 CONSUMER_WARPS = 8  # the default partition's warps (two warpgroups: the [64, 64] products split over N)
-CTAS_PER_SM = 1  # the persistent grid's CTAs per SM (a CTA's ring and operand buffers take @@ KB)
+CTAS_PER_SM = 1  # the persistent grid's CTAs per SM (a CTA's ring and operand buffers take 136 KB)
 LOADER_WARPS, LOADER_REGS = gl.constexpr(1), gl.constexpr(40)  # the TMA loader partition, at few registers
 
 

@@ -171,7 +171,8 @@ _SCAN_SHAPE = _all(_hopper_bf16, lambda c: None if c.K == 128 and c.V % 64 == 0 
                    f"needs K = 128 and V a multiple of 64 (K = {c.K}, V = {c.V})",
                    _items(_scan_items, "scan", "chunks x heads x 64-column V blocks"))
 _GLUON_SCAN = _all(_SCAN_SHAPE, _SCAN_ROWS)
-_TILES16 = _all(_alone, _SCAN_SHAPE)
+# the 16-token scan's TMA loads address its tiles' [NT16 H 16, D] rows in 32 bits
+_TILES16 = _all(_alone, _SCAN_SHAPE, _rows_below(lambda c: c.chunks * 4 * c.H * 16, "rows of 16-token tiles"))
 TABLE: List[Row] = [
     # forward
     Row("forward", "16-token tiles", _TILES16,
@@ -180,9 +181,9 @@ TABLE: List[Row] = [
     Row("prologue", "prologue", _always, "gate, Gamma = chunk cumsum, q / k L2 norms, beta sigmoid"),
     Row("intra", "intra", _always, "Aqk and diag(beta) Akk per 64 x 16 column tile"),
     Row("solve", "solve", _always, "T = (I + A)^-1 in 16 x 16 register blocks"),
-    Row("wy", "gluon/wy", _GLUON_WY, "W, U (or -T diag(beta) for the scan), qg, kg, exp(Gamma_C); TMA ring, wgmma"),
+    Row("wy", "gluon/wy", _GLUON_WY, "W, U, qg, kg, exp(Gamma_C) by a TMA ring and wgmma"),
     Row("wy", "wy", _always, "W, U, qg, kg, exp(Gamma_C) per 64-column K or V block"),
-    Row("scan", "gluon/scan", _GLUON_SCAN, "the state scan with the output; forms U itself in a forward alone"),
+    Row("scan", "gluon/scan", _GLUON_SCAN, "the state scan with the output in one kernel"),
     Row("scan", "fwd_scan", _always, "the state scan storing h and v_new, then the output kernel in parallel"),
     # backward
     Row("bwd_scan", "gluon/bwd_scan", _all(_hopper_bf16, _kv128, lambda c: None if c.scale != 0 else

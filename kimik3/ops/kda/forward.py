@@ -94,28 +94,21 @@ def kda_fwd(
     qg = torch.empty(B, T, H, K, device=dev, dtype=q.dtype)
     kg = torch.empty(B, T, H, K, device=dev, dtype=q.dtype)
     eg = torch.empty(NT, H, K, device=dev, dtype=torch.float32)
-    gluon_wy = kernels["wy"].impl == "gluon/wy"
-    gluon_scan = kernels["scan"].impl == "gluon/scan"
-    # a forward alone with both Gluon stages: phase C stores -T diag(beta) instead of U and the scan forms U
-    u_in_scan = gluon_wy and gluon_scan and not return_aux
-    u = None if u_in_scan else torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
-    tbeta = torch.empty(NT, H, 64, 64, device=dev, dtype=torch.bfloat16) if u_in_scan else None
-    if gluon_wy:
-        from .gluon import wy as gluon_wy_kernel
+    u = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
+    if kernels["wy"].impl == "gluon/wy":
+        from .gluon import wy as gluon_wy
 
-        gluon_wy_kernel.launch(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, tbeta=tbeta)
+        gluon_wy.launch(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K)
     else:
         wy.launch(qn, kn, v, G, betan, tinv, w, u, qg, kg, eg, plan, H, K, V, BK, BV, DT, PREC)
-    # 5. the state scan and the output; the chunks' entry states h and v_new are stored where the backward reads them
-    # (the Triton output kernel reads them too)
-    store = return_aux or not gluon_scan
-    h = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype) if store else None
-    vn = torch.empty(B, T, H, V, device=dev, dtype=torch.float32) if store else None
-    if gluon_scan:
-        from .gluon import scan as gluon_scan_kernel
+    # 5. the state scan and the output, storing the chunks' entry states h and v_new (the backward reads them, and so
+    # does the Triton output kernel; a forward alone where the Gluon scan applies runs on 16-token tiles instead)
+    h = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
+    vn = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
+    if kernels["scan"].impl == "gluon/scan":
+        from .gluon import scan as gluon_scan
 
-        gluon_scan_kernel.launch(kg, eg, w, u, h0, h, vn, ht, plan, H, K, V, qg=qg, aqk=aqk, o=o, scale=scale,
-                                 **(dict(tbeta=tbeta, v=v) if u_in_scan else {}))
+        gluon_scan.launch(kg, eg, w, u, h0, h, vn, ht, plan, H, K, V, qg=qg, aqk=aqk, o=o, scale=scale)
     else:
         fwd_scan.launch(kg, eg, w, u, h0, h, vn, ht, qg, aqk, o, plan, H, K, V, scale, PREC, DT, hilo)
     if not return_aux:

@@ -77,16 +77,14 @@ class Recorder:
 def instrument(rec: Recorder, trainer) -> None:
     import torch.distributed._functional_collectives as funcol
 
-    import kimik3.train.trainer as trainer_module
-
     model = trainer.model
     model.forward = rec.timed(model.forward, "forward")
     torch.Tensor.backward = rec.timed(torch.Tensor.backward, "backward")
-    trainer_module.clip_grad_norm = rec.timed(trainer_module.clip_grad_norm, "clip grad norm")
-    torch.nn.utils.clip_grad_norm_ = rec.timed(torch.nn.utils.clip_grad_norm_, "clip grad norm")
+    trainer.ctx.clip_grad_norm = rec.timed(trainer.ctx.clip_grad_norm, "clip grad norm")
     for name, member in trainer.optimizer.optimizers.items():
         member.step = rec.timed(member.step, f"optimizer {name}")
-    if trainer.balancer is not None:
+    if trainer.balancer is not None:   # binning each forward's routing statistics, then the bias update
+        trainer.balancer.observe = rec.timed(trainer.balancer.observe, "router balancer")
         trainer.balancer.step = rec.timed(trainer.balancer.step, "router balancer")
     for name in COLLECTIVES:
         setattr(dist, name, rec.counted(getattr(dist, name), f"collective {name}"))

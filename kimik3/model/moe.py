@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +72,7 @@ class RoutingRecord:
         self._stats: dict[int, RoutingStats] = {}
         self._tokens: list[Token] = []
 
-    def __enter__(self) -> RoutingRecord:
+    def __enter__(self) -> Self:
         self._tokens.append(_OPEN_RECORD.set(self))
         return self
 

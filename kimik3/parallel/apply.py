@@ -16,8 +16,9 @@ Order (each step wraps what the previous one left; see docs/parallel.md):
 4. FSDP2 (``fully_shard``) over the dp x cp ranks, last, as it must see the final module tree and
    the parameters EP leaves alone.
 
-Single-process (world 1) runs none of this: the trainer calls ``parallelize`` only when
-distributed, or for activation checkpointing alone (``mesh=None``).
+Single-process (world 1) runs none of this but activation checkpointing, when asked
+(``kimik3.parallel.context``: the plain ``ParallelContext`` applies only that, the distributed one
+calls ``parallelize``).
 """
 
 from __future__ import annotations

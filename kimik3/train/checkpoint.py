@@ -44,6 +44,7 @@ from safetensors.torch import load_file, save_file
 
 from kimik3.model.pretrained import CONFIG_FILE, WEIGHTS_FILE, check_tensors, read_config, state_tensors
 from kimik3.files import fsync_dir
+from kimik3.parallel.full_state import is_sharded
 from kimik3.train.integrity import IntegrityError, verify_manifest, write_manifest
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -106,7 +107,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, toke
 
     ``train_state`` is any nested structure of dicts, lists, tensors and JSON scalars.
     ``weights``: the full state dict to write instead of ``model``'s own (a sharded model's
-    gathered state, ``full_model_state``); ``model`` then only supplies the config.
+    gathered state, ``kimik3.parallel.full_state.full_model_state``); ``model`` then only supplies
+    the config.
     ``keep``, ``protect``, ``corrupt``: what ``prune`` keeps afterwards.
     """
     run_dir = Path(run_dir)
@@ -322,7 +324,7 @@ def load_checkpoint(run_dir: str | Path, model: torch.nn.Module, checkpoint: str
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{ckpt / STATE_JSON_FILE}: malformed training state ({err})") from None
     tokenizer_json = (ckpt / TOKENIZER_FILE).read_text()
-    if _is_sharded(model):
+    if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         # Every rank read the full file; each keeps its own shard of every DTensor.
@@ -335,56 +337,8 @@ def load_checkpoint(run_dir: str | Path, model: torch.nn.Module, checkpoint: str
 
 
 # ---------------------------------------------------------------------- sharded (FSDP2) models
-# A distributed run writes the very files a single process writes: full tensors, the optimizer
-# state in ``MultiOptimizer.state_dict()``'s own layout (param indices, not FQNs). So either kind
-# of run resumes the other, and ``from_pretrained`` reads a distributed run's weights as is.
-def _is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(t, DTensor) for t in model.state_dict().values())
-
-
-def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full (unsharded) state dict of a possibly sharded model, as CPU tensors on rank 0.
-
-    A collective when the model is sharded: every rank must call it; ranks other than 0 get {}.
-    Each DTensor (FSDP2 shards over dp x cp, MoonEP experts over ep) is gathered whole with
-    ``full_tensor()``, in state-dict order, which is the same on every rank.
-    """
-    if not _is_sharded(model):
-        return {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    keep = dist.get_rank() == 0
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        if keep:
-            state[name] = full.detach().to("cpu").contiguous()
-    return state
-
-
-def _gather(obj: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        return obj.full_tensor().cpu()
-    if isinstance(obj, dict):
-        return {k: _gather(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_gather(v) for v in obj)
-    return obj
-
-
-def full_optimizer_state(optimizer: Any) -> Any:
-    """``optimizer.state_dict()`` with every DTensor gathered whole (a collective: all ranks call it).
-
-    Works for a torch Optimizer or a ``MultiOptimizer``; the result has the single-process layout.
-    """
-    return _gather(optimizer.state_dict())
-
-
+# Checkpoints hold full tensors whatever the run (``kimik3.parallel.full_state`` gathers them when
+# writing); loading cuts each rank's shard back out, with no communication.
 def _shard_like(value: Any, param: torch.Tensor) -> Any:
     from torch.distributed.tensor import DTensor, distribute_tensor
 

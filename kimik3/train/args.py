@@ -1,0 +1,97 @@
+"""A run's arguments (``TrainArgs``) and their file ``run.json``.
+
+``run.json`` is written before the first step, so a run stopped before its first checkpoint can be
+restarted with ``--resume``; every checkpoint also carries the arguments (``kimik3.train.run_dir``
+reads them back from whichever is newer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kimik3.config.schema import K3Config
+from kimik3.files import write_text_atomic
+from kimik3.optim.schedule import parse_stages
+from kimik3.train.checkpoint import CheckpointError
+from kimik3.train.checkpoint_clock import parse_checkpoint_every
+
+RUN_FILE = "run.json"      # the run's arguments, written before its first step
+
+
+@dataclass(slots=True)
+class TrainArgs:
+    """Everything that defines a run; saved in ``run.json`` before the first step and with every
+    checkpoint, and restored by ``--resume``."""
+
+    preset: str = "tiny"
+    config_path: str | None = None
+    data: str | None = None
+    steps: int | None = None          # None: fit the time budget
+    time_budget_s: float = 300.0
+    out: str | None = None
+    seed: int = 0
+    seq_len: int | None = None        # None: context-length stages
+    stages: str = "0:128,0.4:256,0.8:512"
+    tokens_per_step: int = 4096
+    batch_size: int | None = None     # None: tokens_per_step // seq_len
+    lr: float = 4e-3
+    warmup_fraction: float = 0.05
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    device: str = "cpu"
+    eval_every: int = 25
+    eval_windows: int = 16
+    checkpoint_every: int | str | None = None  # steps (100) or a duration ("30s", "2m"); None: every 60 s
+    max_nonfinite: int = 5
+    balance: str = "quantile"         # quantile | sign | none
+    ep_planner: str = "moonep"        # under expert parallelism: moonep (perfect balance) | none (owners only)
+    qb_rate: float = 1.0              # Quantile Balancing step fraction (1.0: K3's one-shot update)
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.time_budget_s <= 0:
+            raise ValueError(f"--time-budget must be > 0, got {self.time_budget_s}")
+        if self.seq_len is not None and self.seq_len < 2:
+            raise ValueError(f"--seq-len must be >= 2, got {self.seq_len}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not 0.0 < self.qb_rate <= 1.0:
+            raise ValueError(f"--qb-rate must be in (0, 1], got {self.qb_rate}")
+        if self.balance not in ("quantile", "sign", "none"):
+            raise ValueError(f"--balance must be quantile, sign or none, got {self.balance!r}")
+        if self.ep_planner not in ("moonep", "none"):
+            raise ValueError(f"--ep-planner must be moonep or none, got {self.ep_planner!r}")
+        parse_checkpoint_every(self.checkpoint_every)
+        parse_stages(self.stages)
+
+
+def resolve_model_config(args: TrainArgs) -> K3Config:
+    return K3Config.from_json(args.config_path) if args.config_path else K3Config.preset(args.preset)
+
+
+def write_run_args(run_dir: Path, args: TrainArgs) -> None:
+    """Save the run's arguments in ``run_dir/run.json`` (atomically: temp file, fsync, rename)."""
+    write_text_atomic(run_dir / RUN_FILE, json.dumps({"args": dataclasses.asdict(args)}, indent=1))
+
+
+def read_run_args(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / RUN_FILE
+    try:
+        saved = json.loads(path.read_text())["args"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path}: unreadable run arguments ({err!r})") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path}: unreadable run arguments (not an object)")
+    return saved
+
+
+__all__ = ["RUN_FILE", "TrainArgs", "read_run_args", "resolve_model_config", "write_run_args"]

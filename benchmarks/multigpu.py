@@ -112,7 +112,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
     def training(p: argparse.ArgumentParser, steps: int, warmup: int, seq: int, rows: int, budget: float) -> None:
         p.add_argument("--preset", default="debug")
-        p.add_argument("--vocab", type=int, default=16384, help="vocabulary override (0: the preset's own)")
+        p.add_argument("--config", help="a K3Config JSON file (overrides --preset)")
+        p.add_argument("--vocab", type=int, default=16384, help="vocabulary override (0: the model's own)")
         p.add_argument("--data", help="corpus path (default: the stdlib sources)")
         p.add_argument("--steps", type=int, default=steps)
         p.add_argument("--warmup", type=int, default=warmup, help="first steps left out of the timings")

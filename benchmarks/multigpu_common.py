@@ -195,7 +195,9 @@ def model_flops_per_token(config: K3Config, seq_len: int) -> dict[str, float]:
 
 # ============================================================================ trainer-driven runs
 def model_config_file(args: argparse.Namespace, tmp: Path) -> tuple[K3Config, str]:
-    config = K3Config.preset(args.preset)
+    """The model of ``--config`` (a K3Config JSON) or ``--preset``, with ``--vocab``'s vocabulary when
+    given, written where every rank reads it."""
+    config = K3Config.from_json(args.config) if args.config else K3Config.preset(args.preset)
     if args.vocab:
         config = dataclasses.replace(config, vocab_size=args.vocab, name=f"{config.name}-v{args.vocab}")
     path = tmp / f"config-{os.getpid()}.json"      # every rank writes its own copy (same content)

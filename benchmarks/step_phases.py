@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel", required=True, choices=["ep", "fsdp", "none"])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--preset", default="debug")
-    p.add_argument("--vocab", type=int, default=16384)
+    p.add_argument("--config", help="a K3Config JSON file (overrides --preset)")
+    p.add_argument("--vocab", type=int, default=16384, help="vocabulary override (0: the model's own)")
     p.add_argument("--data")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--rows-per-rank", type=int, default=4)
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(["rest (step minus the phases above)",
                  mg.fmt(mg.median(steps) - sum(mg.median(v) for v in phases.values()))])
     counts = {name: n / timed for name, n in sorted(rec.count.items())}
-    ctx.log(f"\nStep phases, {args.parallel}, {ctx.world} x {ctx.device_type}, {args.preset} "
+    ctx.log(f"\nStep phases, {args.parallel}, {ctx.world} x {ctx.device_type}, {args.config or args.preset} "
             f"(vocab {args.vocab or 'preset'}), {args.rows_per_rank} x {args.seq_len} tokens per rank, "
             f"median of {timed} steps after {args.warmup} warm-up")
     ctx.log(mg.table(["phase", "seconds"], rows))

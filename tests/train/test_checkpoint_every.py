@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kimik3.train.checkpoint_clock import CheckpointClock, CheckpointEvery, parse_checkpoint_every
@@ -52,10 +54,16 @@ def test_the_default_is_every_minute_and_a_run_checkpoints_by_time(small_config_
     assert Trainer(args, log=lambda _: None).args.checkpoint_every == "60s"   # saved explicitly with the run
     out = tmp_path / "timed"
     seen = []
-    trainer = Trainer(small_args(small_config_path, code_corpus, out, steps=12, checkpoint_every="0.2s"),
+
+    def on_step(record):
+        seen.append((out / "checkpoint").exists())
+        time.sleep(0.25)   # each step after the first outlasts the interval, however fast the machine
+
+    trainer = Trainer(small_args(small_config_path, code_corpus, out, steps=3, checkpoint_every="0.2s"),
                       log=lambda _: None)
-    trainer.run(on_step=lambda record: seen.append((out / "checkpoint").exists()))
-    assert any(seen[:-1]), "no checkpoint before the end of a run checkpointed every 0.2 s"
+    trainer.run(on_step=on_step)
+    # Step 1 ended more than 0.25 s after step 0 did: a checkpoint was due, before the end of the run.
+    assert seen[1], "no checkpoint before the end of a run checkpointed every 0.2 s"
 
 
 def test_resume_keeps_the_runs_setting_unless_one_is_given(run_copy):

@@ -5,10 +5,10 @@ import pytest
 from kimik3.cli import main
 
 
-def test_train_then_generate_from_the_command_line(code_corpus, tmp_path, capsys):
+def test_train_then_generate_from_the_command_line(small_config_path, code_corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["train", "--data", str(code_corpus), "--steps", "2", "--seq-len", "16", "--batch-size", "2",
-                 "--out", str(out), "--no-progress"]) == 0
+    assert main(["train", "--config", str(small_config_path), "--data", str(code_corpus), "--steps", "2",
+                 "--seq-len", "16", "--batch-size", "2", "--out", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "unigram val loss" in printed and "sample (temperature" in printed and str(out) in printed
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
@@ -35,20 +35,10 @@ def test_command_line_errors_are_clear(tmp_path, capsys):
     assert "no readable documents" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def small_run(small_config_path, code_corpus, tmp_path_factory):
-    from kimik3.train.trainer import Trainer
-    from tests.train.small_run import small_args
-
-    out = tmp_path_factory.mktemp("runs") / "small"
-    Trainer(small_args(small_config_path, code_corpus, out, steps=1), log=lambda _: None).run()
-    return out
-
-
 @pytest.mark.parametrize("option, value", [
     ("--max-tokens", "0"), ("--temperature", "-0.5"), ("--temperature", "nan"), ("--top-p", "0"),
     ("--top-p", "1.5"), ("--top-k", "-1"), ("--prompt", ""), ("--device", "cuda"), ("--device", "warp-drive")])
-def test_generate_checks_every_option_before_loading_anything(small_run, option, value, capsys, monkeypatch):
+def test_generate_checks_every_option_before_loading_anything(straight, option, value, capsys, monkeypatch):
     import torch
 
     from kimik3.model.k3 import K3ForCausalLM
@@ -59,7 +49,7 @@ def test_generate_checks_every_option_before_loading_anything(small_run, option,
     real = K3ForCausalLM.from_pretrained.__func__
     monkeypatch.setattr(K3ForCausalLM, "from_pretrained",
                         classmethod(lambda cls, *a, **k: loaded.append(a) or real(cls, *a, **k)))
-    argv = {"--run": str(small_run), "--prompt": "def alpha", "--max-tokens": "4", option: value}
+    argv = {"--run": str(straight), "--prompt": "def alpha", "--max-tokens": "4", option: value}
     assert main(["generate", *[item for pair in argv.items() for item in pair]]) == 2
     captured = capsys.readouterr()
     assert option in captured.err and captured.out == "" and not loaded

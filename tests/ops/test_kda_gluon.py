@@ -116,7 +116,7 @@ def _within(ref, out, tol, name):
 
 
 # --------------------------------------------------------------------------
-# forward stage 4: W, U (or -T diag(beta)), qg, kg, exp(Gamma_C)
+# forward stage 4: W, U, qg, kg, exp(Gamma_C)
 # --------------------------------------------------------------------------
 
 
@@ -125,11 +125,8 @@ def test_gluon_wy_equals_the_triton_stage(lengths, H, K):
     """``gluon.wy`` against ``wy.launch`` (K == V; two 64-column blocks per chunk and one): every output written;
     W, qg, kg within one bf16 rounding of the Triton kernel's, or of one product operand at the output's scale (the
     operands are rounded to bf16 from e^Gamma, and the interpreter's exp and the emulator's differ in the last bit,
-    so an operand can round the other way), U and exp(Gamma_C) to fp32 rounding. Then its form for a forward alone
-    (``launch(u=None, tbeta=)``): W, qg, kg and exp(Gamma_C) bit-identical, U not written, and in its place
-    -T diag(beta) in bf16, exactly the torch rounding of it, each chunk's columns past its valid rows zero (the next
-    sequence's v rows, which the scan's tile reads there, add nothing). On the CPU at K = 128, ten items on three
-    persistent programs (its 2-slot ring wraps)."""
+    so an operand can round the other way), U and exp(Gamma_C) to fp32 rounding. On the CPU at K = 128, ten items on
+    three persistent programs (its 2-slot ring wraps)."""
     plan, q, k, v, G, beta, tinv = _chunk_inputs(lengths, H, K)
     T = sum(lengths)
 
@@ -147,18 +144,6 @@ def test_gluon_wy_equals_the_triton_stage(lengths, H, K):
             assert (d <= r.float().abs() * 2.0**-7 + 2.0**-9 * r.float().abs().max()).all(), (name, d.max().item())
         else:
             assert d.max() <= 1e-5 * r.float().abs().max(), (name, d.max().item())
-    w, u, qg, kg, eg = outputs()
-    tb = _nan(plan.NT, H, 64, 64, dtype=torch.bfloat16)
-    gluon_wy.launch(q, k, v, G, beta, tinv, w, None, qg, kg, eg, plan, H, K, tbeta=tb, **_run_here())
-    for name, r, o in zip(("w", "qg", "kg", "eg"), (out[0],) + out[2:], (w, qg, kg, eg)):
-        assert torch.equal(r, o), name
-    assert u.isnan().all()  # (not written)
-    expect = torch.zeros(plan.NT, H, 64, 64, device=DEV)
-    for i_t, (t0, L) in enumerate(_chunk_bounds(plan)):
-        expect[i_t, :, :, :L] = tinv[i_t, :, :, :L] * beta[0, t0:t0 + L].T[:, None, :]
-    assert torch.equal(tb, (-expect).bfloat16())
-    with pytest.raises(ValueError, match="one of the two"):
-        gluon_wy.launch(q, k, v, G, beta, tinv, *out, plan, H, K, tbeta=tb, **_run_here())
 
 
 # --------------------------------------------------------------------------
@@ -168,9 +153,7 @@ def test_gluon_wy_equals_the_triton_stage(lengths, H, K):
 
 def _scan_inputs(lengths, H, V, seed=0):
     """The state scan's inputs for a packed batch (K = 128): bf16 W, kg, qg (x 0.1), chunk decays exp(Gamma_C) in
-    [0.5, 1), a lower-triangular fp32 Aqk (x 0.2), an fp32 initial state per sequence, and bf16 v with each chunk's
-    -T diag(beta) (bf16, its columns past the chunk's valid rows zero, as ``gluon.wy`` stores it) and the fp32
-    U = T (beta v) that torch forms from those two."""
+    [0.5, 1), a lower-triangular fp32 Aqk (x 0.2), an fp32 initial state per sequence and fp32 U."""
     gen = torch.Generator().manual_seed(seed)
     K, T = 128, sum(lengths)
     plan = _plan(lengths)
@@ -178,46 +161,33 @@ def _scan_inputs(lengths, H, V, seed=0):
     eg = (torch.rand(plan.NT, H, K, generator=gen) * 0.5 + 0.5).to(DEV)
     aqk = _rand(gen, plan.NT, H, 64, 64, scale=0.2).tril()
     h0 = _rand(gen, len(lengths), H, K, V)
-    v = _rand(gen, 1, T, H, V, dtype=torch.bfloat16)
-    tb = _rand(gen, plan.NT, H, 64, 64, scale=-0.3).tril().bfloat16()
-    u = torch.zeros(1, T, H, V, device=DEV)
-    v_pad = torch.cat([v.float(), torch.zeros(1, 64, H, V, device=DEV)], 1)
-    for i_t, (t0, L) in enumerate(_chunk_bounds(plan)):
-        tb[i_t, :, :, L:] = 0
-        u[0, t0:t0 + L] = -torch.einsum("hij,jhv->ihv", tb[i_t, :, :L].float(), v_pad[0, t0:t0 + 64])
-    return plan, w, kg, qg, eg, aqk, h0, v, tb, u
+    u = _rand(gen, 1, T, H, V)
+    return plan, w, kg, qg, eg, aqk, h0, u
 
 
 @pytest.mark.parametrize("H,V,with_states,o_dtype", [(2, 128, True, torch.bfloat16), (1, 64, False, torch.float32)])
 def test_gluon_scan_equals_the_triton_stage(H, V, with_states, o_dtype):
-    """``gluon.scan`` in the three forms ``forward.py`` calls, on LENGTHS (module docstring), with and without the
-    initial and final states, V = 128 (both 64-column blocks in one CTA) and V = 64 (one per CTA):
-    - storing the states and v_new (a training forward) against ``fwd_scan.launch``: every stored state, v_new and
-      final state within one bf16 rounding of the state at the output's scale (the two sum the state update in
-      another order, so a stored 16-bit state can round the other way, and v_new after it); o against
-      ``_output_kernel`` run on the Gluon scan's own stored states and v_new, to fp32 summation order (an fp32 o,
-      where the remainders' products, 2^-9 of the output, show) or within one bf16 rounding (a bf16 o);
-    - storing neither (a forward alone): the final state bit-identical (the stores leave the chain alone), and o
-      (bit-identical on the emulator; on the GPU within fp32 rounding, the compiler scheduling the two forms apart);
-    - forming U from -T diag(beta) and v (``launch(u=None, tbeta=, v=)``) against reading the U torch formed from
-      them: o and the final state within one bf16 rounding of the state at the output's scale (where a chunk's
-      16-bit state copy rounds the other way); the next sequence's v rows under a partial chunk's tile meet zero
-      columns of -T diag(beta), and past the tensor's end the tile is TMA's zeros."""
-    plan, w, kg, qg, eg, aqk, h0, v, tb, u = _scan_inputs(LENGTHS, H, V)
+    """``gluon.scan`` as ``forward.py`` calls it (a training forward: the states and v_new stored), on LENGTHS
+    (module docstring), with and without the initial and final states, V = 128 (both 64-column blocks in one CTA)
+    and V = 64 (one per CTA), against ``fwd_scan.launch``: every stored state, v_new and final state within one bf16
+    rounding of the state at the output's scale (the two sum the state update in another order, so a stored 16-bit
+    state can round the other way, and v_new after it); o against ``_output_kernel`` run on the Gluon scan's own
+    stored states and v_new, to fp32 summation order (an fp32 o, where the remainders' products, 2^-9 of the output,
+    show) or within one bf16 rounding (a bf16 o)."""
+    plan, w, kg, qg, eg, aqk, h0, u = _scan_inputs(LENGTHS, H, V)
     K, N, T, scale = 128, len(LENGTHS), sum(LENGTHS), 128**-0.5
     h0 = h0 if with_states else None
 
-    def run(gluon, store=True, form_u=False):
-        h = _nan(plan.NT, H, K, V, dtype=torch.bfloat16) if store else None
-        vn = _nan(1, T, H, V) if store else None
+    def run(gluon):
+        h = _nan(plan.NT, H, K, V, dtype=torch.bfloat16)
+        vn = _nan(1, T, H, V)
         ht = _nan(N, H, K, V) if with_states else None
         o = _nan(1, T, H, V, dtype=o_dtype)
         if not gluon:
             fwd_scan.launch(kg, eg, w, u, h0, h, vn, ht, qg, aqk, o, plan, H, K, V, scale, "tf32", tl.bfloat16, True)
         else:
-            extra = dict(tbeta=tb, v=v) if form_u else {}
-            gluon_scan.launch(kg, eg, w, None if form_u else u, h0, h, vn, ht, plan, H, K, V, qg=qg, aqk=aqk, o=o,
-                              scale=scale, **extra, **_launcher_here())
+            gluon_scan.launch(kg, eg, w, u, h0, h, vn, ht, plan, H, K, V, qg=qg, aqk=aqk, o=o, scale=scale,
+                              **_launcher_here())
         return h, vn, ht, o
 
     ref, got = run(False), run(True)
@@ -235,26 +205,6 @@ def test_gluon_scan_equals_the_triton_stage(H, V, with_states, o_dtype):
         assert d.max() <= 1e-5 * o_ref.abs().max(), d.max().item()
     else:
         assert (d <= 2.0**-7 * o_ref.float().abs() + 1e-5 * o_ref.float().abs().max()).all(), d.max().item()
-    _, _, ht1, o1 = run(True, store=False)
-    assert ht is None or torch.equal(ht1, ht)
-    assert torch.equal(o1, o) if not ON_GPU else rel_rms(o, o1) < 1e-6
-    _, _, ht2, o2 = run(True, store=False, form_u=True)
-    for name, r, x in (("o", o, o2), ("final state", ht, ht2)):
-        if r is not None:
-            _within(r, x, 2.0**-8, name)
-
-
-def test_gluon_scan_refuses_what_it_cannot_run():
-    """``gluon.scan.launch`` refuses, before anything runs: states without v_new (or the reverse), U neither given nor
-    formable, -T diag(beta) or v not bf16."""
-    plan, w, kg, qg, eg, aqk, h0, v, tb, u = _scan_inputs([64], 1, 64)
-    kw = dict(qg=qg, aqk=aqk, o=u, scale=1.0)
-    with pytest.raises(ValueError, match="together"):
-        gluon_scan.launch(kg, eg, w, u, None, None, u, None, plan, 1, 128, 64, **kw)
-    with pytest.raises(ValueError, match="both needed"):
-        gluon_scan.launch(kg, eg, w, None, None, None, None, None, plan, 1, 128, 64, **kw, tbeta=tb)
-    with pytest.raises(ValueError, match="bf16"):
-        gluon_scan.launch(kg, eg, w, None, None, None, None, None, plan, 1, 128, 64, **kw, tbeta=tb.float(), v=v)
 
 
 # --------------------------------------------------------------------------
@@ -280,13 +230,12 @@ def test_gluon_bwd_scan_equals_the_triton_stage(H, with_states):
     aqk, tinv = (_rand(gen, plan.NT, H, 64, 64, scale=0.1).tril() for _ in range(2))
     dht = _rand(gen, N, H, K, V) if with_states else None
     scale = K**-0.5
-    dscale = bwd_scan.scale_split(scale, True)
     res = []
     for gluon in (False, True):
         dh, dvn = _nan(plan.NT, H, K, V), _nan(1, T, H, V)
         dh0 = _nan(N, H, K, V) if with_states else None
         if gluon:
-            gluon_bwd_scan.launch(qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H, scale, dscale, aqk=aqk, tinv=tinv,
+            gluon_bwd_scan.launch(qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H, scale, aqk=aqk, tinv=tinv,
                                   **_launcher_here())
         else:
             bwd_scan.launch(aqk, tinv, qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H, K, V, K, 64, scale, "tf32",
@@ -443,10 +392,10 @@ def test_gpu_chunk_kda_on_the_gluon_stages(grad, monkeypatch):
     """``chunk_kda`` under K3's contract (bf16, B1 T2048 H8 D128, varlen with a one-token sequence) with every stage
     that has a Gluon form on it, though this call is below the table's thresholds (``forward.select`` and
     ``backward.select`` answer so), against every stage on the Triton kernels and against the fp32 torch path. Every
-    run within 1e-2 (o) and 5e-3 (final state) of the torch path's (relative RMS). A forward alone, in both of its
-    Gluon forms: on 16-token tiles, and on 64-token chunks with U formed in the scan (``gluon.wy``'s -T diag(beta),
-    ``gluon.scan``'s ``U_IN``); each rounds differently from the Triton forward (about one bf16 rounding of o), so
-    each is held to the torch path, no less accurate (1.05x the Triton run's error). A training call: the outputs,
+    run within 1e-2 (o) and 5e-3 (final state) of the torch path's (relative RMS). A forward alone, on 16-token tiles
+    (where the table sends it) and forced onto the 64-token Gluon stages; each rounds differently from the Triton
+    forward (about one bf16 rounding of o), so each is held to the torch path, no less accurate (1.05x the Triton
+    run's error). A training call: the outputs,
     final states within 5e-3 of the Triton run's and its gradients within 1e-2 (each Gluon stage alone is within 2e-3
     of its Triton stage in the tests above; here five of them, and a gradient measured 6.2e-3 apart on the H200), each
     gradient no farther from the fp32 torch path's than 1.25x the Triton run's (+1e-3)."""
@@ -481,16 +430,16 @@ def test_chunk_kda_on_the_gluon_stages_emulated(grad, monkeypatch):
 
 # Spill allowances (bytes stored and loaded) with the local ptxas (Triton 3.6's wheel), where a kernel spills at all:
 # the state-gradient scan storing dRv 208 B, the WY backward 136 B stored and 156 loaded, the intra backward with dA
-# as one partial 4 B; the scan's forward-alone forms with an initial state up to 28 B.
-SPILL_LIMITS = {"bwd_scan": 256, "bwd_wy": 256, "bwd_intra": 16, "scan, alone": 32, "scan, forming U": 32}
+# as one partial 4 B.
+SPILL_LIMITS = {"bwd_scan": 256, "bwd_wy": 256, "bwd_intra": 16}
 
 
 def _compile_configs(exhaustive: bool):
     """(name, CTAs per SM the launch counts on, launch thunk taking a launcher) of every Gluon kernel of the 64-token
     path in the configuration K3's training takes; exhaustive: in every configuration of the flags that shape a
-    kernel (its partitions, shared memory or products) that a caller can take: the forward alone's forms of stages 4
-    and 5 (``WITH_U`` off; ``STORE`` off, ``U_IN`` on), one 64-column block of V per scan CTA (``NHALF``), three
-    partials of dA in the intra backward (``NPART``, ``DK_SM``), the fused L2 norm and sigmoid each on or off. The
+    kernel (its partitions, shared memory or products) that a caller can take: one 64-column block of V per scan
+    CTA (``NHALF``), three partials of dA in the intra backward (``NPART``, ``DK_SM``), the fused L2 norm and sigmoid
+    each on or off. The
     state flags (``HAS_H0``, ``STORE_HT``, ``HAS_DHT``, ``STORE_DH0``: a load before a scan's loop, a store after it)
     are on throughout."""
     H, K, lengths = 2, 128, [128, 70]
@@ -500,26 +449,20 @@ def _compile_configs(exhaustive: bool):
     bf = lambda: z(1, T, H, K, dtype=torch.bfloat16)  # noqa: E731
     many = dict(programs=132)
     out = []
-    for with_u in (True, False) if exhaustive else (True,):
-        out.append((f"wy{'' if with_u else ', without U'}", gluon_wy.CTAS_PER_SM, lambda launcher, with_u=with_u:
-                    gluon_wy.launch(q, k, v, G, beta, tinv, bf(), z(1, T, H, K) if with_u else None, bf(), bf(),
-                                    z(NT, H, K), plan, H, K, tbeta=None if with_u else z(NT, H, 64, 64).bfloat16(),
-                                    launcher=launcher, **many)))
+    out.append(("wy", gluon_wy.CTAS_PER_SM, lambda launcher: gluon_wy.launch(
+        q, k, v, G, beta, tinv, bf(), z(1, T, H, K), bf(), bf(), z(NT, H, K), plan, H, K, launcher=launcher, **many)))
     for V in (128, 64) if exhaustive else (128,):
         ctas = 1  # (one block of V per CTA: registers would allow two, the rings' 160 KB of shared memory do not)
         h0, o = z(N, H, K, V), z(1, T, H, V, dtype=torch.bfloat16)
-        for form in ("storing", "alone", "forming U") if exhaustive else ("storing",):
-            def scan(launcher, V=V, h0=h0, o=o, form=form):
-                store = form == "storing"
-                u_in = dict(tbeta=z(NT, H, 64, 64).bfloat16(), v=o.clone()) if form == "forming U" else {}
-                gluon_scan.launch(bf(), z(NT, H, K), bf(), None if u_in else z(1, T, H, V), h0,
-                                  z(NT, H, K, V).bfloat16() if store else None, z(1, T, H, V) if store else None,
-                                  h0.clone(), plan, H, K, V, qg=bf(), aqk=z(NT, H, 64, 64), o=o, scale=0.088,
-                                  launcher=launcher, **u_in)
-            out.append((f"scan, {form}" + ("" if V == 128 else ", one block of V"), ctas, scan))
+
+        def scan(launcher, V=V, h0=h0, o=o):
+            gluon_scan.launch(bf(), z(NT, H, K), bf(), z(1, T, H, V), h0, z(NT, H, K, V).bfloat16(), z(1, T, H, V),
+                              h0.clone(), plan, H, K, V, qg=bf(), aqk=z(NT, H, 64, 64), o=o, scale=0.088,
+                              launcher=launcher)
+        out.append(("scan" + ("" if V == 128 else ", one block of V"), ctas, scan))
     dh, h0 = z(NT, H, K, K), z(N, H, K, K)
     out.append(("bwd_scan", 1, lambda launcher: gluon_bwd_scan.launch(
-        bf(), bf(), z(NT, H, K), bf(), bf(), h0, dh, z(1, T, H, K), h0.clone(), plan, H, 0.088, 0.0625,
+        bf(), bf(), z(NT, H, K), bf(), bf(), h0, dh, z(1, T, H, K), h0.clone(), plan, H, 0.088,
         aqk=z(NT, H, 64, 64), tinv=z(NT, H, 64, 64), launcher=launcher)))
     f32 = lambda: z(1, T, H, K)  # noqa: E731
     out.append(("bwd_wy", gluon_bwd_wy.CTAS_PER_SM, lambda launcher: gluon_bwd_wy.launch(

@@ -90,8 +90,7 @@ def kda_bwd(do: torch.Tensor, dht: Optional[torch.Tensor], aux: dict, v: torch.T
     if kernels["bwd_scan"].impl == "gluon/bwd_scan":
         from .gluon import bwd_scan as gluon_bwd_scan
 
-        gluon_bwd_scan.launch(qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H, scale, bwd_scan.scale_split(scale, acc),
-                              aqk=aux["aqk"], tinv=aux["tinv"])
+        gluon_bwd_scan.launch(qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H, scale, aqk=aux["aqk"], tinv=aux["tinv"])
     else:
         bwd_scan.launch(aux["aqk"], aux["tinv"], qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H, K, V, BKF, BV, scale,
                         PREC, scan_dt, acc)

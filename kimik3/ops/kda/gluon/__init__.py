@@ -1,8 +1,8 @@
 """The Hopper (sm_90) Gluon kernels of KDA, warp-specialised with TMA rings: one module per pipeline stage they take
 over from the Triton kernels (``dispatch.py`` says where each runs), their shared runtime in ``runtime.py``.
 
-    wy        forward stage 4: W, U (or -T diag(beta)) and the scan operands
-    scan      forward stage 5: the state scan over 64-token chunks with the output, optionally forming U
+    wy        forward stage 4: W, U and the scan operands
+    scan      forward stage 5: the training forward's state scan over 64-token chunks, with the output
     scan16    a forward alone's state scan over 16-token tiles, with the output (``prep16.py`` writes its operands)
     bwd_scan  backward stage 1: the state-gradient scan, with dRv = T^T dv_new
     bwd_wy    backward stage 2: the WY backward

@@ -167,13 +167,12 @@ def _gluon_dh_scan_kernel(kg_d, qg_d, w_d, do_d, eg_ptr, aqk_ptr, tinv_ptr, dht_
     release_ring(ready, empty)
 
 
-def launch(qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H: int, scale: float, dscale: float, aqk, tinv,
+def launch(qg, kg, eg, w, do, dht, dh, dvn, dh0, plan, H: int, scale: float, aqk, tinv,
            launcher: Optional[Callable] = None) -> None:
     """The scan by ``_gluon_dh_scan_kernel`` on the backward's tensors (token layout [B, T, H, D] bf16; eg as [NT, H,
     K], Aqk and T as [NT, H, 64, 64] fp32; dh as [NT, H, K, V] fp32; dht / dh0 as [N, H, K, V] fp32 or None): dh,
-    dh0 and dvn, dv_new's buffer, which ends holding dRv = T^T dv_new. dscale: the Triton scan's power of two of the
-    scale (``bwd_scan.scale_split``); unused here, where the chain is carried divided by the whole scale.
-    launcher: ``runtime.run``'s."""
+    dh0 and dvn, dv_new's buffer, which ends holding dRv = T^T dv_new (the chain carried divided by the whole scale,
+    module docstring). launcher: ``runtime.run``'s."""
     K, V = qg.shape[-1], do.shape[-1]
     tok_k, tok_v = (qg.numel() // (H * K), H * K), (do.numel() // (H * V), H * V)
     args = (tile_descriptor(kg, gl.bfloat16, tok_k), tile_descriptor(qg, gl.bfloat16, tok_k),

@@ -4,14 +4,16 @@ warp-specialised Gluon kernel for Hopper: the state scan over 64-token chunks wi
 Per sequence, head and 64-column V block, chunk by chunk, with S the state entering the chunk: v_new = U - W S (S
 rounded to 16 bits), o = scale (qg S + Aqk v_new) and S <- exp(Gamma_C) S + kg^T v_new, with v_new entering the
 products as a 16-bit high part plus its 16-bit remainder (and Aqk likewise: hi hi + hi lo + lo hi), as the Triton
-kernels' 16-bit form. The chain from one chunk to the next is serial; what this form changes is what waits on it:
+kernels' 16-bit form; each chunk's entry state (bf16) and v_new (fp32) are stored, where the backward reads them.
+The chain from one chunk to the next is serial; what this form changes is what waits on it:
 
 - a 1-warp loader partition streams each chunk's W, kg and qg tiles ([64, 64] bf16 boxes, two of each at K = 128)
   and its Aqk (fp32) by TMA into a ``RING``-slot ring, so the next chunk's operands are in shared memory before the
   chain reaches them;
 - a 4-warp consumer keeps the state as two fp32 ``warpgroup_mma`` accumulators ([64 state rows, 64 V columns]
-  each) and writes its 16-bit copy to shared memory once per chunk as the next products' operand; kg^T enters its
-  products straight from the ring (the shared tile read transposed), so nothing is transposed in registers;
+  each) and writes its 16-bit copy to shared memory once per chunk as the next products' operand, which TMA also
+  stores (off the chain); kg^T enters its products straight from the ring (the shared tile read transposed), so
+  nothing is transposed in registers;
 - the output is off the chain, so its products go where the chain waits: qg S is issued right after W S and runs
   while v_new is formed, Aqk v_new behind the state update's products; the slot goes back once the state's
   products are done.
@@ -20,13 +22,8 @@ Each program is one chain (no persistent loop). At V a multiple of 128 one CTA h
 two consumer partitions that share the loader's tiles (``MAXNREG_SHARED``); otherwise one CTA per block
 (``MAXNREG``). Either way one CTA fits an SM.
 
-Two forms of the same chain:
-- ``STORE`` (a training forward): each chunk's entry state (bf16, by TMA from its shared copy, off the chain) and
-  v_new (fp32) are stored, where the backward reads them;
-- ``U_IN`` (a forward alone after ``wy.py``'s ``launch(u=None, tbeta=)``): U is not read but formed,
-  -U = (-T diag(beta)) v, from a 1-slot ring of its own holding the chunk's -T diag(beta) (bf16) and the CTA's v
-  tiles, as the first product of the accumulator that W S then joins, issued before the state it waits on is
-  written, so the chain gains no wait.
+It runs in a training forward only (``forward.py``): a forward alone where it would apply runs on 16-token tiles
+(``scan16.py``), so the states and v_new are always stored.
 
 ``dispatch.py`` says where it runs (sm_90, bf16, K = 128, V a multiple of 64, enough items).
 """
@@ -35,7 +32,6 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -58,11 +54,9 @@ CONSUMER_REGS = gl.constexpr(232)
 
 
 @gluon.jit
-def _loader(ready, empty, w_s, g_s, q_s, a_s, w_d, g_d, q_d, a_d, ready_u, empty_u, tb_s, vin_s, tb_d, v_d, cu_ptr,
-            coff_ptr, H, K: gl.constexpr, V: gl.constexpr, U_IN: gl.constexpr, NHALF: gl.constexpr):
+def _loader(ready, empty, w_s, g_s, q_s, a_s, w_d, g_d, q_d, a_d, cu_ptr, coff_ptr, H, K: gl.constexpr):
     """The loader partition: chunk c's W, kg and qg tiles (both K halves) and its Aqk (fp32), once the consumers have
-    freed the slot; with U_IN, into a slot of its own, the chunk's -T diag(beta) and the CTA's v tiles, from which
-    the consumers form U."""
+    freed the slot."""
     i_h, bos, eos, nc, coff = _sequence(cu_ptr, coff_ptr, H)
     for c in range(nc):
         slot = _wait_slot(empty, c, 1)
@@ -74,25 +68,14 @@ def _loader(ready, empty, w_s, g_s, q_s, a_s, w_d, g_d, q_d, a_d, ready_u, empty
             tma.async_copy_global_to_shared(w_d, [t0, i_h * K + kb * 64], bar, w_s.index(2 * slot + kb))
             tma.async_copy_global_to_shared(g_d, [t0, i_h * K + kb * 64], bar, g_s.index(2 * slot + kb))
             tma.async_copy_global_to_shared(q_d, [t0, i_h * K + kb * 64], bar, q_s.index(2 * slot + kb))
-        if U_IN:
-            _wait_slot(empty_u, c, 1)
-            bar_u = ready_u.index(0)
-            mbarrier.expect(bar_u, (1 + NHALF) * 64 * 64 * 2)
-            tma.async_copy_global_to_shared(tb_d, [((coff + c) * H + i_h) * 64, 0], bar_u, tb_s)
-            for hb in gl.static_range(NHALF):
-                col = i_h * V + (gl.program_id(0) * NHALF + hb) * 64
-                tma.async_copy_global_to_shared(v_d, [t0, col], bar_u, vin_s.index(hb))
 
 
 @gluon.jit
-def _consumer(ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, ready_u, empty_u, tb_s, vin_s, u_ptr, eg_ptr, h0_ptr,
-              vn_ptr, ht_ptr, o_ptr, scale, cu_ptr, coff_ptr, H, K: gl.constexpr, V: gl.constexpr,
-              HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, NW: gl.constexpr, HALF: gl.constexpr,
-              NHALF: gl.constexpr, STORE: gl.constexpr, U_IN: gl.constexpr):
-    """A consumer partition: the scan's chain and output for 64 V columns, chunk by chunk (module docstring); the
-    CTA's HALF-th of its NHALF column blocks. STORE: store each chunk's entry state and v_new (what the backward
-    reads). U_IN: U not read but formed, -U = (-T diag(beta)) v, as the first product of the accumulator that W S
-    then joins."""
+def _consumer(ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, o_ptr, scale,
+              cu_ptr, coff_ptr, H, K: gl.constexpr, V: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
+              NW: gl.constexpr, HALF: gl.constexpr, NHALF: gl.constexpr):
+    """A consumer partition: the scan's chain and output for 64 V columns, chunk by chunk (module docstring), each
+    chunk's entry state and v_new stored (what the backward reads); the CTA's HALF-th of its NHALF column blocks."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, 64, 16])
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))  # tile rows (tokens, or state rows) and V columns
     col0 = (gl.program_id(0) * NHALF + HALF) * 64
@@ -111,44 +94,29 @@ def _consumer(ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, ready_u, empty_u, t
         t0 = bos + c * 64
         rows = gl.expand_dims(r < eos - t0, 1)
         tok = gl.expand_dims((t0 + r).to(gl.int64), 1) * (H * V) + i_h * V + gl.expand_dims(cv, 0)
-        if U_IN:  # -U, off the chain: issued before the state is written for W S
-            _wait_slot(ready_u, c, 0)
-            p = warpgroup_mma(tb_s, vin_s.index(HALF), gl.zeros([64, 64], gl.float32, layout=MMA), use_acc=False,
-                              is_async=True)
-        else:
-            u = gl.load(u_ptr + tok, mask=rows, other=0.0)
+        u = gl.load(u_ptr + tok, mask=rows, other=0.0)
         ch = (coff + c) * H + i_h  # the global chunk's (chunk, head) index
         eg_top = gl.expand_dims(gl.load(eg_ptr + ch * K + r), 1)
         eg_bot = gl.expand_dims(gl.load(eg_ptr + ch * K + 64 + r), 1)
-        # the state entering the chunk: its 16-bit copy is the next products' operand (and, STORE, the stored state)
-        if STORE:
-            tma.store_wait(0)  # the previous chunk's state stores have read hs
+        # the state entering the chunk: its 16-bit copy is the next products' operand and the stored state
+        tma.store_wait(0)  # the previous chunk's state stores have read hs
         hs.index(0).store(h_top.to(gl.bfloat16))
         hs.index(1).store(h_bot.to(gl.bfloat16))
         fence_async_shared()
-        if STORE:
-            tma.async_copy_shared_to_global(h_d, [ch * K, col0], hs.index(0))
-            tma.async_copy_shared_to_global(h_d, [ch * K + 64, col0], hs.index(1))
+        tma.async_copy_shared_to_global(h_d, [ch * K, col0], hs.index(0))
+        tma.async_copy_shared_to_global(h_d, [ch * K + 64, col0], hs.index(1))
         slot = _wait_slot(ready, c, 0)
         # v_new = U - W S, rows past the sequence zero (their W, kg rows belong to the next one)
-        if U_IN:  # p = W S - U = -v_new
-            p = warpgroup_mma(w_s.index(2 * slot), hs.index(0), p, is_async=True)
-        else:
-            p = warpgroup_mma(w_s.index(2 * slot), hs.index(0), gl.zeros([64, 64], gl.float32, layout=MMA),
-                              use_acc=False, is_async=True)
+        p = warpgroup_mma(w_s.index(2 * slot), hs.index(0), gl.zeros([64, 64], gl.float32, layout=MMA),
+                          use_acc=False, is_async=True)
         p = warpgroup_mma(w_s.index(2 * slot + 1), hs.index(1), p, is_async=True)
         # qg S, off the chain: it runs while v_new is formed
         o = warpgroup_mma(q_s.index(2 * slot), hs.index(0), gl.zeros([64, 64], gl.float32, layout=MMA),
                           use_acc=False, is_async=True)
         o = warpgroup_mma(q_s.index(2 * slot + 1), hs.index(1), o, is_async=True)
         p = warpgroup_mma_wait(2, deps=[p])
-        if U_IN:
-            mbarrier.arrive(empty_u.index(0), count=1)  # -T diag(beta) and v are read
-            v = gl.where(rows, -p, 0.0)
-        else:
-            v = gl.where(rows, u - p, 0.0)
-        if STORE:
-            gl.store(vn_ptr + tok, v, mask=rows)
+        v = gl.where(rows, u - p, 0.0)
+        gl.store(vn_ptr + tok, v, mask=rows)
         v_hi, v_lo = split16(v)
         vs.index(0).store(v_hi)
         vs.index(1).store(v_lo)
@@ -169,23 +137,20 @@ def _consumer(ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, ready_u, empty_u, t
         mbarrier.arrive(empty.index(slot), count=1)  # the slot's tiles are read
         o = warpgroup_mma_wait(0, deps=[o])
         gl.store(o_ptr + tok, (o * scale).to(o_ptr.dtype.element_ty), mask=rows)
-    if STORE:
-        tma.store_wait(0)
+    tma.store_wait(0)
     if STORE_HT:
         gl.store(ht_ptr + state + tile, h_top)
         gl.store(ht_ptr + state + tile + 64 * V, h_bot)
 
 
 @gluon.jit
-def _gluon_scan_kernel(w_d, g_d, q_d, a_d, h_d, tb_d, v_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, o_ptr, scale, cu_ptr,
-                       coff_ptr, H, K: gl.constexpr, V: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
-                       RING: gl.constexpr, NHALF: gl.constexpr, REGS: gl.constexpr, STORE: gl.constexpr,
-                       U_IN: gl.constexpr, num_warps: gl.constexpr):
+def _gluon_scan_kernel(w_d, g_d, q_d, a_d, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, o_ptr, scale, cu_ptr, coff_ptr,
+                       H, K: gl.constexpr, V: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
+                       RING: gl.constexpr, NHALF: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
     """The scan over (V / (64 NHALF), N H) programs, each with NHALF consumer partitions (one per 64-column block of
     V; two share the loader's tiles). w_d, g_d, q_d: TMA descriptors of [64, 64] tiles of W, kg and qg as [tokens,
-    H K] bf16, and a_d of Aqk as [NT H 64, 64] fp32; h_d: of the states as [NT H K, V] bf16 (written with STORE
-    only; its layout is the 16-bit operand buffers' either way); tb_d, v_d (read with U_IN only): of -T diag(beta)
-    as [NT H 64, 64] and of v as [tokens, H V], bf16."""
+    H K] bf16, and a_d of Aqk as [NT H 64, 64] fp32; h_d: of the states as [NT H K, V] bf16 (its layout is also the
+    16-bit operand buffers')."""
     w_s = gl.allocate_shared_memory(gl.bfloat16, [2 * RING, 64, 64], w_d.layout)
     g_s = gl.allocate_shared_memory(gl.bfloat16, [2 * RING, 64, 64], g_d.layout)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [2 * RING, 64, 64], q_d.layout)
@@ -193,60 +158,37 @@ def _gluon_scan_kernel(w_d, g_d, q_d, a_d, h_d, tb_d, v_d, u_ptr, eg_ptr, h0_ptr
     hs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)  # the state's two 64-row halves
     vs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)  # v_new's high part and remainder
     ready, empty = ring_barriers(RING, NHALF)  # every consumer releases a slot
-    tb_s = gl.allocate_shared_memory(gl.bfloat16, [64 if U_IN else 8, 64], tb_d.layout)
-    vin_s = gl.allocate_shared_memory(gl.bfloat16, [NHALF if U_IN else 1, 64 if U_IN else 8, 64], v_d.layout)
-    ready_u, empty_u = ring_barriers(1, NHALF)  # (U_IN) the one slot of -T diag(beta) and v
     if NHALF == 1:
         gl.warp_specialize([
-            (_consumer, (ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, ready_u, empty_u, tb_s, vin_s, u_ptr, eg_ptr,
-                         h0_ptr, vn_ptr, ht_ptr, o_ptr, scale, cu_ptr, coff_ptr, H, K, V, HAS_H0, STORE_HT, num_warps,
-                         0, NHALF, STORE, U_IN)),
-            (_loader, (ready, empty, w_s, g_s, q_s, a_s, w_d, g_d, q_d, a_d, ready_u, empty_u, tb_s, vin_s, tb_d,
-                       v_d, cu_ptr, coff_ptr, H, K, V, U_IN, NHALF)),
+            (_consumer, (ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, o_ptr,
+                         scale, cu_ptr, coff_ptr, H, K, V, HAS_H0, STORE_HT, num_warps, 0, NHALF)),
+            (_loader, (ready, empty, w_s, g_s, q_s, a_s, w_d, g_d, q_d, a_d, cu_ptr, coff_ptr, H, K)),
         ], [LOADER_WARPS], [LOADER_REGS])
     else:  # the second block's own state and v_new buffers
         hs2 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)
         vs2 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], h_d.layout)
         gl.warp_specialize([
-            (_consumer, (ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, ready_u, empty_u, tb_s, vin_s, u_ptr, eg_ptr,
-                         h0_ptr, vn_ptr, ht_ptr, o_ptr, scale, cu_ptr, coff_ptr, H, K, V, HAS_H0, STORE_HT, num_warps,
-                         0, NHALF, STORE, U_IN)),
-            (_consumer, (ready, empty, w_s, g_s, q_s, a_s, hs2, vs2, h_d, ready_u, empty_u, tb_s, vin_s, u_ptr, eg_ptr,
-                         h0_ptr, vn_ptr, ht_ptr, o_ptr, scale, cu_ptr, coff_ptr, H, K, V, HAS_H0, STORE_HT, num_warps,
-                         1, NHALF, STORE, U_IN)),
-            (_loader, (ready, empty, w_s, g_s, q_s, a_s, w_d, g_d, q_d, a_d, ready_u, empty_u, tb_s, vin_s, tb_d,
-                       v_d, cu_ptr, coff_ptr, H, K, V, U_IN, NHALF)),
+            (_consumer, (ready, empty, w_s, g_s, q_s, a_s, hs, vs, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, o_ptr,
+                         scale, cu_ptr, coff_ptr, H, K, V, HAS_H0, STORE_HT, num_warps, 0, NHALF)),
+            (_consumer, (ready, empty, w_s, g_s, q_s, a_s, hs2, vs2, h_d, u_ptr, eg_ptr, h0_ptr, vn_ptr, ht_ptr, o_ptr,
+                         scale, cu_ptr, coff_ptr, H, K, V, HAS_H0, STORE_HT, num_warps, 1, NHALF)),
+            (_loader, (ready, empty, w_s, g_s, q_s, a_s, w_d, g_d, q_d, a_d, cu_ptr, coff_ptr, H, K)),
         ], [num_warps, LOADER_WARPS], [REGS, LOADER_REGS])
     release_ring(ready, empty)
-    release_ring(ready_u, empty_u)
 
 
 def launch(kg, eg, w, u, h0, h, vn, ht, plan, H: int, K: int, V: int, qg, aqk, o, scale: float,
-           launcher: Optional[Callable] = None, tbeta=None, v=None) -> None:
-    """The scan and the output by ``_gluon_scan_kernel`` on the forward's tensors (token layout [B, T, H, D]; Aqk as
-    [NT, H, 64, 64] fp32; h0 / ht as [N, H, K, V] fp32 or None); o = scale (qg S + Aqk v_new) in o's dtype.
-    - h, vn: where the chunks' entry states (bf16, [NT, H, K, V]) and v_new (fp32) are stored, or both None to store
-      neither (a forward alone);
-    - tbeta, v: with u None, U = T (beta v) is formed here from -T diag(beta) ([NT, H, 64, 64] bf16, as
-      ``wy.launch(tbeta=)`` stores it) and v (bf16, token layout) instead of read.
+           launcher: Optional[Callable] = None) -> None:
+    """The scan and the output by ``_gluon_scan_kernel`` on the forward's tensors (token layout [B, T, H, D], U fp32;
+    Aqk as [NT, H, 64, 64] fp32; h0 / ht as [N, H, K, V] fp32 or None); o = scale (qg S + Aqk v_new) in o's dtype,
+    the chunks' entry states stored to h (bf16, [NT, H, K, V]) and v_new to vn (fp32, token layout).
     launcher: ``runtime.run``'s."""
-    if (h is None) != (vn is None):
-        raise ValueError("the scan stores the states h and v_new together, or neither")
-    u_in = u is None
-    if u_in and (tbeta is None or v is None):
-        raise ValueError("without U the scan forms it from -T diag(beta) (tbeta) and v: both needed")
-    if u_in and (tbeta.dtype, v.dtype) != (torch.bfloat16, torch.bfloat16):
-        raise ValueError(f"-T diag(beta) and v in bf16 (got {tbeta.dtype}, {v.dtype})")
     tok = (w.numel() // (H * K), H * K)
-    w_d = tile_descriptor(w, gl.bfloat16, tok)
-    args = (w_d, tile_descriptor(kg, gl.bfloat16, tok), tile_descriptor(qg, gl.bfloat16, tok),
-            tile_descriptor(aqk, gl.float32, (-1, 64)),
-            tile_descriptor(h, gl.bfloat16, (plan.NT * H * K, V)) if h is not None else w_d,
-            tile_descriptor(tbeta, gl.bfloat16, (-1, 64)) if u_in else w_d,
-            tile_descriptor(v, gl.bfloat16, (tok[0], H * V)) if u_in else w_d, eg if u_in else u, eg,
-            h0 if h0 is not None else eg, vn if vn is not None else eg, ht if ht is not None else eg,
-            o, float(scale), plan.cu, plan.chunk_off, H)
+    args = (tile_descriptor(w, gl.bfloat16, tok), tile_descriptor(kg, gl.bfloat16, tok),
+            tile_descriptor(qg, gl.bfloat16, tok), tile_descriptor(aqk, gl.float32, (-1, 64)),
+            tile_descriptor(h, gl.bfloat16, (plan.NT * H * K, V)), u, eg, h0 if h0 is not None else eg, vn,
+            ht if ht is not None else eg, o, float(scale), plan.cu, plan.chunk_off, H)
     nhalf = 2 if V % 128 == 0 else 1
     run(_gluon_scan_kernel, (V // (64 * nhalf), plan.N * H), args, launcher, K=K, V=V, HAS_H0=h0 is not None,
-        STORE_HT=ht is not None, RING=RING, NHALF=nhalf, REGS=CONSUMER_REGS, STORE=h is not None, U_IN=u_in,
-        num_warps=CONSUMER_WARPS, maxnreg=MAXNREG if nhalf == 1 else MAXNREG_SHARED)
+        STORE_HT=ht is not None, RING=RING, NHALF=nhalf, REGS=CONSUMER_REGS, num_warps=CONSUMER_WARPS,
+        maxnreg=MAXNREG if nhalf == 1 else MAXNREG_SHARED)

@@ -12,9 +12,6 @@ U = T (beta v), qg = q exp(Gamma), kg = k exp(Gamma_C - Gamma) and exp(Gamma_C),
   (varlen: a chunk's tiles may run into the next sequence, whose rows are zeroed before they enter a product; past
   the end of the tensor TMA reads zeros).
 
-Without U (``launch(u=None, tbeta=)``) the kernel forms no U and does not read v: each chunk's first column block
-stores -T diag(beta) in bf16 instead (8 KB per chunk and head), from which ``scan.py`` forms U itself.
-
 ``dispatch.py`` says where it runs (sm_90, bf16, K == V a multiple of 64, enough items).
 """
 
@@ -22,7 +19,6 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
@@ -50,31 +46,26 @@ def _mma(num_warps):
 
 @gluon.jit
 def _loader(ready, empty, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, cidx_ptr, cu_ptr, n_items, H,
-            K: gl.constexpr, NP: gl.constexpr, WITH_U: gl.constexpr):
-    """The loader partition: each item's T, k, q, Gamma (and, WITH_U, v) tiles by TMA, once the consumer has freed
-    the slot."""
+            K: gl.constexpr, NP: gl.constexpr):
+    """The loader partition: each item's T, k, q, Gamma and v tiles by TMA, once the consumer has freed the slot."""
     pid, nprog, count = _my_items(n_items)
     for i in range(count):
         slot = _wait_slot(empty, i, 1)
         i_t, i_h, p, t0, L = _item(pid + i * nprog, H, cidx_ptr, cu_ptr, NP)
         col = i_h * K + p * 64
         bar = ready.index(slot)
-        mbarrier.expect(bar, 2 * 64 * 64 * 4 + (3 if WITH_U else 2) * 64 * 64 * 2)
+        mbarrier.expect(bar, 2 * 64 * 64 * 4 + 3 * 64 * 64 * 2)
         tma.async_copy_global_to_shared(t_d, [(i_t * H + i_h) * 64, 0], bar, t_s.index(slot))
         tma.async_copy_global_to_shared(k_d, [t0, col], bar, k_s.index(slot))
         tma.async_copy_global_to_shared(q_d, [t0, col], bar, q_s.index(slot))
         tma.async_copy_global_to_shared(G_d, [t0, col], bar, G_s.index(slot))
-        if WITH_U:
-            tma.async_copy_global_to_shared(v_d, [t0, col], bar, v_s.index(slot))
+        tma.async_copy_global_to_shared(v_d, [t0, col], bar, v_s.index(slot))
 
 
 @gluon.jit
 def _consumer(ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr, u_ptr,
-              tb_ptr, cidx_ptr, cu_ptr, n_items, H, K: gl.constexpr, NP: gl.constexpr, NW: gl.constexpr,
-              WITH_U: gl.constexpr):
-    """The default partition: each item once its slot is ready, the slot handed back once its tiles are read. Without
-    U (not WITH_U), each chunk's first column block stores -T diag(beta) in bf16 to tb_ptr instead, from which the
-    state scan forms U itself (``scan.py``)."""
+              cidx_ptr, cu_ptr, n_items, H, K: gl.constexpr, NP: gl.constexpr, NW: gl.constexpr):
+    """The default partition: each item once its slot is ready, the slot handed back once its tiles are read."""
     BL: gl.constexpr = _blocked(NW)
     MMA: gl.constexpr = _mma(NW)
     AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -92,16 +83,11 @@ def _consumer(ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_pt
         t32 = t_s.index(si).load(BL)
         tm = gl.convert_layout(t32.to(gl.bfloat16), AOP)
         acc = gl.zeros([64, 64], gl.float32, layout=MMA)
-        if WITH_U:  # U = T (beta v)
-            b_s.store(gl.where(rows, v_s.index(si).load(BL).to(gl.float32) * beta, 0.0).to(gl.bfloat16))
-            fence_async_shared()
-            u = warpgroup_mma(tm, b_s, acc, use_acc=False)
-            gl.store(u_ptr + offs, gl.convert_layout(u, BL), mask=rows)
-        elif p == 0:  # -T diag(beta), its columns past the chunk zero (their v rows belong to the next sequence)
-            beta_c = gl.load(beta_ptr + (t0.to(gl.int64) + c) * H + i_h, mask=c < L, other=0.0).to(gl.float32)
-            tb = gl.expand_dims(r, 1) * 64 + gl.expand_dims(c, 0)
-            gl.store(tb_ptr + (i_t * H + i_h).to(gl.int64) * 4096 + tb,
-                     (-(t32 * gl.expand_dims(beta_c, 0))).to(gl.bfloat16))
+        # U = T (beta v)
+        b_s.store(gl.where(rows, v_s.index(si).load(BL).to(gl.float32) * beta, 0.0).to(gl.bfloat16))
+        fence_async_shared()
+        u = warpgroup_mma(tm, b_s, acc, use_acc=False)
+        gl.store(u_ptr + offs, gl.convert_layout(u, BL), mask=rows)
         # W = T (beta k exp(Gamma))
         G = G_s.index(si).load(BL)
         eG = gl.exp(G)
@@ -120,42 +106,35 @@ def _consumer(ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_pt
 
 
 @gluon.jit
-def _gluon_wy_kernel(t_d, k_d, q_d, G_d, v_d, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr, u_ptr, tb_ptr, cidx_ptr,
-                     cu_ptr, NT, H, K: gl.constexpr, RING: gl.constexpr, WITH_U: gl.constexpr,
-                     num_warps: gl.constexpr):
+def _gluon_wy_kernel(t_d, k_d, q_d, G_d, v_d, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr, u_ptr, cidx_ptr, cu_ptr,
+                     NT, H, K: gl.constexpr, RING: gl.constexpr, num_warps: gl.constexpr):
     """Stage 4 over NT chunks x H heads x K / 64 column blocks (the _d arguments are TMA descriptors of [64, 64]
-    tiles: T as [NT H 64, 64] fp32, k, q, v as [tokens, H K] bf16, Gamma as [tokens, H K] fp32). Not WITH_U: U is
-    not formed (v not read), -T diag(beta) goes to tb_ptr ([NT, H, 64, 64] bf16) instead."""
+    tiles: T as [NT H 64, 64] fp32, k, q, v as [tokens, H K] bf16, Gamma as [tokens, H K] fp32)."""
     NP: gl.constexpr = K // 64
     t_s = gl.allocate_shared_memory(gl.float32, [RING, 64, 64], t_d.layout)
     k_s = gl.allocate_shared_memory(gl.bfloat16, [RING, 64, 64], k_d.layout)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [RING, 64, 64], q_d.layout)
     G_s = gl.allocate_shared_memory(gl.float32, [RING, 64, 64], G_d.layout)
-    v_s = gl.allocate_shared_memory(gl.bfloat16, [RING if WITH_U else 1, 64, 64], v_d.layout)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [RING, 64, 64], v_d.layout)
     b_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], k_d.layout)  # the products' right-hand operand
     ready, empty = ring_barriers(RING, 1)
     n_items = NT * H * NP
     gl.warp_specialize([
         (_consumer, (ready, empty, t_s, k_s, q_s, G_s, v_s, b_s, beta_ptr, G_ptr, eg_ptr, w_ptr, qg_ptr, kg_ptr,
-                     u_ptr, tb_ptr, cidx_ptr, cu_ptr, n_items, H, K, NP, num_warps, WITH_U)),
+                     u_ptr, cidx_ptr, cu_ptr, n_items, H, K, NP, num_warps)),
         (_loader, (ready, empty, t_s, k_s, q_s, G_s, v_s, t_d, k_d, q_d, G_d, v_d, cidx_ptr, cu_ptr, n_items, H,
-                   K, NP, WITH_U)),
+                   K, NP)),
     ], [LOADER_WARPS], [LOADER_REGS])
     release_ring(ready, empty)
 
 
 def launch(q, k, v, G, beta, tinv, w, u, qg, kg, eg, plan, H: int, K: int,
-           launcher: Optional[Callable] = None, programs: Optional[int] = None,
-           tbeta: Optional[torch.Tensor] = None) -> None:
+           launcher: Optional[Callable] = None, programs: Optional[int] = None) -> None:
     """Stage 4 by ``_gluon_wy_kernel`` on the forward's tensors (token layout [B, T, H, D], T as [NT, H, 64, 64]
-    fp32); launcher, programs: ``runtime.run_persistent``. tbeta: instead of U (u then None), store -T diag(beta)
-    there ([NT, H, 64, 64] bf16), from which ``scan.py`` forms U (a forward alone: nothing else reads U)."""
-    if (u is None) == (tbeta is None):
-        raise ValueError("the WY stage stores U or -T diag(beta) (tbeta), one of the two")
+    fp32; U fp32); launcher, programs: ``runtime.run_persistent``."""
     tok = (q.numel() // (H * K), H * K)
     args = (tile_descriptor(tinv, gl.float32, (plan.NT * H * 64, 64)), tile_descriptor(k, gl.bfloat16, tok),
             tile_descriptor(q, gl.bfloat16, tok), tile_descriptor(G, gl.float32, tok),
-            tile_descriptor(v, gl.bfloat16, tok), beta, G, eg, w, qg, kg, u if u is not None else w,
-            tbeta if tbeta is not None else w, plan.chunk_idx, plan.cu, plan.NT, H)
+            tile_descriptor(v, gl.bfloat16, tok), beta, G, eg, w, qg, kg, u, plan.chunk_idx, plan.cu, plan.NT, H)
     run_persistent(_gluon_wy_kernel, plan.NT * H * (K // 64), q.device, args, launcher, programs, CTAS_PER_SM, K=K,
-                   RING=RING, WITH_U=u is not None, num_warps=CONSUMER_WARPS)
+                   RING=RING, num_warps=CONSUMER_WARPS)

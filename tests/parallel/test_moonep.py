@@ -35,42 +35,47 @@ def moe_and_inputs(total_tokens: int):
     return moe, x, upstream
 
 
-def _ep_worker(rank: int, world: int, planner: str) -> dict:
-    moe, x, upstream = moe_and_inputs(TOKENS_PER_RANK * world)
-    group = dist.group.WORLD
-    apply_expert_parallel(moe, group, planner=water_filling if planner == "water" else planner)
-    mine = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
-    out = moe(x[mine])
-    (out * upstream[mine]).sum().backward()
-    quota = moe.experts.last_quota
-    grads = {name: p.grad for name, p in moe.named_parameters()}
-    for name, grad in grads.items():
-        if not name.startswith("experts."):
-            dist.all_reduce(grad)       # replicated parameters: the data-parallel sum
-    return {"out": out, "quota": quota, **{f"grad.{k}": v for k, v in grads.items()}}
+def _ep_worker(rank: int, world: int, planners: str) -> dict:
+    """Each planner of the comma list in turn (a fresh layer each), in one process group."""
+    result = {}
+    for planner in planners.split(","):
+        moe, x, upstream = moe_and_inputs(TOKENS_PER_RANK * world)
+        group = dist.group.WORLD
+        apply_expert_parallel(moe, group, planner=water_filling if planner == "water" else planner)
+        mine = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
+        out = moe(x[mine])
+        (out * upstream[mine]).sum().backward()
+        quota = moe.experts.last_quota
+        grads = {name: p.grad for name, p in moe.named_parameters()}
+        for name, grad in grads.items():
+            if not name.startswith("experts."):
+                dist.all_reduce(grad)       # replicated parameters: the data-parallel sum
+        result.update({f"{planner}.out": out, f"{planner}.quota": quota,
+                       **{f"{planner}.grad.{k}": v for k, v in grads.items()}})
+    return result
 
 
-@pytest.mark.parametrize("world,planner", [(2, "none"), (4, "water"), (4, "moonep")])
-def test_expert_parallel_equals_one_process(tmp_path, world, planner):
-    if planner == "moonep":
-        pytest.importorskip("kimik3.parallel.moonep_plan")
-    results = run_ranks(_ep_worker, world, tmp_path, planner)
+@pytest.mark.parametrize("world,planners", [(2, "none"), (4, "water,moonep")])
+def test_expert_parallel_equals_one_process(tmp_path, world, planners):
+    results = run_ranks(_ep_worker, world, tmp_path, planners)
     moe, x, upstream = moe_and_inputs(TOKENS_PER_RANK * world)
     out = moe(x)
     (out * upstream).sum().backward()
     experts = moe.experts.w_gate_ELF.shape[0]
     per_rank = experts // world
-    for rank, got in enumerate(results):
-        torch.testing.assert_close(got["out"], out[rank * TOKENS_PER_RANK:(rank + 1) * TOKENS_PER_RANK],
-                                   rtol=1e-5, atol=1e-6)
-        for name, p in moe.named_parameters():
-            want = p.grad
-            if name.startswith("experts."):
-                want = want[rank * per_rank:(rank + 1) * per_rank]
-            torch.testing.assert_close(got[f"grad.{name}"], want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
-        computed = got["quota"].sum(0)
-        if planner != "none":   # balanced: every rank computes exactly S x K rows
-            assert torch.all(computed == TOKENS_PER_RANK * moe.router.top_k)
+    for planner in planners.split(","):
+        for rank, got in enumerate(results):
+            torch.testing.assert_close(got[f"{planner}.out"], out[rank * TOKENS_PER_RANK:(rank + 1) * TOKENS_PER_RANK],
+                                       rtol=1e-5, atol=1e-6, msg=lambda m, planner=planner: f"{planner}: {m}")
+            for name, p in moe.named_parameters():
+                want = p.grad
+                if name.startswith("experts."):
+                    want = want[rank * per_rank:(rank + 1) * per_rank]
+                torch.testing.assert_close(got[f"{planner}.grad.{name}"], want, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m, what=f"{planner} {name}": f"{what}: {m}")
+            computed = got[f"{planner}.quota"].sum(0)
+            if planner != "none":   # balanced: every rank computes exactly S x K rows
+                assert torch.all(computed == TOKENS_PER_RANK * moe.router.top_k), planner
 
 
 def test_destinations_cut_each_experts_pairs_in_source_order():

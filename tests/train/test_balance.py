@@ -308,8 +308,11 @@ def test_sign_balancer_moves_biases_by_gamma():
     assert metrics["load_max_over_mean"][0] == pytest.approx(load_imbalance(loads_E))
 
 
-def test_few_training_steps_of_the_tiny_model():
-    model = K3ForCausalLM(K3Config.preset("tiny"), seed=0)
+def test_few_training_steps_of_a_small_model():
+    from tests.train.small_run import small_config
+
+    config = small_config()   # KDA and MLA layers with MoE, and the MTP module's: three routers
+    model = K3ForCausalLM(config, seed=0)
     model.train()
     routers = model.routers()
     qb = QuantileBalancer(routers)
@@ -318,7 +321,7 @@ def test_few_training_steps_of_the_tiny_model():
     history = []
     for step in range(3):
         for micro in range(2):  # gradient accumulation: both micro-batches feed one update
-            ids = torch.randint(0, 4096, (2, 33), generator=g)
+            ids = torch.randint(0, config.vocab_size, (2, 33), generator=g)
             out = model(ids[:, :-1], labels=ids[:, 1:])
             qb.observe(out.routing)
             assert all(s.scores_TE is None for s in out.routing)   # binned, then dropped before backward

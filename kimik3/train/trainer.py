@@ -272,7 +272,7 @@ class Trainer:
             record.update(main_loss=float(self.ctx.global_loss(out.main_loss.detach())),
                           mtp_loss=float(self.ctx.global_loss(out.mtp_loss.detach())))
         record["expert_load_max_over_mean"] = (balance["load_max_over_mean_mean"] if "load_max_over_mean_mean"
-                                               in balance else routing_imbalance(out.routing))
+                                               in balance else routing_imbalance(getattr(out, "routing", ())))
         return record
 
     @torch.no_grad()

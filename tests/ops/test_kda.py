@@ -589,3 +589,21 @@ def test_step_invalid_inputs_raise():
         args.update(override)
         with pytest.raises(ValueError, match=name):
             recurrent_kda_step(**args)
+
+
+def test_chunk_path_under_activation_checkpointing():
+    """The torch chunk path inside torch.utils.checkpoint (what --activation-checkpointing wraps every block in) over
+    more than one chunk gives the gradients of the plain call: its backward unpacks its saved inputs once (a second
+    unpack of a checkpointed tensor is an error)."""
+    from torch.utils.checkpoint import checkpoint
+
+    inputs = [x.requires_grad_() for x in kda_inputs(1, 130, 2, 16, 16, seed=3)]
+
+    def run(*xs):
+        o, s = chunk_kda(*xs, backend="torch", output_final_state=True)
+        return o.sum() + (s * s).sum()
+
+    plain = torch.autograd.grad(run(*inputs), inputs)
+    checked = torch.autograd.grad(checkpoint(run, *inputs, use_reentrant=False), inputs)
+    for a, b in zip(plain, checked):
+        assert torch.equal(a, b)

@@ -164,8 +164,11 @@ class _ChunkKDAFunction(torch.autograd.Function):
     def backward(ctx, do, dfinal):  # type: ignore[override]
         plan, scale, f = ctx.plan, ctx.scale, ctx.saved
         if plan.fast:
-            f = f._replace(**{name: _chunk_view(x, plan) for name, x in zip("qkv", ctx.saved_tensors)},
-                           beta=_chunk_view(ctx.saved_tensors[3], plan))
+            # read once: under activation checkpointing each read of saved_tensors unpacks (recomputes) again, and a
+            # second unpack of the same tensors is an error
+            q, k, v, beta = ctx.saved_tensors
+            f = f._replace(q=_chunk_view(q, plan), k=_chunk_view(k, plan), v=_chunk_view(v, plan),
+                           beta=_chunk_view(beta, plan))
         H, K, V, C = plan.H, plan.K, plan.V, plan.C
         X = plan.n * H
         dev = f.e.device

@@ -36,7 +36,7 @@ from kimik3.model.mtp import MTPModule
 from kimik3.model.norm import RMSNorm
 from kimik3.model.param_rules import ParamRule, adamw
 from kimik3.model.pretrained import load_pretrained, save_pretrained
-from kimik3.model.sampling import sample_next_token
+from kimik3.model.sampling import check_sampling, sample_next_token
 
 IGNORE_INDEX = -100
 FP32_PARAMS = ("A_log", "dt_bias")  # parameter names kept in fp32 under any model dtype
@@ -184,6 +184,7 @@ class K3ForCausalLM(nn.Module):
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_sampling(temperature, top_p, top_k)  # before the prefill, not at the first sampled token
         if input_ids.ndim != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"input_ids must be [batch, tokens>=1], got shape {tuple(input_ids.shape)}")
         batch, prompt_len = input_ids.shape
@@ -193,7 +194,16 @@ class K3ForCausalLM(nn.Module):
                              f"max_seq_len={self.config.max_seq_len}")
         was_training = self.training
         self.eval()
-        cache = K3Cache.allocate(self.config, batch, total, device=self.device, dtype=self.dtype)
+        try:
+            return self._decode(input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator,
+                                on_token)
+        finally:  # also when a forward refuses (a context-parallel model takes no cache)
+            self.train(was_training)
+
+    def _decode(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, on_token):
+        batch, prompt_len = input_ids.shape
+        cache = K3Cache.allocate(self.config, batch, prompt_len + max_new_tokens, device=self.device,
+                                 dtype=self.dtype)
         logits = self(input_ids, cache=cache, last_only=True).logits[:, -1]
         tokens = [input_ids]
         finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
@@ -208,7 +218,6 @@ class K3ForCausalLM(nn.Module):
             if bool(finished.all()) or step == max_new_tokens - 1:
                 break
             logits = self(next_B[:, None], cache=cache).logits[:, -1]
-        self.train(was_training)
         return torch.cat(tokens, dim=1)
 
     # ------------------------------------------------------------------ files

@@ -26,15 +26,11 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from kimik3.parallel.kcp import apply_context_parallel as kcp_apply
 from kimik3.parallel.mesh import ParallelDims, cp_mesh, fsdp_mesh
 
 
 def apply_context_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh) -> None:
-    try:
-        from kimik3.parallel.kcp import apply_context_parallel as kcp_apply
-    except ImportError as err:  # the KCP layer lands separately
-        raise NotImplementedError(f"context parallel (cp={dims.cp}) needs kimik3.parallel.kcp."
-                                  f"apply_context_parallel, which is not available ({err})") from None
     kcp_apply(model, cp_mesh(mesh).get_group())
 
 

@@ -31,9 +31,10 @@ from kimik3.train.checkpoint import (
 from kimik3.train.plot import parse_record
 
 METRICS_FILE = "metrics.jsonl"
-# The temporaries an interrupted write leaves in a run directory (write_text_atomic's and plot_run's),
+# The temporaries an interrupted write leaves in a run directory (atomic_write's, and plot_run's older form),
 # removed when the run starts again; the checkpoints' own are in CHECKPOINT_TEMPORARIES.
-RUN_TEMPORARIES = (*CHECKPOINT_TEMPORARIES, *((".", temporary_pattern(name)) for name in (RUN_FILE, METRICS_FILE)),
+RUN_TEMPORARIES = (*CHECKPOINT_TEMPORARIES,
+                   *((".", temporary_pattern(name)) for name in (RUN_FILE, METRICS_FILE, "loss.png")),
                    (".", r"\.loss\.png\.tmp\.png"))
 
 

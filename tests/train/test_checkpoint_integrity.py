@@ -105,11 +105,12 @@ def test_pruning_keeps_the_newest_good_checkpoints_and_the_protected_ones(tmp_pa
 def test_temporaries_of_an_interrupted_write_are_removed_on_resume(run_copy):
     """A kill during a checkpoint write leaves its temporary directory and symlink behind."""
     leftovers = [run_copy / "checkpoints" / ".step-0000007.k2x_9q0a", run_copy / ".checkpoint.4242.tmp",
-                 run_copy / ".loss.png.tmp.png"]
+                 run_copy / ".loss.png.tmp.png", run_copy / ".loss.png.k2x9q0a.tmp"]
     leftovers[0].mkdir()
     (leftovers[0] / "model.safetensors").write_bytes(b"half")
     leftovers[1].symlink_to("checkpoints/.step-0000007.k2x_9q0a")
     leftovers[2].write_bytes(b"")
+    leftovers[3].write_bytes(b"half a png")
     bystanders = [run_copy / "notes.txt", run_copy / "checkpoints" / ".keep", run_copy / "checkpoints" / "step-draft",
                   run_copy / ".checkpoint.old"]
     for path in bystanders:

@@ -1,9 +1,14 @@
-"""Incremental detokenisation with stop strings.
+"""Incremental detokenisation with stop strings, in constant time per token.
 
 A byte-level BPE token may end in the middle of a UTF-8 character, and a stop string may span
 several tokens, so text is released only when it is final: not ending in an incomplete character
 (U+FFFD from the decoder) and not possibly the start of a stop string. When a stop string
 appears, the text before it is released and the stream ends; the stop string itself is not sent.
+
+Each token decodes only a short window of ids: the tokens since the last complete character, plus
+the one before them for context (a decoder may render a token differently at the start of a text),
+as vLLM's incremental detokeniser does. So a 4,000-token answer costs the same per token as a short
+one, instead of decoding the whole output again at every token.
 """
 
 from __future__ import annotations
@@ -16,29 +21,50 @@ class StreamDetokenizer:
         self.tokenizer = tokenizer
         self.stop = stop
         self.token_ids: list[int] = []
-        self.sent = ""            # text already released
+        self.prefix = 0           # first id of the decode window
+        self.read = 0             # ids before this one are decoded into released or held text
+        self.held = ""            # final text held back: it may be the start of a stop string
         self.stopped = False
 
     def push(self, token_id: int) -> str:
         """Add one token; return the newly final text (possibly empty)."""
         self.token_ids.append(token_id)
-        text = self.tokenizer.decode(self.token_ids)
-        if text.endswith("\ufffd"):
+        delta = self._new_text(final=False)
+        if not delta:
             return ""
+        text = self.held + delta
         for stop in self.stop:
-            # Only search where a new match can be: a stop string cannot lie inside sent text.
-            found = text.find(stop, max(0, len(self.sent) - len(stop) + 1))
+            found = text.find(stop)
             if found != -1:
                 self.stopped = True
-                return self._release(text[:found])
-        return self._release(text[:len(text) - self._held_back(text)])
+                self.held = ""
+                return text[:found]
+        keep = self._held_back(text)
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
 
     def flush(self) -> str:
-        """The stream ended for another reason: release what was held back for stop strings."""
+        """The stream ended for another reason: release what was held back for stop strings, and an
+        incomplete last character's decodable part."""
         if self.stopped:
             return ""
-        text = self.tokenizer.decode(self.token_ids).rstrip("\ufffd")
-        return self._release(text)
+        text, self.held = self.held + self._new_text(final=True), ""
+        return text
+
+    def _new_text(self, final: bool) -> str:
+        """The text the ids since ``read`` add, once it does not end in an incomplete character (or,
+        when final, with the incomplete end dropped); advances the window past it."""
+        window = self.token_ids[self.prefix:]
+        before = self.tokenizer.decode(self.token_ids[self.prefix:self.read])
+        text = self.tokenizer.decode(window)
+        if text.endswith("\ufffd"):
+            if not final:
+                return ""
+            text = text.rstrip("\ufffd")
+        if len(text) <= len(before):
+            return ""
+        self.prefix, self.read = self.read, len(self.token_ids)
+        return text[len(before):]
 
     def _held_back(self, text: str) -> int:
         """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
@@ -49,9 +75,3 @@ class StreamDetokenizer:
                     held = size
                     break
         return held
-
-    def _release(self, final: str) -> str:
-        if len(final) <= len(self.sent):
-            return ""
-        delta, self.sent = final[len(self.sent):], final
-        return delta

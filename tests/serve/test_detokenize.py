@@ -53,3 +53,43 @@ def test_streamed_text_equals_the_text_up_to_the_first_stop(body, stops):
         assert cut != -1 and len(text) >= cut and text == body[:len(text)]
     else:
         assert cut == -1 and text == body
+
+
+class CountingTokenizer:
+    """A real byte-level BPE that records the length of every id list it decodes."""
+
+    def __init__(self):
+        from kimik3.serve.fake_engine import tiny_tokenizer
+
+        self.inner, self.lengths = tiny_tokenizer(), []
+
+    def encode(self, text):
+        return self.inner.encode(text).ids
+
+    def decode(self, ids):
+        self.lengths.append(len(ids))
+        return self.inner.decode(ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=60))
+def test_byte_level_tokens_stream_back_to_the_decoded_text(body):
+    """Real byte-level BPE ids of any text (multi-byte characters split across tokens included): the released
+    pieces join to the tokenizer's own decode of the whole output."""
+    tok = CountingTokenizer()
+    ids = tok.encode(body)
+    detok = StreamDetokenizer(tok, [])
+    text = "".join(detok.push(i) for i in ids) + detok.flush()
+    assert text == tok.inner.decode(ids)
+
+
+def test_each_token_decodes_a_short_window_however_long_the_output():
+    """Constant time per token: no decode call covers more than the tokens since the last complete character and
+    the ones before them, even 2,000 tokens in (the previous form decoded the whole output every token)."""
+    tok = CountingTokenizer()
+    ids = tok.encode("def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n é漢🙂 " * 40)
+    assert len(ids) > 1000
+    detok = StreamDetokenizer(tok, ["never appears"])
+    text = "".join(detok.push(i) for i in ids) + detok.flush()
+    assert text == tok.inner.decode(ids)
+    assert max(tok.lengths) <= 16, max(tok.lengths)

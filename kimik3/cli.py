@@ -73,6 +73,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from kimik3.parallel.mesh import ParallelDims
     from kimik3.train.trainer import TrainArgs, Trainer
 
+    check_device(args.device)
     launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     if args.nproc is not None and not launched:
         if args.nproc < 1:
@@ -120,6 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    check_device(args.device)
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     run = resolve_run(args.run)
@@ -169,12 +171,19 @@ def _check_generate_options(args: argparse.Namespace) -> None:
         check_sampling(args.temperature, args.top_p, args.top_k)
     except SamplingOptionError as err:   # the same rules as the sampler's, said with the flag's name
         raise ValueError(f"--{err.option.replace('_', '-')} must be {err.rule}, got {err.value!r}") from None
+    check_device(args.device)
+
+
+def check_device(name: str) -> None:
+    """Refuse a --device that is not one, or a CUDA device that torch cannot see, before anything is loaded."""
+    import torch
+
     try:
-        device = torch.device(args.device)
+        device = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"--device {args.device!r} is not a device (cpu, cuda, cuda:1, ...)") from None
+        raise ValueError(f"--device {name!r} is not a device (cpu, cuda, cuda:1, ...)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device} was asked for but torch sees no CUDA GPU")
+        raise ValueError(f"--device {name} was asked for but torch sees no CUDA GPU")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 import argparse
 
 import pytest
+import torch
 
 from kimik3.cli import build_parser, main
 
@@ -25,3 +26,14 @@ def test_every_option_has_help_and_shows_its_default():
             if action.option_strings and action.default not in (None, False):
                 assert "default" in (sub._get_formatter()._get_help_string(action) or ""), (name, action.dest)
         assert text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without CUDA")
+@pytest.mark.parametrize("command", [["train", "--steps", "1"], ["generate", "--prompt", "x"], ["serve"]])
+def test_cuda_without_a_gpu_is_one_clear_error(command, tmp_path, capsys):
+    """--device cuda where torch sees no GPU: exit 2 and one line naming the problem, before anything is loaded (a
+    run directory that does not exist is not even looked at)."""
+    args = [*command, "--device", "cuda"] + (["--run", str(tmp_path / "none")] if command[0] != "train" else [])
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda was asked for but torch sees no CUDA GPU" in err and "Traceback" not in err

@@ -124,12 +124,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_device(args.device)
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name is empty")
     run = resolve_run(args.run)
     config = EngineConfig(memory_bytes=int(args.memory_mb * 2**20), hash_block=args.hash_block,
                           physical_block=args.physical_block, max_running=args.max_running,
                           checkpoints=args.checkpoints, prefix_policy=args.prefix_policy,
                           max_waiting=args.max_waiting)
-    replicas = [LLMEngine.from_run(run, config, device=args.device) for _ in range(args.replicas)]
+    replicas = [LLMEngine.from_run(run, config, device=args.device, model_name=args.served_model_name)
+                for _ in range(args.replicas)]
     engine = replicas[0] if len(replicas) == 1 else ReplicaRouter(replicas)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"kimik3 serve: warning: listening on {args.host} without --api-key: anyone who can reach "
@@ -280,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="an OpenAI-compatible server for a trained run (docs/serving.md)")
     s.add_argument("--run", help="run directory written by kimik3 train (default: the newest under ./runs)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and /v1/models lists (default: the run directory's name)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route")

@@ -41,7 +41,7 @@ def test_kimik3_serve_answers_the_openai_client(tmp_path, serve_model, serve_tok
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     proc = subprocess.Popen([sys.executable, "-m", "kimik3", "serve", "--run", str(run), "--port", str(port),
                              "--api-key", "sk-cli", "--memory-mb", "32", "--replicas", "2", "--max-waiting", "0",
-                             "--max-request-bytes", "20000"],
+                             "--max-request-bytes", "20000", "--served-model-name", "k3-test"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-cli", max_retries=0, timeout=30)
@@ -54,12 +54,12 @@ def test_kimik3_serve_answers_the_openai_client(tmp_path, serve_model, serve_tok
                 assert proc.poll() is None, proc.stdout.read()
                 assert time.monotonic() < deadline, "kimik3 serve did not come up"
                 time.sleep(0.3)
-        assert [m.id for m in models.data] == ["run"]
-        reply = client.chat.completions.create(model="run", messages=[{"role": "user", "content": "Hello"}],
+        assert [m.id for m in models.data] == ["k3-test"]  # --served-model-name, not the directory's name
+        reply = client.chat.completions.create(model="k3-test", messages=[{"role": "user", "content": "Hello"}],
                                                max_tokens=4, temperature=0)
         assert reply.usage.completion_tokens >= 1        # an idle server with no queue still serves
         with pytest.raises(openai.APIStatusError) as too_big:
-            client.completions.create(model="run", prompt="x" * 30_000, max_tokens=1)
+            client.completions.create(model="k3-test", prompt="x" * 30_000, max_tokens=1)
         assert too_big.value.status_code == 413 and too_big.value.body["code"] == "request_too_large"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()

@@ -58,8 +58,13 @@ _SURROGATE = re.compile("[\ud800-\udfff]")   # json.loads pairs valid ones: any 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 OFF_LOOP_CHARS = 20_000              # inputs longer than this are tokenised off the event loop
 # Accepted for compatibility only at their "off" value; anything else is a clear 400, not silence.
-UNSUPPORTED = ("best_of", "echo", "logprobs", "top_logprobs", "suffix", "logit_bias", "frequency_penalty",
-               "presence_penalty", "tools", "tool_choice", "functions", "function_call", "response_format")
+_OFF = (None, False, 0, [], {})
+UNSUPPORTED: dict[str, tuple] = {
+    **{key: _OFF for key in ("best_of", "echo", "logprobs", "top_logprobs", "suffix", "logit_bias", "frequency_penalty",
+                             "presence_penalty", "tools", "tool_choice", "functions", "function_call",
+                             "response_format", "min_p")},
+    "repetition_penalty": (None, 1),   # vLLM's extension: 1 is off
+}
 
 
 class APIError(Exception):
@@ -317,7 +322,7 @@ def _check_common(body: _Body, model_name: str) -> None:
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     for key, value in (body.model_extra or {}).items():
-        if key in UNSUPPORTED and value not in (None, False, 0, [], {}):
+        if key in UNSUPPORTED and value not in UNSUPPORTED[key]:
             raise APIError(400, f"'{key}' is not supported by this server", param=key)
 
 

@@ -185,6 +185,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
     ("/v1/completions", COMPLETION | {"prompt": [1, 99999]}, "prompt"),
     ("/v1/completions", COMPLETION | {"n": 2}, "n"),
     ("/v1/completions", COMPLETION | {"logprobs": 3}, "logprobs"),
+    ("/v1/completions", COMPLETION | {"repetition_penalty": 1.2}, "repetition_penalty"),   # not silently ignored
+    ("/v1/chat/completions", CHAT | {"min_p": 0.05}, "min_p"),
     ("/v1/completions", COMPLETION | {"stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", COMPLETION | {"prompt": "x" * 600}, "prompt"),
     ("/v1/completions", COMPLETION | {"max_tokens": 600}, "prompt"),
@@ -358,3 +360,10 @@ def test_load_64_streams_complete_or_get_a_clean_429(serve):
     assert (stats.running, stats.waiting) == (0, 0)
     assert httpx.get(srv.url + "/health").status_code == 200
     assert srv.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_sampling_extensions_are_accepted_at_their_off_values(serve):
+    """vLLM's repetition_penalty at 1 and min_p at 0 change nothing, so they are accepted; other values are refused
+    (the test above) rather than ignored."""
+    srv = serve()
+    assert srv.post("/v1/completions", COMPLETION | {"repetition_penalty": 1.0, "min_p": 0}).status_code == 200

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from kimik3.model.k3 import K3ForCausalLM
-from kimik3.model.sampling import sample_next_token
+from kimik3.model.sampling import apply_penalties, sample_next_token
 from kimik3.serve.detokenize import StreamDetokenizer
 from kimik3.serve.memory import EngineConfig, plan_cache
 from kimik3.serve.paged_cache import BlockAllocator, LatentPool, StatePool, batch_cache
@@ -326,8 +326,12 @@ class EngineCore:
     def _accept(self, seq: Sequence, logits_V: torch.Tensor) -> None:
         """Sample the next token of ``seq``, stream it, and finish the sequence if it is done."""
         params = seq.request.params
+        if params.penalized:
+            ids = torch.tensor(seq.tokens, dtype=torch.long, device=logits_V.device)
+            logits_V = apply_penalties(logits_V, ids[:seq.prompt_len], ids[seq.prompt_len:], params.presence_penalty,
+                                       params.frequency_penalty, params.repetition_penalty)
         token = int(sample_next_token(logits_V[None], params.temperature, params.top_k, params.top_p,
-                                      seq.generator)[0])
+                                      seq.generator, min_p=params.min_p)[0])
         seq.tokens.append(token)
         if token == self.eos_token_id:
             self._finish(seq, "stop", seq.detokenizer.flush(), token)

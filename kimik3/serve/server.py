@@ -59,12 +59,11 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 OFF_LOOP_CHARS = 20_000              # inputs longer than this are tokenised off the event loop
 # Accepted for compatibility only at their "off" value; anything else is a clear 400, not silence.
 _OFF = (None, False, 0, [], {})
-UNSUPPORTED: dict[str, tuple] = {
-    **{key: _OFF for key in ("best_of", "echo", "logprobs", "top_logprobs", "suffix", "logit_bias", "frequency_penalty",
-                             "presence_penalty", "tools", "tool_choice", "functions", "function_call",
-                             "response_format", "min_p")},
-    "repetition_penalty": (None, 1),   # vLLM's extension: 1 is off
-}
+UNSUPPORTED: dict[str, tuple] = {key: _OFF for key in ("best_of", "echo", "logprobs", "top_logprobs", "suffix",
+                                                        "logit_bias", "tools", "tool_choice", "functions",
+                                                        "function_call", "response_format")}
+# The penalties (OpenAI's presence / frequency, vLLM's repetition_penalty and min_p), passed to SamplingParams.
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 
 
 class APIError(Exception):
@@ -129,6 +128,10 @@ class _Body(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None           # extension
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None   # extension (vLLM's)
+    min_p: float | None = None                # extension (vLLM's)
     seed: int | None = None
     stop: Any = Field(default=None, validate_default=True)   # -> list[str]
     stream: bool | None = False
@@ -333,7 +336,8 @@ def _sampling(body: _Body, max_tokens: int, stop: list[str], max_param: str = "m
             max_tokens=max_tokens,
             temperature=defaults.temperature if body.temperature is None else body.temperature,
             top_p=defaults.top_p if body.top_p is None else body.top_p,
-            top_k=defaults.top_k if body.top_k is None else body.top_k, seed=body.seed, stop=stop)
+            top_k=defaults.top_k if body.top_k is None else body.top_k, seed=body.seed, stop=stop,
+            **{name: getattr(body, name) for name in PENALTIES if getattr(body, name) is not None})
     except ValueError as err:
         field = str(err).split(" ", 1)[0]
         field = max_param if field == "max_tokens" else field

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from collections.abc import AsyncIterator
 from typing import Any, Literal, Protocol
 
-from kimik3.model.sampling import check_sampling
+from kimik3.model.sampling import check_penalties, check_sampling
 from kimik3.serve.cost import request_cost
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -37,11 +37,20 @@ class SamplingParams:
     top_k: int = 0                       # 0: no top-k cut
     seed: int | None = None
     stop: list[str] = field(default_factory=list)   # stop strings; the match is not returned
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0      # 1: off
+    min_p: float = 0.0                   # 0: off
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         check_sampling(self.temperature, self.top_p, self.top_k, max_temperature=MAX_TEMPERATURE)
+        check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.min_p)
         if self.seed is not None and not (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if len(self.stop) > 4 or not all(isinstance(s, str) and s for s in self.stop):

@@ -255,3 +255,32 @@ def test_blocks_held_by_checkpoints_are_given_back_when_requests_need_them(serve
         assert_no_leak(engine)
     finally:
         engine.close()
+
+
+def test_penalties_see_the_prompt_and_the_output_of_their_own_sequence(serve_model, serve_tokenizer, monkeypatch):
+    """With penalties on, every sampled token's logits pass through ``apply_penalties`` with this sequence's prompt
+    and the tokens it generated so far (greedy: the penalised argmax), and the output is what greedy sampling of those
+    penalised logits gives; a request without penalties skips them."""
+    from kimik3.model import sampling
+    from kimik3.serve import scheduler
+
+    seen = []
+
+    def recording(logits, prompt_ids, output_ids, *args):
+        seen.append((prompt_ids.tolist(), output_ids.tolist()))
+        return sampling.apply_penalties(logits, prompt_ids, output_ids, *args)
+
+    monkeypatch.setattr(scheduler, "apply_penalties", recording)
+    engine = make_engine(serve_model, serve_tokenizer)
+    try:
+        prompt = prompts(1, 20)[0]
+        plain, _ = engine.complete(prompt, SamplingParams(max_tokens=6, **GREEDY), request_id="p0")
+        assert seen == []
+        out, _ = engine.complete(prompt, SamplingParams(max_tokens=6, repetition_penalty=50.0, frequency_penalty=2.0,
+                                                        **GREEDY), request_id="p1")
+        assert [s[0] for s in seen] == [prompt] * len(out)
+        assert [s[1] for s in seen] == [out[:i] for i in range(len(out))]
+        # a strong repetition penalty keeps greedy decoding off every token it has already seen
+        assert not set(out) & set(prompt) and len(set(out)) == len(out), (out, plain)
+    finally:
+        engine.close()

@@ -185,8 +185,10 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
     ("/v1/completions", COMPLETION | {"prompt": [1, 99999]}, "prompt"),
     ("/v1/completions", COMPLETION | {"n": 2}, "n"),
     ("/v1/completions", COMPLETION | {"logprobs": 3}, "logprobs"),
-    ("/v1/completions", COMPLETION | {"repetition_penalty": 1.2}, "repetition_penalty"),   # not silently ignored
-    ("/v1/chat/completions", CHAT | {"min_p": 0.05}, "min_p"),
+    ("/v1/completions", COMPLETION | {"repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", COMPLETION | {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/chat/completions", CHAT | {"frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/chat/completions", CHAT | {"min_p": 1.5}, "min_p"),
     ("/v1/completions", COMPLETION | {"stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", COMPLETION | {"prompt": "x" * 600}, "prompt"),
     ("/v1/completions", COMPLETION | {"max_tokens": 600}, "prompt"),
@@ -362,8 +364,12 @@ def test_load_64_streams_complete_or_get_a_clean_429(serve):
     assert srv.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
 
-def test_sampling_extensions_are_accepted_at_their_off_values(serve):
-    """vLLM's repetition_penalty at 1 and min_p at 0 change nothing, so they are accepted; other values are refused
-    (the test above) rather than ignored."""
+def test_penalties_reach_the_engine(serve):
+    """presence / frequency (OpenAI) and repetition_penalty / min_p (vLLM's) are passed to the engine's sampling
+    parameters, not dropped."""
     srv = serve()
-    assert srv.post("/v1/completions", COMPLETION | {"repetition_penalty": 1.0, "min_p": 0}).status_code == 200
+    body = COMPLETION | {"presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.3, "min_p": 0.1}
+    assert srv.post("/v1/completions", body).status_code == 200
+    params = srv.engine.requests[-1].params
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.min_p) == \
+        (0.5, -0.25, 1.3, 0.1)

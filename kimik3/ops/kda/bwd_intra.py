@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dispatch import PREACT_INSIDE_MAX_K
 from .plan import INTERPRET, ChunkPlan, next_pow2
 from .preact import L2_EPS
 from .preact_bwd import PreactInputs, gate_grad, l2_bwd_rows, sigmoid_bwd
@@ -309,10 +310,10 @@ def _suffix_sum_kernel(x_ptr, cu_ptr, cidx_ptr, H, z_ptr, alog_ptr, dtb_ptr, dz_
 
 def fuses_preact(preact: Optional[PreactInputs], K: int) -> bool:
     """Whether ``bwd_intra`` applies the fused pre-activations' chain rules itself: always for the gate alone, and
-    for the L2 norm or the sigmoid when every key column fits one program (K <= 128)."""
+    for the L2 norm or the sigmoid when every key column fits one program (``dispatch.PREACT_INSIDE_MAX_K``)."""
     if preact is None or not preact.any():
         return False
-    return not (preact.use_l2 or preact.use_beta_sigmoid) or next_pow2(K) <= 128
+    return not (preact.use_l2 or preact.use_beta_sigmoid) or K <= PREACT_INSIDE_MAX_K
 
 
 def bwd_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Tensor, daqk: torch.Tensor,

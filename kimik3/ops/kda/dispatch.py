@@ -31,6 +31,9 @@ BACKEND_ENV = "KIMIK3_KDA_BACKEND"
 GLUON_MIN_ITEMS = 4096
 GLUON_SCAN_MIN_ITEMS = 6144  # the scans (chunks x heads x 64-column V blocks)
 _min_items = {"items": GLUON_MIN_ITEMS, "scan": GLUON_SCAN_MIN_ITEMS}  # what the rows compare with (``thresholds``)
+# The widest K whose every key column fits one intra-backward program, so that the fused L2 norm's and sigmoid's chain
+# rules run inside it (``bwd_intra.fuses_preact``); wider, ``preact_bwd.py`` runs them as a pass of their own.
+PREACT_INSIDE_MAX_K = 128
 
 
 def triton_available() -> bool:
@@ -158,7 +161,7 @@ def _always(c: Call) -> Why:
 @dataclass(frozen=True)
 class Row:
     stage: str
-    impl: str  # "gluon/<module>" or "<module>" (Triton) or "skipped"
+    impl: str  # "gluon/<module>", "<module>" (Triton), or for "forward" which pipeline
     when: Callable[[Call], Why]
     doc: str
 
@@ -200,7 +203,8 @@ TABLE: List[Row] = [
         "the gradients through Aqk and A (and the fused L2 / sigmoid chain rules)"),
     Row("bwd_intra", "bwd_intra", _always, "the gradients through Aqk and A per 16-row tile and key block"),
     Row("suffix", "bwd_intra", _always, "dg = suffix sum of dGamma over the chunk (and the fused gate's chain rule)"),
-    Row("preact", "bwd_intra", lambda c: None if c.K <= 128 else f"needs K <= 128 (K = {c.K})",
+    Row("preact", "bwd_intra", lambda c: None if c.K <= PREACT_INSIDE_MAX_K else
+        f"needs K <= {PREACT_INSIDE_MAX_K} (K = {c.K})",
         "the fused pre-activations' chain rules inside the intra backward and the suffix sum"),
     Row("preact", "preact_bwd", _always, "the fused L2 norm's and sigmoid's chain rules as a pass of their own"),
 ]

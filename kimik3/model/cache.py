@@ -34,6 +34,16 @@ class LatentCache(Protocol):
         plain causal over S = T)."""
 
 
+class AbsorbedDecodeCache(LatentCache, Protocol):
+    """A latent cache that also runs single-token absorbed attention over its own storage (``GatedMLA`` uses it
+    when present): the serving engine's paged view, whose kernel reads each row's latents where they lie."""
+
+    def decode_absorbed(self, kv_BTC: torch.Tensor, q_latent_BTHC: torch.Tensor, q_slice_BTHR: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+        """Store the new latents kv_BTC [B, 1, C + R], then return softmax(q . k * scale) . latent over every
+        token each row may see: [B, 1, H, C] in q's dtype."""
+
+
 @dataclass(slots=True)
 class MLAState:
     """A contiguous per-layer latent cache; ``append`` returns every cached latent so far."""

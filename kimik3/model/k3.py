@@ -129,7 +129,11 @@ class K3ForCausalLM(nn.Module):
         """input_ids [B, T] int64; cu_seqlens [N+1] for packed sequences (B must be 1)."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+        # The range check reads the ids back to the host; a CUDA graph being captured cannot (its replays run no
+        # Python at all: the serving engine checks the ids it feeds them when requests arrive).
+        capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+        if input_ids.numel() and not capturing and (int(input_ids.min()) < 0
+                                                    or int(input_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), "
                              f"got [{int(input_ids.min())}, {int(input_ids.max())}]")
         if cu_seqlens is not None:

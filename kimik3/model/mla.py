@@ -15,6 +15,10 @@ Two equivalent paths:
 - ``absorbed``: fold wkv_b's key half into the query and its value half into the output, so
   attention runs directly on the C + R latent (cheap when T << S, i.e. decode).
 
+A cache may run single-token decode itself: when it has ``decode_absorbed`` (``AbsorbedDecodeCache`` in
+``model/cache.py``; the serving engine's paged latents do), the layer hands it the absorbed query and gets the
+attended latents back.
+
 Context parallelism (``kimik3.parallel.kcp``) enters through one seam, ``GatedMLA.context_parallel``:
 when set, it supplies the latents (and mask) that this rank's queries attend to.
 """
@@ -106,6 +110,13 @@ class GatedMLA(nn.Module):
                              "neither a cache nor packed cu_seqlens")
         q_BTHK = self.wq_b(self.q_norm(self.wq_a(x_BTD))).unflatten(-1, (self.num_heads, -1))
         kv_BTC = self.latents(x_BTD)
+        fused = getattr(state, "decode_absorbed", None) if length == 1 and absorbed is not False else None
+        if fused is not None:
+            # The cache runs the absorbed attention itself, in place over its own layout (the serving engine's
+            # paged latents: one kernel, no gather and nothing shaped by the host).
+            q_latent_BTHC, q_slice_BTHR = self._absorb_query(q_BTHK)
+            out_BTHV = self._absorb_output(fused(kv_BTC, q_latent_BTHC, q_slice_BTHR, self.scale))
+            return self.wo(out_BTHV.flatten(-2) * torch.sigmoid(self.gate(x_BTD)))
         if state is not None:
             if cu_seqlens is not None:
                 raise ValueError("MLA: packed cu_seqlens cannot be combined with a cache")
@@ -133,12 +144,20 @@ class GatedMLA(nn.Module):
             attn_mask=mask, is_causal=mask is None and q_BTHK.shape[1] > 1, scale=self.scale)
         return out.transpose(1, 2)
 
+    def _absorb_query(self, q_BTHK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fold wkv_b's key half into the query: (q_latent [B, T, H, C], q_slice [B, T, H, R])."""
+        w_uk_HNC = self.wkv_b.weight.unflatten(0, (self.num_heads, -1))[:, :self.nope_dim]
+        q_nope_BTHN, q_slice_BTHR = q_BTHK.split([self.nope_dim, self.rope_dim], dim=-1)
+        return torch.einsum("bthn,hnc->bthc", q_nope_BTHN, w_uk_HNC), q_slice_BTHR
+
+    def _absorb_output(self, out_latent_BTHC: torch.Tensor) -> torch.Tensor:
+        """Apply wkv_b's value half to the attended latents: [B, T, H, C] -> [B, T, H, V]."""
+        w_uv_HVC = self.wkv_b.weight.unflatten(0, (self.num_heads, -1))[:, self.nope_dim:]
+        return torch.einsum("bthc,hvc->bthv", out_latent_BTHC, w_uv_HVC)
+
     def _absorbed(self, q_BTHK: torch.Tensor, kv_BSC: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         latent_BSC, k_slice_BSR = kv_BSC.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        w_HXC = self.wkv_b.weight.unflatten(0, (self.num_heads, -1))
-        w_uk_HNC, w_uv_HVC = w_HXC.split([self.nope_dim, self.v_dim], dim=1)
-        q_nope_BTHN, q_slice_BTHR = q_BTHK.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_latent_BTHC = torch.einsum("bthn,hnc->bthc", q_nope_BTHN, w_uk_HNC)
+        q_latent_BTHC, q_slice_BTHR = self._absorb_query(q_BTHK)
         scores_BHTS = (torch.einsum("bthc,bsc->bhts", q_latent_BTHC, latent_BSC)
                        + torch.einsum("bthr,bsr->bhts", q_slice_BTHR, k_slice_BSR)).float() * self.scale
         if mask is None and q_BTHK.shape[1] > 1:
@@ -147,5 +166,4 @@ class GatedMLA(nn.Module):
         if mask is not None:
             scores_BHTS = scores_BHTS.masked_fill(~mask, float("-inf"))
         probs_BHTS = torch.softmax(scores_BHTS, dim=-1).to(q_BTHK.dtype)
-        out_latent_BTHC = torch.einsum("bhts,bsc->bthc", probs_BHTS, latent_BSC)
-        return torch.einsum("bthc,hvc->bthv", out_latent_BTHC, w_uv_HVC)
+        return self._absorb_output(torch.einsum("bhts,bsc->bthc", probs_BHTS, latent_BSC))

@@ -97,6 +97,14 @@ class RoutingRecord:
 _OPEN_RECORD: ContextVar[RoutingRecord | None] = ContextVar("kimik3_routing_record", default=None)
 
 
+def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How often each expert id occurs in ``ids``: int64 [E]. A scatter-add, not ``torch.bincount``, whose CUDA
+    version reads the largest id back to the host to size its output: the decode step must not wait on the host
+    (it is replayed as a CUDA graph by the serving engine)."""
+    flat = ids.flatten()
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 class Router(nn.Module):
     """Sigmoid top-k router with a selection-only per-expert bias (a persistent fp32 buffer)."""
 
@@ -132,7 +140,7 @@ class Router(nn.Module):
 
         record = _OPEN_RECORD.get()
         if record is not None:
-            stats = RoutingStats(torch.bincount(ids_TK.flatten(), minlength=self.num_experts))
+            stats = RoutingStats(expert_counts(ids_TK, self.num_experts))
             if self.record_scores and self.training:
                 stats.cutoff_T = (top_vals[:, self.top_k] if take > self.top_k
                                   else torch.full_like(top_vals[:, 0], float("-inf")))
@@ -163,7 +171,7 @@ class RoutedExperts(nn.Module):
         flat_ids_R = ids_TK.flatten()
         order_R = torch.argsort(flat_ids_R, stable=True)
         token_R = order_R // top_k
-        counts_E = torch.bincount(flat_ids_R, minlength=num_experts)
+        counts_E = expert_counts(flat_ids_R, num_experts)
 
         x_RL = x_TL[token_R]
         gate_RF = grouped_mm(x_RL, self.w_gate_ELF.to(x_RL.dtype), counts_E)
@@ -172,7 +180,10 @@ class RoutedExperts(nn.Module):
         # Mixture weights applied after the experts, in fp32, as released.
         hidden_RF = (hidden_RF * weights_TK.flatten()[order_R, None]).to(x_RL.dtype)
         y_RL = grouped_mm(hidden_RF, self.w_down_EFL.to(x_RL.dtype), counts_E)
-        return torch.zeros_like(x_TL).index_add_(0, token_R, y_RL)
+        # Back to token order, then each token's K rows summed by one reduction (accumulated in fp32): the same
+        # result on every run, unlike an atomic scatter-add, so a decode replayed as a graph matches it eagerly.
+        y_TKL = torch.empty_like(y_RL).index_copy_(0, order_R, y_RL).view(num_tokens, top_k, -1)
+        return y_TKL.sum(1)
 
 
 class LatentMoE(nn.Module):

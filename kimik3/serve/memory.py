@@ -3,7 +3,8 @@
 One byte limit is split, before any request arrives, into:
   - KDA slots for ``max_running`` live sequences (fixed size each, whatever the length),
   - KDA slots for ``checkpoints`` prefix checkpoints (+1 spare used while one is being taken),
-  - MLA physical blocks with everything that is left.
+  - MLA physical blocks with everything that is left,
+each pool keeping one scratch row for the padding rows of a graph-replayed decode batch.
 Nothing is allocated later, so a burst of requests waits or is refused; it never runs the device
 out of memory. At full scale a KDA slot is ~434 MB (the ``k3`` preset's 69 KDA layers) and an MLA
 block of 6144 tokens is 6144 x 576 x 24 layers x 2 bytes = 170 MB.
@@ -30,11 +31,18 @@ class EngineConfig:
     max_waiting: int = 128              # queued requests beyond which new ones get 429
     prefill_chunk: int = 512            # tokens per chunked-prefill forward
     max_context: int | None = None      # default: the model's max_seq_len
+    # On a GPU: the share of its whole memory this engine may fill (weights, activations, CUDA graphs and the
+    # cache); the cache budget is what is left of it (``memory_bytes`` is then ignored). vLLM's option.
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = False         # decode without CUDA graphs (the eager forward every step)
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "hash_block", "physical_block", "max_running", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.checkpoints < 0 or self.max_waiting < 0:
             raise ValueError("EngineConfig.checkpoints and max_waiting must be >= 0")
         if self.physical_block % self.hash_block:
@@ -51,7 +59,16 @@ class CacheLayout:
 
     @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes + self.num_slots * self.slot_bytes
+        """What the pools take, their scratch rows included."""
+        return (self.num_blocks + 1) * self.block_bytes + (self.num_slots + 1) * self.slot_bytes
+
+    def describe(self, physical_block: int, max_running: int, max_context: int) -> str:
+        """One line for the start-up log: the budget and how many sequences it holds."""
+        tokens = self.num_blocks * physical_block
+        full = self.num_blocks // -(-max_context // physical_block)
+        return (f"cache {self.total_bytes / 2**30:.2f} GiB: {self.num_blocks} MLA blocks ({tokens:,} tokens) and "
+                f"{self.num_slots} KDA slots; up to {max_running} sequences at once "
+                f"({full} of them at the full {max_context:,}-token context)")
 
 
 def plan_cache(model_config: K3Config, engine: EngineConfig, dtype: torch.dtype) -> CacheLayout:
@@ -60,7 +77,7 @@ def plan_cache(model_config: K3Config, engine: EngineConfig, dtype: torch.dtype)
                                          model_config.mla.cache_width, dtype)
     slot_bytes = StatePool.slot_bytes(model_config, dtype)
     num_slots = engine.max_running + engine.checkpoints + 1
-    left = engine.memory_bytes - num_slots * slot_bytes
+    left = engine.memory_bytes - (num_slots + 1) * slot_bytes - block_bytes   # + the scratch slot and block
     context = engine.max_context or model_config.max_seq_len
     needed_blocks = -(-context // engine.physical_block)
     if left < needed_blocks * block_bytes:
@@ -70,3 +87,35 @@ def plan_cache(model_config: K3Config, engine: EngineConfig, dtype: torch.dtype)
             f"blocks of {block_bytes:,} bytes; raise memory_bytes or lower max_running/checkpoints/max_context")
     return CacheLayout(num_blocks=left // block_bytes, num_slots=num_slots, block_bytes=block_bytes,
                        slot_bytes=slot_bytes)
+
+
+GRAPH_RESERVE_BYTES = 512 * 2**20   # the decode graphs' activations and the allocator's slack
+
+
+def gpu_cache_budget(model: torch.nn.Module, engine: EngineConfig) -> int:
+    """The cache budget on the model's GPU, as vLLM sizes it: ``gpu_memory_utilization`` x the GPU's memory, less
+    what the weights take, less the peak activations of one ``prefill_chunk``-token forward (measured here, run on
+    zeros), less ``GRAPH_RESERVE_BYTES``. Raises when nothing is left, or when other processes hold memory this
+    would need."""
+    device = model.device
+    util = engine.gpu_memory_utilization
+    free, total = torch.cuda.mem_get_info(device)
+    torch.cuda.synchronize(device)
+    weights = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.no_grad():
+        model(torch.zeros(1, engine.prefill_chunk, dtype=torch.long, device=device), last_only=True)
+    activations = torch.cuda.max_memory_allocated(device) - weights
+    torch.cuda.empty_cache()
+    budget = int(total * util) - weights - activations - GRAPH_RESERVE_BYTES
+    gib = 2**30
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={util} leaves no cache: {total * util / gib:.1f} GiB of "
+                         f"{total / gib:.1f} GiB, of which the weights take {weights / gib:.1f} GiB and one "
+                         f"{engine.prefill_chunk}-token prefill {activations / gib:.1f} GiB; raise it")
+    free_after = torch.cuda.mem_get_info(device)[0]
+    if budget > free_after - GRAPH_RESERVE_BYTES:
+        raise ValueError(f"gpu_memory_utilization={util} asks for a {budget / gib:.1f} GiB cache but only "
+                         f"{free_after / gib:.1f} GiB of the GPU is free (other processes hold "
+                         f"{(total - free) / gib - torch.cuda.memory_reserved(device) / gib:.1f} GiB); lower it")
+    return budget

@@ -11,6 +11,9 @@ B = sequences in a step, T = new tokens per sequence, S = tokens attended, Z = K
 - ``PagedLatentView`` is what one MLA layer sees during one forward: it scatters the new latents
   into their slots and gathers, per row, every latent up to that row's length, with a mask that
   hides padding and the future. Rows of a decode batch have different lengths; that is the point.
+- Both pools keep one spare row past the rows they hand out (``LatentPool.scratch_block``,
+  ``StatePool.scratch_slot``): the padding rows of a decode batch replayed as a CUDA graph at a larger
+  bucket write there, never into a live sequence's cache.
 - ``StatePool`` holds the fixed-size KDA state (conv inputs + fp32 recurrent state) of every KDA
   layer in Z slots: live sequences and prefix checkpoints each take one slot. A forward sees the
   recurrent states as pooled ``KDAState``s and advances their rows in place; the small conv inputs are
@@ -25,6 +28,7 @@ import torch
 
 from kimik3.config.schema import K3Config
 from kimik3.model.cache import K3Cache, KDAState
+from kimik3.ops.mla import paged_mla_decode
 
 
 class OutOfBlocks(RuntimeError):
@@ -76,12 +80,14 @@ class BlockAllocator:
 
 
 class LatentPool:
-    """MLA latents of every MLA layer: ``tensors[i]`` is [N, P, C] for the i-th MLA layer."""
+    """MLA latents of every MLA layer: ``tensors[i]`` is [N + 1, P, C] for the i-th MLA layer (block N is the
+    scratch block)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, width: int,
                  dtype: torch.dtype, device: torch.device | str):
         self.block_size = block_size
-        self.tensors = [torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device)
+        self.scratch_block = num_blocks
+        self.tensors = [torch.zeros(num_blocks + 1, block_size, width, dtype=dtype, device=device)
                         for _ in range(num_layers)]
 
     @staticmethod
@@ -131,17 +137,35 @@ class PagedLatentView:
         mask_BTS = keys_S[None, None, :] <= new_BT[:, :, None]   # causal and inside the row's length
         return kv_BSC, mask_BTS[:, None]
 
+    def decode_absorbed(self, kv_BTC: torch.Tensor, q_latent_BTHC: torch.Tensor, q_slice_BTHR: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+        """One token per row: store its latent, then attend every row's latents where they lie in the pool
+        (``kimik3.ops.mla.paged_mla_decode``). Nothing here reads a value back to the host, so a decode step
+        through it can be replayed as a CUDA graph. Returns [B, 1, H, C]."""
+        batch, length, width = kv_BTC.shape
+        if length != 1:
+            raise ValueError(f"decode_absorbed takes one token per row, got {length}")
+        flat = self.pool_NPC.view(-1, width)
+        flat[self._slots(self.lengths_B[:, None]).flatten()] = kv_BTC.reshape(-1, width).to(flat.dtype)
+        out_BHC = paged_mla_decode(q_latent_BTHC[:, 0], q_slice_BTHR[:, 0], self.pool_NPC, self.tables_BN,
+                                   self.lengths_B + 1, scale)
+        return out_BHC[:, None]
+
 
 class StatePool:
-    """KDA states of every KDA layer for ``num_slots`` sequences or checkpoints."""
+    """KDA states of every KDA layer for ``num_slots`` sequences or checkpoints, plus the scratch slot (the last
+    row, which slot -1 also names: a padding row of a decode batch gathers and scatters its conv inputs there and
+    ``kda_decode`` skips its recurrent state)."""
 
     def __init__(self, config: K3Config, num_slots: int, dtype: torch.dtype, device: torch.device | str):
         heads, head_dim = config.kda.num_heads, config.kda_head_dim
         kda_layers = config.num_layers - len(config.mla_layer_indices)
-        self.conv = [torch.zeros(num_slots, 3 * heads * head_dim, config.kda.conv_kernel - 1,
+        rows = num_slots + 1
+        self.conv = [torch.zeros(rows, 3 * heads * head_dim, config.kda.conv_kernel - 1,
                                  dtype=dtype, device=device) for _ in range(kda_layers)]
-        self.recurrent = [torch.zeros(num_slots, heads, head_dim, head_dim, dtype=torch.float32, device=device)
+        self.recurrent = [torch.zeros(rows, heads, head_dim, head_dim, dtype=torch.float32, device=device)
                           for _ in range(kda_layers)]
+        self.scratch_slot = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         self.num_slots = num_slots
 

@@ -16,6 +16,7 @@ from kimik3.serve.cost import request_cost
 FinishReason = Literal["stop", "length", "abort", "error"]
 SEED_RANGE = (-2**63, 2**63)   # a 64-bit signed integer, as torch.Generator and OpenAI's API take it
 MAX_TEMPERATURE = 2.0          # the OpenAI API's bound; the sampler itself takes any finite temperature
+MAX_LOGPROBS = 20              # the OpenAI API's bound on top_logprobs
 
 class AdmissionRejected(Exception):
     """The engine's queue is full: the request was refused (HTTP 429), nothing was allocated."""
@@ -41,6 +42,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0      # 1: off
     min_p: float = 0.0                   # 0: off
+    # None: no log-probabilities; n >= 0: each token's log-probability and the n likeliest alternatives'
+    # (log-softmax of the model's logits before penalties and temperature, as vLLM reports them).
+    logprobs: int | None = None
+    ignore_eos: bool = False             # keep generating past the end-of-sequence token (vLLM's; benchmarks)
 
     @property
     def penalized(self) -> bool:
@@ -55,6 +60,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if len(self.stop) > 4 or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be at most 4 non-empty strings")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
 
 @dataclass(slots=True)
@@ -92,6 +99,10 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
+    # With SamplingParams.logprobs: the log-probability of ``token_id`` and the likeliest alternatives
+    # as (token id, log-probability), best first.
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass(slots=True)

@@ -61,7 +61,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kimik3.model.moe import Router, RoutingStats
+from kimik3.model.moe import Router, RoutingStats, expert_counts
 
 THRESHOLDS = ("others", "cutoff")
 
@@ -109,7 +109,7 @@ def route_biased(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int
     top_vals, top_ids = torch.topk(biased_TE, min(top_k + 1, num_experts), dim=-1, sorted=True)
     ids_TK = top_ids[:, :top_k]
     cutoff_T = top_vals[:, top_k] if top_k < num_experts else torch.full_like(top_vals[:, 0], -math.inf)
-    loads_E = torch.bincount(ids_TK.flatten(), minlength=num_experts)
+    loads_E = expert_counts(ids_TK, num_experts)
     return ids_TK, cutoff_T, loads_E
 
 

@@ -36,8 +36,8 @@ def assert_no_leak(engine: LLMEngine):
     with engine._lock:
         core.prefix_cache.clear()
         assert not core.running and not core.waiting
-        assert core.allocator.num_used == 0, "MLA blocks leaked"
-        assert core.states.num_free == core.states.num_slots, "KDA slots leaked"
+        assert core.cache.allocator.num_used == 0, "MLA blocks leaked"
+        assert core.cache.states.num_free == core.cache.states.num_slots, "KDA slots leaked"
 
 
 class Counting:
@@ -262,7 +262,7 @@ def test_penalties_see_the_prompt_and_the_output_of_their_own_sequence(serve_mod
     and the tokens it generated so far (greedy: the penalised argmax), and the output is what greedy sampling of those
     penalised logits gives; a request without penalties skips them."""
     from kimik3.model import sampling
-    from kimik3.serve import scheduler
+    from kimik3.serve import model_runner
 
     seen = []
 
@@ -270,7 +270,7 @@ def test_penalties_see_the_prompt_and_the_output_of_their_own_sequence(serve_mod
         seen.append((prompt_ids.tolist(), output_ids.tolist()))
         return sampling.apply_penalties(logits, prompt_ids, output_ids, *args)
 
-    monkeypatch.setattr(scheduler, "apply_penalties", recording)
+    monkeypatch.setattr(model_runner, "apply_penalties", recording)
     engine = make_engine(serve_model, serve_tokenizer)
     try:
         prompt = prompts(1, 20)[0]

@@ -12,6 +12,7 @@ import torch
 from kimik3.model.sampling import GREEDY_BELOW, sample_next_token
 from kimik3.serve import engine as engine_module
 from kimik3.serve.fake_engine import FakeEngine
+from kimik3.serve.model_runner import ModelRunner
 from kimik3.serve.scheduler import BROKEN_AFTER, EngineCore
 from kimik3.serve.server import max_token_chars, serve as serve_forever
 from kimik3.serve.types import (AdmissionRejected, EngineUnavailable, GenerationRequest, SamplingParams,
@@ -86,10 +87,10 @@ def test_a_request_that_fails_mid_decode_ends_alone(serve_model, serve_tokenizer
     engine = make_engine(serve_model, serve_tokenizer)
     accept = EngineCore._accept
 
-    def flaky(self, seq, logits):
+    def flaky(self, seq, sampled):
         if seq.request.request_id == "bad" and seq.generated == 2:
             raise RuntimeError("sampler exploded")
-        accept(self, seq, logits)
+        accept(self, seq, sampled)
 
     monkeypatch.setattr(EngineCore, "_accept", flaky)
     try:
@@ -113,15 +114,15 @@ def test_a_broken_forward_rebuilds_the_engine_then_gives_up(serve_model, serve_t
     """Forwards that keep failing: every request gets its error; after BROKEN_AFTER in a row the core
     is rebuilt (and serves again once the forward works); past MAX_RESTARTS rebuilds it gives up."""
     engine = make_engine(serve_model, serve_tokenizer)
-    forward, broken = EngineCore._forward, {"left": BROKEN_AFTER}
+    forward, broken = ModelRunner._forward, {"left": BROKEN_AFTER}
 
-    def failing(self, seqs, input_ids):
+    def failing(self, *args):
         if broken["left"] > 0:
             broken["left"] -= 1
             raise RuntimeError("device lost")
-        return forward(self, seqs, input_ids)
+        return forward(self, *args)
 
-    monkeypatch.setattr(EngineCore, "_forward", failing)
+    monkeypatch.setattr(ModelRunner, "_forward", failing)
     try:
         prompt = prompts(1, 20, seed=5)[0]
         first_core = engine.core

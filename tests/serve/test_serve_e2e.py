@@ -70,7 +70,7 @@ def test_64_concurrent_streams_on_the_real_engine_complete_or_get_429_and_leak_n
         with engine._lock:
             assert not core.running and not core.waiting
             core.prefix_cache.clear()
-            assert core.allocator.num_used == 0 and core.states.num_free == core.states.num_slots
+            assert core.cache.allocator.num_used == 0 and core.cache.states.num_free == core.cache.states.num_slots
         again = server.client().completions.create(model="tiny", prompt="still there?", max_tokens=2)
         assert again.usage.completion_tokens >= 1
     finally:

@@ -1,0 +1,170 @@
+"""The model runner: the serving engine's forwards over the hybrid cache, and its sampling.
+
+Legend: B = sequences in a step, b = the CUDA-graph bucket that runs them (b >= B), W = block-table width
+(blocks of the longest sequence the engine admits), V = vocabulary.
+
+- A prefill chunk (one sequence, T tokens) runs eagerly.
+- A decode batch (one token for each of B sequences) replays a CUDA graph captured at start-up for the smallest
+  bucket b >= B (``BUCKETS``, up to ``max_running``). Every graph reads one static int64 buffer [b, 3 + W]
+  (token id, KDA slot, cached length, block table per row) that the host fills with one copy per step, and
+  writes static logits. Rows B..b-1 are padding: KDA slot -1 (``kda_decode`` skips it; its conv inputs go to
+  the state pool's scratch row), length 0 and a block table of the latent pool's scratch block, so they never
+  touch a live sequence's cache. Without CUDA, or with ``EngineConfig.enforce_eager``, the same forward runs
+  eagerly on the B rows: the peer the graphs are measured against.
+- Sampling runs on the device for the whole batch (``serve/sampler.py``); the step's tokens reach the host in
+  one transfer, the step's only synchronisation (log-probabilities add one more when a request asks for them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kimik3.model.k3 import K3ForCausalLM
+from kimik3.model.sampling import apply_penalties
+from kimik3.serve.cache_manager import CacheManager
+from kimik3.serve.memory import EngineConfig
+from kimik3.serve.paged_cache import batch_cache
+from kimik3.serve.sampler import SamplingBatch, sample, token_logprobs
+from kimik3.serve.sequence import Sequence
+
+log = logging.getLogger(__name__)
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+_ID, _SLOT, _LENGTH, _TABLE = 0, 1, 2, 3   # columns of the static input buffer
+
+
+@dataclass(slots=True)
+class Sampled:
+    """One sequence's next token, with its log-probabilities when the request asked for them."""
+
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+def graph_buckets(max_running: int) -> list[int]:
+    """The decode batch sizes to capture: every bucket below ``max_running`` and the first one at or above it."""
+    buckets = [b for b in BUCKETS if b < max_running]
+    return buckets + [next((b for b in BUCKETS if b >= max_running), max_running)]
+
+
+class ModelRunner:
+    def __init__(self, model: K3ForCausalLM, cache: CacheManager, config: EngineConfig, max_context: int):
+        self.model = model
+        self.cache = cache
+        self.device = model.device
+        self.table_width = -(-max_context // config.physical_block)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_seconds = 0.0
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture(graph_buckets(config.max_running))
+
+    @property
+    def uses_graphs(self) -> bool:
+        return bool(self.graphs)
+
+    # ------------------------------------------------------------------ forwards
+    def _forward(self, input_ids_BT: torch.Tensor, slots_B: torch.Tensor, tables_BW: torch.Tensor,
+                 lengths_B: torch.Tensor) -> torch.Tensor:
+        """The model over pooled sequences: last-position logits [B, V]; the cache advances in place."""
+        cache, kda_states = batch_cache(self.model.config, self.cache.latents, self.cache.states, slots_B,
+                                        tables_BW, lengths_B)
+        logits_BV = self.model(input_ids_BT, cache=cache, last_only=True).logits[:, -1]
+        self.cache.states.scatter(slots_B, kda_states)
+        return logits_BV
+
+    def prefill(self, seq: Sequence, end: int) -> torch.Tensor:
+        """Compute ``seq.tokens[seq.computed:end]`` into its cache: logits [1, V] after the last of them."""
+        device = self.device
+        return self._forward(torch.tensor([seq.tokens[seq.computed:end]], dtype=torch.long, device=device),
+                             torch.tensor([seq.slot], dtype=torch.long, device=device),
+                             torch.tensor([seq.blocks], dtype=torch.long, device=device),
+                             torch.tensor([seq.computed], dtype=torch.long, device=device))
+
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One token for every sequence (its last): logits [B, V]. The view is only valid until the next call."""
+        bucket = next((b for b in sorted(self.graphs) if b >= len(seqs)), None)
+        if bucket is None:
+            rows = torch.from_numpy(self._rows(seqs, len(seqs))).to(self.device)
+            return self._forward(rows[:, _ID:_ID + 1], rows[:, _SLOT], rows[:, _TABLE:], rows[:, _LENGTH])
+        host = self._host_np
+        host[:bucket] = self._rows(seqs, bucket)
+        self._staging[:bucket].copy_(self._host[:bucket], non_blocking=True)
+        graph, logits_bV = self.graphs[bucket]
+        graph.replay()
+        return logits_bV[:len(seqs)]
+
+    def _rows(self, seqs: list[Sequence], bucket: int) -> np.ndarray:
+        """The static input rows of a decode batch, padded to ``bucket`` rows (see the module's docstring)."""
+        rows = np.zeros((bucket, _TABLE + self.table_width), dtype=np.int64)
+        rows[:, _SLOT] = -1
+        rows[:, _TABLE:] = self.cache.latents.scratch_block
+        for i, seq in enumerate(seqs):
+            rows[i, _ID], rows[i, _SLOT], rows[i, _LENGTH] = seq.tokens[-1], seq.slot, seq.computed
+            rows[i, _TABLE:_TABLE + len(seq.blocks)] = seq.blocks
+        return rows
+
+    def _graph_body(self, bucket: int) -> torch.Tensor:
+        rows = self._staging[:bucket]
+        return self._forward(rows[:, _ID:_ID + 1].contiguous(), rows[:, _SLOT].contiguous(),
+                             rows[:, _TABLE:].contiguous(), rows[:, _LENGTH].contiguous())
+
+    def _prepare_static(self, largest: int) -> None:
+        """The static input buffer on the device (all padding rows) and its pinned host twin."""
+        self._host = torch.empty(largest, _TABLE + self.table_width, dtype=torch.long,
+                                 pin_memory=self.device.type == "cuda")
+        self._host_np = self._host.numpy()
+        self._staging = torch.from_numpy(self._rows([], largest)).to(self.device)
+
+    def _capture(self, buckets: list[int]) -> None:
+        """Capture one decode graph per bucket, largest first, sharing one memory pool. The warm-up and the
+        capture run on padding rows only, so they write nothing but the scratch rows."""
+        start = time.perf_counter()
+        self._prepare_static(max(buckets))
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        with torch.no_grad():
+            for bucket in sorted(buckets, reverse=True):
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):   # compiles and autotunes the kernels before the capture
+                    self._graph_body(bucket)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits_bV = self._graph_body(bucket)
+                self.graphs[bucket] = (graph, logits_bV)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start
+        log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(buckets),
+                 ", ".join(map(str, sorted(buckets))), self.capture_seconds)
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, seqs: list[Sequence], logits_BV: torch.Tensor) -> list[Sampled]:
+        """The next token of every sequence, drawn on the device as its request asks; one host transfer."""
+        params = [seq.request.params for seq in seqs]
+        logits = logits_BV
+        if any(p.penalized for p in params):
+            logits = logits_BV.to(torch.float32, copy=True)
+            for row, (seq, p) in enumerate(zip(seqs, params)):
+                if p.penalized:
+                    ids = torch.tensor(seq.tokens, dtype=torch.long, device=logits.device)
+                    logits[row] = apply_penalties(logits[row], ids[:seq.prompt_len], ids[seq.prompt_len:],
+                                                  p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+        batch = SamplingBatch.build(params, [seq.generator for seq in seqs], logits.device)
+        tokens_B = sample(logits, batch)
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        if not wanted:
+            return [Sampled(token) for token in tokens_B.tolist()]
+        chosen_B, top_ids_BN, top_BN = token_logprobs(logits_BV, tokens_B, max(wanted))
+        out = []
+        for token, lp, ids, lps, p in zip(tokens_B.tolist(), chosen_B.tolist(), top_ids_BN.tolist(),
+                                          top_BN.tolist(), params):
+            if p.logprobs is None:
+                out.append(Sampled(token))
+            else:
+                out.append(Sampled(token, lp, list(zip(ids[:p.logprobs], lps[:p.logprobs]))))
+        return out

@@ -1,0 +1,19 @@
+"""MLA ops: the absorbed single-token decode attention over the serving engine's paged latent pool."""
+
+from kimik3.ops.mla.paged_decode import (
+    check_paged_mla_inputs,
+    default_num_splits,
+    launch_paged_mla_decode,
+    paged_mla_backend,
+    paged_mla_decode,
+    paged_mla_decode_torch,
+)
+
+__all__ = [
+    "check_paged_mla_inputs",
+    "default_num_splits",
+    "launch_paged_mla_decode",
+    "paged_mla_backend",
+    "paged_mla_decode",
+    "paged_mla_decode_torch",
+]

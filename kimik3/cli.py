@@ -127,10 +127,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name is empty")
     run = resolve_run(args.run)
-    config = EngineConfig(memory_bytes=int(args.memory_mb * 2**20), hash_block=args.hash_block,
+    import torch
+
+    on_gpu = torch.device(args.device).type == "cuda"
+    utilization = args.gpu_memory_utilization
+    if utilization is not None and not on_gpu:
+        raise ValueError("--gpu-memory-utilization sizes the cache on a GPU: on the CPU use --memory-mb")
+    config = EngineConfig(memory_bytes=int((args.memory_mb or 256.0) * 2**20), hash_block=args.hash_block,
                           physical_block=args.physical_block, max_running=args.max_running,
                           checkpoints=args.checkpoints, prefix_policy=args.prefix_policy,
-                          max_waiting=args.max_waiting)
+                          max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
+                          gpu_memory_utilization=(utilization or 0.9) if on_gpu and args.memory_mb is None
+                          else utilization, enforce_eager=args.enforce_eager)
+    if config.gpu_memory_utilization is not None and args.replicas > 1:
+        config.gpu_memory_utilization /= args.replicas   # the replicas share the GPU
     replicas = [LLMEngine.from_run(run, config, device=args.device, model_name=args.served_model_name)
                 for _ in range(args.replicas)]
     engine = replicas[0] if len(replicas) == 1 else ReplicaRouter(replicas)
@@ -140,8 +150,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     body_limit = args.max_request_bytes or default_max_request_bytes(engine.max_context,
                                                                       max_token_chars(engine.tokenizer))
     print(f"serving {run} as '{engine.model_name}' on http://{args.host}:{args.port}/v1 "
-          f"({args.replicas} replica(s), {replicas[0].core.layout.num_blocks} cache blocks each, "
-          f"request bodies up to {body_limit:,} bytes)", file=sys.stderr)
+          f"({args.replicas} replica(s); request bodies up to {body_limit:,} bytes)", file=sys.stderr)
+    print(f"each replica: {replicas[0].core.describe()}", file=sys.stderr)
     # 1 when the engine gave up after repeated failures: a process supervisor restarts the server.
     return serve(engine, host=args.host, port=args.port, api_key=args.api_key, max_request_bytes=body_limit)
 
@@ -290,7 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route")
     s.add_argument("--replicas", type=int, default=1, help="engine replicas behind a cache-affinity router")
     s.add_argument("--device", default="cpu", help="cpu or cuda")
-    s.add_argument("--memory-mb", type=float, default=256.0, help="cache budget per replica (MLA blocks + KDA slots)")
+    s.add_argument("--memory-mb", type=float, default=None,
+                   help="cache budget per replica (MLA blocks + KDA slots); default 256 on the CPU; on a GPU the "
+                        "default is --gpu-memory-utilization 0.9")
+    s.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of the GPU's memory the server may fill (weights, activations, graphs, cache), "
+                        "split between replicas; the cache gets what is left (as vLLM's)")
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="decode with the eager forward every step instead of CUDA graphs")
+    s.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per chunked-prefill forward")
     s.add_argument("--hash-block", type=int, default=16, help="prefix-hash block in tokens (512 at full scale)")
     s.add_argument("--physical-block", type=int, default=192, help="MLA block in tokens (6144 at full scale)")
     s.add_argument("--checkpoints", type=int, default=64, help="KDA prefix checkpoints kept (0: no prefix cache)")

@@ -91,9 +91,7 @@ class ModelRunner:
         if bucket is None:
             rows = torch.from_numpy(self._rows(seqs, len(seqs))).to(self.device)
             return self._forward(rows[:, _ID:_ID + 1], rows[:, _SLOT], rows[:, _TABLE:], rows[:, _LENGTH])
-        host = self._host_np
-        host[:bucket] = self._rows(seqs, bucket)
-        self._staging[:bucket].copy_(self._host[:bucket], non_blocking=True)
+        self._stage(seqs, bucket)
         graph, logits_bV = self.graphs[bucket]
         graph.replay()
         return logits_bV[:len(seqs)]
@@ -107,6 +105,11 @@ class ModelRunner:
             rows[i, _ID], rows[i, _SLOT], rows[i, _LENGTH] = seq.tokens[-1], seq.slot, seq.computed
             rows[i, _TABLE:_TABLE + len(seq.blocks)] = seq.blocks
         return rows
+
+    def _stage(self, seqs: list[Sequence], bucket: int) -> None:
+        """Fill the static input buffer for a replay at ``bucket``: one host-to-device copy."""
+        self._host_np[:bucket] = self._rows(seqs, bucket)
+        self._staging[:bucket].copy_(self._host[:bucket], non_blocking=True)
 
     def _graph_body(self, bucket: int) -> torch.Tensor:
         rows = self._staging[:bucket]

@@ -73,7 +73,8 @@ class EngineCore:
         """The start-up line: the cache budget and how decode runs."""
         graphs = (f"decode as CUDA graphs for batches {', '.join(map(str, sorted(self.runner.graphs)))} "
                   f"(captured in {self.runner.capture_seconds:.1f} s)" if self.runner.uses_graphs else "eager decode")
-        return f"{self.layout.describe(self.config.physical_block, self.config.max_running, self.max_context)}; {graphs}"
+        cache = self.layout.describe(self.config.physical_block, self.config.max_running, self.max_context)
+        return f"{cache}; {graphs}"
 
     # ------------------------------------------------------------------ admission
     def check(self, request: GenerationRequest) -> None:

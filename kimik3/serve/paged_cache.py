@@ -147,7 +147,10 @@ class PagedLatentView:
             raise ValueError(f"decode_absorbed takes one token per row, got {length}")
         flat = self.pool_NPC.view(-1, width)
         flat[self._slots(self.lengths_B[:, None]).flatten()] = kv_BTC.reshape(-1, width).to(flat.dtype)
-        out_BHC = paged_mla_decode(q_latent_BTHC[:, 0], q_slice_BTHR[:, 0], self.pool_NPC, self.tables_BN,
+        tables_BN = self.tables_BN
+        if not tables_BN.is_cuda:   # the CPU path gathers whole tables: trim them to the longest row (no graphs here)
+            tables_BN = tables_BN[:, :int(self.lengths_B.max()) // self.pool_NPC.shape[1] + 1]
+        out_BHC = paged_mla_decode(q_latent_BTHC[:, 0], q_slice_BTHR[:, 0], self.pool_NPC, tables_BN,
                                    self.lengths_B + 1, scale)
         return out_BHC[:, None]
 

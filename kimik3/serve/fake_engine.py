@@ -3,7 +3,9 @@
 ``FakeEngine`` implements ``EngineLike`` with a real (tiny, trained in memory) byte-level BPE, and
 "generates" by echoing the prompt's tokens in a loop: token i of the reply is ``prompt_ids[i % n]``.
 So the output text is predictable, stop strings and ``<|endoftext|>`` (put id 0 in the prompt) can
-be provoked on purpose, and sampling parameters are accepted but ignored. It keeps the bookkeeping
+be provoked on purpose (``ignore_eos`` echoes past it), and sampling parameters are accepted but
+ignored, except ``logprobs``: each token then carries the deterministic ``fake_logprobs`` (the token
+itself the likeliest, as a greedy pick would be). It keeps the bookkeeping
 tests assert on: ``allocated`` cache blocks of live requests (must return to 0 after aborts and
 disconnects), admission with ``capacity`` running + ``queue_limit`` waiting, and a toy prefix
 cache (longest common prefix with earlier sequences) that fills ``Usage.cached_tokens``. Setting
@@ -41,6 +43,13 @@ def tiny_tokenizer() -> Any:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(_SENTENCES * 4, trainer=trainer)
     return tokenizer
+
+
+def fake_logprobs(token: int, top_n: int, vocab: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability FakeEngine reports for ``token`` and its ``top_n`` alternatives: ``token`` itself
+    first, then the ids after it (mod ``vocab``), each one nat less likely."""
+    logprob = -0.05 - (token % 10) / 10
+    return logprob, [((token + j) % vocab, logprob - j) for j in range(top_n)]
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -165,11 +174,19 @@ class FakeEngine:
         n, sent = len(prompt), 0
         self._grow(state, n)
 
+        vocab = self.tokenizer.get_vocab_size()
+
+        def logprobs(token: int | None) -> dict[str, Any]:
+            if params.logprobs is None or token is None:
+                return {}
+            logprob, top = fake_logprobs(token, params.logprobs, vocab)
+            return {"logprob": logprob, "top_logprobs": top}
+
         def final(token: int | None, text: str, reason: FinishReason) -> TokenEvent:
             state["done"] = reason != "abort"
             if state["done"]:
                 self._store = (self._store + [tuple(prompt + out)])[-self._store_limit:]
-            return TokenEvent(rid, token, text, True, reason, Usage(n, len(out), state["cached"]))
+            return TokenEvent(rid, token, text, True, reason, Usage(n, len(out), state["cached"]), **logprobs(token))
 
         for i in range(params.max_tokens):
             await asyncio.sleep(self.token_delay)
@@ -181,7 +198,7 @@ class FakeEngine:
             token = prompt[i % n]
             out.append(token)
             self._grow(state, n + len(out))
-            if token == self.eos_token_id:
+            if token == self.eos_token_id and not params.ignore_eos:
                 yield final(token, "", "stop")
                 return
             text = self.tokenizer.decode(out)
@@ -194,5 +211,5 @@ class FakeEngine:
                 yield final(token, text[sent:], "length")
                 return
             safe = len(text) - _held_back(text, params.stop)
-            yield TokenEvent(rid, token, text[sent:safe])
+            yield TokenEvent(rid, token, text[sent:safe], **logprobs(token))
             sent = max(sent, safe)

@@ -18,6 +18,7 @@ The memory floor of a decode step (bytes of weights and cache it must read at 4.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -78,9 +79,9 @@ def drive(core: EngineCore, requests: list[GenerationRequest]) -> dict[str, list
 
 
 def make_core(model, tokenizer, eos, eager: bool, max_running: int, prefill_chunk: int = 512,
-              checkpoints: int = 0) -> EngineCore:
+              checkpoints: int = 0, max_context: int = 4096) -> EngineCore:
     config = EngineConfig(gpu_memory_utilization=0.3, max_running=max_running, checkpoints=checkpoints,
-                          prefill_chunk=prefill_chunk, max_context=4096, max_waiting=4096, enforce_eager=eager)
+                          prefill_chunk=prefill_chunk, max_context=max_context, max_waiting=4096, enforce_eager=eager)
     return EngineCore(model, tokenizer, config, eos)
 
 
@@ -142,6 +143,7 @@ def correctness(model, tokenizer, eos) -> dict:
             core.step()
         results["eager" if eager else "graphs"] = (tokens, core.prefix_cache.stats.hits)
         del core
+        gc.collect()   # the engine core holds reference cycles (its prefix cache calls back into it)
         torch.cuda.empty_cache()
     graphs, eager = results["graphs"][0], results["eager"][0]
     same = sum(graphs[k] == eager[k] for k in graphs)
@@ -149,6 +151,38 @@ def correctness(model, tokenizer, eos) -> dict:
             "prefix_hits_eager": results["eager"][1],
             "first_difference": next(({"request": k, "graphs": graphs[k], "eager": eager[k]} for k in graphs
                                       if graphs[k] != eager[k]), None)}
+
+
+def compile_decode_blocks(model) -> None:
+    """Probe: each block's one-token forward through torch.compile (Inductor fuses the small elementwise ops that
+    make up most of a decode step's kernels); prefill chunks stay eager."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = 64
+    for block in model.layers:
+        eager = block.forward
+        compiled = torch.compile(eager, dynamic=True)
+
+        def forward(stream, entries, state=None, cu_seqlens=None, eager=eager, compiled=compiled):
+            if stream.shape[1] == 1 and state is not None:
+                return compiled(stream, entries, state, cu_seqlens)
+            return eager(stream, entries, state, cu_seqlens)
+
+        block.forward = forward
+
+
+def replay_ms(core: EngineCore, bucket: int, reps: int = 50) -> float:
+    """The decode graph alone (no host work around it): ms per replay."""
+    graph = core.runner.graphs[bucket][0]
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def profile_step(core: EngineCore, prompt_len: int) -> list[tuple[str, float, int]]:
@@ -160,10 +194,18 @@ def profile_step(core: EngineCore, prompt_len: int) -> list[tuple[str, float, in
              lambda event: None)
     for _ in range(8):
         core.step()
+    start = time.perf_counter()
+    for _ in range(5):
+        core.step()
+    torch.cuda.synchronize()
+    print(f"step without the profiler: {(time.perf_counter() - start) / 5 * 1e3:.2f} ms")
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(5):
             core.step()
         torch.cuda.synchronize()
+    host = sorted(((e.key[:80], e.cpu_time_total / 5) for e in prof.key_averages()
+                   if e.device_type.name == "CPU"), key=lambda r: -r[1])[:12]
+    print("host (CPU) ops by total time per step, us: " + "; ".join(f"{k} {t:.0f}" for k, t in host))
     core.abort("prof")
     rows = []
     for event in prof.key_averages():
@@ -183,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-len", type=int, default=8192)
     parser.add_argument("--prefill-chunk", default="512,2048,8192")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--compile", action="store_true",
+                        help="probe: torch.compile each block's one-token forward before the graphs are captured")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill,check")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
@@ -193,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     model = K3ForCausalLM.from_pretrained(run, device="cuda")
     tokenizer = load_tokenizer(run / "tokenizer.json")
     eos = tokenizer.token_to_id(EOS)
+    if args.compile:
+        compile_decode_blocks(model)
     out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": model.config.name,
                  "active_weight_gb": active_weight_bytes(model) / 1e9}
     print(f"# {out['device']}, torch {out['torch']}, preset {out['preset']}: {out['active_weight_gb']:.3f} GB of "
@@ -218,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                     row["floor_ms"] = floor_ms(model, core, batch, args.prompt_len + args.steps)
                     row["capture_s"] = core.runner.capture_seconds
                 del core
+                gc.collect()
                 torch.cuda.empty_cache()
             row["speedup"] = row["eager_ms"] / row["graphs_ms"]
             out["decode"].append(row)
@@ -228,19 +275,29 @@ def main(argv: list[str] | None = None) -> int:
     if "prefill" not in skip:
         out["prefill"] = []
         for chunk in (int(c) for c in args.prefill_chunk.split(",")):
-            core = make_core(model, tokenizer, eos, eager=True, max_running=1, prefill_chunk=chunk)
+            core = make_core(model, tokenizer, eos, eager=True, max_running=1, prefill_chunk=chunk,
+                             max_context=args.prefill_len + 8)
             rate = prefill_rate(core, args.prefill_len, seed=11)
             out["prefill"].append({"tokens": args.prefill_len, "chunk": chunk, "tokens_per_s": rate})
             print(f"prefill {args.prefill_len} tokens, chunk {chunk}: {rate:,.0f} tokens/s", flush=True)
             del core
+            gc.collect()
             torch.cuda.empty_cache()
 
     if args.profile:
-        core = make_core(model, tokenizer, eos, eager=True, max_running=1)
-        out["profile_eager_b1"] = profile_step(core, args.prompt_len)
-        print("| kernel (eager decode step, batch 1) | us/step | launches/step |\n|---|---|---|")
-        for name, us, count in out["profile_eager_b1"]:
-            print(f"| {name} | {us:.1f} | {count} |")
+        for eager in (False, True):
+            kind = "eager" if eager else "graphs"
+            core = make_core(model, tokenizer, eos, eager=eager, max_running=64)
+            if not eager:
+                out["replay_ms"] = {b: replay_ms(core, b) for b in (1, 64)}
+                print(f"graph replay alone, ms: {out['replay_ms']}")
+            out[f"profile_{kind}_b1"] = profile_step(core, args.prompt_len)
+            print(f"| kernel ({kind} decode step, batch 1) | us/step | launches/step |\n|---|---|---|")
+            for name, us, count in out[f"profile_{kind}_b1"]:
+                print(f"| {name} | {us:.1f} | {count} |")
+            del core
+            gc.collect()
+            torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

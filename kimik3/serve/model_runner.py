@@ -60,8 +60,10 @@ class ModelRunner:
         self.table_width = -(-max_context // config.physical_block)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self._capture(graph_buckets(config.max_running))
+        # Decode batches are padded to a bucket on a GPU, with graphs or without; on the CPU they run as they are.
+        self.buckets = graph_buckets(config.max_running) if self.device.type == "cuda" else []
+        if self.buckets and not config.enforce_eager:
+            self._capture(self.buckets)
 
     @property
     def uses_graphs(self) -> bool:
@@ -87,10 +89,14 @@ class ModelRunner:
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token for every sequence (its last): logits [B, V]. The view is only valid until the next call."""
-        bucket = next((b for b in sorted(self.graphs) if b >= len(seqs)), None)
-        if bucket is None:
-            rows = torch.from_numpy(self._rows(seqs, len(seqs))).to(self.device)
-            return self._forward(rows[:, _ID:_ID + 1], rows[:, _SLOT], rows[:, _TABLE:], rows[:, _LENGTH])
+        bucket = next((b for b in self.buckets if b >= len(seqs)), len(seqs))
+        if bucket not in self.graphs:
+            # Eagerly at the graphs' batch size (on a GPU): the same shapes, hence the same kernels and the same
+            # rounding as a replay, so --enforce-eager gives the graphs' tokens.
+            rows = torch.from_numpy(self._rows(seqs, bucket)).to(self.device)
+            logits_bV = self._forward(rows[:, _ID:_ID + 1], rows[:, _SLOT].contiguous(),
+                                      rows[:, _TABLE:].contiguous(), rows[:, _LENGTH].contiguous())
+            return logits_bV[:len(seqs)]
         self._stage(seqs, bucket)
         graph, logits_bV = self.graphs[bucket]
         graph.replay()

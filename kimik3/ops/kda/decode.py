@@ -64,6 +64,7 @@ def kda_decode_torch(
     return torch.where(live[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
 
 
+@torch.compiler.disable   # an opaque kernel call to torch.compile: traced, its launcher breaks on symbolic sizes
 def kda_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state_pool: torch.Tensor, slots: torch.Tensor, scale: float | None = None,

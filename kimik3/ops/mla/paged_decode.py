@@ -253,6 +253,7 @@ def _on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+@torch.compiler.disable   # an opaque kernel call to torch.compile: traced, its launcher breaks on symbolic sizes
 def paged_mla_decode(
     q_latent_BHC: torch.Tensor, q_slice_BHR: torch.Tensor, pool_NPW: torch.Tensor, tables_BM: torch.Tensor,
     lengths_B: torch.Tensor, scale: float, *, backend: str = "auto", num_splits: int | None = None,

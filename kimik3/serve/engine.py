@@ -15,6 +15,7 @@ can restart it.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -95,6 +96,9 @@ class LLMEngine:
                          RESTART_WINDOW_S)
             return False
         self.core = None                                  # let the old pools go before the new ones
+        gc.collect()                                      # (the core holds reference cycles)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         try:
             self.core = self._build()
         except Exception as rebuild_error:

@@ -153,24 +153,6 @@ def correctness(model, tokenizer, eos) -> dict:
                                       if graphs[k] != eager[k]), None)}
 
 
-def compile_decode_blocks(model) -> None:
-    """Probe: each block's one-token forward through torch.compile (Inductor fuses the small elementwise ops that
-    make up most of a decode step's kernels); prefill chunks stay eager."""
-    import torch._dynamo
-
-    torch._dynamo.config.cache_size_limit = 64
-    for block in model.layers:
-        eager = block.forward
-        compiled = torch.compile(eager, dynamic=True)
-
-        def forward(stream, entries, state=None, cu_seqlens=None, eager=eager, compiled=compiled):
-            if stream.shape[1] == 1 and state is not None:
-                return compiled(stream, entries, state, cu_seqlens)
-            return eager(stream, entries, state, cu_seqlens)
-
-        block.forward = forward
-
-
 def replay_ms(core: EngineCore, bucket: int, reps: int = 50) -> float:
     """The decode graph alone (no host work around it): ms per replay."""
     graph = core.runner.graphs[bucket][0]
@@ -225,8 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-len", type=int, default=8192)
     parser.add_argument("--prefill-chunk", default="512,2048,8192")
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--compile", action="store_true",
-                        help="probe: torch.compile each block's one-token forward before the graphs are captured")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill,check")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
@@ -237,8 +217,6 @@ def main(argv: list[str] | None = None) -> int:
     model = K3ForCausalLM.from_pretrained(run, device="cuda")
     tokenizer = load_tokenizer(run / "tokenizer.json")
     eos = tokenizer.token_to_id(EOS)
-    if args.compile:
-        compile_decode_blocks(model)
     out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": model.config.name,
                  "active_weight_gb": active_weight_bytes(model) / 1e9}
     print(f"# {out['device']}, torch {out['torch']}, preset {out['preset']}: {out['active_weight_gb']:.3f} GB of "

@@ -101,11 +101,13 @@ def gpu_cache_budget(model: torch.nn.Module, engine: EngineConfig) -> int:
     util = engine.gpu_memory_utilization
     free, total = torch.cuda.mem_get_info(device)
     torch.cuda.synchronize(device)
-    weights = torch.cuda.memory_allocated(device)
+    # This model's own bytes (not memory_allocated: replicas sharing the GPU hold weights and caches already).
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     with torch.no_grad():
         model(torch.zeros(1, engine.prefill_chunk, dtype=torch.long, device=device), last_only=True)
-    activations = torch.cuda.max_memory_allocated(device) - weights
+    activations = torch.cuda.max_memory_allocated(device) - before
     torch.cuda.empty_cache()
     budget = int(total * util) - weights - activations - GRAPH_RESERVE_BYTES
     gib = 2**30

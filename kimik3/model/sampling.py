@@ -73,7 +73,9 @@ def apply_penalties(logits_V: torch.Tensor, prompt_ids: torch.Tensor, output_ids
         logits = torch.where(seen, torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty),
                              logits)
     if presence_penalty != 0.0 or frequency_penalty != 0.0:
-        counts = torch.bincount(output_ids, minlength=vocab)[:vocab].to(logits.dtype)
+        # A scatter-add, not torch.bincount (whose CUDA version reads the largest id back to size its output).
+        counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device).index_add_(
+            0, output_ids, torch.ones(output_ids.shape, dtype=logits.dtype, device=logits.device))
         logits = logits - frequency_penalty * counts - presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 

@@ -13,6 +13,9 @@ The norm weight folds into the query, so the pair costs 2·D parameters. Queries
 at initialisation every mix is the plain mean of the entries; since each mix is followed by an
 RMSNorm, the model then behaves as the plain PreNorm residual model with the same weights (up to
 the norms' eps): ``tests/model/test_attnres.py`` checks this.
+
+On CUDA the mix runs as one fused Triton kernel (``kimik3.ops.glue.attnres``: same fp32 math, no stack, one launch
+forward, two backward); the torch code below is its reference and the CPU path (``glue_backend`` chooses).
 """
 
 from __future__ import annotations
@@ -20,12 +23,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kimik3.ops.glue import attnres_mix, glue_backend
 from kimik3.ops.precision import no_autocast
 from kimik3.model.param_rules import ParamRule, adamw
 
 
 class AttnResMix(nn.Module):
     """Softmax mixture over residual entries with a zero-initialised pseudo-query."""
+
+    backend = "auto"  # as ``glue_backend``: "auto" (Triton on CUDA), "triton" or "torch"; settable per instance
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -40,6 +46,8 @@ class AttnResMix(nn.Module):
 
     def forward(self, entries: list[torch.Tensor]) -> torch.Tensor:
         """entries: N tensors [..., D] -> their mixture [..., D] in the entries' dtype."""
+        if glue_backend(entries[-1], self.backend) == "triton":
+            return attnres_mix(entries, self.key_norm_weight, self.query, self.eps)
         with no_autocast(entries[-1].device):  # the whole mix in fp32, as released
             values_BTND = torch.stack(entries, dim=-2).float()
             keys_BTND = values_BTND * torch.rsqrt(values_BTND.square().mean(-1, keepdim=True) + self.eps)

@@ -1,0 +1,299 @@
+"""Block AttnRes mix (``kimik3.model.attnres.AttnResMix``) fused into one Triton kernel forward and two backward.
+
+Per row (token) of width D, over N entries v_n, all in fp32 (as released):
+
+    r_n = rsqrt(mean(v_n^2) + eps)    k_n = v_n r_n    s_n = k_n . w,  w = key_norm_weight * query
+    p = softmax_n(s)                  out = sum_n p_n v_n   (stored in the last entry's dtype)
+
+The unfused module is ~14 launches a mix (stack, cast, square, mean, add, rsqrt, mul, two parameter casts and
+their product, matmul, softmax, matmul, cast). Here the forward is one program per block of rows that reads each
+entry once, in its own dtype, straight from the caller's tensors (no ``torch.stack``: the entries' pointers are
+passed as a tuple, up to MAX_ENTRIES; a longer list is stacked first), keeps a whole row in registers and runs an
+online softmax over the entries. The backward recomputes r, s and p from the entries (nothing is saved but the
+inputs) and launches twice: one kernel writes every entry's grad and per-program partial sums of dL/dw, one
+(``common.reduce_partials``) sums them and writes the key norm weight's and query's grads.
+
+Backward, per row, with g = dL/dout:  dp_n = g . v_n,  ds_n = p_n (dp_n - sum_m p_m dp_m),
+    dv_n = p_n g + ds_n r_n (w - s_n r_n v_n / D),   dw = sum over rows and n of ds_n r_n v_n,
+    d key_norm_weight = dw * query,  d query = dw * key_norm_weight.
+
+Shapes decide everything at launch (no host sync): a decode step that calls it can be captured in a CUDA graph.
+The torch reference, and the CPU path, is ``AttnResMix``'s own code; ``glue_backend`` makes the choice.
+
+Legend: B batch, T tokens, N entries, D width, R = B * T rows (all leading dims), G backward programs.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kimik3.ops.glue.common import (
+    _jit,
+    backward_programs,
+    blocks,
+    check_eps,
+    check_float,
+    check_param,
+    check_triton_device,
+    check_width,
+    compute_f64,
+    describe,
+    on_device,
+    reduce_partials,
+    rows_2d,
+    tl,
+    triton,
+)
+
+__all__ = ["MAX_ENTRIES", "attnres_mix", "attnres_mix_backward", "attnres_mix_forward"]
+
+# Entries passed as separate pointers (one kernel specialisation per count); K3 mixes at most 9 (the embedding, 7
+# block summaries, the last block's partial sum), the debug preset 3. Longer lists are stacked into one tensor first.
+MAX_ENTRIES = 16
+
+
+def _prepare(entries, key_norm_weight, query, eps):
+    """Checks, then (xs, s_rows, s_entry, N, stacked, shape, dtype): the kernel's view of the entries, as a tuple
+    of [R, D] tensors (one per entry) or, stacked, one [R, N, D] tensor."""
+    eps = check_eps(eps)
+    if isinstance(entries, torch.Tensor):
+        check_float(entries, "entries")
+        if entries.ndim < 2:
+            raise ValueError(f"a stacked entries tensor must be [..., N, D], got {tuple(entries.shape)}")
+        N, D = entries.shape[-2:]
+        if N < 1:
+            raise ValueError("entries must hold at least one entry, got N = 0")
+        shape, dtype, device = entries.shape[:-2] + (D,), entries.dtype, entries.device
+        x = entries.reshape(-1, N, D)
+        if x.stride(-1) != 1 and D > 1:
+            x = x.contiguous()
+        xs, s_rows, s_entry, stacked = (x,), (x.stride(0),), x.stride(1), True
+    else:
+        if not isinstance(entries, (list, tuple)) or len(entries) == 0:
+            raise ValueError(f"entries must be a non-empty list of tensors [..., D] or one tensor [..., N, D], "
+                             f"got {describe(entries)}")
+        for i, e in enumerate(entries):
+            check_float(e, f"entries[{i}]")
+        shape, dtype, device = entries[-1].shape, entries[-1].dtype, entries[-1].device
+        for i, e in enumerate(entries):
+            if e.shape != shape:
+                raise ValueError(f"every entry must have the last entry's shape {tuple(shape)}, entries[{i}] has "
+                                 f"{tuple(e.shape)}")
+            if e.device != device:
+                raise ValueError(f"entries[{i}] is on {e.device} but the last entry on {device}")
+        N, D = len(entries), shape[-1]
+        if N > MAX_ENTRIES:  # beyond the pointer tuple: one stacked tensor (promoted to a common dtype, as stack)
+            x = torch.stack(list(entries), dim=-2).reshape(-1, N, D)
+            xs, s_rows, s_entry, stacked = (x,), (x.stride(0),), x.stride(1), True
+        else:
+            xs = tuple(rows_2d(e) for e in entries)
+            s_rows, s_entry, stacked = tuple(x.stride(0) for x in xs), 0, False
+    check_width(D, "attnres_mix")
+    check_param(key_norm_weight, D, device, "key_norm_weight")
+    check_param(query, D, device, "query")
+    check_triton_device(xs[0], "attnres_mix")
+    return xs, s_rows, s_entry, N, stacked, shape, dtype, eps
+
+
+def attnres_mix_forward(entries, key_norm_weight: torch.Tensor, query: torch.Tensor, eps: float) -> torch.Tensor:
+    """The mix, forward only, in one launch (no autograd graph). Arguments as ``attnres_mix``."""
+    xs, s_rows, s_entry, N, stacked, shape, dtype, eps = _prepare(entries, key_norm_weight, query, eps)
+    return _forward(xs, s_rows, s_entry, N, stacked, shape, dtype, key_norm_weight, query, eps)
+
+
+def _forward(xs, s_rows, s_entry, N, stacked, shape, dtype, kw, q, eps):
+    R, D = xs[0].shape[0], shape[-1]
+    out = torch.empty(R, D, dtype=dtype, device=xs[0].device)
+    if R == 0:
+        return out.view(shape)
+    kw, q = kw.contiguous(), q.contiguous()
+    block_r, block_d, num_warps = blocks(R, D)
+    with on_device(out.device):
+        _attnres_fwd_kernel[(triton.cdiv(R, block_r),)](
+            xs, s_rows, s_entry, kw, q, out, R, D, eps,
+            N=N, STACKED=stacked, BLOCK_R=block_r, BLOCK_D=block_d, F64=compute_f64(*xs, kw, q),
+            num_warps=num_warps,
+        )
+    return out.view(shape)
+
+
+def attnres_mix_backward(entries, key_norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
+                         grad_out: torch.Tensor, *, programs: int | None = None):
+    """Grads of the mix: (entries' grads, key_norm_weight's grad, query's grad), in their dtypes and shapes (a
+    list for listed entries, one tensor [..., N, D] for a stacked one). grad_out: [..., D] like the output. Two
+    launches; ``programs`` overrides G (``common.backward_programs``)."""
+    xs, s_rows, s_entry, N, stacked, shape, dtype, eps = _prepare(entries, key_norm_weight, query, eps)
+    if not isinstance(grad_out, torch.Tensor) or grad_out.shape != shape:
+        raise ValueError(f"grad_out must have the output's shape {tuple(shape)}, got {describe(grad_out)}")
+    if grad_out.device != xs[0].device:
+        raise ValueError(f"grad_out is on {grad_out.device} but the entries on {xs[0].device}")
+    dxs, dkw, dq = _backward(xs, s_rows, s_entry, N, stacked, shape, key_norm_weight, query, eps, grad_out,
+                             programs)
+    if isinstance(entries, torch.Tensor):
+        return dxs[0].view(entries.shape), dkw, dq
+    if stacked:  # stacked here from a long list: hand each entry its slice (in the stack's dtype, cast back)
+        return [d.to(e.dtype) for d, e in zip(dxs[0].view(*shape[:-1], N, shape[-1]).unbind(-2), entries)], dkw, dq
+    return [d.view(shape) for d in dxs], dkw, dq
+
+
+def _backward(xs, s_rows, s_entry, N, stacked, shape, kw, q, eps, grad_out, programs):
+    R, D = xs[0].shape[0], shape[-1]
+    device = xs[0].device
+    dxs = tuple(torch.empty(x.shape, dtype=x.dtype, device=device) for x in xs)  # contiguous, like xs' shapes
+    ds_rows = tuple(d.stride(0) for d in dxs)
+    ds_entry = dxs[0].stride(1) if stacked else 0
+    g = rows_2d(grad_out)
+    kw_c, q_c = kw.contiguous(), q.contiguous()
+    f64 = compute_f64(*xs, kw_c, q_c, g)
+    block_r, block_d, num_warps = blocks(R, D)
+    row_blocks = triton.cdiv(R, block_r)
+    G = backward_programs(row_blocks, device, programs)
+    partial = torch.empty(G, D, dtype=torch.float64 if f64 else torch.float32, device=device)
+    if R == 0:
+        partial.zero_()
+    else:
+        with on_device(device):
+            _attnres_bwd_kernel[(G,)](
+                xs, s_rows, s_entry, dxs, ds_rows, ds_entry, g, g.stride(0), kw_c, q_c, partial,
+                R, D, eps, triton.cdiv(row_blocks, G), G,
+                N=N, N_P2=triton.next_power_of_2(N), STACKED=stacked, BLOCK_R=block_r, BLOCK_D=block_d, F64=f64,
+                num_warps=num_warps,
+            )
+    dkw, dq = reduce_partials(partial, kw, q, f64)
+    return dxs, dkw, dq
+
+
+class _AttnResMixFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kw, q, eps, stacked_input, *entries):
+        src = entries[0] if stacked_input else list(entries)
+        xs, s_rows, s_entry, N, stacked, shape, dtype, eps = _prepare(src, kw, q, eps)
+        ctx.save_for_backward(kw, q, *entries)
+        ctx.eps, ctx.stacked_input = eps, stacked_input
+        return _forward(xs, s_rows, s_entry, N, stacked, shape, dtype, kw, q, eps)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # the backward kernels build no graph: no double backward
+    def backward(ctx, grad_out):
+        kw, q, *entries = ctx.saved_tensors
+        src = entries[0] if ctx.stacked_input else entries
+        dentries, dkw, dq = attnres_mix_backward(src, kw, q, ctx.eps, grad_out)
+        if ctx.stacked_input:
+            dentries = [dentries]
+        return (dkw, dq, None, None, *dentries)
+
+
+@torch.compiler.disable  # an opaque kernel call to torch.compile: traced, its launcher breaks on symbolic sizes
+def attnres_mix(entries: Sequence[torch.Tensor] | torch.Tensor, key_norm_weight: torch.Tensor,
+                query: torch.Tensor, eps: float) -> torch.Tensor:
+    """The AttnRes mix of ``entries`` in the Triton kernels, differentiable -> [..., D] in the last entry's dtype.
+
+    entries: N tensors [..., D] of one shape (fp32, bf16, fp16 or fp64; dtypes may differ: each is read in its own
+    and its grad comes back in it), or one stacked tensor [..., N, D] (as ``torch.stack(entries, -2)``).
+    key_norm_weight, query: [D], any float dtype (grads in their dtypes). eps: a Python float. All math in fp32
+    (fp64 when any input is fp64). CUDA tensors, or CPU tensors under TRITON_INTERPRET=1 (no dispatch here:
+    ``glue_backend`` and ``AttnResMix`` choose). Forward: one launch; backward: two.
+    """
+    if isinstance(entries, torch.Tensor):
+        return _AttnResMixFn.apply(key_norm_weight, query, eps, True, entries)
+    if not isinstance(entries, (list, tuple)):
+        raise ValueError(f"entries must be a list of tensors or one stacked tensor, got {describe(entries)}")
+    return _AttnResMixFn.apply(key_norm_weight, query, eps, False, *entries)
+
+
+@_jit
+def _entry_ptrs(xs, s_rows, s_entry, n: tl.constexpr, rows64, cols, STACKED: tl.constexpr):
+    """Addresses [BLOCK_R, BLOCK_D] of entry n's rows: the n-th tensor of the tuple, or slot n of the stack."""
+    if STACKED:
+        return xs[0] + n * s_entry + rows64[:, None] * s_rows[0] + cols[None, :]
+    else:
+        return xs[n] + rows64[:, None] * s_rows[n] + cols[None, :]
+
+
+@_jit
+def _attnres_fwd_kernel(
+    xs, s_rows, s_entry, kw_ptr, q_ptr, out_ptr, R, D, eps,
+    N: tl.constexpr, STACKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, F64: tl.constexpr,
+):
+    """Program (row block): out[rows] = sum_n softmax_n(s)_n v_n, one read of each entry (online softmax)."""
+    ct = tl.float64 if F64 else tl.float32
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    mask = (rows < R)[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    w = tl.load(kw_ptr + cols, mask=cmask, other=0.0).to(ct) * tl.load(q_ptr + cols, mask=cmask, other=0.0).to(ct)
+    m = tl.full([BLOCK_R], float("-inf"), dtype=ct)
+    lsum = tl.zeros([BLOCK_R], dtype=ct)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=ct)
+    for n in tl.static_range(N):
+        v = tl.load(_entry_ptrs(xs, s_rows, s_entry, n, rows64, cols, STACKED), mask=mask, other=0.0).to(ct)
+        r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
+        s = tl.sum((v * r[:, None]) * w[None, :], axis=1)  # keys first, then the dot (the module's order)
+        m_new = tl.maximum(m, s)
+        alpha = tl.exp(m - m_new)
+        e = tl.exp(s - m_new)
+        lsum = lsum * alpha + e
+        acc = acc * alpha[:, None] + e[:, None] * v
+        m = m_new
+    out = acc / lsum[:, None]
+    tl.store(out_ptr + rows64[:, None] * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _column(mat, idx, n: tl.constexpr):
+    """mat[:, n] of a [BLOCK_R, N_P2] register tile."""
+    return tl.sum(tl.where(idx[None, :] == n, mat, 0.0), axis=1)
+
+
+@_jit
+def _attnres_bwd_kernel(
+    xs, s_rows, s_entry, dxs, ds_rows, ds_entry, g_ptr, s_g, kw_ptr, q_ptr, part_ptr,
+    R, D, eps, ITERS, G,
+    N: tl.constexpr, N_P2: tl.constexpr, STACKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    F64: tl.constexpr,
+):
+    """Program p of G: row blocks p, p + G, ... (ITERS of them, the last ones possibly empty). Per block: pass 1
+    reads every entry for r_n, s_n and dp_n = g . v_n; pass 2 reads them again and writes dv_n. Its share of
+    dL/dw = sum ds_n r_n v_n goes to part_ptr[p] ([G, D], fp32 or fp64)."""
+    ct = tl.float64 if F64 else tl.float32
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    nidx = tl.arange(0, N_P2)
+    w = tl.load(kw_ptr + cols, mask=cmask, other=0.0).to(ct) * tl.load(q_ptr + cols, mask=cmask, other=0.0).to(ct)
+    dw = tl.zeros([BLOCK_D], dtype=ct)
+    it = 0
+    while it < ITERS:  # (a while loop: Triton 3.6's interpreter cannot take tensor bounds in range(), triton#9171)
+        rows = (pid + it * G) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (rows < R)[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        g = tl.load(g_ptr + rows64[:, None] * s_g + cols[None, :], mask=mask, other=0.0).to(ct)
+        S = tl.zeros([BLOCK_R, N_P2], dtype=ct)
+        RR = tl.zeros([BLOCK_R, N_P2], dtype=ct)
+        DP = tl.zeros([BLOCK_R, N_P2], dtype=ct)
+        for n in tl.static_range(N):
+            v = tl.load(_entry_ptrs(xs, s_rows, s_entry, n, rows64, cols, STACKED), mask=mask, other=0.0).to(ct)
+            r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
+            s = tl.sum((v * r[:, None]) * w[None, :], axis=1)
+            sel = nidx[None, :] == n
+            S = tl.where(sel, s[:, None], S)
+            RR = tl.where(sel, r[:, None], RR)
+            DP = tl.where(sel, tl.sum(g * v, axis=1)[:, None], DP)
+        S = tl.where(nidx[None, :] < N, S, float("-inf"))
+        P = tl.exp(S - tl.max(S, axis=1)[:, None])
+        P = P / tl.sum(P, axis=1)[:, None]
+        DS = P * (DP - tl.sum(P * DP, axis=1)[:, None])
+        for n in tl.static_range(N):
+            v = tl.load(_entry_ptrs(xs, s_rows, s_entry, n, rows64, cols, STACKED), mask=mask, other=0.0).to(ct)
+            p = _column(P, nidx, n)
+            dsr = _column(DS, nidx, n) * _column(RR, nidx, n)
+            sr_d = _column(S, nidx, n) * _column(RR, nidx, n) / D
+            dv = p[:, None] * g + dsr[:, None] * (w[None, :] - sr_d[:, None] * v)
+            dptr = _entry_ptrs(dxs, ds_rows, ds_entry, n, rows64, cols, STACKED)
+            tl.store(dptr, dv.to(dptr.dtype.element_ty), mask=mask)
+            dw += tl.sum(dsr[:, None] * v, axis=0)
+        it += 1
+    tl.store(part_ptr + pid.to(tl.int64) * D + cols, dw, mask=cmask)

@@ -1,0 +1,199 @@
+"""What the glue kernels share: the backend choice, block sizes, and the second stage of the parameter-grad
+reductions.
+
+The backward kernels reduce a per-row product (e.g. ``g * x * r`` for an RMSNorm weight) over all rows. Each of
+their G programs walks its share of the row blocks and writes one fp32 partial sum [D]; ``reduce_partials`` then
+adds the G partials (in a fixed order: the gradients are deterministic) and writes the parameters' grads in their
+dtypes. G depends on the shapes and the device only, never on values.
+
+Legend: R rows (all leading dims flattened), D width, G backward programs (partial sums).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+except ImportError:  # the torch paths still work; backend "triton" refuses (``glue_backend``)
+    triton = tl = None
+
+    def _jit(fn):
+        return fn
+
+__all__ = ["MAX_WIDTH", "glue_backend"]
+
+# The kernels keep a whole row (next power of two of D) in registers; K3's widest row is D = 7168 (8192).
+MAX_WIDTH = 16384
+# Elements per row tile: rows of small D are batched into one program up to this (8 a thread at 8 warps).
+TILE_ELEMS = 2048
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def glue_backend(x: torch.Tensor, backend: str = "auto") -> str:
+    """"triton" or "torch" for a glue op (``AttnResMix``, ``RMSNorm``) on rows of ``x`` [..., D].
+
+    "auto": the Triton kernels for CUDA tensors when triton is installed and D <= MAX_WIDTH, else torch (CPU
+    tensors stay on torch even under TRITON_INTERPRET=1, as ``paged_mla_backend`` and ``kda_backend`` do). "triton"
+    forces the kernels: CUDA tensors, or CPU tensors when the kernels were decorated under TRITON_INTERPRET=1.
+    Shapes and devices only (no host sync); errors are raised, never answered by a fallback.
+    """
+    choice = (backend or "auto").lower()
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if choice == "auto":
+        ok = x.is_cuda and triton is not None and x.ndim >= 1 and x.shape[-1] <= MAX_WIDTH
+        return "triton" if ok else "torch"
+    if choice == "triton":
+        check_triton_device(x, "backend 'triton'")
+    return choice
+
+
+def interpreted() -> bool:
+    """Whether the glue kernels run under Triton's interpreter (decided when they were decorated, i.e. when
+    TRITON_INTERPRET=1 was set before this package was imported)."""
+    return triton is not None and type(_reduce_partials_kernel).__name__ == "InterpretedFunction"
+
+
+def check_triton_device(x: torch.Tensor, what: str) -> None:
+    if triton is None:
+        raise RuntimeError(f"{what} needs triton, which is not installed")
+    if not x.is_cuda and not interpreted():
+        raise ValueError(f"{what} needs CUDA tensors, or TRITON_INTERPRET=1 set before kimik3.ops.glue is imported "
+                         f"for CPU ones; got {x.device} (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r})")
+
+
+def check_width(D: int, what: str) -> None:
+    if not 1 <= D <= MAX_WIDTH:
+        raise ValueError(f"{what}: the Triton kernels take widths 1..{MAX_WIDTH} (a whole row per program), got {D}")
+
+
+def check_param(p, D: int, device: torch.device, name: str) -> None:
+    if not isinstance(p, torch.Tensor) or p.ndim != 1 or p.shape[0] != D:
+        raise ValueError(f"{name} must be a 1-D tensor [D={D}], got {describe(p)}")
+    if p.dtype not in _FLOATS:
+        raise ValueError(f"{name} must be a floating tensor (fp32, bf16, fp16 or fp64), got {p.dtype}")
+    if p.device != device:
+        raise ValueError(f"{name} is on {p.device} but the inputs on {device}")
+
+
+def check_float(x, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOATS:
+        raise ValueError(f"{name} must be fp32, bf16, fp16 or fp64, got {x.dtype}")
+    if x.ndim < 1 or x.shape[-1] < 1:
+        raise ValueError(f"{name} must be [..., D] with D >= 1, got {tuple(x.shape)}")
+
+
+def check_eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or eps == float("inf"):
+        raise ValueError(f"eps must be a finite Python number >= 0 (not a tensor: reading one is a host sync), "
+                         f"got {eps!r}")
+    return float(eps)
+
+
+def describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def rows_2d(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] as [R, D] with unit stride along D: a view when one exists, else a copy."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 or x2.shape[-1] == 1 else x2.contiguous()
+
+
+def blocks(R: int, D: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_D, num_warps) from the shapes only: a whole row (next power of two of D) a program, as many
+    rows as fit TILE_ELEMS (at most the next power of two of R), 8 elements a thread a tile, 1 to 16 warps (16
+    a thread from D > 4096 up: ptxas caps a 512-thread program at 128 registers, a 1024-thread one at 64).
+
+    Not timed on a GPU yet. Compiled for sm_90a (bf16, Triton 3.6's ptxas): the debug preset's D = 1024 takes
+    (2 rows, 8 warps): forward 48 registers, backward 128, no spills; K3's D = 7168 (1 row, 16 warps): the AttnRes
+    forward spills 24-28 bytes a thread, its backward 616, RMSNorm none."""
+    block_d = triton.next_power_of_2(D)
+    block_r = max(1, min(triton.next_power_of_2(max(R, 1)), TILE_ELEMS // block_d))
+    num_warps = max(1, min(16, block_r * block_d // 256))
+    return block_r, block_d, num_warps
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def backward_programs(row_blocks: int, device: torch.device, programs: int | None = None) -> int:
+    """G, the backward's programs (each writes one partial sum): two per SM on a GPU, 2 under the interpreter (so
+    that the CPU tests walk several row blocks a program), never more than the row blocks."""
+    if programs is None:
+        programs = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else 2
+    if not isinstance(programs, int) or programs < 1:
+        raise ValueError(f"programs must be a positive int, got {programs!r}")
+    return max(1, min(programs, row_blocks))
+
+
+def on_device(device: torch.device):
+    """Launch on the tensors' GPU whatever the current device is (Triton launches on the current one)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def compute_f64(*tensors: torch.Tensor) -> bool:
+    """The kernels compute in fp32, or in fp64 when any input is fp64 (for gradcheck)."""
+    return any(t.dtype == torch.float64 for t in tensors)
+
+
+def reduce_partials(partial_GD: torch.Tensor, a_D: torch.Tensor, b_D: torch.Tensor | None, f64: bool):
+    """Second stage of a parameter-grad reduction: total = sum over G of partial_GD [G, D] (fp32/fp64).
+
+    With b_D None: returns total in a_D's dtype (RMSNorm: the weight's grad). Otherwise, for a parameter product
+    w = a * b: returns (total * b in a's dtype, total * a in b's dtype), the grads of a and b (AttnRes: key norm
+    weight and query). One launch."""
+    G, D = partial_GD.shape
+    out_a = torch.empty(D, dtype=a_D.dtype, device=a_D.device)
+    two = b_D is not None
+    out_b = torch.empty(D, dtype=b_D.dtype, device=b_D.device) if two else out_a
+    block_d = min(128, triton.next_power_of_2(D))
+    block_g = min(16, triton.next_power_of_2(G))
+    with on_device(partial_GD.device):
+        _reduce_partials_kernel[(triton.cdiv(D, block_d),)](
+            partial_GD, a_D, b_D if two else a_D, out_a, out_b, G, D,
+            TWO=two, BLOCK_G=block_g, BLOCK_D=block_d, F64=f64, num_warps=4,
+        )
+    return (out_a, out_b) if two else out_a
+
+
+@_jit
+def _reduce_partials_kernel(
+    part_ptr, a_ptr, b_ptr, out_a_ptr, out_b_ptr, G, D,
+    TWO: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, F64: tl.constexpr,
+):
+    """Program (D block): sums the contiguous partials [G, D] over G (fixed order) -> out_a (= total, or total * b
+    with TWO) and, with TWO, out_b = total * a; each stored in its pointer's dtype."""
+    ct = tl.float64 if F64 else tl.float32
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=ct)
+    g0 = 0
+    while g0 < G:  # (a while loop: Triton 3.6's interpreter cannot take tensor bounds in range(), triton#9171)
+        gs = g0 + tl.arange(0, BLOCK_G)
+        m = (gs < G)[:, None] & cmask[None, :]
+        acc += tl.load(part_ptr + gs.to(tl.int64)[:, None] * D + cols[None, :], mask=m, other=0.0).to(ct)
+        g0 += BLOCK_G
+    total = tl.sum(acc, axis=0)
+    if TWO:
+        a = tl.load(a_ptr + cols, mask=cmask, other=0.0).to(ct)
+        b = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(ct)
+        tl.store(out_a_ptr + cols, (total * b).to(out_a_ptr.dtype.element_ty), mask=cmask)
+        tl.store(out_b_ptr + cols, (total * a).to(out_b_ptr.dtype.element_ty), mask=cmask)
+    else:
+        tl.store(out_a_ptr + cols, total.to(out_a_ptr.dtype.element_ty), mask=cmask)

@@ -1,0 +1,173 @@
+"""RMSNorm (``kimik3.model.norm.RMSNorm``) in one Triton kernel forward and two backward.
+
+Per row of width D, in fp32 (as released): r = rsqrt(mean(x^2) + eps), y = (x r) * weight, stored in x's dtype
+(the weight multiply in fp32, before the cast). The module's unfused form is ~4 launches (x.float(),
+weight.float(), rms_norm, .to()); here one program per block of rows reads x once in its dtype, keeps the row in
+registers and writes y once.
+
+Backward, per row with g = dL/dy:  dx = r (g w - x r^2 (g w . x) / D),  dw = sum over rows of g x r. One kernel
+writes dx and per-program partial sums of dw (its G programs each walk several row blocks), one
+(``common.reduce_partials``) adds the partials in a fixed order and writes dw in the weight's dtype.
+
+Shapes decide everything at launch (no host sync). The torch reference, and the CPU path, is ``RMSNorm``'s own
+code; ``glue_backend`` makes the choice.
+
+Legend: B batch, T tokens, D width, R = B * T rows (all leading dims), G backward programs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kimik3.ops.glue.common import (
+    _jit,
+    backward_programs,
+    blocks,
+    check_eps,
+    check_float,
+    check_param,
+    check_triton_device,
+    check_width,
+    compute_f64,
+    describe,
+    on_device,
+    reduce_partials,
+    rows_2d,
+    tl,
+    triton,
+)
+
+__all__ = ["rms_norm", "rms_norm_backward", "rms_norm_forward"]
+
+
+def _check(x, weight, eps) -> float:
+    check_float(x, "x")
+    check_width(x.shape[-1], "rms_norm")
+    check_param(weight, x.shape[-1], x.device, "weight")
+    check_triton_device(x, "rms_norm")
+    return check_eps(eps)
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = RMSNorm(x) * weight in one launch, forward only. Arguments as ``rms_norm``."""
+    eps = _check(x, weight, eps)
+    x2 = rows_2d(x)
+    R, D = x2.shape
+    y = torch.empty(R, D, dtype=x.dtype, device=x.device)
+    if R == 0:
+        return y.view(x.shape)
+    w = weight.contiguous()
+    block_r, block_d, num_warps = blocks(R, D)
+    with on_device(x.device):
+        _rmsnorm_fwd_kernel[(triton.cdiv(R, block_r),)](
+            x2, x2.stride(0), w, y, R, D, eps,
+            BLOCK_R=block_r, BLOCK_D=block_d, F64=compute_f64(x2, w), num_warps=num_warps,
+        )
+    return y.view(x.shape)
+
+
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, eps: float, grad_y: torch.Tensor,
+                      *, programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx in x's dtype and shape, dweight in the weight's dtype). grad_y: like x. Two launches; ``programs``
+    overrides G (``common.backward_programs``)."""
+    eps = _check(x, weight, eps)
+    if not isinstance(grad_y, torch.Tensor) or grad_y.shape != x.shape:
+        raise ValueError(f"grad_y must have x's shape {tuple(x.shape)}, got {describe(grad_y)}")
+    if grad_y.device != x.device:
+        raise ValueError(f"grad_y is on {grad_y.device} but x on {x.device}")
+    x2, g2 = rows_2d(x), rows_2d(grad_y)
+    R, D = x2.shape
+    w = weight.contiguous()
+    f64 = compute_f64(x2, w, g2)
+    dx = torch.empty(R, D, dtype=x.dtype, device=x.device)
+    block_r, block_d, num_warps = blocks(R, D)
+    row_blocks = triton.cdiv(R, block_r)
+    G = backward_programs(row_blocks, x.device, programs)
+    partial = torch.empty(G, D, dtype=torch.float64 if f64 else torch.float32, device=x.device)
+    if R == 0:
+        partial.zero_()
+    else:
+        with on_device(x.device):
+            _rmsnorm_bwd_kernel[(G,)](
+                x2, x2.stride(0), g2, g2.stride(0), w, dx, partial, R, D, eps, triton.cdiv(row_blocks, G), G,
+                BLOCK_R=block_r, BLOCK_D=block_d, F64=f64, num_warps=num_warps,
+            )
+    return dx.view(x.shape), reduce_partials(partial, weight, None, f64)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y = rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # the backward kernels build no graph: no double backward
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        dx, dw = rms_norm_backward(x, weight, ctx.eps, grad_y)
+        return dx, dw, None
+
+
+@torch.compiler.disable  # an opaque kernel call to torch.compile: traced, its launcher breaks on symbolic sizes
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in the Triton kernels, differentiable -> [..., D] in x's dtype.
+
+    x: [..., D] fp32, bf16, fp16 or fp64, any strides. weight: [D], any float dtype (its grad in it). eps: a
+    Python float. Math in fp32 (fp64 when x or weight is fp64). CUDA tensors, or CPU tensors under
+    TRITON_INTERPRET=1 (no dispatch here: ``glue_backend`` and ``RMSNorm`` choose). Forward: one launch;
+    backward: two.
+    """
+    return _RMSNormFn.apply(x, weight, eps)
+
+
+@_jit
+def _rmsnorm_fwd_kernel(
+    x_ptr, s_x, w_ptr, y_ptr, R, D, eps,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, F64: tl.constexpr,
+):
+    """Program (row block): y[rows] = (x r) * w, stored contiguous [R, D] in y's dtype."""
+    ct = tl.float64 if F64 else tl.float32
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    mask = (rows < R)[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * s_x + cols[None, :], mask=mask, other=0.0).to(ct)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(ct)
+    r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+    y = (x * r[:, None]) * w[None, :]
+    tl.store(y_ptr + rows64[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _rmsnorm_bwd_kernel(
+    x_ptr, s_x, g_ptr, s_g, w_ptr, dx_ptr, part_ptr, R, D, eps, ITERS, G,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, F64: tl.constexpr,
+):
+    """Program p of G: row blocks p, p + G, ... (ITERS of them, the last ones possibly empty); writes dx for them
+    and its partial sum of dw = sum g x r to part_ptr[p] ([G, D], fp32 or fp64)."""
+    ct = tl.float64 if F64 else tl.float32
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(ct)
+    dw = tl.zeros([BLOCK_D], dtype=ct)
+    it = 0
+    while it < ITERS:  # (a while loop: Triton 3.6's interpreter cannot take tensor bounds in range(), triton#9171)
+        rows = (pid + it * G) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (rows < R)[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * s_x + cols[None, :], mask=mask, other=0.0).to(ct)
+        g = tl.load(g_ptr + rows64[:, None] * s_g + cols[None, :], mask=mask, other=0.0).to(ct)
+        r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+        xr = x * r[:, None]
+        gw = g * w[None, :]
+        c = tl.sum(gw * xr, axis=1) / D  # (g w . x) r / D
+        dx = r[:, None] * (gw - xr * c[:, None])
+        tl.store(dx_ptr + rows64[:, None] * D + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += tl.sum(g * xr, axis=0)
+        it += 1
+    tl.store(part_ptr + pid.to(tl.int64) * D + cols, dw, mask=cmask)

@@ -1,0 +1,321 @@
+"""Tests of the fused AttnRes mix (kimik3/ops/glue/attnres.py) against its reference, ``AttnResMix``'s torch code:
+forward and every gradient (entries, key norm weight, query), fp32 and bf16, N = 1, 2, 5 entries, widths that are not
+powers of two (96, 200), 1, 3 and 130 rows (several row blocks, and several a backward program with a partial last
+one); the stacked-tensor input, a list longer than the pointer tuple, mixed entry dtypes, bf16 parameters, strided
+entries, no rows, fp64 gradcheck, the backend choice, and the input checks.
+
+Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set by tests/conftest.py), with the
+interpreter's bf16 made the GPU's (``interpreter_bf16_fix``) and every load and store bounds-checked, the tensors
+inside tuple arguments included (``_bounds_checked``).
+
+Legend: B batch, T tokens, N entries, D width, R rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import traceback
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from kimik3.model.attnres import AttnResMix
+from kimik3.ops.glue import MAX_ENTRIES, MAX_WIDTH, attnres_mix, attnres_mix_backward, attnres_mix_forward, glue_backend
+from tests.numerics import rel_rms
+
+ON_GPU = torch.cuda.is_available()
+DEV = "cuda" if ON_GPU else "cpu"
+HAS_KERNELS = importlib.util.find_spec("triton") is not None and (ON_GPU or os.environ.get("TRITON_INTERPRET") == "1")
+needs_kernels = pytest.mark.skipif(not HAS_KERNELS, reason="needs triton, and CUDA or TRITON_INTERPRET=1")
+
+BF16_ULP = 2.0 ** -7  # a bf16 value's spacing, relative to the value, is at most this
+
+
+@contextlib.contextmanager
+def _bounds_checked():
+    """tests/triton_bounds.py's check, counting the tensors inside tuple arguments too (the mix takes its entries as
+    a tuple of pointers): every masked-in lane of every load and store must fall inside one argument's storage."""
+    import triton.runtime.interpreter as interp
+
+    from tests.triton_bounds import _stray_lanes
+
+    executor, builder = interp.GridExecutor, interp.InterpreterBuilder
+    saved = executor._init_args_hst, builder.create_masked_load, builder.create_masked_store
+    launch = {"kernel": "?", "ranges": []}
+
+    def flat(xs):
+        for x in xs:
+            yield from (flat(x) if isinstance(x, tuple) else (x,))
+
+    def init_args(self, args_dev, kwargs):
+        args, kw = saved[0](self, args_dev, kwargs)
+        ranges = [(s.data_ptr(), s.data_ptr() + s.nbytes())
+                  for s in (x.untyped_storage() for x in flat(list(args) + list(kw.values()))
+                            if hasattr(x, "untyped_storage"))]
+        launch["kernel"], launch["ranges"] = getattr(self.fn, "__name__", "?"), ranges
+        return args, kw
+
+    def check(kind, ptrs, mask):
+        itemsize = np.dtype(interp._get_np_dtype(ptrs.get_element_ty())).itemsize
+        stray = _stray_lanes(ptrs.data, mask.data, itemsize, launch["ranges"])
+        if stray.size:
+            f = [f for f in traceback.extract_stack() if "/kimik3/ops/glue/" in f.filename][-1]
+            raise AssertionError(f"{kind} outside every tensor argument in {launch['kernel']} ({stray.size} lanes) "
+                                 f"at {f.filename.rsplit('/', 1)[-1]}:{f.lineno}: {(f.line or '').strip()}")
+
+    def masked_load(self, ptrs, mask, other, *rest):
+        check("load", ptrs, mask)
+        return saved[1](self, ptrs, mask, other, *rest)
+
+    def masked_store(self, ptrs, value, mask, *rest):
+        check("store", ptrs, mask)
+        return saved[2](self, ptrs, value, mask, *rest)
+
+    executor._init_args_hst, builder.create_masked_load, builder.create_masked_store = (
+        init_args, masked_load, masked_store)
+    try:
+        yield
+    finally:
+        executor._init_args_hst, builder.create_masked_load, builder.create_masked_store = saved
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_setup():
+    checked = contextlib.nullcontext()
+    if HAS_KERNELS and not ON_GPU:
+        from kimik3.ops.kda.interpreter import interpreter_bf16_fix
+
+        interpreter_bf16_fix()  # the interpreter's bf16 casts are not the GPU's (Triton 3.6)
+        checked = _bounds_checked()
+    with checked:
+        yield
+
+
+def make_mix(D, seed=0, dtype=torch.float32) -> AttnResMix:
+    """A mix with random key norm weight (around 1) and query (scores of a few units), on DEV."""
+    gen = torch.Generator().manual_seed(seed)
+    mix = AttnResMix(D)
+    with torch.no_grad():
+        mix.key_norm_weight.copy_(1 + 0.3 * torch.randn(D, generator=gen))
+        mix.query.copy_(0.3 * torch.randn(D, generator=gen))
+    return mix.to(device=DEV, dtype=dtype)
+
+
+def make_entries(N, lead, D, dtype, seed=1):
+    """N leaf entries [*lead, D] with different scales (so the RMS normalisation matters)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(*lead, D, generator=gen) * (0.5 + n)).to(device=DEV, dtype=dtype).requires_grad_()
+            for n in range(N)]
+
+
+def reference(mix, entries, grad):
+    """Output and grads (entries..., key norm weight, query) of the module's torch code."""
+    mix.backend = "torch"
+    out = mix(entries)
+    return [out, *torch.autograd.grad(out, [*entries, mix.key_norm_weight, mix.query], grad)]
+
+
+def assert_matches(got, ref, dtype, what):
+    """fp32 (and fp32 parameter grads): rel_rms under 2e-6. bf16: every element within one bf16 step of the
+    reference's (the two round the same fp32 math, computed in another order, to bf16), rel_rms under 2e-3."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype, (what, got.shape, ref.shape, got.dtype, ref.dtype)
+    if dtype == torch.float32 or got.dtype == torch.float32:
+        assert rel_rms(ref, got) < 2e-6, (what, rel_rms(ref, got))
+    else:
+        g, r = got.double(), ref.double()
+        assert bool(((g - r).abs() <= r.abs() * BF16_ULP + 1e-30).all()), (what, (g - r).abs().max())
+        assert rel_rms(ref, got) < 2e-3, (what, rel_rms(ref, got))
+
+
+CASES = [  # dtype, N, lead dims (R = their product), D
+    (torch.float32, 1, (1, 3), 96),
+    (torch.float32, 2, (2, 65), 200),
+    (torch.float32, 5, (1, 1), 96),
+    (torch.bfloat16, 5, (3,), 200),
+    (torch.bfloat16, 2, (2, 65), 96),
+    (torch.bfloat16, 1, (1,), 200),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,N,lead,D", CASES)
+def test_forward_and_grads_match_the_module(dtype, N, lead, D):
+    mix = make_mix(D)
+    entries = make_entries(N, lead, D, dtype)
+    grad = torch.randn(*lead, D, generator=torch.Generator().manual_seed(2)).to(device=DEV, dtype=dtype)
+    ref = reference(mix, entries, grad)
+    out = attnres_mix(entries, mix.key_norm_weight, mix.query, mix.eps)
+    got = [out, *torch.autograd.grad(out, [*entries, mix.key_norm_weight, mix.query], grad)]
+    names = ["out", *(f"d entries[{n}]" for n in range(N)), "d key_norm_weight", "d query"]
+    for g, r, name in zip(got, ref, names):
+        assert_matches(g, r, dtype, name)
+
+
+@needs_kernels
+def test_module_dispatch_uses_the_kernel_when_asked():
+    mix = make_mix(96)
+    entries = make_entries(3, (2,), 96, torch.float32)
+    ref = mix(entries)  # "auto": torch on the CPU, the kernel on CUDA
+    mix.backend = "triton"
+    assert rel_rms(ref, mix(entries)) < 2e-6
+    direct = attnres_mix_forward(entries, mix.key_norm_weight, mix.query, mix.eps)
+    assert torch.equal(mix(entries), direct)
+
+
+@needs_kernels
+def test_stacked_input_strided():
+    # One [B, T, N, D] tensor, itself a strided view ([B, N, T, D] transposed): read in place, grad in its shape.
+    mix = make_mix(96)
+    base = torch.randn(2, 3, 4, 96, generator=torch.Generator().manual_seed(3)).to(DEV).requires_grad_()
+    stacked = base.transpose(1, 2)  # [B, T, N, D] with T's stride > N's
+    grad = torch.randn(2, 4, 96, generator=torch.Generator().manual_seed(4)).to(DEV)
+    ref = reference(mix, list(stacked.unbind(-2)), grad)
+    out = attnres_mix(stacked, mix.key_norm_weight, mix.query, mix.eps)
+    d_stacked, d_kw, d_q = torch.autograd.grad(out, [stacked, mix.key_norm_weight, mix.query], grad)
+    assert_matches(out, ref[0], torch.float32, "out")
+    assert_matches(d_stacked, torch.stack(ref[1:4], dim=-2), torch.float32, "d stacked")
+    assert_matches(d_kw, ref[4], torch.float32, "d key_norm_weight")
+    assert_matches(d_q, ref[5], torch.float32, "d query")
+
+
+@needs_kernels
+def test_more_entries_than_the_pointer_tuple_takes():
+    N = MAX_ENTRIES + 1  # stacked into one tensor first
+    mix = make_mix(16)
+    entries = make_entries(N, (2,), 16, torch.float32)
+    grad = torch.randn(2, 16, generator=torch.Generator().manual_seed(5)).to(DEV)
+    ref = reference(mix, entries, grad)
+    out = attnres_mix(entries, mix.key_norm_weight, mix.query, mix.eps)
+    got = [out, *torch.autograd.grad(out, [*entries, mix.key_norm_weight, mix.query], grad)]
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert_matches(g, r, torch.float32, i)
+
+
+@needs_kernels
+def test_mixed_entry_dtypes_bf16_params_and_strided_entries():
+    # Entries of two dtypes (the module's torch.stack promotes them; the kernel reads each in its own), one of them
+    # a column slice of a wider tensor (a row stride of 2 D), bf16 parameters (grads in bf16, from fp32 math).
+    D = 96
+    mix = make_mix(D, dtype=torch.bfloat16)
+    wide = torch.randn(3, 2 * D, generator=torch.Generator().manual_seed(6)).to(DEV).requires_grad_()
+    entries = [*make_entries(2, (3,), D, torch.bfloat16), wide[:, D:]]
+    grad = torch.randn(3, D, generator=torch.Generator().manual_seed(7)).to(DEV)
+    ref = reference(mix, entries, grad)
+    out = attnres_mix(entries, mix.key_norm_weight, mix.query, mix.eps)
+    got = [out, *torch.autograd.grad(out, [*entries, mix.key_norm_weight, mix.query], grad)]
+    assert out.dtype == torch.float32  # the last entry's
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert_matches(g, r, torch.bfloat16, i)
+
+
+@needs_kernels
+def test_no_rows():
+    mix = make_mix(8)
+    entries = make_entries(2, (0, 5), 8, torch.float32)
+    out = attnres_mix(entries, mix.key_norm_weight, mix.query, mix.eps)
+    assert out.shape == (0, 5, 8)
+    d0, d1, dkw, dq = torch.autograd.grad(out.sum(), [*entries, mix.key_norm_weight, mix.query])
+    assert d0.shape == (0, 5, 8) and torch.equal(dkw, torch.zeros(8, device=DEV)) and not dq.any()
+
+
+@needs_kernels
+def test_gradcheck_fp64():
+    # The kernels compute in fp64 when an input is fp64, so gradcheck can compare the backward with finite
+    # differences of the kernel's own forward.
+    gen = torch.Generator().manual_seed(8)
+    entries = [(torch.randn(2, 7, generator=gen, dtype=torch.float64) * (1 + n)).to(DEV).requires_grad_()
+               for n in range(3)]
+    kw = (1 + 0.3 * torch.randn(7, generator=gen, dtype=torch.float64)).to(DEV).requires_grad_()
+    q = torch.randn(7, generator=gen, dtype=torch.float64).to(DEV).requires_grad_()
+    assert torch.autograd.gradcheck(lambda kw, q, *e: attnres_mix(list(e), kw, q, 1e-5), (kw, q, *entries),
+                                    fast_mode=True)
+
+
+@needs_kernels
+def test_backward_programs_do_not_change_the_grads_beyond_rounding():
+    mix = make_mix(96)
+    entries = make_entries(2, (40,), 96, torch.float32)
+    grad = torch.randn(40, 96, generator=torch.Generator().manual_seed(9)).to(DEV)
+    args = (entries, mix.key_norm_weight.detach(), mix.query.detach(), mix.eps, grad)
+    d1, kw1, q1 = attnres_mix_backward(*args, programs=1)  # one program walks all three row blocks
+    d3, kw3, q3 = attnres_mix_backward(*args, programs=3)
+    assert all(torch.equal(a, b) for a, b in zip(d1, d3))  # per-row grads do not depend on G
+    assert rel_rms(kw1, kw3) < 1e-6 and rel_rms(q1, q3) < 1e-6
+    with pytest.raises(ValueError, match="programs"):
+        attnres_mix_backward(*args, programs=0)
+
+
+def test_backend_choice():
+    x = torch.zeros(2, 8)
+    assert glue_backend(x) == "torch"  # CPU tensors stay on torch under "auto", interpreter or not
+    assert glue_backend(x, "torch") == "torch"
+    assert glue_backend(x, "AUTO") == "torch"
+    with pytest.raises(ValueError, match="backend"):
+        glue_backend(x, "cuda")
+    if HAS_KERNELS:
+        assert glue_backend(x, "triton") == "triton"  # the interpreter runs them on the CPU
+    if importlib.util.find_spec("triton") is not None:  # "auto" on CUDA: the kernels, up to MAX_WIDTH
+        assert glue_backend(types.SimpleNamespace(is_cuda=True, ndim=2, shape=(3, MAX_WIDTH))) == "triton"
+        assert glue_backend(types.SimpleNamespace(is_cuda=True, ndim=2, shape=(3, MAX_WIDTH + 1))) == "torch"
+
+
+def test_module_auto_on_cpu_keeps_the_torch_code(monkeypatch):
+    import kimik3.model.attnres as module
+
+    def boom(*a, **k):
+        raise AssertionError("the kernel was called")
+
+    monkeypatch.setattr(module, "attnres_mix", boom)
+    mix = AttnResMix(8)
+    torch.nn.init.normal_(mix.key_norm_weight)
+    torch.nn.init.normal_(mix.query)
+    mix([torch.randn(2, 8), torch.randn(2, 8)])
+
+
+@needs_kernels
+def test_bad_inputs_are_named():
+    kw, q = torch.ones(8, device=DEV), torch.zeros(8, device=DEV)
+    x = torch.randn(2, 8, device=DEV)
+    cases = [
+        (([], kw, q, 1e-5), "non-empty list"),
+        ((torch.randn(8, device=DEV), kw, q, 1e-5), r"\[\.\.\., N, D\]"),  # a stack needs 2 dims at least
+        (([x, torch.randn(3, 8, device=DEV)], kw, q, 1e-5), "shape"),
+        (([x, x.long()], kw, q, 1e-5), "entries\\[1\\]"),
+        (([x], torch.ones(7, device=DEV), q, 1e-5), "key_norm_weight"),
+        (([x], kw, q[None], 1e-5), "query"),
+        (([x], kw, q, torch.tensor(1e-5)), "eps"),
+        (([x], kw, q, -1.0), "eps"),
+        (([torch.randn(1, MAX_WIDTH + 1, device=DEV)], torch.ones(MAX_WIDTH + 1, device=DEV),
+          torch.ones(MAX_WIDTH + 1, device=DEV), 1e-5), "widths"),
+        (([x], kw.to("meta"), q, 1e-5), "key_norm_weight is on meta"),
+        (("x", kw, q, 1e-5), "list of tensors"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            attnres_mix_forward(*args)
+    with pytest.raises(ValueError, match="list of tensors"):
+        attnres_mix("x", kw, q, 1e-5)
+    with pytest.raises(ValueError, match="grad_out"):
+        attnres_mix_backward([x], kw, q, 1e-5, torch.zeros(3, 8, device=DEV))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_cuda_graph_capture_and_replay():
+    # No host sync on the launch path: a captured mix replays on new entry values (the decode step's use).
+    mix = make_mix(1024, dtype=torch.bfloat16)
+    entries = [e.detach() for e in make_entries(4, (8,), 1024, torch.bfloat16)]
+    with torch.inference_mode():
+        attnres_mix(entries, mix.key_norm_weight, mix.query, mix.eps)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = attnres_mix(entries, mix.key_norm_weight, mix.query, mix.eps)
+        for e in entries:
+            e.copy_(torch.randn_like(e))
+        graph.replay()
+        mix.backend = "torch"
+        ref = mix(entries)
+    assert_matches(out, ref, torch.bfloat16, "replayed out")

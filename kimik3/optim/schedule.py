@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 
 def cosine_lr(step: int, total_steps: int, base_lr: float, warmup_steps: int, min_ratio: float = 0.1) -> float:
-    """LR at ``step`` (0-based): linear warmup to ``base_lr``, cosine down to ``min_ratio * base_lr``."""
+    """LR at ``step`` (0-based) of ``total_steps``: linear warmup to ``base_lr``, then cosine down to
+    ``min_ratio * base_lr``, reached at the last step (``total_steps - 1``)."""
     if step < warmup_steps:
         return base_lr * (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    span = total_steps - 1 - warmup_steps
+    progress = 1.0 if span <= 0 else min(1.0, (step - warmup_steps) / span)
     return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -41,10 +43,28 @@ def parse_stages(spec: str) -> list[ContextStage]:
     return stages
 
 
-def seq_len_at(step: int, total_steps: int, stages: list[ContextStage]) -> int:
+def stage_at(step: int, total_steps: int, stages: list[ContextStage]) -> int:
+    """Index of the context stage that ``step`` (0-based) of ``total_steps`` falls in."""
     fraction = step / max(1, total_steps)
-    length = stages[0].seq_len
-    for stage in stages:
+    index = 0
+    for i, stage in enumerate(stages):
         if fraction >= stage.start_fraction:
-            length = stage.seq_len
-    return length
+            index = i
+    return index
+
+
+def stage_start(index: int, total_steps: int, stages: list[ContextStage]) -> int:
+    """The first step of stage ``index`` in a run of ``total_steps`` (``total_steps`` when it has none): the
+    smallest step that ``stage_at`` puts in that stage or a later one."""
+    total = max(1, total_steps)
+    fraction = stages[index].start_fraction
+    step = math.ceil(fraction * total)
+    while step > 0 and (step - 1) / total >= fraction:   # the float comparison ``stage_at`` makes
+        step -= 1
+    while step / total < fraction:
+        step += 1
+    return min(step, total_steps)
+
+
+def seq_len_at(step: int, total_steps: int, stages: list[ContextStage]) -> int:
+    return stages[stage_at(step, total_steps, stages)].seq_len

@@ -10,6 +10,16 @@ Checkpoints come every 60 s of wall time by default (``--checkpoint-every``: a d
 count), so a kill loses about a minute of work at most; a run killed before its first checkpoint
 restarts from step 0 with the arguments it saved in ``run.json``.
 
+``--time-budget`` (unless ``--steps`` fixes the count) is a deadline for the whole run, counted from
+the Trainer's creation: data, tokenizer and model, planning, steps, evaluations, checkpoints, the
+final checkpoint, plot and sample. ``BudgetPlanner`` plans the number of steps (``total``, which the
+cosine schedule, its warmup and the context stages read) from timings of this machine, then re-plans
+it from the measured cost of the steps (optimizer, balancer, evaluations, checkpoints included) until
+a quarter of the budget is used; from then on the plan is fixed, so a checkpoint taken after that
+point resumes exactly. The plan (total, fixed or not, budget used, cost estimates) is saved with every
+checkpoint and ``--resume`` continues it. As a last resort a run stops early when one more step would
+leave no time for the end of the run.
+
 Several processes (launched by torchrun, or ``kimik3 train --nproc N`` which relaunches through it;
 see docs/parallel.md) run this same loop. Everything that differs goes through the run's
 ``ParallelContext`` (``kimik3.parallel.context``): the model is parallelised (FSDP2, MoonEP, KCP),
@@ -26,7 +36,8 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +48,7 @@ import torch
 from kimik3.config.schema import K3Config
 from kimik3.model.k3 import K3ForCausalLM
 from kimik3.model.moe import RoutingStats
-from kimik3.optim.schedule import cosine_lr, parse_stages, seq_len_at
+from kimik3.optim.schedule import ContextStage, cosine_lr, parse_stages, seq_len_at, stage_at, stage_start
 from kimik3.parallel.context import ParallelContext, training_context
 from kimik3.parallel.mesh import ParallelDims
 from kimik3.tokenizer import EOS, load_tokenizer_from_json
@@ -58,7 +69,8 @@ from kimik3.train.tokenizer import encode_documents, tokenize_corpus
 
 SAMPLE_PROMPT = "def fibonacci(n):\n"
 
-__all__ = ["RunSummary", "TrainArgs", "Trainer", "TrainingError", "unigram_loss"]
+__all__ = ["BudgetPlanner", "RunSummary", "StepCosts", "TrainArgs", "Trainer", "TrainingError", "next_token_loss",
+           "unigram_loss"]
 
 
 class TrainingError(RuntimeError):
@@ -94,6 +106,223 @@ def routing_imbalance(routing: tuple[RoutingStats | None, ...]) -> float | None:
     return float(np.mean(values)) if values else None
 
 
+# The trainer's clock for timing steps and keeping the time budget (tests replace it with a virtual one).
+_now = time.perf_counter
+
+FREEZE_FRACTION = 0.25   # a budgeted plan is re-planned until this share of the budget is used, then fixed
+REPLAN_DRIFT = 0.05      # ... at steps 3, 6, 12, 24, ... of a process, and when it drifts by more (and 2 steps)
+PLAN_MARGIN = 0.02       # the plan aims at the budget less this share: room for the estimates' noise
+PLOT_S = 1.0             # what drawing loss.png and the summary lines cost (an allowance; not measured)
+FIRST_PLAN_MIN = 10      # the first plan's fewest steps: it rests on timings only (the measured steps correct it)
+FREEZE_MEASURED = 3      # ... and the plan is fixed only once the process has measured this many steps
+
+
+def _robust_mean(values: Sequence[float]) -> float:
+    """The mean, each value capped at 3x the median: a step that other work stalled once does not
+    weigh on the estimate for the next 32, regular variation still does."""
+    cap = 3 * float(np.median(values))
+    return sum(min(v, cap) for v in values) / len(values)
+
+
+class StepCosts:
+    """What the parts of a run cost, in seconds, for fitting it to the time budget: forward+backward of a
+    step in each context stage, the rest of a step (optimizer, balancer, metrics, progress), an evaluation,
+    a checkpoint write, and the end of the run (sample and plot).
+
+    Priors (the planning timings, or the estimates a checkpoint saved) stand in until this process has
+    measured its own: the means (``_robust_mean``) of the last 32 steps per stage (a stage not reached
+    yet is scaled from a measured one by the ratio of their planning timings), of the last 16 steps'
+    rest, and of the last 4 evaluations and writes.
+    """
+
+    def __init__(self, fwd_bwd_s: list[float], other_s: float, eval_s: float, save_s: float, tail_s: float):
+        self.prior_fwd_bwd = [max(float(v), 1e-6) for v in fwd_bwd_s]
+        self.prior = {"other": float(other_s), "eval": float(eval_s), "save": float(save_s)}
+        self.tail_s = float(tail_s)
+        self.fwd_bwd: list[deque[float]] = [deque(maxlen=32) for _ in fwd_bwd_s]   # per stage, the last steps
+        self.recent: dict[str, deque[float]] = {"other": deque(maxlen=16), "eval": deque(maxlen=4),
+                                                "save": deque(maxlen=4)}
+        self.ratios: deque[float] = deque(maxlen=2)   # the last steps' seconds over their estimate
+
+    def measure_step(self, stage: int, fwd_bwd_s: float, other_s: float) -> None:
+        self.ratios.append((fwd_bwd_s + max(0.0, other_s)) / self.step_at(stage))
+        self.fwd_bwd[stage].append(fwd_bwd_s)
+        self.recent["other"].append(max(0.0, other_s))
+
+    @property
+    def measured_steps(self) -> int:
+        return sum(len(values) for values in self.fwd_bwd)
+
+    def measure(self, kind: str, seconds: float) -> None:
+        self.recent[kind].append(seconds)
+
+    def get(self, kind: str) -> float:
+        values = self.recent[kind]
+        return _robust_mean(values) if values else self.prior[kind]
+
+    def fwd_bwd_at(self, stage: int) -> float:
+        if self.fwd_bwd[stage]:
+            return _robust_mean(self.fwd_bwd[stage])
+        measured = [i for i, values in enumerate(self.fwd_bwd) if values]
+        if not measured:
+            return self.prior_fwd_bwd[stage]
+        base = min(measured, key=lambda i: (abs(i - stage), -i))   # the nearest measured stage
+        return self.fwd_bwd_at(base) * self.prior_fwd_bwd[stage] / self.prior_fwd_bwd[base]
+
+    def step_at(self, stage: int) -> float:
+        return self.fwd_bwd_at(stage) + self.get("other")
+
+    def slowdown(self) -> float:
+        """How much slower than estimated the last two steps both were (1 when not): the machine
+        slowed down (other work started beside the run), which the means learn only slowly."""
+        return max(1.0, min(self.ratios)) if len(self.ratios) == self.ratios.maxlen else 1.0
+
+    def end_s(self) -> float:
+        """The end of a run: final evaluation, final checkpoint, sample and plot."""
+        return self.get("eval") + self.get("save") + self.tail_s
+
+    def state(self) -> dict[str, Any]:
+        return {"fwd_bwd_s": [self.fwd_bwd_at(k) for k in range(len(self.fwd_bwd))], "other_s": self.get("other"),
+                "eval_s": self.get("eval"), "save_s": self.get("save"), "tail_s": self.tail_s}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> StepCosts:
+        return cls(state["fwd_bwd_s"], state["other_s"], state["eval_s"], state["save_s"], state["tail_s"])
+
+
+@dataclass(slots=True)
+class PlanChange:
+    total: int
+    frozen: bool
+    lines: list[str] = field(default_factory=list)
+
+
+class BudgetPlanner:
+    """Fits a run to ``--time-budget``: the number of steps (``total``, which the learning-rate and
+    context-length schedules read), re-planned from what the steps measurably cost.
+
+    ``used_before``: budget seconds spent by earlier processes of the run (until the checkpoint resumed
+    from); ``origin``: when this process started spending (the Trainer's creation). The plan targets
+    the budget less ``PLAN_MARGIN`` and the end of the run (final evaluation, checkpoint, sample, plot);
+    it is re-planned at steps 3, 6, 12, 24, ... of each process and whenever the best total drifts by
+    more than ``REPLAN_DRIFT``, until ``FREEZE_FRACTION`` of the budget is used: then it is fixed, so a
+    checkpoint from there on resumes exactly. Whatever the plan, a run stops early, as a last resort,
+    when one more step would leave no time for the end of the run.
+    """
+
+    def __init__(self, budget_s: float, stages: list[ContextStage], eval_every: int, checkpoints: CheckpointClock,
+                 costs: StepCosts, total: int = 0, frozen: bool = False, used_before: float = 0.0,
+                 origin: float = 0.0):
+        self.budget_s, self.stages, self.eval_every = budget_s, stages, eval_every
+        self.checkpoints, self.costs = checkpoints, costs
+        self.total, self.frozen = total, frozen
+        self.used_before, self.origin = used_before, origin
+        self.next_replan = 3
+
+    def used(self, now: float | None = None) -> float:
+        return self.used_before + ((_now() if now is None else now) - self.origin)
+
+    def stage(self, step: int, total: int) -> int:
+        return stage_at(step, total, self.stages)
+
+    def projected(self, start: int, total: int) -> float:
+        """Seconds that steps ``start .. total-1`` take, with the evaluations and checkpoints between them
+        (not the ones at the end)."""
+        if total <= start:
+            return 0.0
+        bounds = [stage_start(k, total, self.stages) for k in range(len(self.stages))] + [total]
+        seconds = 0.0
+        for k in range(len(self.stages)):
+            count = min(bounds[k + 1], total) - max(bounds[k], start)
+            if count > 0:
+                seconds += count * self.costs.step_at(k)
+        seconds += max(0, (total - 1) // self.eval_every - start // self.eval_every) * self.costs.get("eval")
+        every = self.checkpoints.every
+        if every.steps is not None:
+            saves = max(0, (total - 1) // every.steps - start // every.steps)
+        else:
+            saves = int(seconds // max(self.checkpoints.interval or 1.0, 1e-3))
+        return seconds + saves * self.costs.get("save")
+
+    def room(self, used: float) -> float:
+        """Seconds left for steps: the budget less the margin, what is used and the end of the run."""
+        return self.budget_s * (1 - PLAN_MARGIN) - used - self.costs.end_s()
+
+    def best_total(self, start: int, used: float) -> int:
+        """The most steps (``start`` for none more) that fit what is left of the budget."""
+        room = self.room(used)
+        if self.projected(start, start + 1) > room:
+            return start
+        fits, over = start + 1, start + 2
+        while self.projected(start, over) <= room and over < 10**9:
+            fits, over = over, start + 2 * (over - start)
+        while over - fits > 1:
+            middle = (fits + over) // 2
+            fits, over = (middle, over) if self.projected(start, middle) <= room else (fits, middle)
+        return fits
+
+    def per_step(self, start: int, total: int) -> float:
+        return self.projected(start, total) / max(1, total - start)
+
+    def decide(self, step: int, total: int, used: float, since: int) -> PlanChange:
+        """After step ``step`` - 1 (``since`` steps into this process): re-plan, fix the plan, or stop."""
+        change = PlanChange(total, self.frozen)
+        if not self.frozen:
+            freeze = used >= FREEZE_FRACTION * self.budget_s and self.costs.measured_steps >= FREEZE_MEASURED
+            scheduled = since >= self.next_replan
+            while since >= self.next_replan:
+                self.next_replan *= 2
+            best = self._no_earlier_stage(step, total, self.best_total(step, used))
+            drift = abs(best - total) > max(REPLAN_DRIFT * total, 2)
+            if best != total and (scheduled or freeze or drift):
+                change.lines.append(f"re-planned at step {step} ({used:.0f} s of the {self.budget_s:.0f} s budget "
+                                    f"used, ~{self.per_step(step, best):.2f} s a step): {best} steps instead "
+                                    f"of {total}" + ("; fixed from here on" if freeze else ""))
+                change.total = best
+            elif freeze:
+                change.lines.append(f"plan fixed at {total} steps at step {step} ({used:.0f} s of the "
+                                    f"{self.budget_s:.0f} s budget used, ~{self.per_step(step, total):.2f} s a step)")
+            change.frozen = freeze
+        stop = self.last_resort(step, change.total, used)
+        if stop is not None:
+            change.lines.append(stop)
+            change.total = step
+        return change
+
+    def last_resort(self, step: int, total: int, used: float, pending_eval: bool = True) -> str | None:
+        """A line saying why the run stops at ``step``, when one more step and the end of the run
+        (evaluation, checkpoint, sample) would overrun the budget; None when they fit. ``pending_eval``:
+        step ``step``'s evaluation (when one is due) is still to come."""
+        if step >= total:
+            return None
+        pending = self.costs.get("eval") if pending_eval and step > 0 and step % self.eval_every == 0 else 0.0
+        slowdown = self.costs.slowdown()
+        next_step = self.costs.step_at(self.stage(step, total)) * slowdown
+        end = (self.costs.end_s() + pending) * slowdown
+        if used + next_step + end <= self.budget_s:
+            return None
+        slower = f" (steps now {slowdown:.1f}x slower than measured)" if slowdown > 1.2 else ""
+        return (f"stopping at step {step} of {total} to keep the {self.budget_s:.0f} s budget: {used:.0f} s used, "
+                f"~{next_step:.1f} s a step{slower}, ~{end:.1f} s for the final evaluation, checkpoint and sample")
+
+    def _no_earlier_stage(self, step: int, total: int, best: int) -> int:
+        """``best``, or less so that the context length never goes back to an earlier stage."""
+        if best <= total or step == 0:
+            return best
+        fraction = self.stages[self.stage(step - 1, total)].start_fraction
+        if fraction <= 0:
+            return best
+        limit = math.floor(step / fraction)
+        while limit > step and step / limit < fraction:   # the float comparison ``stage_at`` makes
+            limit -= 1
+        while step / (limit + 1) >= fraction:
+            limit += 1
+        return max(step + 1, min(best, limit))
+
+    def state(self, used: float) -> dict[str, Any]:
+        return {"total": self.total, "frozen": self.frozen, "used_s": used, "costs": self.costs.state()}
+
+
 class Trainer:
     """Builds everything from ``TrainArgs`` and runs the loop (``run()``).
 
@@ -106,6 +335,7 @@ class Trainer:
                  model_factory: Callable[[K3Config, torch.device, int], torch.nn.Module] | None = None,
                  log: Callable[[str], None] = print, parallel: ParallelDims | None = None,
                  activation_checkpointing: bool = False, context: ParallelContext | None = None):
+        self.created = _now()   # a time budget counts from here: data, tokenizer and model included
         self.resume_dir = Path(resume) if resume is not None else None
         self.resume_checkpoint: Path | None = None  # None on resume: restart from step 0 (run.json)
         self.damaged_checkpoints: dict[str, str] = {}
@@ -128,6 +358,11 @@ class Trainer:
             args.progress = False
         self.model_config = resolve_model_config(args)
         self.stages = parse_stages(args.stages)
+        # The shapes a step can take (one when --seq-len fixes it): the budget's cost model has one entry each.
+        self.cost_stages = self.stages if args.seq_len is None else [ContextStage(0.0, args.seq_len)]
+        self.planner: BudgetPlanner | None = None       # a run fitted to --time-budget (not --steps)
+        self.saved_plan: dict[str, Any] | None = None   # the plan of the checkpoint resumed from
+        self.total = args.steps or 0
 
         # Data first: a bad data path fails before any model is built.
         self.corpus: Corpus = load_corpus(args.data)
@@ -154,6 +389,8 @@ class Trainer:
         self.balancer = self._build_balancer()
         self.step = 0
         self.nonfinite_total = 0
+        self.fwd_bwd_s = 0.0   # the last step's forward+backward (and clipping), seconds
+        self.say = self.log    # the loop's lines (the progress bar's write while it shows)
         self.clock = CheckpointClock(parse_checkpoint_every(args.checkpoint_every), self.log)
         self.run_dir = prepare_run_dir(args, self.model_config.name, self.resume_dir is not None, self.ctx, self.log)
         if self.resume_dir is not None:
@@ -183,6 +420,10 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             "nonfinite_total": self.nonfinite_total,
             "corpus_fingerprint": self.corpus.fingerprint,
+            # The number of steps (the schedule reads it) and, for a budgeted run, whether it may still
+            # change, the budget used so far and the cost model: --resume continues with them.
+            "plan": (self.planner.state(self.planner.used()) if self.planner is not None
+                     else {"total": self.total, "frozen": True}),
         }
 
     def _restore(self) -> None:
@@ -213,6 +454,8 @@ class Trainer:
         load_optimizer_state(self.optimizer, state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.nonfinite_total = int(state["nonfinite_total"])
+        plan = state.get("plan")   # absent from older checkpoints: their args hold the planned --steps
+        self.saved_plan = plan if isinstance(plan, dict) and "costs" in plan else None
         self.step = step
         if self.ctx.is_main:
             truncate_metrics(self.run_dir, step)
@@ -221,9 +464,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def batch_shape(self, step: int, total: int) -> tuple[int, int]:
-        seq = self.args.seq_len or seq_len_at(step, total, self.stages)
-        batch = self.args.batch_size or max(1, self.args.tokens_per_step // seq)
-        return batch, seq
+        return self.shape_for(self.args.seq_len or seq_len_at(step, total, self.stages))
+
+    def shape_for(self, seq: int) -> tuple[int, int]:
+        return self.args.batch_size or max(1, self.args.tokens_per_step // seq), seq
 
     def _autocast(self):
         if self.device.type == "cuda":
@@ -241,13 +485,13 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = group["base_lr"] * lr_scale
 
-        start = time.perf_counter()
+        start = _now()
         with self._autocast():
             out = self.model(inputs, labels=labels)
         if self.balancer is not None:
             self.balancer.observe(out.routing)   # bins the scores, then drops them before backward
         loss = out.loss
-        record: dict[str, Any] = {"step": step, "seq_len": seq, "batch_size": batch,
+        record: dict[str, Any] = {"step": step, "total_steps": total, "seq_len": seq, "batch_size": batch,
                                   "lr": self.args.lr * lr_scale}
         global_loss = self.ctx.global_loss(loss.detach())  # one verdict for every rank
         finite = bool(torch.isfinite(global_loss))
@@ -256,6 +500,7 @@ class Trainer:
             grad_norm = self.ctx.clip_grad_norm(self.model.parameters(), self.args.grad_clip)
             finite = bool(torch.isfinite(grad_norm))
             record["grad_norm"] = float(grad_norm)
+        self.fwd_bwd_s = _now() - start   # (synchronised by the loss's and the norm's reads)
         if finite:
             self.optimizer.step()
             balance = self.balancer.step() if self.balancer is not None else {}
@@ -263,10 +508,10 @@ class Trainer:
             self.nonfinite_total += 1
             balance = self.balancer.discard() if self.balancer is not None else {}
         self.optimizer.zero_grad(set_to_none=True)
-        elapsed = time.perf_counter() - start
+        elapsed = max(_now() - start, 1e-9)
 
         record.update(loss=float(global_loss), tokens_per_s=batch * seq / elapsed, step_time_s=elapsed,
-                      elapsed_s=time.perf_counter() - self.started,
+                      elapsed_s=_now() - self.started,
                       skipped=not finite, nonfinite_total=self.nonfinite_total)
         if out.main_loss is not None and out.mtp_loss is not None:
             record.update(main_loss=float(self.ctx.global_loss(out.main_loss.detach())),
@@ -294,48 +539,131 @@ class Trainer:
 
     # ------------------------------------------------------------------ planning the budget
     def plan_steps(self) -> int:
-        """Steps that fit the time budget, from the timing of forward+backward passes."""
-        if self.args.steps is not None:
-            return self.args.steps
-        batch, seq = self.batch_shape(0, 1)
-        inputs, labels = self.ctx.shard_batch(*batch_at(self.train_ids, 0, self.args.seed, batch, seq))
-        timings = []
-        for _ in range(3):   # not observed by the balancer: timing only
-            start = time.perf_counter()
+        """The run's number of steps: ``--steps``, the plan of the checkpoint resumed from, or as many as
+        fit the time budget by this machine's timings (``_time_the_parts``). A budgeted run keeps
+        re-planning from its measured steps (``BudgetPlanner``)."""
+        a = self.args
+        if a.steps is not None:
+            return a.steps
+        if self.saved_plan is not None:
+            return self._continue_plan(self.saved_plan)
+        costs = self._time_the_parts()
+        planner = BudgetPlanner(a.time_budget_s, self.cost_stages, a.eval_every, self.clock, costs,
+                                origin=self.created)
+        total = max(self.step + FIRST_PLAN_MIN, planner.best_total(self.step, planner.used()))
+        planner.total = total = self.ctx.broadcast_int(total)  # every rank runs rank 0's plan
+        self.planner = planner
+        self.log(f"planning {total} steps (~{planner.per_step(self.step, total):.2f} s each) to fit the "
+                 f"{a.time_budget_s:.0f} s budget; re-planned from the measured steps until "
+                 f"{FREEZE_FRACTION:.0%} of it is used")
+        return total
+
+    def _continue_plan(self, plan: dict[str, Any]) -> int:
+        a = self.args
+        costs = StepCosts.from_state(plan["costs"])
+        if len(costs.prior_fwd_bwd) != len(self.cost_stages):   # cannot happen with the run's own args
+            costs = StepCosts([costs.prior_fwd_bwd[0]] * len(self.cost_stages), costs.prior["other"],
+                              costs.prior["eval"], costs.prior["save"], costs.tail_s)
+        self.planner = BudgetPlanner(a.time_budget_s, self.cost_stages, a.eval_every, self.clock, costs,
+                                     total=int(plan["total"]), frozen=bool(plan["frozen"]),
+                                     used_before=float(plan["used_s"]), origin=self.created)
+        state = "fixed" if self.planner.frozen else f"re-planned until {FREEZE_FRACTION:.0%} of the budget is used"
+        self.log(f"time budget: {self.planner.used_before:.0f} s of {a.time_budget_s:.0f} s used at the checkpoint; "
+                 f"{self.planner.total} steps planned ({state})")
+        return self.planner.total
+
+    def _time_the_parts(self) -> StepCosts:
+        """Planning timings, the priors of the cost model: one forward+backward at the shape of each
+        context stage (after one to warm up), one batch of the evaluation and a short sample. Nothing
+        is trained (the gradients are dropped, the balancer sees nothing)."""
+        def timed(run: Callable[[], Any]) -> float:
+            start = _now()
+            run()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return _now() - start
+
+        def fwd_bwd(seq: int) -> None:
+            batch, seq = self.shape_for(seq)
+            inputs, labels = self.ctx.shard_batch(*batch_at(self.train_ids, 0, self.args.seed, batch, seq))
             with self._autocast():
                 self.model(inputs.to(self.device), labels=labels.to(self.device)).loss.backward()
-            timings.append(time.perf_counter() - start)
+
+        seqs = [stage.seq_len for stage in self.cost_stages]
+        fwd_bwd(seqs[0])   # warm-up
+        by_seq: dict[int, float] = {}
+        for seq in seqs:
+            if seq not in by_seq:
+                by_seq[seq] = timed(lambda: fwd_bwd(seq))
+        for seq, seconds in list(by_seq.items()):   # one timing each: again, where other work may have slowed it
+            if seconds > 1.5 * min(by_seq.values()):
+                by_seq[seq] = min(seconds, timed(lambda: fwd_bwd(seq)))
         self.model.zero_grad(set_to_none=True)
-        step_time = 1.15 * min(timings[1:])  # optimizer, balancing and logging on top
-        budget = self.args.time_budget_s - (time.perf_counter() - self.started) - 10.0
-        evals = 1 + budget / step_time / self.args.eval_every
-        budget -= evals * 0.5 * step_time  # an evaluation costs about half a step
-        steps = max(10, int(budget / step_time))
-        steps = self.ctx.broadcast_int(steps)  # every rank runs rank 0's plan
-        self.log(f"planning {steps} steps (~{step_time:.2f} s each) to fit the {self.args.time_budget_s:.0f} s budget")
-        return steps
+
+        inputs, labels = eval_windows(self.val_ids, self.args.seq_len or self.stages[-1].seq_len,
+                                      self.args.eval_windows)
+        window, target = self.ctx.shard_sequence(inputs[:4], labels[:4])
+
+        @torch.no_grad()
+        def eval_batch() -> None:
+            self.model.eval()
+            with self._autocast():
+                self.model(window.to(self.device), labels=target.to(self.device))
+            self.model.train()
+
+        eval_s = timed(eval_batch) * math.ceil(inputs.shape[0] / 4)
+        sample_s = timed(lambda: self.sample(SAMPLE_PROMPT, max_new_tokens=4)) * 80 / 4
+        fwd_bwd_s = [by_seq[seq] for seq in seqs]
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        save_s = 0.1 + 3 * weights / 200e6   # weights and two optimizer moments at ~200 MB/s, until measured
+        return StepCosts(fwd_bwd_s, 0.15 * fwd_bwd_s[0], eval_s, save_s, sample_s + PLOT_S)
+
+    def _replan(self, total: int, progress, first_step: int) -> int:
+        """After a step of a budgeted run: rank 0's planner re-plans, fixes the plan or stops the run."""
+        planner = self.planner
+        change = planner.decide(self.step, total, planner.used(), self.step - first_step)
+        code = self.ctx.broadcast_int(2 * change.total + int(change.frozen))   # rank 0's decision for every rank
+        planner.total, planner.frozen = code // 2, bool(code % 2)
+        for line in change.lines:
+            self.say(line)
+        if planner.total != total:
+            progress.total = planner.total
+            progress.refresh()
+        self.total = planner.total
+        return planner.total
 
     # ------------------------------------------------------------------ the loop
     def run(self, on_step: Callable[[dict[str, Any]], None] | None = None) -> RunSummary:
-        """Train to ``args.steps`` (planned from the time budget when unset); ``on_step`` sees each record."""
-        self.started = time.perf_counter()
+        """Train to ``args.steps``, or to the end of the time budget (see ``BudgetPlanner``); ``on_step``
+        sees each record."""
+        self.started = _now()
         a = self.args
-        total = self.plan_steps() if self.resume_dir is None else (a.steps or 0)
-        a.steps = total
+        self.total = total = self.plan_steps()
         if self.ctx.is_main:
             write_run_args(self.run_dir, a)  # from here on, --resume can restart the run
         if self.step >= total:
-            self.log(f"{self.run_dir} is already at step {self.step} >= --steps {total}: nothing to do")
+            planned = f"--steps {total}" if a.steps is not None else f"the {total} steps planned"
+            self.log(f"{self.run_dir} is already at step {self.step} >= {planned}: nothing to do")
+        elif self.planner is not None and self.step > 0:   # a resumed budgeted run: is there time left?
+            line = self.planner.last_resort(self.step, total, self.planner.used(), pending_eval=False)
+            stop = self.ctx.broadcast_int(int(line is not None))
+            if stop:
+                self.log(f"{line or ''}; train further with --resume {self.run_dir} --steps N")
+                self.total = self.planner.total = total = self.step
         self.log(f"data: {self.corpus.description}: {len(self.corpus.train)} train / {len(self.corpus.val)} "
                  f"val documents, {len(self.train_ids):,} / {len(self.val_ids):,} tokens; unigram val loss "
                  f"{self.unigram:.3f}")
         metrics_path = self.run_dir / METRICS_FILE
         history: list[dict[str, Any]] = []
+        recent: deque[float] = deque(maxlen=10)   # next-token losses: the bar's, the summary's, the plot's smoothing
         consecutive_bad = 0
         last_val = None
         progress = _progress(total, self.step, a.progress)
+        # The planner's lines: above the progress bar rather than glued to it.
+        self.say = progress.write if a.progress and self.log is print else self.log
         first_step = self.step
         self.clock.restart()
+        mark, aside = _now(), 0.0   # the last planning point; evaluations and checkpoints since then
         try:
             with (open(metrics_path, "a") if self.ctx.is_main else open(os.devnull, "w")) as metrics_file:
                 while self.step < total:
@@ -346,17 +674,30 @@ class Trainer:
                             f"{consecutive_bad} non-finite losses in a row at step {self.step}: stopping. The last "
                             f"good checkpoint is intact in {self.run_dir}; try a lower --lr.")
                     self.step += 1
+                    if self.planner is not None:
+                        now = _now()
+                        if self.step - first_step > 1:   # the first step of a process warms up: not a measure
+                            self.planner.costs.measure_step(self.planner.stage(record["step"], total),
+                                                            self.fwd_bwd_s, now - mark - aside - self.fwd_bwd_s)
+                        mark, aside = now, 0.0
+                        total = self._replan(total, progress, first_step)
                     if self.step % a.eval_every == 0 or self.step == total:
+                        start = _now()
                         last_val = self.evaluate()
+                        aside += self._measured("eval", start)
                         record["val_loss"] = last_val
                     metrics_file.write(json.dumps(record) + "\n")
                     metrics_file.flush()
                     history.append(record)
+                    if not record["skipped"]:
+                        recent.append(next_token_loss(record))
                     progress.update(1)
-                    progress.set_postfix(_postfix(record, last_val), refresh=False)
+                    progress.set_postfix(_postfix(record, last_val, recent), refresh=False)
                     # No checkpoint in the middle of a run of skipped steps: the last one stays the last good one.
                     if self.step < total and consecutive_bad == 0 and self._checkpoint_due():
+                        start = _now()
                         self.save()
+                        aside += self._measured("save", start)
                     if on_step is not None:
                         on_step(record)
         finally:
@@ -370,15 +711,25 @@ class Trainer:
         sample = self.sample(SAMPLE_PROMPT)
         done = [r for r in history if not r["skipped"]]
         tokens_per_s = float(np.median([r["tokens_per_s"] for r in done])) if done else 0.0
-        # The next-token loss (the optimised loss adds the weighted MTP term), comparable with val.
-        final_loss = float(np.mean([r.get("main_loss", r["loss"]) for r in done[-10:]])) if done else float("nan")
+        # The next-token loss (the optimised loss adds the weighted MTP term), comparable with val; the
+        # progress bar showed the same average, loss.png its smoothed curve.
+        final_loss = float(np.mean(recent)) if recent else float("nan")
         if history:
             self.log(f"final train loss {final_loss:.3f} (next-token, last 10 steps), val loss {last_val:.3f} "
                      f"(unigram baseline {self.unigram:.3f}), {tokens_per_s:,.0f} tokens/s")
         self.log(f"sample (temperature 0.8, prompt {SAMPLE_PROMPT!r}):\n{SAMPLE_PROMPT}{sample}")
+        if self.planner is not None:
+            self.log(f"time: {self.planner.used():.0f} s of the {a.time_budget_s:.0f} s budget, {self.step} steps")
         self.log(f"run written to {self.run_dir}/: model.safetensors config.json tokenizer.json "
                  f"train_state.* metrics.jsonl {plot_path.name if plot_path else ''}")
         return RunSummary(self.run_dir, self.step, final_loss, last_val, self.unigram, tokens_per_s, sample, history)
+
+    def _measured(self, kind: str, start: float) -> float:
+        """Seconds since ``start``, which an evaluation or a checkpoint took; the budget's cost model learns them."""
+        seconds = _now() - start
+        if self.planner is not None:
+            self.planner.costs.measure(kind, seconds)
+        return seconds
 
     def _checkpoint_due(self) -> bool:
         due = self.clock.due(self.step)
@@ -425,8 +776,18 @@ def _progress(total: int, initial: int, enabled: bool):
     return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)
 
 
-def _postfix(record: dict[str, Any], val: float | None) -> dict[str, str]:
-    out = {"loss": f"{record['loss']:.3f}", "val": f"{val:.3f}" if val is not None else "-",
+def next_token_loss(record: dict[str, Any]) -> float:
+    """A step's next-token loss: ``main_loss`` when the model has MTP (the optimised ``loss`` then adds its
+    weighted term), else ``loss``. What the progress bar, the final summary and loss.png show."""
+    return record.get("main_loss", record["loss"])
+
+
+def _postfix(record: dict[str, Any], val: float | None, recent: Sequence[float] = ()) -> dict[str, str]:
+    """The progress bar's figures. ``loss``: the next-token loss averaged over ``recent`` (the last 10
+    steps' next-token losses; this step's when empty), the final summary's train loss and loss.png's
+    smoothed curve."""
+    loss = sum(recent) / len(recent) if recent else next_token_loss(record)
+    out = {"loss": f"{loss:.3f}", "val": f"{val:.3f}" if val is not None else "-",
            "tok/s": f"{record['tokens_per_s']:,.0f}", "lr": f"{record['lr']:.1e}"}
     imbalance = record.get("expert_load_max_over_mean")
     if imbalance is not None and math.isfinite(imbalance):

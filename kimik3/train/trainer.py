@@ -15,7 +15,8 @@ the Trainer's creation: data, tokenizer and model, planning, steps, evaluations,
 final checkpoint, plot and sample. ``BudgetPlanner`` plans the number of steps (``total``, which the
 cosine schedule, its warmup and the context stages read) from timings of this machine, then re-plans
 it from the measured cost of the steps (optimizer, balancer, evaluations, checkpoints included) until
-a quarter of the budget is used; from then on the plan is fixed, so a checkpoint taken after that
+half the budget is used (by then the second context stage has been measured, not only estimated); from
+then on the plan is fixed, so a checkpoint taken after that
 point resumes exactly. The plan (total, fixed or not, budget used, cost estimates) is saved with every
 checkpoint and ``--resume`` continues it. As a last resort a run stops early when one more step would
 leave no time for the end of the run.
@@ -109,7 +110,7 @@ def routing_imbalance(routing: tuple[RoutingStats | None, ...]) -> float | None:
 # The trainer's clock for timing steps and keeping the time budget (tests replace it with a virtual one).
 _now = time.perf_counter
 
-FREEZE_FRACTION = 0.25   # a budgeted plan is re-planned until this share of the budget is used, then fixed
+FREEZE_FRACTION = 0.5    # a budgeted plan is re-planned until this share of the budget is used, then fixed
 REPLAN_DRIFT = 0.05      # ... at steps 3, 6, 12, 24, ... of a process, and when it drifts by more (and 2 steps)
 PLAN_MARGIN = 0.02       # the plan aims at the budget less this share: room for the estimates' noise
 PLOT_S = 1.0             # what drawing loss.png and the summary lines cost (an allowance; not measured)

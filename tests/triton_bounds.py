@@ -3,9 +3,9 @@
 On a GPU a load or store outside every tensor a kernel was given is an illegal address; under the
 interpreter it silently reads or writes host memory, so a CPU test can pass with such a bug. Inside
 ``bounds_checked()`` every masked-in lane of every ``tl.load`` / ``tl.store`` must fall inside the
-storage of one of the launch's tensor arguments; otherwise the launch fails with an AssertionError
-naming the kernel, the source line and the number of stray lanes. Masked-off lanes are not checked:
-the hardware does not touch them either.
+storage of one of the launch's tensor arguments (tensors inside tuple arguments included);
+otherwise the launch fails with an AssertionError naming the kernel, the source line and the number
+of stray lanes. Masked-off lanes are not checked: the hardware does not touch them either.
 
 It patches three internals of ``triton.runtime.interpreter`` (Triton 3.6: ``GridExecutor._init_args_hst``,
 ``InterpreterBuilder.create_masked_load`` / ``create_masked_store``) and restores them on exit; with
@@ -63,10 +63,14 @@ def bounds_checked():
     saved = [getattr(o, n) for o, n in zip(owners, names)]
     launch = {"kernel": "?", "ranges": []}
 
+    def flat(xs):   # a tuple argument (e.g. a list of pointers) holds tensors too
+        for x in xs:
+            yield from (flat(x) if isinstance(x, tuple) else (x,))
+
     def init_args(self, args_dev, kwargs):
         args, kw = saved[0](self, args_dev, kwargs)
         ranges = []
-        for x in list(args) + list(kw.values()):
+        for x in flat(list(args) + list(kw.values())):
             if hasattr(x, "untyped_storage"):
                 s = x.untyped_storage()
                 ranges.append((s.data_ptr(), s.data_ptr() + s.nbytes()))

@@ -6,7 +6,7 @@ entries, no rows, fp64 gradcheck, the backend choice, and the input checks.
 
 Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set by tests/conftest.py), with the
 interpreter's bf16 made the GPU's (``interpreter_bf16_fix``) and every load and store bounds-checked, the tensors
-inside tuple arguments included (``_bounds_checked``).
+inside tuple arguments included (``tests/triton_bounds.py``).
 
 Legend: B batch, T tokens, N entries, D width, R rows.
 """
@@ -16,10 +16,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import traceback
 import types
 
-import numpy as np
 import pytest
 import torch
 
@@ -35,54 +33,6 @@ needs_kernels = pytest.mark.skipif(not HAS_KERNELS, reason="needs triton, and CU
 BF16_ULP = 2.0 ** -7  # a bf16 value's spacing, relative to the value, is at most this
 
 
-@contextlib.contextmanager
-def _bounds_checked():
-    """tests/triton_bounds.py's check, counting the tensors inside tuple arguments too (the mix takes its entries as
-    a tuple of pointers): every masked-in lane of every load and store must fall inside one argument's storage."""
-    import triton.runtime.interpreter as interp
-
-    from tests.triton_bounds import _stray_lanes
-
-    executor, builder = interp.GridExecutor, interp.InterpreterBuilder
-    saved = executor._init_args_hst, builder.create_masked_load, builder.create_masked_store
-    launch = {"kernel": "?", "ranges": []}
-
-    def flat(xs):
-        for x in xs:
-            yield from (flat(x) if isinstance(x, tuple) else (x,))
-
-    def init_args(self, args_dev, kwargs):
-        args, kw = saved[0](self, args_dev, kwargs)
-        ranges = [(s.data_ptr(), s.data_ptr() + s.nbytes())
-                  for s in (x.untyped_storage() for x in flat(list(args) + list(kw.values()))
-                            if hasattr(x, "untyped_storage"))]
-        launch["kernel"], launch["ranges"] = getattr(self.fn, "__name__", "?"), ranges
-        return args, kw
-
-    def check(kind, ptrs, mask):
-        itemsize = np.dtype(interp._get_np_dtype(ptrs.get_element_ty())).itemsize
-        stray = _stray_lanes(ptrs.data, mask.data, itemsize, launch["ranges"])
-        if stray.size:
-            f = [f for f in traceback.extract_stack() if "/kimik3/ops/glue/" in f.filename][-1]
-            raise AssertionError(f"{kind} outside every tensor argument in {launch['kernel']} ({stray.size} lanes) "
-                                 f"at {f.filename.rsplit('/', 1)[-1]}:{f.lineno}: {(f.line or '').strip()}")
-
-    def masked_load(self, ptrs, mask, other, *rest):
-        check("load", ptrs, mask)
-        return saved[1](self, ptrs, mask, other, *rest)
-
-    def masked_store(self, ptrs, value, mask, *rest):
-        check("store", ptrs, mask)
-        return saved[2](self, ptrs, value, mask, *rest)
-
-    executor._init_args_hst, builder.create_masked_load, builder.create_masked_store = (
-        init_args, masked_load, masked_store)
-    try:
-        yield
-    finally:
-        executor._init_args_hst, builder.create_masked_load, builder.create_masked_store = saved
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter_setup():
     checked = contextlib.nullcontext()
@@ -90,7 +40,9 @@ def _interpreter_setup():
         from kimik3.ops.kda.interpreter import interpreter_bf16_fix
 
         interpreter_bf16_fix()  # the interpreter's bf16 casts are not the GPU's (Triton 3.6)
-        checked = _bounds_checked()
+        from tests.triton_bounds import bounds_checked
+
+        checked = bounds_checked()
     with checked:
         yield
 

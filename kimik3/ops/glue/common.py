@@ -115,11 +115,7 @@ def rows_2d(x: torch.Tensor) -> torch.Tensor:
 def blocks(R: int, D: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_D, num_warps) from the shapes only: a whole row (next power of two of D) a program, as many
     rows as fit TILE_ELEMS (at most the next power of two of R), 8 elements a thread a tile, 1 to 16 warps (16
-    a thread from D > 4096 up: ptxas caps a 512-thread program at 128 registers, a 1024-thread one at 64).
-
-    Not timed on a GPU yet. Compiled for sm_90a (bf16, Triton 3.6's ptxas): the debug preset's D = 1024 takes
-    (2 rows, 8 warps): forward 48 registers, backward 128, no spills; K3's D = 7168 (1 row, 16 warps): the AttnRes
-    forward spills 24-28 bytes a thread, its backward 616, RMSNorm none."""
+    a thread from D > 4096 up: ptxas caps a 512-thread program at 128 registers, a 1024-thread one at 64)."""
     block_d = triton.next_power_of_2(D)
     block_r = max(1, min(triton.next_power_of_2(max(R, 1)), TILE_ELEMS // block_d))
     num_warps = max(1, min(16, block_r * block_d // 256))

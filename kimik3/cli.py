@@ -133,14 +133,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     utilization = args.gpu_memory_utilization
     if utilization is not None and not on_gpu:
         raise ValueError("--gpu-memory-utilization sizes the cache on a GPU: on the CPU use --memory-mb")
+    if utilization is None and on_gpu and args.memory_mb is None:
+        utilization = 0.9
+    if utilization is not None:
+        utilization /= args.replicas   # the replicas share the GPU
     config = EngineConfig(memory_bytes=int((args.memory_mb or 256.0) * 2**20), hash_block=args.hash_block,
                           physical_block=args.physical_block, max_running=args.max_running,
                           checkpoints=args.checkpoints, prefix_policy=args.prefix_policy,
                           max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
-                          gpu_memory_utilization=(utilization or 0.9) if on_gpu and args.memory_mb is None
-                          else utilization, enforce_eager=args.enforce_eager)
-    if config.gpu_memory_utilization is not None and args.replicas > 1:
-        config.gpu_memory_utilization /= args.replicas   # the replicas share the GPU
+                          gpu_memory_utilization=utilization, enforce_eager=args.enforce_eager)
     replicas = [LLMEngine.from_run(run, config, device=args.device, model_name=args.served_model_name)
                 for _ in range(args.replicas)]
     engine = replicas[0] if len(replicas) == 1 else ReplicaRouter(replicas)

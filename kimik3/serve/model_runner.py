@@ -165,10 +165,9 @@ class ModelRunner:
                                                   p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
         batch = SamplingBatch.build(params, [seq.generator for seq in seqs], logits.device)
         tokens_B = sample(logits, batch)
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        if not wanted:
+        if batch.max_logprobs is None:
             return [Sampled(token) for token in tokens_B.tolist()]
-        chosen_B, top_ids_BN, top_BN = token_logprobs(logits_BV, tokens_B, max(wanted))
+        chosen_B, top_ids_BN, top_BN = token_logprobs(logits_BV, tokens_B, batch.max_logprobs)
         out = []
         for token, lp, ids, lps, p in zip(tokens_B.tolist(), chosen_B.tolist(), top_ids_BN.tolist(),
                                           top_BN.tolist(), params):

@@ -11,8 +11,8 @@ B = sequences in a step, T = new tokens per sequence, S = tokens attended, Z = K
 - ``PagedLatentView`` is what one MLA layer sees during one forward: it scatters the new latents
   into their slots and gathers, per row, every latent up to that row's length, with a mask that
   hides padding and the future. Rows of a decode batch have different lengths; that is the point.
-- Both pools keep one spare row past the rows they hand out (``LatentPool.scratch_block``,
-  ``StatePool.scratch_slot``): the padding rows of a decode batch replayed as a CUDA graph at a larger
+- Both pools keep one spare row past the rows they hand out (``LatentPool.scratch_block``, and
+  the state pool's last row, slot -1): the padding rows of a decode batch replayed as a CUDA graph at a larger
   bucket write there, never into a live sequence's cache.
 - ``StatePool`` holds the fixed-size KDA state (conv inputs + fp32 recurrent state) of every KDA
   layer in Z slots: live sequences and prefix checkpoints each take one slot. A forward sees the
@@ -168,7 +168,6 @@ class StatePool:
                                  dtype=dtype, device=device) for _ in range(kda_layers)]
         self.recurrent = [torch.zeros(rows, heads, head_dim, head_dim, dtype=torch.float32, device=device)
                           for _ in range(kda_layers)]
-        self.scratch_slot = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         self.num_slots = num_slots
 

@@ -2,7 +2,7 @@
 the measured steps (optimizer, evaluations, checkpoints included) until half the budget is used,
 then fixed so that a later checkpoint resumes exactly; a run stops early rather than overrun.
 
-The runs here keep time on a virtual clock (``VirtualClock``, the trainer's ``_now``): only what a
+The runs here keep time on a virtual clock (``VirtualClock``, ``kimik3.train.budget._now``): only what a
 test says costs time, so a "slow machine" is exact and the tests take seconds.
 """
 
@@ -14,11 +14,13 @@ import math
 import pytest
 import torch
 
+import kimik3.train.budget as budget_module
 import kimik3.train.trainer as trainer_module
 from kimik3 import K3ForCausalLM
 from kimik3.optim.schedule import cosine_lr, parse_stages, stage_at, stage_start
 from kimik3.train.checkpoint_clock import CheckpointClock, CheckpointEvery
-from kimik3.train.trainer import FREEZE_FRACTION, BudgetPlanner, StepCosts, Trainer, _postfix
+from kimik3.train.budget import FREEZE_FRACTION, BudgetPlanner, StepCosts
+from kimik3.train.trainer import Trainer, _postfix
 from tests.train.small_run import losses, resume, small_args
 
 
@@ -105,7 +107,7 @@ def assert_schedule_fits(history, args):
 @pytest.fixture
 def clock(monkeypatch):
     clock = VirtualClock()
-    monkeypatch.setattr(trainer_module, "_now", clock)
+    monkeypatch.setattr(budget_module, "_now", clock)
     return clock
 
 
@@ -121,7 +123,7 @@ def slow_run(small_config_path, code_corpus, tmp_path_factory):
     log: list[str] = []
     with pytest.MonkeyPatch.context() as patch:
         clock = VirtualClock()
-        patch.setattr(trainer_module, "_now", clock)
+        patch.setattr(budget_module, "_now", clock)
         patch.setenv("KIMIK3_CACHE", str(tmp_path_factory.getbasetemp() / "kimik3-cache"))
         summary = budgeted_run(small_config_path, code_corpus, out, SLOW_BUDGET_S, Costs(clock, 0.05, 0.45), log,
                                checkpoint_every=5)

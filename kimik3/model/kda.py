@@ -6,7 +6,8 @@ x -> q, k, v projections -> causal depthwise conv (width 4) -> SiLU; q, k L2-nor
 x / sqrt(sum x^2 + 1e-6); forget gate g = g_min * sigmoid(exp(A_log) * (f + dt_bias)) with the
 low-rank f = forget_b(forget_a(x)), so g is in (g_min, 0) = (-5, 0); beta = sigmoid(Linear(x))
 in fp32; the delta-rule recurrence (``kimik3.ops.kda``); per-head RMSNorm (fp32, eps 1e-5,
-weighted) times sigmoid(output_gate(x)); output projection.
+weighted) times sigmoid(output_gate(x)); output projection. The six projections of x run as one matmul
+(``model/fused_linear.py``).
 
 Context parallelism (``kimik3.parallel.kcp``) enters through one seam, ``KDA.context_parallel``: the two steps
 that read earlier tokens (the short conv's left context and the recurrence's incoming state) ask it when set.
@@ -22,9 +23,22 @@ from torch import nn
 
 from kimik3.config.schema import K3Config
 from kimik3.model.cache import KDAState
-from kimik3.model.conv import short_conv
+from kimik3.model.conv import short_conv, short_conv_step
+from kimik3.model.fused_linear import project
 from kimik3.model.param_rules import ParamRule, adamw, muon
+from kimik3.ops.glue import gated_rms_norm, glue_backend
 from kimik3.ops.kda import chunk_kda, kda_decode
+
+
+def gated_output_norm(o_BTHV: torch.Tensor, gate_BTHV: torch.Tensor, weight_V: torch.Tensor, eps: float,
+                      out_dtype: torch.dtype, backend: str = "auto") -> torch.Tensor:
+    """The layer's output before o_proj: per-head RMSNorm of o (fp32, weighted) times sigmoid(gate), cast to
+    ``out_dtype``. On CUDA one Triton kernel (``kimik3.ops.glue.gated_norm``); the torch lines are its reference.
+    ``backend``: as ``glue_backend``."""
+    if glue_backend(o_BTHV, backend) == "triton":
+        return gated_rms_norm(o_BTHV, gate_BTHV, weight_V, eps, out_dtype)
+    normed = F.rms_norm(o_BTHV.float(), (o_BTHV.shape[-1],), weight_V.float(), eps)
+    return (normed * torch.sigmoid(gate_BTHV.float())).to(out_dtype)
 
 
 class KDAContextParallel(Protocol):
@@ -74,6 +88,15 @@ class KDA(nn.Module):
         self.norm_eps = config.kda.norm_eps
         self.o_proj = nn.Linear(proj, d, bias=False)
 
+    @property
+    def _inputs(self) -> list[nn.Linear]:
+        """The projections of the layer's input, in the order of their outputs in the one matmul that computes
+        them (``kimik3.model.fused_linear``)."""
+        return [self.q_proj, self.k_proj, self.v_proj, self.forget_a, self.beta_proj, self.output_gate]
+
+    def projection_groups(self) -> list[list[nn.Linear]]:
+        return [self._inputs]
+
     def optimizer_rules(self) -> list[tuple[str, ParamRule]]:
         """Per-head Muon on the head-major projections, AdamW on the rest (``model/param_rules.py``)."""
         rows, cols = ("rows", self.num_heads), ("cols", self.num_heads)
@@ -103,20 +126,30 @@ class KDA(nn.Module):
             raise ValueError("KDA: a context-parallel layer runs one segment of unpacked sequences: it takes "
                              "neither a cache state nor packed cu_seqlens")
 
-        qkv_BTC = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], dim=-1)
-        conv_weight = torch.cat([self.q_conv, self.k_conv, self.v_conv], dim=0).to(qkv_BTC.dtype)
-        if split is not None:
-            conv_in = split.conv_state(qkv_BTC, conv_weight.shape[1])
+        proj = heads * head_dim
+        qkv_BTC, forget_a_BTR, beta_logit_BTH, gate_BTX = project(
+            x_BTD, self._inputs, [3 * proj, self.forget_a.out_features, heads, proj])
+        convs = (self.q_conv, self.k_conv, self.v_conv)
+        one_token = state is not None and length == 1
+        if one_token:
+            # In place in the state's conv rows (one kernel on CUDA: nothing gathered, nothing scattered).
+            qkv_BTC = state.conv_step_in_place(
+                lambda pool_PCW, rows_B: short_conv_step(qkv_BTC[:, 0], convs, pool_PCW, rows_B))[:, None]
         else:
-            conv_in = state.conv_BCW if state is not None else None
-        qkv_BTC, conv_state = short_conv(qkv_BTC, conv_weight, conv_in, cu_seqlens=cu_seqlens)
+            conv_weight = torch.cat(convs, dim=0).to(qkv_BTC.dtype)
+            if split is not None:
+                conv_in = split.conv_state(qkv_BTC, conv_weight.shape[1])
+            else:
+                conv_in = state.conv_inputs() if state is not None else None
+            qkv_BTC, conv_state = short_conv(qkv_BTC, conv_weight, conv_in, cu_seqlens=cu_seqlens)
+            if state is not None:
+                state.set_conv(conv_state)
         q_BTHK, k_BTHK, v_BTHV = (t.unflatten(-1, (heads, head_dim)) for t in qkv_BTC.chunk(3, dim=-1))
-        raw_gate_BTHK = self.forget_b(self.forget_a(x_BTD)).unflatten(-1, (heads, head_dim))
-        beta_logit_BTH = self.beta_proj(x_BTD)
+        raw_gate_BTHK = self.forget_b(forget_a_BTR).unflatten(-1, (heads, head_dim))
 
         preacts = {"A_log": self.A_log, "dt_bias": self.dt_bias, "use_gate_in_kernel": True,
                    "use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
-        if state is not None and length == 1:
+        if one_token:
             o_BTHV = self._one_token(state, q_BTHK, k_BTHK, v_BTHV, raw_gate_BTHK, beta_logit_BTH, preacts)
         else:
             # The q/k L2 norm, the bounded gate and the beta sigmoid go into the op (same math as
@@ -128,12 +161,9 @@ class KDA(nn.Module):
                                        lower_bound=self.g_min, **preacts)
             if state is not None:
                 state.set_recurrent(final)
-        if state is not None:
-            state.conv_BCW = conv_state.to(state.conv_BCW.dtype)
 
-        gate_BTHV = self.output_gate(x_BTD).unflatten(-1, (heads, head_dim))
-        normed = F.rms_norm(o_BTHV.float(), (head_dim,), self.output_norm_weight.float(), self.norm_eps)
-        out = (normed * torch.sigmoid(gate_BTHV.float())).to(x_BTD.dtype)
+        out = gated_output_norm(o_BTHV, gate_BTX.unflatten(-1, (heads, head_dim)), self.output_norm_weight,
+                                self.norm_eps, x_BTD.dtype)
         return self.o_proj(out.reshape(batch, length, heads * head_dim))
 
     def _one_token(self, state: KDAState, q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor,

@@ -6,8 +6,8 @@ C = kv_lora_rank (the latent), Q = q_lora_rank.
 
 q = wq_b(RMSNorm(wq_a(x))); wkv_a(x) = [latent, slice]; k_nope, v = wkv_b(RMSNorm(latent));
 k = [k_nope, slice broadcast to every head]; softmax scale (N + R)^-0.5; causal attention;
-output x sigmoid(gate(x)) channel-wise; wo. The cache holds [RMSNorm(latent), slice]: C + R
-values per token (576 in K3).
+output x sigmoid(gate(x)) channel-wise; wo. wq_a, wkv_a and the gate run as one matmul (``model/fused_linear.py``).
+The cache holds [RMSNorm(latent), slice]: C + R values per token (576 in K3).
 
 Two equivalent paths:
 - ``naive``: expand the latents of all S tokens into per-head keys and values (cheap when T ~ S,
@@ -33,6 +33,7 @@ from torch import nn
 
 from kimik3.config.schema import K3Config
 from kimik3.model.cache import LatentCache
+from kimik3.model.fused_linear import project
 from kimik3.model.norm import RMSNorm
 from kimik3.model.packing import sequence_ids
 from kimik3.model.param_rules import ParamRule, muon
@@ -84,9 +85,18 @@ class GatedMLA(nn.Module):
         self.gate = nn.Linear(d, m.num_heads * m.v_head_dim, bias=False)
         self.wo = nn.Linear(m.num_heads * m.v_head_dim, d, bias=False)
 
-    def latents(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """What the cache stores for these tokens: [RMSNorm(latent), slice], [B, T, C + R]."""
-        latent, k_slice = self.wkv_a(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+    @property
+    def _inputs(self) -> list[nn.Linear]:
+        """The projections of the layer's input, run as one matmul (``kimik3.model.fused_linear``)."""
+        return [self.wq_a, self.wkv_a, self.gate]
+
+    def projection_groups(self) -> list[list[nn.Linear]]:
+        return [self._inputs]
+
+    def latents(self, kv_a_BTX: torch.Tensor) -> torch.Tensor:
+        """What the cache stores for these tokens, from their wkv_a projection: [RMSNorm(latent), slice],
+        [B, T, C + R]."""
+        latent, k_slice = kv_a_BTX.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         return torch.cat([self.kv_norm(latent), k_slice], dim=-1)
 
     def optimizer_rules(self) -> list[tuple[str, ParamRule]]:
@@ -108,15 +118,16 @@ class GatedMLA(nn.Module):
         if split is not None and (state is not None or cu_seqlens is not None):
             raise ValueError("MLA: a context-parallel layer runs one segment of unpacked sequences: it takes "
                              "neither a cache nor packed cu_seqlens")
-        q_BTHK = self.wq_b(self.q_norm(self.wq_a(x_BTD))).unflatten(-1, (self.num_heads, -1))
-        kv_BTC = self.latents(x_BTD)
+        q_a_BTQ, kv_a_BTX, gate_BTX = project(x_BTD, self._inputs)
+        q_BTHK = self.wq_b(self.q_norm(q_a_BTQ)).unflatten(-1, (self.num_heads, -1))
+        kv_BTC = self.latents(kv_a_BTX)
         fused = getattr(state, "decode_absorbed", None) if length == 1 and absorbed is not False else None
         if fused is not None:
             # The cache runs the absorbed attention itself, in place over its own layout (the serving engine's
             # paged latents: one kernel, no gather and nothing shaped by the host).
             q_latent_BTHC, q_slice_BTHR = self._absorb_query(q_BTHK)
             out_BTHV = self._absorb_output(fused(kv_BTC, q_latent_BTHC, q_slice_BTHR, self.scale))
-            return self.wo(out_BTHV.flatten(-2) * torch.sigmoid(self.gate(x_BTD)))
+            return self.wo(out_BTHV.flatten(-2) * torch.sigmoid(gate_BTX))
         if state is not None:
             if cu_seqlens is not None:
                 raise ValueError("MLA: packed cu_seqlens cannot be combined with a cache")
@@ -131,7 +142,7 @@ class GatedMLA(nn.Module):
             absorbed = length == 1 and state is not None
         attend = self._absorbed if absorbed else self._naive
         out_BTHV = attend(q_BTHK, kv_BSC, mask)
-        out_BTX = out_BTHV.flatten(-2) * torch.sigmoid(self.gate(x_BTD))
+        out_BTX = out_BTHV.flatten(-2) * torch.sigmoid(gate_BTX)
         return self.wo(out_BTX)
 
     def _naive(self, q_BTHK: torch.Tensor, kv_BSC: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

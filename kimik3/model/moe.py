@@ -11,7 +11,9 @@ cutoff a non-chosen expert would have to beat); ``cutoff - score`` is an expert'
 which Quantile Balancing (``kimik3.train.balance``) turns into the next bias.
 
 Routed path: W_down (D -> L) -> experts (SiTU-GLU in fp32) -> weighted sum -> RMSNorm -> W_up
-(L -> D). Shared experts run at full width on the same input and are added.
+(L -> D). Shared experts run at full width on the same input and are added. The experts run over rows sorted by
+expert as grouped matmuls; a few rows at inference on CUDA (serving decode) as two kernels without a sort
+(``kimik3.ops.moe.small_batch``).
 
 Routing statistics: every router call made while a ``RoutingRecord`` is open adds its
 ``RoutingStats`` (expert loads; with ``record_scores``, in training mode, also the scores, cutoffs
@@ -35,10 +37,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kimik3.config.schema import K3Config
-from kimik3.model.ffn import GLUFeedForward, situ_glu
+from kimik3.model.ffn import GLUFeedForward, situ_glu_cast
+from kimik3.model.fused_linear import project
 from kimik3.model.norm import RMSNorm
 from kimik3.model.param_rules import ParamRule, muon
-from kimik3.ops.moe import grouped_mm
+from kimik3.ops.moe import (SMALL_BATCH_MAX_ROWS, ExpertGroups, grouped_mm, route_backend, routed_experts_small,
+                            sigmoid_topk, triton_available)
 from kimik3.ops.precision import no_autocast
 
 
@@ -126,27 +130,38 @@ class Router(nn.Module):
         # there is no per-block split to make: whole-matrix Muon.
         return [("gate.weight", muon(("whole",), "Router.gate"))]
 
-    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns fp32 mixture weights [T, K] and int64 expert ids [T, K]; reports the call's
-        ``RoutingStats`` to the open ``RoutingRecord``, if any."""
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns fp32 mixture weights [T, K], int64 expert ids [T, K] and each expert's load (int64 [E], the
+        rows it got); reports the call's ``RoutingStats`` to the open ``RoutingRecord``, if any."""
         with no_autocast(x_TD.device):  # router logits in fp32, as released
-            scores_TE = torch.sigmoid(F.linear(x_TD.float(), self.gate.weight.float()))
+            logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        if route_backend(logits_TE) == "triton":
+            # One kernel: sigmoid, the biased top-(k+1), the normalised weights and the loads.
+            weights_TK, ids_TK, cutoff_T, counts_E = sigmoid_topk(logits_TE, self.expert_bias, self.top_k,
+                                                                  self.route_scale)
+        else:
+            weights_TK, ids_TK, cutoff_T, counts_E = self._select(logits_TE)
+        record = _OPEN_RECORD.get()
+        if record is not None:
+            stats = RoutingStats(counts_E)
+            if self.record_scores and self.training:
+                stats.cutoff_T, stats.ids_TK = cutoff_T, ids_TK
+                stats.scores_TE = torch.sigmoid(logits_TE.detach())
+            record.add(self, stats)
+        return weights_TK, ids_TK, counts_E
+
+    def _select(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The selection in torch (the CPU path; ``kimik3.ops.moe.route`` fuses it): weights, ids, the (k+1)-th
+        biased score (-inf when K == E) and the loads."""
+        scores_TE = torch.sigmoid(logits_TE)
         biased_TE = scores_TE.detach() + self.expert_bias
         take = min(self.top_k + 1, self.num_experts)
         top_vals, top_ids = torch.topk(biased_TE, take, dim=-1, sorted=True)
         ids_TK = top_ids[:, : self.top_k]
         weights_TK = scores_TE.gather(-1, ids_TK)
         weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20) * self.route_scale
-
-        record = _OPEN_RECORD.get()
-        if record is not None:
-            stats = RoutingStats(expert_counts(ids_TK, self.num_experts))
-            if self.record_scores and self.training:
-                stats.cutoff_T = (top_vals[:, self.top_k] if take > self.top_k
-                                  else torch.full_like(top_vals[:, 0], float("-inf")))
-                stats.scores_TE, stats.ids_TK = scores_TE.detach(), ids_TK
-            record.add(self, stats)
-        return weights_TK, ids_TK
+        cutoff_T = top_vals[:, self.top_k] if take > self.top_k else torch.full_like(top_vals[:, 0], float("-inf"))
+        return weights_TK, ids_TK, cutoff_T, expert_counts(ids_TK, self.num_experts)
 
 
 class RoutedExperts(nn.Module):
@@ -164,26 +179,37 @@ class RoutedExperts(nn.Module):
         return [(name, muon(("experts",), f"RoutedExperts.{name}"))
                 for name in ("w_gate_ELF", "w_up_ELF", "w_down_EFL")]
 
-    def forward(self, x_TL: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
-        """Weighted sum over each token's experts: [T, L] -> [T, L]."""
+    def forward(self, x_TL: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
+                counts_E: torch.Tensor | None = None) -> torch.Tensor:
+        """Weighted sum over each token's experts: [T, L] -> [T, L]. ``counts_E``: the rows of each expert in
+        ``ids_TK`` when the router counted them already."""
         num_tokens, top_k = ids_TK.shape
+        if self._few_rows(x_TL, num_tokens * top_k):
+            # Serving decode: two kernels, no sort (each (token, expert) row reads its expert's weights).
+            return routed_experts_small(x_TL, weights_TK, ids_TK, self.w_gate_ELF, self.w_up_ELF, self.w_down_EFL)
         num_experts = self.w_gate_ELF.shape[0]
         flat_ids_R = ids_TK.flatten()
         order_R = torch.argsort(flat_ids_R, stable=True)
         token_R = order_R // top_k
-        counts_E = expert_counts(flat_ids_R, num_experts)
+        groups = ExpertGroups.of(expert_counts(flat_ids_R, num_experts) if counts_E is None else counts_E)
 
         x_RL = x_TL[token_R]
-        gate_RF = grouped_mm(x_RL, self.w_gate_ELF.to(x_RL.dtype), counts_E)
-        up_RF = grouped_mm(x_RL, self.w_up_ELF.to(x_RL.dtype), counts_E)
-        hidden_RF = situ_glu(gate_RF.float(), up_RF.float())
+        gate_RF = grouped_mm(x_RL, self.w_gate_ELF.to(x_RL.dtype), groups)
+        up_RF = grouped_mm(x_RL, self.w_up_ELF.to(x_RL.dtype), groups)
         # Mixture weights applied after the experts, in fp32, as released.
-        hidden_RF = (hidden_RF * weights_TK.flatten()[order_R, None]).to(x_RL.dtype)
-        y_RL = grouped_mm(hidden_RF, self.w_down_EFL.to(x_RL.dtype), counts_E)
+        hidden_RF = situ_glu_cast(gate_RF, up_RF, weights_TK.flatten()[order_R], x_RL.dtype)
+        y_RL = grouped_mm(hidden_RF, self.w_down_EFL.to(x_RL.dtype), groups)
         # Back to token order, then each token's K rows summed by one reduction (accumulated in fp32): the same
         # result on every run, unlike an atomic scatter-add, so a decode replayed as a graph matches it eagerly.
         y_TKL = torch.empty_like(y_RL).index_copy_(0, order_R, y_RL).view(num_tokens, top_k, -1)
         return y_TKL.sum(1)
+
+
+    def _few_rows(self, x_TL: torch.Tensor, rows: int) -> bool:
+        """Whether the rows go through ``routed_experts_small``: CUDA, inference (nothing needs a gradient), at
+        most ``SMALL_BATCH_MAX_ROWS`` (token, expert) rows; otherwise the sorted rows and grouped matmuls."""
+        needs_grad = torch.is_grad_enabled() and (x_TL.requires_grad or self.w_gate_ELF.requires_grad)
+        return x_TL.is_cuda and triton_available() and not needs_grad and rows <= SMALL_BATCH_MAX_ROWS
 
 
 class LatentMoE(nn.Module):
@@ -199,12 +225,22 @@ class LatentMoE(nn.Module):
         self.routed_up = nn.Linear(m.latent_dim, config.dim, bias=False)
         self.shared = GLUFeedForward(config.dim, m.shared_total_hidden) if m.num_shared_experts else None
 
+    @property
+    def _inputs(self) -> list[nn.Linear]:
+        """The bf16 projections of the layer's input, run as one matmul (``kimik3.model.fused_linear``): the
+        latent down-projection and the shared experts' gate and up (the router's stays apart: fp32)."""
+        return [self.routed_down] + ([self.shared.w_gate, self.shared.w_up] if self.shared is not None else [])
+
+    def projection_groups(self) -> list[list[nn.Linear]]:
+        return [self._inputs]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
-        weights_TK, ids_TK = self.router(x_TD)
-        routed_TL = self.experts(self.routed_down(x_TD), weights_TK, ids_TK)
+        weights_TK, ids_TK, counts_E = self.router(x_TD)
+        projected = project(x_TD, self._inputs)
+        routed_TL = self.experts(projected[0], weights_TK, ids_TK, counts_E=counts_E)
         out_TD = self.routed_up(self.routed_norm(routed_TL))
         if self.shared is not None:
-            out_TD = out_TD + self.shared(x_TD)
+            out_TD = out_TD + self.shared.from_projections(projected[1], projected[2])
         return out_TD.reshape(shape)

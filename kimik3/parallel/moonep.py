@@ -104,7 +104,9 @@ class EPRoutedExperts(RoutedExperts):
     planner: Planner
     last_quota: torch.Tensor | None
 
-    def forward(self, x_TL: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TL: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
+                counts_E: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``RoutedExperts.forward``; ``counts_E`` (this rank's loads) is not needed: the plan counts them."""
         group, ranks = self.group, dist.get_world_size(self.group)
         rank = dist.get_rank(self.group)
         experts, per_rank = self.num_experts, self.num_experts // ranks

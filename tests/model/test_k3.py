@@ -199,7 +199,7 @@ def test_fp32_regions_hold_under_autocast(tiny):
 
     config, model = tiny
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        weights, _ = model.routers()[0](torch.randn(5, config.dim))
+        weights, _, _ = model.routers()[0](torch.randn(5, config.dim))
         mixed = model.final_mix([torch.randn(2, 3, config.dim), torch.randn(2, 3, config.dim)])
         q, k = (torch.nn.functional.normalize(torch.randn(1, 70, 2, 16), dim=-1) for _ in range(2))
         v, g, beta = torch.randn(1, 70, 2, 16), -5 * torch.rand(1, 70, 2, 16), torch.rand(1, 70, 2)

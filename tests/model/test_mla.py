@@ -93,7 +93,7 @@ def test_context_parallel_seam_attends_over_the_earlier_segment_on_both_paths():
     x = torch.randn(2, 20, config.dim)
     full = mla(x)
     assert rel_rms(full[:, 9:], mla(x[:, 9:])) > 1e-2  # the test has teeth: the earlier latents matter
-    mla.context_parallel = _AfterEarlier(mla.latents(x[:, :9]))
+    mla.context_parallel = _AfterEarlier(mla.latents(mla.wkv_a(x[:, :9])))
     for absorbed in (False, True):
         assert rel_rms(full[:, 9:], mla(x[:, 9:], absorbed=absorbed)) < 1e-5
     with pytest.raises(ValueError, match="context-parallel"):

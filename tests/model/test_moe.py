@@ -24,7 +24,7 @@ def test_bias_changes_selection_never_the_mixture_weights():
     scores = torch.sigmoid(x @ router.gate.weight.T)
     for trial in range(4):
         router.expert_bias.copy_(torch.randn(6) * (0 if trial == 0 else 0.5))
-        weights, ids = router(x)
+        weights, ids, _ = router(x)
         chosen = scores.gather(-1, ids)
         torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True))
         # the chosen experts are the top-k of the *biased* scores
@@ -32,8 +32,9 @@ def test_bias_changes_selection_never_the_mixture_weights():
         assert torch.equal(ids.sort(-1).values, biased.topk(2, -1).indices.sort(-1).values)
     router.expert_bias.zero_()
     router.expert_bias[3] = 10.0  # a large bias forces expert 3 into every selection
-    weights, ids = router(x)
+    weights, ids, counts = router(x)
     assert (ids == 3).any(-1).all()
+    assert torch.equal(counts, torch.bincount(ids.flatten(), minlength=counts.shape[0]))
     chosen = scores.gather(-1, ids)
     torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True))
 
@@ -45,7 +46,7 @@ def test_router_stats_loads_and_margins():
     router.record_scores = True
     x = torch.randn(40, 8)
     with RoutingRecord() as record:
-        _, ids = router(x)
+        _, ids, _ = router(x)
     (stats,) = record.stats([router])
     assert stats.loads_E.sum() == 40 * 2
     assert torch.equal(stats.loads_E, torch.bincount(ids.flatten(), minlength=6))
@@ -91,7 +92,7 @@ def test_latent_moe_equals_per_token_reference():
     x = torch.randn(2, 7, config.dim)
     out = moe(x)
     x_TD = x.reshape(-1, config.dim)
-    weights, ids = moe.router(x_TD)
+    weights, ids, _ = moe.router(x_TD)
     latent = moe.routed_down(x_TD)
     ref = []
     ex = moe.experts

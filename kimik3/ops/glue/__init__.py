@@ -1,12 +1,21 @@
-"""Glue ops: the per-layer AttnRes mix and RMSNorm, each fused into one Triton kernel forward (two backward).
+"""Glue ops: the per-layer elementwise and normalisation steps around the matmuls, each one Triton kernel.
 
-Their torch references, and CPU paths, are the modules' own code (``kimik3.model.attnres.AttnResMix``,
-``kimik3.model.norm.RMSNorm``), which call these kernels where ``glue_backend`` says "triton".
+- ``attnres``: the Block AttnRes mix; ``rmsnorm``: RMSNorm; ``gated_norm``: KDA's output norm times its gate;
+  ``situ``: SiTU-GLU (times the MoE mixture weight) -- one launch forward, one or two backward;
+- ``short_conv``: KDA's short-conv step for one token over a pool of states (forward only, serving).
+
+Their torch references, and CPU paths, are the model's own code (``AttnResMix``, ``RMSNorm``,
+``kda.gated_output_norm``, ``ffn.situ_glu_cast``, ``conv.short_conv_step``), which call these kernels where
+``glue_backend`` says "triton".
 """
 
 from kimik3.ops.glue.attnres import MAX_ENTRIES, attnres_mix, attnres_mix_backward, attnres_mix_forward
 from kimik3.ops.glue.common import MAX_WIDTH, glue_backend
+from kimik3.ops.glue.gated_norm import gated_rms_norm, gated_rms_norm_backward, gated_rms_norm_forward
 from kimik3.ops.glue.rmsnorm import rms_norm, rms_norm_backward, rms_norm_forward
+from kimik3.ops.glue.short_conv import short_conv_decode
+from kimik3.ops.glue.situ import situ_glu as situ_glu_fused
+from kimik3.ops.glue.situ import situ_glu_backward, situ_glu_forward
 
 __all__ = [
     "MAX_ENTRIES",
@@ -14,8 +23,15 @@ __all__ = [
     "attnres_mix",
     "attnres_mix_backward",
     "attnres_mix_forward",
+    "gated_rms_norm",
+    "gated_rms_norm_backward",
+    "gated_rms_norm_forward",
     "glue_backend",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_forward",
+    "short_conv_decode",
+    "situ_glu_backward",
+    "situ_glu_forward",
+    "situ_glu_fused",
 ]

@@ -1,5 +1,16 @@
-"""MoE ops: the grouped matmul over expert-sorted rows."""
+"""MoE ops: the grouped matmul over expert-sorted rows, the router's fused top-k selection, and the routed experts
+for a few tokens without a sort."""
 
-from kimik3.ops.moe.grouped_mm import grouped_mm, grouped_mm_loop
+from kimik3.ops.moe.grouped_mm import ExpertGroups, grouped_mm, grouped_mm_loop
+from kimik3.ops.moe.route import route_backend, sigmoid_topk
+from kimik3.ops.moe.small_batch import SMALL_BATCH_MAX_ROWS, routed_experts_small
 
-__all__ = ["grouped_mm", "grouped_mm_loop"]
+
+def triton_available() -> bool:
+    from kimik3.ops.glue.common import triton
+
+    return triton is not None
+
+
+__all__ = ["SMALL_BATCH_MAX_ROWS", "ExpertGroups", "grouped_mm", "grouped_mm_loop", "route_backend",
+           "routed_experts_small", "sigmoid_topk", "triton_available"]

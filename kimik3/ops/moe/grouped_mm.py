@@ -10,7 +10,23 @@ that ``.sum()`` produces. Both are tested against each other and against a per-r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertGroups:
+    """How rows sorted by expert split into groups: ``counts_E`` rows per expert, and their running ends
+    ``offsets_E`` (int32, the form ``torch._grouped_mm`` takes), computed once for the several grouped matmuls of
+    one MoE layer."""
+
+    counts_E: torch.Tensor
+    offsets_E: torch.Tensor
+
+    @classmethod
+    def of(cls, counts_E: torch.Tensor) -> ExpertGroups:
+        return cls(counts_E, torch.cumsum(counts_E, 0, dtype=torch.int32))
 
 
 def _check(x_RI: torch.Tensor, w_EIO: torch.Tensor, counts_E: torch.Tensor) -> None:
@@ -47,13 +63,15 @@ def _fused_ok(x_RI: torch.Tensor, w_EIO: torch.Tensor) -> bool:
     )
 
 
-def grouped_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """``y[r] = x[r] @ w[e(r)]`` for rows grouped by expert in order; ``counts_E`` rows per expert.
+def grouped_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, groups: ExpertGroups | torch.Tensor) -> torch.Tensor:
+    """``y[r] = x[r] @ w[e(r)]`` for rows grouped by expert in order; ``groups``: the rows per expert, as
+    ``ExpertGroups`` or as counts [E] (integer, sum R).
 
-    x [R, I], w [E, I, O], counts [E] integer with sum R. Returns [R, O] in x's dtype.
+    x [R, I], w [E, I, O]. Returns [R, O] in x's dtype.
     """
+    if not isinstance(groups, ExpertGroups):
+        groups = ExpertGroups.of(groups)
     if _fused_ok(x_RI, w_EIO):
-        _check(x_RI, w_EIO, counts_E)
-        offsets = torch.cumsum(counts_E, 0).to(torch.int32)
-        return torch._grouped_mm(x_RI, w_EIO, offs=offsets)
-    return grouped_mm_loop(x_RI, w_EIO, counts_E)
+        _check(x_RI, w_EIO, groups.counts_E)
+        return torch._grouped_mm(x_RI, w_EIO, offs=groups.offsets_E)
+    return grouped_mm_loop(x_RI, w_EIO, groups.counts_E)

@@ -11,7 +11,8 @@ What it measures (the engine core driven directly, no HTTP; ``benchmarks/serve_h
 - prefill: one ``--prefill-len``-token prompt, from submission to its first token, at each ``--prefill-chunk``;
 - correctness: greedy tokens of a mixed workload (staggered arrivals, so prefill chunks share steps with
   decode; a repeated prompt, so the prefix cache restores it) must be identical with graphs and eagerly;
-- ``--profile``: the CUDA kernels of one eager decode step at batch 1, by total time.
+- ``--profile``: the CUDA kernels of one decode step at batch 1 (graphs and eager) and of one prefill, by time
+  and by launch count.
 The memory floor of a decode step (bytes of weights and cache it must read at 4.2 TB/s) is printed beside it.
 """
 
@@ -188,14 +189,45 @@ def profile_step(core: EngineCore, prompt_len: int) -> list[tuple[str, float, in
     host = sorted(((e.key[:80], e.cpu_time_total / 5) for e in prof.key_averages()
                    if e.device_type.name == "CPU"), key=lambda r: -r[1])[:12]
     print("host (CPU) ops by total time per step, us: " + "; ".join(f"{k} {t:.0f}" for k, t in host))
+    calls = sorted(((e.key[:60], e.count // 5) for e in prof.key_averages()
+                    if e.device_type.name == "CPU" and e.key.startswith("aten::")), key=lambda r: -r[1])[:30]
+    print("aten ops by calls per step: " + "; ".join(f"{k} {n}" for k, n in calls))
     core.abort("prof")
+    return kernel_rows(prof, 5)
+
+
+def kernel_rows(prof, steps: int, top: int = 25) -> dict:
+    """The CUDA kernels of ``steps`` profiled steps, per step: total launches and time, the ``top`` kernels by
+    time and by launch count."""
     rows = []
     for event in prof.key_averages():
         cuda_us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
         if cuda_us and event.device_type.name == "CUDA":
-            rows.append((event.key[:90], cuda_us / 5, event.count // 5))
-    rows.sort(key=lambda row: -row[1])
-    return rows[:25]
+            rows.append((event.key[:90], cuda_us / steps, event.count // steps))
+    return {"launches": sum(r[2] for r in rows), "us": sum(r[1] for r in rows),
+            "by_time": sorted(rows, key=lambda row: -row[1])[:top],
+            "by_count": sorted(rows, key=lambda row: -row[2])[:top]}
+
+
+def profile_prefill(core: EngineCore, length: int) -> dict:
+    """The CUDA kernels of one ``length``-token prefill (one chunk when the engine's chunk allows)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(5)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    drive(core, [GenerationRequest("warm", torch.randint(1, 4000, (length,), generator=g).tolist(), params)])
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        drive(core, [GenerationRequest("p", torch.randint(1, 4000, (length,), generator=g).tolist(), params)])
+        torch.cuda.synchronize()
+    return kernel_rows(prof, 1)
+
+
+def print_kernels(title: str, table: dict) -> None:
+    print(f"{title}: {table['launches']} kernel launches, {table['us'] / 1e3:.2f} ms of kernel time")
+    for key in ("by_time", "by_count"):
+        print(f"| kernel ({key.replace('_', ' ')}) | us | launches |\n|---|---|---|")
+        for name, us, count in table[key]:
+            print(f"| {name} | {us:.1f} | {count} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,12 +302,15 @@ def main(argv: list[str] | None = None) -> int:
                 out["replay_ms"] = {b: replay_ms(core, b) for b in (1, 64)}
                 print(f"graph replay alone, ms: {out['replay_ms']}")
             out[f"profile_{kind}_b1"] = profile_step(core, args.prompt_len)
-            print(f"| kernel ({kind} decode step, batch 1) | us/step | launches/step |\n|---|---|---|")
-            for name, us, count in out[f"profile_{kind}_b1"]:
-                print(f"| {name} | {us:.1f} | {count} |")
+            print_kernels(f"{kind} decode step, batch 1", out[f"profile_{kind}_b1"])
             del core
             gc.collect()
             torch.cuda.empty_cache()
+        core = make_core(model, tokenizer, eos, eager=True, max_running=1, prefill_chunk=args.prefill_len,
+                         max_context=args.prefill_len + 8)
+        out["profile_prefill"] = profile_prefill(core, args.prefill_len)
+        print_kernels(f"prefill of {args.prefill_len} tokens, one chunk", out["profile_prefill"])
+        del core
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -279,10 +279,7 @@ def kda_case(layer: KDA, config: K3Config, B: int, device, dtype, gen) -> tuple:
     x = torch.randn(B, 1, config.dim, device=device, generator=gen).to(dtype)
 
     def step():
-        states = pool.gather(slots)
-        out = layer(x, states[0])
-        pool.scatter(slots, states)
-        return out
+        return layer(x, pool.view(slots)[0])
 
     heads, head_dim, width = config.kda.num_heads, config.kda_head_dim, config.kda.conv_kernel
     conv = B * 3 * heads * head_dim * (width - 1) * pool.conv[0].element_size()

@@ -74,29 +74,57 @@ class MLAState:
 
 @dataclass(slots=True)
 class KDAState:
-    """Per-layer KDA state of B sequences: the conv inputs ``conv_BCW``, replaced by each forward, and the fp32
-    recurrent state, held one of two ways:
+    """Per-layer KDA state of B sequences: the conv inputs [B, 3·H·K, W-1] and the fp32 recurrent state
+    [B, H, K, V], each held one of two ways:
 
-    - owned: ``recurrent_BHKV`` [B, H, K, V], replaced (not mutated) by each forward;
-    - pooled (the serving engine's, ``kimik3.serve.paged_cache.StatePool``): ``recurrent_BHKV`` is None and
-      sequence b's state is row ``slots_B[b]`` of ``pool_PHKV`` [P, H, K, V], which each forward updates in
-      place (one-token steps read and write each state once, through ``kimik3.ops.kda.kda_decode``).
+    - owned: ``conv_BCW`` / ``recurrent_BHKV``, replaced (not mutated) by each forward;
+    - pooled (the serving engine's, ``kimik3.serve.paged_cache.StatePool``): sequence b's state is row
+      ``slots_B[b]`` of ``conv_pool_PCW`` [P, C, W-1] / ``pool_PHKV`` [P, H, K, V], which each forward updates in
+      place (one-token steps read and write each state once, through ``short_conv_step`` and
+      ``kimik3.ops.kda.kda_decode``).
 
-    A KDA layer reads and writes the recurrent state only through ``recurrent``, ``set_recurrent`` and
-    ``advance_in_place``, so it never needs to know which way it is held.
+    A KDA layer reads and writes its state only through ``conv_inputs``/``set_conv``/``conv_step_in_place`` and
+    ``recurrent``/``set_recurrent``/``advance_in_place``, so it never needs to know which way it is held.
     """
 
-    conv_BCW: torch.Tensor
+    conv_BCW: torch.Tensor | None
     recurrent_BHKV: torch.Tensor | None
     pool_PHKV: torch.Tensor | None = None
     slots_B: torch.Tensor | None = None
+    conv_pool_PCW: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.recurrent_BHKV is None) == (self.pool_PHKV is None):
             raise ValueError("a KDAState holds its recurrent state either owned (recurrent_BHKV) or pooled "
                              "(pool_PHKV with slots_B): give exactly one")
-        if self.pool_PHKV is not None and (self.slots_B is None or self.slots_B.ndim != 1):
+        if (self.conv_BCW is None) == (self.conv_pool_PCW is None):
+            raise ValueError("a KDAState holds its conv inputs either owned (conv_BCW) or pooled "
+                             "(conv_pool_PCW with slots_B): give exactly one")
+        pooled = self.pool_PHKV is not None or self.conv_pool_PCW is not None
+        if pooled and (self.slots_B is None or self.slots_B.ndim != 1):
             raise ValueError("a pooled KDAState needs slots_B, a 1-D tensor of its sequences' pool rows")
+
+    def conv_inputs(self) -> torch.Tensor:
+        """The conv inputs [B, C, W-1] before this forward (gathered from the pool when pooled)."""
+        return self.conv_BCW if self.conv_pool_PCW is None else self.conv_pool_PCW[self.slots_B]
+
+    def set_conv(self, conv_BCW: torch.Tensor) -> None:
+        """Store the conv inputs after this forward (in the held dtype): replace, or write the pool rows."""
+        if self.conv_pool_PCW is None:
+            self.conv_BCW = conv_BCW.to(self.conv_BCW.dtype)
+        else:
+            self.conv_pool_PCW[self.slots_B] = conv_BCW.to(self.conv_pool_PCW.dtype)
+
+    def conv_step_in_place(self, step: Callable[[torch.Tensor, torch.Tensor], StepResult]) -> StepResult:
+        """``step(pool_PCW, rows_B)`` updates rows ``rows_B`` of a contiguous conv-input pool in place (as
+        ``kimik3.model.conv.short_conv_step`` does): the pool itself when pooled, else a copy of the owned
+        inputs, which then replaces them."""
+        if self.conv_pool_PCW is not None:
+            return step(self.conv_pool_PCW, self.slots_B)
+        conv_BCW = self.conv_BCW.clone(memory_format=torch.contiguous_format)
+        result = step(conv_BCW, torch.arange(conv_BCW.shape[0], device=conv_BCW.device))
+        self.conv_BCW = conv_BCW
+        return result
 
     def recurrent(self) -> torch.Tensor:
         """The recurrent states [B, H, K, V] before this forward (gathered from the pool when pooled)."""
@@ -159,6 +187,6 @@ class K3Cache:
             if isinstance(state, MLAState):
                 tensors = (state.kv_BSC,)
             else:   # a pooled state's rows belong to its pool, not to this cache
-                tensors = (state.conv_BCW,) + ((state.recurrent_BHKV,) if state.recurrent_BHKV is not None else ())
+                tensors = tuple(t for t in (state.conv_BCW, state.recurrent_BHKV) if t is not None)
             total += sum(t.numel() * t.element_size() for t in tensors)
         return total

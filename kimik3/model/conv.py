@@ -4,16 +4,23 @@ Legend: B = batch, T = tokens, C = channels, W = kernel width.
 
 ``y_t = sum_j weight[:, W-1-j] * x_{t-j}``: a left-padded depthwise conv written as W shifted
 multiply-adds, so that packed sequences (``cu_seqlens``) never see a neighbour's tokens and the
-same code serves prefill (T tokens), chunked prefill (T tokens after a state) and decode (T = 1).
-The state is the last W-1 *inputs* of the sequence, [B, C, W-1].
+same code serves prefill (T tokens) and chunked prefill (T tokens after a state). The state is the last W-1
+*inputs* of the sequence, [B, C, W-1].
+
+``short_conv_step`` is one token (decode) over states held as rows of a pool, updated in place: on CUDA one
+Triton kernel (``kimik3.ops.glue.short_conv``, computing in fp32), elsewhere ``short_conv`` on the gathered rows
+(its reference).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from kimik3.model.packing import positions_in_sequence
+from kimik3.ops.glue import glue_backend, short_conv_decode
 
 
 def short_conv(
@@ -57,3 +64,18 @@ def short_conv(
     if activation:
         y = F.silu(y)
     return y, new_state
+
+
+def short_conv_step(x_BC: torch.Tensor, weights: Sequence[torch.Tensor], pool_PCW: torch.Tensor,
+                    rows_B: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """One token of ``short_conv`` (+ SiLU) for B sequences whose states are rows ``rows_B`` of ``pool_PCW``
+    [P, C, W-1] (-1 names the last row, a scratch row for padding), updated in place.
+
+    x_BC [B, C] (rows may be strided); ``weights``: [C_i, W] kernels whose rows stack to C (KDA's three).
+    Returns y [B, C] in x's dtype. ``backend``: as ``glue_backend``."""
+    if glue_backend(x_BC, backend) == "triton":
+        return short_conv_decode(x_BC, tuple(weights), pool_PCW, rows_B)
+    weight_CW = torch.cat(list(weights)).to(x_BC.dtype)
+    y_B1C, state_BCW = short_conv(x_BC[:, None], weight_CW, pool_PCW[rows_B].to(x_BC.dtype))
+    pool_PCW[rows_B] = state_BCW.to(pool_PCW.dtype)
+    return y_B1C[:, 0]

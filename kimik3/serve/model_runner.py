@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kimik3.model.fused_linear import pack_projections
 from kimik3.model.k3 import K3ForCausalLM
 from kimik3.model.sampling import apply_penalties
 from kimik3.serve.cache_manager import CacheManager
@@ -55,6 +56,7 @@ def graph_buckets(max_running: int) -> list[int]:
 class ModelRunner:
     def __init__(self, model: K3ForCausalLM, cache: CacheManager, config: EngineConfig, max_context: int):
         self.model = model
+        pack_projections(model)   # each layer's input projections read as one matmul's weight, in place
         self.cache = cache
         self.device = model.device
         self.table_width = -(-max_context // config.physical_block)
@@ -71,13 +73,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forwards
     def _forward(self, input_ids_BT: torch.Tensor, slots_B: torch.Tensor, tables_BW: torch.Tensor,
-                 lengths_B: torch.Tensor) -> torch.Tensor:
+                 lengths_B: torch.Tensor, max_length: int | None = None) -> torch.Tensor:
         """The model over pooled sequences: last-position logits [B, V]; the cache advances in place."""
-        cache, kda_states = batch_cache(self.model.config, self.cache.latents, self.cache.states, slots_B,
-                                        tables_BW, lengths_B)
-        logits_BV = self.model(input_ids_BT, cache=cache, last_only=True).logits[:, -1]
-        self.cache.states.scatter(slots_B, kda_states)
-        return logits_BV
+        cache = batch_cache(self.model.config, self.cache.latents, self.cache.states, slots_B, tables_BW, lengths_B,
+                            max_length)
+        return self.model(input_ids_BT, cache=cache, last_only=True).logits[:, -1]
 
     def prefill(self, seq: Sequence, end: int) -> torch.Tensor:
         """Compute ``seq.tokens[seq.computed:end]`` into its cache: logits [1, V] after the last of them."""
@@ -85,7 +85,7 @@ class ModelRunner:
         return self._forward(torch.tensor([seq.tokens[seq.computed:end]], dtype=torch.long, device=device),
                              torch.tensor([seq.slot], dtype=torch.long, device=device),
                              torch.tensor([seq.blocks], dtype=torch.long, device=device),
-                             torch.tensor([seq.computed], dtype=torch.long, device=device))
+                             torch.tensor([seq.computed], dtype=torch.long, device=device), seq.computed)
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token for every sequence (its last): logits [B, V]. The view is only valid until the next call."""

@@ -99,20 +99,27 @@ class LatentPool:
         for pool in self.tensors:
             pool[dst, :tokens] = pool[src, :tokens]
 
-    def view(self, layer: int, tables_BN: torch.Tensor, lengths_B: torch.Tensor) -> "PagedLatentView":
-        return PagedLatentView(self.tensors[layer], tables_BN, lengths_B)
+    def view(self, layer: int, tables_BN: torch.Tensor, lengths_B: torch.Tensor,
+             max_length: int | None = None) -> "PagedLatentView":
+        return PagedLatentView(self.tensors[layer], tables_BN, lengths_B, max_length)
 
 
 class PagedLatentView:
     """One MLA layer's cache for one forward of B rows that already hold ``lengths_B`` tokens.
 
     ``tables_BN`` are the rows' block tables padded to a common width with any valid block id
-    (padding is never read unmasked)."""
+    (padding is never read unmasked). ``max_length``: ``lengths_B``'s largest value when the caller knows it on
+    the host (else ``attend`` reads it back: a synchronisation)."""
 
-    def __init__(self, pool_NPC: torch.Tensor, tables_BN: torch.Tensor, lengths_B: torch.Tensor):
+    def __init__(self, pool_NPC: torch.Tensor, tables_BN: torch.Tensor, lengths_B: torch.Tensor,
+                 max_length: int | None = None):
         self.pool_NPC = pool_NPC
         self.tables_BN = tables_BN
         self.lengths_B = lengths_B
+        self.max_length = max_length
+
+    def _max_length(self) -> int:
+        return self.max_length if self.max_length is not None else int(self.lengths_B.max())
 
     def _slots(self, positions_BX: torch.Tensor) -> torch.Tensor:
         block_size = self.pool_NPC.shape[1]
@@ -126,13 +133,14 @@ class PagedLatentView:
         new_BT = self.lengths_B[:, None] + torch.arange(length, device=device)[None, :]
         flat[self._slots(new_BT).flatten()] = kv_BTC.reshape(-1, width).to(flat.dtype)
 
-        total = int(self.lengths_B.max()) + length
+        longest = self._max_length()
+        total = longest + length
         keys_S = torch.arange(total, device=device)
         capacity = self.tables_BN.shape[1] * self.pool_NPC.shape[1]
         if total > capacity:
             raise ValueError(f"paged MLA cache: {total} tokens exceed the block tables' {capacity}")
         kv_BSC = flat[self._slots(keys_S[None, :].expand(batch, -1)).flatten()].view(batch, total, width)
-        if batch == 1 and int(self.lengths_B[0]) == 0:
+        if batch == 1 and longest == 0:
             return kv_BSC, None                                  # a fresh prefill: plain causal
         mask_BTS = keys_S[None, None, :] <= new_BT[:, :, None]   # causal and inside the row's length
         return kv_BSC, mask_BTS[:, None]
@@ -149,7 +157,7 @@ class PagedLatentView:
         flat[self._slots(self.lengths_B[:, None]).flatten()] = kv_BTC.reshape(-1, width).to(flat.dtype)
         tables_BN = self.tables_BN
         if not tables_BN.is_cuda:   # the CPU path gathers whole tables: trim them to the longest row (no graphs here)
-            tables_BN = tables_BN[:, :int(self.lengths_B.max()) // self.pool_NPC.shape[1] + 1]
+            tables_BN = tables_BN[:, :self._max_length() // self.pool_NPC.shape[1] + 1]
         out_BHC = paged_mla_decode(q_latent_BTHC[:, 0], q_slice_BTHR[:, 0], self.pool_NPC, tables_BN,
                                    self.lengths_B + 1, scale)
         return out_BHC[:, None]
@@ -157,8 +165,8 @@ class PagedLatentView:
 
 class StatePool:
     """KDA states of every KDA layer for ``num_slots`` sequences or checkpoints, plus the scratch slot (the last
-    row, which slot -1 also names: a padding row of a decode batch gathers and scatters its conv inputs there and
-    ``kda_decode`` skips its recurrent state)."""
+    row, which slot -1 also names: a padding row of a decode batch writes its conv inputs there and ``kda_decode``
+    skips its recurrent state)."""
 
     def __init__(self, config: K3Config, num_slots: int, dtype: torch.dtype, device: torch.device | str):
         heads, head_dim = config.kda.num_heads, config.kda_head_dim
@@ -203,31 +211,26 @@ class StatePool:
             conv[dst] = conv[src]
             rec[dst] = rec[src]
 
-    def gather(self, slots_B: torch.Tensor) -> list[KDAState]:
-        """Per KDA layer, the states of the sequences in ``slots_B``: the conv inputs gathered (small), the
-        recurrent states pooled (the layer advances the pool rows in place: no copy of ~6 MB per sequence and
-        layer at K3's width, in or out)."""
-        return [KDAState(conv[slots_B], None, pool_PHKV=rec, slots_B=slots_B)
+    def view(self, slots_B: torch.Tensor) -> list[KDAState]:
+        """Per KDA layer, the pooled states of the sequences in ``slots_B``: the layer reads and advances their
+        pool rows in place (no copy in or out; a recurrent state is ~6 MB per sequence and layer at K3's
+        width)."""
+        return [KDAState(None, None, pool_PHKV=rec, slots_B=slots_B, conv_pool_PCW=conv)
                 for conv, rec in zip(self.conv, self.recurrent)]
-
-    def scatter(self, slots_B: torch.Tensor, states: list[KDAState]) -> None:
-        """Write the gathered conv inputs back (the recurrent rows were updated in place)."""
-        for conv, state in zip(self.conv, states):
-            conv[slots_B] = state.conv_BCW.to(conv.dtype)
 
 
 def batch_cache(config: K3Config, latents: LatentPool, states: StatePool, slots_B: torch.Tensor,
-                tables_BN: torch.Tensor, lengths_B: torch.Tensor) -> tuple[K3Cache, list[KDAState]]:
-    """The model-facing ``K3Cache`` for one forward over B pooled sequences, and the gathered KDA
-    states to ``scatter`` back once it ran."""
-    kda_states = states.gather(slots_B)
+                tables_BN: torch.Tensor, lengths_B: torch.Tensor, max_length: int | None = None) -> K3Cache:
+    """The model-facing ``K3Cache`` for one forward over B pooled sequences. ``max_length``: the longest row's
+    cached length when the host knows it (a prefill), which spares the MLA layers reading it back."""
+    kda_states = states.view(slots_B)
     layers: list = []
     mla_index = kda_index = 0
     for spec in config.layer_plan():
         if spec.mixer == "mla":
-            layers.append(latents.view(mla_index, tables_BN, lengths_B))
+            layers.append(latents.view(mla_index, tables_BN, lengths_B, max_length))
             mla_index += 1
         else:
             layers.append(kda_states[kda_index])
             kda_index += 1
-    return K3Cache(layers=layers), kda_states
+    return K3Cache(layers=layers)

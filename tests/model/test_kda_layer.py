@@ -62,17 +62,22 @@ def test_pooled_state_advances_its_pool_rows_like_an_owned_state():
     x = torch.randn(2, 24, config.dim)
     owned = _state(config, 2)
     pool = torch.randn(5, h, k, k)
-    before = pool.clone()
+    conv_pool = torch.randn(5, *owned.conv_BCW.shape[1:])
+    before, conv_before = pool.clone(), conv_pool.clone()
     slots = torch.tensor([3, 0])
     pool[slots] = 0.0
-    pooled = KDAState(torch.zeros_like(owned.conv_BCW), None, pool_PHKV=pool, slots_B=slots)
+    conv_pool[slots] = 0.0
+    pooled = KDAState(None, None, pool_PHKV=pool, slots_B=slots, conv_pool_PCW=conv_pool)
     for a, b in ((0, 20), (20, 21), (21, 22), (22, 24)):     # prefill, two decode steps, a 2-token chunk
-        first = owned.recurrent_BHKV
-        first_copy = first.clone()
+        first, first_conv = owned.recurrent_BHKV, owned.conv_BCW
+        first_copy, first_conv_copy = first.clone(), first_conv.clone()
         torch.testing.assert_close(layer(x[:, a:b], pooled), layer(x[:, a:b], owned), rtol=0, atol=1e-6)
         assert torch.equal(first, first_copy) and owned.recurrent_BHKV is not first
+        assert torch.equal(first_conv, first_conv_copy) and owned.conv_BCW is not first_conv
         torch.testing.assert_close(pool[slots], owned.recurrent_BHKV, rtol=0, atol=1e-6)
+        torch.testing.assert_close(conv_pool[slots], owned.conv_BCW, rtol=0, atol=1e-6)
     assert torch.equal(pool[[1, 2, 4]], before[[1, 2, 4]])
+    assert torch.equal(conv_pool[[1, 2, 4]], conv_before[[1, 2, 4]])
 
 
 def test_advance_in_place_hands_a_pool_over_as_it_is_and_an_owned_state_as_a_copy():
@@ -106,6 +111,12 @@ def test_kda_state_holds_its_recurrent_state_one_way():
         KDAState(conv, None)
     with pytest.raises(ValueError, match="needs slots_B"):
         KDAState(conv, None, pool_PHKV=rec)
+    with pytest.raises(ValueError, match="conv inputs either owned"):
+        KDAState(None, rec)
+    with pytest.raises(ValueError, match="conv inputs either owned"):
+        KDAState(conv, rec, conv_pool_PCW=conv)
+    with pytest.raises(ValueError, match="needs slots_B"):
+        KDAState(None, rec, conv_pool_PCW=conv)
 
 
 class _ContinueFrom:

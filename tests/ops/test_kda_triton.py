@@ -448,8 +448,14 @@ def test_decode_vs_step(fused, K, V):
         gg, bb = G_MIN * torch.sigmoid(z), torch.sigmoid(b)
     ref_pool = pool.clone()
     if fused:
-        o = kda_decode(q, k, v, z, b, pool, slots, A_log=a_log, dt_bias=dtb, g_min=G_MIN, use_gate_in_kernel=True,
-                       use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, backend="triton")
+        # The layer's inputs are column slices of one projection output: rows strided, each row contiguous.
+        wide = torch.cat([x.flatten(1) for x in (q, k, v, z, b)] + [torch.zeros(B, 3, device=DEV)], dim=1)
+        sizes = [H * K, H * K, H * V, H * K, H, 3]
+        sq, sk, sv, sz, sb, _ = wide.split(sizes, dim=1)
+        sq, sk, sz = (x.unflatten(1, (H, K)) for x in (sq, sk, sz))
+        o = kda_decode(sq, sk, sv.unflatten(1, (H, V)), sz, sb, pool, slots, A_log=a_log, dt_bias=dtb, g_min=G_MIN,
+                       use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                       backend="triton")
     else:
         o = kda_decode(qq, kk, v, gg, bb, pool, slots, backend="triton")
     for i, s in enumerate(slots.tolist()):

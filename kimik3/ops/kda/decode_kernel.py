@@ -26,7 +26,7 @@ __all__ = ["launch_decode"]
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pool_ptr, slot_ptr, o_ptr, alog_ptr, dtb_ptr,
-    H, scale, g_min,
+    sq, sk, sv, sg, sb, H, scale, g_min,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr, EPS: tl.constexpr,
 ):
@@ -47,11 +47,12 @@ def _decode_kernel(
     # whole lines back (faster than evict_first or the .cg / .cs modifiers).
     S = tl.load(pool_ptr + s_off, mask=sm, other=0.0)
     base = i_bh.to(tl.int64)
-    q = tl.load(q_ptr + base * K + ck, mask=km, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + base * K + ck, mask=km, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + base * V + cv, mask=vm, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + base * K + ck, mask=km, other=0.0).to(tl.float32)
-    b = tl.load(beta_ptr + base).to(tl.float32)
+    row = i_b.to(tl.int64)
+    q = tl.load(q_ptr + row * sq + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + row * sk + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + row * sv + i_h * V + cv, mask=vm, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * sg + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
+    b = tl.load(beta_ptr + row * sb + i_h).to(tl.float32)
     if USE_GATE:
         a = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
         dtb = tl.load(dtb_ptr + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
@@ -85,6 +86,13 @@ def _default_blocks(BK: int, V: int, BH: int):
     return BV, num_warps
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, ...] with each row's elements contiguous (any stride between rows, e.g. column slices of one
+    projection output): as it is; otherwise a contiguous copy."""
+    inner = x[0] if x.shape[0] else x
+    return x if x.shape[0] == 0 or inner.is_contiguous() else x.contiguous()
+
+
 def launch_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state_pool: torch.Tensor, slots: torch.Tensor, scale: Optional[float] = None,
@@ -99,13 +107,14 @@ def launch_decode(
 
     q, k, g: [B, H, K] (g is the raw gate input z when use_gate_in_kernel); v: [B, H, V];
     beta: [B, H]; state_pool: [P, H, K, V] float32 contiguous; slots: [B] integer indices into the
-    pool (negative: skip). Slots must be distinct (each program owns its state rows).
+    pool (negative: skip). Slots must be distinct (each program owns its state rows). The inputs may have any
+    stride between rows, as long as each row is contiguous.
     """
     B, H, K = q.shape
     V = v.shape[-1]
     if scale is None:
         scale = K**-0.5
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (_rows(x) for x in (q, k, v, g, beta))
     o = torch.empty(B, H, V, device=q.device, dtype=v.dtype)
     if B == 0:
         return o
@@ -117,7 +126,7 @@ def launch_decode(
     _decode_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, v, g, beta, state_pool, slots.contiguous(), o,
         A_log.contiguous() if use_gate_in_kernel else dummy, dt_bias.contiguous() if use_gate_in_kernel else dummy,
-        H, float(scale), float(g_min),
+        q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), H, float(scale), float(g_min),
         K=K, V=V, BK=BK, BV=BV,
         USE_GATE=bool(use_gate_in_kernel), USE_L2=bool(use_qk_l2norm_in_kernel),
         USE_BETA_SIG=bool(use_beta_sigmoid_in_kernel), EPS=L2_EPS,

@@ -24,6 +24,7 @@ import json
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -112,7 +113,10 @@ def prefill_rate(core: EngineCore, length: int, seed: int) -> float:
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(1, 4000, (length,), generator=g).tolist()
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    drive(core, [GenerationRequest("warm", prompt[: length // 2], params)])
+    # Warm with a prompt of the same length (other tokens: no prefix-cache hit), so that per-shape set-up (cuDNN's
+    # attention plans, Triton specialisations) is not timed.
+    warm = torch.randint(4000, 8000, (length,), generator=g).tolist()
+    drive(core, [GenerationRequest("warm", warm, params)])
     torch.cuda.synchronize()
     start = time.perf_counter()
     drive(core, [GenerationRequest("p", prompt, params)])
@@ -219,11 +223,23 @@ def profile_prefill(core: EngineCore, length: int) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         drive(core, [GenerationRequest("p", torch.randint(1, 4000, (length,), generator=g).tolist(), params)])
         torch.cuda.synchronize()
-    return kernel_rows(prof, 1)
+    table = kernel_rows(prof, 1)
+    # Where the prefill waits on the GPU (each wait stops the host from running ahead).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            drive(core, [GenerationRequest("s", torch.randint(1, 4000, (length,), generator=g).tolist(), params)])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    table["host_syncs"] = [str(w.message)[:160] + f" ({Path(w.filename).name}:{w.lineno})" for w in caught]
+    return table
 
 
 def print_kernels(title: str, table: dict) -> None:
     print(f"{title}: {table['launches']} kernel launches, {table['us'] / 1e3:.2f} ms of kernel time")
+    for sync in table.get("host_syncs", []):
+        print(f"  host sync: {sync}")
     for key in ("by_time", "by_count"):
         print(f"| kernel ({key.replace('_', ' ')}) | us | launches |\n|---|---|---|")
         for name, us, count in table[key]:

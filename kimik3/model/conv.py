@@ -7,9 +7,11 @@ multiply-adds, so that packed sequences (``cu_seqlens``) never see a neighbour's
 same code serves prefill (T tokens) and chunked prefill (T tokens after a state). The state is the last W-1
 *inputs* of the sequence, [B, C, W-1].
 
-``short_conv_step`` is one token (decode) over states held as rows of a pool, updated in place: on CUDA one
-Triton kernel (``kimik3.ops.glue.short_conv``, computing in fp32), elsewhere ``short_conv`` on the gathered rows
-(its reference).
+``short_conv`` is the reference. What the KDA layer calls picks the Triton kernels on CUDA (``glue_backend``),
+which compute in fp32 and read the layer's three weights and strided inputs in place:
+- ``apply_short_conv``: T tokens (prefill, training; ``kimik3.ops.glue.causal_conv``, differentiable);
+- ``short_conv_step``: one token (decode) over states held as rows of a pool, updated in place
+  (``kimik3.ops.glue.short_conv``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kimik3.model.packing import positions_in_sequence
-from kimik3.ops.glue import glue_backend, short_conv_decode
+from kimik3.ops.glue import causal_conv, glue_backend, short_conv_decode
 
 
 def short_conv(
@@ -64,6 +66,16 @@ def short_conv(
     if activation:
         y = F.silu(y)
     return y, new_state
+
+
+def apply_short_conv(x_BTC: torch.Tensor, weights: Sequence[torch.Tensor], state_BCW: torch.Tensor | None = None,
+                     cu_seqlens: torch.Tensor | None = None,
+                     backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``short_conv`` (+ SiLU) with the kernel given as [C_i, W] pieces whose rows stack to C (KDA's three):
+    (y [B, T, C] in x's dtype, the last W-1 inputs [B, C, W-1]). ``backend``: as ``glue_backend``."""
+    if glue_backend(x_BTC, backend) == "triton":
+        return causal_conv(x_BTC, tuple(weights), state_BCW, cu_seqlens)
+    return short_conv(x_BTC, torch.cat(list(weights)).to(x_BTC.dtype), state_BCW, cu_seqlens)
 
 
 def short_conv_step(x_BC: torch.Tensor, weights: Sequence[torch.Tensor], pool_PCW: torch.Tensor,

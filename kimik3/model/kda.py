@@ -23,7 +23,7 @@ from torch import nn
 
 from kimik3.config.schema import K3Config
 from kimik3.model.cache import KDAState
-from kimik3.model.conv import short_conv, short_conv_step
+from kimik3.model.conv import apply_short_conv, short_conv_step
 from kimik3.model.fused_linear import project
 from kimik3.model.param_rules import ParamRule, adamw, muon
 from kimik3.ops.glue import gated_rms_norm, glue_backend
@@ -136,12 +136,11 @@ class KDA(nn.Module):
             qkv_BTC = state.conv_step_in_place(
                 lambda pool_PCW, rows_B: short_conv_step(qkv_BTC[:, 0], convs, pool_PCW, rows_B))[:, None]
         else:
-            conv_weight = torch.cat(convs, dim=0).to(qkv_BTC.dtype)
             if split is not None:
-                conv_in = split.conv_state(qkv_BTC, conv_weight.shape[1])
+                conv_in = split.conv_state(qkv_BTC, self.q_conv.shape[1])
             else:
                 conv_in = state.conv_inputs() if state is not None else None
-            qkv_BTC, conv_state = short_conv(qkv_BTC, conv_weight, conv_in, cu_seqlens=cu_seqlens)
+            qkv_BTC, conv_state = apply_short_conv(qkv_BTC, convs, conv_in, cu_seqlens)
             if state is not None:
                 state.set_conv(conv_state)
         q_BTHK, k_BTHK, v_BTHV = (t.unflatten(-1, (heads, head_dim)) for t in qkv_BTC.chunk(3, dim=-1))

@@ -2,14 +2,16 @@
 
 - ``attnres``: the Block AttnRes mix; ``rmsnorm``: RMSNorm; ``gated_norm``: KDA's output norm times its gate;
   ``situ``: SiTU-GLU (times the MoE mixture weight) -- one launch forward, one or two backward;
+- ``causal_conv``: KDA's causal short conv over T tokens (one launch forward, two backward);
 - ``short_conv``: KDA's short-conv step for one token over a pool of states (forward only, serving).
 
 Their torch references, and CPU paths, are the model's own code (``AttnResMix``, ``RMSNorm``,
-``kda.gated_output_norm``, ``ffn.situ_glu_cast``, ``conv.short_conv_step``), which call these kernels where
-``glue_backend`` says "triton".
+``kda.gated_output_norm``, ``ffn.situ_glu_cast``, ``conv.apply_short_conv``, ``conv.short_conv_step``), which call
+these kernels where ``glue_backend`` says "triton".
 """
 
 from kimik3.ops.glue.attnres import MAX_ENTRIES, attnres_mix, attnres_mix_backward, attnres_mix_forward
+from kimik3.ops.glue.causal_conv import causal_conv, causal_conv_backward, causal_conv_forward
 from kimik3.ops.glue.common import MAX_WIDTH, glue_backend
 from kimik3.ops.glue.gated_norm import gated_rms_norm, gated_rms_norm_backward, gated_rms_norm_forward
 from kimik3.ops.glue.rmsnorm import rms_norm, rms_norm_backward, rms_norm_forward
@@ -23,6 +25,9 @@ __all__ = [
     "attnres_mix",
     "attnres_mix_backward",
     "attnres_mix_forward",
+    "causal_conv",
+    "causal_conv_backward",
+    "causal_conv_forward",
     "gated_rms_norm",
     "gated_rms_norm_backward",
     "gated_rms_norm_forward",

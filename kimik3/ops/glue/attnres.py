@@ -45,6 +45,7 @@ from kimik3.ops.glue.common import (
     rows_2d,
     tl,
     triton,
+    needs_grad,
 )
 
 __all__ = ["MAX_ENTRIES", "attnres_mix", "attnres_mix_backward", "attnres_mix_forward"]
@@ -197,9 +198,13 @@ def attnres_mix(entries: Sequence[torch.Tensor] | torch.Tensor, key_norm_weight:
     ``glue_backend`` and ``AttnResMix`` choose). Forward: one launch; backward: two.
     """
     if isinstance(entries, torch.Tensor):
+        if not needs_grad(entries, key_norm_weight, query):
+            return attnres_mix_forward(entries, key_norm_weight, query, eps)
         return _AttnResMixFn.apply(key_norm_weight, query, eps, True, entries)
     if not isinstance(entries, (list, tuple)):
         raise ValueError(f"entries must be a list of tensors or one stacked tensor, got {describe(entries)}")
+    if not needs_grad(*entries, key_norm_weight, query):
+        return attnres_mix_forward(entries, key_norm_weight, query, eps)
     return _AttnResMixFn.apply(key_norm_weight, query, eps, False, *entries)
 
 

@@ -50,6 +50,7 @@ from kimik3.ops.glue.common import (
     on_device,
     tl,
     triton,
+    needs_grad,
 )
 
 __all__ = ["MAX_WEIGHTS", "causal_conv", "causal_conv_backward", "causal_conv_forward"]
@@ -286,6 +287,8 @@ def causal_conv(
     """
     if isinstance(weights, torch.Tensor):
         weights = (weights,)
+    if not needs_grad(x_BTC, state_BCW, *weights):
+        return causal_conv_forward(x_BTC, weights, state_BCW, cu_seqlens, activation)
     return _CausalConvFn.apply(x_BTC, state_BCW, cu_seqlens, bool(activation), *weights)
 
 

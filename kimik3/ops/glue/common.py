@@ -56,6 +56,12 @@ def glue_backend(x: torch.Tensor, backend: str = "auto") -> str:
     return choice
 
 
+def needs_grad(*tensors) -> bool:
+    """Whether autograd must record an op on these inputs. When not (inference), the ops call their forward
+    kernel directly: the same launch, without an autograd node's host overhead."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 def interpreted() -> bool:
     """Whether the glue kernels run under Triton's interpreter (decided when they were decorated, i.e. when
     TRITON_INTERPRET=1 was set before this package was imported)."""

@@ -48,6 +48,7 @@ from kimik3.ops.glue.common import (
     reduce_partials,
     tl,
     triton,
+    needs_grad,
 )
 
 __all__ = ["gated_rms_norm", "gated_rms_norm_backward", "gated_rms_norm_forward"]
@@ -178,6 +179,8 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     and weight in their dtypes and shapes. Math in fp32 (fp64 when an input is fp64). CUDA tensors, or CPU tensors
     under TRITON_INTERPRET=1. Forward: one launch; backward: two.
     """
+    if not needs_grad(o, gate, weight):
+        return gated_rms_norm_forward(o, gate, weight, eps, out_dtype)
     return _GatedRMSNormFn.apply(o, gate, weight, eps, out_dtype)
 
 

@@ -35,6 +35,7 @@ from kimik3.ops.glue.common import (
     rows_2d,
     tl,
     triton,
+    needs_grad,
 )
 
 __all__ = ["rms_norm", "rms_norm_backward", "rms_norm_forward"]
@@ -120,6 +121,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     TRITON_INTERPRET=1 (no dispatch here: ``glue_backend`` and ``RMSNorm`` choose). Forward: one launch;
     backward: two.
     """
+    if not needs_grad(x, weight):
+        return rms_norm_forward(x, weight, eps)
     return _RMSNormFn.apply(x, weight, eps)
 
 

@@ -47,6 +47,7 @@ from kimik3.ops.glue.common import (
     rows_2d,
     tl,
     triton,
+    needs_grad,
 )
 
 __all__ = ["situ_glu", "situ_glu_backward", "situ_glu_forward"]
@@ -176,6 +177,8 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | No
     CUDA tensors, or CPU tensors under TRITON_INTERPRET=1 (no dispatch here: ``glue_backend`` chooses). Forward:
     one launch; backward: one.
     """
+    if not needs_grad(gate, up, row_weight):
+        return situ_glu_forward(gate, up, row_weight, out_dtype)
     return _SituGLUFn.apply(gate, up, row_weight, out_dtype)
 
 

@@ -36,7 +36,8 @@ import math
 
 import torch
 
-from kimik3.ops.glue.common import _jit, blocks, check_triton_device, describe, interpreted, on_device, tl, triton
+from kimik3.ops.glue.common import (_jit, blocks, check_triton_device, describe, interpreted, needs_grad, on_device, tl,
+                                    triton)
 
 try:
     from triton.language.extra import libdevice
@@ -169,6 +170,8 @@ class _SigmoidTopK(torch.autograd.Function):
 def sigmoid_topk(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, route_scale: float):
     """``sigmoid_topk_forward`` with autograd: the weights are differentiable w.r.t. the logits (the bias only
     selects; ids, cutoff and counts carry no gradient). Returns (weights_TK, ids_TK, cutoff_T, counts_E)."""
+    if not needs_grad(logits_TE):
+        return sigmoid_topk_forward(logits_TE, bias_E, top_k, route_scale)
     return _SigmoidTopK.apply(logits_TE, bias_E, top_k, route_scale)
 
 

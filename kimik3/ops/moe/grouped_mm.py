@@ -40,16 +40,16 @@ def _check(x_RI: torch.Tensor, w_EIO: torch.Tensor, counts_E: torch.Tensor) -> N
 
 
 def grouped_mm_loop(x_RI: torch.Tensor, w_EIO: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """Reference/fallback: one matmul per non-empty expert group."""
+    """Reference/fallback: one matmul per non-empty expert group.
+
+    The groups are cut with ``split`` and the experts with ``unbind`` (not by indexing each): their backward is one
+    concatenation each, where indexing would add a zero-filled copy of the whole input and of the whole weight
+    stack per expert."""
     _check(x_RI, w_EIO, counts_E)
-    outs = []
-    start = 0
-    for expert, count in enumerate(counts_E.tolist()):
-        if count:
-            outs.append(x_RI[start:start + count] @ w_EIO[expert])
-            start += count
-    if start != x_RI.shape[0]:
-        raise ValueError(f"grouped_mm: counts sum to {start} but x has {x_RI.shape[0]} rows")
+    counts = counts_E.tolist()
+    if sum(counts) != x_RI.shape[0]:
+        raise ValueError(f"grouped_mm: counts sum to {sum(counts)} but x has {x_RI.shape[0]} rows")
+    outs = [rows @ w for rows, w, count in zip(x_RI.split(counts), w_EIO.unbind(0), counts) if count]
     if not outs:
         return x_RI.new_zeros(0, w_EIO.shape[2])
     return torch.cat(outs)

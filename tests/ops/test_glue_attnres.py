@@ -13,9 +13,7 @@ Legend: B batch, T tokens, N entries, D width, R rows.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import os
 import types
 
 import pytest
@@ -24,27 +22,7 @@ import torch
 from kimik3.model.attnres import AttnResMix
 from kimik3.ops.glue import MAX_ENTRIES, MAX_WIDTH, attnres_mix, attnres_mix_backward, attnres_mix_forward, glue_backend
 from tests.numerics import rel_rms
-
-ON_GPU = torch.cuda.is_available()
-DEV = "cuda" if ON_GPU else "cpu"
-HAS_KERNELS = importlib.util.find_spec("triton") is not None and (ON_GPU or os.environ.get("TRITON_INTERPRET") == "1")
-needs_kernels = pytest.mark.skipif(not HAS_KERNELS, reason="needs triton, and CUDA or TRITON_INTERPRET=1")
-
-BF16_ULP = 2.0 ** -7  # a bf16 value's spacing, relative to the value, is at most this
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_setup():
-    checked = contextlib.nullcontext()
-    if HAS_KERNELS and not ON_GPU:
-        from kimik3.ops.kda.interpreter import interpreter_bf16_fix
-
-        interpreter_bf16_fix()  # the interpreter's bf16 casts are not the GPU's (Triton 3.6)
-        from tests.triton_bounds import bounds_checked
-
-        checked = bounds_checked()
-    with checked:
-        yield
+from tests.kernel_testing import BF16_ULP, DEV, HAS_KERNELS, interpreter_setup, needs_kernels, ON_GPU  # noqa: F401 (interpreter_setup: autouse)
 
 
 def make_mix(D, seed=0, dtype=torch.float32) -> AttnResMix:

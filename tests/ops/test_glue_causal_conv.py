@@ -17,9 +17,6 @@ Legend: B batch, T tokens, C channels, W kernel width.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -27,28 +24,11 @@ import torch
 from kimik3.model.conv import short_conv
 from kimik3.ops.glue.causal_conv import causal_conv, causal_conv_backward, causal_conv_forward
 from tests.numerics import rel_rms
+from tests.kernel_testing import BF16_ULP, DEV, HAS_KERNELS, interpreter_setup, needs_kernels, ON_GPU  # noqa: F401 (interpreter_setup: autouse)
 
-ON_GPU = torch.cuda.is_available()
-DEV = "cuda" if ON_GPU else "cpu"
-HAS_KERNELS = importlib.util.find_spec("triton") is not None and (ON_GPU or os.environ.get("TRITON_INTERPRET") == "1")
-needs_kernels = pytest.mark.skipif(not HAS_KERNELS, reason="needs triton, and CUDA or TRITON_INTERPRET=1")
 
-BF16_ULP = 2.0 ** -7  # a bf16 value's spacing, relative to the value, is at most this
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
 CU = [0, 3, 3, 10, 17]  # four packed sequences of 3, 0, 7 and 7 tokens
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_setup():
-    checked = contextlib.nullcontext()
-    if HAS_KERNELS and not ON_GPU:
-        from kimik3.ops.kda.interpreter import interpreter_bf16_fix
-        from tests.triton_bounds import bounds_checked
-
-        interpreter_bf16_fix()  # the interpreter's bf16 casts are not the GPU's (Triton 3.6)
-        checked = bounds_checked()
-    with checked:
-        yield
 
 
 def make_inputs(B, T, splits, W, x_dtype, w_dtype, state_dtype, seed=0):

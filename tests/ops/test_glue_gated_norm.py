@@ -13,9 +13,6 @@ Legend: B batch, T tokens, H heads, V head dim, R = B * T * H rows.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -24,27 +21,10 @@ import torch.nn.functional as F
 from kimik3.ops.glue import MAX_WIDTH
 from kimik3.ops.glue.gated_norm import _rows_3d, gated_rms_norm, gated_rms_norm_backward, gated_rms_norm_forward
 from tests.numerics import rel_rms
+from tests.kernel_testing import BF16_ULP, DEV, HAS_KERNELS, interpreter_setup, needs_kernels, ON_GPU  # noqa: F401 (interpreter_setup: autouse)
 
-ON_GPU = torch.cuda.is_available()
-DEV = "cuda" if ON_GPU else "cpu"
-HAS_KERNELS = importlib.util.find_spec("triton") is not None and (ON_GPU or os.environ.get("TRITON_INTERPRET") == "1")
-needs_kernels = pytest.mark.skipif(not HAS_KERNELS, reason="needs triton, and CUDA or TRITON_INTERPRET=1")
 
-BF16_ULP = 2.0 ** -7  # a bf16 value's spacing, relative to the value, is at most this
 EPS = 1e-5
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_setup():
-    checked = contextlib.nullcontext()
-    if HAS_KERNELS and not ON_GPU:
-        from kimik3.ops.kda.interpreter import interpreter_bf16_fix
-        from tests.triton_bounds import bounds_checked
-
-        interpreter_bf16_fix()  # the interpreter's bf16 casts are not the GPU's (Triton 3.6)
-        checked = bounds_checked()
-    with checked:
-        yield
 
 
 def reference(o, gate, weight, eps, out_dtype=None):

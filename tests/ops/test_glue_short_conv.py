@@ -14,9 +14,6 @@ Legend: B batch, C channels, W kernel width, P pool rows (the last one the scrat
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -24,28 +21,11 @@ import torch
 from kimik3.model.conv import short_conv
 from kimik3.ops.glue.short_conv import short_conv_decode
 from tests.numerics import rel_rms
+from tests.kernel_testing import BF16_ULP, DEV, HAS_KERNELS, interpreter_setup, needs_kernels, ON_GPU  # noqa: F401 (interpreter_setup: autouse)
 
-ON_GPU = torch.cuda.is_available()
-DEV = "cuda" if ON_GPU else "cpu"
-HAS_KERNELS = importlib.util.find_spec("triton") is not None and (ON_GPU or os.environ.get("TRITON_INTERPRET") == "1")
-needs_kernels = pytest.mark.skipif(not HAS_KERNELS, reason="needs triton, and CUDA or TRITON_INTERPRET=1")
 
-BF16_ULP = 2.0 ** -7  # a bf16 value's spacing, relative to the value, is at most this
 P = 8  # pool rows: slots 0..6 and the scratch row 7 (slot -1)
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_setup():
-    checked = contextlib.nullcontext()
-    if HAS_KERNELS and not ON_GPU:
-        from kimik3.ops.kda.interpreter import interpreter_bf16_fix
-        from tests.triton_bounds import bounds_checked
-
-        interpreter_bf16_fix()  # the interpreter's bf16 casts are not the GPU's (Triton 3.6)
-        checked = bounds_checked()
-    with checked:
-        yield
 
 
 def make_inputs(B, splits, W, x_dtype, w_dtype, pool_dtype, seed=0):
@@ -175,8 +155,8 @@ def test_bad_inputs_are_named():
     cases = [
         ((x.long(), ws, pool, slots), "x_BC must be"),
         ((x[0], ws, pool, slots), "x_BC must be"),
-        ((x, (), pool, slots), "weights must be 1 to 3"),
-        ((x, ws + ws[:1], pool, slots), "weights must be 1 to 3"),
+        ((x, (), pool, slots), "1 to 3 tensors \\[C_i, W\\]"),
+        ((x, ws + ws[:1], pool, slots), "1 to 3 tensors \\[C_i, W\\]"),
         ((x, (ws[0], ws[1].long(), ws[2]), pool, slots), r"weights\[1\] must be"),
         ((x, (ws[0], ws[1][:, :3], ws[2]), pool, slots), "disagree on the kernel width"),
         ((x, ws[:2], pool, slots), "sum to 16"),

@@ -14,9 +14,6 @@ Legend: T tokens (rows), E experts, K experts per token.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -29,25 +26,11 @@ from kimik3.ops.moe.route import (
     sigmoid_topk_forward,
 )
 from tests.numerics import rel_rms
+from tests.kernel_testing import DEV, HAS_KERNELS, interpreter_setup, needs_kernels, ON_GPU  # noqa: F401 (interpreter_setup: autouse)
 
-ON_GPU = torch.cuda.is_available()
-DEV = "cuda" if ON_GPU else "cpu"
-HAS_KERNELS = importlib.util.find_spec("triton") is not None and (ON_GPU or os.environ.get("TRITON_INTERPRET") == "1")
-needs_kernels = pytest.mark.skipif(not HAS_KERNELS, reason="needs triton, and CUDA or TRITON_INTERPRET=1")
 
 CUTOFF_ATOL = 2.0 ** -21  # two fp32 steps at biased scores in [1, 2): the sigmoids may differ by an ulp
 INF = float("inf")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_setup():
-    checked = contextlib.nullcontext()
-    if HAS_KERNELS and not ON_GPU:
-        from tests.triton_bounds import bounds_checked
-
-        checked = bounds_checked()
-    with checked:
-        yield
 
 
 def reference(logits_TE, bias_E, top_k, route_scale, stable=False):

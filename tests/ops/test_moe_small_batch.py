@@ -20,9 +20,6 @@ Legend: T tokens, K experts per token, E experts, L latent width, F expert hidde
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -30,31 +27,14 @@ import torch
 from kimik3.model.ffn import situ_glu as situ_glu_ref
 from kimik3.model.moe import RoutedExperts
 from tests.numerics import rel_rms
+from tests.kernel_testing import BF16_ULP, DEV, HAS_KERNELS, interpreter_setup, needs_kernels, ON_GPU  # noqa: F401 (interpreter_setup: autouse)
 
-ON_GPU = torch.cuda.is_available()
-DEV = "cuda" if ON_GPU else "cpu"
-HAS_KERNELS = importlib.util.find_spec("triton") is not None and (ON_GPU or os.environ.get("TRITON_INTERPRET") == "1")
-needs_kernels = pytest.mark.skipif(not HAS_KERNELS, reason="needs triton, and CUDA or TRITON_INTERPRET=1")
 
 if HAS_KERNELS:
     import kimik3.ops.moe.small_batch as small_batch
     from kimik3.ops.moe.small_batch import SMALL_BATCH_MAX_ROWS, routed_experts_small
 
-BF16_ULP = 2.0 ** -7  # a bf16 value's spacing, relative to the value, is at most this
 SHAPES = [(8, 48, 40, 2), (16, 64, 100, 4), (5, 33, 17, 3)]  # (E, L, F, K)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_setup():
-    checked = contextlib.nullcontext()
-    if HAS_KERNELS and not ON_GPU:
-        from kimik3.ops.kda.interpreter import interpreter_bf16_fix
-        from tests.triton_bounds import bounds_checked
-
-        interpreter_bf16_fix()  # the interpreter's bf16 casts are not the GPU's (Triton 3.6)
-        checked = bounds_checked()
-    with checked:
-        yield
 
 
 @pytest.fixture

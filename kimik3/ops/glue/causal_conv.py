@@ -51,11 +51,13 @@ from kimik3.ops.glue.common import (
     tl,
     triton,
     needs_grad,
+    MAX_CONV_WEIGHTS,
+    check_conv_weights,
 )
 
 __all__ = ["MAX_WEIGHTS", "causal_conv", "causal_conv_backward", "causal_conv_forward"]
 
-MAX_WEIGHTS = 3  # the weights' pointers travel as a tuple (one kernel specialisation per count): q, k, v
+MAX_WEIGHTS = MAX_CONV_WEIGHTS
 BLOCK_C_MAX = 128  # channels of a tile (contiguous in x: coalesced loads); tokens fill the rest of it
 # The forward's tiles: TILE_ELEMS, 8 elements a thread (at most ~60 registers on sm_90). The backward loads about
 # 5 W tiles a tile (pre at W times, g, and dw's W taps), which the compiler issues together: half the tile and 4
@@ -82,26 +84,8 @@ def _check(x_BTC, weights, state_BCW, cu_seqlens, what) -> tuple[torch.Tensor, .
                          f"{describe(x_BTC)}")
     B, T, C = x_BTC.shape
     device = x_BTC.device
-    if isinstance(weights, torch.Tensor):
-        weights = (weights,)
-    if not isinstance(weights, (list, tuple)) or not 1 <= len(weights) <= MAX_WEIGHTS:
-        raise ValueError(f"weights must be one tensor [C, W] or 1 to {MAX_WEIGHTS} tensors [C_i, W], got "
-                         f"{describe(weights)}" + (f" of length {len(weights)}" if isinstance(weights, (list, tuple))
-                                                   else ""))
-    weights = tuple(weights)
-    for i, w in enumerate(weights):
-        if not isinstance(w, torch.Tensor) or w.ndim != 2 or w.shape[0] < 1 or w.dtype not in _FLOATS:
-            raise ValueError(f"weights[{i}] must be a floating tensor [C_i >= 1, W], got {describe(w)}")
-        if w.device != device:
-            raise ValueError(f"weights[{i}] is on {w.device} but x_BTC on {device}")
+    weights = check_conv_weights(weights, C, device, "x_BTC")
     W = weights[0].shape[1]
-    if any(w.shape[1] != W for w in weights):
-        raise ValueError(f"the weights disagree on the kernel width W: {[tuple(w.shape) for w in weights]}")
-    if W < 2:
-        raise ValueError(f"the kernel width W must be >= 2 (a state of W-1 >= 1 inputs), got {W}")
-    if sum(w.shape[0] for w in weights) != C:
-        raise ValueError(f"the weights' channels {[w.shape[0] for w in weights]} sum to "
-                         f"{sum(w.shape[0] for w in weights)}, x_BTC has C = {C}")
     if state_BCW is not None:
         if not isinstance(state_BCW, torch.Tensor) or state_BCW.dtype not in _FLOATS:
             raise ValueError(f"state_BCW must be None or a floating tensor [B, C, W-1], got {describe(state_BCW)}")

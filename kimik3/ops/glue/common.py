@@ -90,6 +90,37 @@ def check_param(p, D: int, device: torch.device, name: str) -> None:
         raise ValueError(f"{name} is on {p.device} but the inputs on {device}")
 
 
+# A depthwise conv's kernel may come as up to three pieces [C_i, W] stacked along C (KDA's q, k and v convs),
+# read in place; their pointers travel as a tuple (one kernel specialisation per count).
+MAX_CONV_WEIGHTS = 3
+
+
+def check_conv_weights(weights, C: int, device: torch.device, x_name: str) -> tuple[torch.Tensor, ...]:
+    """A conv kernel given as one tensor [C, W] or 1 to MAX_CONV_WEIGHTS tensors [C_i, W] (any float dtype and
+    strides, W >= 2, sum C_i = C, on ``device``), checked; returned as a tuple."""
+    if isinstance(weights, torch.Tensor):
+        weights = (weights,)
+    if not isinstance(weights, (list, tuple)) or not 1 <= len(weights) <= MAX_CONV_WEIGHTS:
+        raise ValueError(f"weights must be one tensor [C, W] or 1 to {MAX_CONV_WEIGHTS} tensors [C_i, W], got "
+                         f"{describe(weights)}" + (f" of length {len(weights)}" if isinstance(weights, (list, tuple))
+                                                   else ""))
+    weights = tuple(weights)
+    for i, w in enumerate(weights):
+        if not isinstance(w, torch.Tensor) or w.ndim != 2 or w.shape[0] < 1 or w.dtype not in _FLOATS:
+            raise ValueError(f"weights[{i}] must be a floating tensor [C_i >= 1, W], got {describe(w)}")
+        if w.device != device:
+            raise ValueError(f"weights[{i}] is on {w.device} but {x_name} on {device}")
+    W = weights[0].shape[1]
+    if any(w.shape[1] != W for w in weights):
+        raise ValueError(f"the weights disagree on the kernel width W: {[tuple(w.shape) for w in weights]}")
+    if W < 2:
+        raise ValueError(f"the kernel width W must be >= 2 (a state of W-1 >= 1 inputs), got {W}")
+    if sum(w.shape[0] for w in weights) != C:
+        raise ValueError(f"the weights' channels {[w.shape[0] for w in weights]} sum to "
+                         f"{sum(w.shape[0] for w in weights)}, {x_name} has C = {C}")
+    return weights
+
+
 def check_float(x, name: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")

@@ -29,11 +29,12 @@ from typing import Sequence
 
 import torch
 
-from kimik3.ops.glue.common import _jit, check_triton_device, compute_f64, describe, on_device, tl, triton
+from kimik3.ops.glue.common import (MAX_CONV_WEIGHTS, _jit, check_conv_weights, check_triton_device, compute_f64,
+                                    describe, on_device, tl, triton)
 
 __all__ = ["MAX_WEIGHTS", "short_conv_decode"]
 
-MAX_WEIGHTS = 3  # the weights' pointers travel as a tuple (one kernel specialisation per count): q, k, v
+MAX_WEIGHTS = MAX_CONV_WEIGHTS
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _TILE_ELEMS = 512  # a program's [BLOCK_C, BLOCK_W] tile: 4 elements a thread at 4 warps
 
@@ -44,25 +45,8 @@ def _check(x_BC, weights, pool_PCW, slots_B, out_dtype) -> tuple[torch.Tensor, .
         raise ValueError(f"x_BC must be a floating tensor [B, C] (fp32, bf16, fp16 or fp64), got {describe(x_BC)}")
     B, C = x_BC.shape
     device = x_BC.device
-    if isinstance(weights, torch.Tensor):
-        weights = (weights,)
-    if not isinstance(weights, (list, tuple)) or not 1 <= len(weights) <= MAX_WEIGHTS:
-        raise ValueError(f"weights must be 1 to {MAX_WEIGHTS} tensors [C_i, W], got {describe(weights)}"
-                         + (f" of length {len(weights)}" if isinstance(weights, (list, tuple)) else ""))
-    weights = tuple(weights)
-    for i, w in enumerate(weights):
-        if not isinstance(w, torch.Tensor) or w.ndim != 2 or w.shape[0] < 1 or w.dtype not in _FLOATS:
-            raise ValueError(f"weights[{i}] must be a floating tensor [C_i >= 1, W], got {describe(w)}")
-        if w.device != device:
-            raise ValueError(f"weights[{i}] is on {w.device} but x_BC on {device}")
+    weights = check_conv_weights(weights, C, device, "x_BC")
     W = weights[0].shape[1]
-    if any(w.shape[1] != W for w in weights):
-        raise ValueError(f"the weights disagree on the kernel width W: {[tuple(w.shape) for w in weights]}")
-    if W < 2:
-        raise ValueError(f"the kernel width W must be >= 2 (a state of W-1 >= 1 inputs), got {W}")
-    if sum(w.shape[0] for w in weights) != C:
-        raise ValueError(f"the weights' channels {[w.shape[0] for w in weights]} sum to "
-                         f"{sum(w.shape[0] for w in weights)}, x_BC has C = {C}")
     if not isinstance(pool_PCW, torch.Tensor) or pool_PCW.ndim != 3 or pool_PCW.dtype not in _FLOATS:
         raise ValueError(f"pool_PCW must be a floating tensor [P, C, W-1], got {describe(pool_PCW)}")
     if pool_PCW.shape[0] < 1 or pool_PCW.shape[1:] != (C, W - 1):

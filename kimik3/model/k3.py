@@ -225,15 +225,17 @@ class K3ForCausalLM(nn.Module):
         return torch.cat(tokens, dim=1)
 
     # ------------------------------------------------------------------ files
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Write ``config.json`` and ``model.safetensors`` into ``directory`` (atomically)."""
-        save_pretrained(self, directory)
+    def save_pretrained(self, directory: str | Path, *, layout: str = "kimik3",
+                        max_shard_bytes: int | None = None) -> None:
+        """Write ``config.json`` and the weights into ``directory`` (atomically): our layout, or "hf" (the
+        released checkpoint's names, an HF config, sharded); see ``kimik3.model.pretrained``."""
+        save_pretrained(self, directory, layout=layout, max_shard_bytes=max_shard_bytes)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, device: torch.device | str | None = None,
                         dtype: torch.dtype | None = None) -> "K3ForCausalLM":
-        """Read a directory written by ``save_pretrained`` (never uses pickle); the dtype defaults
-        to ``default_dtype(device)`` (device default: CPU)."""
+        """Read a directory written by ``save_pretrained`` in either layout, or a released-layout (HF) checkpoint
+        (never uses pickle); the dtype defaults to ``default_dtype(device)`` (device default: CPU)."""
         device = torch.device(device if device is not None else "cpu")
         return load_pretrained(cls, directory, device=device, dtype=dtype or default_dtype(device))
 

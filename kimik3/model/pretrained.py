@@ -1,13 +1,20 @@
-"""``save_pretrained`` / ``from_pretrained``: ``config.json`` + ``model.safetensors``, never pickle.
+"""``save_pretrained`` / ``from_pretrained``: ``config.json`` + safetensors weights, never pickle.
+
+Two layouts, told apart on load by ``config.json`` (an HF config has ``model_type``):
+- ``kimik3``: our parameter names and our config; one ``model.safetensors``;
+- ``hf``: the released checkpoint's names and an HF-style config (``kimik3.interop.hf``), the weights in shards
+  ``model-0000k-of-0000n.safetensors`` listed by ``model.safetensors.index.json`` (``max_shard_bytes`` each).
+A ``kimik3`` directory may be sharded the same way (``max_shard_bytes``).
 
 Writes go to temporary files in the target directory and are renamed into place, so a crash
-leaves either the previous files or the new ones, never half of one. Loading checks every tensor
-name, shape and dtype against a model built on the meta device before anything is materialised,
+leaves either the previous files or the new ones, never half of one (the index is written last). Loading checks
+every tensor name, shape and dtype against a model built on the meta device before anything is materialised,
 and names the file at fault.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +30,9 @@ if TYPE_CHECKING:
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+LAYOUTS = ("kimik3", "hf")
+HF_SHARD_BYTES = 5 * 10**9   # Hugging Face's default shard size
 
 
 def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -30,21 +40,120 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
 
 
-def save_pretrained(model: "K3ForCausalLM", directory: str | Path) -> None:
+def save_pretrained(model: "K3ForCausalLM", directory: str | Path, *, layout: str = "kimik3",
+                    max_shard_bytes: int | None = None) -> None:
+    """Write ``config.json`` and the weights in ``layout`` ("kimik3" or "hf"). ``max_shard_bytes``: shard the
+    weights (default: one file for "kimik3", 5 GB shards for "hf")."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if max_shard_bytes is not None and (isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int)
+                                        or max_shard_bytes < 1):
+        raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
+    from kimik3.interop import hf_config, to_hf
+
     directory = Path(directory)
     tensors = state_tensors(model)
-    atomic_write(directory / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
-    atomic_write(directory / CONFIG_FILE, lambda tmp: tmp.write_text(model.config.to_json()))
+    if layout == "hf":
+        tensors = to_hf(tensors, model.config)
+        config_text = json.dumps(hf_config(model.config, model.dtype), indent=2) + "\n"
+        max_shard_bytes = max_shard_bytes or HF_SHARD_BYTES
+    else:
+        config_text = model.config.to_json()
+    if max_shard_bytes is None:
+        atomic_write(directory / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    else:
+        write_shards(tensors, directory, max_shard_bytes)
+    atomic_write(directory / CONFIG_FILE, lambda tmp: tmp.write_text(config_text))
 
 
-def read_config(directory: Path) -> K3Config:
+def shard_plan(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """The tensors' names in order, cut into shards of at most ``max_shard_bytes`` (a larger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def write_shards(tensors: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int) -> None:
+    """``model-0000k-of-0000n.safetensors`` and the index that maps every tensor to its shard (written last)."""
+    shards = shard_plan(tensors, max_shard_bytes)
+    weight_map = {}
+    for k, names in enumerate(shards, start=1):
+        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        part = {name: tensors[name] for name in names}
+        atomic_write(directory / file, lambda tmp, part=part: save_file(part, str(tmp), metadata={"format": "pt"}))
+        weight_map.update(dict.fromkeys(names, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    atomic_write(directory / INDEX_FILE, lambda tmp: tmp.write_text(json.dumps(index, indent=2) + "\n"))
+
+
+def read_config(directory: Path) -> tuple[K3Config, str]:
+    """The directory's config and its layout ("hf" when ``config.json`` is an HF config, else "kimik3")."""
+    from kimik3.interop import config_from_hf
+
     path = directory / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing (expected a directory written by save_pretrained)")
     try:
-        return K3Config.from_json(path)
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and "model_type" in data:
+            return config_from_hf(data), "hf"
+        return K3Config.from_json(path), "kimik3"
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
+
+
+def read_directory_weights(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """Every tensor of the directory (its one file, or the shards its index lists) and the path to blame."""
+    index_path = directory / INDEX_FILE
+    if not index_path.is_file():
+        return read_weights(directory / WEIGHTS_FILE), directory / WEIGHTS_FILE
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{index_path}: not a safetensors index ({err})") from None
+    tensors: dict[str, torch.Tensor] = {}
+    for file in dict.fromkeys(weight_map.values()):
+        shard = read_weights(directory / file)
+        listed = {name for name, f in weight_map.items() if f == file}
+        if set(shard) != listed:
+            raise ValueError(f"{directory / file}: holds {sorted(set(shard) - listed)[:5]} beyond the index and "
+                             f"lacks {sorted(listed - set(shard))[:5]} that it lists")
+        tensors.update(shard)
+    return tensors, index_path
+
+
+def has_weights(directory: Path) -> bool:
+    """Whether ``directory`` holds weights in either form (one file, or an index of shards)."""
+    return (directory / WEIGHTS_FILE).is_file() or (directory / INDEX_FILE).is_file()
+
+
+def stored_dtype(directory: Path) -> torch.dtype:
+    """The dtype the directory's embedding is stored in (read from the file's header, not its data)."""
+    from safetensors import safe_open
+
+    index = directory / INDEX_FILE
+    files = ([directory / f for f in dict.fromkeys(json.loads(index.read_text())["weight_map"].values())]
+             if index.is_file() else [directory / WEIGHTS_FILE])
+    for file in files:
+        with safe_open(str(file), "pt") as handle:
+            for name in handle.keys():
+                if name.endswith("embed.weight") or name.endswith("embed_tokens.weight"):
+                    stored = handle.get_slice(name).get_dtype()
+                    if stored not in _SAFETENSORS_DTYPES:
+                        raise ValueError(f"{file}: embedding stored as {stored}, not a float type kimik3 loads")
+                    return _SAFETENSORS_DTYPES[stored]
+    raise ValueError(f"{directory}: no embedding tensor found to tell the stored dtype")
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -74,10 +183,16 @@ def load_pretrained(cls: type["K3ForCausalLM"], directory: str | Path, *, device
                     dtype: torch.dtype) -> "K3ForCausalLM":
     """Build ``cls`` from ``directory`` on the meta device, check and assign the weights, then move
     the model to ``device`` in ``dtype``."""
+    from kimik3.interop import from_hf
+
     directory = Path(directory)
-    config = read_config(directory)
-    weights_path = directory / WEIGHTS_FILE
-    tensors = read_weights(weights_path)
+    config, layout = read_config(directory)
+    tensors, weights_path = read_directory_weights(directory)
+    if layout == "hf":
+        try:
+            tensors = from_hf(tensors, config)
+        except ValueError as err:
+            raise ValueError(f"{weights_path}: {err}") from None
     model = cls(config, device="meta")
     check_tensors(model.state_dict(), tensors, weights_path)
     model.load_state_dict(tensors, strict=True, assign=True)

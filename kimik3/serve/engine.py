@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kimik3.model.k3 import K3ForCausalLM
+from kimik3.model.pretrained import has_weights
 from kimik3.serve.memory import EngineConfig
 from kimik3.serve.scheduler import EngineCore
 from kimik3.serve.types import EngineStats, EngineUnavailable, GenerationRequest, SamplingParams, TokenEvent
@@ -56,13 +57,17 @@ class LLMEngine:
     @classmethod
     def from_run(cls, run_dir: str | Path, config: EngineConfig | None = None,
                  device: str | torch.device = "cpu", model_name: str | None = None) -> "LLMEngine":
-        """Load ``model.safetensors``/``config.json``/``tokenizer.json`` written by ``kimik3 train``."""
+        """Load a run written by ``kimik3 train`` or ``kimik3 convert`` (``config.json``, the weights in either
+        layout, ``tokenizer.json``)."""
         from kimik3.tokenizer import EOS, load_tokenizer
 
         run = Path(run_dir)
-        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        for name in ("config.json", "tokenizer.json"):
             if not (run / name).is_file():
                 raise FileNotFoundError(f"{run / name} is missing: is {run} a run written by `kimik3 train`?")
+        if not has_weights(run):
+            raise FileNotFoundError(f"{run}: no model.safetensors nor model.safetensors.index.json: is {run} a run "
+                                    f"written by `kimik3 train` or `kimik3 convert`?")
         tokenizer = load_tokenizer(run / "tokenizer.json")
         model = K3ForCausalLM.from_pretrained(run, device=device)
         return cls(model, tokenizer, config, model_name=model_name or run.name, eos_token_id=tokenizer.token_to_id(EOS))

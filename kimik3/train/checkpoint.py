@@ -308,7 +308,10 @@ def load_checkpoint(run_dir: str | Path, model: torch.nn.Module, checkpoint: str
     Everything is read and checked before the model is touched, so a bad file changes nothing.
     """
     ckpt = Path(checkpoint) if checkpoint is not None else resume_checkpoint(run_dir, warn)
-    config = read_config(ckpt)
+    config, layout = read_config(ckpt)
+    if layout != "kimik3":
+        raise CheckpointError(f"{ckpt / CONFIG_FILE}: a training checkpoint is in kimik3's layout, this one is "
+                              f"{layout!r}")
     if config != model.config:
         raise CheckpointError(f"{ckpt / CONFIG_FILE}: the checkpoint's config differs from the run's model config")
     try:

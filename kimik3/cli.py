@@ -127,6 +127,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name is empty")
     run = resolve_run(args.run)
+    from kimik3.serve.chat import load_chat_template
+
+    chat_template = load_chat_template(args.chat_template, run)   # a bad template fails before the model loads
     import torch
 
     on_gpu = torch.device(args.device).type == "cuda"
@@ -154,7 +157,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"({args.replicas} replica(s); request bodies up to {body_limit:,} bytes)", file=sys.stderr)
     print(f"each replica: {replicas[0].core.describe()}", file=sys.stderr)
     # 1 when the engine gave up after repeated failures: a process supervisor restarts the server.
-    return serve(engine, host=args.host, port=args.port, api_key=args.api_key, max_request_bytes=body_limit)
+    return serve(engine, host=args.host, port=args.port, api_key=args.api_key, max_request_bytes=body_limit,
+                 chat_template=chat_template)
 
 
 def cmd_cost(args: argparse.Namespace) -> int:
@@ -322,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest request body accepted, else 413 (default: what the context can hold, "
                         "JSON-escaped, plus 1 MiB)")
+    s.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="Jinja chat template for /v1/chat/completions (the file, or a JSON file with "
+                        "'chat_template' such as a tokenizer_config.json); default: the run's "
+                        "tokenizer_config.json, else the built-in one (docs/serving.md)")
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("cost", help="what a multi-turn session costs at K3's prices, with and without prefix cache")

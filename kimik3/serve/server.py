@@ -296,10 +296,11 @@ class _BearerAuth:
 
 
 # -- the app --------------------------------------------------------------------------------------------
-def create_app(engine: EngineLike, api_key: str | None = None, max_request_bytes: int | None = None) -> FastAPI:
+def create_app(engine: EngineLike, api_key: str | None = None, max_request_bytes: int | None = None,
+               chat_template: chat.ChatTemplate | None = None) -> FastAPI:
     """The ASGI app serving ``engine``; ``api_key`` (if set) is required as a Bearer token on every
     route but /health and /metrics; ``max_request_bytes`` (default: ``default_max_request_bytes``)
-    bounds a request body."""
+    bounds a request body; ``chat_template`` renders chat messages (default: the built-in one)."""
     app = FastAPI(title="Kimi K3", summary="OpenAI-compatible completions over a kimik3 engine")
     metrics = ServerMetrics(engine)
     app.state.engine, app.state.metrics = engine, metrics
@@ -307,6 +308,10 @@ def create_app(engine: EngineLike, api_key: str | None = None, max_request_bytes
     vocab_size = getattr(engine.tokenizer, "get_vocab_size", lambda: None)()
     token_chars = max_token_chars(engine.tokenizer)
     strings = TokenStrings(engine.tokenizer)   # token ids -> text for log-probabilities
+    chat_encoder = chat.ChatEncoder(engine.tokenizer, chat_template)
+    if chat_encoder.plain_markers:
+        log.warning("the chat template's markers %s are not special tokens of this tokenizer (its vocabulary "
+                    "has no room for them): they are encoded as plain text", ", ".join(chat_encoder.plain_markers))
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(engine.max_context, token_chars)
     if max_request_bytes < 1:
@@ -399,12 +404,13 @@ def create_app(engine: EngineLike, api_key: str | None = None, max_request_bytes
             messages = chat.parse_messages(body.messages)
             chars = sum(len(message.content) for message in messages)
             check_chars(chars, token_chars, engine.max_context, "messages")
-            ids, hints = await _off_loop(chars, lambda: chat.encode_messages(engine.tokenizer, messages))
+            ids, hints = await _off_loop(chars, lambda: chat_encoder.encode(messages))
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from None
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = max(engine.max_context - len(ids), 1) if requested is None else requested
-        stop = body.stop + [chat.CHAT_STOP] if len(body.stop) < 4 and chat.CHAT_STOP not in body.stop else body.stop
+        end = chat_encoder.stop   # the end of an assistant turn, when the client left room for it
+        stop = body.stop + [end] if end and len(body.stop) < 4 and end not in body.stop else body.stop
         params = sampling_params(body, max_tokens, stop, body.logprobs_asked(),
                                  "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
         check_context(len(ids), max_tokens, engine.max_context, "messages")
@@ -422,14 +428,15 @@ def create_app(engine: EngineLike, api_key: str | None = None, max_request_bytes
 
 
 def serve(engine: EngineLike, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          log_level: str = "info", max_request_bytes: int | None = None, health_poll_s: float = 1.0) -> int:
+          log_level: str = "info", max_request_bytes: int | None = None, health_poll_s: float = 1.0,
+          chat_template: chat.ChatTemplate | None = None) -> int:
     """Serve ``engine`` with uvicorn until interrupted (returns 0) or until the engine can no longer
     serve (returns 1, so that a process supervisor restarts the server)."""
     require("serve", "kimik3's HTTP server", ("uvicorn",))
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, api_key, max_request_bytes), host=host, port=port,
-                                           log_level=log_level))
+    app = create_app(engine, api_key, max_request_bytes, chat_template)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     failure: list[str] = []
 
     def watch() -> None:

@@ -177,8 +177,6 @@ def cmd_cost(args: argparse.Namespace) -> int:
 
 def _check_generate_options(args: argparse.Namespace) -> None:
     """Every ``generate`` option, checked before anything is loaded or printed."""
-    import torch
-
     from kimik3.model.sampling import SamplingOptionError, check_sampling
 
     if args.prompt == "":
@@ -241,6 +239,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    import shutil
+
+    import torch
+
+    from kimik3.model.k3 import K3ForCausalLM
+    from kimik3.model.pretrained import has_weights, stored_dtype
+
+    src, dst = Path(args.src), Path(args.dst)
+    if not has_weights(src):
+        raise FileNotFoundError(f"{src}: no model.safetensors nor model.safetensors.index.json")
+    if dst.resolve() == src.resolve():
+        raise ValueError("convert: the destination must differ from the source")
+    if dst.exists() and any(dst.iterdir()):
+        raise ValueError(f"convert: {dst} exists and is not empty")
+    if args.max_shard_mb is not None and args.max_shard_mb < 1:
+        raise ValueError(f"--max-shard-mb must be >= 1, got {args.max_shard_mb}")
+    dtype = getattr(torch, args.dtype) if args.dtype else stored_dtype(src)
+    model = K3ForCausalLM.from_pretrained(src, device="cpu", dtype=dtype)
+    model.save_pretrained(dst, layout=args.layout,
+                          max_shard_bytes=args.max_shard_mb * 10**6 if args.max_shard_mb else None)
+    copied = [name for name in ("tokenizer.json", "tokenizer_config.json") if (src / name).is_file()]
+    for name in copied:
+        shutil.copyfile(src / name, dst / name)
+    print(f"wrote {dst} ({args.layout} layout, {str(dtype).removeprefix('torch.')}"
+          + (f"; copied {', '.join(copied)}" if copied else "") + ")")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kimik3", description="Kimi K3 in PyTorch: inspect, train, serve.",
                                      formatter_class=_Help)
@@ -284,6 +311,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block in backward instead of storing its activations")
     t.set_defaults(func=cmd_train)
+
+    v = sub.add_parser("convert", help="rewrite a run's model in another layout (hf: the released checkpoint's)")
+    v.add_argument("src", help="a run or model directory (either layout)")
+    v.add_argument("dst", help="the directory to write (created; its tokenizer files are copied along)")
+    v.add_argument("--layout", default="hf", choices=["hf", "kimik3"], help="the layout to write")
+    v.add_argument("--max-shard-mb", type=int, help="shard the weights at this size (hf default: 5,000 MB)")
+    v.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="the dtype to write (default: the one the source stores)")
+    v.set_defaults(func=cmd_convert)
 
     g = sub.add_parser("generate", help="stream a completion from a trained run")
     g.add_argument("--run", help="run directory written by kimik3 train (default: the newest under ./runs)")

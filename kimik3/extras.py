@@ -14,7 +14,7 @@ import importlib
 
 # The import names each extra provides (tests/test_packaging.py checks them against pyproject.toml).
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "serve": ("fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn", "prometheus_client"),
+    "serve": ("fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn", "prometheus_client", "jinja2"),
     "plot": ("matplotlib",),
     "parquet": ("pyarrow",),
     "triton": ("triton",),

@@ -475,8 +475,8 @@ def classify_parameters(model: nn.Module) -> dict[str, ParamRule]:
 
     Rules are declared by the modules that own the parameters (``optimizer_rules()``, visited
     parents first, so a container's rules win over the generic one for the Linears it owns);
-    leftovers are handled by two generic rules: the weight of any other nn.Linear -> Muon ("whole",) and its bias, like any
-    other 1-D parameter -> AdamW without decay. Returns {parameter name: ParamRule} in
+    leftovers are handled by two generic rules: the weight of any other nn.Linear -> Muon ("whole",) and its bias,
+    like any other 1-D parameter -> AdamW without decay. Returns {parameter name: ParamRule} in
     ``named_parameters`` order. Raises ValueError listing every parameter that no rule claims or
     that more than one rule claims (e.g. a new 3-D parameter, or one tensor shared by two modules).
     """

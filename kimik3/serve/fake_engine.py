@@ -199,7 +199,8 @@ class FakeEngine:
             out.append(token)
             self._grow(state, n + len(out))
             if token == self.eos_token_id and not params.ignore_eos:
-                yield final(token, "", "stop")
+                # Release the text held back while it could have started a stop string, as the engine does.
+                yield final(token, self.tokenizer.decode(out[:-1])[sent:], "stop")
                 return
             text = self.tokenizer.decode(out)
             cuts = [text.find(s, max(0, sent - len(s))) for s in params.stop]

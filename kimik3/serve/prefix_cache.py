@@ -149,7 +149,8 @@ class PrefixCache:
         if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
             raise ValueError(f"capacity must be None or an integer >= 1, got {capacity!r}")
         if not fork_depth_cap >= 1 or not prior_forks > 0:
-            raise ValueError(f"fork_depth_cap must be >= 1 and prior_forks > 0, got {fork_depth_cap!r}, {prior_forks!r}")
+            raise ValueError(f"fork_depth_cap must be >= 1 and prior_forks > 0, got {fork_depth_cap!r}, "
+                             f"{prior_forks!r}")
         if not grace_factor > 0 or not trie_size >= 1:
             raise ValueError(f"grace_factor must be > 0 and trie_size >= 1, got {grace_factor!r}, {trie_size!r}")
         if hasher is not None and hasher.hash_block != hash_block:

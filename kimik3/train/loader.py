@@ -21,7 +21,8 @@ def _generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * _STEP_MIX + step) % (2**63))
 
 
-def batch_at(stream: np.ndarray, step: int, seed: int, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_at(stream: np.ndarray, step: int, seed: int, batch_size: int,
+             seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The training batch of ``step``: (input_ids [B, T], labels [B, T]) int64."""
     if stream.shape[0] < seq_len + 2:
         raise ValueError(f"token stream of {stream.shape[0]} tokens is shorter than one window of {seq_len + 1}")

@@ -10,9 +10,9 @@ built-in one (``kimik3.tokenizer.DEFAULT_CHAT_TEMPLATE``, Kimi's convention) ren
 (one line in reality): each message is ``<|im_{role}|>{role}<|im_middle|>{content}<|im_end|>`` and the
 prompt ends with the generation prompt ``<|im_assistant|>assistant<|im_middle|>``. The model ends its
 turn with ``<|im_end|>`` (``ChatTemplate.turn_end``: what the template puts after an assistant's
-content). The server adds it to a chat request's stop strings (``ChatEncoder.stop``); when it is a
-special token, decoding skips it, so the stop must be its id (``ChatEncoder.stop_token_ids``), which
-the engine has to be given (``SamplingParams`` holds stop strings only). ``kimik3 serve`` takes the
+content). When it is a special token, decoding skips it, so the server stops at its id
+(``ChatEncoder.stop_token_ids``, given to the engine as ``SamplingParams.stop_token_ids``); when it is plain
+text, at the string (``ChatEncoder.stop``, added to the request's stop strings). ``kimik3 serve`` takes the
 template from ``--chat-template FILE``, else from the run's ``tokenizer_config.json``, else the
 built-in one (``load_chat_template``).
 

@@ -198,7 +198,7 @@ class FakeEngine:
             token = prompt[i % n]
             out.append(token)
             self._grow(state, n + len(out))
-            if token == self.eos_token_id and not params.ignore_eos:
+            if (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
                 # Release the text held back while it could have started a stop string, as the engine does.
                 yield final(token, self.tokenizer.decode(out[:-1])[sent:], "stop")
                 return

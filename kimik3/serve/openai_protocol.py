@@ -198,7 +198,7 @@ def _seed(seed: int | None, choice: int) -> int | None:
 
 
 def sampling_params(body: _Body, max_tokens: int, stop: list[str], logprobs: int | None,
-                    max_param: str = "max_tokens") -> list[SamplingParams]:
+                    max_param: str = "max_tokens", stop_token_ids: list[int] | None = None) -> list[SamplingParams]:
     """One SamplingParams per choice; with a ``seed``, choice i samples with ``seed + i``."""
     defaults = SamplingParams()
     try:
@@ -207,7 +207,7 @@ def sampling_params(body: _Body, max_tokens: int, stop: list[str], logprobs: int
             temperature=defaults.temperature if body.temperature is None else body.temperature,
             top_p=defaults.top_p if body.top_p is None else body.top_p,
             top_k=defaults.top_k if body.top_k is None else body.top_k, seed=_seed(body.seed, i), stop=stop,
-            logprobs=logprobs, ignore_eos=bool(body.ignore_eos),
+            logprobs=logprobs, ignore_eos=bool(body.ignore_eos), stop_token_ids=list(stop_token_ids or []),
             **{name: getattr(body, name) for name in PENALTIES if getattr(body, name) is not None})
             for i in range(body.choices)]
     except ValueError as err:

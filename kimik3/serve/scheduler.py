@@ -206,7 +206,7 @@ class EngineCore:
         token = sampled.token
         seq.tokens.append(token)
         logprobs = dict(logprob=sampled.logprob, top_logprobs=sampled.top_logprobs)
-        if token == self.eos_token_id and not params.ignore_eos:
+        if (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
             self._finish(seq, "stop", seq.detokenizer.flush(), token, logprobs)
             return
         text = seq.detokenizer.push(token)

@@ -409,10 +409,13 @@ def create_app(engine: EngineLike, api_key: str | None = None, max_request_bytes
             raise APIError(400, str(err), param="messages") from None
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = max(engine.max_context - len(ids), 1) if requested is None else requested
-        end = chat_encoder.stop   # the end of an assistant turn, when the client left room for it
-        stop = body.stop + [end] if end and len(body.stop) < 4 and end not in body.stop else body.stop
+        # The end of an assistant turn: its token when the template's marker is a special token, else the marker
+        # as a stop string when the client left room for it.
+        end, end_ids = chat_encoder.stop, chat_encoder.stop_token_ids
+        stop = body.stop + [end] if end and not end_ids and len(body.stop) < 4 and end not in body.stop else body.stop
         params = sampling_params(body, max_tokens, stop, body.logprobs_asked(),
-                                 "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+                                 "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+                                 end_ids)
         check_context(len(ids), max_tokens, engine.max_context, "messages")
         return await run("chat", body, http, arrival, ids, hints, params)
 

@@ -38,6 +38,9 @@ class SamplingParams:
     top_k: int = 0                       # 0: no top-k cut
     seed: int | None = None
     stop: list[str] = field(default_factory=list)   # stop strings; the match is not returned
+    # Tokens that end the output like the end-of-sequence token (a chat template's end of turn, when it is a special
+    # token: decoding skips special tokens, so no stop string can see it); not returned.
+    stop_token_ids: list[int] = field(default_factory=list)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0      # 1: off
@@ -60,6 +63,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if len(self.stop) > 4 or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be at most 4 non-empty strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 

@@ -284,3 +284,22 @@ def test_penalties_see_the_prompt_and_the_output_of_their_own_sequence(serve_mod
         assert not set(out) & set(prompt) and len(set(out)) == len(out), (out, plain)
     finally:
         engine.close()
+
+
+def test_stop_token_ids_end_the_output_like_eos(serve_model, serve_tokenizer):
+    """A stop token (a chat template's end of turn as a special token) ends the output as EOS does: finish reason
+    "stop", the token streamed but not its text, nothing generated after it."""
+    engine = make_engine(serve_model, serve_tokenizer)
+    try:
+        prompt = prompts(1, 30, seed=4)[0]
+        greedy = dict(max_tokens=12, **GREEDY)
+        ids, _ = engine.complete(prompt, SamplingParams(**greedy), request_id="free")
+        stop_at = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])   # the first new token from the 3rd
+        events = list(engine.generate_blocking(GenerationRequest(
+            "stopped", prompt, SamplingParams(**greedy, stop_token_ids=[ids[stop_at]]))))
+        assert events[-1].finish_reason == "stop"
+        assert [e.token_id for e in events if e.token_id is not None] == ids[:stop_at + 1]
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            SamplingParams(stop_token_ids=[-1])
+    finally:
+        engine.close()

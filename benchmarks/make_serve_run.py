@@ -103,6 +103,7 @@ def make_run(out: str | Path, preset: str = "debug", device: str | None = None, 
 
     from kimik3.config import K3Config
     from kimik3.model.k3 import K3ForCausalLM
+    from kimik3.tokenizer import write_tokenizer_config
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(out)
@@ -114,6 +115,7 @@ def make_run(out: str | Path, preset: str = "debug", device: str | None = None, 
         model.save_pretrained(out)
     del model
     tokenizer.save(str(out / "tokenizer.json"))
+    write_tokenizer_config(out, tokenizer)
     return out
 
 

@@ -45,12 +45,16 @@ from safetensors.torch import load_file, save_file
 from kimik3.model.pretrained import CONFIG_FILE, WEIGHTS_FILE, check_tensors, read_config, state_tensors
 from kimik3.files import fsync_dir
 from kimik3.parallel.full_state import is_sharded
+from kimik3.tokenizer import TOKENIZER_CONFIG_FILE, write_tokenizer_config
 from kimik3.train.integrity import IntegrityError, verify_manifest, write_manifest
 
 TOKENIZER_FILE = "tokenizer.json"
 STATE_TENSORS_FILE = "train_state.safetensors"
 STATE_JSON_FILE = "train_state.json"
 CHECKPOINT_FILES = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, STATE_TENSORS_FILE, STATE_JSON_FILE)
+# Written into every checkpoint (and so seen at the run's top level) but not required of one: checkpoints made
+# before the chat template moved into tokenizer_config.json lack it.
+OPTIONAL_FILES = (TOKENIZER_CONFIG_FILE,)
 POINTER = "checkpoint"
 STORE = "checkpoints"
 # (folder, name) of the temporaries a killed checkpoint write leaves: save_checkpoint's directory
@@ -122,14 +126,15 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, toke
         save_file(tensors_out, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "step": str(step)})
         (tmp / CONFIG_FILE).write_text(model.config.to_json())
         (tmp / TOKENIZER_FILE).write_text(tokenizer_json)
+        write_tokenizer_config(tmp, tokenizer_json)
         tensors: dict[str, torch.Tensor] = {}
         structure = flatten_state(train_state, tensors)
         save_file(tensors, str(tmp / STATE_TENSORS_FILE), metadata={"step": str(step)})
         (tmp / STATE_JSON_FILE).write_text(json.dumps({"step": step, "state": structure}, indent=1))
-        for file in CHECKPOINT_FILES:
+        for file in CHECKPOINT_FILES + OPTIONAL_FILES:
             with open(tmp / file, "rb") as handle:
                 os.fsync(handle.fileno())
-        write_manifest(tmp, CHECKPOINT_FILES)
+        write_manifest(tmp, CHECKPOINT_FILES + OPTIONAL_FILES)
         fsync_dir(tmp)
         final = store / name
         _publish(tmp, final)
@@ -162,7 +167,7 @@ def point_to(run_dir: str | Path, name: str) -> None:
         link_tmp.unlink()
     link_tmp.symlink_to(Path(STORE) / name)
     os.replace(link_tmp, run_dir / POINTER)
-    for file in CHECKPOINT_FILES:
+    for file in CHECKPOINT_FILES + OPTIONAL_FILES:
         top = run_dir / file
         if not top.is_symlink():
             if top.exists():

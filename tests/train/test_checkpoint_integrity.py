@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from kimik3 import K3ForCausalLM
-from kimik3.train.checkpoint import CHECKPOINT_FILES, CheckpointError, load_checkpoint, prune
+from kimik3.train.checkpoint import CHECKPOINT_FILES, OPTIONAL_FILES, CheckpointError, load_checkpoint, prune
 from kimik3.train.integrity import MANIFEST_FILE
 from kimik3.train.trainer import Trainer
 from tests.train.small_run import losses, resume, small_args, zero
@@ -27,7 +27,7 @@ def _names(run_dir):
 def test_a_checkpoint_records_the_sha256_of_every_file(straight):
     ckpt = straight / "checkpoints" / STEP6
     manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
-    assert manifest["algorithm"] == "sha256" and set(manifest["files"]) == set(CHECKPOINT_FILES)
+    assert manifest["algorithm"] == "sha256" and set(manifest["files"]) == set(CHECKPOINT_FILES + OPTIONAL_FILES)
     for name, entry in manifest["files"].items():
         data = (ckpt / name).read_bytes()
         assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}

@@ -92,7 +92,7 @@ def test_a_crash_while_checkpointing_leaves_the_previous_one_loadable(run_copy, 
 
     monkeypatch.setattr(ckpt, "save_file", dies_on_second_file)
     with pytest.raises(OSError, match="disk died"):
-        save_checkpoint(run_copy, 99, model, "{}", {"x": torch.ones(2)})
+        save_checkpoint(run_copy, 99, model, (run_copy / "tokenizer.json").read_text(), {"x": torch.ones(2)})
     monkeypatch.setattr(ckpt, "save_file", real)
     step, state, _ = load_checkpoint(run_copy, K3ForCausalLM.from_pretrained(run_copy))
     assert step == 6 and not [p for p in (run_copy / "checkpoints").iterdir() if p.name.startswith(".")]

@@ -204,7 +204,6 @@ class RoutedExperts(nn.Module):
         y_TKL = torch.empty_like(y_RL).index_copy_(0, order_R, y_RL).view(num_tokens, top_k, -1)
         return y_TKL.sum(1)
 
-
     def _few_rows(self, x_TL: torch.Tensor, rows: int) -> bool:
         """Whether the rows go through ``routed_experts_small``: CUDA, inference (nothing needs a gradient), at
         most ``SMALL_BATCH_MAX_ROWS`` (token, expert) rows; otherwise the sorted rows and grouped matmuls."""

@@ -68,8 +68,9 @@ class LLMEngine:
         if not has_weights(run):
             raise FileNotFoundError(f"{run}: no model.safetensors nor model.safetensors.index.json: is {run} a run "
                                     f"written by `kimik3 train` or `kimik3 convert`?")
-        tokenizer = load_tokenizer(run / "tokenizer.json")
         model = K3ForCausalLM.from_pretrained(run, device=device)
+        # The chat template's role markers become special tokens where the model's vocabulary has room for them.
+        tokenizer = load_tokenizer(run / "tokenizer.json", vocab_size=model.config.vocab_size)
         return cls(model, tokenizer, config, model_name=model_name or run.name, eos_token_id=tokenizer.token_to_id(EOS))
 
     # ------------------------------------------------------------------ worker

@@ -146,3 +146,14 @@ def test_a_server_that_does_not_start_is_reported(bench, tmp_path):
     assert rc == 1
     error = json.loads((tmp_path / "out.json").read_text())["servers"]["graphs"]["error"]
     assert "exited with status 2" in error and "--no-such-option" in error
+
+
+def test_the_serve_run_has_the_chat_role_tokens_and_fills_the_vocabulary(tiny_run):
+    from kimik3.config import K3Config
+    from kimik3.tokenizer import ROLE_TOKENS, has_role_tokens, load_tokenizer, read_tokenizer_config
+
+    tokenizer = load_tokenizer(tiny_run / "tokenizer.json")
+    vocab = K3Config.preset("tiny").vocab_size
+    assert has_role_tokens(tokenizer) and tokenizer.get_vocab_size() == vocab
+    assert sorted(tokenizer.token_to_id(t) for t in ROLE_TOKENS) == list(range(vocab - len(ROLE_TOKENS), vocab))
+    assert "chat_template" in read_tokenizer_config(tiny_run)

@@ -41,8 +41,9 @@ from kimik3.model.ffn import GLUFeedForward, situ_glu_cast
 from kimik3.model.fused_linear import project
 from kimik3.model.norm import RMSNorm
 from kimik3.model.param_rules import ParamRule, muon
+from kimik3.ops.glue import glue_backend
 from kimik3.ops.moe import (SMALL_BATCH_MAX_ROWS, ExpertGroups, grouped_mm, route_backend, routed_experts_small,
-                            sigmoid_topk, triton_available)
+                            sigmoid_topk)
 from kimik3.ops.precision import no_autocast
 
 
@@ -208,7 +209,7 @@ class RoutedExperts(nn.Module):
         """Whether the rows go through ``routed_experts_small``: CUDA, inference (nothing needs a gradient), at
         most ``SMALL_BATCH_MAX_ROWS`` (token, expert) rows; otherwise the sorted rows and grouped matmuls."""
         needs_grad = torch.is_grad_enabled() and (x_TL.requires_grad or self.w_gate_ELF.requires_grad)
-        return x_TL.is_cuda and triton_available() and not needs_grad and rows <= SMALL_BATCH_MAX_ROWS
+        return glue_backend(x_TL) == "triton" and not needs_grad and rows <= SMALL_BATCH_MAX_ROWS
 
 
 class LatentMoE(nn.Module):

@@ -53,6 +53,7 @@ from kimik3.ops.glue.common import (
     needs_grad,
     MAX_CONV_WEIGHTS,
     check_conv_weights,
+    sum_partials,
 )
 
 __all__ = ["MAX_WEIGHTS", "causal_conv", "causal_conv_backward", "causal_conv_forward"]
@@ -472,17 +473,9 @@ def _conv_dw_kernel(part_ptr, G, E, dws, starts, W, NUM_W: tl.constexpr, BLOCK_G
     """Program (block of dw's E = C * W elements): total = sum over G of the contiguous partials [G, E] (fixed
     order), stored into the weight that holds each element (weight i: elements [starts[i] W, starts[i+1] W) of
     the flattened [C, W]; its grad contiguous [C_i, W] in its dtype)."""
-    ct = tl.float64 if F64 else tl.float32
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = e < E
-    acc = tl.zeros([BLOCK_G, BLOCK_E], dtype=ct)
-    g0 = 0
-    while g0 < G:  # (a while loop: Triton 3.6's interpreter cannot take tensor bounds in range(), triton#9171)
-        gs = g0 + tl.arange(0, BLOCK_G)
-        m = (gs < G)[:, None] & emask[None, :]
-        acc += tl.load(part_ptr + gs.to(tl.int64)[:, None] * E + e[None, :], mask=m, other=0.0).to(ct)
-        g0 += BLOCK_G
-    total = tl.sum(acc, axis=0)
+    total = sum_partials(part_ptr, G, E, e, emask, BLOCK_G, BLOCK_E, F64)
     for i in tl.static_range(NUM_W):
         lo = starts[i] * W
         mine = emask & (e >= lo) & (e < starts[i + 1] * W)

@@ -37,10 +37,10 @@ TILE_ELEMS = 2048
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def glue_backend(x: torch.Tensor, backend: str = "auto") -> str:
+def glue_backend(x: torch.Tensor, backend: str = "auto", max_width: int = MAX_WIDTH) -> str:
     """"triton" or "torch" for a glue op (``AttnResMix``, ``RMSNorm``) on rows of ``x`` [..., D].
 
-    "auto": the Triton kernels for CUDA tensors when triton is installed and D <= MAX_WIDTH, else torch (CPU
+    "auto": the Triton kernels for CUDA tensors when triton is installed and D <= ``max_width``, else torch (CPU
     tensors stay on torch even under TRITON_INTERPRET=1, as ``paged_mla_backend`` and ``kda_backend`` do). "triton"
     forces the kernels: CUDA tensors, or CPU tensors when the kernels were decorated under TRITON_INTERPRET=1.
     Shapes and devices only (no host sync); errors are raised, never answered by a fallback.
@@ -49,7 +49,7 @@ def glue_backend(x: torch.Tensor, backend: str = "auto") -> str:
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     if choice == "auto":
-        ok = x.is_cuda and triton is not None and x.ndim >= 1 and x.shape[-1] <= MAX_WIDTH
+        ok = x.is_cuda and triton is not None and x.ndim >= 1 and x.shape[-1] <= max_width
         return "triton" if ok else "torch"
     if choice == "triton":
         check_triton_device(x, "backend 'triton'")
@@ -206,6 +206,21 @@ def reduce_partials(partial_GD: torch.Tensor, a_D: torch.Tensor, b_D: torch.Tens
 
 
 @_jit
+def sum_partials(part_ptr, G, D, cols, cmask, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, F64: tl.constexpr):
+    """The sum over G of the contiguous partials [G, D] at columns ``cols`` [BLOCK_D] (``cmask`` in range), added in
+    a fixed order, in fp32 (fp64 with F64): the second stage of every backward's parameter-grad reduction."""
+    ct = tl.float64 if F64 else tl.float32
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=ct)
+    g0 = 0
+    while g0 < G:  # (a while loop: Triton 3.6's interpreter cannot take tensor bounds in range(), triton#9171)
+        gs = g0 + tl.arange(0, BLOCK_G)
+        m = (gs < G)[:, None] & cmask[None, :]
+        acc += tl.load(part_ptr + gs.to(tl.int64)[:, None] * D + cols[None, :], mask=m, other=0.0).to(ct)
+        g0 += BLOCK_G
+    return tl.sum(acc, axis=0)
+
+
+@_jit
 def _reduce_partials_kernel(
     part_ptr, a_ptr, b_ptr, out_a_ptr, out_b_ptr, G, D,
     TWO: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, F64: tl.constexpr,
@@ -215,14 +230,7 @@ def _reduce_partials_kernel(
     ct = tl.float64 if F64 else tl.float32
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < D
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=ct)
-    g0 = 0
-    while g0 < G:  # (a while loop: Triton 3.6's interpreter cannot take tensor bounds in range(), triton#9171)
-        gs = g0 + tl.arange(0, BLOCK_G)
-        m = (gs < G)[:, None] & cmask[None, :]
-        acc += tl.load(part_ptr + gs.to(tl.int64)[:, None] * D + cols[None, :], mask=m, other=0.0).to(ct)
-        g0 += BLOCK_G
-    total = tl.sum(acc, axis=0)
+    total = sum_partials(part_ptr, G, D, cols, cmask, BLOCK_G, BLOCK_D, F64)
     if TWO:
         a = tl.load(a_ptr + cols, mask=cmask, other=0.0).to(ct)
         b = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(ct)

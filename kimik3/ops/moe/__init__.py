@@ -6,11 +6,5 @@ from kimik3.ops.moe.route import route_backend, sigmoid_topk
 from kimik3.ops.moe.small_batch import SMALL_BATCH_MAX_ROWS, routed_experts_small
 
 
-def triton_available() -> bool:
-    from kimik3.ops.glue.common import triton
-
-    return triton is not None
-
-
 __all__ = ["SMALL_BATCH_MAX_ROWS", "ExpertGroups", "grouped_mm", "grouped_mm_loop", "route_backend",
-           "routed_experts_small", "sigmoid_topk", "triton_available"]
+           "routed_experts_small", "sigmoid_topk"]

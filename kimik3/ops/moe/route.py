@@ -36,7 +36,8 @@ import math
 
 import torch
 
-from kimik3.ops.glue.common import (_jit, blocks, check_triton_device, describe, interpreted, needs_grad, on_device, tl,
+from kimik3.ops.glue.common import (_jit, blocks, check_triton_device, describe, glue_backend, interpreted,
+                                    needs_grad, on_device, tl,
                                     triton)
 
 try:
@@ -53,22 +54,9 @@ _EPS = 1e-20  # Router's: keeps an all-zero row of chosen scores finite
 
 
 def route_backend(x: torch.Tensor, backend: str = "auto") -> str:
-    """"triton" or "torch" for the router's selection on logits ``x`` [T, E].
-
-    "auto": the Triton kernel for CUDA tensors when triton is installed and E <= MAX_EXPERTS, else torch (CPU
-    tensors stay on torch even under TRITON_INTERPRET=1, as ``glue_backend`` does). "triton" forces the kernel:
-    CUDA tensors, or CPU tensors when the kernels were decorated under TRITON_INTERPRET=1. Shapes and devices only
-    (no host sync); errors are raised, never answered by a fallback.
-    """
-    choice = (backend or "auto").lower()
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    if choice == "auto":
-        ok = x.is_cuda and triton is not None and x.ndim >= 1 and x.shape[-1] <= MAX_EXPERTS
-        return "triton" if ok else "torch"
-    if choice == "triton":
-        check_triton_device(x, "backend 'triton'")
-    return choice
+    """"triton" or "torch" for the router's selection on logits ``x`` [T, E]: ``glue_backend``'s choice, with the
+    kernel's bound of E <= MAX_EXPERTS (a whole row a program)."""
+    return glue_backend(x, backend, max_width=MAX_EXPERTS)
 
 
 def _check(logits_TE, bias_E, top_k, route_scale) -> tuple[torch.Tensor, torch.Tensor, float]:

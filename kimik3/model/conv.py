@@ -88,6 +88,6 @@ def short_conv_step(x_BC: torch.Tensor, weights: Sequence[torch.Tensor], pool_PC
     if glue_backend(x_BC, backend) == "triton":
         return short_conv_decode(x_BC, tuple(weights), pool_PCW, rows_B)
     weight_CW = torch.cat(list(weights)).to(x_BC.dtype)
-    y_B1C, state_BCW = short_conv(x_BC[:, None], weight_CW, pool_PCW[rows_B].to(x_BC.dtype))
+    y_B1C, state_BCW = short_conv(x_BC[:, None], weight_CW, pool_PCW[rows_B])
     pool_PCW[rows_B] = state_BCW.to(pool_PCW.dtype)
     return y_B1C[:, 0]

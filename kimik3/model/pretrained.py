@@ -110,15 +110,22 @@ def read_config(directory: Path) -> tuple[K3Config, str]:
         raise ValueError(f"{path}: {err}") from None
 
 
-def read_directory_weights(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    """Every tensor of the directory (its one file, or the shards its index lists) and the path to blame."""
+def read_index(directory: Path) -> dict[str, str] | None:
+    """The shard index's map from tensor name to file, or None when the directory holds one weights file."""
     index_path = directory / INDEX_FILE
     if not index_path.is_file():
-        return read_weights(directory / WEIGHTS_FILE), directory / WEIGHTS_FILE
+        return None
     try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
+        return json.loads(index_path.read_text())["weight_map"]
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{index_path}: not a safetensors index ({err})") from None
+
+
+def read_directory_weights(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """Every tensor of the directory (its one file, or the shards its index lists) and the path to blame."""
+    weight_map = read_index(directory)
+    if weight_map is None:
+        return read_weights(directory / WEIGHTS_FILE), directory / WEIGHTS_FILE
     tensors: dict[str, torch.Tensor] = {}
     for file in dict.fromkeys(weight_map.values()):
         shard = read_weights(directory / file)
@@ -127,7 +134,7 @@ def read_directory_weights(directory: Path) -> tuple[dict[str, torch.Tensor], Pa
             raise ValueError(f"{directory / file}: holds {sorted(set(shard) - listed)[:5]} beyond the index and "
                              f"lacks {sorted(listed - set(shard))[:5]} that it lists")
         tensors.update(shard)
-    return tensors, index_path
+    return tensors, directory / INDEX_FILE
 
 
 def has_weights(directory: Path) -> bool:
@@ -135,13 +142,16 @@ def has_weights(directory: Path) -> bool:
     return (directory / WEIGHTS_FILE).is_file() or (directory / INDEX_FILE).is_file()
 
 
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
 def stored_dtype(directory: Path) -> torch.dtype:
     """The dtype the directory's embedding is stored in (read from the file's header, not its data)."""
     from safetensors import safe_open
 
-    index = directory / INDEX_FILE
-    files = ([directory / f for f in dict.fromkeys(json.loads(index.read_text())["weight_map"].values())]
-             if index.is_file() else [directory / WEIGHTS_FILE])
+    weight_map = read_index(directory)
+    files = [directory / WEIGHTS_FILE] if weight_map is None else [directory / f for f in dict.fromkeys(
+        weight_map.values())]
     for file in files:
         with safe_open(str(file), "pt") as handle:
             for name in handle.keys():
@@ -151,9 +161,6 @@ def stored_dtype(directory: Path) -> torch.dtype:
                         raise ValueError(f"{file}: embedding stored as {stored}, not a float type kimik3 loads")
                     return _SAFETENSORS_DTYPES[stored]
     raise ValueError(f"{directory}: no embedding tensor found to tell the stored dtype")
-
-
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:

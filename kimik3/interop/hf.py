@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kimik3.config.schema import K3Config
-from kimik3.interop.layout import Layout, Tensor, export, import_
+from kimik3.interop.layout import ImportPlan, Layout, Tensor, export, import_, import_plan
 
 MODEL_TYPE = "kimi_k3"
 ARCHITECTURE = "KimiK3ForCausalLM"
@@ -70,6 +70,12 @@ def from_hf(state_dict: dict[str, Tensor], config: K3Config, *, drop_vision: boo
     ``drop_vision``, the vision tower and projector.
     """
     return import_(state_dict, config, HF_LAYOUT, drop_vision)
+
+
+def hf_import_plan(shapes: dict[str, tuple[int, ...]], config: K3Config, *, drop_vision: bool = False) -> ImportPlan:
+    """``from_hf`` in two steps for a loader that reads one tensor at a time: the checks on names and shapes
+    (``shapes``, e.g. from the shards' headers), and the plan that builds each of our tensors from its parts."""
+    return import_plan(shapes, config, HF_LAYOUT, drop_vision)
 
 
 # ---------------------------------------------------------------------------------------------- config.json

@@ -28,7 +28,7 @@ Policies that the external layouts leave open, chosen here:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -218,15 +218,16 @@ def _shape(t: Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def check_keys(found: dict[str, Tensor], expected: dict[str, tuple[int, ...]], where: str,
+def check_keys(found: Mapping[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], where: str,
                optional: dict[str, tuple[int, ...]] | None = None, hint: str = "") -> None:
     """Raise one ValueError naming every missing key, unexpected key and shape mismatch (up to MAX_LISTED
-    of each). ``optional`` keys may be absent; when present their shape is checked."""
+    of each). ``found`` maps each key to its shape (a file's header gives them without reading the data);
+    ``optional`` keys may be absent; when present their shape is checked."""
     shapes = {**(optional or {}), **expected}
     missing = [k for k in expected if k not in found]
     unexpected = [k for k in found if k not in shapes]
-    wrong = [f"{k}: got {_shape(t)}, expected {shapes[k]}" for k, t in found.items()
-             if k in shapes and _shape(t) != shapes[k]]
+    wrong = [f"{k}: got {tuple(shape)}, expected {shapes[k]}" for k, shape in found.items()
+             if k in shapes and tuple(shape) != shapes[k]]
     if not (missing or unexpected or wrong):
         return
     problems = []
@@ -240,7 +241,8 @@ def check_keys(found: dict[str, Tensor], expected: dict[str, tuple[int, ...]], w
 def export(state_dict: dict[str, Tensor], config: K3Config, layout: Layout, include_mtp: bool) -> dict[str, Tensor]:
     """Our state dict -> ``layout``'s (see the module notes for the policies)."""
     meta = our_meta_state(config)
-    check_keys(state_dict, {k: _shape(t) for k, t in meta.items()}, f"to_{layout.name}")
+    check_keys({k: _shape(t) for k, t in state_dict.items()}, {k: _shape(t) for k, t in meta.items()},
+               f"to_{layout.name}")
     out: dict[str, Tensor] = {}
     for key in meta:
         if key.startswith("mtp.") and not include_mtp:
@@ -254,35 +256,61 @@ def export(state_dict: dict[str, Tensor], config: K3Config, layout: Layout, incl
     return out
 
 
-def import_(state_dict: dict[str, Tensor], config: K3Config, layout: Layout,
-            drop_vision: bool = False) -> dict[str, Tensor]:
-    """``layout``'s state dict -> ours: exactly our model's keys, in its order."""
+@dataclass(frozen=True)
+class ImportPlan:
+    """How to build each of our tensors from an external checkpoint: ``parts[key]`` their tensors' names,
+    ``codecs[key]`` the join, ``shapes[key]`` our shape; ``tied_head`` a head key to check against the embedding
+    (present in a tied config's checkpoint), else None."""
+
+    parts: dict[str, list[str]]
+    codecs: dict[str, Codec]
+    shapes: dict[str, torch.Size]
+    tied_head: str | None
+    embed: str
+
+    def build(self, key: str, read: Callable[[str], Tensor]) -> Tensor:
+        """Our tensor ``key``, its parts read one by one with ``read`` (a dict's ``__getitem__`` or a file's)."""
+        return self.codecs[key].join([read(name) for name in self.parts[key]], self.shapes[key])
+
+    def check_tied_head(self, read: Callable[[str], Tensor], where: str) -> None:
+        if self.tied_head is not None and not torch.equal(read(self.tied_head), read(self.embed)):
+            raise ValueError(f"{where}: the config ties the embeddings but {self.tied_head!r} differs from "
+                             f"{self.embed!r}")
+
+
+def import_plan(shapes: Mapping[str, tuple[int, ...]], config: K3Config, layout: Layout,
+                drop_vision: bool = False) -> ImportPlan:
+    """Check an external checkpoint's keys and shapes (``shapes``: name -> shape, e.g. from file headers, no data
+    read) against ``config`` and plan the conversion to ours. Vision keys are ignored with ``drop_vision``."""
     where = f"from_{layout.name}"
     if drop_vision:
-        state_dict = {k: t for k, t in state_dict.items() if not k.startswith(layout.vision_prefixes)}
+        shapes = {k: s for k, s in shapes.items() if not k.startswith(layout.vision_prefixes)}
     meta = our_meta_state(config)
-    plan: dict[str, tuple[list[str], Codec]] = {}
+    parts: dict[str, list[str]] = {}
+    codecs: dict[str, Codec] = {}
     expected: dict[str, tuple[int, ...]] = {}
     for key, t in meta.items():
         template, codec = rule_for(layout, key)
-        shapes = codec.their_shapes(t.shape)
-        names = _part_names(template, len(shapes))
-        plan[key] = (names, codec)
-        expected.update(zip(names, shapes))
+        their = codec.their_shapes(t.shape)
+        parts[key], codecs[key] = _part_names(template, len(their)), codec
+        expected.update(zip(parts[key], their))
     optional = {name: _shape(t) for name, t in layout.placeholders(meta, config).items()}
     if config.tie_embeddings:
         optional[layout.head_key] = expected[layout.embed_key]
 
-    missing_mtp = config.mtp.num_modules and not any(k.startswith(layout.mtp_prefix) for k in state_dict)
+    missing_mtp = config.mtp.num_modules and not any(k.startswith(layout.mtp_prefix) for k in shapes)
     hint = (f" (the checkpoint has no MTP module under {layout.mtp_prefix!r}: load it with a config whose "
             "mtp.num_modules is 0)") if missing_mtp else ""
-    if not drop_vision and any(k.startswith(layout.vision_prefixes) for k in state_dict):
+    if not drop_vision and any(k.startswith(layout.vision_prefixes) for k in shapes):
         hint += f" (keys under {list(layout.vision_prefixes)} are a vision encoder: pass drop_vision=True)"
-    check_keys(state_dict, expected, where, optional, hint)
+    check_keys(shapes, expected, where, optional, hint)
+    tied_head = layout.head_key if config.tie_embeddings and layout.head_key in shapes else None
+    return ImportPlan(parts, codecs, {k: t.shape for k, t in meta.items()}, tied_head, layout.embed_key)
 
-    head = state_dict.get(layout.head_key) if config.tie_embeddings else None
-    if head is not None and not torch.equal(head, state_dict[layout.embed_key]):
-        raise ValueError(f"{where}: the config ties the embeddings but {layout.head_key!r} differs from "
-                         f"{layout.embed_key!r}")
-    return {key: codec.join([state_dict[name] for name in names], meta[key].shape)
-            for key, (names, codec) in plan.items()}
+
+def import_(state_dict: dict[str, Tensor], config: K3Config, layout: Layout,
+            drop_vision: bool = False) -> dict[str, Tensor]:
+    """``layout``'s state dict -> ours: exactly our model's keys, in its order."""
+    plan = import_plan({k: _shape(t) for k, t in state_dict.items()}, config, layout, drop_vision)
+    plan.check_tied_head(state_dict.__getitem__, f"from_{layout.name}")
+    return {key: plan.build(key, state_dict.__getitem__) for key in plan.parts}

@@ -8,8 +8,9 @@ A ``kimik3`` directory may be sharded the same way (``max_shard_bytes``).
 
 Writes go to temporary files in the target directory and are renamed into place, so a crash
 leaves either the previous files or the new ones, never half of one (the index is written last). Loading checks
-every tensor name, shape and dtype against a model built on the meta device before anything is materialised,
-and names the file at fault.
+every tensor name, shape and dtype (from the files' headers) against a model built on the meta device before
+anything is materialised, and names the file at fault; it then allocates the model once, in its final dtypes on
+the target device, and fills it one tensor at a time, so host memory holds one tensor, never the checkpoint.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from kimik3.config.schema import K3Config
 from kimik3.files import atomic_write
@@ -121,20 +122,57 @@ def read_index(directory: Path) -> dict[str, str] | None:
         raise ValueError(f"{index_path}: not a safetensors index ({err})") from None
 
 
-def read_directory_weights(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    """Every tensor of the directory (its one file, or the shards its index lists) and the path to blame."""
-    weight_map = read_index(directory)
-    if weight_map is None:
-        return read_weights(directory / WEIGHTS_FILE), directory / WEIGHTS_FILE
-    tensors: dict[str, torch.Tensor] = {}
-    for file in dict.fromkeys(weight_map.values()):
-        shard = read_weights(directory / file)
-        listed = {name for name, f in weight_map.items() if f == file}
-        if set(shard) != listed:
-            raise ValueError(f"{directory / file}: holds {sorted(set(shard) - listed)[:5]} beyond the index and "
-                             f"lacks {sorted(listed - set(shard))[:5]} that it lists")
-        tensors.update(shard)
-    return tensors, directory / INDEX_FILE
+class WeightFiles:
+    """The tensors of a checkpoint directory (its one weights file, or the shards its index lists), read one at a
+    time: names, shapes and dtypes come from the files' headers, a tensor's data only when ``read`` asks for it, so
+    loading holds one tensor in host memory at a time rather than the whole checkpoint. A context manager."""
+
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+
+        weight_map = read_index(directory)
+        self.path = directory / (WEIGHTS_FILE if weight_map is None else INDEX_FILE)  # the file errors blame
+        files = [WEIGHTS_FILE] if weight_map is None else list(dict.fromkeys(weight_map.values()))
+        self._handles, self._where, self.shapes, self.dtypes = [], {}, {}, {}
+        try:
+            for file in files:
+                path = directory / file
+                if not path.is_file():
+                    raise FileNotFoundError(f"{path}: missing")
+                try:
+                    handle = safe_open(str(path), "pt")
+                    names = list(handle.keys())
+                    for name in names:
+                        piece = handle.get_slice(name)
+                        self.shapes[name], self.dtypes[name] = tuple(piece.get_shape()), piece.get_dtype()
+                except (SafetensorError, OSError, ValueError) as err:
+                    raise ValueError(f"{path}: unreadable or truncated safetensors file ({err})") from None
+                self._handles.append(handle)
+                if weight_map is not None:
+                    listed = {n for n, f in weight_map.items() if f == file}
+                    if set(names) != listed:
+                        raise ValueError(f"{path}: holds {sorted(set(names) - listed)[:5]} beyond the index and "
+                                         f"lacks {sorted(listed - set(names))[:5]} that it lists")
+                self._where.update(dict.fromkeys(names, (handle, path)))
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self, name: str) -> torch.Tensor:
+        handle, path = self._where[name]
+        try:
+            return handle.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as err:
+            raise ValueError(f"{path}: tensor {name!r} unreadable ({err})") from None
+
+    def close(self) -> None:
+        self._handles.clear()  # safe_open handles release their mapping when collected
+
+    def __enter__(self) -> "WeightFiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def has_weights(directory: Path) -> bool:
@@ -163,47 +201,58 @@ def stored_dtype(directory: Path) -> torch.dtype:
     raise ValueError(f"{directory}: no embedding tensor found to tell the stored dtype")
 
 
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing")
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(f"{path}: unreadable or truncated safetensors file ({err})") from None
-
-
 def check_tensors(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], path: Path) -> None:
     """Every expected name present with the same shape and none extra, else a ValueError naming ``path``."""
-    missing = sorted(set(expected) - set(found))
-    extra = sorted(set(found) - set(expected))
+    check_shapes(expected, {name: tuple(t.shape) for name, t in found.items()},
+                 {name for name, t in found.items() if not t.is_floating_point()}, path)
+
+
+def check_shapes(expected: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], not_float: set[str],
+                 path: Path) -> None:
+    """``check_tensors`` from the names and shapes alone (``not_float``: the names stored as non-float types)."""
+    missing = sorted(set(expected) - set(shapes))
+    extra = sorted(set(shapes) - set(expected))
     if missing or extra:
         raise ValueError(f"{path}: weights do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
     for name, ref in expected.items():
-        if tuple(found[name].shape) != tuple(ref.shape):
-            raise ValueError(f"{path}: tensor {name!r} has shape {tuple(found[name].shape)}, "
+        if tuple(shapes[name]) != tuple(ref.shape):
+            raise ValueError(f"{path}: tensor {name!r} has shape {tuple(shapes[name])}, "
                              f"the config implies {tuple(ref.shape)}")
-        if not (found[name].is_floating_point() or not ref.is_floating_point()):
-            raise ValueError(f"{path}: tensor {name!r} has dtype {found[name].dtype}, expected floating point")
+        if name in not_float and ref.is_floating_point():
+            raise ValueError(f"{path}: tensor {name!r} is not stored as a floating-point type")
 
 
 def load_pretrained(cls: type["K3ForCausalLM"], directory: str | Path, *, device: torch.device | str,
                     dtype: torch.dtype) -> "K3ForCausalLM":
-    """Build ``cls`` from ``directory`` on the meta device, check and assign the weights, then move
-    the model to ``device`` in ``dtype``."""
-    from kimik3.interop import from_hf
+    """Build ``cls`` from ``directory``: the names and shapes are checked against the config from the files'
+    headers first, then the model is allocated once on ``device`` in ``dtype`` (fp32 islands kept) and filled one
+    tensor at a time (host memory: the largest tensor, not the checkpoint)."""
+    from kimik3.interop.hf import hf_import_plan
 
     directory = Path(directory)
     config, layout = read_config(directory)
-    tensors, weights_path = read_directory_weights(directory)
-    if layout == "hf":
-        try:
-            tensors = from_hf(tensors, config)
-        except ValueError as err:
-            raise ValueError(f"{weights_path}: {err}") from None
     model = cls(config, device="meta")
-    check_tensors(model.state_dict(), tensors, weights_path)
-    model.load_state_dict(tensors, strict=True, assign=True)
-    model.to(torch.device(device))
-    model.cast(dtype)
-    return model
+    with WeightFiles(directory) as files:
+        expected = model.state_dict()
+        not_float = {n for n, d in files.dtypes.items() if d not in _SAFETENSORS_DTYPES}
+        if layout == "hf":
+            try:
+                plan = hf_import_plan(files.shapes, config)
+                plan.check_tied_head(files.read, "from_hf")
+            except ValueError as err:
+                raise ValueError(f"{files.path}: {err}") from None
+            bad = [n for part in plan.parts.values() for n in part if n in not_float]
+            if bad:
+                raise ValueError(f"{files.path}: tensor {bad[0]!r} is not stored as a floating-point type")
 
+            def build(key: str) -> torch.Tensor:
+                return plan.build(key, files.read)
+        else:
+            check_shapes(expected, files.shapes, not_float, files.path)
+            build = files.read
+        model.cast(dtype)  # on the meta device: free, and the allocation below is in the final dtypes
+        model.to_empty(device=torch.device(device))
+        with torch.no_grad():
+            for key, target in model.state_dict().items():
+                target.copy_(build(key))
+    return model

@@ -93,3 +93,25 @@ def test_convert_writes_the_other_layout_and_back(tiny, tmp_path, capsys):
         assert torch.equal(x, y), name
     assert main(["convert", str(hf), str(back)]) == 2                  # not empty: refused
     assert "exists and is not empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", ["hf", "kimik3"])
+def test_loading_reads_each_tensor_once_and_never_the_whole_file(tiny, tmp_path, monkeypatch, layout):
+    # The loader streams: names and shapes come from the headers, each tensor is read alone when its parameter is
+    # filled (host memory: one tensor, not the checkpoint). A whole-file read would fail here.
+    import safetensors.torch
+
+    from kimik3.model.pretrained import WeightFiles
+
+    tiny.save_pretrained(tmp_path, layout=layout, max_shard_bytes=2_000_000)
+    reads = []
+    real_read = WeightFiles.read
+    monkeypatch.setattr(WeightFiles, "read", lambda self, name: reads.append(name) or real_read(self, name))
+    monkeypatch.setattr(safetensors.torch, "load_file", lambda *a, **k: pytest.fail("read a whole file"))
+    loaded = K3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert len(reads) == len(set(reads))
+    assert loaded.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for n, p in loaded.named_parameters() if n.endswith(("A_log", "dt_bias")))
+    assert all(r.expert_bias.dtype == torch.float32 for r in loaded.routers())
+    for name, p in loaded.state_dict().items():
+        torch.testing.assert_close(p, tiny.state_dict()[name].to(p.dtype), rtol=0, atol=0)

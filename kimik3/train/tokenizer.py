@@ -1,7 +1,8 @@
 """Byte-level BPE trained on the corpus with HF ``tokenizers``, cached by corpus fingerprint.
 
 Byte-level means every string round-trips: unknown characters fall back to their UTF-8 bytes.
-Document boundaries are marked with ``<|endoftext|>`` (id 0). The cache holds the tokenizer and
+Document boundaries are marked with ``<|endoftext|>`` (id 0); Kimi's chat role markers (``ROLE_TOKENS``) are special
+tokens too (ids 1-5), so a trained run can be served with the chat template. The cache holds the tokenizer and
 the encoded splits (``.npy``, loaded with ``allow_pickle=False``), keyed by the corpus fingerprint,
 the vocabulary size and this recipe's version, so a second run on the same corpus starts at once.
 """
@@ -16,10 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from kimik3.files import atomic_write
-from kimik3.tokenizer import EOS, load_tokenizer, tokenizers_module
+from kimik3.tokenizer import EOS, SPECIAL_TOKENS, load_tokenizer, tokenizers_module
 from kimik3.train.data import Corpus, Document
 
-RECIPE_VERSION = "bytelevel-bpe-v1"
+RECIPE_VERSION = "bytelevel-bpe-v2"  # v2: the role markers are special tokens
 
 
 def cache_dir() -> Path:
@@ -27,15 +28,17 @@ def cache_dir() -> Path:
 
 
 def train_tokenizer(docs: list[Document], vocab_size: int):
-    """Train a byte-level BPE with ``vocab_size`` entries (EOS included) on ``docs``."""
+    """Train a byte-level BPE with ``vocab_size`` entries (the special tokens first: EOS, then the role markers)."""
     tk = tokenizers_module()
-    if vocab_size < 257:
-        raise ValueError(f"vocab_size must be >= 257 for a byte-level BPE (256 bytes + EOS), got {vocab_size}")
+    least = 256 + len(SPECIAL_TOKENS)
+    if vocab_size < least:
+        raise ValueError(f"vocab_size must be >= {least} for a byte-level BPE (256 bytes + {len(SPECIAL_TOKENS)} "
+                         f"special tokens), got {vocab_size}")
     tokenizer = tk.Tokenizer(tk.models.BPE())
     tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator((d.text for d in docs), trainer=trainer, length=len(docs))
     return tokenizer

@@ -5,7 +5,7 @@ import pytest
 
 from kimik3.train.data import DataError, load_corpus
 from kimik3.train.loader import batch_at, eval_windows
-from kimik3.tokenizer import EOS
+from kimik3.tokenizer import EOS, ROLE_TOKENS, has_role_tokens
 from kimik3.train.tokenizer import tokenize_corpus
 
 
@@ -60,6 +60,11 @@ def test_tokenizer_round_trips_and_is_cached(code_corpus):
     text = corpus.train[0].text
     assert first.tokenizer.decode(first.tokenizer.encode(text).ids) == text
     assert (first.train_ids == 0).sum() == len(corpus.train)  # one EOS per document
+    # The role markers are special tokens right after EOS, and the text never produces them.
+    assert [first.tokenizer.token_to_id(t) for t in ROLE_TOKENS] == [1, 2, 3, 4, 5]
+    assert has_role_tokens(first.tokenizer) and not np.isin(first.train_ids, [1, 2, 3, 4, 5]).any()
+    with pytest.raises(ValueError, match="special tokens"):
+        tokenize_corpus(corpus, 261, use_cache=False)
 
 
 def test_batches_are_a_pure_function_of_seed_and_step():

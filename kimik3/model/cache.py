@@ -20,18 +20,33 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import torch
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from kimik3.config.schema import K3Config
 
 StepResult = TypeVar("StepResult")
 
 
+def offset_causal(length: int, total: int) -> CausalBias:
+    """Causality for ``length`` queries that follow ``total - length`` cached keys: query t sees keys
+    <= total - length + t. SDPA runs it in its fused kernels (no [T, S] mask tensor, which would send it to
+    the unfused path); ``causal_mask`` gives the boolean form."""
+    return causal_lower_right(length, total)
+
+
+def causal_mask(mask: CausalBias, device: torch.device) -> torch.Tensor:
+    """The boolean [T, S] form of ``offset_causal(T, S)`` (True = may attend)."""
+    length, total = mask.seq_len_q, mask.seq_len_kv
+    return torch.ones(length, total, dtype=torch.bool, device=device).tril(total - length)
+
+
 class LatentCache(Protocol):
     """What an MLA layer needs from its cache: store new latents, return what they may attend to."""
 
-    def attend(self, kv_BTC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (latents [B, S, C], boolean mask [T, S] or [B, 1, T, S], True = may attend; None =
-        plain causal over S = T)."""
+    def attend(self, kv_BTC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | CausalBias | None]:
+        """-> (latents [B, S, C], mask): a boolean mask [T, S] or [B, 1, T, S] (True = may attend); or
+        ``offset_causal(T, S)`` when every row's T queries follow S - T cached tokens (query t sees keys
+        <= S - T + t: attention kernels take it without a mask tensor); or None for plain causal over S = T."""
 
 
 class AbsorbedDecodeCache(LatentCache, Protocol):
@@ -59,17 +74,12 @@ class MLAState:
         self.length = end
         return self.kv_BSC[:, :end]
 
-    def attend(self, kv_BTC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Append, then return (all latents [B, S, C], mask [T, S] or None for plain causal).
-
-        Every row shares one length here, so the mask only shifts causality by the offset."""
+    def attend(self, kv_BTC: torch.Tensor) -> tuple[torch.Tensor, CausalBias | None]:
+        """Append, then return (all latents [B, S, C], ``offset_causal`` or None for plain causal): every row
+        shares one length here, so the mask only shifts causality by the offset."""
         offset = self.length
         kv_BSC = self.append(kv_BTC)
-        length, total = kv_BTC.shape[1], kv_BSC.shape[1]
-        if offset == 0:
-            return kv_BSC, None
-        query = torch.arange(length, device=kv_BSC.device)[:, None] + offset
-        return kv_BSC, torch.arange(total, device=kv_BSC.device)[None, :] <= query
+        return kv_BSC, None if offset == 0 else offset_causal(kv_BTC.shape[1], kv_BSC.shape[1])
 
 
 @dataclass(slots=True)

@@ -30,9 +30,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import CausalBias
 
 from kimik3.config.schema import K3Config
-from kimik3.model.cache import LatentCache
+from kimik3.model.cache import LatentCache, causal_mask
 from kimik3.model.fused_linear import project
 from kimik3.model.norm import RMSNorm
 from kimik3.model.packing import sequence_ids
@@ -131,7 +132,7 @@ class GatedMLA(nn.Module):
         if state is not None:
             if cu_seqlens is not None:
                 raise ValueError("MLA: packed cu_seqlens cannot be combined with a cache")
-            kv_BSC, mask = state.attend(kv_BTC)   # mask [T, S] or per-row [B, 1, T, S]
+            kv_BSC, mask = state.attend(kv_BTC)   # mask [T, S], per-row [B, 1, T, S] or offset causal
             kv_BSC = kv_BSC.to(x_BTD.dtype)
         elif split is not None:
             kv_BSC, mask = split.attend(kv_BTC)   # the latents of this and the earlier segments, mask [T, S]
@@ -174,6 +175,8 @@ class GatedMLA(nn.Module):
         if mask is None and q_BTHK.shape[1] > 1:
             length = q_BTHK.shape[1]
             mask = torch.ones(length, length, dtype=torch.bool, device=q_BTHK.device).tril()
+        elif isinstance(mask, CausalBias):
+            mask = causal_mask(mask, q_BTHK.device)
         if mask is not None:
             scores_BHTS = scores_BHTS.masked_fill(~mask, float("-inf"))
         probs_BHTS = torch.softmax(scores_BHTS, dim=-1).to(q_BTHK.dtype)

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from kimik3.config.schema import K3Config
-from kimik3.model.cache import K3Cache, KDAState
+from kimik3.model.cache import K3Cache, KDAState, offset_causal
 from kimik3.ops.mla import paged_mla_decode
 
 
@@ -140,8 +140,8 @@ class PagedLatentView:
         if total > capacity:
             raise ValueError(f"paged MLA cache: {total} tokens exceed the block tables' {capacity}")
         kv_BSC = flat[self._slots(keys_S[None, :].expand(batch, -1)).flatten()].view(batch, total, width)
-        if batch == 1 and longest == 0:
-            return kv_BSC, None                                  # a fresh prefill: plain causal
+        if batch == 1:   # one row: causal after its cached tokens (a fresh prefill: plain causal)
+            return kv_BSC, None if longest == 0 else offset_causal(length, total)
         mask_BTS = keys_S[None, None, :] <= new_BT[:, :, None]   # causal and inside the row's length
         return kv_BSC, mask_BTS[:, None]
 

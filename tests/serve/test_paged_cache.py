@@ -47,6 +47,25 @@ def test_paged_view_matches_contiguous_cache_for_ragged_rows():
         torch.testing.assert_close(got[r, :valid], want[0])
 
 
+def test_one_row_chunk_after_cached_tokens_is_offset_causal():
+    # A later prefill chunk of one row: every cached latent then the chunk's, with the causality that the
+    # fused attention kernels take (no [T, S] mask tensor); its boolean form is causal shifted by the cache.
+    from torch.nn.attention.bias import CausalBias
+
+    from kimik3.model.cache import causal_mask
+
+    width = 3
+    pool = LatentPool(1, num_blocks=6, block_size=4, width=width, dtype=torch.float32, device="cpu")
+    tables = torch.tensor([[4, 0, 3]])
+    first, second = torch.randn(1, 6, width), torch.randn(1, 5, width)
+    PagedLatentView(pool.tensors[0], tables, torch.tensor([0])).attend(first)
+    got, mask = PagedLatentView(pool.tensors[0], tables, torch.tensor([6]), max_length=6).attend(second)
+    torch.testing.assert_close(got, torch.cat([first, second], dim=1))
+    assert isinstance(mask, CausalBias) and (mask.seq_len_q, mask.seq_len_kv) == (5, 11)
+    want = torch.arange(11)[None, :] <= torch.arange(5)[:, None] + 6
+    assert torch.equal(causal_mask(mask, torch.device("cpu")), want)
+
+
 def test_copy_prefix_is_copy_on_write():
     pool = LatentPool(2, num_blocks=3, block_size=4, width=2, dtype=torch.float32, device="cpu")
     for t in pool.tensors:

@@ -8,7 +8,8 @@ What it measures (the engine core driven directly, no HTTP; ``benchmarks/serve_h
 - decode: B sequences (128-token prompts, ``ignore_eos``) are prefilled, then ``--steps`` engine steps are
   timed, each one decode forward + sampling + streaming for every sequence: ms per step and output tokens/s, at
   every batch of ``--batches``, with CUDA graphs (the default) and with ``enforce_eager`` (the peer);
-- prefill: one ``--prefill-len``-token prompt, from submission to its first token, at each ``--prefill-chunk``;
+- prefill: one ``--prefill-len``-token prompt, from submission to its first token, at each ``--prefill-chunk``,
+  with the full chunks replayed as piecewise CUDA graphs (the default) and with ``enforce_eager`` (the peer);
 - correctness: greedy tokens of a mixed workload (staggered arrivals, so prefill chunks share steps with
   decode; a repeated prompt, so the prefix cache restores it) must be identical with graphs and eagerly;
 - ``--profile``: the CUDA kernels of one decode step at batch 1 (graphs and eager) and of one prefill, by time
@@ -301,14 +302,18 @@ def main(argv: list[str] | None = None) -> int:
     if "prefill" not in skip:
         out["prefill"] = []
         for chunk in (int(c) for c in args.prefill_chunk.split(",")):
-            core = make_core(model, tokenizer, eos, eager=True, max_running=1, prefill_chunk=chunk,
-                             max_context=args.prefill_len + 8)
-            rate = prefill_rate(core, args.prefill_len, seed=11)
-            out["prefill"].append({"tokens": args.prefill_len, "chunk": chunk, "tokens_per_s": rate})
-            print(f"prefill {args.prefill_len} tokens, chunk {chunk}: {rate:,.0f} tokens/s", flush=True)
-            del core
-            gc.collect()
-            torch.cuda.empty_cache()
+            row = {"tokens": args.prefill_len, "chunk": chunk}
+            for eager in (False, True):
+                core = make_core(model, tokenizer, eos, eager=eager, max_running=1, prefill_chunk=chunk,
+                                 max_context=args.prefill_len + 8)
+                row["eager_tokens_per_s" if eager else "tokens_per_s"] = prefill_rate(core, args.prefill_len, seed=11)
+                del core
+                gc.collect()
+                torch.cuda.empty_cache()
+            out["prefill"].append(row)
+            print(f"prefill {args.prefill_len} tokens, chunk {chunk}: {row['tokens_per_s']:,.0f} tokens/s with "
+                  f"piecewise graphs, {row['eager_tokens_per_s']:,.0f} eager "
+                  f"({row['tokens_per_s'] / row['eager_tokens_per_s']:.2f}x)", flush=True)
 
     if args.profile:
         for eager in (False, True):
@@ -322,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             del core
             gc.collect()
             torch.cuda.empty_cache()
-        core = make_core(model, tokenizer, eos, eager=True, max_running=1, prefill_chunk=args.prefill_len,
+        core = make_core(model, tokenizer, eos, eager=False, max_running=1, prefill_chunk=args.prefill_len,
                          max_context=args.prefill_len + 8)
         out["profile_prefill"] = profile_prefill(core, args.prefill_len)
         print_kernels(f"prefill of {args.prefill_len} tokens, one chunk", out["profile_prefill"])

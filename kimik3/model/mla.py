@@ -17,7 +17,8 @@ Two equivalent paths:
 
 A cache may run single-token decode itself: when it has ``decode_absorbed`` (``AbsorbedDecodeCache`` in
 ``model/cache.py``; the serving engine's paged latents do), the layer hands it the absorbed query and gets the
-attended latents back.
+attended latents back. A cache may also own the seam of the cached attention (``eager_region``, called with
+the function that stores and attends): the serving engine's runs it outside its piecewise CUDA graphs.
 
 Context parallelism (``kimik3.parallel.kcp``) enters through one seam, ``GatedMLA.context_parallel``:
 when set, it supplies the latents (and mask) that this rank's queries attend to.
@@ -132,19 +133,28 @@ class GatedMLA(nn.Module):
         if state is not None:
             if cu_seqlens is not None:
                 raise ValueError("MLA: packed cu_seqlens cannot be combined with a cache")
-            kv_BSC, mask = state.attend(kv_BTC)   # mask [T, S], per-row [B, 1, T, S] or offset causal
-            kv_BSC = kv_BSC.to(x_BTD.dtype)
-        elif split is not None:
-            kv_BSC, mask = split.attend(kv_BTC)   # the latents of this and the earlier segments, mask [T, S]
+            # A cache may run this step through a seam of its own (the serving engine's paged latents: their
+            # attention is shaped by the cached length, which piecewise CUDA graphs leave outside the graphs).
+            region = getattr(state, "eager_region", None)
+            out_BTHV = (region(self._attend_cache, q_BTHK, kv_BTC, state, absorbed) if region is not None
+                        else self._attend_cache(q_BTHK, kv_BTC, state, absorbed))
         else:
-            kv_BSC = kv_BTC
-            mask = packed_causal_mask(length, cu_seqlens, x_BTD.device)
-        if absorbed is None:
-            absorbed = length == 1 and state is not None
-        attend = self._absorbed if absorbed else self._naive
-        out_BTHV = attend(q_BTHK, kv_BSC, mask)
+            if split is not None:
+                kv_BSC, mask = split.attend(kv_BTC)   # the latents of this and the earlier segments, mask [T, S]
+            else:
+                kv_BSC = kv_BTC
+                mask = packed_causal_mask(length, cu_seqlens, x_BTD.device)
+            out_BTHV = (self._absorbed if absorbed else self._naive)(q_BTHK, kv_BSC, mask)
         out_BTX = out_BTHV.flatten(-2) * torch.sigmoid(gate_BTX)
         return self.wo(out_BTX)
+
+    def _attend_cache(self, q_BTHK: torch.Tensor, kv_BTC: torch.Tensor, state: LatentCache,
+                      absorbed: bool | None) -> torch.Tensor:
+        """Store the new latents in ``state`` and attend over everything it holds: [B, T, H, V]."""
+        kv_BSC, mask = state.attend(kv_BTC)   # mask [T, S], per-row [B, 1, T, S] or offset causal
+        if absorbed is None:
+            absorbed = q_BTHK.shape[1] == 1
+        return (self._absorbed if absorbed else self._naive)(q_BTHK, kv_BSC.to(q_BTHK.dtype), mask)
 
     def _naive(self, q_BTHK: torch.Tensor, kv_BSC: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         latent_BSC, k_slice_BSR = kv_BSC.split([self.kv_lora_rank, self.rope_dim], dim=-1)

@@ -34,7 +34,7 @@ class EngineConfig:
     # On a GPU: the share of its whole memory this engine may fill (weights, activations, CUDA graphs and the
     # cache); the cache budget is what is left of it (``memory_bytes`` is then ignored). vLLM's option.
     gpu_memory_utilization: float | None = None
-    enforce_eager: bool = False         # decode without CUDA graphs (the eager forward every step)
+    enforce_eager: bool = False         # no CUDA graphs: decode steps and prefill chunks run the eager forward
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "hash_block", "physical_block", "max_running", "prefill_chunk"):
@@ -95,8 +95,9 @@ GRAPH_RESERVE_BYTES = 512 * 2**20   # the decode graphs' activations and the all
 def gpu_cache_budget(model: torch.nn.Module, engine: EngineConfig) -> int:
     """The cache budget on the model's GPU, as vLLM sizes it: ``gpu_memory_utilization`` x the GPU's memory, less
     what the weights take, less the peak activations of one ``prefill_chunk``-token forward (measured here, run on
-    zeros), less ``GRAPH_RESERVE_BYTES``. Raises when nothing is left, or when other processes hold memory this
-    would need."""
+    zeros; twice unless ``enforce_eager``: the prefill chunk's CUDA graphs keep a pool of their own, and shorter
+    chunks run eagerly beside it), less ``GRAPH_RESERVE_BYTES``. Raises when nothing is left, or when other
+    processes hold memory this would need."""
     device = model.device
     util = engine.gpu_memory_utilization
     free, total = torch.cuda.mem_get_info(device)
@@ -107,14 +108,15 @@ def gpu_cache_budget(model: torch.nn.Module, engine: EngineConfig) -> int:
     torch.cuda.reset_peak_memory_stats(device)
     with torch.no_grad():
         model(torch.zeros(1, engine.prefill_chunk, dtype=torch.long, device=device), last_only=True)
-    activations = torch.cuda.max_memory_allocated(device) - before
+    activations = (torch.cuda.max_memory_allocated(device) - before) * (1 if engine.enforce_eager else 2)
     torch.cuda.empty_cache()
     budget = int(total * util) - weights - activations - GRAPH_RESERVE_BYTES
     gib = 2**30
     if budget <= 0:
         raise ValueError(f"gpu_memory_utilization={util} leaves no cache: {total * util / gib:.1f} GiB of "
                          f"{total / gib:.1f} GiB, of which the weights take {weights / gib:.1f} GiB and one "
-                         f"{engine.prefill_chunk}-token prefill {activations / gib:.1f} GiB; raise it")
+                         f"{engine.prefill_chunk}-token prefill {activations / gib:.1f} GiB (eager and as graphs); "
+                         "raise it")
     free_after = torch.cuda.mem_get_info(device)[0]
     if budget > free_after - GRAPH_RESERVE_BYTES:
         raise ValueError(f"gpu_memory_utilization={util} asks for a {budget / gib:.1f} GiB cache but only "

@@ -3,7 +3,11 @@
 Legend: B = sequences in a step, b = the CUDA-graph bucket that runs them (b >= B), W = block-table width
 (blocks of the longest sequence the engine admits), V = vocabulary.
 
-- A prefill chunk (one sequence, T tokens) runs eagerly.
+- A prefill chunk (one sequence, T tokens) of the engine's full chunk size T = ``prefill_chunk`` replays piecewise
+  CUDA graphs (``serve/piecewise.py``) captured at start-up: the whole forward but the MLA layers' attention over
+  the cached latents, which runs eagerly between the graphs (its shapes follow the cached length). They read a
+  static int64 buffer [T + 3 + W] (the chunk's ids, KDA slot, cached length, block table) filled by one copy.
+  Shorter chunks (a prompt's last, or one cut at a prefix-cache checkpoint) run eagerly.
 - A decode batch (one token for each of B sequences) replays a CUDA graph captured at start-up for the smallest
   bucket b >= B (``BUCKETS``, up to ``max_running``). Every graph reads one static int64 buffer [b, 3 + W]
   (token id, KDA slot, cached length, block table per row) that the host fills with one copy per step, and
@@ -29,7 +33,8 @@ from kimik3.model.k3 import K3ForCausalLM
 from kimik3.model.sampling import apply_penalties
 from kimik3.serve.cache_manager import CacheManager
 from kimik3.serve.memory import EngineConfig
-from kimik3.serve.paged_cache import batch_cache
+from kimik3.serve.paged_cache import PagedLatentView, batch_cache
+from kimik3.serve.piecewise import PiecewiseGraph
 from kimik3.serve.sampler import SamplingBatch, sample, token_logprobs
 from kimik3.serve.sequence import Sequence
 
@@ -61,11 +66,13 @@ class ModelRunner:
         self.device = model.device
         self.table_width = -(-max_context // config.physical_block)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.prefill_graph: _PrefillGraph | None = None
         self.capture_seconds = 0.0
         # Decode batches are padded to a bucket on a GPU, with graphs or without; on the CPU they run as they are.
         self.buckets = graph_buckets(config.max_running) if self.device.type == "cuda" else []
         if self.buckets and not config.enforce_eager:
             self._capture(self.buckets)
+            self._capture_prefill(min(config.prefill_chunk, max_context))
 
     @property
     def uses_graphs(self) -> bool:
@@ -80,7 +87,11 @@ class ModelRunner:
         return self.model(input_ids_BT, cache=cache, last_only=True).logits[:, -1]
 
     def prefill(self, seq: Sequence, end: int) -> torch.Tensor:
-        """Compute ``seq.tokens[seq.computed:end]`` into its cache: logits [1, V] after the last of them."""
+        """Compute ``seq.tokens[seq.computed:end]`` into its cache: logits [1, V] after the last of them (a view
+        valid until the next call)."""
+        graph = self.prefill_graph
+        if graph is not None and end - seq.computed == graph.tokens:
+            return graph.run(seq, end)
         device = self.device
         return self._forward(torch.tensor([seq.tokens[seq.computed:end]], dtype=torch.long, device=device),
                              torch.tensor([seq.slot], dtype=torch.long, device=device),
@@ -151,6 +162,17 @@ class ModelRunner:
         log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(buckets),
                  ", ".join(map(str, sorted(buckets))), self.capture_seconds)
 
+    def _capture_prefill(self, tokens: int) -> None:
+        """Capture the piecewise graphs of a ``tokens``-token prefill chunk. The warm-up and the capture run on
+        the scratch rows (KDA slot -1, the latent pool's scratch block), so they write into no live cache."""
+        start = time.perf_counter()
+        graph = _PrefillGraph(self, tokens)
+        self.prefill_graph = graph
+        elapsed = time.perf_counter() - start
+        self.capture_seconds += elapsed
+        log.info("captured the piecewise graphs of a %d-token prefill chunk (%d graphs) in %.1f s", tokens,
+                 len(graph.graph.graphs), elapsed)
+
     # ------------------------------------------------------------------ sampling
     def sample(self, seqs: list[Sequence], logits_BV: torch.Tensor) -> list[Sampled]:
         """The next token of every sequence, drawn on the device as its request asks; one host transfer."""
@@ -176,3 +198,56 @@ class ModelRunner:
             else:
                 out.append(Sampled(token, lp, list(zip(ids[:p.logprobs], lps[:p.logprobs]))))
         return out
+
+
+class _PrefillGraph:
+    """The piecewise CUDA graphs of one prefill chunk size, with their static inputs (see the module notes)."""
+
+    def __init__(self, runner: ModelRunner, tokens: int):
+        self.tokens = tokens
+        width = runner.table_width
+        device = runner.device
+        self._host = torch.empty(tokens + _TABLE + width, dtype=torch.long, pin_memory=True)
+        self._host_np = self._host.numpy()
+        self._host_np[:] = 0
+        self._host_np[tokens + _SLOT] = -1
+        self._scratch = runner.cache.latents.scratch_block
+        self._host_np[tokens + _TABLE:] = self._scratch
+        self._copied = torch.cuda.Event()
+        self._static = self._host.to(device)
+        ids_1T = self._static[:tokens][None]
+        slots_1 = self._static[tokens + _SLOT:tokens + _SLOT + 1]
+        lengths_1 = self._static[tokens + _LENGTH:tokens + _LENGTH + 1]
+        tables_1W = self._static[tokens + _TABLE:][None]
+        model = runner.model
+        self.cache = batch_cache(model.config, runner.cache.latents, runner.cache.states, slots_1, tables_1W,
+                                 lengths_1, max_length=0)
+        self._views = [layer for layer in self.cache.layers if isinstance(layer, PagedLatentView)]
+
+        def forward() -> torch.Tensor:
+            return model(ids_1T, cache=self.cache, last_only=True).logits[:, -1]
+
+        side = torch.cuda.Stream(device)
+        with torch.no_grad():
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):   # compiles and autotunes the kernels before the capture
+                forward()
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = PiecewiseGraph(torch.cuda.graph_pool_handle(), side)
+            self.graph.capture(forward)
+
+    def run(self, seq: Sequence, end: int) -> torch.Tensor:
+        """Replay for ``seq.tokens[seq.computed:end]`` (``tokens`` of them): logits [1, V]."""
+        tokens = self.tokens
+        self._copied.synchronize()   # the previous chunk's copy has left the pinned buffer (no sample since)
+        self._host_np[:tokens] = seq.tokens[seq.computed:end]
+        self._host_np[tokens + _SLOT], self._host_np[tokens + _LENGTH] = seq.slot, seq.computed
+        table = self._host_np[tokens + _TABLE:]
+        table[:] = self._scratch
+        table[:len(seq.blocks)] = seq.blocks
+        self._static.copy_(self._host, non_blocking=True)
+        self._copied.record()
+        for view in self._views:   # the eager regions' shapes: this row's cached length
+            view.max_length = seq.computed
+        with torch.no_grad():
+            return self.graph.replay()

@@ -29,6 +29,7 @@ import torch
 from kimik3.config.schema import K3Config
 from kimik3.model.cache import K3Cache, KDAState, offset_causal
 from kimik3.ops.mla import paged_mla_decode
+from kimik3.serve.piecewise import eager_region
 
 
 class OutOfBlocks(RuntimeError):
@@ -117,6 +118,9 @@ class PagedLatentView:
         self.tables_BN = tables_BN
         self.lengths_B = lengths_B
         self.max_length = max_length
+
+    # The MLA layer's cached attention (shaped by ``max_length``) runs outside a prefill's piecewise CUDA graphs.
+    eager_region = staticmethod(eager_region)
 
     def _max_length(self) -> int:
         return self.max_length if self.max_length is not None else int(self.lengths_B.max())

@@ -125,8 +125,10 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 cache: K3Cache | None = None, cu_seqlens: torch.Tensor | None = None,
-                last_only: bool = False) -> K3Output:
-        """input_ids [B, T] int64; cu_seqlens [N+1] for packed sequences (B must be 1)."""
+                last_only: bool = False, logits_at: torch.Tensor | None = None) -> K3Output:
+        """input_ids [B, T] int64; cu_seqlens [N+1] for packed sequences (B must be 1). ``last_only``: logits of
+        the last position only ([B, 1, V]); ``logits_at``: of position ``logits_at[b]`` of each row instead (a
+        device tensor [B]: a padded chunk's last real token, chosen without a host read)."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         # The range check reads the ids back to the host; a CUDA graph being captured cannot (its replays run no
@@ -153,10 +155,14 @@ class K3ForCausalLM(nn.Module):
         if cache is not None:
             cache.seq_len += input_ids.shape[1]
 
-        logits = self.head(self.norm(hidden[:, -1:] if last_only else hidden))
+        if logits_at is not None:
+            picked = hidden.gather(1, logits_at.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))
+        else:
+            picked = hidden[:, -1:] if last_only else hidden
+        logits = self.head(self.norm(picked))
         out = K3Output(logits=logits, hidden=hidden)
         if labels is not None:
-            if last_only:
+            if last_only or logits_at is not None:
                 raise ValueError("labels need logits for every position: drop last_only")
             out.main_loss = cross_entropy(logits, labels)
             out.loss = out.main_loss

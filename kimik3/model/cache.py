@@ -95,6 +95,10 @@ class KDAState:
 
     A KDA layer reads and writes its state only through ``conv_inputs``/``set_conv``/``conv_step_in_place`` and
     ``recurrent``/``set_recurrent``/``advance_in_place``, so it never needs to know which way it is held.
+
+    ``valid_B`` (optional, a device tensor [B]): how many of a multi-token forward's tokens are real in each row;
+    the rest pad the chunk to a fixed size (the serving engine's prefill graphs), and the layer leaves the state
+    as the real tokens leave it.
     """
 
     conv_BCW: torch.Tensor | None
@@ -102,6 +106,7 @@ class KDAState:
     pool_PHKV: torch.Tensor | None = None
     slots_B: torch.Tensor | None = None
     conv_pool_PCW: torch.Tensor | None = None
+    valid_B: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.recurrent_BHKV is None) == (self.pool_PHKV is None):

@@ -78,6 +78,23 @@ def apply_short_conv(x_BTC: torch.Tensor, weights: Sequence[torch.Tensor], state
     return short_conv(x_BTC, torch.cat(list(weights)).to(x_BTC.dtype), state_BCW, cu_seqlens)
 
 
+def conv_state_at(x_BTC: torch.Tensor, state_BCW: torch.Tensor | None, ends_B: torch.Tensor,
+                  width: int) -> torch.Tensor:
+    """The conv state after the first ``ends_B[b]`` tokens of row b (a device tensor [B], 0 <= ends <= T): the
+    inputs at ends - (W-1) .. ends - 1, taken from ``state_BCW`` (the W-1 inputs before x; zeros when None) where
+    they fall before x. [B, C, W-1] in x's dtype; gathers only, no host read."""
+    batch, _, channels = x_BTC.shape
+    lags = torch.arange(1 - width, 0, device=x_BTC.device)
+    pos_BJ = ends_B[:, None].to(lags.dtype) + lags[None, :]            # positions in x; negative: in the state
+    from_x = x_BTC.gather(1, pos_BJ.clamp(min=0)[:, :, None].expand(-1, -1, channels)).transpose(1, 2)
+    if state_BCW is None:
+        from_state = torch.zeros_like(from_x)
+    else:
+        index = (pos_BJ + (width - 1)).clamp(0, width - 2)[:, None, :].expand(-1, channels, -1)
+        from_state = state_BCW.to(x_BTC.dtype).gather(2, index)
+    return torch.where((pos_BJ >= 0)[:, None, :], from_x, from_state)
+
+
 def short_conv_step(x_BC: torch.Tensor, weights: Sequence[torch.Tensor], pool_PCW: torch.Tensor,
                     rows_B: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """One token of ``short_conv`` (+ SiLU) for B sequences whose states are rows ``rows_B`` of ``pool_PCW``

@@ -23,11 +23,16 @@ from torch import nn
 
 from kimik3.config.schema import K3Config
 from kimik3.model.cache import KDAState
-from kimik3.model.conv import apply_short_conv, short_conv_step
+from kimik3.model.conv import apply_short_conv, conv_state_at, short_conv_step
 from kimik3.model.fused_linear import project
 from kimik3.model.param_rules import ParamRule, adamw, muon
 from kimik3.ops.glue import gated_rms_norm, glue_backend
 from kimik3.ops.kda import chunk_kda, kda_decode
+
+
+# The raw gate and beta logit of a padding token: sigmoid gives exactly 0, so its decay is exp(0) = 1 and its
+# write beta is 0 - the recurrence passes the state through unchanged (finite: no inf arithmetic in the kernels).
+PAD_LOGIT = -1e30
 
 
 def gated_output_norm(o_BTHV: torch.Tensor, gate_BTHV: torch.Tensor, weight_V: torch.Tensor, eps: float,
@@ -140,11 +145,18 @@ class KDA(nn.Module):
                 conv_in = split.conv_state(qkv_BTC, self.q_conv.shape[1])
             else:
                 conv_in = state.conv_inputs() if state is not None else None
+            conv_x_BTC = qkv_BTC
             qkv_BTC, conv_state = apply_short_conv(qkv_BTC, convs, conv_in, cu_seqlens)
             if state is not None:
+                if state.valid_B is not None:   # a padded chunk: the inputs before its first padding token
+                    conv_state = conv_state_at(conv_x_BTC, conv_in, state.valid_B, self.q_conv.shape[1])
                 state.set_conv(conv_state)
         q_BTHK, k_BTHK, v_BTHV = (t.unflatten(-1, (heads, head_dim)) for t in qkv_BTC.chunk(3, dim=-1))
         raw_gate_BTHK = self.forget_b(forget_a_BTR).unflatten(-1, (heads, head_dim))
+        if not one_token and state is not None and state.valid_B is not None:
+            pad_BT = torch.arange(length, device=x_BTD.device)[None, :] >= state.valid_B[:, None]
+            raw_gate_BTHK = raw_gate_BTHK.masked_fill(pad_BT[:, :, None, None], PAD_LOGIT)
+            beta_logit_BTH = beta_logit_BTH.masked_fill(pad_BT[:, :, None], PAD_LOGIT)
 
         preacts = {"A_log": self.A_log, "dt_bias": self.dt_bias, "use_gate_in_kernel": True,
                    "use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True}

@@ -3,11 +3,15 @@
 Legend: B = sequences in a step, b = the CUDA-graph bucket that runs them (b >= B), W = block-table width
 (blocks of the longest sequence the engine admits), V = vocabulary.
 
-- A prefill chunk (one sequence, T tokens) of the engine's full chunk size T = ``prefill_chunk`` replays piecewise
-  CUDA graphs (``serve/piecewise.py``) captured at start-up: the whole forward but the MLA layers' attention over
-  the cached latents, which runs eagerly between the graphs (its shapes follow the cached length). They read a
-  static int64 buffer [T + 3 + W] (the chunk's ids, KDA slot, cached length, block table) filled by one copy.
-  Shorter chunks (a prompt's last, or one cut at a prefix-cache checkpoint) run eagerly.
+- A prefill chunk (one sequence, T tokens) is padded on a GPU to the smallest prefill size P >= T (``PREFILL_MIN``,
+  twice that, ... up to ``prefill_chunk``) and replays piecewise CUDA graphs captured at start-up for P
+  (``serve/piecewise.py``): the whole forward but the MLA layers' attention over the cached latents, which runs
+  eagerly between the graphs (its shapes follow the cached length). They read a static int64 buffer [P + 3 + W]
+  (the chunk's ids, then KDA slot, cached length, real token count T, block table) filled by one copy. The P - T
+  padding tokens change nothing a later step reads: the KDA layers leave their state as the real tokens leave it
+  (``KDAState.valid_B``), the logits are taken at token T - 1, and their MLA latents land past the cached length
+  (or in the scratch block), where they are overwritten before anything attends to them. With ``enforce_eager``
+  the same padded forward runs eagerly (so both give the same tokens); on the CPU chunks run unpadded.
 - A decode batch (one token for each of B sequences) replays a CUDA graph captured at start-up for the smallest
   bucket b >= B (``BUCKETS``, up to ``max_running``). Every graph reads one static int64 buffer [b, 3 + W]
   (token id, KDA slot, cached length, block table per row) that the host fills with one copy per step, and
@@ -29,6 +33,7 @@ import numpy as np
 import torch
 
 from kimik3.model.fused_linear import pack_projections
+from kimik3.model.cache import K3Cache
 from kimik3.model.k3 import K3ForCausalLM
 from kimik3.model.sampling import apply_penalties
 from kimik3.serve.cache_manager import CacheManager
@@ -41,6 +46,8 @@ from kimik3.serve.sequence import Sequence
 log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 _ID, _SLOT, _LENGTH, _TABLE = 0, 1, 2, 3   # columns of the static input buffer
+_P_SLOT, _P_LENGTH, _P_VALID, _P_TABLE = 0, 1, 2, 3   # a prefill buffer's fields after the chunk's P ids
+PREFILL_MIN = 16   # the smallest prefill size: shorter chunks are padded to it
 
 
 @dataclass(slots=True)
@@ -58,6 +65,16 @@ def graph_buckets(max_running: int) -> list[int]:
     return buckets + [next((b for b in BUCKETS if b >= max_running), max_running)]
 
 
+def prefill_sizes(chunk: int) -> list[int]:
+    """The prefill sizes to capture: ``PREFILL_MIN``, twice that, ... below ``chunk``, then ``chunk``."""
+    sizes = []
+    size = PREFILL_MIN
+    while size < chunk:
+        sizes.append(size)
+        size *= 2
+    return sizes + [chunk]
+
+
 class ModelRunner:
     def __init__(self, model: K3ForCausalLM, cache: CacheManager, config: EngineConfig, max_context: int):
         self.model = model
@@ -65,14 +82,18 @@ class ModelRunner:
         self.cache = cache
         self.device = model.device
         self.table_width = -(-max_context // config.physical_block)
+        self.capacity = self.table_width * config.physical_block   # tokens a block table reaches
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.prefill_graph: _PrefillGraph | None = None
+        self.prefill_graphs: dict[int, _PrefillGraph] = {}
         self.capture_seconds = 0.0
-        # Decode batches are padded to a bucket on a GPU, with graphs or without; on the CPU they run as they are.
-        self.buckets = graph_buckets(config.max_running) if self.device.type == "cuda" else []
-        if self.buckets and not config.enforce_eager:
+        # Decode batches and prefill chunks are padded to a size on a GPU, with graphs or without; on the CPU they
+        # run as they are.
+        on_gpu = self.device.type == "cuda"
+        self.buckets = graph_buckets(config.max_running) if on_gpu else []
+        self.prefill_sizes = prefill_sizes(min(config.prefill_chunk, max_context)) if on_gpu else []
+        if on_gpu and not config.enforce_eager:
             self._capture(self.buckets)
-            self._capture_prefill(min(config.prefill_chunk, max_context))
+            self._capture_prefill(self.prefill_sizes)
 
     @property
     def uses_graphs(self) -> bool:
@@ -89,14 +110,40 @@ class ModelRunner:
     def prefill(self, seq: Sequence, end: int) -> torch.Tensor:
         """Compute ``seq.tokens[seq.computed:end]`` into its cache: logits [1, V] after the last of them (a view
         valid until the next call)."""
-        graph = self.prefill_graph
-        if graph is not None and end - seq.computed == graph.tokens:
-            return graph.run(seq, end)
+        tokens = end - seq.computed
+        size = next((s for s in self.prefill_sizes if s >= tokens), None)
         device = self.device
-        return self._forward(torch.tensor([seq.tokens[seq.computed:end]], dtype=torch.long, device=device),
-                             torch.tensor([seq.slot], dtype=torch.long, device=device),
-                             torch.tensor([seq.blocks], dtype=torch.long, device=device),
-                             torch.tensor([seq.computed], dtype=torch.long, device=device), seq.computed)
+        if size is None or seq.computed + size > self.capacity:   # on the CPU; or padding past the tables
+            return self._forward(torch.tensor([seq.tokens[seq.computed:end]], dtype=torch.long, device=device),
+                                 torch.tensor([seq.slot], dtype=torch.long, device=device),
+                                 torch.tensor([seq.blocks], dtype=torch.long, device=device),
+                                 torch.tensor([seq.computed], dtype=torch.long, device=device), seq.computed)
+        graph = self.prefill_graphs.get(size)
+        if graph is not None:
+            return graph.run(seq, end)
+        row = torch.from_numpy(self._prefill_row(seq, end, size)).to(device)
+        return self._prefill_forward(row, size, seq.computed)[0]
+
+    def _prefill_row(self, seq: Sequence, end: int, size: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The input buffer of a prefill padded to ``size`` tokens (see the module notes)."""
+        row = np.zeros(size + _P_TABLE + self.table_width, dtype=np.int64) if out is None else out
+        tokens = end - seq.computed
+        row[:tokens] = seq.tokens[seq.computed:end]
+        row[tokens:size] = 0
+        row[size + _P_SLOT], row[size + _P_LENGTH], row[size + _P_VALID] = seq.slot, seq.computed, tokens
+        table = row[size + _P_TABLE:]
+        table[:] = self.cache.latents.scratch_block
+        table[:len(seq.blocks)] = seq.blocks
+        return row
+
+    def _prefill_forward(self, row: torch.Tensor, size: int, max_length: int) -> tuple[torch.Tensor, K3Cache]:
+        """The padded prefill over the device buffer ``row``: (logits [1, V] at its last real token, the cache the
+        forward ran on)."""
+        valid_1 = row[size + _P_VALID:size + _P_VALID + 1]
+        cache = batch_cache(self.model.config, self.cache.latents, self.cache.states,
+                            row[size + _P_SLOT:size + _P_SLOT + 1], row[size + _P_TABLE:][None],
+                            row[size + _P_LENGTH:size + _P_LENGTH + 1], max_length, valid_B=valid_1)
+        return self.model(row[:size][None], cache=cache, logits_at=valid_1 - 1).logits[:, -1], cache
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token for every sequence (its last): logits [B, V]. The view is only valid until the next call."""
@@ -162,16 +209,17 @@ class ModelRunner:
         log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(buckets),
                  ", ".join(map(str, sorted(buckets))), self.capture_seconds)
 
-    def _capture_prefill(self, tokens: int) -> None:
-        """Capture the piecewise graphs of a ``tokens``-token prefill chunk. The warm-up and the capture run on
-        the scratch rows (KDA slot -1, the latent pool's scratch block), so they write into no live cache."""
+    def _capture_prefill(self, sizes: list[int]) -> None:
+        """Capture the piecewise graphs of every prefill size, largest first, sharing one memory pool. The warm-up
+        and the capture run on the scratch rows (KDA slot -1, the latent pool's scratch block), so they write into
+        no live cache."""
         start = time.perf_counter()
-        graph = _PrefillGraph(self, tokens)
-        self.prefill_graph = graph
+        pool = torch.cuda.graph_pool_handle()
+        for size in sorted(sizes, reverse=True):
+            self.prefill_graphs[size] = _PrefillGraph(self, size, pool)
         elapsed = time.perf_counter() - start
         self.capture_seconds += elapsed
-        log.info("captured the piecewise graphs of a %d-token prefill chunk (%d graphs) in %.1f s", tokens,
-                 len(graph.graph.graphs), elapsed)
+        log.info("captured the piecewise prefill graphs of %s tokens in %.1f s", ", ".join(map(str, sizes)), elapsed)
 
     # ------------------------------------------------------------------ sampling
     def sample(self, seqs: list[Sequence], logits_BV: torch.Tensor) -> list[Sampled]:
@@ -201,31 +249,25 @@ class ModelRunner:
 
 
 class _PrefillGraph:
-    """The piecewise CUDA graphs of one prefill chunk size, with their static inputs (see the module notes)."""
+    """The piecewise CUDA graphs of one prefill size, with their static input buffer (see the module notes)."""
 
-    def __init__(self, runner: ModelRunner, tokens: int):
-        self.tokens = tokens
-        width = runner.table_width
+    def __init__(self, runner: ModelRunner, size: int, pool):
+        self.size = size
+        self._runner = runner
         device = runner.device
-        self._host = torch.empty(tokens + _TABLE + width, dtype=torch.long, pin_memory=True)
+        self._host = torch.zeros(size + _P_TABLE + runner.table_width, dtype=torch.long, pin_memory=True)
         self._host_np = self._host.numpy()
-        self._host_np[:] = 0
-        self._host_np[tokens + _SLOT] = -1
-        self._scratch = runner.cache.latents.scratch_block
-        self._host_np[tokens + _TABLE:] = self._scratch
+        self._host_np[size + _P_SLOT] = -1
+        self._host_np[size + _P_VALID] = size
+        self._host_np[size + _P_TABLE:] = runner.cache.latents.scratch_block
         self._copied = torch.cuda.Event()
         self._static = self._host.to(device)
-        ids_1T = self._static[:tokens][None]
-        slots_1 = self._static[tokens + _SLOT:tokens + _SLOT + 1]
-        lengths_1 = self._static[tokens + _LENGTH:tokens + _LENGTH + 1]
-        tables_1W = self._static[tokens + _TABLE:][None]
-        model = runner.model
-        self.cache = batch_cache(model.config, runner.cache.latents, runner.cache.states, slots_1, tables_1W,
-                                 lengths_1, max_length=0)
-        self._views = [layer for layer in self.cache.layers if isinstance(layer, PagedLatentView)]
+        caches = []
 
         def forward() -> torch.Tensor:
-            return model(ids_1T, cache=self.cache, last_only=True).logits[:, -1]
+            logits, cache = runner._prefill_forward(self._static, size, 0)
+            caches.append(cache)
+            return logits
 
         side = torch.cuda.Stream(device)
         with torch.no_grad():
@@ -233,18 +275,14 @@ class _PrefillGraph:
             with torch.cuda.stream(side):   # compiles and autotunes the kernels before the capture
                 forward()
             torch.cuda.current_stream(device).wait_stream(side)
-            self.graph = PiecewiseGraph(torch.cuda.graph_pool_handle(), side)
+            self.graph = PiecewiseGraph(pool, side)
             self.graph.capture(forward)
+        self._views = [layer for layer in caches[-1].layers if isinstance(layer, PagedLatentView)]
 
     def run(self, seq: Sequence, end: int) -> torch.Tensor:
-        """Replay for ``seq.tokens[seq.computed:end]`` (``tokens`` of them): logits [1, V]."""
-        tokens = self.tokens
+        """Replay for ``seq.tokens[seq.computed:end]`` (at most ``size`` of them): logits [1, V]."""
         self._copied.synchronize()   # the previous chunk's copy has left the pinned buffer (no sample since)
-        self._host_np[:tokens] = seq.tokens[seq.computed:end]
-        self._host_np[tokens + _SLOT], self._host_np[tokens + _LENGTH] = seq.slot, seq.computed
-        table = self._host_np[tokens + _TABLE:]
-        table[:] = self._scratch
-        table[:len(seq.blocks)] = seq.blocks
+        self._runner._prefill_row(seq, end, self.size, out=self._host_np)
         self._static.copy_(self._host, non_blocking=True)
         self._copied.record()
         for view in self._views:   # the eager regions' shapes: this row's cached length

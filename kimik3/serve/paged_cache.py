@@ -215,19 +215,21 @@ class StatePool:
             conv[dst] = conv[src]
             rec[dst] = rec[src]
 
-    def view(self, slots_B: torch.Tensor) -> list[KDAState]:
+    def view(self, slots_B: torch.Tensor, valid_B: torch.Tensor | None = None) -> list[KDAState]:
         """Per KDA layer, the pooled states of the sequences in ``slots_B``: the layer reads and advances their
         pool rows in place (no copy in or out; a recurrent state is ~6 MB per sequence and layer at K3's
-        width)."""
-        return [KDAState(None, None, pool_PHKV=rec, slots_B=slots_B, conv_pool_PCW=conv)
+        width). ``valid_B``: the real tokens of a padded chunk (``KDAState.valid_B``)."""
+        return [KDAState(None, None, pool_PHKV=rec, slots_B=slots_B, conv_pool_PCW=conv, valid_B=valid_B)
                 for conv, rec in zip(self.conv, self.recurrent)]
 
 
 def batch_cache(config: K3Config, latents: LatentPool, states: StatePool, slots_B: torch.Tensor,
-                tables_BN: torch.Tensor, lengths_B: torch.Tensor, max_length: int | None = None) -> K3Cache:
+                tables_BN: torch.Tensor, lengths_B: torch.Tensor, max_length: int | None = None,
+                valid_B: torch.Tensor | None = None) -> K3Cache:
     """The model-facing ``K3Cache`` for one forward over B pooled sequences. ``max_length``: the longest row's
-    cached length when the host knows it (a prefill), which spares the MLA layers reading it back."""
-    kda_states = states.view(slots_B)
+    cached length when the host knows it (a prefill), which spares the MLA layers reading it back. ``valid_B``:
+    the real tokens of each row of a padded chunk (the rest is padding; ``KDAState.valid_B``)."""
+    kda_states = states.view(slots_B, valid_B)
     layers: list = []
     mla_index = kda_index = 0
     for spec in config.layer_plan():

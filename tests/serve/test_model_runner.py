@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kimik3.serve.memory import EngineConfig, plan_cache
-from kimik3.serve.model_runner import BUCKETS, graph_buckets
+from kimik3.serve.model_runner import BUCKETS, PREFILL_MIN, graph_buckets, prefill_sizes
 from kimik3.serve.scheduler import EngineCore
 from kimik3.serve.types import GenerationRequest, SamplingParams
 from tests.serve.test_engine import prompts
@@ -75,3 +75,48 @@ def test_gpu_memory_utilization_is_checked_and_the_layout_describes_itself(serve
     assert layout.total_bytes <= config.memory_bytes
     line = layout.describe(config.physical_block, config.max_running, 512)
     assert f"{layout.num_blocks} MLA blocks" in line and "up to 8 sequences" in line
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_a_padded_prefill_chunk_computes_what_the_plain_one_does(serve_model, serve_tokenizer, device):
+    # The padded forward the GPU runs (graphs or eager), run eagerly: the logits at the last real token, the KDA
+    # states and the latents of the real tokens are those of the unpadded chunk, whatever the padding ids. On CUDA
+    # the Triton kernels (conv, KDA) see the padding; fp32 weights there too.
+    model = serve_model
+    if device == "cuda":
+        model = type(serve_model)(serve_model.config, device="cuda", dtype=torch.float32)
+        model.load_state_dict(serve_model.state_dict())
+    config = EngineConfig(memory_bytes=48 * 2**20, max_running=2, checkpoints=0, prefill_chunk=64, max_context=512,
+                          enforce_eager=True)
+    cores = [EngineCore(model, serve_tokenizer, config) for _ in range(2)]
+    prompt = prompts(1, 75, seed=9)[0]
+    logits = []
+    for padded, core in zip((False, True), cores):
+        core.add(GenerationRequest("p", prompt, SamplingParams(max_tokens=1, temperature=0.0)), lambda e: None)
+        core._admit()
+        seq = core.running[0]
+        runner = core.runner
+        with torch.no_grad():
+            runner.prefill_sizes = []            # unpadded chunks: a first one of 64, then the 11-token rest
+            runner.prefill(seq, 64)
+            seq.computed = 64
+            if padded:
+                row = torch.from_numpy(runner._prefill_row(seq, 75, 32)).to(device)
+                row[11:32] = torch.arange(21) + 100   # padding ids are arbitrary
+                logits.append(runner._prefill_forward(row, 32, 64)[0].clone())
+            else:
+                logits.append(runner.prefill(seq, 75).clone())
+    tol = 1e-4 if device == "cpu" else 3e-3   # the KDA kernels' fp32 dots run in TF32 on a GPU
+    torch.testing.assert_close(logits[1], logits[0], rtol=tol, atol=tol)
+    seqs = [core.running[0] for core in cores]
+    for states in zip(*(list(c.cache.states.recurrent) + list(c.cache.states.conv) for c in cores)):
+        torch.testing.assert_close(states[1][seqs[1].slot], states[0][seqs[0].slot], rtol=tol, atol=tol / 10)
+    for pools in zip(*(c.cache.latents.tensors for c in cores)):
+        flat = [pool[seq.blocks].reshape(-1, pool.shape[-1])[:75] for pool, seq in zip(pools, seqs)]
+        torch.testing.assert_close(flat[1], flat[0], rtol=tol, atol=tol / 10)
+
+
+def test_prefill_sizes_double_up_to_the_chunk():
+    assert prefill_sizes(512) == [16, 32, 64, 128, 256, 512]
+    assert prefill_sizes(100) == [16, 32, 64, 100] and prefill_sizes(PREFILL_MIN) == [PREFILL_MIN]

@@ -1,7 +1,7 @@
 """Prefill chunks replayed as piecewise CUDA graphs (``serve/piecewise.py``, ``ModelRunner``) against the same
-engine with ``enforce_eager``: every full chunk (the first of a prompt and the later ones, which attend over the
-cached latents between the graphs) gives the eager chunk's logits and leaves the caches as it does, and greedy
-generation is token for token the same. GPU only."""
+engine with ``enforce_eager``: every chunk (the first of a prompt and the later ones, which attend over the cached
+latents between the graphs; a short last one, padded to the smallest captured size) gives the eager chunk's logits
+and leaves the caches as it does, and greedy generation is token for token the same. GPU only."""
 
 from __future__ import annotations
 
@@ -56,13 +56,13 @@ def test_full_chunks_replay_the_graphs_and_match_eager(cuda_model, serve_tokeniz
     prompt = prompts(1, 3 * CHUNK + 9, seed=3)[0]
     graphs = _core(cuda_model, serve_tokenizer, eager=False)
     eager = _core(cuda_model, serve_tokenizer, eager=True)
-    assert graphs.runner.prefill_graph is not None and graphs.runner.prefill_graph.tokens == CHUNK
-    assert eager.runner.prefill_graph is None
+    assert sorted(graphs.runner.prefill_graphs) == [16, 32, 64] and not eager.runner.prefill_graphs
     replays = []
-    real = graphs.runner.prefill_graph.run
-    graphs.runner.prefill_graph.run = lambda seq, end: replays.append(end) or real(seq, end)
+    for size, graph in graphs.runner.prefill_graphs.items():
+        graph.run = lambda seq, end, size=size, real=graph.run: replays.append((size, end)) or real(seq, end)
     got, want = _prefill_logits(graphs, prompt), _prefill_logits(eager, prompt)
-    assert replays == [CHUNK, 2 * CHUNK, 3 * CHUNK]   # the last, shorter chunk runs eagerly
+    # The 9-token last chunk is padded to 16 (in both engines).
+    assert replays == [(64, CHUNK), (64, 2 * CHUNK), (64, 3 * CHUNK), (16, 3 * CHUNK + 9)]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
     seq_g, seq_e = graphs.running[0], eager.running[0]

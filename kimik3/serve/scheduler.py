@@ -70,9 +70,11 @@ class EngineCore:
         return self.cache.prefix_cache
 
     def describe(self) -> str:
-        """The start-up line: the cache budget and how decode runs."""
-        graphs = (f"decode as CUDA graphs for batches {', '.join(map(str, sorted(self.runner.graphs)))} "
-                  f"(captured in {self.runner.capture_seconds:.1f} s)" if self.runner.uses_graphs else "eager decode")
+        """The start-up line: the cache budget and how decode and prefill run."""
+        runner = self.runner
+        graphs = (f"decode as CUDA graphs for batches {', '.join(map(str, sorted(runner.graphs)))}, prefill chunks "
+                  f"as piecewise graphs of {', '.join(map(str, sorted(runner.prefill_graphs)))} tokens (captured in "
+                  f"{runner.capture_seconds:.1f} s)" if runner.uses_graphs else "eager decode and prefill")
         cache = self.layout.describe(self.config.physical_block, self.config.max_running, self.max_context)
         return f"{cache}; {graphs}"
 

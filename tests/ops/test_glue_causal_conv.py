@@ -2,10 +2,11 @@
 against its reference, ``short_conv`` run in fp64 with autograd: y, the final state, and the grads of x, the weights
 and the state.
 
-W = 4, 2 (and 3 in the gradcheck); three weights of 16 channels (KDA's q, k, v) or one [40, W], three of 64 (two
-channel blocks, the second partial); T = 1, 2 (< W-1: the final state keeps state columns), 5 and 37 (several
-token blocks, several a backward program); B = 1 and 3; with and without a carried state; packed sequences with an
-empty one (int32 and int64 offsets, and tokens outside the offsets); SiLU on and off; fp32, bf16 x with fp32
+W = 4, 2 (and 3 in the gradcheck and the packed sequences at every tile offset); three weights of 16 channels
+(KDA's q, k, v) or one [40, W], three of 64 (two channel blocks, the second partial); T = 1, 2 (< W-1: the final
+state keeps state columns), 3, 5 and 37 (several token blocks, several a backward program); B = 1, 2 and 3; with
+and without a carried state; packed sequences with an empty one (int32 and int64 offsets, and tokens outside the
+offsets), and 16 sequences starting at every offset of a token tile; SiLU on and off; fp32, bf16 x with fp32
 weights (the model's case) and all bf16; x a column slice of a wider projection and a transposed weight; no
 tokens; fp64 gradcheck; the backward's program count (deterministic, the same dx); the input checks.
 
@@ -107,6 +108,7 @@ CASES = [  # x, weights, state dtypes (None: no state); channel splits; W; B; T;
     (BF16, BF16, BF16, ONE, 4, 2, 2, True),
     (BF16, BF16, None, ONE, 2, 1, 5, False),
     (BF16, F32, BF16, WIDE, 4, 1, 5, True),
+    (F32, F32, None, QKV, 4, 2, 3, True),
 ]
 
 
@@ -127,6 +129,20 @@ def test_packed_sequences(x_dtype, w_dtype, splits, W, activation, cu_dtype):
     # Tokens of another sequence (the empty one included) count as zeros in y and in every grad.
     x, weights, _ = make_inputs(1, CU[-1], splits, W, x_dtype, w_dtype, None, seed=1)
     check(x, weights, None, torch.tensor(CU, dtype=cu_dtype, device=DEV), activation)
+
+
+@needs_kernels
+@pytest.mark.parametrize("W", [4, 3])
+def test_sequence_starts_at_every_tile_offset(W):
+    # Sequences of 1, 2, ..., 16 tokens: their starts (the triangular numbers) fall at every offset of the 16-token
+    # tiles of d and dw (at 16 of the 32 offsets of dx's tiles), so a tile's taps, and dx's terms past its end,
+    # cross a sequence start at every position, the tile's edges included.
+    cu = [0]
+    for n in range(1, 17):
+        cu.append(cu[-1] + n)
+    assert len({c % 16 for c in cu[:-1]}) == 16
+    x, weights, _ = make_inputs(1, cu[-1], QKV, W, F32, F32, None, seed=9)
+    check(x, weights, None, torch.tensor(cu, dtype=torch.int32, device=DEV), True)
 
 
 @needs_kernels
@@ -159,7 +175,8 @@ def test_strided_x_and_transposed_weight():
 
 @needs_kernels
 def test_backward_programs_and_determinism():
-    # 2 rows of 2 token blocks: one program walking the 4 tiles, or 3 programs (the first walks two).
+    # 2 rows of 2 token blocks (d and dw's tiles, 16 tokens): one program walking the 4 tiles, or 3 programs (the
+    # first walks two, from row 0 to row 1); dx does not depend on the programs.
     x, weights, _ = make_inputs(2, 20, QKV, 4, F32, F32, None, seed=5)
     grad_y = torch.randn(x.shape, generator=torch.Generator().manual_seed(6)).to(DEV)
     args = (grad_y, x.detach(), tuple(w.detach() for w in weights), None, None, True)

@@ -1,5 +1,5 @@
 """KDA's causal depthwise short convolution over T tokens (``kimik3.model.conv.short_conv``: prefill and training)
-in one Triton kernel forward and two backward.
+in one Triton kernel forward and three backward.
 
 Per row b and channel c, with e the extended input (the carried state, then x) and in fp32 (fp64 when an input is):
 
@@ -11,26 +11,39 @@ token belongs to an earlier sequence counts as zero. The unfused form is ~10 lau
 state, W broadcast multiplies and adds, the SiLU); here each program reads its tile [BLOCK_T, BLOCK_C] of x and W-1
 tokens before it (re-read through the cache, one load per tap), and writes y once.
 
-Backward, with g = dL/dy and d = g act'(pre) (act' = s (1 + pre (1 - s)), s = sigmoid(pre), for SiLU):
+Backward, with g = dL/dy and d = dL/dpre = g act'(pre) (act' = s (1 + pre (1 - s)), s = sigmoid(pre), for SiLU):
 
     dx[t] = sum_{j<W} w[c, W-1-j] d[t+j]    (t+j < T, in t's sequence)    dw[c, W-1-j] = sum over (b, t) of d[t] e[t-j]
 
-and d_state the same sum as dx at the state's times -(W-1) .. -1. One kernel walks tiles of (b, t) (G programs
-per channel block, each several tiles): it recomputes pre (W taps) at the W times t+j a tile of dx needs, writes
-dx (and d_state for the tiles at t = 0), and its partial sums of dw [C, W]; a second kernel adds the G partials
-in a fixed order (deterministic, no atomics) and writes each weight's grad in its dtype.
+and d_state the same sum as dx at the state's times -(W-1) .. -1. dx[t] needs d at the W times t .. t+W-1, each a
+function of W inputs: rather than recompute pre at each of them (W^2 taps an element), the backward computes d once
+into an fp32 buffer [B, T, C] (fp64 with fp64 inputs) and convolves it:
+
+- d and dw (``_conv_bwd_d_kernel``): G programs a channel block, each walking the token tiles p, p + G, ... of
+  the B * T_BLOCKS (row, token block) tiles. A tile loads the W taps e[t-j] as the forward does (the first one from
+  memory, the others mostly through the cache) and g, computes pre and d, stores d, and adds d[t] e[t-j] to W
+  accumulators held elementwise in registers (the taps are already there); at the end the program sums them over
+  the tile's tokens into one partial sum of dw [C, W].
+- the dw reduction (``_conv_dw_kernel``) adds the G partials in a fixed order (deterministic, no atomics) and
+  writes each weight's grad in its dtype.
+- dx (``_conv_bwd_dx_kernel``): one program a tile as in the forward, W taps of d forward in time (rows past the
+  tile read through the cache); the first token block of a row also writes d_state.
+
+An element costs W + 1 loads (x's taps and g), one exp and one store of d, then W loads of d and one store of dx:
+from memory, x and g read once, d written and read once, dx written once.
 
 Packed sequences are found on the device: each program binary-searches its tokens' offsets in ``cu_seqlens``
 (log2 N steps over a small cached array), giving each token t its sequence's start and end; a tap t-j counts when
-t-j >= start, a term d[t+j] of dx's sum when t+j < end (and t >= start, false only before the first offset).
-Nothing is read back to the host: shapes decide everything.
+t-j >= start (for pre, and so for d and dw), a term d[t+j] of dx's sum when t+j < end (and t >= start, false only
+before the first offset). Nothing is read back to the host: shapes decide everything.
 
 Layout: x and grad_y are read through their three strides (a column slice of a wider projection output [B, T, N],
 e.g. the q | k | v block, is read in place); the weights (1 to 3 tensors [C_i, W] whose rows stack to C: q_conv,
-k_conv, v_conv) and the state through theirs, each channel from the weight that holds it. y, dx, the final
+k_conv, v_conv) and the state through theirs, each channel from the weight that holds it. y, dx, d, the final
 state, d_state and the weights' grads are contiguous.
 
-Legend: B batch, T tokens, C channels, W kernel width, N packed sequences, G backward programs a channel block.
+Legend: B batch, T tokens, C channels, W kernel width, N packed sequences, G programs a channel block of the
+backward's d-and-dw kernel (and its partial sums of dw).
 """
 
 from __future__ import annotations
@@ -60,12 +73,15 @@ __all__ = ["MAX_WEIGHTS", "causal_conv", "causal_conv_backward", "causal_conv_fo
 
 MAX_WEIGHTS = MAX_CONV_WEIGHTS
 BLOCK_C_MAX = 128  # channels of a tile (contiguous in x: coalesced loads); tokens fill the rest of it
-# The forward's tiles: TILE_ELEMS, 8 elements a thread (at most ~60 registers on sm_90). The backward loads about
-# 5 W tiles a tile (pre at W times, g, and dw's W taps), which the compiler issues together: half the tile and 4
-# elements a thread keep it without spills (~130 registers, ~160 with cu_seqlens).
-_BWD_TILE_ELEMS = TILE_ELEMS // 2
-_BLOCK_E = 256  # elements of dw [C * W] a program of the second stage adds over G
-_BWD_PROGRAMS_PER_SM = 8  # backward programs (all channel blocks together) a multiprocessor, on a GPU
+# The forward's tiles and dx's: TILE_ELEMS, 8 elements a thread (~40 and ~64 registers on sm_90). d-and-dw holds W
+# taps and W accumulators an element besides the W weights a column: half the tile, 4 elements a thread (~80
+# registers: 3 programs of 8 warps a multiprocessor; 8 elements a thread take ~160).
+_D_TILE_ELEMS = TILE_ELEMS // 2
+_D_PER_THREAD = 4
+_DX_TILE_ELEMS = TILE_ELEMS
+_DX_PER_THREAD = 8
+_BLOCK_E = 256  # elements of dw [C * W] a program of the reduction adds over G
+_BWD_PROGRAMS_PER_SM = 12  # d-and-dw programs (all channel blocks together) a multiprocessor on a GPU: 4 of 3
 
 
 def _blocks(T: int, C: int, tile: int, per_thread: int) -> tuple[int, int, int]:
@@ -178,8 +194,9 @@ def causal_conv_backward(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
     """(d_x [B, T, C] in x's dtype, the weights' grads (a tuple, each [C_i, W] in its weight's dtype), d_state
     [B, C, W-1] in the state's dtype or None without one), all contiguous. grad_y: [B, T, C], any float dtype and
-    strides. Two launches; deterministic. ``programs`` overrides G, the programs a channel block (each writes one
-    partial sum of dw; default: 8 per multiprocessor over all channel blocks on a GPU, 2 under the interpreter)."""
+    strides. Three launches; deterministic. ``programs`` overrides G, the d-and-dw programs a channel block over
+    which the token tiles are split (each writes one partial sum of dw; default: 12 a multiprocessor over all
+    channel blocks on a GPU, 2 under the interpreter; never more than the tiles). dx does not depend on it."""
     weights = _check(x_BTC, weights, state_BCW, cu_seqlens, "causal_conv_backward")
     if not isinstance(grad_y, torch.Tensor) or grad_y.shape != x_BTC.shape or grad_y.dtype not in _FLOATS:
         raise ValueError(f"grad_y must be a floating tensor of x_BTC's shape {tuple(x_BTC.shape)}, got "
@@ -198,25 +215,34 @@ def causal_conv_backward(
             d.zero_()
         return d_x, d_ws, d_state
     f64 = compute_f64(x_BTC, grad_y, *weights, *([state_BCW] if has_state else []))
-    block_t, block_c, num_warps = _blocks(T, C, _BWD_TILE_ELEMS, 4)
+    ct = torch.float64 if f64 else torch.float32
+    args, consts = _launch_args(x_BTC, weights, state_BCW, cu_seqlens)
+    block_w, block_s = triton.next_power_of_2(W), max(2, triton.next_power_of_2(W - 1))
+    # d = dL/dpre and the partial sums of dw: G programs a channel block, each walking tiles p, p + G, ...
+    block_t, block_c, num_warps = _blocks(T, C, _D_TILE_ELEMS, _D_PER_THREAD)
     t_blocks, c_blocks = triton.cdiv(T, block_t), triton.cdiv(C, block_c)
     tiles = B * t_blocks
     if programs is None:
         base = backward_programs(1 << 30, device)  # 2 a multiprocessor on a GPU, 2 under the interpreter
         programs = triton.cdiv(_BWD_PROGRAMS_PER_SM * base // 2, c_blocks) if device.type == "cuda" else base
     G = backward_programs(tiles, device, programs)
-    partial = torch.empty(G, C * W, dtype=torch.float64 if f64 else torch.float32, device=device)
-    args, consts = _launch_args(x_BTC, weights, state_BCW, cu_seqlens)
+    d = torch.empty(B, T, C, dtype=ct, device=device)
+    partial = torch.empty(G, C * W, dtype=ct, device=device)
     with on_device(device):
-        _conv_bwd_kernel[(G, c_blocks)](
-            *args, grad_y, *grad_y.stride(), d_x, d_state if has_state else d_x, partial, B, T, C, t_blocks,
-            triton.cdiv(tiles, G), G, **consts, ACT=bool(activation), BLOCK_T=block_t, BLOCK_C=block_c,
-            BLOCK_S=max(2, triton.next_power_of_2(W - 1)), BLOCK_W=triton.next_power_of_2(W), F64=f64,
-            num_warps=num_warps,
+        _conv_bwd_d_kernel[(G, c_blocks)](
+            *args, grad_y, *grad_y.stride(), d, partial, B, T, C, t_blocks, G // t_blocks, G % t_blocks, **consts,
+            ACT=bool(activation), BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_W=block_w, F64=f64, num_warps=num_warps,
         )
         _conv_dw_kernel[(triton.cdiv(C * W, _BLOCK_E),)](
             partial, G, C * W, d_ws, _starts(weights), W,
             NUM_W=len(weights), BLOCK_G=min(16, triton.next_power_of_2(G)), BLOCK_E=_BLOCK_E, F64=f64, num_warps=4,
+        )
+        # dx (and d_state): one program a tile, as the forward
+        block_t, block_c, num_warps = _blocks(T, C, _DX_TILE_ELEMS, _DX_PER_THREAD)
+        t_blocks = triton.cdiv(T, block_t)
+        _conv_bwd_dx_kernel[(B * t_blocks, triton.cdiv(C, block_c))](
+            *args, d, d_x, d_state if has_state else d_x, T, C, t_blocks, **consts, BLOCK_T=block_t,
+            BLOCK_C=block_c, BLOCK_S=block_s, BLOCK_W=block_w, F64=f64, num_warps=num_warps,
         )
     return d_x, d_ws, d_state
 
@@ -268,7 +294,7 @@ def causal_conv(
         final_state is not differentiable (marked so: a loss through it gets no gradient); grads of x, the
         weights and the state come in their dtypes.
 
-    CUDA tensors, or CPU tensors under TRITON_INTERPRET=1. Forward: one launch; backward: two.
+    CUDA tensors, or CPU tensors under TRITON_INTERPRET=1. Forward: one launch; backward: three.
     """
     if isinstance(weights, torch.Tensor):
         weights = (weights,)
@@ -332,50 +358,36 @@ def _taps(ws, s_wr, s_wc, starts, cols, NUM_W: tl.constexpr, W: tl.constexpr, BL
 
 
 @_jit
-def _pre(x_ptr, s_xb, s_xt, s_xc, wt, st_ptr, s_sb, s_sc, s_sk, b, t0, r, start, cols, cmask, T,
-         W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_CU: tl.constexpr, F64: tl.constexpr):
-    """pre [BL, BLOCK_C] at times u = t0 + r: sum_i w[:, W-1-i] e[u-i], with HAS_CU the taps before ``start`` [BL]
-    (the first token of the sequence they are used with) zeroed. Tap k is row k of wt, picked with pure ops (which
-    the compiler computes once for all their uses, as it would not share repeated loads)."""
+def _wrow(wt, I: tl.constexpr, W: tl.constexpr):
+    """w[cols, W-1-I] [BLOCK_C], row W-1-I of wt, picked with pure ops (which the compiler computes once for all
+    their uses, as it would not share repeated loads)."""
     k = tl.arange(0, wt.shape[0])[:, None]
-    pre = _ext(x_ptr, s_xb, s_xt, s_xc, st_ptr, s_sb, s_sc, s_sk, b, t0, r, cols, cmask, T, W, HAS_STATE, F64) \
-        * tl.sum(tl.where(k == W - 1, wt, 0.0), axis=0)[None, :]
-    for i in tl.static_range(1, W):
-        e = _ext(x_ptr, s_xb, s_xt, s_xc, st_ptr, s_sb, s_sc, s_sk, b, t0, r - i, cols, cmask, T, W, HAS_STATE,
-                 F64)
-        if HAS_CU:
-            e = tl.where((t0 + r - i >= start)[:, None], e, 0.0)
-        pre += e * tl.sum(tl.where(k == W - 1 - i, wt, 0.0), axis=0)[None, :]
-    return pre
+    return tl.sum(tl.where(k == W - 1 - I, wt, 0.0), axis=0)
 
 
 @_jit
-def _grad_ext(x_ptr, s_xb, s_xt, s_xc, wt, st_ptr, s_sb, s_sc, s_sk, g_ptr, s_gb, s_gt, s_gc, b, t0, r, start, end,
-              cols, cmask, T, W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_CU: tl.constexpr, ACT: tl.constexpr,
-              F64: tl.constexpr):
-    """(dL/de [BL, BLOCK_C] at times t = t0 + r: sum_j w[:, W-1-j] d[t+j] over t+j < T (and, with HAS_CU,
-    t+j < end and t >= start: within t's sequence), d[t]), where d = dL/dpre = g act'(pre) (zeros outside
-    [0, T)). pre is recomputed at each t+j from t's sequence start, the only one its d is used with."""
-    ct = tl.float64 if F64 else tl.float32
-    k = tl.arange(0, wt.shape[0])[:, None]
-    t = t0 + r
-    g_row = g_ptr + b * s_gb + tl.cast(t0, tl.int64) * s_gt  # (t0 may be a constant: T == 1 is specialised)
-    acc = tl.zeros([r.shape[0], cols.shape[0]], dtype=ct)
-    d0 = acc
-    for j in tl.static_range(W):
-        d = tl.load(g_row + (r + j)[:, None] * s_gt + cols[None, :] * s_gc,
-                    mask=((t + j >= 0) & (t + j < T))[:, None] & cmask[None, :], other=0.0).to(ct)
-        if ACT:
-            pre = _pre(x_ptr, s_xb, s_xt, s_xc, wt, st_ptr, s_sb, s_sc, s_sk, b, t0, r + j, start, cols, cmask, T,
-                       W, HAS_STATE, HAS_CU, F64)
-            s = 1.0 / (1.0 + tl.exp(-pre))
-            d = d * (s * (1.0 + pre * (1.0 - s)))
-        if j == 0:
-            d0 = d
-        elif HAS_CU:
-            d = tl.where(((t + j < end) & (t >= start))[:, None], d, 0.0)
-        acc += d * tl.sum(tl.where(k == W - 1 - j, wt, 0.0), axis=0)[None, :]
-    return acc, d0
+def _tap(x_ptr, s_xb, s_xt, s_xc, st_ptr, s_sb, s_sc, s_sk, b, t0, r, start, cols, cmask, T, I: tl.constexpr,
+         W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_CU: tl.constexpr, F64: tl.constexpr):
+    """Tap I of pre [BL, BLOCK_C] at times u = t0 + r: e[u-I], with HAS_CU zero where u-I < ``start`` [BL] (the
+    first token of u's sequence; tap 0 always counts)."""
+    e = _ext(x_ptr, s_xb, s_xt, s_xc, st_ptr, s_sb, s_sc, s_sk, b, t0, r - I, cols, cmask, T, W, HAS_STATE, F64)
+    if HAS_CU:
+        if I > 0:
+            e = tl.where((t0 + r - I >= start)[:, None], e, 0.0)
+    return e
+
+
+@_jit
+def _pre(x_ptr, s_xb, s_xt, s_xc, wt, st_ptr, s_sb, s_sc, s_sk, b, t0, r, start, cols, cmask, T,
+         W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_CU: tl.constexpr, F64: tl.constexpr):
+    """pre [BL, BLOCK_C] at times u = t0 + r: sum_i w[:, W-1-i] e[u-i] (taps before ``start`` zeroed with
+    HAS_CU)."""
+    pre = _tap(x_ptr, s_xb, s_xt, s_xc, st_ptr, s_sb, s_sc, s_sk, b, t0, r, start, cols, cmask, T, 0, W,
+               HAS_STATE, HAS_CU, F64) * _wrow(wt, 0, W)[None, :]
+    for i in tl.static_range(1, W):
+        pre += _tap(x_ptr, s_xb, s_xt, s_xc, st_ptr, s_sb, s_sc, s_sk, b, t0, r, start, cols, cmask, T, i, W,
+                    HAS_STATE, HAS_CU, F64) * _wrow(wt, i, W)[None, :]
+    return pre
 
 
 @_jit
@@ -415,56 +427,109 @@ def _conv_fwd_kernel(
 
 
 @_jit
-def _conv_bwd_kernel(
+def _conv_bwd_d_kernel(
     x_ptr, s_xb, s_xt, s_xc, ws, s_wr, s_wc, starts, st_ptr, s_sb, s_sc, s_sk, cu_ptr, N, TOP,
-    g_ptr, s_gb, s_gt, s_gc, dx_ptr, dst_ptr, part_ptr, B, T, C, T_BLOCKS, ITERS, G,
+    g_ptr, s_gb, s_gt, s_gc, d_ptr, part_ptr, B, T, C, T_BLOCKS, G_ROWS, G_BLOCKS,
     NUM_W: tl.constexpr, W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_CU: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr,
-    F64: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, F64: tl.constexpr,
 ):
-    """Program (p of G, channel block): tiles p, p + G, ... (ITERS of them, the last ones possibly past the B *
-    T_BLOCKS tiles) of (row b, token block); writes dx for them (contiguous [B, T, C]), d_state[b, cols] for the
-    tiles at t = 0 (contiguous [B, C, W-1]), and its partial sum of dw to part_ptr[p, c * W + k] ([G, C * W])."""
+    """Program (p of G, channel block): tiles p, p + G, ... of the B * T_BLOCKS tiles (row b, token block) in
+    row-major order (G = G_ROWS * T_BLOCKS + G_BLOCKS); stores d = g act'(pre) for them (contiguous [B, T, C]) and
+    its partial sums of dw, sum over its tiles of d[t] e[t-i] (the taps of pre, held from computing it, summed
+    elementwise and over the tile's tokens at the end), to part_ptr[p, c * W + W-1-i] ([G, C * W])."""
     ct = tl.float64 if F64 else tl.float32
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
-    k = tl.arange(0, BLOCK_W)
     r = tl.arange(0, BLOCK_T)
     wt = _taps(ws, s_wr, s_wc, starts, cols, NUM_W, W, BLOCK_W, F64)
-    acc_w = tl.zeros([BLOCK_W, BLOCK_C], dtype=ct)  # acc_w[W-1-i] = sum over the tiles of d[t] e[t-i]
-    it = 0
-    while it < ITERS:  # (a while loop: Triton 3.6's interpreter cannot take tensor bounds in range(), triton#9171)
-        tile = pid + it * G
-        if tile < B * T_BLOCKS:
-            b = (tile // T_BLOCKS).to(tl.int64)
-            t0 = (tile % T_BLOCKS) * BLOCK_T
-            start = r
-            end = r
-            if HAS_CU:
-                start, end = _bounds(cu_ptr, N, TOP, t0 + r, T)
-            dx, d0 = _grad_ext(x_ptr, s_xb, s_xt, s_xc, wt, st_ptr, s_sb, s_sc, s_sk, g_ptr, s_gb, s_gt, s_gc, b,
-                               t0, r, start, end, cols, cmask, T, W, HAS_STATE, HAS_CU, ACT, F64)
-            dx_row = dx_ptr + (b * T + t0) * C
-            tl.store(dx_row + r[:, None] * C + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
-                     mask=(t0 + r < T)[:, None] & cmask[None, :])
-            for i in tl.static_range(W):
-                e = _ext(x_ptr, s_xb, s_xt, s_xc, st_ptr, s_sb, s_sc, s_sk, b, t0, r - i, cols, cmask, T, W,
-                         HAS_STATE, F64)
-                if HAS_CU:
-                    if i > 0:
-                        e = tl.where((t0 + r - i >= start)[:, None], e, 0.0)
-                acc_w += tl.where((k == W - 1 - i)[:, None], tl.sum(d0 * e, axis=0)[None, :], 0.0)
-            if HAS_STATE:
-                if t0 == 0:
-                    s = tl.arange(0, BLOCK_S) - (W - 1)  # the state's times; rows s >= 0 are padding
-                    ds, _ = _grad_ext(x_ptr, s_xb, s_xt, s_xc, wt, st_ptr, s_sb, s_sc, s_sk, g_ptr, s_gb, s_gt,
-                                      s_gc, b, t0, s, s, s, cols, cmask, T, W, HAS_STATE, False, ACT, F64)
-                    tl.store(dst_ptr + b * C * (W - 1) + cols[None, :] * (W - 1) + (s + (W - 1))[:, None],
-                             ds.to(dst_ptr.dtype.element_ty), mask=(s < 0)[:, None] & cmask[None, :])
-        it += 1
-    tl.store(part_ptr + pid.to(tl.int64) * C * W + cols[None, :] * W + k[:, None], acc_w,
-             mask=(k < W)[:, None] & cmask[None, :])
+    wk = ()
+    for i in tl.static_range(W):
+        wk = wk + (_wrow(wt, i, W)[None, :],)
+    acc = (tl.zeros([BLOCK_T, BLOCK_C], dtype=ct),) * W  # acc[i]: d[t] e[t-i] summed over the tiles
+    row = pid // T_BLOCKS
+    blk = pid % T_BLOCKS
+    while row < B:  # (a while loop: Triton 3.6's interpreter cannot take tensor bounds in range(), triton#9171)
+        b = row.to(tl.int64)
+        t0 = blk * BLOCK_T
+        start = r
+        if HAS_CU:
+            start, _ = _bounds(cu_ptr, N, TOP, t0 + r, T)
+        taps = ()
+        pre = tl.zeros([BLOCK_T, BLOCK_C], dtype=ct)
+        for i in tl.static_range(W):
+            e = _tap(x_ptr, s_xb, s_xt, s_xc, st_ptr, s_sb, s_sc, s_sk, b, t0, r, start, cols, cmask, T, i, W,
+                     HAS_STATE, HAS_CU, F64)
+            taps = taps + (e,)
+            pre += e * wk[i]
+        rmask = (t0 + r < T)[:, None] & cmask[None, :]
+        g_row = g_ptr + b * s_gb + tl.cast(t0, tl.int64) * s_gt
+        d = tl.load(g_row + r[:, None] * s_gt + cols[None, :] * s_gc, mask=rmask, other=0.0).to(ct)
+        if ACT:
+            s = 1.0 / (1.0 + tl.exp(-pre))
+            d = d * (s * (1.0 + pre * (1.0 - s)))
+        tl.store(d_ptr + (b * T + t0) * C + r[:, None] * C + cols[None, :], d, mask=rmask)
+        new = ()
+        for i in tl.static_range(W):
+            new = new + (acc[i] + d * taps[i],)
+        acc = new
+        blk += G_BLOCKS  # the next tile, p + G further (no division in the loop)
+        wrap = blk >= T_BLOCKS
+        blk = tl.where(wrap, blk - T_BLOCKS, blk)
+        row += G_ROWS + wrap.to(tl.int32)
+    part = part_ptr + pid.to(tl.int64) * C * W + cols * W
+    for i in tl.static_range(W):
+        tl.store(part + (W - 1 - i), tl.sum(acc[i], axis=0), mask=cmask)
+
+
+@_jit
+def _conv_bwd_dx_kernel(
+    x_ptr, s_xb, s_xt, s_xc, ws, s_wr, s_wc, starts, st_ptr, s_sb, s_sc, s_sk, cu_ptr, N, TOP,
+    d_ptr, dx_ptr, dst_ptr, T, C, T_BLOCKS,
+    NUM_W: tl.constexpr, W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_CU: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr,
+    F64: tl.constexpr,
+):
+    """Program (row b and token block, channel block): dx[b, t, cols] = sum_j w[cols, W-1-j] d[t+j] over t+j < T
+    (with HAS_CU: j = 0, or t+j < end and t >= start), from d contiguous [B, T, C], stored contiguous [B, T, C];
+    the first token block of a row also stores d_state[b, cols, :], the same sum at the state's times (contiguous
+    [B, C, W-1]). x and the state are not read."""
+    ct = tl.float64 if F64 else tl.float32
+    pid = tl.program_id(0)
+    pid_t = pid % T_BLOCKS
+    b = (pid // T_BLOCKS).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    t0 = pid_t * BLOCK_T
+    r = tl.arange(0, BLOCK_T)
+    t = t0 + r
+    wt = _taps(ws, s_wr, s_wc, starts, cols, NUM_W, W, BLOCK_W, F64)
+    wk = ()
+    for j in tl.static_range(W):
+        wk = wk + (_wrow(wt, j, W)[None, :],)
+    if HAS_CU:
+        start, end = _bounds(cu_ptr, N, TOP, t, T)
+    d_row = d_ptr + (b * T + t0) * C
+    acc = tl.load(d_row + r[:, None] * C + cols[None, :], mask=(t < T)[:, None] & cmask[None, :],
+                  other=0.0).to(ct) * wk[0]
+    for j in tl.static_range(1, W):
+        m = t + j < T
+        if HAS_CU:
+            m = m & (t + j < end) & (t >= start)
+        acc += tl.load(d_row + (r + j)[:, None] * C + cols[None, :], mask=m[:, None] & cmask[None, :],
+                       other=0.0).to(ct) * wk[j]
+    tl.store(dx_ptr + (b * T + t0) * C + r[:, None] * C + cols[None, :], acc.to(dx_ptr.dtype.element_ty),
+             mask=(t < T)[:, None] & cmask[None, :])
+    if HAS_STATE:
+        if pid_t == 0:
+            s = tl.arange(0, BLOCK_S) - (W - 1)  # the state's times; rows s >= 0 are padding
+            ds = tl.zeros([BLOCK_S, BLOCK_C], dtype=ct)
+            for j in tl.static_range(1, W):  # (d is zero before t = 0)
+                ok = (s < 0) & (s + j >= 0) & (s + j < T)
+                ds += tl.load(d_ptr + b * T * C + (s + j)[:, None] * C + cols[None, :],
+                              mask=ok[:, None] & cmask[None, :], other=0.0).to(ct) * wk[j]
+            tl.store(dst_ptr + b * C * (W - 1) + cols[None, :] * (W - 1) + (s + (W - 1))[:, None],
+                     ds.to(dst_ptr.dtype.element_ty), mask=(s < 0)[:, None] & cmask[None, :])
 
 
 @_jit

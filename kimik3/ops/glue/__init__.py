@@ -2,7 +2,7 @@
 
 - ``attnres``: the Block AttnRes mix; ``rmsnorm``: RMSNorm; ``gated_norm``: KDA's output norm times its gate;
   ``situ``: SiTU-GLU (times the MoE mixture weight) -- one launch forward, one or two backward;
-- ``causal_conv``: KDA's causal short conv over T tokens (one launch forward, two backward);
+- ``causal_conv``: KDA's causal short conv over T tokens (one launch forward, three backward);
 - ``short_conv``: KDA's short-conv step for one token over a pool of states (forward only, serving).
 
 Their torch references, and CPU paths, are the model's own code (``AttnResMix``, ``RMSNorm``,

@@ -18,8 +18,9 @@ from torch import nn
 
 from kimik3.config.params import param_counts
 from kimik3.config.schema import K3Config
-from kimik3.model.k3 import K3Output, cross_entropy
+from kimik3.model.k3 import IGNORE_INDEX, K3Output
 from kimik3.model.norm import RMSNorm
+from kimik3.ops.loss import linear_cross_entropy
 
 
 @dataclass(slots=True)
@@ -103,11 +104,17 @@ class DenseGPT(nn.Module):
             nn.init.normal_(self.embed.weight, std=1.0, generator=generator)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> K3Output:
+        """input_ids [B, T] -> logits [B, T, V]; with labels [B, T] (shifted, -100 ignored) the loss instead and
+        ``logits`` None (the head and the cross-entropy fused over token chunks, as ``K3ForCausalLM``)."""
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} does not match input_ids {tuple(input_ids.shape)}")
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x)
-        logits = self.lm_head(self.norm(x))
-        out = K3Output(logits=logits, hidden=x)
-        if labels is not None:
-            out.loss = out.main_loss = cross_entropy(logits, labels)
+        out = K3Output(hidden=x)
+        if labels is None:
+            out.logits = self.lm_head(self.norm(x))
+        else:
+            out.loss = out.main_loss = linear_cross_entropy(self.norm(x), self.lm_head.weight, labels,
+                                                            ignore_index=IGNORE_INDEX)
         return out

@@ -37,6 +37,7 @@ from kimik3.model.norm import RMSNorm
 from kimik3.model.param_rules import ParamRule, adamw
 from kimik3.model.pretrained import load_pretrained, save_pretrained
 from kimik3.model.sampling import check_sampling, sample_next_token
+from kimik3.ops.loss import linear_cross_entropy
 
 IGNORE_INDEX = -100
 FP32_PARAMS = ("A_log", "dt_bias")  # parameter names kept in fp32 under any model dtype
@@ -49,7 +50,10 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 
 @dataclass(slots=True)
 class K3Output:
-    logits: torch.Tensor                    # [B, T, V] (or [B, 1, V] with last_only)
+    # [B, T, V] (or [B, 1, V] with last_only / logits_at); None when labels are given: the loss then comes from
+    # ``linear_cross_entropy`` over token chunks, and the [B, T, V] logits are never made (``model.head(
+    # model.norm(out.hidden))`` gives them, or a second call without labels).
+    logits: torch.Tensor | None = None
     loss: torch.Tensor | None = None        # main CE + mtp.loss_weight * MTP CE, when labels are given
     main_loss: torch.Tensor | None = None
     mtp_loss: torch.Tensor | None = None
@@ -64,7 +68,7 @@ class K3ForCausalLM(nn.Module):
     """Kimi K3 causal language model.
 
     ``model(input_ids)`` -> ``K3Output`` with ``.logits`` [B, T, vocab]. With ``labels`` (already
-    shifted: ``labels[t]`` is the target of position t, -100 ignored) it also returns the loss.
+    shifted: ``labels[t]`` is the target of position t, -100 ignored) it returns the loss instead, and no logits.
     With a ``K3Cache`` it continues the cached sequences (prefill, chunked prefill or decode).
     """
 
@@ -114,9 +118,13 @@ class K3ForCausalLM(nn.Module):
             self._routers = tuple(m for m in self.modules() if isinstance(m, Router))
         return list(self._routers)
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The output head's weight [V, D]: the embedding's when tied."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return F.linear(hidden, self.head_weight)
 
     # ------------------------------------------------------------------ forward
     def optimizer_rules(self) -> list[tuple[str, ParamRule]]:
@@ -128,9 +136,19 @@ class K3ForCausalLM(nn.Module):
                 last_only: bool = False, logits_at: torch.Tensor | None = None) -> K3Output:
         """input_ids [B, T] int64; cu_seqlens [N+1] for packed sequences (B must be 1). ``last_only``: logits of
         the last position only ([B, 1, V]); ``logits_at``: of position ``logits_at[b]`` of each row instead (a
-        device tensor [B]: a padded chunk's last real token, chosen without a host read)."""
+        device tensor [B]: a padded chunk's last real token, chosen without a host read).
+
+        labels [B, T] (shifted, -100 ignored): the output has the losses (main, MTP's, their weighted sum) and
+        ``logits`` None: the head and the cross-entropy run fused over token chunks (``linear_cross_entropy``),
+        without the [B, T, V] fp32 logits."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        if labels is not None:
+            if last_only or logits_at is not None:
+                raise ValueError("labels need every position: drop last_only / logits_at")
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} does not match input_ids "
+                                 f"{tuple(input_ids.shape)}")
         # The range check reads the ids back to the host; a CUDA graph being captured cannot (its replays run no
         # Python at all: the serving engine checks the ids it feeds them when requests arrive).
         capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -155,16 +173,16 @@ class K3ForCausalLM(nn.Module):
         if cache is not None:
             cache.seq_len += input_ids.shape[1]
 
-        if logits_at is not None:
-            picked = hidden.gather(1, logits_at.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))
+        out = K3Output(hidden=hidden)
+        if labels is None:
+            if logits_at is not None:
+                picked = hidden.gather(1, logits_at.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))
+            else:
+                picked = hidden[:, -1:] if last_only else hidden
+            out.logits = self.head(self.norm(picked))
         else:
-            picked = hidden[:, -1:] if last_only else hidden
-        logits = self.head(self.norm(picked))
-        out = K3Output(logits=logits, hidden=hidden)
-        if labels is not None:
-            if last_only or logits_at is not None:
-                raise ValueError("labels need logits for every position: drop last_only")
-            out.main_loss = cross_entropy(logits, labels)
+            out.main_loss = linear_cross_entropy(self.norm(hidden), self.head_weight, labels,
+                                                 ignore_index=IGNORE_INDEX)
             out.loss = out.main_loss
             if self.mtp is not None and input_ids.shape[1] > 1:
                 out.mtp_loss = self._mtp_loss(hidden, labels, cu_seqlens)
@@ -178,7 +196,7 @@ class K3ForCausalLM(nn.Module):
         targets = labels[:, 1:].masked_fill(known == IGNORE_INDEX, IGNORE_INDEX)
         cu = cu_seqlens.clamp(max=length) if cu_seqlens is not None else None
         mtp_hidden = self.mtp(hidden[:, :length], self.embed(known.clamp(min=0)), cu)
-        return cross_entropy(self.head(mtp_hidden), targets)
+        return linear_cross_entropy(mtp_hidden, self.head_weight, targets, ignore_index=IGNORE_INDEX)
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -263,9 +281,3 @@ def _close_routing_record(model: K3ForCausalLM, args: Any, output: Any) -> None:
     if isinstance(output, K3Output):
         output.routing = record.stats(model.routers())
 
-
-def cross_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy in fp32 over labels != -100."""
-    if logits_BTV.shape[:2] != labels_BT.shape:
-        raise ValueError(f"labels shape {tuple(labels_BT.shape)} does not match logits {tuple(logits_BTV.shape[:2])}")
-    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten(), ignore_index=IGNORE_INDEX)

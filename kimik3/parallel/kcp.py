@@ -21,11 +21,11 @@ import inspect
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from kimik3.model.k3 import IGNORE_INDEX, K3ForCausalLM, K3Output
 from kimik3.model.kda import KDA
 from kimik3.model.mla import GatedMLA
+from kimik3.ops.loss import linear_cross_entropy
 from kimik3.parallel.kcp_ops import (
     kcp_conv_state,
     kcp_kda,
@@ -79,7 +79,8 @@ class ContextParallel:
     # ------------------------------------------------------------------ the model's hooks
     def before_forward(self, model: K3ForCausalLM, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward pre-hook: refuse what KCP cannot run (before any communication), gather every rank's
-        segment length, and hold the labels back so that the forward computes no single-process loss."""
+        segment length, and hold the labels back so that the forward computes no single-process loss (nor the
+        [B, T, V] logits: it runs with ``last_only``, and the hook drops that one position's logits)."""
         call = self._forward_signature.bind(*args, **kwargs)
         given = call.arguments
         if given.get("cache") is not None:
@@ -94,7 +95,7 @@ class ContextParallel:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         if labels is not None:
             if given.get("last_only"):
-                raise ValueError("labels need logits for every position: drop last_only")
+                raise ValueError("labels need every position: drop last_only / logits_at")
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels shape {tuple(labels.shape)} does not match input_ids "
                                  f"{tuple(input_ids.shape)}")
@@ -112,23 +113,27 @@ class ContextParallel:
         self.lengths, self._labels = lengths, labels
         if labels is not None:
             given["labels"] = None
+            given["last_only"] = True   # the loss comes from the hidden (``_loss_shares``), not from logits
         return call.args, call.kwargs
 
     def after_forward(self, model: K3ForCausalLM, args: tuple, kwargs: dict, out: K3Output | None) -> None:
         """Forward hook (always called, also when the forward raised, with ``out`` None): this rank's loss
-        shares when labels were given; the per-forward lengths and labels are cleared either way."""
+        shares when labels were given (and ``logits`` None, as the single-process model gives); the per-forward
+        lengths and labels are cleared either way."""
         try:
             if out is not None and self._labels is not None:
+                out.logits = None
                 self._loss_shares(model, out, self._labels, self.lengths)   # MTP's layers still see the lengths
         finally:
             self._labels = self.lengths = None
 
     def _loss_shares(self, model: K3ForCausalLM, out: K3Output, labels: torch.Tensor, lengths: list[int]) -> None:
         """Set ``out.loss`` / ``main_loss`` / ``mtp_loss`` to this rank's shares: sum over local tokens /
-        number of counted tokens in the whole group."""
+        number of counted tokens in the whole group. The head and the cross-entropy run fused over token chunks
+        (``linear_cross_entropy``) on the final hidden state, as the single-process forward does."""
         rank, world = rank_world(self.group)
-        main_sum = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(),
-                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        main_sum = linear_cross_entropy(model.norm(out.hidden), model.head_weight, labels,
+                                        ignore_index=IGNORE_INDEX, reduction="sum")
         counts = torch.stack([(labels != IGNORE_INDEX).sum(), labels.new_zeros(())]).to(torch.float64)
 
         use_mtp = model.mtp is not None and sum(lengths) > 1
@@ -143,8 +148,8 @@ class ContextParallel:
             after = firsts[rank + 1] if rank + 1 < world else torch.full_like(first, IGNORE_INDEX)
             targets = torch.cat([labels[:, 1:], after], dim=1).masked_fill(labels == IGNORE_INDEX, IGNORE_INDEX)
             mtp_hidden = model.mtp(out.hidden, model.embed(labels.clamp(min=0)), None)
-            mtp_sum = F.cross_entropy(model.head(mtp_hidden).flatten(0, 1).float(), targets.flatten(),
-                                      ignore_index=IGNORE_INDEX, reduction="sum")
+            mtp_sum = linear_cross_entropy(mtp_hidden, model.head_weight, targets, ignore_index=IGNORE_INDEX,
+                                           reduction="sum")
             counts[1] = (targets != IGNORE_INDEX).sum()
         dist.all_reduce(counts, group=self.group)  # counted tokens over the whole group (no gradient)
         out.main_loss = main_sum / counts[0].to(main_sum.dtype)

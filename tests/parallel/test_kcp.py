@@ -137,8 +137,10 @@ def _model_worker(rank, world, total, border):
     ids_l, labels_l = (shard_sequence(t, lengths=lengths) for t in (ids, labels))
     out = model(ids_l, labels_l)
     out.loss.backward()
-    result = {"loss": out.loss, "main": out.main_loss, "mtp": out.mtp_loss, "logits": out.logits,
-              "unchanged": torch.tensor(unchanged)}
+    with torch.no_grad():  # with labels no logits are made (the loss is fused); a call without labels gives them
+        logits = model(ids_l).logits
+    result = {"loss": out.loss, "main": out.main_loss, "mtp": out.mtp_loss, "logits": logits,
+              "no_logits_with_labels": torch.tensor(out.logits is None), "unchanged": torch.tensor(unchanged)}
     local = _local_grads(model)
 
     # Applied before activation checkpointing (parallel/apply.py's order): the recomputed blocks redo
@@ -259,7 +261,10 @@ def test_kcp_model_matches_single_process(tmp_path):
     assert abs(float(sum(r["loss"] for r in outs)) - float(ref.loss)) < 1e-5 * float(ref.loss)
     assert abs(float(sum(r["main"] for r in outs)) - float(ref.main_loss)) < 1e-5 * float(ref.main_loss)
     assert abs(float(sum(r["mtp"] for r in outs)) - float(ref.mtp_loss)) < 1e-5 * float(ref.mtp_loss)
-    assert rel(ref.logits, torch.cat([r["logits"] for r in outs], dim=1)) < TOL
+    with torch.no_grad():
+        ref_logits = model.head(model.norm(ref.hidden))
+    assert ref.logits is None and all(bool(r["no_logits_with_labels"]) for r in outs)
+    assert rel(ref_logits, torch.cat([r["logits"] for r in outs], dim=1)) < TOL
     worst = max(rel(p.grad, outs[0]["grad." + name]) for name, p in model.named_parameters() if p.grad is not None)
     assert worst < 1e-4
     for r in outs:

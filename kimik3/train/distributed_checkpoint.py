@@ -6,11 +6,21 @@ writes only the DTensor shards it owns (FSDP2, expert parallelism; replicated te
 loading reshards: a checkpoint written by N ranks loads into M ranks, or into one process with no
 process group at all, whatever each side's parallel layout.
 
-Layout of a checkpoint directory::
+Layout of a checkpoint directory (no file in it is a pickle; loading reads JSON and safetensors only)::
 
-    <directory>/  .metadata          DCP's index of every tensor and object (rank 0 writes it last)
-                  __<rank>_0.distcp  each rank's shards
-                  kimik3_dcp.json    step, extra train state, world size, optimizer members
+    <directory>/  shard-<i>-of-<n>.safetensors  the tensor chunks rank i of n wrote (its DTensor shards; a
+                                                replicated tensor once, on one rank); each entry is named by
+                                                its DCP key, the chunk's place in the full tensor is recorded
+                  dcp_index.json                DCP's index: per tensor its dtype, global size and chunks
+                                                (offsets, sizes, shard file); rank 0 writes it once every
+                                                shard is complete. Resharding on load plans from it
+                  kimik3_dcp.json               step, extra train state, world size, optimizer members and
+                                                every non-tensor value of the state (``objects``); written
+                                                last: a directory without it is incomplete
+
+The storage (``kimik3.train.dcp_storage``) replaces DCP's default one, which writes tensors with
+``torch.save`` and its index and non-tensor values with ``pickle`` (read back by unpickling: code
+could run). DCP itself still plans the save and the load (which rank writes or reads which chunk).
 
 What is saved (DCP flattens the nested keys):
 
@@ -19,6 +29,15 @@ What is saved (DCP flattens the nested keys):
   ``MultiOptimizer`` (``kimik3.optim.muon``) wraps several torch optimizers (``muon``, ``adamw``);
   each member is saved under its own name, ``optim.<name>``, so members of different types never
   mix their state keys.
+
+Tensors go to the shard files; every other value of the state (the optimizers' ``param_groups``: lr,
+betas, Muon's ``split`` tuples, names; any non-tensor optimizer slot) goes to ``objects`` in
+``kimik3_dcp.json`` with the nesting of the state, as JSON with explicit forms for what JSON lacks:
+``{"__tuple__": [...]}``, ``{"__dtype__": "bfloat16"}``, ``{"__dict__": [[key, value], ...]}`` (a dict
+whose keys are not all plain strings) and ``{"__list__": {index: ...}}`` (the non-tensor items of a
+list that also holds tensors). A value of any other type is refused when saving (``TypeError``).
+Loading puts each value back where the model and optimizer being loaded have one (rank 0's values
+are recorded: they are the same on every rank).
 
 Atomicity: the ranks write into the temporary sibling ``.<name>.partial``; after DCP's save (and a
 barrier) rank 0 writes ``kimik3_dcp.json`` into it and renames it onto ``<directory>`` (a previous
@@ -37,11 +56,6 @@ training, and a CUDA run's NCCL group is never used from the background thread.
 
 Every function here is collective when a process group is initialised: call it on every rank.
 Without one (a single process) nothing is communicated.
-
-Trust: unlike ``kimik3.train.checkpoint`` (safetensors and JSON only), DCP stores its index and every
-non-tensor value (the optimizers' param_groups: lr, Muon's split tuples, dtypes) as pickles, and
-torch 2.13 reads them with ``pickle.load`` and ``torch.load(weights_only=False)``. Loading a
-checkpoint can therefore run code: load only checkpoints you wrote or trust.
 """
 
 from __future__ import annotations
@@ -62,12 +76,14 @@ from torch import nn
 
 from kimik3.files import fsync_dir
 from kimik3.train.checkpoint import CheckpointError
+from kimik3.train.dcp_storage import INDEX_FILE, SafetensorsShardReader, SafetensorsShardWriter, dtype_name, \
+    dtype_named, read_index
 
 META_FILE = "kimik3_dcp.json"
-DCP_METADATA_FILE = ".metadata"
 FORMAT = "kimik3-dcp"
-VERSION = 1
+VERSION = 2   # 1: DCP's pickle storage (.metadata, __<rank>_0.distcp), not loadable here
 PARTIAL_SUFFIX = ".partial"
+PICKLE_INDEX_FILE = ".metadata"   # DCP's default (pickled) index: recognised only to refuse it
 
 # DCP warns on every single-process save or load, even one that asks for it with no_dist=True.
 _NO_DIST_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
@@ -113,13 +129,120 @@ def _state_dict(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     return state
 
 
-def _optimizer_sections(state: dict[str, Any], kind: list[str] | str | None) -> dict[str, dict[str, Any]]:
-    """``{DCP key prefix: optimizer state dict}`` for each optimizer (member) in ``state``."""
+# ---------------------------------------------------------------------- non-tensor values <-> JSON
+_MARKERS = ("__tuple__", "__dtype__", "__dict__", "__list__")
+_NOTHING = object()   # "no non-tensor value here"
+
+
+def _where(path: tuple) -> str:
+    return ".".join(str(key) for key in path)
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_has_tensor(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_tensor(item) for item in value)
+    return False
+
+
+def _walked(value: Any) -> bool:
+    """Whether ``_split`` / ``_restore`` walk into ``value`` (as DCP does) rather than take it as one JSON value:
+    a list holding tensors, or a dict holding tensors or keyed by plain strings (not the markers) alone."""
+    if isinstance(value, dict):
+        return _has_tensor(value) or all(type(key) is str and key not in _MARKERS for key in value)
+    return isinstance(value, list) and _has_tensor(value)
+
+
+def _encode(value: Any, path: tuple) -> Any:
+    """``value`` (no tensor in it) as JSON, with explicit forms for tuples, dtypes and dicts JSON cannot key."""
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    if isinstance(value, torch.dtype):
+        return {"__dtype__": dtype_name(value)}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(item, path + (i,)) for i, item in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(item, path + (i,)) for i, item in enumerate(value)]
+    if isinstance(value, dict):
+        if all(type(key) is str and not key.startswith("__") for key in value):
+            return {key: _encode(item, path + (key,)) for key, item in value.items()}
+        return {"__dict__": [[_encode(key, path), _encode(item, path + (key,))] for key, item in value.items()]}
+    raise TypeError(f"{_where(path)}: a {type(value).__name__} cannot be saved (a non-tensor value must be None, "
+                    "bool, int, float, str, a torch dtype, or a tuple, list or dict of them)")
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_decode(item) for item in value]
+    if isinstance(value, dict):
+        if len(value) == 1:
+            ((key, inner),) = value.items()
+            if key == "__tuple__":
+                return tuple(_decode(item) for item in inner)
+            if key == "__dtype__":
+                return dtype_named(inner)
+            if key == "__dict__":
+                return {_decode(k): _decode(v) for k, v in inner}
+        return {key: _decode(item) for key, item in value.items()}
+    return value
+
+
+def _split(value: Any, path: tuple = (), encode: bool = True) -> tuple[Any, Any]:
+    """``(tensors, objects)`` of a state: ``tensors`` keeps its dicts (lists become dicts keyed by index, which
+    DCP flattens to the same keys) with only the tensors in them, or None; ``objects`` is the JSON of every
+    other value with the same nesting, or ``_NOTHING`` (always, without ``encode``)."""
+    if isinstance(value, torch.Tensor):
+        return value, _NOTHING
+    if _walked(value):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        tensors, objects = {}, {}
+        for key, item in items:
+            if isinstance(value, dict) and (type(key) is not str or key in _MARKERS):
+                raise TypeError(f"{_where(path + (key,))}: state dict keys must be strings (and none of {_MARKERS})")
+            item_tensors, item_objects = _split(item, path + (key,), encode)
+            if item_tensors is not None:
+                tensors[str(key)] = item_tensors
+            if item_objects is not _NOTHING:
+                objects[str(key)] = item_objects
+        if objects and isinstance(value, list):
+            objects = {"__list__": objects}
+        return tensors or None, objects or _NOTHING
+    if _has_tensor(value):
+        raise TypeError(f"{_where(path)}: a {type(value).__name__} holding tensors cannot be saved")
+    return None, (_encode(value, path) if encode else _NOTHING)
+
+
+def _restore(target: Any, objects: Any, final: Path, path: tuple = ()) -> None:
+    """Put the saved non-tensor values ``objects`` (``_split``'s) into ``target`` (which ``_walked``) wherever
+    ``target`` has a non-tensor value; ``CheckpointError`` where the checkpoint has none. Saved values the
+    target has no place for are left out, as DCP leaves out the tensors it is not asked for."""
+    if isinstance(target, dict):
+        saved, items = (objects if isinstance(objects, dict) else {}), list(target.items())
+    else:
+        saved = objects.get("__list__", {}) if isinstance(objects, dict) else {}
+        items = list(enumerate(target))
+    for key, item in items:
+        if isinstance(item, torch.Tensor):
+            continue   # DCP loads it
+        value = saved.get(str(key), _NOTHING)
+        if _walked(item):
+            _restore(item, value, final, path + (key,))
+        elif value is _NOTHING:
+            raise CheckpointError(f"{final / META_FILE}: no saved value for {_where(path + (key,))}")
+        else:
+            target[key] = _decode(value)
+
+
+def _optimizer_sections(state: dict[str, Any], kind: list[str] | str | None) -> dict[tuple, dict[str, Any]]:
+    """``{key path: optimizer state dict}`` for each optimizer (member) in ``state``."""
     if kind is None:
         return {}
     if kind == "single":
-        return {"optim": state["optim"]}
-    return {f"optim.{name}": state["optim"][name] for name in kind}
+        return {("optim",): state["optim"]}
+    return {("optim", name): state["optim"][name] for name in kind}
 
 
 # ---------------------------------------------------------------------- coordination
@@ -200,8 +323,9 @@ def save_distributed(directory: str | Path, model: nn.Module, optimizer: Any, st
 
     ``model``: as trained (FSDP2 / expert-parallel DTensors or plain tensors). ``optimizer``: a torch
     optimizer, a ``MultiOptimizer`` (each member saved under its name), or None (the model alone).
-    ``step`` and ``extra`` (JSON-able train state: rank 0's is recorded) go to ``kimik3_dcp.json``.
-    A checkpoint already at ``directory`` is replaced only once the new one is complete.
+    ``step`` and ``extra`` (JSON-able train state: rank 0's is recorded) go to ``kimik3_dcp.json``, with
+    the state's non-tensor values (``TypeError`` for one of a type it cannot hold; see the module
+    docstring). A checkpoint already at ``directory`` is replaced only once the new one is complete.
 
     Returns the directory; with ``async_save`` a ``Future`` instead, already past the copy of the
     state (training may continue): ``future.result()`` waits until the checkpoint is published and
@@ -214,14 +338,18 @@ def save_distributed(directory: str | Path, model: nn.Module, optimizer: Any, st
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict or None, not {type(extra).__name__}")
     distributed = _distributed()
-    # Checked on every rank before any collective, so a bad value fails everywhere at once.
-    meta_text = json.dumps({"format": FORMAT, "version": VERSION, "step": step, "extra": extra,
-                            "world_size": dist.get_world_size() if distributed else 1,
-                            "optimizer": _optimizer_kind(optimizer), "torch": torch.__version__}, indent=1)
+    meta = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra,
+            "world_size": dist.get_world_size() if distributed else 1,
+            "optimizer": _optimizer_kind(optimizer), "torch": torch.__version__}
+    json.dumps(meta)   # checked on every rank before any collective, so a bad value fails everywhere at once
     wait_for_saves()   # one save at a time: they share the checkpoint group
     final = Path(directory).absolute()
     partial = _partial(final)
     group = _checkpoint_group()
+    # DCP sees the tensors alone; every other value goes to kimik3_dcp.json (a TypeError here, on every rank).
+    tensors, objects = _split(_state_dict(model, optimizer))
+    meta["objects"] = {} if objects is _NOTHING else objects
+    meta_text = json.dumps(meta, indent=1)
 
     def prepare() -> None:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -229,15 +357,15 @@ def save_distributed(directory: str | Path, model: nn.Module, optimizer: Any, st
             shutil.rmtree(partial)
 
     _on_rank0(prepare, group)   # (also the barrier: nobody writes into partial before it is clean)
-    state = _state_dict(model, optimizer)
+    writer = SafetensorsShardWriter(partial)
     if not async_save:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-            dcp.save(state, checkpoint_id=partial, process_group=group, no_dist=not distributed)
+            dcp.save(tensors or {}, storage_writer=writer, process_group=group, no_dist=not distributed)
         return _finish(partial, final, meta_text, group)
 
     # The default stager copies every tensor (DTensors' local shards included) before this returns.
-    response = dcp.async_save(state, checkpoint_id=partial, process_group=group, no_dist=not distributed)
+    response = dcp.async_save(tensors or {}, storage_writer=writer, process_group=group, no_dist=not distributed)
     upload = getattr(response, "upload_completion", response)
     publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kimik3-dcp-publish")
 
@@ -265,34 +393,37 @@ def read_distributed_meta(directory: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{final}: not a directory (a distributed checkpoint is a directory)")
     if final.name.startswith(".") and final.name.endswith(PARTIAL_SUFFIX):
         raise CheckpointError(f"{final}: an incomplete checkpoint (a save interrupted before it was published)")
-    for name in (DCP_METADATA_FILE, META_FILE):
+    if (final / PICKLE_INDEX_FILE).is_file() and not (final / INDEX_FILE).is_file():
+        raise CheckpointError(f"{final}: written in DCP's pickle format ({PICKLE_INDEX_FILE} and torch.save shards, "
+                              "by an older kimik3): not loadable, as loading never unpickles")
+    for name in (INDEX_FILE, META_FILE):
         if not (final / name).is_file():
             raise CheckpointError(f"{final}: incomplete or not a distributed checkpoint ({name} is missing)")
     try:
         meta = json.loads((final / META_FILE).read_text())
         if meta.get("format") != FORMAT:
             raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
-        if int(meta["version"]) > VERSION:
-            raise ValueError(f"version {meta['version']} is newer than this code's {VERSION}")
+        if int(meta["version"]) != VERSION:
+            raise ValueError(f"version {meta['version']}, this code reads {VERSION}" +
+                             (" (1: DCP's pickle format, never loaded)" if int(meta["version"]) < VERSION else ""))
         int(meta["step"])
+        if not isinstance(meta["objects"], dict):
+            raise ValueError("objects is not a JSON object")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointError(f"{final / META_FILE}: malformed ({err})") from None
     return meta
 
 
-def _saved_entries(final: Path) -> dict[str, Any]:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        return dict(FileSystemReader(str(final)).read_metadata().state_dict_metadata)
-    except Exception as err:  # noqa: BLE001 - any unreadable index is the same problem to the caller
-        raise CheckpointError(f"{final / DCP_METADATA_FILE}: unreadable ({err!r})") from None
+def _subtree(objects: Any, path: tuple) -> dict[str, Any]:
+    for key in path:
+        objects = objects.get(key, {}) if isinstance(objects, dict) else {}
+    return objects if isinstance(objects, dict) else {}
 
 
-def _check_and_trim(final: Path, state: dict[str, Any], kind: Any, saved: dict[str, Any]) -> None:
+def _check_and_trim(final: Path, state: dict[str, Any], kind: Any, saved: dict[str, Any], objects: Any) -> None:
     """Raise ``CheckpointError`` for model tensors the checkpoint lacks or holds in another shape; drop the
     optimizer slots of parameters the checkpoint has no state for (they had not been stepped: after the load
-    they have none, as in the run that saved)."""
+    they have none, as in the run that saved). ``saved``: the index's tensors; ``objects``: the other values."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     missing, shapes = [], []
@@ -316,10 +447,12 @@ def _check_and_trim(final: Path, state: dict[str, Any], kind: Any, saved: dict[s
     if shapes:
         raise CheckpointError(f"{final}: shapes differ from the model's: " + "; ".join(shapes[:3]) +
                               (f" (and {len(shapes) - 3} more)" if len(shapes) > 3 else ""))
-    for prefix, section in _optimizer_sections(state, kind).items():
+    for path, section in _optimizer_sections(state, kind).items():
+        prefix = ".".join(path)
         slots = section.get("state", {})
         for fqn in list(slots):
-            if not all(f"{prefix}.state.{fqn}.{key}" in saved for key in slots[fqn]):
+            saved_objects = _subtree(objects, path + ("state", fqn))
+            if not all(f"{prefix}.state.{fqn}.{key}" in saved or key in saved_objects for key in slots[fqn]):
                 del slots[fqn]
 
 
@@ -342,15 +475,18 @@ def load_distributed(directory: str | Path, model: nn.Module, optimizer: Any) ->
             sorted(saved_kind) if isinstance(saved_kind, list) else saved_kind):
         raise CheckpointError(f"{final / META_FILE}: the checkpoint's optimizer is {saved_kind!r}, this run's "
                               f"is {kind!r}")
-    saved = _saved_entries(final)
+    saved = dict(read_index(final).state_dict_metadata)
     wait_for_saves()   # an async save of this process may still use the checkpoint group
     distributed = _distributed()
     group = _checkpoint_group()
     state = _state_dict(model, optimizer)
-    _check_and_trim(final, state, kind, saved)
+    _check_and_trim(final, state, kind, saved, meta["objects"])
+    _restore(state, meta["objects"], final)   # the non-tensor values, from the JSON
+    tensors, _ = _split(state, encode=False)   # the tensors, read by DCP in place
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-        dcp.load(state, checkpoint_id=final, process_group=group, no_dist=not distributed)
+        dcp.load(tensors or {}, storage_reader=SafetensorsShardReader(final), process_group=group,
+                 no_dist=not distributed)
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         members = _members(optimizer)

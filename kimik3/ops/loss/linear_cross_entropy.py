@@ -190,37 +190,16 @@ def _chunk_torch(z_CV, target_C, valid_C, row_scale_C, acc):
     return loss_C, logits.to(z_CV.dtype)
 
 
-_FP32_ACCUMULATE: dict[tuple[torch.device, torch.dtype], bool] = {}
-
-
 def _accumulate(dw_VD: torch.Tensor, a_VC: torch.Tensor, b_CD: torch.Tensor) -> None:
-    """dw += a @ b with dw fp32 (fp64) and a, b maybe narrower. On CUDA one GEMM writes fp32 into dw (``addmm`` with
-    ``out_dtype``, where this torch has it: checked once a device against the plain form); elsewhere the product
-    is made in a's dtype and added."""
+    """dw += a @ b with dw fp32 (fp64) and a, b maybe narrower. On CUDA one GEMM accumulates into dw in its dtype
+    (``addmm`` with ``out_dtype``: no product of the weight's size in a's dtype); torch has no such GEMM on the CPU,
+    where the product is made in a's dtype and added."""
     if a_VC.dtype == dw_VD.dtype:
         dw_VD.addmm_(a_VC, b_CD)
-    elif dw_VD.is_cuda and _fp32_accumulate_works(dw_VD.device, a_VC.dtype):
+    elif dw_VD.is_cuda:
         torch.addmm(dw_VD, a_VC, b_CD, out_dtype=dw_VD.dtype, out=dw_VD)
     else:
         dw_VD.add_(a_VC @ b_CD)
-
-
-def _fp32_accumulate_works(device: torch.device, dtype: torch.dtype) -> bool:
-    key = (device, dtype)
-    if key not in _FP32_ACCUMULATE:
-        gen = torch.Generator(device=device).manual_seed(0)
-        a = torch.randn(24, 40, device=device, generator=gen).to(dtype)
-        b = torch.randn(40, 16, device=device, generator=gen).to(dtype)
-        acc = torch.randn(24, 16, device=device, generator=gen)
-        want = acc + (a.float() @ b.float())
-        try:
-            got = acc.clone()
-            torch.addmm(got, a.T.contiguous().T, b, out_dtype=torch.float32, out=got)
-            works = bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
-        except (RuntimeError, TypeError, NotImplementedError):
-            works = False
-        _FP32_ACCUMULATE[key] = works
-    return _FP32_ACCUMULATE[key]
 
 
 def _describe(x) -> str:

@@ -9,25 +9,28 @@ K3 applies it *per head*: an attention projection is cut into one block per head
 the input projections, its columns for the output projection) and every block is orthogonalised
 on its own, so a head whose gradient is small still gets a full-size, well-conditioned update
 instead of being drowned by the loudest heads of the same matrix. The stacked routed-expert
-weights [E, a, b] likewise get one orthogonalisation per expert. All blocks of one parameter
-have the same shape, so they go through Newton–Schulz as one batch of matrices: per-head costs
-the same matmuls as whole-matrix Muon, with no Python loop over heads.
+weights [E, a, b] likewise get one orthogonalisation per expert.
+
+One step costs a few kernel launches per block *shape*, not per parameter: the momentum, the decay
+and the update are ``torch._foreach_*`` ops over all parameters of a group, and every block of the
+same [m, n] shape (and Newton–Schulz options) goes through Newton–Schulz in one batch, across
+parameters and groups (K3 has hundreds of per-head / per-expert parameters but a few dozen shapes).
 
 Legend: H = heads (or blocks), E = experts, m x n = the shape of one orthogonalised block.
 
 Public pieces:
-- ``newton_schulz``: quintic Newton–Schulz on [..., m, n] (every matrix on its own).
 - ``Muon``: the optimizer; each param group carries a ``split`` saying how to cut its params.
-- ``MultiOptimizer``: Muon + AdamW behind one optimizer-like object for the trainer.
 - ``classify_parameters`` / ``build_param_groups``: the grouping of a ``K3ForCausalLM``, from the
   ``optimizer_rules()`` its modules declare (``kimik3/model/param_rules.py``).
+- re-exported: ``newton_schulz`` and the block layouts (``newton_schulz.py``), ``MultiOptimizer``
+  (``multi.py``: Muon + AdamW behind one optimizer-like object for the trainer).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,152 +38,31 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from kimik3.model.param_rules import ParamRule, adamw, muon
+from kimik3.optim.multi import MultiOptimizer
+from kimik3.optim.newton_schulz import (
+    _NS_DTYPES,
+    DEFAULT_NS_COEFFICIENTS,
+    DEFAULT_NS_EPS,
+    DEFAULT_NS_STEPS,
+    SPLIT_KINDS,
+    BlockLayout,
+    _ns_dtype_name,
+    block_layout,
+    newton_schulz,
+    normalize_split,
+)
 
-# Keller Jordan's quintic coefficients: they maximise the slope at zero, so 5 steps push every
-# singular value into roughly [0.7, 1.2] rather than converging exactly to 1 (good enough for
-# an update direction, and what torch.optim.Muon uses).
-DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
-DEFAULT_NS_STEPS = 5
-DEFAULT_NS_EPS = 1e-7
+__all__ = ["DEFAULT_NS_COEFFICIENTS", "DEFAULT_NS_EPS", "DEFAULT_NS_STEPS", "DEFAULT_RMS_SCALE", "SPLIT_KINDS",
+           "BlockLayout", "MultiOptimizer", "Muon", "ParamRule", "block_layout", "build_param_groups",
+           "classify_parameters", "newton_schulz", "normalize_split"]
+
 # Moonlight ("Muon is scalable for LLM training"): an orthogonal m x n matrix has RMS
 # 1/sqrt(max(m, n)); AdamW updates have RMS ~0.2-0.4 in practice, so scaling by
 # 0.2 * sqrt(max(m, n)) gives Muon updates of RMS ~0.2 * lr, AdamW's range.
 DEFAULT_RMS_SCALE = 0.2
-
-SPLIT_KINDS = ("whole", "rows", "cols", "experts")
-_NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
-
-
-# --------------------------------------------------------------------------- Newton–Schulz
-def newton_schulz(G: torch.Tensor, steps: int = DEFAULT_NS_STEPS,
-                  coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
-                  eps: float = DEFAULT_NS_EPS, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Approximate orthogonal factor of each matrix of ``G`` by quintic Newton–Schulz.
-
-    G: [m, n] or [..., m, n], any float dtype. Every trailing [m, n] matrix is treated on its
-    own (its own Frobenius normalisation, its own iteration), but all of them run as one
-    batched matmul chain. Returns [..., m, n] in ``dtype`` (bf16 by default, like
-    torch.optim.Muon; pass torch.float32 for accurate orthogonality in tests).
-
-    Per matrix: X = G / max(||G||_F, eps) (so the spectral norm is <= 1), iterated as
-    A = X X^T, X <- a X + (b A + c A^2) X, working on the wide orientation (transposed when
-    m > n, so the Gram matrix is the smaller one). For a single matrix in bf16 this is
-    numerically identical to torch.optim.Muon's ``_zeropower_via_newtonschulz``.
-    """
-    if not isinstance(G, torch.Tensor) or G.ndim < 2:
-        raise ValueError(f"newton_schulz: G must be a tensor of shape [..., m, n], "
-                         f"got {getattr(G, 'shape', type(G).__name__)}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"newton_schulz: steps must be an int >= 0, got {steps!r}")
-    if len(coefficients) != 3:
-        raise ValueError(f"newton_schulz: coefficients must be three numbers (a, b, c), got {coefficients!r}")
-    if not dtype.is_floating_point:
-        raise ValueError(f"newton_schulz: dtype must be a floating dtype, got {dtype}")
-    a, b, c = (float(v) for v in coefficients)
-    rows, cols = G.shape[-2:]
-    batch_shape = G.shape[:-2]
-
-    X_BMN = G.to(dtype).reshape(-1, rows, cols)
-    transposed = rows > cols
-    if transposed:
-        X_BMN = X_BMN.mT
-    # Frobenius norm >= spectral norm, so this puts every singular value in [0, 1] where the
-    # polynomial is designed to act; the clamp keeps an all-zero gradient at zero.
-    norm_B11 = torch.linalg.vector_norm(X_BMN, dim=(-2, -1), keepdim=True).clamp(min=eps)
-    X_BMN = X_BMN / norm_B11
-    for _ in range(steps):
-        gram_BMM = torch.bmm(X_BMN, X_BMN.mT)
-        poly_BMM = torch.baddbmm(gram_BMM, gram_BMM, gram_BMM, beta=b, alpha=c)
-        X_BMN = torch.baddbmm(X_BMN, poly_BMM, X_BMN, beta=a)
-    if transposed:
-        X_BMN = X_BMN.mT
-    return X_BMN.reshape(*batch_shape, rows, cols)
-
-
-# --------------------------------------------------------------------------- block layouts
-def normalize_split(split: Any) -> tuple:
-    """Validate a split spec and return it as a tuple: ("whole",), ("rows", H), ("cols", H) or ("experts",).
-
-    Lists are accepted too (a split that went through JSON comes back as a list).
-    """
-    if isinstance(split, str) or not isinstance(split, (tuple, list)) or len(split) == 0:
-        raise ValueError(f"split must be a tuple such as ('whole',), ('rows', H), ('cols', H) or "
-                         f"('experts',), got {split!r}")
-    kind = split[0]
-    if kind not in SPLIT_KINDS:
-        raise ValueError(f"split kind {kind!r} is unknown; expected one of {SPLIT_KINDS}")
-    if kind in ("rows", "cols"):
-        if len(split) != 2:
-            raise ValueError(f"split ({kind!r}, H) needs exactly one head count H, got {split!r}")
-        heads = split[1]
-        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
-            raise ValueError(f"split ({kind!r}, H): head count H must be an int >= 1, got {heads!r}")
-        return (kind, heads)
-    if len(split) != 1:
-        raise ValueError(f"split ({kind!r},) takes no argument, got {split!r}")
-    return (kind,)
-
-
-@dataclass(frozen=True)
-class BlockLayout:
-    """How one parameter is cut into ``blocks`` matrices of shape [rows, cols] and put back."""
-
-    split: tuple
-    blocks: int
-    rows: int
-    cols: int
-
-    def to_blocks(self, t: torch.Tensor) -> torch.Tensor:
-        """Parameter-shaped tensor -> [blocks, rows, cols] (a view where the layout allows)."""
-        kind = self.split[0]
-        if kind == "whole" or kind == "rows":
-            return t.reshape(self.blocks, self.rows, self.cols)
-        if kind == "cols":
-            # [out, H*X] -> [out, H, X] -> [H, out, X]: head h's columns become matrix h.
-            return t.reshape(self.rows, self.blocks, self.cols).permute(1, 0, 2)
-        return t  # experts: already [E, a, b]
-
-    def from_blocks(self, t_BMN: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """[blocks, rows, cols] -> the parameter's ``shape`` (inverse of ``to_blocks``)."""
-        if self.split[0] == "cols":
-            t_BMN = t_BMN.permute(1, 0, 2)
-        return t_BMN.reshape(shape)
-
-    @property
-    def lr_ratio(self) -> float:
-        """sqrt(max(rows, cols)) of one block: the block, not the whole tensor, is what is orthogonal."""
-        return math.sqrt(max(self.rows, self.cols))
-
-
-def block_layout(split: Any, shape: torch.Size | tuple[int, ...], name: str = "parameter") -> BlockLayout:
-    """The ``BlockLayout`` of a parameter of ``shape`` under ``split``; ValueError if they do not fit."""
-    kind, *args = normalize_split(split)
-    shape = tuple(shape)
-    if kind == "experts":
-        if len(shape) != 3:
-            raise ValueError(f"{name}: split ('experts',) needs a 3-D [E, a, b] tensor, got shape {shape}")
-        return BlockLayout(("experts",), shape[0], shape[1], shape[2])
-    if len(shape) != 2:
-        raise ValueError(f"{name}: split {tuple([kind, *args])} needs a 2-D matrix, got shape {shape}")
-    out_dim, in_dim = shape
-    if kind == "whole":
-        return BlockLayout(("whole",), 1, out_dim, in_dim)
-    heads = args[0]
-    if kind == "rows":
-        if out_dim % heads:
-            raise ValueError(f"{name}: split ('rows', {heads}): {out_dim} rows are not divisible by {heads} heads")
-        return BlockLayout(("rows", heads), heads, out_dim // heads, in_dim)
-    if in_dim % heads:
-        raise ValueError(f"{name}: split ('cols', {heads}): {in_dim} columns are not divisible by {heads} heads")
-    return BlockLayout(("cols", heads), heads, out_dim, in_dim // heads)
-
-
-def _ns_dtype_name(dtype: Any) -> str:
-    # Param groups hold the name, not the torch.dtype, so a group stays JSON-friendly.
-    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
-    if name not in _NS_DTYPES:
-        raise ValueError(f"ns_dtype must be one of {sorted(_NS_DTYPES)} (or the torch dtype), got {dtype!r}")
-    return name
+# At most this much of stacked blocks (elements x the larger of the gradient's and the iteration's
+# element size) goes through one Newton–Schulz call; its matmul temporaries are a few times that.
+NS_BUCKET_BYTES = 256 * 2 ** 20
 
 
 # --------------------------------------------------------------------------- the optimizer
@@ -245,17 +127,24 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
-        """One Muon step on every parameter that has a gradient; returns closure's loss if given."""
+        """One Muon step on every parameter that has a gradient; returns closure's loss if given.
+
+        Plain parameters and shard-local DTensor ones are stepped together: per group the momentum and
+        the decay as foreach ops, then one Newton–Schulz call and one foreach add per batch of equal
+        blocks (``_ns_chunks``). DTensor parameters whose blocks cross shards are gathered together and
+        stepped one by one (``_gather_whole``)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        batched: list[_Entry] = []  # plain tensors, and the local shards of shard-local DTensors
         crossing = []  # sharded parameters whose blocks cross shards: gathered together below
         for group in self.param_groups:
             lr, momentum = float(group["lr"]), float(group["momentum"])
             decay = 1.0 - lr * float(group["weight_decay"])
             ns_dtype = _NS_DTYPES[_ns_dtype_name(group["ns_dtype"])]
             names = group.get("param_names") or [f"param {i}" for i in range(len(group["params"]))]
+            members: list[_Entry] = []
             for name, p in zip(names, group["params"], strict=True):
                 grad = p.grad
                 if grad is None:
@@ -268,27 +157,155 @@ class Muon(torch.optim.Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
                 buf = state["momentum_buffer"]
-                buf.lerp_(grad, 1.0 - momentum)
-                direction = grad.lerp(buf, momentum) if group["nesterov"] else buf
-
-                local_layout = _shard_layout(group["split"], p, name) if isinstance(p, DTensor) else None
-                if local_layout is not None:  # every block lies whole in this rank's shard: no gather
-                    direction, p, layout = direction.to_local(), p.to_local(), local_layout
-                elif isinstance(p, DTensor):  # a block spans shards: Newton–Schulz needs it whole
-                    crossing.append((p, direction, layout, group, ns_dtype, lr, decay))
-                    continue
-                _apply(p, self._orthogonalised(direction, layout, group, ns_dtype), layout, group, lr, decay)
+                if isinstance(p, DTensor):
+                    # Gradient and momentum laid out like the parameter: elementwise ops on the local
+                    # shards are the DTensor ops, so a shard-local parameter joins the plain ones.
+                    same_spec = all(isinstance(t, DTensor) and t.device_mesh == p.device_mesh
+                                    and t.placements == p.placements for t in (grad, buf))
+                    local_layout = _shard_layout(group["split"], p, name) if same_spec else None
+                    if local_layout is None:  # a block spans shards: Newton–Schulz needs it whole
+                        buf.lerp_(grad, 1.0 - momentum)
+                        direction = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                        crossing.append((p, direction, layout, group, ns_dtype, lr, decay))
+                        continue
+                    # every block lies whole in this rank's shard: no gather
+                    p, grad, buf, layout = p.to_local(), grad.to_local(), buf.to_local(), local_layout
+                members.append(_Entry(p, grad, buf, layout, group, ns_dtype))
+            # The decay factor goes in as a CPU float64 scalar tensor: that is ``p.mul_(decay)`` on every
+            # device (CUDA reads it as a scalar), whereas the float overload's CPU kernel first rounds
+            # the factor to the parameters' dtype (0.998 -> 0.99609375 for bf16).
+            decay_t = torch.tensor(decay, dtype=torch.float64)
+            for same in _by_device_and_dtype(members):
+                torch._foreach_lerp_([e.buf for e in same], [e.grad for e in same], 1.0 - momentum)
+                if decay != 1.0:  # x * 1.0 is x: skip the launch
+                    torch._foreach_mul_([e.param for e in same], decay_t)
+            batched += members
+        for chunk in _ns_chunks(batched):
+            _step_chunk(chunk)
         for i, full in _gather_whole([direction for _, direction, *_ in crossing]):
             p, _, layout, group, ns_dtype, lr, decay = crossing[i]
-            update = _local_part(self._orthogonalised(full, layout, group, ns_dtype), p)
+            update = _local_part(_orthogonalised(full, layout, group, ns_dtype), p)
             _apply(p.to_local(), update, layout, group, lr, decay)
         return loss
 
-    @staticmethod
-    def _orthogonalised(direction: torch.Tensor, layout: BlockLayout, group: dict, ns_dtype) -> torch.Tensor:
-        ortho_BMN = newton_schulz(layout.to_blocks(direction), group["ns_steps"], group["ns_coefficients"],
-                                  group["eps"], ns_dtype)
-        return layout.from_blocks(ortho_BMN, direction.shape)
+
+@dataclass(eq=False)
+class _Entry:
+    """One parameter of a batched step: the tensors stepped in place (a DTensor's local shard), its
+    block layout, its group, and the momentum direction / update pieces while its blocks are in flight."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    buf: torch.Tensor
+    layout: BlockLayout
+    group: dict
+    ns_dtype: torch.dtype
+    direction: torch.Tensor | None = None
+    pieces: list[torch.Tensor] = field(default_factory=list)
+
+
+def _by_device_and_dtype(entries: list[_Entry]) -> Iterator[list[_Entry]]:
+    """``entries`` split into lists of one device and dtype: what a fused (single-launch) foreach op takes."""
+    lists: dict[tuple, list[_Entry]] = {}
+    for e in entries:
+        lists.setdefault((e.param.device, e.param.dtype, e.grad.dtype), []).append(e)
+    yield from lists.values()
+
+
+def _ns_chunks(entries: list[_Entry]) -> Iterator[list[tuple[_Entry, int, int]]]:
+    """The Newton–Schulz batches of a step: lists of (entry, first block, end block).
+
+    Entries are bucketed by everything one ``newton_schulz`` call fixes: the block shape [m, n] as it is
+    (a tall block is not merged with its transpose: the iteration's transposed view rounds differently
+    from a transposed copy), whether the blocks are per-head columns (stacked in their own strided
+    layout, see ``_step_chunk``), steps, coefficients, eps, iteration dtype, device, and the parameter
+    and gradient dtypes (one conversion of the result per batch). A bucket is cut into batches of at
+    most ``NS_BUCKET_BYTES`` of blocks; an entry larger than that goes alone, in slices of whole blocks.
+    """
+    buckets: dict[tuple, list[_Entry]] = {}
+    for e in entries:
+        g = e.group
+        key = (e.layout.rows, e.layout.cols, e.layout.split[0] == "cols", g["ns_steps"],
+               tuple(float(c) for c in g["ns_coefficients"]), float(g["eps"]), e.ns_dtype, e.param.device,
+               e.param.dtype, e.grad.dtype)
+        buckets.setdefault(key, []).append(e)
+    for members in buckets.values():
+        first = members[0]
+        block_bytes = first.layout.rows * first.layout.cols * max(first.grad.element_size(), first.ns_dtype.itemsize)
+        capacity = max(1, NS_BUCKET_BYTES // max(1, block_bytes))
+        chunk, used = [], 0
+        for e in members:
+            blocks = e.layout.blocks
+            if blocks > capacity:
+                yield from ([(e, h0, min(h0 + capacity, blocks))] for h0 in range(0, blocks, capacity))
+                continue
+            if used + blocks > capacity:
+                yield chunk
+                chunk, used = [], 0
+            chunk.append((e, 0, blocks))
+            used += blocks
+        if chunk:
+            yield chunk
+
+
+def _step_chunk(chunk: list[tuple[_Entry, int, int]]) -> None:
+    """Orthogonalise blocks [h0, h1) of every entry of ``chunk`` (one bucket of ``_ns_chunks``) in one
+    Newton–Schulz call, then add the scaled update of every entry whose blocks are all done.
+
+    The momentum and the decay were applied already (``Muon.step``). Newton–Schulz treats each matrix of
+    a batch on its own, so this is each parameter's own update."""
+    nesterov: dict[float, list[_Entry]] = {}
+    for e, h0, _ in chunk:
+        if h0 == 0:  # the entry's first blocks: its direction is made here, once
+            if e.group["nesterov"]:
+                nesterov.setdefault(float(e.group["momentum"]), []).append(e)
+            else:
+                e.direction = e.buf
+    for momentum, entries in nesterov.items():
+        directions = torch._foreach_lerp([e.grad for e in entries], [e.buf for e in entries], momentum)
+        for e, direction in zip(entries, directions, strict=True):
+            e.direction = direction
+
+    first = chunk[0][0]
+    blocks = [e.layout.to_blocks(e.direction)[h0:h1] for e, h0, h1 in chunk]
+    if len(blocks) == 1:
+        stacked_BMN = blocks[0]
+    elif first.layout.split[0] == "cols":
+        # A per-head column block is a strided view ([m, H, n] memory); stacked along that head axis,
+        # every block keeps the strides it has alone, and with them its rounding in fp32.
+        stacked_BMN = torch.cat([b.transpose(0, 1) for b in blocks], dim=1).transpose(0, 1)
+    else:
+        stacked_BMN = torch.cat(blocks)
+    ortho_BMN = newton_schulz(stacked_BMN, first.group["ns_steps"], first.group["ns_coefficients"],
+                              first.group["eps"], first.ns_dtype)
+    # One conversion for the batch, to the dtype in which ``p.add_(update)`` computes (the promoted one:
+    # rounding a float32 update to bf16 parameters before the add would round twice) and to contiguous
+    # rows (a tall block's result is a transposed view), so that the per-parameter updates below are
+    # views and the adds of a same-dtype batch take one fused launch.
+    ortho_BMN = ortho_BMN.to(torch.promote_types(first.param.dtype, first.ns_dtype),
+                             memory_format=torch.contiguous_format).contiguous()
+
+    adds: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # alpha -> (params, updates)
+    for (e, h0, h1), piece in zip(chunk, ortho_BMN.split([h1 - h0 for _, h0, h1 in chunk]), strict=True):
+        if (h0, h1) != (0, e.layout.blocks):  # a slice of an entry larger than a batch
+            e.pieces.append(piece)
+            if h1 < e.layout.blocks:
+                continue
+            piece = torch.cat(e.pieces)
+        alpha = -float(e.group["lr"]) * float(e.group["rms_scale"]) * e.layout.lr_ratio
+        params, updates = adds.setdefault(alpha, ([], []))
+        params.append(e.param)
+        updates.append(e.layout.from_blocks(piece, e.param.shape))
+        e.direction, e.pieces = None, []
+    for alpha, (params, updates) in adds.items():
+        torch._foreach_add_(params, updates, alpha=alpha)
+
+
+def _orthogonalised(direction: torch.Tensor, layout: BlockLayout, group: dict, ns_dtype) -> torch.Tensor:
+    """One parameter's Newton–Schulz (the sharded parameters whose blocks cross shards)."""
+    ortho_BMN = newton_schulz(layout.to_blocks(direction), group["ns_steps"], group["ns_coefficients"],
+                              group["eps"], ns_dtype)
+    return layout.from_blocks(ortho_BMN, direction.shape)
 
 
 def _apply(p: torch.Tensor, update: torch.Tensor, layout: BlockLayout, group: dict, lr: float, decay: float) -> None:
@@ -386,76 +403,6 @@ def _local_part(full: torch.Tensor, param: DTensor) -> torch.Tensor:
     # src_data_rank=None: every rank cuts its own shard from its own (identical) full tensor.
     return distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
                              src_data_rank=None).to_local()
-
-
-# --------------------------------------------------------------------------- Muon + AdamW
-class MultiOptimizer:
-    """Several optimizers (K3: ``muon`` and ``adamw``) driven as one.
-
-    ``param_groups`` is the concatenation of the members' groups (the same dict objects, so a
-    scheduler writing ``group["lr"]`` reaches the real optimizer); every group carries a
-    ``"name"`` and a ``"base_lr"`` (its lr at build time; schedulers set lr = base_lr * factor).
-    ``state_dict()`` is ``{member name: member.state_dict()}``.
-
-    Note: torch.optim.lr_scheduler classes insist on a torch Optimizer instance; drive this
-    object by writing ``group["lr"]`` directly, or give each member its own scheduler.
-    """
-
-    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
-        if not optimizers:
-            raise ValueError("MultiOptimizer: optimizers must name at least one optimizer")
-        for key, opt in optimizers.items():
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise ValueError(f"MultiOptimizer: optimizers[{key!r}] is a {type(opt).__name__}, "
-                                 "not a torch.optim.Optimizer")
-        self.optimizers = dict(optimizers)
-        for key, opt in self.optimizers.items():
-            for index, group in enumerate(opt.param_groups):
-                group.setdefault("name", f"{key}.{index}")
-                group.setdefault("base_lr", group["lr"])
-
-    def __getitem__(self, key: str) -> torch.optim.Optimizer:
-        return self.optimizers[key]
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [group for opt in self.optimizers.values() for group in opt.param_groups]
-
-    @property
-    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
-        """Per-parameter state of all members (parameters are disjoint across members)."""
-        merged: dict[torch.Tensor, dict[str, Any]] = {}
-        for opt in self.optimizers.values():
-            merged.update(opt.state)
-        return merged
-
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
-        """Evaluate ``closure`` once (if given), then step every member."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for opt in self.optimizers.values():
-            opt.step()
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self.optimizers.values():
-            opt.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, dict[str, Any]]:
-        return {key: opt.state_dict() for key, opt in self.optimizers.items()}
-
-    def load_state_dict(self, state_dict: dict[str, dict[str, Any]]) -> None:
-        if set(state_dict) != set(self.optimizers):
-            raise ValueError(f"MultiOptimizer.load_state_dict: state_dict has members {sorted(state_dict)}, "
-                             f"this optimizer has {sorted(self.optimizers)}")
-        for key, opt in self.optimizers.items():
-            opt.load_state_dict(state_dict[key])
-
-    def __repr__(self) -> str:
-        groups = ", ".join(f"{g['name']}({len(g['params'])})" for g in self.param_groups)
-        return f"MultiOptimizer({groups})"
 
 
 # --------------------------------------------------------------------------- K3 grouping

@@ -167,7 +167,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     common(fsdp)
     training(fsdp, steps=40, warmup=5, seq=1024, rows=8, budget=240.0)
     fsdp.add_argument("--peak-tflops", type=float, default=989.0, help="per-device dense bf16 peak (H200: 989)")
-    fsdp.add_argument("--activation-checkpointing", action="store_true")
+    fsdp.add_argument("--activation-checkpointing", choices=["none", "full", "selective"], default="none",
+                      help="what each step recomputes in backward (kimik3.parallel.activation_checkpoint)")
     fsdp.set_defaults(func=cmd_fsdp)
     return top.parse_args(argv)
 

@@ -2,6 +2,7 @@
 
     python benchmarks/train_gpu.py                              # debug preset, 4 x 4,096 tokens, on cuda
     python benchmarks/train_gpu.py --optimizer muon --json out.json
+    python benchmarks/train_gpu.py --activation-checkpointing selective --find-max-seq-len --seq-len 16384
 
 One step = forward + backward (main and MTP losses) + optimizer step + zero_grad, on random token ids, the
 model's parameters in bf16 as ``kimik3 train --device cuda`` holds them (fp32 islands as the model keeps them).
@@ -11,11 +12,17 @@ K3's own optimizer (per-head Muon + AdamW, ``kimik3.optim.build_param_groups``).
 MFU counts 6 x active parameters per token (``kimik3.config.params.param_counts``: routed experts at
 top_k / num_experts, embedding excluded) over the GPU's dense bf16 peak (``--peak-tflops``, 989 for an H200),
 attention FLOPs left out, as the issue's baseline does.
+
+``--activation-checkpointing`` (none / full / selective, ``kimik3.parallel.activation_checkpoint``) is applied to
+the model before the optimizer is built. ``--find-max-seq-len``: one sequence per step (batch 1), the length
+doubled from ``--seq-len`` until a step runs out of GPU memory; reports the longest that fit with its tokens/s,
+and the peak memory of every length tried (default 1 warmup step and 2 timed steps per length).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -27,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from kimik3 import K3Config, K3ForCausalLM  # noqa: E402
 from kimik3.config.params import param_counts  # noqa: E402
 from kimik3.optim.muon import build_param_groups  # noqa: E402
+from kimik3.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
 
 
 def make_optimizer(model: K3ForCausalLM, kind: str) -> torch.optim.Optimizer:
@@ -64,24 +72,110 @@ def count_kernels(step) -> tuple[int, list[tuple[str, float, int]]]:
     return sum(r[2] for r in rows), rows[:30]
 
 
+def measure(step, warmup: int, steps: int) -> tuple[float, list[float]]:
+    """Seconds per step over ``steps`` timed steps after ``warmup`` ones, and the losses (first and last)."""
+    losses = []
+    for _ in range(warmup):
+        losses.append(float(step()))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / steps
+    losses.append(float(loss))
+    return seconds, losses
+
+
+def find_max_seq_len(model: K3ForCausalLM, optimizer, args, vocab: int) -> dict:
+    """Batch 1, the length doubled from ``args.seq_len`` until a step runs out of memory (or passes
+    ``args.seq_len_limit``): every length tried, with its peak memory, and the longest that fit."""
+    tried, best = [], None
+    seq_len = args.seq_len
+    while seq_len <= args.seq_len_limit:
+        torch.cuda.reset_peak_memory_stats()
+        print(f"  seq_len {seq_len:,}: ...", end="", flush=True)
+        step = step_fn(model, optimizer, 1, seq_len, vocab, "cuda")
+        try:
+            seconds, losses = measure(step, args.warmup, args.steps)
+            row = {"seq_len": seq_len, "fits": True, "ms_per_step": seconds * 1e3, "tokens_per_s": seq_len / seconds,
+                   "losses": losses}
+        except RuntimeError as error:   # torch.OutOfMemoryError, or a library's failed allocation (cuBLAS)
+            message = str(error).split("\n")[0]
+            out_of_memory = isinstance(error, torch.OutOfMemoryError) or "out of memory" in message.lower() \
+                or "ALLOC_FAILED" in message
+            row = {"seq_len": seq_len, "fits": False, "out_of_memory": out_of_memory}
+            if not out_of_memory:   # another failure at this length: reported, and the search stops
+                row["error"] = message[:500]
+        row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        tried.append(row)
+        if "error" in row:   # the device may be unusable now: no more calls on it
+            print(f" failed: {row['error']}", flush=True)
+            break
+        # Out of the except block: the traceback no longer holds the failed step's tensors.
+        del step
+        optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        if not row["fits"]:
+            print(f" out of memory (peak {row['peak_memory_gib']:.1f} GiB before it)", flush=True)
+            break
+        best = row
+        print(f" fits: {row['ms_per_step']:.0f} ms/step, {row['tokens_per_s']:,.0f} tokens/s, peak "
+              f"{row['peak_memory_gib']:.1f} GiB", flush=True)
+        seq_len *= 2
+    return {"tried": tried, "max_seq_len": best["seq_len"] if best else None,
+            "max_seq_len_tokens_per_s": best["tokens_per_s"] if best else None,
+            "max_seq_len_peak_memory_gib": best["peak_memory_gib"] if best else None}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="debug")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, help="timed steps (default 10; 2 per length with --find-max-seq-len)")
+    parser.add_argument("--warmup", type=int, help="untimed steps first (default 3; 1 with --find-max-seq-len)")
     parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
+    parser.add_argument("--activation-checkpointing", choices=["none", "full", "selective"], default="none",
+                        help="what a step recomputes in backward (kimik3.parallel.activation_checkpoint)")
+    parser.add_argument("--find-max-seq-len", action="store_true",
+                        help="batch 1, double the length from --seq-len until a step runs out of memory")
+    parser.add_argument("--seq-len-limit", type=int, default=1 << 21, help="--find-max-seq-len stops past this")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--profile", action="store_true", help="also count the kernels of one step")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 2 if args.find_max_seq_len else 10
+    if args.warmup is None:
+        args.warmup = 1 if args.find_max_seq_len else 3
     if not torch.cuda.is_available():
         raise SystemExit("train_gpu.py needs a CUDA GPU")
     device = "cuda"
     config = K3Config.preset(args.preset)
     model = K3ForCausalLM(config, seed=0).to(device).cast(torch.bfloat16).train()
+    apply_activation_checkpointing(model, args.activation_checkpointing)
     optimizer = make_optimizer(model, args.optimizer)
+    if args.find_max_seq_len:
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.preset}, {args.optimizer}, "
+              f"activation checkpointing {args.activation_checkpointing}: the longest sequence a step fits "
+              f"(batch 1, from {args.seq_len:,} tokens, doubling)", flush=True)
+        out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": args.preset,
+               "optimizer": args.optimizer, "activation_checkpointing": args.activation_checkpointing, "batch": 1,
+               "warmup": args.warmup, "steps": args.steps,
+               **find_max_seq_len(model, optimizer, args, config.vocab_size)}
+        if out["max_seq_len"] is None:
+            print(f"activation checkpointing {args.activation_checkpointing}: not even {args.seq_len:,} tokens fit",
+                  flush=True)
+        else:
+            print(f"activation checkpointing {args.activation_checkpointing}: max seq_len {out['max_seq_len']:,} "
+                  f"tokens ({out['max_seq_len_tokens_per_s']:,.0f} tokens/s, peak "
+                  f"{out['max_seq_len_peak_memory_gib']:.1f} GiB)", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+        return 0
     step = step_fn(model, optimizer, args.batch, args.seq_len, config.vocab_size, device)
     active = param_counts(config)["active"]
     tokens = args.batch * args.seq_len
@@ -98,14 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     seconds = (time.perf_counter() - start) / args.steps
     losses.append(float(loss))
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": args.preset,
-           "optimizer": args.optimizer, "batch": args.batch, "seq_len": args.seq_len, "active_params": active,
+           "optimizer": args.optimizer, "activation_checkpointing": args.activation_checkpointing,
+           "batch": args.batch, "seq_len": args.seq_len, "active_params": active,
            "ms_per_step": seconds * 1e3, "tokens_per_s": tokens / seconds,
            "mfu": 6 * active * tokens / seconds / (args.peak_tflops * 1e12),
            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "losses": losses}
     print(f"{out['device']}, torch {out['torch']}, {args.preset} ({active / 1e6:.1f}M active), {args.optimizer}, "
-          f"{args.batch} x {args.seq_len} tokens: {out['ms_per_step']:.1f} ms/step, {out['tokens_per_s']:,.0f} "
-          f"tokens/s, MFU {out['mfu']:.1%}, peak {out['peak_memory_gib']:.1f} GiB, loss {losses[0]:.3f} -> "
-          f"{losses[-1]:.3f}", flush=True)
+          f"activation checkpointing {args.activation_checkpointing}, {args.batch} x {args.seq_len} tokens: "
+          f"{out['ms_per_step']:.1f} ms/step, {out['tokens_per_s']:,.0f} tokens/s, MFU {out['mfu']:.1%}, "
+          f"peak {out['peak_memory_gib']:.1f} GiB, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
     if args.profile:
         out["kernels_per_step"], out["top_kernels_ms"] = count_kernels(step)
         print(f"{out['kernels_per_step']} kernels per step; by time (ms, launches):")

@@ -190,6 +190,16 @@ def _check_generate_options(args: argparse.Namespace) -> None:
     check_device(args.device)
 
 
+def _checkpoint_mode(text: str) -> str:
+    """``--activation-checkpointing``'s value, checked (``kimik3.parallel.activation_checkpoint.parse_mode``)."""
+    from kimik3.parallel.activation_checkpoint import checkpoint_mode
+
+    try:
+        return checkpoint_mode(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def check_device(name: str) -> None:
     """Refuse a --device that is not one, or a CUDA device that torch cannot see, before anything is loaded."""
     import torch
@@ -308,8 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--cp", type=int, default=1, help="context-parallel degree (world = dp x cp)")
     t.add_argument("--ep-planner", default="moonep", choices=["moonep", "none"],
                    help="expert placement under --ep: MoonEP perfect balance, or every expert on its owner")
-    t.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each block in backward instead of storing its activations")
+    t.add_argument("--activation-checkpointing", default="none", type=_checkpoint_mode,
+                   metavar="{none,full,selective,every:N}",
+                   help="what a training step recomputes in backward instead of keeping: nothing (none), every "
+                        "block whole (full), the cheap ops between the matmuls and attention of every block "
+                        "(selective), or every N-th block whole (every:N); default none")
     t.set_defaults(func=cmd_train)
 
     v = sub.add_parser("convert", help="rewrite a run's model in another layout (hf: the released checkpoint's)")

@@ -22,12 +22,13 @@ of the model and returns it on its output (``K3Output.routing``), so balancing a
 the statistics of the forward they ran, and nothing stays behind on the modules. The record is
 found through a context variable rather than passed down, because the blocks between the model
 and its routers take no such argument; recomputation in backward (activation checkpointing) runs
-after the record closed, so each token is counted once.
+after the record closed, and inside ``routing_discarded``, so each token is counted once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Self
@@ -100,6 +101,23 @@ class RoutingRecord:
 
 
 _OPEN_RECORD: ContextVar[RoutingRecord | None] = ContextVar("kimik3_routing_record", default=None)
+
+
+def routing_recorded() -> bool:
+    """Whether a ``RoutingRecord`` is open: router calls made now report to it."""
+    return _OPEN_RECORD.get() is not None
+
+
+@contextmanager
+def routing_discarded(recorded: bool) -> Iterator[None]:
+    """Router calls made inside report to a record of their own that is then dropped (``recorded``), or to none,
+    whatever is open outside: activation checkpointing's recomputation, whose tokens its forward counted
+    already, and which runs the very ops of its forward (those of a recorded call when the forward's was)."""
+    token = _OPEN_RECORD.set(RoutingRecord() if recorded else None)
+    try:
+        yield
+    finally:
+        _OPEN_RECORD.reset(token)
 
 
 def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -10,9 +10,11 @@ Order (each step wraps what the previous one left; see docs/parallel.md):
    then left out of FSDP; their gradients, which the exchange already sums over every token of the
    ep group, are summed over the ranks holding the same shard (dp/ep x cp) and divided by dp x cp
    so that they match FSDP's averaged gradients of the other parameters.
-3. activation checkpointing (optional): per K3 block, with the composable
-   ``torch.distributed._composable.checkpoint`` (hooks, no wrapper module, so parameter names and
-   checkpoints stay the same). Before FSDP so the recomputation runs inside FSDP's unshard.
+3. activation checkpointing (optional; ``kimik3.parallel.activation_checkpoint``): none, every block
+   whole ("full"), every N-th block ("every:N") or op-level inside every block ("selective"), with
+   the composable ``torch.distributed._composable.checkpoint`` (hooks, no wrapper module, so
+   parameter names and checkpoints stay the same). Before FSDP so the recomputation runs inside
+   FSDP's unshard.
 4. FSDP2 (``fully_shard``) over the dp x cp ranks, last, as it must see the final module tree and
    the parameters EP leaves alone.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from kimik3.parallel.activation_checkpoint import apply_activation_checkpointing, parse_mode
 from kimik3.parallel.kcp import apply_context_parallel as kcp_apply
 from kimik3.parallel.mesh import ParallelDims, cp_mesh, fsdp_mesh
 
@@ -64,37 +67,24 @@ def is_expert_module(name: str, module: nn.Module) -> bool:
     return isinstance(module, EPRoutedExperts)
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each K3 block (and the MTP block) in backward instead of keeping its activations.
-
-    The recomputed forward re-runs the routers in backward, after the model call's routing record
-    closed (``kimik3.model.moe.RoutingRecord``), so the routing statistics count every token once.
-    """
-    from torch.distributed._composable import checkpoint
-
-    blocks = list(model.layers)
-    if getattr(model, "mtp", None) is not None:
-        blocks.append(model.mtp.block)
-    for block in blocks:
-        checkpoint(block)
-
-
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, *,
-                activation_checkpointing: bool = False, fsdp_ignore=None, ep_planner: str = "moonep") -> nn.Module:
+                activation_checkpointing: str | bool = "none", fsdp_ignore=None,
+                ep_planner: str = "moonep") -> nn.Module:
     """Apply context parallel, expert parallel, activation checkpointing and FSDP2, in that order.
 
     model: a ``K3ForCausalLM`` (modified in place and returned). mesh: ``build_mesh(dims, ...)``;
-    None only for world size 1 (then only activation checkpointing applies). fsdp_ignore: see
-    ``apply_fsdp``'s ``ignore``.
+    None only for world size 1 (then only activation checkpointing applies). activation_checkpointing:
+    a mode of ``kimik3.parallel.activation_checkpoint`` ("none", "full", "selective", "every:N"; True /
+    False mean "full" / "none"). fsdp_ignore: see ``apply_fsdp``'s ``ignore``.
     """
+    parse_mode(activation_checkpointing)   # a bad mode fails before anything is applied
     if mesh is None and dims.world > 1:
         raise ValueError(f"parallelize: dims {dims} need a mesh (build_mesh)")
     if dims.cp > 1:
         apply_context_parallel(model, dims, mesh)
     if dims.ep > 1:
         apply_expert_parallel(model, dims, mesh, planner=ep_planner)
-    if activation_checkpointing:
-        apply_activation_checkpointing(model)
+    apply_activation_checkpointing(model, activation_checkpointing)
     if mesh is not None:
         from kimik3.parallel.fsdp import apply_fsdp
 

@@ -56,14 +56,13 @@ class ParallelContext:
         return self.dims.cp == 1
 
     # ------------------------------------------------------------------ the model
-    def wrap_model(self, model: nn.Module, *, activation_checkpointing: bool = False,
+    def wrap_model(self, model: nn.Module, *, activation_checkpointing: str | bool = "none",
                    ep_planner: str = "moonep") -> nn.Module:
-        """Apply what this context needs to ``model`` (in place; returned)."""
-        if activation_checkpointing:
-            from kimik3.parallel.apply import apply_activation_checkpointing
+        """Apply what this context needs to ``model`` (in place; returned). ``activation_checkpointing``: a
+        mode of ``kimik3.parallel.activation_checkpoint`` ("none", "full", "selective", "every:N")."""
+        from kimik3.parallel.activation_checkpoint import apply_activation_checkpointing
 
-            apply_activation_checkpointing(model)
-        return model
+        return apply_activation_checkpointing(model, activation_checkpointing)
 
     # ------------------------------------------------------------------ data
     def shard_batch(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -141,7 +140,7 @@ class DistributedContext(ParallelContext):
         self.mesh = build_mesh(dims, device.type)
         self.dp_rank = dp_rank(self.mesh)
 
-    def wrap_model(self, model: nn.Module, *, activation_checkpointing: bool = False,
+    def wrap_model(self, model: nn.Module, *, activation_checkpointing: str | bool = "none",
                    ep_planner: str = "moonep") -> nn.Module:
         from kimik3.parallel.apply import parallelize
 

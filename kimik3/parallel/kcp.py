@@ -52,8 +52,9 @@ class ContextParallel:
     ``context_parallel`` seam, and the model's forward hooks (see ``apply_context_parallel``).
 
     ``lengths`` is every rank's segment length for the model forward in flight, set by the pre-hook and
-    cleared by the hook after it; outside a model forward (a layer called alone, or recomputed by
-    activation checkpointing in the backward) it is None and the layers' exchanges gather what they need.
+    cleared by the hook after it; outside a model forward (a layer called alone) it is None and the
+    layers' exchanges gather what they need. Activation checkpointing's recomputation in backward sets
+    the forward's lengths again (``kimik3.parallel.activation_checkpoint``).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, model: K3ForCausalLM):

@@ -50,6 +50,7 @@ from kimik3.config.schema import K3Config
 from kimik3.model.k3 import K3ForCausalLM
 from kimik3.model.moe import RoutingStats
 from kimik3.optim.schedule import ContextStage, cosine_lr, parse_stages, seq_len_at
+from kimik3.parallel.activation_checkpoint import checkpoint_mode
 from kimik3.parallel.context import ParallelContext, training_context
 from kimik3.parallel.mesh import ParallelDims
 from kimik3.tokenizer import EOS, load_tokenizer_from_json
@@ -114,13 +115,14 @@ class Trainer:
 
     ``parallel``: the parallel degrees of a distributed run (default: dp = world size); ``context``
     instead gives the ``ParallelContext`` itself (default: ``training_context``, which joins the
-    process group torchrun describes, if any).
+    process group torchrun describes, if any). ``activation_checkpointing``: a mode of
+    ``kimik3.parallel.activation_checkpoint`` ("none", "full", "selective", "every:N").
     """
 
     def __init__(self, args: TrainArgs, resume: str | Path | None = None,
                  model_factory: Callable[[K3Config, torch.device, int], torch.nn.Module] | None = None,
                  log: Callable[[str], None] = print, parallel: ParallelDims | None = None,
-                 activation_checkpointing: bool = False, context: ParallelContext | None = None):
+                 activation_checkpointing: str | bool = "none", context: ParallelContext | None = None):
         self.created = budget._now()   # a time budget counts from here: data, tokenizer and model included
         self.resume_dir = Path(resume) if resume is not None else None
         self.resume_checkpoint: Path | None = None  # None on resume: restart from step 0 (run.json)
@@ -131,6 +133,7 @@ class Trainer:
         if args.checkpoint_every is None:
             args.checkpoint_every = DEFAULT_CHECKPOINT_EVERY  # saved explicitly with the run
         args.validate()
+        self.activation_checkpointing = checkpoint_mode(activation_checkpointing)  # checked before any work
         self.args = args
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -167,7 +170,7 @@ class Trainer:
                                                                           seed=seed))
         self.model = factory(self.model_config, self.device, args.seed)
         self.model.train()
-        self.ctx.wrap_model(self.model, activation_checkpointing=activation_checkpointing,
+        self.ctx.wrap_model(self.model, activation_checkpointing=self.activation_checkpointing,
                             ep_planner=args.ep_planner)
         from kimik3.optim import build_param_groups
 

@@ -3,6 +3,7 @@
     python benchmarks/train_gpu.py                              # debug preset, 4 x 4,096 tokens, on cuda
     python benchmarks/train_gpu.py --optimizer muon --json out.json
     python benchmarks/train_gpu.py --activation-checkpointing selective --find-max-seq-len --seq-len 16384
+    python benchmarks/train_gpu.py --no-mtp --peer torchtitan       # and torchtitan's port, same tokens, same run
 
 One step = forward + backward (main and MTP losses) + optimizer step + zero_grad, on random token ids, the
 model's parameters in bf16 as ``kimik3 train --device cuda`` holds them (fp32 islands as the model keeps them).
@@ -13,6 +14,14 @@ MFU counts 6 x active parameters per token (``kimik3.config.params.param_counts`
 top_k / num_experts, embedding excluded) over the GPU's dense bf16 peak (``--peak-tflops``, 989 for an H200),
 attention FLOPs left out, as the issue's baseline does.
 
+``--peer torchtitan``: then torchtitan's Kimi K3 port (``benchmarks/torchtitan_port.py``; run
+``benchmarks/setup_torchtitan.sh`` first and carry ``third_party/`` and ``.whl/``) on the same token ids with the
+same starting weights (ours, loaded into it) and fused AdamW, in a plain loop as its parity script builds it: one
+sequence per forward (the port takes one document per call; backward after each, gradient accumulation), its
+FlexAttention compiled with inductor's defaults (``--peer-compile autotune``: the port's own max-autotune, minutes
+of warm-up). The port has no MTP module: ``--no-mtp`` drops ours for equal work. Reported: both, the ratio of
+tokens/s, and both losses after the same steps.
+
 ``--activation-checkpointing`` (none / full / selective, ``kimik3.parallel.activation_checkpoint``) is applied to
 the model before the optimizer is built. ``--find-max-seq-len``: one sequence per step (batch 1), the length
 doubled from ``--seq-len`` until a step runs out of GPU memory; reports the longest that fit with its tokens/s,
@@ -22,6 +31,7 @@ and the peak memory of every length tried (default 1 warmup step and 2 timed ste
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -55,6 +65,40 @@ def step_fn(model: K3ForCausalLM, optimizer, batch: int, seq_len: int, vocab: in
         return out.main_loss.detach()
 
     return step
+
+
+def peer_step_fn(port, optimizer, batch: int, seq_len: int, vocab: int, device: str):
+    """torchtitan's port on the token ids ``step_fn`` draws (same generator seed): one step, its main CE."""
+    from torchtitan_port import port_train_loss
+
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def step() -> torch.Tensor:
+        ids = torch.randint(0, vocab, (batch, seq_len + 1), device=device, generator=gen)
+        loss = port_train_loss(port, ids[:, :-1], ids[:, 1:], backward=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def run_peer(our_model: K3ForCausalLM, args, vocab: int) -> dict:
+    """Time the port from our model's weights (moved to the CPU first: both never sit on the GPU together)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from torchtitan_port import build_port, import_port, load_ours_into_port
+
+    port_ns = import_port(compile_mode=args.peer_compile)
+    port = build_port("cuda", torch.bfloat16, init_on_device=True)
+    load_ours_into_port(port, our_model)
+    optimizer = torch.optim.AdamW(port.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    step = peer_step_fn(port, optimizer, args.batch, args.seq_len, vocab, "cuda")
+    torch.cuda.reset_peak_memory_stats()
+    seconds, losses = measure(step, args.warmup, args.steps)
+    tokens = args.batch * args.seq_len
+    return {"name": "torchtitan Kimi K3 port (PR 4025)", "commit": port_ns.commit, "compile": args.peer_compile,
+            "ms_per_step": seconds * 1e3, "tokens_per_s": tokens / seconds,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "losses": losses}
 
 
 def count_kernels(step) -> tuple[int, list[tuple[str, float, int]]]:
@@ -143,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--find-max-seq-len", action="store_true",
                         help="batch 1, double the length from --seq-len until a step runs out of memory")
     parser.add_argument("--seq-len-limit", type=int, default=1 << 21, help="--find-max-seq-len stops past this")
+    parser.add_argument("--no-mtp", action="store_true", help="our model without its MTP module (the port has none)")
+    parser.add_argument("--peer", choices=["torchtitan"], help="also time torchtitan's Kimi K3 port, same run")
+    parser.add_argument("--peer-compile", choices=["fast", "autotune"], default="fast",
+                        help="the port's FlexAttention compile: inductor defaults, or its own max-autotune")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--profile", action="store_true", help="also count the kernels of one step")
     parser.add_argument("--json", help="write the results here")
@@ -155,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("train_gpu.py needs a CUDA GPU")
     device = "cuda"
     config = K3Config.preset(args.preset)
+    if args.no_mtp:
+        config = dataclasses.replace(config, mtp=dataclasses.replace(config.mtp, num_modules=0))
     model = K3ForCausalLM(config, seed=0).to(device).cast(torch.bfloat16).train()
     apply_activation_checkpointing(model, args.activation_checkpointing)
     optimizer = make_optimizer(model, args.optimizer)
@@ -193,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     losses.append(float(loss))
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": args.preset,
            "optimizer": args.optimizer, "activation_checkpointing": args.activation_checkpointing,
-           "batch": args.batch, "seq_len": args.seq_len, "active_params": active,
+           "mtp": not args.no_mtp, "batch": args.batch, "seq_len": args.seq_len, "active_params": active,
            "ms_per_step": seconds * 1e3, "tokens_per_s": tokens / seconds,
            "mfu": 6 * active * tokens / seconds / (args.peak_tflops * 1e12),
            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "losses": losses}
@@ -206,6 +256,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{out['kernels_per_step']} kernels per step; by time (ms, launches):")
         for name, ms, count in out["top_kernels_ms"]:
             print(f"  {ms:8.2f} {count:6d}  {name}")
+    if args.peer:
+        del step, optimizer
+        model.to("cpu")
+        gc.collect()
+        torch.cuda.empty_cache()
+        peer = run_peer(model, args, config.vocab_size)
+        peer["ratio_ours_over_peer"] = out["tokens_per_s"] / peer["tokens_per_s"]
+        out["peer"] = peer
+        print(f"peer {peer['name']} ({peer['compile']} compile): {peer['ms_per_step']:.1f} ms/step, "
+              f"{peer['tokens_per_s']:,.0f} tokens/s, peak {peer['peak_memory_gib']:.1f} GiB, loss "
+              f"{peer['losses'][0]:.3f} -> {peer['losses'][-1]:.3f}; ours / peer = "
+              f"{peer['ratio_ours_over_peer']:.2f}x (our main loss {losses[0]:.3f} -> {losses[-1]:.3f})", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

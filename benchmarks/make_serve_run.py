@@ -90,17 +90,12 @@ def pad_vocabulary(tokenizer, vocab_size: int):
 
 
 def build_tokenizer(vocab_size: int, bpe_vocab: int, pad: bool):
-    """A BPE trained on the stdlib, padded (when ``pad``) so that with the chat template's role tokens appended
-    last it fills ``vocab_size`` ids."""
-    from kimik3.tokenizer import ROLE_TOKENS, add_role_tokens
+    """A BPE trained on the stdlib (its special tokens: EOS and the chat template's role tokens), padded (when
+    ``pad``) to ``vocab_size`` ids."""
     from kimik3.train.tokenizer import train_tokenizer
 
-    room = vocab_size - len(ROLE_TOKENS)
-    tokenizer = train_tokenizer(stdlib_documents(), min(bpe_vocab, room))
-    if pad:
-        tokenizer = pad_vocabulary(tokenizer, room)
-    add_role_tokens(tokenizer, vocab_size)
-    return tokenizer
+    tokenizer = train_tokenizer(stdlib_documents(), min(bpe_vocab, vocab_size))
+    return pad_vocabulary(tokenizer, vocab_size) if pad else tokenizer
 
 
 def make_run(out: str | Path, preset: str = "debug", device: str | None = None, seed: int = 0,

@@ -180,6 +180,71 @@ def test_backward_programs_do_not_change_the_grads_beyond_rounding():
         attnres_mix_backward(*args, programs=0)
 
 
+@needs_kernels
+def test_row_chunks_past_the_rows_with_eps_zero():
+    # 130 rows of D = 256 are 33 row blocks of 4 (the last one of 2 rows). programs=4: 4 programs of 10 blocks (9
+    # rounded up), the last one with 3 blocks and 7 past the rows; 6: 6 of 6 (the last with 3 and 3 past). The rows
+    # past R are loaded clamped to the last row, and with eps = 0 a zero row would give r = inf: nothing of theirs
+    # may leak into dw.
+    D = 256
+    mix = make_mix(D)
+    mix.eps = 0.0
+    entries = make_entries(3, (130,), D, torch.float32)
+    grad = torch.randn(130, D, generator=torch.Generator().manual_seed(11)).to(DEV)
+    ref = reference(mix, entries, grad)
+    args = ([e.detach() for e in entries], mix.key_norm_weight.detach(), mix.query.detach(), 0.0, grad)
+    first = None
+    for programs in (1, 4, 6):
+        d, dkw, dq = attnres_mix_backward(*args, programs=programs)
+        for n in range(3):
+            assert_matches(d[n], ref[1 + n], torch.float32, (programs, n))
+        assert_matches(dkw, ref[4], torch.float32, (programs, "d key_norm_weight"))
+        assert_matches(dq, ref[5], torch.float32, (programs, "d query"))
+        if first is None:
+            first = d
+        assert all(torch.equal(a, b) for a, b in zip(first, d))  # per-row grads do not depend on G
+
+
+@needs_kernels
+def test_a_full_pointer_tuple_of_entries_with_different_row_strides():
+    # MAX_ENTRIES listed entries of one dtype (the backward picks each pointer and row stride by a runtime index:
+    # the longest chain), every other one a column slice of a tensor twice as wide.
+    D = 16
+    mix = make_mix(D)
+    gen = torch.Generator().manual_seed(12)
+    entries = []
+    for n in range(MAX_ENTRIES):
+        width = D * (1 + n % 2)
+        wide = (torch.randn(3, width, generator=gen) * (0.5 + n / 4)).to(DEV, torch.bfloat16).requires_grad_()
+        entries.append(wide[:, width - D:])
+    grad = torch.randn(3, D, generator=gen).to(DEV, torch.bfloat16)
+    ref = reference(mix, entries, grad)
+    out = attnres_mix(entries, mix.key_norm_weight, mix.query, mix.eps)
+    got = [out, *torch.autograd.grad(out, [*entries, mix.key_norm_weight, mix.query], grad)]
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert_matches(g, r, torch.bfloat16, i)
+
+
+@needs_kernels
+def test_grad_out_of_another_dtype_listed_and_stacked():
+    # An fp32 grad_out for bf16 entries: the backward's tiles (g's and the entries') share one pointer pick, so the
+    # entries and g are stacked in fp32 first; the grads come back in bf16, the same for a list and a stack.
+    D = 96
+    mix = make_mix(D)
+    entries = [e.detach() for e in make_entries(3, (5,), D, torch.bfloat16)]
+    grad = torch.randn(5, D, generator=torch.Generator().manual_seed(13)).to(DEV)
+    ref = reference(mix, [e.float().requires_grad_() for e in entries], grad)  # fp32 math on the same values
+    kw, q = mix.key_norm_weight.detach(), mix.query.detach()
+    d, dkw, dq = attnres_mix_backward(entries, kw, q, mix.eps, grad)
+    d_stacked, dkw_s, dq_s = attnres_mix_backward(torch.stack(entries, -2), kw, q, mix.eps, grad)
+    assert d_stacked.dtype == torch.bfloat16 and torch.equal(dkw, dkw_s) and torch.equal(dq, dq_s)
+    for n in range(3):
+        assert torch.equal(d[n], d_stacked[..., n, :])
+        assert_matches(d[n], ref[1 + n].to(torch.bfloat16), torch.bfloat16, n)
+    assert_matches(dkw, ref[4], torch.float32, "d key_norm_weight")
+    assert_matches(dq, ref[5], torch.float32, "d query")
+
+
 def test_backend_choice():
     x = torch.zeros(2, 8)
     assert glue_backend(x) == "torch"  # CPU tensors stay on torch under "auto", interpreter or not

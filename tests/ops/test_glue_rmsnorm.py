@@ -17,6 +17,7 @@ import torch
 
 from kimik3.model.norm import RMSNorm
 from kimik3.ops.glue import MAX_WIDTH, rms_norm, rms_norm_backward, rms_norm_forward
+from kimik3.ops.glue.common import row_chunks
 from tests.numerics import rel_rms
 from tests.kernel_testing import BF16_ULP, DEV, HAS_KERNELS, interpreter_setup, needs_kernels, ON_GPU  # noqa: F401 (interpreter_setup: autouse)
 
@@ -117,6 +118,38 @@ def test_backward_programs():
     dx1, dw1 = rms_norm_backward(*args, programs=1)
     dx3, dw3 = rms_norm_backward(*args, programs=3)
     assert torch.equal(dx1, dx3) and rel_rms(dw1, dw3) < 1e-6
+
+
+@needs_kernels
+def test_row_chunks_past_the_rows_with_eps_zero():
+    # 130 rows of D = 256 are 17 row blocks of 8 (the last one of 2 rows); programs=4: 4 programs of 5 blocks, the
+    # last one with 2 blocks and 3 past the rows. Those rows are loaded clamped to the last row; with eps = 0 a zero
+    # row would give r = inf: nothing of theirs may leak into dw.
+    norm = make_norm(256)
+    norm.eps = 0.0
+    x = make_x((130,), 256, torch.float32)
+    grad = torch.randn(130, 256, generator=torch.Generator().manual_seed(6)).to(DEV)
+    ref = reference(norm, x, grad)
+    dx1, dw1 = rms_norm_backward(x.detach(), norm.weight.detach(), 0.0, grad, programs=1)
+    dx4, dw4 = rms_norm_backward(x.detach(), norm.weight.detach(), 0.0, grad, programs=4)
+    assert torch.equal(dx1, dx4)
+    for got, name in ((dx4, "dx"), (dw1, "dweight"), (dw4, "dweight")):
+        assert_matches(got, ref[1] if name == "dx" else ref[2], name)
+
+
+def test_row_chunks():
+    # (ITERS, G): every program has rows, G within [1/2, 1] of the programs asked for (4/5 once ITERS > 8), ITERS
+    # above 8 of the form m 2^e with m in 4..7 (few kernel specialisations).
+    cpu = torch.device("cpu")
+    for row_blocks in (1, 2, 3, 17, 100, 1058, 8192, 8193, 9000, 123457):
+        for programs in (1, 2, 3, 264, 396, 1056):
+            iters, G = row_chunks(row_blocks, cpu, programs)
+            target = min(programs, row_blocks)
+            assert (G - 1) * iters < row_blocks <= G * iters, (row_blocks, programs, iters, G)
+            assert 2 * G >= target >= G and (iters <= 8 or 5 * G >= 4 * target), (row_blocks, programs, iters, G)
+            e = max(0, iters.bit_length() - 3)
+            assert iters <= 8 or (iters % (1 << e) == 0 and 4 <= iters >> e <= 7), iters
+    assert row_chunks(8192, cpu, 264) == (32, 256)  # the training shape: R = 16384 rows of D = 1024
 
 
 def test_module_auto_on_cpu_keeps_the_torch_code(monkeypatch):

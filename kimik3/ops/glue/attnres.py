@@ -11,7 +11,11 @@ entry once, in its own dtype, straight from the caller's tensors (no ``torch.sta
 passed as a tuple, up to MAX_ENTRIES; a longer list is stacked first), keeps a whole row in registers and runs an
 online softmax over the entries. The backward recomputes r, s and p from the entries (nothing is saved but the
 inputs) and launches twice: one kernel writes every entry's grad and per-program partial sums of dL/dw, one
-(``common.reduce_partials``) sums them and writes the key norm weight's and query's grads.
+(``common.reduce_partials``) sums them and writes the key norm weight's and query's grads. The first walks a block
+of rows' g and entries in one pipelined loop with a runtime index (a tile's pointer picked by it), the entries
+twice: pass 1 takes the softmax's statistics, pass 2 recomputes each entry's r, s, dp (its tile comes back from L2)
+and writes its grad; its registers do not grow with N. Its tiles share one dtype: entries of several dtypes, or a g
+of another, are stacked first in the promoted dtype (exactly), the grads cast back.
 
 Backward, per row, with g = dL/dout:  dp_n = g . v_n,  ds_n = p_n (dp_n - sum_m p_m dp_m),
     dv_n = p_n g + ds_n r_n (w - s_n r_n v_n / D),   dw = sum over rows and n of ds_n r_n v_n,
@@ -30,8 +34,8 @@ from typing import Sequence
 import torch
 
 from kimik3.ops.glue.common import (
+    WIDE_REDUCE,
     _jit,
-    backward_programs,
     blocks,
     check_eps,
     check_float,
@@ -41,7 +45,9 @@ from kimik3.ops.glue.common import (
     compute_f64,
     describe,
     on_device,
+    pipeline_stages,
     reduce_partials,
+    row_chunks,
     rows_2d,
     tl,
     triton,
@@ -124,46 +130,64 @@ def attnres_mix_backward(entries, key_norm_weight: torch.Tensor, query: torch.Te
                          grad_out: torch.Tensor, *, programs: int | None = None):
     """Grads of the mix: (entries' grads, key_norm_weight's grad, query's grad), in their dtypes and shapes (a
     list for listed entries, one tensor [..., N, D] for a stacked one). grad_out: [..., D] like the output. Two
-    launches; ``programs`` overrides G (``common.backward_programs``)."""
+    launches; ``programs`` caps G (``common.row_chunks``)."""
     xs, s_rows, s_entry, N, stacked, shape, dtype, eps = _prepare(entries, key_norm_weight, query, eps)
     if not isinstance(grad_out, torch.Tensor) or grad_out.shape != shape:
         raise ValueError(f"grad_out must have the output's shape {tuple(shape)}, got {describe(grad_out)}")
     if grad_out.device != xs[0].device:
         raise ValueError(f"grad_out is on {grad_out.device} but the entries on {xs[0].device}")
-    dxs, dkw, dq = _backward(xs, s_rows, s_entry, N, stacked, shape, key_norm_weight, query, eps, grad_out,
-                             programs)
+    g = rows_2d(grad_out)
+    if len({x.dtype for x in xs} | {g.dtype}) > 1:
+        # The backward picks each tile's pointer (an entry's or g's) at run time, so they share one element type:
+        # otherwise the entries and g are stacked in the promoted dtype (exact), the grads cast back (the same
+        # rounding of the same fp32 / fp64 values).
+        x = torch.stack([*(xs[0].unbind(1) if stacked else xs), g], dim=1)
+        xs, s_rows, s_entry, stacked, g = (x,), (x.stride(0),), x.stride(1), True, x[:, N]
+    dxs, dkw, dq = _backward(xs, s_rows, s_entry, N, stacked, shape, key_norm_weight, query, eps, g, programs)
     if isinstance(entries, torch.Tensor):
-        return dxs[0].view(entries.shape), dkw, dq
-    if stacked:  # stacked here from a long list: hand each entry its slice (in the stack's dtype, cast back)
+        return dxs[0].view(entries.shape).to(entries.dtype), dkw, dq
+    if stacked:  # stacked here from a list: hand each entry its slice (in the stack's dtype, cast back)
         return [d.to(e.dtype) for d, e in zip(dxs[0].view(*shape[:-1], N, shape[-1]).unbind(-2), entries)], dkw, dq
     return [d.view(shape) for d in dxs], dkw, dq
 
 
-def _backward(xs, s_rows, s_entry, N, stacked, shape, kw, q, eps, grad_out, programs):
+def _bwd_blocks(R: int, D: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_D, num_warps) of the backward: a whole row (next power of two of D) a program, 32 elements a
+    thread (one warp up to D = 1024, several rows a program below; 8 warps at K3's D = 7168). Its loop runs ~20
+    instructions an element (two passes, the reductions of both): fewer threads a row amortise each step's fixed
+    part (index math, the pointer pick, the warps' exchanges) over more elements: at 8 a thread (the forward's
+    tiles) it is bound by instruction issue, well under the memory's speed."""
+    block_d = triton.next_power_of_2(D)
+    num_warps = max(1, min(16, block_d // 1024))
+    block_r = max(1, min(triton.next_power_of_2(max(R, 1)), 1024 * num_warps // block_d))
+    return block_r, block_d, num_warps
+
+
+def _backward(xs, s_rows, s_entry, N, stacked, shape, kw, q, eps, g, programs):
     R, D = xs[0].shape[0], shape[-1]
     device = xs[0].device
-    dxs = tuple(torch.empty(x.shape, dtype=x.dtype, device=device) for x in xs)  # contiguous, like xs' shapes
-    ds_rows = tuple(d.stride(0) for d in dxs)
-    ds_entry = dxs[0].stride(1) if stacked else 0
-    g = rows_2d(grad_out)
+    # The grads in one contiguous buffer: [R, N, D] for a stack, else [N, R, D] (the entries' [R, D] slices)
+    dx = torch.empty((R, N, D) if stacked else (N, R, D), dtype=xs[0].dtype, device=device)
+    d_entry, d_row = (dx.stride(1), dx.stride(0)) if stacked else (dx.stride(0), dx.stride(1))
     kw_c, q_c = kw.contiguous(), q.contiguous()
     f64 = compute_f64(*xs, kw_c, q_c, g)
-    block_r, block_d, num_warps = blocks(R, D)
-    row_blocks = triton.cdiv(R, block_r)
-    G = backward_programs(row_blocks, device, programs)
+    block_r, block_d, num_warps = _bwd_blocks(R, D)
+    # 8 warps an SM (single-warp programs 8 an SM, wider ones one): resident at any register count, each
+    # program keeping STAGES - 1 tiles in flight
+    iters, G = row_chunks(triton.cdiv(R, block_r), device, programs, per_sm=max(1, 8 // num_warps))
     partial = torch.empty(G, D, dtype=torch.float64 if f64 else torch.float32, device=device)
     if R == 0:
         partial.zero_()
     else:
+        stages = pipeline_stages(block_r * block_d * xs[0].element_size())
         with on_device(device):
             _attnres_bwd_kernel[(G,)](
-                xs, s_rows, s_entry, dxs, ds_rows, ds_entry, g, g.stride(0), kw_c, q_c, partial,
-                R, D, eps, triton.cdiv(row_blocks, G), G,
-                N=N, N_P2=triton.next_power_of_2(N), STACKED=stacked, BLOCK_R=block_r, BLOCK_D=block_d, F64=f64,
+                xs, s_rows, s_entry, dx, d_entry, d_row, g, g.stride(0), kw_c, q_c, partial, R, D, eps,
+                N=N, ITERS=iters, STACKED=stacked, BLOCK_R=block_r, BLOCK_D=block_d, F64=f64, STAGES=stages,
                 num_warps=num_warps,
             )
-    dkw, dq = reduce_partials(partial, kw, q, f64)
-    return dxs, dkw, dq
+    dkw, dq = reduce_partials(partial, kw, q, f64, **WIDE_REDUCE)
+    return (dx,) if stacked else tuple(dx.unbind(0)), dkw, dq
 
 
 class _AttnResMixFn(torch.autograd.Function):
@@ -248,57 +272,84 @@ def _attnres_fwd_kernel(
 
 
 @_jit
-def _column(mat, idx, n: tl.constexpr):
-    """mat[:, n] of a [BLOCK_R, N_P2] register tile."""
-    return tl.sum(tl.where(idx[None, :] == n, mat, 0.0), axis=1)
+def _entry_base(xs, s_rows, s_entry, n, N: tl.constexpr, STACKED: tl.constexpr):
+    """(base pointer, row stride) of entry n, a runtime index: slot n of the stack, or the n-th pointer of the
+    tuple picked by a chain of scalar selects (the tuple's entries share one dtype)."""
+    if STACKED:
+        return xs[0] + n.to(tl.int64) * s_entry, s_rows[0]
+    else:
+        base = xs[0]
+        s_row = s_rows[0]
+        for k in tl.static_range(1, N):
+            base = tl.where(n == k, xs[k], base)
+            s_row = tl.where(n == k, s_rows[k], s_row)
+        return base, s_row
+
+
+@_jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
 
 
 @_jit
 def _attnres_bwd_kernel(
-    xs, s_rows, s_entry, dxs, ds_rows, ds_entry, g_ptr, s_g, kw_ptr, q_ptr, part_ptr,
-    R, D, eps, ITERS, G,
-    N: tl.constexpr, N_P2: tl.constexpr, STACKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    F64: tl.constexpr,
+    xs, s_rows, s_entry, dx_ptr, d_entry, d_row, g_ptr, s_g, kw_ptr, q_ptr, part_ptr, R, D, eps,
+    N: tl.constexpr, ITERS: tl.constexpr, STACKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    F64: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """Program p of G: row blocks p, p + G, ... (ITERS of them, the last ones possibly empty). Per block: pass 1
-    reads every entry for r_n, s_n and dp_n = g . v_n; pass 2 reads them again and writes dv_n. Its share of
-    dL/dw = sum ds_n r_n v_n goes to part_ptr[p] ([G, D], fp32 or fp64)."""
+    """Program p of G: the ITERS row blocks from p ITERS on (those past R masked off), in one loop of ITERS (2 N + 1)
+    steps, pipelined over STAGES stages, that loads one tile a step: a block's g (step 0), its entries (steps 1..N,
+    pass 1: r_n, s_n and dp_n = g . v_n into an online softmax, with running max m, sum l and u = sum e^(s-m) dp),
+    its entries again (steps N+1..2N, pass 2: from L2, as the block's N tiles were just read; r_n, s_n, dp_n
+    recomputed by the same code, so the same values; dv_n written to dx_ptr + n d_entry + row d_row). No per-entry
+    state is kept (N costs no registers). The program's share of dL/dw = sum ds_n r_n v_n goes to part_ptr[p]
+    ([G, D], fp32 or fp64).
+
+    The loads clamp their rows to R - 1 instead of masking them: their masks are then loop-invariant, and the
+    pipeline carries no per-stage mask tiles (the rows past R compute garbage that is neither stored nor summed)."""
     ct = tl.float64 if F64 else tl.float32
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
-    nidx = tl.arange(0, N_P2)
     w = tl.load(kw_ptr + cols, mask=cmask, other=0.0).to(ct) * tl.load(q_ptr + cols, mask=cmask, other=0.0).to(ct)
-    dw = tl.zeros([BLOCK_D], dtype=ct)
-    it = 0
-    while it < ITERS:  # (a while loop: Triton 3.6's interpreter cannot take tensor bounds in range(), triton#9171)
-        rows = (pid + it * G) * BLOCK_R + tl.arange(0, BLOCK_R)
-        mask = (rows < R)[:, None] & cmask[None, :]
-        rows64 = rows.to(tl.int64)
-        g = tl.load(g_ptr + rows64[:, None] * s_g + cols[None, :], mask=mask, other=0.0).to(ct)
-        S = tl.zeros([BLOCK_R, N_P2], dtype=ct)
-        RR = tl.zeros([BLOCK_R, N_P2], dtype=ct)
-        DP = tl.zeros([BLOCK_R, N_P2], dtype=ct)
-        for n in tl.static_range(N):
-            v = tl.load(_entry_ptrs(xs, s_rows, s_entry, n, rows64, cols, STACKED), mask=mask, other=0.0).to(ct)
+    dw = tl.zeros([BLOCK_R, BLOCK_D], dtype=ct)
+    g = tl.zeros([BLOCK_R, BLOCK_D], dtype=ct)
+    m = tl.full([BLOCK_R], float("-inf"), dtype=ct)
+    lsum = tl.zeros([BLOCK_R], dtype=ct)
+    u = tl.zeros([BLOCK_R], dtype=ct)
+    row0 = pid.to(tl.int64) * (ITERS * BLOCK_R)
+    for t in tl.range(0, ITERS * (2 * N + 1), num_stages=STAGES):
+        j = t % (2 * N + 1)
+        n = tl.where(j <= N, j - 1, j - N - 1)
+        rows = row0 + (t // (2 * N + 1)) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rows_in = tl.minimum(rows, R - 1)
+        base, s_row = _entry_base(xs, s_rows, s_entry, n, N, STACKED)
+        base = tl.where(j == 0, g_ptr, base)
+        s_row = tl.where(j == 0, s_g, s_row)
+        tile = tl.load(base + rows_in[:, None] * s_row + cols[None, :], mask=cmask[None, :], other=0.0).to(ct)
+        if j == 0:
+            g = tile
+            m = tl.full([BLOCK_R], float("-inf"), dtype=ct)
+            lsum = tl.zeros([BLOCK_R], dtype=ct)
+            u = tl.zeros([BLOCK_R], dtype=ct)
+        else:
+            v = tile
             r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
-            s = tl.sum((v * r[:, None]) * w[None, :], axis=1)
-            sel = nidx[None, :] == n
-            S = tl.where(sel, s[:, None], S)
-            RR = tl.where(sel, r[:, None], RR)
-            DP = tl.where(sel, tl.sum(g * v, axis=1)[:, None], DP)
-        S = tl.where(nidx[None, :] < N, S, float("-inf"))
-        P = tl.exp(S - tl.max(S, axis=1)[:, None])
-        P = P / tl.sum(P, axis=1)[:, None]
-        DS = P * (DP - tl.sum(P * DP, axis=1)[:, None])
-        for n in tl.static_range(N):
-            v = tl.load(_entry_ptrs(xs, s_rows, s_entry, n, rows64, cols, STACKED), mask=mask, other=0.0).to(ct)
-            p = _column(P, nidx, n)
-            dsr = _column(DS, nidx, n) * _column(RR, nidx, n)
-            sr_d = _column(S, nidx, n) * _column(RR, nidx, n) / D
-            dv = p[:, None] * g + dsr[:, None] * (w[None, :] - sr_d[:, None] * v)
-            dptr = _entry_ptrs(dxs, ds_rows, ds_entry, n, rows64, cols, STACKED)
-            tl.store(dptr, dv.to(dptr.dtype.element_ty), mask=mask)
-            dw += tl.sum(dsr[:, None] * v, axis=0)
-        it += 1
-    tl.store(part_ptr + pid.to(tl.int64) * D + cols, dw, mask=cmask)
+            s, dp = tl.reduce(((v * r[:, None]) * w[None, :], g * v), 1, _add2)  # keys first, then the dot
+            if j <= N:
+                m_new = tl.maximum(m, s)
+                alpha = tl.exp(m - m_new)
+                e = tl.exp(s - m_new)
+                lsum = lsum * alpha + e
+                u = u * alpha + e * dp
+                m = m_new
+            else:
+                p = tl.exp(s - m) / lsum
+                dsr = p * (dp - u / lsum) * r  # ds_n r_n, ds_n = p_n (dp_n - sum_m p_m dp_m)
+                sr_d = s * r / D
+                dv = p[:, None] * g + dsr[:, None] * (w[None, :] - sr_d[:, None] * v)
+                rmask = rows < R
+                tl.store(dx_ptr + n.to(tl.int64) * d_entry + rows[:, None] * d_row + cols[None, :],
+                         dv.to(dx_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+                dw += tl.where(rmask, dsr, 0.0)[:, None] * v
+    tl.store(part_ptr + pid.to(tl.int64) * D + cols, tl.sum(dw, axis=0), mask=cmask)

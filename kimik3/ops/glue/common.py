@@ -175,6 +175,42 @@ def backward_programs(row_blocks: int, device: torch.device, programs: int | Non
     return max(1, min(programs, row_blocks))
 
 
+def row_chunks(row_blocks: int, device: torch.device, programs: int | None = None,
+               per_sm: int = 2) -> tuple[int, int]:
+    """(ITERS, G) for a backward that gives each of G programs ITERS consecutive row blocks (the last ones possibly
+    past the rows) in one loop of a constant trip count, which the compiler can pipeline (and the interpreter can
+    run: it takes no tensor bounds in range(), triton#9171). ITERS above 8 is rounded up to m 2^e with m in 4..8
+    (at most four values an octave: few specialisations) and G = cdiv(row_blocks, ITERS): at most
+    ``backward_programs``' count (with ``per_sm`` programs an SM instead of 2; the cap ``programs`` included), at
+    least half of it, and 4/5 of it once ITERS > 8."""
+    if programs is None and device.type == "cuda":
+        programs = per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    target = backward_programs(row_blocks, device, programs)
+    iters = -(-row_blocks // target) if row_blocks > 0 else 1
+    if iters > 8:
+        e = iters.bit_length() - 3
+        iters = -(-iters // (1 << e)) << e
+    return iters, max(1, -(-row_blocks // iters))
+
+
+# A program's shared memory for a pipelined loop's buffers (two such programs fit an SM's 227 KB on sm_90), and the
+# most stages worth having: 4 tiles in flight a program (RMSNorm at D = 1024: 2 programs an SM x 4 x 8 KB; AttnRes:
+# 8 x 4 x 2 KB), about what covers the memory's latency at full bandwidth.
+PIPELINE_BYTES = 96 * 1024
+MAX_STAGES = 5
+
+
+def pipeline_stages(stage_bytes: int) -> int:
+    """num_stages of a loop whose iteration loads ``stage_bytes``: buffers (num_stages - 1 of them) within
+    PIPELINE_BYTES, at most MAX_STAGES; 1 (no pipelining) when not even one fits."""
+    return max(1, min(MAX_STAGES, 1 + PIPELINE_BYTES // max(1, stage_bytes)))
+
+
+# reduce_partials' blocks for a G of hundreds to a thousand: 16 columns a program (D / 16 programs, not D / 128, to
+# spread the second stage over the SMs) and 128 partials a step (8 steps for G = 1024, not 64).
+WIDE_REDUCE = dict(block_d=16, block_g=128)
+
+
 def on_device(device: torch.device):
     """Launch on the tensors' GPU whatever the current device is (Triton launches on the current one)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -185,18 +221,20 @@ def compute_f64(*tensors: torch.Tensor) -> bool:
     return any(t.dtype == torch.float64 for t in tensors)
 
 
-def reduce_partials(partial_GD: torch.Tensor, a_D: torch.Tensor, b_D: torch.Tensor | None, f64: bool):
+def reduce_partials(partial_GD: torch.Tensor, a_D: torch.Tensor, b_D: torch.Tensor | None, f64: bool, *,
+                    block_d: int = 128, block_g: int = 16):
     """Second stage of a parameter-grad reduction: total = sum over G of partial_GD [G, D] (fp32/fp64).
 
     With b_D None: returns total in a_D's dtype (RMSNorm: the weight's grad). Otherwise, for a parameter product
     w = a * b: returns (total * b in a's dtype, total * a in b's dtype), the grads of a and b (AttnRes: key norm
-    weight and query). One launch."""
+    weight and query). One launch: a program per ``block_d`` columns, which adds ``block_g`` partials a step
+    (powers of two; the sum's order, fixed, depends on them)."""
     G, D = partial_GD.shape
     out_a = torch.empty(D, dtype=a_D.dtype, device=a_D.device)
     two = b_D is not None
     out_b = torch.empty(D, dtype=b_D.dtype, device=b_D.device) if two else out_a
-    block_d = min(128, triton.next_power_of_2(D))
-    block_g = min(16, triton.next_power_of_2(G))
+    block_d = min(block_d, triton.next_power_of_2(D))
+    block_g = min(block_g, triton.next_power_of_2(G))
     with on_device(partial_GD.device):
         _reduce_partials_kernel[(triton.cdiv(D, block_d),)](
             partial_GD, a_D, b_D if two else a_D, out_a, out_b, G, D,

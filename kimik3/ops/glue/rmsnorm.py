@@ -6,8 +6,9 @@ weight.float(), rms_norm, .to()); here one program per block of rows reads x onc
 registers and writes y once.
 
 Backward, per row with g = dL/dy:  dx = r (g w - x r^2 (g w . x) / D),  dw = sum over rows of g x r. One kernel
-writes dx and per-program partial sums of dw (its G programs each walk several row blocks), one
-(``common.reduce_partials``) adds the partials in a fixed order and writes dw in the weight's dtype.
+writes dx and per-program partial sums of dw (its G programs each walk a run of row blocks in a pipelined loop,
+``common.row_chunks``), one (``common.reduce_partials``) adds the partials in a fixed order and writes dw in the
+weight's dtype.
 
 Shapes decide everything at launch (no host sync). The torch reference, and the CPU path, is ``RMSNorm``'s own
 code; ``glue_backend`` makes the choice.
@@ -20,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from kimik3.ops.glue.common import (
+    WIDE_REDUCE,
     _jit,
-    backward_programs,
     blocks,
     check_eps,
     check_float,
@@ -31,7 +32,9 @@ from kimik3.ops.glue.common import (
     compute_f64,
     describe,
     on_device,
+    pipeline_stages,
     reduce_partials,
+    row_chunks,
     rows_2d,
     tl,
     triton,
@@ -70,7 +73,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
 def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, eps: float, grad_y: torch.Tensor,
                       *, programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx in x's dtype and shape, dweight in the weight's dtype). grad_y: like x. Two launches; ``programs``
-    overrides G (``common.backward_programs``)."""
+    caps G (``common.row_chunks``)."""
     eps = _check(x, weight, eps)
     if not isinstance(grad_y, torch.Tensor) or grad_y.shape != x.shape:
         raise ValueError(f"grad_y must have x's shape {tuple(x.shape)}, got {describe(grad_y)}")
@@ -82,18 +85,18 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, eps: float, grad_y:
     f64 = compute_f64(x2, w, g2)
     dx = torch.empty(R, D, dtype=x.dtype, device=x.device)
     block_r, block_d, num_warps = blocks(R, D)
-    row_blocks = triton.cdiv(R, block_r)
-    G = backward_programs(row_blocks, x.device, programs)
+    iters, G = row_chunks(triton.cdiv(R, block_r), x.device, programs)
     partial = torch.empty(G, D, dtype=torch.float64 if f64 else torch.float32, device=x.device)
     if R == 0:
         partial.zero_()
     else:
+        stages = pipeline_stages(block_r * block_d * (x2.element_size() + g2.element_size()))
         with on_device(x.device):
             _rmsnorm_bwd_kernel[(G,)](
-                x2, x2.stride(0), g2, g2.stride(0), w, dx, partial, R, D, eps, triton.cdiv(row_blocks, G), G,
-                BLOCK_R=block_r, BLOCK_D=block_d, F64=f64, num_warps=num_warps,
+                x2, x2.stride(0), g2, g2.stride(0), w, dx, partial, R, D, eps,
+                ITERS=iters, BLOCK_R=block_r, BLOCK_D=block_d, F64=f64, STAGES=stages, num_warps=num_warps,
             )
-    return dx.view(x.shape), reduce_partials(partial, weight, None, f64)
+    return dx.view(x.shape), reduce_partials(partial, weight, None, f64, **WIDE_REDUCE)
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -147,30 +150,32 @@ def _rmsnorm_fwd_kernel(
 
 @_jit
 def _rmsnorm_bwd_kernel(
-    x_ptr, s_x, g_ptr, s_g, w_ptr, dx_ptr, part_ptr, R, D, eps, ITERS, G,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, F64: tl.constexpr,
+    x_ptr, s_x, g_ptr, s_g, w_ptr, dx_ptr, part_ptr, R, D, eps,
+    ITERS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, F64: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """Program p of G: row blocks p, p + G, ... (ITERS of them, the last ones possibly empty); writes dx for them
-    and its partial sum of dw = sum g x r to part_ptr[p] ([G, D], fp32 or fp64)."""
+    """Program p of G: the ITERS row blocks from p ITERS on (those past R masked off), in a loop pipelined over
+    STAGES stages; writes dx for them and its partial sum of dw = sum g x r to part_ptr[p] ([G, D], fp32 or fp64).
+    The loads clamp their rows to R - 1 instead of masking them (loop-invariant masks: the pipeline carries no
+    per-stage mask tiles); the rows past R are neither stored nor summed."""
     ct = tl.float64 if F64 else tl.float32
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(ct)
-    dw = tl.zeros([BLOCK_D], dtype=ct)
-    it = 0
-    while it < ITERS:  # (a while loop: Triton 3.6's interpreter cannot take tensor bounds in range(), triton#9171)
-        rows = (pid + it * G) * BLOCK_R + tl.arange(0, BLOCK_R)
-        mask = (rows < R)[:, None] & cmask[None, :]
-        rows64 = rows.to(tl.int64)
-        x = tl.load(x_ptr + rows64[:, None] * s_x + cols[None, :], mask=mask, other=0.0).to(ct)
-        g = tl.load(g_ptr + rows64[:, None] * s_g + cols[None, :], mask=mask, other=0.0).to(ct)
+    dw = tl.zeros([BLOCK_R, BLOCK_D], dtype=ct)
+    row0 = pid.to(tl.int64) * (ITERS * BLOCK_R)
+    for t in tl.range(0, ITERS, num_stages=STAGES):
+        rows = row0 + t * BLOCK_R + tl.arange(0, BLOCK_R)
+        rows_in = tl.minimum(rows, R - 1)
+        x = tl.load(x_ptr + rows_in[:, None] * s_x + cols[None, :], mask=cmask[None, :], other=0.0).to(ct)
+        g = tl.load(g_ptr + rows_in[:, None] * s_g + cols[None, :], mask=cmask[None, :], other=0.0).to(ct)
         r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
         xr = x * r[:, None]
         gw = g * w[None, :]
         c = tl.sum(gw * xr, axis=1) / D  # (g w . x) r / D
         dx = r[:, None] * (gw - xr * c[:, None])
-        tl.store(dx_ptr + rows64[:, None] * D + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        dw += tl.sum(g * xr, axis=0)
-        it += 1
-    tl.store(part_ptr + pid.to(tl.int64) * D + cols, dw, mask=cmask)
+        rmask = rows < R
+        tl.store(dx_ptr + rows[:, None] * D + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+        dw += tl.where(rmask[:, None], g * xr, 0.0)
+    tl.store(part_ptr + pid.to(tl.int64) * D + cols, tl.sum(dw, axis=0), mask=cmask)

@@ -6,6 +6,18 @@ import torch
 import torch.nn.functional as F
 
 
+def away_from_init(model: torch.nn.Module) -> torch.nn.Module:
+    """Move a K3 model off the values init leaves (zero AttnRes queries, zero router biases), which hide paths and
+    carried tensors from a comparison; in place (torch's global RNG), returns the model."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("query"):
+                p.normal_(std=0.5)
+        for router in model.routers():
+            router.expert_bias.normal_(std=0.05)
+    return model
+
+
 def cu_seqlens(lengths: Sequence[int], device="cpu") -> torch.Tensor:
     """The int32 cu_seqlens of a packed batch of sequences of these lengths: [0, l0, l0 + l1, ...]."""
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)

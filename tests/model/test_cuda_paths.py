@@ -10,20 +10,14 @@ import torch
 from kimik3 import K3Config, K3ForCausalLM
 from kimik3.model.cache import K3Cache
 from kimik3.model.fused_linear import pack_projections
-from tests.numerics import rel_rms
+from tests.numerics import away_from_init, rel_rms
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _models():
     config = K3Config.preset("tiny")
-    cpu = K3ForCausalLM(config, seed=0)
-    with torch.no_grad():   # away from init: zero AttnRes queries and router biases hide paths
-        for name, p in cpu.named_parameters():
-            if name.endswith("query"):
-                p.normal_(std=0.5)
-        for router in cpu.routers():
-            router.expert_bias.normal_(std=0.05)
+    cpu = away_from_init(K3ForCausalLM(config, seed=0))
     gpu = K3ForCausalLM(config, seed=0).cuda()
     gpu.load_state_dict(cpu.state_dict())
     return config, cpu, gpu

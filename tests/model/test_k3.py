@@ -5,20 +5,13 @@ import torch
 
 from kimik3 import K3Config, K3ForCausalLM
 from kimik3.model.cache import K3Cache
-from tests.numerics import rel_rms
+from tests.numerics import away_from_init, rel_rms
 
 
 @pytest.fixture(scope="module")
 def tiny():
     config = K3Config.preset("tiny")
-    model = K3ForCausalLM(config, seed=0).eval()
-    # Move away from init (zero AttnRes queries, zero router bias) so every path is exercised.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("query"):
-                p.normal_(std=0.5)
-        for router in model.routers():
-            router.expert_bias.normal_(std=0.05)
+    model = away_from_init(K3ForCausalLM(config, seed=0).eval())   # so that every path is exercised
     return config, model
 
 

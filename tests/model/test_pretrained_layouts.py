@@ -12,18 +12,12 @@ import torch
 
 from kimik3 import K3Config, K3ForCausalLM
 from kimik3.model.pretrained import INDEX_FILE, read_config, shard_plan
+from tests.numerics import away_from_init
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    model = K3ForCausalLM(K3Config.preset("tiny"), seed=0).eval()
-    with torch.no_grad():   # away from init so that every carried tensor matters
-        for name, p in model.named_parameters():
-            if name.endswith("query"):
-                p.normal_(std=0.5)
-        for router in model.routers():
-            router.expert_bias.normal_(std=0.05)
-    return model
+    return away_from_init(K3ForCausalLM(K3Config.preset("tiny"), seed=0).eval())   # every carried tensor matters
 
 
 def _logits(model, ids):

@@ -14,6 +14,7 @@ from kimik3 import K3ForCausalLM
 from kimik3.serve.memory import EngineConfig
 from kimik3.serve.scheduler import EngineCore
 from kimik3.serve.types import GenerationRequest, SamplingParams
+from tests.numerics import away_from_init
 from tests.serve.test_engine import prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -28,14 +29,7 @@ def _core(model, tokenizer, eager: bool) -> EngineCore:
 
 @pytest.fixture(scope="module")
 def cuda_model(serve_model):
-    model = K3ForCausalLM(serve_model.config, device="cuda", seed=0).eval()
-    with torch.no_grad():   # away from init: zero AttnRes queries and router biases hide paths
-        for name, p in model.named_parameters():
-            if name.endswith("query"):
-                p.normal_(std=0.5)
-        for router in model.routers():
-            router.expert_bias.normal_(std=0.05)
-    return model
+    return away_from_init(K3ForCausalLM(serve_model.config, device="cuda", seed=0).eval())
 
 
 def _prefill_logits(core: EngineCore, prompt: list[int]) -> list[torch.Tensor]:

@@ -233,7 +233,21 @@ def _write_shard(path: Path, items: list[WriteItem], planner: SavePlanner) -> li
     return results
 
 
-class SafetensorsShardWriter(StorageWriter):
+class _DirectoryCheckpoint:
+    """What the writer and the reader share: the checkpoint is a local directory, ``self.path``."""
+
+    path: Path
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return "://" not in str(checkpoint_id)
+
+
+class SafetensorsShardWriter(_DirectoryCheckpoint, StorageWriter):
     """A DCP ``StorageWriter``: each rank's chunks into one safetensors file, the index as JSON (module docstring)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -274,17 +288,9 @@ class SafetensorsShardWriter(StorageWriter):
         doc = metadata_to_json(metadata, files)
         _write_file(self.path / INDEX_FILE, json.dumps(doc, separators=(",", ":")).encode())
 
-    @property
-    def checkpoint_id(self) -> str | os.PathLike:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return "://" not in str(checkpoint_id)
-
 
 # ---------------------------------------------------------------------- reading
-class SafetensorsShardReader(StorageReader):
+class SafetensorsShardReader(_DirectoryCheckpoint, StorageReader):
     """The DCP ``StorageReader`` of ``SafetensorsShardWriter``'s checkpoints: no pickle, no ``torch.load``."""
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -343,11 +349,3 @@ class SafetensorsShardReader(StorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
-
-    @property
-    def checkpoint_id(self) -> str | os.PathLike:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return "://" not in str(checkpoint_id)

@@ -62,6 +62,17 @@ def assert_matches(got, ref, dtype, what):
         assert rel_rms(ref, got) < 2e-3, (what, rel_rms(ref, got))
 
 
+def check_kernel_against_module(mix, entries, grad, dtype, names=None) -> torch.Tensor:
+    """The kernel's output and its grads (entries, key norm weight, query) against the module's, each checked by
+    ``assert_matches`` in ``dtype`` (labelled by ``names``, else by position); returns the kernel's output."""
+    ref = reference(mix, entries, grad)
+    out = attnres_mix(entries, mix.key_norm_weight, mix.query, mix.eps)
+    got = [out, *torch.autograd.grad(out, [*entries, mix.key_norm_weight, mix.query], grad)]
+    for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+        assert_matches(g, r, dtype, names[i] if names else i)
+    return out
+
+
 CASES = [  # dtype, N, lead dims (R = their product), D
     (torch.float32, 1, (1, 3), 96),
     (torch.float32, 2, (2, 65), 200),
@@ -78,12 +89,8 @@ def test_forward_and_grads_match_the_module(dtype, N, lead, D):
     mix = make_mix(D)
     entries = make_entries(N, lead, D, dtype)
     grad = torch.randn(*lead, D, generator=torch.Generator().manual_seed(2)).to(device=DEV, dtype=dtype)
-    ref = reference(mix, entries, grad)
-    out = attnres_mix(entries, mix.key_norm_weight, mix.query, mix.eps)
-    got = [out, *torch.autograd.grad(out, [*entries, mix.key_norm_weight, mix.query], grad)]
     names = ["out", *(f"d entries[{n}]" for n in range(N)), "d key_norm_weight", "d query"]
-    for g, r, name in zip(got, ref, names):
-        assert_matches(g, r, dtype, name)
+    check_kernel_against_module(mix, entries, grad, dtype, names)
 
 
 @needs_kernels
@@ -119,11 +126,7 @@ def test_more_entries_than_the_pointer_tuple_takes():
     mix = make_mix(16)
     entries = make_entries(N, (2,), 16, torch.float32)
     grad = torch.randn(2, 16, generator=torch.Generator().manual_seed(5)).to(DEV)
-    ref = reference(mix, entries, grad)
-    out = attnres_mix(entries, mix.key_norm_weight, mix.query, mix.eps)
-    got = [out, *torch.autograd.grad(out, [*entries, mix.key_norm_weight, mix.query], grad)]
-    for i, (g, r) in enumerate(zip(got, ref)):
-        assert_matches(g, r, torch.float32, i)
+    check_kernel_against_module(mix, entries, grad, torch.float32)
 
 
 @needs_kernels
@@ -135,12 +138,8 @@ def test_mixed_entry_dtypes_bf16_params_and_strided_entries():
     wide = torch.randn(3, 2 * D, generator=torch.Generator().manual_seed(6)).to(DEV).requires_grad_()
     entries = [*make_entries(2, (3,), D, torch.bfloat16), wide[:, D:]]
     grad = torch.randn(3, D, generator=torch.Generator().manual_seed(7)).to(DEV)
-    ref = reference(mix, entries, grad)
-    out = attnres_mix(entries, mix.key_norm_weight, mix.query, mix.eps)
-    got = [out, *torch.autograd.grad(out, [*entries, mix.key_norm_weight, mix.query], grad)]
+    out = check_kernel_against_module(mix, entries, grad, torch.bfloat16)
     assert out.dtype == torch.float32  # the last entry's
-    for i, (g, r) in enumerate(zip(got, ref)):
-        assert_matches(g, r, torch.bfloat16, i)
 
 
 @needs_kernels
@@ -218,11 +217,7 @@ def test_a_full_pointer_tuple_of_entries_with_different_row_strides():
         wide = (torch.randn(3, width, generator=gen) * (0.5 + n / 4)).to(DEV, torch.bfloat16).requires_grad_()
         entries.append(wide[:, width - D:])
     grad = torch.randn(3, D, generator=gen).to(DEV, torch.bfloat16)
-    ref = reference(mix, entries, grad)
-    out = attnres_mix(entries, mix.key_norm_weight, mix.query, mix.eps)
-    got = [out, *torch.autograd.grad(out, [*entries, mix.key_norm_weight, mix.query], grad)]
-    for i, (g, r) in enumerate(zip(got, ref)):
-        assert_matches(g, r, torch.bfloat16, i)
+    check_kernel_against_module(mix, entries, grad, torch.bfloat16)
 
 
 @needs_kernels

@@ -55,12 +55,11 @@ class PiecewiseGraph:
             _state.recorder = self
             try:
                 self.output = forward()
-            except BaseException:
-                self.graphs[-1].capture_end()
-                raise
             finally:
                 _state.recorder = None
-            self.graphs[-1].capture_end()
+                # Also on an error: end the graph still capturing (none when an eager region raised, between two).
+                if torch.cuda.is_current_stream_capturing():
+                    self.graphs[-1].capture_end()
         torch.cuda.current_stream().wait_stream(self._stream)
         torch.cuda.synchronize()
         return self.output

@@ -136,6 +136,8 @@ class KDA(nn.Module):
             x_BTD, self._inputs, [3 * proj, self.forget_a.out_features, heads, proj])
         convs = (self.q_conv, self.k_conv, self.v_conv)
         one_token = state is not None and length == 1
+        # A padded multi-token chunk: the real tokens of each row (the rest must leave the state as they find it).
+        valid_B = state.valid_B if state is not None and not one_token else None
         if one_token:
             # In place in the state's conv rows (one kernel on CUDA: nothing gathered, nothing scattered).
             qkv_BTC = state.conv_step_in_place(
@@ -148,13 +150,13 @@ class KDA(nn.Module):
             conv_x_BTC = qkv_BTC
             qkv_BTC, conv_state = apply_short_conv(qkv_BTC, convs, conv_in, cu_seqlens)
             if state is not None:
-                if state.valid_B is not None:   # a padded chunk: the inputs before its first padding token
-                    conv_state = conv_state_at(conv_x_BTC, conv_in, state.valid_B, self.q_conv.shape[1])
+                if valid_B is not None:   # the inputs before the first padding token
+                    conv_state = conv_state_at(conv_x_BTC, conv_in, valid_B, self.q_conv.shape[1])
                 state.set_conv(conv_state)
         q_BTHK, k_BTHK, v_BTHV = (t.unflatten(-1, (heads, head_dim)) for t in qkv_BTC.chunk(3, dim=-1))
         raw_gate_BTHK = self.forget_b(forget_a_BTR).unflatten(-1, (heads, head_dim))
-        if not one_token and state is not None and state.valid_B is not None:
-            pad_BT = torch.arange(length, device=x_BTD.device)[None, :] >= state.valid_B[:, None]
+        if valid_B is not None:
+            pad_BT = torch.arange(length, device=x_BTD.device)[None, :] >= valid_B[:, None]
             raw_gate_BTHK = raw_gate_BTHK.masked_fill(pad_BT[:, :, None, None], PAD_LOGIT)
             beta_logit_BTH = beta_logit_BTH.masked_fill(pad_BT[:, :, None], PAD_LOGIT)
 

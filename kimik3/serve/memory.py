@@ -108,15 +108,16 @@ def gpu_cache_budget(model: torch.nn.Module, engine: EngineConfig) -> int:
     torch.cuda.reset_peak_memory_stats(device)
     with torch.no_grad():
         model(torch.zeros(1, engine.prefill_chunk, dtype=torch.long, device=device), last_only=True)
-    activations = (torch.cuda.max_memory_allocated(device) - before) * (1 if engine.enforce_eager else 2)
+    copies = 1 if engine.enforce_eager else 2
+    activations = (torch.cuda.max_memory_allocated(device) - before) * copies
     torch.cuda.empty_cache()
     budget = int(total * util) - weights - activations - GRAPH_RESERVE_BYTES
     gib = 2**30
     if budget <= 0:
         raise ValueError(f"gpu_memory_utilization={util} leaves no cache: {total * util / gib:.1f} GiB of "
                          f"{total / gib:.1f} GiB, of which the weights take {weights / gib:.1f} GiB and one "
-                         f"{engine.prefill_chunk}-token prefill {activations / gib:.1f} GiB (eager and as graphs); "
-                         "raise it")
+                         f"{engine.prefill_chunk}-token prefill {activations / gib:.1f} GiB"
+                         f"{' (eager and as graphs)' if copies == 2 else ''}; raise it")
     free_after = torch.cuda.mem_get_info(device)[0]
     if budget > free_after - GRAPH_RESERVE_BYTES:
         raise ValueError(f"gpu_memory_utilization={util} asks for a {budget / gib:.1f} GiB cache but only "

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kimik3.ops.glue.common import check_triton_device, triton
+from kimik3.ops.glue.common import glue_backend
 from kimik3.ops.loss.ce_chunk import ce_chunk
 from kimik3.ops.precision import no_autocast
 
@@ -132,12 +132,8 @@ def _check(hidden, weight, labels, ignore_index, reduction, chunk_tokens, backen
         if bool(bad.any()):
             first = int(labels[bad][0])
             raise ValueError(f"labels must lie in [0, {V}) or equal ignore_index={ignore_index}, got {first}")
-    choice = (backend or "auto").lower()
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    if choice == "triton":
-        check_triton_device(hidden, "linear_cross_entropy backend 'triton'")
-    use_triton = choice == "triton" or (choice == "auto" and hidden.is_cuda and triton is not None)
+    # The glue ops' choice, with no width bound: the chunk kernel loops over V whatever D is.
+    use_triton = glue_backend(hidden, backend, max_width=hidden.shape[-1]) == "triton"
     chunk = chunk_tokens or default_chunk_tokens(V, device)
     return hidden.reshape(-1, hidden.shape[-1]), weight, labels, cdt, chunk, use_triton
 

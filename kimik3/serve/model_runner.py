@@ -65,6 +65,16 @@ def graph_buckets(max_running: int) -> list[int]:
     return buckets + [next((b for b in BUCKETS if b >= max_running), max_running)]
 
 
+def warm_up(side: torch.cuda.Stream, forward) -> None:
+    """Run ``forward`` once on ``side``, ordered after the current stream's work and before what follows it: its
+    kernels compile and autotune before a capture, which must see none of that."""
+    current = torch.cuda.current_stream(side.device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        forward()
+    current.wait_stream(side)
+
+
 def prefill_sizes(chunk: int) -> list[int]:
     """The prefill sizes to capture: ``PREFILL_MIN``, twice that, ... below ``chunk``, then ``chunk``."""
     sizes = []
@@ -196,10 +206,7 @@ class ModelRunner:
         side = torch.cuda.Stream(self.device)
         with torch.no_grad():
             for bucket in sorted(buckets, reverse=True):
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):   # compiles and autotunes the kernels before the capture
-                    self._graph_body(bucket)
-                torch.cuda.current_stream(self.device).wait_stream(side)
+                warm_up(side, lambda: self._graph_body(bucket))
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     logits_bV = self._graph_body(bucket)
@@ -271,10 +278,7 @@ class _PrefillGraph:
 
         side = torch.cuda.Stream(device)
         with torch.no_grad():
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):   # compiles and autotunes the kernels before the capture
-                forward()
-            torch.cuda.current_stream(device).wait_stream(side)
+            warm_up(side, forward)
             self.graph = PiecewiseGraph(pool, side)
             self.graph.capture(forward)
         self._views = [layer for layer in caches[-1].layers if isinstance(layer, PagedLatentView)]

@@ -65,10 +65,10 @@ def graph_buckets(max_running: int) -> list[int]:
     return buckets + [next((b for b in BUCKETS if b >= max_running), max_running)]
 
 
-def warm_up(side: torch.cuda.Stream, forward) -> None:
-    """Run ``forward`` once on ``side``, ordered after the current stream's work and before what follows it: its
-    kernels compile and autotune before a capture, which must see none of that."""
-    current = torch.cuda.current_stream(side.device)
+def warm_up(device: torch.device, side: torch.cuda.Stream, forward) -> None:
+    """Run ``forward`` once on ``side`` (a stream of ``device``), ordered after the current stream's work and before
+    what follows it: its kernels compile and autotune before a capture, which must see none of that."""
+    current = torch.cuda.current_stream(device)
     side.wait_stream(current)
     with torch.cuda.stream(side):
         forward()
@@ -206,7 +206,7 @@ class ModelRunner:
         side = torch.cuda.Stream(self.device)
         with torch.no_grad():
             for bucket in sorted(buckets, reverse=True):
-                warm_up(side, lambda: self._graph_body(bucket))
+                warm_up(self.device, side, lambda: self._graph_body(bucket))
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     logits_bV = self._graph_body(bucket)
@@ -278,7 +278,7 @@ class _PrefillGraph:
 
         side = torch.cuda.Stream(device)
         with torch.no_grad():
-            warm_up(side, forward)
+            warm_up(device, side, forward)
             self.graph = PiecewiseGraph(pool, side)
             self.graph.capture(forward)
         self._views = [layer for layer in caches[-1].layers if isinstance(layer, PagedLatentView)]

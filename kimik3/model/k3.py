@@ -64,6 +64,30 @@ class K3Output:
     routing: tuple[RoutingStats | None, ...] = ()
 
 
+def check_token_ids(input_ids: torch.Tensor, labels: torch.Tensor | None, vocab_size: int) -> None:
+    """Raise ValueError unless every id lies in [0, vocab_size) and every label there or at IGNORE_INDEX.
+
+    One read back to the host for both (a sync on CUDA). None while a CUDA graph is being captured: its replays
+    run no Python, so whoever replays it checks each batch (the serving engine as requests arrive,
+    ``kimik3.train.captured_step.CapturedStep`` before each step)."""
+    if input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    stats = []
+    if input_ids.numel():
+        stats += [input_ids.min(), input_ids.max()]
+    if labels is not None and labels.numel():
+        stats.append(((labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))).sum())
+    if not stats:
+        return
+    values = torch.stack([x.long() for x in stats]).tolist()
+    if input_ids.numel() and (values[0] < 0 or values[1] >= vocab_size):
+        raise ValueError(f"input_ids must lie in [0, {vocab_size}), got [{values[0]}, {values[1]}]")
+    if labels is not None and labels.numel() and values[-1]:
+        bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))
+        raise ValueError(f"labels must lie in [0, {vocab_size}) or equal {IGNORE_INDEX} (ignored), got "
+                         f"{int(labels[bad][0])} ({values[-1]} out of range)")
+
+
 class K3ForCausalLM(nn.Module):
     """Kimi K3 causal language model.
 
@@ -149,13 +173,7 @@ class K3ForCausalLM(nn.Module):
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels shape {tuple(labels.shape)} does not match input_ids "
                                  f"{tuple(input_ids.shape)}")
-        # The range check reads the ids back to the host; a CUDA graph being captured cannot (its replays run no
-        # Python at all: the serving engine checks the ids it feeds them when requests arrive).
-        capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
-        if input_ids.numel() and not capturing and (int(input_ids.min()) < 0
-                                                    or int(input_ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), "
-                             f"got [{int(input_ids.min())}, {int(input_ids.max())}]")
+        check_token_ids(input_ids, labels, self.config.vocab_size)
         if cu_seqlens is not None:
             if input_ids.shape[0] != 1:
                 raise ValueError("cu_seqlens packs sequences along T: input_ids must have batch size 1")
@@ -182,7 +200,7 @@ class K3ForCausalLM(nn.Module):
             out.logits = self.head(self.norm(picked))
         else:
             out.main_loss = linear_cross_entropy(self.norm(hidden), self.head_weight, labels,
-                                                 ignore_index=IGNORE_INDEX)
+                                                 ignore_index=IGNORE_INDEX, check_labels=False)
             out.loss = out.main_loss
             if self.mtp is not None and input_ids.shape[1] > 1:
                 out.mtp_loss = self._mtp_loss(hidden, labels, cu_seqlens)
@@ -196,7 +214,8 @@ class K3ForCausalLM(nn.Module):
         targets = labels[:, 1:].masked_fill(known == IGNORE_INDEX, IGNORE_INDEX)
         cu = cu_seqlens.clamp(max=length) if cu_seqlens is not None else None
         mtp_hidden = self.mtp(hidden[:, :length], self.embed(known.clamp(min=0)), cu)
-        return linear_cross_entropy(mtp_hidden, self.head_weight, targets, ignore_index=IGNORE_INDEX)
+        return linear_cross_entropy(mtp_hidden, self.head_weight, targets, ignore_index=IGNORE_INDEX,
+                                    check_labels=False)
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()

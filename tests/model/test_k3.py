@@ -177,6 +177,12 @@ def test_bad_inputs_raise_clear_errors(tiny):
         model(torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"\[0, 4096\)"):
         model(torch.tensor([[0, 4096]]))
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, 4096\), got \[-1, 3\]"):
+        model(torch.tensor([[-1, 3]]), labels=torch.tensor([[3, 1]]))
+    # Labels: in range or the ignore index; the first bad one and how many are named.
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 4096\) or equal -100 .*got 4096 \(2 out"):
+        model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[4096, -100, -5]]))
+    model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[4095, -100, 0]]))   # the edges pass
     with pytest.raises(ValueError, match="batch size 1"):
         model(torch.zeros(2, 4, dtype=torch.long), cu_seqlens=torch.tensor([0, 4]))
     with pytest.raises(ValueError, match="max_new_tokens"):

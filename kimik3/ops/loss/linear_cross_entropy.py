@@ -55,7 +55,7 @@ def linear_cross_entropy_reference(hidden_ND: torch.Tensor, weight_VD: torch.Ten
 @torch.compiler.disable  # a Python loop over chunks with a host read (the label check): opaque to torch.compile
 def linear_cross_entropy(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor, *,
                          ignore_index: int = -100, reduction: str = "mean", chunk_tokens: int | None = None,
-                         backend: str = "auto") -> torch.Tensor:
+                         backend: str = "auto", check_labels: bool = True) -> torch.Tensor:
     """Cross-entropy of the logits ``hidden @ weight^T`` against ``labels``, chunked over tokens -> fp32 scalar
     (fp64 for fp64 inputs). Differentiable w.r.t. hidden and weight.
 
@@ -64,10 +64,11 @@ def linear_cross_entropy(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, label
     inputs' dtype (they must agree), or autocast's when it is on; the softmax in fp32. ``reduction``: "mean" over
     the labels != ignore_index (nan when there are none, as torch), or "sum". ``chunk_tokens``: tokens a chunk
     (default ``default_chunk_tokens``). ``backend``: "auto" (the Triton chunk kernel on CUDA when triton is
-    installed, else torch), "torch" or "triton". The label check reads one bool back to the host.
+    installed, else torch), "torch" or "triton". The label check reads one bool back to the host;
+    ``check_labels=False`` leaves it to the caller (the model checks ids and labels together, one read a batch).
     """
     h, w, labels, cdt, chunk, use_triton = _check(hidden_ND, weight_VD, labels_N, ignore_index, reduction,
-                                                  chunk_tokens, backend)
+                                                  chunk_tokens, backend, check_labels)
     if not (torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_VD.requires_grad)):
         return _forward(h, w, labels, ignore_index, reduction, chunk, cdt, use_triton, False, False)[0]
     return _LinearCrossEntropyFn.apply(h, w, labels, ignore_index, reduction, chunk, cdt, use_triton)
@@ -92,7 +93,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None
 
 
-def _check(hidden, weight, labels, ignore_index, reduction, chunk_tokens, backend):
+def _check(hidden, weight, labels, ignore_index, reduction, chunk_tokens, backend, check_labels):
     """Validates the arguments; returns (hidden [N, D], weight, labels [N] int64, compute dtype, chunk tokens,
     whether the Triton kernel runs)."""
     for name, x in (("hidden", hidden), ("weight", weight)):
@@ -127,7 +128,7 @@ def _check(hidden, weight, labels, ignore_index, reduction, chunk_tokens, backen
         cdt = hidden.dtype
     labels = labels.reshape(-1).long()
     capturing = labels.is_cuda and torch.cuda.is_current_stream_capturing()
-    if labels.numel() and not capturing:
+    if check_labels and labels.numel() and not capturing:
         bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
         if bool(bad.any()):
             first = int(labels[bad][0])

@@ -43,8 +43,8 @@ from kimik3.model.fused_linear import project
 from kimik3.model.norm import RMSNorm
 from kimik3.model.param_rules import ParamRule, muon
 from kimik3.ops.glue import glue_backend
-from kimik3.ops.moe import (SMALL_BATCH_MAX_ROWS, ExpertGroups, grouped_mm, route_backend, routed_experts_small,
-                            sigmoid_topk)
+from kimik3.ops.moe import (SMALL_BATCH_MAX_ROWS, ExpertGroups, from_expert_rows, grouped_mm, inverse_permutation,
+                            route_backend, routed_experts_small, sigmoid_topk, to_expert_rows)
 from kimik3.ops.precision import no_autocast
 
 
@@ -209,10 +209,10 @@ class RoutedExperts(nn.Module):
         num_experts = self.w_gate_ELF.shape[0]
         flat_ids_R = ids_TK.flatten()
         order_R = torch.argsort(flat_ids_R, stable=True)
-        token_R = order_R // top_k
+        inverse_R = inverse_permutation(order_R)
         groups = ExpertGroups.of(expert_counts(flat_ids_R, num_experts) if counts_E is None else counts_E)
 
-        x_RL = x_TL[token_R]
+        x_RL = to_expert_rows(x_TL, order_R, inverse_R, top_k)
         gate_RF = grouped_mm(x_RL, self.w_gate_ELF.to(x_RL.dtype), groups)
         up_RF = grouped_mm(x_RL, self.w_up_ELF.to(x_RL.dtype), groups)
         # Mixture weights applied after the experts, in fp32, as released.
@@ -220,8 +220,7 @@ class RoutedExperts(nn.Module):
         y_RL = grouped_mm(hidden_RF, self.w_down_EFL.to(x_RL.dtype), groups)
         # Back to token order, then each token's K rows summed by one reduction (accumulated in fp32): the same
         # result on every run, unlike an atomic scatter-add, so a decode replayed as a graph matches it eagerly.
-        y_TKL = torch.empty_like(y_RL).index_copy_(0, order_R, y_RL).view(num_tokens, top_k, -1)
-        return y_TKL.sum(1)
+        return from_expert_rows(y_RL, order_R, inverse_R, top_k).sum(1)
 
     def _few_rows(self, x_TL: torch.Tensor, rows: int) -> bool:
         """Whether the rows go through ``routed_experts_small``: CUDA, inference (nothing needs a gradient), at

@@ -74,7 +74,9 @@ def test_routing_record_scope_merges_calls_and_keeps_scores_for_training_only():
     assert missing is None
     (alone,) = inner.stats([router])
     assert torch.equal(merged.loads_E, alone.loads_E)                     # 10 + 20 tokens, merged
-    assert torch.equal(merged.scores_TE, alone.scores_TE) and torch.equal(merged.ids_TK, alone.ids_TK)
+    # (a matmul over 10 or 20 rows need not round as over 30: the scores are close, not bitwise equal)
+    torch.testing.assert_close(merged.scores_TE, alone.scores_TE)
+    assert torch.equal(merged.ids_TK, alone.ids_TK)
     router.eval()
     with RoutingRecord() as record:
         router(x)

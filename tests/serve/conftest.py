@@ -11,7 +11,6 @@ from kimik3.config import K3Config
 from kimik3.model.k3 import K3ForCausalLM
 from kimik3.serve.fake_engine import FakeEngine
 from kimik3.train.data import Document
-from tests.serve.http_server import KEY, Server
 from kimik3.train.tokenizer import train_tokenizer
 
 VOCAB = 512
@@ -34,10 +33,13 @@ def serve_model():
 
 
 @pytest.fixture
-def serve() -> Iterator[Callable[..., Server]]:
+def serve() -> Iterator[Callable[..., object]]:
+    # Imported here: the HTTP stack (openai, uvicorn) is only needed by the tests that start a server.
+    from tests.serve.http_server import KEY, Server
+
     servers = []
 
-    def start(engine: FakeEngine | None = None, api_key: str | None = KEY, **app_options) -> Server:
+    def start(engine: FakeEngine | None = None, api_key: str | None = KEY, **app_options):
         servers.append(Server(engine or FakeEngine(), api_key, **app_options))
         return servers[-1]
 

@@ -4,11 +4,17 @@
     python benchmarks/train_gpu.py --optimizer muon --json out.json
     python benchmarks/train_gpu.py --activation-checkpointing selective --find-max-seq-len --seq-len 16384
     python benchmarks/train_gpu.py --no-mtp --peer torchtitan       # and torchtitan's port, same tokens, same run
+    python benchmarks/train_gpu.py --check-eager 8                  # the CUDA graph's losses against eager ones
 
 One step = forward + backward (main and MTP losses) + optimizer step + zero_grad, on random token ids, the
 model's parameters in bf16 as ``kimik3 train --device cuda`` holds them (fp32 islands as the model keeps them).
 ``--optimizer adamw`` is fused AdamW over every parameter (how torchtitan's parity loop trains); ``muon`` is
 K3's own optimizer (per-head Muon + AdamW, ``kimik3.optim.build_param_groups``).
+
+By default the step (forward, backward, optimizer) is replayed as one CUDA graph after three eager steps
+(``kimik3.train.captured_step.CapturedStep``; ``--no-cuda-graph`` times it eagerly): eagerly the host issues the
+~5,000 kernels of a step more slowly than the GPU runs them. ``--check-eager N`` runs N steps both ways from the
+same weights on the same batches and prints the losses side by side.
 
 MFU counts 6 x active parameters per token (``kimik3.config.params.param_counts``: routed experts at
 top_k / num_experts, embedding excluded) over the GPU's dense bf16 peak (``--peak-tflops``, 989 for an H200),
@@ -44,25 +50,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from kimik3 import K3Config, K3ForCausalLM  # noqa: E402
 from kimik3.config.params import param_counts  # noqa: E402
 from kimik3.optim.muon import build_param_groups  # noqa: E402
+from kimik3.model.k3 import check_token_ids  # noqa: E402
 from kimik3.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
+from kimik3.train.captured_step import CapturedStep  # noqa: E402
 
 
-def make_optimizer(model: K3ForCausalLM, kind: str) -> torch.optim.Optimizer:
+def make_optimizer(model: K3ForCausalLM, kind: str, capturable: bool) -> torch.optim.Optimizer:
     if kind == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    return build_param_groups(model, lr=1e-4)
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True,
+                                 capturable=capturable)
+    return build_param_groups(model, lr=1e-4, capturable=capturable)
 
 
-def step_fn(model: K3ForCausalLM, optimizer, batch: int, seq_len: int, vocab: int, device: str):
+def build_model(config: K3Config, args) -> tuple[K3ForCausalLM, torch.optim.Optimizer]:
+    """The model from seed 0 on the GPU in bf16, checkpointing applied, and its optimizer."""
+    model = K3ForCausalLM(config, seed=0).to("cuda").cast(torch.bfloat16).train()
+    apply_activation_checkpointing(model, args.activation_checkpointing)
+    return model, make_optimizer(model, args.optimizer, capturable=args.cuda_graph)
+
+
+def step_fn(model: K3ForCausalLM, optimizer, batch: int, seq_len: int, vocab: int, device: str,
+            cuda_graph: bool):
+    """One training step on the next batch of random ids (a fixed generator: every run sees the same batches);
+    returns the main loss. ``cuda_graph``: the step after the ids are drawn is a ``CapturedStep``."""
     gen = torch.Generator(device=device).manual_seed(0)
 
-    def step() -> torch.Tensor:
-        ids = torch.randint(0, vocab, (batch, seq_len + 1), device=device, generator=gen)
-        out = model(ids[:, :-1], labels=ids[:, 1:])
+    def train_step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        out = model(inputs, labels=labels)
         out.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return out.main_loss.detach()
+
+    run = train_step
+    if cuda_graph:
+        run = CapturedStep(train_step, optimizer, check=lambda ids, labels: check_token_ids(ids, labels, vocab))
+
+    def step() -> torch.Tensor:
+        ids = torch.randint(0, vocab, (batch, seq_len + 1), device=device, generator=gen)
+        return run(ids[:, :-1], ids[:, 1:])
 
     return step
 
@@ -83,14 +109,14 @@ def peer_step_fn(port, optimizer, batch: int, seq_len: int, vocab: int, device: 
     return step
 
 
-def run_peer(our_model: K3ForCausalLM, args, vocab: int) -> dict:
-    """Time the port from our model's weights (moved to the CPU first: both never sit on the GPU together)."""
+def run_peer(config: K3Config, args, vocab: int) -> dict:
+    """Time the port from our model's starting weights (seed 0, built again on the CPU, bf16 as ours trains)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from torchtitan_port import build_port, import_port, load_ours_into_port
 
     port_ns = import_port(compile_mode=args.peer_compile)
     port = build_port("cuda", torch.bfloat16, init_on_device=True)
-    load_ours_into_port(port, our_model)
+    load_ours_into_port(port, K3ForCausalLM(config, seed=0).cast(torch.bfloat16))
     optimizer = torch.optim.AdamW(port.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     step = peer_step_fn(port, optimizer, args.batch, args.seq_len, vocab, "cuda")
     torch.cuda.reset_peak_memory_stats()
@@ -101,19 +127,32 @@ def run_peer(our_model: K3ForCausalLM, args, vocab: int) -> dict:
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "losses": losses}
 
 
-def count_kernels(step) -> tuple[int, list[tuple[str, float, int]]]:
+def profile_step(step, trace: str | None = None) -> dict:
+    """One step under the profiler: kernel count and total kernel time, the step's wall time, the host calls that
+    wait for the GPU, and the 30 kernels that take longest (a chrome trace to ``trace`` if given)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         step()
+        host_ms = (time.perf_counter() - start) * 1e3   # until the host has issued everything
         torch.cuda.synchronize()
-    rows = []
+        wall_ms = (time.perf_counter() - start) * 1e3
+    if trace:
+        prof.export_chrome_trace(trace)
+    rows, syncs = [], {}
     for event in prof.key_averages():
-        us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
-        if us and event.device_type.name == "CUDA":
-            rows.append((event.key[:90], us / 1e3, event.count))
+        if event.device_type.name == "CUDA":
+            us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
+            if us:
+                rows.append((event.key[:90], us / 1e3, event.count))
+        elif event.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync",
+                           "aten::_local_scalar_dense", "aten::nonzero"):
+            syncs[event.key] = event.count
     rows.sort(key=lambda r: -r[1])
-    return sum(r[2] for r in rows), rows[:30]
+    return {"kernels": sum(r[2] for r in rows), "kernel_ms": sum(r[1] for r in rows), "wall_ms": wall_ms,
+            "host_ms": host_ms, "host_calls_that_may_sync": syncs, "top": rows[:30]}
 
 
 def measure(step, warmup: int, steps: int) -> tuple[float, list[float]]:
@@ -139,7 +178,9 @@ def find_max_seq_len(model: K3ForCausalLM, optimizer, args, vocab: int) -> dict:
     while seq_len <= args.seq_len_limit:
         torch.cuda.reset_peak_memory_stats()
         print(f"  seq_len {seq_len:,}: ...", end="", flush=True)
-        step = step_fn(model, optimizer, 1, seq_len, vocab, "cuda")
+        # Eager: each length would capture a graph of its own, and a capture that runs out of memory leaves
+        # its private pool behind.
+        step = step_fn(model, optimizer, 1, seq_len, vocab, "cuda", cuda_graph=False)
         try:
             seconds, losses = measure(step, args.warmup, args.steps)
             row = {"seq_len": seq_len, "fits": True, "ms_per_step": seconds * 1e3, "tokens_per_s": seq_len / seconds,
@@ -174,13 +215,38 @@ def find_max_seq_len(model: K3ForCausalLM, optimizer, args, vocab: int) -> dict:
             "max_seq_len_peak_memory_gib": best["peak_memory_gib"] if best else None}
 
 
+def check_against_eager(config: K3Config, args) -> dict:
+    """``args.check_eager`` steps eagerly, then as many with the step captured, each from seed 0's weights on the
+    same batches: the main losses step by step and their largest difference."""
+    runs = {}
+    for graphed in (False, True):
+        model, optimizer = build_model(config, args)
+        step = step_fn(model, optimizer, args.batch, args.seq_len, config.vocab_size, "cuda", graphed)
+        runs["cuda_graph" if graphed else "eager"] = [float(step()) for _ in range(args.check_eager)]
+        del model, optimizer, step
+        gc.collect()
+        torch.cuda.empty_cache()
+    diffs = [abs(a - b) for a, b in zip(runs["eager"], runs["cuda_graph"], strict=True)]
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": args.preset,
+           "optimizer": args.optimizer, "batch": args.batch, "seq_len": args.seq_len, "steps": args.check_eager,
+           **runs, "abs_diff": diffs, "max_abs_diff": max(diffs), "tolerance": args.check_tolerance}
+    print(f"{args.check_eager} steps, {args.optimizer}, {args.batch} x {args.seq_len} tokens, from the same "
+          f"weights on the same batches (the first 3 eager in both: the capture's warm-up):")
+    for index, (a, b) in enumerate(zip(runs["eager"], runs["cuda_graph"], strict=True)):
+        print(f"  step {index}: eager {a:.6f}  CUDA graph {b:.6f}  |diff| {abs(a - b):.2e}")
+    verdict = "PASS" if out["max_abs_diff"] <= args.check_tolerance else "FAIL"
+    print(f"largest |diff| {out['max_abs_diff']:.2e} (tolerance {args.check_tolerance:g}): {verdict}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="debug")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, help="timed steps (default 10; 2 per length with --find-max-seq-len)")
-    parser.add_argument("--warmup", type=int, help="untimed steps first (default 3; 1 with --find-max-seq-len)")
+    parser.add_argument("--warmup", type=int,
+                        help="untimed steps first (default 5 with the CUDA graph, else 3; 1 with --find-max-seq-len)")
     parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     parser.add_argument("--activation-checkpointing", choices=["none", "full", "selective"], default="none",
                         help="what a step recomputes in backward (kimik3.parallel.activation_checkpoint)")
@@ -191,23 +257,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", choices=["torchtitan"], help="also time torchtitan's Kimi K3 port, same run")
     parser.add_argument("--peer-compile", choices=["fast", "autotune"], default="fast",
                         help="the port's FlexAttention compile: inductor defaults, or its own max-autotune")
+    parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
+                        help="replay the step as one CUDA graph after 3 eager steps (kimik3.train.captured_step)")
+    parser.add_argument("--check-eager", type=int, metavar="STEPS",
+                        help="instead of timing: STEPS steps with and without the CUDA graph from the same start, "
+                             "their losses compared")
+    parser.add_argument("--check-tolerance", type=float, default=0.0,
+                        help="--check-eager fails (exit 1) past this largest loss difference")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
-    parser.add_argument("--profile", action="store_true", help="also count the kernels of one step")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one step: kernel time against wall time, the top kernels")
+    parser.add_argument("--trace", help="with --profile: write that step's chrome trace here")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.steps is None:
         args.steps = 2 if args.find_max_seq_len else 10
-    if args.warmup is None:
-        args.warmup = 1 if args.find_max_seq_len else 3
+    if args.warmup is None:   # with the graph: its 3 eager steps, the capture and one replay
+        args.warmup = 1 if args.find_max_seq_len else (5 if args.cuda_graph else 3)
     if not torch.cuda.is_available():
         raise SystemExit("train_gpu.py needs a CUDA GPU")
     device = "cuda"
     config = K3Config.preset(args.preset)
     if args.no_mtp:
         config = dataclasses.replace(config, mtp=dataclasses.replace(config.mtp, num_modules=0))
-    model = K3ForCausalLM(config, seed=0).to(device).cast(torch.bfloat16).train()
-    apply_activation_checkpointing(model, args.activation_checkpointing)
-    optimizer = make_optimizer(model, args.optimizer)
+    if args.check_eager:
+        out = check_against_eager(config, args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+        return 0 if out["max_abs_diff"] <= args.check_tolerance else 1
+    model, optimizer = build_model(config, args)
     if args.find_max_seq_len:
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.preset}, {args.optimizer}, "
               f"activation checkpointing {args.activation_checkpointing}: the longest sequence a step fits "
@@ -226,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
         return 0
-    step = step_fn(model, optimizer, args.batch, args.seq_len, config.vocab_size, device)
+    step = step_fn(model, optimizer, args.batch, args.seq_len, config.vocab_size, device, args.cuda_graph)
     active = param_counts(config)["active"]
     tokens = args.batch * args.seq_len
 
@@ -246,22 +324,28 @@ def main(argv: list[str] | None = None) -> int:
            "mtp": not args.no_mtp, "batch": args.batch, "seq_len": args.seq_len, "active_params": active,
            "ms_per_step": seconds * 1e3, "tokens_per_s": tokens / seconds,
            "mfu": 6 * active * tokens / seconds / (args.peak_tflops * 1e12),
-           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "losses": losses}
+           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+           "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "cuda_graph": args.cuda_graph,
+           "losses": losses}
     print(f"{out['device']}, torch {out['torch']}, {args.preset} ({active / 1e6:.1f}M active), {args.optimizer}, "
           f"activation checkpointing {args.activation_checkpointing}, {args.batch} x {args.seq_len} tokens: "
           f"{out['ms_per_step']:.1f} ms/step, {out['tokens_per_s']:,.0f} tokens/s, MFU {out['mfu']:.1%}, "
-          f"peak {out['peak_memory_gib']:.1f} GiB, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+          f"peak {out['peak_memory_gib']:.1f} GiB ({out['peak_reserved_gib']:.1f} reserved), "
+          f"{'CUDA graph' if args.cuda_graph else 'eager'}, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
     if args.profile:
-        out["kernels_per_step"], out["top_kernels_ms"] = count_kernels(step)
-        print(f"{out['kernels_per_step']} kernels per step; by time (ms, launches):")
-        for name, ms, count in out["top_kernels_ms"]:
+        prof = out["profile"] = profile_step(step, args.trace)
+        print(f"one step under the profiler: {prof['wall_ms']:.1f} ms wall, host done issuing at "
+              f"{prof['host_ms']:.1f} ms; {prof['kernels']} kernels taking {prof['kernel_ms']:.1f} ms "
+              f"(GPU idle {prof['wall_ms'] - prof['kernel_ms']:.1f} ms); host calls that may wait on the GPU: "
+              f"{prof['host_calls_that_may_sync']}")
+        print("kernels by time (ms, launches):")
+        for name, ms, count in prof["top"]:
             print(f"  {ms:8.2f} {count:6d}  {name}")
     if args.peer:
-        del step, optimizer
-        model.to("cpu")
+        del step, optimizer, model
         gc.collect()
         torch.cuda.empty_cache()
-        peer = run_peer(model, args, config.vocab_size)
+        peer = run_peer(config, args, config.vocab_size)
         peer["ratio_ours_over_peer"] = out["tokens_per_s"] / peer["tokens_per_s"]
         out["peer"] = peer
         print(f"peer {peer['name']} ({peer['compile']} compile): {peer['ms_per_step']:.1f} ms/step, "

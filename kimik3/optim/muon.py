@@ -465,7 +465,7 @@ def build_param_groups(model: nn.Module, lr: float, weight_decay: float = 0.1, *
                        adamw_weight_decay: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.95),
                        adamw_eps: float = 1e-8, momentum: float = 0.95, nesterov: bool = True,
                        ns_steps: int = DEFAULT_NS_STEPS, ns_dtype: torch.dtype | str | None = None,
-                       rms_scale: float = DEFAULT_RMS_SCALE) -> MultiOptimizer:
+                       rms_scale: float = DEFAULT_RMS_SCALE, capturable: bool = False) -> MultiOptimizer:
     """K3's optimizer for ``model``: per-head Muon on matrices, AdamW on the rest (``classify_parameters``).
 
     ns_dtype: the Newton-Schulz iteration's dtype; None picks it from where the model lives, as the model's
@@ -475,6 +475,9 @@ def build_param_groups(model: nn.Module, lr: float, weight_decay: float = 0.1, *
     lr: Muon's learning rate. Because the Muon update is RMS-matched to AdamW, the same value
     serves AdamW unless ``adamw_lr`` says otherwise; likewise ``adamw_weight_decay`` defaults to
     ``weight_decay`` (applied only to the decaying AdamW group: embedding, head, KDA beta/conv).
+
+    capturable: AdamW keeps its step count on the device, so the whole optimizer step can be captured in a CUDA
+    graph (``kimik3.train.captured_step``; Muon keeps no count). Fused AdamW then, CUDA only.
 
     Groups (one per distinct Muon split, two for AdamW), each with "name" and "base_lr":
     ``muon.whole``, ``muon.rows<H>``, ``muon.cols<H>``, ``muon.experts``, ``adamw.decay``,
@@ -512,7 +515,8 @@ def build_param_groups(model: nn.Module, lr: float, weight_decay: float = 0.1, *
                    "name": "adamw.decay" if decay else "adamw.no_decay"}
                   for decay in (True, False) if decay in adamw_groups]
         optimizers["adamw"] = torch.optim.AdamW(groups, lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
-                                                weight_decay=adamw_weight_decay)
+                                                weight_decay=adamw_weight_decay,
+                                                **(dict(capturable=True, fused=True) if capturable else {}))
     if not optimizers:
         raise ValueError("build_param_groups: model has no trainable parameters")
     return MultiOptimizer(optimizers)

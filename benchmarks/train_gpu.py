@@ -216,26 +216,32 @@ def find_max_seq_len(model: K3ForCausalLM, optimizer, args, vocab: int) -> dict:
 
 
 def check_against_eager(config: K3Config, args) -> dict:
-    """``args.check_eager`` steps eagerly, then as many with the step captured, each from seed 0's weights on the
-    same batches: the main losses step by step and their largest difference."""
+    """``args.check_eager`` steps eagerly, eagerly again, then with the step captured, each from seed 0's weights
+    on the same batches: the main losses step by step. Eager training of the debug preset on a GPU is not bitwise
+    reproducible (atomic accumulations, cuDNN's attention backward among them), so the graph is judged against the
+    eager runs' own spread: it passes when its largest difference from the first eager run is at most twice that
+    spread plus ``--check-tolerance``."""
     runs = {}
-    for graphed in (False, True):
+    for name, graphed in (("eager", False), ("eager_again", False), ("cuda_graph", True)):
         model, optimizer = build_model(config, args)
         step = step_fn(model, optimizer, args.batch, args.seq_len, config.vocab_size, "cuda", graphed)
-        runs["cuda_graph" if graphed else "eager"] = [float(step()) for _ in range(args.check_eager)]
+        runs[name] = [float(step()) for _ in range(args.check_eager)]
         del model, optimizer, step
         gc.collect()
         torch.cuda.empty_cache()
+    spread = max(abs(a - b) for a, b in zip(runs["eager"], runs["eager_again"], strict=True))
     diffs = [abs(a - b) for a, b in zip(runs["eager"], runs["cuda_graph"], strict=True)]
+    bound = 2 * spread + args.check_tolerance
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": args.preset,
            "optimizer": args.optimizer, "batch": args.batch, "seq_len": args.seq_len, "steps": args.check_eager,
-           **runs, "abs_diff": diffs, "max_abs_diff": max(diffs), "tolerance": args.check_tolerance}
+           **runs, "abs_diff": diffs, "max_abs_diff": max(diffs), "eager_spread": spread, "bound": bound,
+           "pass": max(diffs) <= bound}
     print(f"{args.check_eager} steps, {args.optimizer}, {args.batch} x {args.seq_len} tokens, from the same "
-          f"weights on the same batches (the first 3 eager in both: the capture's warm-up):")
-    for index, (a, b) in enumerate(zip(runs["eager"], runs["cuda_graph"], strict=True)):
-        print(f"  step {index}: eager {a:.6f}  CUDA graph {b:.6f}  |diff| {abs(a - b):.2e}")
-    verdict = "PASS" if out["max_abs_diff"] <= args.check_tolerance else "FAIL"
-    print(f"largest |diff| {out['max_abs_diff']:.2e} (tolerance {args.check_tolerance:g}): {verdict}", flush=True)
+          f"weights on the same batches (the graph's first 3 steps are its eager warm-up):")
+    for index, row in enumerate(zip(runs["eager"], runs["eager_again"], runs["cuda_graph"], strict=True)):
+        print(f"  step {index}: eager {row[0]:.6f}  eager again {row[1]:.6f}  CUDA graph {row[2]:.6f}")
+    print(f"largest |graph - eager| {out['max_abs_diff']:.2e}; eager's own spread {spread:.2e}; bound "
+          f"{bound:.2e}: {'PASS' if out['pass'] else 'FAIL'}", flush=True)
     return out
 
 
@@ -260,10 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                         help="replay the step as one CUDA graph after 3 eager steps (kimik3.train.captured_step)")
     parser.add_argument("--check-eager", type=int, metavar="STEPS",
-                        help="instead of timing: STEPS steps with and without the CUDA graph from the same start, "
-                             "their losses compared")
+                        help="instead of timing: STEPS steps eagerly (twice) and with the CUDA graph from the same "
+                             "start, their losses compared")
     parser.add_argument("--check-tolerance", type=float, default=0.0,
-                        help="--check-eager fails (exit 1) past this largest loss difference")
+                        help="--check-eager fails (exit 1) past twice eager's own spread plus this")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--profile", action="store_true",
                         help="also profile one step: kernel time against wall time, the top kernels")
@@ -284,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         out = check_against_eager(config, args)
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
-        return 0 if out["max_abs_diff"] <= args.check_tolerance else 1
+        return 0 if out["pass"] else 1
     model, optimizer = build_model(config, args)
     if args.find_max_seq_len:
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.preset}, {args.optimizer}, "

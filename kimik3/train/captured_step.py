@@ -117,6 +117,8 @@ class CapturedStep:
         with torch.cuda.graph(graph):
             self._outputs = self.train_step(*self._inputs)
         self.graph = graph
+        # The warm-up steps' activations sit cached in the regular pool; the graph has its own from now on.
+        torch.cuda.empty_cache()
         self._baked = _hyperparameters(self.optimizer)
 
     def _load(self, inputs: Sequence[torch.Tensor]) -> None:

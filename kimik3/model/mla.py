@@ -161,10 +161,15 @@ class GatedMLA(nn.Module):
         kv_BSHX = self.wkv_b(latent_BSC).unflatten(-1, (self.num_heads, -1))
         k_nope_BSHN, v_BSHV = kv_BSHX.split([self.nope_dim, self.v_dim], dim=-1)
         k_BSHK = torch.cat([k_nope_BSHN, k_slice_BSR[:, :, None].expand(-1, -1, self.num_heads, -1)], dim=-1)
+        pad = k_BSHK.shape[-1] - self.v_dim if not q_BTHK.is_cuda else 0
+        if pad > 0:
+            # The CPU's flash kernel wants values as wide as the keys (with narrower ones SDPA falls back to its
+            # math path, ~3x slower forward + backward): zero columns, dropped from the output.
+            v_BSHV = F.pad(v_BSHV, (0, pad))
         out = F.scaled_dot_product_attention(
             q_BTHK.transpose(1, 2), k_BSHK.transpose(1, 2), v_BSHV.transpose(1, 2),
             attn_mask=mask, is_causal=mask is None and q_BTHK.shape[1] > 1, scale=self.scale)
-        return out.transpose(1, 2)
+        return out.transpose(1, 2)[..., :self.v_dim]
 
     def _absorb_query(self, q_BTHK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fold wkv_b's key half into the query: (q_latent [B, T, H, C], q_slice [B, T, H, R])."""

@@ -78,6 +78,10 @@ class MoEConfig:
     num_shared_experts: int = 2
     shared_hidden: int | None = None  # per shared expert; None means expert_hidden
     route_scale: float = 1.0
+    # The routed experts' quantisation (seed section 8): None, or "mxfp4" (weights MXFP4, their inputs MXFP8 E4M3,
+    # 32-element blocks along each matmul's reduction axis; ``kimik3.quant.qat``). Training fake-quantises with a
+    # straight-through gradient and every later forward (serving included) quantises the same way.
+    expert_quant: str | None = None
 
     @property
     def shared_total_hidden(self) -> int:
@@ -188,6 +192,12 @@ class K3Config:
         if moe.shared_hidden is not None:
             _positive(moe.shared_hidden, "moe.shared_hidden")
         _require(moe.route_scale > 0, "moe.route_scale", f"must be > 0, got {moe.route_scale}")
+        _require(moe.expert_quant in (None, "mxfp4"), "moe.expert_quant",
+                 f"must be null or \"mxfp4\", got {moe.expert_quant!r}")
+        if moe.expert_quant is not None:
+            for name in ("latent_dim", "expert_hidden"):
+                _require(getattr(moe, name) % 32 == 0, f"moe.{name}",
+                         f"must be a multiple of the 32-element MX block with expert_quant, got {getattr(moe, name)}")
 
         _positive(self.attn_res.block_size, "attn_res.block_size")
         _require(isinstance(self.mtp.num_modules, int) and 0 <= self.mtp.num_modules <= 1,

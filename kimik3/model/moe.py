@@ -46,6 +46,7 @@ from kimik3.ops.glue import glue_backend
 from kimik3.ops.moe import (SMALL_BATCH_MAX_ROWS, ExpertGroups, from_expert_rows, grouped_mm, inverse_permutation,
                             route_backend, routed_experts_small, sigmoid_topk, to_expert_rows)
 from kimik3.ops.precision import no_autocast
+from kimik3.quant.qat import expert_input, expert_weight
 
 
 @dataclass(slots=True)
@@ -186,11 +187,14 @@ class Router(nn.Module):
 class RoutedExperts(nn.Module):
     """``num_experts`` SiTU-GLU experts stored as stacked 3-D weights, run as grouped matmuls."""
 
-    def __init__(self, num_experts: int, latent_dim: int, hidden: int):
+    def __init__(self, num_experts: int, latent_dim: int, hidden: int, quant: str | None = None):
         super().__init__()
         self.w_gate_ELF = nn.Parameter(torch.empty(num_experts, latent_dim, hidden))
         self.w_up_ELF = nn.Parameter(torch.empty(num_experts, latent_dim, hidden))
         self.w_down_EFL = nn.Parameter(torch.empty(num_experts, hidden, latent_dim))
+        # ``K3Config.moe.expert_quant``: "mxfp4" runs every expert matmul on MXFP4 weights and MXFP8 inputs
+        # (``kimik3.quant.qat``), in training and in every later forward alike.
+        self.quant = quant
 
     def optimizer_rules(self) -> list[tuple[str, ParamRule]]:
         # Stored [E, in, out] (x @ W); orthogonalisation and the max(m, n) scale do not care
@@ -203,7 +207,7 @@ class RoutedExperts(nn.Module):
         """Weighted sum over each token's experts: [T, L] -> [T, L]. ``counts_E``: the rows of each expert in
         ``ids_TK`` when the router counted them already."""
         num_tokens, top_k = ids_TK.shape
-        if self._few_rows(x_TL, num_tokens * top_k):
+        if self.quant is None and self._few_rows(x_TL, num_tokens * top_k):
             # Serving decode: two kernels, no sort (each (token, expert) row reads its expert's weights).
             return routed_experts_small(x_TL, weights_TK, ids_TK, self.w_gate_ELF, self.w_up_ELF, self.w_down_EFL)
         num_experts = self.w_gate_ELF.shape[0]
@@ -212,15 +216,25 @@ class RoutedExperts(nn.Module):
         inverse_R = inverse_permutation(order_R)
         groups = ExpertGroups.of(expert_counts(flat_ids_R, num_experts) if counts_E is None else counts_E)
 
-        x_RL = to_expert_rows(x_TL, order_R, inverse_R, top_k)
-        gate_RF = grouped_mm(x_RL, self.w_gate_ELF.to(x_RL.dtype), groups)
-        up_RF = grouped_mm(x_RL, self.w_up_ELF.to(x_RL.dtype), groups)
+        x_RL = self._input(to_expert_rows(x_TL, order_R, inverse_R, top_k))
+        w_gate, w_up, w_down = (self._weight(w, x_RL.dtype) for w in (self.w_gate_ELF, self.w_up_ELF,
+                                                                       self.w_down_EFL))
+        gate_RF = grouped_mm(x_RL, w_gate, groups)
+        up_RF = grouped_mm(x_RL, w_up, groups)
         # Mixture weights applied after the experts, in fp32, as released.
-        hidden_RF = situ_glu_cast(gate_RF, up_RF, weights_TK.flatten()[order_R], x_RL.dtype)
-        y_RL = grouped_mm(hidden_RF, self.w_down_EFL.to(x_RL.dtype), groups)
+        hidden_RF = self._input(situ_glu_cast(gate_RF, up_RF, weights_TK.flatten()[order_R], x_RL.dtype))
+        y_RL = grouped_mm(hidden_RF, w_down, groups)
         # Back to token order, then each token's K rows summed by one reduction (accumulated in fp32): the same
         # result on every run, unlike an atomic scatter-add, so a decode replayed as a graph matches it eagerly.
         return from_expert_rows(y_RL, order_R, inverse_R, top_k).sum(1)
+
+    def _weight(self, w_EIO: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """An expert weight as the matmuls take it: in ``dtype``, MXFP4 values under ``quant``."""
+        return (expert_weight(w_EIO) if self.quant is not None else w_EIO).to(dtype)
+
+    def _input(self, x_RI: torch.Tensor) -> torch.Tensor:
+        """An expert matmul's input rows: MXFP8 values under ``quant``."""
+        return expert_input(x_RI) if self.quant is not None else x_RI
 
     def _few_rows(self, x_TL: torch.Tensor, rows: int) -> bool:
         """Whether the rows go through ``routed_experts_small``: CUDA, inference (nothing needs a gradient), at
@@ -237,7 +251,7 @@ class LatentMoE(nn.Module):
         m = config.moe
         self.router = Router(config.dim, m.num_experts, m.top_k, m.route_scale)
         self.routed_down = nn.Linear(config.dim, m.latent_dim, bias=False)
-        self.experts = RoutedExperts(m.num_experts, m.latent_dim, m.expert_hidden)
+        self.experts = RoutedExperts(m.num_experts, m.latent_dim, m.expert_hidden, m.expert_quant)
         self.routed_norm = RMSNorm(m.latent_dim, config.norm_eps)
         self.routed_up = nn.Linear(m.latent_dim, config.dim, bias=False)
         self.shared = GLUFeedForward(config.dim, m.shared_total_hidden) if m.num_shared_experts else None

@@ -214,6 +214,9 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup | DeviceMes
         if not isinstance(module, LatentMoE):
             continue
         experts_module = module.experts
+        if getattr(experts_module, "quant", None) is not None:
+            raise ValueError(f"expert parallel: the routed experts are quantised ({experts_module.quant!r}); "
+                             "quantisation-aware experts run on one rank or under FSDP, not under MoonEP yet")
         experts = experts_module.w_gate_ELF.shape[0]
         if experts % ranks:
             raise ValueError(f"expert parallel: {experts} experts do not split over {ranks} ranks")

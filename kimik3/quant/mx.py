@@ -17,8 +17,10 @@ Public:
                                                        E8M0 scale codes (uint8, one a block)
     dequantize(mx, dtype=torch.float32)            -> the decoded tensor
 
-The arithmetic is exact: the input is widened to fp64 (every fp32/bf16/fp16 value and every scaled element is
-representable there), scaling by 2^-X is exact, and the rounding step is an exact power of two.
+The arithmetic is exact in fp32 (fp64 for fp64 input): scaling by a power of two is exact down to fp32's
+subnormals (2^-126, far below every element format's smallest subnormal, so nothing that survives rounding is
+touched), and the rounding step is a power of two. Decoded values overflow only for blocks whose maximum exceeds
+2^127.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ class MXTensor:
 
 
 def _blocks(x: torch.Tensor, block_size: int, axis: int) -> tuple[torch.Tensor, int]:
-    """x with ``axis`` moved last and cut into blocks: [..., n_blocks, block_size] (fp64), and the axis (>= 0)."""
+    """x with ``axis`` moved last and cut into blocks: [..., n_blocks, block_size] (fp32, fp64 for fp64 x), and
+    the axis (>= 0)."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if not x.is_floating_point():
@@ -98,7 +101,7 @@ def _blocks(x: torch.Tensor, block_size: int, axis: int) -> tuple[torch.Tensor, 
     if x.shape[axis] % block_size:
         raise ValueError(f"the blocked axis {axis} has {x.shape[axis]} elements, not a multiple of the block size "
                          f"{block_size}")
-    moved = x.movedim(axis, -1).to(torch.float64)
+    moved = x.movedim(axis, -1).to(torch.promote_types(x.dtype, torch.float32))
     return moved.reshape(*moved.shape[:-1], -1, block_size), axis
 
 
@@ -112,7 +115,7 @@ def _shared_exponent(blocks: torch.Tensor, elem: ElementFormat) -> tuple[torch.T
 
 
 def _round_to_element(q: torch.Tensor, elem: ElementFormat) -> torch.Tensor:
-    """q (fp64, already divided by the block scale) rounded to the element format: nearest, ties to even,
+    """q (already divided by the block scale) rounded to the element format: nearest, ties to even,
     saturated to +-max_normal; subnormals included."""
     mag = q.abs()
     _, exp = torch.frexp(mag)
@@ -144,9 +147,9 @@ _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def _encode(p: torch.Tensor, elem: ElementFormat) -> torch.Tensor:
-    """Element codes (uint8) of values already on the element grid (fp64)."""
+    """Element codes (uint8) of values already on the element grid."""
     if elem.name == "e2m1":
-        table = torch.tensor(_E2M1_VALUES, dtype=torch.float64, device=p.device)
+        table = torch.tensor(_E2M1_VALUES, dtype=p.dtype, device=p.device)
         index = torch.searchsorted(table, p.abs().contiguous())
         return (index | (torch.signbit(p).to(torch.int64) << 3)).to(torch.uint8)
     dtype = torch.float8_e4m3fn if elem.name == "e4m3" else torch.float8_e5m2

@@ -51,6 +51,7 @@ class TrainArgs:
     balance: str = "quantile"         # quantile | sign | none
     ep_planner: str = "moonep"        # under expert parallelism: moonep (perfect balance) | none (owners only)
     qb_rate: float = 1.0              # Quantile Balancing step fraction (1.0: K3's one-shot update)
+    qat: str | None = None            # quantisation-aware routed experts: None | "mxfp4" (moe.expert_quant)
     progress: bool = True
 
     def validate(self) -> None:
@@ -70,12 +71,19 @@ class TrainArgs:
             raise ValueError(f"--balance must be quantile, sign or none, got {self.balance!r}")
         if self.ep_planner not in ("moonep", "none"):
             raise ValueError(f"--ep-planner must be moonep or none, got {self.ep_planner!r}")
+        if self.qat not in (None, "mxfp4"):
+            raise ValueError(f"--qat must be mxfp4 (or not given), got {self.qat!r}")
         parse_checkpoint_every(self.checkpoint_every)
         parse_stages(self.stages)
 
 
 def resolve_model_config(args: TrainArgs) -> K3Config:
-    return K3Config.from_json(args.config_path) if args.config_path else K3Config.preset(args.preset)
+    """The preset or config file, with ``--qat`` setting the routed experts' quantisation."""
+    config = K3Config.from_json(args.config_path) if args.config_path else K3Config.preset(args.preset)
+    if args.qat is not None and config.moe.expert_quant != args.qat:
+        config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, expert_quant=args.qat))
+        config.validate()
+    return config
 
 
 def write_run_args(run_dir: Path, args: TrainArgs) -> None:

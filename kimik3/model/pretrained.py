@@ -5,6 +5,9 @@ Two layouts, told apart on load by ``config.json`` (an HF config has ``model_typ
 - ``hf``: the released checkpoint's names and an HF-style config (``kimik3.interop.hf``), the weights in shards
   ``model-0000k-of-0000n.safetensors`` listed by ``model.safetensors.index.json`` (``max_shard_bytes`` each).
 A ``kimik3`` directory may be sharded the same way (``max_shard_bytes``).
+``from_pretrained`` also reads a training run written on several ranks, whose weights are a sharded (DCP)
+checkpoint (``kimik3.train.dcp_checkpoint``): each tensor is assembled from its chunks when it is loaded
+(``kimik3.train.dcp_tensors``), one at a time as for the other forms.
 
 Writes go to temporary files in the target directory and are renamed into place, so a crash
 leaves either the previous files or the new ones, never half of one (the index is written last). Loading checks
@@ -175,9 +178,27 @@ class WeightFiles:
         self.close()
 
 
+def is_sharded_checkpoint(directory: Path) -> bool:
+    """Whether ``directory`` (a checkpoint, or a run directory whose current checkpoint is one) holds its weights
+    as a sharded (DCP) training checkpoint."""
+    from kimik3.train.dcp_tensors import is_dcp_dir
+
+    return is_dcp_dir(directory)
+
+
+def weight_files(directory: Path):
+    """The reader of ``directory``'s weights: ``WeightFiles``, or ``DcpTensors`` for a sharded checkpoint."""
+    if is_sharded_checkpoint(directory):
+        from kimik3.train.dcp_tensors import DcpTensors
+
+        return DcpTensors(directory)
+    return WeightFiles(directory)
+
+
 def has_weights(directory: Path) -> bool:
-    """Whether ``directory`` holds weights in either form (one file, or an index of shards)."""
-    return (directory / WEIGHTS_FILE).is_file() or (directory / INDEX_FILE).is_file()
+    """Whether ``directory`` holds weights in any form (one file, an index of shards, a sharded checkpoint)."""
+    return ((directory / WEIGHTS_FILE).is_file() or (directory / INDEX_FILE).is_file()
+            or is_sharded_checkpoint(directory))
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
@@ -187,6 +208,12 @@ def stored_dtype(directory: Path) -> torch.dtype:
     """The dtype the directory's embedding is stored in (read from the file's header, not its data)."""
     from safetensors import safe_open
 
+    if is_sharded_checkpoint(directory):
+        with weight_files(directory) as reader:
+            stored = reader.dtypes.get("embed.weight")
+        if stored not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{directory}: embedding stored as {stored}, not a float type kimik3 loads")
+        return _SAFETENSORS_DTYPES[stored]
     weight_map = read_index(directory)
     files = [directory / WEIGHTS_FILE] if weight_map is None else [directory / f for f in dict.fromkeys(
         weight_map.values())]
@@ -232,7 +259,7 @@ def load_pretrained(cls: type["K3ForCausalLM"], directory: str | Path, *, device
     directory = Path(directory)
     config, layout = read_config(directory)
     model = cls(config, device="meta")
-    with WeightFiles(directory) as files:
+    with weight_files(directory) as files:
         expected = model.state_dict()
         not_float = {n for n, d in files.dtypes.items() if d not in _SAFETENSORS_DTYPES}
         if layout == "hf":

@@ -21,6 +21,11 @@ Checkpoints written without a manifest load unverified. A write killed half-way 
 temporaries (``checkpoints/.step-*.*``, ``.checkpoint.<pid>.tmp``), which ``remove_temporaries``
 deletes when the run starts again.
 
+A run on several ranks writes its checkpoints in the sharded format instead (``kimik3.train.dcp_checkpoint``:
+each rank's shards, ``dcp_index.json`` and ``kimik3_dcp.json`` in place of ``model.safetensors``, the optimizer
+state sharded too), under the same names, pointer, pruning, checksums and fallback; ``verify_checkpoint`` and
+``point_to`` handle both formats (``is_dcp_checkpoint`` tells them apart).
+
 Training state = tensors (optimizer moments, RNG state) in ``train_state.safetensors`` plus
 everything else in ``train_state.json``: the nested structure of the optimizer state with
 tensors replaced by references, the step and the run's arguments.
@@ -46,7 +51,7 @@ from kimik3.model.pretrained import CONFIG_FILE, WEIGHTS_FILE, check_tensors, re
 from kimik3.files import fsync_dir
 from kimik3.parallel.full_state import is_sharded
 from kimik3.tokenizer import TOKENIZER_CONFIG_FILE, write_tokenizer_config
-from kimik3.train.integrity import IntegrityError, verify_manifest, write_manifest
+from kimik3.train.integrity import IntegrityError, read_manifest, verify_manifest, write_manifest
 
 TOKENIZER_FILE = "tokenizer.json"
 STATE_TENSORS_FILE = "train_state.safetensors"
@@ -55,6 +60,13 @@ CHECKPOINT_FILES = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, STATE_TENSORS_FIL
 # Written into every checkpoint (and so seen at the run's top level) but not required of one: checkpoints made
 # before the chat template moved into tokenizer_config.json lack it.
 OPTIONAL_FILES = (TOKENIZER_CONFIG_FILE,)
+# A checkpoint written by several ranks (``kimik3.train.dcp_checkpoint``) holds the sharded model and optimizer
+# state instead of model.safetensors: these two files (``distributed_checkpoint.META_FILE``,
+# ``dcp_storage.INDEX_FILE``) and the shard files the index lists, beside the files below.
+DCP_FILES = ("kimik3_dcp.json", "dcp_index.json")
+DCP_CHECKPOINT_FILES = (CONFIG_FILE, TOKENIZER_FILE, STATE_TENSORS_FILE, STATE_JSON_FILE, *DCP_FILES)
+# Linked at the run's top level when the current checkpoint has them.
+TOP_LEVEL_FILES = (*CHECKPOINT_FILES, *OPTIONAL_FILES, *DCP_FILES)
 POINTER = "checkpoint"
 STORE = "checkpoints"
 # (folder, name) of the temporaries a killed checkpoint write leaves: save_checkpoint's directory
@@ -167,12 +179,17 @@ def point_to(run_dir: str | Path, name: str) -> None:
         link_tmp.unlink()
     link_tmp.symlink_to(Path(STORE) / name)
     os.replace(link_tmp, run_dir / POINTER)
-    for file in CHECKPOINT_FILES + OPTIONAL_FILES:
+    # The files of the checkpoint's format are linked, the others' links removed (a run may change format
+    # when it resumes on another number of ranks).
+    for file in TOP_LEVEL_FILES:
         top = run_dir / file
-        if not top.is_symlink():
+        present = (run_dir / STORE / name / file).is_file()
+        if present and not top.is_symlink():
             if top.exists():
                 top.unlink()
             top.symlink_to(Path(POINTER) / file)
+        elif not present and top.is_symlink():
+            top.unlink()
     fsync_dir(run_dir)
 
 
@@ -235,16 +252,39 @@ def current_checkpoint(run_dir: str | Path) -> Path:
     return pointer.resolve()
 
 
+def is_dcp_checkpoint(ckpt: Path) -> bool:
+    """Whether ``ckpt`` is in the sharded (DCP) format: it has either of ``DCP_FILES``, or its manifest lists one
+    (so a DCP checkpoint that lost both is still told apart, and reported as such)."""
+    if any((ckpt / file).exists() for file in DCP_FILES):
+        return True
+    try:
+        entries = read_manifest(ckpt)
+    except IntegrityError:
+        return False
+    return entries is not None and any(file in entries for file in DCP_FILES)
+
+
 def verify_checkpoint(ckpt: Path) -> bool:
     """Raise ``CheckpointError`` naming the first file of ``ckpt`` that is missing, unreadable or not
-    what was written. Returns False for a checkpoint without a manifest (its checksums unknown)."""
-    for file in CHECKPOINT_FILES:
+    what was written, in either format. Returns False for a checkpoint without a manifest (its checksums
+    unknown)."""
+    dcp = is_dcp_checkpoint(ckpt)
+    for file in DCP_CHECKPOINT_FILES if dcp else CHECKPOINT_FILES:
         if not (ckpt / file).is_file():
             raise CheckpointError(f"{ckpt / file}: missing from the checkpoint")
     try:
-        return verify_manifest(ckpt)
+        verified = verify_manifest(ckpt)
     except IntegrityError as err:
         raise CheckpointError(str(err)) from None
+    if dcp:
+        from kimik3.train.dcp_storage import read_index
+        from kimik3.train.distributed_checkpoint import read_distributed_meta
+
+        read_distributed_meta(ckpt)
+        for file in sorted(set(read_index(ckpt).storage_data.values())):
+            if not (ckpt / file).is_file():
+                raise CheckpointError(f"{ckpt / file}: missing from the checkpoint (listed in {DCP_FILES[1]})")
+    return verified
 
 
 def intact_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, str]]:

@@ -285,13 +285,16 @@ def _partial(final: Path) -> Path:
     return final.parent / f".{final.name}{PARTIAL_SUFFIX}"
 
 
-def _publish(partial: Path, final: Path, meta_text: str) -> None:
-    """Rank 0: write the metadata file into the finished ``partial`` and rename it onto ``final``."""
+def _publish(partial: Path, final: Path, meta_text: str, finalize: Callable[[Path], None] | None = None) -> None:
+    """Rank 0: write the metadata file into the finished ``partial``, let ``finalize`` add its files, and rename
+    it onto ``final``."""
     meta = partial / META_FILE
     with open(meta, "w") as handle:
         handle.write(meta_text)
         handle.flush()
         os.fsync(handle.fileno())
+    if finalize is not None:
+        finalize(partial)
     fsync_dir(partial)
     if final.exists():
         aside = Path(tempfile.mkdtemp(prefix=f".{final.name}.old.", dir=final.parent))
@@ -303,10 +306,10 @@ def _publish(partial: Path, final: Path, meta_text: str) -> None:
     fsync_dir(final.parent)
 
 
-def _finish(partial: Path, final: Path, meta_text: str, group) -> Path:
+def _finish(partial: Path, final: Path, meta_text: str, group, finalize: Callable[[Path], None] | None) -> Path:
     if group is not None:
         dist.barrier(group=group)   # every rank's shards are written
-    _on_rank0(lambda: _publish(partial, final, meta_text), group)
+    _on_rank0(lambda: _publish(partial, final, meta_text, finalize), group)
     return final
 
 
@@ -318,7 +321,8 @@ def wait_for_saves() -> None:
 
 # ---------------------------------------------------------------------- saving
 def save_distributed(directory: str | Path, model: nn.Module, optimizer: Any, step: int,
-                     extra: dict[str, Any] | None = None, *, async_save: bool = False) -> Path | Future:
+                     extra: dict[str, Any] | None = None, *, async_save: bool = False,
+                     finalize: Callable[[Path], None] | None = None) -> Path | Future:
     """Save ``model`` and ``optimizer`` into ``directory``, each rank writing its own shards.
 
     ``model``: as trained (FSDP2 / expert-parallel DTensors or plain tensors). ``optimizer``: a torch
@@ -326,6 +330,10 @@ def save_distributed(directory: str | Path, model: nn.Module, optimizer: Any, st
     ``step`` and ``extra`` (JSON-able train state: rank 0's is recorded) go to ``kimik3_dcp.json``, with
     the state's non-tensor values (``TypeError`` for one of a type it cannot hold; see the module
     docstring). A checkpoint already at ``directory`` is replaced only once the new one is complete.
+
+    ``finalize``: called on rank 0 alone with the temporary directory once every shard and ``kimik3_dcp.json``
+    are in it, before it is published: files it writes there are published with the checkpoint, atomically
+    (e.g. the training run's own files and a manifest of checksums). An exception from it publishes nothing.
 
     Returns the directory; with ``async_save`` a ``Future`` instead, already past the copy of the
     state (training may continue): ``future.result()`` waits until the checkpoint is published and
@@ -362,7 +370,7 @@ def save_distributed(directory: str | Path, model: nn.Module, optimizer: Any, st
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
             dcp.save(tensors or {}, storage_writer=writer, process_group=group, no_dist=not distributed)
-        return _finish(partial, final, meta_text, group)
+        return _finish(partial, final, meta_text, group, finalize)
 
     # The default stager copies every tensor (DTensors' local shards included) before this returns.
     response = dcp.async_save(tensors or {}, storage_writer=writer, process_group=group, no_dist=not distributed)
@@ -371,7 +379,7 @@ def save_distributed(directory: str | Path, model: nn.Module, optimizer: Any, st
 
     def publish() -> Path:
         upload.result()   # a failed write raises here: nothing is renamed, the previous checkpoint stays
-        return _finish(partial, final, meta_text, group)
+        return _finish(partial, final, meta_text, group, finalize)
 
     future = publisher.submit(publish)
     publisher.shutdown(wait=False)

@@ -26,8 +26,10 @@ see docs/parallel.md) run this same loop. Everything that differs goes through t
 ``ParallelContext`` (``kimik3.parallel.context``): the model is parallelised (FSDP2, MoonEP, KCP),
 each rank trains on its part of the step's global batch, which is exactly the single-process batch
 of that step, and the logged loss is the global one, so the losses match a single-process run up
-to reduction order. Rank 0 alone writes metrics, plots and checkpoints; checkpoints hold the full
-(gathered) state, in the single-process format, so either kind of run resumes the other.
+to reduction order. Rank 0 alone writes metrics and plots. Checkpoints: a single process writes the
+single-file format (``train/checkpoint.py``: what ``from_pretrained``, ``generate`` and ``serve`` read);
+several ranks write the sharded one (``train/dcp_checkpoint.py``), each rank its own shards, with no
+gather. Resuming reads either format on any number of ranks, so either kind of run resumes the other.
 """
 
 from __future__ import annotations
@@ -62,8 +64,10 @@ from kimik3.train.checkpoint import (
     adopt_checkpoint,
     load_checkpoint,
     load_optimizer_state,
+    is_dcp_checkpoint,
     save_checkpoint,
 )
+from kimik3.train.dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
 from kimik3.train.budget import FIRST_PLAN_MIN, FREEZE_FRACTION, PLOT_S, BudgetPlanner, StepCosts
 from kimik3.train.checkpoint_clock import DEFAULT_CHECKPOINT_EVERY, CheckpointClock, parse_checkpoint_every
 from kimik3.train.data import Corpus, load_corpus
@@ -202,10 +206,12 @@ class Trainer:
 
         return QuantileBalancer(routers, rate=self.args.qb_rate, all_reduce=self.ctx.sum_counts)
 
-    def _train_state(self) -> dict[str, Any]:
+    def _train_state(self, optimizer: bool = True) -> dict[str, Any]:
+        """What a checkpoint stores besides the weights; ``optimizer``: with the (gathered) optimizer state,
+        which the sharded format stores sharded instead."""
         return {
             "args": dataclasses.asdict(self.args),
-            "optimizer": self.ctx.full_optimizer_state(self.optimizer),
+            **({"optimizer": self.ctx.full_optimizer_state(self.optimizer)} if optimizer else {}),
             "torch_rng": torch.get_rng_state(),
             "nonfinite_total": self.nonfinite_total,
             "corpus_fingerprint": self.corpus.fingerprint,
@@ -227,7 +233,11 @@ class Trainer:
             adopt_checkpoint(self.run_dir, self.resume_checkpoint, self.damaged_checkpoints,
                              warn=lambda message: self.log(f"warning: {message}"))
         self.ctx.barrier()
-        step, state, tokenizer_json = load_checkpoint(self.run_dir, self.model, checkpoint=self.resume_checkpoint)
+        sharded = is_dcp_checkpoint(self.resume_checkpoint)
+        if sharded:   # the model and the optimizer, resharded onto this run's ranks
+            step, state, tokenizer_json = load_dcp_checkpoint(self.resume_checkpoint, self.model, self.optimizer)
+        else:
+            step, state, tokenizer_json = load_checkpoint(self.run_dir, self.model, checkpoint=self.resume_checkpoint)
         if state.get("corpus_fingerprint") != self.corpus.fingerprint:
             raise CheckpointError(f"{self.run_dir / STATE_JSON_FILE}: the data changed since this run was "
                                   "checkpointed; resuming needs the same corpus")
@@ -240,7 +250,8 @@ class Trainer:
             self.tokenizer = saved_tokenizer
             self.train_ids = encode_documents(saved_tokenizer, self.corpus.train)
             self.val_ids = encode_documents(saved_tokenizer, self.corpus.val)
-        load_optimizer_state(self.optimizer, state["optimizer"])
+        if not sharded:
+            load_optimizer_state(self.optimizer, state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.nonfinite_total = int(state["nonfinite_total"])
         plan = state.get("plan")   # absent from older checkpoints: their args hold the planned --steps
@@ -509,7 +520,8 @@ class Trainer:
         self.log(f"sample (temperature 0.8, prompt {SAMPLE_PROMPT!r}):\n{SAMPLE_PROMPT}{sample}")
         if self.planner is not None:
             self.log(f"time: {self.planner.used():.0f} s of the {a.time_budget_s:.0f} s budget, {self.step} steps")
-        self.log(f"run written to {self.run_dir}/: model.safetensors config.json tokenizer.json "
+        weights = "model shards (kimik3 convert exports them)" if self.dims.world > 1 else "model.safetensors"
+        self.log(f"run written to {self.run_dir}/: {weights} config.json tokenizer.json "
                  f"train_state.* metrics.jsonl {plot_path.name if plot_path else ''}")
         return RunSummary(self.run_dir, self.step, final_loss, last_val, self.unigram, tokens_per_s, sample, history)
 
@@ -527,18 +539,23 @@ class Trainer:
         return due
 
     def save(self) -> None:
-        """Write a checkpoint: every rank gathers its part of the state, rank 0 alone writes, all wait.
+        """Write a checkpoint. One process: the single-file format. Several ranks: the sharded format, each
+        rank writing its own shards (rank 0 adds the rest of the state); all wait for it to be published.
 
         Pruning keeps the checkpoint this run resumed from (verified intact) and drops the damaged
         ones it skipped."""
         start = time.monotonic()
         pruning = {"protect": [self.resume_checkpoint.name] if self.resume_checkpoint is not None else [],
                    "corrupt": set(self.damaged_checkpoints)}
-        weights = self.ctx.full_model_state(self.model)   # None: the writer reads the model itself
-        state = self._train_state()
-        if self.ctx.is_main:
-            save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer.to_str(), state, weights=weights,
-                            **pruning)
+        if self.dims.world > 1:
+            save_dcp_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.tokenizer.to_str(),
+                                self._train_state(optimizer=False), **pruning)
+        else:
+            weights = self.ctx.full_model_state(self.model)   # None: the writer reads the model itself
+            state = self._train_state()
+            if self.ctx.is_main:
+                save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer.to_str(), state,
+                                weights=weights, **pruning)
         self.ctx.barrier()
         self.clock.written(time.monotonic() - start)
         self.damaged_checkpoints = {}  # that save's pruning deleted them; their names may now be good ones

@@ -1,0 +1,120 @@
+"""A training run's checkpoints in the sharded (DCP) format: what ``Trainer`` writes on more than one rank.
+
+The run directory keeps ``kimik3.train.checkpoint``'s conventions (``checkpoints/step-NNNNNNN``, the
+``checkpoint`` symlink, pruning, temporaries removed on restart, checksums verified on resume, falling
+back past a damaged newest checkpoint); only the inside of a checkpoint differs::
+
+    checkpoints/step-000120/   shard-<i>-of-<n>.safetensors  dcp_index.json  kimik3_dcp.json
+                               config.json  tokenizer.json  tokenizer_config.json
+                               train_state.safetensors  train_state.json  manifest.json
+
+The model and optimizer state are ``kimik3.train.distributed_checkpoint``'s: each rank writes the shards
+it owns (no gather), and loading reshards them onto any world size, one process included. The rest of the
+training state (arguments, RNG state, counters, corpus fingerprint, budget plan) and the config and
+tokenizer are the single-file format's files, written by rank 0 into the checkpoint's temporary directory
+(``.step-NNNNNNN.partial``) before it is published, with ``manifest.json`` (sha256 of every file, shards
+included) last: the directory appears complete, with one rename, or not at all. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from kimik3.model.pretrained import CONFIG_FILE, read_config
+from kimik3.tokenizer import TOKENIZER_CONFIG_FILE, write_tokenizer_config
+from kimik3.train.checkpoint import (
+    STATE_JSON_FILE,
+    STATE_TENSORS_FILE,
+    STORE,
+    TOKENIZER_FILE,
+    CheckpointError,
+    flatten_state,
+    point_to,
+    prune,
+    unflatten_state,
+)
+from kimik3.train.integrity import MANIFEST_FILE, write_manifest
+from kimik3.train.distributed_checkpoint import load_distributed, read_distributed_meta, save_distributed
+
+# The files rank 0 adds to the DCP ones (shards, index, kimik3_dcp.json).
+RUN_FILES = (CONFIG_FILE, TOKENIZER_FILE, STATE_TENSORS_FILE, STATE_JSON_FILE)
+
+
+def _is_main() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _write_run_files(directory: Path, step: int, model: torch.nn.Module, tokenizer_json: str,
+                     train_state: dict[str, Any]) -> None:
+    """Rank 0, into the checkpoint's temporary directory: the run's own files, fsynced, then the manifest."""
+    (directory / CONFIG_FILE).write_text(model.config.to_json())
+    (directory / TOKENIZER_FILE).write_text(tokenizer_json)
+    write_tokenizer_config(directory, tokenizer_json)
+    tensors: dict[str, torch.Tensor] = {}
+    structure = flatten_state(train_state, tensors)
+    save_file(tensors, str(directory / STATE_TENSORS_FILE), metadata={"step": str(step)})
+    (directory / STATE_JSON_FILE).write_text(json.dumps({"step": step, "state": structure}, indent=1))
+    for file in (*RUN_FILES, TOKENIZER_CONFIG_FILE):
+        with open(directory / file, "rb") as handle:
+            os.fsync(handle.fileno())
+    files = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
+    write_manifest(directory, files)
+
+
+def save_dcp_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: Any, tokenizer_json: str,
+                        train_state: dict[str, Any], keep: int = 2, protect: Collection[str] = (),
+                        corrupt: Collection[str] = ()) -> Path:
+    """Write the checkpoint of ``step`` and make it the run's current one; collective (every rank calls it).
+
+    ``train_state``: the training state besides the model and optimizer (rank 0's is written: nested dicts,
+    lists, tensors and JSON scalars). ``keep``, ``protect``, ``corrupt``: what ``prune`` keeps afterwards.
+    """
+    run_dir = Path(run_dir)
+    name = f"step-{step:07d}"
+    final = run_dir / STORE / name
+    save_distributed(final, model, optimizer, step,
+                     finalize=lambda tmp: _write_run_files(tmp, step, model, tokenizer_json, train_state))
+    if _is_main():
+        point_to(run_dir, name)
+        prune(run_dir, keep, protect={name, *protect}, corrupt=corrupt)
+    return final
+
+
+def load_dcp_checkpoint(ckpt: str | Path, model: torch.nn.Module, optimizer: Any
+                        ) -> tuple[int, dict[str, Any], str]:
+    """Load the (verified) DCP checkpoint ``ckpt`` into ``model`` and ``optimizer`` in place, on any world size;
+    collective. Returns (step, train_state, tokenizer_json) as ``load_checkpoint`` does (without the optimizer
+    state in ``train_state``: it is loaded). Every file is read and checked before the model is touched."""
+    ckpt = Path(ckpt)
+    config, layout = read_config(ckpt)
+    if layout != "kimik3" or config != model.config:
+        raise CheckpointError(f"{ckpt / CONFIG_FILE}: the checkpoint's config differs from the run's model config")
+    meta = read_distributed_meta(ckpt)
+    try:
+        state_tensor_map = load_file(str(ckpt / STATE_TENSORS_FILE))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{ckpt / STATE_TENSORS_FILE}: unreadable or truncated safetensors file ({err})"
+                              ) from None
+    try:
+        saved = json.loads((ckpt / STATE_JSON_FILE).read_text())
+        state = unflatten_state(saved["state"], state_tensor_map)
+        step = int(saved["step"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{ckpt / STATE_JSON_FILE}: malformed training state ({err})") from None
+    if step != int(meta["step"]):
+        raise CheckpointError(f"{ckpt / STATE_JSON_FILE}: step {step}, but the shards are of step {meta['step']}")
+    try:
+        tokenizer_json = (ckpt / TOKENIZER_FILE).read_text()
+    except OSError as err:
+        raise CheckpointError(f"{ckpt / TOKENIZER_FILE}: unreadable ({err.strerror or err})") from None
+    load_distributed(ckpt, model, optimizer)
+    return step, state, tokenizer_json

@@ -255,11 +255,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     import torch
 
     from kimik3.model.k3 import K3ForCausalLM
-    from kimik3.model.pretrained import has_weights, stored_dtype
+    from kimik3.model.pretrained import has_weights, is_sharded_checkpoint, stored_dtype
 
     src, dst = Path(args.src), Path(args.dst)
     if not has_weights(src):
-        raise FileNotFoundError(f"{src}: no model.safetensors nor model.safetensors.index.json")
+        raise FileNotFoundError(f"{src}: no model.safetensors nor model.safetensors.index.json nor a sharded "
+                                "checkpoint (kimik3_dcp.json)")
     if dst.resolve() == src.resolve():
         raise ValueError("convert: the destination must differ from the source")
     if dst.exists() and any(dst.iterdir()):
@@ -267,9 +268,25 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.max_shard_mb is not None and args.max_shard_mb < 1:
         raise ValueError(f"--max-shard-mb must be >= 1, got {args.max_shard_mb}")
     dtype = getattr(torch, args.dtype) if args.dtype else stored_dtype(src)
-    model = K3ForCausalLM.from_pretrained(src, device="cpu", dtype=dtype)
-    model.save_pretrained(dst, layout=args.layout,
-                          max_shard_bytes=args.max_shard_mb * 10**6 if args.max_shard_mb else None)
+    max_shard_bytes = args.max_shard_mb * 10**6 if args.max_shard_mb else None
+    if is_sharded_checkpoint(src):
+        # A run on several ranks: streamed one tensor at a time, never the whole model in memory.
+        from kimik3.interop.dcp_export import export_dcp
+
+        export_dcp(src, dst, args.layout, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    else:
+        model = K3ForCausalLM.from_pretrained(src, device="cpu", dtype=dtype)
+        if args.layout == "torchtitan":
+            from kimik3.files import atomic_write
+            from kimik3.interop import to_torchtitan
+            from kimik3.interop.dcp_export import TORCHTITAN_CONFIG_FILE
+            from kimik3.model.pretrained import HF_SHARD_BYTES, state_tensors, write_shards
+
+            dst.mkdir(parents=True, exist_ok=True)
+            write_shards(to_torchtitan(state_tensors(model), model.config), dst, max_shard_bytes or HF_SHARD_BYTES)
+            atomic_write(dst / TORCHTITAN_CONFIG_FILE, lambda tmp: tmp.write_text(model.config.to_json()))
+        else:
+            model.save_pretrained(dst, layout=args.layout, max_shard_bytes=max_shard_bytes)
     copied = [name for name in ("tokenizer.json", "tokenizer_config.json") if (src / name).is_file()]
     for name in copied:
         shutil.copyfile(src / name, dst / name)
@@ -326,9 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     v = sub.add_parser("convert", help="rewrite a run's model in another layout (hf: the released checkpoint's)")
-    v.add_argument("src", help="a run or model directory (either layout)")
+    v.add_argument("src", help="a run or model directory (either layout), or a sharded checkpoint of a run on "
+                   "several ranks (streamed: one tensor at a time)")
     v.add_argument("dst", help="the directory to write (created; its tokenizer files are copied along)")
-    v.add_argument("--layout", default="hf", choices=["hf", "kimik3"], help="the layout to write")
+    v.add_argument("--layout", default="hf", choices=["hf", "kimik3", "torchtitan"],
+                   help="the layout to write (torchtitan: the port's names, our config as kimik3_config.json)")
     v.add_argument("--max-shard-mb", type=int, help="shard the weights at this size (hf default: 5,000 MB)")
     v.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="the dtype to write (default: the one the source stores)")

@@ -218,6 +218,10 @@ def main() -> None:
         os.environ["KIMIK3_KDA_BACKEND"] = "torch"
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    # fla's KDA kernels call tl.dot without a precision, which Triton runs at TF32 for fp32 operands: the port's
+    # "fp32" KDA would carry ~1e-3 relative error. IEEE fp32 makes the fp32 pass fp32 on both sides (ours passes
+    # its precision explicitly: tf32x3); 16-bit operands are unaffected.
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     port_ns = tp.import_port(compile_mode=args.compile or ("fast" if device.type == "cuda" else "eager"))
 
     config = K3Config.preset("debug") if args.config == "debug" else K3Config.from_dict(dict(SMALL))
@@ -262,6 +266,7 @@ def main() -> None:
     report = {"port_commit": port_ns.commit, "config": config.name, "device": str(device),
               "torch": torch.__version__, "seqs": args.seqs, "seq_len": args.seq_len, "seed": args.seed,
               "perturbed": not args.no_perturb, "reference_kda": reference_kda,
+              "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT"),
               "compile": args.compile or ("fast" if device.type == "cuda" else "eager"),
               "targets": {"kl_mean_max": TARGET_KL, "top1_min": TARGET_TOP1},
               "notes": "KL(ours || port) per position; the port has no MTP; its routed experts are bf16 in the "

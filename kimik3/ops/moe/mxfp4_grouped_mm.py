@@ -1,0 +1,277 @@
+"""Grouped matmul over MXFP4 expert weights: ``y[r] = x[r] @ dequantize(W)[e(r)]`` for rows sorted by expert, the
+weights read packed (E2M1 codes two a byte, E8M0 scales one per 32 elements along I) and decoded in registers.
+
+The weights are ``kimik3.quant.mx.quantize(w_EIO, "mxfp4", axis=-2)``'s: codes [E, O, I/2] (uint8, the element at
+the even I index in the low nibble) and scales [E, O, I/32] (uint8 E8M0 codes, 2^(code - 127), 255 = NaN), i.e.
+blocks along I, the reduction axis. At 4.25 bits an element they are 3.8x smaller than bf16, which is what a decode
+step's expert matmuls (a few rows an expert, bound by weight bandwidth) gain.
+
+Triton kernel (CUDA; CPU tensors under TRITON_INTERPRET=1 for the tests). Hopper has no FP4 tensor cores, so each
+program decodes its [BLOCK_N, BLOCK_K] weight tile to x's dtype and multiplies with ``tl.dot`` (bf16 operands, fp32
+accumulation; fp32 activations take an IEEE fp32 dot). An E2M1 nibble ``s e1 e0 m`` is placed into an fp16 bit
+pattern ``s 000 0e1 e0m 0...`` (exponent field e, top mantissa bit m): that fp16 is the element's value times 2^-14,
+subnormal code 1 (0.5) included, so one exact fp16 multiply by 2^14 gives the value with no select. The block scale
+2^(code - 127) is built from its bits (code 0: the fp32 subnormal 2^-127; 255: NaN) and multiplied in fp32, exact;
+the product is exact in bf16 too (one significant bit after the leading one). The decoded tile is
+``[BLOCK_N, BLOCK_K / 2]`` low and high nibbles joined and interleaved to ``[BLOCK_N, BLOCK_K]``, transposed into
+the dot.
+
+Grouping without a host sync: the grid is a fixed number of programs from the shapes only, ``M_TILES`` row tiles x
+``cdiv(O, BLOCK_N)`` column tiles, with M_TILES = min(R, R // BLOCK_M + E + 1), a bound on the row tiles of the E
+experts plus one more group, the rows past ``offsets_E[-1]`` (if any: they are written as zeros, so the output is
+defined for a padded batch). Each program reads ``offsets_E`` (E + 1 values), computes each group's tile count and
+their running sum (``tl.cumsum``), and finds its group and row range; programs past the real tiles return at once.
+Offsets are clamped to 0..R as read (out-of-range offsets cannot make the kernel read or write outside x or y;
+the result is then meaningless, not checked: that would be a host sync). Row tiles are ordered in groups of
+``GROUP_M`` within each column tile (the weight column block stays in L2 across an expert's row tiles, the x rows
+across the column tiles of the group).
+
+Shapes decide everything at launch (block sizes from R / E, O, I), so the call can be captured in a CUDA graph and
+replayed with new x, weights and offsets. Forward only.
+
+The torch reference, and the CPU path, is ``dequantize`` + ``grouped_mm_loop``; ``mxfp4_backend`` makes the choice
+(``glue_backend``'s: CUDA -> the kernel, CPU -> torch, ``backend=`` to force one).
+
+Legend: R rows (sorted by expert), E experts, I in features (the reduction axis), O out features, H = I / 2 code
+bytes a row, B = I / 32 scale blocks a row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kimik3.ops.glue.common import _jit, check_triton_device, describe, glue_backend, on_device, tl, triton
+from kimik3.ops.moe.grouped_mm import ExpertGroups, grouped_mm_loop
+from kimik3.quant.mx import BLOCK_SIZE, MXTensor, dequantize
+
+__all__ = ["mxfp4_backend", "mxfp4_blocks", "mxfp4_grouped_mm", "mxfp4_grouped_mm_reference"]
+
+_DTYPES = (torch.bfloat16, torch.float32)
+
+# Block sizes by the mean rows an expert (R / E). Decode (a few rows an expert): BLOCK_M = 16 (the smallest tile
+# tl.dot takes; an expert's rows are one tile), BLOCK_N = 64 (K3's O = 3072 over 8 local experts gives 384
+# programs) and BLOCK_K = 128 (64 code bytes a weight row a step: two full 32-byte sectors). Prefill: 128 x 128 x 64
+# tiles at 8 warps, as a bf16 GEMM on Hopper. In between, BLOCK_M follows the rows an expert.
+DECODE_ROWS = 16
+PREFILL_ROWS = 128
+GROUP_M = 8
+
+
+def mxfp4_blocks(R: int, E: int, O: int, I: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from the shapes only (see the constants above)."""
+    rows = R / max(E, 1)
+    block_m = DECODE_ROWS
+    while block_m < PREFILL_ROWS and block_m < rows:
+        block_m *= 2
+    if block_m >= PREFILL_ROWS:
+        block_n, block_k, num_warps, num_stages = 128, 64, 8, 3
+    else:
+        block_n, block_k, num_warps, num_stages = 64, 128, 4, 4
+    block_n = max(16, min(block_n, triton.next_power_of_2(O)))
+    block_k = max(32, min(block_k, triton.next_power_of_2(I)))
+    return block_m, block_n, block_k, num_warps, num_stages
+
+
+def mxfp4_backend(x_RI: torch.Tensor, backend: str = "auto") -> str:
+    """"triton" or "torch" for ``mxfp4_grouped_mm`` on rows ``x_RI``: ``glue_backend``'s choice (CUDA tensors ->
+    the kernel, CPU ones -> the reference; "triton" forces the kernel, which takes CPU tensors under the
+    interpreter), with no width bound (the kernel loops over I)."""
+    return glue_backend(x_RI, backend, max_width=max(1, x_RI.shape[-1]) if x_RI.ndim else 1)
+
+
+def _offsets(groups, E: int, device: torch.device) -> torch.Tensor:
+    if isinstance(groups, ExpertGroups):
+        offsets_E = groups.offsets_E
+        name = "groups.offsets_E"
+    elif isinstance(groups, torch.Tensor):
+        offsets_E = groups
+        name = "offsets_E"
+    else:
+        raise ValueError(f"groups must be ExpertGroups or an int32 offsets tensor [E], got {type(groups).__name__}")
+    if offsets_E.ndim != 1 or offsets_E.shape[0] != E:
+        raise ValueError(f"{name} must be 1-D [E={E}] (the running row counts per expert), got {describe(offsets_E)}")
+    if offsets_E.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32 (cumulative row counts, torch._grouped_mm's offs; counts per expert "
+                         f"go through ExpertGroups.of), got {offsets_E.dtype}")
+    if offsets_E.device != device:
+        raise ValueError(f"{name} is on {offsets_E.device} but x_RI on {device}")
+    return offsets_E
+
+
+def _check(x_RI, codes_EOH, scales_EOB, groups) -> torch.Tensor:
+    """Validates the arguments; returns the offsets tensor."""
+    named = {"x_RI": x_RI, "codes_EOH": codes_EOH, "scales_EOB": scales_EOB}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if x_RI.ndim != 2:
+        raise ValueError(f"x_RI must be 2-D [R, I], got {describe(x_RI)}")
+    if x_RI.dtype not in _DTYPES:
+        raise ValueError(f"x_RI must be bf16 or fp32, got {x_RI.dtype}")
+    if codes_EOH.ndim != 3 or codes_EOH.dtype != torch.uint8:
+        raise ValueError(f"codes_EOH must be a 3-D uint8 tensor [E, O, I/2] (packed E2M1 codes), got "
+                         f"{describe(codes_EOH)}")
+    if scales_EOB.ndim != 3 or scales_EOB.dtype != torch.uint8:
+        raise ValueError(f"scales_EOB must be a 3-D uint8 tensor [E, O, I/32] (E8M0 codes), got "
+                         f"{describe(scales_EOB)}")
+    R, I = x_RI.shape
+    E, O, H = codes_EOH.shape
+    if I < BLOCK_SIZE or I % BLOCK_SIZE:
+        raise ValueError(f"x_RI [R, I] has I = {I}: MXFP4 weights need I a positive multiple of {BLOCK_SIZE}")
+    if E < 1 or O < 1:
+        raise ValueError(f"codes_EOH [E, O, I/2] needs E, O >= 1, got {tuple(codes_EOH.shape)}")
+    if H * 2 != I:
+        raise ValueError(f"codes_EOH [E, O, I/2] has {H} bytes a row, but x_RI has I = {I} features (I/2 = {I // 2})")
+    if scales_EOB.shape != (E, O, I // BLOCK_SIZE):
+        raise ValueError(f"scales_EOB must be [E, O, I/32] = {(E, O, I // BLOCK_SIZE)}, got {describe(scales_EOB)}")
+    for name, t in named.items():
+        if t.device != x_RI.device:
+            raise ValueError(f"{name} is on {t.device} but x_RI on {x_RI.device}")
+    return _offsets(groups, E, x_RI.device)
+
+
+def mxfp4_grouped_mm_reference(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor,
+                               offsets_E: torch.Tensor) -> torch.Tensor:
+    """The torch reference (and CPU path): the weights dequantised to x's dtype, then ``grouped_mm_loop`` over the
+    rows up to ``offsets_E[-1]``; rows past it are zeros, as the kernel writes them. Reads the offsets on the host
+    (a sync on CUDA); raises when they decrease or pass R."""
+    R, I = x_RI.shape
+    E, O, _ = codes_EOH.shape
+    ends = offsets_E.tolist()
+    starts = [0] + ends[:-1]
+    if any(b < a for a, b in zip(starts, ends)) or ends[-1] > R:
+        raise ValueError(f"offsets_E must be non-decreasing running row counts in 0..R={R}, got {ends}")
+    w = dequantize(MXTensor(codes_EOH, scales_EOB, "mxfp4", BLOCK_SIZE, 1, (E, I, O)), dtype=x_RI.dtype)
+    counts_E = torch.tensor([b - a for a, b in zip(starts, ends)], dtype=torch.int64)
+    y = grouped_mm_loop(x_RI[:ends[-1]], w, counts_E)
+    if ends[-1] < R:
+        y = torch.cat([y, y.new_zeros(R - ends[-1], O)])
+    return y
+
+
+@torch.compiler.disable  # an opaque kernel call to torch.compile: traced, its launcher breaks on symbolic sizes
+def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor,
+                     groups_or_offsets: ExpertGroups | torch.Tensor, *, backend: str = "auto",
+                     block_m: int | None = None, block_n: int | None = None,
+                     block_k: int | None = None) -> torch.Tensor:
+    """``y[r] = x[r] @ dequantize(W)[e]`` for the rows r of expert e: y_RO [R, O] in x's dtype, contiguous.
+
+    x_RI [R, I] bf16 or fp32, rows sorted by expert; codes_EOH [E, O, I/2] and scales_EOB [E, O, I/32] uint8, the
+    MXFP4 weight ``quantize(w_EIO, "mxfp4", axis=-2)`` (I a multiple of 32); groups_or_offsets: ``ExpertGroups``
+    or its ``offsets_E`` (int32 [E], the running row counts, ``torch._grouped_mm``'s offs). Rows past
+    ``offsets_E[-1]`` come out as zeros. All on one device. ``backend``: "auto" (CUDA -> the Triton kernel, CPU ->
+    the torch reference), "torch" or "triton" (CPU tensors need TRITON_INTERPRET=1 set before the kernels were
+    imported). The kernel is forward only (raises when grad is enabled and x requires grad) and does no host sync;
+    ``block_m`` / ``block_n`` / ``block_k`` override ``mxfp4_blocks``' choice (powers of two, >= 16, BLOCK_K >= 32).
+    """
+    offsets_E = _check(x_RI, codes_EOH, scales_EOB, groups_or_offsets)
+    if mxfp4_backend(x_RI, backend) == "torch":
+        return mxfp4_grouped_mm_reference(x_RI, codes_EOH, scales_EOB, offsets_E)
+    if torch.is_grad_enabled() and x_RI.requires_grad:
+        raise RuntimeError("mxfp4_grouped_mm's kernel is forward only (inference): call it under torch.no_grad() or "
+                           "torch.inference_mode(), or use backend='torch'")
+    check_triton_device(x_RI, "mxfp4_grouped_mm")
+    R, I = x_RI.shape
+    E, O, _ = codes_EOH.shape
+    bm, bn, bk, num_warps, num_stages = mxfp4_blocks(R, E, O, I)
+    for name, given, least in (("block_m", block_m, 16), ("block_n", block_n, 16), ("block_k", block_k, 32)):
+        if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < least
+                                  or given & (given - 1)):
+            raise ValueError(f"{name} must be a power of two >= {least}, got {given!r}")
+    bm, bn, bk = block_m or bm, block_n or bn, block_k or bk
+    y_RO = torch.empty(R, O, dtype=x_RI.dtype, device=x_RI.device)
+    if R == 0:
+        return y_RO
+    m_tiles = min(R, R // bm + E + 1)
+    grid = (m_tiles * triton.cdiv(O, bn),)
+    with on_device(x_RI.device):
+        _mxfp4_grouped_mm_kernel[grid](
+            x_RI, x_RI.stride(0), x_RI.stride(1),
+            codes_EOH, *codes_EOH.stride(), scales_EOB, *scales_EOB.stride(),
+            offsets_E, y_RO, R, O, E, m_tiles,
+            I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(E + 1), GROUP_M=GROUP_M,
+            FP32=x_RI.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        )
+    return y_RO
+
+
+@_jit
+def _decode_tile(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed codes [BLOCK_N, BLOCK_K / 2] (uint8) and their E8M0 scale codes [BLOCK_N, BLOCK_K / 32] -> the
+    decoded weights [BLOCK_N, BLOCK_K] in fp32 (element 2j from byte j's low nibble, 2j + 1 from its high one)."""
+    # Each nibble into an fp16 bit pattern: sign to bit 15, exponent and mantissa bits to bits 9..11. That fp16 is
+    # the E2M1 value times 2^-14 (E2M1's subnormal 0.5 lands on fp16's subnormals), so * 2^14 is exact.
+    lo = ((codes & 0x7).to(tl.int16) << 9) | ((codes & 0x8).to(tl.int16) << 12)
+    hi = ((codes & 0x70).to(tl.int16) << 5) | ((codes & 0x80).to(tl.int16) << 8)
+    lo = (lo.to(tl.float16, bitcast=True) * 16384.0).to(tl.float32)
+    hi = (hi.to(tl.float16, bitcast=True) * 16384.0).to(tl.float32)
+    # 2^(code - 127) from its fp32 bits: the exponent field is the code itself, but for code 0 (2^-127, an fp32
+    # subnormal) and code 255 (NaN).
+    s = scales.to(tl.int32)
+    bits = tl.where(s == 0, 0x00400000, s << 23)
+    bits = tl.where(s == 255, 0x7FC00000, bits)
+    scale = bits.to(tl.float32, bitcast=True)
+    w = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K // 32, 32])
+    return tl.reshape(w * scale[:, :, None], [BLOCK_N, BLOCK_K])
+
+
+@_jit
+def _mxfp4_grouped_mm_kernel(
+    x_ptr, s_xr, s_xi, c_ptr, s_ce, s_co, s_ch, sc_ptr, s_se, s_so, s_sb,
+    off_ptr, y_ptr, R, O, E, M_TILES,
+    I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr, FP32: tl.constexpr,
+):
+    """Program (row tile, column tile): y[rows, cols] = x[rows] @ dequantize(W[e])[:, cols] for the expert e whose
+    rows the tile covers (fp32 accumulator, stored in y's dtype); zeros for a tile of the group past
+    offsets[E - 1]; nothing for a program past the real tiles."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(O, BLOCK_N)
+    per_group = GROUP_M * n_tiles
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(M_TILES - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    # Groups g = 0..E: the experts, then the rows past offsets[E - 1]; [start, end) clamped to 0..R.
+    g = tl.arange(0, BLOCK_E)
+    ends = tl.load(off_ptr + g, mask=g < E, other=R)
+    ends = tl.minimum(tl.maximum(ends, 0), R)
+    starts = tl.load(off_ptr + tl.minimum(g - 1, E - 1), mask=g >= 1, other=0)
+    starts = tl.minimum(tl.maximum(starts, 0), R)
+    counts = tl.where(g <= E, tl.maximum(ends - starts, 0), 0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(tiles, 0)
+    if pid_m >= tl.max(tiles_end, 0):
+        return
+    e = tl.sum((tiles_end <= pid_m).to(tl.int32), 0)  # the group whose tiles hold pid_m
+    here = g == e
+    row0 = tl.sum(tl.where(here, starts, 0), 0) + (pid_m - tl.sum(tl.where(here, tiles_end - tiles, 0), 0)) * BLOCK_M
+    row_end = tl.sum(tl.where(here, ends, 0), 0)
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = cols < O
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if e < E:
+        ks = tl.arange(0, BLOCK_K)
+        hs = tl.arange(0, BLOCK_K // 2)
+        bs = tl.arange(0, BLOCK_K // 32)
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * s_xr
+        c_rows = c_ptr + e.to(tl.int64) * s_ce + cols.to(tl.int64)[:, None] * s_co
+        s_rows = sc_ptr + e.to(tl.int64) * s_se + cols.to(tl.int64)[:, None] * s_so
+        for k0 in range(0, I, BLOCK_K):
+            kmask = (k0 + ks) < I
+            x = tl.load(x_rows + (k0 + ks)[None, :] * s_xi, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            codes = tl.load(c_rows + (k0 // 2 + hs)[None, :] * s_ch,
+                            mask=nmask[:, None] & ((k0 // 2 + hs) < I // 2)[None, :], other=0)
+            scales = tl.load(s_rows + (k0 // 32 + bs)[None, :] * s_sb,
+                             mask=nmask[:, None] & ((k0 // 32 + bs) < I // 32)[None, :], other=127)
+            w = _decode_tile(codes, scales, BLOCK_N, BLOCK_K)
+            if FP32:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * O + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=rmask[:, None] & nmask[None, :])

@@ -1,0 +1,297 @@
+"""Tests of the grouped matmul over MXFP4 expert weights (kimik3/ops/moe/mxfp4_grouped_mm.py): the Triton kernel and
+the torch path against ``dequantize`` + a per-expert fp32 matmul.
+
+The kernel's products are exact (the activations come in bf16 or fp32, the decoded weights are exact in both), so
+fp32 activations are compared to the fp32 reference within fp32 accumulation error, bf16 ones within that plus half
+a bf16 step of the output. Cases: several experts with empty ones among them (first, middle, last), experts of
+fewer rows than a tile and of several tiles, partial row, column and K tiles, one K block and several, more row
+tiles than a swizzle group, the default blocks, rows past offsets[-1] (zeros), no rows; every E2M1 code under many
+scale codes and one-hot rows (the decode bit for bit), scale codes 0 (an fp32 subnormal, CPU only) and 255 (NaN);
+strided inputs; the backend choice, the block choice at K3's shapes and the input checks. On a GPU also K3's shapes
+against ``torch._grouped_mm`` on the dequantised weights.
+
+Without CUDA the kernel runs under the Triton interpreter (TRITON_INTERPRET=1, set by tests/conftest.py), with the
+interpreter's bf16 made the GPU's and every load and store bounds-checked (tests/triton_bounds.py). The interpreter
+runs one program at a time: the shapes are the smallest that reach each path.
+
+Legend: R rows (sorted by expert), E experts, I in features, O out features.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kimik3.ops.moe.grouped_mm import ExpertGroups
+from kimik3.quant.mx import MXTensor, dequantize, quantize
+from kimik3.ops.moe.mxfp4_grouped_mm import mxfp4_backend, mxfp4_blocks, mxfp4_grouped_mm
+from tests.kernel_testing import DEV, interpreter_setup, needs_kernels, ON_GPU  # noqa: F401 (interpreter_setup: autouse)
+
+FP32_EPS = 2.0 ** -24
+
+
+@pytest.fixture(autouse=True)
+def nan_filled_empty(monkeypatch):
+    """``torch.empty`` hands out NaN-filled floating tensors here, so that an output element the kernel never
+    writes cannot pass for a zero or a stale right value."""
+    empty = torch.empty
+
+    def filled(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", filled)
+
+
+def weights(E, I, O, seed=0):
+    """An MXFP4 weight [E, I, O] (blocks along I): N(0, 1) with a per-column spread of 2^-3..2^3, so that the
+    blocks take several scale codes."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(E, I, O, generator=gen) * torch.exp2(torch.randint(-3, 4, (E, 1, O), generator=gen).float())
+    return quantize(w.to(DEV), "mxfp4", axis=-2)
+
+
+def rows(R, I, dtype, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(R, I, generator=gen).to(DEV, dtype)
+
+
+def reference(x_RI, mx, offsets):
+    """Per expert in fp32: x[start:end] @ dequantize(W)[e]; rows past the last offset zero."""
+    w = dequantize(mx)
+    y = torch.zeros(x_RI.shape[0], w.shape[2], device=x_RI.device)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        y[start:end] = x_RI[start:end].float() @ w[e]
+        start = end
+    return y
+
+
+def excess(y, x_RI, mx, offsets):
+    """|y - ref| less its bound: fp32 accumulation error (2 I eps of |x| @ |w|), plus half a bf16 step of ref for
+    bf16 output; <= 0 where y is close enough."""
+    ref = reference(x_RI, mx, offsets)
+    bound = reference(x_RI.float().abs(), _abs(mx), offsets) * (2 * x_RI.shape[1] * FP32_EPS)
+    if y.dtype == torch.bfloat16:
+        bound = bound + ref.abs() * 2.0 ** -8
+    assert y.dtype == x_RI.dtype and y.shape == ref.shape
+    return (y.float() - ref).abs() - bound
+
+
+def assert_close_to_reference(y, x_RI, mx, offsets):
+    over = excess(y, x_RI, mx, offsets)
+    assert bool((over <= 0).all()), f"max excess {over.max().item():.3g}"
+
+
+def _abs(mx):
+    """The MX weight of |W|: the sign bits (3 and 7 of each byte) cleared."""
+    return MXTensor(mx.codes & 0x77, mx.scales, mx.fmt, mx.block_size, mx.axis, mx.shape)
+
+
+def offsets_of(counts):
+    return torch.cumsum(torch.tensor(counts), 0).to(DEV, torch.int32)
+
+
+# (E, I, O, rows an expert, block_m, block_n, block_k)
+CASES = [
+    (4, 96, 40, [3, 0, 17, 1], 16, 32, 64),      # empty middle expert; 2 row tiles; partial N and K (96 = 64 + 32)
+    (3, 32, 16, [0, 5, 0], 16, 16, 32),          # empty first and last; one K block; O one tile
+    (2, 128, 24, [40, 9], 32, 16, 32),           # 4 K blocks; an expert of 2 tiles at BLOCK_M = 32
+    (10, 64, 40, [1, 2, 0, 1, 1, 17, 1, 1, 0, 1], 16, 32, 64),  # 9 real row tiles: two swizzle groups of 8
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("E, I, O, counts, bm, bn, bk", CASES)
+def test_kernel_matches_the_reference(E, I, O, counts, bm, bn, bk, dtype):
+    mx = weights(E, I, O)
+    offsets = offsets_of(counts)
+    x = rows(sum(counts), I, dtype)
+    with torch.no_grad():
+        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", block_m=bm, block_n=bn, block_k=bk)
+    assert_close_to_reference(y, x, mx, offsets)
+
+
+@needs_kernels
+def test_default_blocks_and_expert_groups():
+    mx = weights(2, 64, 24)
+    groups = ExpertGroups.of(torch.tensor([2, 1], device=DEV))
+    x = rows(3, 64, torch.bfloat16)
+    y = mxfp4_grouped_mm(x, mx.codes, mx.scales, groups, backend="triton")
+    assert_close_to_reference(y, x, mx, groups.offsets_E)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_path_matches_the_reference(dtype):
+    mx = weights(4, 96, 40)
+    offsets = offsets_of([3, 0, 17, 1])
+    x = rows(21, 96, dtype)
+    y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="torch")
+    assert_close_to_reference(y, x, mx, offsets)
+    if DEV == "cpu":
+        assert torch.equal(mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets), y)  # auto: the torch path on CPU
+
+
+@needs_kernels
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_rows_past_the_last_offset_are_zero(backend):
+    mx = weights(3, 32, 16)
+    offsets = offsets_of([2, 0, 3])
+    x = rows(9, 32, torch.float32)
+    with torch.no_grad():
+        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend=backend, block_m=16, block_n=16, block_k=32)
+    assert_close_to_reference(y, x, mx, offsets)
+    assert torch.equal(y[5:], torch.zeros_like(y[5:]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_no_rows(backend):
+    mx = weights(3, 32, 16)
+    x = rows(0, 32, torch.bfloat16)
+    y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets_of([0, 0, 0]), backend=backend)
+    assert y.shape == (0, 16) and y.dtype == torch.bfloat16
+
+
+def every_code_weight(E, I, O, scale_codes):
+    """codes [E, O, I/2] walking every byte value (so every E2M1 code in both nibbles), the given scale codes
+    [E, O, I/32]."""
+    codes = (torch.arange(E * O * (I // 2)) * 7 % 256).to(torch.uint8).reshape(E, O, I // 2)
+    return MXTensor(codes.to(DEV), scale_codes.to(DEV, torch.uint8), "mxfp4", 32, 1, (E, I, O))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_code_decodes_exactly(dtype):
+    """One-hot rows (x = I x I identity for each of 2 experts): y is W's rows, bit for bit, for every byte value and
+    scale codes 100..163 (values 2^-27 .. 2^36 times the element)."""
+    E, I, O = 2, 64, 16
+    mx = every_code_weight(E, I, O, torch.arange(100, 100 + E * O * 2).reshape(E, O, 2))
+    x = torch.eye(I, device=DEV, dtype=dtype).repeat(E, 1)
+    offsets = offsets_of([I] * E)
+    with torch.no_grad():
+        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", block_m=16, block_n=16, block_k=64)
+    w = dequantize(mx)
+    assert torch.equal(y.float(), torch.cat(list(w.to(dtype).float())))
+
+
+@needs_kernels
+@pytest.mark.skipif(ON_GPU, reason="a GPU dot may flush fp32 subnormals")
+def test_scale_code_zero_is_two_to_the_minus_127():
+    E, I, O = 1, 32, 16
+    mx = every_code_weight(E, I, O, torch.zeros(E, O, 1))
+    x = torch.eye(I, device=DEV)
+    y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets_of([I]), backend="triton")
+    assert torch.equal(y, dequantize(mx)[0]) and bool((y != 0).any())
+
+
+@needs_kernels
+def test_nan_scale_poisons_its_column_of_its_expert():
+    E, I, O = 2, 64, 16
+    mx = weights(E, I, O)
+    mx.scales[1, 3, 1] = 255
+    mx.codes[1, 3, 16:] = 0x22  # elements 1.0: an infinite scale would give +inf here, not NaN
+    offsets = offsets_of([2, 3])
+    x = rows(5, I, torch.bfloat16).abs() + 0.125
+    with torch.no_grad():
+        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton")
+    nan = torch.zeros(5, O, dtype=torch.bool, device=DEV)
+    nan[2:, 3] = True
+    assert torch.equal(y.isnan(), nan)
+    assert bool((excess(y, x, mx, offsets)[~nan] <= 0).all())
+
+
+@needs_kernels
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_strided_inputs(backend):
+    E, I, O = 2, 64, 24
+    mx = weights(E, I, O)
+    offsets = offsets_of([3, 2])
+    wide = rows(5, I + 32, torch.float32)
+    x = wide[:, 16:16 + I]                               # row stride I + 32
+    x_col = rows(5, I, torch.float32).t().contiguous().t()  # column-major
+    codes = torch.zeros(E, O, I, dtype=torch.uint8, device=DEV)
+    codes[:, :, ::2] = mx.codes                           # stride 2 along the code bytes
+    scales = mx.scales.transpose(1, 2).contiguous().transpose(1, 2)
+    with torch.no_grad():
+        for xi in (x, x_col):
+            y = mxfp4_grouped_mm(xi, codes[:, :, ::2], scales, offsets, backend=backend, block_m=16, block_n=32,
+                                 block_k=32)
+            assert_close_to_reference(y, xi, mx, offsets)
+
+
+@needs_kernels
+def test_backend_choice():
+    x = rows(2, 32, torch.bfloat16)
+    assert mxfp4_backend(x) == ("triton" if ON_GPU else "torch")
+    assert mxfp4_backend(x, "torch") == "torch" and mxfp4_backend(x, "triton") == "triton"
+    with pytest.raises(ValueError, match="backend must be"):
+        mxfp4_backend(x, "cuda")
+
+
+@needs_kernels
+def test_blocks_at_k3_shapes():
+    """K3's expert matmuls over 8 local experts: 16-row tiles up to 16 rows an expert, 128 x 128 x 64 at prefill."""
+    for O, I in ((3072, 3584), (3584, 3072)):
+        assert mxfp4_blocks(8, 8, O, I)[:3] == (16, 64, 128)
+        assert mxfp4_blocks(16 * 8, 8, O, I)[:3] == (16, 64, 128)
+        assert mxfp4_blocks(64 * 8, 8, O, I)[:3] == (64, 64, 128)
+        assert mxfp4_blocks(2048 * 8, 8, O, I) == (128, 128, 64, 8, 3)
+    assert mxfp4_blocks(3, 2, 24, 32)[:3] == (16, 32, 32)  # clipped to small O and I
+
+
+@needs_kernels
+def test_bad_inputs_are_named():
+    E, I, O = 2, 64, 16
+    mx = weights(E, I, O)
+    x = rows(3, I, torch.bfloat16)
+    off = offsets_of([1, 2])
+    c, s = mx.codes, mx.scales
+    bad = [
+        ((x[0], c, s, off), "x_RI must be 2-D"),
+        ((x.half(), c, s, off), "x_RI must be bf16 or fp32"),
+        ((x, c.to(torch.int8), s, off), "codes_EOH must be a 3-D uint8"),
+        ((x, c[0], s, off), "codes_EOH must be a 3-D uint8"),
+        ((x, c, s.float(), off), "scales_EOB must be a 3-D uint8"),
+        ((x[:, :48], c[:, :, :24], s, off), "multiple of 32"),
+        ((x, c[:, :, :16], s, off), "bytes a row"),
+        ((x, c, s[:, :, :1], off), r"scales_EOB must be \[E, O, I/32\]"),
+        ((x, c, s[:, :8], off), r"scales_EOB must be \[E, O, I/32\]"),
+        ((x, c, s, off.long()), "must be int32"),
+        ((x, c, s, off[:1]), r"must be 1-D \[E=2\]"),
+        ((x, c, s, [1, 3]), "groups must be ExpertGroups"),
+        ((x, "codes", s, off), "codes_EOH must be a tensor"),
+        ((x, c, s.to("meta"), off), "scales_EOB is on meta"),
+    ]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            mxfp4_grouped_mm(*args)
+    for kw, match in (({"block_m": 24}, "block_m must be a power of two"), ({"block_k": 16}, "block_k"),
+                      ({"block_n": 8}, "block_n")):
+        with pytest.raises(ValueError, match=match):
+            mxfp4_grouped_mm(x, c, s, off, backend="triton", **kw)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        mxfp4_grouped_mm(x, c, s, offsets_of([2, -1]), backend="torch")
+    with pytest.raises(ValueError, match="non-decreasing"):
+        mxfp4_grouped_mm(x, c, s, offsets_of([2, 2]) + 2, backend="torch")
+    with pytest.raises(RuntimeError, match="forward only"):
+        mxfp4_grouped_mm(x.clone().requires_grad_(), c, s, off, backend="triton")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("per_expert", [1, 16, 256])
+@pytest.mark.parametrize("O, I", [(3072, 3584), (3584, 3072)])
+def test_k3_shapes_against_grouped_mm_on_gpu(O, I, per_expert):
+    """K3's expert matmuls (8 local experts, one of them empty) against torch._grouped_mm on the dequantised bf16
+    weights (same products, another summation order: a bf16 step of the output)."""
+    E = 8
+    mx = weights(E, I, O)
+    counts = torch.full((E,), per_expert)
+    counts[3] = 0
+    groups = ExpertGroups.of(counts.to(DEV))
+    x = rows(int(counts.sum()), I, torch.bfloat16)
+    w = dequantize(mx, torch.bfloat16)
+    y = mxfp4_grouped_mm(x, mx.codes, mx.scales, groups)
+    ref = torch._grouped_mm(x, w, offs=groups.offsets_E).float()
+    assert ((y.float() - ref).abs() <= ref.abs() * 2.0 ** -7 + 1e-3 * ref.abs().max()).all()

@@ -70,8 +70,10 @@ TOP_LEVEL_FILES = (*CHECKPOINT_FILES, *OPTIONAL_FILES, *DCP_FILES)
 POINTER = "checkpoint"
 STORE = "checkpoints"
 # (folder, name) of the temporaries a killed checkpoint write leaves: save_checkpoint's directory
-# (tempfile.mkdtemp: ".step-NNNNNNN." + random [a-z0-9_]) and point_to's symlink.
-CHECKPOINT_TEMPORARIES = ((STORE, r"\.step-\d+\.[a-z0-9_]+"), (".", r"\.checkpoint\.\d+\.tmp"))
+# (tempfile.mkdtemp: ".step-NNNNNNN." + random [a-z0-9_]), a sharded checkpoint's (".step-NNNNNNN.partial") and
+# the one it moved aside (".step-NNNNNNN.old." + random), and point_to's symlink.
+CHECKPOINT_TEMPORARIES = ((STORE, r"\.step-\d+\.[a-z0-9_]+"), (STORE, r"\.step-\d+\.old\.[a-z0-9_]+"),
+                          (".", r"\.checkpoint\.\d+\.tmp"))
 
 
 class CheckpointError(ValueError):

@@ -38,6 +38,9 @@ from kimik3.train.checkpoint import (
     TOKENIZER_FILE,
     CheckpointError,
     flatten_state,
+    is_dcp_checkpoint,
+    load_checkpoint,
+    load_optimizer_state,
     point_to,
     prune,
     unflatten_state,
@@ -117,4 +120,15 @@ def load_dcp_checkpoint(ckpt: str | Path, model: torch.nn.Module, optimizer: Any
     except OSError as err:
         raise CheckpointError(f"{ckpt / TOKENIZER_FILE}: unreadable ({err.strerror or err})") from None
     load_distributed(ckpt, model, optimizer)
+    return step, state, tokenizer_json
+
+
+def load_run_checkpoint(run_dir: str | Path, ckpt: Path, model: torch.nn.Module, optimizer: Any
+                        ) -> tuple[int, dict[str, Any], str]:
+    """Load the run's (verified) checkpoint ``ckpt`` in either format into ``model`` and ``optimizer``, on any
+    world size; collective. Returns (step, train_state, tokenizer_json)."""
+    if is_dcp_checkpoint(ckpt):   # the model and the optimizer, resharded onto this run's ranks
+        return load_dcp_checkpoint(ckpt, model, optimizer)
+    step, state, tokenizer_json = load_checkpoint(run_dir, model, checkpoint=ckpt)
+    load_optimizer_state(optimizer, state["optimizer"])   # full tensors, cut to this rank's shards
     return step, state, tokenizer_json

@@ -62,15 +62,12 @@ from kimik3.train.checkpoint import (
     STATE_JSON_FILE,
     CheckpointError,
     adopt_checkpoint,
-    load_checkpoint,
-    load_optimizer_state,
-    is_dcp_checkpoint,
     save_checkpoint,
 )
-from kimik3.train.dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
 from kimik3.train.budget import FIRST_PLAN_MIN, FREEZE_FRACTION, PLOT_S, BudgetPlanner, StepCosts
 from kimik3.train.checkpoint_clock import DEFAULT_CHECKPOINT_EVERY, CheckpointClock, parse_checkpoint_every
 from kimik3.train.data import Corpus, load_corpus
+from kimik3.train.dcp_checkpoint import load_run_checkpoint, save_dcp_checkpoint
 from kimik3.train.loader import batch_at, eval_windows
 from kimik3.train.run_dir import METRICS_FILE, prepare_run_dir, resume_point, truncate_metrics
 from kimik3.train.tokenizer import encode_documents, tokenize_corpus
@@ -233,11 +230,8 @@ class Trainer:
             adopt_checkpoint(self.run_dir, self.resume_checkpoint, self.damaged_checkpoints,
                              warn=lambda message: self.log(f"warning: {message}"))
         self.ctx.barrier()
-        sharded = is_dcp_checkpoint(self.resume_checkpoint)
-        if sharded:   # the model and the optimizer, resharded onto this run's ranks
-            step, state, tokenizer_json = load_dcp_checkpoint(self.resume_checkpoint, self.model, self.optimizer)
-        else:
-            step, state, tokenizer_json = load_checkpoint(self.run_dir, self.model, checkpoint=self.resume_checkpoint)
+        step, state, tokenizer_json = load_run_checkpoint(self.run_dir, self.resume_checkpoint, self.model,
+                                                          self.optimizer)
         if state.get("corpus_fingerprint") != self.corpus.fingerprint:
             raise CheckpointError(f"{self.run_dir / STATE_JSON_FILE}: the data changed since this run was "
                                   "checkpointed; resuming needs the same corpus")
@@ -250,8 +244,6 @@ class Trainer:
             self.tokenizer = saved_tokenizer
             self.train_ids = encode_documents(saved_tokenizer, self.corpus.train)
             self.val_ids = encode_documents(saved_tokenizer, self.corpus.val)
-        if not sharded:
-            load_optimizer_state(self.optimizer, state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.nonfinite_total = int(state["nonfinite_total"])
         plan = state.get("plan")   # absent from older checkpoints: their args hold the planned --steps
@@ -520,7 +512,7 @@ class Trainer:
         self.log(f"sample (temperature 0.8, prompt {SAMPLE_PROMPT!r}):\n{SAMPLE_PROMPT}{sample}")
         if self.planner is not None:
             self.log(f"time: {self.planner.used():.0f} s of the {a.time_budget_s:.0f} s budget, {self.step} steps")
-        weights = "model shards (kimik3 convert exports them)" if self.dims.world > 1 else "model.safetensors"
+        weights = "model shards (dcp_index.json)" if self.dims.world > 1 else "model.safetensors"
         self.log(f"run written to {self.run_dir}/: {weights} config.json tokenizer.json "
                  f"train_state.* metrics.jsonl {plot_path.name if plot_path else ''}")
         return RunSummary(self.run_dir, self.step, final_loss, last_val, self.unigram, tokens_per_s, sample, history)

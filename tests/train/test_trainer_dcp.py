@@ -80,6 +80,7 @@ def test_two_rank_runs_write_sharded_checkpoints_and_resume_exactly_on_two_ranks
     _fast_in_this_process(monkeypatch, Trainer)
     _check_resume_on_one_rank(tmp_path / "for-one-rank", straight)
     _check_damaged_newest_is_skipped(tmp_path / "straight", tmp_path / "damaged", straight)
+    _check_incomplete_is_refused(tmp_path / "straight", tmp_path / "incomplete")
 
 
 def _fast_in_this_process(monkeypatch, trainer_cls):
@@ -139,3 +140,44 @@ def _check_damaged_newest_is_skipped(source: Path, run: Path, straight: list[flo
     found = losses(run)
     assert found[:2] == straight[:2]
     torch.testing.assert_close(torch.tensor(found[2:]), torch.tensor(straight[2:]), rtol=RTOL, atol=0)
+
+
+def _check_incomplete_is_refused(source: Path, run: Path):
+    """With no intact checkpoint left, resuming refuses, naming the file that is missing."""
+    from kimik3.train.checkpoint import CheckpointError
+    from tests.train.small_run import resume
+
+    shutil.copytree(source, run, symlinks=True)
+    shutil.rmtree(run / "checkpoints" / "step-0000002")
+    meta = run / "checkpoints" / "step-0000004" / "kimik3_dcp.json"
+    meta.unlink()
+    with pytest.raises(CheckpointError, match=f"no intact checkpoint left.*{meta}: missing"):
+        resume(run)
+
+
+def test_a_sharded_save_publishes_all_or_nothing_and_its_temporaries_are_removed(tmp_path):
+    """An error while rank 0 adds its files (``finalize``) publishes nothing and leaves the previous checkpoint;
+    what the interrupted save left is a temporary the next start of the run removes."""
+    from kimik3.train.checkpoint import DCP_FILES, remove_temporaries
+    from kimik3.train.dcp_storage import INDEX_FILE
+    from kimik3.train.distributed_checkpoint import META_FILE, read_distributed_meta, save_distributed
+    from kimik3.train.run_dir import RUN_TEMPORARIES
+
+    assert DCP_FILES == (META_FILE, INDEX_FILE)
+    model = torch.nn.Linear(4, 3)
+    final = tmp_path / "checkpoints" / "step-0000002"
+    save_distributed(final, model, None, 2, finalize=lambda tmp: (tmp / "extra.json").write_text("{}"))
+    assert (final / "extra.json").is_file() and read_distributed_meta(final)["step"] == 2
+
+    def fail(tmp):
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        save_distributed(final, model, None, 3, finalize=fail)
+    assert read_distributed_meta(final)["step"] == 2   # the previous one, untouched
+    partial = tmp_path / "checkpoints" / ".step-0000002.partial"
+    aside = tmp_path / "checkpoints" / ".step-0000002.old.k2x_9"   # a kill between the two renames leaves this
+    aside.mkdir()
+    assert partial.is_dir()
+    removed = remove_temporaries(tmp_path, RUN_TEMPORARIES)
+    assert set(removed) == {partial, aside} and final.is_dir()

@@ -11,7 +11,9 @@ strided inputs; the backend choice, the block choice at K3's shapes and the inpu
 against ``torch._grouped_mm`` on the dequantised weights.
 
 Without CUDA the kernel runs under the Triton interpreter (TRITON_INTERPRET=1, set by tests/conftest.py), with the
-interpreter's bf16 made the GPU's and every load and store bounds-checked (tests/triton_bounds.py). The interpreter
+interpreter's bf16 made the GPU's (casts and dots: tests/kernel_testing.py; elementwise arithmetic and exact
+bf16 -> fp32 casts: ``interpreter_bf16_arithmetic`` here) and every load and store bounds-checked
+(tests/triton_bounds.py). The interpreter
 runs one program at a time: the shapes are the smallest that reach each path.
 
 Legend: R rows (sorted by expert), E experts, I in features, O out features.
@@ -25,9 +27,48 @@ import torch
 from kimik3.ops.moe.grouped_mm import ExpertGroups
 from kimik3.quant.mx import MXTensor, dequantize, quantize
 from kimik3.ops.moe.mxfp4_grouped_mm import mxfp4_backend, mxfp4_blocks, mxfp4_grouped_mm
-from tests.kernel_testing import DEV, interpreter_setup, needs_kernels, ON_GPU  # noqa: F401 (interpreter_setup: autouse)
+from tests.kernel_testing import DEV, HAS_KERNELS, interpreter_setup, needs_kernels, ON_GPU  # noqa: F401 (interpreter_setup: autouse)
 
 FP32_EPS = 2.0 ** -24
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreter_bf16_arithmetic(request):
+    """Under the interpreter: bf16 elementwise arithmetic as on the GPU, through fp32 and rounded to nearest even,
+    and bf16 -> fp32 casts exact. Triton 3.6's interpreter stores bf16 as uint16 and applies the numpy op to those
+    integers (the kernel decodes the weights with bf16 multiplies), and its bf16 -> fp32 cast rounds subnormals
+    to one significant bit. Restored after the module."""
+    request.getfixturevalue("interpreter_setup")  # first: its bf16 fix is what the teardown restores
+    if ON_GPU or not HAS_KERNELS:
+        yield
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    builder = interp.InterpreterBuilder
+    binary_op = builder.binary_op
+
+    def to_fp32(data):
+        return torch.from_numpy(np.ascontiguousarray(data).view(np.int16)).view(torch.bfloat16).float().numpy()
+
+    def bf16_binary_op(self, lhs, rhs, op):
+        if lhs.dtype.scalar != tl.bfloat16:
+            return binary_op(self, lhs, rhs, op)
+        out = torch.from_numpy(np.asarray(op(to_fp32(lhs.data), to_fp32(rhs.data)), dtype=np.float32))
+        return interp.TensorHandle(out.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar == tl.float32:
+            return interp.TensorHandle(to_fp32(src.data), tl.float32)
+        return cast(self, src, dst_type)
+
+    cast = builder.cast_impl
+    builder.binary_op, builder.cast_impl = bf16_binary_op, cast_impl
+    try:
+        yield
+    finally:
+        builder.binary_op, builder.cast_impl = binary_op, cast
 
 
 @pytest.fixture(autouse=True)

@@ -7,14 +7,17 @@ blocks along I, the reduction axis. At 4.25 bits an element they are 3.8x smalle
 step's expert matmuls (a few rows an expert, bound by weight bandwidth) gain.
 
 Triton kernel (CUDA; CPU tensors under TRITON_INTERPRET=1 for the tests). Hopper has no FP4 tensor cores, so each
-program decodes its [BLOCK_N, BLOCK_K] weight tile to x's dtype and multiplies with ``tl.dot`` (bf16 operands, fp32
-accumulation; fp32 activations take an IEEE fp32 dot). An E2M1 nibble ``s e1 e0 m`` is placed into an fp16 bit
-pattern ``s 000 0e1 e0m 0...`` (exponent field e, top mantissa bit m): that fp16 is the element's value times 2^-14,
-subnormal code 1 (0.5) included, so one exact fp16 multiply by 2^14 gives the value with no select. The block scale
-2^(code - 127) is built from its bits (code 0: the fp32 subnormal 2^-127; 255: NaN) and multiplied in fp32, exact;
-the product is exact in bf16 too (one significant bit after the leading one). The decoded tile is
-``[BLOCK_N, BLOCK_K / 2]`` low and high nibbles joined and interleaved to ``[BLOCK_N, BLOCK_K]``, transposed into
-the dot.
+program decodes its [BLOCK_N, BLOCK_K] weight tile to bf16 and multiplies with ``tl.dot`` (bf16 operands, fp32
+accumulation; fp32 activations take the tile converted to fp32 into an IEEE fp32 dot). An E2M1 nibble ``s e1 e0 m``
+is placed into a bf16 bit pattern (sign at bit 15, ``e1 e0 m`` at bits 8..6: exponent field e, top mantissa bit m):
+that bf16 is the element's value times 2^-126, the subnormal code 1 (0.5) included, so one exact bf16 multiply by
+2^126 gives the value with no select. The block scale 2^(code - 127) is built from its bf16 bits (code 0: the
+subnormal 2^-127; 255: NaN) and multiplied in bf16, exact (an element has at most two significant bits). Both
+multiplies are packed two elements an instruction on sm_90 (``mul.bf16x2``); the decode is ~8.5 instructions an
+element there (Triton 3.6, counted in the SASS of the decode tile), most of them the int16 bit moves. The decoded
+tile is ``[BLOCK_N, BLOCK_K / 2]`` low and high nibbles joined and interleaved to ``[BLOCK_N, BLOCK_K]``, transposed
+into the dot (the compiler decodes straight into the dot operand's register layout: only the codes and scales
+change layout).
 
 Grouping without a host sync: the grid is a fixed number of programs from the shapes only, ``M_TILES`` row tiles x
 ``cdiv(O, BLOCK_N)`` column tiles, with M_TILES = min(R, R // BLOCK_M + E + 1), a bound on the row tiles of the E
@@ -198,20 +201,22 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
 @_jit
 def _decode_tile(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Packed codes [BLOCK_N, BLOCK_K / 2] (uint8) and their E8M0 scale codes [BLOCK_N, BLOCK_K / 32] -> the
-    decoded weights [BLOCK_N, BLOCK_K] in fp32 (element 2j from byte j's low nibble, 2j + 1 from its high one)."""
-    # Each nibble into an fp16 bit pattern: sign to bit 15, exponent and mantissa bits to bits 9..11. That fp16 is
-    # the E2M1 value times 2^-14 (E2M1's subnormal 0.5 lands on fp16's subnormals), so * 2^14 is exact.
-    lo = ((codes & 0x7).to(tl.int16) << 9) | ((codes & 0x8).to(tl.int16) << 12)
-    hi = ((codes & 0x70).to(tl.int16) << 5) | ((codes & 0x80).to(tl.int16) << 8)
-    lo = (lo.to(tl.float16, bitcast=True) * 16384.0).to(tl.float32)
-    hi = (hi.to(tl.float16, bitcast=True) * 16384.0).to(tl.float32)
-    # 2^(code - 127) from its fp32 bits: the exponent field is the code itself, but for code 0 (2^-127, an fp32
-    # subnormal) and code 255 (NaN).
-    s = scales.to(tl.int32)
-    bits = tl.where(s == 0, 0x00400000, s << 23)
-    bits = tl.where(s == 255, 0x7FC00000, bits)
-    scale = bits.to(tl.float32, bitcast=True)
-    w = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K // 32, 32])
+    decoded weights [BLOCK_N, BLOCK_K] in bf16, exact (element 2j from byte j's low nibble, 2j + 1 from its high
+    one)."""
+    # Each nibble into a bf16 bit pattern: sign to bit 15, exponent and mantissa bits to bits 6..8. That bf16 is the
+    # E2M1 value times 2^-126 (E2M1's subnormal 0.5 lands on bf16's subnormal 2^-127), so * 2^126 is exact. In int16
+    # (not int32 or via fp16): the fewest instructions an element on sm_90 (~8, for Triton 3.6, from the SASS).
+    c = codes.to(tl.int16)
+    lo = (((c << 6) & 0x1C0) | ((c << 12) & -0x8000)).to(tl.bfloat16, bitcast=True)
+    hi = (((c << 2) & 0x1C0) | ((c << 8) & -0x8000)).to(tl.bfloat16, bitcast=True)
+    # 2^(code - 127) from its bf16 bits: the exponent field is the code itself, but for code 0 (2^-127, a bf16
+    # subnormal) and code 255 (NaN). Two multiplies, not one by 2^(code - 1): that overflows bf16 from code 129 up.
+    s = scales.to(tl.int16)
+    bits = tl.where(s == 0, 0x0040, s << 7)
+    bits = tl.where(s == 255, 0x7FC0, bits)
+    scale = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    two_126 = tl.full([1, 1, 1], 0x7E80, tl.int16).to(tl.bfloat16, bitcast=True)  # (a bf16 literal: interpreter)
+    w = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K // 32, 32]) * two_126
     return tl.reshape(w * scale[:, :, None], [BLOCK_N, BLOCK_K])
 
 
@@ -270,8 +275,8 @@ def _mxfp4_grouped_mm_kernel(
                              mask=nmask[:, None] & ((k0 // 32 + bs) < I // 32)[None, :], other=127)
             w = _decode_tile(codes, scales, BLOCK_N, BLOCK_K)
             if FP32:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+                acc = tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:
-                acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
+                acc = tl.dot(x, tl.trans(w), acc)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * O + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=rmask[:, None] & nmask[None, :])

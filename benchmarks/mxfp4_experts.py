@@ -1,0 +1,133 @@
+"""MXFP4 routed-expert matmuls on the GPU: ``mxfp4_grouped_mm`` (packed E2M1 codes + E8M0 scales, decoded in
+registers) against bf16 ``torch._grouped_mm`` at K3's expert shapes.
+
+    python benchmarks/mxfp4_experts.py [--experts 8] [--tokens 1,4,16,64,2048,4096] [--out DIR]
+
+K3's routed experts are SiTU-GLU FFNs, latent 3584 -> hidden 3072 -> 3584: the gate and up matmuls [in 3584, out
+3072] (each; timed as one) and the down matmul [in 3072, out 3584]. Per shape and tokens an expert (every one of the
+E local experts gets that many rows: 1..64 is decode, 2048 and 4096 prefill), the script first checks the kernel's
+output against ``torch._grouped_mm`` on the dequantised bf16 weights (the same products: relative RMS error under
+1e-3, and every element within 2^-7 of its reference plus 1e-3 of the largest; a case that fails is not timed), then
+times both (``triton.testing.do_bench`` medians) and prints ms, the bf16 / MXFP4 time ratio (above 1: the kernel is
+faster), TFLOP/s, the weight bytes of each form and the weight bandwidth they imply (bytes / time). ``--blocks``
+overrides the kernel's tile sizes, for tuning. GPU only: without CUDA it exits with a message (``--help`` works
+anywhere). Writes ``mxfp4_experts.json`` under ``--out`` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SHAPES = {"gate_up": (3584, 3072), "down": (3072, 3584)}  # name -> (in I, out O)
+DEVICE = "cuda"  # a smoke test of the script's logic may set "cpu" (the kernel then needs TRITON_INTERPRET=1)
+REL_RMS_MAX = 1e-3
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--experts", type=int, default=8, help="local experts E (default 8)")
+    p.add_argument("--tokens", default="1,4,16,64,2048,4096",
+                   help="rows an expert, comma-separated (default: decode 1,4,16,64 and prefill 2048,4096)")
+    p.add_argument("--shapes", default="gate_up,down", help=f"which matmuls, comma-separated, of {sorted(SHAPES)}")
+    p.add_argument("--blocks", default=None, help="BLOCK_M,BLOCK_N,BLOCK_K for the kernel (default: its choice)")
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms (default 25)")
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms (default 100)")
+    p.add_argument("--out", default=None, help="directory for mxfp4_experts.json")
+    args = p.parse_args(argv)
+    try:
+        args.tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        p.error(f"--tokens takes comma-separated integers, got {args.tokens!r}")
+    args.shapes = args.shapes.split(",")
+    unknown = [s for s in args.shapes if s not in SHAPES]
+    if unknown:
+        p.error(f"--shapes: unknown {unknown}, known {sorted(SHAPES)}")
+    if args.experts < 1 or any(t < 1 for t in args.tokens):
+        p.error("--experts and --tokens must be >= 1")
+    if args.blocks is not None:
+        try:
+            bm, bn, bk = (int(b) for b in args.blocks.split(","))
+        except ValueError:
+            p.error(f"--blocks takes three integers BLOCK_M,BLOCK_N,BLOCK_K, got {args.blocks!r}")
+        args.blocks = {"block_m": bm, "block_n": bn, "block_k": bk}
+    else:
+        args.blocks = {}
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("mxfp4_experts.py times CUDA kernels: no CUDA device here (nothing run)", file=sys.stderr)
+        return 2
+
+    from harness import Report, bench, log, rel
+
+    from kimik3.ops.moe import ExpertGroups, mxfp4_grouped_mm
+    from kimik3.ops.moe.mxfp4_grouped_mm import mxfp4_blocks
+    from kimik3.quant.mx import dequantize, quantize
+
+    report = Report(table=[])
+    t0 = time.time()
+    dev = torch.device(DEVICE)
+    cuda = dev.type == "cuda"
+    E = args.experts
+    log(f"{torch.cuda.get_device_name(dev) if cuda else dev}, torch {torch.__version__}, E = {E} local experts")
+    log(f"{'shape':>8} {'tok/exp':>7} {'rows':>6} {'blocks':>14} {'mxfp4 ms':>9} {'bf16 ms':>9} {'ratio':>6} "
+        f"{'mxfp4 TF':>8} {'bf16 TF':>8} {'W mxfp4':>9} {'W bf16':>9} {'mxfp4 GB/s':>10} {'bf16 GB/s':>9}")
+    for name in args.shapes:
+        I, O = SHAPES[name]
+        gen = torch.Generator(device=dev).manual_seed(0)
+        w_EIO = (torch.randn(E, I, O, device=dev, generator=gen) / I ** 0.5).to(torch.bfloat16)
+        mx = quantize(w_EIO, "mxfp4", axis=-2)
+        codes, scales = mx.codes.contiguous(), mx.scales.contiguous()
+        w_deq = dequantize(mx, torch.bfloat16).contiguous()
+        bytes_mx = codes.numel() + scales.numel()
+        bytes_bf16 = w_deq.numel() * 2
+        w_EIO = None
+        for tokens in args.tokens:
+            case = f"{name}:{tokens}"
+            R = E * tokens
+            x = torch.randn(R, I, device=dev, generator=gen).to(torch.bfloat16)
+            groups = ExpertGroups.of(torch.full((E,), tokens, device=dev))
+            with torch.inference_mode():
+                run_mx = lambda: mxfp4_grouped_mm(x, codes, scales, groups, **args.blocks)  # noqa: E731
+                run_bf16 = lambda: torch._grouped_mm(x, w_deq, offs=groups.offsets_E)  # noqa: E731
+                y, ref = run_mx().float(), run_bf16().float()
+                err = rel(ref, y)
+                bound = ref.abs() * 2.0 ** -7 + 1e-3 * ref.abs().max()
+                ok = err < REL_RMS_MAX and bool(((y - ref).abs() <= bound).all())
+                report.verdict(f"{case}:matches_bf16", ok, f"rel_rms {err:.2e}")
+                if not ok:
+                    continue
+                ms_mx = bench(run_mx, args.warmup, args.rep)
+                ms_bf16 = bench(run_bf16, args.warmup, args.rep)
+            flops = 2.0 * R * I * O
+            blocks = args.blocks or dict(zip(("block_m", "block_n", "block_k"), mxfp4_blocks(R, E, O, I)[:3]))
+            row = {"shape": name, "I": I, "O": O, "experts": E, "tokens_per_expert": tokens, "rows": R,
+                   "blocks": [blocks["block_m"], blocks["block_n"], blocks["block_k"]],
+                   "mxfp4_ms": ms_mx, "bf16_ms": ms_bf16, "ratio_bf16_over_mxfp4": ms_bf16 / ms_mx,
+                   "mxfp4_tflops": flops / ms_mx / 1e9, "bf16_tflops": flops / ms_bf16 / 1e9,
+                   "weight_bytes_mxfp4": bytes_mx, "weight_bytes_bf16": bytes_bf16,
+                   "mxfp4_weight_gbps": bytes_mx / ms_mx / 1e6, "bf16_weight_gbps": bytes_bf16 / ms_bf16 / 1e6,
+                   "rel_rms": err}
+            report.results["table"].append(row)
+            log(f"{name:>8} {tokens:>7} {R:>6} {str(tuple(row['blocks'])):>14} {ms_mx:>9.4f} {ms_bf16:>9.4f} "
+                f"{row['ratio_bf16_over_mxfp4']:>6.2f} {row['mxfp4_tflops']:>8.1f} {row['bf16_tflops']:>8.1f} "
+                f"{bytes_mx / 2 ** 20:>7.1f}MB {bytes_bf16 / 2 ** 20:>7.1f}MB {row['mxfp4_weight_gbps']:>10.0f} "
+                f"{row['bf16_weight_gbps']:>9.0f}")
+        codes = scales = w_deq = mx = x = y = ref = None  # this shape's tensors freed before the next one's
+        if cuda:
+            torch.cuda.empty_cache()
+    return report.finish(t0, args.out, "mxfp4_experts.json")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

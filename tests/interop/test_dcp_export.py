@@ -1,15 +1,17 @@
 """``kimik3 convert`` of a run trained on 2 gloo ranks (a sharded DCP checkpoint), streamed to the HF layout.
 
-One 2-rank run (FSDP2, dp=2: every weight in two chunks, one per rank's shard file) trains the small test
+One 2-rank run (FSDP2, dp=2: nearly every weight in two chunks, one per rank's shard file) trains the small test
 model for 2 steps and computes its logits on a fixed input. The exports (hf, kimik3, torchtitan) must
 hold exactly the weights ``load_distributed`` puts into a single-process model, so ``from_pretrained`` of
 the export gives its logits bit for bit; no output shard is larger than asked (bar one tensor larger
-than that), and each of our tensors is read once.
+than that), and each of our tensors is read once; a missing shard file is named. ``--layout torchtitan``
+also converts a single-file model.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 from pathlib import Path
 
 import pytest
@@ -91,6 +93,9 @@ def test_a_two_rank_checkpoint_exports_streaming_to_every_layout(trained, tmp_pa
     run, rank_logits = trained
     ckpt = (run / "checkpoint").resolve()
     assert (ckpt / "shard-00001-of-00002.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+    index = json.loads((ckpt / "dcp_index.json").read_text())["tensors"]
+    chunks = [len(entry["chunks"]) for key, entry in index.items() if key.startswith("model.")]
+    assert sum(count == 2 for count in chunks) > len(chunks) // 2   # assembling tensors from both ranks' files
     reference = _reference(run)
     expected = _logits(reference)
     # The trained FSDP2 model and the resharded single-process one agree (to reduction order).
@@ -142,3 +147,28 @@ def test_a_two_rank_checkpoint_exports_streaming_to_every_layout(trained, tmp_pa
     shard.unlink()
     with pytest.raises(CheckpointError, match="shard-00001-of-00002.safetensors: missing"):
         export_dcp(run, tmp_path / "out", "hf")
+
+
+def test_convert_writes_the_torchtitan_layout_from_a_single_file_model_too(tmp_path):
+    from safetensors.torch import load_file
+
+    from kimik3.cli import main
+    from kimik3.config.schema import K3Config
+    from kimik3.interop import from_torchtitan
+    from kimik3.interop.dcp_export import TORCHTITAN_CONFIG_FILE
+    from kimik3.model.k3 import K3ForCausalLM
+    from kimik3.model.pretrained import INDEX_FILE
+    from tests.train.small_run import small_config
+
+    model = K3ForCausalLM(small_config(), dtype=torch.float32, seed=5)
+    model.save_pretrained(tmp_path / "src")
+    dst = tmp_path / "titan"
+    assert main(["convert", str(tmp_path / "src"), str(dst), "--layout", "torchtitan"]) == 0
+    weight_map = json.loads((dst / INDEX_FILE).read_text())["weight_map"]
+    tensors = {}
+    for file in set(weight_map.values()):
+        tensors.update(load_file(str(dst / file)))
+    assert set(tensors) == set(weight_map)
+    ours = from_torchtitan(tensors, model.config)
+    assert all(torch.equal(ours[k], v) for k, v in model.state_dict().items())
+    assert K3Config.from_json(dst / TORCHTITAN_CONFIG_FILE) == model.config

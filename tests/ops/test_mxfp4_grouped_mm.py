@@ -336,3 +336,22 @@ def test_k3_shapes_against_grouped_mm_on_gpu(O, I, per_expert):
     y = mxfp4_grouped_mm(x, mx.codes, mx.scales, groups)
     ref = torch._grouped_mm(x, w, offs=groups.offsets_E).float()
     assert ((y.float() - ref).abs() <= ref.abs() * 2.0 ** -7 + 1e-3 * ref.abs().max()).all()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_cuda_graph_capture_and_replay():
+    """Captured once, replayed with new rows and new offsets (another split of the same R rows, an expert emptied):
+    the kernel reads the offsets on the device, so the replay follows them."""
+    E, I, O = 4, 96, 40
+    mx = weights(E, I, O)
+    offsets = offsets_of([3, 0, 17, 1])
+    x = rows(21, I, torch.bfloat16)
+    with torch.no_grad():
+        mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets)
+        x.copy_(rows(21, I, torch.bfloat16, seed=2))
+        offsets.copy_(offsets_of([10, 5, 0, 6]))
+        graph.replay()
+    assert_close_to_reference(y.clone(), x, mx, offsets)

@@ -280,6 +280,7 @@ def test_blocks_at_k3_shapes():
         assert mxfp4_blocks(64 * 8, 8, O, I)[:3] == (64, 64, 128)
         assert mxfp4_blocks(2048 * 8, 8, O, I) == (128, 128, 64, 8, 3)
     assert mxfp4_blocks(3, 2, 24, 32)[:3] == (16, 32, 32)  # clipped to small O and I
+    assert mxfp4_blocks(2048 * 8, 8, 3072, 3584, torch.float32) == (32, 64, 32, 4, 2)
 
 
 @needs_kernels

@@ -60,8 +60,10 @@ PREFILL_ROWS = 128
 GROUP_M = 8
 
 
-def mxfp4_blocks(R: int, E: int, O: int, I: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from the shapes only (see the constants above)."""
+def mxfp4_blocks(R: int, E: int, O: int, I: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from the shapes and the activations' dtype only (see the
+    constants above). fp32 activations (a check, not a serving path) take an FMA dot, whose operand tiles live in
+    registers: at most 32 x 64 x 32 (no spills on sm_90)."""
     rows = R / max(E, 1)
     block_m = DECODE_ROWS
     while block_m < PREFILL_ROWS and block_m < rows:
@@ -70,6 +72,8 @@ def mxfp4_blocks(R: int, E: int, O: int, I: int) -> tuple[int, int, int, int, in
         block_n, block_k, num_warps, num_stages = 128, 64, 8, 3
     else:
         block_n, block_k, num_warps, num_stages = 64, 128, 4, 4
+    if dtype == torch.float32:
+        block_m, block_n, block_k, num_warps, num_stages = min(block_m, 32), min(block_n, 64), 32, 4, 2
     block_n = max(16, min(block_n, triton.next_power_of_2(O)))
     block_k = max(32, min(block_k, triton.next_power_of_2(I)))
     return block_m, block_n, block_k, num_warps, num_stages
@@ -176,7 +180,7 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     check_triton_device(x_RI, "mxfp4_grouped_mm")
     R, I = x_RI.shape
     E, O, _ = codes_EOH.shape
-    bm, bn, bk, num_warps, num_stages = mxfp4_blocks(R, E, O, I)
+    bm, bn, bk, num_warps, num_stages = mxfp4_blocks(R, E, O, I, x_RI.dtype)
     for name, given, least in (("block_m", block_m, 16), ("block_n", block_n, 16), ("block_k", block_k, 32)):
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < least
                                   or given & (given - 1)):

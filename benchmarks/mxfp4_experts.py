@@ -10,8 +10,8 @@ output against ``torch._grouped_mm`` on the dequantised bf16 weights (the same p
 1e-3, and every element within 2^-7 of its reference plus 1e-3 of the largest; a case that fails is not timed), then
 times both (``triton.testing.do_bench`` medians) and prints ms, the bf16 / MXFP4 time ratio (above 1: the kernel is
 faster), TFLOP/s, the weight bytes of each form and the weight bandwidth they imply (bytes / time). ``--blocks``
-overrides the kernel's tile sizes, for tuning. GPU only: without CUDA it exits with a message (``--help`` works
-anywhere). Writes ``mxfp4_experts.json`` under ``--out`` when given.
+overrides the kernel's tile sizes (and warps and pipeline stages), for tuning. GPU only: without CUDA it exits with
+a message (``--help`` works anywhere). Writes ``mxfp4_experts.json`` under ``--out`` when given.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", default="1,4,16,64,2048,4096",
                    help="rows an expert, comma-separated (default: decode 1,4,16,64 and prefill 2048,4096)")
     p.add_argument("--shapes", default="gate_up,down", help=f"which matmuls, comma-separated, of {sorted(SHAPES)}")
-    p.add_argument("--blocks", default=None, help="BLOCK_M,BLOCK_N,BLOCK_K for the kernel (default: its choice)")
+    p.add_argument("--blocks", default=None,
+                   help="BLOCK_M,BLOCK_N,BLOCK_K[,NUM_WARPS,NUM_STAGES] for the kernel (default: mxfp4_blocks')")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms (default 25)")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms (default 100)")
     p.add_argument("--out", default=None, help="directory for mxfp4_experts.json")
@@ -52,11 +53,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.experts < 1 or any(t < 1 for t in args.tokens):
         p.error("--experts and --tokens must be >= 1")
     if args.blocks is not None:
+        names = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
         try:
-            bm, bn, bk = (int(b) for b in args.blocks.split(","))
+            values = [int(b) for b in args.blocks.split(",")]
         except ValueError:
-            p.error(f"--blocks takes three integers BLOCK_M,BLOCK_N,BLOCK_K, got {args.blocks!r}")
-        args.blocks = {"block_m": bm, "block_n": bn, "block_k": bk}
+            values = []
+        if len(values) not in (3, 5):
+            p.error(f"--blocks takes 3 or 5 integers BLOCK_M,BLOCK_N,BLOCK_K[,NUM_WARPS,NUM_STAGES], got "
+                    f"{args.blocks!r}")
+        args.blocks = dict(zip(names, values))
     else:
         args.blocks = {}
     return args
@@ -80,8 +85,8 @@ def main(argv=None) -> int:
     cuda = dev.type == "cuda"
     E = args.experts
     log(f"{torch.cuda.get_device_name(dev) if cuda else dev}, torch {torch.__version__}, E = {E} local experts")
-    log(f"{'shape':>8} {'tok/exp':>7} {'rows':>6} {'blocks':>14} {'mxfp4 ms':>9} {'bf16 ms':>9} {'ratio':>6} "
-        f"{'mxfp4 TF':>8} {'bf16 TF':>8} {'W mxfp4':>9} {'W bf16':>9} {'mxfp4 GB/s':>10} {'bf16 GB/s':>9}")
+    log(f"{'shape':>8} {'tok/exp':>7} {'rows':>6} {'M,N,K,warps,stages':>20} {'mxfp4 ms':>9} {'bf16 ms':>9} "
+        f"{'ratio':>6} {'mxfp4 TF':>8} {'bf16 TF':>8} {'W mxfp4':>9} {'W bf16':>9} {'mxfp4 GB/s':>10} {'bf16 GB/s':>9}")
     for name in args.shapes:
         I, O = SHAPES[name]
         gen = torch.Generator(device=dev).manual_seed(0)
@@ -110,16 +115,18 @@ def main(argv=None) -> int:
                 ms_mx = bench(run_mx, args.warmup, args.rep)
                 ms_bf16 = bench(run_bf16, args.warmup, args.rep)
             flops = 2.0 * R * I * O
-            blocks = args.blocks or dict(zip(("block_m", "block_n", "block_k"), mxfp4_blocks(R, E, O, I)[:3]))
+            chosen = mxfp4_blocks(R, E, O, I)
+            blocks = [args.blocks.get(n, v) for n, v in
+                      zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), chosen)]
             row = {"shape": name, "I": I, "O": O, "experts": E, "tokens_per_expert": tokens, "rows": R,
-                   "blocks": [blocks["block_m"], blocks["block_n"], blocks["block_k"]],
+                   "blocks": blocks,
                    "mxfp4_ms": ms_mx, "bf16_ms": ms_bf16, "ratio_bf16_over_mxfp4": ms_bf16 / ms_mx,
                    "mxfp4_tflops": flops / ms_mx / 1e9, "bf16_tflops": flops / ms_bf16 / 1e9,
                    "weight_bytes_mxfp4": bytes_mx, "weight_bytes_bf16": bytes_bf16,
                    "mxfp4_weight_gbps": bytes_mx / ms_mx / 1e6, "bf16_weight_gbps": bytes_bf16 / ms_bf16 / 1e6,
                    "rel_rms": err}
             report.results["table"].append(row)
-            log(f"{name:>8} {tokens:>7} {R:>6} {str(tuple(row['blocks'])):>14} {ms_mx:>9.4f} {ms_bf16:>9.4f} "
+            log(f"{name:>8} {tokens:>7} {R:>6} {','.join(map(str, blocks)):>20} {ms_mx:>9.4f} {ms_bf16:>9.4f} "
                 f"{row['ratio_bf16_over_mxfp4']:>6.2f} {row['mxfp4_tflops']:>8.1f} {row['bf16_tflops']:>8.1f} "
                 f"{bytes_mx / 2 ** 20:>7.1f}MB {bytes_bf16 / 2 ** 20:>7.1f}MB {row['mxfp4_weight_gbps']:>10.0f} "
                 f"{row['bf16_weight_gbps']:>9.0f}")

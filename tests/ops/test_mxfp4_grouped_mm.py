@@ -155,10 +155,11 @@ def test_kernel_matches_the_reference(E, I, O, counts, bm, bn, bk, dtype):
 
 
 @needs_kernels
-def test_default_blocks_and_expert_groups():
+@pytest.mark.parametrize("counts", [[2, 1], [300, 20]])  # 16-row tiles; 256-row tiles (160 rows an expert)
+def test_default_blocks_and_expert_groups(counts):
     mx = weights(2, 64, 24)
-    groups = ExpertGroups.of(torch.tensor([2, 1], device=DEV))
-    x = rows(3, 64, torch.bfloat16)
+    groups = ExpertGroups.of(torch.tensor(counts, device=DEV))
+    x = rows(sum(counts), 64, torch.bfloat16)
     y = mxfp4_grouped_mm(x, mx.codes, mx.scales, groups, backend="triton")
     assert_close_to_reference(y, x, mx, groups.offsets_E)
 
@@ -273,12 +274,13 @@ def test_backend_choice():
 
 @needs_kernels
 def test_blocks_at_k3_shapes():
-    """K3's expert matmuls over 8 local experts: 16-row tiles up to 16 rows an expert, 128 x 128 x 64 at prefill."""
+    """K3's expert matmuls over 8 local experts: one 16-row tile an expert at decode, 256 x 128 x 64 at prefill."""
     for O, I in ((3072, 3584), (3584, 3072)):
-        assert mxfp4_blocks(8, 8, O, I)[:3] == (16, 64, 128)
+        assert mxfp4_blocks(8, 8, O, I) == (16, 64, 128, 4, 4)
         assert mxfp4_blocks(16 * 8, 8, O, I)[:3] == (16, 64, 128)
         assert mxfp4_blocks(64 * 8, 8, O, I)[:3] == (64, 64, 128)
-        assert mxfp4_blocks(2048 * 8, 8, O, I) == (128, 128, 64, 8, 3)
+        assert mxfp4_blocks(128 * 8, 8, O, I) == (128, 128, 64, 8, 3)
+        assert mxfp4_blocks(2048 * 8, 8, O, I) == (256, 128, 64, 8, 3)
     assert mxfp4_blocks(3, 2, 24, 32)[:3] == (16, 32, 32)  # clipped to small O and I
     assert mxfp4_blocks(2048 * 8, 8, 3072, 3584, torch.float32) == (32, 64, 32, 4, 2)
 
@@ -310,7 +312,7 @@ def test_bad_inputs_are_named():
         with pytest.raises(ValueError, match=match):
             mxfp4_grouped_mm(*args)
     for kw, match in (({"block_m": 24}, "block_m must be a power of two"), ({"block_k": 16}, "block_k"),
-                      ({"block_n": 8}, "block_n")):
+                      ({"block_n": 8}, "block_n"), ({"num_warps": 3}, "num_warps"), ({"num_stages": 0}, "num_stages")):
         with pytest.raises(ValueError, match=match):
             mxfp4_grouped_mm(x, c, s, off, backend="triton", **kw)
     with pytest.raises(ValueError, match="non-decreasing"):

@@ -51,12 +51,15 @@ __all__ = ["mxfp4_backend", "mxfp4_blocks", "mxfp4_grouped_mm", "mxfp4_grouped_m
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
-# Block sizes by the mean rows an expert (R / E). Decode (a few rows an expert): BLOCK_M = 16 (the smallest tile
-# tl.dot takes; an expert's rows are one tile), BLOCK_N = 64 (K3's O = 3072 over 8 local experts gives 384
-# programs) and BLOCK_K = 128 (64 code bytes a weight row a step: two full 32-byte sectors). Prefill: 128 x 128 x 64
-# tiles at 8 warps, as a bf16 GEMM on Hopper. In between, BLOCK_M follows the rows an expert.
+# Block sizes by the mean rows an expert (R / E): BLOCK_M its next power of two, from DECODE_ROWS (the smallest tile
+# tl.dot takes) to PREFILL_ROWS. Decode (up to 64 rows an expert, one row tile each): BLOCK_N = 64 (K3's O = 3072
+# over 8 local experts gives 384 programs at one row an expert) and BLOCK_K = 128 (64 code bytes a weight row a step:
+# two full 32-byte sectors), 4 warps. From 65 rows: BLOCK_N = 128, BLOCK_K = 64 at 8 warps, as a bf16 GEMM on
+# Hopper; BLOCK_M = 256 from 129 rows, because every row tile decodes its weight tiles again: on sm_90 the decode
+# issues ~2.3e-3 warp instructions a multiply-add at 128 x 128 tiles (about the tensor cores' time for the tile),
+# ~1.3e-3 at 256 x 128 (241 registers, no spills). Counted in the SASS (Triton 3.6), not measured.
 DECODE_ROWS = 16
-PREFILL_ROWS = 128
+PREFILL_ROWS = 256
 GROUP_M = 8
 
 
@@ -68,7 +71,7 @@ def mxfp4_blocks(R: int, E: int, O: int, I: int, dtype: torch.dtype = torch.bflo
     block_m = DECODE_ROWS
     while block_m < PREFILL_ROWS and block_m < rows:
         block_m *= 2
-    if block_m >= PREFILL_ROWS:
+    if block_m >= 128:
         block_n, block_k, num_warps, num_stages = 128, 64, 8, 3
     else:
         block_n, block_k, num_warps, num_stages = 64, 128, 4, 4
@@ -159,8 +162,8 @@ def mxfp4_grouped_mm_reference(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scal
 @torch.compiler.disable  # an opaque kernel call to torch.compile: traced, its launcher breaks on symbolic sizes
 def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor,
                      groups_or_offsets: ExpertGroups | torch.Tensor, *, backend: str = "auto",
-                     block_m: int | None = None, block_n: int | None = None,
-                     block_k: int | None = None) -> torch.Tensor:
+                     block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """``y[r] = x[r] @ dequantize(W)[e]`` for the rows r of expert e: y_RO [R, O] in x's dtype, contiguous.
 
     x_RI [R, I] bf16 or fp32, rows sorted by expert; codes_EOH [E, O, I/2] and scales_EOB [E, O, I/32] uint8, the
@@ -169,7 +172,8 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     ``offsets_E[-1]`` come out as zeros. All on one device. ``backend``: "auto" (CUDA -> the Triton kernel, CPU ->
     the torch reference), "torch" or "triton" (CPU tensors need TRITON_INTERPRET=1 set before the kernels were
     imported). The kernel is forward only (raises when grad is enabled and x requires grad) and does no host sync;
-    ``block_m`` / ``block_n`` / ``block_k`` override ``mxfp4_blocks``' choice (powers of two, >= 16, BLOCK_K >= 32).
+    ``block_m`` / ``block_n`` / ``block_k`` / ``num_warps`` / ``num_stages`` override ``mxfp4_blocks``' choice (for
+    tests and tuning: block sizes powers of two, >= 16, BLOCK_K >= 32; num_warps a power of two; num_stages >= 1).
     """
     offsets_E = _check(x_RI, codes_EOH, scales_EOB, groups_or_offsets)
     if mxfp4_backend(x_RI, backend) == "torch":
@@ -180,12 +184,15 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     check_triton_device(x_RI, "mxfp4_grouped_mm")
     R, I = x_RI.shape
     E, O, _ = codes_EOH.shape
-    bm, bn, bk, num_warps, num_stages = mxfp4_blocks(R, E, O, I, x_RI.dtype)
-    for name, given, least in (("block_m", block_m, 16), ("block_n", block_n, 16), ("block_k", block_k, 32)):
+    for name, given, least in (("block_m", block_m, 16), ("block_n", block_n, 16), ("block_k", block_k, 32),
+                               ("num_warps", num_warps, 1)):
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < least
                                   or given & (given - 1)):
             raise ValueError(f"{name} must be a power of two >= {least}, got {given!r}")
-    bm, bn, bk = block_m or bm, block_n or bn, block_k or bk
+    if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1):
+        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+    bm, bn, bk, warps, stages = mxfp4_blocks(R, E, O, I, x_RI.dtype)
+    bm, bn, bk, warps, stages = block_m or bm, block_n or bn, block_k or bk, num_warps or warps, num_stages or stages
     y_RO = torch.empty(R, O, dtype=x_RI.dtype, device=x_RI.device)
     if R == 0:
         return y_RO
@@ -197,7 +204,7 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
             codes_EOH, *codes_EOH.stride(), scales_EOB, *scales_EOB.stride(),
             offsets_E, y_RO, R, O, E, m_tiles,
             I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(E + 1), GROUP_M=GROUP_M,
-            FP32=x_RI.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+            FP32=x_RI.dtype == torch.float32, num_warps=warps, num_stages=stages,
         )
     return y_RO
 

@@ -11,13 +11,14 @@ program decodes its [BLOCK_N, BLOCK_K] weight tile to bf16 and multiplies with `
 accumulation; fp32 activations take the tile converted to fp32 into an IEEE fp32 dot). An E2M1 nibble ``s e1 e0 m``
 is placed into a bf16 bit pattern (sign at bit 15, ``e1 e0 m`` at bits 8..6: exponent field e, top mantissa bit m):
 that bf16 is the element's value times 2^-126, the subnormal code 1 (0.5) included, so one exact bf16 multiply by
-2^126 gives the value with no select. The block scale 2^(code - 127) is built from its bf16 bits (code 0: the
-subnormal 2^-127; 255: NaN) and multiplied in bf16, exact (an element has at most two significant bits). Both
-multiplies are packed two elements an instruction on sm_90 (``mul.bf16x2``); the decode is ~8.5 instructions an
-element there (Triton 3.6, counted in the SASS of the decode tile), most of them the int16 bit moves. The decoded
-tile is ``[BLOCK_N, BLOCK_K / 2]`` low and high nibbles joined and interleaved to ``[BLOCK_N, BLOCK_K]``, transposed
-into the dot (the compiler decodes straight into the dot operand's register layout: only the codes and scales
-change layout).
+2^126 gives the value with no select (on sm_90 it compiles to ``HMUL2.BF16_V2`` without ``.FTZ``, which keeps
+subnormals; ``test_every_code_decodes_exactly`` checks it on a GPU). The block scale 2^(code - 127) is built from
+its bf16 bits (code 0: the subnormal 2^-127; 255: NaN) and multiplied in bf16, exact (an element has at most two
+significant bits). Both multiplies are packed two elements an instruction on sm_90 (``mul.bf16x2``); the decode is
+~8.5 instructions an element there (Triton 3.6, counted in the SASS of the decode tile), most of them the int16 bit
+moves. The decoded tile is ``[BLOCK_N, BLOCK_K / 2]`` low and high nibbles joined and interleaved to ``[BLOCK_N,
+BLOCK_K]``, transposed into the dot (the compiler decodes straight into the dot operand's register layout: only the
+codes and scales change layout).
 
 Grouping without a host sync: the grid is a fixed number of programs from the shapes only, ``M_TILES`` row tiles x
 ``cdiv(O, BLOCK_N)`` column tiles, with M_TILES = min(R, R // BLOCK_M + E + 1), a bound on the row tiles of the E

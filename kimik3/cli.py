@@ -88,7 +88,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         preset=args.preset, config_path=args.config, data=args.data, steps=args.steps,
         time_budget_s=args.time_budget, out=args.out, seed=args.seed, seq_len=args.seq_len,
         batch_size=args.batch_size, lr=args.lr, device=args.device, balance=args.balance, qb_rate=args.qb_rate,
-        ep_planner=args.ep_planner, checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
+        ep_planner=args.ep_planner, checkpoint_every=args.checkpoint_every, qat=args.qat,
+        progress=not args.no_progress)
     Trainer(train_args, resume=args.resume, parallel=parallel,
             activation_checkpointing=args.activation_checkpointing).run()
     import torch.distributed as dist
@@ -106,10 +107,14 @@ def resolve_run(run: str | None) -> Path:
         if not path.is_dir():
             raise FileNotFoundError(f"run directory {path} does not exist (train one with `kimik3 train`)")
         return path
-    runs = sorted(Path("runs").glob("*/model.safetensors"), key=lambda p: p.stat().st_mtime)
+    from kimik3.model.pretrained import has_weights
+
+    # A single-process run links model.safetensors; a run on several ranks links a sharded checkpoint.
+    runs = sorted((p for p in Path("runs").glob("*") if p.is_dir() and has_weights(p)),
+                  key=lambda p: p.stat().st_mtime)
     if not runs:
         raise FileNotFoundError("no trained run under ./runs: train one with `kimik3 train` or pass --run DIR")
-    return runs[-1].parent
+    return runs[-1]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -323,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="router-bias balancing: Quantile Balancing (K3), DeepSeek-V3 sign update, or none")
     t.add_argument("--qb-rate", type=float, default=1.0,
                    help="fraction of the way to the quantile bias per step (1: K3's one-shot update)")
+    t.add_argument("--qat", choices=["mxfp4"],
+                   help="quantisation-aware training: routed experts on MXFP4 weights and MXFP8 inputs "
+                        "(saved in the config: every later forward quantises the same way)")
     t.add_argument("--checkpoint-every", metavar="N|DURATION",
                    help="checkpoint every N steps (100) or every DURATION of wall time (30s, 2m); default 60s, "
                         "stretched to 10x a checkpoint write's duration when writes are slow. With --resume: "

@@ -60,3 +60,18 @@ def test_train_checks_checkpoint_every_before_anything(code_corpus, tmp_path, ca
     assert main(["train", "--data", str(code_corpus), "--steps", "1", "--out", str(out),
                  "--checkpoint-every", "soon"]) == 2
     assert "--checkpoint-every" in capsys.readouterr().err and not out.exists()
+
+
+def test_train_with_qat_saves_quantised_experts_in_the_config(small_config_path, code_corpus, tmp_path):
+    from kimik3 import K3ForCausalLM
+
+    spec = json.loads(small_config_path.read_text())
+    spec["moe"].update(latent_dim=32)   # the MX block is 32 elements along each expert matmul's input
+    config_path = tmp_path / "small-mx.json"
+    config_path.write_text(json.dumps(spec))
+    out = tmp_path / "qat"
+    assert main(["train", "--config", str(config_path), "--data", str(code_corpus), "--steps", "1", "--seq-len",
+                 "16", "--batch-size", "2", "--qat", "mxfp4", "--out", str(out), "--no-progress"]) == 0
+    assert json.loads((out / "config.json").read_text())["moe"]["expert_quant"] == "mxfp4"
+    model = K3ForCausalLM.from_pretrained(out)
+    assert {m.experts.quant for m in model.modules() if hasattr(m, "experts")} == {"mxfp4"}

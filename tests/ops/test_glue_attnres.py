@@ -52,13 +52,17 @@ def reference(mix, entries, grad):
 def assert_matches(got, ref, dtype, what):
     """fp32 (and fp32 parameter grads): rel_rms under 1e-5 (the parameter grads sum over every row, in another order
     on a GPU than on the CPU). bf16: every element within one bf16 step of the
-    reference's (the two round the same fp32 math, computed in another order, to bf16), rel_rms under 2e-3."""
+    reference's (the two round the same fp32 math, computed in another order, to bf16) plus 1e-5 of the tensor's
+    RMS, rel_rms under 2e-3."""
     assert got.shape == ref.shape and got.dtype == ref.dtype, (what, got.shape, ref.shape, got.dtype, ref.dtype)
     if dtype == torch.float32 or got.dtype == torch.float32:
         assert rel_rms(ref, got) < 1e-5, (what, rel_rms(ref, got))
     else:
         g, r = got.double(), ref.double()
-        assert bool(((g - r).abs() <= r.abs() * BF16_ULP + 1e-30).all()), (what, (g - r).abs().max())
+        # Plus fp32 noise at the tensor's scale: an output is a weighted sum of entries, and where it cancels to
+        # near zero the two summation orders differ by more than a bf16 step of the small result.
+        atol = 1e-5 * float(r.detach().square().mean().sqrt())
+        assert bool(((g - r).abs() <= r.abs() * BF16_ULP + atol).all()), (what, (g - r).abs().max())
         assert rel_rms(ref, got) < 2e-3, (what, rel_rms(ref, got))
 
 

@@ -44,8 +44,9 @@ from kimik3.model.norm import RMSNorm
 from kimik3.model.param_rules import ParamRule, muon
 from kimik3.ops.glue import glue_backend
 from kimik3.ops.moe import (SMALL_BATCH_MAX_ROWS, ExpertGroups, from_expert_rows, grouped_mm, inverse_permutation,
-                            route_backend, routed_experts_small, sigmoid_topk, to_expert_rows)
+                            mxfp4_grouped_mm, route_backend, routed_experts_small, sigmoid_topk, to_expert_rows)
 from kimik3.ops.precision import no_autocast
+from kimik3.quant.mx import MXTensor, quantize
 from kimik3.quant.qat import expert_input, expert_weight
 
 
@@ -195,6 +196,7 @@ class RoutedExperts(nn.Module):
         # ``K3Config.moe.expert_quant``: "mxfp4" runs every expert matmul on MXFP4 weights and MXFP8 inputs
         # (``kimik3.quant.qat``), in training and in every later forward alike.
         self.quant = quant
+        self.packed: dict[str, MXTensor] | None = None   # ``pack_mxfp4``: the weights as codes + scales
 
     def optimizer_rules(self) -> list[tuple[str, ParamRule]]:
         # Stored [E, in, out] (x @ W); orthogonalisation and the max(m, n) scale do not care
@@ -207,6 +209,8 @@ class RoutedExperts(nn.Module):
         """Weighted sum over each token's experts: [T, L] -> [T, L]. ``counts_E``: the rows of each expert in
         ``ids_TK`` when the router counted them already."""
         num_tokens, top_k = ids_TK.shape
+        if self.packed is not None:
+            return self._forward_packed(x_TL, weights_TK, ids_TK, counts_E)
         if self.quant is None and self._few_rows(x_TL, num_tokens * top_k):
             # Serving decode: two kernels, no sort (each (token, expert) row reads its expert's weights).
             return routed_experts_small(x_TL, weights_TK, ids_TK, self.w_gate_ELF, self.w_up_ELF, self.w_down_EFL)
@@ -226,6 +230,45 @@ class RoutedExperts(nn.Module):
         y_RL = grouped_mm(hidden_RF, w_down, groups)
         # Back to token order, then each token's K rows summed by one reduction (accumulated in fp32): the same
         # result on every run, unlike an atomic scatter-add, so a decode replayed as a graph matches it eagerly.
+        return from_expert_rows(y_RL, order_R, inverse_R, top_k).sum(1)
+
+    @torch.no_grad()
+    def pack_mxfp4(self) -> int:
+        """Inference under ``quant == "mxfp4"``: store the three expert weights as MXFP4 codes + E8M0 scales
+        (``self.packed``) and free the full-precision ones (left as meta tensors of the same shape: this module
+        can no longer train or be saved). The forward then runs ``mxfp4_grouped_mm`` on the packed weights, the
+        values the fake-quantised forward multiplies by. Returns the bytes the packed weights take."""
+        if self.quant != "mxfp4":
+            raise ValueError(f"pack_mxfp4 packs quantisation-aware experts (quant='mxfp4'), these have "
+                             f"quant={self.quant!r}")
+        if self.packed is None:
+            self.packed = {}
+            for name in ("w_gate_ELF", "w_up_ELF", "w_down_EFL"):
+                weight = getattr(self, name)
+                self.packed[name] = quantize(weight.float(), "mxfp4", axis=-2)
+                setattr(self, name, nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                                                 requires_grad=False))
+        return sum(mx.nbytes for mx in self.packed.values())
+
+    def _forward_packed(self, x_TL: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
+                        counts_E: torch.Tensor | None) -> torch.Tensor:
+        """The grouped path on packed MXFP4 weights (``pack_mxfp4``): the same rows, inputs and order as
+        ``forward``'s, each matmul reading codes and scales."""
+        num_tokens, top_k = ids_TK.shape
+        flat_ids_R = ids_TK.flatten()
+        order_R = torch.argsort(flat_ids_R, stable=True)
+        inverse_R = inverse_permutation(order_R)
+        groups = ExpertGroups.of(expert_counts(flat_ids_R, self.w_gate_ELF.shape[0]) if counts_E is None
+                                 else counts_E)
+        packed = self.packed
+
+        def matmul(x_RI: torch.Tensor, name: str) -> torch.Tensor:
+            return mxfp4_grouped_mm(x_RI, packed[name].codes, packed[name].scales, groups)
+
+        x_RL = expert_input(to_expert_rows(x_TL, order_R, inverse_R, top_k))
+        hidden_RF = expert_input(situ_glu_cast(matmul(x_RL, "w_gate_ELF"), matmul(x_RL, "w_up_ELF"),
+                                               weights_TK.flatten()[order_R], x_RL.dtype))
+        y_RL = matmul(hidden_RF, "w_down_EFL")
         return from_expert_rows(y_RL, order_R, inverse_R, top_k).sum(1)
 
     def _weight(self, w_EIO: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

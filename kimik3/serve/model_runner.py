@@ -89,6 +89,10 @@ class ModelRunner:
     def __init__(self, model: K3ForCausalLM, cache: CacheManager, config: EngineConfig, max_context: int):
         self.model = model
         pack_projections(model)   # each layer's input projections read as one matmul's weight, in place
+        # Quantisation-aware experts (moe.expert_quant = "mxfp4") are served packed: MXFP4 codes + scales, the
+        # full-precision copies freed; the same values the trained forward used.
+        self.packed_expert_bytes = sum(module.pack_mxfp4() for module in model.modules()
+                                       if getattr(module, "quant", None) == "mxfp4" and hasattr(module, "pack_mxfp4"))
         self.cache = cache
         self.device = model.device
         self.table_width = -(-max_context // config.physical_block)

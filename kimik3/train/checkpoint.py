@@ -117,6 +117,19 @@ def unflatten_state(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 # ---------------------------------------------------------------------- writing
+def write_train_files(directory: Path, step: int, model: torch.nn.Module, tokenizer_json: str,
+                      train_state: dict[str, Any]) -> None:
+    """What a checkpoint of either format holds besides the model's (and the sharded one's optimizer) tensors: the
+    config, the tokenizer and its config, and the training state (tensors to safetensors, the rest to JSON)."""
+    (directory / CONFIG_FILE).write_text(model.config.to_json())
+    (directory / TOKENIZER_FILE).write_text(tokenizer_json)
+    write_tokenizer_config(directory, tokenizer_json)
+    tensors: dict[str, torch.Tensor] = {}
+    structure = flatten_state(train_state, tensors)
+    save_file(tensors, str(directory / STATE_TENSORS_FILE), metadata={"step": str(step)})
+    (directory / STATE_JSON_FILE).write_text(json.dumps({"step": step, "state": structure}, indent=1))
+
+
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, tokenizer_json: str,
                     train_state: dict[str, Any], keep: int = 2,
                     weights: dict[str, torch.Tensor] | None = None,
@@ -138,13 +151,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, toke
         tensors_out = state_tensors(model) if weights is None else {
             name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
         save_file(tensors_out, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "step": str(step)})
-        (tmp / CONFIG_FILE).write_text(model.config.to_json())
-        (tmp / TOKENIZER_FILE).write_text(tokenizer_json)
-        write_tokenizer_config(tmp, tokenizer_json)
-        tensors: dict[str, torch.Tensor] = {}
-        structure = flatten_state(train_state, tensors)
-        save_file(tensors, str(tmp / STATE_TENSORS_FILE), metadata={"step": str(step)})
-        (tmp / STATE_JSON_FILE).write_text(json.dumps({"step": step, "state": structure}, indent=1))
+        write_train_files(tmp, step, model, tokenizer_json, train_state)
         for file in CHECKPOINT_FILES + OPTIONAL_FILES:
             with open(tmp / file, "rb") as handle:
                 os.fsync(handle.fileno())

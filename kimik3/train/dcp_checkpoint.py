@@ -27,23 +27,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from kimik3.model.pretrained import CONFIG_FILE, read_config
-from kimik3.tokenizer import TOKENIZER_CONFIG_FILE, write_tokenizer_config
+from kimik3.tokenizer import TOKENIZER_CONFIG_FILE
 from kimik3.train.checkpoint import (
     STATE_JSON_FILE,
     STATE_TENSORS_FILE,
     STORE,
     TOKENIZER_FILE,
     CheckpointError,
-    flatten_state,
     is_dcp_checkpoint,
     load_checkpoint,
     load_optimizer_state,
     point_to,
     prune,
     unflatten_state,
+    write_train_files,
 )
 from kimik3.train.integrity import MANIFEST_FILE, write_manifest
 from kimik3.train.distributed_checkpoint import load_distributed, read_distributed_meta, save_distributed
@@ -59,13 +59,7 @@ def _is_main() -> bool:
 def _write_run_files(directory: Path, step: int, model: torch.nn.Module, tokenizer_json: str,
                      train_state: dict[str, Any]) -> None:
     """Rank 0, into the checkpoint's temporary directory: the run's own files, fsynced, then the manifest."""
-    (directory / CONFIG_FILE).write_text(model.config.to_json())
-    (directory / TOKENIZER_FILE).write_text(tokenizer_json)
-    write_tokenizer_config(directory, tokenizer_json)
-    tensors: dict[str, torch.Tensor] = {}
-    structure = flatten_state(train_state, tensors)
-    save_file(tensors, str(directory / STATE_TENSORS_FILE), metadata={"step": str(step)})
-    (directory / STATE_JSON_FILE).write_text(json.dumps({"step": step, "state": structure}, indent=1))
+    write_train_files(directory, step, model, tokenizer_json, train_state)
     for file in (*RUN_FILES, TOKENIZER_CONFIG_FILE):
         with open(directory / file, "rb") as handle:
             os.fsync(handle.fileno())

@@ -88,7 +88,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         preset=args.preset, config_path=args.config, data=args.data, steps=args.steps,
         time_budget_s=args.time_budget, out=args.out, seed=args.seed, seq_len=args.seq_len,
         batch_size=args.batch_size, lr=args.lr, device=args.device, balance=args.balance, qb_rate=args.qb_rate,
-        ep_planner=args.ep_planner, checkpoint_every=args.checkpoint_every, qat=args.qat,
+        ep_planner=args.ep_planner, checkpoint_every=args.checkpoint_every,
+        checkpoint_async=args.checkpoint_async, qat=args.qat,
         progress=not args.no_progress)
     Trainer(train_args, resume=args.resume, parallel=parallel,
             activation_checkpointing=args.activation_checkpointing).run()
@@ -328,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="router-bias balancing: Quantile Balancing (K3), DeepSeek-V3 sign update, or none")
     t.add_argument("--qb-rate", type=float, default=1.0,
                    help="fraction of the way to the quantile bias per step (1: K3's one-shot update)")
+    t.add_argument("--checkpoint-async", action="store_true",
+                   help="on several ranks: write each sharded checkpoint in the background while training goes on")
     t.add_argument("--qat", choices=["mxfp4"],
                    help="quantisation-aware training: routed experts on MXFP4 weights and MXFP8 inputs "
                         "(saved in the config: every later forward quantises the same way)")

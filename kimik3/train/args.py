@@ -47,6 +47,7 @@ class TrainArgs:
     eval_every: int = 25
     eval_windows: int = 16
     checkpoint_every: int | str | None = None  # steps (100) or a duration ("30s", "2m"); None: every 60 s
+    checkpoint_async: bool = False    # sharded checkpoints (several ranks) written in the background
     max_nonfinite: int = 5
     balance: str = "quantile"         # quantile | sign | none
     ep_planner: str = "moonep"        # under expert parallelism: moonep (perfect balance) | none (owners only)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Collection
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -69,21 +70,33 @@ def _write_run_files(directory: Path, step: int, model: torch.nn.Module, tokeniz
 
 def save_dcp_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: Any, tokenizer_json: str,
                         train_state: dict[str, Any], keep: int = 2, protect: Collection[str] = (),
-                        corrupt: Collection[str] = ()) -> Path:
+                        corrupt: Collection[str] = (), async_save: bool = False) -> Path | Future:
     """Write the checkpoint of ``step`` and make it the run's current one; collective (every rank calls it).
 
     ``train_state``: the training state besides the model and optimizer (rank 0's is written: nested dicts,
     lists, tensors and JSON scalars). ``keep``, ``protect``, ``corrupt``: what ``prune`` keeps afterwards.
+    ``async_save``: return once the state is copied to host memory (training may go on) with a ``Future`` that
+    finishes when the checkpoint is published, pointed to and pruned (``result()`` re-raises a failure); wait
+    for it before the next save and before the process ends.
     """
     run_dir = Path(run_dir)
     name = f"step-{step:07d}"
     final = run_dir / STORE / name
-    save_distributed(final, model, optimizer, step,
-                     finalize=lambda tmp: _write_run_files(tmp, step, model, tokenizer_json, train_state))
-    if _is_main():
-        point_to(run_dir, name)
-        prune(run_dir, keep, protect={name, *protect}, corrupt=corrupt)
-    return final
+    saved = save_distributed(final, model, optimizer, step, async_save=async_save,
+                             finalize=lambda tmp: _write_run_files(tmp, step, model, tokenizer_json, train_state))
+
+    def point_and_prune() -> Path:
+        if _is_main():
+            point_to(run_dir, name)
+            prune(run_dir, keep, protect={name, *protect}, corrupt=corrupt)
+        return final
+
+    if not async_save:
+        return point_and_prune()
+    publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kimik3-run-checkpoint")
+    future = publisher.submit(lambda: (saved.result(), point_and_prune())[1])
+    publisher.shutdown(wait=False)
+    return future
 
 
 def load_dcp_checkpoint(ckpt: str | Path, model: torch.nn.Module, optimizer: Any

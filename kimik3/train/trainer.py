@@ -41,6 +41,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,10 @@ class Trainer:
         self.fwd_bwd_s = 0.0   # the last step's forward+backward (and clipping), seconds
         self.say = self.log    # the loop's lines (the progress bar's write while it shows)
         self.clock = CheckpointClock(parse_checkpoint_every(args.checkpoint_every), self.log)
+        if args.checkpoint_async and self.dims.world == 1:
+            raise ValueError("--checkpoint-async writes sharded checkpoints in the background, which runs on more "
+                             "than one rank write; this run has one process (its checkpoint is one file)")
+        self.pending_save: Future | None = None   # an asynchronous checkpoint still being written
         self.run_dir = prepare_run_dir(args, self.model_config.name, self.resume_dir is not None, self.ctx, self.log)
         if self.resume_dir is not None:
             self._restore()
@@ -494,8 +499,10 @@ class Trainer:
                         on_step(record)
         finally:
             progress.close()
+            self._wait_for_save()   # whatever ended the loop, no checkpoint is left half-written behind it
         if self.step > first_step:  # a resumed run that had nothing to do keeps its checkpoint as is
             self.save()
+            self._wait_for_save()
         from kimik3.train.plot import plot_run
 
         plot_path = (plot_run(metrics_path, self.run_dir / "loss.png", unigram=self.unigram)
@@ -532,16 +539,21 @@ class Trainer:
 
     def save(self) -> None:
         """Write a checkpoint. One process: the single-file format. Several ranks: the sharded format, each
-        rank writing its own shards (rank 0 adds the rest of the state); all wait for it to be published.
+        rank writing its own shards (rank 0 adds the rest of the state); all wait for it to be published, or
+        with ``--checkpoint-async`` only for the state's copy to host memory (the writing goes on in the
+        background; the next save and the end of the run wait for it).
 
         Pruning keeps the checkpoint this run resumed from (verified intact) and drops the damaged
         ones it skipped."""
+        self._wait_for_save()
         start = time.monotonic()
         pruning = {"protect": [self.resume_checkpoint.name] if self.resume_checkpoint is not None else [],
                    "corrupt": set(self.damaged_checkpoints)}
         if self.dims.world > 1:
-            save_dcp_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.tokenizer.to_str(),
-                                self._train_state(optimizer=False), **pruning)
+            saved = save_dcp_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.tokenizer.to_str(),
+                                        self._train_state(optimizer=False), async_save=self.args.checkpoint_async,
+                                        **pruning)
+            self.pending_save = saved if self.args.checkpoint_async else None
         else:
             weights = self.ctx.full_model_state(self.model)   # None: the writer reads the model itself
             state = self._train_state()
@@ -551,6 +563,12 @@ class Trainer:
         self.ctx.barrier()
         self.clock.written(time.monotonic() - start)
         self.damaged_checkpoints = {}  # that save's pruning deleted them; their names may now be good ones
+
+    def _wait_for_save(self) -> None:
+        """Wait until the asynchronous checkpoint in flight, if any, is published (re-raising its failure)."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is not None:
+            pending.result()
 
     @torch.no_grad()
     def sample(self, prompt: str, max_new_tokens: int = 80) -> str:

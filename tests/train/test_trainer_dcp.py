@@ -1,8 +1,8 @@
 """The Trainer on 2 gloo ranks writes sharded (DCP) checkpoints, and resumes exactly from them on 2 ranks and on 1.
 
 One 2-rank group (spawning ranks costs more than training the small model) runs, with dp=2: an
-uninterrupted 4-step run, checkpointed every 2 steps, and the same run interrupted after step 2 then
-resumed on the same 2 ranks. The single-process checks then resume a copy of the interrupted run on
+uninterrupted 4-step run, checkpointed every 2 steps, the same with its checkpoints written asynchronously,
+and the same run interrupted after step 2 then resumed on the same 2 ranks. The single-process checks then resume a copy of the interrupted run on
 1 rank, and a copy of the finished run whose newest checkpoint is damaged. (One test, not a shared
 fixture: pytest-xdist would give a module's tests to both workers, which would each spawn the group.)
 """
@@ -53,6 +53,9 @@ def _worker(rank, world, config, corpus, runs):
     dims = ParallelDims(dp=world)
     quiet = lambda _: None   # noqa: E731
     straight = _train(Trainer(small_args(config, corpus, f"{runs}/straight", steps=4), log=quiet, parallel=dims))
+    # The same run with its checkpoints written in the background while it trains.
+    in_background = _train(Trainer(small_args(config, corpus, f"{runs}/async", steps=4, checkpoint_async=True),
+                                   log=quiet, parallel=dims))
     interrupted = Path(runs) / "interrupted"
     first = _train(Trainer(small_args(config, corpus, interrupted, steps=4), log=quiet, parallel=dims), crash_after=2)
     dist.barrier()
@@ -60,7 +63,7 @@ def _worker(rank, world, config, corpus, runs):
         shutil.copytree(interrupted, Path(runs) / "for-one-rank", symlinks=True)
     dist.barrier()
     resumed = _train(Trainer(TrainArgs(progress=False), resume=interrupted, log=quiet, parallel=dims))
-    return {"straight": straight, "first": first, "resumed": resumed}
+    return {"straight": straight, "first": first, "resumed": resumed, "async": in_background}
 
 
 def test_two_rank_runs_write_sharded_checkpoints_and_resume_exactly_on_two_ranks_and_one(
@@ -77,10 +80,22 @@ def test_two_rank_runs_write_sharded_checkpoints_and_resume_exactly_on_two_ranks
     assert losses(tmp_path / "interrupted") == straight
 
     _check_layout(tmp_path / "straight")
+    # Asynchronous checkpoints: the same training, the same checkpoints (published, pointed to, pruned).
+    assert outs[0]["async"].tolist() == straight
+    _check_layout(tmp_path / "async")
+    for name in ("shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"):
+        assert _tensors(tmp_path / "async" / "checkpoints" / "step-0000004" / name) == \
+            _tensors(tmp_path / "straight" / "checkpoints" / "step-0000004" / name)
     _fast_in_this_process(monkeypatch, Trainer)
     _check_resume_on_one_rank(tmp_path / "for-one-rank", straight)
     _check_damaged_newest_is_skipped(tmp_path / "straight", tmp_path / "damaged", straight)
     _check_incomplete_is_refused(tmp_path / "straight", tmp_path / "incomplete")
+
+
+def _tensors(path: Path) -> dict[str, list]:
+    from safetensors.torch import load_file
+
+    return {key: value.flatten().tolist() for key, value in load_file(str(path)).items()}
 
 
 def _fast_in_this_process(monkeypatch, trainer_cls):
@@ -181,3 +196,12 @@ def test_a_sharded_save_publishes_all_or_nothing_and_its_temporaries_are_removed
     assert partial.is_dir()
     removed = remove_temporaries(tmp_path, RUN_TEMPORARIES)
     assert set(removed) == {partial, aside} and final.is_dir()
+
+
+def test_asynchronous_checkpoints_need_several_ranks(small_config_path, code_corpus, tmp_path):
+    from kimik3.train.trainer import Trainer
+    from tests.train.small_run import small_args
+
+    with pytest.raises(ValueError, match="--checkpoint-async writes sharded checkpoints"):
+        Trainer(small_args(small_config_path, code_corpus, tmp_path / "one", checkpoint_async=True),
+                log=lambda _: None)

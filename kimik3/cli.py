@@ -273,6 +273,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise ValueError(f"convert: {dst} exists and is not empty")
     if args.max_shard_mb is not None and args.max_shard_mb < 1:
         raise ValueError(f"--max-shard-mb must be >= 1, got {args.max_shard_mb}")
+    if args.pack_experts and args.layout != "kimik3":
+        raise ValueError("--pack-experts writes our layout: add --layout kimik3")
+    if args.pack_experts and is_sharded_checkpoint(src):
+        raise ValueError(f"--pack-experts reads a single-file model: convert {src} with --layout kimik3 first, "
+                         "then pack that")
     dtype = getattr(torch, args.dtype) if args.dtype else stored_dtype(src)
     max_shard_bytes = args.max_shard_mb * 10**6 if args.max_shard_mb else None
     if is_sharded_checkpoint(src):
@@ -292,7 +297,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
             write_shards(to_torchtitan(state_tensors(model), model.config), dst, max_shard_bytes or HF_SHARD_BYTES)
             atomic_write(dst / TORCHTITAN_CONFIG_FILE, lambda tmp: tmp.write_text(model.config.to_json()))
         else:
-            model.save_pretrained(dst, layout=args.layout, max_shard_bytes=max_shard_bytes)
+            model.save_pretrained(dst, layout=args.layout, max_shard_bytes=max_shard_bytes,
+                                  pack_experts=args.pack_experts)
     copied = [name for name in ("tokenizer.json", "tokenizer_config.json") if (src / name).is_file()]
     for name in copied:
         shutil.copyfile(src / name, dst / name)
@@ -362,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-shard-mb", type=int, help="shard the weights at this size (hf default: 5,000 MB)")
     v.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="the dtype to write (default: the one the source stores)")
+    v.add_argument("--pack-experts", action="store_true",
+                   help="with --layout kimik3: a quantisation-aware (--qat mxfp4) model's routed experts as MXFP4 "
+                        "codes + scales, for serving (it cannot resume training)")
     v.set_defaults(func=cmd_convert)
 
     g = sub.add_parser("generate", help="stream a completion from a trained run")

@@ -269,10 +269,11 @@ class K3ForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ files
     def save_pretrained(self, directory: str | Path, *, layout: str = "kimik3",
-                        max_shard_bytes: int | None = None) -> None:
+                        max_shard_bytes: int | None = None, pack_experts: bool = False) -> None:
         """Write ``config.json`` and the weights into ``directory`` (atomically): our layout, or "hf" (the
-        released checkpoint's names, an HF config, sharded); see ``kimik3.model.pretrained``."""
-        save_pretrained(self, directory, layout=layout, max_shard_bytes=max_shard_bytes)
+        released checkpoint's names, an HF config, sharded); ``pack_experts``: quantisation-aware experts as
+        MXFP4 codes + scales (``kimik3.quant.packed``); see ``kimik3.model.pretrained``."""
+        save_pretrained(self, directory, layout=layout, max_shard_bytes=max_shard_bytes, pack_experts=pack_experts)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, device: torch.device | str | None = None,

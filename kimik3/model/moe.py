@@ -232,23 +232,36 @@ class RoutedExperts(nn.Module):
         # result on every run, unlike an atomic scatter-add, so a decode replayed as a graph matches it eagerly.
         return from_expert_rows(y_RL, order_R, inverse_R, top_k).sum(1)
 
+    EXPERT_WEIGHTS = ("w_gate_ELF", "w_up_ELF", "w_down_EFL")
+
     @torch.no_grad()
     def pack_mxfp4(self) -> int:
         """Inference under ``quant == "mxfp4"``: store the three expert weights as MXFP4 codes + E8M0 scales
-        (``self.packed``) and free the full-precision ones (left as meta tensors of the same shape: this module
-        can no longer train or be saved). The forward then runs ``mxfp4_grouped_mm`` on the packed weights, the
-        values the fake-quantised forward multiplies by. Returns the bytes the packed weights take."""
+        (``self.packed``) and free the full-precision ones (they leave the module's parameters; meta tensors of
+        their shapes remain: this module can no longer train). The forward then runs ``mxfp4_grouped_mm`` on the
+        packed weights, the values the fake-quantised forward multiplies by. Returns the packed weights' bytes."""
         if self.quant != "mxfp4":
             raise ValueError(f"pack_mxfp4 packs quantisation-aware experts (quant='mxfp4'), these have "
                              f"quant={self.quant!r}")
         if self.packed is None:
-            self.packed = {}
-            for name in ("w_gate_ELF", "w_up_ELF", "w_down_EFL"):
-                weight = getattr(self, name)
-                self.packed[name] = quantize(weight.float(), "mxfp4", axis=-2)
-                setattr(self, name, nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
-                                                 requires_grad=False))
+            self.use_packed({name: quantize(getattr(self, name).float(), "mxfp4", axis=-2)
+                             for name in self.EXPERT_WEIGHTS})
         return sum(mx.nbytes for mx in self.packed.values())
+
+    def use_packed(self, packed: dict[str, MXTensor]) -> None:
+        """Take ``packed`` (``quantize(w, "mxfp4", axis=-2)`` of each expert weight, e.g. read from a checkpoint
+        written with packed experts) as the weights, dropping the full-precision parameters."""
+        if set(packed) != set(self.EXPERT_WEIGHTS):
+            raise ValueError(f"packed expert weights must be {self.EXPERT_WEIGHTS}, got {sorted(packed)}")
+        for name in self.EXPERT_WEIGHTS:
+            weight = getattr(self, name)
+            if packed[name].shape != tuple(weight.shape) or packed[name].fmt != "mxfp4":
+                raise ValueError(f"{name}: packed as {packed[name].fmt} {packed[name].shape}, the layer holds "
+                                 f"{tuple(weight.shape)}")
+            self._parameters.pop(name, None)
+            # The shape stays readable (the expert count, the widths); the values live in ``packed``.
+            object.__setattr__(self, name, torch.empty(weight.shape, dtype=weight.dtype, device="meta"))
+        self.packed = dict(packed)
 
     def _forward_packed(self, x_TL: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
                         counts_E: torch.Tensor | None) -> torch.Tensor:

@@ -45,9 +45,10 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_pretrained(model: "K3ForCausalLM", directory: str | Path, *, layout: str = "kimik3",
-                    max_shard_bytes: int | None = None) -> None:
+                    max_shard_bytes: int | None = None, pack_experts: bool = False) -> None:
     """Write ``config.json`` and the weights in ``layout`` ("kimik3" or "hf"). ``max_shard_bytes``: shard the
-    weights (default: one file for "kimik3", 5 GB shards for "hf")."""
+    weights (default: one file for "kimik3", 5 GB shards for "hf"). ``pack_experts``: quantisation-aware routed
+    experts as MXFP4 codes + scales (``kimik3.quant.packed``; experts already packed for serving always are)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if max_shard_bytes is not None and (isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int)
@@ -55,8 +56,14 @@ def save_pretrained(model: "K3ForCausalLM", directory: str | Path, *, layout: st
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
     from kimik3.interop import hf_config, to_hf
 
+    from kimik3.quant.packed import packed_expert_tensors
+
     directory = Path(directory)
     tensors = state_tensors(model)
+    packed, replaced = packed_expert_tensors(model, pack_experts)
+    if packed and layout != "kimik3":
+        raise ValueError(f"packed MXFP4 experts are written in the kimik3 layout only, not {layout!r}")
+    tensors = {**{k: v for k, v in tensors.items() if k not in replaced}, **packed}
     if layout == "hf":
         tensors = to_hf(tensors, model.config)
         config_text = json.dumps(hf_config(model.config, model.dtype), indent=2) + "\n"
@@ -256,12 +263,17 @@ def load_pretrained(cls: type["K3ForCausalLM"], directory: str | Path, *, device
     tensor at a time (host memory: the largest tensor, not the checkpoint)."""
     from kimik3.interop.hf import hf_import_plan
 
+    from kimik3.quant.packed import adopt_packed_experts, move_packed_experts
+
     directory = Path(directory)
     config, layout = read_config(directory)
     model = cls(config, device="meta")
     with weight_files(directory) as files:
+        # Packed MXFP4 experts (our layout): those layers take their codes and scales and drop their weights.
+        packed = adopt_packed_experts(model, files.shapes, files.read, files.path) if layout != "hf" else set()
+        shapes = {n: shape for n, shape in files.shapes.items() if n not in packed}
         expected = model.state_dict()
-        not_float = {n for n, d in files.dtypes.items() if d not in _SAFETENSORS_DTYPES}
+        not_float = {n for n, d in files.dtypes.items() if d not in _SAFETENSORS_DTYPES and n not in packed}
         if layout == "hf":
             try:
                 plan = hf_import_plan(files.shapes, config)
@@ -275,10 +287,11 @@ def load_pretrained(cls: type["K3ForCausalLM"], directory: str | Path, *, device
             def build(key: str) -> torch.Tensor:
                 return plan.build(key, files.read)
         else:
-            check_shapes(expected, files.shapes, not_float, files.path)
+            check_shapes(expected, shapes, not_float, files.path)
             build = files.read
         model.cast(dtype)  # on the meta device: free, and the allocation below is in the final dtypes
         model.to_empty(device=torch.device(device))
+        move_packed_experts(model, torch.device(device))
         with torch.no_grad():
             for key, target in model.state_dict().items():
                 target.copy_(build(key))

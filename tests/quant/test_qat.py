@@ -84,3 +84,45 @@ def test_the_setting_travels_with_the_config_and_the_train_args(tmp_path):
         dataclasses.replace(tiny, moe=dataclasses.replace(tiny.moe, expert_quant="mxfp4", latent_dim=48)).validate()
     with pytest.raises(ValueError, match="--qat must be mxfp4"):
         TrainArgs(qat="nvfp4").validate()
+
+
+def test_packed_checkpoints_load_packed_and_give_the_fake_quantised_logits(tmp_path):
+    from kimik3.model.moe import RoutedExperts
+
+    config = resolve_model_config(TrainArgs(qat="mxfp4"))
+    model = K3ForCausalLM(config, seed=0).eval()
+    model.save_pretrained(tmp_path / "full")
+    model.save_pretrained(tmp_path / "packed", pack_experts=True)
+    full_bytes = (tmp_path / "full" / "model.safetensors").stat().st_size
+    packed_bytes = (tmp_path / "packed" / "model.safetensors").stat().st_size
+    assert packed_bytes < full_bytes   # the experts at 4.25 bits instead of fp32's 32
+
+    loaded = K3ForCausalLM.from_pretrained(tmp_path / "packed")
+    layers = [m for m in loaded.modules() if isinstance(m, RoutedExperts)]
+    assert layers and all(m.packed is not None and m.w_gate_ELF.is_meta for m in layers)
+    assert not any(p.is_meta for p in loaded.parameters())   # everything else allocated and loaded
+    ids = torch.randint(0, config.vocab_size, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+    # `kimik3 convert --layout kimik3 --pack-experts` writes the same file.
+    from kimik3.cli import main
+
+    assert main(["convert", str(tmp_path / "full"), str(tmp_path / "converted"), "--layout", "kimik3",
+                 "--pack-experts"]) == 0
+    assert (tmp_path / "converted" / "model.safetensors").read_bytes() == \
+        (tmp_path / "packed" / "model.safetensors").read_bytes()
+    assert main(["convert", str(tmp_path / "full"), str(tmp_path / "as-hf"), "--pack-experts"]) == 2
+    # A packed model saves packed again, the same bytes.
+    loaded.save_pretrained(tmp_path / "again")
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == \
+        (tmp_path / "packed" / "model.safetensors").read_bytes()
+
+    unquantised = K3ForCausalLM(K3Config.preset("tiny"), seed=0)
+    with pytest.raises(ValueError, match="no moe.expert_quant"):
+        unquantised.save_pretrained(tmp_path / "nope", pack_experts=True)
+    with pytest.raises(ValueError, match="kimik3 layout only"):
+        model.save_pretrained(tmp_path / "hf", layout="hf", pack_experts=True)
+    # Packed experts in a checkpoint whose config does not quantise them are refused, naming the file.
+    (tmp_path / "packed" / "config.json").write_text(K3Config.preset("tiny").to_json())
+    with pytest.raises(ValueError, match=r"model.safetensors: layer .* is stored as MXFP4"):
+        K3ForCausalLM.from_pretrained(tmp_path / "packed")

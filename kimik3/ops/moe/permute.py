@@ -7,8 +7,8 @@ A token routed to K experts becomes K rows, sorted by expert: row r is (token, s
     from_expert_rows:  y_TKL = y_RL[inverse_R].view(T, K)   backward: dy_RL = dy_TKL.flatten(0, 1)[order_R]
 
 Indexing (``x[idx]``, ``index_copy_``) would give the same values, but its backward is an accumulating
-``index_put_`` that sorts the indices first; here every backward is a gather (and the K-way sum reduces in fp32 at least),
-deterministic and several times cheaper.
+``index_put_`` that sorts the indices first; here every backward is a gather (and the K-way sum reduces in fp32
+at least), deterministic and several times cheaper.
 """
 
 from __future__ import annotations

@@ -209,8 +209,6 @@ class RoutedExperts(nn.Module):
         """Weighted sum over each token's experts: [T, L] -> [T, L]. ``counts_E``: the rows of each expert in
         ``ids_TK`` when the router counted them already."""
         num_tokens, top_k = ids_TK.shape
-        if self.packed is not None:
-            return self._forward_packed(x_TL, weights_TK, ids_TK, counts_E)
         if self.quant is None and self._few_rows(x_TL, num_tokens * top_k):
             # Serving decode: two kernels, no sort (each (token, expert) row reads its expert's weights).
             return routed_experts_small(x_TL, weights_TK, ids_TK, self.w_gate_ELF, self.w_up_ELF, self.w_down_EFL)
@@ -221,13 +219,11 @@ class RoutedExperts(nn.Module):
         groups = ExpertGroups.of(expert_counts(flat_ids_R, num_experts) if counts_E is None else counts_E)
 
         x_RL = self._input(to_expert_rows(x_TL, order_R, inverse_R, top_k))
-        w_gate, w_up, w_down = (self._weight(w, x_RL.dtype) for w in (self.w_gate_ELF, self.w_up_ELF,
-                                                                       self.w_down_EFL))
-        gate_RF = grouped_mm(x_RL, w_gate, groups)
-        up_RF = grouped_mm(x_RL, w_up, groups)
+        gate_RF = self._matmul(x_RL, "w_gate_ELF", groups)
+        up_RF = self._matmul(x_RL, "w_up_ELF", groups)
         # Mixture weights applied after the experts, in fp32, as released.
         hidden_RF = self._input(situ_glu_cast(gate_RF, up_RF, weights_TK.flatten()[order_R], x_RL.dtype))
-        y_RL = grouped_mm(hidden_RF, w_down, groups)
+        y_RL = self._matmul(hidden_RF, "w_down_EFL", groups)
         # Back to token order, then each token's K rows summed by one reduction (accumulated in fp32): the same
         # result on every run, unlike an atomic scatter-add, so a decode replayed as a graph matches it eagerly.
         return from_expert_rows(y_RL, order_R, inverse_R, top_k).sum(1)
@@ -238,7 +234,7 @@ class RoutedExperts(nn.Module):
     def pack_mxfp4(self) -> int:
         """Inference under ``quant == "mxfp4"``: store the three expert weights as MXFP4 codes + E8M0 scales
         (``self.packed``) and free the full-precision ones (they leave the module's parameters; meta tensors of
-        their shapes remain: this module can no longer train). The forward then runs ``mxfp4_grouped_mm`` on the
+        their shapes remain: this module can no longer train). The matmuls then run ``mxfp4_grouped_mm`` on the
         packed weights, the values the fake-quantised forward multiplies by. Returns the packed weights' bytes."""
         if self.quant != "mxfp4":
             raise ValueError(f"pack_mxfp4 packs quantisation-aware experts (quant='mxfp4'), these have "
@@ -263,26 +259,13 @@ class RoutedExperts(nn.Module):
             object.__setattr__(self, name, torch.empty(weight.shape, dtype=weight.dtype, device="meta"))
         self.packed = dict(packed)
 
-    def _forward_packed(self, x_TL: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
-                        counts_E: torch.Tensor | None) -> torch.Tensor:
-        """The grouped path on packed MXFP4 weights (``pack_mxfp4``): the same rows, inputs and order as
-        ``forward``'s, each matmul reading codes and scales."""
-        num_tokens, top_k = ids_TK.shape
-        flat_ids_R = ids_TK.flatten()
-        order_R = torch.argsort(flat_ids_R, stable=True)
-        inverse_R = inverse_permutation(order_R)
-        groups = ExpertGroups.of(expert_counts(flat_ids_R, self.w_gate_ELF.shape[0]) if counts_E is None
-                                 else counts_E)
-        packed = self.packed
-
-        def matmul(x_RI: torch.Tensor, name: str) -> torch.Tensor:
-            return mxfp4_grouped_mm(x_RI, packed[name].codes, packed[name].scales, groups)
-
-        x_RL = expert_input(to_expert_rows(x_TL, order_R, inverse_R, top_k))
-        hidden_RF = expert_input(situ_glu_cast(matmul(x_RL, "w_gate_ELF"), matmul(x_RL, "w_up_ELF"),
-                                               weights_TK.flatten()[order_R], x_RL.dtype))
-        y_RL = matmul(hidden_RF, "w_down_EFL")
-        return from_expert_rows(y_RL, order_R, inverse_R, top_k).sum(1)
+    def _matmul(self, x_RI: torch.Tensor, name: str, groups: ExpertGroups) -> torch.Tensor:
+        """One expert matmul over the sorted rows: on the packed MXFP4 weight when packed, else on the weight as
+        ``_weight`` gives it."""
+        if self.packed is not None:
+            mx = self.packed[name]
+            return mxfp4_grouped_mm(x_RI, mx.codes, mx.scales, groups)
+        return grouped_mm(x_RI, self._weight(getattr(self, name), x_RI.dtype), groups)
 
     def _weight(self, w_EIO: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """An expert weight as the matmuls take it: in ``dtype``, MXFP4 values under ``quant``."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kimik3.cuda_graph import warm_up
 from kimik3.model.fused_linear import pack_projections
 from kimik3.model.cache import K3Cache
 from kimik3.model.k3 import K3ForCausalLM
@@ -63,16 +64,6 @@ def graph_buckets(max_running: int) -> list[int]:
     """The decode batch sizes to capture: every bucket below ``max_running`` and the first one at or above it."""
     buckets = [b for b in BUCKETS if b < max_running]
     return buckets + [next((b for b in BUCKETS if b >= max_running), max_running)]
-
-
-def warm_up(device: torch.device, side: torch.cuda.Stream, forward) -> None:
-    """Run ``forward`` once on ``side`` (a stream of ``device``), ordered after the current stream's work and before
-    what follows it: its kernels compile and autotune before a capture, which must see none of that."""
-    current = torch.cuda.current_stream(device)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        forward()
-    current.wait_stream(side)
 
 
 def prefill_sizes(chunk: int) -> list[int]:

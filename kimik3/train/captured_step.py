@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from kimik3.cuda_graph import warm_up
 from kimik3.optim.multi import MultiOptimizer
 
 
@@ -98,15 +99,10 @@ class CapturedStep:
         return self._outputs
 
     def _eager(self, inputs: Sequence[torch.Tensor]) -> Any:
-        """A warm-up step on the side stream capture will use, ordered after and before the caller's work."""
+        """A warm-up step on a side stream, ordered after and before the caller's work."""
         if self._side is None:
             self._side = torch.cuda.Stream(device=inputs[0].device)
-        caller = torch.cuda.current_stream(inputs[0].device)
-        self._side.wait_stream(caller)
-        with torch.cuda.stream(self._side):
-            out = self.train_step(*inputs)
-        caller.wait_stream(self._side)
-        return out
+        return warm_up(inputs[0].device, self._side, lambda: self.train_step(*inputs))
 
     def _capture(self, inputs: Sequence[torch.Tensor]) -> None:
         self._inputs = [x.detach().clone() for x in inputs]

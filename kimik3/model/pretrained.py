@@ -55,7 +55,6 @@ def save_pretrained(model: "K3ForCausalLM", directory: str | Path, *, layout: st
                                         or max_shard_bytes < 1):
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
     from kimik3.interop import hf_config, to_hf
-
     from kimik3.quant.packed import packed_expert_tensors
 
     directory = Path(directory)
@@ -212,26 +211,13 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
 
 
 def stored_dtype(directory: Path) -> torch.dtype:
-    """The dtype the directory's embedding is stored in (read from the file's header, not its data)."""
-    from safetensors import safe_open
-
-    if is_sharded_checkpoint(directory):
-        with weight_files(directory) as reader:
-            stored = reader.dtypes.get("embed.weight")
-        if stored not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"{directory}: embedding stored as {stored}, not a float type kimik3 loads")
-        return _SAFETENSORS_DTYPES[stored]
-    weight_map = read_index(directory)
-    files = [directory / WEIGHTS_FILE] if weight_map is None else [directory / f for f in dict.fromkeys(
-        weight_map.values())]
-    for file in files:
-        with safe_open(str(file), "pt") as handle:
-            for name in handle.keys():
-                if name.endswith("embed.weight") or name.endswith("embed_tokens.weight"):
-                    stored = handle.get_slice(name).get_dtype()
-                    if stored not in _SAFETENSORS_DTYPES:
-                        raise ValueError(f"{file}: embedding stored as {stored}, not a float type kimik3 loads")
-                    return _SAFETENSORS_DTYPES[stored]
+    """The dtype the directory's embedding is stored in (read from the files' headers, not their data)."""
+    with weight_files(directory) as reader:
+        for name, stored in reader.dtypes.items():
+            if name.endswith("embed.weight") or name.endswith("embed_tokens.weight"):
+                if stored not in _SAFETENSORS_DTYPES:
+                    raise ValueError(f"{reader.path}: embedding stored as {stored}, not a float type kimik3 loads")
+                return _SAFETENSORS_DTYPES[stored]
     raise ValueError(f"{directory}: no embedding tensor found to tell the stored dtype")
 
 
@@ -262,7 +248,6 @@ def load_pretrained(cls: type["K3ForCausalLM"], directory: str | Path, *, device
     headers first, then the model is allocated once on ``device`` in ``dtype`` (fp32 islands kept) and filled one
     tensor at a time (host memory: the largest tensor, not the checkpoint)."""
     from kimik3.interop.hf import hf_import_plan
-
     from kimik3.quant.packed import adopt_packed_experts, move_packed_experts
 
     directory = Path(directory)

@@ -75,15 +75,15 @@ def check_token_ids(input_ids: torch.Tensor, labels: torch.Tensor | None, vocab_
     stats = []
     if input_ids.numel():
         stats += [input_ids.min(), input_ids.max()]
-    if labels is not None and labels.numel():
-        stats.append(((labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))).sum())
+    bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size)) if labels is not None else None
+    if bad is not None and bad.numel():
+        stats.append(bad.sum())
     if not stats:
         return
     values = torch.stack([x.long() for x in stats]).tolist()
     if input_ids.numel() and (values[0] < 0 or values[1] >= vocab_size):
         raise ValueError(f"input_ids must lie in [0, {vocab_size}), got [{values[0]}, {values[1]}]")
-    if labels is not None and labels.numel() and values[-1]:
-        bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))
+    if bad is not None and bad.numel() and values[-1]:
         raise ValueError(f"labels must lie in [0, {vocab_size}) or equal {IGNORE_INDEX} (ignored), got "
                          f"{int(labels[bad][0])} ({values[-1]} out of range)")
 

@@ -39,12 +39,7 @@ def lk_loss(draft_logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor
     ``target``: the target's logits (or, with ``target_is_logits=False``, its probabilities); no gradient flows
     into it."""
     rate = acceptance_rate(draft_logits, target, target_is_logits=target_is_logits)
-    losses = -torch.log(rate.clamp(min=torch.finfo(rate.dtype).tiny))
-    if mask is None:
-        return losses.mean()
-    if mask.shape != losses.shape:
-        raise ValueError(f"mask {tuple(mask.shape)} must be the positions' shape {tuple(losses.shape)}")
-    return (losses * mask).sum() / mask.sum().clamp(min=1)
+    return _mean(-torch.log(rate.clamp(min=torch.finfo(rate.dtype).tiny)), mask)
 
 
 def kl_loss(draft_logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None, *,
@@ -53,6 +48,13 @@ def kl_loss(draft_logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor
     p, q = _probs(draft_logits, target, target_is_logits)
     losses = (p * (torch.log(p.clamp(min=torch.finfo(p.dtype).tiny)) - F.log_softmax(
         draft_logits.to(q.dtype), dim=-1))).sum(-1)
+    return _mean(losses, mask)
+
+
+def _mean(losses: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The positions' mean, over those ``mask`` keeps when given."""
     if mask is None:
         return losses.mean()
+    if mask.shape != losses.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} must be the positions' shape {tuple(losses.shape)}")
     return (losses * mask).sum() / mask.sum().clamp(min=1)

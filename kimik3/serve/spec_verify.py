@@ -34,11 +34,13 @@ def _check(draft_BK: torch.Tensor, target_BKV: torch.Tensor, draft_probs_BKV: to
                          f"{tuple(draft_probs_BKV.shape)}")
 
 
-def _emit(draft_BK: torch.Tensor, accepted_BK: torch.Tensor, last_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The accepted prefix of each row's drafts followed by its closing token: tokens [B, K + 1] and counts [B]."""
-    B, K = draft_BK.shape
-    # n = the number of drafts accepted before the first rejection.
-    n_B = torch.cumprod(accepted_BK.long(), dim=1).sum(1)
+def _accepted_prefix(accepted_BK: torch.Tensor) -> torch.Tensor:
+    """The number of drafts accepted before each row's first rejection: [B]."""
+    return torch.cumprod(accepted_BK.long(), dim=1).sum(1)
+
+
+def _emit(draft_BK: torch.Tensor, n_B: torch.Tensor, last_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first ``n_B`` drafts followed by its closing token: tokens [B, K + 1] and counts [B]."""
     tokens = torch.cat([draft_BK, torch.zeros_like(draft_BK[:, :1])], dim=1)
     tokens.scatter_(1, n_B[:, None], last_B[:, None])
     return tokens, n_B + 1
@@ -49,9 +51,8 @@ def verify_greedy(draft_BK: torch.Tensor, target_logits_BKV: torch.Tensor) -> tu
     (or after the last draft)."""
     _check(draft_BK, target_logits_BKV)
     best_BK1 = target_logits_BKV.argmax(-1)
-    accepted = draft_BK == best_BK1[:, :-1]
-    n_B = torch.cumprod(accepted.long(), dim=1).sum(1)
-    return _emit(draft_BK, accepted, best_BK1.gather(1, n_B[:, None])[:, 0])
+    n_B = _accepted_prefix(draft_BK == best_BK1[:, :-1])
+    return _emit(draft_BK, n_B, best_BK1.gather(1, n_B[:, None])[:, 0])
 
 
 def verify_sampled(draft_BK: torch.Tensor, draft_probs_BKV: torch.Tensor, target_probs_BKV: torch.Tensor,
@@ -69,8 +70,7 @@ def verify_sampled(draft_BK: torch.Tensor, draft_probs_BKV: torch.Tensor, target
         raise ValueError("a drafted token has probability 0 under its draft distribution: the drafts must be "
                          "sampled from draft_probs")
     u = torch.rand(B, K, generator=generator, device=p_BKV.device, dtype=dtype)
-    accepted = u * q_x < p_x                            # u < p / q, without dividing
-    n_B = torch.cumprod(accepted.long(), dim=1).sum(1)
+    n_B = _accepted_prefix(u * q_x < p_x)              # u < p / q, without dividing
     # The closing distribution: the residual at the first rejection, p_{K+1} when every draft was accepted.
     q_pad = torch.cat([q_BKV, torch.zeros_like(p_BKV[:, :1])], dim=1)   # q_{K+1} = 0: the residual is p_{K+1}
     rows = torch.arange(B, device=p_BKV.device)
@@ -80,4 +80,4 @@ def verify_sampled(draft_BK: torch.Tensor, draft_probs_BKV: torch.Tensor, target
     # land there: then p itself is the right distribution to close with.
     residual = torch.where(total > 0, residual / total.clamp(min=torch.finfo(dtype).tiny), p_BKV[rows, n_B])
     last = torch.multinomial(residual, 1, generator=generator)[:, 0]
-    return _emit(draft_BK, accepted, last)
+    return _emit(draft_BK, n_B, last)

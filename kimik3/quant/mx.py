@@ -137,9 +137,16 @@ def fake_quantize(x: torch.Tensor, fmt: str = "mxfp4", block_size: int = BLOCK_S
     """x quantised to ``fmt`` in blocks of ``block_size`` along ``axis`` and decoded again: same shape and dtype
     (the decoded values are exact in fp32 and bf16 except where the E8M0 scale goes past bf16's exponent range)."""
     _, p, X, special, axis = _scaled(x, fmt, block_size, axis)
+    return _decoded(p, X, special, axis, x.dtype)
+
+
+def _decoded(p: torch.Tensor, X: torch.Tensor, nan_blocks: torch.Tensor, axis: int, dtype: torch.dtype
+             ) -> torch.Tensor:
+    """Elements p [..., blocks, block_size] times their blocks' 2^X, NaN blocks NaN throughout, the blocked axis put
+    back at ``axis``, in ``dtype``."""
     out = torch.ldexp(p, X[..., None].to(torch.int32))
-    out = torch.where(special[..., None], torch.full_like(out, float("nan")), out)
-    return out.reshape(*out.shape[:-2], -1).movedim(-1, axis).to(x.dtype)
+    out = torch.where(nan_blocks[..., None], torch.full_like(out, float("nan")), out)
+    return out.reshape(*out.shape[:-2], -1).movedim(-1, axis).to(dtype)
 
 
 # E2M1 magnitudes by code (sign in bit 3): 0, 0.5 (subnormal), then 1, 1.5, 2, 3, 4, 6.
@@ -185,7 +192,4 @@ def dequantize(mx: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor
     if elem.bits == 4:
         codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
     p = _decode(codes, elem).reshape(*codes.shape[:-1], -1, mx.block_size)
-    scale_exp = mx.scales.to(torch.int64) - E8M0_BIAS
-    out = torch.ldexp(p, scale_exp[..., None].to(torch.int32))
-    out = torch.where((mx.scales == E8M0_NAN)[..., None], torch.full_like(out, float("nan")), out)
-    return out.reshape(*out.shape[:-2], -1).movedim(-1, mx.axis).to(dtype)
+    return _decoded(p, mx.scales.to(torch.int64) - E8M0_BIAS, mx.scales == E8M0_NAN, mx.axis, dtype)

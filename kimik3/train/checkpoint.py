@@ -353,6 +353,33 @@ def read_state_entry(ckpt: str | Path, key: str) -> Any:
         raise CheckpointError(f"{path}: malformed training state ({err!r})") from None
 
 
+def read_train_files(ckpt: Path, model: torch.nn.Module) -> tuple[int, dict[str, Any], str]:
+    """What ``write_train_files`` wrote into checkpoint ``ckpt`` of either format, checked against ``model``'s
+    config: (step, training state, tokenizer JSON). ``CheckpointError`` names the file at fault."""
+    config, layout = read_config(ckpt)
+    if layout != "kimik3":
+        raise CheckpointError(f"{ckpt / CONFIG_FILE}: a training checkpoint is in kimik3's layout, this one is "
+                              f"{layout!r}")
+    if config != model.config:
+        raise CheckpointError(f"{ckpt / CONFIG_FILE}: the checkpoint's config differs from the run's model config")
+    try:
+        state_tensor_map = load_file(str(ckpt / STATE_TENSORS_FILE))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{ckpt / STATE_TENSORS_FILE}: unreadable or truncated safetensors file ({err})"
+                              ) from None
+    try:
+        saved = json.loads((ckpt / STATE_JSON_FILE).read_text())
+        state = unflatten_state(saved["state"], state_tensor_map)
+        step = int(saved["step"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{ckpt / STATE_JSON_FILE}: malformed training state ({err})") from None
+    try:
+        tokenizer_json = (ckpt / TOKENIZER_FILE).read_text()
+    except OSError as err:
+        raise CheckpointError(f"{ckpt / TOKENIZER_FILE}: unreadable ({err.strerror or err})") from None
+    return step, state, tokenizer_json
+
+
 def load_checkpoint(run_dir: str | Path, model: torch.nn.Module, checkpoint: str | Path | None = None,
                     warn: Callable[[str], None] | None = None) -> tuple[int, dict[str, Any], str]:
     """Load weights into ``model`` (in place) and return (step, train_state, tokenizer_json).
@@ -362,25 +389,12 @@ def load_checkpoint(run_dir: str | Path, model: torch.nn.Module, checkpoint: str
     Everything is read and checked before the model is touched, so a bad file changes nothing.
     """
     ckpt = Path(checkpoint) if checkpoint is not None else resume_checkpoint(run_dir, warn)
-    config, layout = read_config(ckpt)
-    if layout != "kimik3":
-        raise CheckpointError(f"{ckpt / CONFIG_FILE}: a training checkpoint is in kimik3's layout, this one is "
-                              f"{layout!r}")
-    if config != model.config:
-        raise CheckpointError(f"{ckpt / CONFIG_FILE}: the checkpoint's config differs from the run's model config")
+    step, state, tokenizer_json = read_train_files(ckpt, model)
     try:
         weights = load_file(str(ckpt / WEIGHTS_FILE))
-        state_tensor_map = load_file(str(ckpt / STATE_TENSORS_FILE))
     except (SafetensorError, OSError) as err:
-        raise CheckpointError(f"{ckpt}: unreadable or truncated safetensors file ({err})") from None
+        raise CheckpointError(f"{ckpt / WEIGHTS_FILE}: unreadable or truncated safetensors file ({err})") from None
     check_tensors(model.state_dict(), weights, ckpt / WEIGHTS_FILE)
-    try:
-        meta = json.loads((ckpt / STATE_JSON_FILE).read_text())
-        state = unflatten_state(meta["state"], state_tensor_map)
-        step = int(meta["step"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{ckpt / STATE_JSON_FILE}: malformed training state ({err})") from None
-    tokenizer_json = (ckpt / TOKENIZER_FILE).read_text()
     if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 

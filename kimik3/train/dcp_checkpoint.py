@@ -18,7 +18,6 @@ included) last: the directory appears complete, with one rename, or not at all. 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,10 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
-from kimik3.model.pretrained import CONFIG_FILE, read_config
+from kimik3.model.pretrained import CONFIG_FILE
 from kimik3.tokenizer import TOKENIZER_CONFIG_FILE
 from kimik3.train.checkpoint import (
     STATE_JSON_FILE,
@@ -43,7 +40,7 @@ from kimik3.train.checkpoint import (
     load_optimizer_state,
     point_to,
     prune,
-    unflatten_state,
+    read_train_files,
     write_train_files,
 )
 from kimik3.train.integrity import MANIFEST_FILE, write_manifest
@@ -105,27 +102,10 @@ def load_dcp_checkpoint(ckpt: str | Path, model: torch.nn.Module, optimizer: Any
     collective. Returns (step, train_state, tokenizer_json) as ``load_checkpoint`` does (without the optimizer
     state in ``train_state``: it is loaded). Every file is read and checked before the model is touched."""
     ckpt = Path(ckpt)
-    config, layout = read_config(ckpt)
-    if layout != "kimik3" or config != model.config:
-        raise CheckpointError(f"{ckpt / CONFIG_FILE}: the checkpoint's config differs from the run's model config")
+    step, state, tokenizer_json = read_train_files(ckpt, model)
     meta = read_distributed_meta(ckpt)
-    try:
-        state_tensor_map = load_file(str(ckpt / STATE_TENSORS_FILE))
-    except (SafetensorError, OSError) as err:
-        raise CheckpointError(f"{ckpt / STATE_TENSORS_FILE}: unreadable or truncated safetensors file ({err})"
-                              ) from None
-    try:
-        saved = json.loads((ckpt / STATE_JSON_FILE).read_text())
-        state = unflatten_state(saved["state"], state_tensor_map)
-        step = int(saved["step"])
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{ckpt / STATE_JSON_FILE}: malformed training state ({err})") from None
     if step != int(meta["step"]):
         raise CheckpointError(f"{ckpt / STATE_JSON_FILE}: step {step}, but the shards are of step {meta['step']}")
-    try:
-        tokenizer_json = (ckpt / TOKENIZER_FILE).read_text()
-    except OSError as err:
-        raise CheckpointError(f"{ckpt / TOKENIZER_FILE}: unreadable ({err.strerror or err})") from None
     load_distributed(ckpt, model, optimizer)
     return step, state, tokenizer_json
 

@@ -58,6 +58,9 @@ class K3Output:
     main_loss: torch.Tensor | None = None
     mtp_loss: torch.Tensor | None = None
     hidden: torch.Tensor | None = None      # [B, T, D] final hidden state before the final norm
+    # With ``features_at``: the stream after each of those layers, then ``hidden`` ([B, T, D] each; the
+    # speculative draft's inputs, ``kimik3.model.draft``).
+    features: list[torch.Tensor] | None = None
     # One entry per router of ``K3ForCausalLM.routers()`` (the layers' in order, then the MTP
     # module's): what it saw in this call, None for a router that did not run (the MTP module's
     # without labels). Filled by calling the model; ``forward`` called directly leaves it empty.
@@ -157,14 +160,16 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 cache: K3Cache | None = None, cu_seqlens: torch.Tensor | None = None,
-                last_only: bool = False, logits_at: torch.Tensor | None = None) -> K3Output:
+                last_only: bool = False, logits_at: torch.Tensor | None = None,
+                features_at: tuple[int, ...] = ()) -> K3Output:
         """input_ids [B, T] int64; cu_seqlens [N+1] for packed sequences (B must be 1). ``last_only``: logits of
         the last position only ([B, 1, V]); ``logits_at``: of position ``logits_at[b]`` of each row instead (a
         device tensor [B]: a padded chunk's last real token, chosen without a host read).
 
         labels [B, T] (shifted, -100 ignored): the output has the losses (main, MTP's, their weighted sum) and
         ``logits`` None: the head and the cross-entropy run fused over token chunks (``linear_cross_entropy``),
-        without the [B, T, V] fp32 logits."""
+        without the [B, T, V] fp32 logits. ``features_at``: layer indices whose output stream ``K3Output.features``
+        returns, followed by the final hidden state."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         if labels is not None:
@@ -184,14 +189,20 @@ class K3ForCausalLM(nn.Module):
 
         stream = self.embed(input_ids)
         entries: list[torch.Tensor] = []
+        features = []
         for index, block in enumerate(self.layers):
             state = cache.layers[index] if cache is not None else None
             stream, entries = block(stream, entries, state, cu_seqlens)
+            if index in features_at:
+                features.append(stream)
+        if len(features) != len(features_at) or list(features_at) != sorted(set(features_at)):
+            raise ValueError(f"features_at {features_at}: layer indices must be increasing and below "
+                             f"{len(self.layers)}")
         hidden = self.final_mix(entries + [stream]) if self.final_mix is not None else stream
         if cache is not None:
             cache.seq_len += input_ids.shape[1]
 
-        out = K3Output(hidden=hidden)
+        out = K3Output(hidden=hidden, features=features + [hidden] if features_at else None)
         if labels is None:
             if logits_at is not None:
                 picked = hidden.gather(1, logits_at.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))

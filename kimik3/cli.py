@@ -101,6 +101,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from kimik3.train.draft import DraftArgs, train_draft
+
+    check_device(args.device)
+    train_draft(DraftArgs(run=args.run, loss=args.loss, steps=args.steps, ttt=args.ttt, lr=args.lr, batch=args.batch,
+                          seq_len=args.seq_len, device=args.device, seed=args.seed, held_out=args.held_out,
+                          data=args.data, progress=not args.no_progress))
+    return 0
+
+
 def resolve_run(run: str | None) -> Path:
     """``run`` itself, or the newest run under ./runs that holds a saved model (what `kimik3 train` writes)."""
     if run is not None:
@@ -358,6 +368,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "block whole (full), the cheap ops between the matmuls and attention of every block "
                         "(selective), or every N-th block whole (every:N); default none")
     t.set_defaults(func=cmd_train)
+
+    d = sub.add_parser("train-draft", help="fine-tune a run's MTP module into its speculative-decoding draft "
+                       "(docs/speculative.md)")
+    d.add_argument("--run", required=True, help="run directory written by kimik3 train (the draft is saved there)")
+    d.add_argument("--loss", default="lk", choices=["lk", "kl"],
+                   help="lk: -log of the acceptance rate (K3's); kl: KL(target || draft)")
+    d.add_argument("--steps", type=int, default=300, help="training steps")
+    d.add_argument("--ttt", type=int, default=3, help="draft steps unrolled per chain (training-time test)")
+    d.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (warmup, then cosine)")
+    d.add_argument("--batch", type=int, default=8, help="sequences per step")
+    d.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    d.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")
+    d.add_argument("--seed", type=int, default=0, help="seeds the batches and the draft's training")
+    d.add_argument("--held-out", type=int, default=32,
+                   help="held-out sequences (the run's validation split) for the final acceptance figures")
+    d.add_argument("--data", help="corpus to train on (default: the one the run trained on, from its run.json)")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
+    d.set_defaults(func=cmd_train_draft)
 
     v = sub.add_parser("convert", help="rewrite a run's model in another layout (hf: the released checkpoint's)")
     v.add_argument("src", help="a run or model directory (either layout), or a sharded checkpoint of a run on "

@@ -1,0 +1,331 @@
+"""``kimik3 train-draft``: the run's MTP module fine-tuned into its speculative-decoding draft (seed section 8).
+
+Legend: B = batch, T = tokens, K = draft steps unrolled (``--ttt``).
+
+One run: the target (``K3ForCausalLM.from_pretrained``, frozen, eval) and its tokenizer -> the draft grown from
+its MTP module (``EagleDraft.from_mtp``) -> windows of the corpus the run trained on (its ``run.json``; the
+embedded stdlib corpus when it names none) -> per step, one target forward for the features and the soft targets,
+K draft steps unrolled (``kimik3.train.draft_ttt``), the mean of their ``lk`` or ``kl`` loss, AdamW on the draft
+alone (the embedding and the head stay the target's, frozen) -> the held-out acceptance per chain position ->
+``draft.safetensors`` + ``draft.json`` (``EagleDraft.save``), ``draft_metrics.jsonl`` and ``draft_loss.png`` in
+the run directory.
+
+The batch of step s is a pure function of (seed, s) (``loader.batch_at``), so two drafts trained with the same
+seed and steps, one per loss, see the same windows (``benchmarks/draft_lk_vs_kl.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kimik3.files import atomic_write, write_text_atomic
+from kimik3.model.draft import DRAFT_META, DRAFT_WEIGHTS, EagleDraft
+from kimik3.optim.schedule import cosine_lr
+from kimik3.train.draft_ttt import LOSSES, ChainMetrics, chain_metrics, target_pass, ttt_loss
+from kimik3.train.loader import batch_at, eval_windows
+
+DRAFT_METRICS = "draft_metrics.jsonl"
+DRAFT_PLOT = "draft_loss.png"
+CHARS_PER_TOKEN = 3   # below the byte-level BPE's ratio on code: what is encoded holds the tokens asked for
+
+
+@dataclass(slots=True)
+class DraftArgs:
+    """Everything that defines one draft training (``kimik3 train-draft``'s options)."""
+
+    run: str
+    loss: str = "lk"
+    steps: int = 300
+    ttt: int = 3                 # draft steps unrolled per chain
+    lr: float = 1e-3             # AdamW peak, linear warmup then cosine down to a tenth
+    batch: int = 8
+    seq_len: int = 128
+    device: str = "cpu"
+    seed: int = 0
+    held_out: int = 32           # held-out sequences of seq_len tokens for the final acceptance figures
+    data: str | None = None      # None: the corpus the run trained on (run.json), else the embedded stdlib one
+    weight_decay: float = 0.0
+    warmup_fraction: float = 0.05
+    grad_clip: float = 1.0
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"--loss must be one of {', '.join(sorted(LOSSES))}, got {self.loss!r}")
+        for name in ("steps", "ttt", "batch", "held_out"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if self.seq_len <= self.ttt:
+            raise ValueError(f"--seq-len ({self.seq_len}) must exceed --ttt ({self.ttt}): a chain of {self.ttt} "
+                             "steps needs that many tokens after its start")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+
+
+@dataclass(slots=True)
+class DraftData:
+    """Token streams for draft training and its held-out evaluation (the run's own train / validation split)."""
+
+    train_ids: np.ndarray
+    val_ids: np.ndarray
+    description: str
+
+
+@dataclass(slots=True)
+class DraftResult:
+    draft: EagleDraft
+    held_out: ChainMetrics
+    held_out_init: ChainMetrics        # the draft as grown from the MTP module, before training
+    history: list[dict[str, Any]] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------- inputs
+def check_run(run_dir: str | Path) -> Path:
+    """The run directory, after checking it holds what draft training reads (else FileNotFoundError naming it)."""
+    from kimik3.model.pretrained import has_weights
+
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"run directory {run} does not exist (train one with `kimik3 train`)")
+    missing = [name for name in ("config.json", "tokenizer.json") if not (run / name).is_file()]
+    if not has_weights(run):
+        missing.append("model.safetensors")
+    if missing:
+        raise FileNotFoundError(f"{run} is not a complete run: {', '.join(missing)} missing (a run written by "
+                                "`kimik3 train` holds config.json, model.safetensors and tokenizer.json)")
+    return run
+
+
+def load_target(run_dir: str | Path, device: str = "cpu") -> tuple[torch.nn.Module, Any]:
+    """(the run's model, frozen and in eval mode, fp32 weights; its tokenizer). ValueError when it has no MTP
+    module, before its weights are read."""
+    from kimik3.model.k3 import K3ForCausalLM
+    from kimik3.model.pretrained import read_config
+    from kimik3.tokenizer import load_tokenizer
+
+    run = check_run(run_dir)
+    config, _ = read_config(run)
+    if not config.mtp.num_modules:
+        raise ValueError(f"{run}: the model has no MTP module (mtp.num_modules = 0), which the draft is grown "
+                         "from: train the run with the MTP module on (every preset has one)")
+    tokenizer = load_tokenizer(run / "tokenizer.json")
+    model = K3ForCausalLM.from_pretrained(run, device=device, dtype=torch.float32).eval()
+    model.requires_grad_(False)
+    if tokenizer.get_vocab_size() > model.config.vocab_size:
+        raise ValueError(f"{run / 'tokenizer.json'}: vocabulary of {tokenizer.get_vocab_size()} exceeds the "
+                         f"model's {model.config.vocab_size}")
+    return model, tokenizer
+
+
+def run_data_path(run_dir: Path) -> str | None:
+    """The ``--data`` the run trained on (its ``run.json``), None for the embedded corpus or without the file."""
+    path = run_dir / "run.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())["args"].get("data")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{path}: unreadable run arguments ({err!r})") from None
+    return data if isinstance(data, str) else None
+
+
+def load_draft_data(run_dir: Path, tokenizer: Any, args: DraftArgs) -> DraftData:
+    """Encode as much of the corpus as the training and held-out windows need: training documents in a seeded
+    order, the held-out ones from the run's validation split (never trained on, by the run nor the draft)."""
+    from kimik3.train.data import load_corpus
+    from kimik3.train.tokenizer import encode_documents
+
+    data = args.data if args.data is not None else run_data_path(Path(run_dir))
+    corpus = load_corpus(data)
+    order = np.random.default_rng(args.seed).permutation(len(corpus.train))
+    train_docs = _enough([corpus.train[i] for i in order], args.steps * args.batch * (args.seq_len + 1))
+    val_docs = _enough(corpus.val, args.held_out * (args.seq_len + 1))
+    train_ids, val_ids = encode_documents(tokenizer, train_docs), encode_documents(tokenizer, val_docs)
+    for name, ids, need in (("training", train_ids, args.seq_len + 2),
+                            ("held-out", val_ids, args.held_out * args.seq_len + 1)):
+        if ids.shape[0] < need:
+            raise ValueError(f"{corpus.description}: the {name} split has {ids.shape[0]:,} tokens, fewer than the "
+                             f"{need:,} that --seq-len {args.seq_len} and --held-out {args.held_out} need")
+    return DraftData(train_ids, val_ids, f"{corpus.description}: {len(train_docs)} training documents "
+                                         f"({train_ids.shape[0]:,} tokens), {len(val_docs)} held-out")
+
+
+def _enough(docs: list, tokens: int) -> list:
+    """The first documents of ``docs`` that hold about ``tokens`` tokens (all of them if they hold fewer)."""
+    kept, chars = [], 0
+    for doc in docs:
+        if chars >= tokens * CHARS_PER_TOKEN:
+            break
+        kept.append(doc)
+        chars += len(doc.text)
+    return kept
+
+
+# ---------------------------------------------------------------------------------------------------- training
+def _autocast(device: torch.device) -> Callable[[], Any]:
+    if device.type == "cuda":
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return lambda: torch.autocast("cpu", enabled=False)
+
+
+def train_draft(args: DraftArgs, *, target: tuple[torch.nn.Module, Any] | None = None,
+                data: DraftData | None = None, save: bool = True,
+                log: Callable[[str], None] = print) -> DraftResult:
+    """Train a draft as ``args`` says and (``save``) write it into the run directory. ``target`` / ``data``: the
+    loaded model and tokenizer / token streams, to share them between several trainings (the benchmark)."""
+    args.validate()
+    run = check_run(args.run)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device} was asked for but torch sees no CUDA GPU")
+    if device.type == "cpu":
+        torch.set_flush_denormal(True)   # subnormal floats take a slow path on x86 (as in kimik3 train)
+    model, tokenizer = target if target is not None else load_target(run, args.device)
+    torch.manual_seed(args.seed)
+    draft = EagleDraft.from_mtp(model)
+    draft.train()
+    data = data if data is not None else load_draft_data(run, tokenizer, args)
+    log(f"draft: {sum(p.numel() for p in draft.parameters()):,} parameters grown from the MTP module of {run}, "
+        f"features of layers {list(draft.feature_layers)} + the final hidden state; data: {data.description}")
+    autocast = _autocast(device)
+    held_ids, _ = eval_windows(data.val_ids, args.seq_len, args.held_out)
+    held_ids = held_ids.to(device)
+    before = chain_metrics(model, draft, held_ids, args.ttt, args.batch, autocast)
+    log(f"held-out before training: {before.describe()}")
+
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    warmup = max(1, round(args.warmup_fraction * args.steps))
+    metrics_path = run / DRAFT_METRICS
+    history: list[dict[str, Any]] = []
+    started = time.monotonic()
+    if save:
+        write_text_atomic(metrics_path, "")   # this training's records only
+    progress = _progress(args.steps, args.progress)
+    try:
+        with open(metrics_path, "a") if save else _Discard() as metrics_file:
+            for step in range(args.steps):
+                record = _train_step(model, draft, optimizer, data.train_ids, step, args, warmup, autocast, device)
+                record["elapsed_s"] = time.monotonic() - started
+                history.append(record)
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+                progress.update(1)
+                progress.set_postfix({"loss": f"{record['loss']:.3f}",
+                                      "accept": "/".join(f"{x:.2f}" for x in record["acceptance"])}, refresh=False)
+                if not math.isfinite(record["loss"]):
+                    raise RuntimeError(f"draft training: non-finite loss at step {step}; try a lower --lr")
+    finally:
+        progress.close()
+    train_s = time.monotonic() - started
+    after = chain_metrics(model, draft, held_ids, args.ttt, args.batch, autocast)
+    log(f"held-out after {args.steps} steps ({args.loss} loss, {train_s:.0f} s): {after.describe()}")
+    tail = history[-10:]
+    meta = {"loss": args.loss, "steps": args.steps, "ttt": args.ttt, "lr": args.lr, "batch": args.batch,
+            "seq_len": args.seq_len, "seed": args.seed, "data": data.description,
+            "final_train_loss": round(float(np.mean([r["loss"] for r in tail])), 5), "train_time_s": round(train_s, 1),
+            "held_out": after.as_dict(), "held_out_init": before.as_dict()}
+    if save:
+        draft.save(run, meta)
+        plot = plot_draft(metrics_path, run / DRAFT_PLOT)
+        log(f"draft written to {run}/: {DRAFT_WEIGHTS} {DRAFT_META} {DRAFT_METRICS}"
+            + (f" {plot.name}" if plot is not None else ""))
+    return DraftResult(draft, after, before, history, meta)
+
+
+def _train_step(model, draft: EagleDraft, optimizer, stream: np.ndarray, step: int, args: DraftArgs,
+                warmup: int, autocast, device: torch.device) -> dict[str, Any]:
+    inputs, _ = batch_at(stream, step, args.seed, args.batch, args.seq_len)
+    inputs = inputs.to(device)
+    lr = cosine_lr(step, args.steps, args.lr, warmup)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    start = time.monotonic()
+    with autocast():
+        target = target_pass(model, draft, inputs)
+        loss, per_step, rates = ttt_loss(model, draft, target, inputs, args.ttt, args.loss)
+    record: dict[str, Any] = {"step": step, "loss": float(loss.detach()), "step_losses": per_step,
+                              "acceptance": rates, "lr": lr}
+    if math.isfinite(record["loss"]):
+        loss.backward()
+        record["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(draft.parameters(), args.grad_clip))
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    record["step_time_s"] = time.monotonic() - start
+    return record
+
+
+class _Discard:
+    """A metrics file that keeps nothing (a training that is not saved)."""
+
+    def __enter__(self) -> "_Discard":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def write(self, text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=not enabled, unit="step", dynamic_ncols=True, desc="draft")
+
+
+def plot_draft(metrics_path: Path, out_path: Path) -> Path | None:
+    """``draft_loss.png``: the TTT loss and each chain position's acceptance over the steps (atomically), or None
+    without matplotlib (the [plot] extra)."""
+    from kimik3.extras import MissingExtra, require
+    from kimik3.train.plot import _smooth
+
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    if not records:
+        return None
+    try:
+        require("plot", "the draft's loss plot", ("matplotlib",))
+    except MissingExtra as missing:
+        print(f"skipping {out_path.name}: {missing}")
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, (ax_loss, ax_rate) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    try:
+        ax_loss.plot(steps, [r["loss"] for r in records], color="tab:blue", alpha=0.25, lw=0.8)
+        ax_loss.plot(steps, _smooth([r["loss"] for r in records]), color="tab:blue", label="TTT loss (smoothed)")
+        ax_loss.set_ylabel("loss")
+        ax_loss.legend()
+        ax_loss.grid(alpha=0.3)
+        for k in range(len(records[0]["acceptance"])):
+            ax_rate.plot(steps, _smooth([r["acceptance"][k] for r in records]), label=f"position {k + 1}")
+        ax_rate.set_ylabel("training acceptance (smoothed)")
+        ax_rate.set_xlabel("step")
+        ax_rate.legend()
+        ax_rate.grid(alpha=0.3)
+        fig.tight_layout()
+        atomic_write(out_path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    finally:
+        plt.close(fig)
+    return out_path
+
+
+__all__ = ["DRAFT_METRICS", "DRAFT_PLOT", "DraftArgs", "DraftData", "DraftResult", "check_run", "load_draft_data",
+           "load_target", "plot_draft", "run_data_path", "train_draft"]

@@ -1,0 +1,205 @@
+"""Draft training (kimik3.train.draft, draft_ttt): the training-time-test attention against step-by-step
+decoding, training, its files and errors, and `kimik3 train-draft` end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from kimik3.config import K3Config
+from kimik3.model.cache import MLAState
+from kimik3.model.draft import DRAFT_META, DRAFT_WEIGHTS, EagleDraft
+from kimik3.model.k3 import K3ForCausalLM
+from kimik3.train.data import Document
+from kimik3.train.draft import DRAFT_METRICS, DraftArgs, DraftData, load_target, train_draft
+from kimik3.train.draft_ttt import ChainCache, ChainMetrics, chain_mask, target_pass, ttt_loss, unroll
+from kimik3.train.tokenizer import encode_documents, train_tokenizer
+from tests.train.small_run import small_config
+
+
+def _model(config: K3Config | None = None, seed: int = 0) -> K3ForCausalLM:
+    model = K3ForCausalLM(config or small_config(), device="cpu", dtype=torch.float32, seed=seed).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _random_draft(model: K3ForCausalLM, seed: int = 1) -> EagleDraft:
+    """A draft whose weights are all random (not the MTP copy with a pass-through fuse), so every input counts."""
+    draft = EagleDraft.from_mtp(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if param.ndim >= 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5)
+    return draft.eval()
+
+
+def test_chain_mask_shape():
+    mask = chain_mask(3, 3)
+    assert mask.shape == (3, 9)
+    assert mask[:, :3].equal(torch.ones(3, 3, dtype=torch.bool).tril())
+    assert mask[:, 3:6].equal(torch.eye(3, dtype=torch.bool)) and mask[:, 6:].equal(torch.eye(3, dtype=torch.bool))
+
+
+@torch.no_grad()
+def test_ttt_attention_matches_step_by_step_decoding():
+    """All chains unrolled at once through ChainCache == each chain decoded alone: its step-1 latents of the true
+    positions 0..t prefilled into a plain MLAState, then its own steps 2..K one token at a time."""
+    model = _model()
+    draft = _random_draft(model)
+    batch, length, steps, dim = 2, 9, 4, model.config.dim
+    generator = torch.Generator().manual_seed(2)
+    g = torch.randn(batch, length, dim, generator=generator)
+    embeds = [torch.randn(batch, length, dim, generator=generator) for _ in range(steps)]
+
+    cache, feature, outputs = ChainCache(), g, []
+    for k in range(steps):
+        feature, normed = draft(feature, embeds[k], cache)
+        outputs.append((feature, normed))
+
+    width = model.config.mla.cache_width
+    for t in range(length):
+        state = MLAState(torch.zeros(batch, length + steps, width))
+        a, n = draft(g[:, :t + 1], embeds[0][:, :t + 1], state)
+        torch.testing.assert_close(n[:, t], outputs[0][1][:, t], rtol=1e-4, atol=1e-5)
+        feature = a[:, t:t + 1]
+        for k in range(1, steps):
+            feature, n = draft(feature, embeds[k][:, t:t + 1], state)
+            torch.testing.assert_close(feature[:, 0], outputs[k][0][:, t], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(n[:, 0], outputs[k][1][:, t], rtol=1e-4, atol=1e-5)
+
+
+@torch.no_grad()
+def test_unroll_shifts_tokens_and_targets():
+    """unroll's step k at chain start t reads emb(x_{t+k}) and the draft's own step k-1 at t: the same logits as
+    decoding that chain alone from the target's features."""
+    model = _model()
+    draft = _random_draft(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(3))
+    target = target_pass(model, draft, ids)
+    chains = unroll(model, draft, target, ids, 3)
+    assert [tuple(c.shape[:2]) for c in chains] == [(2, 7), (2, 6), (2, 5)]
+    g = draft.fuse_features(target.features)
+    for t in range(5):
+        state = MLAState(torch.zeros(2, 16, model.config.mla.cache_width))
+        a, n = draft(g[:, :t + 1], model.embed(ids[:, 1:t + 2]), state)
+        torch.testing.assert_close(model.head(n[:, t]), chains[0][:, t], rtol=1e-4, atol=1e-5)
+        feature = a[:, t:t + 1]
+        for k in (2, 3):
+            feature, n = draft(feature, model.embed(ids[:, t + k:t + k + 1]), state)
+            torch.testing.assert_close(model.head(n[:, 0]), chains[k - 1][:, t], rtol=1e-4, atol=1e-5)
+
+
+def test_expected_accepted_tokens():
+    assert ChainMetrics.expected_accepted([0.5, 0.5, 0.5]) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert ChainMetrics([1.0, 1.0], [0.0, 1.0], 10).tau_greedy == 0.0
+
+
+@pytest.mark.parametrize("loss", ["lk", "kl"])
+def test_a_few_steps_reduce_the_loss(loss):
+    """Repeated steps on one batch lower the TTT loss; the target's weights (embedding and head included) stay
+    untouched and only the draft's get gradients."""
+    model = _model()
+    draft = EagleDraft.from_mtp(model)
+    draft.train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    head_before = model.head_weight.clone()
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-2)
+    target = target_pass(model, draft, ids)
+    losses = []
+    for _ in range(6):
+        total, per_step, rates = ttt_loss(model, draft, target, ids, 3, loss)
+        assert len(per_step) == len(rates) == 3 and all(0 <= r <= 1 for r in rates)
+        total.backward()
+        assert model.head_weight.grad is None and model.embed.weight.grad is None
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(total.detach()))
+    assert losses[-1] < losses[0] * 0.93
+    assert model.head_weight.equal(head_before)
+
+
+# ---------------------------------------------------------------------------------------------------- runs
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, code_corpus):
+    """A run directory as `kimik3 train` leaves it, made directly: the small model (tests/train/small_run.py),
+    config.json + model.safetensors, a tokenizer trained on the test corpus, run.json naming that corpus."""
+    run = tmp_path_factory.mktemp("runs") / "tiny"
+    model = _model()
+    model.save_pretrained(run)
+    docs = [Document(p.name, p.read_text()) for p in sorted(code_corpus.glob("*.py"))]
+    train_tokenizer(docs, model.config.vocab_size).save(str(run / "tokenizer.json"))
+    (run / "run.json").write_text(json.dumps({"args": {"data": str(code_corpus)}}))
+    return run
+
+
+def _args(run, **changes) -> DraftArgs:
+    base = {"run": str(run), "steps": 4, "ttt": 2, "batch": 2, "seq_len": 24, "held_out": 4, "progress": False}
+    base.update(changes)
+    return DraftArgs(**base)
+
+
+def test_train_draft_writes_a_loadable_draft(tiny_run):
+    lines: list[str] = []
+    result = train_draft(_args(tiny_run, loss="kl"), log=lines.append)
+    meta = json.loads((tiny_run / DRAFT_META).read_text())
+    assert meta["loss"] == "kl" and meta["steps"] == 4 and meta["ttt"] == 2 and meta["seed"] == 0
+    assert len(meta["held_out"]["acceptance"]) == 2 and meta["held_out"]["tau"] == pytest.approx(result.held_out.tau,
+                                                                                                 abs=1e-4)
+    assert len((tiny_run / DRAFT_METRICS).read_text().splitlines()) == 4
+    model, _ = load_target(tiny_run)
+    loaded = EagleDraft.load(tiny_run, model)
+    for name, tensor in result.draft.state_dict().items():
+        assert loaded.state_dict()[name].equal(tensor), name
+    assert any("held-out after 4 steps" in line for line in lines)
+
+
+def test_same_seed_same_batches_for_both_losses(tiny_run):
+    """The LK and KL drafts of one seed train on the same windows: their first step (before any update) agrees."""
+    model, tokenizer = load_target(tiny_run)
+    ids = encode_documents(tokenizer, [Document("a", "def f(x):\n    return x + 1\n" * 200)])
+    data = DraftData(ids, ids, "test")
+    lk = train_draft(_args(tiny_run, steps=2), target=(model, tokenizer), data=data, save=False, log=lambda _: None)
+    kl = train_draft(_args(tiny_run, steps=2, loss="kl"), target=(model, tokenizer), data=data, save=False,
+                     log=lambda _: None)
+    assert lk.history[0]["acceptance"] == pytest.approx(kl.history[0]["acceptance"])
+    assert lk.held_out_init.acceptance == pytest.approx(kl.held_out_init.acceptance)
+
+
+def test_errors_for_missing_files_and_no_mtp(tmp_path, tiny_run):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        train_draft(_args(tmp_path / "nowhere"))
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text((tiny_run / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="tokenizer.json, model.safetensors missing"):
+        train_draft(_args(partial))
+
+    no_mtp = tmp_path / "no-mtp"
+    config = dataclasses.replace(small_config(), mtp=dataclasses.replace(small_config().mtp, num_modules=0))
+    _model(config).save_pretrained(no_mtp)
+    (no_mtp / "tokenizer.json").write_text((tiny_run / "tokenizer.json").read_text())
+    with pytest.raises(ValueError, match="no MTP module"):
+        train_draft(_args(no_mtp))
+    with pytest.raises(ValueError, match="--seq-len"):
+        train_draft(_args(tiny_run, seq_len=3, ttt=3))
+    with pytest.raises(ValueError, match="--loss"):
+        train_draft(_args(tiny_run, loss="ce"))
+
+
+def test_cli_train_draft_end_to_end(tiny_run, capsys):
+    from kimik3.cli import main
+
+    code = main(["train-draft", "--run", str(tiny_run), "--steps", "3", "--ttt", "2", "--batch", "2",
+                 "--seq-len", "20", "--held-out", "3", "--seed", "1"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "held-out after 3 steps" in out.out
+    meta = json.loads((tiny_run / DRAFT_META).read_text())
+    assert meta["loss"] == "lk" and meta["seed"] == 1 and (tiny_run / DRAFT_WEIGHTS).is_file()
+
+    assert main(["train-draft", "--run", str(tiny_run / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -67,13 +67,11 @@ from kimik3.train.checkpoint import (
 )
 from kimik3.train.budget import FIRST_PLAN_MIN, FREEZE_FRACTION, PLOT_S, BudgetPlanner, StepCosts
 from kimik3.train.checkpoint_clock import DEFAULT_CHECKPOINT_EVERY, CheckpointClock, parse_checkpoint_every
-from kimik3.train.data import Corpus, load_corpus
 from kimik3.train.dcp_checkpoint import load_run_checkpoint, save_dcp_checkpoint
-from kimik3.train.loader import batch_at, eval_windows
 from kimik3.train.run_dir import METRICS_FILE, prepare_run_dir, resume_point, truncate_metrics
-from kimik3.train.tokenizer import encode_documents, tokenize_corpus
+from kimik3.train.source import CorpusSource, DataSource, unigram_loss
 
-SAMPLE_PROMPT = "def fibonacci(n):\n"
+SAMPLE_PROMPT = CorpusSource.sample_prompt
 
 __all__ = ["RunSummary", "TrainArgs", "Trainer", "TrainingError", "next_token_loss",
            "unigram_loss"]
@@ -95,13 +93,6 @@ class RunSummary:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
-def unigram_loss(train_ids: np.ndarray, val_ids: np.ndarray, vocab_size: int) -> float:
-    """Cross-entropy (nats/token) of the add-one unigram model of the train split on val."""
-    counts = np.bincount(train_ids, minlength=vocab_size).astype(np.float64) + 1.0
-    log_p = np.log(counts / counts.sum())
-    return float(-log_p[val_ids].mean())
-
-
 def routing_imbalance(routing: tuple[RoutingStats | None, ...]) -> float | None:
     """Mean over the routers that ran of max / mean expert load (this rank's tokens); None without routers."""
     values = []
@@ -118,13 +109,15 @@ class Trainer:
     ``parallel``: the parallel degrees of a distributed run (default: dp = world size); ``context``
     instead gives the ``ParallelContext`` itself (default: ``training_context``, which joins the
     process group torchrun describes, if any). ``activation_checkpointing``: a mode of
-    ``kimik3.parallel.activation_checkpoint`` ("none", "full", "selective", "every:N").
+    ``kimik3.parallel.activation_checkpoint`` ("none", "full", "selective", "every:N"). ``source``: the data
+    (default: ``--data`` as a pre-training corpus, ``CorpusSource``); supervised fine-tuning gives its own.
     """
 
     def __init__(self, args: TrainArgs, resume: str | Path | None = None,
                  model_factory: Callable[[K3Config, torch.device, int], torch.nn.Module] | None = None,
                  log: Callable[[str], None] = print, parallel: ParallelDims | None = None,
-                 activation_checkpointing: str | bool = "none", context: ParallelContext | None = None):
+                 activation_checkpointing: str | bool = "none", context: ParallelContext | None = None,
+                 source: DataSource | None = None):
         self.created = budget._now()   # a time budget counts from here: data, tokenizer and model included
         self.resume_dir = Path(resume) if resume is not None else None
         self.resume_checkpoint: Path | None = None  # None on resume: restart from step 0 (run.json)
@@ -156,12 +149,9 @@ class Trainer:
         self.total = args.steps or 0
 
         # Data first: a bad data path fails before any model is built.
-        self.corpus: Corpus = load_corpus(args.data)
-        with self.ctx.main_first():  # rank 0 trains (or finds) the cached tokenizer; the others read it
-            tokenized = tokenize_corpus(self.corpus, self.model_config.vocab_size)
-        self.tokenizer = tokenized.tokenizer
-        self.train_ids, self.val_ids = tokenized.train_ids, tokenized.val_ids
-        self.unigram = unigram_loss(self.train_ids, self.val_ids, self.model_config.vocab_size)
+        self.data: DataSource = source or CorpusSource.load(args.data, self.model_config.vocab_size, self.ctx)
+        self.tokenizer = self.data.tokenizer
+        self.unigram = self.data.unigram
 
         if self.device.type == "cpu":
             # Decayed KDA states and tiny gradients reach subnormal floats, on which x86 takes a
@@ -216,7 +206,7 @@ class Trainer:
             **({"optimizer": self.ctx.full_optimizer_state(self.optimizer)} if optimizer else {}),
             "torch_rng": torch.get_rng_state(),
             "nonfinite_total": self.nonfinite_total,
-            "corpus_fingerprint": self.corpus.fingerprint,
+            "corpus_fingerprint": self.data.fingerprint,
             # The number of steps (the schedule reads it) and, for a budgeted run, whether it may still
             # change, the budget used so far and the cost model: --resume continues with them.
             "plan": (self.planner.state(self.planner.used()) if self.planner is not None
@@ -237,7 +227,7 @@ class Trainer:
         self.ctx.barrier()
         step, state, tokenizer_json = load_run_checkpoint(self.run_dir, self.resume_checkpoint, self.model,
                                                           self.optimizer)
-        if state.get("corpus_fingerprint") != self.corpus.fingerprint:
+        if state.get("corpus_fingerprint") != self.data.fingerprint:
             raise CheckpointError(f"{self.run_dir / STATE_JSON_FILE}: the data changed since this run was "
                                   "checkpointed; resuming needs the same corpus")
         saved_tokenizer = load_tokenizer_from_json(tokenizer_json, self.run_dir / "tokenizer.json")
@@ -246,9 +236,8 @@ class Trainer:
                                   f"{saved_tokenizer.get_vocab_size()} exceeds the model's "
                                   f"{self.model_config.vocab_size}")
         if saved_tokenizer.to_str() != self.tokenizer.to_str():  # re-encode with the run's own tokenizer
+            self.data = self.data.with_tokenizer(saved_tokenizer)
             self.tokenizer = saved_tokenizer
-            self.train_ids = encode_documents(saved_tokenizer, self.corpus.train)
-            self.val_ids = encode_documents(saved_tokenizer, self.corpus.val)
         torch.set_rng_state(state["torch_rng"])
         self.nonfinite_total = int(state["nonfinite_total"])
         plan = state.get("plan")   # absent from older checkpoints: their args hold the planned --steps
@@ -275,7 +264,7 @@ class Trainer:
         batch, seq = self.batch_shape(step, total)
         # This rank's part of the global batch: together the ranks train on the very batch a single
         # process would, and the global loss is the single-process loss.
-        inputs, labels = self.ctx.shard_batch(*batch_at(self.train_ids, step, self.args.seed, batch, seq))
+        inputs, labels = self.ctx.shard_batch(*self.data.batch_at(step, self.args.seed, batch, seq))
         inputs, labels = inputs.to(self.device), labels.to(self.device)
         lr_scale = cosine_lr(step, total, 1.0, max(1, round(self.args.warmup_fraction * total)),
                              self.args.min_lr_ratio)
@@ -322,7 +311,7 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         seq = self.args.seq_len or self.stages[-1].seq_len
-        inputs, labels = eval_windows(self.val_ids, seq, self.args.eval_windows)
+        inputs, labels = self.data.eval_windows(seq, self.args.eval_windows)
         losses = []
         for start in range(0, inputs.shape[0], 4):
             # Every dp rank evaluates the same windows.
@@ -382,7 +371,7 @@ class Trainer:
 
         def fwd_bwd(seq: int) -> None:
             batch, seq = self.shape_for(seq)
-            inputs, labels = self.ctx.shard_batch(*batch_at(self.train_ids, 0, self.args.seed, batch, seq))
+            inputs, labels = self.ctx.shard_batch(*self.data.batch_at(0, self.args.seed, batch, seq))
             with self._autocast():
                 self.model(inputs.to(self.device), labels=labels.to(self.device)).loss.backward()
 
@@ -397,8 +386,8 @@ class Trainer:
                 by_seq[seq] = min(seconds, timed(lambda: fwd_bwd(seq)))
         self.model.zero_grad(set_to_none=True)
 
-        inputs, labels = eval_windows(self.val_ids, self.args.seq_len or self.stages[-1].seq_len,
-                                      self.args.eval_windows)
+        inputs, labels = self.data.eval_windows(self.args.seq_len or self.stages[-1].seq_len,
+                                                self.args.eval_windows)
         window, target = self.ctx.shard_sequence(inputs[:4], labels[:4])
 
         @torch.no_grad()
@@ -409,7 +398,7 @@ class Trainer:
             self.model.train()
 
         eval_s = timed(eval_batch) * math.ceil(inputs.shape[0] / 4)
-        sample_s = timed(lambda: self.sample(SAMPLE_PROMPT, max_new_tokens=4)) * 80 / 4
+        sample_s = timed(lambda: self.sample(self.data.sample_prompt, max_new_tokens=4)) * 80 / 4
         fwd_bwd_s = [by_seq[seq] for seq in seqs]
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         save_s = 0.1 + 3 * weights / 200e6   # weights and two optimizer moments at ~200 MB/s, until measured
@@ -447,9 +436,7 @@ class Trainer:
             if stop:
                 self.log(f"{line or ''}; train further with --resume {self.run_dir} --steps N")
                 self.total = self.planner.total = total = self.step
-        self.log(f"data: {self.corpus.description}: {len(self.corpus.train)} train / {len(self.corpus.val)} "
-                 f"val documents, {len(self.train_ids):,} / {len(self.val_ids):,} tokens; unigram val loss "
-                 f"{self.unigram:.3f}")
+        self.log(f"data: {self.data.describe()}; unigram val loss {self.unigram:.3f}")
         metrics_path = self.run_dir / METRICS_FILE
         history: list[dict[str, Any]] = []
         recent: deque[float] = deque(maxlen=10)   # next-token losses: the bar's, the summary's, the plot's smoothing
@@ -507,7 +494,7 @@ class Trainer:
 
         plot_path = (plot_run(metrics_path, self.run_dir / "loss.png", unigram=self.unigram)
                      if self.ctx.is_main else None)
-        sample = self.sample(SAMPLE_PROMPT)
+        sample = self.sample(self.data.sample_prompt)
         done = [r for r in history if not r["skipped"]]
         tokens_per_s = float(np.median([r["tokens_per_s"] for r in done])) if done else 0.0
         # The next-token loss (the optimised loss adds the weighted MTP term), comparable with val; the
@@ -516,7 +503,7 @@ class Trainer:
         if history:
             self.log(f"final train loss {final_loss:.3f} (next-token, last 10 steps), val loss {last_val:.3f} "
                      f"(unigram baseline {self.unigram:.3f}), {tokens_per_s:,.0f} tokens/s")
-        self.log(f"sample (temperature 0.8, prompt {SAMPLE_PROMPT!r}):\n{SAMPLE_PROMPT}{sample}")
+        self.log(f"sample (temperature 0.8, prompt {self.data.sample_prompt!r}):\n{self.data.sample_prompt}{sample}")
         if self.planner is not None:
             self.log(f"time: {self.planner.used():.0f} s of the {a.time_budget_s:.0f} s budget, {self.step} steps")
         weights = "model shards (dcp_index.json)" if self.dims.world > 1 else "model.safetensors"

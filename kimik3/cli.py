@@ -317,6 +317,53 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sft(args: argparse.Namespace) -> int:
+    from kimik3.posttrain.sft import run_sft
+
+    check_device(args.device)
+    if args.resume is not None and (args.run is not None or args.data is not None or args.out is not None):
+        raise ValueError("--resume continues an SFT run with its own base run and data: drop --run, --data, --out")
+    run = None if args.resume is not None else resolve_run(args.run)
+    run_sft(run, data=args.data, out=args.out, resume=args.resume, steps=args.steps, time_budget_s=args.time_budget,
+            seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device,
+            checkpoint_every=args.checkpoint_every, tasks_per_cell=args.tasks_per_cell,
+            progress=not args.no_progress)
+    return 0
+
+
+def cmd_eval_tasks(args: argparse.Namespace) -> int:
+    import json
+
+    from kimik3.files import write_text_atomic
+    from kimik3.posttrain.evaluate import DOMAINS, EFFORTS, evaluate, expand, load_engine
+
+    check_device(args.device)
+    domains, efforts = expand(args.domain, DOMAINS, "domain"), expand(args.effort, EFFORTS, "effort")
+    if args.n < 1:
+        raise ValueError(f"--n must be >= 1, got {args.n}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    run = resolve_run(args.run)
+    engine, encoder = load_engine(run, args.device)
+    records = []
+    try:
+        for domain in domains:
+            for effort in efforts:
+                result = evaluate(run, domain, effort, args.n, args.seed, args.temperature, args.max_tokens,
+                                  engine=engine, encoder=encoder, progress=not args.no_progress)
+                print(result.describe(), flush=True)
+                records += [{"domain": domain, "effort": effort, "key": r.task.key, "score": score,
+                             "tokens": r.tokens, "turns": r.turns} for r, score in zip(result.rollouts, result.scores)]
+    finally:
+        engine.close()
+    if args.out:
+        write_text_atomic(Path(args.out), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        print(f"completions and scores written to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kimik3", description="Kimi K3 in PyTorch: inspect, train, serve.",
                                      formatter_class=_Help)
@@ -374,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--run", required=True, help="run directory written by kimik3 train (the draft is saved there)")
     d.add_argument("--loss", default="lk", choices=["lk", "kl"],
                    help="lk: -log of the acceptance rate (K3's); kl: KL(target || draft)")
-    d.add_argument("--steps", type=int, default=300, help="training steps")
+    d.add_argument("--steps", type=int, default=200, help="training steps")
     d.add_argument("--ttt", type=int, default=3, help="draft steps unrolled per chain (training-time test)")
     d.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (warmup, then cosine)")
     d.add_argument("--batch", type=int, default=8, help="sequences per step")
@@ -455,6 +502,39 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--output", type=int, default=0, help="output tokens each turn")
     c.add_argument("--growing", action="store_true", help="the prefix grows by each turn's new + output tokens")
     c.set_defaults(func=cmd_cost)
+
+    f = sub.add_parser("sft", help="supervised fine-tuning of a run on chat data, loss on the assistant's tokens "
+                       "(docs/posttraining.md)")
+    f.add_argument("--run", help="the run to fine-tune (default: the newest under ./runs)")
+    f.add_argument("--data", help="JSONL of {\"messages\": [...]} conversations (default: reference solutions of "
+                   "the verifiable tasks, every domain and effort)")
+    f.add_argument("--out", help="the new run directory (default: <run>-sft; never overwritten: use --resume)")
+    f.add_argument("--resume", help="continue this SFT run (its base run and data are in its sft.json) up to --steps")
+    f.add_argument("--steps", type=int, help="total steps (default: as many as fit --time-budget)")
+    f.add_argument("--time-budget", type=float, default=180.0, help="seconds, when --steps is not given")
+    f.add_argument("--seq-len", type=int, default=512, help="tokens per packed row")
+    f.add_argument("--batch-size", type=int, default=8, help="rows per step")
+    f.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the cosine schedule")
+    f.add_argument("--seed", type=int, default=0, help="seeds the packing order, the sample and the task dataset")
+    f.add_argument("--tasks-per-cell", type=int, default=150,
+                   help="default dataset: train tasks per (domain, effort)")
+    f.add_argument("--checkpoint-every", metavar="N|DURATION", help="as for kimik3 train (default 60s)")
+    f.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")
+    f.add_argument("--no-progress", action="store_true", help="no progress bar")
+    f.set_defaults(func=cmd_sft)
+
+    e = sub.add_parser("eval-tasks", help="score a run on test tasks of the verifiable domains, with 95%% CIs")
+    e.add_argument("--run", help="run directory (default: the newest under ./runs)")
+    e.add_argument("--domain", default="all", help="general, agents, coding or all")
+    e.add_argument("--effort", default="all", help="low, high, max or all")
+    e.add_argument("--n", type=int, default=50, help="test tasks per (domain, effort)")
+    e.add_argument("--seed", type=int, default=0, help="which test tasks (and the sampling seed)")
+    e.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    e.add_argument("--max-tokens", type=int, help="tokens per turn (default: the effort's reasoning budget + 192)")
+    e.add_argument("--device", default="cpu", help="cpu or cuda")
+    e.add_argument("--out", help="write every completion and its score to this JSONL file")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e.set_defaults(func=cmd_eval_tasks)
     return parser
 
 

@@ -1,0 +1,2 @@
+"""Post-training: verifiable tasks (``tasks``), supervised fine-tuning (``sft``) and task evaluation
+(``evaluate``). See docs/posttraining.md."""

@@ -44,7 +44,7 @@ class DraftArgs:
 
     run: str
     loss: str = "lk"
-    steps: int = 300
+    steps: int = 200
     ttt: int = 3                 # draft steps unrolled per chain
     lr: float = 1e-3             # AdamW peak, linear warmup then cosine down to a tenth
     batch: int = 8

@@ -162,9 +162,10 @@ def test_same_seed_same_batches_for_both_losses(tiny_run):
     model, tokenizer = load_target(tiny_run)
     ids = encode_documents(tokenizer, [Document("a", "def f(x):\n    return x + 1\n" * 200)])
     data = DraftData(ids, ids, "test")
-    lk = train_draft(_args(tiny_run, steps=2), target=(model, tokenizer), data=data, save=False, log=lambda _: None)
-    kl = train_draft(_args(tiny_run, steps=2, loss="kl"), target=(model, tokenizer), data=data, save=False,
+    lk = train_draft(_args(tiny_run, steps=1, held_out=2), target=(model, tokenizer), data=data, save=False,
                      log=lambda _: None)
+    kl = train_draft(_args(tiny_run, steps=1, held_out=2, loss="kl"), target=(model, tokenizer), data=data,
+                     save=False, log=lambda _: None)
     assert lk.history[0]["acceptance"] == pytest.approx(kl.history[0]["acceptance"])
     assert lk.held_out_init.acceptance == pytest.approx(kl.held_out_init.acceptance)
 

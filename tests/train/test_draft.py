@@ -4,6 +4,7 @@ decoding, training, its files and errors, and `kimik3 train-draft` end to end.""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 
 import pytest
@@ -14,7 +15,7 @@ from kimik3.model.cache import MLAState
 from kimik3.model.draft import DRAFT_META, DRAFT_WEIGHTS, EagleDraft
 from kimik3.model.k3 import K3ForCausalLM
 from kimik3.train.data import Document
-from kimik3.train.draft import DRAFT_METRICS, DraftArgs, DraftData, load_target, train_draft
+from kimik3.train.draft import DRAFT_METRICS, DRAFT_PLOT, DraftArgs, DraftData, load_target, train_draft
 from kimik3.train.draft_ttt import ChainCache, ChainMetrics, chain_mask, target_pass, ttt_loss, unroll
 from kimik3.train.tokenizer import encode_documents, train_tokenizer
 from tests.train.small_run import small_config
@@ -93,6 +94,17 @@ def test_unroll_shifts_tokens_and_targets():
             torch.testing.assert_close(model.head(n[:, 0]), chains[k - 1][:, t], rtol=1e-4, atol=1e-5)
 
 
+@torch.no_grad()
+def test_untrained_first_step_is_the_mtp_module():
+    """A draft fresh from ``from_mtp`` predicts at step 1 what the model's MTP module predicts."""
+    model = _model()
+    draft = EagleDraft.from_mtp(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(5))
+    target = target_pass(model, draft, ids)
+    expected = model.head(model.mtp(target.features[-1][:, :-1], model.embed(ids[:, 1:])))
+    torch.testing.assert_close(unroll(model, draft, target, ids, 1)[0], expected, rtol=1e-4, atol=1e-5)
+
+
 def test_expected_accepted_tokens():
     assert ChainMetrics.expected_accepted([0.5, 0.5, 0.5]) == pytest.approx(0.5 + 0.25 + 0.125)
     assert ChainMetrics([1.0, 1.0], [0.0, 1.0], 10).tau_greedy == 0.0
@@ -137,24 +149,25 @@ def tiny_run(tmp_path_factory, code_corpus):
 
 
 def _args(run, **changes) -> DraftArgs:
-    base = {"run": str(run), "steps": 4, "ttt": 2, "batch": 2, "seq_len": 24, "held_out": 4, "progress": False}
+    base = {"run": str(run), "steps": 3, "ttt": 2, "batch": 2, "seq_len": 24, "held_out": 2, "progress": False}
     base.update(changes)
     return DraftArgs(**base)
 
 
-def test_train_draft_writes_a_loadable_draft(tiny_run):
+def test_train_draft_writes_a_loadable_draft(tiny_run, monkeypatch):
+    monkeypatch.setattr("kimik3.train.draft.plot_draft", lambda *_: None)   # drawn in the CLI test
     lines: list[str] = []
     result = train_draft(_args(tiny_run, loss="kl"), log=lines.append)
     meta = json.loads((tiny_run / DRAFT_META).read_text())
-    assert meta["loss"] == "kl" and meta["steps"] == 4 and meta["ttt"] == 2 and meta["seed"] == 0
+    assert meta["loss"] == "kl" and meta["steps"] == 3 and meta["ttt"] == 2 and meta["seed"] == 0
     assert len(meta["held_out"]["acceptance"]) == 2 and meta["held_out"]["tau"] == pytest.approx(result.held_out.tau,
                                                                                                  abs=1e-4)
-    assert len((tiny_run / DRAFT_METRICS).read_text().splitlines()) == 4
+    assert len((tiny_run / DRAFT_METRICS).read_text().splitlines()) == 3
     model, _ = load_target(tiny_run)
     loaded = EagleDraft.load(tiny_run, model)
     for name, tensor in result.draft.state_dict().items():
         assert loaded.state_dict()[name].equal(tensor), name
-    assert any("held-out after 4 steps" in line for line in lines)
+    assert any("held-out after 3 steps" in line for line in lines)
 
 
 def test_same_seed_same_batches_for_both_losses(tiny_run):
@@ -162,9 +175,9 @@ def test_same_seed_same_batches_for_both_losses(tiny_run):
     model, tokenizer = load_target(tiny_run)
     ids = encode_documents(tokenizer, [Document("a", "def f(x):\n    return x + 1\n" * 200)])
     data = DraftData(ids, ids, "test")
-    lk = train_draft(_args(tiny_run, steps=1, held_out=2), target=(model, tokenizer), data=data, save=False,
+    lk = train_draft(_args(tiny_run, steps=1), target=(model, tokenizer), data=data, save=False,
                      log=lambda _: None)
-    kl = train_draft(_args(tiny_run, steps=1, held_out=2, loss="kl"), target=(model, tokenizer), data=data,
+    kl = train_draft(_args(tiny_run, steps=1, loss="kl"), target=(model, tokenizer), data=data,
                      save=False, log=lambda _: None)
     assert lk.history[0]["acceptance"] == pytest.approx(kl.history[0]["acceptance"])
     assert lk.held_out_init.acceptance == pytest.approx(kl.held_out_init.acceptance)
@@ -195,12 +208,15 @@ def test_cli_train_draft_end_to_end(tiny_run, capsys):
     from kimik3.cli import main
 
     code = main(["train-draft", "--run", str(tiny_run), "--steps", "3", "--ttt", "2", "--batch", "2",
-                 "--seq-len", "20", "--held-out", "3", "--seed", "1"])
+                 "--seq-len", "20", "--held-out", "2", "--seed", "1", "--no-progress"])
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "held-out after 3 steps" in out.out
     meta = json.loads((tiny_run / DRAFT_META).read_text())
     assert meta["loss"] == "lk" and meta["seed"] == 1 and (tiny_run / DRAFT_WEIGHTS).is_file()
+    assert len((tiny_run / DRAFT_METRICS).read_text().splitlines()) == 3
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tiny_run / DRAFT_PLOT).is_file()
 
     assert main(["train-draft", "--run", str(tiny_run / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -13,7 +13,8 @@ learns to stop), not the assistant header, which is the generation prompt the se
 
 **Packing.** Conversations, each followed by EOS (which pre-training put between documents), are
 packed first-fit into rows of ``seq_len + 1`` tokens, in a seeded order per epoch; what is left of a
-row is EOS padding without loss. A conversation longer than a row is cut to it. The batch of step s
+row is EOS padding without loss. A conversation longer than a row is cut to it
+(dropped when that leaves no assistant token). The batch of step s
 is rows ``s*B .. s*B+B-1`` of the epochs' concatenation: a pure function of (seed, s), so resuming is
 exact. Conversations packed in one row can attend to each other across the EOS, as documents do in
 pre-training windows.
@@ -161,6 +162,16 @@ def pack(lengths: Sequence[int], order: Sequence[int], row: int, open_rows: int 
     return rows
 
 
+def _fitting(encoded: _Encoded, row: int) -> list[int]:
+    """The conversations that keep an assistant token within a row of ``row`` tokens (a longer one is cut to
+    the row; one cut before its first reply teaches nothing, and a row without a loss token would make a
+    step's loss 0/0)."""
+    kept = [i for i, mask in enumerate(encoded.masks) if mask[:row].any()]
+    if not kept:
+        raise ValueError(f"no conversation has an assistant token within {row - 1} tokens: raise --seq-len")
+    return kept
+
+
 def _rows(encoded: _Encoded, groups: list[list[int]], row: int, eos: int) -> tuple[np.ndarray, np.ndarray]:
     """The packed rows as (ids [R, row], mask [R, row]), EOS-padded without loss."""
     ids = np.full((len(groups), row), eos, dtype=np.int64)
@@ -217,7 +228,7 @@ class SFTSource:
         """The packing of ``epoch``: each row's conversation indices (cached: a few ints per conversation)."""
         key = (seed, epoch, row)
         if key not in self._packed:
-            order = list(range(len(self.train)))
+            order = _fitting(self.encoded_train, row)
             random.Random(f"kimik3-sft|{seed}|{epoch}").shuffle(order)
             self._packed[key] = pack([len(i) for i in self.encoded_train.ids], order, row)
         return self._packed[key]
@@ -236,7 +247,7 @@ class SFTSource:
         return _inputs_labels(*_rows(self.encoded_train, groups, row, self.encoder.eos))
 
     def eval_windows(self, seq_len: int, max_windows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        groups = pack([len(i) for i in self.encoded_val.ids], range(len(self.val)), seq_len + 1)
+        groups = pack([len(i) for i in self.encoded_val.ids], _fitting(self.encoded_val, seq_len + 1), seq_len + 1)
         ids, mask = _rows(self.encoded_val, groups[:max_windows], seq_len + 1, self.encoder.eos)
         return _inputs_labels(ids, mask)
 
@@ -304,9 +315,9 @@ def run_sft(run: str | Path | None = None, *, data: str | None = None, out: str 
             resume: str | Path | None = None, steps: int | None = None, time_budget_s: float = 180.0,
             seq_len: int = 512, batch_size: int = 8, lr: float = 2e-3, seed: int = 0, device: str = "cpu",
             checkpoint_every: str | None = None, tasks_per_cell: int = TASKS_PER_CELL, progress: bool = True,
-            log: Callable[[str], None] = print):
+            log: Callable[[str], None] = print, on_step: Callable[[dict[str, Any]], None] | None = None):
     """Fine-tune ``run``'s model (new run ``out``, default ``<run>-sft``), or continue the SFT run ``resume``.
-    Returns the Trainer's ``RunSummary``."""
+    Returns the Trainer's ``RunSummary``; ``on_step`` sees each step's record."""
     from kimik3.config.schema import K3Config
     from kimik3.model.k3 import K3ForCausalLM
     from kimik3.model.pretrained import has_weights
@@ -345,7 +356,7 @@ def run_sft(run: str | Path | None = None, *, data: str | None = None, out: str 
     if resume is None:
         spec.write(trainer.run_dir)
         log(f"fine-tuning {base} into {trainer.run_dir}")
-    return trainer.run()
+    return trainer.run(on_step)
 
 
 __all__ = ["ConversationEncoder", "SFTSource", "SFTSpec", "build_source", "pack", "read_conversations",

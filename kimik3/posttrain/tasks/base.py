@@ -27,7 +27,7 @@ from typing import Any
 
 DOMAINS = ("general", "agents", "coding")
 EFFORTS = ("low", "high", "max")
-EFFORT_BUDGETS = {"low": 32, "high": 256, "max": 1024}   # reasoning tokens allowed in <think>
+EFFORT_BUDGETS = {"low": 64, "high": 256, "max": 1024}   # reasoning tokens allowed in <think>
 SPLITS = ("train", "test")
 TEST_SHARE = 5            # one problem key in TEST_SHARE is a test problem
 MAX_COMPLETION_CHARS = 100_000   # a verifier reads no further (garbage can be arbitrarily long)

@@ -65,12 +65,13 @@ def extract_code(completion: str) -> str:
 
 
 def run_tests(code: str, function: str, tests: list[tuple[list[Any], Any]], sandbox: Sandbox | None = None,
-              timeout_s: float = TIMEOUT_S) -> tuple[int, int]:
-    """(tests passed, tests run) of ``code``'s ``function``; (0, n) when the code fails to run or times out."""
+              timeout_s: float | None = None) -> tuple[int, int]:
+    """(tests passed, tests run) of ``code``'s ``function``; (0, n) when the code fails to run or times out
+    (``timeout_s``, default ``TIMEOUT_S``, for all the tests together)."""
     nonce = secrets.token_hex(16)
     spec = {"nonce": nonce, "code": code, "function": function,
             "tests": [[list(args), json.dumps(expected, sort_keys=True)] for args, expected in tests]}
-    result = (sandbox or default_sandbox()).run(HARNESS, json.dumps(spec), timeout_s)
+    result = (sandbox or default_sandbox()).run(HARNESS, json.dumps(spec), timeout_s or TIMEOUT_S)
     if result.timed_out:
         return 0, len(tests)
     for line in result.stdout.splitlines():

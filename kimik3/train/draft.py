@@ -35,6 +35,8 @@ from kimik3.train.loader import batch_at, eval_windows
 
 DRAFT_METRICS = "draft_metrics.jsonl"
 DRAFT_PLOT = "draft_loss.png"
+HELD_OUT_SPREAD = 100  # held-out tokens encoded per token evaluated (the whole split of the stdlib corpus)
+TRAIN_SPREAD = 2       # training tokens encoded per token the steps read (random windows: fewer repeats)
 CHARS_PER_TOKEN = 3   # below the byte-level BPE's ratio on code: what is encoded holds the tokens asked for
 
 
@@ -149,8 +151,10 @@ def load_draft_data(run_dir: Path, tokenizer: Any, args: DraftArgs) -> DraftData
     data = args.data if args.data is not None else run_data_path(Path(run_dir))
     corpus = load_corpus(data)
     order = np.random.default_rng(args.seed).permutation(len(corpus.train))
-    train_docs = _enough([corpus.train[i] for i in order], args.steps * args.batch * (args.seq_len + 1))
-    val_docs = _enough(corpus.val, args.held_out * (args.seq_len + 1))
+    train_docs = _enough([corpus.train[i] for i in order], TRAIN_SPREAD * args.steps * args.batch * (args.seq_len + 1))
+    # The held-out windows are spread evenly over the encoded split: encode enough of it that they come from many
+    # documents, not from the first one.
+    val_docs = _enough(corpus.val, HELD_OUT_SPREAD * args.held_out * (args.seq_len + 1))
     train_ids, val_ids = encode_documents(tokenizer, train_docs), encode_documents(tokenizer, val_docs)
     for name, ids, need in (("training", train_ids, args.seq_len + 2),
                             ("held-out", val_ids, args.held_out * args.seq_len + 1)):

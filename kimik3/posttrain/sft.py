@@ -215,7 +215,8 @@ class SFTSource:
         val_targets = np.concatenate([i[m] for i, m in zip(self.encoded_val.ids, self.encoded_val.masks)])
         self.unigram = unigram_loss(targets, val_targets, vocab_size)
         self.assistant_tokens = int(len(targets))
-        self.sample_messages = sample_messages or [m for m in self.val[0] if m["role"] != "assistant"][:2]
+        first_reply = next(i for i, m in enumerate(self.val[0]) if m["role"] == "assistant")
+        self.sample_messages = sample_messages or self.val[0][:first_reply] or [{"role": "user", "content": "Hi"}]
         self.sample_prompt = self.encoder.chat.template.render_text(self.sample_messages, add_generation_prompt=True)
         self._packed: dict[tuple[int, int, int], list[list[int]]] = {}
 

@@ -331,6 +331,22 @@ def cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rl(args: argparse.Namespace) -> int:
+    from kimik3.posttrain.rl import run_rl
+
+    check_device(args.device)
+    if args.resume is not None and (args.run is not None or args.out is not None):
+        raise ValueError("--resume continues an RL run with its own base run and settings: drop --run and --out")
+    run = None if args.resume is not None else resolve_run(args.run)
+    run_rl(run, domain=args.domain, effort=args.effort, difficulty=args.difficulty, iterations=args.iterations,
+           group=args.group, prompts=args.prompts, lr=args.lr, kl_coef=args.kl_coef, clip=args.clip,
+           minibatches=args.minibatches, micro_batch=args.micro_batch, max_tokens=args.max_tokens, out=args.out,
+           resume=args.resume,
+           seed=args.seed, device=args.device, checkpoint_every=args.checkpoint_every, eval_n=args.eval_n,
+           progress=not args.no_progress)
+    return 0
+
+
 def cmd_eval_tasks(args: argparse.Namespace) -> int:
     import json
 
@@ -535,6 +551,33 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", help="write every completion and its score to this JSONL file")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(func=cmd_eval_tasks)
+
+    r = sub.add_parser("rl", help="on-policy RL with verifiable rewards on one (domain, effort), rollouts on the "
+                       "serving engine (docs/posttraining.md)")
+    r.add_argument("--run", help="the run to improve, e.g. an SFT run (default: the newest under ./runs)")
+    r.add_argument("--domain", default="general", help="general, agents or coding")
+    r.add_argument("--effort", default="low", help="low, high or max")
+    r.add_argument("--difficulty", default="standard",
+                   help="standard, or easy (general only: single-digit addition and subtraction)")
+    r.add_argument("--iterations", type=int, default=20, help="total iterations (rollouts + update)")
+    r.add_argument("--group", type=int, default=8, help="completions per prompt (the advantage's group)")
+    r.add_argument("--prompts", type=int, default=8, help="train prompts per iteration")
+    r.add_argument("--lr", type=float, default=2e-4, help="constant learning rate")
+    r.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the starting model (0: off)")
+    r.add_argument("--clip", type=float, default=0.2, help="PPO clip of the importance ratio")
+    r.add_argument("--minibatches", type=int, default=2, help="optimizer steps per iteration")
+    r.add_argument("--micro-batch", type=int, default=16, help="rows per forward (gradients accumulate)")
+    r.add_argument("--max-tokens", type=int, help="tokens per turn (default: the effort's reasoning budget + 192)")
+    r.add_argument("--eval-n", type=int, default=0,
+                   help="greedy test accuracy on this many test tasks before the first iteration and after the last")
+    r.add_argument("--out", help="the new run directory (default: <run>-rl-<domain>-<effort>; use --resume)")
+    r.add_argument("--resume", help="continue this RL run (its base run and settings are in its rl.json) up to "
+                   "--iterations")
+    r.add_argument("--seed", type=int, default=0, help="seeds the prompts and the sampling")
+    r.add_argument("--checkpoint-every", metavar="N|DURATION", help="as for kimik3 train (default 60s)")
+    r.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast in updates)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.set_defaults(func=cmd_rl)
     return parser
 
 

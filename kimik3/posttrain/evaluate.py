@@ -29,6 +29,11 @@ class Rollout:
     turns: list[str] = field(default_factory=list)     # the assistant's turns
     tokens: int = 0                                     # completion tokens over all turns
     finish: str | None = None                           # the last turn's finish reason
+    # Per turn, what RL trains on: the prompt ids the engine saw, the tokens it sampled (with the stop token
+    # that ended the turn, if one did) and, when asked for, each sampled token's log-probability.
+    prompt_ids: list[list[int]] = field(default_factory=list, repr=False)
+    token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    logprobs: list[list[float]] = field(default_factory=list, repr=False)
 
     @property
     def completion(self) -> str:
@@ -78,17 +83,20 @@ def confidence_interval(scores: Sequence[float], z: float = 1.96) -> tuple[float
 
 
 def sampling_for(effort: str, temperature: float, seed: int | None, encoder: ChatEncoder,
-                 max_tokens: int | None = None) -> Any:
+                 max_tokens: int | None = None, logprobs: bool = False) -> Any:
     from kimik3.serve.types import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens or EFFORT_BUDGETS[effort] + ANSWER_TOKENS, temperature=temperature,
                           seed=seed, stop_token_ids=list(encoder.stop_token_ids),
-                          stop=[encoder.stop] if encoder.stop and not encoder.stop_token_ids else [])
+                          stop=[encoder.stop] if encoder.stop and not encoder.stop_token_ids else [],
+                          logprobs=0 if logprobs else None)
 
 
 def generate_completions(engine: Any, encoder: ChatEncoder, tasks: Sequence[Task], temperature: float = 0.0,
-                         seed: int = 0, max_tokens: int | None = None, progress: bool = False) -> list[Rollout]:
-    """Roll every task out on ``engine`` (an ``LLMEngine``), all at once; multi-turn tasks turn by turn."""
+                         seed: int = 0, max_tokens: int | None = None, progress: bool = False,
+                         logprobs: bool = False) -> list[Rollout]:
+    """Roll every task out on ``engine`` (an ``LLMEngine``), all at once; multi-turn tasks turn by turn.
+    ``logprobs``: record each sampled token's log-probability (``Rollout.logprobs``; RL's behaviour policy)."""
     from tqdm import tqdm
 
     from kimik3.serve.types import GenerationRequest
@@ -101,18 +109,22 @@ def generate_completions(engine: Any, encoder: ChatEncoder, tasks: Sequence[Task
     while active:
         events: queue.Queue = queue.Queue()
         ids: dict[str, list[int]] = {}
+        lps: dict[str, list[float]] = {}
         for i in active:
             prompt_ids, hints = encoder.encode(conversations[i])
             params = sampling_for(tasks[i].effort, temperature, None if temperature == 0 else seed + 7919 * i + turn,
-                                  encoder, max_tokens)
+                                  encoder, max_tokens, logprobs)
             request_id = f"task-{i}-turn-{turn}"
-            ids[request_id] = []
+            ids[request_id], lps[request_id] = [], []
+            rollouts[i].prompt_ids.append(list(prompt_ids))
             engine.submit(GenerationRequest(request_id, prompt_ids, params, boundary_hints=hints), events.put)
         finished: dict[int, str] = {}
         while len(finished) < len(active):
             event = events.get()
             if event.token_id is not None:
                 ids[event.request_id].append(event.token_id)
+                if event.logprob is not None:
+                    lps[event.request_id].append(event.logprob)
             if event.finished:
                 i = int(event.request_id.split("-")[1])
                 if event.error:
@@ -124,6 +136,8 @@ def generate_completions(engine: Any, encoder: ChatEncoder, tasks: Sequence[Task
             text = engine.tokenizer.decode(generated)
             rollout = rollouts[i]
             rollout.turns.append(text)
+            rollout.token_ids.append(generated)
+            rollout.logprobs.append(lps[f"task-{i}-turn-{turn}"])
             rollout.tokens += len(generated)
             rollout.finish = finished[i]
             reply = rollout.task.reply(rollout.turns)

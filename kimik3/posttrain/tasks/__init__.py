@@ -18,9 +18,15 @@ from kimik3.posttrain.tasks.general import general_tasks
 _GENERATORS = {"general": general_tasks, "agents": agent_tasks, "coding": coding_tasks}
 
 
-def make_tasks(domain: str, split: str, n: int, seed: int = 0, effort: str = "high") -> list[Task]:
-    """``n`` distinct ``split`` tasks of ``domain`` at ``effort``, a pure function of the arguments."""
+def make_tasks(domain: str, split: str, n: int, seed: int = 0, effort: str = "high",
+               difficulty: str = "standard") -> list[Task]:
+    """``n`` distinct ``split`` tasks of ``domain`` at ``effort``, a pure function of the arguments.
+    ``difficulty``: ``standard``, or ``easy`` (general only: single-digit addition and subtraction)."""
     check_domain_effort(domain, effort)
+    if difficulty != "standard":
+        if domain != "general":
+            raise ValueError(f"--difficulty {difficulty} exists for the general domain only (got {domain})")
+        return _GENERATORS[domain](split, n, seed, effort, difficulty)
     return _GENERATORS[domain](split, n, seed, effort)
 
 

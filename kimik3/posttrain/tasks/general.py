@@ -127,5 +127,21 @@ def _make(rng: random.Random) -> tuple[str, Builder]:
     return _arithmetic(rng) if rng.random() < 0.5 else _word(rng)
 
 
-def general_tasks(split: str, n: int, seed: int = 0, effort: str = "high") -> list[Task]:
-    return generate("general", _make, split, n, seed, effort)
+def _easy(rng: random.Random) -> tuple[str, Builder]:
+    """``difficulty="easy"``: single-digit addition or subtraction (200 problems, 40 of them test): a level a
+    tiny model can learn by RL within minutes, where the standard problems stay out of its reach."""
+    a, b, op = rng.randint(0, 9), rng.randint(0, 9), rng.choice("+-")
+    answer = a + b if op == "+" else a - b
+    line = f"{a} {op} {b} = {answer}"
+    reasoning = {"low": line, "high": line, "max": line + "\n" + _check(a, op, b, answer)}
+    key = f"general|easy|{a}{op}{b}"
+    return key, _builder(key, f"Compute {a} {op} {b}.", answer, reasoning)
+
+
+DIFFICULTIES = {"standard": _make, "easy": _easy}
+
+
+def general_tasks(split: str, n: int, seed: int = 0, effort: str = "high", difficulty: str = "standard") -> list[Task]:
+    if difficulty not in DIFFICULTIES:
+        raise ValueError(f"unknown difficulty {difficulty!r}: choose one of {', '.join(DIFFICULTIES)}")
+    return generate("general", DIFFICULTIES[difficulty], split, n, seed, effort)

@@ -1,0 +1,134 @@
+"""The RL objective: group-normalised advantages and the clipped policy-gradient loss over completion tokens.
+
+Legend: N = rows (one per assistant turn of a rollout), T = tokens of a row, V = vocabulary.
+
+**Advantages** (``group_advantages``): the G completions of one prompt form a group; a completion's advantage
+is its reward minus the group's mean, over the group's standard deviation + eps. A group whose rewards are all
+equal (all solved, or none) has no signal: its advantages are exactly 0 and it contributes nothing.
+
+**Loss** (``clipped_policy_loss``), per completion token t with advantage A (its rollout's), the rollout's
+log-probability ``old`` (the behaviour policy: the engine's, with the weights of this iteration) and the trained
+policy's ``new``::
+
+    ratio_t = exp(new_t - old_t)
+    loss_t  = -min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps) * A)  [+ kl_coef * KL_t]
+
+with ``KL_t = exp(ref_t - new_t) - (ref_t - new_t) - 1`` (the non-negative "k3" estimator of KL(new || ref))
+to the reference model when ``kl_coef > 0``. The loss is the mean over the completion tokens of the batch (each
+token weighs the same, whatever its completion's length); prompt and tool-result tokens take no loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+EPS = 1e-6
+
+
+def group_advantages(rewards: Sequence[float], group: int, eps: float = EPS) -> list[float]:
+    """Advantages of rewards laid out as consecutive groups of ``group`` (the completions of one prompt)."""
+    if group < 1 or len(rewards) % group:
+        raise ValueError(f"{len(rewards)} rewards do not split into groups of {group}")
+    out: list[float] = []
+    for start in range(0, len(rewards), group):
+        r = torch.tensor(rewards[start:start + group], dtype=torch.float64)
+        centred = r - r.mean()
+        std = r.std(unbiased=False)
+        if float(std) == 0.0:     # every completion scored the same: no signal, exactly zero
+            out += [0.0] * group
+        else:
+            out += (centred / (std + eps)).tolist()
+    return out
+
+
+@dataclass(slots=True)
+class Batch:
+    """Training rows, right-padded: ``input_ids`` [N, T] (the prompt then the completion), ``targets`` [N, T]
+    (token t + 1, what position t predicts), ``mask`` [N, T] (True where ``targets`` is a completion token),
+    ``old`` [N, T] (the rollout's log-probability of each target), ``advantages`` [N]."""
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor
+    old: torch.Tensor
+    advantages: torch.Tensor
+
+    def rows(self, index: slice) -> "Batch":
+        cut = int(self.mask[index].any(0).nonzero().max()) + 1 if bool(self.mask[index].any()) else 1
+        return Batch(self.input_ids[index, :cut], self.targets[index, :cut], self.mask[index, :cut],
+                     self.old[index, :cut], self.advantages[index])
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(*(t.to(device) for t in (self.input_ids, self.targets, self.mask, self.old, self.advantages)))
+
+
+def make_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+               logprobs: Sequence[Sequence[float]], advantages: Sequence[float], pad_id: int = 0) -> Batch:
+    """Rows of (prompt, completion) token ids with the completion's rollout log-probabilities (one per token)."""
+    if not (len(prompts) == len(completions) == len(logprobs) == len(advantages)):
+        raise ValueError("prompts, completions, logprobs and advantages must have one entry per row")
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1
+    n = len(prompts)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    targets = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.bool)
+    old = torch.zeros((n, width), dtype=torch.float32)
+    for i, (prompt, completion, lps) in enumerate(zip(prompts, completions, logprobs)):
+        if not prompt or len(lps) != len(completion):
+            raise ValueError(f"row {i}: needs a prompt and one log-probability per completion token "
+                             f"({len(lps)} for {len(completion)} tokens)")
+        ids = list(prompt) + list(completion)
+        input_ids[i, :len(ids) - 1] = torch.tensor(ids[:-1])
+        targets[i, :len(ids) - 1] = torch.tensor(ids[1:])
+        start = len(prompt) - 1                 # position predicting the first completion token
+        mask[i, start:start + len(completion)] = True
+        old[i, start:start + len(completion)] = torch.tensor(lps, dtype=torch.float32)
+    return Batch(input_ids, targets, mask, old, torch.tensor(advantages, dtype=torch.float32))
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(targets[n, t] | input_ids[n, :t + 1]) under ``model``: [N, T] float32."""
+    logits = model(input_ids).logits.float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@dataclass(slots=True)
+class LossParts:
+    loss: torch.Tensor        # what backward runs on
+    tokens: int               # completion tokens in the batch
+    clipped: float            # completion tokens whose ratio the clip held (the gradient is zero there)
+    kl: float                 # sum over the completion tokens of the KL estimate (0 without a reference)
+    ratio_sum: float          # sum over the completion tokens of the importance ratio
+    ratio_max_dev: float      # max |ratio - 1| over the completion tokens
+
+
+def clipped_policy_loss(new: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                        clip: float, ref: torch.Tensor | None = None, kl_coef: float = 0.0,
+                        normaliser: int | None = None) -> LossParts:
+    """The clipped surrogate over the ``mask``ed tokens (see the module notes): new/old/ref [N, T], advantages
+    [N]. ``normaliser``: the token count the sum is divided by (default: this batch's; a micro-batch of a larger
+    update passes the update's, so its gradients add up to the whole batch's mean)."""
+    mask_f = mask.float()
+    tokens = int(mask.sum())
+    divide = max(1, normaliser if normaliser is not None else tokens)
+    ratio = torch.exp((new - old) * mask_f)     # 1 off the mask, where old is padding
+    adv = advantages[:, None].to(new.dtype)
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    per_token = -surrogate
+    kl_sum = 0.0
+    if ref is not None and kl_coef > 0:
+        delta = ref - new
+        kl = torch.exp(delta) - delta - 1
+        per_token = per_token + kl_coef * kl
+        kl_sum = float((kl.detach() * mask_f).sum())
+    loss = (per_token * mask_f).sum() / divide
+    with torch.no_grad():
+        held = ((ratio * adv) > (ratio.clamp(1 - clip, 1 + clip) * adv)) & mask
+        deviation = float(((ratio - 1).abs() * mask_f).max()) if tokens else 0.0
+    return LossParts(loss, tokens, float(held.sum()), kl_sum, float((ratio.detach() * mask_f).sum()), deviation)
+
+
+__all__ = ["Batch", "LossParts", "clipped_policy_loss", "group_advantages", "make_batch", "token_logprobs"]

@@ -1,0 +1,429 @@
+"""On-policy RL with verifiable rewards (``kimik3 rl``): a run's model improved on the tasks of one (domain,
+effort) by rollouts on the serving engine, group-normalised advantages and a clipped policy gradient.
+
+One iteration (``RLRun.iteration``):
+
+1. **Prompts**: P train tasks of (domain, effort[, difficulty]), a pure function of (seed, iteration).
+2. **Sync**: the policy's weights are copied into the rollout engine's model (``rollout.RolloutEngine.sync``).
+3. **Rollouts**: G completions per prompt, sampled at temperature 1 by the engine (batched, prefix-cached),
+   with each token's log-probability; tool-use tasks turn by turn. Throughput (completion tokens/s) is logged.
+4. **Rewards**: each task's verifier ``score``; advantages normalised within each prompt's group
+   (``policy_loss.group_advantages``: zero-variance groups contribute nothing).
+5. **Update**: the rows (one per assistant turn with a nonzero advantage) are split into ``--minibatches``
+   optimizer steps; each recomputes the policy's log-probabilities and minimises the clipped surrogate over the
+   completion tokens (``policy_loss.clipped_policy_loss``), with optional KL to the reference (the starting
+   model). The first minibatch is on-policy (ratio 1 up to the engine's numerics, logged as
+   ``ratio_max_dev``); the later ones are off-policy by the earlier steps, which the clip bounds.
+
+QAT (``moe.expert_quant = "mxfp4"`` in the run's config) stays on: the policy trains through the fake-quantised
+experts, and the engine serves them packed as MXFP4 from the same weights.
+
+**The run** is ``kimik3 train``'s: the ``Trainer`` builds the model (from the base run's weights), the optimizer
+(per-head Muon + AdamW, constant learning rate here), Quantile Balancing of the router biases, the run directory,
+checkpoints (every 60 s and at the end) and ``--resume``; this module runs its own loop with them, writing
+``metrics.jsonl`` (one record per iteration, ``step`` = iteration) and ``rl.png``, plus ``rl.json`` (the base run
+and the RL settings) that ``--resume`` reads back. The output loads in ``kimik3 serve`` and ``eval-tasks`` like
+any run. Iteration s's prompts and sampling seeds are functions of (seed, s), so a resumed run continues with the
+prompts the uninterrupted one would have used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kimik3.files import atomic_write, write_text_atomic
+from kimik3.posttrain.policy_loss import clipped_policy_loss, group_advantages, make_batch, token_logprobs
+from kimik3.posttrain.rollout import RolloutEngine, rollout_rows
+from kimik3.posttrain.tasks import make_tasks
+from kimik3.posttrain.tasks.base import check_domain_effort
+
+RL_FILE = "rl.json"
+PLOT_FILE = "rl.png"
+RECIPE = "rl-grpo-clip-v1"
+
+
+@dataclass(slots=True)
+class RLSpec:
+    """What ``rl.json`` records: the base run and the RL settings (everything but the optimizer's, which the
+    Trainer's arguments hold)."""
+
+    base_run: str
+    domain: str
+    effort: str
+    difficulty: str = "standard"
+    group: int = 8
+    prompts: int = 8
+    clip: float = 0.2
+    kl_coef: float = 0.0
+    minibatches: int = 2
+    micro_batch: int = 16
+    temperature: float = 1.0
+    max_tokens: int | None = None     # per turn; None: the effort's budget + the answer's allowance
+
+    def validate(self) -> None:
+        check_domain_effort(self.domain, self.effort)
+        make_tasks(self.domain, "train", 1, 0, self.effort, self.difficulty)   # an unknown difficulty: refused
+        if self.group < 2:
+            raise ValueError(f"--group must be >= 2 (advantages compare completions of one prompt), got {self.group}")
+        if self.prompts < 1:
+            raise ValueError(f"--prompts must be >= 1, got {self.prompts}")
+        if not 0 < self.clip < 1:
+            raise ValueError(f"--clip must be in (0, 1), got {self.clip}")
+        if self.kl_coef < 0:
+            raise ValueError(f"--kl-coef must be >= 0, got {self.kl_coef}")
+        if self.minibatches < 1 or self.micro_batch < 1:
+            raise ValueError(f"--minibatches and --micro-batch must be >= 1, got {self.minibatches}, "
+                             f"{self.micro_batch}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        if not 0 < self.temperature <= 2:
+            raise ValueError(f"the rollout temperature must be in (0, 2], got {self.temperature}")
+
+    def write(self, run_dir: Path) -> None:
+        write_text_atomic(run_dir / RL_FILE, json.dumps({"rl": dataclasses.asdict(self)}, indent=1))
+
+    @classmethod
+    def read(cls, run_dir: Path) -> "RLSpec":
+        path = run_dir / RL_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: {run_dir} is not a run written by `kimik3 rl`")
+        try:
+            return cls(**json.loads(path.read_text())["rl"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}: unreadable ({err!r})") from None
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps([RECIPE, dataclasses.asdict(self)], sort_keys=True).encode()).hexdigest()
+
+
+class RLSource:
+    """The ``DataSource`` the Trainer is built with: the tokenizer and the fingerprint a checkpoint is checked
+    against. RL's data are its rollouts, so there are no batches nor validation windows to read."""
+
+    unigram = float("nan")
+
+    def __init__(self, spec: RLSpec, tokenizer: Any):
+        self.spec, self.tokenizer = spec, tokenizer
+        self.fingerprint = spec.fingerprint
+        task = make_tasks(spec.domain, "train", 1, 0, spec.effort, spec.difficulty)[0]
+        self.sample_prompt = task.messages[-1]["content"]
+
+    def describe(self) -> str:
+        s = self.spec
+        return (f"RL on {s.domain}/{s.effort}" + (f" ({s.difficulty})" if s.difficulty != "standard" else "")
+                + f": {s.prompts} prompts x {s.group} completions per iteration")
+
+    def batch_at(self, step: int, seed: int, batch_size: int, seq_len: int):
+        raise NotImplementedError("RL trains on its rollouts, not on a batch of a corpus")
+
+    eval_windows = batch_at
+
+    def with_tokenizer(self, tokenizer: Any) -> "RLSource":
+        return RLSource(self.spec, tokenizer)
+
+
+def iteration_tasks(spec: RLSpec, seed: int, iteration: int) -> list:
+    """The prompts of ``iteration``, each repeated ``group`` times (consecutively: one group per prompt)."""
+    tasks = make_tasks(spec.domain, "train", spec.prompts, seed * 1_000_003 + iteration, spec.effort, spec.difficulty)
+    return [task for task in tasks for _ in range(spec.group)]
+
+
+class RLRun:
+    """The Trainer (model, optimizer, run directory, checkpoints), the rollout engine and the reference."""
+
+    def __init__(self, trainer: Any, spec: RLSpec, encoder: Any, log: Callable[[str], None] = print):
+        self.trainer, self.spec, self.log = trainer, spec, log
+        self.policy = trainer.model
+        self.engine = RolloutEngine(self.policy, trainer.tokenizer, encoder,
+                                    max_running=min(256, spec.prompts * spec.group))
+        self.reference = None
+        if spec.kl_coef > 0:
+            from kimik3.model.k3 import K3ForCausalLM
+
+            first = next(self.policy.parameters())
+            self.reference = K3ForCausalLM.from_pretrained(spec.base_run, device=first.device, dtype=first.dtype)
+            self.reference.eval().requires_grad_(False)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def iteration(self, step: int, progress: bool = False) -> dict[str, Any]:
+        trainer, spec = self.trainer, self.spec
+        seed = trainer.args.seed
+        record: dict[str, Any] = {"step": step, "total_steps": trainer.total, "lr": trainer.args.lr}
+        start = time.perf_counter()
+        tasks = iteration_tasks(spec, seed, step)
+        self.engine.sync(self.policy)
+        rollouts, stats = self.engine.rollouts(tasks, seed=(seed * 1_000_003 + step) * 65_536,
+                                               temperature=spec.temperature, max_tokens=spec.max_tokens,
+                                               progress=progress)
+        rewards = [r.task.score(r.completion) for r in rollouts]
+        advantages = group_advantages(rewards, spec.group)
+        groups = np.asarray(rewards).reshape(-1, spec.group)
+        record.update(reward_mean=float(np.mean(rewards)), accuracy=float(np.mean([r >= 1.0 for r in rewards])),
+                      completion_tokens=float(np.mean([r.tokens for r in rollouts])),
+                      zero_variance_groups=float(np.mean(groups.std(axis=1) == 0)),
+                      rollout_s=stats.seconds, rollout_tokens=stats.completion_tokens,
+                      rollout_tokens_per_s=stats.tokens_per_s)
+        update_start = time.perf_counter()
+        record.update(self.update(rollouts, advantages))
+        record["update_s"] = time.perf_counter() - update_start
+        record["iteration_s"] = time.perf_counter() - start
+        record["elapsed_s"] = time.perf_counter() - trainer.started
+        return record
+
+    def update(self, rollouts, advantages) -> dict[str, Any]:
+        """The policy-gradient steps of one iteration; an iteration without signal makes none."""
+        trainer, spec = self.trainer, self.spec
+        prompts, completions, logprobs, advs = rollout_rows(rollouts, advantages)
+        out = {"loss": 0.0, "skipped": False, "optimizer_steps": 0, "clip_fraction": 0.0, "kl": 0.0,
+               "ratio_mean": 1.0, "ratio_max_dev": 0.0, "trained_tokens": 0}
+        if not prompts:
+            return out
+        batch = make_batch(prompts, completions, logprobs, advs)
+        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(trainer.args.seed + trainer.step))
+        batch = dataclasses.replace(batch, **{f: getattr(batch, f)[order] for f in
+                                              ("input_ids", "targets", "mask", "old", "advantages")})
+        chunks = np.array_split(np.arange(len(prompts)), min(spec.minibatches, len(prompts)))
+        totals = {"loss": 0.0, "tokens": 0, "clipped": 0.0, "kl": 0.0, "ratio": 0.0}
+        first_dev = 0.0
+        self.policy.train()
+        for index, chunk in enumerate(chunks):
+            loss, parts, finite = self._minibatch(batch, chunk)
+            if not finite:
+                trainer.nonfinite_total += 1
+                out["skipped"] = True
+                trainer.optimizer.zero_grad(set_to_none=True)
+                if trainer.balancer is not None:
+                    trainer.balancer.discard()
+                continue
+            trainer.optimizer.step()
+            if trainer.balancer is not None:
+                trainer.balancer.step()
+            trainer.optimizer.zero_grad(set_to_none=True)
+            out["optimizer_steps"] += 1
+            totals["loss"] += loss
+            for key in ("tokens", "clipped", "kl", "ratio"):
+                totals[key] += parts[key]
+            if index == 0:
+                first_dev = parts["dev"]
+        tokens = max(1, totals["tokens"])
+        out.update(loss=totals["loss"] / max(1, out["optimizer_steps"]), clip_fraction=totals["clipped"] / tokens,
+                   kl=totals["kl"] / tokens, ratio_mean=totals["ratio"] / tokens, ratio_max_dev=first_dev,
+                   trained_tokens=totals["tokens"])
+        return out
+
+    def _minibatch(self, batch, rows) -> tuple[float, dict[str, float], bool]:
+        """Forward and backward of one minibatch (micro-batches accumulating), clipped gradient norm."""
+        trainer, spec = self.trainer, self.spec
+        device = trainer.device
+        normaliser = int(batch.mask[rows].sum())
+        parts = {"tokens": 0, "clipped": 0.0, "kl": 0.0, "ratio": 0.0, "dev": 0.0}
+        loss_sum = 0.0
+        for start in range(0, len(rows), spec.micro_batch):
+            index = torch.as_tensor(rows[start:start + spec.micro_batch])
+            micro = batch.rows(index).to(device)
+            with trainer._autocast():
+                out = self.policy(micro.input_ids)
+            if trainer.balancer is not None:
+                trainer.balancer.observe(out.routing)
+            new = torch.log_softmax(out.logits.float(), dim=-1).gather(-1, micro.targets.unsqueeze(-1)).squeeze(-1)
+            ref = None
+            if self.reference is not None:
+                with torch.no_grad(), trainer._autocast():
+                    ref = token_logprobs(self.reference, micro.input_ids, micro.targets)
+            result = clipped_policy_loss(new, micro.old, micro.advantages, micro.mask, spec.clip, ref, spec.kl_coef,
+                                         normaliser)
+            if not torch.isfinite(result.loss):
+                return float("nan"), parts, False
+            result.loss.backward()
+            loss_sum += float(result.loss.detach())
+            parts["tokens"] += result.tokens
+            parts["clipped"] += result.clipped
+            parts["kl"] += result.kl
+            parts["ratio"] += result.ratio_sum
+            parts["dev"] = max(parts["dev"], result.ratio_max_dev)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.policy.parameters() if p.grad is not None], trainer.args.grad_clip)
+        return loss_sum, parts, bool(torch.isfinite(grad_norm))
+
+
+def plot_rl(metrics_path: Path, out_path: Path) -> Path | None:
+    """``rl.png``: reward and accuracy, completion length, clip fraction and KL, rollout tokens/s over iterations."""
+    from kimik3.extras import MissingExtra, require
+    from kimik3.train.plot import _smooth, read_metrics
+
+    records = [r for r in read_metrics(metrics_path) if "reward_mean" in r]
+    if not records:
+        return None
+    try:
+        require("plot", "the RL plot", ("matplotlib",))
+    except MissingExtra as missing:
+        print(f"skipping {out_path.name}: {missing}")
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, axes = plt.subplots(4, 1, figsize=(8, 10), sharex=True)
+    try:
+        reward = [r["reward_mean"] for r in records]
+        axes[0].plot(steps, reward, color="tab:blue", alpha=0.3, lw=0.8)
+        axes[0].plot(steps, _smooth(reward), color="tab:blue", label="train reward (smoothed)")
+        tests = [(r["step"], r["test_accuracy"]) for r in records if "test_accuracy" in r]
+        if tests:
+            axes[0].plot(*zip(*tests), "o-", color="tab:orange", label="test accuracy (greedy)")
+        axes[0].set_ylabel("reward")
+        axes[0].legend()
+        axes[1].plot(steps, [r["completion_tokens"] for r in records], color="tab:purple")
+        axes[1].set_ylabel("completion tokens")
+        axes[2].plot(steps, [r["clip_fraction"] for r in records], color="tab:red", label="clip fraction")
+        axes[2].plot(steps, [r["kl"] for r in records], color="tab:green", label="KL to reference")
+        axes[2].legend()
+        axes[3].plot(steps, [r["rollout_tokens_per_s"] for r in records], color="tab:gray")
+        axes[3].set_ylabel("rollout tokens/s")
+        axes[3].set_xlabel("iteration")
+        for ax in axes:
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        atomic_write(out_path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    finally:
+        plt.close(fig)
+    return out_path
+
+
+def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: str = "low",
+           difficulty: str = "standard", iterations: int = 20, group: int = 8, prompts: int = 8, lr: float = 2e-4,
+           kl_coef: float = 0.0, clip: float = 0.2, minibatches: int = 2, micro_batch: int = 16,
+           max_tokens: int | None = None, out: str | Path | None = None, resume: str | Path | None = None,
+           seed: int = 0, device: str = "cpu",
+           checkpoint_every: str | None = None, eval_n: int = 0, progress: bool = True,
+           log: Callable[[str], None] = print,
+           on_iteration: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """RL on ``run``'s model (new run ``out``, default ``<run>-rl-<domain>-<effort>``), or continue the RL run
+    ``resume`` up to ``iterations``. ``eval_n``: greedy test accuracy on that many test tasks before the first
+    iteration and after the last (recorded as ``test_accuracy``). Returns this call's iteration records."""
+    from kimik3.config.schema import K3Config
+    from kimik3.model.k3 import K3ForCausalLM
+    from kimik3.model.pretrained import has_weights
+    from kimik3.serve.chat import ChatEncoder, load_chat_template
+    from kimik3.tokenizer import load_tokenizer
+    from kimik3.train.args import write_run_args
+    from kimik3.train.run_dir import METRICS_FILE
+    from kimik3.train.trainer import TrainArgs, Trainer, _progress
+
+    if iterations < 1:
+        raise ValueError(f"--iterations must be >= 1, got {iterations}")
+    if eval_n < 0:
+        raise ValueError(f"--eval-n must be >= 0, got {eval_n}")
+    if resume is not None:
+        resume = Path(resume)
+        if not resume.is_dir():
+            raise FileNotFoundError(f"--resume {resume}: no such run directory")
+        spec = RLSpec.read(resume)
+    else:
+        if run is None:
+            raise ValueError("which run to train? pass --run DIR")
+        spec = RLSpec(str(Path(run)), domain, effort, difficulty, group, prompts, clip, kl_coef, minibatches,
+                      micro_batch, max_tokens=max_tokens)
+    spec.validate()
+    base = Path(spec.base_run)
+    if not (base / "config.json").is_file() or not has_weights(base):
+        raise FileNotFoundError(f"{base}: not a run with a saved model (config.json and weights): train one with "
+                                "`kimik3 train` (and `kimik3 sft`)")
+    config = K3Config.from_json(base / "config.json")
+    tokenizer = load_tokenizer(base / "tokenizer.json", vocab_size=config.vocab_size)
+    encoder = ChatEncoder(tokenizer, load_chat_template(None, base))
+    default_out = f"{str(base).rstrip('/')}-rl-{spec.domain}-{spec.effort}"
+    args = TrainArgs(config_path=str(base / "config.json"), steps=iterations, out=str(out or default_out), seed=seed,
+                     lr=lr, weight_decay=0.0, device=device, checkpoint_every=checkpoint_every,
+                     qat=config.moe.expert_quant, progress=progress, warmup_fraction=0.0, min_lr_ratio=1.0)
+
+    def from_base(cfg: K3Config, dev: torch.device, _seed: int) -> torch.nn.Module:
+        return K3ForCausalLM.from_pretrained(base, device=dev, dtype=torch.float32)
+
+    trainer = Trainer(args, resume=resume, model_factory=from_base, log=log, source=RLSource(spec, tokenizer))
+    a = trainer.args
+    if resume is None:
+        spec.write(trainer.run_dir)
+        log(f"RL on {base} into {trainer.run_dir}: {trainer.data.describe()}")
+    for group in trainer.optimizer.param_groups:   # a constant learning rate
+        group["lr"] = group["base_lr"]
+    trainer.started = time.perf_counter()
+    trainer.total = a.steps
+    write_run_args(trainer.run_dir, a)
+    rl = RLRun(trainer, spec, encoder, log)
+    metrics_path = trainer.run_dir / METRICS_FILE
+    records: list[dict[str, Any]] = []
+    first = trainer.step
+    try:
+        if trainer.step >= a.steps:
+            log(f"{trainer.run_dir} is already at iteration {trainer.step} >= --iterations {a.steps}: nothing to do")
+        pending_eval = _test_accuracy(rl, spec, eval_n, seed, log) if eval_n and trainer.step == 0 else None
+        bar = _progress(a.steps, trainer.step, progress)
+        say = bar.write if progress and log is print else log
+        trainer.clock.restart()
+        with open(metrics_path, "a") as metrics_file:
+            while trainer.step < a.steps:
+                record = rl.iteration(trainer.step)
+                if pending_eval is not None:
+                    record["test_accuracy"], pending_eval = pending_eval, None
+                trainer.step += 1
+                if trainer.step == a.steps and eval_n:
+                    record["test_accuracy_after"] = _test_accuracy(rl, spec, eval_n, seed, log)
+                say(f"iteration {record['step']}: reward {record['reward_mean']:.3f} accuracy {record['accuracy']:.3f} "
+                    f"length {record['completion_tokens']:.0f} clip {record['clip_fraction']:.3f} kl {record['kl']:.4f}"
+                    f" rollouts {record['rollout_tokens_per_s']:,.0f} tok/s ({record['rollout_s']:.1f} s), update "
+                    f"{record['update_s']:.1f} s")
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+                records.append(record)
+                bar.update(1)
+                if trainer.step < a.steps and trainer._checkpoint_due():
+                    trainer.save()
+                if on_iteration is not None:
+                    on_iteration(record)
+        bar.close()
+    finally:
+        rl.close()
+    if trainer.step > first:
+        trainer.save()
+    plot = plot_rl(metrics_path, trainer.run_dir / PLOT_FILE)
+    if records:
+        rate = float(np.median([r["rollout_tokens_per_s"] for r in records]))
+        log(f"reward {records[0]['reward_mean']:.3f} (first iteration of this call) -> {records[-1]['reward_mean']:.3f}"
+            f" (last); rollouts {rate:,.0f} completion tokens/s (median)")
+    log(f"run written to {trainer.run_dir}/: model.safetensors config.json tokenizer.json train_state.* "
+        f"metrics.jsonl {RL_FILE}" + (f" {plot.name}" if plot else ""))
+    return records
+
+
+def _test_accuracy(rl: RLRun, spec: RLSpec, n: int, seed: int, log: Callable[[str], None]) -> float:
+    """Greedy accuracy of the current policy on ``n`` test tasks of the run's (domain, effort, difficulty)."""
+    from kimik3.posttrain.evaluate import confidence_interval, generate_completions
+
+    tasks = make_tasks(spec.domain, "test", n, seed, spec.effort, spec.difficulty)
+    rl.engine.sync(rl.policy)
+    rollouts = generate_completions(rl.engine.engine, rl.engine.encoder, tasks, temperature=0.0, seed=seed,
+                                    max_tokens=spec.max_tokens)
+    scores = [r.task.score(r.completion) for r in rollouts]
+    low, high = confidence_interval(scores)
+    mean = sum(scores) / len(scores)
+    log(f"test accuracy {mean:.3f} (95% CI [{low:.3f}, {high:.3f}]) on {n} {spec.domain}/{spec.effort} test tasks")
+    return mean
+
+
+__all__ = ["RLRun", "RLSource", "RLSpec", "iteration_tasks", "plot_rl", "run_rl"]

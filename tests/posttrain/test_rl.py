@@ -1,0 +1,197 @@
+"""`kimik3 rl`: advantages, the clipped objective, on-policy ratios, weight sync, runs end to end, resume, CLI."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from kimik3.cli import main
+from kimik3.model.k3 import K3ForCausalLM
+from kimik3.posttrain.policy_loss import clipped_policy_loss, group_advantages, make_batch, token_logprobs
+from kimik3.posttrain.rollout import RolloutEngine, rollout_rows
+from kimik3.posttrain.tasks import Task, make_tasks
+from kimik3.serve.chat import ChatEncoder, load_chat_template
+from kimik3.tokenizer import load_tokenizer
+
+
+def test_group_advantages_normalise_each_group_and_zero_variance_groups_give_nothing():
+    adv = group_advantages([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0], 4)
+    assert adv[:4] == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)     # mean 0.5, std 0.5
+    assert adv[4:8] == [0.0] * 4                                         # all solved: no signal
+    third = 1 / math.sqrt(3)                                             # mean 0.25, std sqrt(3) / 4
+    assert adv[8:] == pytest.approx([-third, -third, math.sqrt(3), -third], abs=1e-5)
+    assert group_advantages([0.0, 0.0], 2) == [0.0, 0.0]
+    with pytest.raises(ValueError, match="groups of 3"):
+        group_advantages([1.0, 0.0], 3)
+
+
+def test_clipped_objective_matches_a_hand_computation():
+    new = torch.tensor([[0.0, math.log(1.5), math.log(0.5), 9.0]])
+    old = torch.zeros(1, 4)
+    mask = torch.tensor([[True, True, True, False]])
+    for a in (1.0, -1.0):
+        parts = clipped_policy_loss(new, old, torch.tensor([a]), mask, clip=0.2)
+        # ratios 1, 1.5, 0.5: A > 0 keeps min(r, clip(r)) = 1, 1.2, 0.5; A < 0 keeps -max(r, clip(r)) = -1, -1.5, -0.8
+        expected = -(1 + 1.2 + 0.5) / 3 if a > 0 else (1 + 1.5 + 0.8) / 3
+        assert float(parts.loss) == pytest.approx(expected)
+        assert parts.tokens == 3 and parts.clipped == 1.0      # the ratio the clip held: 1.5 (A > 0), 0.5 (A < 0)
+        assert parts.ratio_sum == pytest.approx(3.0) and parts.ratio_max_dev == pytest.approx(0.5)
+    # KL (k3 estimator) to a reference, weighted in; the gradient of the clipped tokens is zero.
+    ref = torch.tensor([[math.log(2.0), 0.0, 0.0, 0.0]])
+    new.requires_grad_(True)
+    parts = clipped_policy_loss(new, old, torch.tensor([1.0]), mask, 0.2, ref=ref, kl_coef=0.5)
+    kl = [2.0 - math.log(2.0) - 1, 1 / 1.5 + math.log(1.5) - 1, 2.0 + math.log(0.5) - 1]
+    assert float(parts.loss.detach()) == pytest.approx(-(1 + 1.2 + 0.5) / 3 + 0.5 * sum(kl) / 3, rel=1e-5)
+    parts.loss.backward()
+    assert new.grad[0, 3] == 0      # off the mask
+    assert float(new.grad[0, 1]) == pytest.approx(0.5 * (1 - 1 / 1.5) / 3, rel=1e-5)  # clipped: only the KL's
+
+
+@pytest.fixture(scope="module")
+def policy_parts(base_run):
+    tokenizer = load_tokenizer(base_run / "tokenizer.json", vocab_size=640)
+    encoder = ChatEncoder(tokenizer, load_chat_template(None, base_run))
+    return tokenizer, encoder
+
+
+def _rollouts(engine, n=3, seed=1, temperature=1.0):
+    tasks = make_tasks("general", "train", n, 0, "low")
+    return engine.rollouts(tasks, seed=seed, temperature=temperature, max_tokens=24)[0]
+
+
+def _recomputed(policy, rollouts):
+    prompts, completions, logprobs, _ = rollout_rows(rollouts, [1.0] * len(rollouts))
+    batch = make_batch(prompts, completions, logprobs, [1.0] * len(prompts))
+    with torch.no_grad():
+        new = token_logprobs(policy.eval(), batch.input_ids, batch.targets)
+    return new[batch.mask], batch.old[batch.mask]
+
+
+def test_ratio_is_one_on_policy_and_the_engine_serves_the_synced_weights(base_run, policy_parts):
+    tokenizer, encoder = policy_parts
+    policy = K3ForCausalLM.from_pretrained(base_run, dtype=torch.float32)
+    rollout = RolloutEngine(policy, tokenizer, encoder)
+    try:
+        rollouts = _rollouts(rollout)
+        assert all(len(lp) == len(ids) for r in rollouts for lp, ids in zip(r.logprobs, r.token_ids))
+        new, old = _recomputed(policy, rollouts)
+        assert new.numel() > 20 and torch.allclose(new, old, atol=2e-4)   # ratio exp(new - old) = 1
+        greedy_before = [r.token_ids for r in _rollouts(rollout, temperature=0.0)]
+        with torch.no_grad():   # an "update": the engine must serve it after sync, not before
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        assert [r.token_ids for r in _rollouts(rollout, temperature=0.0)] == greedy_before
+        rollout.sync(policy)
+        after = _rollouts(rollout)
+        new, old = _recomputed(policy, after)
+        assert torch.allclose(new, old, atol=2e-4)
+        greedy_after = [r.token_ids for r in _rollouts(rollout, temperature=0.0)]
+        assert greedy_after != greedy_before
+    finally:
+        rollout.close()
+    fresh = RolloutEngine(policy, tokenizer, encoder)   # an engine built from the updated weights agrees
+    try:
+        assert [r.token_ids for r in _rollouts(fresh, temperature=0.0)] == greedy_after
+    finally:
+        fresh.close()
+
+
+def test_qat_stays_on_in_rollouts(base_run, policy_parts, tmp_path):
+    """With MXFP4 experts the engine serves them packed; after a sync its log-probabilities are the fake-quantised
+    policy's."""
+    import dataclasses
+
+    tokenizer, encoder = policy_parts
+    plain = K3ForCausalLM.from_pretrained(base_run, dtype=torch.float32).config
+    config = dataclasses.replace(plain, moe=dataclasses.replace(plain.moe, expert_quant="mxfp4", latent_dim=32))
+    policy = K3ForCausalLM(config, dtype=torch.float32, seed=0)
+    rollout = RolloutEngine(policy, tokenizer, encoder)
+    try:
+        assert any(getattr(m, "packed", None) is not None for m in rollout.model.modules())
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        rollout.sync(policy)
+        new, old = _recomputed(policy, _rollouts(rollout, n=2))
+        assert torch.allclose(new, old, atol=2e-3)
+    finally:
+        rollout.close()
+
+
+@pytest.fixture
+def some_reward(monkeypatch):
+    """Rewards with variance within groups (an untrained model solves nothing): completions of even length win."""
+    monkeypatch.setattr(Task, "score", lambda self, completion: float(len(completion) % 2 == 0))
+
+
+def _records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rl_runs_end_to_end_resumes_and_writes_a_loadable_run(base_run, tmp_path, some_reward, capsys):
+    out = tmp_path / "rl"
+    common = ["--iterations", "2", "--group", "2", "--prompts", "2", "--max-tokens", "24", "--checkpoint-every", "1",
+              "--no-progress"]
+    assert main(["rl", "--run", str(base_run), "--domain", "general", "--effort", "low", "--out", str(out),
+                 "--lr", "1e-2", *common]) == 0
+    printed = capsys.readouterr().out
+    assert "iteration 1: reward" in printed and "tok/s" in printed
+    records = _records(out)
+    assert [r["step"] for r in records] == [0, 1]
+    for r in records:
+        assert r["rollout_tokens_per_s"] > 0 and 0 <= r["reward_mean"] <= 1 and r["completion_tokens"] > 0
+    assert any(r["optimizer_steps"] > 0 and r["trained_tokens"] > 0 for r in records)
+    assert all(r["ratio_max_dev"] < 1e-2 for r in records)      # the first minibatch is on-policy
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "rl.json", "rl.png", "run.json"):
+        assert (out / name).is_file(), name
+    changed = K3ForCausalLM.from_pretrained(out).state_dict()
+    start = K3ForCausalLM.from_pretrained(base_run).state_dict()
+    assert any(not torch.equal(changed[k], start[k]) for k in start)
+    # Resume to 3 iterations: the third record is appended, the first two kept.
+    assert main(["rl", "--resume", str(out), "--iterations", "3", "--checkpoint-every", "1", "--no-progress"]) == 0
+    assert [r["step"] for r in _records(out)] == [0, 1, 2]
+    assert _records(out)[:2] == records
+    # The output is a run like any other: eval-tasks loads it.
+    capsys.readouterr()
+    assert main(["eval-tasks", "--run", str(out), "--domain", "general", "--effort", "low", "--n", "2",
+                 "--max-tokens", "4", "--no-progress"]) == 0
+    assert "general/low: " in capsys.readouterr().out
+
+
+def test_rl_agents_with_kl_to_the_reference(base_run, tmp_path, some_reward):
+    from kimik3.posttrain.rl import run_rl
+
+    records = run_rl(base_run, domain="agents", effort="low", iterations=1, group=2, prompts=1, lr=1e-2,
+                     kl_coef=0.1, minibatches=2, max_tokens=16, out=tmp_path / "rl", progress=False,
+                     log=lambda _: None)
+    (record,) = records
+    if record["optimizer_steps"] == 2:   # the second minibatch trains a policy the first one moved
+        assert record["kl"] >= 0
+
+
+def test_easy_difficulty_and_errors():
+    tasks = make_tasks("general", "test", 10, 0, "low", "easy")
+    assert all(t.key.startswith("general|easy|") for t in tasks)
+    assert tasks[0].score(tasks[0].reference_completion()) == 1.0
+    with pytest.raises(ValueError, match="general domain only"):
+        make_tasks("coding", "train", 1, 0, "low", "easy")
+    with pytest.raises(ValueError, match="unknown difficulty"):
+        make_tasks("general", "train", 1, 0, "low", "hard")
+
+
+def test_cli_errors_are_one_clear_line(base_run, tmp_path, capsys):
+    assert main(["rl", "--run", str(base_run), "--domain", "poetry"]) == 2
+    assert "unknown domain 'poetry'" in capsys.readouterr().err
+    assert main(["rl", "--run", str(base_run), "--group", "1", "--out", str(tmp_path / "o")]) == 2
+    assert "--group must be >= 2" in capsys.readouterr().err
+    assert main(["rl", "--run", str(base_run), "--clip", "1.5", "--out", str(tmp_path / "o")]) == 2
+    assert main(["rl", "--run", str(base_run), "--difficulty", "easy", "--domain", "coding"]) == 2
+    assert "general domain only" in capsys.readouterr().err
+    assert main(["rl", "--run", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["rl", "--resume", str(base_run), "--run", str(base_run)]) == 2
+    assert "drop --run" in capsys.readouterr().err
+    assert main(["rl", "--resume", str(base_run)]) == 2
+    assert "rl.json is missing" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -160,7 +160,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           physical_block=args.physical_block, max_running=args.max_running,
                           checkpoints=args.checkpoints, prefix_policy=args.prefix_policy,
                           max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
-                          gpu_memory_utilization=utilization, enforce_eager=args.enforce_eager)
+                          gpu_memory_utilization=utilization, enforce_eager=args.enforce_eager,
+                          speculative_tokens=args.speculative_tokens)
     replicas = [LLMEngine.from_run(run, config, device=args.device, model_name=args.served_model_name)
                 for _ in range(args.replicas)]
     engine = replicas[0] if len(replicas) == 1 else ReplicaRouter(replicas)
@@ -492,6 +493,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "split between replicas; the cache gets what is left (as vLLM's)")
     s.add_argument("--enforce-eager", action="store_true",
                    help="decode with the eager forward every step instead of CUDA graphs")
+    s.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding: the run's draft (kimik3 train-draft) proposes K tokens a step, verified "
+                        "by one forward of the model; greedy output is unchanged, sampled output keeps its "
+                        "distribution (default 0: off; docs/speculative.md)")
     s.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per chunked-prefill forward")
     s.add_argument("--hash-block", type=int, default=16, help="prefix-hash block in tokens (512 at full scale)")
     s.add_argument("--physical-block", type=int, default=192, help="MLA block in tokens (6144 at full scale)")

@@ -99,6 +99,11 @@ class KDAState:
     ``valid_B`` (optional, a device tensor [B]): how many of a multi-token forward's tokens are real in each row;
     the rest pad the chunk to a fixed size (the serving engine's prefill graphs), and the layer leaves the state
     as the real tokens leave it.
+
+    ``steps_TBHKV`` / ``steps_conv_TBCW`` (optional, pooled states only): a verification forward of speculative
+    decoding. The layer then advances the states one token at a time and ``record_step(t)`` keeps each row's
+    state after token t, so that the engine can keep the state after the last accepted token and drop the
+    rejected ones (``kimik3.serve.paged_cache.StatePool.commit_steps``).
     """
 
     conv_BCW: torch.Tensor | None
@@ -107,6 +112,8 @@ class KDAState:
     slots_B: torch.Tensor | None = None
     conv_pool_PCW: torch.Tensor | None = None
     valid_B: torch.Tensor | None = None
+    steps_TBHKV: torch.Tensor | None = None
+    steps_conv_TBCW: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.recurrent_BHKV is None) == (self.pool_PHKV is None):
@@ -118,6 +125,21 @@ class KDAState:
         pooled = self.pool_PHKV is not None or self.conv_pool_PCW is not None
         if pooled and (self.slots_B is None or self.slots_B.ndim != 1):
             raise ValueError("a pooled KDAState needs slots_B, a 1-D tensor of its sequences' pool rows")
+        if (self.steps_TBHKV is None) != (self.steps_conv_TBCW is None):
+            raise ValueError("a KDAState records its per-token steps in both steps_TBHKV and steps_conv_TBCW, or in "
+                             "neither")
+        if self.steps_TBHKV is not None and (self.pool_PHKV is None or self.conv_pool_PCW is None):
+            raise ValueError("per-token steps are recorded for pooled states only")
+
+    @property
+    def stepwise(self) -> bool:
+        """A verification forward: tokens advance one at a time and each step's state is recorded."""
+        return self.steps_TBHKV is not None
+
+    def record_step(self, t: int) -> None:
+        """Keep every row's state (recurrent and conv inputs) after token ``t`` of a stepwise forward."""
+        self.steps_TBHKV[t] = self.pool_PHKV[self.slots_B]
+        self.steps_conv_TBCW[t] = self.conv_pool_PCW[self.slots_B]
 
     def conv_inputs(self) -> torch.Tensor:
         """The conv inputs [B, C, W-1] before this forward (gathered from the pool when pooled)."""

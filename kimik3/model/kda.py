@@ -135,6 +135,11 @@ class KDA(nn.Module):
         qkv_BTC, forget_a_BTR, beta_logit_BTH, gate_BTX = project(
             x_BTD, self._inputs, [3 * proj, self.forget_a.out_features, heads, proj])
         convs = (self.q_conv, self.k_conv, self.v_conv)
+        if state is not None and state.stepwise:
+            o_BTHV = self._stepwise(state, qkv_BTC, forget_a_BTR, beta_logit_BTH)
+            out = gated_output_norm(o_BTHV, gate_BTX.unflatten(-1, (heads, head_dim)), self.output_norm_weight,
+                                    self.norm_eps, x_BTD.dtype)
+            return self.o_proj(out.reshape(batch, length, heads * head_dim))
         one_token = state is not None and length == 1
         # A padded multi-token chunk: the real tokens of each row (the rest must leave the state as they find it).
         valid_B = state.valid_B if state is not None and not one_token else None
@@ -160,8 +165,7 @@ class KDA(nn.Module):
             raw_gate_BTHK = raw_gate_BTHK.masked_fill(pad_BT[:, :, None, None], PAD_LOGIT)
             beta_logit_BTH = beta_logit_BTH.masked_fill(pad_BT[:, :, None], PAD_LOGIT)
 
-        preacts = {"A_log": self.A_log, "dt_bias": self.dt_bias, "use_gate_in_kernel": True,
-                   "use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
+        preacts = self._preacts()
         if one_token:
             o_BTHV = self._one_token(state, q_BTHK, k_BTHK, v_BTHV, raw_gate_BTHK, beta_logit_BTH, preacts)
         else:
@@ -178,6 +182,29 @@ class KDA(nn.Module):
         out = gated_output_norm(o_BTHV, gate_BTX.unflatten(-1, (heads, head_dim)), self.output_norm_weight,
                                 self.norm_eps, x_BTD.dtype)
         return self.o_proj(out.reshape(batch, length, heads * head_dim))
+
+    def _preacts(self) -> dict:
+        return {"A_log": self.A_log, "dt_bias": self.dt_bias, "use_gate_in_kernel": True,
+                "use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
+
+    def _stepwise(self, state: KDAState, qkv_BTC: torch.Tensor, forget_a_BTR: torch.Tensor,
+                  beta_logit_BTH: torch.Tensor) -> torch.Tensor:
+        """A verification forward (``KDAState.stepwise``): the tokens of each row advance its pooled state one at a
+        time, through the one-token conv and ``kda_decode``, and the state after each is recorded. Returns o
+        [B, T, H, V]."""
+        heads, head_dim = self.num_heads, self.head_dim
+        convs = (self.q_conv, self.k_conv, self.v_conv)
+        raw_gate_BTHK = self.forget_b(forget_a_BTR).unflatten(-1, (heads, head_dim))
+        outs = []
+        for t in range(qkv_BTC.shape[1]):
+            conv_BC = state.conv_step_in_place(
+                lambda pool_PCW, rows_B: short_conv_step(qkv_BTC[:, t], convs, pool_PCW, rows_B))
+            q_BHK, k_BHK, v_BHV = (x.unflatten(-1, (heads, head_dim)) for x in conv_BC.chunk(3, dim=-1))
+            outs.append(state.advance_in_place(
+                lambda states_PHKV, rows_B: kda_decode(q_BHK, k_BHK, v_BHV, raw_gate_BTHK[:, t], beta_logit_BTH[:, t],
+                                                       states_PHKV, rows_B, g_min=self.g_min, **self._preacts())))
+            state.record_step(t)
+        return torch.stack(outs, dim=1)
 
     def _one_token(self, state: KDAState, q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor,
                    raw_gate_BTHK: torch.Tensor, beta_logit_BTH: torch.Tensor, preacts: dict) -> torch.Tensor:

@@ -123,7 +123,10 @@ class GatedMLA(nn.Module):
         q_a_BTQ, kv_a_BTX, gate_BTX = project(x_BTD, self._inputs)
         q_BTHK = self.wq_b(self.q_norm(q_a_BTQ)).unflatten(-1, (self.num_heads, -1))
         kv_BTC = self.latents(kv_a_BTX)
-        fused = getattr(state, "decode_absorbed", None) if length == 1 and absorbed is not False else None
+        # The fused path takes one token per row, or several where the cache says it can (a speculative
+        # verification: each token attends to the row's cache and the tokens before it).
+        several = getattr(state, "multi_token", False)
+        fused = getattr(state, "decode_absorbed", None) if (length == 1 or several) and absorbed is not False else None
         if fused is not None:
             # The cache runs the absorbed attention itself, in place over its own layout (the serving engine's
             # paged latents: one kernel, no gather and nothing shaped by the host).

@@ -33,7 +33,10 @@ class CacheManager:
         self.config = config
         self.layout = layout
         self.allocator = BlockAllocator(layout.num_blocks)
-        self.latents = LatentPool(len(model_config.mla_layer_indices), layout.num_blocks, config.physical_block,
+        # With speculative decoding, one more latent layer: the draft's (its last).
+        draft_layers = 1 if config.speculative_tokens else 0
+        self.latents = LatentPool(len(model_config.mla_layer_indices) + draft_layers, layout.num_blocks,
+                                  config.physical_block,
                                   model_config.mla.cache_width, dtype, device)
         self.states = StatePool(model_config, layout.num_slots, dtype, device)
         if config.prefix_policy == "oracle":

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kimik3.model.draft import EagleDraft
 from kimik3.model.k3 import K3ForCausalLM
 from kimik3.model.pretrained import has_weights
 from kimik3.serve.memory import EngineConfig
@@ -40,8 +41,8 @@ class LLMEngine:
     """Serve one model replica. ``generate`` follows ``types.EngineLike``."""
 
     def __init__(self, model: K3ForCausalLM, tokenizer: Any, config: EngineConfig | None = None,
-                 model_name: str = "kimik3", eos_token_id: int | None = None):
-        self._build = lambda: EngineCore(model, tokenizer, config or EngineConfig(), eos_token_id)
+                 model_name: str = "kimik3", eos_token_id: int | None = None, draft: EagleDraft | None = None):
+        self._build = lambda: EngineCore(model, tokenizer, config or EngineConfig(), eos_token_id, draft)
         self.core = self._build()
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -58,7 +59,7 @@ class LLMEngine:
     def from_run(cls, run_dir: str | Path, config: EngineConfig | None = None,
                  device: str | torch.device = "cpu", model_name: str | None = None) -> "LLMEngine":
         """Load a run written by ``kimik3 train`` or ``kimik3 convert`` (``config.json``, the weights in either
-        layout, ``tokenizer.json``)."""
+        layout, ``tokenizer.json``); with ``config.speculative_tokens``, also its draft (``kimik3 train-draft``)."""
         from kimik3.tokenizer import EOS, load_tokenizer
 
         run = Path(run_dir)
@@ -69,9 +70,11 @@ class LLMEngine:
             raise FileNotFoundError(f"{run}: no model.safetensors nor model.safetensors.index.json: is {run} a run "
                                     f"written by `kimik3 train` or `kimik3 convert`?")
         model = K3ForCausalLM.from_pretrained(run, device=device)
+        draft = EagleDraft.load(run, model) if config is not None and config.speculative_tokens else None
         # The chat template's role markers become special tokens where the model's vocabulary has room for them.
         tokenizer = load_tokenizer(run / "tokenizer.json", vocab_size=model.config.vocab_size)
-        return cls(model, tokenizer, config, model_name=model_name or run.name, eos_token_id=tokenizer.token_to_id(EOS))
+        return cls(model, tokenizer, config, model_name=model_name or run.name, eos_token_id=tokenizer.token_to_id(EOS),
+                   draft=draft)
 
     # ------------------------------------------------------------------ worker
     def _loop(self) -> None:

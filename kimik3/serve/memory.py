@@ -17,7 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from kimik3.config.schema import K3Config
-from kimik3.serve.paged_cache import LatentPool, StatePool
+from kimik3.serve.paged_cache import LatentPool, StatePool, StepStates
+
+
+MAX_SPECULATIVE_TOKENS = 8
 
 
 @dataclass(slots=True)
@@ -35,6 +38,10 @@ class EngineConfig:
     # cache); the cache budget is what is left of it (``memory_bytes`` is then ignored). vLLM's option.
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False         # no CUDA graphs: decode steps and prefill chunks run the eager forward
+    # Speculative decoding: tokens the draft (``kimik3.model.draft``) proposes per step, verified by one target
+    # forward (``kimik3.serve.speculative``); 0 is off. The draft's latents take one more MLA layer in every block,
+    # and each of max_running sequences keeps K + 1 KDA states during a verification.
+    speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "hash_block", "physical_block", "max_running", "prefill_chunk"):
@@ -43,6 +50,9 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"EngineConfig.speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got "
+                             f"{self.speculative_tokens}")
         if self.checkpoints < 0 or self.max_waiting < 0:
             raise ValueError("EngineConfig.checkpoints and max_waiting must be >= 0")
         if self.physical_block % self.hash_block:
@@ -73,17 +83,21 @@ class CacheLayout:
 
 def plan_cache(model_config: K3Config, engine: EngineConfig, dtype: torch.dtype) -> CacheLayout:
     """Split ``engine.memory_bytes``; raise if it cannot hold even one full-context sequence."""
-    block_bytes = LatentPool.block_bytes(len(model_config.mla_layer_indices), engine.physical_block,
+    draft_layers = 1 if engine.speculative_tokens else 0
+    block_bytes = LatentPool.block_bytes(len(model_config.mla_layer_indices) + draft_layers, engine.physical_block,
                                          model_config.mla.cache_width, dtype)
     slot_bytes = StatePool.slot_bytes(model_config, dtype)
     num_slots = engine.max_running + engine.checkpoints + 1
-    left = engine.memory_bytes - (num_slots + 1) * slot_bytes - block_bytes   # + the scratch slot and block
+    steps = StepStates.nbytes(model_config, dtype, engine.speculative_tokens + 1, engine.max_running) \
+        if engine.speculative_tokens else 0
+    left = engine.memory_bytes - (num_slots + 1) * slot_bytes - block_bytes - steps   # + the scratch slot and block
     context = engine.max_context or model_config.max_seq_len
     needed_blocks = -(-context // engine.physical_block)
     if left < needed_blocks * block_bytes:
         raise ValueError(
             f"memory_bytes={engine.memory_bytes:,} is too small: {num_slots} KDA slots take "
-            f"{num_slots * slot_bytes:,} bytes and one {context}-token sequence needs {needed_blocks} MLA "
+            f"{num_slots * slot_bytes:,} bytes (+ {steps:,} of speculative step states) and one {context}-token "
+            f"sequence needs {needed_blocks} MLA "
             f"blocks of {block_bytes:,} bytes; raise memory_bytes or lower max_running/checkpoints/max_context")
     return CacheLayout(num_blocks=left // block_bytes, num_slots=num_slots, block_bytes=block_bytes,
                        slot_bytes=slot_bytes)

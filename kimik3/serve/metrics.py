@@ -64,10 +64,41 @@ class EngineCollector:
             "cost_usd": ("Cost of the traffic served, USD at K3's prices", s.cost_usd),
             "rejected": ("Requests refused by admission control", s.rejected),
         }
+        if s.spec_proposed:
+            counters.update({
+                "spec_verifications": ("Speculative verifications (one per sequence and step)", s.spec_steps),
+                "spec_emitted_tokens": ("Tokens emitted by speculative verifications", s.spec_emitted),
+                "spec_draft_seconds": ("Host seconds spent drafting", s.spec_draft_seconds),
+                "spec_verify_seconds": ("Host seconds spent verifying", s.spec_verify_seconds),
+            })
+            total = s.spec_draft_seconds + s.spec_verify_seconds
+            gauges.update({
+                "spec_mean_emitted": ("Tokens emitted per speculative verification (accepted drafts + 1)",
+                                      s.spec_emitted / s.spec_steps if s.spec_steps else 0.0),
+                "spec_draft_time_ratio": ("Share of speculative step time spent drafting",
+                                          s.spec_draft_seconds / total if total else 0.0),
+            })
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"kimik3_engine_{name}", doc, value=value)
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"kimik3_engine_{name}", doc, value=value)
+        if s.spec_proposed:
+            yield from _per_position(CounterMetricFamily, GaugeMetricFamily, s)
+
+
+def _per_position(counter, gauge, s) -> Iterator:
+    """The speculative drafts proposed and accepted, and their acceptance rate, per chain position."""
+    proposed = counter("kimik3_engine_spec_drafts_proposed", "Drafted tokens proposed, per chain position",
+                       labels=["position"])
+    accepted = counter("kimik3_engine_spec_drafts_accepted", "Drafted tokens accepted, per chain position",
+                       labels=["position"])
+    rate = gauge("kimik3_engine_spec_acceptance_ratio", "Drafts accepted / proposed, per chain position",
+                 labels=["position"])
+    for k, (p, a) in enumerate(zip(s.spec_proposed, s.spec_accepted), start=1):
+        proposed.add_metric([str(k)], p)
+        accepted.add_metric([str(k)], a)
+        rate.add_metric([str(k)], a / p if p else 0.0)
+    yield from (proposed, accepted, rate)
 
 
 class ServerMetrics:

@@ -35,6 +35,7 @@ import torch
 from kimik3.cuda_graph import warm_up
 from kimik3.model.fused_linear import pack_projections
 from kimik3.model.cache import K3Cache
+from kimik3.model.draft import EagleDraft
 from kimik3.model.k3 import K3ForCausalLM
 from kimik3.model.sampling import apply_penalties
 from kimik3.serve.cache_manager import CacheManager
@@ -43,6 +44,7 @@ from kimik3.serve.paged_cache import PagedLatentView, batch_cache
 from kimik3.serve.piecewise import PiecewiseGraph
 from kimik3.serve.sampler import SamplingBatch, sample, token_logprobs
 from kimik3.serve.sequence import Sequence
+from kimik3.serve.speculative import Speculator
 
 log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -77,7 +79,8 @@ def prefill_sizes(chunk: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model: K3ForCausalLM, cache: CacheManager, config: EngineConfig, max_context: int):
+    def __init__(self, model: K3ForCausalLM, cache: CacheManager, config: EngineConfig, max_context: int,
+                 draft: EagleDraft | None = None):
         self.model = model
         pack_projections(model)   # each layer's input projections read as one matmul's weight, in place
         # Quantisation-aware experts (moe.expert_quant = "mxfp4") are served packed: MXFP4 codes + scales, the
@@ -86,19 +89,28 @@ class ModelRunner:
                                        if getattr(module, "quant", None) == "mxfp4" and hasattr(module, "pack_mxfp4"))
         self.cache = cache
         self.device = model.device
-        self.table_width = -(-max_context // config.physical_block)
+        # A speculative verification writes up to K tokens past a sequence's last: its tables reach that far.
+        self.table_width = -(-(max_context + config.speculative_tokens) // config.physical_block)
+        self.max_running = config.max_running
         self.capacity = self.table_width * config.physical_block   # tokens a block table reaches
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.prefill_graphs: dict[int, _PrefillGraph] = {}
         self.capture_seconds = 0.0
         # Decode batches and prefill chunks are padded to a size on a GPU, with graphs or without; on the CPU they
         # run as they are.
+        self.speculator = None
+        if config.speculative_tokens:
+            if draft is None:
+                raise ValueError("speculative_tokens needs a draft model (kimik3.model.draft.EagleDraft)")
+            self.speculator = Speculator(self, draft, config.speculative_tokens)
         on_gpu = self.device.type == "cuda"
         self.buckets = graph_buckets(config.max_running) if on_gpu else []
         self.prefill_sizes = prefill_sizes(min(config.prefill_chunk, max_context)) if on_gpu else []
         if on_gpu and not config.enforce_eager:
             self._capture(self.buckets)
             self._capture_prefill(self.prefill_sizes)
+            if self.speculator is not None:
+                self._capture_speculative(sorted({min(b, self.max_running) for b in self.buckets}))
 
     @property
     def uses_graphs(self) -> bool:
@@ -112,22 +124,39 @@ class ModelRunner:
                             max_length)
         return self.model(input_ids_BT, cache=cache, last_only=True).logits[:, -1]
 
+    def _features(self, out) -> torch.Tensor | None:
+        """The draft's fused input features of a forward run with ``features_at`` (None without speculation)."""
+        return self.speculator.draft.fuse_features(out.features) if self.speculator is not None else None
+
+    @property
+    def _features_at(self) -> tuple[int, ...]:
+        return self.speculator.feature_layers if self.speculator is not None else ()
+
     def prefill(self, seq: Sequence, end: int) -> torch.Tensor:
         """Compute ``seq.tokens[seq.computed:end]`` into its cache: logits [1, V] after the last of them (a view
-        valid until the next call)."""
-        tokens = end - seq.computed
+        valid until the next call). With speculation, the draft runs over the same chunk."""
+        start = seq.computed
+        tokens = end - start
         size = next((s for s in self.prefill_sizes if s >= tokens), None)
         device = self.device
-        if size is None or seq.computed + size > self.capacity:   # on the CPU; or padding past the tables
-            return self._forward(torch.tensor([seq.tokens[seq.computed:end]], dtype=torch.long, device=device),
-                                 torch.tensor([seq.slot], dtype=torch.long, device=device),
-                                 torch.tensor([seq.blocks], dtype=torch.long, device=device),
-                                 torch.tensor([seq.computed], dtype=torch.long, device=device), seq.computed)
-        graph = self.prefill_graphs.get(size)
-        if graph is not None:
-            return graph.run(seq, end)
-        row = torch.from_numpy(self._prefill_row(seq, end, size)).to(device)
-        return self._prefill_forward(row, size, seq.computed)[0]
+        if size is None or start + size > self.capacity:   # on the CPU; or padding past the tables
+            cache = batch_cache(self.model.config, self.cache.latents, self.cache.states,
+                                torch.tensor([seq.slot], dtype=torch.long, device=device),
+                                torch.tensor([seq.blocks], dtype=torch.long, device=device),
+                                torch.tensor([start], dtype=torch.long, device=device), start)
+            out = self.model(torch.tensor([seq.tokens[start:end]], dtype=torch.long, device=device), cache=cache,
+                             last_only=True, features_at=self._features_at)
+            logits, features = out.logits[:, -1], self._features(out)
+        else:
+            graph = self.prefill_graphs.get(size)
+            if graph is not None:
+                logits, features = graph.run(seq, end)
+            else:
+                row = torch.from_numpy(self._prefill_row(seq, end, size)).to(device)
+                logits, features, _ = self._prefill_forward(row, size, start)
+        if self.speculator is not None:
+            self.speculator.prefill(seq, start, end, features)
+        return logits
 
     def _prefill_row(self, seq: Sequence, end: int, size: int, out: np.ndarray | None = None) -> np.ndarray:
         """The input buffer of a prefill padded to ``size`` tokens (see the module notes)."""
@@ -141,14 +170,16 @@ class ModelRunner:
         table[:len(seq.blocks)] = seq.blocks
         return row
 
-    def _prefill_forward(self, row: torch.Tensor, size: int, max_length: int) -> tuple[torch.Tensor, K3Cache]:
-        """The padded prefill over the device buffer ``row``: (logits [1, V] at its last real token, the cache the
-        forward ran on)."""
+    def _prefill_forward(self, row: torch.Tensor, size: int, max_length: int
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, K3Cache]:
+        """The padded prefill over the device buffer ``row``: (logits [1, V] at its last real token, the draft's
+        fused features [1, size, D] with speculation, the cache the forward ran on)."""
         valid_1 = row[size + _P_VALID:size + _P_VALID + 1]
         cache = batch_cache(self.model.config, self.cache.latents, self.cache.states,
                             row[size + _P_SLOT:size + _P_SLOT + 1], row[size + _P_TABLE:][None],
                             row[size + _P_LENGTH:size + _P_LENGTH + 1], max_length, valid_B=valid_1)
-        return self.model(row[:size][None], cache=cache, logits_at=valid_1 - 1).logits[:, -1], cache
+        out = self.model(row[:size][None], cache=cache, logits_at=valid_1 - 1, features_at=self._features_at)
+        return out.logits[:, -1], self._features(out), cache
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token for every sequence (its last): logits [B, V]. The view is only valid until the next call."""
@@ -223,6 +254,16 @@ class ModelRunner:
         self.capture_seconds += elapsed
         log.info("captured the piecewise prefill graphs of %s tokens in %.1f s", ", ".join(map(str, sizes)), elapsed)
 
+    def _capture_speculative(self, buckets: list[int]) -> None:
+        """Capture the speculative step's draft and verification graphs per bucket (``Speculator.capture``)."""
+        start = time.perf_counter()
+        self.speculator.capture(buckets, torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device))
+        torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        self.capture_seconds += elapsed
+        log.info("captured the speculative step's graphs (batch %s) in %.1f s", ", ".join(map(str, buckets)),
+                 elapsed)
+
     # ------------------------------------------------------------------ sampling
     def sample(self, seqs: list[Sequence], logits_BV: torch.Tensor) -> list[Sampled]:
         """The next token of every sequence, drawn on the device as its request asks; one host transfer."""
@@ -266,10 +307,10 @@ class _PrefillGraph:
         self._static = self._host.to(device)
         caches = []
 
-        def forward() -> torch.Tensor:
-            logits, cache = runner._prefill_forward(self._static, size, 0)
+        def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
+            logits, features, cache = runner._prefill_forward(self._static, size, 0)
             caches.append(cache)
-            return logits
+            return logits, features
 
         side = torch.cuda.Stream(device)
         with torch.no_grad():
@@ -278,8 +319,9 @@ class _PrefillGraph:
             self.graph.capture(forward)
         self._views = [layer for layer in caches[-1].layers if isinstance(layer, PagedLatentView)]
 
-    def run(self, seq: Sequence, end: int) -> torch.Tensor:
-        """Replay for ``seq.tokens[seq.computed:end]`` (at most ``size`` of them): logits [1, V]."""
+    def run(self, seq: Sequence, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay for ``seq.tokens[seq.computed:end]`` (at most ``size`` of them): (logits [1, V], the draft's
+        fused features [1, size, D] or None)."""
         self._copied.synchronize()   # the previous chunk's copy has left the pinned buffer (no sample since)
         self._runner._prefill_row(seq, end, self.size, out=self._host_np)
         self._static.copy_(self._host, non_blocking=True)

@@ -14,6 +14,9 @@ B = sequences in a step, T = new tokens per sequence, S = tokens attended, Z = K
 - Both pools keep one spare row past the rows they hand out (``LatentPool.scratch_block``, and
   the state pool's last row, slot -1): the padding rows of a decode batch replayed as a CUDA graph at a larger
   bucket write there, never into a live sequence's cache.
+- With speculative decoding the latent pool holds one more layer, the draft's (``kimik3.model.draft``), under the
+  same block tables; a verification records every KDA state after each of its tokens (``StepStates``) and keeps
+  the one after the last accepted token (``StatePool.commit_steps``).
 - ``StatePool`` holds the fixed-size KDA state (conv inputs + fp32 recurrent state) of every KDA
   layer in Z slots: live sequences and prefix checkpoints each take one slot. A forward sees the
   recurrent states as pooled ``KDAState``s and advances their rows in place; the small conv inputs are
@@ -101,8 +104,8 @@ class LatentPool:
             pool[dst, :tokens] = pool[src, :tokens]
 
     def view(self, layer: int, tables_BN: torch.Tensor, lengths_B: torch.Tensor,
-             max_length: int | None = None) -> "PagedLatentView":
-        return PagedLatentView(self.tensors[layer], tables_BN, lengths_B, max_length)
+             max_length: int | None = None, multi_token: bool = False) -> "PagedLatentView":
+        return PagedLatentView(self.tensors[layer], tables_BN, lengths_B, max_length, multi_token)
 
 
 class PagedLatentView:
@@ -110,14 +113,17 @@ class PagedLatentView:
 
     ``tables_BN`` are the rows' block tables padded to a common width with any valid block id
     (padding is never read unmasked). ``max_length``: ``lengths_B``'s largest value when the caller knows it on
-    the host (else ``attend`` reads it back: a synchronisation)."""
+    the host (else ``attend`` reads it back: a synchronisation). ``multi_token``: the forward's T tokens of a row
+    go through ``decode_absorbed`` together (a speculative verification or draft step), each attending to the
+    row's cache and the tokens before it."""
 
     def __init__(self, pool_NPC: torch.Tensor, tables_BN: torch.Tensor, lengths_B: torch.Tensor,
-                 max_length: int | None = None):
+                 max_length: int | None = None, multi_token: bool = False):
         self.pool_NPC = pool_NPC
         self.tables_BN = tables_BN
         self.lengths_B = lengths_B
         self.max_length = max_length
+        self.multi_token = multi_token
 
     # The MLA layer's cached attention (shaped by ``max_length``) runs outside a prefill's piecewise CUDA graphs.
     eager_region = staticmethod(eager_region)
@@ -151,20 +157,24 @@ class PagedLatentView:
 
     def decode_absorbed(self, kv_BTC: torch.Tensor, q_latent_BTHC: torch.Tensor, q_slice_BTHR: torch.Tensor,
                         scale: float) -> torch.Tensor:
-        """One token per row: store its latent, then attend every row's latents where they lie in the pool
-        (``kimik3.ops.mla.paged_mla_decode``). Nothing here reads a value back to the host, so a decode step
-        through it can be replayed as a CUDA graph. Returns [B, 1, H, C]."""
+        """Store the T new latents of every row, then attend each token to its row's latents up to and including
+        its own, where they lie in the pool (``kimik3.ops.mla.paged_mla_decode``, the B x T tokens as rows that
+        share their row's block table). T is 1 unless the view is ``multi_token``. Nothing here reads a value back
+        to the host, so a step through it can be replayed as a CUDA graph. Returns [B, T, H, C]."""
         batch, length, width = kv_BTC.shape
-        if length != 1:
-            raise ValueError(f"decode_absorbed takes one token per row, got {length}")
+        if length != 1 and not self.multi_token:
+            raise ValueError(f"decode_absorbed takes one token per row, got {length} (a multi_token view takes more)")
         flat = self.pool_NPC.view(-1, width)
-        flat[self._slots(self.lengths_B[:, None]).flatten()] = kv_BTC.reshape(-1, width).to(flat.dtype)
+        positions_BT = self.lengths_B[:, None] + torch.arange(length, device=kv_BTC.device)[None, :]
+        flat[self._slots(positions_BT).flatten()] = kv_BTC.reshape(-1, width).to(flat.dtype)
         tables_BN = self.tables_BN
         if not tables_BN.is_cuda:   # the CPU path gathers whole tables: trim them to the longest row (no graphs here)
-            tables_BN = tables_BN[:, :self._max_length() // self.pool_NPC.shape[1] + 1]
-        out_BHC = paged_mla_decode(q_latent_BTHC[:, 0], q_slice_BTHR[:, 0], self.pool_NPC, tables_BN,
-                                   self.lengths_B + 1, scale)
-        return out_BHC[:, None]
+            tables_BN = tables_BN[:, :(self._max_length() + length - 1) // self.pool_NPC.shape[1] + 1]
+        if length > 1:
+            tables_BN = tables_BN.repeat_interleave(length, dim=0)
+        out_XHC = paged_mla_decode(q_latent_BTHC.flatten(0, 1), q_slice_BTHR.flatten(0, 1), self.pool_NPC, tables_BN,
+                                   (positions_BT + 1).flatten(), scale)
+        return out_XHC.unflatten(0, (batch, length))
 
 
 class StatePool:
@@ -215,26 +225,62 @@ class StatePool:
             conv[dst] = conv[src]
             rec[dst] = rec[src]
 
-    def view(self, slots_B: torch.Tensor, valid_B: torch.Tensor | None = None) -> list[KDAState]:
+    def view(self, slots_B: torch.Tensor, valid_B: torch.Tensor | None = None,
+             steps: "StepStates | None" = None) -> list[KDAState]:
         """Per KDA layer, the pooled states of the sequences in ``slots_B``: the layer reads and advances their
         pool rows in place (no copy in or out; a recurrent state is ~6 MB per sequence and layer at K3's
-        width). ``valid_B``: the real tokens of a padded chunk (``KDAState.valid_B``)."""
-        return [KDAState(None, None, pool_PHKV=rec, slots_B=slots_B, conv_pool_PCW=conv, valid_B=valid_B)
-                for conv, rec in zip(self.conv, self.recurrent)]
+        width). ``valid_B``: the real tokens of a padded chunk (``KDAState.valid_B``). ``steps``: a speculative
+        verification, which records each token's state there (``KDAState.stepwise``)."""
+        per_layer = steps.layers(len(slots_B)) if steps is not None else [(None, None)] * len(self.conv)
+        return [KDAState(None, None, pool_PHKV=rec, slots_B=slots_B, conv_pool_PCW=conv, valid_B=valid_B,
+                         steps_TBHKV=steps_rec, steps_conv_TBCW=steps_conv)
+                for conv, rec, (steps_rec, steps_conv) in zip(self.conv, self.recurrent, per_layer)]
+
+    def commit_steps(self, slots_B: torch.Tensor, index_B: torch.Tensor, steps: "StepStates") -> None:
+        """After a verification: row b's state becomes the one it had after token ``index_B[b]`` (its last accepted
+        token), for every KDA layer. Device ops only (no host read)."""
+        rows_B = torch.arange(len(slots_B), device=slots_B.device)
+        for conv, rec, (steps_rec, steps_conv) in zip(self.conv, self.recurrent, steps.layers(len(slots_B))):
+            rec[slots_B] = steps_rec[index_B, rows_B]
+            conv[slots_B] = steps_conv[index_B, rows_B]
+
+
+class StepStates:
+    """Per KDA layer, the states of up to ``rows`` sequences after each of ``tokens`` tokens of a speculative
+    verification ([T, rows, H, K, V] recurrent, [T, rows, C, W-1] conv inputs): what lets the engine keep the
+    state after the last accepted token."""
+
+    def __init__(self, pool: StatePool, tokens: int, rows: int):
+        self.tokens = tokens
+        self.recurrent = [torch.empty(tokens, rows, *rec.shape[1:], dtype=rec.dtype, device=rec.device)
+                          for rec in pool.recurrent]
+        self.conv = [torch.empty(tokens, rows, *conv.shape[1:], dtype=conv.dtype, device=conv.device)
+                     for conv in pool.conv]
+
+    @staticmethod
+    def nbytes(config: K3Config, dtype: torch.dtype, tokens: int, rows: int) -> int:
+        return tokens * rows * StatePool.slot_bytes(config, dtype)
+
+    def layers(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (recurrent, conv) buffers for a batch of ``batch`` rows."""
+        if self.recurrent and batch > self.recurrent[0].shape[1]:
+            raise ValueError(f"a verification of {batch} rows exceeds the {self.recurrent[0].shape[1]} step rows")
+        return [(rec[:, :batch], conv[:, :batch]) for rec, conv in zip(self.recurrent, self.conv)]
 
 
 def batch_cache(config: K3Config, latents: LatentPool, states: StatePool, slots_B: torch.Tensor,
                 tables_BN: torch.Tensor, lengths_B: torch.Tensor, max_length: int | None = None,
-                valid_B: torch.Tensor | None = None) -> K3Cache:
+                valid_B: torch.Tensor | None = None, steps: StepStates | None = None) -> K3Cache:
     """The model-facing ``K3Cache`` for one forward over B pooled sequences. ``max_length``: the longest row's
     cached length when the host knows it (a prefill), which spares the MLA layers reading it back. ``valid_B``:
-    the real tokens of each row of a padded chunk (the rest is padding; ``KDAState.valid_B``)."""
-    kda_states = states.view(slots_B, valid_B)
+    the real tokens of each row of a padded chunk (the rest is padding; ``KDAState.valid_B``). ``steps``: a
+    speculative verification (every row's T tokens through the one-token paths, each KDA state recorded)."""
+    kda_states = states.view(slots_B, valid_B, steps)
     layers: list = []
     mla_index = kda_index = 0
     for spec in config.layer_plan():
         if spec.mixer == "mla":
-            layers.append(latents.view(mla_index, tables_BN, lengths_B, max_length))
+            layers.append(latents.view(mla_index, tables_BN, lengths_B, max_length, multi_token=steps is not None))
             mla_index += 1
         else:
             layers.append(kda_states[kda_index])

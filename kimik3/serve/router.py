@@ -67,7 +67,13 @@ class ReplicaRouter:
         total = EngineStats()
         for stats in (r.stats() for r in self.replicas):
             for f in fields(EngineStats):
-                setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
+                mine, theirs = getattr(total, f.name), getattr(stats, f.name)
+                if isinstance(mine, tuple):   # per position: summed position by position
+                    longest = max(len(mine), len(theirs))
+                    mine, theirs = (tuple(v) + (0,) * (longest - len(v)) for v in (mine, theirs))
+                    setattr(total, f.name, tuple(a + b for a, b in zip(mine, theirs)))
+                else:
+                    setattr(total, f.name, mine + theirs)
         return total
 
     def health(self) -> str | None:

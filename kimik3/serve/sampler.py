@@ -31,7 +31,7 @@ import torch
 from kimik3.model.sampling import GREEDY_BELOW
 from kimik3.serve.types import SamplingParams
 
-__all__ = ["SamplingBatch", "sample", "token_logprobs"]
+__all__ = ["SamplingBatch", "draw", "probabilities", "sample", "token_logprobs"]
 
 
 @dataclass(slots=True)
@@ -99,9 +99,20 @@ def sample(logits_BV: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """
     if batch.all_greedy:
         return logits_BV.argmax(dim=-1)
-    logits = _cut(logits_BV.float() / batch.temperature_B[:, None], batch)
-    probs = torch.softmax(logits, dim=-1)
-    tokens = probs.div_(_exponential_noise(probs, batch)).argmax(dim=-1)
+    return draw(probabilities(logits_BV, batch), logits_BV, batch)
+
+
+def probabilities(logits_BV: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution each sampled row draws from: softmax of its logits over its temperature after its min_p,
+    top_k and top_p cuts (fp32 [B, V]). Greedy rows get a distribution too, which ``draw`` ignores. Speculative
+    decoding verifies drafts against these (``kimik3.serve.spec_verify``)."""
+    return torch.softmax(_cut(logits_BV.float() / batch.temperature_B[:, None], batch), dim=-1)
+
+
+def draw(probs_BV: torch.Tensor, logits_BV: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """One token per row from ``probs_BV`` (``probabilities``; overwritten), the argmax of ``logits_BV`` for the
+    greedy rows: int64 [B]."""
+    tokens = probs_BV.div_(_exponential_noise(probs_BV, batch)).argmax(dim=-1)
     if batch.any_greedy:
         tokens = torch.where(batch.greedy_B, logits_BV.argmax(dim=-1), tokens)
     return tokens

@@ -30,12 +30,14 @@ from typing import Any
 
 import torch
 
+from kimik3.model.draft import EagleDraft
 from kimik3.model.k3 import K3ForCausalLM
 from kimik3.serve.cache_manager import CacheManager
 from kimik3.serve.detokenize import StreamDetokenizer
 from kimik3.serve.memory import EngineConfig, gpu_cache_budget, plan_cache
 from kimik3.serve.model_runner import ModelRunner, Sampled
 from kimik3.serve.sequence import EventSink, Sequence
+from kimik3.serve.speculative import eligible
 from kimik3.serve.types import (AdmissionRejected, EngineStats, FinishReason, GenerationRequest,
                                 RequestTooLong, TokenEvent, Usage)
 
@@ -49,7 +51,7 @@ class EngineBroken(RuntimeError):
 
 class EngineCore:
     def __init__(self, model: K3ForCausalLM, tokenizer: Any, config: EngineConfig,
-                 eos_token_id: int | None = None):
+                 eos_token_id: int | None = None, draft: EagleDraft | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
@@ -59,7 +61,7 @@ class EngineCore:
         self.config = config
         self.layout = plan_cache(model.config, config, model.dtype)
         self.cache = CacheManager(model.config, config, self.layout, model.dtype, model.device)
-        self.runner = ModelRunner(model, self.cache, config, self.max_context)
+        self.runner = ModelRunner(model, self.cache, config, self.max_context, draft)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._counters = EngineStats()
@@ -76,6 +78,9 @@ class EngineCore:
                   f"as piecewise graphs of {', '.join(map(str, sorted(runner.prefill_graphs)))} tokens (captured in "
                   f"{runner.capture_seconds:.1f} s)" if runner.uses_graphs else "eager decode and prefill")
         cache = self.layout.describe(self.config.physical_block, self.config.max_running, self.max_context)
+        if runner.speculator is not None:
+            graphs += (f"; speculative decoding: {runner.speculator.tokens} drafted tokens a step (draft features "
+                       f"from layers {', '.join(map(str, runner.speculator.feature_layers))} and the last)")
         return f"{cache}; {graphs}"
 
     # ------------------------------------------------------------------ admission
@@ -188,6 +193,13 @@ class EngineCore:
             self._fail(seq, error)
 
     def _decode(self, seqs: list[Sequence]) -> None:
+        if self.runner.speculator is not None:
+            speculating = [seq for seq in seqs if eligible(seq)]
+            if speculating:
+                self._speculate(speculating)
+            seqs = [seq for seq in seqs if not eligible(seq)]
+            if not seqs:
+                return
         try:
             sampled = self.runner.sample(seqs, self.runner.decode(seqs))
         except Exception as error:
@@ -199,6 +211,26 @@ class EngineCore:
                 seq.computed += 1
                 self.cache.maybe_snapshot_decode(seq)
                 self._accept(seq, next_token)
+            except Exception as error:
+                self._fail(seq, error)
+
+    def _speculate(self, seqs: list[Sequence]) -> None:
+        """One speculative step (``serve/speculative.py``): each sequence emits 1 to K + 1 tokens."""
+        try:
+            emitted = self.runner.speculator.step(seqs)
+        except Exception as error:
+            self._forward_failed(seqs, error)
+            return
+        self._failed_forwards = 0
+        for seq, tokens in zip(seqs, emitted):
+            try:
+                seq.computed += len(tokens)
+                seq.spec_pending = len(tokens)
+                self.cache.maybe_snapshot_decode(seq)
+                for token in tokens:
+                    self._accept(seq, Sampled(token))
+                    if seq not in self.running:   # finished (or failed to stream) within the step's tokens
+                        break
             except Exception as error:
                 self._fail(seq, error)
 
@@ -278,4 +310,13 @@ class EngineCore:
             checkpoints_used=len(self.prefix_cache), checkpoints_total=self.config.checkpoints,
             prefix_queries=cache_stats.queries, prefix_hits=cache_stats.hits,
             prompt_tokens=counters.prompt_tokens, cached_prompt_tokens=counters.cached_prompt_tokens,
-            completion_tokens=counters.completion_tokens, cost_usd=counters.cost_usd, rejected=counters.rejected)
+            completion_tokens=counters.completion_tokens, cost_usd=counters.cost_usd, rejected=counters.rejected,
+            **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        speculator = self.runner.speculator
+        if speculator is None:
+            return {}
+        s = speculator.stats
+        return dict(spec_proposed=tuple(s.proposed), spec_accepted=tuple(s.accepted), spec_steps=s.steps,
+                    spec_emitted=s.emitted, spec_draft_seconds=s.draft_seconds, spec_verify_seconds=s.verify_seconds)

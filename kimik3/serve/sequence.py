@@ -36,6 +36,9 @@ class Sequence:
     # The checkpoint of the prompt's deepest boundary, pinned while the sequence lives so that its
     # own decode checkpoints (which dominate it) cannot evict it: an identical resend must hit.
     pin: Checkpoint | None = None
+    # Speculative decoding: the pairs (target features, next token) the draft has yet to run, ending at the last
+    # computed position (``kimik3.serve.speculative``); 0 until the prompt is computed.
+    spec_pending: int = 0
 
     @property
     def prompt_len(self) -> int:

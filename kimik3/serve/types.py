@@ -127,6 +127,14 @@ class EngineStats:
     completion_tokens: int = 0        # cumulative
     cost_usd: float = 0.0             # cumulative, at K3's prices
     rejected: int = 0                 # requests refused by admission control
+    # Speculative decoding, cumulative (``kimik3.serve.speculative.SpecStats``): per chain position, drafts proposed
+    # and accepted; sequence-verifications, tokens they emitted, host seconds drafting and verifying.
+    spec_proposed: tuple[int, ...] = ()
+    spec_accepted: tuple[int, ...] = ()
+    spec_steps: int = 0
+    spec_emitted: int = 0
+    spec_draft_seconds: float = 0.0
+    spec_verify_seconds: float = 0.0
 
     @property
     def cache_usage(self) -> float:

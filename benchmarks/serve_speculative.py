@@ -1,0 +1,160 @@
+"""Speculative decoding in the serving engine: decode speed with the run's draft proposing K tokens a step, against
+the same engine without speculation, in the same process.
+
+    python benchmarks/serve_speculative.py --run runs/tiny-spec [--device cuda] [--batches 1,16] [--tokens 1,2,3,4]
+
+The run needs a draft (``kimik3 train-draft --run DIR``). Prompts are held-out text: kimik3's own source files
+(a `kimik3 train` run learns from Python's standard library), cut into ``--prompt-len``-token windows. For every
+batch B and every K (0 = no speculation, the peer), a fresh engine core is built (with CUDA graphs unless
+``--enforce-eager``), warmed on one request, then rounds of B concurrent greedy requests (``ignore_eos``,
+``--max-tokens`` new tokens, new prompts each round, ``--requests`` in all) run to the end. Decode tokens/s counts
+the tokens emitted in steps that ran no prefill chunk, over those steps' wall time. Reported per (B, K): tokens/s,
+the ratio to K = 0, tokens emitted per sequence and verification, the acceptance rate per chain position, the
+draft's share of the step time, and whether every request's tokens equal the K = 0 tokens (greedy speculation is
+lossless in exact arithmetic; in bf16 a differently shaped forward can flip a near-tie argmax).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kimik3.model.draft import EagleDraft
+from kimik3.model.k3 import K3ForCausalLM
+from kimik3.serve.memory import EngineConfig
+from kimik3.serve.scheduler import EngineCore
+from kimik3.serve.types import GenerationRequest, SamplingParams
+from kimik3.tokenizer import EOS, load_tokenizer
+
+
+def held_out_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    """``count`` windows of ``length`` tokens from kimik3's source files (not in a `kimik3 train` run's data)."""
+    import kimik3
+
+    ids: list[int] = []
+    for path in sorted(Path(kimik3.__file__).parent.rglob("*.py")):
+        ids.extend(tokenizer.encode(path.read_text()).ids)
+        if len(ids) >= count * length * 2:
+            break
+    if len(ids) < count * length:
+        raise ValueError(f"not enough held-out text for {count} prompts of {length} tokens")
+    stride = len(ids) // count
+    return [ids[i * stride:i * stride + length] for i in range(count)]
+
+
+def run_case(model, draft, tokenizer, eos, prompts, K: int, args) -> dict:
+    config = EngineConfig(memory_bytes=args.memory_mb * 2**20, max_running=max(args.batches), checkpoints=0,
+                          max_context=args.prompt_len + args.max_tokens + 64, enforce_eager=args.enforce_eager,
+                          speculative_tokens=K)
+    core = EngineCore(model, tokenizer, config, eos, draft if K else None)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    tokens: dict[str, list[int]] = {}
+
+    def drive(requests):
+        for request in requests:
+            tokens[request.request_id] = []
+            core.add(request, lambda e, rid=request.request_id: tokens[rid].append(e.token_id)
+                     if e.token_id is not None else None)
+        decode_time = decode_tokens = 0.0
+        while core.has_work():
+            prefilling = any(seq.prefilling for seq in core.running) or bool(core.waiting)
+            before = sum(len(v) for v in tokens.values())
+            start = time.perf_counter()
+            core.step()
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            if not prefilling:
+                decode_time += time.perf_counter() - start
+                decode_tokens += sum(len(v) for v in tokens.values()) - before
+        return decode_tokens / decode_time if decode_time else 0.0
+
+    drive([GenerationRequest("warm", prompts[0], SamplingParams(max_tokens=16, temperature=0.0,
+                                                                ignore_eos=True))])
+    speculator = core.runner.speculator
+    if speculator is not None:   # count the timed requests only
+        speculator.stats = type(speculator.stats)(K)
+    rows = {}
+    for batch in args.batches:
+        if speculator is not None:
+            speculator.stats = type(speculator.stats)(K)
+        rates = []
+        rounds = max(1, args.requests // batch)
+        for r in range(rounds):   # rounds of `batch` concurrent requests, each round on new prompts
+            ids = range(r * batch, (r + 1) * batch)
+            rates.append(drive([GenerationRequest(f"b{batch}-{i}", prompts[i], params) for i in ids]))
+        rate = len(rates) / sum(1 / x for x in rates)   # the same tokens each round: the harmonic mean
+        row = {"tokens_per_s": rate, "outputs": {f"{i}": tokens[f"b{batch}-{i}"] for i in range(rounds * batch)}}
+        if speculator is not None:
+            stats = speculator.stats
+            row.update(mean_emitted=stats.mean_emitted, acceptance=stats.acceptance, draft_share=stats.draft_share)
+        rows[batch] = row
+    core = None   # the engine's pools and graphs go before the next case's
+    gc.collect()
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", required=True, help="a run with a draft (kimik3 train-draft)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batches", default="1,16", help="concurrent requests (default 1,16)")
+    parser.add_argument("--tokens", default="1,2,3,4", help="drafted tokens per step K to try (default 1,2,3,4)")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default 128)")
+    parser.add_argument("--requests", type=int, default=8,
+                        help="requests per batch size at least: rounds of B concurrent ones (default 8)")
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                        help="the model's dtype (default: bf16 on cuda, fp32 on cpu)")
+    parser.add_argument("--memory-mb", type=int, default=512, help="the engine's cache budget")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (both sides)")
+    parser.add_argument("--json", default=None, help="write the report here")
+    args = parser.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    ks = [int(k) for k in args.tokens.split(",")]
+    run = Path(args.run)
+    model = K3ForCausalLM.from_pretrained(run, device=args.device,
+                                          dtype=getattr(torch, args.dtype) if args.dtype else None).eval()
+    draft = EagleDraft.load(run, model)
+    tokenizer = load_tokenizer(run / "tokenizer.json", vocab_size=model.config.vocab_size)
+    eos = tokenizer.token_to_id(EOS)
+    prompts = held_out_prompts(tokenizer, max(max(1, args.requests // b) * b for b in args.batches),
+                               args.prompt_len)
+    meta = json.loads((run / "draft.json").read_text())
+    print(f"{run}: {model.config.name}, {args.device}, draft trained with loss {meta.get('loss', '?')}; "
+          f"{args.prompt_len}-token prompts, {args.max_tokens} new tokens, greedy"
+          f"{', eager' if args.enforce_eager else ''}, {model.dtype}", flush=True)
+    results = {0: run_case(model, draft, tokenizer, eos, prompts, 0, args)}
+    for K in ks:
+        results[K] = run_case(model, draft, tokenizer, eos, prompts, K, args)
+    print("\n| batch | K | decode tok/s | vs K=0 | tokens / verification | acceptance by position | draft share "
+          "| same tokens |")
+    print("|---:|---:|---:|---:|---:|---|---:|---|")
+    report = []
+    for batch in args.batches:
+        base = results[0][batch]
+        for K in [0] + ks:
+            row = results[K][batch]
+            same = row["outputs"] == base["outputs"]
+            accept = ", ".join(f"{a:.2f}" for a in row.get("acceptance", []))
+            print(f"| {batch} | {K} | {row['tokens_per_s']:,.1f} | {row['tokens_per_s'] / base['tokens_per_s']:.2f}x "
+                  f"| {row.get('mean_emitted', 1.0):.2f} | {accept or '-'} | "
+                  f"{row.get('draft_share', 0.0):.2f} | {'yes' if same else 'NO'} |")
+            report.append({"batch": batch, "K": K, "tokens_per_s": row["tokens_per_s"],
+                           "ratio": row["tokens_per_s"] / base["tokens_per_s"],
+                           "mean_emitted": row.get("mean_emitted", 1.0), "acceptance": row.get("acceptance", []),
+                           "draft_share": row.get("draft_share", 0.0), "same_tokens": same})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"run": str(run), "device": args.device, "rows": report}, indent=1))
+    return 0 if all(r["same_tokens"] for r in report) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

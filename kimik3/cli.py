@@ -575,6 +575,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-tokens", type=int, help="tokens per turn (default: the effort's reasoning budget + 192)")
     r.add_argument("--eval-n", type=int, default=0,
                    help="greedy test accuracy on this many test tasks before the first iteration and after the last")
+    r.add_argument("--partial-lambda", type=float, default=1.0, metavar="λ",
+                   help="partial rollouts: stop an iteration's generation once this fraction of its trajectories "
+                   "finished; the rest resume first next iteration (default 1: wait for all)")
+    r.add_argument("--stale-coef", type=float, default=0.1,
+                   help="partial rollouts: weight of the staleness-weighted squared log-ratio on stale tokens")
+    r.add_argument("--stale-ratio-cap", type=float, default=3.0,
+                   help="partial rollouts: truncation of stale tokens' importance ratio (> 1 + --clip)")
     r.add_argument("--out", help="the new run directory (default: <run>-rl-<domain>-<effort>; use --resume)")
     r.add_argument("--resume", help="continue this RL run (its base run and settings are in its rl.json) up to "
                    "--iterations")
@@ -582,7 +589,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-every", metavar="N|DURATION", help="as for kimik3 train (default 60s)")
     r.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast in updates)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    r.set_defaults(func=cmd_rl)
+
+    def rl_command(args: argparse.Namespace) -> int:    # with the partial-rollout options (posttrain/rl.py)
+        from kimik3.posttrain.rl import rl_command
+
+        return rl_command(args)
+
+    r.set_defaults(func=rl_command)
     return parser
 
 

@@ -16,6 +16,23 @@ policy's ``new``::
 with ``KL_t = exp(ref_t - new_t) - (ref_t - new_t) - 1`` (the non-negative "k3" estimator of KL(new || ref))
 to the reference model when ``kl_coef > 0``. The loss is the mean over the completion tokens of the batch (each
 token weighs the same, whatever its completion's length); prompt and tool-result tokens take no loss.
+
+**Stale tokens** (partial rollouts, ``partial.py``): a token sampled by a policy ``s >= 1`` versions older than
+the one being updated ("staleness" s) has ``old`` = that older policy's log-probability, so its ratio starts the
+update away from 1. Seed §6 asks that "the update absorbs the staleness with per-token regularisation"; on stale
+tokens only (s > 0; fresh tokens keep exactly the loss above, so ``--partial-lambda 1`` changes nothing)::
+
+    loss_t = -min(min(ratio_t, C) * A, clip(ratio_t, 1 - eps, 1 + eps) * A) + stale_coef * s_t * (new_t - old_t)^2 / 2
+
+* the **truncated ratio** min(ratio, C) (C = ``ratio_cap`` > 1 + eps, default 3) bounds what a stale token can
+  contribute: with A > 0 the clip already holds ratios above 1 + eps; with A < 0 the unclipped branch ratio * A
+  is the one kept above 1 + eps and grows without bound, which truncation at C stops (the "dual clip" of Ye et
+  al. 2020, whose C = 3 is the default);
+* the **regulariser** (new - old)^2 / 2 is the "k2" estimator of KL(behaviour || policy) at the sampled token (the
+  squared log-ratio penalty of Kimi k1.5's mirror-descent objective), weighted by the token's staleness: the
+  older the policy that sampled it, the more the update is held near what that policy did, where the
+  importance-weighted estimate is least reliable. Its gradient (new - old) * grad(new) is bounded by the
+  log-ratio, unlike the k3 estimator's (ratio - 1).
 """
 
 from __future__ import annotations
@@ -48,34 +65,45 @@ def group_advantages(rewards: Sequence[float], group: int, eps: float = EPS) -> 
 class Batch:
     """Training rows, right-padded: ``input_ids`` [N, T] (the prompt then the completion), ``targets`` [N, T]
     (token t + 1, what position t predicts), ``mask`` [N, T] (True where ``targets`` is a completion token),
-    ``old`` [N, T] (the rollout's log-probability of each target), ``advantages`` [N]."""
+    ``old`` [N, T] (the rollout's log-probability of each target), ``advantages`` [N]; ``staleness`` [N, T] (policy
+    versions between the one that sampled each target and the one being updated; None: all fresh)."""
 
     input_ids: torch.Tensor
     targets: torch.Tensor
     mask: torch.Tensor
     old: torch.Tensor
     advantages: torch.Tensor
+    staleness: torch.Tensor | None = None
+
+    FIELDS = ("input_ids", "targets", "mask", "old", "advantages", "staleness")
 
     def rows(self, index: slice) -> "Batch":
         cut = int(self.mask[index].any(0).nonzero().max()) + 1 if bool(self.mask[index].any()) else 1
         return Batch(self.input_ids[index, :cut], self.targets[index, :cut], self.mask[index, :cut],
-                     self.old[index, :cut], self.advantages[index])
+                     self.old[index, :cut], self.advantages[index],
+                     None if self.staleness is None else self.staleness[index, :cut])
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch(*(t.to(device) for t in (self.input_ids, self.targets, self.mask, self.old, self.advantages)))
+        return Batch(*(None if t is None else t.to(device) for t in (self.input_ids, self.targets, self.mask, self.old,
+                                                                     self.advantages, self.staleness)))
 
 
 def make_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-               logprobs: Sequence[Sequence[float]], advantages: Sequence[float], pad_id: int = 0) -> Batch:
-    """Rows of (prompt, completion) token ids with the completion's rollout log-probabilities (one per token)."""
+               logprobs: Sequence[Sequence[float]], advantages: Sequence[float], pad_id: int = 0,
+               staleness: Sequence[Sequence[int]] | None = None) -> Batch:
+    """Rows of (prompt, completion) token ids with the completion's rollout log-probabilities (one per token) and,
+    optionally, each completion token's staleness (policy versions behind the updated one)."""
     if not (len(prompts) == len(completions) == len(logprobs) == len(advantages)):
         raise ValueError("prompts, completions, logprobs and advantages must have one entry per row")
+    if staleness is not None and len(staleness) != len(prompts):
+        raise ValueError("staleness must have one entry per row")
     width = max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1
     n = len(prompts)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     targets = torch.full((n, width), pad_id, dtype=torch.long)
     mask = torch.zeros((n, width), dtype=torch.bool)
     old = torch.zeros((n, width), dtype=torch.float32)
+    stale = None if staleness is None else torch.zeros((n, width), dtype=torch.float32)
     for i, (prompt, completion, lps) in enumerate(zip(prompts, completions, logprobs)):
         if not prompt or len(lps) != len(completion):
             raise ValueError(f"row {i}: needs a prompt and one log-probability per completion token "
@@ -86,7 +114,11 @@ def make_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[
         start = len(prompt) - 1                 # position predicting the first completion token
         mask[i, start:start + len(completion)] = True
         old[i, start:start + len(completion)] = torch.tensor(lps, dtype=torch.float32)
-    return Batch(input_ids, targets, mask, old, torch.tensor(advantages, dtype=torch.float32))
+        if stale is not None:
+            if len(staleness[i]) != len(completion) or min(staleness[i], default=0) < 0:
+                raise ValueError(f"row {i}: needs one staleness >= 0 per completion token")
+            stale[i, start:start + len(completion)] = torch.tensor(staleness[i], dtype=torch.float32)
+    return Batch(input_ids, targets, mask, old, torch.tensor(advantages, dtype=torch.float32), stale)
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -103,21 +135,39 @@ class LossParts:
     kl: float                 # sum over the completion tokens of the KL estimate (0 without a reference)
     ratio_sum: float          # sum over the completion tokens of the importance ratio
     ratio_max_dev: float      # max |ratio - 1| over the completion tokens
+    stale: int = 0            # completion tokens sampled by an older policy (staleness > 0)
+    truncated: float = 0.0    # stale tokens whose ratio the cap C held
+    stale_reg: float = 0.0    # sum over the stale tokens of the staleness-weighted regulariser
 
 
 def clipped_policy_loss(new: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                         clip: float, ref: torch.Tensor | None = None, kl_coef: float = 0.0,
-                        normaliser: int | None = None) -> LossParts:
+                        normaliser: int | None = None, staleness: torch.Tensor | None = None,
+                        stale_coef: float = 0.0, ratio_cap: float = 3.0) -> LossParts:
     """The clipped surrogate over the ``mask``ed tokens (see the module notes): new/old/ref [N, T], advantages
     [N]. ``normaliser``: the token count the sum is divided by (default: this batch's; a micro-batch of a larger
-    update passes the update's, so its gradients add up to the whole batch's mean)."""
+    update passes the update's, so its gradients add up to the whole batch's mean). ``staleness`` [N, T]: the
+    stale-token correction (truncation at ``ratio_cap``, regulariser weighted by ``stale_coef``) where > 0."""
+    if staleness is not None and ratio_cap <= 1 + clip:
+        raise ValueError(f"the stale ratio cap must exceed 1 + clip = {1 + clip}, got {ratio_cap}")
     mask_f = mask.float()
     tokens = int(mask.sum())
     divide = max(1, normaliser if normaliser is not None else tokens)
     ratio = torch.exp((new - old) * mask_f)     # 1 off the mask, where old is padding
     adv = advantages[:, None].to(new.dtype)
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    stale = (staleness > 0) & mask if staleness is not None else None
+    stale_tokens = int(stale.sum()) if stale is not None else 0
+    unclipped = torch.where(stale, ratio.clamp(max=ratio_cap), ratio) if stale_tokens else ratio
+    surrogate = torch.minimum(unclipped * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
     per_token = -surrogate
+    truncated = reg_sum = 0.0
+    if stale_tokens:
+        log_ratio = (new - old) * stale.float()
+        reg = stale_coef * staleness * 0.5 * log_ratio.square()
+        per_token = per_token + reg
+        with torch.no_grad():
+            truncated = float((stale & (ratio > ratio_cap)).sum())
+            reg_sum = float(reg.detach().sum())
     kl_sum = 0.0
     if ref is not None and kl_coef > 0:
         delta = ref - new
@@ -128,7 +178,8 @@ def clipped_policy_loss(new: torch.Tensor, old: torch.Tensor, advantages: torch.
     with torch.no_grad():
         held = ((ratio * adv) > (ratio.clamp(1 - clip, 1 + clip) * adv)) & mask
         deviation = float(((ratio - 1).abs() * mask_f).max()) if tokens else 0.0
-    return LossParts(loss, tokens, float(held.sum()), kl_sum, float((ratio.detach() * mask_f).sum()), deviation)
+    return LossParts(loss, tokens, float(held.sum()), kl_sum, float((ratio.detach() * mask_f).sum()), deviation,
+                     stale_tokens, truncated, reg_sum)
 
 
 __all__ = ["Batch", "LossParts", "clipped_policy_loss", "group_advantages", "make_batch", "token_logprobs"]

@@ -25,6 +25,13 @@ checkpoints (every 60 s and at the end) and ``--resume``; this module runs its o
 and the RL settings) that ``--resume`` reads back. The output loads in ``kimik3 serve`` and ``eval-tasks`` like
 any run. Iteration s's prompts and sampling seeds are functions of (seed, s), so a resumed run continues with the
 prompts the uninterrupted one would have used.
+
+**Partial rollouts** (``--partial-lambda λ < 1``, ``partial.py``): an iteration rolls out the trajectories paused
+by the previous one first, then its P x G new ones, and stops generating once ceil(λ·N) of those N have finished;
+the rest are paused (their tokens so far kept with their rollout log-probabilities and the policy version of each
+token). Only whole groups of finished trajectories are scored and trained on; their tokens sampled by older
+weights get the stale-token correction of ``policy_loss.clipped_policy_loss``. λ = 1 is the plain loop above.
+A ``--resume``d run starts with an empty queue (paused trajectories are not checkpointed).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +50,7 @@ import numpy as np
 import torch
 
 from kimik3.files import atomic_write, write_text_atomic
+from kimik3.posttrain.partial import Trajectory, finish_target, partial_rollouts, trajectory_rows
 from kimik3.posttrain.policy_loss import clipped_policy_loss, group_advantages, make_batch, token_logprobs
 from kimik3.posttrain.rollout import RolloutEngine, rollout_rows
 from kimik3.posttrain.tasks import make_tasks
@@ -69,6 +78,9 @@ class RLSpec:
     micro_batch: int = 16
     temperature: float = 1.0
     max_tokens: int | None = None     # per turn; None: the effort's budget + the answer's allowance
+    partial_lambda: float = 1.0       # stop an iteration's rollouts once this fraction finished (1: wait for all)
+    stale_coef: float = 0.1           # weight of the staleness-weighted regulariser on stale tokens
+    stale_ratio_cap: float = 3.0      # truncation C of stale tokens' importance ratio
 
     def validate(self) -> None:
         check_domain_effort(self.domain, self.effort)
@@ -88,6 +100,11 @@ class RLSpec:
             raise ValueError(f"--max-tokens must be >= 1, got {self.max_tokens}")
         if not 0 < self.temperature <= 2:
             raise ValueError(f"the rollout temperature must be in (0, 2], got {self.temperature}")
+        finish_target(self.partial_lambda, 1)     # outside (0, 1]: refused
+        if self.stale_coef < 0:
+            raise ValueError(f"--stale-coef must be >= 0, got {self.stale_coef}")
+        if self.stale_ratio_cap <= 1 + self.clip:
+            raise ValueError(f"--stale-ratio-cap must exceed 1 + --clip = {1 + self.clip}, got {self.stale_ratio_cap}")
 
     def write(self, run_dir: Path) -> None:
         write_text_atomic(run_dir / RL_FILE, json.dumps({"rl": dataclasses.asdict(self)}, indent=1))
@@ -104,7 +121,11 @@ class RLSpec:
 
     @property
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps([RECIPE, dataclasses.asdict(self)], sort_keys=True).encode()).hexdigest()
+        fields = dataclasses.asdict(self)
+        if self.partial_lambda == 1.0:       # the plain loop: the partial settings change nothing (nor old runs' hash)
+            for name in ("partial_lambda", "stale_coef", "stale_ratio_cap"):
+                fields.pop(name)
+        return hashlib.sha256(json.dumps([RECIPE, fields], sort_keys=True).encode()).hexdigest()
 
 
 class RLSource:
@@ -145,8 +166,14 @@ class RLRun:
     def __init__(self, trainer: Any, spec: RLSpec, encoder: Any, log: Callable[[str], None] = print):
         self.trainer, self.spec, self.log = trainer, spec, log
         self.policy = trainer.model
+        # Partial rollouts carry about N (1 / λ - 1) paused trajectories on top of the N new ones.
         self.engine = RolloutEngine(self.policy, trainer.tokenizer, encoder,
-                                    max_running=min(256, spec.prompts * spec.group))
+                                    max_running=min(256, math.ceil(spec.prompts * spec.group / spec.partial_lambda)))
+        self.paused: list[Trajectory] = []                          # resumed first next iteration
+        self.waiting: dict[tuple[int, int], list[Trajectory]] = {}  # finished members of groups not yet complete
+        self.reward: Callable[[Any], float] = lambda rollout: rollout.task.score(rollout.completion)
+        # (iteration, index in the iteration's P x G) -> that trajectory's per-turn token budget; None: spec's.
+        self.budget: Callable[[int, int], int | None] | None = None
         self.reference = None
         if spec.kl_coef > 0:
             from kimik3.model.k3 import K3ForCausalLM
@@ -163,12 +190,14 @@ class RLRun:
         seed = trainer.args.seed
         record: dict[str, Any] = {"step": step, "total_steps": trainer.total, "lr": trainer.args.lr}
         start = time.perf_counter()
+        if spec.partial_lambda < 1.0:
+            return self._partial_iteration(step, record, start, progress)
         tasks = iteration_tasks(spec, seed, step)
         self.engine.sync(self.policy)
         rollouts, stats = self.engine.rollouts(tasks, seed=(seed * 1_000_003 + step) * 65_536,
                                                temperature=spec.temperature, max_tokens=spec.max_tokens,
                                                progress=progress)
-        rewards = [r.task.score(r.completion) for r in rollouts]
+        rewards = [self.reward(r) for r in rollouts]
         advantages = group_advantages(rewards, spec.group)
         groups = np.asarray(rewards).reshape(-1, spec.group)
         record.update(reward_mean=float(np.mean(rewards)), accuracy=float(np.mean([r >= 1.0 for r in rewards])),
@@ -183,20 +212,69 @@ class RLRun:
         record["elapsed_s"] = time.perf_counter() - trainer.started
         return record
 
-    def update(self, rollouts, advantages) -> dict[str, Any]:
-        """The policy-gradient steps of one iteration; an iteration without signal makes none."""
+    def _partial_iteration(self, step: int, record: dict[str, Any], start: float, progress: bool) -> dict[str, Any]:
+        """An iteration with partial rollouts (module notes): resumed trajectories first, then P x G new ones;
+        generation stops at ceil(λ·N) finished; whole groups of finished trajectories are trained on."""
         trainer, spec = self.trainer, self.spec
-        prompts, completions, logprobs, advs = rollout_rows(rollouts, advantages)
+        seed = trainer.args.seed
+        new = [Trajectory(task, (step, k // spec.group), k % spec.group,
+                          (self.budget(step, k) if self.budget is not None else None) or spec.max_tokens)
+               for k, task in enumerate(iteration_tasks(spec, seed, step))]
+        batch = self.paused + new
+        self.engine.sync(self.policy)
+        stats = partial_rollouts(self.engine.engine, self.engine.encoder, batch, spec.partial_lambda, version=step,
+                                 seed=(seed * 1_000_003 + step) * 65_536, temperature=spec.temperature)
+        self.paused = [t for t in batch if not t.finished]
+        for t in batch:
+            if t.finished:
+                self.waiting.setdefault(t.group, []).append(t)
+        complete = sorted(key for key, members in self.waiting.items() if len(members) == spec.group)
+        trained = [t for key in complete for t in sorted(self.waiting.pop(key), key=lambda t: t.member)]
+        rollouts = [t.rollout for t in trained]
+        rewards = [self.reward(r) for r in rollouts]
+        record.update(rollout_s=stats.seconds, rollout_tokens=stats.completion_tokens,
+                      rollout_tokens_per_s=stats.tokens_per_s, trajectories=len(batch), resumed=stats.resumed,
+                      finished=stats.finished, paused=stats.paused, finish_target=stats.target,
+                      groups_trained=len(complete), groups_waiting=len(self.waiting),
+                      reward_mean=float(np.mean(rewards)) if rewards else float("nan"),
+                      accuracy=float(np.mean([r >= 1.0 for r in rewards])) if rewards else float("nan"),
+                      completion_tokens=float(np.mean([r.tokens for r in rollouts])) if rollouts else float("nan"))
+        advantages = group_advantages(rewards, spec.group) if rewards else []
+        if rewards:
+            groups = np.asarray(rewards).reshape(-1, spec.group)
+            record["zero_variance_groups"] = float(np.mean(groups.std(axis=1) == 0))
+        versions = [v for t in trained for v in t.token_versions()]
+        record["stale_token_fraction"] = float(np.mean([v < step for v in versions])) if versions else 0.0
+        record["max_staleness"] = int(step - min(versions)) if versions else 0
+        update_start = time.perf_counter()
+        record.update(self.update(rollouts, advantages, rows=trajectory_rows(trained, advantages, step)))
+        record["update_s"] = time.perf_counter() - update_start
+        record["iteration_s"] = time.perf_counter() - start
+        record["elapsed_s"] = time.perf_counter() - trainer.started
+        return record
+
+    def update(self, rollouts, advantages, rows: tuple | None = None) -> dict[str, Any]:
+        """The policy-gradient steps of one iteration; an iteration without signal makes none. ``rows``: the
+        training rows with each token's staleness (``partial.trajectory_rows``) instead of ``rollouts``'."""
+        trainer, spec = self.trainer, self.spec
+        if rows is None:
+            prompts, completions, logprobs, advs = rollout_rows(rollouts, advantages)
+            staleness = None
+        else:
+            prompts, completions, logprobs, staleness, advs = rows
         out = {"loss": 0.0, "skipped": False, "optimizer_steps": 0, "clip_fraction": 0.0, "kl": 0.0,
                "ratio_mean": 1.0, "ratio_max_dev": 0.0, "trained_tokens": 0}
+        if staleness is not None:
+            out.update(stale_tokens=0, stale_truncated=0.0, stale_reg=0.0)
         if not prompts:
             return out
-        batch = make_batch(prompts, completions, logprobs, advs)
+        batch = make_batch(prompts, completions, logprobs, advs, staleness=staleness)
         order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(trainer.args.seed + trainer.step))
-        batch = dataclasses.replace(batch, **{f: getattr(batch, f)[order] for f in
-                                              ("input_ids", "targets", "mask", "old", "advantages")})
+        batch = dataclasses.replace(batch, **{f: getattr(batch, f)[order] for f in batch.FIELDS
+                                              if getattr(batch, f) is not None})
         chunks = np.array_split(np.arange(len(prompts)), min(spec.minibatches, len(prompts)))
-        totals = {"loss": 0.0, "tokens": 0, "clipped": 0.0, "kl": 0.0, "ratio": 0.0}
+        totals = {"loss": 0.0, "tokens": 0, "clipped": 0.0, "kl": 0.0, "ratio": 0.0, "stale": 0, "truncated": 0.0,
+                  "stale_reg": 0.0}
         first_dev = 0.0
         self.policy.train()
         for index, chunk in enumerate(chunks):
@@ -214,7 +292,7 @@ class RLRun:
             trainer.optimizer.zero_grad(set_to_none=True)
             out["optimizer_steps"] += 1
             totals["loss"] += loss
-            for key in ("tokens", "clipped", "kl", "ratio"):
+            for key in totals.keys() - {"loss"}:
                 totals[key] += parts[key]
             if index == 0:
                 first_dev = parts["dev"]
@@ -222,6 +300,9 @@ class RLRun:
         out.update(loss=totals["loss"] / max(1, out["optimizer_steps"]), clip_fraction=totals["clipped"] / tokens,
                    kl=totals["kl"] / tokens, ratio_mean=totals["ratio"] / tokens, ratio_max_dev=first_dev,
                    trained_tokens=totals["tokens"])
+        if staleness is not None:
+            out.update(stale_tokens=totals["stale"], stale_truncated=totals["truncated"],
+                       stale_reg=totals["stale_reg"] / tokens)
         return out
 
     def _minibatch(self, batch, rows) -> tuple[float, dict[str, float], bool]:
@@ -229,7 +310,8 @@ class RLRun:
         trainer, spec = self.trainer, self.spec
         device = trainer.device
         normaliser = int(batch.mask[rows].sum())
-        parts = {"tokens": 0, "clipped": 0.0, "kl": 0.0, "ratio": 0.0, "dev": 0.0}
+        parts = {"tokens": 0, "clipped": 0.0, "kl": 0.0, "ratio": 0.0, "dev": 0.0, "stale": 0, "truncated": 0.0,
+                 "stale_reg": 0.0}
         loss_sum = 0.0
         for start in range(0, len(rows), spec.micro_batch):
             index = torch.as_tensor(rows[start:start + spec.micro_batch])
@@ -244,7 +326,7 @@ class RLRun:
                 with torch.no_grad(), trainer._autocast():
                     ref = token_logprobs(self.reference, micro.input_ids, micro.targets)
             result = clipped_policy_loss(new, micro.old, micro.advantages, micro.mask, spec.clip, ref, spec.kl_coef,
-                                         normaliser)
+                                         normaliser, micro.staleness, spec.stale_coef, spec.stale_ratio_cap)
             if not torch.isfinite(result.loss):
                 return float("nan"), parts, False
             result.loss.backward()
@@ -253,6 +335,9 @@ class RLRun:
             parts["clipped"] += result.clipped
             parts["kl"] += result.kl
             parts["ratio"] += result.ratio_sum
+            parts["stale"] += result.stale
+            parts["truncated"] += result.truncated
+            parts["stale_reg"] += result.stale_reg
             parts["dev"] = max(parts["dev"], result.ratio_max_dev)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.policy.parameters() if p.grad is not None], trainer.args.grad_clip)
@@ -308,7 +393,8 @@ def plot_rl(metrics_path: Path, out_path: Path) -> Path | None:
 def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: str = "low",
            difficulty: str = "standard", iterations: int = 20, group: int = 8, prompts: int = 8, lr: float = 2e-4,
            kl_coef: float = 0.0, clip: float = 0.2, minibatches: int = 2, micro_batch: int = 16,
-           max_tokens: int | None = None, out: str | Path | None = None, resume: str | Path | None = None,
+           max_tokens: int | None = None, partial_lambda: float = 1.0, stale_coef: float = 0.1,
+           stale_ratio_cap: float = 3.0, out: str | Path | None = None, resume: str | Path | None = None,
            seed: int = 0, device: str = "cpu",
            checkpoint_every: str | None = None, eval_n: int = 0, progress: bool = True,
            log: Callable[[str], None] = print,
@@ -338,7 +424,8 @@ def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: st
         if run is None:
             raise ValueError("which run to train? pass --run DIR")
         spec = RLSpec(str(Path(run)), domain, effort, difficulty, group, prompts, clip, kl_coef, minibatches,
-                      micro_batch, max_tokens=max_tokens)
+                      micro_batch, max_tokens=max_tokens, partial_lambda=partial_lambda, stale_coef=stale_coef,
+                      stale_ratio_cap=stale_ratio_cap)
     spec.validate()
     base = Path(spec.base_run)
     if not (base / "config.json").is_file() or not has_weights(base):
@@ -387,7 +474,10 @@ def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: st
                 say(f"iteration {record['step']}: reward {record['reward_mean']:.3f} accuracy {record['accuracy']:.3f} "
                     f"length {record['completion_tokens']:.0f} clip {record['clip_fraction']:.3f} kl {record['kl']:.4f}"
                     f" rollouts {record['rollout_tokens_per_s']:,.0f} tok/s ({record['rollout_s']:.1f} s), update "
-                    f"{record['update_s']:.1f} s")
+                    f"{record['update_s']:.1f} s" + (f"; finished {record['finished']}/{record['trajectories']}, "
+                                                     f"{record['groups_trained']} groups trained, stale tokens "
+                                                     f"{record['stale_token_fraction']:.2f}" if "finished" in record
+                                                     else ""))
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
                 records.append(record)
@@ -411,6 +501,23 @@ def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: st
     return records
 
 
+def rl_command(args: Any) -> int:
+    """``kimik3 rl``: the parsed arguments (``kimik3/cli.py``) to ``run_rl``."""
+    from kimik3.cli import check_device, resolve_run
+
+    check_device(args.device)
+    if args.resume is not None and (args.run is not None or args.out is not None):
+        raise ValueError("--resume continues an RL run with its own base run and settings: drop --run and --out")
+    run = None if args.resume is not None else resolve_run(args.run)
+    run_rl(run, domain=args.domain, effort=args.effort, difficulty=args.difficulty, iterations=args.iterations,
+           group=args.group, prompts=args.prompts, lr=args.lr, kl_coef=args.kl_coef, clip=args.clip,
+           minibatches=args.minibatches, micro_batch=args.micro_batch, max_tokens=args.max_tokens,
+           partial_lambda=args.partial_lambda, stale_coef=args.stale_coef, stale_ratio_cap=args.stale_ratio_cap,
+           out=args.out, resume=args.resume, seed=args.seed, device=args.device,
+           checkpoint_every=args.checkpoint_every, eval_n=args.eval_n, progress=not args.no_progress)
+    return 0
+
+
 def _test_accuracy(rl: RLRun, spec: RLSpec, n: int, seed: int, log: Callable[[str], None]) -> float:
     """Greedy accuracy of the current policy on ``n`` test tasks of the run's (domain, effort, difficulty)."""
     from kimik3.posttrain.evaluate import confidence_interval, generate_completions
@@ -426,4 +533,4 @@ def _test_accuracy(rl: RLRun, spec: RLSpec, n: int, seed: int, log: Callable[[st
     return mean
 
 
-__all__ = ["RLRun", "RLSource", "RLSpec", "iteration_tasks", "plot_rl", "run_rl"]
+__all__ = ["RLRun", "RLSource", "RLSpec", "iteration_tasks", "plot_rl", "rl_command", "run_rl"]

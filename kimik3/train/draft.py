@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kimik3.files import atomic_write, write_text_atomic
+from kimik3.files import write_text_atomic
 from kimik3.model.draft import DRAFT_META, DRAFT_WEIGHTS, EagleDraft
 from kimik3.optim.schedule import cosine_lr
 from kimik3.train.draft_ttt import LOSSES, ChainMetrics, chain_metrics, target_pass, ttt_loss
@@ -294,41 +294,28 @@ def _progress(total: int, enabled: bool):
 def plot_draft(metrics_path: Path, out_path: Path) -> Path | None:
     """``draft_loss.png``: the TTT loss and each chain position's acceptance over the steps (atomically), or None
     without matplotlib (the [plot] extra)."""
-    from kimik3.extras import MissingExtra, require
-    from kimik3.train.plot import _smooth
+    from kimik3.train.plot import draw_figure, smooth
 
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     if not records:
         return None
-    try:
-        require("plot", "the draft's loss plot", ("matplotlib",))
-    except MissingExtra as missing:
-        print(f"skipping {out_path.name}: {missing}")
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     steps = [r["step"] for r in records]
-    fig, (ax_loss, ax_rate) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    try:
+
+    def draw(axes) -> None:
+        ax_loss, ax_rate = axes
         ax_loss.plot(steps, [r["loss"] for r in records], color="tab:blue", alpha=0.25, lw=0.8)
-        ax_loss.plot(steps, _smooth([r["loss"] for r in records]), color="tab:blue", label="TTT loss (smoothed)")
+        ax_loss.plot(steps, smooth([r["loss"] for r in records]), color="tab:blue", label="TTT loss (smoothed)")
         ax_loss.set_ylabel("loss")
         ax_loss.legend()
         ax_loss.grid(alpha=0.3)
         for k in range(len(records[0]["acceptance"])):
-            ax_rate.plot(steps, _smooth([r["acceptance"][k] for r in records]), label=f"position {k + 1}")
+            ax_rate.plot(steps, smooth([r["acceptance"][k] for r in records]), label=f"position {k + 1}")
         ax_rate.set_ylabel("training acceptance (smoothed)")
         ax_rate.set_xlabel("step")
         ax_rate.legend()
         ax_rate.grid(alpha=0.3)
-        fig.tight_layout()
-        atomic_write(out_path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    finally:
-        plt.close(fig)
-    return out_path
+
+    return draw_figure(out_path, "the draft's loss plot", 2, draw)
 
 
 __all__ = ["DRAFT_METRICS", "DRAFT_PLOT", "DraftArgs", "DraftData", "DraftResult", "check_run", "load_draft_data",

@@ -101,9 +101,9 @@ class KDAState:
     as the real tokens leave it.
 
     ``steps_TBHKV`` / ``steps_conv_TBCW`` (optional, pooled states only): a verification forward of speculative
-    decoding. The layer then advances the states one token at a time and ``record_step(t)`` keeps each row's
-    state after token t, so that the engine can keep the state after the last accepted token and drop the
-    rejected ones (``kimik3.serve.paged_cache.StatePool.commit_steps``).
+    decoding. The layer then writes each row's state after every token t there ([T, B, ...]) and leaves the pool
+    as it was, so that the engine can keep the state after the last accepted token and drop the rejected ones
+    (``kimik3.serve.paged_cache.StatePool.commit_steps``).
     """
 
     conv_BCW: torch.Tensor | None
@@ -133,13 +133,8 @@ class KDAState:
 
     @property
     def stepwise(self) -> bool:
-        """A verification forward: tokens advance one at a time and each step's state is recorded."""
+        """A verification forward: the state after each token is recorded, the pool is not written."""
         return self.steps_TBHKV is not None
-
-    def record_step(self, t: int) -> None:
-        """Keep every row's state (recurrent and conv inputs) after token ``t`` of a stepwise forward."""
-        self.steps_TBHKV[t] = self.pool_PHKV[self.slots_B]
-        self.steps_conv_TBCW[t] = self.conv_pool_PCW[self.slots_B]
 
     def conv_inputs(self) -> torch.Tensor:
         """The conv inputs [B, C, W-1] before this forward (gathered from the pool when pooled)."""

@@ -28,6 +28,7 @@ from kimik3.model.fused_linear import project
 from kimik3.model.param_rules import ParamRule, adamw, muon
 from kimik3.ops.glue import gated_rms_norm, glue_backend
 from kimik3.ops.kda import chunk_kda, kda_decode
+from kimik3.ops.kda.verify import kda_verify
 
 
 # The raw gate and beta logit of a padding token: sigmoid gives exactly 0, so its decay is exp(0) = 1 and its
@@ -189,22 +190,22 @@ class KDA(nn.Module):
 
     def _stepwise(self, state: KDAState, qkv_BTC: torch.Tensor, forget_a_BTR: torch.Tensor,
                   beta_logit_BTH: torch.Tensor) -> torch.Tensor:
-        """A verification forward (``KDAState.stepwise``): the tokens of each row advance its pooled state one at a
-        time, through the one-token conv and ``kda_decode``, and the state after each is recorded. Returns o
-        [B, T, H, V]."""
+        """A verification forward (``KDAState.stepwise``): the row's T tokens continue its pooled state, and the
+        state after each token is recorded (conv inputs and recurrent state) instead of written back. The conv runs
+        over the T tokens at once from the pooled conv inputs, whose windows after each token are slices of the
+        same inputs; the recurrence walks the tokens in ``kda_verify`` (one kernel on CUDA). Returns o [B, T, H, V].
+        """
         heads, head_dim = self.num_heads, self.head_dim
-        convs = (self.q_conv, self.k_conv, self.v_conv)
+        width = self.q_conv.shape[1]
+        conv_in_BCW = state.conv_inputs()
+        conv_BTC, _ = apply_short_conv(qkv_BTC, (self.q_conv, self.k_conv, self.v_conv), conv_in_BCW)
+        # The conv inputs after token t: the last W-1 of [the pooled inputs, x_0 .. x_t].
+        history_BCX = torch.cat([conv_in_BCW, qkv_BTC.transpose(1, 2).to(conv_in_BCW.dtype)], dim=2)
+        state.steps_conv_TBCW.copy_(history_BCX.unfold(2, width - 1, 1)[:, :, 1:].permute(2, 0, 1, 3))
+        q_BTHK, k_BTHK, v_BTHV = (x.unflatten(-1, (heads, head_dim)) for x in conv_BTC.chunk(3, dim=-1))
         raw_gate_BTHK = self.forget_b(forget_a_BTR).unflatten(-1, (heads, head_dim))
-        outs = []
-        for t in range(qkv_BTC.shape[1]):
-            conv_BC = state.conv_step_in_place(
-                lambda pool_PCW, rows_B: short_conv_step(qkv_BTC[:, t], convs, pool_PCW, rows_B))
-            q_BHK, k_BHK, v_BHV = (x.unflatten(-1, (heads, head_dim)) for x in conv_BC.chunk(3, dim=-1))
-            outs.append(state.advance_in_place(
-                lambda states_PHKV, rows_B: kda_decode(q_BHK, k_BHK, v_BHV, raw_gate_BTHK[:, t], beta_logit_BTH[:, t],
-                                                       states_PHKV, rows_B, g_min=self.g_min, **self._preacts())))
-            state.record_step(t)
-        return torch.stack(outs, dim=1)
+        return kda_verify(q_BTHK, k_BTHK, v_BTHV, raw_gate_BTHK, beta_logit_BTH, state.pool_PHKV, state.slots_B,
+                          state.steps_TBHKV, g_min=self.g_min, **self._preacts())
 
     def _one_token(self, state: KDAState, q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor,
                    raw_gate_BTHK: torch.Tensor, beta_logit_BTH: torch.Tensor, preacts: dict) -> torch.Tensor:

@@ -118,11 +118,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forwards
     def _forward(self, input_ids_BT: torch.Tensor, slots_B: torch.Tensor, tables_BW: torch.Tensor,
-                 lengths_B: torch.Tensor, max_length: int | None = None) -> torch.Tensor:
-        """The model over pooled sequences: last-position logits [B, V]; the cache advances in place."""
+                 lengths_B: torch.Tensor, max_length: int | None = None,
+                 features: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model over pooled sequences: (last-position logits [B, V], with ``features`` the draft's fused
+        features of every position [B, T, D] or else None); the cache advances in place."""
         cache = batch_cache(self.model.config, self.cache.latents, self.cache.states, slots_B, tables_BW, lengths_B,
                             max_length)
-        return self.model(input_ids_BT, cache=cache, last_only=True).logits[:, -1]
+        out = self.model(input_ids_BT, cache=cache, last_only=True,
+                         features_at=self._features_at if features else ())
+        return out.logits[:, -1], self._features(out) if features else None
 
     def _features(self, out) -> torch.Tensor | None:
         """The draft's fused input features of a forward run with ``features_at`` (None without speculation)."""
@@ -140,13 +144,11 @@ class ModelRunner:
         size = next((s for s in self.prefill_sizes if s >= tokens), None)
         device = self.device
         if size is None or start + size > self.capacity:   # on the CPU; or padding past the tables
-            cache = batch_cache(self.model.config, self.cache.latents, self.cache.states,
-                                torch.tensor([seq.slot], dtype=torch.long, device=device),
-                                torch.tensor([seq.blocks], dtype=torch.long, device=device),
-                                torch.tensor([start], dtype=torch.long, device=device), start)
-            out = self.model(torch.tensor([seq.tokens[start:end]], dtype=torch.long, device=device), cache=cache,
-                             last_only=True, features_at=self._features_at)
-            logits, features = out.logits[:, -1], self._features(out)
+            logits, features = self._forward(
+                torch.tensor([seq.tokens[start:end]], dtype=torch.long, device=device),
+                torch.tensor([seq.slot], dtype=torch.long, device=device),
+                torch.tensor([seq.blocks], dtype=torch.long, device=device),
+                torch.tensor([start], dtype=torch.long, device=device), start, self.speculator is not None)
         else:
             graph = self.prefill_graphs.get(size)
             if graph is not None:
@@ -189,7 +191,7 @@ class ModelRunner:
             # rounding as a replay, so --enforce-eager gives the graphs' tokens.
             rows = torch.from_numpy(self._rows(seqs, bucket)).to(self.device)
             logits_bV = self._forward(rows[:, _ID:_ID + 1], rows[:, _SLOT].contiguous(),
-                                      rows[:, _TABLE:].contiguous(), rows[:, _LENGTH].contiguous())
+                                      rows[:, _TABLE:].contiguous(), rows[:, _LENGTH].contiguous())[0]
             return logits_bV[:len(seqs)]
         self._stage(seqs, bucket)
         graph, logits_bV = self.graphs[bucket]
@@ -214,7 +216,7 @@ class ModelRunner:
     def _graph_body(self, bucket: int) -> torch.Tensor:
         rows = self._staging[:bucket]
         return self._forward(rows[:, _ID:_ID + 1].contiguous(), rows[:, _SLOT].contiguous(),
-                             rows[:, _TABLE:].contiguous(), rows[:, _LENGTH].contiguous())
+                             rows[:, _TABLE:].contiguous(), rows[:, _LENGTH].contiguous())[0]
 
     def _prepare_static(self, largest: int) -> None:
         """The static input buffer on the device (all padding rows) and its pinned host twin."""

@@ -247,14 +247,16 @@ class StatePool:
 
 class StepStates:
     """Per KDA layer, the states of up to ``rows`` sequences after each of ``tokens`` tokens of a speculative
-    verification ([T, rows, H, K, V] recurrent, [T, rows, C, W-1] conv inputs): what lets the engine keep the
-    state after the last accepted token."""
+    verification: what lets the engine keep the state after the last accepted token. A batch of B rows sees each
+    layer's buffers as contiguous [T, B, H, K, V] (recurrent) and [T, B, C, W-1] (conv inputs) views of the same
+    memory (a verification's kernel writes them whole)."""
 
     def __init__(self, pool: StatePool, tokens: int, rows: int):
         self.tokens = tokens
-        self.recurrent = [torch.empty(tokens, rows, *rec.shape[1:], dtype=rec.dtype, device=rec.device)
+        self.rows = rows
+        self.recurrent = [torch.empty(tokens * rows, *rec.shape[1:], dtype=rec.dtype, device=rec.device)
                           for rec in pool.recurrent]
-        self.conv = [torch.empty(tokens, rows, *conv.shape[1:], dtype=conv.dtype, device=conv.device)
+        self.conv = [torch.empty(tokens * rows, *conv.shape[1:], dtype=conv.dtype, device=conv.device)
                      for conv in pool.conv]
 
     @staticmethod
@@ -263,9 +265,12 @@ class StepStates:
 
     def layers(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (recurrent, conv) buffers for a batch of ``batch`` rows."""
-        if self.recurrent and batch > self.recurrent[0].shape[1]:
-            raise ValueError(f"a verification of {batch} rows exceeds the {self.recurrent[0].shape[1]} step rows")
-        return [(rec[:, :batch], conv[:, :batch]) for rec, conv in zip(self.recurrent, self.conv)]
+        if batch > self.rows:
+            raise ValueError(f"a verification of {batch} rows exceeds the {self.rows} step rows")
+        used = self.tokens * batch
+        return [(rec[:used].view(self.tokens, batch, *rec.shape[1:]),
+                 conv[:used].view(self.tokens, batch, *conv.shape[1:]))
+                for rec, conv in zip(self.recurrent, self.conv)]
 
 
 def batch_cache(config: K3Config, latents: LatentPool, states: StatePool, slots_B: torch.Tensor,

@@ -469,6 +469,46 @@ def test_decode_vs_step(fused, K, V):
     assert rel_rms(ref_pool, pool) < 1e-6  # untouched slots bit-equal, updated ones to rounding
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("K,V,T", [(16, 16, 3), (24, 40, 1)])
+def test_verify_kernel_matches_token_by_token_decode(fused, K, V, T):
+    """kda_verify (a speculative verification: T tokens a row, each state recorded, the pool untouched) against
+    kda_decode's torch path run token by token on a copy of the pool; the torch verify path as well."""
+    from kimik3.ops.kda.verify import kda_verify, kda_verify_torch
+
+    B, H, P = 3, 2, 5
+    gen = torch.Generator().manual_seed(K + V + T)
+    q, k, z = (torch.randn(B, T, H, K, generator=gen) for _ in range(3))
+    v, b = torch.randn(B, T, H, V, generator=gen), torch.randn(B, T, H, generator=gen)
+    a_log, dtb = torch.rand(H, generator=gen), torch.randn(H, K, generator=gen)
+    pool = torch.randn(P, H, K, V, generator=gen)
+    q, k, v, z, b, a_log, dtb, pool = (x.to(DEV) for x in (q, k, v, z, b, a_log, dtb, pool))
+    slots = torch.tensor([3, -1, 0], device=DEV)
+    if fused:
+        kw = dict(A_log=a_log, dt_bias=dtb, g_min=G_MIN, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                  use_beta_sigmoid_in_kernel=True)
+        gate = z
+    else:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        gate, b = G_MIN * torch.sigmoid(z), torch.sigmoid(b)
+        kw = {}
+    before = pool.clone()
+    ref_pool = pool.clone()
+    ref_o, ref_steps = [], []
+    for t in range(T):
+        ref_o.append(kda_decode(q[:, t], k[:, t], v[:, t], gate[:, t], b[:, t], ref_pool, slots, backend="torch", **kw))
+        ref_steps.append(ref_pool[slots.clamp_min(0)].clone())
+    ref_o = torch.stack(ref_o, dim=1)
+    for verify, backend in ((kda_verify, {"backend": "triton"}), (kda_verify_torch, {})):
+        steps = torch.full((T, B, H, K, V), float("nan"), device=DEV)
+        o = verify(q, k, v, gate, b, pool, slots, steps, **kw, **backend)
+        assert torch.equal(pool, before)                       # the pool is read, never written
+        assert torch.equal(o[1], torch.zeros_like(o[1]))       # the padding row
+        for i in (0, 2):
+            assert rel_rms(ref_o[i], o[i]) < 1e-5
+            assert rel_rms(torch.stack(ref_steps)[:, i], steps[:, i]) < 1e-6
+
+
 def test_decode_matches_chunk_continuation():
     """Prefill T tokens with chunk_kda, then decode 3 tokens: equals one naive pass over T + 3."""
     B, H, K, V = 2, 1, 16, 16

@@ -61,7 +61,7 @@ def draft(serve_model):
     return EagleDraft.from_mtp(serve_model)
 
 
-def _mixed_requests(max_tokens=12):
+def _mixed_requests(max_tokens=8):
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     prompts = _prompts((5, 40, 70, 1, 33))
     requests = [(p, greedy) for p in prompts]
@@ -229,6 +229,7 @@ def test_sampled_requests_speculate_within_their_cuts(serve_model, serve_tokeniz
     import kimik3.serve.model_runner as model_runner
 
     monkeypatch.setattr(model_runner, "Speculator", _NearTarget)
+    torch.manual_seed(0)
     params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True, top_k=2, seed=5)
     requests = [([7, 11, 13], params), ([3], SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True,
                                                              top_k=2))]
@@ -240,7 +241,7 @@ def test_sampled_requests_speculate_within_their_cuts(serve_model, serve_tokeniz
             logits = serve_model(torch.tensor([prompt + tokens[:t]])).logits[0, -1]
             assert tokens[t] in logits.topk(2).indices.tolist()
     stats = core.runner.speculator.stats
-    assert 0 < stats.accepted[0] < stats.proposed[0]
+    assert 0 < sum(stats.accepted) < sum(stats.proposed)
 
 
 def test_speculation_needs_a_draft_and_a_sane_token_count(serve_model, serve_tokenizer):

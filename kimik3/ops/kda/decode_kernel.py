@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .preact import L2_EPS
 
-__all__ = ["launch_decode"]
+__all__ = ["launch_decode", "launch_verify"]
 
 
 @triton.jit
@@ -128,6 +128,92 @@ def launch_decode(
         A_log.contiguous() if use_gate_in_kernel else dummy, dt_bias.contiguous() if use_gate_in_kernel else dummy,
         q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), H, float(scale), float(g_min),
         K=K, V=V, BK=BK, BV=BV,
+        USE_GATE=bool(use_gate_in_kernel), USE_L2=bool(use_qk_l2norm_in_kernel),
+        USE_BETA_SIG=bool(use_beta_sigmoid_in_kernel), EPS=L2_EPS,
+        num_warps=nw,
+    )
+    return o
+
+
+@triton.jit
+def _verify_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pool_ptr, slot_ptr, steps_ptr, o_ptr, alog_ptr, dtb_ptr,
+    sq, sk, sv, sg, sb, B, H, scale, g_min,
+    T: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr, EPS: tl.constexpr,
+):
+    # ``_decode_kernel`` walked over a row's T tokens: S is read from the pool once, and the state after token t is
+    # written to steps[t, b] (the pool itself is not written). Inputs are [B, T, ...] rows with token stride s*
+    # (row stride T * s*): token t of row b sits at (b * T + t) * s*.
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    km = ck < K
+    vm = cv < V
+    slot = tl.load(slot_ptr + i_b).to(tl.int64)
+    ok = slot >= 0
+    slot = tl.maximum(slot, 0)
+    S = tl.load(pool_ptr + (slot * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :],
+                mask=km[:, None] & vm[None, :] & ok, other=0.0)
+    if USE_GATE:
+        a = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
+        dtb = tl.load(dtb_ptr + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
+    for t in tl.static_range(T):
+        tok = i_b.to(tl.int64) * T + t
+        q = tl.load(q_ptr + tok * sq + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + tok * sk + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + tok * sv + i_h * V + cv, mask=vm, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + tok * sg + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
+        b = tl.load(beta_ptr + tok * sb + i_h).to(tl.float32)
+        if USE_GATE:
+            g = tl.where(km, g_min * tl.sigmoid(a * (g + dtb)), 0.0)
+        if USE_L2:
+            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + EPS)
+            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
+        if USE_BETA_SIG:
+            b = tl.sigmoid(b)
+        e = tl.exp(g)
+        qs = q * scale
+        pred = tl.sum(S * (e * k)[:, None], axis=0)
+        o1 = tl.sum(S * (e * qs)[:, None], axis=0)
+        delta = b * (v - pred)
+        S = S * e[:, None] + k[:, None] * delta[None, :]
+        step = (t * B + i_b).to(tl.int64) * H + i_h
+        tl.store(steps_ptr + step * (K * V) + ck[:, None] * V + cv[None, :], S, mask=km[:, None] & vm[None, :])
+        o = o1 + tl.sum(qs * k, axis=0) * delta
+        tl.store(o_ptr + (tok * H + i_h) * V + cv, tl.where(ok, o, 0.0).to(o_ptr.dtype.element_ty), mask=vm)
+
+
+def launch_verify(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, slots: torch.Tensor, steps: torch.Tensor, scale: Optional[float] = None,
+    *, A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None, g_min: float = -5.0,
+    use_gate_in_kernel: bool = False, use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+) -> torch.Tensor:
+    """T KDA tokens for each of B sequences from their pooled states, every step's state written to ``steps``
+    [T, B, H, K, V] fp32 and the pool left as it is (``verify.kda_verify`` checks and dispatches here on CUDA).
+    q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]. Returns o [B, T, H, V]."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if scale is None:
+        scale = K**-0.5
+    # One token per row of [B * T, ...], each token's elements contiguous.
+    q, k, v, g, beta = (_rows(x.flatten(0, 1)) for x in (q, k, v, g, beta))
+    o = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype)
+    if B == 0 or T == 0:
+        return o
+    BK = max(16, triton.next_power_of_2(K))
+    BV, nw = _default_blocks(BK, V, B * H)
+    dummy = state_pool
+    _verify_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, v, g, beta, state_pool, slots.contiguous(), steps, o,
+        A_log.contiguous() if use_gate_in_kernel else dummy, dt_bias.contiguous() if use_gate_in_kernel else dummy,
+        q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), B, H, float(scale), float(g_min),
+        T=T, K=K, V=V, BK=BK, BV=BV,
         USE_GATE=bool(use_gate_in_kernel), USE_L2=bool(use_qk_l2norm_in_kernel),
         USE_BETA_SIG=bool(use_beta_sigmoid_in_kernel), EPS=L2_EPS,
         num_warps=nw,

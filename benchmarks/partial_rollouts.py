@@ -1,0 +1,133 @@
+"""Partial rollouts: RL iteration wall time at --partial-lambda λ against waiting for every trajectory (λ = 1),
+with a long-tailed output-length distribution, and the reward against iterations (same seeds).
+
+    python benchmarks/partial_rollouts.py --run runs/tiny-base3-sft30 --iterations 6 --lambdas 1.0 0.7
+
+Both settings run in one process, their iterations interleaved (one at a time: a baton passes between the two
+``run_rl`` loops after every iteration), so the load of a shared machine weighs on both alike.
+
+**The long tail** is imposed: each trajectory's per-turn token budget is drawn from a Pareto distribution,
+``min(cap, ceil(min_tokens * U^(-1/alpha)))`` with U a hash of (iteration, index) (the same budgets in both
+settings), because the tiny model's own lengths are not long-tailed.
+
+**The reward is a proxy** (``--target``): exp(-|completion tokens - target| / target), a signal the learner can
+move at tiny scale, where the tasks' verifiers score every completion 0 (docs/posttraining.md). It is not a task
+score.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def budget_of(step: int, index: int, min_tokens: int, alpha: float, cap: int) -> int:
+    """A Pareto-distributed per-turn budget, a pure function of (iteration, index)."""
+    digest = hashlib.sha256(f"{step}:{index}".encode()).digest()
+    u = (int.from_bytes(digest[:8], "little") + 0.5) / 2 ** 64
+    return int(min(cap, math.ceil(min_tokens * u ** (-1.0 / alpha))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", required=True, help="an SFT (or base) run")
+    p.add_argument("--iterations", type=int, default=6)
+    p.add_argument("--lambdas", type=float, nargs=2, default=[1.0, 0.7], metavar=("BASE", "PARTIAL"))
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--min-tokens", type=int, default=8, help="the Pareto budget's scale")
+    p.add_argument("--alpha", type=float, default=1.0, help="the Pareto budget's shape (smaller: longer tail)")
+    p.add_argument("--cap", type=int, default=160, help="the largest budget")
+    p.add_argument("--target", type=int, default=12, help="the proxy reward's target length")
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", help="write the records and the summary here (JSON)")
+    args = p.parse_args(argv)
+    if args.iterations < 2:
+        p.error("--iterations must be >= 2")
+    torch.set_num_threads(args.threads)
+
+    import kimik3.posttrain.rl as rl
+
+    class BenchRun(rl.RLRun):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.budget = lambda step, index: budget_of(step, index, args.min_tokens, args.alpha, args.cap)
+            self.reward = lambda rollout: math.exp(-abs(rollout.tokens - args.target) / args.target)
+
+    rl.RLRun = BenchRun
+    records: dict[float, list[dict]] = {lam: [] for lam in args.lambdas}
+    turns = {lam: threading.Event() for lam in args.lambdas}
+    done = {lam: threading.Event() for lam in args.lambdas}
+    errors: list[BaseException] = []
+
+    def worker(lam: float, out_dir: Path) -> None:
+        def on_iteration(record: dict) -> None:
+            records[lam].append(record)
+            done[lam].set()
+            if len(records[lam]) < args.iterations:
+                turns[lam].wait()
+                turns[lam].clear()
+
+        try:
+            rl.run_rl(args.run, domain="general", effort="low", iterations=args.iterations, group=args.group,
+                      prompts=args.prompts, lr=args.lr, partial_lambda=lam, out=out_dir, seed=args.seed,
+                      checkpoint_every="100000s", progress=False, log=lambda s: None, on_iteration=on_iteration)
+        except BaseException as error:   # reported by the main thread
+            errors.append(error)
+            done[lam].set()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        threads = {lam: threading.Thread(target=worker, args=(lam, Path(tmp) / f"lambda-{lam}"), daemon=True)
+                   for lam in args.lambdas}
+        for step in range(args.iterations):
+            for lam in args.lambdas:       # one iteration of each setting in turn
+                done[lam].clear()
+                if step == 0:
+                    threads[lam].start()
+                else:
+                    turns[lam].set()
+                done[lam].wait()
+                if errors:
+                    raise errors[0]
+                r = records[lam][-1]
+                print(f"λ={lam} iteration {step}: {r['iteration_s']:.2f} s (rollouts {r['rollout_s']:.2f} s, "
+                      f"{r['rollout_tokens']} tokens), reward {r['reward_mean']:.3f}"
+                      + (f", finished {r['finished']}/{r['trajectories']}, groups trained {r['groups_trained']}, "
+                         f"stale tokens {r['stale_token_fraction']:.2f}" if "finished" in r else ""), flush=True)
+        for thread in threads.values():
+            thread.join(timeout=60)
+
+    summary = {}
+    for lam, recs in records.items():
+        times = [r["iteration_s"] for r in recs]
+        summary[lam] = dict(mean_iteration_s=float(np.mean(times)), median_iteration_s=float(np.median(times)),
+                            total_s=float(np.sum(times)), tokens=int(sum(r["rollout_tokens"] for r in recs)),
+                            rewards=[r["reward_mean"] for r in recs],
+                            stale_token_fraction=[r.get("stale_token_fraction", 0.0) for r in recs])
+    base, partial = args.lambdas
+    ratio = summary[partial]["mean_iteration_s"] / summary[base]["mean_iteration_s"]
+    print(json.dumps({str(k): v for k, v in summary.items()}, indent=1))
+    print(f"mean iteration wall time: λ={base} {summary[base]['mean_iteration_s']:.2f} s, λ={partial} "
+          f"{summary[partial]['mean_iteration_s']:.2f} s: {100 * (1 - ratio):.0f}% lower (ratio {ratio:.2f})")
+    if args.out:
+        from kimik3.files import write_text_atomic
+
+        write_text_atomic(Path(args.out), json.dumps({"args": vars(args), "summary": {str(k): v for k, v in
+                                                     summary.items()}, "records": {str(k): v for k, v in
+                                                                                   records.items()}}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,7 +12,8 @@ A speculating sequence with ``c`` tokens in the target's cache (its last token x
    rows draw from the draft's distribution after their own temperature, min_p, top_k and top_p.
 2. The verification: the target over [x_c, d_1 .. d_K] as one forward of K + 1 tokens per row. Its MLA layers run
    the paged absorbed attention with every token a row of its own (``PagedLatentView.multi_token``); its KDA
-   layers advance the pooled states one token at a time and record each (``StepStates``).
+   layers walk each row's tokens from the pooled state and record the state after each, leaving the pool as it
+   was (``KDAState.stepwise``, ``kimik3.ops.kda.verify``, ``StepStates``).
 3. Acceptance (``kimik3.serve.spec_verify``): greedy rows keep the drafts that match the target's argmax; sampled
    rows the standard rejection rule against the target's distributions under the same options. n accepted drafts
    emit n + 1 tokens.

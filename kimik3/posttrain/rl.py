@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kimik3.files import atomic_write, write_text_atomic
+from kimik3.files import write_text_atomic
 from kimik3.posttrain.partial import Trajectory, finish_target, partial_rollouts, trajectory_rows
 from kimik3.posttrain.policy_loss import clipped_policy_loss, group_advantages, make_batch, token_logprobs
 from kimik3.posttrain.rollout import RolloutEngine, rollout_rows
@@ -346,28 +346,17 @@ class RLRun:
 
 def plot_rl(metrics_path: Path, out_path: Path) -> Path | None:
     """``rl.png``: reward and accuracy, completion length, clip fraction and KL, rollout tokens/s over iterations."""
-    from kimik3.extras import MissingExtra, require
-    from kimik3.train.plot import _smooth, read_metrics
+    from kimik3.train.plot import draw_figure, read_metrics, smooth
 
     records = [r for r in read_metrics(metrics_path) if "reward_mean" in r]
     if not records:
         return None
-    try:
-        require("plot", "the RL plot", ("matplotlib",))
-    except MissingExtra as missing:
-        print(f"skipping {out_path.name}: {missing}")
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     steps = [r["step"] for r in records]
-    fig, axes = plt.subplots(4, 1, figsize=(8, 10), sharex=True)
-    try:
+
+    def draw(axes) -> None:
         reward = [r["reward_mean"] for r in records]
         axes[0].plot(steps, reward, color="tab:blue", alpha=0.3, lw=0.8)
-        axes[0].plot(steps, _smooth(reward), color="tab:blue", label="train reward (smoothed)")
+        axes[0].plot(steps, smooth(reward), color="tab:blue", label="train reward (smoothed)")
         tests = [(r["step"], r["test_accuracy"]) for r in records if "test_accuracy" in r]
         if tests:
             axes[0].plot(*zip(*tests), "o-", color="tab:orange", label="test accuracy (greedy)")
@@ -383,11 +372,8 @@ def plot_rl(metrics_path: Path, out_path: Path) -> Path | None:
         axes[3].set_xlabel("iteration")
         for ax in axes:
             ax.grid(alpha=0.3)
-        fig.tight_layout()
-        atomic_write(out_path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    finally:
-        plt.close(fig)
-    return out_path
+
+    return draw_figure(out_path, "the RL plot", 4, draw, figsize=(8, 10))
 
 
 def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: str = "low",

@@ -341,10 +341,10 @@ def cmd_rl(args: argparse.Namespace) -> int:
     run = None if args.resume is not None else resolve_run(args.run)
     run_rl(run, domain=args.domain, effort=args.effort, difficulty=args.difficulty, iterations=args.iterations,
            group=args.group, prompts=args.prompts, lr=args.lr, kl_coef=args.kl_coef, clip=args.clip,
-           minibatches=args.minibatches, micro_batch=args.micro_batch, max_tokens=args.max_tokens, out=args.out,
-           resume=args.resume,
-           seed=args.seed, device=args.device, checkpoint_every=args.checkpoint_every, eval_n=args.eval_n,
-           progress=not args.no_progress)
+           minibatches=args.minibatches, micro_batch=args.micro_batch, max_tokens=args.max_tokens,
+           partial_lambda=args.partial_lambda, stale_coef=args.stale_coef, stale_ratio_cap=args.stale_ratio_cap,
+           out=args.out, resume=args.resume, seed=args.seed, device=args.device,
+           checkpoint_every=args.checkpoint_every, eval_n=args.eval_n, progress=not args.no_progress)
     return 0
 
 
@@ -590,12 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast in updates)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    def rl_command(args: argparse.Namespace) -> int:    # with the partial-rollout options (posttrain/rl.py)
-        from kimik3.posttrain.rl import rl_command
-
-        return rl_command(args)
-
-    r.set_defaults(func=rl_command)
+    r.set_defaults(func=cmd_rl)
     return parser
 
 

@@ -487,23 +487,6 @@ def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: st
     return records
 
 
-def rl_command(args: Any) -> int:
-    """``kimik3 rl``: the parsed arguments (``kimik3/cli.py``) to ``run_rl``."""
-    from kimik3.cli import check_device, resolve_run
-
-    check_device(args.device)
-    if args.resume is not None and (args.run is not None or args.out is not None):
-        raise ValueError("--resume continues an RL run with its own base run and settings: drop --run and --out")
-    run = None if args.resume is not None else resolve_run(args.run)
-    run_rl(run, domain=args.domain, effort=args.effort, difficulty=args.difficulty, iterations=args.iterations,
-           group=args.group, prompts=args.prompts, lr=args.lr, kl_coef=args.kl_coef, clip=args.clip,
-           minibatches=args.minibatches, micro_batch=args.micro_batch, max_tokens=args.max_tokens,
-           partial_lambda=args.partial_lambda, stale_coef=args.stale_coef, stale_ratio_cap=args.stale_ratio_cap,
-           out=args.out, resume=args.resume, seed=args.seed, device=args.device,
-           checkpoint_every=args.checkpoint_every, eval_n=args.eval_n, progress=not args.no_progress)
-    return 0
-
-
 def _test_accuracy(rl: RLRun, spec: RLSpec, n: int, seed: int, log: Callable[[str], None]) -> float:
     """Greedy accuracy of the current policy on ``n`` test tasks of the run's (domain, effort, difficulty)."""
     from kimik3.posttrain.evaluate import confidence_interval, generate_completions
@@ -519,4 +502,4 @@ def _test_accuracy(rl: RLRun, spec: RLSpec, n: int, seed: int, log: Callable[[st
     return mean
 
 
-__all__ = ["RLRun", "RLSource", "RLSpec", "iteration_tasks", "plot_rl", "rl_command", "run_rl"]
+__all__ = ["RLRun", "RLSource", "RLSpec", "iteration_tasks", "plot_rl", "run_rl"]

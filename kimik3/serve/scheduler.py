@@ -226,11 +226,15 @@ class EngineCore:
             try:
                 seq.computed += len(tokens)
                 seq.spec_pending = len(tokens)
-                self.cache.maybe_snapshot_decode(seq)
                 for token in tokens:
                     self._accept(seq, Sampled(token))
                     if seq not in self.running:   # finished (or failed to stream) within the step's tokens
                         break
+                else:
+                    # After the tokens are appended: the cache now holds all but the last of them. A checkpoint
+                    # is offered when the cached length lands on a hash boundary (a step of several tokens may
+                    # pass over one).
+                    self.cache.maybe_snapshot_decode(seq)
             except Exception as error:
                 self._fail(seq, error)
 

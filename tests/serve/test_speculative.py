@@ -118,6 +118,22 @@ def test_every_accepted_length_keeps_the_cache_lossless(serve_model, serve_token
     assert stats.mean_emitted > 1.5
 
 
+def test_speculating_sequences_leave_decode_checkpoints(serve_model, serve_tokenizer, draft, monkeypatch):
+    """A step of several tokens that lands on a hash boundary offers the prefix cache a checkpoint there, as plain
+    decoding does: a follow-up turn (prompt + reply) then restores past the first prompt."""
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompt = _prompts((20,), seed=7)[0]
+    plain = _run(EngineCore(serve_model, serve_tokenizer, _config(0, checkpoints=8)), [(prompt, greedy)])
+    import kimik3.serve.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "Speculator",
+                        lambda runner, d, k: _Oracle(runner, d, k, continuations=plain, wrong=0.0))
+    core = EngineCore(serve_model, serve_tokenizer, _config(3, checkpoints=8), draft=draft)
+    assert _run(core, [(prompt, greedy)]) == plain
+    follow_up = prompt + plain["0"]
+    assert core.prefix_cache.match_length(follow_up) >= 48   # decode checkpoints at 32 and 48 (hash block 16)
+
+
 def _joint(outs, steps):
     counts: dict[tuple[int, ...], int] = {}
     for tokens in outs.values():

@@ -65,7 +65,8 @@ def group_advantages(rewards: Sequence[float], group: int, eps: float = EPS) -> 
 class Batch:
     """Training rows, right-padded: ``input_ids`` [N, T] (the prompt then the completion), ``targets`` [N, T]
     (token t + 1, what position t predicts), ``mask`` [N, T] (True where ``targets`` is a completion token),
-    ``old`` [N, T] (the rollout's log-probability of each target), ``advantages`` [N]; ``staleness`` [N, T] (policy
+    ``old`` [N, T] (the rollout's log-probability of each target), ``advantages`` [N] (one per row) or [N, T] (one
+    per token, as on-policy distillation's dense reward gives); ``staleness`` [N, T] (policy
     versions between the one that sampled each target and the one being updated; None: all fresh)."""
 
     input_ids: torch.Tensor
@@ -79,8 +80,9 @@ class Batch:
 
     def rows(self, index: slice) -> "Batch":
         cut = int(self.mask[index].any(0).nonzero().max()) + 1 if bool(self.mask[index].any()) else 1
+        advantages = self.advantages[index]
         return Batch(self.input_ids[index, :cut], self.targets[index, :cut], self.mask[index, :cut],
-                     self.old[index, :cut], self.advantages[index],
+                     self.old[index, :cut], advantages[:, :cut] if advantages.dim() == 2 else advantages,
                      None if self.staleness is None else self.staleness[index, :cut])
 
     def to(self, device: torch.device) -> "Batch":
@@ -145,16 +147,17 @@ def clipped_policy_loss(new: torch.Tensor, old: torch.Tensor, advantages: torch.
                         normaliser: int | None = None, staleness: torch.Tensor | None = None,
                         stale_coef: float = 0.0, ratio_cap: float = 3.0) -> LossParts:
     """The clipped surrogate over the ``mask``ed tokens (see the module notes): new/old/ref [N, T], advantages
-    [N]. ``normaliser``: the token count the sum is divided by (default: this batch's; a micro-batch of a larger
-    update passes the update's, so its gradients add up to the whole batch's mean). ``staleness`` [N, T]: the
-    stale-token correction (truncation at ``ratio_cap``, regulariser weighted by ``stale_coef``) where > 0."""
+    [N] (one per row) or [N, T] (one per token). ``normaliser``: the token count the sum is divided by (default:
+    this batch's; a micro-batch of a larger update passes the update's, so its gradients add up to the whole batch's
+    mean). ``staleness`` [N, T]: the stale-token correction (truncation at ``ratio_cap``, regulariser weighted by
+    ``stale_coef``) where > 0."""
     if staleness is not None and ratio_cap <= 1 + clip:
         raise ValueError(f"the stale ratio cap must exceed 1 + clip = {1 + clip}, got {ratio_cap}")
     mask_f = mask.float()
     tokens = int(mask.sum())
     divide = max(1, normaliser if normaliser is not None else tokens)
     ratio = torch.exp((new - old) * mask_f)     # 1 off the mask, where old is padding
-    adv = advantages[:, None].to(new.dtype)
+    adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(new.dtype)
     stale = (staleness > 0) & mask if staleness is not None else None
     stale_tokens = int(stale.sum()) if stale is not None else 0
     unclipped = torch.where(stale, ratio.clamp(max=ratio_cap), ratio) if stale_tokens else ratio

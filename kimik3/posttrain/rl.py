@@ -253,11 +253,14 @@ class RLRun:
         record["elapsed_s"] = time.perf_counter() - trainer.started
         return record
 
-    def update(self, rollouts, advantages, rows: tuple | None = None) -> dict[str, Any]:
+    def update(self, rollouts, advantages, rows: tuple | None = None, batch: Any = None) -> dict[str, Any]:
         """The policy-gradient steps of one iteration; an iteration without signal makes none. ``rows``: the
-        training rows with each token's staleness (``partial.trajectory_rows``) instead of ``rollouts``'."""
+        training rows with each token's staleness (``partial.trajectory_rows``) instead of ``rollouts``'.
+        ``batch``: a ready ``policy_loss.Batch`` (e.g. per-token advantages, ``mopd.py``) instead of either."""
         trainer, spec = self.trainer, self.spec
-        if rows is None:
+        if batch is not None:
+            prompts, staleness = list(range(len(batch.input_ids))), batch.staleness
+        elif rows is None:
             prompts, completions, logprobs, advs = rollout_rows(rollouts, advantages)
             staleness = None
         else:
@@ -268,7 +271,8 @@ class RLRun:
             out.update(stale_tokens=0, stale_truncated=0.0, stale_reg=0.0)
         if not prompts:
             return out
-        batch = make_batch(prompts, completions, logprobs, advs, staleness=staleness)
+        if batch is None:
+            batch = make_batch(prompts, completions, logprobs, advs, staleness=staleness)
         order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(trainer.args.seed + trainer.step))
         batch = dataclasses.replace(batch, **{f: getattr(batch, f)[order] for f in batch.FIELDS
                                               if getattr(batch, f) is not None})

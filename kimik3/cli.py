@@ -348,6 +348,26 @@ def cmd_rl(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_mopd(args: argparse.Namespace) -> int:
+    from kimik3.posttrain.mopd import parse_cells, run_mopd
+
+    check_device(args.device)
+    if args.resume is not None and (args.run is not None or args.out is not None or args.teachers
+                                    or args.teacher_cells is not None):
+        raise ValueError("--resume continues an MOPD run with its own student, teachers and settings: drop --run, "
+                         "--teachers, --teacher-cells and --out")
+    if args.resume is None and not args.teachers:
+        raise ValueError("--teachers DIR [DIR ...] is required: the runs to distil from")
+    run = None if args.resume is not None else resolve_run(args.run)
+    run_mopd(run, teachers=args.teachers or (), teacher_cells=parse_cells(args.teacher_cells), r_max=args.r_max,
+             iterations=args.iterations, prompts=args.prompts, group=args.group, lr=args.lr, clip=args.clip,
+             minibatches=args.minibatches, micro_batch=args.micro_batch, max_tokens=args.max_tokens,
+             difficulty=args.difficulty, task_reward_coef=args.task_reward_coef, out=args.out, resume=args.resume,
+             seed=args.seed, device=args.device, checkpoint_every=args.checkpoint_every,
+             progress=not args.no_progress)
+    return 0
+
+
 def cmd_eval_tasks(args: argparse.Namespace) -> int:
     import json
 
@@ -591,6 +611,32 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     r.set_defaults(func=cmd_rl)
+
+    m = sub.add_parser("mopd", help="multi-teacher on-policy distillation: teachers of (domain, effort) cells into "
+                       "one student, clipped log-ratio dense reward (docs/posttraining.md)")
+    m.add_argument("--teachers", nargs="+", metavar="DIR", help="the teacher runs (e.g. kimik3 rl runs)")
+    m.add_argument("--teacher-cells", metavar="D:E,...",
+                   help="each teacher's domain:effort, in the --teachers order (default: what its rl.json records)")
+    m.add_argument("--run", help="the student's starting run, e.g. an SFT run (default: the newest under ./runs)")
+    m.add_argument("--r-max", type=float, default=2.0, help="clip of the per-token log-ratio reward")
+    m.add_argument("--iterations", type=int, default=20, help="total iterations (rollouts + update)")
+    m.add_argument("--prompts", type=int, default=9, help="train prompts per iteration, over the cells in turn")
+    m.add_argument("--group", type=int, default=2, help="completions per prompt")
+    m.add_argument("--lr", type=float, default=2e-4, help="constant learning rate")
+    m.add_argument("--clip", type=float, default=0.2, help="PPO clip of the importance ratio")
+    m.add_argument("--minibatches", type=int, default=2, help="optimizer steps per iteration")
+    m.add_argument("--micro-batch", type=int, default=16, help="rows per forward (gradients accumulate)")
+    m.add_argument("--max-tokens", type=int, help="tokens per turn (default: the effort's reasoning budget + 192)")
+    m.add_argument("--difficulty", default="standard", help="standard, or easy (general only)")
+    m.add_argument("--task-reward-coef", type=float, default=0.0,
+                   help="add this times the group-normalised verifiable task advantage to every token's (0: off)")
+    m.add_argument("--out", help="the new run directory (default: <run>-mopd; use --resume)")
+    m.add_argument("--resume", help="continue this MOPD run (its mopd.json) up to --iterations")
+    m.add_argument("--seed", type=int, default=0, help="seeds the prompts and the sampling")
+    m.add_argument("--checkpoint-every", metavar="N|DURATION", help="as for kimik3 train (default 60s)")
+    m.add_argument("--device", default="cpu", help="cpu or cuda")
+    m.add_argument("--no-progress", action="store_true", help="no progress bar")
+    m.set_defaults(func=cmd_mopd)
     return parser
 
 

@@ -267,3 +267,38 @@ def test_speculation_needs_a_draft_and_a_sane_token_count(serve_model, serve_tok
         EngineConfig(speculative_tokens=99)
     with pytest.raises(ValueError, match="draft"):
         EngineCore(serve_model, serve_tokenizer, _config(2))
+
+
+def test_speculation_statistics_reach_metrics_and_sum_over_replicas():
+    """/metrics exposes acceptance per position, tokens per verification and the draft's share; a router sums the
+    per-position counts position by position."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kimik3.serve.metrics import EngineCollector
+    from kimik3.serve.router import ReplicaRouter
+    from kimik3.serve.types import EngineStats
+
+    class Stub:
+        def __init__(self, stats):
+            self._stats = stats
+
+        def stats(self):
+            return self._stats
+
+    one = EngineStats(spec_proposed=(10, 10), spec_accepted=(6, 3), spec_steps=10, spec_emitted=19,
+                      spec_draft_seconds=1.0, spec_verify_seconds=3.0)
+    two = EngineStats(spec_proposed=(10, 10), spec_accepted=(8, 5), spec_steps=10, spec_emitted=23)
+    router = ReplicaRouter.__new__(ReplicaRouter)
+    router.replicas = [Stub(one), Stub(two)]
+    total = router.stats()
+    assert total.spec_proposed == (20, 20) and total.spec_accepted == (14, 8) and total.spec_emitted == 42
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(Stub(one)))
+    text = generate_latest(registry).decode()
+    assert 'kimik3_engine_spec_acceptance_ratio{position="1"} 0.6' in text
+    assert 'kimik3_engine_spec_acceptance_ratio{position="2"} 0.3' in text
+    assert "kimik3_engine_spec_mean_emitted 1.9" in text
+    assert "kimik3_engine_spec_draft_time_ratio 0.25" in text
+    plain = CollectorRegistry()
+    plain.register(EngineCollector(Stub(EngineStats())))
+    assert "spec_" not in generate_latest(plain).decode()   # no speculation: no speculative metrics

@@ -24,6 +24,40 @@ __all__ = ["launch_decode", "launch_verify"]
 
 
 @triton.jit
+def _gate_params(alog_ptr, dtb_ptr, i_h, ck, km, K, USE_GATE: tl.constexpr):
+    """Head i_h's exp(A_log) and dt_bias [BK] for the fused gate (zeros when the gate comes precomputed)."""
+    if USE_GATE:
+        a = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
+        dtb = tl.load(dtb_ptr + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
+    else:
+        a = 0.0
+        dtb = tl.zeros(ck.shape, dtype=tl.float32)
+    return a, dtb
+
+
+@triton.jit
+def _token_update(S, q, k, v, g, b, a, dtb, km, scale, g_min,
+                  USE_GATE: tl.constexpr, USE_L2: tl.constexpr, USE_BETA_SIG: tl.constexpr, EPS: tl.constexpr):
+    """One token's fused pre-activations and delta-rule update of a [BK, BV] state block: (new S, o [BV])."""
+    if USE_GATE:
+        g = tl.where(km, g_min * tl.sigmoid(a * (g + dtb)), 0.0)
+    if USE_L2:
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + EPS)
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
+    if USE_BETA_SIG:
+        b = tl.sigmoid(b)
+    # Both K-reductions read the *loaded* state in one pass (no dependency between them):
+    #   pred = (e S)^T k,  o = (e S + k delta^T)^T (scale q) = (e S)^T (scale q) + scale (q.k) delta
+    e = tl.exp(g)
+    qs = q * scale
+    pred = tl.sum(S * (e * k)[:, None], axis=0)
+    o1 = tl.sum(S * (e * qs)[:, None], axis=0)
+    delta = b * (v - pred)
+    S = S * e[:, None] + k[:, None] * delta[None, :]
+    return S, o1 + tl.sum(qs * k, axis=0) * delta
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pool_ptr, slot_ptr, o_ptr, alog_ptr, dtb_ptr,
     sq, sk, sv, sg, sb, H, scale, g_min,
@@ -53,25 +87,9 @@ def _decode_kernel(
     v = tl.load(v_ptr + row * sv + i_h * V + cv, mask=vm, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + row * sg + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
     b = tl.load(beta_ptr + row * sb + i_h).to(tl.float32)
-    if USE_GATE:
-        a = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
-        dtb = tl.load(dtb_ptr + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
-        g = tl.where(km, g_min * tl.sigmoid(a * (g + dtb)), 0.0)
-    if USE_L2:
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + EPS)
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
-    if USE_BETA_SIG:
-        b = tl.sigmoid(b)
-    # v2: both K-reductions read the *loaded* state in one pass (no dependency between them):
-    #   pred = (e S)^T k,  o = (e S + k delta^T)^T (scale q) = (e S)^T (scale q) + scale (q.k) delta
-    e = tl.exp(g)
-    qs = q * scale
-    pred = tl.sum(S * (e * k)[:, None], axis=0)
-    o1 = tl.sum(S * (e * qs)[:, None], axis=0)
-    delta = b * (v - pred)
-    S = S * e[:, None] + k[:, None] * delta[None, :]
+    a, dtb = _gate_params(alog_ptr, dtb_ptr, i_h, ck, km, K, USE_GATE)
+    S, o = _token_update(S, q, k, v, g, b, a, dtb, km, scale, g_min, USE_GATE, USE_L2, USE_BETA_SIG, EPS)
     tl.store(pool_ptr + s_off, S, mask=sm)
-    o = o1 + tl.sum(qs * k, axis=0) * delta
     tl.store(o_ptr + base * V + cv, tl.where(ok, o, 0.0).to(o_ptr.dtype.element_ty), mask=vm)
 
 
@@ -158,9 +176,7 @@ def _verify_kernel(
     slot = tl.maximum(slot, 0)
     S = tl.load(pool_ptr + (slot * H + i_h) * (K * V) + ck[:, None] * V + cv[None, :],
                 mask=km[:, None] & vm[None, :] & ok, other=0.0)
-    if USE_GATE:
-        a = tl.exp(tl.load(alog_ptr + i_h).to(tl.float32))
-        dtb = tl.load(dtb_ptr + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
+    a, dtb = _gate_params(alog_ptr, dtb_ptr, i_h, ck, km, K, USE_GATE)
     for t in tl.static_range(T):
         tok = i_b.to(tl.int64) * T + t
         q = tl.load(q_ptr + tok * sq + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
@@ -168,22 +184,9 @@ def _verify_kernel(
         v = tl.load(v_ptr + tok * sv + i_h * V + cv, mask=vm, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + tok * sg + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
         b = tl.load(beta_ptr + tok * sb + i_h).to(tl.float32)
-        if USE_GATE:
-            g = tl.where(km, g_min * tl.sigmoid(a * (g + dtb)), 0.0)
-        if USE_L2:
-            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + EPS)
-            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
-        if USE_BETA_SIG:
-            b = tl.sigmoid(b)
-        e = tl.exp(g)
-        qs = q * scale
-        pred = tl.sum(S * (e * k)[:, None], axis=0)
-        o1 = tl.sum(S * (e * qs)[:, None], axis=0)
-        delta = b * (v - pred)
-        S = S * e[:, None] + k[:, None] * delta[None, :]
+        S, o = _token_update(S, q, k, v, g, b, a, dtb, km, scale, g_min, USE_GATE, USE_L2, USE_BETA_SIG, EPS)
         step = (t * B + i_b).to(tl.int64) * H + i_h
         tl.store(steps_ptr + step * (K * V) + ck[:, None] * V + cv[None, :], S, mask=km[:, None] & vm[None, :])
-        o = o1 + tl.sum(qs * k, axis=0) * delta
         tl.store(o_ptr + (tok * H + i_h) * V + cv, tl.where(ok, o, 0.0).to(o_ptr.dtype.element_ty), mask=vm)
 
 

@@ -50,9 +50,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from kimik3.files import write_text_atomic
 from kimik3.posttrain.policy_loss import group_advantages, make_batch, token_logprobs
-from kimik3.posttrain.rl import RL_FILE, RLRun, RLSource, RLSpec
+from kimik3.posttrain.rl import RL_FILE, RLRun, RLSource, RLSpec, SettingsFile, check_update_settings
 from kimik3.posttrain.rollout import rollout_rows
 from kimik3.posttrain.tasks import make_tasks
 from kimik3.posttrain.tasks.base import check_domain_effort
@@ -128,7 +127,7 @@ def opd_rewards(teacher_lp: torch.Tensor, student_lp: torch.Tensor, mask: torch.
 
 
 @dataclass(slots=True)
-class MOPDSpec:
+class MOPDSpec(SettingsFile):
     """What ``mopd.json`` records: the student's starting run, the teachers and their cells, the settings."""
 
     student_run: str
@@ -144,6 +143,10 @@ class MOPDSpec:
     max_tokens: int | None = None
     difficulty: str = "standard"
     task_reward_coef: float = 0.0
+
+    FILE: ClassVar[str] = MOPD_FILE
+    KEY: ClassVar[str] = "mopd"
+    COMMAND: ClassVar[str] = "kimik3 mopd"
 
     # What ``RLRun`` reads of its spec that distillation fixes: no reference KL, no partial rollouts.
     kl_coef: ClassVar[float] = 0.0
@@ -171,28 +174,7 @@ class MOPDSpec:
             raise ValueError(f"--task-reward-coef must be >= 0, got {self.task_reward_coef}")
         if self.task_reward_coef > 0 and self.group < 2:
             raise ValueError("--task-reward-coef > 0 needs --group >= 2 (the task advantage compares a group)")
-        if not 0 < self.clip < 1:
-            raise ValueError(f"--clip must be in (0, 1), got {self.clip}")
-        if self.minibatches < 1 or self.micro_batch < 1:
-            raise ValueError(f"--minibatches and --micro-batch must be >= 1, got {self.minibatches}, "
-                             f"{self.micro_batch}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"--max-tokens must be >= 1, got {self.max_tokens}")
-        if not 0 < self.temperature <= 2:
-            raise ValueError(f"the rollout temperature must be in (0, 2], got {self.temperature}")
-
-    def write(self, run_dir: Path) -> None:
-        write_text_atomic(run_dir / MOPD_FILE, json.dumps({"mopd": dataclasses.asdict(self)}, indent=1))
-
-    @classmethod
-    def read(cls, run_dir: Path) -> "MOPDSpec":
-        path = run_dir / MOPD_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: {run_dir} is not a run written by `kimik3 mopd`")
-        try:
-            return cls(**json.loads(path.read_text())["mopd"])
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"{path}: unreadable ({err!r})") from None
+        check_update_settings(self)
 
     @property
     def fingerprint(self) -> str:

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -61,8 +61,43 @@ PLOT_FILE = "rl.png"
 RECIPE = "rl-grpo-clip-v1"
 
 
+class SettingsFile:
+    """A post-training run's settings file: ``FILE`` in the run directory, the dataclass's fields under ``KEY``,
+    written by ``COMMAND`` (the name its errors give)."""
+
+    FILE: ClassVar[str]
+    KEY: ClassVar[str]
+    COMMAND: ClassVar[str]
+
+    def write(self, run_dir: Path) -> None:
+        write_text_atomic(run_dir / self.FILE, json.dumps({self.KEY: dataclasses.asdict(self)}, indent=1))
+
+    @classmethod
+    def read(cls, run_dir: Path):
+        path = run_dir / cls.FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: {run_dir} is not a run written by `{cls.COMMAND}`")
+        try:
+            return cls(**json.loads(path.read_text())[cls.KEY])
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}: unreadable ({err!r})") from None
+
+
+def check_update_settings(spec: Any) -> None:
+    """The rollout and update settings ``kimik3 rl`` and ``kimik3 mopd`` share: clip, minibatches, micro_batch,
+    max_tokens, temperature."""
+    if not 0 < spec.clip < 1:
+        raise ValueError(f"--clip must be in (0, 1), got {spec.clip}")
+    if spec.minibatches < 1 or spec.micro_batch < 1:
+        raise ValueError(f"--minibatches and --micro-batch must be >= 1, got {spec.minibatches}, {spec.micro_batch}")
+    if spec.max_tokens is not None and spec.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {spec.max_tokens}")
+    if not 0 < spec.temperature <= 2:
+        raise ValueError(f"the rollout temperature must be in (0, 2], got {spec.temperature}")
+
+
 @dataclass(slots=True)
-class RLSpec:
+class RLSpec(SettingsFile):
     """What ``rl.json`` records: the base run and the RL settings (everything but the optimizer's, which the
     Trainer's arguments hold)."""
 
@@ -82,6 +117,10 @@ class RLSpec:
     stale_coef: float = 0.1           # weight of the staleness-weighted regulariser on stale tokens
     stale_ratio_cap: float = 3.0      # truncation C of stale tokens' importance ratio
 
+    FILE: ClassVar[str] = RL_FILE
+    KEY: ClassVar[str] = "rl"
+    COMMAND: ClassVar[str] = "kimik3 rl"
+
     def validate(self) -> None:
         check_domain_effort(self.domain, self.effort)
         make_tasks(self.domain, "train", 1, 0, self.effort, self.difficulty)   # an unknown difficulty: refused
@@ -89,35 +128,14 @@ class RLSpec:
             raise ValueError(f"--group must be >= 2 (advantages compare completions of one prompt), got {self.group}")
         if self.prompts < 1:
             raise ValueError(f"--prompts must be >= 1, got {self.prompts}")
-        if not 0 < self.clip < 1:
-            raise ValueError(f"--clip must be in (0, 1), got {self.clip}")
         if self.kl_coef < 0:
             raise ValueError(f"--kl-coef must be >= 0, got {self.kl_coef}")
-        if self.minibatches < 1 or self.micro_batch < 1:
-            raise ValueError(f"--minibatches and --micro-batch must be >= 1, got {self.minibatches}, "
-                             f"{self.micro_batch}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"--max-tokens must be >= 1, got {self.max_tokens}")
-        if not 0 < self.temperature <= 2:
-            raise ValueError(f"the rollout temperature must be in (0, 2], got {self.temperature}")
+        check_update_settings(self)
         finish_target(self.partial_lambda, 1)     # outside (0, 1]: refused
         if self.stale_coef < 0:
             raise ValueError(f"--stale-coef must be >= 0, got {self.stale_coef}")
         if self.stale_ratio_cap <= 1 + self.clip:
             raise ValueError(f"--stale-ratio-cap must exceed 1 + --clip = {1 + self.clip}, got {self.stale_ratio_cap}")
-
-    def write(self, run_dir: Path) -> None:
-        write_text_atomic(run_dir / RL_FILE, json.dumps({"rl": dataclasses.asdict(self)}, indent=1))
-
-    @classmethod
-    def read(cls, run_dir: Path) -> "RLSpec":
-        path = run_dir / RL_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: {run_dir} is not a run written by `kimik3 rl`")
-        try:
-            return cls(**json.loads(path.read_text())["rl"])
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"{path}: unreadable ({err!r})") from None
 
     @property
     def fingerprint(self) -> str:

@@ -50,6 +50,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from kimik3.posttrain.driver import drive, metrics_file, open_base, policy_trainer
 from kimik3.posttrain.policy_loss import group_advantages, make_batch, token_logprobs
 from kimik3.posttrain.rl import RL_FILE, RLRun, RLSource, RLSpec, SettingsFile, check_update_settings
 from kimik3.posttrain.rollout import rollout_rows
@@ -361,15 +362,6 @@ def run_mopd(run: str | Path | None = None, *, teachers: Sequence[str | Path] = 
              on_iteration: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Distil ``teachers`` into ``run``'s model (new run ``out``, default ``<run>-mopd``), or continue the MOPD run
     ``resume`` up to ``iterations``. Returns this call's iteration records."""
-    from kimik3.config.schema import K3Config
-    from kimik3.model.k3 import K3ForCausalLM
-    from kimik3.model.pretrained import has_weights
-    from kimik3.serve.chat import ChatEncoder, load_chat_template
-    from kimik3.tokenizer import load_tokenizer
-    from kimik3.train.args import write_run_args
-    from kimik3.train.run_dir import METRICS_FILE
-    from kimik3.train.trainer import TrainArgs, Trainer, _progress
-
     if iterations < 1:
         raise ValueError(f"--iterations must be >= 1, got {iterations}")
     if resume is not None:
@@ -387,66 +379,26 @@ def run_mopd(run: str | Path | None = None, *, teachers: Sequence[str | Path] = 
                         task_reward_coef=task_reward_coef)
     spec.validate()
     base = Path(spec.student_run)
-    if not (base / "config.json").is_file() or not has_weights(base):
-        raise FileNotFoundError(f"{base}: not a run with a saved model (config.json and weights): train one with "
-                                "`kimik3 train` (and `kimik3 sft`)")
-    config = K3Config.from_json(base / "config.json")
-    tokenizer = load_tokenizer(base / "tokenizer.json", vocab_size=config.vocab_size)
-    encoder = ChatEncoder(tokenizer, load_chat_template(None, base))
-    args = TrainArgs(config_path=str(base / "config.json"), steps=iterations,
-                     out=str(out or f"{str(base).rstrip('/')}-mopd"), seed=seed, lr=lr, weight_decay=0.0,
-                     device=device, checkpoint_every=checkpoint_every, qat=config.moe.expert_quant,
-                     progress=progress, warmup_fraction=0.0, min_lr_ratio=1.0)
-
-    def from_base(cfg: K3Config, dev: torch.device, _seed: int) -> torch.nn.Module:
-        return K3ForCausalLM.from_pretrained(base, device=dev, dtype=torch.float32)
-
-    trainer = Trainer(args, resume=resume, model_factory=from_base, log=log, source=MOPDSource(spec, tokenizer))
-    a = trainer.args
+    config, tokenizer, encoder = open_base(base)
+    trainer = policy_trainer(base, config, MOPDSource(spec, tokenizer), iterations=iterations,
+                             out=str(out or f"{str(base).rstrip('/')}-mopd"), seed=seed, lr=lr, device=device,
+                             checkpoint_every=checkpoint_every, progress=progress, resume=resume, log=log)
     teacher_models = load_teachers(spec, config, base / "tokenizer.json", trainer.device)
     if resume is None:
         spec.write(trainer.run_dir)
         log(f"MOPD of {base} into {trainer.run_dir}: {trainer.data.describe()}")
-    for param_group in trainer.optimizer.param_groups:   # a constant learning rate
-        param_group["lr"] = param_group["base_lr"]
-    trainer.started = time.perf_counter()
-    trainer.total = a.steps
-    write_run_args(trainer.run_dir, a)
     mopd = MOPDRun(trainer, spec, encoder, teacher_models, log)
-    metrics_path = trainer.run_dir / METRICS_FILE
-    records: list[dict[str, Any]] = []
-    first = trainer.step
-    try:
-        if trainer.step >= a.steps:
-            log(f"{trainer.run_dir} is already at iteration {trainer.step} >= --iterations {a.steps}: nothing to do")
-        bar = _progress(a.steps, trainer.step, progress)
-        say = bar.write if progress and log is print else log
-        trainer.clock.restart()
-        with open(metrics_path, "a") as metrics_file:
-            while trainer.step < a.steps:
-                record = mopd.iteration(trainer.step)
-                trainer.step += 1
-                per_cell = "; ".join(f"{name} r {c.get('opd_reward', float('nan')):.3f} kl "
-                                     f"{c.get('kl_to_teacher', float('nan')):.3f} len {c['completion_tokens']:.0f}"
-                                     for name, c in record["cells"].items())
-                say(f"iteration {record['step']}: r_opd {record['opd_reward']:.3f} kl_to_teacher "
-                    f"{record['kl_to_teacher']:.3f} task {record['task_reward']:.3f} clip {record['clip_fraction']:.3f}"
-                    f" rollouts {record['rollout_tokens_per_s']:,.0f} tok/s ({record['rollout_s']:.1f} s), update "
-                    f"{record['update_s']:.1f} s [{per_cell}]")
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-                records.append(record)
-                bar.update(1)
-                if trainer.step < a.steps and trainer._checkpoint_due():
-                    trainer.save()
-                if on_iteration is not None:
-                    on_iteration(record)
-        bar.close()
-    finally:
-        mopd.close()
-    if trainer.step > first:
-        trainer.save()
-    plot = plot_mopd(metrics_path, trainer.run_dir / PLOT_FILE)
+
+    def summary(r: dict[str, Any]) -> str:
+        per_cell = "; ".join(f"{name} r {c.get('opd_reward', float('nan')):.3f} kl "
+                             f"{c.get('kl_to_teacher', float('nan')):.3f} len {c['completion_tokens']:.0f}"
+                             for name, c in r["cells"].items())
+        return (f"iteration {r['step']}: r_opd {r['opd_reward']:.3f} kl_to_teacher {r['kl_to_teacher']:.3f} task "
+                f"{r['task_reward']:.3f} clip {r['clip_fraction']:.3f} rollouts {r['rollout_tokens_per_s']:,.0f} tok/s "
+                f"({r['rollout_s']:.1f} s), update {r['update_s']:.1f} s [{per_cell}]")
+
+    records = drive(trainer, mopd, summary=summary, progress=progress, log=log, on_iteration=on_iteration)
+    plot = plot_mopd(metrics_file(trainer), trainer.run_dir / PLOT_FILE)
     if records:
         log(f"kl_to_teacher {records[0]['kl_to_teacher']:.3f} (first iteration of this call) -> "
             f"{records[-1]['kl_to_teacher']:.3f} (last); r_opd {records[0]['opd_reward']:.3f} -> "

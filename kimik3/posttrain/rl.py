@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from kimik3.files import write_text_atomic
+from kimik3.posttrain.driver import drive, metrics_file, open_base, policy_trainer
 from kimik3.posttrain.partial import Trajectory, finish_target, partial_rollouts, trajectory_rows
 from kimik3.posttrain.policy_loss import clipped_policy_loss, group_advantages, make_batch, token_logprobs
 from kimik3.posttrain.rollout import RolloutEngine, rollout_rows
@@ -410,15 +411,6 @@ def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: st
     """RL on ``run``'s model (new run ``out``, default ``<run>-rl-<domain>-<effort>``), or continue the RL run
     ``resume`` up to ``iterations``. ``eval_n``: greedy test accuracy on that many test tasks before the first
     iteration and after the last (recorded as ``test_accuracy``). Returns this call's iteration records."""
-    from kimik3.config.schema import K3Config
-    from kimik3.model.k3 import K3ForCausalLM
-    from kimik3.model.pretrained import has_weights
-    from kimik3.serve.chat import ChatEncoder, load_chat_template
-    from kimik3.tokenizer import load_tokenizer
-    from kimik3.train.args import write_run_args
-    from kimik3.train.run_dir import METRICS_FILE
-    from kimik3.train.trainer import TrainArgs, Trainer, _progress
-
     if iterations < 1:
         raise ValueError(f"--iterations must be >= 1, got {iterations}")
     if eval_n < 0:
@@ -436,70 +428,39 @@ def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: st
                       stale_ratio_cap=stale_ratio_cap)
     spec.validate()
     base = Path(spec.base_run)
-    if not (base / "config.json").is_file() or not has_weights(base):
-        raise FileNotFoundError(f"{base}: not a run with a saved model (config.json and weights): train one with "
-                                "`kimik3 train` (and `kimik3 sft`)")
-    config = K3Config.from_json(base / "config.json")
-    tokenizer = load_tokenizer(base / "tokenizer.json", vocab_size=config.vocab_size)
-    encoder = ChatEncoder(tokenizer, load_chat_template(None, base))
-    default_out = f"{str(base).rstrip('/')}-rl-{spec.domain}-{spec.effort}"
-    args = TrainArgs(config_path=str(base / "config.json"), steps=iterations, out=str(out or default_out), seed=seed,
-                     lr=lr, weight_decay=0.0, device=device, checkpoint_every=checkpoint_every,
-                     qat=config.moe.expert_quant, progress=progress, warmup_fraction=0.0, min_lr_ratio=1.0)
-
-    def from_base(cfg: K3Config, dev: torch.device, _seed: int) -> torch.nn.Module:
-        return K3ForCausalLM.from_pretrained(base, device=dev, dtype=torch.float32)
-
-    trainer = Trainer(args, resume=resume, model_factory=from_base, log=log, source=RLSource(spec, tokenizer))
-    a = trainer.args
+    config, tokenizer, encoder = open_base(base)
+    trainer = policy_trainer(base, config, RLSource(spec, tokenizer), iterations=iterations,
+                             out=str(out or f"{str(base).rstrip('/')}-rl-{spec.domain}-{spec.effort}"), seed=seed,
+                             lr=lr, device=device, checkpoint_every=checkpoint_every, progress=progress,
+                             resume=resume, log=log)
     if resume is None:
         spec.write(trainer.run_dir)
         log(f"RL on {base} into {trainer.run_dir}: {trainer.data.describe()}")
-    for group in trainer.optimizer.param_groups:   # a constant learning rate
-        group["lr"] = group["base_lr"]
-    trainer.started = time.perf_counter()
-    trainer.total = a.steps
-    write_run_args(trainer.run_dir, a)
     rl = RLRun(trainer, spec, encoder, log)
-    metrics_path = trainer.run_dir / METRICS_FILE
-    records: list[dict[str, Any]] = []
-    first = trainer.step
-    try:
-        if trainer.step >= a.steps:
-            log(f"{trainer.run_dir} is already at iteration {trainer.step} >= --iterations {a.steps}: nothing to do")
-        pending_eval = _test_accuracy(rl, spec, eval_n, seed, log) if eval_n and trainer.step == 0 else None
-        bar = _progress(a.steps, trainer.step, progress)
-        say = bar.write if progress and log is print else log
-        trainer.clock.restart()
-        with open(metrics_path, "a") as metrics_file:
-            while trainer.step < a.steps:
-                record = rl.iteration(trainer.step)
-                if pending_eval is not None:
-                    record["test_accuracy"], pending_eval = pending_eval, None
-                trainer.step += 1
-                if trainer.step == a.steps and eval_n:
-                    record["test_accuracy_after"] = _test_accuracy(rl, spec, eval_n, seed, log)
-                say(f"iteration {record['step']}: reward {record['reward_mean']:.3f} accuracy {record['accuracy']:.3f} "
-                    f"length {record['completion_tokens']:.0f} clip {record['clip_fraction']:.3f} kl {record['kl']:.4f}"
-                    f" rollouts {record['rollout_tokens_per_s']:,.0f} tok/s ({record['rollout_s']:.1f} s), update "
-                    f"{record['update_s']:.1f} s" + (f"; finished {record['finished']}/{record['trajectories']}, "
-                                                     f"{record['groups_trained']} groups trained, stale tokens "
-                                                     f"{record['stale_token_fraction']:.2f}" if "finished" in record
-                                                     else ""))
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-                records.append(record)
-                bar.update(1)
-                if trainer.step < a.steps and trainer._checkpoint_due():
-                    trainer.save()
-                if on_iteration is not None:
-                    on_iteration(record)
-        bar.close()
-    finally:
-        rl.close()
-    if trainer.step > first:
-        trainer.save()
-    plot = plot_rl(metrics_path, trainer.run_dir / PLOT_FILE)
+    steps = trainer.args.steps
+    pending: dict[str, float] = {}
+
+    def before() -> None:   # greedy test accuracy before the first iteration
+        if eval_n and trainer.step == 0:
+            pending["test_accuracy"] = _test_accuracy(rl, spec, eval_n, seed, log)
+
+    def annotate(record: dict[str, Any]) -> None:
+        record.update(pending)
+        pending.clear()
+        if trainer.step == steps and eval_n:
+            record["test_accuracy_after"] = _test_accuracy(rl, spec, eval_n, seed, log)
+
+    def summary(r: dict[str, Any]) -> str:
+        partial = (f"; finished {r['finished']}/{r['trajectories']}, {r['groups_trained']} groups trained, stale "
+                   f"tokens {r['stale_token_fraction']:.2f}" if "finished" in r else "")
+        return (f"iteration {r['step']}: reward {r['reward_mean']:.3f} accuracy {r['accuracy']:.3f} length "
+                f"{r['completion_tokens']:.0f} clip {r['clip_fraction']:.3f} kl {r['kl']:.4f} rollouts "
+                f"{r['rollout_tokens_per_s']:,.0f} tok/s ({r['rollout_s']:.1f} s), update {r['update_s']:.1f} s"
+                + partial)
+
+    records = drive(trainer, rl, summary=summary, progress=progress, log=log, on_iteration=on_iteration,
+                    before=before, annotate=annotate)
+    plot = plot_rl(metrics_file(trainer), trainer.run_dir / PLOT_FILE)
     if records:
         rate = float(np.median([r["rollout_tokens_per_s"] for r in records]))
         log(f"reward {records[0]['reward_mean']:.3f} (first iteration of this call) -> {records[-1]['reward_mean']:.3f}"

@@ -96,13 +96,13 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.prefill_graphs: dict[int, _PrefillGraph] = {}
         self.capture_seconds = 0.0
-        # Decode batches and prefill chunks are padded to a size on a GPU, with graphs or without; on the CPU they
-        # run as they are.
         self.speculator = None
         if config.speculative_tokens:
             if draft is None:
                 raise ValueError("speculative_tokens needs a draft model (kimik3.model.draft.EagleDraft)")
             self.speculator = Speculator(self, draft, config.speculative_tokens)
+        # Decode batches and prefill chunks are padded to a size on a GPU, with graphs or without; on the CPU they
+        # run as they are.
         on_gpu = self.device.type == "cuda"
         self.buckets = graph_buckets(config.max_running) if on_gpu else []
         self.prefill_sizes = prefill_sizes(min(config.prefill_chunk, max_context)) if on_gpu else []

@@ -194,10 +194,12 @@ class EngineCore:
 
     def _decode(self, seqs: list[Sequence]) -> None:
         if self.runner.speculator is not None:
-            speculating = [seq for seq in seqs if eligible(seq)]
+            speculating, plain = [], []
+            for seq in seqs:
+                (speculating if eligible(seq) else plain).append(seq)
             if speculating:
                 self._speculate(speculating)
-            seqs = [seq for seq in seqs if not eligible(seq)]
+            seqs = plain
             if not seqs:
                 return
         try:

@@ -5,7 +5,7 @@ sandbox (the AgentENV microVMs of the seed) can replace ``SubprocessSandbox`` wi
 tasks. ``SubprocessSandbox``:
 
 * runs ``python -I -S`` (isolated: no user site, no environment variables, no ``site``) in a fresh
-  temporary directory, in its own session, killed with its whole process group at the timeout;
+  temporary directory, as the leader of a new process group (setsid), all of which is killed at the timeout;
 * with no network: in a new user + network namespace (``unshare -rn``) where the kernel allows it,
   else by making ``socket``/``ssl`` unimportable in the program (``NETWORK_BLOCK``: best effort);
 * with resource limits set by ``LIMITS`` at the top of the program (address space, CPU seconds, file
@@ -108,7 +108,7 @@ class SubprocessSandbox:
 
 
 def _kill_group(process: subprocess.Popen) -> None:
-    """Kill the program and whatever it started (its session's process group), then reap it."""
+    """Kill the program and whatever it started (the process group it leads), then reap it."""
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

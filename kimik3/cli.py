@@ -408,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True,
                                 parser_class=functools.partial(argparse.ArgumentParser, formatter_class=_Help))
     p = sub.add_parser("params", help="print the parameter counts of a preset or config file")
-    p.add_argument("config", nargs="?", default="k3", help="preset name (k3, debug, tiny) or a .json config")
+    p.add_argument("config", nargs="?", default="k3", help="preset name (k3, debug, tiny; k3-vl, debug-vl, tiny-vl "
+                   "with the vision tower) or a .json config")
     p.set_defaults(func=cmd_params)
 
     t = sub.add_parser("train", help="train K3 (default: the tiny preset on the stdlib sources, ~5 minutes)")

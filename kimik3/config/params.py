@@ -118,6 +118,11 @@ def param_counts(config: K3Config) -> dict[str, int | float]:
         num_moe_layers=num_moe_layers,
         routed_fraction=out["moe_routed_experts"] / total if total else 0.0,
     )
+    if c.vision is not None:   # reported apart, like MTP: the text totals are the language model's
+        from kimik3.model.vision.config import vision_param_counts
+
+        out.update(vision_param_counts(c.vision, c.dim))
+        out["total_with_vision"] = total + out["vision_total"]
     return out
 
 
@@ -153,4 +158,13 @@ def format_param_table(config: K3Config) -> str:
         f"{100 * counts['routed_fraction']:.1f}% of total)",
         f"  active          = total - embedding - routed x (1 - {m.top_k}/{m.num_experts})",
     ]
+    if config.vision is not None:
+        v = config.vision
+        lines += ["", f"  vision (MoonViT-V2: {v.num_layers} layers, width {v.dim}, {v.num_heads} heads x "
+                      f"{v.head_dim}, MLP {v.mlp_hidden}, patch {v.patch_size}, merge {v.merge_size}x{v.merge_size})"]
+        lines += [f"  {k:<{width}}{counts[k]:>20,}  {human(counts[k]):>9}" for k in (
+            "vision_patch_embed", "vision_pos_embed", "vision_blocks", "vision_final_norm", "vision_tower",
+            "mm_projector")]
+        lines += [f"  {'total_with_vision':<{width}}{counts['total_with_vision']:>20,}  "
+                  f"{human(counts['total_with_vision']):>9}"]
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Named configurations as data: ``k3`` (the released 2.78T model), ``debug`` and ``tiny``.
+"""Named configurations as data: ``k3`` (the released 2.78T model), ``debug`` and ``tiny``; each also with its
+MoonViT-V2 vision tower (``k3-vl``, ``debug-vl``, ``tiny-vl``).
 
 ``k3`` follows the released topology (notes §2-4, DESIGN.md): 93 layers, MLA at 3, 7, ..., 91
 plus the trailing 92, dense layer 0, 896 experts top-16 in a 3584 latent.
@@ -75,4 +76,30 @@ TINY: dict[str, Any] = dict(
 )
 
 
-PRESETS: dict[str, dict[str, Any]] = {"k3": K3, "debug": DEBUG, "tiny": TINY}
+# MoonViT-V2 vision towers (``kimik3.model.vision``; fields of ``VisionConfig``).
+# Given by the seed: 401M parameters, 27 layers, patch 14, 2 x 2 pixel shuffle (3584² -> 16,384 tokens).
+# Read from torchtitan's K3 port (the released model's shapes, facts, not chosen here): width 1024, attention
+# width 1536 = 12 heads x 128, MLP hidden 4096, a 64 x 64 learned position table, RMSNorm, no biases.
+# They give 27 x 14,682,112 per block + 602,112 patch embedding + 4,194,304 position table + 1,024 final
+# norm = 401,214,464 for the tower (the seed's 401M; the projector into the LM, 46.1M at width 7168, apart).
+# The same formulas give the port's debug tower (VISION_DEBUG) 36,486,656 with its projector, the figure in
+# ../shared/reference/k3-released-layout.md.
+VISION_K3: dict[str, Any] = dict(dim=1024, num_layers=27, num_heads=12, qkv_dim=1536, mlp_hidden=4096,
+                                 patch_size=14, merge_size=2, pos_emb_height=64, pos_emb_width=64)
+VISION_DEBUG: dict[str, Any] = dict(dim=512, num_layers=8, num_heads=6, qkv_dim=768, mlp_hidden=2048,
+                                    patch_size=14, merge_size=2, pos_emb_height=32, pos_emb_width=32)
+# Chosen for two CPU cores: every mechanism (patch 14, 2D RoPE, packed images, merge, projector) at ~0.1M.
+VISION_TINY: dict[str, Any] = dict(dim=64, num_layers=2, num_heads=4, qkv_dim=64, mlp_hidden=128,
+                                   patch_size=14, merge_size=2, pos_emb_height=8, pos_emb_width=8)
+
+
+def _with_vision(text: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]:
+    return {**text, "name": f"{text['name']}-vl", "vision": dict(vision)}
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "k3": K3, "debug": DEBUG, "tiny": TINY,
+    # The same language models with native vision (``K3VLForCausalLM``).
+    "k3-vl": _with_vision(K3, VISION_K3), "debug-vl": _with_vision(DEBUG, VISION_DEBUG),
+    "tiny-vl": _with_vision(TINY, VISION_TINY),
+}

@@ -11,9 +11,12 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kimik3.config.presets import PRESETS
+
+if TYPE_CHECKING:
+    from kimik3.model.vision.config import VisionConfig
 
 Mixer = Literal["kda", "mla"]
 FFNKind = Literal["dense", "moe"]
@@ -143,6 +146,9 @@ class K3Config:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # The MoonViT-V2 vision tower and projector (``kimik3.model.vision``); None: a text-only model. Left out of
+    # ``to_dict`` when None, so a text config's JSON is what it was.
+    vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -213,6 +219,11 @@ class K3Config:
             last = self.num_layers - 1
             _require(last % self.mla_period != self.mla_period - 1, "trailing_mla",
                      f"the last layer {last} is already MLA under mla_period={self.mla_period}")
+        if self.vision is not None:
+            self.vision.validate()
+            token = self.vision.image_token_id
+            _require(token is None or token < self.vocab_size, "vision.image_token_id",
+                     f"must lie below vocab_size={self.vocab_size}, got {token}")
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -260,7 +271,10 @@ class K3Config:
         return cls.from_dict(copy.deepcopy(PRESETS[name]))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if data["vision"] is None:
+            del data["vision"]
+        return data
 
     def to_json(self, path: str | Path | None = None) -> str:
         """Serialise to JSON; also write it to ``path`` when given."""
@@ -293,6 +307,19 @@ class K3Config:
                     kwargs[key] = sub_cls(**value)
                 except TypeError as err:  # a missing required sub-field
                     raise ValueError(f"invalid config field '{key}': {err}") from None
+        if kwargs.get("vision") is not None:
+            from kimik3.model.vision.config import VisionConfig  # here: kimik3.model imports this module
+
+            value = kwargs["vision"]
+            if not isinstance(value, dict):
+                raise ValueError(f"invalid config field 'vision': must be an object or null, got {value!r}")
+            bad = sorted(set(value) - {f.name for f in dataclasses.fields(VisionConfig)})
+            if bad:
+                raise ValueError(f"invalid config field 'vision.{bad[0]}': unknown field")
+            try:
+                kwargs["vision"] = VisionConfig(**value)
+            except TypeError as err:
+                raise ValueError(f"invalid config field 'vision': {err}") from None
         try:
             return cls(**kwargs)
         except TypeError as err:

@@ -161,7 +161,7 @@ class K3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 cache: K3Cache | None = None, cu_seqlens: torch.Tensor | None = None,
                 last_only: bool = False, logits_at: torch.Tensor | None = None,
-                features_at: tuple[int, ...] = ()) -> K3Output:
+                features_at: tuple[int, ...] = (), inputs_embeds: torch.Tensor | None = None) -> K3Output:
         """input_ids [B, T] int64; cu_seqlens [N+1] for packed sequences (B must be 1). ``last_only``: logits of
         the last position only ([B, 1, V]); ``logits_at``: of position ``logits_at[b]`` of each row instead (a
         device tensor [B]: a padded chunk's last real token, chosen without a host read).
@@ -169,7 +169,8 @@ class K3ForCausalLM(nn.Module):
         labels [B, T] (shifted, -100 ignored): the output has the losses (main, MTP's, their weighted sum) and
         ``logits`` None: the head and the cross-entropy run fused over token chunks (``linear_cross_entropy``),
         without the [B, T, V] fp32 logits. ``features_at``: layer indices whose output stream ``K3Output.features``
-        returns, followed by the final hidden state."""
+        returns, followed by the final hidden state. ``inputs_embeds`` [B, T, D]: the embedded input to use instead
+        of ``embed(input_ids)`` (the multimodal model's, with image features over the placeholders)."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         if labels is not None:
@@ -187,7 +188,10 @@ class K3ForCausalLM(nn.Module):
         if cache is not None and len(cache.layers) != len(self.layers):
             raise ValueError(f"cache has {len(cache.layers)} layer states, the model {len(self.layers)} layers")
 
-        stream = self.embed(input_ids)
+        if inputs_embeds is not None and inputs_embeds.shape != (*input_ids.shape, self.config.dim):
+            raise ValueError(f"inputs_embeds must be [batch, tokens, {self.config.dim}] like input_ids, got "
+                             f"{tuple(inputs_embeds.shape)}")
+        stream = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         entries: list[torch.Tensor] = []
         features = []
         for index, block in enumerate(self.layers):

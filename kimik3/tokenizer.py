@@ -34,6 +34,14 @@ IM_MIDDLE = "<|im_middle|>"
 IM_END = "<|im_end|>"
 ROLE_TOKENS = (IM_SYSTEM, IM_USER, IM_ASSISTANT, IM_MIDDLE, IM_END)
 SPECIAL_TOKENS = (EOS, *ROLE_TOKENS)
+# Images in a prompt (the released K3 tokenizer's names, as torchtitan's port lists them): one image is
+# ``<|media_begin|>`` + ``num_image_tokens(H, W)`` x ``<|media_pad|>`` (the placeholders the image's embeddings
+# replace, ``kimik3.model.vision``) + ``<|media_end|>``. Not part of SPECIAL_TOKENS: a text-only tokenizer keeps
+# its ids; ``add_media_tokens`` appends them for a model with a vision tower.
+MEDIA_BEGIN = "<|media_begin|>"
+MEDIA_END = "<|media_end|>"
+MEDIA_PAD = "<|media_pad|>"
+MEDIA_TOKENS = (MEDIA_BEGIN, MEDIA_END, MEDIA_PAD)
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
@@ -179,3 +187,28 @@ def read_tokenizer_config(folder: str | Path) -> dict[str, Any] | None:
     if not isinstance(config, dict):
         raise ValueError(f"{path}: not a valid tokenizer config (a JSON object is expected)")
     return config
+
+
+# -- media tokens -------------------------------------------------------------------------------------------
+def add_media_tokens(tokenizer: Any, vocab_size: int) -> dict[str, int]:
+    """Make ``MEDIA_TOKENS`` special tokens of ``tokenizer`` (in place), appended after its last id in that
+    order, so a tokenizer of ``vocab_size - 3`` ids puts ``<|media_pad|>`` at ``vocab_size - 1`` (the vision
+    config's default placeholder id). Returns ``{token: id}``; ValueError when they do not fit below ``vocab_size``."""
+    specials = special_token_ids(tokenizer)
+    missing = [token for token in MEDIA_TOKENS if token not in specials]
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size + len(missing) > vocab_size:
+        raise ValueError(f"the tokenizer has {size:,} ids and the model's vocabulary {vocab_size:,}: no room for "
+                         f"the media tokens {', '.join(missing)} (train the BPE to {vocab_size - len(MEDIA_TOKENS)} "
+                         "entries)")
+    if missing:
+        tk = tokenizers_module()
+        tokenizer.add_special_tokens([tk.AddedToken(token, special=True, normalized=False) for token in missing])
+    return {token: tokenizer.token_to_id(token) for token in MEDIA_TOKENS}
+
+
+def image_prompt(num_tokens: int) -> str:
+    """The text of one image in a prompt: begin, ``num_tokens`` placeholders, end."""
+    if num_tokens < 1:
+        raise ValueError(f"an image has at least one token, got {num_tokens}")
+    return MEDIA_BEGIN + MEDIA_PAD * num_tokens + MEDIA_END

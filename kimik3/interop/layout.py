@@ -49,6 +49,7 @@ class Codec:
     parts: Callable[[Tensor], list[Tensor]]
     join: Callable[[list[Tensor], torch.Size], Tensor]
     shapes: Callable[[torch.Size], list[tuple[int, ...]]] | None = None
+    labels: tuple[str, ...] | None = None   # what ``{e}`` becomes in their names (default: 0, 1, ...)
 
     def their_shapes(self, shape: torch.Size) -> list[tuple[int, ...]]:
         if self.shapes is not None:
@@ -70,6 +71,10 @@ SWAP = Codec(lambda t: [t.transpose(1, 2).contiguous()],           # ours [E, a,
 PER_EXPERT = Codec(lambda t: [w.T.contiguous() for w in t.unbind(0)],  # ours [E, a, b] <-> E x [b, a]
                    lambda parts, shape: torch.stack([w.T for w in parts]),
                    lambda s: [(s[2], s[1])] * s[0])  # the 2.78T model has 250k expert tensors: no meta ops
+
+PATCH = _reshaped(lambda s: (s[0], 3, round((s[1] // 3) ** 0.5), round((s[1] // 3) ** 0.5)))  # [D, 3·P·P] -> conv
+QKV = Codec(lambda t: list(t.chunk(3, dim=0)), lambda parts, shape: torch.cat(parts, dim=0),
+            labels=("q", "k", "v"))                  # ours fused [3·Q, D] <-> three [Q, D]
 
 # Per-layer rules: our suffix under ``layers.{i}.``, then (their suffix, codec) for Hugging Face and for
 # torchtitan. The suffixes of KDA and MLA parameters differ in our names, so one table serves both mixers.
@@ -143,6 +148,36 @@ TOP_RULES: list[tuple[str, tuple[str, Codec], tuple[str, Codec]]] = [
     ("lm_head.weight", ("language_model.lm_head.weight", SAME), ("lm_head.weight", SAME)),
 ]
 
+# The vision tower and projector (``kimik3.model.vision``): our key (``{i}``: the block), then their key for
+# Hugging Face (the released checkpoint's names) and for torchtitan's port, as the port's state-dict adapter maps
+# them. The released checkpoint fuses q, k, v into ``wqkv`` (ours too) and stores the patch embedding as a conv.
+VISION_RULES: list[tuple[str, tuple[str, Codec], tuple[str, Codec]]] = [
+    ("vision_tower.patch_embed.weight", ("vision_tower.patch_embed.proj.weight", PATCH),
+     ("vision_encoder.patch_embed.weight", SAME)),
+    ("vision_tower.pos_embed", ("vision_tower.patch_embed.pos_emb.weight", SAME), ("vision_encoder.pos_embed", SAME)),
+    ("vision_tower.blocks.{i}.attn_norm.weight", ("vision_tower.encoder.blocks.{i}.norm0.weight", SAME),
+     ("vision_encoder.layers.{i}.norm1.weight", SAME)),
+    ("vision_tower.blocks.{i}.attn.wqkv.weight", ("vision_tower.encoder.blocks.{i}.wqkv.weight", SAME),
+     ("vision_encoder.layers.{i}.attn.w{e}.weight", QKV)),
+    ("vision_tower.blocks.{i}.attn.wo.weight", ("vision_tower.encoder.blocks.{i}.wo.weight", SAME),
+     ("vision_encoder.layers.{i}.attn.proj.weight", SAME)),
+    ("vision_tower.blocks.{i}.mlp_norm.weight", ("vision_tower.encoder.blocks.{i}.norm1.weight", SAME),
+     ("vision_encoder.layers.{i}.norm2.weight", SAME)),
+    ("vision_tower.blocks.{i}.mlp.fc1.weight", ("vision_tower.encoder.blocks.{i}.mlp.fc0.weight", SAME),
+     ("vision_encoder.layers.{i}.mlp.linear_fc1.weight", SAME)),
+    ("vision_tower.blocks.{i}.mlp.fc2.weight", ("vision_tower.encoder.blocks.{i}.mlp.fc1.weight", SAME),
+     ("vision_encoder.layers.{i}.mlp.linear_fc2.weight", SAME)),
+    ("vision_tower.final_norm.weight", ("vision_tower.encoder.final_layernorm.weight", SAME),
+     ("vision_encoder.final_norm.weight", SAME)),
+    ("mm_projector.fc1.weight", ("mm_projector.proj.0.weight", SAME),
+     ("vision_encoder.projector.linear_1.weight", SAME)),
+    ("mm_projector.fc2.weight", ("mm_projector.proj.2.weight", SAME),
+     ("vision_encoder.projector.linear_2.weight", SAME)),
+    ("mm_projector.post_norm.weight", ("mm_projector.post_norm.weight", SAME),
+     ("vision_encoder.projector.post_norm.weight", SAME)),
+]
+_VISION_BLOCK_KEY = re.compile(r"vision_tower\.blocks\.(\d+)\.(.+)")
+
 # The MTP module's own parameters (its block uses LAYER_RULES): same suffix in every layout, under its prefix.
 MTP_OWN = ("hidden_norm.weight", "embed_norm.weight", "proj.weight", "out_norm.weight")
 
@@ -177,6 +212,10 @@ class Layout:
     def layer_rules(self) -> dict[str, tuple[str, Codec]]:
         return {ours: cols[self.column] for ours, *cols in LAYER_RULES}
 
+    @cached_property
+    def vision_rules(self) -> dict[str, tuple[str, Codec]]:
+        return {ours: cols[self.column] for ours, *cols in VISION_RULES}
+
 
 _LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 
@@ -195,6 +234,11 @@ def rule_for(layout: Layout, key: str) -> tuple[str, Codec]:
             found = (layout.mtp_prefix + "block." + rule[0], rule[1])
     elif key.startswith("mtp.") and key.removeprefix("mtp.") in MTP_OWN:
         found = (layout.mtp_prefix + key.removeprefix("mtp."), SAME)
+    elif key.startswith(("vision_tower.", "mm_projector.")):
+        block = _VISION_BLOCK_KEY.fullmatch(key)
+        rule = layout.vision_rules.get(f"vision_tower.blocks.{{i}}.{block.group(2)}" if block else key)
+        if rule is not None:
+            found = (rule[0].replace("{i}", block.group(1)) if block else rule[0], rule[1])
     else:
         found = layout.top_rules.get(key)
     if found is None:
@@ -203,15 +247,18 @@ def rule_for(layout: Layout, key: str) -> tuple[str, Codec]:
     return found
 
 
-def _part_names(template: str, count: int) -> list[str]:
-    return [template.format(e=e) for e in range(count)] if "{e}" in template else [template]
+def _part_names(template: str, count: int, codec: Codec | None = None) -> list[str]:
+    if "{e}" not in template:
+        return [template]
+    labels = codec.labels if codec is not None and codec.labels is not None else range(count)
+    return [template.format(e=e) for e in labels]
 
 
 def our_meta_state(config: K3Config) -> dict[str, Tensor]:
     """Our model's state dict for ``config`` on the meta device: every key, shape and default dtype."""
-    from kimik3.model.k3 import K3ForCausalLM  # the model imports much; the tables above do not need it
+    from kimik3.model.vision import causal_lm_class  # the model imports much; the tables above do not need it
 
-    return K3ForCausalLM(config, device="meta").state_dict()
+    return causal_lm_class(config)(config, device="meta").state_dict()
 
 
 def _shape(t: Tensor) -> tuple[int, ...]:
@@ -249,7 +296,7 @@ def export(state_dict: dict[str, Tensor], config: K3Config, layout: Layout, incl
             continue
         template, codec = rule_for(layout, key)
         parts = codec.parts(state_dict[key])
-        out.update(zip(_part_names(template, len(parts)), parts))
+        out.update(zip(_part_names(template, len(parts), codec), parts))
     if config.tie_embeddings and layout.write_tied_head:
         out[layout.head_key] = out[layout.embed_key].clone()
     out.update(layout.placeholders(state_dict, config))
@@ -283,6 +330,9 @@ def import_plan(shapes: Mapping[str, tuple[int, ...]], config: K3Config, layout:
     """Check an external checkpoint's keys and shapes (``shapes``: name -> shape, e.g. from file headers, no data
     read) against ``config`` and plan the conversion to ours. Vision keys are ignored with ``drop_vision``."""
     where = f"from_{layout.name}"
+    if drop_vision and config.vision is not None:
+        raise ValueError(f"{where}: drop_vision with a config that has a vision tower ({config.name!r}): the tower's "
+                         "keys are needed")
     if drop_vision:
         shapes = {k: s for k, s in shapes.items() if not k.startswith(layout.vision_prefixes)}
     meta = our_meta_state(config)
@@ -292,7 +342,7 @@ def import_plan(shapes: Mapping[str, tuple[int, ...]], config: K3Config, layout:
     for key, t in meta.items():
         template, codec = rule_for(layout, key)
         their = codec.their_shapes(t.shape)
-        parts[key], codecs[key] = _part_names(template, len(their)), codec
+        parts[key], codecs[key] = _part_names(template, len(their), codec), codec
         expected.update(zip(parts[key], their))
     optional = {name: _shape(t) for name, t in layout.placeholders(meta, config).items()}
     if config.tie_embeddings:
@@ -301,8 +351,9 @@ def import_plan(shapes: Mapping[str, tuple[int, ...]], config: K3Config, layout:
     missing_mtp = config.mtp.num_modules and not any(k.startswith(layout.mtp_prefix) for k in shapes)
     hint = (f" (the checkpoint has no MTP module under {layout.mtp_prefix!r}: load it with a config whose "
             "mtp.num_modules is 0)") if missing_mtp else ""
-    if not drop_vision and any(k.startswith(layout.vision_prefixes) for k in shapes):
-        hint += f" (keys under {list(layout.vision_prefixes)} are a vision encoder: pass drop_vision=True)"
+    if not drop_vision and config.vision is None and any(k.startswith(layout.vision_prefixes) for k in shapes):
+        hint += (f" (keys under {list(layout.vision_prefixes)} are a vision encoder: pass drop_vision=True, or load "
+                 "with a config that has one, e.g. a *-vl preset)")
     check_keys(shapes, expected, where, optional, hint)
     tied_head = layout.head_key if config.tie_embeddings and layout.head_key in shapes else None
     return ImportPlan(parts, codecs, {k: t.shape for k, t in meta.items()}, tied_head, layout.embed_key)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kimik3.model.norm import RMSNorm
-from kimik3.model.param_rules import ParamRule, adamw
+from kimik3.model.param_rules import ParamRule, adamw, muon
 from kimik3.model.vision.config import VisionConfig
 from kimik3.model.vision.packing import cu_seqlens_from_grid, packed_attention
 from kimik3.model.vision.rope import apply_rope_2d, patch_positions, rope_angles
@@ -54,16 +54,18 @@ class VisionAttention(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
         self.num_heads, self.head_dim, self.theta = config.num_heads, config.head_dim, config.rope_theta
-        self.wq = nn.Linear(config.dim, config.qkv_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.qkv_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.qkv_dim, bias=False)
+        # q, k and v in one matrix [3·Q, D] (rows: all of q, then k, then v), as the released checkpoint stores it.
+        self.wqkv = nn.Linear(config.dim, 3 * config.qkv_dim, bias=False)
         self.wo = nn.Linear(config.qkv_dim, config.dim, bias=False)
 
+    def optimizer_rules(self) -> list[tuple[str, ParamRule]]:
+        # Per-head Muon: each head's block of q, of k and of v rows on its own; wo's input columns are head-major.
+        return [("wqkv.weight", muon(("rows", 3 * self.num_heads), "VisionAttention.wqkv")),
+                ("wo.weight", muon(("cols", self.num_heads), "VisionAttention.wo"))]
+
     def forward(self, x_TD: torch.Tensor, angles_TP: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        split = (x_TD.shape[0], self.num_heads, self.head_dim)
-        q = apply_rope_2d(self.wq(x_TD).view(split), angles_TP)
-        k = apply_rope_2d(self.wk(x_TD).view(split), angles_TP)
-        v = self.wv(x_TD).view(split)
+        q, k, v = self.wqkv(x_TD).view(x_TD.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
+        q, k = apply_rope_2d(q, angles_TP), apply_rope_2d(k, angles_TP)
         return self.wo(packed_attention(q, k, v, cu_seqlens).flatten(1))
 
 

@@ -373,9 +373,12 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
 
     from kimik3.files import write_text_atomic
     from kimik3.posttrain.evaluate import DOMAINS, EFFORTS, evaluate, expand, load_engine
+    from kimik3.posttrain.tasks import make_tasks
 
     check_device(args.device)
     domains, efforts = expand(args.domain, DOMAINS, "domain"), expand(args.effort, EFFORTS, "effort")
+    for domain in domains:   # an unknown difficulty or domain pairing is refused before the model loads
+        make_tasks(domain, "test", 0, args.seed, efforts[0], args.difficulty)
     if args.n < 1:
         raise ValueError(f"--n must be >= 1, got {args.n}")
     if args.temperature < 0:
@@ -389,7 +392,8 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
         for domain in domains:
             for effort in efforts:
                 result = evaluate(run, domain, effort, args.n, args.seed, args.temperature, args.max_tokens,
-                                  engine=engine, encoder=encoder, progress=not args.no_progress)
+                                  engine=engine, encoder=encoder, progress=not args.no_progress,
+                                  difficulty=args.difficulty)
                 print(result.describe(), flush=True)
                 records += [{"domain": domain, "effort": effort, "key": r.task.key, "score": score,
                              "tokens": r.tokens, "turns": r.turns} for r, score in zip(result.rollouts, result.scores)]
@@ -570,6 +574,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--domain", default="all", help="general, agents, coding or all")
     e.add_argument("--effort", default="all", help="low, high, max or all")
     e.add_argument("--n", type=int, default=50, help="test tasks per (domain, effort)")
+    e.add_argument("--difficulty", default="standard",
+                   help="standard, or easy (general only: single-digit addition and subtraction)")
     e.add_argument("--seed", type=int, default=0, help="which test tasks (and the sampling seed)")
     e.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     e.add_argument("--max-tokens", type=int, help="tokens per turn (default: the effort's reasoning budget + 192)")

@@ -166,11 +166,12 @@ def load_engine(run: str | Path, device: str = "cpu", max_running: int = 32, wai
 
 def evaluate(run: str | Path, domain: str, effort: str, n: int = 50, seed: int = 0, temperature: float = 0.0,
              max_tokens: int | None = None, device: str = "cpu", engine: Any = None, encoder: ChatEncoder | None = None,
-             progress: bool = False) -> EvalResult:
-    """Mean score of ``run``'s model on ``n`` test tasks of (``domain``, ``effort``) drawn with ``seed``."""
+             progress: bool = False, difficulty: str = "standard") -> EvalResult:
+    """Mean score of ``run``'s model on ``n`` test tasks of (``domain``, ``effort``, ``difficulty``) drawn with
+    ``seed``."""
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
-    tasks = make_tasks(domain, "test", n, seed, effort)   # bad domain/effort: refused before loading the model
+    tasks = make_tasks(domain, "test", n, seed, effort, difficulty)   # bad domain/effort: refused before loading the model
     owned = engine is None
     if owned:
         engine, encoder = load_engine(run, device)

@@ -204,6 +204,10 @@ class Cgroup:
                     if err.errno != errno.EBUSY:
                         raise
                     time.sleep(0.005)
+            try:
+                os.rmdir(os.path.dirname(path))      # the shared parent, once the last sandbox is gone
+            except OSError:
+                pass
 
 
 def sweep_stale(alive=lambda pid: os.path.exists(f"/proc/{pid}")) -> list[str]:

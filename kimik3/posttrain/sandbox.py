@@ -1,8 +1,15 @@
 """Running untrusted Python (a model's code) in a subprocess with a timeout and no network.
 
-The interface is one method, ``Sandbox.run(program, stdin, timeout_s) -> RunResult``, so a stronger
-sandbox (the AgentENV microVMs of the seed) can replace ``SubprocessSandbox`` without touching the
-tasks. ``SubprocessSandbox``:
+The interface is one method, ``Sandbox.run(program, stdin, timeout_s) -> RunResult``, with two
+backends. ``default_sandbox()`` picks ``AgentEnvSandbox`` where the machine gives what AgentENV needs
+(root, namespaces, cgroups, overlayfs: ``kimik3.agentenv``) and ``SubprocessSandbox`` elsewhere, and logs
+which one runs; ``KIMIK3_SANDBOX=agentenv|subprocess`` chooses explicitly (``agentenv`` on a machine that
+lacks a facility raises ``MissingFacility`` naming it).
+
+``AgentEnvSandbox`` keeps one AgentENV sandbox as the *trajectory's* sandbox (the environment an agent
+works in) and runs each program in a **fork** of it, closed afterwards: judging sees the trajectory's
+files and leaves them untouched, and gets the full isolation of ``kimik3.agentenv`` (own user, pid,
+mount and network namespaces, read-only base, CPU/memory/process/disk limits). ``SubprocessSandbox``:
 
 * runs ``python -I -S`` (isolated: no user site, no environment variables, no ``site``) in a fresh
   temporary directory, as the leader of a new process group (setsid), all of which is killed at the timeout;
@@ -17,8 +24,11 @@ This isolates mistakes and accidents, not a determined adversary (the program ru
 
 from __future__ import annotations
 
+import atexit
 import functools
+import logging
 import os
+import threading
 import shutil
 import signal
 import subprocess
@@ -28,6 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+log = logging.getLogger(__name__)
 MAX_OUTPUT = 1 << 20
 LIMITS = """\
 import resource as _resource
@@ -127,11 +138,73 @@ def _read(path: str) -> str:
         return ""
 
 
-_DEFAULT: SubprocessSandbox | None = None
+class AgentEnvSandbox:
+    """``Sandbox.run`` on AgentENV: each program runs in a fork of the trajectory's sandbox (see the
+    module's notes). ``trajectory``: an ``kimik3.agentenv.Sandbox`` to judge in (default: a fresh one,
+    made on first use and closed at exit)."""
+
+    def __init__(self, trajectory=None, limits=None):
+        self._trajectory = trajectory
+        self._limits = limits
+        self._lock = threading.Lock()
+
+    @property
+    def trajectory(self):
+        with self._lock:
+            if self._trajectory is None or self._trajectory.closed:
+                from kimik3.agentenv import Limits, Sandbox
+
+                self._trajectory = Sandbox.create(limits=self._limits or Limits(
+                    cpus=1.0, memory_bytes=1 << 30, pids=128, disk_bytes=64 << 20, timeout_s=30))
+                atexit.register(self._trajectory.close)
+            return self._trajectory
+
+    def run(self, program: str, stdin: str = "", timeout_s: float = 5.0) -> RunResult:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        from kimik3.agentenv.isolation import host_python
+
+        start = time.monotonic()
+        with self.trajectory.fork() as judge:
+            judge.write_file("/tmp/program.py", program)
+            result = judge.exec([host_python(), "-I", "-S", "/tmp/program.py"], timeout=timeout_s,
+                                stdin=stdin.encode("utf-8", "replace"), max_output=MAX_OUTPUT)
+        return RunResult(None if result.timed_out else result.exit_code, result.stdout, result.stderr,
+                         result.timed_out, time.monotonic() - start)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._trajectory is not None:
+                self._trajectory.close()
 
 
-def default_sandbox() -> SubprocessSandbox:
+_DEFAULT: Sandbox | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_sandbox() -> Sandbox:
+    """The backend for this machine (see the module's notes), made once."""
     global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = SubprocessSandbox()
-    return _DEFAULT
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None:
+            _DEFAULT = _pick_backend(os.environ.get("KIMIK3_SANDBOX", "").strip().lower())
+        return _DEFAULT
+
+
+def _pick_backend(choice: str) -> Sandbox:
+    if choice not in ("", "agentenv", "subprocess"):
+        raise ValueError(f"KIMIK3_SANDBOX must be 'agentenv' or 'subprocess', got {choice!r}")
+    if choice == "subprocess":
+        log.info("code sandbox: SubprocessSandbox (chosen by KIMIK3_SANDBOX=subprocess)")
+        return SubprocessSandbox()
+    from kimik3.agentenv import facilities
+
+    missing = facilities.missing()
+    if choice == "agentenv":
+        facilities.require()
+    if not missing:
+        log.info("code sandbox: AgentEnvSandbox (kimik3.agentenv: namespaces, cgroups, overlay; judged in forks)")
+        return AgentEnvSandbox()
+    log.warning("code sandbox: SubprocessSandbox, weaker isolation: AgentENV is unavailable here (missing: %s)",
+                "; ".join(missing))
+    return SubprocessSandbox()

@@ -3,7 +3,9 @@
 The prompt describes the function (its name, arguments and one example); the completion holds it in a
 ```` ```python ```` block (the last one counts; with no block, the text after the reasoning is taken as
 code). The verifier runs the code with the hidden tests in a sandbox (``kimik3.posttrain.sandbox``:
-subprocess, timeout, no network) and scores 1 when every test passes, else 0. Code that loops
+timeout, no network; by default an AgentENV sandbox where the machine allows, in which each judging runs
+in a fork of the trajectory's sandbox, so judging never changes the environment the agent works in)
+and scores 1 when every test passes, else 0. Code that loops
 forever, raises, exits, floods its output or reads the network scores 0.
 
 The tests run in a harness (``HARNESS``) that reads the code and the tests from stdin, silences the

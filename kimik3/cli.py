@@ -90,7 +90,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, lr=args.lr, device=args.device, balance=args.balance, qb_rate=args.qb_rate,
         ep_planner=args.ep_planner, checkpoint_every=args.checkpoint_every,
         checkpoint_async=args.checkpoint_async, qat=args.qat,
-        progress=not args.no_progress)
+        progress=not args.no_progress, vision=args.vision, vision_blank=args.vision_blank,
+        vision_text_fraction=args.vision_text_fraction)
     Trainer(train_args, resume=args.resume, parallel=parallel,
             activation_checkpointing=args.activation_checkpointing).run()
     import torch.distributed as dist
@@ -443,6 +444,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint every N steps (100) or every DURATION of wall time (30s, 2m); default 60s, "
                         "stretched to 10x a checkpoint write's duration when writes are slow. With --resume: "
                         "the run's own setting unless given")
+    t.add_argument("--vision", action="store_true",
+                   help="train the multimodal model (the preset's -vl variant) on generated image-text samples "
+                        "together with the text corpus")
+    t.add_argument("--vision-blank", action="store_true",
+                   help="with --vision: the text-only baseline, every image blanked")
+    t.add_argument("--vision-text-fraction", type=float, default=0.25,
+                   help="with --vision: the fraction of batch rows drawn from the text corpus only")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--nproc", type=int, help="train on N processes (relaunches itself through torchrun; "
                    "gloo on CPU, nccl on CUDA); under torchrun, leave it out")

@@ -54,6 +54,9 @@ class TrainArgs:
     qb_rate: float = 1.0              # Quantile Balancing step fraction (1.0: K3's one-shot update)
     qat: str | None = None            # quantisation-aware routed experts: None | "mxfp4" (moe.expert_quant)
     progress: bool = True
+    vision: bool = False              # train the multimodal model on generated image-text samples + the text corpus
+    vision_blank: bool = False        # the text-only baseline: the same samples with every image blanked
+    vision_text_fraction: float = 0.25  # of the batch rows: text corpus only
 
     def validate(self) -> None:
         if self.steps is not None and self.steps < 1:
@@ -74,6 +77,10 @@ class TrainArgs:
             raise ValueError(f"--ep-planner must be moonep or none, got {self.ep_planner!r}")
         if self.qat not in (None, "mxfp4"):
             raise ValueError(f"--qat must be mxfp4 (or not given), got {self.qat!r}")
+        if not 0.0 <= self.vision_text_fraction < 1.0:
+            raise ValueError(f"--vision-text-fraction must be in [0, 1), got {self.vision_text_fraction}")
+        if self.vision_blank and not self.vision:
+            raise ValueError("--vision-blank is the text-only baseline of a --vision run: give --vision too")
         parse_checkpoint_every(self.checkpoint_every)
         parse_stages(self.stages)
 
@@ -81,6 +88,8 @@ class TrainArgs:
 def resolve_model_config(args: TrainArgs) -> K3Config:
     """The preset or config file, with ``--qat`` setting the routed experts' quantisation."""
     config = K3Config.from_json(args.config_path) if args.config_path else K3Config.preset(args.preset)
+    if args.vision and config.vision is None and not args.config_path:   # --preset tiny --vision: tiny-vl
+        config = K3Config.preset(f"{args.preset}-vl")
     if args.qat is not None and config.moe.expert_quant != args.qat:
         config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, expert_quant=args.qat))
         config.validate()

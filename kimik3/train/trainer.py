@@ -50,8 +50,8 @@ import numpy as np
 import torch
 
 from kimik3.config.schema import K3Config
-from kimik3.model.k3 import K3ForCausalLM
 from kimik3.model.moe import RoutingStats
+from kimik3.model.vision import causal_lm_class
 from kimik3.optim.schedule import ContextStage, cosine_lr, parse_stages, seq_len_at
 from kimik3.parallel.activation_checkpoint import checkpoint_mode
 from kimik3.parallel.context import ParallelContext, training_context
@@ -149,6 +149,14 @@ class Trainer:
         self.total = args.steps or 0
 
         # Data first: a bad data path fails before any model is built.
+        if source is None and args.vision:   # image-text samples with the text corpus (train/vision_data.py)
+            from kimik3.train.vision_data import VisionSource, bind_image_token
+
+            if self.dims.world > 1:
+                raise ValueError("--vision trains on one process (its images are not sharded across ranks)")
+            source = VisionSource.load(args.data, self.model_config.vocab_size, self.ctx, seed=args.seed,
+                                       text_fraction=args.vision_text_fraction, blank=args.vision_blank)
+            self.model_config = bind_image_token(self.model_config, source)
         self.data: DataSource = source or CorpusSource.load(args.data, self.model_config.vocab_size, self.ctx)
         self.tokenizer = self.data.tokenizer
         self.unigram = self.data.unigram
@@ -158,8 +166,8 @@ class Trainer:
             # microcode path up to ~100x slower; flushing them to zero costs nothing measurable.
             torch.set_flush_denormal(True)
         torch.manual_seed(args.seed)
-        factory = model_factory or (lambda cfg, dev, seed: K3ForCausalLM(cfg, device=dev, dtype=torch.float32,
-                                                                          seed=seed))
+        factory = model_factory or (lambda cfg, dev, seed: causal_lm_class(cfg)(cfg, device=dev, dtype=torch.float32,
+                                                                                seed=seed))
         self.model = factory(self.model_config, self.device, args.seed)
         self.model.train()
         self.ctx.wrap_model(self.model, activation_checkpointing=self.activation_checkpointing,
@@ -264,8 +272,7 @@ class Trainer:
         batch, seq = self.batch_shape(step, total)
         # This rank's part of the global batch: together the ranks train on the very batch a single
         # process would, and the global loss is the single-process loss.
-        inputs, labels = self.ctx.shard_batch(*self.data.batch_at(step, self.args.seed, batch, seq))
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        inputs, labels, images = self._draw(step, batch, seq)
         lr_scale = cosine_lr(step, total, 1.0, max(1, round(self.args.warmup_fraction * total)),
                              self.args.min_lr_ratio)
         for group in self.optimizer.param_groups:
@@ -273,7 +280,7 @@ class Trainer:
 
         start = budget._now()
         with self._autocast():
-            out = self.model(inputs, labels=labels)
+            out = self.model(inputs, labels=labels, **images)
         if self.balancer is not None:
             self.balancer.observe(out.routing)   # bins the scores, then drops them before backward
         loss = out.loss
@@ -305,6 +312,14 @@ class Trainer:
         record["expert_load_max_over_mean"] = (balance["load_max_over_mean_mean"] if "load_max_over_mean_mean"
                                                in balance else routing_imbalance(getattr(out, "routing", ())))
         return record
+
+    def _draw(self, step: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """This rank's (inputs, labels) of ``step`` on the device, and the model's image inputs (a multimodal
+        source's ``pixel_values`` and ``image_grid_hw``; none from a text source)."""
+        drawn = self.data.batch_at(step, self.args.seed, batch, seq)
+        inputs, labels = self.ctx.shard_batch(*drawn[:2])
+        images = {k: v.to(self.device) for k, v in drawn[2].items()} if len(drawn) > 2 else {}
+        return inputs.to(self.device), labels.to(self.device), images
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -371,9 +386,9 @@ class Trainer:
 
         def fwd_bwd(seq: int) -> None:
             batch, seq = self.shape_for(seq)
-            inputs, labels = self.ctx.shard_batch(*self.data.batch_at(0, self.args.seed, batch, seq))
+            inputs, labels, images = self._draw(0, batch, seq)
             with self._autocast():
-                self.model(inputs.to(self.device), labels=labels.to(self.device)).loss.backward()
+                self.model(inputs, labels=labels, **images).loss.backward()
 
         seqs = [stage.seq_len for stage in self.cost_stages]
         fwd_bwd(seqs[0])   # warm-up

@@ -90,10 +90,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, lr=args.lr, device=args.device, balance=args.balance, qb_rate=args.qb_rate,
         ep_planner=args.ep_planner, checkpoint_every=args.checkpoint_every,
         checkpoint_async=args.checkpoint_async, qat=args.qat,
-        progress=not args.no_progress, vision=args.vision, vision_blank=args.vision_blank,
+        progress=not args.no_progress, vision=args.vision or args.vision_blank, vision_blank=args.vision_blank,
         vision_text_fraction=args.vision_text_fraction)
-    Trainer(train_args, resume=args.resume, parallel=parallel,
-            activation_checkpointing=args.activation_checkpointing).run()
+    trainer = Trainer(train_args, resume=args.resume, parallel=parallel,
+                      activation_checkpointing=args.activation_checkpointing)
+    trainer.run()
+    if trainer.args.vision and trainer.ctx.is_main:   # the target: question answering on held-out images
+        from kimik3.train.vision_data import evaluate_qa
+
+        result = evaluate_qa(trainer.model, trainer.data, count=args.vision_eval)
+        label = "blank" if trainer.args.vision_blank else "vision"
+        print(f"held-out question answering ({result.n} questions, corpus seed {trainer.data.seed}; accuracy, "
+              f"Wilson 95% interval, chance):\n{result.table(label)}")
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():  # only after success: a failed rank must not wait here
@@ -448,9 +456,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train the multimodal model (the preset's -vl variant) on generated image-text samples "
                         "together with the text corpus")
     t.add_argument("--vision-blank", action="store_true",
-                   help="with --vision: the text-only baseline, every image blanked")
+                   help="the text-only baseline of --vision: the same run with every image blanked")
     t.add_argument("--vision-text-fraction", type=float, default=0.25,
                    help="with --vision: the fraction of batch rows drawn from the text corpus only")
+    t.add_argument("--vision-eval", type=int, default=1000,
+                   help="with --vision: held-out questions answered at the end of the run")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--nproc", type=int, help="train on N processes (relaunches itself through torchrun; "
                    "gloo on CPU, nccl on CUDA); under torchrun, leave it out")

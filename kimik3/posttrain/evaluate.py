@@ -171,7 +171,7 @@ def evaluate(run: str | Path, domain: str, effort: str, n: int = 50, seed: int =
     ``seed``."""
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
-    tasks = make_tasks(domain, "test", n, seed, effort, difficulty)   # bad domain/effort: refused before loading the model
+    tasks = make_tasks(domain, "test", n, seed, effort, difficulty)   # bad arguments: refused before loading the model
     owned = engine is None
     if owned:
         engine, encoder = load_engine(run, device)

@@ -174,8 +174,12 @@ def test_easy_difficulty_and_errors():
     tasks = make_tasks("general", "test", 10, 0, "low", "easy")
     assert all(t.key.startswith("general|easy|") for t in tasks)
     assert tasks[0].score(tasks[0].reference_completion()) == 1.0
-    with pytest.raises(ValueError, match="general domain only"):
+    with pytest.raises(ValueError, match="general and agents domains only"):
         make_tasks("coding", "train", 1, 0, "low", "easy")
+    agents = make_tasks("agents", "test", 20, 0, "low", "easy")
+    assert all(t.key.startswith("agents|") and t.key.count(".") == 1 for t in agents)   # one instruction
+    assert all(t.score(t.reference_completion()) == 1.0 and t.score("Done.") == 0.0 for t in agents)
+    assert not {t.key for t in agents} & {t.key for t in make_tasks("agents", "train", 300, 0, "low", "easy")}
     with pytest.raises(ValueError, match="unknown difficulty"):
         make_tasks("general", "train", 1, 0, "low", "hard")
 
@@ -187,7 +191,7 @@ def test_cli_errors_are_one_clear_line(base_run, tmp_path, capsys):
     assert "--group must be >= 2" in capsys.readouterr().err
     assert main(["rl", "--run", str(base_run), "--clip", "1.5", "--out", str(tmp_path / "o")]) == 2
     assert main(["rl", "--run", str(base_run), "--difficulty", "easy", "--domain", "coding"]) == 2
-    assert "general domain only" in capsys.readouterr().err
+    assert "general and agents domains only" in capsys.readouterr().err
     assert main(["rl", "--run", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["rl", "--resume", str(base_run), "--run", str(base_run)]) == 2

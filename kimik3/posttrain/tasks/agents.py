@@ -146,11 +146,15 @@ class _Plan:
     calls: list[str] = field(default_factory=list)    # the reference's calls, in order
 
 
-def _step(rng: random.Random, plan: _Plan, simulated: dict[str, int]) -> None:
-    """One random instruction, its reference calls, applied to ``simulated``."""
+def _step(rng: random.Random, plan: _Plan, simulated: dict[str, int], easy: bool = False) -> None:
+    """One random instruction, its reference calls, applied to ``simulated`` (``easy``: a set or a delete, one
+    call)."""
     keys = sorted(simulated)
     free = [k for k in KEYS if k not in simulated]
-    kind = rng.choice(("mul", "add", "set", "del") if len(keys) > 2 else ("mul", "add", "set"))
+    if easy:
+        kind = rng.choice(("set", "del"))
+    else:
+        kind = rng.choice(("mul", "add", "set", "del") if len(keys) > 2 else ("mul", "add", "set"))
     if kind == "mul" and len(keys) >= 2 and free:
         a, b = rng.sample(keys, 2)
         new = rng.choice(free)
@@ -174,12 +178,12 @@ def _step(rng: random.Random, plan: _Plan, simulated: dict[str, int]) -> None:
         simulated[key] = number
 
 
-def _make(rng: random.Random) -> tuple[str, Builder]:
-    start = {k: rng.randint(1, 99) for k in rng.sample(KEYS, rng.randint(2, 3))}
+def _make(rng: random.Random, easy: bool = False) -> tuple[str, Builder]:
+    start = {k: rng.randint(1, 99) for k in rng.sample(KEYS, rng.randint(1, 2) if easy else rng.randint(2, 3))}
     plan = _Plan(dict(start))
     simulated = dict(start)
-    for _ in range(rng.randint(2, 3)):
-        _step(rng, plan, simulated)
+    for _ in range(1 if easy else rng.randint(2, 3)):
+        _step(rng, plan, simulated, easy)
     expected = dict(simulated)
     # The reference turns: each call with the calculator's last result filled in, the tool results between.
     store, turns, results, last = dict(start), [], [], ""
@@ -197,7 +201,8 @@ def _make(rng: random.Random) -> tuple[str, Builder]:
     key = f"agents|{state}|{' '.join(plan.sentences)}"
     steps = "\n".join(f"{i + 1}. {c.replace('{calc}', '<result>')}" for i, c in enumerate(plan.calls))
     final = ", ".join(f"{k}={v}" for k, v in sorted(expected.items()))
-    reasoning = {"low": f"{len(plan.calls)} calls.", "high": f"Plan:\n{steps}",
+    count = f"{len(plan.calls)} call" + ("s" if len(plan.calls) > 1 else "")
+    reasoning = {"low": f"{count}.", "high": f"Plan:\n{steps}",
                  "max": f"Plan:\n{steps}\nThen the store should be: {final}."}
 
     def build(effort: str, split: str) -> Task:
@@ -225,5 +230,16 @@ def _make(rng: random.Random) -> tuple[str, Builder]:
     return key, build
 
 
-def agent_tasks(split: str, n: int, seed: int = 0, effort: str = "high") -> list[Task]:
-    return generate("agents", _make, split, n, seed, effort)
+def _easy(rng: random.Random) -> tuple[str, Builder]:
+    """``difficulty="easy"``: one instruction, ``Set KEY to N.`` or ``Delete KEY.``, on a store of one or two keys:
+    one call whose arguments are in the prompt, a level a tiny model can learn by RL within minutes."""
+    return _make(rng, easy=True)
+
+
+DIFFICULTIES = {"standard": _make, "easy": _easy}
+
+
+def agent_tasks(split: str, n: int, seed: int = 0, effort: str = "high", difficulty: str = "standard") -> list[Task]:
+    if difficulty not in DIFFICULTIES:
+        raise ValueError(f"unknown difficulty {difficulty!r}: choose one of {', '.join(DIFFICULTIES)}")
+    return generate("agents", DIFFICULTIES[difficulty], split, n, seed, effort)

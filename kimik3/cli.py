@@ -593,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--effort", default="all", help="low, high, max or all")
     e.add_argument("--n", type=int, default=50, help="test tasks per (domain, effort)")
     e.add_argument("--difficulty", default="standard",
-                   help="standard, or easy (general only: single-digit addition and subtraction)")
+                   help="standard, or easy: a level a tiny model learns in minutes (docs/posttraining.md)")
     e.add_argument("--seed", type=int, default=0, help="which test tasks (and the sampling seed)")
     e.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     e.add_argument("--max-tokens", type=int, help="tokens per turn (default: the effort's reasoning budget + 192)")
@@ -608,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--domain", default="general", help="general, agents or coding")
     r.add_argument("--effort", default="low", help="low, high or max")
     r.add_argument("--difficulty", default="standard",
-                   help="standard, or easy (general only: single-digit addition and subtraction)")
+                   help="standard, or easy: a level a tiny model learns in minutes (docs/posttraining.md)")
     r.add_argument("--iterations", type=int, default=20, help="total iterations (rollouts + update)")
     r.add_argument("--group", type=int, default=8, help="completions per prompt (the advantage's group)")
     r.add_argument("--prompts", type=int, default=8, help="train prompts per iteration")
@@ -652,7 +652,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--minibatches", type=int, default=2, help="optimizer steps per iteration")
     m.add_argument("--micro-batch", type=int, default=16, help="rows per forward (gradients accumulate)")
     m.add_argument("--max-tokens", type=int, help="tokens per turn (default: the effort's reasoning budget + 192)")
-    m.add_argument("--difficulty", default="standard", help="standard, or easy (general only)")
+    m.add_argument("--difficulty", default="standard",
+                   help="standard, or easy: a level a tiny model learns in minutes (docs/posttraining.md)")
     m.add_argument("--task-reward-coef", type=float, default=0.0,
                    help="add this times the group-normalised verifiable task advantage to every token's (0: off)")
     m.add_argument("--out", help="the new run directory (default: <run>-mopd; use --resume)")

@@ -174,8 +174,11 @@ def test_easy_difficulty_and_errors():
     tasks = make_tasks("general", "test", 10, 0, "low", "easy")
     assert all(t.key.startswith("general|easy|") for t in tasks)
     assert tasks[0].score(tasks[0].reference_completion()) == 1.0
-    with pytest.raises(ValueError, match="general and agents domains only"):
-        make_tasks("coding", "train", 1, 0, "low", "easy")
+    coding = make_tasks("coding", "test", 6, 0, "low", "easy")
+    assert all(t.key.startswith(("coding|0|", "coding|1|")) for t in coding)   # x + k, a * x + b
+    assert coding[0].score(coding[0].reference_completion()) == 1.0
+    standard = {t.key: t.split for t in make_tasks("coding", "test", 300, 0, "low")}
+    assert all(standard.get(t.key, "test") == "test" for t in coding)   # an easy task keeps its split
     agents = make_tasks("agents", "test", 20, 0, "low", "easy")
     assert all(t.key.startswith("agents|") and t.key.count(".") == 1 for t in agents)   # one instruction
     assert all(t.score(t.reference_completion()) == 1.0 and t.score("Done.") == 0.0 for t in agents)
@@ -190,8 +193,8 @@ def test_cli_errors_are_one_clear_line(base_run, tmp_path, capsys):
     assert main(["rl", "--run", str(base_run), "--group", "1", "--out", str(tmp_path / "o")]) == 2
     assert "--group must be >= 2" in capsys.readouterr().err
     assert main(["rl", "--run", str(base_run), "--clip", "1.5", "--out", str(tmp_path / "o")]) == 2
-    assert main(["rl", "--run", str(base_run), "--difficulty", "easy", "--domain", "coding"]) == 2
-    assert "general and agents domains only" in capsys.readouterr().err
+    assert main(["rl", "--run", str(base_run), "--difficulty", "hard", "--out", str(tmp_path / "o")]) == 2
+    assert "unknown difficulty 'hard'" in capsys.readouterr().err
     assert main(["rl", "--run", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["rl", "--resume", str(base_run), "--run", str(base_run)]) == 2

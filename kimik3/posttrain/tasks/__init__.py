@@ -16,21 +16,16 @@ from kimik3.posttrain.tasks.coding import coding_tasks
 from kimik3.posttrain.tasks.general import general_tasks
 
 _GENERATORS = {"general": general_tasks, "agents": agent_tasks, "coding": coding_tasks}
-EASY_DOMAINS = ("general", "agents")   # the domains with an ``easy`` difficulty
 
 
 def make_tasks(domain: str, split: str, n: int, seed: int = 0, effort: str = "high",
                difficulty: str = "standard") -> list[Task]:
     """``n`` distinct ``split`` tasks of ``domain`` at ``effort``, a pure function of the arguments.
     ``difficulty``: ``standard``, or ``easy``: a level a tiny model learns within minutes (general: single-digit
-    addition and subtraction; agents: one set or delete call whose arguments the prompt gives)."""
+    addition and subtraction; agents: one set or delete call whose arguments the prompt gives; coding: ``x + k``
+    and ``a * x + b`` one-liners)."""
     check_domain_effort(domain, effort)
-    if difficulty != "standard":
-        if domain not in EASY_DOMAINS:
-            raise ValueError(f"--difficulty {difficulty} exists for the {' and '.join(EASY_DOMAINS)} domains only "
-                             f"(got {domain})")
-        return _GENERATORS[domain](split, n, seed, effort, difficulty)
-    return _GENERATORS[domain](split, n, seed, effort)
+    return _GENERATORS[domain](split, n, seed, effort, difficulty)
 
 
 __all__ = ["DOMAINS", "EFFORTS", "EFFORT_BUDGETS", "SPLITS", "Task", "make_tasks", "split_of"]

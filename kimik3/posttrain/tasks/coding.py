@@ -161,8 +161,9 @@ def _digit_sum(n: int, base: int) -> int:
     return total
 
 
-def _make(rng: random.Random) -> tuple[str, Builder]:
-    index = rng.randrange(len(FAMILIES))
+def _make(rng: random.Random, families: int = len(FAMILIES)) -> tuple[str, Builder]:
+    """A task of one of the first ``families`` families (all of them by default)."""
+    index = rng.randrange(families)
     family = FAMILIES[index]
     params = family.params(rng)
     name = rng.choice(family.names)
@@ -201,5 +202,17 @@ def _make(rng: random.Random) -> tuple[str, Builder]:
     return key, build
 
 
-def coding_tasks(split: str, n: int, seed: int = 0, effort: str = "high") -> list[Task]:
-    return generate("coding", _make, split, n, seed, effort)
+def _easy(rng: random.Random) -> tuple[str, Builder]:
+    """``difficulty="easy"``: the first two families only (``x + k`` and ``a * x + b``, ~1,200 problems), one-line
+    functions whose constants the prompt states: a level a tiny model can learn by RL within minutes. An easy task
+    is also a standard one (same key, same split)."""
+    return _make(rng, families=2)
+
+
+DIFFICULTIES = {"standard": _make, "easy": _easy}
+
+
+def coding_tasks(split: str, n: int, seed: int = 0, effort: str = "high", difficulty: str = "standard") -> list[Task]:
+    if difficulty not in DIFFICULTIES:
+        raise ValueError(f"unknown difficulty {difficulty!r}: choose one of {', '.join(DIFFICULTIES)}")
+    return generate("coding", DIFFICULTIES[difficulty], split, n, seed, effort)

@@ -336,7 +336,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     run = None if args.resume is not None else resolve_run(args.run)
     run_sft(run, data=args.data, out=args.out, resume=args.resume, steps=args.steps, time_budget_s=args.time_budget,
             seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device,
-            checkpoint_every=args.checkpoint_every, tasks_per_cell=args.tasks_per_cell,
+            checkpoint_every=args.checkpoint_every, tasks_per_cell=args.tasks_per_cell, difficulty=args.difficulty,
             progress=not args.no_progress)
     return 0
 
@@ -582,6 +582,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--seed", type=int, default=0, help="seeds the packing order, the sample and the task dataset")
     f.add_argument("--tasks-per-cell", type=int, default=150,
                    help="default dataset: train tasks per (domain, effort)")
+    f.add_argument("--difficulty", default="standard",
+                   help="default dataset: the tasks' level, standard or easy (docs/posttraining.md)")
     f.add_argument("--checkpoint-every", metavar="N|DURATION", help="as for kimik3 train (default 60s)")
     f.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")
     f.add_argument("--no-progress", action="store_true", help="no progress bar")

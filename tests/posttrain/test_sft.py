@@ -161,3 +161,15 @@ def test_sft_defaults_to_a_new_run_beside_the_base(base_run, tmp_path):
         run_sft(tmp_path / "nothing", **_small())
     with pytest.raises(FileNotFoundError, match="sft.json"):
         run_sft(resume=base, **_small())
+
+
+def test_the_default_dataset_takes_the_easy_level(base_run, tmp_path):
+    from kimik3.posttrain.sft import SFTSpec, task_conversations
+
+    easy = task_conversations("train", 2, 0, "easy")
+    assert len(easy) == 18 and all("Compute " in c[1]["content"] for c in easy[:6])   # general: 3 efforts x 2
+    assert any(c[1]["content"].count(".") == 2 for c in easy[6:12])   # agents: the store, one instruction
+    run_sft(base_run, out=tmp_path / "easy", difficulty="easy", **_small(steps=1))
+    assert SFTSpec.read(tmp_path / "easy").difficulty == "easy"
+    with pytest.raises(ValueError, match="drop it with --data"):
+        run_sft(base_run, data=str(tmp_path / "x.jsonl"), difficulty="easy", out=tmp_path / "o", **_small())

@@ -27,12 +27,14 @@ Missing facilities (not root, no user namespaces, cgroup controllers, overlayfs,
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import selectors
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -46,7 +48,7 @@ from kimik3.agentenv.network import LoopbackForwarder, parse_allow
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BASE_DIR = os.environ.get("KIMIK3_AGENTENV_DIR", "/tmp/kimik3-agentenv")
+DEFAULT_BASE_DIR = os.path.join(tempfile.gettempdir(), "kimik3-agentenv")   # ``base_dir=`` puts it elsewhere
 MAX_OUTPUT = 1 << 20
 MAX_READ = 64 << 20
 SETPRIV = "/usr/bin/setpriv"
@@ -55,6 +57,25 @@ SETPRIV = "/usr/bin/setpriv"
 KEEP_CAPS = "+chown,+dac_override,+fowner,+fsetid,+kill,+setgid,+setuid,+setpcap,+net_bind_service,+audit_write"
 _counter = iter(range(1, 1 << 62))
 _counter_lock = threading.Lock()
+
+
+_process_stores: dict[str, layers.CheckpointStore] = {}
+
+
+def _process_store(base_dir: str) -> layers.CheckpointStore:
+    """The checkpoint store of the sandboxes this process creates without one: ``checkpoints-<pid>`` under
+    ``base_dir``, removed when the process exits (its sandboxes end with it). Stores that processes which
+    are gone left behind (killed before their exit handlers ran) are removed on the way."""
+    with _counter_lock:
+        if base_dir not in _process_stores:
+            for entry in os.listdir(base_dir):
+                pid = entry.removeprefix("checkpoints-")
+                if entry.startswith("checkpoints-") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                    shutil.rmtree(os.path.join(base_dir, entry), ignore_errors=True)
+            directory = os.path.join(base_dir, f"checkpoints-{os.getpid()}")
+            _process_stores[base_dir] = layers.CheckpointStore(directory)
+            atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        return _process_stores[base_dir]
 
 
 class SandboxError(RuntimeError):
@@ -119,7 +140,7 @@ class Sandbox:
         base_dir = os.path.abspath(base_dir or DEFAULT_BASE_DIR)
         os.makedirs(os.path.join(base_dir, "run"), exist_ok=True)
         if not isinstance(store, layers.CheckpointStore):
-            store = layers.CheckpointStore(store or os.path.join(base_dir, f"checkpoints-{os.getpid()}"))
+            store = layers.CheckpointStore(store) if store else _process_store(base_dir)
         sandbox = cls(name=_new_name(), image=image, limits=limits or Limits(), base_dir=base_dir, store=store,
                       allow=parse_allow(allow), parts=plan_parts(image, base_dir))
         sandbox._boot(None)

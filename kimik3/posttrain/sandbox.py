@@ -3,8 +3,8 @@
 The interface is one method, ``Sandbox.run(program, stdin, timeout_s) -> RunResult``, with two
 backends. ``default_sandbox()`` picks ``AgentEnvSandbox`` where the machine gives what AgentENV needs
 (root, namespaces, cgroups, overlayfs: ``kimik3.agentenv``) and ``SubprocessSandbox`` elsewhere, and logs
-which one runs; ``KIMIK3_SANDBOX=agentenv|subprocess`` chooses explicitly (``agentenv`` on a machine that
-lacks a facility raises ``MissingFacility`` naming it).
+which one runs (a warning naming what is missing when it falls back to the weaker one). To choose, pass a
+backend to the caller (``run_tests(..., sandbox=...)``).
 
 ``AgentEnvSandbox`` keeps one AgentENV sandbox as the *trajectory's* sandbox (the environment an agent
 works in) and runs each program in a **fork** of it, closed afterwards: judging sees the trajectory's
@@ -187,21 +187,14 @@ def default_sandbox() -> Sandbox:
     global _DEFAULT
     with _DEFAULT_LOCK:
         if _DEFAULT is None:
-            _DEFAULT = _pick_backend(os.environ.get("KIMIK3_SANDBOX", "").strip().lower())
+            _DEFAULT = _pick_backend()
         return _DEFAULT
 
 
-def _pick_backend(choice: str) -> Sandbox:
-    if choice not in ("", "agentenv", "subprocess"):
-        raise ValueError(f"KIMIK3_SANDBOX must be 'agentenv' or 'subprocess', got {choice!r}")
-    if choice == "subprocess":
-        log.info("code sandbox: SubprocessSandbox (chosen by KIMIK3_SANDBOX=subprocess)")
-        return SubprocessSandbox()
+def _pick_backend() -> Sandbox:
     from kimik3.agentenv import facilities
 
     missing = facilities.missing()
-    if choice == "agentenv":
-        facilities.require()
     if not missing:
         log.info("code sandbox: AgentEnvSandbox (kimik3.agentenv: namespaces, cgroups, overlay; judged in forks)")
         return AgentEnvSandbox()

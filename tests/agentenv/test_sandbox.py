@@ -1,5 +1,7 @@
 """The Sandbox API: exec (shell string, argv, stdin, exit codes, timeout), files, pause/resume, close."""
 
+import os
+import subprocess
 import time
 
 import pytest
@@ -87,3 +89,20 @@ def test_missing_facility_is_named(monkeypatch):
     monkeypatch.setattr(facilities, "probe", lambda: {"root": "root (effective uid is 1000)", "cgroups": None})
     with pytest.raises(MissingFacility, match=r"root \(effective uid is 1000\)"):
         Sandbox.create()
+
+
+def test_the_process_store_sweeps_stores_of_dead_processes(tmp_path):
+    from kimik3.agentenv import sandbox as module
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale, alive = tmp_path / f"checkpoints-{dead.pid}", tmp_path / f"checkpoints-{os.getppid()}"
+    for directory in (stale, alive):
+        (directory / "blobs").mkdir(parents=True)
+    store = module._process_store(str(tmp_path))
+    try:
+        assert store.directory == str(tmp_path / f"checkpoints-{os.getpid()}")
+        assert not stale.exists() and alive.exists()    # a live process keeps its store
+        assert module._process_store(str(tmp_path)) is store
+    finally:
+        module._process_stores.pop(str(tmp_path))

@@ -28,7 +28,6 @@ Public pieces:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +50,7 @@ from kimik3.optim.newton_schulz import (
     newton_schulz,
     normalize_split,
 )
+from kimik3.optim.sharded import Crossing, shard_layout, step_crossing
 
 __all__ = ["DEFAULT_NS_COEFFICIENTS", "DEFAULT_NS_EPS", "DEFAULT_NS_STEPS", "DEFAULT_RMS_SCALE", "SPLIT_KINDS",
            "BlockLayout", "MultiOptimizer", "Muon", "ParamRule", "block_layout", "build_param_groups",
@@ -131,14 +131,14 @@ class Muon(torch.optim.Optimizer):
 
         Plain parameters and shard-local DTensor ones are stepped together: per group the momentum and
         the decay as foreach ops, then one Newton–Schulz call and one foreach add per batch of equal
-        blocks (``_ns_chunks``). DTensor parameters whose blocks cross shards are gathered together and
-        stepped one by one (``_gather_whole``)."""
+        blocks (``_ns_chunks``). DTensor parameters whose blocks cross shards are orthogonalised once across
+        the ranks, each rank taking a FLOP-balanced share (``kimik3.optim.sharded.step_crossing``)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         batched: list[_Entry] = []  # plain tensors, and the local shards of shard-local DTensors
-        crossing = []  # sharded parameters whose blocks cross shards: gathered together below
+        crossing: list[Crossing] = []  # sharded parameters whose blocks cross shards: distributed below
         for group in self.param_groups:
             lr, momentum = float(group["lr"]), float(group["momentum"])
             decay = 1.0 - lr * float(group["weight_decay"])
@@ -162,11 +162,14 @@ class Muon(torch.optim.Optimizer):
                     # shards are the DTensor ops, so a shard-local parameter joins the plain ones.
                     same_spec = all(isinstance(t, DTensor) and t.device_mesh == p.device_mesh
                                     and t.placements == p.placements for t in (grad, buf))
-                    local_layout = _shard_layout(group["split"], p, name) if same_spec else None
+                    if not same_spec:
+                        raise ValueError(f"Muon: {name}'s gradient or momentum is not laid out as the parameter "
+                                         f"({p.placements} on {p.device_mesh})")
+                    local_layout = shard_layout(group["split"], p, name)
                     if local_layout is None:  # a block spans shards: Newton–Schulz needs it whole
                         buf.lerp_(grad, 1.0 - momentum)
                         direction = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                        crossing.append((p, direction, layout, group, ns_dtype, lr, decay))
+                        crossing.append(Crossing(p, direction.to_local(), layout, group, ns_dtype, name))
                         continue
                     # every block lies whole in this rank's shard: no gather
                     p, grad, buf, layout = p.to_local(), grad.to_local(), buf.to_local(), local_layout
@@ -182,10 +185,8 @@ class Muon(torch.optim.Optimizer):
             batched += members
         for chunk in _ns_chunks(batched):
             _step_chunk(chunk)
-        for i, full in _gather_whole([direction for _, direction, *_ in crossing]):
-            p, _, layout, group, ns_dtype, lr, decay = crossing[i]
-            update = _local_part(_orthogonalised(full, layout, group, ns_dtype), p)
-            _apply(p.to_local(), update, layout, group, lr, decay)
+        if crossing:
+            step_crossing(crossing)
         return loss
 
 
@@ -299,110 +300,6 @@ def _step_chunk(chunk: list[tuple[_Entry, int, int]]) -> None:
         e.direction, e.pieces = None, []
     for alpha, (params, updates) in adds.items():
         torch._foreach_add_(params, updates, alpha=alpha)
-
-
-def _orthogonalised(direction: torch.Tensor, layout: BlockLayout, group: dict, ns_dtype) -> torch.Tensor:
-    """One parameter's Newton–Schulz (the sharded parameters whose blocks cross shards)."""
-    ortho_BMN = newton_schulz(layout.to_blocks(direction), group["ns_steps"], group["ns_coefficients"],
-                              group["eps"], ns_dtype)
-    return layout.from_blocks(ortho_BMN, direction.shape)
-
-
-def _apply(p: torch.Tensor, update: torch.Tensor, layout: BlockLayout, group: dict, lr: float, decay: float) -> None:
-    p.mul_(decay)
-    p.add_(update, alpha=-lr * float(group["rms_scale"]) * layout.lr_ratio)
-
-
-GATHER_BUCKET_BYTES = 256 * 2 ** 20  # at most this much gathered at once (the whole matrices, all ranks)
-
-
-def _gather_whole(directions: list[DTensor]) -> Iterator[tuple[int, torch.Tensor]]:
-    """(index, whole tensor) for every DTensor of ``directions``, on every rank, bucket by bucket.
-
-    Those sharded on dim 0 over one 1-D mesh (FSDP2's layout) travel together: one all-gather per
-    (mesh, dtype) bucket of up to ``GATHER_BUCKET_BYTES`` of whole matrices, each local shard padded
-    to the chunk size (DTensor shards dim 0 as ``torch.chunk`` does: ceil(n / W) rows per rank, the
-    last ranks short or empty). A bucket's tensors are yielded before the next bucket is gathered,
-    so the caller can use and drop them. Any other layout falls back to ``full_tensor()``."""
-    from torch.distributed.tensor import Shard
-
-    # (mesh, dtype) -> buckets of (index, rows per rank, elements per row)
-    batches: dict[tuple, list[list[tuple[int, int, int]]]] = {}
-    bucket_bytes: dict[tuple, int] = {}
-    for i, d in enumerate(directions):
-        if not (d.device_mesh.ndim == 1 and tuple(d.placements) == (Shard(0),) and d.shape[0] > 0):
-            yield i, d.full_tensor()
-            continue
-        key, world = (d.device_mesh, d.dtype), d.device_mesh.size()
-        rows, inner = math.ceil(d.shape[0] / world), math.prod(d.shape[1:])
-        size = world * rows * inner * d.dtype.itemsize
-        if key not in batches or bucket_bytes[key] + size > GATHER_BUCKET_BYTES:
-            batches.setdefault(key, []).append([])
-            bucket_bytes[key] = 0
-        batches[key][-1].append((i, rows, inner))
-        bucket_bytes[key] += size
-    for (mesh, dtype), buckets in batches.items():
-        world = mesh.size()
-        for members in buckets:
-            pieces = []
-            for i, rows, inner in members:
-                flat = directions[i].to_local().reshape(-1)
-                pieces.append(torch.nn.functional.pad(flat, (0, rows * inner - flat.numel())))
-            send = torch.cat(pieces)
-            recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
-            torch.distributed.all_gather_into_tensor(recv, send, group=mesh.get_group())
-            per_rank = recv.view(world, send.numel())
-            offset = 0
-            for i, rows, inner in members:
-                shape = directions[i].shape
-                block = per_rank[:, offset:offset + rows * inner].reshape(world * rows, *shape[1:])
-                yield i, block[:shape[0]]  # chunk padding sits at the end: the first n rows are the tensor
-                offset += rows * inner
-
-
-def _shard_layout(split: tuple, param: DTensor, name: str) -> BlockLayout | None:
-    """The layout of this rank's shard of ``param`` when every block of ``split`` lies whole inside it,
-    else None.
-
-    Then Muon orthogonalises the local blocks alone -- the same per-block Newton–Schulz as on the
-    gathered matrix, without the all-gather and with 1/world of the work. True for expert stacks
-    [E, a, b] sharded on dim 0 (expert parallelism, FSDP2: a dim-0 shard holds whole experts), for
-    ("rows", H) when the shard starts and ends on head boundaries, and for any split when the
-    parameter is not actually divided (a mesh of one, replicated placements)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    placements = param.placements
-    if not all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in placements):
-        return None
-    local_shape = tuple(param.to_local().shape)
-    if local_shape == tuple(param.shape) or split[0] == "experts":  # any set of dim-0 indices: whole experts
-        return block_layout(split, local_shape, name)
-    if split[0] != "rows" or not all(type(pl) in (Shard, Replicate) for pl in placements):
-        return None  # whole / column blocks span every row; strided shards hold non-contiguous rows
-    rows_per_block = param.shape[0] // split[1]
-    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, placements)
-    if local_shape[0] % rows_per_block or offset[0] % rows_per_block:
-        return None
-    return block_layout(("rows", local_shape[0] // rows_per_block), local_shape, name)
-
-
-def _local_part(full: torch.Tensor, param: DTensor) -> torch.Tensor:
-    """The part of the full-shape tensor ``full`` that this rank holds of the DTensor ``param``.
-
-    Muon under FSDP2 (DTensor parameters sharded on dim 0) for a parameter whose blocks cross the shard
-    boundaries (``_shard_layout`` returned None): every rank has the whole momentum direction
-    (``_gather_whole``: all such matrices in one all-gather), orthogonalises every block of the whole
-    matrix, and applies only its own shard of the update. The redundant Newton–Schulz is the simple
-    choice: it gives exactly the single-process update (same input, same iteration) with no scatter;
-    giving each rank a subset of whole matrices would divide the Newton–Schulz work by the world size
-    at the price of a second collective, worth it only at scale.
-    """
-    from torch.distributed.tensor import distribute_tensor
-
-    # src_data_rank=None: every rank cuts its own shard from its own (identical) full tensor.
-    return distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
-                             src_data_rank=None).to_local()
 
 
 # --------------------------------------------------------------------------- K3 grouping

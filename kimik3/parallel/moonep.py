@@ -11,23 +11,25 @@ One MoE layer step, per rank (``EPRoutedExperts.forward``):
     on its owner (plain EP, imbalanced);
  3. each pair gets its computing rank: expert e's pairs, in (source rank, local order), are cut
     into consecutive pieces of quota[e, 0], quota[e, 1], ... rows;
- 4. pairs (latent rows and mixture weights) travel with ``all_to_all_single``; every rank receives
-    exactly its quota total (S×K with MoonEP: a static size for the expert buffers);
+ 4. pairs (latent rows and mixture weights) travel with one equal-split ``all_to_all_single`` each: every
+    rank sends every rank a slot of T x K rows (its rows for that rank first, zeros after); the receiver
+    knows from the shared loads and plan how many rows of each expert fill the start of each slot, and
+    gathers its quota total (S x K with MoonEP: a static size for the expert buffers);
  5. weights of the foreign experts a rank was given (at most E/R under MoonEP) travel from their
-    owners in one more ``all_to_all_single``; autograd sends their gradients back to the owner
-    and sums them there;
+    owners in one more equal-split ``all_to_all_single`` (a slot of E/R experts per owner and host);
+    autograd sends their gradients back to the owner and sums them there;
  6. grouped matmuls over (native + foreign) experts, then the rows travel back and are summed
     per token, exactly as ``kimik3.model.moe.RoutedExperts`` does on one device.
 
-The all-to-alls take their split sizes on the host (NCCL's ``all_to_all_single`` wants Python
-lists), so each layer copies two [R] count vectors and the [E, R] "who hosts which foreign expert"
-mask to the host in one transfer (one synchronisation point); the planner itself has no host
-synchronisation. Applied from outside the model by ``apply_expert_parallel``.
+Every size is a shape (T, K, E, R), so under MoonEP the layer reads nothing back to the host: no
+synchronisation with the device in forward or backward (``EPRoutedExperts`` says what the padded slots
+cost, and where plain EP still reads one count). Applied from outside the model by ``apply_expert_parallel``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from kimik3.model.ffn import situ_glu
-from kimik3.model.moe import LatentMoE, RoutedExperts
+from kimik3.model.moe import LatentMoE, RoutedExperts, expert_counts
 from kimik3.ops.moe import grouped_mm
 
 Planner = Callable[[torch.Tensor, int], torch.Tensor]   # loads [E] -> quota [E, R]
@@ -59,6 +61,12 @@ def moonep_quota(loads_E: torch.Tensor, num_ranks: int) -> torch.Tensor:
     return planned_quota(loads_E, num_ranks)
 
 
+# What the exchange may assume of a planner (``EPRoutedExperts``): ``balanced``, every rank computes exactly
+# total / R rows (static buffers, no host read); ``hosts_foreign``, it may put an expert's rows on another rank
+# than its owner (then the weights travel). A planner without these attributes is taken as neither balanced
+# nor native-only.
+moonep_quota.balanced, moonep_quota.hosts_foreign = True, True
+native_quota.balanced, native_quota.hosts_foreign = False, False
 PLANNERS: dict[str, Planner] = {"moonep": moonep_quota, "none": native_quota}
 
 
@@ -96,8 +104,39 @@ def received_from(counts_RE: torch.Tensor, quota_ER: torch.Tensor, rank: int) ->
     return overlap_RE.clamp(min=0)
 
 
+@dataclass(eq=False)
+class Dispatched:
+    """One layer's rows on their computing rank (``EPRoutedExperts.dispatch``), and what the way back needs.
+
+    P = T x K pairs here, slots of P rows per (source, destination) rank pair, S = local weight slots
+    (natives, then R x m slots of foreign experts when the planner may host them)."""
+
+    x_NL: torch.Tensor          # the rows this rank computes, sorted by local slot
+    weights_N: torch.Tensor     # their fp32 mixture weights
+    counts_S: torch.Tensor      # rows per local weight slot
+    stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # gate, up, down weights of the S slots
+    sort_N: torch.Tensor        # position of each computed row in the received [R x P] buffer
+    slot_P: torch.Tensor        # position of each local pair (in send order) in the sent [R x P] buffer
+    token_P: torch.Tensor       # token of each local pair (in send order)
+
+
 class EPRoutedExperts(RoutedExperts):
-    """``RoutedExperts`` holding only this rank's E/R experts; forward runs the MoonEP exchange."""
+    """``RoutedExperts`` holding only this rank's E/R experts; forward runs the MoonEP exchange.
+
+    The exchange has static shapes and reads nothing back to the host when the planner is balanced (every
+    rank computes exactly total/R = T x K rows: MoonEP): a rank sends each rank one slot of P = T x K rows
+    (the most any rank can get from it: all its pairs), its rows for that rank first, zeros after, in one
+    equal-split ``all_to_all_single``; the receiver knows from the shared loads and plan where the real rows
+    of each slot end and which expert each belongs to, and gathers exactly its T x K rows. Foreign experts'
+    weights travel the same way: every owner sends every rank a slot of E/R experts (a rank hosts at most
+    E/R foreign experts, so no owner sends it more), the ones hosted there first. Every EP rank must hold
+    the same number of tokens (the trainer's batches do).
+
+    Price: a rank puts R x P rows on the wire of which P are real, and R x E/R expert slots of which at most
+    E/R are; at R = 2 that is twice the bytes of an exchange sized on the host, in exchange for no device
+    -> host synchronisation per layer. The planner "none" (plain EP, the imbalanced baseline) computes a
+    routing-dependent number of rows: sizing its expert buffers reads that one count to the host
+    (``_rows_here``), the one host read of the path."""
 
     group: dist.ProcessGroup
     num_experts: int
@@ -106,85 +145,112 @@ class EPRoutedExperts(RoutedExperts):
 
     def forward(self, x_TL: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
                 counts_E: torch.Tensor | None = None) -> torch.Tensor:
-        """As ``RoutedExperts.forward``; ``counts_E`` (this rank's loads) is not needed: the plan counts them."""
+        """As ``RoutedExperts.forward``; ``counts_E``: this rank's loads if the router counted them."""
+        sent = self.dispatch(x_TL, weights_TK, ids_TK, counts_E)
+        return self.combine(self.compute(sent), sent, x_TL)
+
+    def dispatch(self, x_TL: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
+                 counts_E: torch.Tensor | None = None) -> Dispatched:
+        """Steps 1-5: global loads, the plan, every pair to its computing rank, foreign experts' weights."""
         group, ranks = self.group, dist.get_world_size(self.group)
         rank = dist.get_rank(self.group)
         experts, per_rank = self.num_experts, self.num_experts // ranks
-        top_k = ids_TK.shape[1]
+        tokens, top_k = ids_TK.shape
+        pairs = tokens * top_k
         device = x_TL.device
 
         # 1-3: global loads, the plan, every local pair's computing rank
         ids_P = ids_TK.flatten()
-        local_E = torch.bincount(ids_P, minlength=experts)
-        counts_RE = torch.empty(ranks * experts, dtype=local_E.dtype, device=device)
-        dist.all_gather_into_tensor(counts_RE, local_E, group=group)
+        local_E = (counts_E if counts_E is not None else expert_counts(ids_P, experts)).to(torch.int64)
+        counts_RE = torch.empty(ranks * experts, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(counts_RE, local_E.contiguous(), group=group)
         counts_RE = counts_RE.view(ranks, experts)
         quota_ER = self.planner(counts_RE.sum(0), ranks)
         self.last_quota = quota_ER.detach()
         dest_P = destinations(ids_P, counts_RE, quota_ER, rank)
 
-        # 4: send pairs grouped by destination (then by expert), receive this rank's quota
+        # 4: pairs grouped by destination (then by expert), each destination's at the start of its slot of P rows
         order = torch.argsort(dest_P * experts + ids_P, stable=True)
-        send_R = torch.bincount(dest_P, minlength=ranks)
-        recv_RE = received_from(counts_RE, quota_ER, rank)  # known from the plan: no count exchange
-        recv_R = recv_RE.sum(1)
-        owner_E = torch.arange(experts, device=device) // per_rank
-        hosted_ER = (quota_ER > 0) & (owner_E[:, None] != torch.arange(ranks, device=device)[None, :])
-        # The one host synchronisation of the layer: NCCL's all-to-all wants its split sizes as lists.
-        host = torch.cat([send_R, recv_R, hosted_ER.flatten().long()]).cpu()
-        send_sizes, recv_sizes = host[:ranks].tolist(), host[ranks:2 * ranks].tolist()
-        hosted = host[2 * ranks:].view(experts, ranks).bool()
-        token_P = order // top_k
-        rows_out = _exchange(x_TL[token_P], recv_sizes, send_sizes, group)
-        weights_out = _exchange(weights_TK.flatten()[order].float()[:, None], recv_sizes, send_sizes, group)[:, 0]
-        # each source's block arrives sorted by expert: the ids follow from the plan, no exchange
-        ids_out = torch.arange(experts, device=device).repeat(ranks).repeat_interleave(
-            recv_RE.flatten(), output_size=sum(recv_sizes))  # the size given: no second host sync
+        dest_sorted = dest_P[order]
+        send_R = torch.zeros(ranks, dtype=torch.int64, device=device).scatter_add_(0, dest_P, torch.ones_like(dest_P))
+        first_R = torch.cumsum(send_R, 0) - send_R
+        slot_P = dest_sorted * pairs + torch.arange(pairs, device=device) - first_R[dest_sorted]
+        token_P = torch.div(order, top_k, rounding_mode="floor")
+        rows = x_TL.index_select(0, token_P)
+        received = _exchange(rows.new_zeros(ranks * pairs, rows.shape[1]).index_copy(0, slot_P, rows), group)
+        mixture = weights_TK.flatten()[order].float()
+        mixture = _exchange(mixture.new_zeros(ranks * pairs, 1).index_copy(0, slot_P, mixture[:, None]), group)[:, 0]
+        # the expert of every received row, from the plan (source s's rows for here, sorted by expert, fill the
+        # start of slot s); `experts` marks the padding after them
+        end_RE = torch.cumsum(received_from(counts_RE, quota_ER, rank), 1)
+        within = torch.arange(pairs, device=device).expand(ranks, pairs).contiguous()
+        ids_RP = torch.searchsorted(end_RE, within, right=True)
 
-        # 5: foreign experts' weights from their owners
-        table_E, stacked = self._expert_table(hosted, rank, ranks, per_rank, device)
+        # 5: foreign experts' weights from their owners; every expert id -> its local weight slot
+        table_E, stacked = self._expert_slots(quota_ER, rank, ranks, per_rank, device)
+        slots = stacked[0].shape[0]
+        local_RP = torch.cat([table_E, table_E.new_full((1,), slots)])[ids_RP.flatten()]   # padding: slot S
+        counts_S = torch.zeros(slots + 1, dtype=torch.int64, device=device).scatter_add_(
+            0, local_RP, torch.ones_like(local_RP))[:slots]
+        computed = self._rows_here(quota_ER, rank, pairs)
+        sort_N = torch.argsort(local_RP, stable=True)[:computed]   # real rows by slot (then source), padding last
+        if getattr(self.planner, "balanced", False):
+            torch._assert_async(counts_S.sum() == computed)   # a rank with another token count would drop rows
+        return Dispatched(received.index_select(0, sort_N), mixture.index_select(0, sort_N), counts_S, stacked,
+                          sort_N, slot_P, token_P)
 
-        # 6: the experts, as on one device, then the way back
-        local_ids = table_E[ids_out]
-        sort = torch.argsort(local_ids, stable=True)
-        counts = torch.bincount(local_ids, minlength=stacked[0].shape[0])
-        x_NL = rows_out[sort]
-        gate = grouped_mm(x_NL, stacked[0].to(x_NL.dtype), counts)
-        up = grouped_mm(x_NL, stacked[1].to(x_NL.dtype), counts)
-        hidden = (situ_glu(gate.float(), up.float()) * weights_out[sort, None]).to(x_NL.dtype)
-        y_sorted = grouped_mm(hidden, stacked[2].to(x_NL.dtype), counts)
-        y_NL = torch.empty_like(y_sorted).index_copy(0, sort, y_sorted)
-        back = _exchange(y_NL, send_sizes, recv_sizes, group)
-        return torch.zeros_like(x_TL).index_add_(0, token_P, back.to(x_TL.dtype))
+    def compute(self, sent: Dispatched) -> torch.Tensor:
+        """Step 6: the experts over the computed rows, as on one device: [N, L]."""
+        x_NL, (w_gate, w_up, w_down) = sent.x_NL, sent.stacked
+        gate = grouped_mm(x_NL, w_gate.to(x_NL.dtype), sent.counts_S)
+        up = grouped_mm(x_NL, w_up.to(x_NL.dtype), sent.counts_S)
+        hidden = (situ_glu(gate.float(), up.float()) * sent.weights_N[:, None]).to(x_NL.dtype)
+        return grouped_mm(hidden, w_down.to(x_NL.dtype), sent.counts_S)
 
-    def _expert_table(self, hosted: torch.Tensor, rank: int, ranks: int, per_rank: int, device: torch.device
+    def combine(self, y_NL: torch.Tensor, sent: Dispatched, x_TL: torch.Tensor) -> torch.Tensor:
+        """The rows back to their source slots, and each token's K rows summed: [T, L]."""
+        ranks = dist.get_world_size(self.group)
+        pairs = sent.slot_P.numel()
+        back = y_NL.new_zeros(ranks * pairs, y_NL.shape[1]).index_copy(0, sent.sort_N, y_NL)
+        back = _exchange(back, self.group).index_select(0, sent.slot_P)
+        return torch.zeros_like(x_TL).index_add_(0, sent.token_P, back.to(x_TL.dtype))
+
+    def _rows_here(self, quota_ER: torch.Tensor, rank: int, pairs: int) -> int:
+        """Rows this rank computes: P under a balanced planner (every rank computes total / R, and every rank
+        holds P pairs); otherwise this rank's quota, read to the host (plain EP's routing-dependent count)."""
+        if getattr(self.planner, "balanced", False):
+            return pairs
+        return int(quota_ER[:, rank].sum())
+
+    def _expert_slots(self, quota_ER: torch.Tensor, rank: int, ranks: int, per_rank: int, device: torch.device
                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Expert id -> row of the local weight stack [natives, then foreign experts sent here].
-
-        ``hosted``: host bool [E, R], foreign expert e computes on rank r."""
-        experts = self.num_experts
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        """Expert id -> local weight slot, and the slots' weights: this rank's E/R natives, then (when the planner
+        may host foreign experts) R slots of E/R from each owner, the experts it hosts here first, ascending."""
+        experts, m = self.num_experts, per_rank
         w_gate, w_up, w_down = (_local(w) for w in (self.w_gate_ELF, self.w_up_ELF, self.w_down_EFL))
-        table_E = torch.full((experts,), -1, dtype=torch.long, device=device)
-        table_E[mine] = torch.arange(per_rank, device=device)
-        if not hosted.any():  # every expert on its owner (the same answer on every rank): no exchange
+        expert_ids = torch.arange(experts, device=device)
+        owner_E = expert_ids // m
+        native_E = owner_E == rank
+        table_E = torch.where(native_E, expert_ids - rank * m, m)   # m: no rows come (overwritten if hosted)
+        if not getattr(self.planner, "hosts_foreign", True):
             return table_E, (w_gate, w_up, w_down)
-        send = [torch.nonzero(hosted[mine, d]).flatten().tolist() for d in range(ranks)]   # my experts for d
-        receive = torch.nonzero(hosted[:, rank]).flatten().tolist()                         # foreign here
-        sent = torch.tensor([e for d in range(ranks) for e in send[d]], dtype=torch.long, device=w_gate.device)
-        # only the experts that leave are flattened and copied
-        outgoing = torch.cat([w_gate[sent].flatten(1), w_up[sent].flatten(1), w_down[sent].flatten(1)], 1)
-        recv_sizes = [int(hosted[d * per_rank:(d + 1) * per_rank, rank].sum()) for d in range(ranks)]
-        incoming = _exchange(outgoing, recv_sizes, [len(s) for s in send], self.group)
+        hosted_ER = (quota_ER > 0) & (owner_E[:, None] != torch.arange(ranks, device=device)[None, :])
+        # as owner: for each host, my experts it computes, ascending, then fillers (never read there)
+        mine_mR = hosted_ER[rank * m:(rank + 1) * m]
+        key_mR = torch.where(mine_mR, torch.arange(m, device=device)[:, None], m)
+        send_idx = torch.sort(key_mR, dim=0).values.T.flatten().clamp(max=m - 1)
+        outgoing = torch.cat([w.index_select(0, send_idx).flatten(1) for w in (w_gate, w_up, w_down)], 1)
+        incoming = _exchange(outgoing, self.group)
+        # as host: foreign expert e of owner o sits in slot m + o * m + (its rank among o's experts hosted here)
+        here_Rm = hosted_ER[:, rank].view(ranks, m)
+        slot_E = (m + owner_E * m + (torch.cumsum(here_Rm.long(), 1) - 1).flatten())
+        table_E = torch.where(here_Rm.flatten(), slot_E, torch.where(native_E, table_E, m + ranks * m))
         latent, hidden = self.w_gate_ELF.shape[1:]
         size = latent * hidden
         gate_f, up_f, down_f = incoming.split([size, size, size], dim=1)
         stacked = (torch.cat([w_gate, gate_f.view(-1, latent, hidden)]),
                    torch.cat([w_up, up_f.view(-1, latent, hidden)]),
                    torch.cat([w_down, down_f.view(-1, hidden, latent)]))
-        if receive:   # received in owner order = ascending expert id, which `receive` is
-            table_E[torch.tensor(receive, device=device)] = torch.arange(per_rank, per_rank + len(receive),
-                                                                         device=device)
         return table_E, stacked
 
 
@@ -193,9 +259,10 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
-def _exchange(rows: torch.Tensor, recv_sizes: list[int], send_sizes: list[int], group) -> torch.Tensor:
-    """Differentiable all_to_all_single along dim 0 (the backward sends gradients back)."""
-    out = funcol.all_to_all_single_autograd(rows.contiguous(), recv_sizes, send_sizes, group)
+def _exchange(rows: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable equal-split all_to_all_single along dim 0 (the backward sends gradients back): rank r
+    gets the r-th of R equal slices of every rank's ``rows``. Sizes from shapes: no host synchronisation."""
+    out = funcol.all_to_all_single_autograd(rows.contiguous(), None, None, group)
     return funcol.wait_tensor(out)
 
 

@@ -72,9 +72,11 @@ def main() -> None:
     parser.add_argument("--lm", default="tiny", choices=["tiny", "mini"],
                         help="the language model: the tiny preset's, or a smaller one (mini_config)")
     parser.add_argument("--out", default="runs/vision_qa")
+    parser.add_argument("--runs", default="vision,blank",
+                        help="which runs, in order (one each in two processes: --runs vision / --runs blank)")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
-    results = [run(False, args), run(True, args)]
+    results = [run(label == "blank", args) for label in args.runs.split(",")]
     print(f"\nheld-out QA, LM {args.lm}, {args.questions} questions (corpus seed {args.seed}), {args.steps} steps of "
           f"{args.batch_size} x {args.seq_len} tokens, device {args.device}, torch threads {torch.get_num_threads()}")
     print(f"{'run':<12} {'kind':<8} {'n':>5} {'accuracy':>8}  Wilson 95%      chance")
@@ -84,7 +86,8 @@ def main() -> None:
         print(f"{r['label']}: train {r['train_s']:.0f} s, final next-token loss {r['final_loss']:.3f}, "
               f"text val loss {r['val_loss']:.3f}")
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "vision_qa.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    record = json.dumps({"args": vars(args), "results": results}, indent=1)
+    (Path(args.out) / f"vision_qa-{args.runs.replace(',', '-')}.json").write_text(record)
 
 
 if __name__ == "__main__":

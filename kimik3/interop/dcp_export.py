@@ -75,7 +75,7 @@ def export_dcp(src: str | Path, dst: str | Path, layout: str = "hf", *, dtype: t
     weights (default: the one stored; the fp32 islands stay fp32); ``max_shard_bytes``: default 5 GB.
     Returns the index's weight map (their name -> shard file)."""
     from kimik3.interop.hf import hf_config
-    from kimik3.model.k3 import K3ForCausalLM
+    from kimik3.model.vision import causal_lm_class
     from kimik3.train.dcp_tensors import DcpTensors
 
     rules = _layout(layout)
@@ -89,7 +89,7 @@ def export_dcp(src: str | Path, dst: str | Path, layout: str = "hf", *, dtype: t
         raise ValueError(f"{src / CONFIG_FILE}: a training checkpoint's config is in kimik3's layout, this one is "
                          f"{config_layout!r}")
     with DcpTensors(src) as reader:
-        model = K3ForCausalLM(config, device="meta")
+        model = causal_lm_class(config)(config, device="meta")
         ours = model.state_dict()
         check_keys(reader.shapes, {name: tuple(t.shape) for name, t in ours.items()}, str(reader.path))
         dtype = dtype or reader.torch_dtypes["embed.weight"]
@@ -106,7 +106,7 @@ def export_dcp(src: str | Path, dst: str | Path, layout: str = "hf", *, dtype: t
         for key in keys:
             template, codec = rule_for(rules, key) if rules is not None else (key, SAME)
             shapes = codec.their_shapes(ours[key].shape)
-            for index, (name, shape) in enumerate(zip(_part_names(template, len(shapes)), shapes)):
+            for index, (name, shape) in enumerate(zip(_part_names(template, len(shapes), codec), shapes)):
                 plan.append((name, key, index))
                 sizes[name] = torch.Size(shape).numel() * targets[key].itemsize
         placeholders: dict[str, torch.Tensor] = {}

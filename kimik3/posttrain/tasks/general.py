@@ -128,9 +128,11 @@ def _make(rng: random.Random) -> tuple[str, Builder]:
 
 
 def _easy(rng: random.Random) -> tuple[str, Builder]:
-    """``difficulty="easy"``: single-digit addition or subtraction (200 problems, 40 of them test): a level a
-    tiny model can learn by RL within minutes, where the standard problems stay out of its reach."""
-    a, b, op = rng.randint(0, 9), rng.randint(0, 9), rng.choice("+-")
+    """``difficulty="easy"``: a two-digit number plus or minus a single digit (1,800 problems, ~360 of them test): a
+    level a tiny model can learn by RL within minutes, where the standard problems stay out of its reach. A test
+    problem is never a train problem, but it is made of the same single-digit facts, so what a model learns on the
+    train problems carries over."""
+    a, b, op = rng.randint(10, 99), rng.randint(0, 9), rng.choice("+-")
     answer = a + b if op == "+" else a - b
     line = f"{a} {op} {b} = {answer}"
     reasoning = {"low": line, "high": line, "max": line + "\n" + _check(a, op, b, answer)}

@@ -181,6 +181,11 @@ def test_step_phases_breaks_an_ep_step_down(small, tmp_path):
         assert len(data["phases_s"][phase]) == 2 and all(finite_positive(t) for t in data["phases_s"][phase]), phase
     counts = data["counts_per_step"]
     assert counts["collective all_to_all_single (autograd)"] > 0  # the EP exchange of rows and weights
-    assert "collective all_to_all_single" not in counts  # counts and expert ids follow from the plan
+    # no other all-to-all in the EP layer (counts and expert ids follow from the plan); Muon's two (the
+    # crossing matrices' rows to the ranks orthogonalising them, and the results' rows back) are the only ones
+    assert counts["collective all_to_all_single"] == 2
+    for phase in ("forward MoE router", "forward MoE dispatch", "forward MoE experts", "forward MoE combine",
+                  "forward KDA (attention)", "communication (torch.distributed calls)"):
+        assert all(finite_positive(t) for t in data["phases_s"][f"  in {phase}"]), phase
     assert counts["collective all_reduce"] <= 8  # clipping: one per group, not one per parameter
     assert "| optimizer muon |" in proc.stdout

@@ -24,6 +24,9 @@ Public pieces:
   ``optimizer_rules()`` its modules declare (``kimik3/model/param_rules.py``).
 - re-exported: ``newton_schulz`` and the block layouts (``newton_schulz.py``), ``MultiOptimizer``
   (``multi.py``: Muon + AdamW behind one optimizer-like object for the trainer).
+
+Sharded (DTensor) parameters: see ``sharded.py`` (which step on their local shard, and the distributed
+Newton–Schulz of the ones whose blocks cross shards).
 """
 
 from __future__ import annotations
@@ -171,7 +174,7 @@ class Muon(torch.optim.Optimizer):
                         direction = grad.lerp(buf, momentum) if group["nesterov"] else buf
                         crossing.append(Crossing(p, direction.to_local(), layout, group, ns_dtype, name))
                         continue
-                    # every block lies whole in this rank's shard: no gather
+                    # every block lies whole in every shard: stepped here, no exchange
                     p, grad, buf, layout = p.to_local(), grad.to_local(), buf.to_local(), local_layout
                 members.append(_Entry(p, grad, buf, layout, group, ns_dtype))
             # The decay factor goes in as a CPU float64 scalar tensor: that is ``p.mul_(decay)`` on every

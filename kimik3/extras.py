@@ -14,7 +14,8 @@ import importlib
 
 # The import names each extra provides (tests/test_packaging.py checks them against pyproject.toml).
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "serve": ("fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn", "prometheus_client", "jinja2"),
+    # PIL (Pillow): decoding the PNG/JPEG images of chat requests (kimik3/serve/images.py)
+    "serve": ("fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn", "prometheus_client", "jinja2", "PIL"),
     "plot": ("matplotlib",),
     "parquet": ("pyarrow",),
     "triton": ("triton",),

@@ -29,6 +29,11 @@ reuses the whole earlier conversation. The positions where messages end are retu
 ``boundary_hints``: they are where a later request (an edited or regenerated turn) is most likely to
 diverge, so the cache checkpoints them.
 
+**Images.** A user message's content may hold OpenAI ``image_url`` parts; ``parse_messages`` keeps them in place
+(``Message.parts``), the server decodes them (``kimik3.serve.images``) and ``ChatEncoder.encode`` lays each out as
+``<|media_begin|>`` + one ``<|media_pad|>`` per image token + ``<|media_end|>`` where the part was, as training
+does; the text parts around an image are encoded on their own.
+
 **Content is text.** A message's content never yields a special token: ``"<|im_end|>"`` written by a
 client is encoded as the characters it is made of, so a user cannot close a turn or forge a role
 (``<|endoftext|>`` in content is likewise plain text).
@@ -56,10 +61,10 @@ from pathlib import Path
 from typing import Any
 
 from kimik3.extras import MissingExtra
-from kimik3.tokenizer import (DEFAULT_CHAT_TEMPLATE, EOS, IM_END, TOKENIZER_CONFIG_FILE, read_tokenizer_config,
-                              special_token_ids)
+from kimik3.tokenizer import (DEFAULT_CHAT_TEMPLATE, EOS, IM_END, MEDIA_BEGIN, MEDIA_END, MEDIA_PAD, MEDIA_TOKENS,
+                              TOKENIZER_CONFIG_FILE, image_prompt, read_tokenizer_config, special_token_ids)
 
-__all__ = ["CHAT_STOP", "DEFAULT_CHAT_TEMPLATE", "ROLES", "ChatEncoder", "ChatTemplate", "Message",
+__all__ = ["CHAT_STOP", "DEFAULT_CHAT_TEMPLATE", "ROLES", "ChatEncoder", "ChatTemplate", "ImagePart", "Message",
            "load_chat_template", "parse_messages", "render_ids", "render_text"]
 
 ROLES = ("system", "user", "assistant")
@@ -70,24 +75,53 @@ MARKER = re.compile(r"<\|[^|<>\s]+\|>")   # what a special token of K3 (or Kimi,
 
 
 @dataclass(frozen=True, slots=True)
+class ImagePart:
+    """An ``image_url`` content part: its URL (decoded by ``kimik3.serve.images``) and where it was, for errors."""
+
+    url: Any
+    where: str       # e.g. "messages[1].content[0].image_url"
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
     role: str
-    content: str
+    content: str                                  # the text (a list's text parts joined)
+    parts: tuple[str | ImagePart, ...] = ()       # with images: text parts and images in order; () otherwise
+
+    @property
+    def images(self) -> list[ImagePart]:
+        return [part for part in self.parts if isinstance(part, ImagePart)]
 
 
-def _content_text(content: Any, where: str) -> str:
-    """A string, or OpenAI's list of ``{"type": "text", "text": ...}`` parts joined together."""
+def _image_part(part: Mapping, where: str) -> ImagePart:
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, Mapping) else image   # {"url": ..., "detail": ...}, or the URL
+    if not isinstance(url, str):
+        raise ValueError(f"{where}: an image part is {{'type': 'image_url', 'image_url': {{'url': 'data:...'}}}}")
+    return ImagePart(url, f"{where}.image_url")
+
+
+def _content(content: Any, role: str, where: str) -> tuple[str, tuple[str | ImagePart, ...]]:
+    """(text, parts): a string, or OpenAI's list of ``{"type": "text", "text": ...}`` parts joined together;
+    ``image_url`` parts (user messages only, as OpenAI's) keep their place in ``parts``."""
     if isinstance(content, str):
-        return content
+        return content, ()
     if isinstance(content, list):
-        texts = []
+        parts: list[str | ImagePart] = []
         for j, part in enumerate(content):
-            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise ValueError(f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) "
-                                 "are supported")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise ValueError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "image_url":
+                if role != "user":
+                    raise ValueError(f"{where}.content[{j}]: image parts are accepted in user messages only")
+                parts.append(_image_part(part, f"{where}.content[{j}]"))
+            elif kind == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise ValueError(f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) and "
+                                 "image parts ({'type': 'image_url', 'image_url': {'url': ...}}) are supported")
+        text = "".join(part for part in parts if isinstance(part, str))
+        return text, tuple(parts) if any(isinstance(part, ImagePart) for part in parts) else ()
+    raise ValueError(f"{where}.content must be a string or a list of content parts, got {type(content).__name__}")
 
 
 def parse_messages(messages: Any) -> list[Message]:
@@ -108,7 +142,7 @@ def parse_messages(messages: Any) -> list[Message]:
             raise ValueError(f"{where}.content is required")
         if msg.get("tool_calls"):
             raise ValueError(f"{where}.tool_calls: tool calls are not supported")
-        parsed.append(Message(role, _content_text(msg["content"], where)))
+        parsed.append(Message(role, *_content(msg["content"], role, where)))
     return parsed
 
 
@@ -219,15 +253,22 @@ class ChatTemplate:
         return self.pieces["assistant"][1].strip() or None
 
     def render_text(self, messages: Any, add_generation_prompt: bool = True) -> str:
-        """The prompt as text (what ``ChatEncoder.encode`` encodes); for logs, docs and tests."""
+        """The prompt as text (what ``ChatEncoder.encode`` encodes; an image shown as one placeholder, its count
+        depends on its size); for logs, docs and tests."""
         parsed = _as_messages(messages)
-        text = "".join(m.content.join(self.message_pieces(m, f"messages[{i}]")) for i, m in enumerate(parsed))
+        text = "".join(_shown(m).join(self.message_pieces(m, f"messages[{i}]")) for i, m in enumerate(parsed))
         return text + self.generation_prompt if add_generation_prompt else text
 
     def render_jinja(self, messages: Any, add_generation_prompt: bool = True) -> str:
         """The whole conversation rendered by Jinja in one go (as ``apply_chat_template`` does), for comparison."""
         parsed = _as_messages(messages)
         return self._render([{"role": m.role, "content": m.content} for m in parsed], add_generation_prompt)
+
+
+def _shown(message: Message) -> str:
+    if not message.parts:
+        return message.content
+    return "".join(part if isinstance(part, str) else image_prompt(1) for part in message.parts)
 
 
 _DEFAULT: ChatTemplate | None = None
@@ -304,6 +345,10 @@ class ChatEncoder:
         template_text = "".join(before + after for before, after in self.template.pieces.values())
         self.plain_markers = sorted({m for m in MARKER.findall(template_text + self.template.generation_prompt)
                                      if m not in specials})
+        # An image: <|media_begin|>, one <|media_pad|> per image token, <|media_end|>, when the tokenizer has them.
+        self.media_ids: tuple[int, int, int] | None = (
+            (specials[MEDIA_BEGIN], specials[MEDIA_PAD], specials[MEDIA_END])
+            if all(token in specials for token in MEDIA_TOKENS) else None)
         end = self.template.turn_end
         self.stop: str | None = end
         self.stop_token_ids: list[int] = [specials[end]] if end in specials else []
@@ -311,23 +356,42 @@ class ChatEncoder:
     def _encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids if text else []
 
-    def encode(self, messages: Any, add_generation_prompt: bool = True) -> tuple[list[int], list[int]]:
+    def encode(self, messages: Any, add_generation_prompt: bool = True,
+               image_tokens: Sequence[int] = ()) -> tuple[list[int], list[int]]:
         """``(prompt_ids, boundary_hints)``: the prompt's tokens and the token count after each message.
 
-        ``messages``: OpenAI-style dicts (validated by ``parse_messages``) or ``Message`` s."""
+        ``messages``: OpenAI-style dicts (validated by ``parse_messages``) or ``Message`` s. ``image_tokens``: the
+        token count of each image part, in order (``PreparedImage.num_tokens``). An image is laid out as training
+        lays it out (``kimik3.train.vision_data``): ``<|media_begin|>``, its placeholders, ``<|media_end|>``, at
+        the part's place, the text parts around it encoded on their own."""
         ids: list[int] = []
         hints: list[int] = []
+        images = iter(image_tokens)
         for i, message in enumerate(_as_messages(messages)):
             self.template.message_pieces(message, f"messages[{i}]")   # a role the template refuses
             before, after = self._pieces[message.role]
             ids.extend(before)
-            if message.content:
-                ids.extend(self._encode(message.content))
+            for part in message.parts or (message.content,):
+                if isinstance(part, ImagePart):
+                    ids.extend(self._image_ids(next(images, None), part.where))
+                elif part:
+                    ids.extend(self._encode(part))
             ids.extend(after)
             hints.append(len(ids))
+        if next(images, None) is not None:
+            raise ValueError("more image token counts were given than the messages hold images")
         if add_generation_prompt:
             ids.extend(self._generation_prompt)
         return ids, hints
+
+    def _image_ids(self, tokens: int | None, where: str) -> list[int]:
+        if self.media_ids is None:
+            raise ValueError(f"{where}: this tokenizer has no media tokens ({', '.join(MEDIA_TOKENS)}): it cannot "
+                             "take images")
+        if tokens is None or tokens < 1:
+            raise ValueError(f"{where}: the image's token count is missing")
+        begin, pad, end = self.media_ids
+        return [begin] + [pad] * tokens + [end]
 
 
 def render_text(messages: Any, add_generation_prompt: bool = True, template: ChatTemplate | None = None) -> str:

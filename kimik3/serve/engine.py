@@ -29,6 +29,7 @@ from kimik3.model.draft import EagleDraft
 from kimik3.model.k3 import K3ForCausalLM
 from kimik3.model.pretrained import has_weights
 from kimik3.serve.memory import EngineConfig
+from kimik3.serve.multimodal import MediaTokens, media_spans
 from kimik3.serve.scheduler import EngineCore
 from kimik3.serve.types import EngineStats, EngineUnavailable, GenerationRequest, SamplingParams, TokenEvent
 
@@ -48,6 +49,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.max_context = self.core.max_context
+        self.image_rule = self.core.image_rule   # how the model tokenises images; None: text only
         self._lock = threading.Condition()
         self._closed = False
         self._error: BaseException | None = None     # set once the engine gave up
@@ -69,7 +71,10 @@ class LLMEngine:
         if not has_weights(run):
             raise FileNotFoundError(f"{run}: no model.safetensors nor model.safetensors.index.json: is {run} a run "
                                     f"written by `kimik3 train` or `kimik3 convert`?")
-        model = K3ForCausalLM.from_pretrained(run, device=device)
+        from kimik3.model.pretrained import read_config
+        from kimik3.model.vision import causal_lm_class
+
+        model = causal_lm_class(read_config(run)[0]).from_pretrained(run, device=device)
         draft = EagleDraft.load(run, model) if config is not None and config.speculative_tokens else None
         # The chat template's role markers become special tokens where the model's vocabulary has room for them.
         tokenizer = load_tokenizer(run / "tokenizer.json", vocab_size=model.config.vocab_size)
@@ -154,10 +159,19 @@ class LLMEngine:
         with self._lock:
             return self.core.stats() if self.core is not None else EngineStats()
 
-    def prefix_match(self, prompt_ids: list[int]) -> int:
-        """Tokens of ``prompt_ids`` a request sent here now would restore from the prefix cache."""
+    def prefix_match(self, prompt_ids: list[int], images: list | None = None) -> int:
+        """Tokens of ``prompt_ids`` (with its ``images``) a request sent here now would restore from the prefix
+        cache."""
         with self._lock:
-            return self.core.prefix_cache.match_length(prompt_ids) if self.core is not None else 0
+            if self.core is None:
+                return 0
+            if images and self.image_rule is not None:
+                try:
+                    prompt_ids = MediaTokens(prompt_ids, media_spans(prompt_ids, images,
+                                                                     self.image_rule.image_token_id))
+                except ValueError:   # the engine refuses it on submission
+                    return 0
+            return self.core.prefix_cache.match_length(prompt_ids)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         loop = asyncio.get_running_loop()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -82,6 +83,10 @@ class ModelRunner:
     def __init__(self, model: K3ForCausalLM, cache: CacheManager, config: EngineConfig, max_context: int,
                  draft: EagleDraft | None = None):
         self.model = model
+        # The forward every step calls. A multimodal model's own forward counts its placeholders on the host (a
+        # synchronisation no CUDA graph can capture) and refuses placeholders without pixels; here images enter
+        # as prefill embeddings (``serve/multimodal.py``), so the text model's forward runs for both kinds.
+        self.lm = model if type(model).forward is K3ForCausalLM.forward else partial(K3ForCausalLM.forward, model)
         pack_projections(model)   # each layer's input projections read as one matmul's weight, in place
         # Quantisation-aware experts (moe.expert_quant = "mxfp4") are served packed: MXFP4 codes + scales, the
         # full-precision copies freed; the same values the trained forward used.
@@ -118,14 +123,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forwards
     def _forward(self, input_ids_BT: torch.Tensor, slots_B: torch.Tensor, tables_BW: torch.Tensor,
-                 lengths_B: torch.Tensor, max_length: int | None = None,
-                 features: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 lengths_B: torch.Tensor, max_length: int | None = None, features: bool = False,
+                 inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model over pooled sequences: (last-position logits [B, V], with ``features`` the draft's fused
-        features of every position [B, T, D] or else None); the cache advances in place."""
+        features of every position [B, T, D] or else None); the cache advances in place. ``inputs_embeds``: a
+        prefill chunk's embeddings with its images' (``serve/multimodal.py``)."""
         cache = batch_cache(self.model.config, self.cache.latents, self.cache.states, slots_B, tables_BW, lengths_B,
                             max_length)
-        out = self.model(input_ids_BT, cache=cache, last_only=True,
-                         features_at=self._features_at if features else ())
+        out = self.lm(input_ids_BT, cache=cache, last_only=True,
+                      features_at=self._features_at if features else (), inputs_embeds=inputs_embeds)
         return out.logits[:, -1], self._features(out) if features else None
 
     def _features(self, out) -> torch.Tensor | None:
@@ -143,12 +149,16 @@ class ModelRunner:
         tokens = end - start
         size = next((s for s in self.prefill_sizes if s >= tokens), None)
         device = self.device
-        if size is None or start + size > self.capacity:   # on the CPU; or padding past the tables
+        images = seq.media is not None and seq.media.touches(start, end)
+        if size is None or start + size > self.capacity or images:
+            # On the CPU; or padding past the tables; or a chunk holding image placeholders, whose embeddings are
+            # written here (eagerly: the graphs read token ids).
+            ids = torch.tensor([seq.tokens[start:end]], dtype=torch.long, device=device)
             logits, features = self._forward(
-                torch.tensor([seq.tokens[start:end]], dtype=torch.long, device=device),
-                torch.tensor([seq.slot], dtype=torch.long, device=device),
+                ids, torch.tensor([seq.slot], dtype=torch.long, device=device),
                 torch.tensor([seq.blocks], dtype=torch.long, device=device),
-                torch.tensor([start], dtype=torch.long, device=device), start, self.speculator is not None)
+                torch.tensor([start], dtype=torch.long, device=device), start, self.speculator is not None,
+                seq.media.embeds(self.model, ids, start) if images else None)
         else:
             graph = self.prefill_graphs.get(size)
             if graph is not None:
@@ -180,7 +190,7 @@ class ModelRunner:
         cache = batch_cache(self.model.config, self.cache.latents, self.cache.states,
                             row[size + _P_SLOT:size + _P_SLOT + 1], row[size + _P_TABLE:][None],
                             row[size + _P_LENGTH:size + _P_LENGTH + 1], max_length, valid_B=valid_1)
-        out = self.model(row[:size][None], cache=cache, logits_at=valid_1 - 1, features_at=self._features_at)
+        out = self.lm(row[:size][None], cache=cache, logits_at=valid_1 - 1, features_at=self._features_at)
         return out.logits[:, -1], self._features(out), cache
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -353,7 +353,8 @@ class LogprobLog:
 def usage_json(usage: Usage) -> dict[str, Any]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}, "cost_usd": usage.cost_usd}
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, "image_tokens": usage.image_tokens},
+            "cost_usd": usage.cost_usd}
 
 
 def sse(body: dict[str, Any] | str) -> bytes:
@@ -435,7 +436,7 @@ class Shape:
     def usage(self) -> Usage:
         first = self.choices[0].usage or Usage(self.prompt_len, 0, 0)
         completion = sum(c.usage.completion_tokens if c.usage else c.tokens for c in self.choices)
-        return Usage(first.prompt_tokens, completion, first.cached_tokens)
+        return Usage(first.prompt_tokens, completion, first.cached_tokens, first.image_tokens)
 
     def usage_chunk(self) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -17,7 +17,9 @@ Hashing: ``h_i = sha256(h_{i-1} || int64-LE tokens of block i)``, ``h_{-1}`` der
 ``hash_block``. A :class:`BlockHasher` memoises hash lists by the *identity* of the token list
 (holding a reference, so an id is never recycled while remembered) and extends them when the list
 grew: token lists are treated as append-only -- pass a new list if earlier tokens change (the last
-hashed block is re-checked as a guard). Several caches may share one hasher.
+hashed block is re-checked as a guard). Several caches may share one hasher. A token list with a
+``block_key(i, hash_block)`` method (``serve/multimodal.MediaTokens``: a prompt with images) has those bytes
+appended to block i's before hashing, so that identical placeholder ids over different images hash apart.
 """
 
 from __future__ import annotations
@@ -48,13 +50,15 @@ class BlockHasher:
     def __call__(self, token_ids: Sequence[int]) -> list[bytes]:
         """The memo's hash list for ``token_ids`` (one hash per complete block). Do not mutate."""
         B, n_full = self.hash_block, len(token_ids) // self.hash_block
+        extra = getattr(token_ids, "block_key", None)   # images' content (``serve/multimodal.MediaTokens``)
         entry = self._memo.get(id(token_ids))
         hashes: list[bytes] = []
         if entry is not None and entry[0] is token_ids:
             old = entry[1]
             k = len(old)
             if k <= n_full and (k == 0 or self._hash(old[k - 2] if k > 1 else self._root,
-                                                     token_ids[(k - 1) * B:k * B]) == old[k - 1]):
+                                                     token_ids[(k - 1) * B:k * B],
+                                                     extra(k - 1, B) if extra else b"") == old[k - 1]):
                 hashes = old
             self._memo.move_to_end(id(token_ids))
         if len(hashes) < n_full:
@@ -62,16 +66,16 @@ class BlockHasher:
             raw = memoryview(array("q", token_ids[start * B:n_full * B]).tobytes())
             prev = hashes[-1] if hashes else self._root
             step = 8 * B
-            for off in range(0, len(raw), step):
-                prev = hashlib.sha256(prev + raw[off:off + step]).digest()
+            for i, off in enumerate(range(0, len(raw), step), start):
+                prev = hashlib.sha256(prev + raw[off:off + step] + (extra(i, B) if extra else b"")).digest()
                 hashes.append(prev)
         self._memo[id(token_ids)] = (token_ids, hashes)
         if len(self._memo) > self._memo_size:
             self._memo.popitem(last=False)
         return hashes
 
-    def _hash(self, prev: bytes, block: Sequence[int]) -> bytes:
-        return hashlib.sha256(prev + array("q", block).tobytes()).digest()
+    def _hash(self, prev: bytes, block: Sequence[int], extra: bytes = b"") -> bytes:
+        return hashlib.sha256(prev + array("q", block).tobytes() + extra).digest()
 
     def forget(self, token_ids: Sequence[int]) -> None:
         self._memo.pop(id(token_ids), None)

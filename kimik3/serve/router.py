@@ -30,17 +30,18 @@ class ReplicaRouter:
         self.max_context = first.max_context
         self.tokenizer = first.tokenizer
         self.eos_token_id = first.eos_token_id
+        self.image_rule = first.image_rule
         self._owner: dict[str, LLMEngine] = {}
         self.routed = [0] * len(self.replicas)   # requests sent to each replica
         self.affinity_hits = 0                   # requests sent for their cached prefix
 
-    def choose(self, prompt_ids: list[int]) -> int:
+    def choose(self, prompt_ids: list[int], images: list | None = None) -> int:
         alive = [i for i, r in enumerate(self.replicas) if r.health() is None]
         if not alive:
             raise EngineUnavailable(self.health() or "no replica can serve")
         loads = [stats.running + stats.waiting for stats in (r.stats() for r in self.replicas)]
         least = min(loads[i] for i in alive)
-        matches = [r.prefix_match(prompt_ids) if i in alive else 0 for i, r in enumerate(self.replicas)]
+        matches = [r.prefix_match(prompt_ids, images) if i in alive else 0 for i, r in enumerate(self.replicas)]
         eligible = [i for i in alive if loads[i] <= least + self.slack]
         best = max(eligible, key=lambda i: (matches[i], -loads[i]))
         if matches[best] > 0:
@@ -48,7 +49,7 @@ class ReplicaRouter:
         return best
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        index = self.choose(request.prompt_ids)
+        index = self.choose(request.prompt_ids, request.images)
         replica = self.replicas[index]
         self.routed[index] += 1
         self._owner[request.request_id] = replica

@@ -13,6 +13,9 @@ max_tokens, so a running sequence never waits for memory; ``CacheManager.admit``
 prefix checkpoint, if any -> prefill from the hit, snapshotting KDA at planned boundaries -> decode, snapshotting
 at hash boundaries the policy wants -> finished or aborted: slot and blocks freed.
 
+Images (a model with a vision tower): a request's images enter at prefill only, as embeddings written over their
+placeholders, and the prefix cache keys them by content (``multimodal.py``); decode never sees them.
+
 Failures are contained per request: an exception while one sequence is prefilled, sampled or streamed ends that
 sequence alone with ``finish_reason="error"`` (its cache freed) and the others go on; a failed batched forward
 (or batched sampling) ends the sequences of that batch. Only ``BROKEN_AFTER`` failed forwards in a row (a broken
@@ -35,7 +38,9 @@ from kimik3.model.k3 import K3ForCausalLM
 from kimik3.serve.cache_manager import CacheManager
 from kimik3.serve.detokenize import StreamDetokenizer
 from kimik3.serve.memory import EngineConfig, gpu_cache_budget, plan_cache
+from kimik3.serve.images import ImageRule
 from kimik3.serve.model_runner import ModelRunner, Sampled
+from kimik3.serve.multimodal import ImageEmbedder, MediaSpan, MediaTokens, media_spans
 from kimik3.serve.sequence import EventSink, Sequence
 from kimik3.serve.speculative import eligible
 from kimik3.serve.types import (AdmissionRejected, EngineStats, FinishReason, GenerationRequest,
@@ -59,6 +64,7 @@ class EngineCore:
         if config.gpu_memory_utilization is not None and model.device.type == "cuda":
             config = dataclasses.replace(config, memory_bytes=gpu_cache_budget(model, config))
         self.config = config
+        self.image_rule = ImageRule.of(model.config)   # None: a text-only model, which refuses images
         self.layout = plan_cache(model.config, config, model.dtype)
         self.cache = CacheManager(model.config, config, self.layout, model.dtype, model.device)
         self.runner = ModelRunner(model, self.cache, config, self.max_context, draft)
@@ -92,6 +98,7 @@ class EngineCore:
         vocab = self.model.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        self._spans(request)
         total = len(prompt) + params.max_tokens
         if total > self.max_context:
             raise RequestTooLong(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
@@ -99,6 +106,23 @@ class EngineCore:
         if self.cache.blocks_needed(total) > self.layout.num_blocks:
             raise RequestTooLong(f"{total} tokens need {self.cache.blocks_needed(total)} cache blocks; the engine "
                                  f"has {self.layout.num_blocks}")
+
+    def _spans(self, request: GenerationRequest) -> tuple[MediaSpan, ...]:
+        """The placeholder span of each of the request's images (``serve/multimodal.py``); ValueError when the
+        model has no vision tower or the prompt's placeholders do not match its images."""
+        if not request.images:
+            return ()
+        if self.image_rule is None:
+            raise ValueError("this model has no vision tower: it cannot take images")
+        rule = self.image_rule
+        for i, image in enumerate(request.images):
+            rows, cols = image.grid
+            if (rows % rule.merge_size or cols % rule.merge_size
+                    or image.num_tokens != rows * cols // rule.merge_size ** 2
+                    or tuple(image.pixel_values.shape) != (rows * cols, 3 * rule.patch_size ** 2)):
+                raise ValueError(f"image {i} was not prepared for this model's tower (grid {image.grid}, "
+                                 f"pixel_values {tuple(image.pixel_values.shape)}, {image.num_tokens} tokens)")
+        return media_spans(request.prompt_ids, request.images, rule.image_token_id)
 
     def add(self, request: GenerationRequest, sink: EventSink) -> None:
         """Queue a request (after ``check``); refuse it when more than ``max_waiting`` requests
@@ -109,8 +133,10 @@ class EngineCore:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
+        spans = self._spans(request)
         seq = Sequence(request, sink, StreamDetokenizer(self.tokenizer, params.stop), generator,
-                       tokens=list(request.prompt_ids))
+                       tokens=MediaTokens(request.prompt_ids, spans) if spans else list(request.prompt_ids),
+                       media=ImageEmbedder(request.images, spans) if spans else None)
         self.waiting.append(seq)
         if len(self.waiting) > self.config.max_waiting:
             self._admit()
@@ -291,7 +317,8 @@ class EngineCore:
 
     def _emit_finish(self, seq: Sequence, reason: FinishReason, text: str = "", token: int | None = None,
                      count: bool = True, error: str | None = None, logprobs: dict | None = None) -> None:
-        usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=seq.generated, cached_tokens=seq.cached_tokens)
+        usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=seq.generated, cached_tokens=seq.cached_tokens,
+                      image_tokens=sum(image.num_tokens for image in seq.request.images))
         if count:
             counters = self._counters
             counters.prompt_tokens += usage.prompt_tokens

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kimik3.serve.detokenize import StreamDetokenizer
+from kimik3.serve.multimodal import ImageEmbedder
 from kimik3.serve.prefix_cache import Checkpoint
 from kimik3.serve.types import GenerationRequest, TokenEvent
 
@@ -39,6 +40,8 @@ class Sequence:
     # Speculative decoding: the pairs (target features, next token) the draft has yet to run, ending at the last
     # computed position (``kimik3.serve.speculative``); 0 until the prompt is computed.
     spec_pending: int = 0
+    # A prompt with images: their embeddings for the prefill chunks (``kimik3.serve.multimodal``); None without.
+    media: ImageEmbedder | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -44,6 +44,7 @@ except ImportError as err:
     raise MissingExtra("kimik3's HTTP server", "serve", err.name or "fastapi") from err
 
 from kimik3.serve import chat
+from kimik3.serve.images import ImageError, ImageLimits, ImageRule, PreparedImage, load_image_url
 from kimik3.serve.metrics import RequestTrack, ServerMetrics, StatusMiddleware
 from kimik3.serve.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, PENALTIES, UNSUPPORTED, APIError, ChatBody,
                                           CompletionBody, Shape, StreamOptions, TokenStrings, _Body, api_error,
@@ -200,6 +201,45 @@ async def _stream(gen: _Generation, shape: Shape) -> AsyncIterator[bytes]:
         gen.cancel()  # no-op when finished; on a disconnect this aborts the requests
 
 
+# -- images --------------------------------------------------------------------------------------------
+class _ImageLoader:
+    """A chat request's ``image_url`` parts -> ``PreparedImage`` s under the engine's ``ImageRule``, off the event
+    loop; every refusal a 400 naming the part (``kimik3.serve.images``)."""
+
+    def __init__(self, engine: EngineLike, encoder: chat.ChatEncoder, limits: ImageLimits) -> None:
+        self.rule: ImageRule | None = getattr(engine, "image_rule", None)
+        self.limits = limits
+        self.refusal: str | None = None
+        if self.rule is None:
+            self.refusal = "this model has no vision tower: image_url content parts are not accepted"
+        elif encoder.media_ids is None or encoder.media_ids[1] != self.rule.image_token_id:
+            self.refusal = (f"this model's tokenizer does not hold its image placeholder (<|media_pad|> as token "
+                            f"{self.rule.image_token_id}): image_url content parts are not accepted")
+            log.warning("%s", self.refusal)
+
+    async def load(self, parts: list[chat.ImagePart]) -> list[PreparedImage]:
+        if not parts:
+            return []
+        if self.refusal is not None:
+            raise APIError(400, self.refusal, param=parts[0].where, code="image_not_supported")
+        if len(parts) > self.limits.max_images:
+            raise APIError(400, f"the request holds {len(parts)} images; this server takes at most "
+                           f"{self.limits.max_images}", param=parts[self.limits.max_images].where,
+                           code="invalid_image")
+        return await asyncio.to_thread(self._load_all, parts)
+
+    def _load_all(self, parts: list[chat.ImagePart]) -> list[PreparedImage]:
+        out = []
+        for part in parts:
+            try:
+                out.append(load_image_url(part.url, self.rule, self.limits))
+            except ImageError as err:
+                raise APIError(400, f"Invalid image: {err}", param=part.where, code="invalid_image") from None
+            except MissingExtra as err:
+                raise APIError(500, str(err), type="server_error") from None
+        return out
+
+
 # -- limits and middleware -----------------------------------------------------------------------------
 async def _off_loop(chars: int, fn: Callable[[], T]) -> T:
     """Tokenise a long input in a worker thread: a 400K-token prompt must not stall every stream."""
@@ -297,10 +337,11 @@ class _BearerAuth:
 
 # -- the app --------------------------------------------------------------------------------------------
 def create_app(engine: EngineLike, api_key: str | None = None, max_request_bytes: int | None = None,
-               chat_template: chat.ChatTemplate | None = None) -> FastAPI:
+               chat_template: chat.ChatTemplate | None = None, image_limits: ImageLimits | None = None) -> FastAPI:
     """The ASGI app serving ``engine``; ``api_key`` (if set) is required as a Bearer token on every
     route but /health and /metrics; ``max_request_bytes`` (default: ``default_max_request_bytes``)
-    bounds a request body; ``chat_template`` renders chat messages (default: the built-in one)."""
+    bounds a request body; ``chat_template`` renders chat messages (default: the built-in one);
+    ``image_limits`` bounds the images of a chat request (``kimik3.serve.images``)."""
     app = FastAPI(title="Kimi K3", summary="OpenAI-compatible completions over a kimik3 engine")
     metrics = ServerMetrics(engine)
     app.state.engine, app.state.metrics = engine, metrics
@@ -312,6 +353,7 @@ def create_app(engine: EngineLike, api_key: str | None = None, max_request_bytes
     if chat_encoder.plain_markers:
         log.warning("the chat template's markers %s are not special tokens of this tokenizer (its vocabulary "
                     "has no room for them): they are encoded as plain text", ", ".join(chat_encoder.plain_markers))
+    images = _ImageLoader(engine, chat_encoder, image_limits or ImageLimits())
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(engine.max_context, token_chars)
     if max_request_bytes < 1:
@@ -349,13 +391,15 @@ def create_app(engine: EngineLike, api_key: str | None = None, max_request_bytes
         return model_card()
 
     async def run(kind: Literal["completions", "chat"], body: _Body, http: Request, arrival: float,
-                  prompt_ids: list[int], hints: list[int], params: list[SamplingParams]) -> Response:
+                  prompt_ids: list[int], hints: list[int], params: list[SamplingParams],
+                  images: list[PreparedImage] | None = None) -> Response:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
         shape = Shape(kind, rid, engine.model_name, len(params), len(prompt_ids), params[0].logprobs, strings,
                       include_usage)
         ids = [rid] if len(params) == 1 else [f"{rid}-{i}" for i in range(len(params))]
-        gen = _Generation(engine, [GenerationRequest(i, prompt_ids, p, hints) for i, p in zip(ids, params)], http,
+        requests = [GenerationRequest(i, prompt_ids, p, hints, list(images or ())) for i, p in zip(ids, params)]
+        gen = _Generation(engine, requests, http,
                           [metrics.track(kind, arrival) for _ in params])
         streaming = False
         try:
@@ -404,7 +448,12 @@ def create_app(engine: EngineLike, api_key: str | None = None, max_request_bytes
             messages = chat.parse_messages(body.messages)
             chars = sum(len(message.content) for message in messages)
             check_chars(chars, token_chars, engine.max_context, "messages")
-            ids, hints = await _off_loop(chars, lambda: chat_encoder.encode(messages))
+        except ValueError as err:
+            raise APIError(400, str(err), param="messages") from None
+        prepared = await images.load([part for message in messages for part in message.images])
+        try:
+            ids, hints = await _off_loop(chars, lambda: chat_encoder.encode(
+                messages, image_tokens=[image.num_tokens for image in prepared]))
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from None
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -417,7 +466,7 @@ def create_app(engine: EngineLike, api_key: str | None = None, max_request_bytes
                                  "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
                                  end_ids)
         check_context(len(ids), max_tokens, engine.max_context, "messages")
-        return await run("chat", body, http, arrival, ids, hints, params)
+        return await run("chat", body, http, arrival, ids, hints, params, prepared)
 
     app.include_router(router)
     app.add_exception_handler(APIError, api_error)

@@ -178,7 +178,7 @@ class Speculator:
         last_BT, slots_B, computed_B, pending_B, tables_BW = self._fields(inputs)
         kv = batch_cache(model.config, cache.latents, cache.states, slots_B, tables_BW, computed_B, steps=self.steps)
         ids_BT = torch.cat([last_BT.gather(1, (pending_B - 1)[:, None]), drafts_BK], dim=1)
-        out = model(ids_BT, cache=kv, features_at=self.feature_layers)
+        out = self.runner.lm(ids_BT, cache=kv, features_at=self.feature_layers)
         tokens_BT, counts_B = verify_greedy(drafts_BK, out.logits)
         if sampling is not None:
             self._verify_sampled(seqs, drafts_BK, draft_probs_BKV, out.logits, tokens_BT, counts_B)

@@ -74,6 +74,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int          # prompt tokens served from the prefix cache (not recomputed)
+    image_tokens: int = 0       # prompt tokens that are image placeholders (counted in prompt_tokens too)
 
     @property
     def cost_usd(self) -> float:
@@ -88,6 +89,9 @@ class GenerationRequest:
     # Token positions where a message of the prompt ends (from the chat template): places where a
     # later request is likely to diverge, so the prefix cache may checkpoint them on first sight.
     boundary_hints: list[int] = field(default_factory=list)
+    # The prompt's images, in the order of their placeholders (``kimik3.serve.images.PreparedImage``: the tower's
+    # input, token count and content digest); only a model with a vision tower takes them.
+    images: list[Any] = field(default_factory=list)
 
 
 @dataclass(slots=True)

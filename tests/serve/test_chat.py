@@ -130,7 +130,8 @@ def test_text_parts_are_joined():
     ([{"role": "user"}], "messages[0].content is required"),
     ([{"role": "user", "content": None}], "messages[0].content is required"),
     ([{"role": "user", "content": "a"}, {"role": "user", "content": 3}], "messages[1].content must be"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "only text parts"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content[0]: an image part is"),
+    ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "only text parts"),
     ([{"role": "assistant", "content": "", "tool_calls": [{"id": "x"}]}], "tool calls"),
 ])
 def test_invalid_messages_raise_clear_errors(messages, needle):

@@ -337,7 +337,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     run_sft(run, data=args.data, out=args.out, resume=args.resume, steps=args.steps, time_budget_s=args.time_budget,
             seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device,
             checkpoint_every=args.checkpoint_every, tasks_per_cell=args.tasks_per_cell, difficulty=args.difficulty,
-            progress=not args.no_progress)
+            domain=args.domain, effort=args.effort, progress=not args.no_progress)
     return 0
 
 
@@ -584,6 +584,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default dataset: train tasks per (domain, effort)")
     f.add_argument("--difficulty", default="standard",
                    help="default dataset: the tasks' level, standard or easy (docs/posttraining.md)")
+    f.add_argument("--domain", default="all", help="default dataset: general, agents, coding or all")
+    f.add_argument("--effort", default="all", help="default dataset: low, high, max or all")
     f.add_argument("--checkpoint-every", metavar="N|DURATION", help="as for kimik3 train (default 60s)")
     f.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")
     f.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -86,13 +86,16 @@ def read_conversations(path: str | Path) -> list[Conversation]:
     return conversations
 
 
-def task_conversations(split: str, per_cell: int, seed: int = 0, difficulty: str = "standard") -> list[Conversation]:
-    """The reference solutions of ``per_cell`` ``split`` tasks of every (domain, effort) at ``difficulty``, as
-    conversations."""
+def task_conversations(split: str, per_cell: int, seed: int = 0, difficulty: str = "standard", domain: str = "all",
+                       effort: str = "all") -> list[Conversation]:
+    """The reference solutions of ``per_cell`` ``split`` tasks of every (domain, effort) at ``difficulty`` (or of
+    one ``domain`` / ``effort``), as conversations."""
+    from kimik3.posttrain.evaluate import expand
     from kimik3.posttrain.tasks import DOMAINS, EFFORTS, make_tasks
 
-    return [task.sft_messages() for domain in DOMAINS for effort in EFFORTS
-            for task in make_tasks(domain, split, per_cell, seed, effort, difficulty)]
+    efforts = expand(effort, EFFORTS, "effort")
+    return [task.sft_messages() for cell_domain in expand(domain, DOMAINS, "domain") for cell_effort in efforts
+            for task in make_tasks(cell_domain, split, per_cell, seed, cell_effort, difficulty)]
 
 
 def write_conversations(path: str | Path, conversations: Sequence[Conversation]) -> None:
@@ -284,6 +287,8 @@ class SFTSpec:
     tasks_per_cell: int = TASKS_PER_CELL
     val_tasks_per_cell: int = VAL_TASKS_PER_CELL
     difficulty: str = "standard"
+    domain: str = "all"
+    effort: str = "all"
 
     def write(self, run_dir: Path) -> None:
         write_text_atomic(run_dir / SFT_FILE, json.dumps({"sft": {k: getattr(self, k) for k in self.__slots__}},
@@ -307,9 +312,11 @@ def build_source(spec: SFTSpec, tokenizer: Any, vocab_size: int, template: ChatT
     else:
         if spec.tasks_per_cell < 1 or spec.val_tasks_per_cell < 1:
             raise ValueError("the task dataset needs at least 1 train and 1 test task per domain and effort")
-        train = task_conversations("train", spec.tasks_per_cell, spec.task_seed, spec.difficulty)
-        val = task_conversations("test", spec.val_tasks_per_cell, spec.task_seed, spec.difficulty)
+        cells = (spec.difficulty, spec.domain, spec.effort)
+        train = task_conversations("train", spec.tasks_per_cell, spec.task_seed, *cells)
+        val = task_conversations("test", spec.val_tasks_per_cell, spec.task_seed, *cells)
         level = "" if spec.difficulty == "standard" else f"{spec.difficulty} level, "
+        level += "" if spec.domain == spec.effort == "all" else f"domain {spec.domain}, effort {spec.effort}, "
         description = (f"reference solutions of the verifiable tasks ({level}seed {spec.task_seed}, "
                        f"{spec.tasks_per_cell} train tasks per domain and effort; test tasks for validation)")
     return SFTSource(train, val, tokenizer, vocab_size, description, template)
@@ -319,7 +326,7 @@ def run_sft(run: str | Path | None = None, *, data: str | None = None, out: str 
             resume: str | Path | None = None, steps: int | None = None, time_budget_s: float = 180.0,
             seq_len: int = 512, batch_size: int = 8, lr: float = 2e-3, seed: int = 0, device: str = "cpu",
             checkpoint_every: str | None = None, tasks_per_cell: int = TASKS_PER_CELL, difficulty: str = "standard",
-            progress: bool = True, log: Callable[[str], None] = print,
+            domain: str = "all", effort: str = "all", progress: bool = True, log: Callable[[str], None] = print,
             on_step: Callable[[dict[str, Any]], None] | None = None):
     """Fine-tune ``run``'s model (new run ``out``, default ``<run>-sft``), or continue the SFT run ``resume``.
     Returns the Trainer's ``RunSummary``; ``on_step`` sees each step's record."""
@@ -338,10 +345,10 @@ def run_sft(run: str | Path | None = None, *, data: str | None = None, out: str 
         if run is None:
             raise ValueError("which run to fine-tune? pass --run DIR")
         base = Path(run)
-        if data is not None and difficulty != "standard":
-            raise ValueError("--difficulty picks the level of the default task dataset: drop it with --data")
+        if data is not None and (difficulty, domain, effort) != ("standard", "all", "all"):
+            raise ValueError("--difficulty, --domain and --effort pick the default task dataset: drop them with --data")
         spec = SFTSpec(str(base), data=str(Path(data)) if data is not None else None, task_seed=seed,
-                       tasks_per_cell=tasks_per_cell, difficulty=difficulty)
+                       tasks_per_cell=tasks_per_cell, difficulty=difficulty, domain=domain, effort=effort)
     if not (base / "config.json").is_file() or not has_weights(base):
         raise FileNotFoundError(f"{base}: not a run with a saved model (config.json and weights): train one with "
                                 "`kimik3 train`")

@@ -169,7 +169,12 @@ def test_the_default_dataset_takes_the_easy_level(base_run, tmp_path):
     easy = task_conversations("train", 2, 0, "easy")
     assert len(easy) == 18 and all("Compute " in c[1]["content"] for c in easy[:6])   # general: 3 efforts x 2
     assert any(c[1]["content"].count(".") == 2 for c in easy[6:12])   # agents: the store, one instruction
+    agents_low = task_conversations("train", 3, 0, "easy", domain="agents", effort="low")
+    assert len(agents_low) == 3 and all("effort: low" in c[0]["content"] and "store" in c[1]["content"]
+                                        for c in agents_low)
+    with pytest.raises(ValueError, match="unknown domain 'poetry'"):
+        task_conversations("train", 1, domain="poetry")
     run_sft(base_run, out=tmp_path / "easy", difficulty="easy", **_small(steps=1))
     assert SFTSpec.read(tmp_path / "easy").difficulty == "easy"
-    with pytest.raises(ValueError, match="drop it with --data"):
+    with pytest.raises(ValueError, match="drop them with --data"):
         run_sft(base_run, data=str(tmp_path / "x.jsonl"), difficulty="easy", out=tmp_path / "o", **_small())

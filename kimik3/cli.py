@@ -179,6 +179,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
               "this port can use the model", file=sys.stderr)
     body_limit = args.max_request_bytes or default_max_request_bytes(engine.max_context,
                                                                       max_token_chars(engine.tokenizer))
+    if args.max_request_bytes is None and getattr(replicas[0], "image_rule", None) is not None:
+        from kimik3.serve.images import ImageLimits
+
+        # Room for one image of the largest size accepted, base64-encoded; more large images need the option.
+        body_limit += ImageLimits().max_bytes * 4 // 3 + 4096
     print(f"serving {run} as '{engine.model_name}' on http://{args.host}:{args.port}/v1 "
           f"({args.replicas} replica(s); request bodies up to {body_limit:,} bytes)", file=sys.stderr)
     print(f"each replica: {replicas[0].core.describe()}", file=sys.stderr)

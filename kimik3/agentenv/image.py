@@ -71,48 +71,50 @@ def plan_parts(image: str | None, base_dir: str) -> tuple[Part, ...]:
     return tuple(parts)
 
 
-def _skeleton(base_dir: str, targets: list[str], links: bool) -> str:
-    layout = repr((sorted(targets), links, EMPTY_DIRS, [(n, os.path.islink(f"/{n}") and os.readlink(f"/{n}"))
-                                                          for n in MERGED_LINKS]))
-    path = os.path.join(base_dir, "skeleton-" + hashlib.sha256(layout.encode()).hexdigest()[:16])
+def _build_once(path: str, fill) -> str:
+    """The directory ``path``, built by ``fill(tmp)`` in a temporary sibling and renamed into place the first
+    time; another manager building it meanwhile builds the same, so losing the rename is fine."""
     if os.path.isdir(path):
         return path
     tmp = f"{path}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp, 0o755)
     os.chmod(tmp, 0o755)
-    for name, mode in EMPTY_DIRS:
-        os.makedirs(os.path.join(tmp, name), exist_ok=True)
-        os.chmod(os.path.join(tmp, name), mode)
-    if links:
-        for name in MERGED_LINKS:
-            if os.path.islink(f"/{name}"):
-                os.symlink(os.readlink(f"/{name}"), os.path.join(tmp, name))
-    for target in targets:
-        os.makedirs(os.path.join(tmp, target.lstrip("/")), 0o755, exist_ok=True)
-    try:
-        os.rename(tmp, path)
-    except OSError:                      # built meanwhile by another manager: theirs is the same
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-def _mask(base_dir: str, part: str) -> str:
-    """A layer of whiteouts that hides the host's secrets under ``/<part>`` from the sandbox."""
-    names = [s.split("/", 1)[1] for s in SECRETS if s.startswith(part + "/")]
-    path = os.path.join(base_dir, f"mask-{part}-" + hashlib.sha256(repr(names).encode()).hexdigest()[:16])
-    if os.path.isdir(path):
-        return path
-    tmp = f"{path}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp, 0o755)
-    os.chmod(tmp, 0o755)
-    for name in names:
-        where = os.path.join(tmp, name)
-        os.makedirs(os.path.dirname(where), 0o755, exist_ok=True)
-        os.mknod(where, stat.S_IFCHR, 0)       # an overlayfs whiteout: the lower file is not there
+    fill(tmp)
     try:
         os.rename(tmp, path)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def _skeleton(base_dir: str, targets: list[str], links: bool) -> str:
+    layout = repr((sorted(targets), links, EMPTY_DIRS, [(n, os.path.islink(f"/{n}") and os.readlink(f"/{n}"))
+                                                          for n in MERGED_LINKS]))
+
+    def fill(tmp: str) -> None:
+        for name, mode in EMPTY_DIRS:
+            os.makedirs(os.path.join(tmp, name), exist_ok=True)
+            os.chmod(os.path.join(tmp, name), mode)
+        if links:
+            for name in MERGED_LINKS:
+                if os.path.islink(f"/{name}"):
+                    os.symlink(os.readlink(f"/{name}"), os.path.join(tmp, name))
+        for target in targets:
+            os.makedirs(os.path.join(tmp, target.lstrip("/")), 0o755, exist_ok=True)
+
+    return _build_once(os.path.join(base_dir, "skeleton-" + hashlib.sha256(layout.encode()).hexdigest()[:16]), fill)
+
+
+def _mask(base_dir: str, part: str) -> str:
+    """A layer of whiteouts that hides the host's secrets under ``/<part>`` from the sandbox."""
+    names = [s.split("/", 1)[1] for s in SECRETS if s.startswith(part + "/")]
+
+    def fill(tmp: str) -> None:
+        for name in names:
+            where = os.path.join(tmp, name)
+            os.makedirs(os.path.dirname(where), 0o755, exist_ok=True)
+            os.mknod(where, stat.S_IFCHR, 0)       # an overlayfs whiteout: the lower file is not there
+
+    return _build_once(os.path.join(base_dir, f"mask-{part}-" + hashlib.sha256(repr(names).encode()).hexdigest()[:16]),
+                       fill)

@@ -1,0 +1,95 @@
+"""Does RL learn? Greedy test accuracy of an SFT run against the same run after `kimik3 rl`, over RL seeds.
+
+    python benchmarks/rl_learns.py --run runs/sft-easy --domain general --effort low --difficulty easy \\
+        --seeds 0 1 2 --iterations 20 --n 40
+
+Every model (the SFT start and each RL seed's result) is scored on the same ``--n`` test tasks (test seed 0),
+greedily, so the comparison is paired: a task the start gets wrong and RL gets right counts for RL, one the
+start gets right and RL wrong against. Reported per model: accuracy with Wilson's 95% interval; per RL seed:
+the paired difference with a 95% interval (normal approximation on the per-task differences), and the same
+pooled over the seeds. Writes ``--out`` (JSON) with every figure and the RL runs' directories.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def paired_difference(after: list[float], before: list[float], z: float = 1.96) -> tuple[float, float, float]:
+    """Mean of after - before over the same tasks, with a normal-approximation interval on the differences."""
+    diffs = [a - b for a, b in zip(after, before, strict=True)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    var = sum((d - mean) ** 2 for d in diffs) / max(1, n - 1)
+    half = z * math.sqrt(var / n)
+    return mean, mean - half, mean + half
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", required=True, help="the SFT run RL starts from")
+    parser.add_argument("--domain", default="general")
+    parser.add_argument("--effort", default="low")
+    parser.add_argument("--difficulty", default="easy")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL seeds (prompts and sampling)")
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--n", type=int, default=40, help="test tasks (the same for every model)")
+    parser.add_argument("--work", help="where the RL runs go (default: a temporary directory, removed)")
+    parser.add_argument("--out", help="write the figures to this JSON file")
+    args = parser.parse_args(argv)
+
+    from kimik3.posttrain.evaluate import confidence_interval, evaluate
+    from kimik3.posttrain.rl import run_rl
+
+    def score(run: Path) -> list[float]:
+        return evaluate(run, args.domain, args.effort, args.n, seed=0, difficulty=args.difficulty).scores
+
+    def line(name: str, scores: list[float]) -> str:
+        low, high = confidence_interval(scores)
+        return f"{name:<14} {sum(scores) / len(scores):6.3f}  [{low:.3f}, {high:.3f}]"
+
+    cell = f"{args.domain}/{args.effort} ({args.difficulty})"
+    start = score(Path(args.run))
+    print(f"{cell}, {args.n} test tasks, greedy", flush=True)
+    print(line("SFT start", start), flush=True)
+    results: dict = {"cell": cell, "run": args.run, "n": args.n, "start": start, "rl": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work or tmp)
+        pooled_after: list[float] = []
+        for seed in args.seeds:
+            out = work / f"rl-{args.domain}-{args.difficulty}-seed{seed}"
+            began = time.perf_counter()
+            records = run_rl(args.run, domain=args.domain, effort=args.effort, difficulty=args.difficulty,
+                             iterations=args.iterations, group=args.group, prompts=args.prompts, lr=args.lr,
+                             out=out, seed=seed, progress=False, log=lambda _: None)
+            wall = time.perf_counter() - began
+            after = score(out)
+            pooled_after += after
+            diff = paired_difference(after, start)
+            rewards = [r["reward_mean"] for r in records]
+            rate = sorted(r["rollout_tokens_per_s"] for r in records)[len(records) // 2]
+            print(line(f"RL seed {seed}", after) + f"  paired gain {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]"
+                  f"  train reward {rewards[0]:.2f} -> {rewards[-1]:.2f}, {wall:.0f} s, rollouts {rate:.0f} tok/s",
+                  flush=True)
+            results["rl"][seed] = {"scores": after, "gain": diff, "rewards": rewards, "wall_s": wall,
+                                   "rollout_tokens_per_s_median": rate, "dir": str(out) if args.work else None}
+        pooled = paired_difference(pooled_after, start * len(args.seeds))
+        print(line("RL pooled", pooled_after) + f"  paired gain {pooled[0]:+.3f} [{pooled[1]:+.3f}, {pooled[2]:+.3f}]"
+              f" over {len(args.seeds)} seeds", flush=True)
+        results["pooled_gain"] = pooled
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kimik3.posttrain.tasks import DOMAINS, EFFORT_BUDGETS, EFFORTS, Task, make_tasks
+from kimik3.posttrain.tasks.base import reasoning_of
 from kimik3.serve.chat import ChatEncoder, load_chat_template
 
 ANSWER_TOKENS = 192     # tokens allowed beyond the reasoning budget for the answer itself (per turn)
@@ -34,10 +35,22 @@ class Rollout:
     prompt_ids: list[list[int]] = field(default_factory=list, repr=False)
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
     logprobs: list[list[float]] = field(default_factory=list, repr=False)
+    reasoning_tokens: int = 0                           # tokens inside <think> over all turns (``add_turn``)
 
     @property
     def completion(self) -> str:
         return Task.completion_of(self.turns)
+
+    def add_turn(self, text: str, tokenizer: Any) -> None:
+        """Record an assistant turn's text, counting its reasoning in ``tokenizer``'s tokens."""
+        self.turns.append(text)
+        reasoning = reasoning_of(text)
+        if reasoning:
+            self.reasoning_tokens += len(tokenizer.encode(reasoning, add_special_tokens=False).ids)
+
+    def score(self) -> float:
+        """The task's verdict, 0 when the reasoning went over the effort's budget."""
+        return self.task.score(self.completion, self.reasoning_tokens)
 
 
 @dataclass(slots=True)
@@ -135,7 +148,7 @@ def generate_completions(engine: Any, encoder: ChatEncoder, tasks: Sequence[Task
             generated = ids[f"task-{i}-turn-{turn}"]
             text = engine.tokenizer.decode(generated)
             rollout = rollouts[i]
-            rollout.turns.append(text)
+            rollout.add_turn(text, engine.tokenizer)
             rollout.token_ids.append(generated)
             rollout.logprobs.append(lps[f"task-{i}-turn-{turn}"])
             rollout.tokens += len(generated)
@@ -152,7 +165,7 @@ def generate_completions(engine: Any, encoder: ChatEncoder, tasks: Sequence[Task
 
 
 def score_rollouts(rollouts: Sequence[Rollout]) -> list[float]:
-    return [r.task.score(r.completion) for r in rollouts]
+    return [r.score() for r in rollouts]
 
 
 def load_engine(run: str | Path, device: str = "cpu", max_running: int = 32, waiting: int = 4096) -> tuple[Any, Any]:

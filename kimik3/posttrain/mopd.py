@@ -253,7 +253,7 @@ class MOPDRun(RLRun):
         rollouts, stats = self.engine.rollouts(tasks, seed=(seed * 1_000_003 + step) * 65_536,
                                                temperature=spec.temperature, max_tokens=spec.max_tokens,
                                                progress=progress)
-        scores = [r.task.score(r.completion) for r in rollouts]
+        scores = [r.score() for r in rollouts]
         task_adv = (group_advantages(scores, spec.group) if spec.task_reward_coef > 0 else [0.0] * len(rollouts))
         prompts, completions, logprobs, row_cells, row_task_adv = [], [], [], [], []
         for rollout, cell, adv in zip(rollouts, task_cells, task_adv):

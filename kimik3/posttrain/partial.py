@@ -84,7 +84,7 @@ class Trajectory:
         trajectory is finished."""
         rollout = self.rollout
         text = tokenizer.decode(self.partial_ids)
-        rollout.turns.append(text)
+        rollout.add_turn(text, tokenizer)
         rollout.prompt_ids.append(list(self.turn_prompt))
         rollout.token_ids.append(list(self.partial_ids))
         rollout.logprobs.append(list(self.partial_logprobs))

@@ -190,7 +190,7 @@ class RLRun:
                                     max_running=min(256, math.ceil(spec.prompts * spec.group / spec.partial_lambda)))
         self.paused: list[Trajectory] = []                          # resumed first next iteration
         self.waiting: dict[tuple[int, int], list[Trajectory]] = {}  # finished members of groups not yet complete
-        self.reward: Callable[[Any], float] = lambda rollout: rollout.task.score(rollout.completion)
+        self.reward: Callable[[Any], float] = lambda rollout: rollout.score()
         # (iteration, index in the iteration's P x G) -> that trajectory's per-turn token budget; None: spec's.
         self.budget: Callable[[int, int], int | None] | None = None
         self.reference = None
@@ -478,7 +478,7 @@ def _test_accuracy(rl: RLRun, spec: RLSpec, n: int, seed: int, log: Callable[[st
     rl.engine.sync(rl.policy)
     rollouts = generate_completions(rl.engine.engine, rl.engine.encoder, tasks, temperature=0.0, seed=seed,
                                     max_tokens=spec.max_tokens)
-    scores = [r.task.score(r.completion) for r in rollouts]
+    scores = [r.score() for r in rollouts]
     low, high = confidence_interval(scores)
     mean = sum(scores) / len(scores)
     log(f"test accuracy {mean:.3f} (95% CI [{low:.3f}, {high:.3f}]) on {n} {spec.domain}/{spec.effort} test tasks")

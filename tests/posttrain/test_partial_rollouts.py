@@ -187,7 +187,8 @@ def _records(run):
 
 @pytest.fixture
 def some_reward(monkeypatch):
-    monkeypatch.setattr(Task, "score", lambda self, completion: float(len(completion) % 2 == 0))
+    monkeypatch.setattr(Task, "score",
+                        lambda self, completion, reasoning_tokens=None: float(len(completion) % 2 == 0))
 
 
 def test_rl_with_partial_rollouts_trains_only_whole_finished_groups(base_run, tmp_path, some_reward, capsys):

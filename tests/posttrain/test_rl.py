@@ -122,7 +122,8 @@ def test_qat_stays_on_in_rollouts(base_run, policy_parts, tmp_path):
 @pytest.fixture
 def some_reward(monkeypatch):
     """Rewards with variance within groups (an untrained model solves nothing): completions of even length win."""
-    monkeypatch.setattr(Task, "score", lambda self, completion: float(len(completion) % 2 == 0))
+    monkeypatch.setattr(Task, "score",
+                        lambda self, completion, reasoning_tokens=None: float(len(completion) % 2 == 0))
 
 
 def _records(run):

@@ -121,3 +121,23 @@ def test_unknown_domain_effort_and_split_are_refused():
         make_tasks("general", "train", 1, effort="medium")
     with pytest.raises(ValueError, match="unknown split"):
         make_tasks("general", "dev", 1)
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_reasoning_over_the_effort_budget_scores_zero(domain, base_run):
+    from kimik3.posttrain.evaluate import Rollout
+    from kimik3.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(base_run / "tokenizer.json")
+    for effort in EFFORTS:
+        task = make_tasks(domain, "test", 1, 0, effort)[0]
+        rollout = Rollout(task)
+        for turn in (m["content"] for m in task.reference if m["role"] == "assistant"):
+            rollout.add_turn(turn, tokenizer)
+        # The references reason within their budget in a tokenizer trained on the tasks (640 entries).
+        assert 0 < rollout.reasoning_tokens <= EFFORT_BUDGETS[effort] and rollout.score() == 1.0
+        assert task.score(rollout.completion, EFFORT_BUDGETS[effort] + 1) == 0.0
+        padded = rollout.completion.replace(THINK_CLOSE, " x" * (EFFORT_BUDGETS[effort] + 1) + THINK_CLOSE, 1)
+        over = Rollout(task)
+        over.add_turn(padded, tokenizer)   # the same answer after reasoning one budget too long
+        assert over.reasoning_tokens > EFFORT_BUDGETS[effort] and task.score(padded) == 1.0 and over.score() == 0.0

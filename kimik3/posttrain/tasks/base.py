@@ -68,6 +68,17 @@ def after_think(text: str) -> str:
     return text[cut + len(THINK_CLOSE):] if cut >= 0 else text
 
 
+def reasoning_of(text: str) -> str:
+    """The text inside every ``<think>...</think>`` of ``text`` (an unclosed one runs to the end), joined by
+    newlines: what the effort's budget of reasoning tokens bounds."""
+    parts, start = [], text.find(THINK_OPEN)
+    while start >= 0:
+        end = text.find(THINK_CLOSE, start)
+        parts.append(text[start + len(THINK_OPEN):end if end >= 0 else len(text)])
+        start = text.find(THINK_OPEN, end) if end >= 0 else -1
+    return "\n".join(parts)
+
+
 def guarded(verdict: Callable[[str], float]) -> Callable[[Any], float]:
     """A verifier that never raises: anything that is not a string, or any failure, scores 0; the score
     is clipped to [0, 1] and the completion cut at ``MAX_COMPLETION_CHARS``."""
@@ -102,7 +113,11 @@ class Task:
     responder: Callable[[Sequence[str]], str | None] | None = field(default=None, repr=False, compare=False)
     max_turns: int = 1
 
-    def score(self, completion: Any) -> float:
+    def score(self, completion: Any, reasoning_tokens: int | None = None) -> float:
+        """``reasoning_tokens``: how many tokens the completion spent inside ``<think>`` (counted by the caller,
+        who has the tokenizer); over the effort's budget scores 0, whatever the answer."""
+        if reasoning_tokens is not None and reasoning_tokens > EFFORT_BUDGETS[self.effort]:
+            return 0.0
         return guarded(self.verdict)(completion)
 
     def reply(self, turns: Sequence[str]) -> str | None:

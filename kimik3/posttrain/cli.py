@@ -127,7 +127,7 @@ def add_posttrain_parsers(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--effort", default="all", help="low, high, max or all")
     e.add_argument("--n", type=int, default=50, help="test tasks per (domain, effort)")
     e.add_argument("--difficulty", default="standard",
-                   help="standard, or easy: a level a tiny model learns in minutes (docs/posttraining.md)")
+                   help="standard, or easy: a level sized for a tiny model (docs/posttraining.md)")
     e.add_argument("--seed", type=int, default=0, help="which test tasks (and the sampling seed)")
     e.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     e.add_argument("--max-tokens", type=int, help="tokens per turn (default: the effort's reasoning budget + 192)")
@@ -142,7 +142,7 @@ def add_posttrain_parsers(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--domain", default="general", help="general, agents or coding")
     r.add_argument("--effort", default="low", help="low, high or max")
     r.add_argument("--difficulty", default="standard",
-                   help="standard, or easy: a level a tiny model learns in minutes (docs/posttraining.md)")
+                   help="standard, or easy: a level sized for a tiny model (docs/posttraining.md)")
     r.add_argument("--iterations", type=int, default=20, help="total iterations (rollouts + update)")
     r.add_argument("--group", type=int, default=8, help="completions per prompt (the advantage's group)")
     r.add_argument("--prompts", type=int, default=8, help="train prompts per iteration")
@@ -187,7 +187,7 @@ def add_posttrain_parsers(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--micro-batch", type=int, default=16, help="rows per forward (gradients accumulate)")
     m.add_argument("--max-tokens", type=int, help="tokens per turn (default: the effort's reasoning budget + 192)")
     m.add_argument("--difficulty", default="standard",
-                   help="standard, or easy: a level a tiny model learns in minutes (docs/posttraining.md)")
+                   help="standard, or easy: a level sized for a tiny model (docs/posttraining.md)")
     m.add_argument("--task-reward-coef", type=float, default=0.0,
                    help="add this times the group-normalised verifiable task advantage to every token's (0: off)")
     m.add_argument("--out", help="the new run directory (default: <run>-mopd; use --resume)")

@@ -21,7 +21,7 @@ _GENERATORS = {"general": general_tasks, "agents": agent_tasks, "coding": coding
 def make_tasks(domain: str, split: str, n: int, seed: int = 0, effort: str = "high",
                difficulty: str = "standard") -> list[Task]:
     """``n`` distinct ``split`` tasks of ``domain`` at ``effort``, a pure function of the arguments.
-    ``difficulty``: ``standard``, or ``easy``: a level a tiny model learns within minutes (general: a two-digit
+    ``difficulty``: ``standard``, or ``easy``: a level sized for a tiny model (general: a two-digit
     number plus or minus a single digit; agents: one set or delete call whose arguments the prompt gives;
     coding: ``x + k`` and ``a * x + b`` one-liners)."""
     check_domain_effort(domain, effort)

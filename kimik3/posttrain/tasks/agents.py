@@ -30,7 +30,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kimik3.posttrain.tasks.base import Builder, Task, generate, system_prompt, think
+from kimik3.posttrain.tasks.base import Builder, Task, generate, level, system_prompt, think
 
 CALL = re.compile(r"<call>([^<>]{0,300}?)</call>")
 KEY = re.compile(r"[a-z_][a-z0-9_]{0,31}")
@@ -232,7 +232,7 @@ def _make(rng: random.Random, easy: bool = False) -> tuple[str, Builder]:
 
 def _easy(rng: random.Random) -> tuple[str, Builder]:
     """``difficulty="easy"``: one instruction, ``Set KEY to N.`` or ``Delete KEY.``, on a store of one or two keys:
-    one call whose arguments are in the prompt, a level a tiny model can learn by RL within minutes."""
+    one call whose arguments are in the prompt, a level sized for a tiny model."""
     return _make(rng, easy=True)
 
 
@@ -240,6 +240,4 @@ DIFFICULTIES = {"standard": _make, "easy": _easy}
 
 
 def agent_tasks(split: str, n: int, seed: int = 0, effort: str = "high", difficulty: str = "standard") -> list[Task]:
-    if difficulty not in DIFFICULTIES:
-        raise ValueError(f"unknown difficulty {difficulty!r}: choose one of {', '.join(DIFFICULTIES)}")
-    return generate("agents", DIFFICULTIES[difficulty], split, n, seed, effort)
+    return generate("agents", level(DIFFICULTIES, difficulty), split, n, seed, effort)

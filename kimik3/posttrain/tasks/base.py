@@ -152,6 +152,13 @@ class Task:
 Builder = Callable[[str, str], Task]   # (effort, split) -> Task
 
 
+def level(difficulties: dict[str, Callable[[random.Random], tuple[str, Builder]]], difficulty: str):
+    """A domain's problem maker at ``difficulty``, or a clear error naming the levels it has."""
+    if difficulty not in difficulties:
+        raise ValueError(f"unknown difficulty {difficulty!r}: choose one of {', '.join(difficulties)}")
+    return difficulties[difficulty]
+
+
 def generate(domain: str, make: Callable[[random.Random], tuple[str, Builder]], split: str, n: int, seed: int,
              effort: str, max_tries_per_task: int = 200) -> list[Task]:
     """``n`` distinct tasks of ``split`` at ``effort``: candidates ``make(rng)`` -> (key, build) drawn with

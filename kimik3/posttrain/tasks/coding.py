@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kimik3.posttrain.sandbox import Sandbox, default_sandbox
-from kimik3.posttrain.tasks.base import Builder, Task, after_think, generate, system_prompt, think
+from kimik3.posttrain.tasks.base import Builder, Task, after_think, generate, level, system_prompt, think
 
 INSTRUCTIONS = "Write the Python function in a ```python code block."
 CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.{0,20000}?)```", re.S)
@@ -204,7 +204,7 @@ def _make(rng: random.Random, families: int = len(FAMILIES)) -> tuple[str, Build
 
 def _easy(rng: random.Random) -> tuple[str, Builder]:
     """``difficulty="easy"``: the first two families only (``x + k`` and ``a * x + b``, ~1,200 problems), one-line
-    functions whose constants the prompt states: a level a tiny model can learn by RL within minutes. An easy task
+    functions whose constants the prompt states: a level sized for a tiny model. An easy task
     is also a standard one (same key, same split)."""
     return _make(rng, families=2)
 
@@ -213,6 +213,4 @@ DIFFICULTIES = {"standard": _make, "easy": _easy}
 
 
 def coding_tasks(split: str, n: int, seed: int = 0, effort: str = "high", difficulty: str = "standard") -> list[Task]:
-    if difficulty not in DIFFICULTIES:
-        raise ValueError(f"unknown difficulty {difficulty!r}: choose one of {', '.join(DIFFICULTIES)}")
-    return generate("coding", DIFFICULTIES[difficulty], split, n, seed, effort)
+    return generate("coding", level(DIFFICULTIES, difficulty), split, n, seed, effort)

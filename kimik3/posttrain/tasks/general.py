@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import re
 
-from kimik3.posttrain.tasks.base import Builder, Task, after_think, generate, system_prompt, think
+from kimik3.posttrain.tasks.base import Builder, Task, after_think, generate, level, system_prompt, think
 
 INSTRUCTIONS = "End with a line 'Answer: N' where N is an integer."
 ANSWER = re.compile(r"Answer:[ \t]*(-?\d{1,60})\b")
@@ -129,9 +129,9 @@ def _make(rng: random.Random) -> tuple[str, Builder]:
 
 def _easy(rng: random.Random) -> tuple[str, Builder]:
     """``difficulty="easy"``: a two-digit number plus or minus a single digit (1,800 problems, ~360 of them test): a
-    level a tiny model can learn by RL within minutes, where the standard problems stay out of its reach. A test
-    problem is never a train problem, but it is made of the same single-digit facts, so what a model learns on the
-    train problems carries over."""
+    level sized for a tiny model, where the standard problems stay out of its reach. A test problem is never a train
+    problem, but it is made of the same single-digit facts, so what is learned on the train problems can carry
+    over."""
     a, b, op = rng.randint(10, 99), rng.randint(0, 9), rng.choice("+-")
     answer = a + b if op == "+" else a - b
     line = f"{a} {op} {b} = {answer}"
@@ -144,6 +144,4 @@ DIFFICULTIES = {"standard": _make, "easy": _easy}
 
 
 def general_tasks(split: str, n: int, seed: int = 0, effort: str = "high", difficulty: str = "standard") -> list[Task]:
-    if difficulty not in DIFFICULTIES:
-        raise ValueError(f"unknown difficulty {difficulty!r}: choose one of {', '.join(DIFFICULTIES)}")
-    return generate("general", DIFFICULTIES[difficulty], split, n, seed, effort)
+    return generate("general", level(DIFFICULTIES, difficulty), split, n, seed, effort)

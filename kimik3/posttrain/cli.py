@@ -96,6 +96,15 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
     return 0
 
 
+def _update_options(p: argparse.ArgumentParser) -> None:
+    """The options ``kimik3 rl`` and ``kimik3 mopd`` share: the policy update and the rollouts' length."""
+    p.add_argument("--lr", type=float, default=2e-4, help="constant learning rate")
+    p.add_argument("--clip", type=float, default=0.2, help="PPO clip of the importance ratio")
+    p.add_argument("--minibatches", type=int, default=2, help="optimizer steps per iteration")
+    p.add_argument("--micro-batch", type=int, default=16, help="rows per forward (gradients accumulate)")
+    p.add_argument("--max-tokens", type=int, help="tokens per turn (default: the effort's reasoning budget + 192)")
+
+
 def add_posttrain_parsers(sub: argparse._SubParsersAction) -> None:
     f = sub.add_parser("sft", help="supervised fine-tuning of a run on chat data, loss on the assistant's tokens "
                        "(docs/posttraining.md)")
@@ -146,12 +155,8 @@ def add_posttrain_parsers(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--iterations", type=int, default=20, help="total iterations (rollouts + update)")
     r.add_argument("--group", type=int, default=8, help="completions per prompt (the advantage's group)")
     r.add_argument("--prompts", type=int, default=8, help="train prompts per iteration")
-    r.add_argument("--lr", type=float, default=2e-4, help="constant learning rate")
+    _update_options(r)
     r.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the starting model (0: off)")
-    r.add_argument("--clip", type=float, default=0.2, help="PPO clip of the importance ratio")
-    r.add_argument("--minibatches", type=int, default=2, help="optimizer steps per iteration")
-    r.add_argument("--micro-batch", type=int, default=16, help="rows per forward (gradients accumulate)")
-    r.add_argument("--max-tokens", type=int, help="tokens per turn (default: the effort's reasoning budget + 192)")
     r.add_argument("--eval-n", type=int, default=0,
                    help="greedy test accuracy on this many test tasks before the first iteration and after the last")
     r.add_argument("--partial-lambda", type=float, default=1.0, metavar="λ",
@@ -181,11 +186,7 @@ def add_posttrain_parsers(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--iterations", type=int, default=20, help="total iterations (rollouts + update)")
     m.add_argument("--prompts", type=int, default=9, help="train prompts per iteration, over the cells in turn")
     m.add_argument("--group", type=int, default=2, help="completions per prompt")
-    m.add_argument("--lr", type=float, default=2e-4, help="constant learning rate")
-    m.add_argument("--clip", type=float, default=0.2, help="PPO clip of the importance ratio")
-    m.add_argument("--minibatches", type=int, default=2, help="optimizer steps per iteration")
-    m.add_argument("--micro-batch", type=int, default=16, help="rows per forward (gradients accumulate)")
-    m.add_argument("--max-tokens", type=int, help="tokens per turn (default: the effort's reasoning budget + 192)")
+    _update_options(m)
     m.add_argument("--difficulty", default="standard",
                    help="standard, or easy: a level sized for a tiny model (docs/posttraining.md)")
     m.add_argument("--task-reward-coef", type=float, default=0.0,

@@ -115,13 +115,20 @@ class K3ForCausalLM(nn.Module):
             self.norm = RMSNorm(config.dim, config.norm_eps)
             self.lm_head = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
             self.mtp = MTPModule(config) if config.mtp.num_modules else None
+        self._materialise(device, dtype, seed)
+
+    def _materialise(self, device: torch.device | str | None, dtype: torch.dtype | None, seed: int | None) -> None:
+        """Allocate the meta-built parameters on ``device`` (nothing on the meta device), cast them and initialise
+        them with ``seed``'s generator (``_init_weights``)."""
         device = torch.device(device if device is not None else "cpu")
         if device.type == "meta":
             return
         self.to_empty(device=device)
         self.cast(dtype or default_dtype(device))
-        generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-        init_weights(self, config, generator)
+        self._init_weights(torch.Generator(device=device).manual_seed(seed) if seed is not None else None)
+
+    def _init_weights(self, generator: torch.Generator | None) -> None:
+        init_weights(self, self.config, generator)
 
     # ------------------------------------------------------------------ bookkeeping
     def cast(self, dtype: torch.dtype) -> "K3ForCausalLM":

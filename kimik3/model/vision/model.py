@@ -23,8 +23,7 @@ import torch
 from torch import nn
 
 from kimik3.config.schema import K3Config
-from kimik3.model.init import init_weights
-from kimik3.model.k3 import IGNORE_INDEX, K3ForCausalLM, K3Output, default_dtype
+from kimik3.model.k3 import IGNORE_INDEX, K3ForCausalLM, K3Output
 from kimik3.model.norm import RMSNorm
 from kimik3.model.vision.encoder import MoonViT
 from kimik3.model.vision.projector import VisionProjector
@@ -87,14 +86,12 @@ class K3VLForCausalLM(K3ForCausalLM):
         self.image_token_id = image_token_id(config)
         if not 0 <= self.image_token_id < config.vocab_size:
             raise ValueError(f"image token id {self.image_token_id} lies outside the vocabulary of {config.vocab_size}")
-        device = torch.device(device if device is not None else "cpu")
-        if device.type == "meta":
-            return
-        self.to_empty(device=device)
-        self.cast(dtype or default_dtype(device))
-        generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        self._materialise(device, dtype, seed)
+
+    def _init_weights(self, generator: torch.Generator | None) -> None:
+        """The text weights exactly as the text-only model's, then the tower's from the same generator."""
         with _without(self, VISION_MODULES):
-            init_weights(self, config, generator)
+            super()._init_weights(generator)
         init_vision_weights(self.vision_tower, self.mm_projector, generator)
 
     def encode_images(self, pixel_values: torch.Tensor, image_grid_hw: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ a size-limited tmpfs; a cgroup with CPU, memory and process-count limits). On it
 * ``exec(cmd, timeout=..., stdin=None)`` runs a shell string (``/bin/sh -c``) or an argv list inside,
   as the sandbox's root, in ``/work``; returns an ``ExecResult`` (``exit_code``, ``stdout``, ``stderr``
   decoded as UTF-8 with replacement, the raw bytes, ``timed_out``, and whether the memory or process
-  limit was hit). At the timeout the command's session is killed (a process that made itself a new
-  session is a daemon of the sandbox and lives on until ``close``). Output past ``max_output`` bytes is
+  limit was hit). The command leads a new process group (setsid); at the timeout every process whose
+  setsid id is the command's is killed (one that called setsid itself is a daemon of the sandbox and lives
+  on until ``close``). Output past ``max_output`` bytes is
   read and dropped (``truncated``), so a flood cannot fill the manager's memory.
 * ``write_file``/``read_file`` work from the host on the sandbox's root with every path resolved inside
   it (``openat2`` + ``RESOLVE_IN_ROOT``: a symlink the sandbox planted cannot point the host outside),
@@ -194,27 +195,28 @@ class Sandbox:
                                        start_new_session=True)
             out, err, timed_out, truncated = _communicate(process, data, timeout, max_output)
             if timed_out:
-                self._kill_session(process.pid)
+                self._kill_group(process.pid)
             try:
                 code = process.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self._kill_session(process.pid)
+                self._kill_group(process.pid)
                 code = process.wait()
             return ExecResult(None if timed_out else code, out.decode("utf-8", "replace"),
                               err.decode("utf-8", "replace"), timed_out, time.monotonic() - start, truncated,
                               self.cgroup.oom_kills() > oom0, self.cgroup.fork_failures() > forks0, out, err)
 
-    def _kill_session(self, session: int) -> None:
-        """SIGKILL the command's session: its process group and any sandbox process still in it."""
+    def _kill_group(self, leader: int) -> None:
+        """SIGKILL what the command ``leader`` started: its process group, and any sandbox process whose setsid
+        id (the stat file's session field) is still the leader's."""
         try:
-            os.killpg(session, signal.SIGKILL)
+            os.killpg(leader, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         for pid in self.cgroup.pids():
             try:
                 with open(f"/proc/{pid}/stat") as handle:
                     fields = handle.read().rsplit(")", 1)[1].split()
-                if int(fields[3]) == session:
+                if int(fields[3]) == leader:
                     os.kill(pid, signal.SIGKILL)
             except (OSError, ValueError, IndexError):
                 pass

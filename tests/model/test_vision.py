@@ -203,15 +203,11 @@ def test_text_config_json_unchanged_and_vision_round_trips():
 
 # ---------------------------------------------------------------------------------------------- the multimodal model
 def _small_vl_config() -> K3Config:
-    spec = K3Config.preset("tiny-vl").to_dict()
-    spec.update(vocab_size=256, dim=32, num_layers=2, dense_hidden=64)
-    spec["kda"].update(num_heads=2)
-    spec["mla"].update(num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                       v_head_dim=8)
-    spec["moe"].update(num_experts=4, top_k=2, latent_dim=16, expert_hidden=32, num_shared_experts=1,
-                       shared_hidden=16)
-    spec["attn_res"].update(block_size=2)
-    spec["vision"] = TINY_VISION
+    """The suite's small text model (``tests/train/small_run.py``), 2 layers, vocabulary 256, with the tiny tower."""
+    from tests.train.small_run import small_config
+
+    spec = small_config().to_dict()
+    spec.update(name="small-vl", vocab_size=256, num_layers=2, vision=TINY_VISION)
     return K3Config.from_dict(spec)
 
 

@@ -13,6 +13,7 @@ pooled over the seeds. Writes ``--out`` (JSON) with every figure and the RL runs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -62,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cell}, {args.n} test tasks, greedy", flush=True)
     print(line("SFT start", start), flush=True)
     results: dict = {"cell": cell, "run": args.run, "n": args.n, "start": start, "rl": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(args.work or tmp)
+    with (contextlib.nullcontext(args.work) if args.work else tempfile.TemporaryDirectory()) as work_dir:
+        work = Path(work_dir)
         pooled_after: list[float] = []
         for seed in args.seeds:
             out = work / f"rl-{args.domain}-{args.difficulty}-seed{seed}"

@@ -1,5 +1,5 @@
 """torchtitan's Kimi K3 port (pytorch/torchtitan pull request 4025) as a peer of ours: build it, run it, load our
-weights into it. Importing this module does nothing; ``import_port()`` puts the tree that
+weights into it and its weights into ours. Importing this module does nothing; ``import_port()`` puts the tree that
 ``benchmarks/setup_torchtitan.sh`` extracts on ``sys.path`` and applies the shims torch 2.11 needs.
 
 Legend: T = tokens, B = sequences, V = vocabulary.
@@ -405,22 +405,97 @@ def load_ours_into_port(port_model: torch.nn.Module, our_model: torch.nn.Module)
             target[key].copy_(value.to(dtype=target[key].dtype, device=target[key].device))
 
 
+OUR_MTP_PREFIX = "mtp."
+
+
+def load_port_into_ours(our_model: torch.nn.Module, port_model: torch.nn.Module) -> None:
+    """Copy the port's weights into our model (``kimik3.interop.from_torchtitan``), strictly: a port tensor the
+    adapter cannot map, one it needs and does not find, or a shape mismatch raises ValueError naming each. The
+    port has no MTP module: ours keeps its own MTP weights (they do not enter the main logits). Each tensor takes
+    our dtype and device (a bf16 port's values land in our fp32 ``A_log``/``dt_bias`` as they are)."""
+    state = ours_state_from_port(port_model, our_model.config)
+    target = our_model.state_dict()
+    compared = {key: value for key, value in target.items() if not key.startswith(OUR_MTP_PREFIX)}
+    problems = state_dict_diff(state, compared, names=("the port (converted)", "ours"))
+    if problems:
+        raise ValueError("the port's weights (from_torchtitan) do not match our state dict:\n  "
+                         + "\n  ".join(problems))
+    with torch.no_grad():
+        for key, value in state.items():
+            target[key].copy_(value.to(dtype=target[key].dtype, device=target[key].device))
+
+
+def ours_state_from_port(port_model: torch.nn.Module, our_config: Any) -> dict[str, torch.Tensor]:
+    """The port's state dict in our names (without an MTP module, which the port does not have); raises ValueError
+    naming every port key the adapter does not map."""
+    from kimik3.interop import from_torchtitan
+
+    no_mtp = dataclasses.replace(our_config, mtp=dataclasses.replace(our_config.mtp, num_modules=0))
+    return from_torchtitan(port_model.state_dict(), no_mtp)
+
+
+# The tensors the port's init sets to a constant (``_NORM_INIT`` ones, ``dt_bias`` zeros, the MoE's expert-bias
+# buffer zeros): leaf-name suffix -> the value. Every other tensor of its state dict is drawn at random.
+PORT_INIT_CONSTANTS = {"norm.weight": 1.0, "dt_bias": 0.0, "expert_bias_E": 0.0}
+
+
+def port_init_constant(name: str) -> float | None:
+    """The constant the port's init gives the state-dict entry ``name``, or None where it draws it at random."""
+    for suffix, value in PORT_INIT_CONSTANTS.items():
+        if name.endswith(suffix):
+            return value
+    return None
+
+
+def constant_tensors(model: torch.nn.Module) -> list[str]:
+    """State-dict entries of more than one element whose elements all equal one value."""
+    out = []
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().reshape(-1)
+        if flat.numel() > 1 and bool((flat == flat[0]).all()):
+            out.append(name)
+    return out
+
+
+def check_port_init(model: torch.nn.Module) -> None:
+    """Check that a freshly built port is initialised as its config says: the entries of ``PORT_INIT_CONSTANTS`` at
+    their constant, every other tensor finite and not constant (``to_empty`` memory an init missed would be zeros
+    or garbage). Raises RuntimeError naming every entry that is not."""
+    problems = []
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().reshape(-1).float()
+        expected = port_init_constant(name)
+        if not bool(torch.isfinite(flat).all()):
+            problems.append(f"{name}: not finite")
+        elif expected is not None:
+            if not bool((flat == expected).all()):
+                problems.append(f"{name}: expected the constant {expected:g} of the port's init")
+        elif flat.numel() > 1 and not bool((flat != flat[0]).any()):
+            problems.append(f"{name}: constant {flat[0].item():g}, expected a random draw")
+    if problems:
+        raise RuntimeError("the port's init is not what its config says:\n  " + "\n  ".join(problems))
+
+
 def port_state_from_ours(our_model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from kimik3.interop import to_torchtitan
 
     return to_torchtitan(our_model.state_dict(), our_model.config, include_mtp=False)
 
 
-def state_dict_diff(ours: dict[str, torch.Tensor], port: dict[str, torch.Tensor], limit: int = 40) -> list[str]:
-    """Readable differences of keys and shapes: missing in ours, unexpected in ours, shape mismatches."""
+def state_dict_diff(source: dict[str, torch.Tensor], target: dict[str, torch.Tensor], limit: int = 40, *,
+                    names: tuple[str, str] = ("ours", "the port")) -> list[str]:
+    """Readable differences of keys and shapes between a converted ``source`` and the ``target`` model's state
+    dict: target keys the source lacks, source keys the target does not know, shape mismatches. ``names``: how
+    the two are called in the lines (source, target)."""
+    src, dst = names
     lines = []
-    missing = sorted(set(port) - set(ours))
-    unexpected = sorted(set(ours) - set(port))
-    shapes = sorted(k for k in set(ours) & set(port) if tuple(ours[k].shape) != tuple(port[k].shape))
-    for title, keys, show in (("port key missing from ours", missing, lambda k: f"{tuple(port[k].shape)}"),
-                              ("our key unknown to the port", unexpected, lambda k: f"{tuple(ours[k].shape)}"),
+    missing = sorted(set(target) - set(source))
+    unexpected = sorted(set(source) - set(target))
+    shapes = sorted(k for k in set(source) & set(target) if tuple(source[k].shape) != tuple(target[k].shape))
+    for title, keys, show in ((f"key of {dst} missing from {src}", missing, lambda k: f"{tuple(target[k].shape)}"),
+                              (f"key of {src} unknown to {dst}", unexpected, lambda k: f"{tuple(source[k].shape)}"),
                               ("shape differs", shapes,
-                               lambda k: f"ours {tuple(ours[k].shape)} vs port {tuple(port[k].shape)}")):
+                               lambda k: f"{src} {tuple(source[k].shape)} vs {dst} {tuple(target[k].shape)}")):
         if keys:
             lines.append(f"{title} ({len(keys)}):")
             lines += [f"  {k} {show(k)}" for k in keys[:limit]]

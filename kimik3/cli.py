@@ -91,7 +91,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         ep_planner=args.ep_planner, checkpoint_every=args.checkpoint_every,
         checkpoint_async=args.checkpoint_async, qat=args.qat,
         progress=not args.no_progress, vision=args.vision or args.vision_blank, vision_blank=args.vision_blank,
-        vision_text_fraction=args.vision_text_fraction)
+        vision_text_fraction=args.vision_text_fraction, vision_init=args.vision_init)
     trainer = Trainer(train_args, resume=args.resume, parallel=parallel,
                       activation_checkpointing=args.activation_checkpointing)
     trainer.run()
@@ -379,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the text-only baseline of --vision: the same run with every image blanked")
     t.add_argument("--vision-text-fraction", type=float, default=0.25,
                    help="with --vision: the fraction of batch rows drawn from the text corpus only")
+    t.add_argument("--vision-init", metavar="FILE.safetensors",
+                   help="with --vision: start the vision tower from this tower file (contrastive pre-training: "
+                        "python -m kimik3.train.vision_contrastive --out FILE.safetensors) instead of from scratch")
     t.add_argument("--vision-eval", type=int, default=1000,
                    help="with --vision: held-out questions answered at the end of the run")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -57,6 +57,7 @@ class TrainArgs:
     vision: bool = False              # train the multimodal model on generated image-text samples + the text corpus
     vision_blank: bool = False        # the text-only baseline: the same samples with every image blanked
     vision_text_fraction: float = 0.25  # of the batch rows: text corpus only
+    vision_init: str | None = None    # a tower file (safetensors, vision_contrastive) to start the tower from
 
     def validate(self) -> None:
         if self.steps is not None and self.steps < 1:
@@ -81,6 +82,8 @@ class TrainArgs:
             raise ValueError(f"--vision-text-fraction must be in [0, 1), got {self.vision_text_fraction}")
         if self.vision_blank and not self.vision:
             raise ValueError("--vision-blank is the text-only baseline of a --vision run: give --vision too")
+        if self.vision_init is not None and not self.vision:
+            raise ValueError("--vision-init starts the vision tower of a --vision run: give --vision too")
         parse_checkpoint_every(self.checkpoint_every)
         parse_stages(self.stages)
 

@@ -148,7 +148,9 @@ class Trainer:
         self.saved_plan: dict[str, Any] | None = None   # the plan of the checkpoint resumed from
         self.total = args.steps or 0
 
-        # Data first: a bad data path fails before any model is built.
+        # Data first: a bad data path fails before any model is built (and a missing tower file before both).
+        if args.vision_init is not None and self.resume_checkpoint is None and not Path(args.vision_init).is_file():
+            raise FileNotFoundError(f"--vision-init {args.vision_init}: no such file")
         if source is None and args.vision:   # image-text samples with the text corpus (train/vision_data.py)
             from kimik3.train.vision_data import VisionSource, bind_image_token
 
@@ -169,6 +171,8 @@ class Trainer:
         factory = model_factory or (lambda cfg, dev, seed: causal_lm_class(cfg)(cfg, device=dev, dtype=torch.float32,
                                                                                 seed=seed))
         self.model = factory(self.model_config, self.device, args.seed)
+        if args.vision_init is not None and self.resume_checkpoint is None:   # a checkpoint brings its own tower
+            self._load_vision_init(args.vision_init)
         self.model.train()
         self.ctx.wrap_model(self.model, activation_checkpointing=self.activation_checkpointing,
                             ep_planner=args.ep_planner)
@@ -255,6 +259,17 @@ class Trainer:
             truncate_metrics(self.run_dir, step)
         self.ctx.barrier()
         self.log(f"resumed {self.run_dir} at step {step} from {self.resume_checkpoint.relative_to(self.run_dir)}")
+
+    def _load_vision_init(self, path: str) -> None:
+        """Start the vision tower from a tower file (``kimik3.model.vision.contrastive.save_tower``); the text
+        model and the projector keep their seeded initialisation."""
+        from kimik3.model.vision.contrastive import load_tower
+
+        tower = getattr(self.model, "vision_tower", None)
+        if tower is None:
+            raise ValueError(f"--vision-init {path}: the model {self.model_config.name!r} has no vision tower")
+        load_tower(path, tower)
+        self.log(f"vision tower initialised from {path} ({sum(p.numel() for p in tower.parameters()):,} parameters)")
 
     # ------------------------------------------------------------------ one step
     def batch_shape(self, step: int, total: int) -> tuple[int, int]:

@@ -15,6 +15,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -37,19 +38,23 @@ def mini_config(out: Path) -> Path:
     return path
 
 
-def run(blank: bool, args: argparse.Namespace) -> dict:
+def run(blank: bool, args: argparse.Namespace, vision_init: str | None = None, label: str | None = None,
+        watch: Callable[[Any], Callable[[dict], None]] | None = None) -> dict:
+    """One training run and its held-out QA. ``vision_init``: a tower file to start the tower from
+    (``--vision-init``); ``watch(trainer)``: called before training, returns the per-step callback."""
     from kimik3.train.trainer import TrainArgs, Trainer
     from kimik3.train.vision_data import evaluate_qa
 
-    label = "blank" if blank else "vision"
+    label = label or ("blank" if blank else "vision")
     config = str(mini_config(Path(args.out))) if args.lm == "mini" else None
     train_args = TrainArgs(preset="tiny", config_path=config, vision=True, vision_blank=blank, steps=args.steps,
                            seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                            device=args.device, out=str(Path(args.out) / label), eval_every=max(args.steps, 1),
-                           checkpoint_every=10**6, progress=False, vision_text_fraction=args.text_fraction)
+                           checkpoint_every=10**6, progress=False, vision_text_fraction=args.text_fraction,
+                           vision_init=vision_init)
     start = time.time()
     trainer = Trainer(train_args, log=lambda line: print(f"[{label}] {line}", flush=True))
-    summary = trainer.run()
+    summary = trainer.run(watch(trainer) if watch is not None else None)
     train_s = time.time() - start
     result = evaluate_qa(trainer.model, trainer.data, count=args.questions)
     grad_norms = [r["grad_norm"] for r in summary.history if "grad_norm" in r]

@@ -1,12 +1,12 @@
 """Logit parity of our K3 against torchtitan's Kimi K3 port with the same weights (issue 40), in two directions:
 
   port-to-ours  the port's ``debugmodel`` with its own random init (``torchtitan_port.build_port``: its config's
-                ``param_init`` through ``init_states``, seeded), the tensors that init leaves at constants perturbed
-                (``perturb_port``: every RMSNorm weight x (1 + 0.1 N), KDA dt_bias 0.5 N, the MoE expert-bias
-                buffer 0.02 N; the AttnRes projections are already random), loaded into ``K3ForCausalLM``
-                through ``kimik3.interop.from_torchtitan`` (``torchtitan_port.load_port_into_ours``, strict: a port
-                tensor the adapter cannot map is an error naming it; our MTP module, which the port lacks, keeps
-                its own weights and does not enter the logits). KL(port || ours).
+                ``param_init`` through ``init_states``, seeded; ``--port-init``), the tensors that init leaves at
+                constants perturbed (``perturb_port``: every RMSNorm weight x (1 + 0.1 N), KDA dt_bias 0.5 N, the
+                MoE expert-bias buffer 0.02 N; the AttnRes projections are already random), loaded into
+                ``K3ForCausalLM`` through ``kimik3.interop.from_torchtitan`` (``torchtitan_port.load_port_into_ours``,
+                strict: a port tensor the adapter cannot map is an error naming it; our MTP module, which the port
+                lacks, keeps its own weights and does not enter the logits). KL(port || ours).
   ours-to-port  ``K3ForCausalLM(config, seed=0)`` with the parameters a fresh model holds at constants perturbed
                 (norm weights, AttnRes queries, dt_bias, the router bias: see ``perturb``), loaded into the port
                 (``torchtitan_port.load_ours_into_port``, strict). KL(ours || port).
@@ -309,6 +309,11 @@ def main() -> None:
     parser.add_argument("--reference-kda", action="store_true",
                         help="torch KDA on both sides (default on CPU, where fla's kernels cannot run)")
     parser.add_argument("--no-perturb", action="store_true", help="compare the fresh inits as they are")
+    parser.add_argument("--port-init", default="cpu", choices=["cpu", "device"],
+                        help="where the port initialises its weights and buffers (RoPE table): on the CPU and then "
+                             "moved, as its numerical test does (default; ~50 s for the debugmodel, the CPU RNG is "
+                             "serial), or on --device, as torchtitan's trainer does (seconds on a GPU; other values "
+                             "for the same seed, its RoPE table computed there)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds from the start: skip a variant expected to end past it (the JSON keeps what "
                              "ran and lists what was skipped)")
@@ -341,9 +346,9 @@ def main() -> None:
             perturb(ours, args.seed)
             phases.mark("perturb ours")
         sources["ours"] = snapshot(ours)
-    port = tp.build_port(device, dtypes[0], args.seed,
-                         our_config=None if args.config == "debug" else config).eval()
-    phases.mark(f"build the port (its own init, on the CPU, moved to {device.type})")
+    port = tp.build_port(device, dtypes[0], args.seed, our_config=None if args.config == "debug" else config,
+                         init_on_device=args.port_init == "device").eval()
+    phases.mark(f"build the port (its own init on {device.type if args.port_init == 'device' else 'the CPU'})")
     if "port-to-ours" in directions:
         tp.check_port_init(port)
         if not args.no_perturb:
@@ -366,7 +371,7 @@ def main() -> None:
               "torch": torch.__version__, "seqs": args.seqs, "seq_len": args.seq_len, "seed": args.seed,
               "perturbed": not args.no_perturb, "reference_kda": reference_kda,
               "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT"), "compile": compile_mode,
-              "time_budget": args.time_budget,
+              "time_budget": args.time_budget, "port_init": args.port_init,
               "targets": {"kl_mean_max": TARGET_KL, "top1_min": TARGET_TOP1},
               "notes": "KL(source || target) per position, the source being the side whose init both carry; the "
                        "port has no MTP; its routed experts are bf16 in the 'port' variant even for fp32",

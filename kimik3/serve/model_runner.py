@@ -43,7 +43,7 @@ from kimik3.serve.cache_manager import CacheManager
 from kimik3.serve.memory import EngineConfig
 from kimik3.serve.paged_cache import PagedLatentView, batch_cache
 from kimik3.serve.piecewise import PiecewiseGraph
-from kimik3.serve.sampler import SamplingBatch, sample, token_logprobs
+from kimik3.serve.sampler import SamplingBatch, logprob_logits, sample, token_logprobs
 from kimik3.serve.sequence import Sequence
 from kimik3.serve.speculative import Speculator
 
@@ -292,7 +292,8 @@ class ModelRunner:
         tokens_B = sample(logits, batch)
         if batch.max_logprobs is None:
             return [Sampled(token) for token in tokens_B.tolist()]
-        chosen_B, top_ids_BN, top_BN = token_logprobs(logits_BV, tokens_B, batch.max_logprobs)
+        chosen_B, top_ids_BN, top_BN = token_logprobs(logprob_logits(logits_BV, logits, params), tokens_B,
+                                                      batch.max_logprobs)
         out = []
         for token, lp, ids, lps, p in zip(tokens_B.tolist(), chosen_B.tolist(), top_ids_BN.tolist(),
                                           top_BN.tolist(), params):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -166,6 +167,19 @@ def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
     for b, generator in batch.seeded_rows:
         noise[b] = torch.empty(vocab, dtype=probs.dtype, device=probs.device).exponential_(generator=generator)
     return noise.clamp_min_(torch.finfo(probs.dtype).tiny)
+
+
+def logprob_logits(raw_BV: torch.Tensor, penalized_BV: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:
+    """The logits whose log-softmax each row's log-probabilities report: ``raw_BV`` (the model's) for
+    ``logprobs_mode="raw"``, ``penalized_BV / temperature`` (the distribution sampled from) for "processed"."""
+    processed = [p.logprobs is not None and p.logprobs_mode == "processed" for p in params]
+    if not any(processed):
+        return raw_BV
+    device = raw_BV.device
+    rows = torch.tensor(processed, device=device)[:, None]
+    temperature = torch.tensor([p.temperature if on else 1.0 for p, on in zip(params, processed)],
+                               dtype=torch.float32, device=device)[:, None]
+    return torch.where(rows, penalized_BV.float() / temperature, raw_BV.float())
 
 
 def token_logprobs(logits_BV: torch.Tensor, tokens_B: torch.Tensor, top_n: int

@@ -48,6 +48,10 @@ class SamplingParams:
     # None: no log-probabilities; n >= 0: each token's log-probability and the n likeliest alternatives'
     # (log-softmax of the model's logits before penalties and temperature, as vLLM reports them).
     logprobs: int | None = None
+    # "raw": the log-probabilities above; "processed": of the distribution the token is drawn from, the logits after
+    # penalties and temperature (before top-p, top-k and min-p truncation): what RL's importance ratios need when it
+    # samples at a temperature other than 1 (vLLM's processed_logprobs). Needs temperature > 0.
+    logprobs_mode: str = "raw"
     ignore_eos: bool = False             # keep generating past the end-of-sequence token (vLLM's; benchmarks)
 
     @property
@@ -67,6 +71,11 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
+        if self.logprobs_mode == "processed" and self.temperature == 0:
+            raise ValueError("logprobs_mode 'processed' needs temperature > 0 (greedy decoding draws from no "
+                             "distribution)")
 
 
 @dataclass(slots=True)

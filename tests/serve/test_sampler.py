@@ -12,7 +12,7 @@ import torch
 
 from kimik3.model.sampling import sample_next_token
 from kimik3.serve import sampler
-from kimik3.serve.sampler import SamplingBatch, sample, token_logprobs
+from kimik3.serve.sampler import SamplingBatch, logprob_logits, sample, token_logprobs
 from kimik3.serve.types import SamplingParams
 
 
@@ -244,6 +244,25 @@ def test_token_logprobs_match_log_softmax_and_topk(dtype):
     assert ids0.shape == values0.shape == (4, 0)
     torch.testing.assert_close(chosen0, chosen)
     assert token_logprobs(logits, tokens, 100)[1].shape == (4, 53)   # capped at the vocabulary
+
+
+def test_processed_logprobs_are_of_the_tempered_penalised_distribution():
+    """Rows asking "processed" report log_softmax(penalised logits / temperature); "raw" rows and rows without
+    log-probabilities report the model's logits, whatever their temperature."""
+    raw = torch.randn(4, 29) * 3
+    penalized = raw - torch.rand(4, 29)
+    rows = [params(temperature=0.5, logprobs=0, logprobs_mode="processed"), params(temperature=0.5, logprobs=0),
+            params(temperature=1.7, logprobs=2, logprobs_mode="processed"), params(temperature=0.5)]
+    out = logprob_logits(raw, penalized, rows)
+    torch.testing.assert_close(out[0], penalized[0] / 0.5)
+    torch.testing.assert_close(out[1], raw[1])
+    torch.testing.assert_close(out[2], penalized[2] / 1.7)
+    torch.testing.assert_close(out[3], raw[3])
+    assert logprob_logits(raw, penalized, rows[1:2] * 4) is raw      # nothing processed: the raw tensor itself
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        params(logprobs=0, logprobs_mode="sampled")
+    with pytest.raises(ValueError, match="temperature > 0"):
+        params(temperature=0.0, logprobs=0, logprobs_mode="processed")
 
 
 def test_max_logprobs_and_flags():

@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--temperature", type=float, default=1.0, help="rollout temperature")
+    parser.add_argument("--balance", default="none", choices=["quantile", "sign", "none"],
+                        help="router-bias balancing during the updates")
+    parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per iteration")
     parser.add_argument("--n", type=int, default=40, help="test tasks (the same for every model)")
     parser.add_argument("--work", help="where the RL runs go (default: a temporary directory, removed)")
     parser.add_argument("--out", help="write the figures to this JSON file")
@@ -62,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     start = score(Path(args.run))
     print(f"{cell}, {args.n} test tasks, greedy", flush=True)
     print(line("SFT start", start), flush=True)
-    results: dict = {"cell": cell, "run": args.run, "n": args.n, "start": start, "rl": {}}
+    results: dict = {"cell": cell, "run": args.run, "n": args.n, "start": start, "rl": {},
+                     "settings": {k: getattr(args, k) for k in ("iterations", "prompts", "group", "lr", "temperature",
+                                                                "balance", "minibatches")}}
     with (contextlib.nullcontext(args.work) if args.work else tempfile.TemporaryDirectory()) as work_dir:
         work = Path(work_dir)
         pooled_after: list[float] = []
@@ -71,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             began = time.perf_counter()
             records = run_rl(args.run, domain=args.domain, effort=args.effort, difficulty=args.difficulty,
                              iterations=args.iterations, group=args.group, prompts=args.prompts, lr=args.lr,
+                             temperature=args.temperature, balance=args.balance, minibatches=args.minibatches,
                              out=out, seed=seed, progress=False, log=lambda _: None)
             wall = time.perf_counter() - began
             after = score(out)

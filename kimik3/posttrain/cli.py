@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from kimik3.cli import check_device, resolve_run
+from kimik3.posttrain.driver import POSTTRAIN_BALANCE
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
@@ -33,8 +34,9 @@ def cmd_rl(args: argparse.Namespace) -> int:
     run_rl(run, domain=args.domain, effort=args.effort, difficulty=args.difficulty, iterations=args.iterations,
            group=args.group, prompts=args.prompts, lr=args.lr, kl_coef=args.kl_coef, clip=args.clip,
            minibatches=args.minibatches, micro_batch=args.micro_batch, max_tokens=args.max_tokens,
-           partial_lambda=args.partial_lambda, stale_coef=args.stale_coef, stale_ratio_cap=args.stale_ratio_cap,
-           out=args.out, resume=args.resume, seed=args.seed, device=args.device,
+           temperature=args.temperature, partial_lambda=args.partial_lambda, stale_coef=args.stale_coef,
+           stale_ratio_cap=args.stale_ratio_cap,
+           out=args.out, resume=args.resume, seed=args.seed, device=args.device, balance=args.balance,
            checkpoint_every=args.checkpoint_every, eval_n=args.eval_n, progress=not args.no_progress)
     return 0
 
@@ -54,7 +56,7 @@ def cmd_mopd(args: argparse.Namespace) -> int:
              iterations=args.iterations, prompts=args.prompts, group=args.group, lr=args.lr, clip=args.clip,
              minibatches=args.minibatches, micro_batch=args.micro_batch, max_tokens=args.max_tokens,
              difficulty=args.difficulty, task_reward_coef=args.task_reward_coef, out=args.out, resume=args.resume,
-             seed=args.seed, device=args.device, checkpoint_every=args.checkpoint_every,
+             seed=args.seed, device=args.device, checkpoint_every=args.checkpoint_every, balance=args.balance,
              progress=not args.no_progress)
     return 0
 
@@ -102,6 +104,9 @@ def _update_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minibatches", type=int, default=2, help="optimizer steps per iteration")
     p.add_argument("--micro-batch", type=int, default=16, help="rows per forward (gradients accumulate)")
     p.add_argument("--max-tokens", type=int, help="tokens per turn (default: the effort's reasoning budget + 192)")
+    p.add_argument("--balance", default=POSTTRAIN_BALANCE, choices=["quantile", "sign", "none"],
+                   help="router-bias balancing during the updates (default none: the biases stay as the base run "
+                   "left them; see docs/posttraining.md)")
 
 
 def add_posttrain_parsers(sub: argparse._SubParsersAction) -> None:
@@ -155,6 +160,8 @@ def add_posttrain_parsers(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--group", type=int, default=8, help="completions per prompt (the advantage's group)")
     r.add_argument("--prompts", type=int, default=8, help="train prompts per iteration")
     _update_options(r)
+    r.add_argument("--temperature", type=float, default=1.0,
+                   help="rollout temperature in (0, 2]; the update's log-probabilities are taken at the same one")
     r.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the starting model (0: off)")
     r.add_argument("--eval-n", type=int, default=0,
                    help="greedy test accuracy on this many test tasks before the first iteration and after the last")

@@ -16,6 +16,12 @@ from typing import Any
 
 import torch
 
+# Router-bias balancing in post-training updates (TrainArgs.balance): off. RL and distillation batches are a few
+# prompts of one task family, padding included; a balancer that sets every router's biases to equalise expert
+# loads on them re-routes the base model's tokens each update, whatever the reward, and that alone moves what the
+# policy samples (docs/posttraining.md).
+POSTTRAIN_BALANCE = "none"
+
 
 def open_base(base: Path) -> tuple[Any, Any, Any]:
     """The base run's (config, tokenizer, chat encoder); a clear error when it holds no saved model."""
@@ -34,7 +40,7 @@ def open_base(base: Path) -> tuple[Any, Any, Any]:
 
 def policy_trainer(base: Path, config: Any, source: Any, *, iterations: int, out: str, seed: int, lr: float,
                    device: str, checkpoint_every: str | None, progress: bool, resume: Path | None,
-                   log: Callable[[str], None]) -> Any:
+                   log: Callable[[str], None], balance: str = POSTTRAIN_BALANCE) -> Any:
     """A Trainer over the policy loaded from ``base`` (fp32 master weights; QAT as the base run's config says), one
     step per iteration, a constant learning rate and no weight decay. ``source``: the run's DataSource (its
     fingerprint and description)."""
@@ -43,7 +49,8 @@ def policy_trainer(base: Path, config: Any, source: Any, *, iterations: int, out
 
     args = TrainArgs(config_path=str(base / "config.json"), steps=iterations, out=out, seed=seed, lr=lr,
                      weight_decay=0.0, device=device, checkpoint_every=checkpoint_every,
-                     qat=config.moe.expert_quant, progress=progress, warmup_fraction=0.0, min_lr_ratio=1.0)
+                     qat=config.moe.expert_quant, progress=progress, warmup_fraction=0.0, min_lr_ratio=1.0,
+                     balance=balance)
 
     def from_base(cfg: Any, dev: torch.device, _seed: int) -> torch.nn.Module:
         return K3ForCausalLM.from_pretrained(base, device=dev, dtype=torch.float32)

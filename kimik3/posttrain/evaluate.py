@@ -102,14 +102,16 @@ def sampling_for(effort: str, temperature: float, seed: int | None, encoder: Cha
     return SamplingParams(max_tokens=max_tokens or EFFORT_BUDGETS[effort] + ANSWER_TOKENS, temperature=temperature,
                           seed=seed, stop_token_ids=list(encoder.stop_token_ids),
                           stop=[encoder.stop] if encoder.stop and not encoder.stop_token_ids else [],
-                          logprobs=0 if logprobs else None)
+                          logprobs=0 if logprobs else None,
+                          logprobs_mode="processed" if logprobs and temperature > 0 else "raw")
 
 
 def generate_completions(engine: Any, encoder: ChatEncoder, tasks: Sequence[Task], temperature: float = 0.0,
                          seed: int = 0, max_tokens: int | None = None, progress: bool = False,
                          logprobs: bool = False) -> list[Rollout]:
     """Roll every task out on ``engine`` (an ``LLMEngine``), all at once; multi-turn tasks turn by turn.
-    ``logprobs``: record each sampled token's log-probability (``Rollout.logprobs``; RL's behaviour policy)."""
+    ``logprobs``: record each sampled token's log-probability under the distribution it was drawn from, at
+    ``temperature`` (``Rollout.logprobs``; RL's behaviour policy)."""
     from tqdm import tqdm
 
     from kimik3.serve.types import GenerationRequest

@@ -50,7 +50,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from kimik3.posttrain.driver import drive, metrics_file, open_base, policy_trainer
+from kimik3.posttrain.driver import POSTTRAIN_BALANCE, drive, metrics_file, open_base, policy_trainer
 from kimik3.posttrain.policy_loss import group_advantages, make_batch, token_logprobs
 from kimik3.posttrain.rl import RL_FILE, RLRun, RLSource, RLSpec, SettingsFile, check_update_settings
 from kimik3.posttrain.rollout import rollout_rows
@@ -358,7 +358,8 @@ def run_mopd(run: str | Path | None = None, *, teachers: Sequence[str | Path] = 
              group: int = 2, lr: float = 2e-4, clip: float = 0.2, minibatches: int = 2, micro_batch: int = 16,
              max_tokens: int | None = None, difficulty: str = "standard", task_reward_coef: float = 0.0,
              out: str | Path | None = None, resume: str | Path | None = None, seed: int = 0, device: str = "cpu",
-             checkpoint_every: str | None = None, progress: bool = True, log: Callable[[str], None] = print,
+             checkpoint_every: str | None = None, balance: str = POSTTRAIN_BALANCE, progress: bool = True,
+             log: Callable[[str], None] = print,
              on_iteration: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Distil ``teachers`` into ``run``'s model (new run ``out``, default ``<run>-mopd``), or continue the MOPD run
     ``resume`` up to ``iterations``. Returns this call's iteration records."""
@@ -382,7 +383,8 @@ def run_mopd(run: str | Path | None = None, *, teachers: Sequence[str | Path] = 
     config, tokenizer, encoder = open_base(base)
     trainer = policy_trainer(base, config, MOPDSource(spec, tokenizer), iterations=iterations,
                              out=str(out or f"{str(base).rstrip('/')}-mopd"), seed=seed, lr=lr, device=device,
-                             checkpoint_every=checkpoint_every, progress=progress, resume=resume, log=log)
+                             checkpoint_every=checkpoint_every, progress=progress, resume=resume, log=log,
+                             balance=balance)
     teacher_models = load_teachers(spec, config, base / "tokenizer.json", trainer.device)
     if resume is None:
         spec.write(trainer.run_dir)

@@ -123,9 +123,10 @@ def make_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[
     return Batch(input_ids, targets, mask, old, torch.tensor(advantages, dtype=torch.float32), stale)
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(targets[n, t] | input_ids[n, :t + 1]) under ``model``: [N, T] float32."""
-    logits = model(input_ids).logits.float()
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """log p(targets[n, t] | input_ids[n, :t + 1]) under ``model`` at ``temperature``: [N, T] float32."""
+    logits = model(input_ids).logits.float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 

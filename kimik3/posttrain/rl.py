@@ -5,8 +5,12 @@ One iteration (``RLRun.iteration``):
 
 1. **Prompts**: P train tasks of (domain, effort[, difficulty]), a pure function of (seed, iteration).
 2. **Sync**: the policy's weights are copied into the rollout engine's model (``rollout.RolloutEngine.sync``).
-3. **Rollouts**: G completions per prompt, sampled at temperature 1 by the engine (batched, prefix-cached),
-   with each token's log-probability; tool-use tasks turn by turn. Throughput (completion tokens/s) is logged.
+3. **Rollouts**: G completions per prompt, sampled at ``--temperature`` (default 1) by the engine (batched,
+   prefix-cached), with each token's log-probability under that tempered distribution; tool-use tasks turn by
+   turn. The policy's log-probabilities in the update are taken at the same temperature, so the importance
+   ratios compare the distribution that sampled with the one trained (a temperature below 1 samples nearer the
+   greedy answer a small model gives, which is what its test accuracy measures). Throughput (completion
+   tokens/s) is logged.
 4. **Rewards**: each task's verifier ``score``; advantages normalised within each prompt's group
    (``policy_loss.group_advantages``: zero-variance groups contribute nothing).
 5. **Update**: the rows (one per assistant turn with a nonzero advantage) are split into ``--minibatches``
@@ -50,7 +54,7 @@ import numpy as np
 import torch
 
 from kimik3.files import write_text_atomic
-from kimik3.posttrain.driver import drive, metrics_file, open_base, policy_trainer
+from kimik3.posttrain.driver import POSTTRAIN_BALANCE, drive, metrics_file, open_base, policy_trainer
 from kimik3.posttrain.partial import Trajectory, finish_target, partial_rollouts, trajectory_rows
 from kimik3.posttrain.policy_loss import clipped_policy_loss, group_advantages, make_batch, token_logprobs
 from kimik3.posttrain.rollout import RolloutEngine, rollout_rows
@@ -343,11 +347,12 @@ class RLRun:
                 out = self.policy(micro.input_ids)
             if trainer.balancer is not None:
                 trainer.balancer.observe(out.routing)
-            new = torch.log_softmax(out.logits.float(), dim=-1).gather(-1, micro.targets.unsqueeze(-1)).squeeze(-1)
+            new = torch.log_softmax(out.logits.float() / spec.temperature, dim=-1)
+            new = new.gather(-1, micro.targets.unsqueeze(-1)).squeeze(-1)
             ref = None
             if self.reference is not None:
                 with torch.no_grad(), trainer._autocast():
-                    ref = token_logprobs(self.reference, micro.input_ids, micro.targets)
+                    ref = token_logprobs(self.reference, micro.input_ids, micro.targets, spec.temperature)
             result = clipped_policy_loss(new, micro.old, micro.advantages, micro.mask, spec.clip, ref, spec.kl_coef,
                                          normaliser, micro.staleness, spec.stale_coef, spec.stale_ratio_cap)
             if not torch.isfinite(result.loss):
@@ -402,9 +407,10 @@ def plot_rl(metrics_path: Path, out_path: Path) -> Path | None:
 def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: str = "low",
            difficulty: str = "standard", iterations: int = 20, group: int = 8, prompts: int = 8, lr: float = 2e-4,
            kl_coef: float = 0.0, clip: float = 0.2, minibatches: int = 2, micro_batch: int = 16,
-           max_tokens: int | None = None, partial_lambda: float = 1.0, stale_coef: float = 0.1,
-           stale_ratio_cap: float = 3.0, out: str | Path | None = None, resume: str | Path | None = None,
-           seed: int = 0, device: str = "cpu",
+           max_tokens: int | None = None, temperature: float = 1.0, partial_lambda: float = 1.0,
+           stale_coef: float = 0.1, stale_ratio_cap: float = 3.0, out: str | Path | None = None,
+           resume: str | Path | None = None,
+           seed: int = 0, device: str = "cpu", balance: str = POSTTRAIN_BALANCE,
            checkpoint_every: str | None = None, eval_n: int = 0, progress: bool = True,
            log: Callable[[str], None] = print,
            on_iteration: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
@@ -424,15 +430,15 @@ def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: st
         if run is None:
             raise ValueError("which run to train? pass --run DIR")
         spec = RLSpec(str(Path(run)), domain, effort, difficulty, group, prompts, clip, kl_coef, minibatches,
-                      micro_batch, max_tokens=max_tokens, partial_lambda=partial_lambda, stale_coef=stale_coef,
-                      stale_ratio_cap=stale_ratio_cap)
+                      micro_batch, temperature=temperature, max_tokens=max_tokens, partial_lambda=partial_lambda,
+                      stale_coef=stale_coef, stale_ratio_cap=stale_ratio_cap)
     spec.validate()
     base = Path(spec.base_run)
     config, tokenizer, encoder = open_base(base)
     trainer = policy_trainer(base, config, RLSource(spec, tokenizer), iterations=iterations,
                              out=str(out or f"{str(base).rstrip('/')}-rl-{spec.domain}-{spec.effort}"), seed=seed,
                              lr=lr, device=device, checkpoint_every=checkpoint_every, progress=progress,
-                             resume=resume, log=log)
+                             resume=resume, log=log, balance=balance)
     if resume is None:
         spec.write(trainer.run_dir)
         log(f"RL on {base} into {trainer.run_dir}: {trainer.data.describe()}")

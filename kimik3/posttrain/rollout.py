@@ -16,8 +16,8 @@ engine has no public API for this yet; ``kimik3/serve`` was read-only for this w
 
 **Rollouts** (``RolloutEngine.rollouts``): ``generate_completions`` (``evaluate.py``) with log-probabilities
 asked for: every (prompt, sample) at once, continuous batching, the G samples of a prompt sharing its prefix.
-The log-probabilities are the engine's log-softmax of the logits before temperature, the distribution sampled
-from at temperature 1 (the RL default).
+The log-probabilities are those of the distribution each token was drawn from (the engine's "processed"
+log-probabilities: log-softmax of the logits over the temperature).
 """
 
 from __future__ import annotations

@@ -60,12 +60,28 @@ def _rollouts(engine, n=3, seed=1, temperature=1.0):
     return engine.rollouts(tasks, seed=seed, temperature=temperature, max_tokens=24)[0]
 
 
-def _recomputed(policy, rollouts):
+def _recomputed(policy, rollouts, temperature=1.0):
     prompts, completions, logprobs, _ = rollout_rows(rollouts, [1.0] * len(rollouts))
     batch = make_batch(prompts, completions, logprobs, [1.0] * len(prompts))
     with torch.no_grad():
-        new = token_logprobs(policy.eval(), batch.input_ids, batch.targets)
+        new = token_logprobs(policy.eval(), batch.input_ids, batch.targets, temperature)
     return new[batch.mask], batch.old[batch.mask]
+
+
+def test_rollouts_at_a_temperature_carry_the_tempered_log_probabilities(base_run, policy_parts):
+    """At temperature 0.6 the rollout's log-probabilities are the policy's at 0.6 (ratio 1), not its untempered
+    ones: the importance ratios compare the distribution that sampled with the one trained."""
+    tokenizer, encoder = policy_parts
+    policy = K3ForCausalLM.from_pretrained(base_run, dtype=torch.float32)
+    rollout = RolloutEngine(policy, tokenizer, encoder)
+    try:
+        rollouts = _rollouts(rollout, temperature=0.6)
+    finally:
+        rollout.close()
+    new, old = _recomputed(policy, rollouts, temperature=0.6)
+    assert new.numel() > 20 and torch.allclose(new, old, atol=2e-4)
+    untempered, _ = _recomputed(policy, rollouts)
+    assert (untempered - old).abs().max() > 1e-2
 
 
 def test_ratio_is_one_on_policy_and_the_engine_serves_the_synced_weights(base_run, policy_parts):

@@ -83,20 +83,20 @@ def tower_grad_watch(norms: list[float]) -> Callable[[Any], Callable[[dict], Non
 
 
 def qa_summary(result: dict) -> dict[str, Any]:
+    from kimik3.train.vision_corpus import CHOICES
     from kimik3.train.vision_data import wilson_interval
 
-    kinds = {k: {"correct": c, "n": n, "accuracy": c / n, "interval": wilson_interval(c, n)}
-             for k, (c, n) in result["per_kind"].items()}
+    kinds = {k: {"correct": c, "n": n, "accuracy": c / n, "interval": wilson_interval(c, n),
+                 "chance": 1 / len(CHOICES[k])} for k, (c, n) in result["per_kind"].items()}
     return {"accuracy": result["accuracy"], "interval": result["interval"], "n": result["n"],
             "chance": result["chance"], "per_kind": kinds}
 
 
 def draw(path: Path, runs: dict[str, dict], args: argparse.Namespace) -> Path | None:
     from kimik3.train.plot import draw_figure
+    from kimik3.train.vision_corpus import CHOICES
 
     def fill(axes) -> None:
-        import matplotlib.pyplot as plt
-
         fig = axes[0].figure
         axes[1].remove()   # the bars get an axis of their own (the figure's axes share x)
         bars = fig.add_subplot(2, 1, 2)
@@ -107,7 +107,9 @@ def draw(path: Path, runs: dict[str, dict], args: argparse.Namespace) -> Path | 
                          label=f"{label}: median {r['grad']['median']:.2f}, max/median "
                                f"{r['grad']['max_over_median']:.1f}, {r['grad']['spikes_relative']} spikes")
             axes[0].plot(range(len(r["tower_grad_norms"])), r["tower_grad_norms"], lw=0.6, ls=":",
-                         color=colours[label], label=f"{label}: tower only")
+                         color=colours[label], label=f"{label}: tower only, max/median "
+                                                     f"{r['tower_grad']['max_over_median']:.0f}, "
+                                                     f"{r['tower_grad']['spikes_relative']} spikes")
         axes[0].axhline(args.spike_threshold, color="grey", lw=0.6, ls="--")
         axes[0].set_yscale("log")
         axes[0].set_xlabel("step")
@@ -123,13 +125,16 @@ def draw(path: Path, runs: dict[str, dict], args: argparse.Namespace) -> Path | 
             xs = [x + (i - 0.5) * width for x in range(len(kinds))]
             err = [[a - lo for a, (lo, _) in zip(acc, ivs)], [hi - a for a, (_, hi) in zip(acc, ivs)]]
             bars.bar(xs, acc, width, yerr=err, capsize=2, color=colours[label], label=label)
+        chance = [1 / len(CHOICES[k]) for k in kinds[:-1]] + [qa["chance"]]
+        bars.hlines(chance, [x - width for x in range(len(kinds))], [x + width for x in range(len(kinds))],
+                    colors="black", lw=1, ls="--", label="chance")
         bars.set_xticks(range(len(kinds)), kinds)
         bars.set_ylabel("held-out QA accuracy (Wilson 95%)")
         bars.set_ylim(0, 1)
         bars.legend(fontsize=7)
-        plt.setp(axes[0].get_xticklabels(), visible=True)
+        axes[0].tick_params(labelbottom=True)
 
-    return draw_figure(path, "the vision-init plot", 2, fill, figsize=(8, 7))
+    return draw_figure(path, "the vision-init plot", 2, fill, figsize=(8, 6.5))
 
 
 def main() -> None:
@@ -155,7 +160,13 @@ def main() -> None:
     parser.add_argument("--spike-factor", type=float, default=3.0)
     parser.add_argument("--spike-window", type=int, default=50)
     parser.add_argument("--spike-threshold", type=float, default=1.0)
+    parser.add_argument("--replot", metavar="JSON", help="redraw the PNG of a vision_init.json beside it; no runs")
     args = parser.parse_args()
+    if args.replot:
+        record = json.loads(Path(args.replot).read_text())
+        saved = argparse.Namespace(**record["args"])
+        print(f"wrote {draw(Path(args.replot).with_suffix('.png'), record['runs'], saved)}")
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()

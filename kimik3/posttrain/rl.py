@@ -23,7 +23,8 @@ QAT (``moe.expert_quant = "mxfp4"`` in the run's config) stays on: the policy tr
 experts, and the engine serves them packed as MXFP4 from the same weights.
 
 **The run** is ``kimik3 train``'s: the ``Trainer`` builds the model (from the base run's weights), the optimizer
-(per-head Muon + AdamW, constant learning rate here), Quantile Balancing of the router biases, the run directory,
+(per-head Muon + AdamW, constant learning rate here), the router-bias balancer if ``--balance`` asks for one
+(none by default: ``driver.POSTTRAIN_BALANCE``), the run directory,
 checkpoints (every 60 s and at the end) and ``--resume``; this module runs its own loop with them, writing
 ``metrics.jsonl`` (one record per iteration, ``step`` = iteration) and ``rl.png``, plus ``rl.json`` (the base run
 and the RL settings) that ``--resume`` reads back. The output loads in ``kimik3 serve`` and ``eval-tasks`` like

@@ -31,6 +31,21 @@ def write_small_config(directory: Path) -> Path:
     return path
 
 
+def write_small_vision_run_inputs(directory: Path) -> tuple[Path, Path]:
+    """(corpus, config) for a ``--vision`` run of the small model with the tiny tower: a 30-file code corpus in
+    ``directory/corpus`` and ``directory/small-vl.json``."""
+    from tests.corpus import write_code_corpus
+    from tests.model.test_vision import TINY_VISION
+
+    (directory / "corpus").mkdir()
+    corpus = write_code_corpus(directory / "corpus", 30)
+    spec = small_config().to_dict()
+    spec["vision"] = TINY_VISION
+    config = directory / "small-vl.json"
+    config.write_text(K3Config.from_dict(spec).to_json())
+    return corpus, config
+
+
 def small_args(config: Path, corpus: Path, out: Path, **changes) -> TrainArgs:
     base = {"config_path": str(config), "data": str(corpus), "steps": 6, "out": str(out), "seq_len": 32,
             "batch_size": 2, "eval_every": 3, "eval_windows": 2, "checkpoint_every": 2, "progress": False,

@@ -15,7 +15,7 @@ from kimik3.train.vision_data import VisionSource, bind_image_token, evaluate_qa
 
 from tests.corpus import write_code_corpus
 from tests.model.test_vision import TINY_VISION
-from tests.train.small_run import small_args, small_config
+from tests.train.small_run import small_args, small_config, write_small_vision_run_inputs
 
 
 def test_corpus_is_deterministic_and_splits_differ():
@@ -96,14 +96,7 @@ def test_qa_evaluation_of_an_untrained_model_is_near_chance(source):
 
 
 def test_vision_training_smoke(tmp_path):
-    (tmp_path / "corpus").mkdir()
-    corpus = write_code_corpus(tmp_path / "corpus", 30)
-    config = small_config().to_dict()
-    config["vision"] = TINY_VISION
-    path = tmp_path / "small-vl.json"
-    from kimik3.config.schema import K3Config
-
-    path.write_text(K3Config.from_dict(config).to_json())
+    corpus, path = write_small_vision_run_inputs(tmp_path)
     args = small_args(path, corpus, tmp_path / "run", steps=12, seq_len=64, batch_size=4, vision=True,
                       eval_every=100, checkpoint_every=100, lr=1e-2)
     trainer = Trainer(args, log=lambda _: None)

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from kimik3.cli import build_parser
-from kimik3.config.schema import K3Config
 from kimik3.model.vision.config import VisionConfig
 from kimik3.model.vision.contrastive import save_tower
 from kimik3.model.vision.encoder import MoonViT
@@ -17,9 +16,8 @@ from kimik3.train.args import TrainArgs, read_run_args
 from kimik3.train.run_dir import resume_point
 from kimik3.train.trainer import Trainer
 
-from tests.corpus import write_code_corpus
 from tests.model.test_vision import TINY_VISION
-from tests.train.small_run import small_args, small_config
+from tests.train.small_run import small_args, write_small_vision_run_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,12 +34,7 @@ def _random_tower(**changes) -> MoonViT:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("vision_init")
-    (root / "corpus").mkdir()
-    corpus = write_code_corpus(root / "corpus", 30)
-    spec = small_config().to_dict()
-    spec["vision"] = TINY_VISION
-    config = root / "small-vl.json"
-    config.write_text(K3Config.from_dict(spec).to_json())
+    corpus, config = write_small_vision_run_inputs(root)
     return root, corpus, config
 
 

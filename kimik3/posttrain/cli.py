@@ -34,8 +34,8 @@ def cmd_rl(args: argparse.Namespace) -> int:
     run_rl(run, domain=args.domain, effort=args.effort, difficulty=args.difficulty, iterations=args.iterations,
            group=args.group, prompts=args.prompts, lr=args.lr, kl_coef=args.kl_coef, clip=args.clip,
            minibatches=args.minibatches, micro_batch=args.micro_batch, max_tokens=args.max_tokens,
-           temperature=args.temperature, partial_lambda=args.partial_lambda, stale_coef=args.stale_coef,
-           stale_ratio_cap=args.stale_ratio_cap,
+           temperature=args.temperature, epochs=args.epochs, partial_lambda=args.partial_lambda,
+           stale_coef=args.stale_coef, stale_ratio_cap=args.stale_ratio_cap,
            out=args.out, resume=args.resume, seed=args.seed, device=args.device, balance=args.balance,
            checkpoint_every=args.checkpoint_every, eval_n=args.eval_n, progress=not args.no_progress)
     return 0
@@ -162,6 +162,8 @@ def add_posttrain_parsers(sub: argparse._SubParsersAction) -> None:
     _update_options(r)
     r.add_argument("--temperature", type=float, default=1.0,
                    help="rollout temperature in (0, 2]; the update's log-probabilities are taken at the same one")
+    r.add_argument("--epochs", type=int, default=1,
+                   help="passes over an iteration's rows (PPO epochs; the clip bounds the later passes)")
     r.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the starting model (0: off)")
     r.add_argument("--eval-n", type=int, default=0,
                    help="greedy test accuracy on this many test tasks before the first iteration and after the last")

@@ -149,8 +149,9 @@ class MOPDSpec(SettingsFile):
     KEY: ClassVar[str] = "mopd"
     COMMAND: ClassVar[str] = "kimik3 mopd"
 
-    # What ``RLRun`` reads of its spec that distillation fixes: no reference KL, no partial rollouts.
+    # What ``RLRun`` reads of its spec that distillation fixes: no reference KL, one pass, no partial rollouts.
     kl_coef: ClassVar[float] = 0.0
+    epochs: ClassVar[int] = 1
     partial_lambda: ClassVar[float] = 1.0
     stale_coef: ClassVar[float] = 0.0
     stale_ratio_cap: ClassVar[float] = 3.0

@@ -14,8 +14,9 @@ One iteration (``RLRun.iteration``):
 4. **Rewards**: each task's verifier ``score``; advantages normalised within each prompt's group
    (``policy_loss.group_advantages``: zero-variance groups contribute nothing).
 5. **Update**: the rows (one per assistant turn with a nonzero advantage) are split into ``--minibatches``
-   optimizer steps; each recomputes the policy's log-probabilities and minimises the clipped surrogate over the
-   completion tokens (``policy_loss.clipped_policy_loss``), with optional KL to the reference (the starting
+   optimizer steps, ``--epochs`` times over (each pass in a new random order); each recomputes the policy's
+   log-probabilities and minimises the clipped surrogate over the completion tokens
+   (``policy_loss.clipped_policy_loss``), with optional KL to the reference (the starting
    model). The first minibatch is on-policy (ratio 1 up to the engine's numerics, logged as
    ``ratio_max_dev``); the later ones are off-policy by the earlier steps, which the clip bounds.
 
@@ -91,11 +92,12 @@ class SettingsFile:
 
 def check_update_settings(spec: Any) -> None:
     """The rollout and update settings ``kimik3 rl`` and ``kimik3 mopd`` share: clip, minibatches, micro_batch,
-    max_tokens, temperature."""
+    epochs, max_tokens, temperature."""
     if not 0 < spec.clip < 1:
         raise ValueError(f"--clip must be in (0, 1), got {spec.clip}")
-    if spec.minibatches < 1 or spec.micro_batch < 1:
-        raise ValueError(f"--minibatches and --micro-batch must be >= 1, got {spec.minibatches}, {spec.micro_batch}")
+    if spec.minibatches < 1 or spec.micro_batch < 1 or spec.epochs < 1:
+        raise ValueError(f"--minibatches, --micro-batch and --epochs must be >= 1, got {spec.minibatches}, "
+                         f"{spec.micro_batch}, {spec.epochs}")
     if spec.max_tokens is not None and spec.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {spec.max_tokens}")
     if not 0 < spec.temperature <= 2:
@@ -119,6 +121,7 @@ class RLSpec(SettingsFile):
     micro_batch: int = 16
     temperature: float = 1.0
     max_tokens: int | None = None     # per turn; None: the effort's budget + the answer's allowance
+    epochs: int = 1                   # passes over an iteration's rows (PPO epochs)
     partial_lambda: float = 1.0       # stop an iteration's rollouts once this fraction finished (1: wait for all)
     stale_coef: float = 0.1           # weight of the staleness-weighted regulariser on stale tokens
     stale_ratio_cap: float = 3.0      # truncation C of stale tokens' importance ratio
@@ -149,6 +152,8 @@ class RLSpec(SettingsFile):
         if self.partial_lambda == 1.0:       # the plain loop: the partial settings change nothing (nor old runs' hash)
             for name in ("partial_lambda", "stale_coef", "stale_ratio_cap"):
                 fields.pop(name)
+        if self.epochs == 1:                 # one pass, as runs before the option had
+            fields.pop("epochs")
         return hashlib.sha256(json.dumps([RECIPE, fields], sort_keys=True).encode()).hexdigest()
 
 
@@ -297,10 +302,11 @@ class RLRun:
             return out
         if batch is None:
             batch = make_batch(prompts, completions, logprobs, advs, staleness=staleness)
-        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(trainer.args.seed + trainer.step))
-        batch = dataclasses.replace(batch, **{f: getattr(batch, f)[order] for f in batch.FIELDS
-                                              if getattr(batch, f) is not None})
-        chunks = np.array_split(np.arange(len(prompts)), min(spec.minibatches, len(prompts)))
+        # Each epoch visits every row once, in minibatches of a fresh random order; the first is on-policy.
+        shuffle = torch.Generator().manual_seed(trainer.args.seed + trainer.step)
+        chunks = [chunk for _ in range(spec.epochs)
+                  for chunk in np.array_split(torch.randperm(len(prompts), generator=shuffle).numpy(),
+                                              min(spec.minibatches, len(prompts)))]
         totals = {"loss": 0.0, "tokens": 0, "clipped": 0.0, "kl": 0.0, "ratio": 0.0, "stale": 0, "truncated": 0.0,
                   "stale_reg": 0.0}
         first_dev = 0.0
@@ -408,7 +414,7 @@ def plot_rl(metrics_path: Path, out_path: Path) -> Path | None:
 def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: str = "low",
            difficulty: str = "standard", iterations: int = 20, group: int = 8, prompts: int = 8, lr: float = 2e-4,
            kl_coef: float = 0.0, clip: float = 0.2, minibatches: int = 2, micro_batch: int = 16,
-           max_tokens: int | None = None, temperature: float = 1.0, partial_lambda: float = 1.0,
+           max_tokens: int | None = None, temperature: float = 1.0, epochs: int = 1, partial_lambda: float = 1.0,
            stale_coef: float = 0.1, stale_ratio_cap: float = 3.0, out: str | Path | None = None,
            resume: str | Path | None = None,
            seed: int = 0, device: str = "cpu", balance: str = POSTTRAIN_BALANCE,
@@ -431,7 +437,8 @@ def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: st
         if run is None:
             raise ValueError("which run to train? pass --run DIR")
         spec = RLSpec(str(Path(run)), domain, effort, difficulty, group, prompts, clip, kl_coef, minibatches,
-                      micro_batch, temperature=temperature, max_tokens=max_tokens, partial_lambda=partial_lambda,
+                      micro_batch, temperature=temperature, max_tokens=max_tokens, epochs=epochs,
+                      partial_lambda=partial_lambda,
                       stale_coef=stale_coef, stale_ratio_cap=stale_ratio_cap)
     spec.validate()
     base = Path(spec.base_run)

@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=1.0, help="rollout temperature")
     parser.add_argument("--balance", default="none", choices=["quantile", "sign", "none"],
                         help="router-bias balancing during the updates")
-    parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per iteration")
+    parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass over the rows")
+    parser.add_argument("--epochs", type=int, default=1, help="passes over an iteration's rows")
     parser.add_argument("--n", type=int, default=40, help="test tasks (the same for every model)")
     parser.add_argument("--work", help="where the RL runs go (default: a temporary directory, removed)")
     parser.add_argument("--out", help="write the figures to this JSON file")
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     print(line("SFT start", start), flush=True)
     results: dict = {"cell": cell, "run": args.run, "n": args.n, "start": start, "rl": {},
                      "settings": {k: getattr(args, k) for k in ("iterations", "prompts", "group", "lr", "temperature",
-                                                                "balance", "minibatches")}}
+                                                                "balance", "minibatches", "epochs")}}
     with (contextlib.nullcontext(args.work) if args.work else tempfile.TemporaryDirectory()) as work_dir:
         work = Path(work_dir)
         pooled_after: list[float] = []
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             records = run_rl(args.run, domain=args.domain, effort=args.effort, difficulty=args.difficulty,
                              iterations=args.iterations, group=args.group, prompts=args.prompts, lr=args.lr,
                              temperature=args.temperature, balance=args.balance, minibatches=args.minibatches,
+                             epochs=args.epochs,
                              out=out, seed=seed, progress=False, log=lambda _: None)
             wall = time.perf_counter() - began
             after = score(out)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call that checks and times the KDA kernels on the GPU (H200, torch 2.11, Triton 3.6); logs under $OUT:
+# One device call that checks and times on the GPU (H200, torch 2.11, Triton 3.6) the KDA kernels, or the serving
+# engine, the vision encoder and the torchtitan parity; logs under $OUT:
 #
-#   bash benchmarks/h200_check.sh [quick|kernels|check|train|precision|decode]
+#   bash benchmarks/h200_check.sh [quick|kernels|check|train|precision|decode|serve|http|vision|parity]
 #
 # quick      the GPU tests of the kernels (tests/ops/test_kda_triton.py, test_kda_gluon.py) and kda_gpu_probe.py
 #            (one process per shape, so a fault cannot hide the cases after it)                        <= 9 min
@@ -15,6 +16,15 @@
 #            (PRECISION_ARGS: more of its options, e.g. --shape 1,2048,96,128)                          <= 5 min
 # decode     kda_kernel.py's decode section (ours and fla at B 1 / 64 / 256, eager and CUDA-graph times), then
 #            kda_serve_decode.py (the engine's decode step, the kernel against the torch path)          <= 2 min
+# serve      the engine's GPU tests (KDA decode and verify kernels, model runner, prefill graphs, speculative
+#            decoding), serve_gpu.py at batch 1 and 64, and greedy identity of speculative decoding in fp32 on the
+#            run SPEC_RUN (default runs/spec-gpu: a run with a draft; carry it)                       <= 9.5 min
+# http       make_serve_run.py (debug preset, random weights) then serve_http.py: the openai client against the
+#            server with CUDA graphs and with --enforce-eager (carry .whl: the serve wheels)          <= 9.5 min
+# vision     vision_encoder.py: the full MoonViT-V2 tower at 1024² and 3584² and mixed sizes, packed against one
+#            image per forward                                                                        <= 4 min
+# parity     parity_torchtitan.py, both directions, fp32 and bf16 (carry .whl and third_party/torchtitan;
+#            benchmarks/setup_torchtitan.sh)                                                          <= 9.5 min
 #
 # Options (environment): LIMIT0 (GPU 0's kernel step, s), LIMIT_TRAIN, LIMIT_DECODE, LIMIT_SERVE_DECODE; TRAIN_SEEDS
 # (seeds 0 .. N-1, 2 by default), TRAIN_NOISE=1 (kda_train_check.py --noise), TRAIN_ARGS (more of its options, e.g.
@@ -29,7 +39,8 @@
 # steps of a mode run side by side, one GPU each.
 set -u
 MODE=${1:-kernels}
-case $MODE in quick|kernels|check|train|precision|decode) ;; *) echo "usage: $0 [quick|kernels|check|train|precision|decode]" >&2; exit 2 ;; esac
+MODES="quick|kernels|check|train|precision|decode|serve|http|vision|parity"
+case "|$MODES|" in *"|$MODE|"*) ;; *) echo "usage: $0 [$MODES]" >&2; exit 2 ;; esac
 OUT=${OUT:-./h200-logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -132,5 +143,20 @@ case $MODE in
   decode)
     decode_step
     step 0 kda_serve_decode "${LIMIT_SERVE_DECODE:-120}" python3 benchmarks/kda_serve_decode.py --out "$OUT/decode" ;;
+  serve)
+    step 0 serve_tests 300 python3 -m pytest -v -rf ${XDIST[*]} tests/ops/test_kda_triton.py -k "decode or verify" \
+      tests/serve/test_model_runner.py tests/serve/test_prefill_graphs.py tests/serve/test_spec_verify.py \
+      tests/serve/test_speculative.py
+    step 0 serve_gpu 150 python3 benchmarks/serve_gpu.py --batches 1,64 --steps 30 --json "$OUT/serve_gpu.json"
+    step 0 serve_speculative 120 python3 benchmarks/serve_speculative.py --run "${SPEC_RUN:-runs/spec-gpu}" \
+      --device cuda --batches 1,16 --tokens 3 --dtype float32 --enforce-eager --max-tokens 96 ;;
+  http)
+    step 0 make_serve_run 120 python3 benchmarks/make_serve_run.py --out /tmp/debug-random
+    step 0 serve_http 450 python3 benchmarks/serve_http.py --run /tmp/debug-random --json "$OUT/serve_http.json" ;;
+  vision)
+    step 0 vision_encoder 240 python3 benchmarks/vision_encoder.py --mixed --json "$OUT/vision_encoder.json" ;;
+  parity)
+    step 0 parity_torchtitan 560 python3 benchmarks/parity_torchtitan.py --fp32-experts --force-routing \
+      --time-budget 540 --json "$OUT/parity_torchtitan.json" ;;
 esac
 finish

@@ -187,20 +187,16 @@ def test_rl_agents_with_kl_to_the_reference(base_run, tmp_path, some_reward):
         assert record["kl"] >= 0
 
 
-def test_epochs_repeat_the_minibatches_and_keep_one_pass_runs_fingerprint(base_run, tmp_path, some_reward):
+def test_epochs_repeat_the_minibatches(base_run, tmp_path, some_reward):
     import dataclasses
-    import hashlib
 
-    from kimik3.posttrain.rl import RECIPE, RLSpec, run_rl
+    from kimik3.posttrain.rl import RLSpec, run_rl
 
     records = run_rl(base_run, domain="general", effort="low", iterations=2, group=2, prompts=2, lr=1e-2,
                      minibatches=1, epochs=3, max_tokens=16, out=tmp_path / "rl", progress=False, log=lambda _: None)
     assert all(r["optimizer_steps"] in (0, 3) for r in records) and any(r["optimizer_steps"] == 3 for r in records)
     assert all(r["ratio_max_dev"] < 1e-2 for r in records)      # the first pass's first minibatch is on-policy
-    one = RLSpec("runs/x", "general", "low")
-    fields = {k: v for k, v in dataclasses.asdict(one).items()
-              if k not in ("epochs", "partial_lambda", "stale_coef", "stale_ratio_cap")}
-    assert one.fingerprint == hashlib.sha256(json.dumps([RECIPE, fields], sort_keys=True).encode()).hexdigest()
+    one = RLSpec("runs/x", "general", "low")    # one pass hashes as before (test_partial_rollouts checks it)
     assert dataclasses.replace(one, epochs=2).fingerprint != one.fingerprint
     with pytest.raises(ValueError, match="--epochs must be >= 1"):
         dataclasses.replace(one, epochs=0).validate()

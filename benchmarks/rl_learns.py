@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="router-bias balancing during the updates")
     parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass over the rows")
     parser.add_argument("--epochs", type=int, default=1, help="passes over an iteration's rows")
+    parser.add_argument("--prompt-pool", type=int, help="train on a fixed set of this many train prompts")
     parser.add_argument("--n", type=int, default=40, help="test tasks (the same for every model)")
     parser.add_argument("--work", help="where the RL runs go (default: a temporary directory, removed)")
     parser.add_argument("--out", help="write the figures to this JSON file")
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print(line("SFT start", start), flush=True)
     results: dict = {"cell": cell, "run": args.run, "n": args.n, "start": start, "rl": {},
                      "settings": {k: getattr(args, k) for k in ("iterations", "prompts", "group", "lr", "temperature",
-                                                                "balance", "minibatches", "epochs")}}
+                                                                "balance", "minibatches", "epochs", "prompt_pool")}}
     with (contextlib.nullcontext(args.work) if args.work else tempfile.TemporaryDirectory()) as work_dir:
         work = Path(work_dir)
         pooled_after: list[float] = []
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             records = run_rl(args.run, domain=args.domain, effort=args.effort, difficulty=args.difficulty,
                              iterations=args.iterations, group=args.group, prompts=args.prompts, lr=args.lr,
                              temperature=args.temperature, balance=args.balance, minibatches=args.minibatches,
-                             epochs=args.epochs,
+                             epochs=args.epochs, prompt_pool=args.prompt_pool,
                              out=out, seed=seed, progress=False, log=lambda _: None)
             wall = time.perf_counter() - began
             after = score(out)
@@ -87,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             diff = paired_difference(after, start)
             rewards = [r["reward_mean"] for r in records]
             rate = sorted(r["rollout_tokens_per_s"] for r in records)[len(records) // 2]
+            first5, last5 = sum(rewards[:5]) / len(rewards[:5]), sum(rewards[-5:]) / len(rewards[-5:])
             print(line(f"RL seed {seed}", after) + f"  paired gain {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]"
-                  f"  train reward {rewards[0]:.2f} -> {rewards[-1]:.2f}, {wall:.0f} s, rollouts {rate:.0f} tok/s",
+                  f"  train reward (mean of 5 iterations) {first5:.2f} first -> {last5:.2f} last, {wall:.0f} s, "
+                  f"rollouts {rate:.0f} tok/s",
                   flush=True)
             results["rl"][seed] = {"scores": after, "gain": diff, "rewards": rewards, "wall_s": wall,
                                    "rollout_tokens_per_s_median": rate, "dir": str(out) if args.work else None}

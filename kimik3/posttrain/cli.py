@@ -34,7 +34,8 @@ def cmd_rl(args: argparse.Namespace) -> int:
     run_rl(run, domain=args.domain, effort=args.effort, difficulty=args.difficulty, iterations=args.iterations,
            group=args.group, prompts=args.prompts, lr=args.lr, kl_coef=args.kl_coef, clip=args.clip,
            minibatches=args.minibatches, micro_batch=args.micro_batch, max_tokens=args.max_tokens,
-           temperature=args.temperature, epochs=args.epochs, partial_lambda=args.partial_lambda,
+           temperature=args.temperature, epochs=args.epochs, prompt_pool=args.prompt_pool,
+           partial_lambda=args.partial_lambda,
            stale_coef=args.stale_coef, stale_ratio_cap=args.stale_ratio_cap,
            out=args.out, resume=args.resume, seed=args.seed, device=args.device, balance=args.balance,
            checkpoint_every=args.checkpoint_every, eval_n=args.eval_n, progress=not args.no_progress)
@@ -159,6 +160,9 @@ def add_posttrain_parsers(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--iterations", type=int, default=20, help="total iterations (rollouts + update)")
     r.add_argument("--group", type=int, default=8, help="completions per prompt (the advantage's group)")
     r.add_argument("--prompts", type=int, default=8, help="train prompts per iteration")
+    r.add_argument("--prompt-pool", type=int, metavar="N",
+                   help="draw the prompts from a fixed set of N train tasks, pass after pass (default: fresh ones "
+                   "every iteration)")
     _update_options(r)
     r.add_argument("--temperature", type=float, default=1.0,
                    help="rollout temperature in (0, 2]; the update's log-probabilities are taken at the same one")

@@ -3,7 +3,8 @@ effort) by rollouts on the serving engine, group-normalised advantages and a cli
 
 One iteration (``RLRun.iteration``):
 
-1. **Prompts**: P train tasks of (domain, effort[, difficulty]), a pure function of (seed, iteration).
+1. **Prompts**: P train tasks of (domain, effort[, difficulty]), a pure function of (seed, iteration): fresh ones
+   each iteration, or with ``--prompt-pool N`` the next P of a fixed set of N (an RL dataset of N problems).
 2. **Sync**: the policy's weights are copied into the rollout engine's model (``rollout.RolloutEngine.sync``).
 3. **Rollouts**: G completions per prompt, sampled at ``--temperature`` (default 1) by the engine (batched,
    prefix-cached), with each token's log-probability under that tempered distribution; tool-use tasks turn by
@@ -122,6 +123,7 @@ class RLSpec(SettingsFile):
     temperature: float = 1.0
     max_tokens: int | None = None     # per turn; None: the effort's budget + the answer's allowance
     epochs: int = 1                   # passes over an iteration's rows (PPO epochs)
+    prompt_pool: int | None = None    # prompts from a fixed set of this many train tasks (None: fresh each time)
     partial_lambda: float = 1.0       # stop an iteration's rollouts once this fraction finished (1: wait for all)
     stale_coef: float = 0.1           # weight of the staleness-weighted regulariser on stale tokens
     stale_ratio_cap: float = 3.0      # truncation C of stale tokens' importance ratio
@@ -137,6 +139,8 @@ class RLSpec(SettingsFile):
             raise ValueError(f"--group must be >= 2 (advantages compare completions of one prompt), got {self.group}")
         if self.prompts < 1:
             raise ValueError(f"--prompts must be >= 1, got {self.prompts}")
+        if self.prompt_pool is not None and self.prompt_pool < 1:
+            raise ValueError(f"--prompt-pool must be >= 1, got {self.prompt_pool}")
         if self.kl_coef < 0:
             raise ValueError(f"--kl-coef must be >= 0, got {self.kl_coef}")
         check_update_settings(self)
@@ -152,8 +156,9 @@ class RLSpec(SettingsFile):
         if self.partial_lambda == 1.0:       # the plain loop: the partial settings change nothing (nor old runs' hash)
             for name in ("partial_lambda", "stale_coef", "stale_ratio_cap"):
                 fields.pop(name)
-        if self.epochs == 1:                 # one pass, as runs before the option had
-            fields.pop("epochs")
+        for name, default in (("epochs", 1), ("prompt_pool", None)):   # as runs before the options had
+            if fields[name] == default:
+                fields.pop(name)
         return hashlib.sha256(json.dumps([RECIPE, fields], sort_keys=True).encode()).hexdigest()
 
 
@@ -184,8 +189,19 @@ class RLSource:
 
 
 def iteration_tasks(spec: RLSpec, seed: int, iteration: int) -> list:
-    """The prompts of ``iteration``, each repeated ``group`` times (consecutively: one group per prompt)."""
-    tasks = make_tasks(spec.domain, "train", spec.prompts, seed * 1_000_003 + iteration, spec.effort, spec.difficulty)
+    """The prompts of ``iteration``, each repeated ``group`` times (consecutively: one group per prompt): fresh train
+    tasks drawn with (seed, iteration), or with ``prompt_pool`` N the next P of a fixed set of N train tasks, taken
+    in a new seeded order on each pass over the set (a finite RL dataset, visited epoch by epoch)."""
+    if spec.prompt_pool is None:
+        tasks = make_tasks(spec.domain, "train", spec.prompts, seed * 1_000_003 + iteration, spec.effort,
+                           spec.difficulty)
+    else:
+        pool = make_tasks(spec.domain, "train", spec.prompt_pool, seed * 1_000_003 - 1, spec.effort, spec.difficulty)
+        first = iteration * spec.prompts
+        tasks = []
+        for k in range(first, first + spec.prompts):
+            order = np.random.default_rng([seed, k // len(pool)]).permutation(len(pool))
+            tasks.append(pool[order[k % len(pool)]])
     return [task for task in tasks for _ in range(spec.group)]
 
 
@@ -414,7 +430,8 @@ def plot_rl(metrics_path: Path, out_path: Path) -> Path | None:
 def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: str = "low",
            difficulty: str = "standard", iterations: int = 20, group: int = 8, prompts: int = 8, lr: float = 2e-4,
            kl_coef: float = 0.0, clip: float = 0.2, minibatches: int = 2, micro_batch: int = 16,
-           max_tokens: int | None = None, temperature: float = 1.0, epochs: int = 1, partial_lambda: float = 1.0,
+           max_tokens: int | None = None, temperature: float = 1.0, epochs: int = 1, prompt_pool: int | None = None,
+           partial_lambda: float = 1.0,
            stale_coef: float = 0.1, stale_ratio_cap: float = 3.0, out: str | Path | None = None,
            resume: str | Path | None = None,
            seed: int = 0, device: str = "cpu", balance: str = POSTTRAIN_BALANCE,
@@ -438,6 +455,7 @@ def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: st
             raise ValueError("which run to train? pass --run DIR")
         spec = RLSpec(str(Path(run)), domain, effort, difficulty, group, prompts, clip, kl_coef, minibatches,
                       micro_batch, temperature=temperature, max_tokens=max_tokens, epochs=epochs,
+                      prompt_pool=prompt_pool,
                       partial_lambda=partial_lambda,
                       stale_coef=stale_coef, stale_ratio_cap=stale_ratio_cap)
     spec.validate()

@@ -173,10 +173,10 @@ def test_lambda_one_leaves_the_loss_and_the_fingerprint_unchanged():
     assert batch.staleness[batch.mask].tolist() == [0.0, 1.0, 2.0]
     assert make_batch([[1]], [[2]], [[-1.0]], [1.0]).staleness is None
     spec = RLSpec("run", "general", "low")
-    # The fingerprint of an rl.json written before the partial settings and epochs existed (a --resume must still
-    # match).
+    # The fingerprint of an rl.json written before the partial settings, epochs and prompt pools existed (a --resume
+    # must still match).
     fields = {k: v for k, v in dataclasses.asdict(spec).items()
-              if k not in ("partial_lambda", "stale_coef", "stale_ratio_cap", "epochs")}
+              if k not in ("partial_lambda", "stale_coef", "stale_ratio_cap", "epochs", "prompt_pool")}
     assert spec.fingerprint == hashlib.sha256(json.dumps([RECIPE, fields], sort_keys=True).encode()).hexdigest()
     assert RLSpec("run", "general", "low", stale_coef=5.0).fingerprint == spec.fingerprint    # λ = 1: ignored
     assert RLSpec("run", "general", "low", partial_lambda=0.7).fingerprint != spec.fingerprint

@@ -202,6 +202,24 @@ def test_epochs_repeat_the_minibatches(base_run, tmp_path, some_reward):
         dataclasses.replace(one, epochs=0).validate()
 
 
+def test_prompt_pool_visits_a_fixed_set_pass_after_pass():
+    import dataclasses
+
+    from kimik3.posttrain.rl import RLSpec, iteration_tasks
+
+    spec = RLSpec("runs/x", "coding", "low", "easy", group=2, prompts=3, prompt_pool=5)
+    prompts = [[t.key for t in iteration_tasks(spec, 0, i)] for i in range(5)]
+    assert all(p[0::2] == p[1::2] for p in prompts)                 # each prompt twice in a row: one group
+    flat = [k for p in prompts for k in p[0::2]]                     # 15 prompts: three passes over the 5
+    assert all(len(set(flat[i:i + 5])) == 5 for i in (0, 5, 10)) and len(set(flat)) == 5
+    assert flat[:5] != flat[5:10]                                    # each pass in a new order
+    fresh = dataclasses.replace(spec, prompt_pool=None)
+    assert len({t.key for i in range(5) for t in iteration_tasks(fresh, 0, i)}) > 5
+    assert fresh.fingerprint != spec.fingerprint
+    with pytest.raises(ValueError, match="--prompt-pool must be >= 1"):
+        dataclasses.replace(spec, prompt_pool=0).validate()
+
+
 def test_easy_difficulty_and_errors():
     tasks = make_tasks("general", "test", 10, 0, "low", "easy")
     assert all(t.key.startswith("general|easy|") for t in tasks)

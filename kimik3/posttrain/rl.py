@@ -156,7 +156,7 @@ class RLSpec(SettingsFile):
         if self.partial_lambda == 1.0:       # the plain loop: the partial settings change nothing (nor old runs' hash)
             for name in ("partial_lambda", "stale_coef", "stale_ratio_cap"):
                 fields.pop(name)
-        for name, default in (("epochs", 1), ("prompt_pool", None)):   # as runs before the options had
+        for name, default in (("epochs", 1), ("prompt_pool", None)):   # at its default: hashed as rl.json lacking it
             if fields[name] == default:
                 fields.pop(name)
         return hashlib.sha256(json.dumps([RECIPE, fields], sort_keys=True).encode()).hexdigest()

@@ -180,11 +180,13 @@ def save_tower(path: str | Path, tower: MoonViT) -> Path:
     """Write the tower's tensors (``vision_tower.*``, fp32) and its config (metadata) as safetensors."""
     from safetensors.torch import save_file
 
+    from kimik3.files import atomic_write
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {TOWER_PREFIX + k: v.detach().float().contiguous().cpu() for k, v in tower.state_dict().items()}
     metadata = {"format": TOWER_FORMAT, "vision_config": json.dumps(dataclasses.asdict(tower.config))}
-    save_file(tensors, str(path), metadata=metadata)
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))   # never a half-written file
     return path
 
 

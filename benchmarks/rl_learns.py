@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass over the rows")
     parser.add_argument("--epochs", type=int, default=1, help="passes over an iteration's rows")
     parser.add_argument("--prompt-pool", type=int, help="train on a fixed set of this many train prompts")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (rollouts, updates and evaluation)")
     parser.add_argument("--n", type=int, default=40, help="test tasks (the same for every model)")
     parser.add_argument("--work", help="where the RL runs go (default: a temporary directory, removed)")
     parser.add_argument("--out", help="write the figures to this JSON file")
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     from kimik3.posttrain.rl import run_rl
 
     def score(run: Path) -> list[float]:
-        return evaluate(run, args.domain, args.effort, args.n, seed=0, difficulty=args.difficulty).scores
+        return evaluate(run, args.domain, args.effort, args.n, seed=0, difficulty=args.difficulty,
+                        device=args.device).scores
 
     def line(name: str, scores: list[float]) -> str:
         low, high = confidence_interval(scores)
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             records = run_rl(args.run, domain=args.domain, effort=args.effort, difficulty=args.difficulty,
                              iterations=args.iterations, group=args.group, prompts=args.prompts, lr=args.lr,
                              temperature=args.temperature, balance=args.balance, minibatches=args.minibatches,
-                             epochs=args.epochs, prompt_pool=args.prompt_pool,
+                             epochs=args.epochs, prompt_pool=args.prompt_pool, device=args.device,
                              out=out, seed=seed, progress=False, log=lambda _: None)
             wall = time.perf_counter() - began
             after = score(out)

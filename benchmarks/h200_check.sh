@@ -147,8 +147,8 @@ case $MODE in
     step 0 serve_kernel_tests 150 python3 -m pytest -v -rf ${XDIST[*]} tests/ops/test_kda_triton.py -k "decode or verify"
     step 0 serve_tests 200 python3 -m pytest -v -rf ${XDIST[*]} tests/serve/test_model_runner.py \
       tests/serve/test_prefill_graphs.py tests/serve/test_spec_verify.py tests/serve/test_speculative.py
-    step 0 serve_gpu 150 python3 benchmarks/serve_gpu.py --batches 1,64 --steps 30 --json "$OUT/serve_gpu.json"
-    step 0 serve_speculative 120 python3 benchmarks/serve_speculative.py --run "${SPEC_RUN:-runs/spec-gpu}" \
+    step 0 serve_gpu 120 python3 benchmarks/serve_gpu.py --batches 1,64 --steps 30 --json "$OUT/serve_gpu.json"
+    step 0 serve_speculative 100 python3 benchmarks/serve_speculative.py --run "${SPEC_RUN:-runs/spec-gpu}" \
       --device cuda --batches 1,16 --tokens 3 --dtype float32 --enforce-eager --max-tokens 96 ;;
   http)
     step 0 make_serve_run 120 python3 benchmarks/make_serve_run.py --out /tmp/debug-random

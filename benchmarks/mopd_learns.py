@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rl_learns import paired_difference  # noqa: E402
+from rl_learns import accuracy_line, paired_difference  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the figures to this JSON file")
     args = parser.parse_args(argv)
 
-    from kimik3.posttrain.evaluate import confidence_interval, evaluate
+    from kimik3.posttrain.evaluate import evaluate
     from kimik3.posttrain.mopd import parse_cells, resolve_teachers, run_mopd
 
     cells = resolve_teachers(args.teachers, parse_cells(args.teacher_cells))
@@ -53,8 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return evaluate(run, domain, effort, args.n, seed=0, difficulty=args.difficulty)
 
     def line(name: str, scores: list[float]) -> str:
-        low, high = confidence_interval(scores)
-        return f"{name:<18} {sum(scores) / len(scores):6.3f}  [{low:.3f}, {high:.3f}]"
+        return accuracy_line(name, scores, width=18)
 
     results: dict = {"student": args.student, "teachers": dict(zip(cells, args.teachers)), "n": args.n,
                      "settings": {k: getattr(args, k) for k in ("difficulty", "iterations", "prompts", "group", "lr",

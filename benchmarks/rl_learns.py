@@ -32,6 +32,14 @@ def paired_difference(after: list[float], before: list[float], z: float = 1.96) 
     return mean, mean - half, mean + half
 
 
+def accuracy_line(name: str, scores: list[float], width: int = 14) -> str:
+    """``name``, the mean score and its Wilson 95% interval, in one aligned line."""
+    from kimik3.posttrain.evaluate import confidence_interval
+
+    low, high = confidence_interval(scores)
+    return f"{name:<{width}} {sum(scores) / len(scores):6.3f}  [{low:.3f}, {high:.3f}]"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, help="the SFT run RL starts from")
@@ -55,17 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the figures to this JSON file")
     args = parser.parse_args(argv)
 
-    from kimik3.posttrain.evaluate import confidence_interval, evaluate
+    from kimik3.posttrain.evaluate import evaluate
     from kimik3.posttrain.rl import run_rl
 
     def score(run: Path) -> list[float]:
         return evaluate(run, args.domain, args.effort, args.n, seed=0, difficulty=args.difficulty,
                         device=args.device).scores
 
-    def line(name: str, scores: list[float]) -> str:
-        low, high = confidence_interval(scores)
-        return f"{name:<14} {sum(scores) / len(scores):6.3f}  [{low:.3f}, {high:.3f}]"
-
+    line = accuracy_line
     cell = f"{args.domain}/{args.effort} ({args.difficulty})"
     start = score(Path(args.run))
     print(f"{cell}, {args.n} test tasks, greedy", flush=True)

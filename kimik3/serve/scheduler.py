@@ -4,9 +4,11 @@ The engine is split as vLLM v1 and nano-vllm split theirs: this scheduler (admis
 events), the cache manager (``cache_manager.py``: MLA blocks, KDA slots, prefix checkpoints) and the model runner
 (``model_runner.py``: the forwards, CUDA graphs for decode, sampling on the device).
 
-A step runs at most one chunked-prefill forward (one sequence, up to ``prefill_chunk`` tokens, cut at the
-checkpoint boundaries the prefix cache planned) and one batched decode forward (every sequence that has its
-first token, one token each, ragged lengths through the paged view).
+A step runs at most one chunked-prefill forward and one batched decode forward (every sequence that has its
+first token, one token each, ragged lengths through the paged view). The prefill forward holds the next chunk of
+the first prefilling sequences (each up to ``prefill_chunk`` tokens, cut at the checkpoint boundaries the prefix
+cache planned) as rows padded to the longest, as many as fit ``prefill_chunk`` padded tokens and the runner's
+``prefill_rows`` (one sequence where chunks replay CUDA graphs of one row).
 
 Life of a request: queued -> admitted (needs a KDA slot and its whole MLA block reservation: prompt +
 max_tokens, so a running sequence never waits for memory; ``CacheManager.admit``) -> restored from the longest
@@ -178,10 +180,10 @@ class EngineCore:
     @torch.no_grad()
     def step(self) -> None:
         self._admit()
-        prefilling = next((seq for seq in self.running if seq.prefilling), None)
         decoding = [seq for seq in self.running if not seq.prefilling]
-        if prefilling is not None:
-            self._prefill_chunk(prefilling)
+        prefilling = self._prefill_plan([seq for seq in self.running if seq.prefilling])
+        if prefilling:
+            self._prefill(*prefilling)
         if decoding:
             self._decode(decoding)
 
@@ -195,28 +197,52 @@ class EngineCore:
             raise EngineBroken(f"{self._failed_forwards} forwards in a row failed; the last: "
                                f"{type(error).__name__}: {error}") from error
 
-    def _prefill_chunk(self, seq: Sequence) -> None:
+    def _chunk_end(self, seq: Sequence) -> int:
+        """Where ``seq``'s next prefill chunk ends: ``prefill_chunk`` tokens on, cut at the prompt's end and at the
+        next checkpoint boundary the prefix cache planned (passed ones dropped)."""
         while seq.boundaries and seq.boundaries[0] <= seq.computed:
             seq.boundaries.popleft()
         end = min(seq.computed + self.config.prefill_chunk, seq.prompt_len)
-        if seq.boundaries:
-            end = min(end, seq.boundaries[0])
+        return min(end, seq.boundaries[0]) if seq.boundaries else end
+
+    def _prefill_plan(self, waiting: list[Sequence]) -> tuple[list[Sequence], list[int]] | None:
+        """This step's prefill: the first prefilling sequences, in admission order, while the forward's padded size
+        (rows x the longest chunk) stays within ``prefill_chunk`` and the rows within the runner's
+        ``prefill_rows``; at least the first. None when nothing prefills."""
+        if not waiting:
+            return None
+        seqs, ends, longest = [], [], 0
+        for seq in waiting[:self.runner.prefill_rows]:
+            end = self._chunk_end(seq)
+            longest_with = max(longest, end - seq.computed)
+            if seqs and (len(seqs) + 1) * longest_with > self.config.prefill_chunk:
+                break
+            seqs.append(seq)
+            ends.append(end)
+            longest = longest_with
+        return seqs, ends
+
+    def _prefill(self, seqs: list[Sequence], ends: list[int]) -> None:
+        """One prefill forward over the chunks ``seq.tokens[seq.computed:end]``; a sequence whose prompt is then
+        complete samples its first token, and one that reached a planned boundary is checkpointed."""
         try:
-            logits = self.runner.prefill(seq, end)
-            sampled = self.runner.sample([seq], logits) if end == seq.prompt_len else None
+            logits_BV = self.runner.prefill_many(seqs, ends)
+            done = [row for row, (seq, end) in enumerate(zip(seqs, ends)) if end == seq.prompt_len]
+            firsts = self.runner.sample([seqs[row] for row in done], logits_BV[done]) if done else []
         except Exception as error:
-            self._forward_failed([seq], error)
+            self._forward_failed(seqs, error)
             return
         self._failed_forwards = 0
-        try:
-            seq.computed = end
-            if seq.boundaries and seq.boundaries[0] == end:
-                seq.boundaries.popleft()
-                self.cache.snapshot_prompt(seq)
-            if sampled is not None:
-                self._accept(seq, sampled[0])
-        except Exception as error:
-            self._fail(seq, error)
+        for row, (seq, end) in enumerate(zip(seqs, ends)):
+            try:
+                seq.computed = end
+                if seq.boundaries and seq.boundaries[0] == end:
+                    seq.boundaries.popleft()
+                    self.cache.snapshot_prompt(seq)
+                if row in done:
+                    self._accept(seq, firsts[done.index(row)])
+            except Exception as error:
+                self._fail(seq, error)
 
     def _decode(self, seqs: list[Sequence]) -> None:
         if self.runner.speculator is not None:

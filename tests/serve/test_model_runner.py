@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kimik3.serve.memory import EngineConfig, plan_cache
-from kimik3.serve.model_runner import BUCKETS, PREFILL_MIN, graph_buckets, prefill_sizes
+from kimik3.serve.model_runner import BUCKETS, PREFILL_MIN, ModelRunner, graph_buckets, prefill_sizes
 from kimik3.serve.scheduler import EngineCore
 from kimik3.serve.types import GenerationRequest, SamplingParams
 from tests.serve.test_engine import prompts
@@ -120,3 +120,62 @@ def test_a_padded_prefill_chunk_computes_what_the_plain_one_does(serve_model, se
 def test_prefill_sizes_double_up_to_the_chunk():
     assert prefill_sizes(512) == [16, 32, 64, 128, 256, 512]
     assert prefill_sizes(100) == [16, 32, 64, 100] and prefill_sizes(PREFILL_MIN) == [PREFILL_MIN]
+
+
+def test_several_prefill_chunks_in_one_forward_compute_what_each_alone_does(serve_model, serve_tokenizer):
+    # Rows of different cached lengths (0, 20, 48) and chunk lengths (37, 55, 5): right-padded to 55 in one forward,
+    # they give each row's logits, KDA states and latents as its own unpadded chunk does.
+    config = EngineConfig(memory_bytes=48 * 2**20, max_running=4, checkpoints=0, prefill_chunk=64, max_context=512)
+    cores = [EngineCore(serve_model, serve_tokenizer, config) for _ in range(2)]
+    starts, ends = [0, 20, 48], [37, 75, 53]
+    for core in cores:
+        for i, prompt in enumerate(prompts(3, 80, seed=13)):
+            core.add(GenerationRequest(f"r{i}", prompt, SamplingParams(max_tokens=1, temperature=0.0)),
+                     lambda e: None)
+        core._admit()
+        assert core.runner.prefill_rows == 4
+        with torch.no_grad():
+            for seq, start in zip(core.running, starts):
+                if start:
+                    core.runner.prefill(seq, start)
+                    seq.computed = start
+    with torch.no_grad():
+        together = cores[0].runner.prefill_many(cores[0].running, ends).clone()
+        alone = torch.cat([cores[1].runner.prefill(seq, end).clone() for seq, end in zip(cores[1].running, ends)])
+    assert together.shape == (3, serve_model.config.vocab_size)
+    torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-4)
+    for seqs, core in zip(([c.running for c in cores]), cores):
+        for seq, end in zip(seqs, ends):
+            seq.computed = end
+    for pools in zip(*(list(c.cache.states.recurrent) + list(c.cache.states.conv) for c in cores)):
+        for a, b in zip(cores[0].running, cores[1].running):
+            torch.testing.assert_close(pools[0][a.slot], pools[1][b.slot], rtol=1e-4, atol=1e-5)
+    for pools in zip(*(c.cache.latents.tensors for c in cores)):
+        for a, b, end in zip(cores[0].running, cores[1].running, ends):
+            flat = [pool[seq.blocks].reshape(-1, pool.shape[-1])[:end] for pool, seq in zip(pools, (a, b))]
+            torch.testing.assert_close(flat[0], flat[1], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="prefills 4 at a time"):
+        cores[0].runner.prefill_many(cores[0].running * 2, ends * 2)
+
+
+def test_a_step_prefills_as_many_sequences_as_fit_the_chunk(serve_model, serve_tokenizer, monkeypatch):
+    # prefill_chunk 64 padded tokens: prompts of 20 tokens go three to a forward (3 x 20 <= 64 < 4 x 20), and the
+    # engine's greedy tokens are those of one sequence at a time.
+    outputs = []
+    for rows in (None, 1):
+        config = EngineConfig(memory_bytes=48 * 2**20, max_running=8, checkpoints=0, prefill_chunk=64, max_context=512)
+        core = EngineCore(serve_model, serve_tokenizer, config)
+        if rows is not None:
+            monkeypatch.setattr(ModelRunner, "prefill_rows", property(lambda self: rows))
+        calls = []
+        many = core.runner.prefill_many
+        core.runner.prefill_many = lambda seqs, ends: calls.append(len(seqs)) or many(seqs, ends)
+        events = {}
+        for i, prompt in enumerate(prompts(7, 20, seed=21)):
+            core.add(GenerationRequest(f"r{i}", prompt[:20], SamplingParams(max_tokens=6, temperature=0.0)),
+                     lambda e: events.setdefault(e.request_id, []).append(e.token_id))
+        while core.has_work():
+            core.step()
+        outputs.append(events)
+        assert calls == ([3, 3, 1] if rows is None else [1] * 7)
+    assert outputs[0] == outputs[1]

@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from kimik3.model.ffn import situ_glu
+from kimik3.model.ffn import situ_glu_cast
 from kimik3.model.moe import LatentMoE, RoutedExperts, expert_counts
 from kimik3.ops.moe import grouped_mm
 
@@ -200,12 +200,15 @@ class EPRoutedExperts(RoutedExperts):
                           sort_N, slot_P, token_P)
 
     def compute(self, sent: Dispatched) -> torch.Tensor:
-        """Step 6: the experts over the computed rows, as on one device: [N, L]."""
-        x_NL, (w_gate, w_up, w_down) = sent.x_NL, sent.stacked
-        gate = grouped_mm(x_NL, w_gate.to(x_NL.dtype), sent.counts_S)
-        up = grouped_mm(x_NL, w_up.to(x_NL.dtype), sent.counts_S)
-        hidden = (situ_glu(gate.float(), up.float()) * sent.weights_N[:, None]).to(x_NL.dtype)
-        return grouped_mm(hidden, w_down.to(x_NL.dtype), sent.counts_S)
+        """Step 6: the experts over the computed rows, as on one device: [N, L]. Quantisation-aware experts
+        (``quant``) quantise every slot's weights here, the foreign ones as their owners would (MXFP4 blocks lie
+        within one expert), and the rows as ``RoutedExperts`` does (MXFP8 blocks lie within one row)."""
+        x_NL, (w_gate, w_up, w_down) = self._input(sent.x_NL), sent.stacked
+        dtype = x_NL.dtype
+        gate = grouped_mm(x_NL, self._weight(w_gate, dtype), sent.counts_S)
+        up = grouped_mm(x_NL, self._weight(w_up, dtype), sent.counts_S)
+        hidden = self._input(situ_glu_cast(gate, up, sent.weights_N, dtype))
+        return grouped_mm(hidden, self._weight(w_down, dtype), sent.counts_S)
 
     def combine(self, y_NL: torch.Tensor, sent: Dispatched, x_TL: torch.Tensor) -> torch.Tensor:
         """The rows back to their source slots, and each token's K rows summed: [T, L]."""
@@ -281,9 +284,9 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup | DeviceMes
         if not isinstance(module, LatentMoE):
             continue
         experts_module = module.experts
-        if getattr(experts_module, "quant", None) is not None:
-            raise ValueError(f"expert parallel: the routed experts are quantised ({experts_module.quant!r}); "
-                             "quantisation-aware experts run on one rank or under FSDP, not under MoonEP yet")
+        if experts_module.packed is not None:
+            raise ValueError("expert parallel: the routed experts are packed as MXFP4 codes (an inference model); "
+                             "expert parallelism trains full-precision (or quantisation-aware) expert weights")
         experts = experts_module.w_gate_ELF.shape[0]
         if experts % ranks:
             raise ValueError(f"expert parallel: {experts} experts do not split over {ranks} ranks")

@@ -1,5 +1,7 @@
 """MoonEP execution on gloo ranks equals the single-process LatentMoE, forward and backward."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,8 +24,9 @@ def water_filling(loads_E: torch.Tensor, ranks: int) -> torch.Tensor:
     return (torch.minimum(end[:, None], lo[None, :] + mean) - torch.maximum(start[:, None], lo[None, :])).clamp(min=0)
 
 
-def moe_and_inputs(total_tokens: int):
+def moe_and_inputs(total_tokens: int, quant: str | None = None):
     config = K3Config.preset("tiny")
+    config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, expert_quant=quant))
     model = K3ForCausalLM(config, seed=0)
     moe = model.layers[1].ffn
     g = torch.Generator().manual_seed(1)
@@ -35,11 +38,11 @@ def moe_and_inputs(total_tokens: int):
     return moe, x, upstream
 
 
-def _ep_worker(rank: int, world: int, planners: str) -> dict:
+def _ep_worker(rank: int, world: int, planners: str, quant: str = "") -> dict:
     """Each planner of the comma list in turn (a fresh layer each), in one process group."""
     result = {}
     for planner in planners.split(","):
-        moe, x, upstream = moe_and_inputs(TOKENS_PER_RANK * world)
+        moe, x, upstream = moe_and_inputs(TOKENS_PER_RANK * world, quant or None)
         group = dist.group.WORLD
         apply_expert_parallel(moe, group, planner=water_filling if planner == "water" else planner)
         mine = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
@@ -55,10 +58,13 @@ def _ep_worker(rank: int, world: int, planners: str) -> dict:
     return result
 
 
-@pytest.mark.parametrize("world,planners", [(2, "none"), (4, "water,moonep")])
-def test_expert_parallel_equals_one_process(tmp_path, world, planners):
-    results = run_ranks(_ep_worker, world, tmp_path, planners)
-    moe, x, upstream = moe_and_inputs(TOKENS_PER_RANK * world)
+@pytest.mark.parametrize("world,planners,quant", [(2, "none", ""), (4, "water,moonep", ""), (2, "water", "mxfp4")])
+def test_expert_parallel_equals_one_process(tmp_path, world, planners, quant):
+    # With quant "mxfp4" (QAT): foreign experts' weights are quantised where they are computed, the rows where they
+    # land, and the straight-through gradients travel back to the owners: the one-process QAT layer's figures.
+    results = run_ranks(_ep_worker, world, tmp_path, planners, quant)
+    moe, x, upstream = moe_and_inputs(TOKENS_PER_RANK * world, quant or None)
+    assert moe.experts.quant == (quant or None)
     out = moe(x)
     (out * upstream).sum().backward()
     experts = moe.experts.w_gate_ELF.shape[0]

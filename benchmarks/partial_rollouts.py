@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             self.budget = lambda step, index: budget_of(step, index, args.min_tokens, args.alpha, args.cap)
-            self.reward = lambda rollout: math.exp(-abs(rollout.tokens - args.target) / args.target)
+            self.rewards = lambda rollouts: [math.exp(-abs(r.tokens - args.target) / args.target) for r in rollouts]
 
     rl.RLRun = BenchRun
     records: dict[float, list[dict]] = {lam: [] for lam in args.lambdas}

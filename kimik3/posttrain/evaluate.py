@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import queue
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,8 +167,23 @@ def generate_completions(engine: Any, encoder: ChatEncoder, tasks: Sequence[Task
     return rollouts
 
 
-def score_rollouts(rollouts: Sequence[Rollout]) -> list[float]:
-    return [r.score() for r in rollouts]
+SCORE_WORKERS = 8   # threads judging at once: a coding verdict mostly waits on its sandboxed process
+
+
+def score_rollouts(rollouts: Sequence[Rollout], workers: int = SCORE_WORKERS) -> list[float]:
+    """Every rollout's ``score``. Rollouts of the same task object with the same completion and reasoning length
+    (a group's samples often coincide) are judged once: a verdict depends on nothing else. The distinct ones are
+    judged on ``workers`` threads."""
+    keys = [(id(r.task), r.completion, r.reasoning_tokens) for r in rollouts]
+    first: dict[tuple, int] = {}
+    for index, key in enumerate(keys):
+        first.setdefault(key, index)
+    if workers > 1 and len(first) > 1:
+        with ThreadPoolExecutor(min(workers, len(first))) as pool:
+            verdicts = dict(zip(first, pool.map(lambda index: rollouts[index].score(), first.values())))
+    else:
+        verdicts = {key: rollouts[index].score() for key, index in first.items()}
+    return [verdicts[key] for key in keys]
 
 
 def load_engine(run: str | Path, device: str = "cpu", max_running: int = 32, waiting: int = 4096) -> tuple[Any, Any]:

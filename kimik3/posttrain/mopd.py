@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from kimik3.posttrain.driver import POSTTRAIN_BALANCE, drive, metrics_file, open_base, policy_trainer
+from kimik3.posttrain.evaluate import score_rollouts
 from kimik3.posttrain.policy_loss import group_advantages, make_batch, token_logprobs
 from kimik3.posttrain.rl import RL_FILE, RLRun, RLSource, RLSpec, SettingsFile, check_update_settings
 from kimik3.posttrain.rollout import rollout_rows
@@ -254,7 +255,7 @@ class MOPDRun(RLRun):
         rollouts, stats = self.engine.rollouts(tasks, seed=(seed * 1_000_003 + step) * 65_536,
                                                temperature=spec.temperature, max_tokens=spec.max_tokens,
                                                progress=progress)
-        scores = [r.score() for r in rollouts]
+        scores = score_rollouts(rollouts)
         task_adv = (group_advantages(scores, spec.group) if spec.task_reward_coef > 0 else [0.0] * len(rollouts))
         prompts, completions, logprobs, row_cells, row_task_adv = [], [], [], [], []
         for rollout, cell, adv in zip(rollouts, task_cells, task_adv):

@@ -58,6 +58,7 @@ import torch
 
 from kimik3.files import write_text_atomic
 from kimik3.posttrain.driver import POSTTRAIN_BALANCE, drive, metrics_file, open_base, policy_trainer
+from kimik3.posttrain.evaluate import score_rollouts
 from kimik3.posttrain.partial import Trajectory, finish_target, partial_rollouts, trajectory_rows
 from kimik3.posttrain.policy_loss import clipped_policy_loss, group_advantages, make_batch, token_logprobs
 from kimik3.posttrain.rollout import RolloutEngine, rollout_rows
@@ -216,7 +217,7 @@ class RLRun:
                                     max_running=min(256, math.ceil(spec.prompts * spec.group / spec.partial_lambda)))
         self.paused: list[Trajectory] = []                          # resumed first next iteration
         self.waiting: dict[tuple[int, int], list[Trajectory]] = {}  # finished members of groups not yet complete
-        self.reward: Callable[[Any], float] = lambda rollout: rollout.score()
+        self.rewards: Callable[[list], list[float]] = score_rollouts   # the rollouts' rewards, in order
         # (iteration, index in the iteration's P x G) -> that trajectory's per-turn token budget; None: spec's.
         self.budget: Callable[[int, int], int | None] | None = None
         self.reference = None
@@ -242,7 +243,7 @@ class RLRun:
         rollouts, stats = self.engine.rollouts(tasks, seed=(seed * 1_000_003 + step) * 65_536,
                                                temperature=spec.temperature, max_tokens=spec.max_tokens,
                                                progress=progress)
-        rewards = [self.reward(r) for r in rollouts]
+        rewards = self.rewards(rollouts)
         advantages = group_advantages(rewards, spec.group)
         groups = np.asarray(rewards).reshape(-1, spec.group)
         record.update(reward_mean=float(np.mean(rewards)), accuracy=float(np.mean([r >= 1.0 for r in rewards])),
@@ -276,7 +277,7 @@ class RLRun:
         complete = sorted(key for key, members in self.waiting.items() if len(members) == spec.group)
         trained = [t for key in complete for t in sorted(self.waiting.pop(key), key=lambda t: t.member)]
         rollouts = [t.rollout for t in trained]
-        rewards = [self.reward(r) for r in rollouts]
+        rewards = self.rewards(rollouts)
         record.update(rollout_s=stats.seconds, rollout_tokens=stats.completion_tokens,
                       rollout_tokens_per_s=stats.tokens_per_s, trajectories=len(batch), resumed=stats.resumed,
                       finished=stats.finished, paused=stats.paused, finish_target=stats.target,
@@ -510,7 +511,7 @@ def _test_accuracy(rl: RLRun, spec: RLSpec, n: int, seed: int, log: Callable[[st
     rl.engine.sync(rl.policy)
     rollouts = generate_completions(rl.engine.engine, rl.engine.encoder, tasks, temperature=0.0, seed=seed,
                                     max_tokens=spec.max_tokens)
-    scores = [r.score() for r in rollouts]
+    scores = score_rollouts(rollouts)
     low, high = confidence_interval(scores)
     mean = sum(scores) / len(scores)
     log(f"test accuracy {mean:.3f} (95% CI [{low:.3f}, {high:.3f}]) on {n} {spec.domain}/{spec.effort} test tasks")

@@ -252,3 +252,29 @@ def test_cli_errors_are_one_clear_line(base_run, tmp_path, capsys):
     assert main(["rl", "--resume", str(base_run)]) == 2
     assert "rl.json is missing" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_score_rollouts_judges_each_distinct_completion_once_and_keeps_the_order(monkeypatch):
+    import threading
+
+    from kimik3.posttrain.evaluate import Rollout, score_rollouts
+
+    judged, lock = [], threading.Lock()
+
+    def score(self, completion, reasoning_tokens=None):
+        with lock:
+            judged.append((self.prompt[-1]["content"], completion))
+        return float(completion.endswith("!")) + 0.5 * (reasoning_tokens or 0)
+
+    monkeypatch.setattr(Task, "score", score)
+    tasks = make_tasks("general", "train", 3, 0, "low", "easy")
+    rollouts = []
+    for k in range(12):
+        rollout = Rollout(tasks[k % 3], turns=["yes!" if k % 4 == 0 else "no"])
+        rollout.reasoning_tokens = k % 2            # the same text with another reasoning length is judged anew
+        rollouts.append(rollout)
+    want = [r.score() for r in rollouts]
+    judged.clear()
+    assert score_rollouts(rollouts) == want == score_rollouts(rollouts, workers=1)
+    distinct = {(id(r.task), r.completion, r.reasoning_tokens) for r in rollouts}
+    assert len(judged) == 2 * len(distinct) < 2 * len(rollouts)

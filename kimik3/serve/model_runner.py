@@ -187,13 +187,15 @@ class ModelRunner:
         if len(seqs) > self.prefill_rows:
             raise ValueError(f"prefill_many: {len(seqs)} sequences, but this runner prefills {self.prefill_rows} "
                              "at a time")
+        if len(seqs) == 1:
+            return self.prefill(seqs[0], ends[0])
         starts = [seq.computed for seq in seqs]
         valid = [end - start for start, end in zip(starts, ends, strict=True)]
         size = max(valid)
-        if len(seqs) == 1 or any(start + size > self.capacity for start in starts) or any(
+        if any(start + size > self.capacity for start in starts) or any(
                 seq.media is not None and seq.media.touches(start, end) for seq, start, end in zip(seqs, starts, ends)):
-            # One row; or padding past a block table; or image placeholders, whose embeddings are written per
-            # sequence: the plain chunk of each.
+            # Padding past a block table, or image placeholders (their embeddings are written per sequence): the
+            # plain chunk of each.
             return torch.cat([self.prefill(seq, end).clone() for seq, end in zip(seqs, ends)])
         ids = np.zeros((len(seqs), size), dtype=np.int64)
         tables = np.full((len(seqs), self.table_width), self.cache.latents.scratch_block, dtype=np.int64)

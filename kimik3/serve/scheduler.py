@@ -18,9 +18,9 @@ at hash boundaries the policy wants -> finished or aborted: slot and blocks free
 Images (a model with a vision tower): a request's images enter at prefill only, as embeddings written over their
 placeholders, and the prefix cache keys them by content (``multimodal.py``); decode never sees them.
 
-Failures are contained per request: an exception while one sequence is prefilled, sampled or streamed ends that
-sequence alone with ``finish_reason="error"`` (its cache freed) and the others go on; a failed batched forward
-(or batched sampling) ends the sequences of that batch. Only ``BROKEN_AFTER`` failed forwards in a row (a broken
+Failures are contained per request: an exception while one sequence is checkpointed or streamed ends that
+sequence alone with ``finish_reason="error"`` (its cache freed) and the others go on; a failed forward or its
+sampling (batched prefill or decode) ends the sequences of that batch. Only ``BROKEN_AFTER`` failed forwards in a row (a broken
 device, not a bad request) escape ``step`` as ``EngineBroken``.
 
 This class is single-threaded; ``engine.LLMEngine`` runs it on a worker thread.

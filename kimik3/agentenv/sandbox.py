@@ -300,20 +300,32 @@ class Sandbox:
         return os.path.join(f"/proc/self/fd/{self._started.layer_fd}", "upper")
 
     def fork(self) -> Sandbox:
-        """A new sandbox with a copy of this one's writable layer (this one is frozen meanwhile)."""
-        with self._lock:
+        """A new sandbox with a copy of this one's writable layer. This one is frozen, and its lock held, only while
+        the layer is copied: the child's init then starts with this sandbox free again, so several forks of one
+        sandbox boot at once (a judge per completion, ``kimik3.posttrain.sandbox``)."""
+        self._lock.acquire()
+        held, thaw = True, False
+
+        def copied() -> None:
+            nonlocal held, thaw
+            if thaw:
+                self.cgroup.thaw()
+                thaw = False
+            held = False
+            self._lock.release()
+
+        try:
             self._check_alive("fork")
             child = Sandbox(name=_new_name(), image=self.image, limits=self.limits, base_dir=self.base_dir,
                             store=self.store, allow=self.allow, parts=self.parts)
-            was_paused = self.cgroup.frozen()
+            thaw = not self.cgroup.frozen()
             self.cgroup.freeze()
-            try:
-                source = self._upper()
-                child._boot(lambda target: _replace_tree(source, target))
-            finally:
-                if not was_paused:
-                    self.cgroup.thaw()
-            return child
+            source = self._upper()
+            child._boot(lambda target: (_replace_tree(source, target), copied()))
+        finally:
+            if held:          # the boot failed before (or while) copying
+                copied()
+        return child
 
     def checkpoint(self) -> str:
         """Store what changed in the writable layer since this sandbox's last checkpoint; its id.

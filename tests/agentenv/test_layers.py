@@ -19,6 +19,39 @@ def test_fork_sees_parent_files_and_neither_reaches_the_other(make_sandbox):
     assert not parent.paused
 
 
+def test_forks_of_one_sandbox_boot_concurrently_and_the_parent_runs_on(make_sandbox, monkeypatch):
+    # The parent is frozen and locked only while its layer is copied: a second fork may start while the first
+    # child is still booting, every child sees the parent's files, and the parent is thawed and usable after.
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kimik3.agentenv import isolation
+
+    parent = make_sandbox()
+    parent.exec("echo v1 > /work/state")
+    both, overlapped = threading.Barrier(2, timeout=5.0), threading.Event()
+    real_status = isolation._status
+
+    def slow_status(fd, timeout_s=5.0):   # a child's boot, after its copy: both forks must get here together
+        try:
+            both.wait()
+            overlapped.set()
+        except threading.BrokenBarrierError:
+            pass
+        return real_status(fd, timeout_s)
+
+    monkeypatch.setattr(isolation, "_status", slow_status)
+
+    def fork_and_read(_):
+        with parent.fork() as child:
+            return child.exec("cat /work/state").stdout
+
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(fork_and_read, range(2))) == ["v1\n", "v1\n"]
+    assert overlapped.is_set()
+    assert not parent.paused and parent.exec("cat /work/state").stdout == "v1\n"
+
+
 def test_checkpoint_is_incremental_and_restore_brings_files_back(make_sandbox):
     sandbox = make_sandbox()
     sandbox.exec("head -c 8000000 /dev/urandom > /work/big; echo one > /work/small")

@@ -126,6 +126,11 @@ def generate_completions(engine: Any, encoder: ChatEncoder, tasks: Sequence[Task
         events: queue.Queue = queue.Queue()
         ids: dict[str, list[int]] = {}
         lps: dict[str, list[float]] = {}
+        # A prompt that an earlier request of this turn also has (a group's samples) waits until that one has
+        # its first token: its prompt is then in the prefix cache, and the copies restore it instead of
+        # computing it again.
+        followers: dict[str, list[GenerationRequest]] = {}
+        leader_of: dict[tuple[int, ...], str] = {}
         for i in active:
             prompt_ids, hints = encoder.encode(conversations[i])
             params = sampling_for(tasks[i].effort, temperature, None if temperature == 0 else seed + 7919 * i + turn,
@@ -133,10 +138,17 @@ def generate_completions(engine: Any, encoder: ChatEncoder, tasks: Sequence[Task
             request_id = f"task-{i}-turn-{turn}"
             ids[request_id], lps[request_id] = [], []
             rollouts[i].prompt_ids.append(list(prompt_ids))
-            engine.submit(GenerationRequest(request_id, prompt_ids, params, boundary_hints=hints), events.put)
+            request = GenerationRequest(request_id, prompt_ids, params, boundary_hints=hints)
+            leader = leader_of.setdefault(tuple(prompt_ids), request_id)
+            if leader == request_id:
+                engine.submit(request, events.put)
+            else:
+                followers.setdefault(leader, []).append(request)
         finished: dict[int, str] = {}
         while len(finished) < len(active):
             event = events.get()
+            for request in followers.pop(event.request_id, ()):
+                engine.submit(request, events.put)
             if event.token_id is not None:
                 ids[event.request_id].append(event.token_id)
                 if event.logprob is not None:

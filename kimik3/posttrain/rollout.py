@@ -15,9 +15,10 @@ engine has no public API for this yet; ``kimik3/serve`` was read-only for this w
 ``_lock`` and ``core`` directly.)
 
 **Rollouts** (``RolloutEngine.rollouts``): ``generate_completions`` (``evaluate.py``) with log-probabilities
-asked for: every (prompt, sample) at once, continuous batching, the G samples of a prompt sharing its prefix.
-The log-probabilities are those of the distribution each token was drawn from (the engine's "processed"
-log-probabilities: log-softmax of the logits over the temperature).
+asked for: every (prompt, sample) at once, continuous batching; of the G samples of a prompt the first computes
+it and the others restore it from the prefix cache. The log-probabilities are those of the distribution each
+token was drawn from (the engine's "processed" log-probabilities: log-softmax of the logits over the
+temperature).
 """
 
 from __future__ import annotations

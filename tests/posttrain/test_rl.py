@@ -278,3 +278,26 @@ def test_score_rollouts_judges_each_distinct_completion_once_and_keeps_the_order
     assert score_rollouts(rollouts) == want == score_rollouts(rollouts, workers=1)
     distinct = {(id(r.task), r.completion, r.reasoning_tokens) for r in rollouts}
     assert len(judged) == 2 * len(distinct) < 2 * len(rollouts)
+
+
+def test_a_groups_copies_of_a_prompt_restore_it_from_the_prefix_cache(base_run, policy_parts):
+    """The first of a group's identical prompts is computed; the others wait for its first token and restore the
+    prompt from the prefix cache: the same sampled tokens as an engine with prefix caching off."""
+    from kimik3.posttrain.evaluate import generate_completions
+    from kimik3.serve.engine import LLMEngine
+    from kimik3.serve.memory import EngineConfig
+
+    tokenizer, encoder = policy_parts
+    tasks = [task for task in make_tasks("general", "train", 2, 0, "low") for _ in range(4)]
+    results, hits = [], []
+    for checkpoints in (0, 64):
+        engine = LLMEngine(K3ForCausalLM.from_pretrained(base_run, dtype=torch.float32), tokenizer,
+                           EngineConfig(max_running=8, checkpoints=checkpoints))
+        try:
+            rollouts = generate_completions(engine, encoder, tasks, temperature=1.0, seed=3, max_tokens=12)
+            hits.append(engine.stats().prefix_hits)
+        finally:
+            engine.close()
+        results.append([r.token_ids for r in rollouts])
+    assert results[0] == results[1]
+    assert hits[0] == 0 and hits[1] >= 6        # the three copies of each of the two prompts

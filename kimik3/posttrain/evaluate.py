@@ -179,7 +179,7 @@ def generate_completions(engine: Any, encoder: ChatEncoder, tasks: Sequence[Task
     return rollouts
 
 
-SCORE_WORKERS = 8   # threads judging at once: a coding verdict mostly waits on its sandboxed process
+SCORE_WORKERS = 8   # threads judging at once: a coding verdict runs in a sandboxed process, which threads overlap
 
 
 def score_rollouts(rollouts: Sequence[Rollout], workers: int = SCORE_WORKERS) -> list[float]:

@@ -7,7 +7,9 @@ Every model (the SFT start and each RL seed's result) is scored on the same ``--
 greedily, so the comparison is paired: a task the start gets wrong and RL gets right counts for RL, one the
 start gets right and RL wrong against. Reported per model: accuracy with Wilson's 95% interval; per RL seed:
 the paired difference with a 95% interval (normal approximation on the per-task differences), and the same
-pooled over the seeds. Writes ``--out`` (JSON) with every figure and the RL runs' directories.
+pooled over the seeds. With ``--samples K`` each model is also scored by K completions per test task at the
+rollout temperature (each task's mean, paired the same way): the expected reward RL optimises, which can move
+where the greedy answer does not. Writes ``--out`` (JSON) with every figure and the RL runs' directories.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-pool", type=int, help="train on a fixed set of this many train prompts")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (rollouts, updates and evaluation)")
     parser.add_argument("--n", type=int, default=40, help="test tasks (the same for every model)")
+    parser.add_argument("--samples", type=int, default=0,
+                        help="also score each model by this many completions per test task at --temperature")
     parser.add_argument("--work", help="where the RL runs go (default: a temporary directory, removed)")
     parser.add_argument("--out", help="write the figures to this JSON file")
     args = parser.parse_args(argv)
@@ -70,12 +74,20 @@ def main(argv: list[str] | None = None) -> int:
         return evaluate(run, args.domain, args.effort, args.n, seed=0, difficulty=args.difficulty,
                         device=args.device).scores
 
+    def sampled(run: Path) -> list[float]:
+        return evaluate(run, args.domain, args.effort, args.n, seed=0, temperature=args.temperature,
+                        difficulty=args.difficulty, device=args.device, samples=args.samples).scores
+
     line = accuracy_line
     cell = f"{args.domain}/{args.effort} ({args.difficulty})"
     start = score(Path(args.run))
     print(f"{cell}, {args.n} test tasks, greedy", flush=True)
     print(line("SFT start", start), flush=True)
-    results: dict = {"cell": cell, "run": args.run, "n": args.n, "start": start, "rl": {},
+    start_sampled = sampled(Path(args.run)) if args.samples else None
+    if start_sampled is not None:
+        print(line(f"  sampled x{args.samples}", start_sampled) + f"  at T {args.temperature}", flush=True)
+    results: dict = {"cell": cell, "run": args.run, "n": args.n, "start": start, "start_sampled": start_sampled,
+                     "rl": {},
                      "settings": {k: getattr(args, k) for k in ("iterations", "prompts", "group", "lr", "temperature",
                                                                 "balance", "minibatches", "epochs", "prompt_pool")}}
     with (contextlib.nullcontext(args.work) if args.work else tempfile.TemporaryDirectory()) as work_dir:
@@ -102,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             results["rl"][seed] = {"scores": after, "gain": diff, "rewards": rewards, "wall_s": wall,
                                    "rollout_tokens_per_s_median": rate, "dir": str(out) if args.work else None}
+            if start_sampled is not None:
+                after_sampled = sampled(out)
+                gain = paired_difference(after_sampled, start_sampled)
+                print(line(f"  sampled x{args.samples}", after_sampled) + f"  paired gain {gain[0]:+.3f} "
+                      f"[{gain[1]:+.3f}, {gain[2]:+.3f}]", flush=True)
+                results["rl"][seed].update(sampled=after_sampled, sampled_gain=gain)
         pooled = paired_difference(pooled_after, start * len(args.seeds))
         print(line("RL pooled", pooled_after) + f"  paired gain {pooled[0]:+.3f} [{pooled[1]:+.3f}, {pooled[2]:+.3f}]"
               f" over {len(args.seeds)} seeds", flush=True)

@@ -76,6 +76,8 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
         raise ValueError(f"--n must be >= 1, got {args.n}")
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.samples < 1 or (args.samples > 1 and args.temperature == 0):
+        raise ValueError(f"--samples must be >= 1, and 1 when greedy (--temperature 0), got {args.samples}")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     run = resolve_run(args.run)
@@ -86,10 +88,11 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
             for effort in efforts:
                 result = evaluate(run, domain, effort, args.n, args.seed, args.temperature, args.max_tokens,
                                   engine=engine, encoder=encoder, progress=not args.no_progress,
-                                  difficulty=args.difficulty)
+                                  difficulty=args.difficulty, samples=args.samples)
                 print(result.describe(), flush=True)
                 records += [{"domain": domain, "effort": effort, "key": r.task.key, "score": score,
-                             "tokens": r.tokens, "turns": r.turns} for r, score in zip(result.rollouts, result.scores)]
+                             "tokens": r.tokens, "turns": r.turns}
+                            for r, score in zip(result.rollouts, result.rollout_scores)]
     finally:
         engine.close()
     if args.out:
@@ -144,6 +147,8 @@ def add_posttrain_parsers(sub: argparse._SubParsersAction) -> None:
                    help="standard, or easy: a level sized for a tiny model (docs/posttraining.md)")
     e.add_argument("--seed", type=int, default=0, help="which test tasks (and the sampling seed)")
     e.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    e.add_argument("--samples", type=int, default=1,
+                   help="completions per task at --temperature > 0; a task scores their mean")
     e.add_argument("--max-tokens", type=int, help="tokens per turn (default: the effort's reasoning budget + 192)")
     e.add_argument("--device", default="cpu", help="cpu or cuda")
     e.add_argument("--out", help="write every completion and its score to this JSONL file")

@@ -58,9 +58,11 @@ class Rollout:
 class EvalResult:
     domain: str
     effort: str
-    scores: list[float]
+    scores: list[float]                                   # per test task (the mean of its samples)
     mean_tokens: float
     rollouts: list[Rollout] = field(repr=False, default_factory=list)
+    rollout_scores: list[float] = field(repr=False, default_factory=list)   # per rollout, in order
+    samples: int = 1                                      # completions per task
 
     @property
     def n(self) -> int:
@@ -76,8 +78,9 @@ class EvalResult:
 
     def describe(self) -> str:
         low, high = self.interval
+        each = f", {self.samples} samples each" if self.samples > 1 else ""
         return (f"{self.domain}/{self.effort}: {self.mean:.3f} (95% CI [{low:.3f}, {high:.3f}]) over {self.n} test "
-                f"tasks; {self.mean_tokens:.0f} completion tokens on average")
+                f"tasks{each}; {self.mean_tokens:.0f} completion tokens on average")
 
 
 def confidence_interval(scores: Sequence[float], z: float = 1.96) -> tuple[float, float]:
@@ -209,11 +212,15 @@ def load_engine(run: str | Path, device: str = "cpu", max_running: int = 32, wai
 
 def evaluate(run: str | Path, domain: str, effort: str, n: int = 50, seed: int = 0, temperature: float = 0.0,
              max_tokens: int | None = None, device: str = "cpu", engine: Any = None, encoder: ChatEncoder | None = None,
-             progress: bool = False, difficulty: str = "standard") -> EvalResult:
+             progress: bool = False, difficulty: str = "standard", samples: int = 1) -> EvalResult:
     """Mean score of ``run``'s model on ``n`` test tasks of (``domain``, ``effort``, ``difficulty``) drawn with
-    ``seed``."""
+    ``seed``. ``samples``: completions per task at ``temperature`` > 0, a task's score their mean (the expected
+    reward of the sampling policy, which RL optimises)."""
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
+    if samples < 1 or (samples > 1 and temperature <= 0):
+        raise ValueError(f"--samples must be >= 1, and 1 when greedy (--temperature 0: every sample is the same); "
+                         f"got {samples} at temperature {temperature}")
     tasks = make_tasks(domain, "test", n, seed, effort, difficulty)   # bad arguments: refused before loading the model
     owned = engine is None
     if owned:
@@ -221,12 +228,15 @@ def evaluate(run: str | Path, domain: str, effort: str, n: int = 50, seed: int =
     elif encoder is None:
         encoder = ChatEncoder(engine.tokenizer, load_chat_template(None, run))
     try:
-        rollouts = generate_completions(engine, encoder, tasks, temperature, seed, max_tokens, progress)
+        rollouts = generate_completions(engine, encoder, [task for task in tasks for _ in range(samples)],
+                                        temperature, seed, max_tokens, progress)
     finally:
         if owned:
             engine.close()
-    scores = score_rollouts(rollouts)
-    return EvalResult(domain, effort, scores, sum(r.tokens for r in rollouts) / len(rollouts), rollouts)
+    each = score_rollouts(rollouts)
+    scores = [sum(each[i * samples:(i + 1) * samples]) / samples for i in range(n)]
+    return EvalResult(domain, effort, scores, sum(r.tokens for r in rollouts) / len(rollouts), rollouts, each,
+                      samples)
 
 
 def expand(choice: str, allowed: Sequence[str], what: str) -> list[str]:

@@ -94,7 +94,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionP
     # FSDP2 hands a wrapped module its inputs as views (its post-backward hooks), and a block passes its input on
     # in the AttnRes entries, so it warns that the block "returned a view tensor" whose in-place change would drop
     # a hook; nothing changes the entries (or the model's final hidden state) in place, and the FSDP tests compare
-    # every gradient with one process'. That one warning, for these modules only, says nothing here.
+    # every gradient with one process'. So that warning is filtered, for these modules only.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(K3Block|K3ForCausalLM|MTPModule)\) "
                             r"returned a view tensor", category=UserWarning)
     for block in model.layers:

@@ -84,7 +84,6 @@ CPU smoke (gloo, toy sizes; ``tests/parallel/test_multigpu_script.py`` runs thes
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -180,9 +179,8 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    # Every process group is destroyed and rank 0's JSON is written by now. Skip the interpreter's
-    # finalisation: with gloo (torch 2.13) a rank sometimes aborts there ("terminate called without an
-    # active exception", a worker thread still holding work objects), failing a run that succeeded.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # Every process group is destroyed and rank 0's JSON is written by now: end the rank before gloo's
+    # finalisation can fail it.
+    from kimik3.parallel.context import exit_rank
+
+    exit_rank()

@@ -107,16 +107,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if dist.is_available() and dist.is_initialized():  # only after success: a failed rank must not wait here
         dist.barrier()
         dist.destroy_process_group()
-        if launched:
-            # A torchrun rank, done: end it here. Past this point torch 2.13's gloo sometimes aborts a rank during
-            # interpreter finalisation ("terminate called without an active exception", exit -6), and torchrun
-            # then reports a run that succeeded as failed (tests/parallel/gloo.py ends its ranks the same way).
-            import logging
+        if launched:   # a torchrun rank, done: ended here, or gloo's finalisation may fail it (``exit_rank``)
+            from kimik3.parallel.context import exit_rank
 
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+            exit_rank()
     return 0
 
 

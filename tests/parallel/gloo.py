@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -32,12 +31,10 @@ def _entry(worker: Callable, rank: int, world: int, init_file: str, out_file: st
         raise
     finally:
         dist.destroy_process_group()
-    # The result is written and the group destroyed: skip interpreter finalisation, where a gloo rank
-    # (torch 2.13) sometimes aborts ("terminate called without an active exception", exit -6) after
-    # succeeding -- as benchmarks/multigpu.py does.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # The result is written and the group destroyed: end the rank before gloo's finalisation can fail it.
+    from kimik3.parallel.context import exit_rank
+
+    exit_rank()
 
 
 def run_ranks(worker: Callable, world: int, tmp_path: Path, *args, timeout: float = 300) -> list[dict[str, torch.Tensor]]:

@@ -66,7 +66,7 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
     import json
 
     from kimik3.files import write_text_atomic
-    from kimik3.posttrain.evaluate import DOMAINS, EFFORTS, evaluate, expand, load_engine
+    from kimik3.posttrain.evaluate import DOMAINS, EFFORTS, check_samples, evaluate, expand, load_engine
     from kimik3.posttrain.tasks import make_tasks
 
     check_device(args.device)
@@ -76,8 +76,7 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
         raise ValueError(f"--n must be >= 1, got {args.n}")
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.samples < 1 or (args.samples > 1 and args.temperature == 0):
-        raise ValueError(f"--samples must be >= 1, and 1 when greedy (--temperature 0), got {args.samples}")
+    check_samples(args.samples, args.temperature)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     run = resolve_run(args.run)

@@ -62,11 +62,15 @@ class EvalResult:
     mean_tokens: float
     rollouts: list[Rollout] = field(repr=False, default_factory=list)
     rollout_scores: list[float] = field(repr=False, default_factory=list)   # per rollout, in order
-    samples: int = 1                                      # completions per task
 
     @property
     def n(self) -> int:
         return len(self.scores)
+
+    @property
+    def samples(self) -> int:
+        """Completions per task."""
+        return max(1, len(self.rollout_scores) // max(1, self.n))
 
     @property
     def mean(self) -> float:
@@ -218,9 +222,7 @@ def evaluate(run: str | Path, domain: str, effort: str, n: int = 50, seed: int =
     reward of the sampling policy, which RL optimises)."""
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
-    if samples < 1 or (samples > 1 and temperature <= 0):
-        raise ValueError(f"--samples must be >= 1, and 1 when greedy (--temperature 0: every sample is the same); "
-                         f"got {samples} at temperature {temperature}")
+    check_samples(samples, temperature)
     tasks = make_tasks(domain, "test", n, seed, effort, difficulty)   # bad arguments: refused before loading the model
     owned = engine is None
     if owned:
@@ -235,8 +237,14 @@ def evaluate(run: str | Path, domain: str, effort: str, n: int = 50, seed: int =
             engine.close()
     each = score_rollouts(rollouts)
     scores = [sum(each[i * samples:(i + 1) * samples]) / samples for i in range(n)]
-    return EvalResult(domain, effort, scores, sum(r.tokens for r in rollouts) / len(rollouts), rollouts, each,
-                      samples)
+    return EvalResult(domain, effort, scores, sum(r.tokens for r in rollouts) / len(rollouts), rollouts, each)
+
+
+def check_samples(samples: int, temperature: float) -> None:
+    """``--samples``: at least 1, and 1 when greedy (every greedy sample is the same)."""
+    if samples < 1 or (samples > 1 and temperature <= 0):
+        raise ValueError(f"--samples must be >= 1, and 1 when greedy (--temperature 0: every sample is the same); "
+                         f"got {samples} at temperature {temperature}")
 
 
 def expand(choice: str, allowed: Sequence[str], what: str) -> list[str]:

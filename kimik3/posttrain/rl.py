@@ -44,6 +44,7 @@ A ``--resume``d run starts with an empty queue (paused trajectories are not chec
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -197,13 +198,22 @@ def iteration_tasks(spec: RLSpec, seed: int, iteration: int) -> list:
         tasks = make_tasks(spec.domain, "train", spec.prompts, seed * 1_000_003 + iteration, spec.effort,
                            spec.difficulty)
     else:
-        pool = make_tasks(spec.domain, "train", spec.prompt_pool, seed * 1_000_003 - 1, spec.effort, spec.difficulty)
+        pool = _prompt_pool(spec.domain, spec.prompt_pool, seed, spec.effort, spec.difficulty)
         first = iteration * spec.prompts
+        orders: dict[int, np.ndarray] = {}   # pass -> its order (an iteration spans at most two passes)
         tasks = []
         for k in range(first, first + spec.prompts):
-            order = np.random.default_rng([seed, k // len(pool)]).permutation(len(pool))
-            tasks.append(pool[order[k % len(pool)]])
+            epoch = k // len(pool)
+            if epoch not in orders:
+                orders[epoch] = np.random.default_rng([seed, epoch]).permutation(len(pool))
+            tasks.append(pool[orders[epoch][k % len(pool)]])
     return [task for task in tasks for _ in range(spec.group)]
+
+
+@functools.lru_cache(maxsize=4)
+def _prompt_pool(domain: str, size: int, seed: int, effort: str, difficulty: str) -> tuple:
+    """The fixed train tasks of ``--prompt-pool``, made once per run rather than every iteration."""
+    return tuple(make_tasks(domain, "train", size, seed * 1_000_003 - 1, effort, difficulty))
 
 
 class RLRun:

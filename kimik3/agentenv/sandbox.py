@@ -206,8 +206,8 @@ class Sandbox:
                               self.cgroup.oom_kills() > oom0, self.cgroup.fork_failures() > forks0, out, err)
 
     def _kill_group(self, leader: int) -> None:
-        """SIGKILL what the command ``leader`` started: its process group, and any sandbox process whose POSIX
-        session id (field 6 of /proc/PID/stat, which setsid sets) is still the leader's pid."""
+        """SIGKILL what the command ``leader`` started: its process group, and any sandbox process still in the
+        leader's POSIX session (its /proc/PID/stat session field equals the leader's pid)."""
         try:
             os.killpg(leader, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):

@@ -20,8 +20,8 @@ placeholders, and the prefix cache keys them by content (``multimodal.py``); dec
 
 Failures are contained per request: an exception while one sequence is checkpointed or streamed ends that
 sequence alone with ``finish_reason="error"`` (its cache freed) and the others go on; a failed forward or its
-sampling (batched prefill or decode) ends the sequences of that batch. Only ``BROKEN_AFTER`` failed forwards in a row (a broken
-device, not a bad request) escape ``step`` as ``EngineBroken``.
+sampling (batched prefill or decode) ends the sequences of that batch. Only ``BROKEN_AFTER`` failed forwards in a
+row (a broken device, not a bad request) escape ``step`` as ``EngineBroken``.
 
 This class is single-threaded; ``engine.LLMEngine`` runs it on a worker thread.
 """
@@ -228,7 +228,7 @@ class EngineCore:
         try:
             logits_BV = self.runner.prefill_many(seqs, ends)
             done = [row for row, (seq, end) in enumerate(zip(seqs, ends)) if end == seq.prompt_len]
-            firsts = self.runner.sample([seqs[row] for row in done], logits_BV[done]) if done else []
+            firsts = dict(zip(done, self.runner.sample([seqs[row] for row in done], logits_BV[done]))) if done else {}
         except Exception as error:
             self._forward_failed(seqs, error)
             return
@@ -239,8 +239,8 @@ class EngineCore:
                 if seq.boundaries and seq.boundaries[0] == end:
                     seq.boundaries.popleft()
                     self.cache.snapshot_prompt(seq)
-                if row in done:
-                    self._accept(seq, firsts[done.index(row)])
+                if row in firsts:
+                    self._accept(seq, firsts[row])
             except Exception as error:
                 self._fail(seq, error)
 

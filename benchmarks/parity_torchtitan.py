@@ -25,6 +25,8 @@ source) and each direction:
   port            the port as it is: its routed experts compute in bf16 even in an fp32 model
   fp32-experts    (fp32 only, --fp32-experts) the port's experts in fp32 (torchtitan_port.use_fp32_experts)
   forced-routing  (--force-routing) the port uses the expert ids our model chose, with its own scores
+  bound: ours fp32  (dtypes other than fp32) not the port: our model computing in fp32 against itself in the dtype,
+                  both with the dtype's rounded weights (``run_bound``): the scale that dtype's rounding alone gives
 ``--reference-kda``: both sides' KDA in torch (ours KIMIK3_KDA_BACKEND=torch, the port a token loop), to separate
 the kernels' rounding from the rest (the default off CUDA). The port has no MTP module: logits only.
 
@@ -251,6 +253,40 @@ def run_variant(ours: K3ForCausalLM, port: torch.nn.Module, probe: RoutingProbe,
     return result
 
 
+def run_bound(ours: K3ForCausalLM, probe: RoutingProbe, sequences: list[torch.Tensor]) -> dict[str, Any]:
+    """How far the pass's dtype alone moves our logits: KL(ours computing in fp32 || ours in the dtype), both with
+    the dtype's (rounded) weights, routing free on each side. A cross-implementation figure in that dtype is held
+    to this scale: two implementations that each round differently cannot be expected to agree more closely than
+    either agrees with its own fp32 computation."""
+    dtype = ours.dtype
+    low, high, low_ids, high_ids = [], [], [], []
+    with torch.no_grad():
+        for tokens_T in sequences:
+            low.append(ours(tokens_T[None]).logits[0])
+            low_ids.append({i: ids.sort(-1).values for i, ids in probe.ours.items()})
+        ours.cast(torch.float32)
+        try:
+            for tokens_T in sequences:
+                high.append(ours(tokens_T[None]).logits[0])
+                high_ids.append({i: ids.sort(-1).values for i, ids in probe.ours.items()})
+        finally:
+            ours.cast(dtype)
+    kl_T = torch.cat([kl_per_position(h, lo) for h, lo in zip(high, low)])
+    top1_T = torch.cat([h.argmax(-1) == lo.argmax(-1) for h, lo in zip(high, low)]).float()
+    differ_T = torch.cat([torch.stack([(hi[i] != lo[i]).any(-1) for i in sorted(hi)]).sum(0)
+                          for hi, lo in zip(high_ids, low_ids)])
+    agree = differ_T == 0
+    return {"kl": f"KL(ours fp32 || ours {str(dtype).removeprefix('torch.')})", "positions": kl_T.numel(),
+            "kl_mean": kl_T.mean().item(), "kl_max": kl_T.max().item(), "kl_median": kl_T.median().item(),
+            "top1": top1_T.mean().item(), "top1_flips": int((top1_T == 0).sum()),
+            "max_abs_logit_diff": max((h - lo.float()).abs().max().item() for h, lo in zip(high, low)),
+            "routing_choices_differ_frac": (differ_T.sum() / (differ_T.numel() * max(len(probe.ours), 1))).item(),
+            "positions_routing_differs": int((~agree).sum()),
+            "kl_mean_where_routing_agrees": kl_T[agree].mean().item() if agree.any() else None,
+            "top1_where_routing_agrees": top1_T[agree].mean().item() if agree.any() else None,
+            "pass": None}
+
+
 class Phases:
     """Wall time of each phase since the previous mark, printed as it ends; ``elapsed`` counts from the start."""
 
@@ -285,7 +321,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
         agree = r["kl_mean_where_routing_agrees"]
         rows.append((r["direction"], r["dtype"], r["variant"], f"{r['kl_mean']:.2e}", f"{r['kl_max']:.2e}",
                      f"{r['top1']:.4f}", f"{r['routing_choices_differ_frac']:.2%}",
-                     "-" if agree is None else f"{agree:.2e}", "yes" if r["pass"] else "no"))
+                     "-" if agree is None else f"{agree:.2e}", {True: "yes", False: "no", None: "-"}[r["pass"]]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
 
@@ -449,6 +485,14 @@ def main() -> None:
                 results.append(result)
                 report["directions"][direction]["results"].append(result)
                 print(json.dumps(result), flush=True)
+                write()
+            if dtype != torch.float32:
+                bound = {"direction": direction, "dtype": dtype_name, "variant": "bound: ours fp32",
+                         **run_bound(ours, probe, sequences)}
+                phases.mark(f"{dtype_name} {direction}: ours in fp32 against ours in {dtype_name}")
+                results.append(bound)
+                report["directions"][direction]["results"].append(bound)
+                print(json.dumps(bound), flush=True)
                 write()
 
     print(format_table(results), flush=True)

@@ -40,6 +40,8 @@ GPU machine (carry .whl and third_party; see benchmarks/setup_torchtitan.sh):
   python -m pip install --no-index --no-deps .whl/*.whl
   python benchmarks/parity_torchtitan.py --fp32-experts --force-routing --time-budget 540 \\
       --json $OUT/parity_torchtitan.json
+The bound alone, without torchtitan (any machine; on a CPU our torch KDA path):
+  python benchmarks/parity_torchtitan.py --bound-only --dtypes bfloat16 --device cpu
 CPU smoke check (a small config, eager FlexAttention, the torch KDA on both sides):
   OMP_NUM_THREADS=1 python benchmarks/parity_torchtitan.py --config small --seqs 1 --seq-len 64 --device cpu \\
       --dtypes float32 --fp32-experts
@@ -136,7 +138,7 @@ class RoutingProbe:
     """Records our routers' expert ids and the port routers' ids and top-k margins; optionally makes the port's
     routers use our ids (with the port's own scores for the weights)."""
 
-    def __init__(self, ours: K3ForCausalLM, port: torch.nn.Module):
+    def __init__(self, ours: K3ForCausalLM, port: torch.nn.Module | None = None):
         self.ours: dict[int, torch.Tensor] = {}
         self.port: dict[int, torch.Tensor] = {}
         self.margin: dict[int, torch.Tensor] = {}
@@ -144,7 +146,7 @@ class RoutingProbe:
         self.handles = []
         for index, router in our_routers(ours).items():
             self.handles.append(router.register_forward_hook(self._ours_hook(index)))
-        for index, moe in port_moes(port).items():
+        for index, moe in (port_moes(port) if port is not None else {}).items():
             self.handles.append(moe.router.register_forward_hook(self._port_hook(index, moe)))
             original = moe.router.forward
             moe.router.forward = self._port_forward(index, moe.router, original)
@@ -287,6 +289,39 @@ def run_bound(ours: K3ForCausalLM, probe: RoutingProbe, sequences: list[torch.Te
             "pass": None}
 
 
+def make_sequences(config: K3Config, args: argparse.Namespace, device: torch.device) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(args.seed + 2)
+    return [torch.randint(0, config.vocab_size, (args.seq_len,), generator=gen).to(device) for _ in range(args.seqs)]
+
+
+def bound_only(config: K3Config, dtypes: list[torch.dtype], device: torch.device, args: argparse.Namespace) -> None:
+    """``--bound-only``: the bound rows without the port (nothing of torchtitan is imported): our init, perturbed as
+    for ours-to-port, on the same sequences, each dtype but fp32 against fp32."""
+    ours = K3ForCausalLM(config, device=device, dtype=torch.float32, seed=args.seed).eval()
+    if not args.no_perturb:
+        perturb(ours, args.seed)
+    source = snapshot(ours)
+    probe = RoutingProbe(ours)
+    sequences = make_sequences(config, args, device)
+    results = []
+    for dtype in dtypes:
+        if dtype == torch.float32:
+            continue
+        ours.cast(dtype)
+        ours.load_state_dict(source)
+        start = time.perf_counter()
+        results.append({"direction": "ours", "dtype": str(dtype).removeprefix("torch."), "variant": "bound: ours fp32",
+                        **run_bound(ours, probe, sequences), "seconds": round(time.perf_counter() - start, 2)})
+        print(json.dumps(results[-1]), flush=True)
+    print(format_table(results), flush=True)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"config": config.name, "device": str(device), "torch": torch.__version__,
+                                         "seqs": args.seqs, "seq_len": args.seq_len, "seed": args.seed,
+                                         "kda_backend": os.environ.get("KIMIK3_KDA_BACKEND", "default"),
+                                         "results": results}, indent=2) + "\n")
+
+
 class Phases:
     """Wall time of each phase since the previous mark, printed as it ends; ``elapsed`` counts from the start."""
 
@@ -353,6 +388,8 @@ def main() -> None:
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds from the start: skip a variant expected to end past it (the JSON keeps what "
                              "ran and lists what was skipped)")
+    parser.add_argument("--bound-only", action="store_true",
+                        help="only the bound rows (ours in fp32 against ours in each other dtype), no port")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     directions = list(DIRECTIONS) if args.direction == "both" else [args.direction]
@@ -367,12 +404,14 @@ def main() -> None:
     # "fp32" KDA would carry ~1e-3 relative error. IEEE fp32 makes the fp32 pass fp32 on both sides (ours passes
     # its precision explicitly: tf32x3); 16-bit operands are unaffected.
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+    config = K3Config.preset("debug") if args.config == "debug" else K3Config.from_dict(dict(SMALL))
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    if args.bound_only:
+        bound_only(config, dtypes, device, args)
+        return
     compile_mode = args.compile or ("fast" if device.type == "cuda" else "eager")
     port_ns = tp.import_port(compile_mode=compile_mode)
     phases.mark("import the port")
-
-    config = K3Config.preset("debug") if args.config == "debug" else K3Config.from_dict(dict(SMALL))
-    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     ours = K3ForCausalLM(config, device=device, dtype=dtypes[0], seed=args.seed).eval()
     phases.mark(f"build ours ({config.name}, {str(dtypes[0]).removeprefix('torch.')})")
     sources: dict[str, dict[str, torch.Tensor]] = {}
@@ -399,9 +438,7 @@ def main() -> None:
     print(f"port {port_ns.commit[:12]}, {config.name}, {sum(p.numel() for p in port.parameters()):,} port "
           f"parameters; directions {', '.join(directions)}", flush=True)
     probe = RoutingProbe(ours, port)
-    gen = torch.Generator().manual_seed(args.seed + 2)
-    sequences = [torch.randint(0, config.vocab_size, (args.seq_len,), generator=gen).to(device)
-                 for _ in range(args.seqs)]
+    sequences = make_sequences(config, args, device)
 
     report = {"port_commit": port_ns.commit, "config": config.name, "device": str(device),
               "torch": torch.__version__, "seqs": args.seqs, "seq_len": args.seq_len, "seed": args.seed,

@@ -157,6 +157,6 @@ case $MODE in
     step 0 vision_encoder 240 python3 benchmarks/vision_encoder.py --mixed --json "$OUT/vision_encoder.json" ;;
   parity)
     step 0 parity_torchtitan 560 python3 benchmarks/parity_torchtitan.py --fp32-experts --force-routing \
-      --time-budget 540 --json "$OUT/parity_torchtitan.json" ;;
+      --port-init device --compile eager --time-budget 540 --json "$OUT/parity_torchtitan.json" ;;
 esac
 finish

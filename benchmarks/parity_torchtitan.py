@@ -38,8 +38,9 @@ the JSON is rewritten after every variant, so a call cut short keeps what finish
 
 GPU machine (carry .whl and third_party; see benchmarks/setup_torchtitan.sh):
   python -m pip install --no-index --no-deps .whl/*.whl
-  python benchmarks/parity_torchtitan.py --fp32-experts --force-routing --time-budget 540 \\
-      --json $OUT/parity_torchtitan.json
+  python benchmarks/parity_torchtitan.py --fp32-experts --force-routing --port-init device --compile eager \\
+      --time-budget 540 --json $OUT/parity_torchtitan.json
+(about 6.5 min for fp32, most of it fla's autotuning at IEEE fp32; the bf16 pass about 2 min more)
 The bound alone, without torchtitan (any machine; on a CPU our torch KDA path):
   python benchmarks/parity_torchtitan.py --bound-only --dtypes bfloat16 --device cpu
 CPU smoke check (a small config, eager FlexAttention, the torch KDA on both sides):

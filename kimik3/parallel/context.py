@@ -25,6 +25,9 @@ launched this process (world size 1 included, so one GPU runs the very code path
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -249,19 +252,16 @@ def training_context(device: torch.device, dims: ParallelDims | None = None) -> 
     return ParallelContext(device, dims)
 
 
-__all__ = ["DistributedContext", "ParallelContext", "training_context"]
-
-
 def exit_rank(code: int = 0) -> None:
     """End this process now, after flushing logging and stdio, skipping the interpreter's finalisation. Call it
     once a rank's work is written and its process groups are destroyed: during finalisation torch 2.13's gloo
     sometimes aborts a rank ("terminate called without an active exception", exit -6), which would fail a run,
     test or benchmark that succeeded."""
-    import logging
-    import os
-    import sys
-
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+__all__ = ["DistributedContext", "ParallelContext", "exit_rank", "training_context"]
+

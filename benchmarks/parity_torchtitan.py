@@ -466,6 +466,13 @@ def main() -> None:
             tmp.replace(args.json)
 
     results: list[dict[str, Any]] = []
+
+    def keep(result: dict[str, Any]) -> None:
+        """A finished row: in the table, the report under its direction, printed, and the JSON rewritten."""
+        results.append(result)
+        report["directions"][result["direction"]]["results"].append(result)
+        print(json.dumps(result), flush=True)
+        write()
     # expected seconds of the next variant: a dtype's first one compiles and autotunes (cold), later ones do not
     cold, warm = 0.0, 0.0
 
@@ -520,18 +527,12 @@ def main() -> None:
                     later = result["seconds"] - result["first_seq_seconds"]
                     warm = max(warm, later * len(sequences) / (len(sequences) - 1) if len(sequences) > 1 else 0.0)
                     dtype_warm = True
-                results.append(result)
-                report["directions"][direction]["results"].append(result)
-                print(json.dumps(result), flush=True)
-                write()
+                keep(result)
             if dtype != torch.float32:
                 bound = {"direction": direction, "dtype": dtype_name, "variant": "bound: ours fp32",
                          **run_bound(ours, probe, sequences)}
                 phases.mark(f"{dtype_name} {direction}: ours in fp32 against ours in {dtype_name}")
-                results.append(bound)
-                report["directions"][direction]["results"].append(bound)
-                print(json.dumps(bound), flush=True)
-                write()
+                keep(bound)
 
     print(format_table(results), flush=True)
     if report["skipped"]:

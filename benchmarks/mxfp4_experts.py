@@ -1,16 +1,18 @@
-"""MXFP4 routed-expert matmuls on the GPU: ``mxfp4_grouped_mm`` (packed E2M1 codes + E8M0 scales, decoded in
-registers) against bf16 ``torch._grouped_mm`` at K3's expert shapes.
+"""MXFP4 routed-expert matmuls on the GPU: ``mxfp4_grouped_mm`` (packed E2M1 codes + E8M0 scales) on both its
+routes, against bf16 ``torch._grouped_mm`` at K3's expert shapes.
 
-    python benchmarks/mxfp4_experts.py [--experts 8] [--tokens 1,4,16,64,2048,4096] [--out DIR]
+    python benchmarks/mxfp4_experts.py [--experts 8] [--tokens 1,4,16,64,256,512,1024,2048,4096] [--out DIR]
 
 K3's routed experts are SiTU-GLU FFNs, latent 3584 -> hidden 3072 -> 3584: the gate and up matmuls [in 3584, out
 3072] (each; timed as one) and the down matmul [in 3072, out 3584]. Per shape and tokens an expert (every one of the
-E local experts gets that many rows: 1..64 is decode, 2048 and 4096 prefill), the script first checks the kernel's
-output against ``torch._grouped_mm`` on the dequantised bf16 weights (the same products: relative RMS error under
-1e-3, and every element within 2^-7 of its reference plus 1e-3 of the largest; a case that fails is not timed), then
-times both (``triton.testing.do_bench`` medians) and prints ms, the bf16 / MXFP4 time ratio (above 1: the kernel is
-faster), TFLOP/s, the weight bytes of each form and the weight bandwidth they imply (bytes / time). ``--blocks``
-overrides the kernel's tile sizes (and warps and pipeline stages), for tuning. GPU only: without CUDA it exits with
+E local experts gets that many rows: 1..64 is decode, 2048 and 4096 prefill), the script first checks each route's
+output (registers: the weights decoded in the matmul's registers; dequantize: decoded once to bf16, then
+``torch._grouped_mm``) against ``torch._grouped_mm`` on the dequantised bf16 weights (the same products: relative
+RMS error under 1e-3, and every element within 2^-7 of its reference plus 1e-3 of the largest; a case that fails is
+not timed), then times both routes and bf16 (``triton.testing.do_bench`` medians) and prints ms, the time of the
+weights' decode alone, the route ``mxfp4_route`` takes at that size, the bf16 / MXFP4 time ratio for that route
+(above 1: MXFP4 is faster), TFLOP/s, the weight bytes of each form and the weight bandwidth they imply (bytes /
+time). ``--blocks`` overrides the registers kernel's tile sizes (and warps and pipeline stages), for tuning. GPU only: without CUDA it exits with
 a message (``--help`` works anywhere). Writes ``mxfp4_experts.json`` under ``--out`` when given.
 """
 
@@ -33,8 +35,9 @@ REL_RMS_MAX = 1e-3
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=8, help="local experts E (default 8)")
-    p.add_argument("--tokens", default="1,4,16,64,2048,4096",
-                   help="rows an expert, comma-separated (default: decode 1,4,16,64 and prefill 2048,4096)")
+    p.add_argument("--tokens", default="1,4,16,64,256,512,1024,2048,4096",
+                   help="rows an expert, comma-separated (default: decode 1,4,16,64, the routes' crossover "
+                        "256,512,1024, prefill 2048,4096)")
     p.add_argument("--shapes", default="gate_up,down", help=f"which matmuls, comma-separated, of {sorted(SHAPES)}")
     p.add_argument("--blocks", default=None,
                    help="BLOCK_M,BLOCK_N,BLOCK_K[,NUM_WARPS,NUM_STAGES] for the kernel (default: mxfp4_blocks')")
@@ -76,7 +79,8 @@ def main(argv=None) -> int:
     from harness import Report, bench, log, rel
 
     from kimik3.ops.moe import ExpertGroups, mxfp4_grouped_mm
-    from kimik3.ops.moe.mxfp4_grouped_mm import mxfp4_blocks
+    from kimik3.ops.moe.mxfp4_dequantize import mxfp4_dequantize
+    from kimik3.ops.moe.mxfp4_grouped_mm import mxfp4_blocks, mxfp4_route
     from kimik3.quant.mx import dequantize, quantize
 
     report = Report(table=[])
@@ -85,8 +89,9 @@ def main(argv=None) -> int:
     cuda = dev.type == "cuda"
     E = args.experts
     log(f"{torch.cuda.get_device_name(dev) if cuda else dev}, torch {torch.__version__}, E = {E} local experts")
-    log(f"{'shape':>8} {'tok/exp':>7} {'rows':>6} {'M,N,K,warps,stages':>20} {'mxfp4 ms':>9} {'bf16 ms':>9} "
-        f"{'ratio':>6} {'mxfp4 TF':>8} {'bf16 TF':>8} {'W mxfp4':>9} {'W bf16':>9} {'mxfp4 GB/s':>10} {'bf16 GB/s':>9}")
+    log(f"{'shape':>8} {'tok/exp':>7} {'rows':>6} {'M,N,K,warps,stages':>20} {'regs ms':>8} {'deq ms':>8} "
+        f"{'(decode)':>8} {'route':>10} {'bf16 ms':>8} {'ratio':>6} {'mxfp4 TF':>8} {'bf16 TF':>8} {'W mxfp4':>9} "
+        f"{'W bf16':>9} {'mxfp4 GB/s':>10} {'bf16 GB/s':>9}")
     for name in args.shapes:
         I, O = SHAPES[name]
         gen = torch.Generator(device=dev).manual_seed(0)
@@ -97,40 +102,55 @@ def main(argv=None) -> int:
         bytes_mx = codes.numel() + scales.numel()
         bytes_bf16 = w_deq.numel() * 2
         w_EIO = None
+        with torch.inference_mode():
+            ms_decode = bench(lambda: mxfp4_dequantize(codes, scales), args.warmup, args.rep)
         for tokens in args.tokens:
             case = f"{name}:{tokens}"
             R = E * tokens
             x = torch.randn(R, I, device=dev, generator=gen).to(torch.bfloat16)
             groups = ExpertGroups.of(torch.full((E,), tokens, device=dev))
+            auto = mxfp4_route(R, E, O, x.dtype)
+            times = {}
             with torch.inference_mode():
-                run_mx = lambda: mxfp4_grouped_mm(x, codes, scales, groups, **args.blocks)  # noqa: E731
                 run_bf16 = lambda: torch._grouped_mm(x, w_deq, offs=groups.offsets_E)  # noqa: E731
-                y, ref = run_mx().float(), run_bf16().float()
-                err = rel(ref, y)
+                ref = run_bf16().float()
                 bound = ref.abs() * 2.0 ** -7 + 1e-3 * ref.abs().max()
-                ok = err < REL_RMS_MAX and bool(((y - ref).abs() <= bound).all())
-                report.verdict(f"{case}:matches_bf16", ok, f"rel_rms {err:.2e}")
-                if not ok:
+                for route in ("registers", "dequantize"):
+                    extra = args.blocks if route == "registers" else {}
+                    run = lambda: mxfp4_grouped_mm(x, codes, scales, groups, route=route, **extra)  # noqa: E731
+                    y = run().float()
+                    err = rel(ref, y)
+                    ok = err < REL_RMS_MAX and bool(((y - ref).abs() <= bound).all())
+                    report.verdict(f"{case}:{route}:matches_bf16", ok, f"rel_rms {err:.2e}")
+                    if ok:
+                        times[route] = (bench(run, args.warmup, args.rep), err)
+                if auto not in times:
                     continue
-                ms_mx = bench(run_mx, args.warmup, args.rep)
                 ms_bf16 = bench(run_bf16, args.warmup, args.rep)
+            ms_mx, err = times[auto]
             flops = 2.0 * R * I * O
             chosen = mxfp4_blocks(R, E, O, I)
             blocks = [args.blocks.get(n, v) for n, v in
                       zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), chosen)]
             row = {"shape": name, "I": I, "O": O, "experts": E, "tokens_per_expert": tokens, "rows": R,
-                   "blocks": blocks,
+                   "blocks": blocks, "route": auto, "registers_ms": times.get("registers", (None,))[0],
+                   "dequantize_ms": times.get("dequantize", (None,))[0], "dequantize_weights_ms": ms_decode,
                    "mxfp4_ms": ms_mx, "bf16_ms": ms_bf16, "ratio_bf16_over_mxfp4": ms_bf16 / ms_mx,
                    "mxfp4_tflops": flops / ms_mx / 1e9, "bf16_tflops": flops / ms_bf16 / 1e9,
                    "weight_bytes_mxfp4": bytes_mx, "weight_bytes_bf16": bytes_bf16,
                    "mxfp4_weight_gbps": bytes_mx / ms_mx / 1e6, "bf16_weight_gbps": bytes_bf16 / ms_bf16 / 1e6,
                    "rel_rms": err}
             report.results["table"].append(row)
-            log(f"{name:>8} {tokens:>7} {R:>6} {','.join(map(str, blocks)):>20} {ms_mx:>9.4f} {ms_bf16:>9.4f} "
+
+            def ms(v):
+                return f"{v:.4f}" if v is not None else "-"
+
+            log(f"{name:>8} {tokens:>7} {R:>6} {','.join(map(str, blocks)):>20} {ms(row['registers_ms']):>8} "
+                f"{ms(row['dequantize_ms']):>8} {ms_decode:>8.4f} {auto:>10} {ms_bf16:>8.4f} "
                 f"{row['ratio_bf16_over_mxfp4']:>6.2f} {row['mxfp4_tflops']:>8.1f} {row['bf16_tflops']:>8.1f} "
                 f"{bytes_mx / 2 ** 20:>7.1f}MB {bytes_bf16 / 2 ** 20:>7.1f}MB {row['mxfp4_weight_gbps']:>10.0f} "
                 f"{row['bf16_weight_gbps']:>9.0f}")
-        codes = scales = w_deq = mx = x = y = ref = None  # this shape's tensors freed before the next one's
+        codes = scales = w_deq = mx = x = y = ref = run = None  # this shape's tensors freed before the next one's
         if cuda:
             torch.cuda.empty_cache()
     return report.finish(t0, args.out, "mxfp4_experts.json")

@@ -1,5 +1,6 @@
-"""Tests of the grouped matmul over MXFP4 expert weights (kimik3/ops/moe/mxfp4_grouped_mm.py): the Triton kernel and
-the torch path against ``dequantize`` + a per-expert fp32 matmul.
+"""Tests of the grouped matmul over MXFP4 expert weights (kimik3/ops/moe/mxfp4_grouped_mm.py): its registers kernel,
+its dequantize route (kimik3/ops/moe/mxfp4_dequantize.py, then ``torch._grouped_mm``) and the torch path against
+``dequantize`` + a per-expert fp32 matmul; the dequantize kernel bit for bit against ``dequantize``.
 
 The kernel's products are exact (the activations come in bf16 or fp32, the decoded weights are exact in both), so
 fp32 activations are compared to the fp32 reference within fp32 accumulation error, bf16 ones within that plus half
@@ -26,7 +27,8 @@ import torch
 
 from kimik3.ops.moe.grouped_mm import ExpertGroups
 from kimik3.quant.mx import MXTensor, dequantize, quantize
-from kimik3.ops.moe.mxfp4_grouped_mm import mxfp4_backend, mxfp4_blocks, mxfp4_grouped_mm
+from kimik3.ops.moe.mxfp4_dequantize import mxfp4_dequantize
+from kimik3.ops.moe.mxfp4_grouped_mm import DEQUANTIZE_ROWS, mxfp4_backend, mxfp4_blocks, mxfp4_grouped_mm, mxfp4_route
 from tests.kernel_testing import DEV, HAS_KERNELS, interpreter_setup, needs_kernels, ON_GPU  # noqa: F401 (interpreter_setup: autouse)
 
 FP32_EPS = 2.0 ** -24
@@ -218,6 +220,105 @@ def test_every_code_decodes_exactly(dtype):
     assert torch.equal(y.float(), torch.cat(list(w.to(dtype).float())))
 
 
+def assert_same_bf16(w_EOI, mx):
+    """w_EOI [E, O, I] is ``dequantize(mx)`` in bf16 ([E, I, O]) transposed, bit for bit (NaN where it is NaN)."""
+    ref = dequantize(mx, torch.bfloat16).transpose(1, 2)
+    assert w_EOI.dtype == torch.bfloat16 and w_EOI.shape == ref.shape and w_EOI.is_contiguous()
+    assert torch.equal(w_EOI.isnan(), ref.isnan())
+    assert torch.equal(w_EOI.nan_to_num(0.0).view(torch.int16), ref.nan_to_num(0.0).view(torch.int16))
+
+
+@needs_kernels
+@pytest.mark.parametrize("E, I, O", [(3, 96, 40), (1, 32, 16), (2, 288, 72)])  # partial K and N tiles; one block;
+def test_dequantize_kernel_is_bit_exact(E, I, O):                             # two K tiles, the second partial
+    assert_same_bf16(mxfp4_dequantize(weights(E, I, O).codes, weights(E, I, O).scales), weights(E, I, O))
+
+
+@needs_kernels
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # scale code 254: inf, as asked
+def test_dequantize_kernel_every_code_and_scale():
+    """Every byte value under scale codes 0 (2^-127: bf16 subnormal results), 1, 100..160, 254 (past bf16's range:
+    inf, as ``dequantize`` gives) and 255 (NaN)."""
+    E, I, O = 2, 64, 40
+    scales = torch.arange(100, 100 + E * O * 2).reshape(E, O, 2) % 61 + 100
+    scales[0, :4, 0] = torch.tensor([0, 1, 254, 255])
+    mx = every_code_weight(E, I, O, scales)
+    w = mxfp4_dequantize(mx.codes, mx.scales)
+    assert_same_bf16(w, mx)
+    assert bool(w.isinf().any()) and bool(w.isnan().any()) and bool(((w != 0) & (w.abs() < 2.0 ** -126)).any())
+
+
+@needs_kernels
+def test_dequantize_kernel_strided_codes_and_bad_inputs():
+    mx = weights(2, 64, 24)
+    codes = torch.zeros(2, 24, 64, dtype=torch.uint8, device=DEV)
+    codes[:, :, ::2] = mx.codes
+    assert_same_bf16(mxfp4_dequantize(codes[:, :, ::2], mx.scales.transpose(1, 2).contiguous().transpose(1, 2)), mx)
+    for args, match in (((mx.codes[0], mx.scales), "codes_EOH must be a 3-D uint8"),
+                        ((mx.codes, mx.scales.float()), "scales_EOB must be a 3-D uint8"),
+                        ((mx.codes[:, :, :8], mx.scales), "multiple of 32"),
+                        ((mx.codes, mx.scales[:, :, :1]), r"scales_EOB must be \[E, O, I/32\]"),
+                        ((mx.codes, mx.scales.to("meta")), "scales_EOB is on meta")):
+        with pytest.raises(ValueError, match=match):
+            mxfp4_dequantize(*args)
+
+
+# (E, I, O, rows an expert): the dequantize route, with empty experts and rows past the last offset
+ROUTE_CASES = [(4, 96, 40, [3, 0, 17, 1], 2), (3, 64, 16, [0, 5, 0], 0), (2, 32, 8, [40, 9], 7)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("E, I, O, counts, extra", ROUTE_CASES)
+def test_dequantize_route_matches_the_reference(E, I, O, counts, extra):
+    mx = weights(E, I, O)
+    offsets = offsets_of(counts)
+    x = rows(sum(counts) + extra, I, torch.bfloat16)
+    with torch.no_grad():
+        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", route="dequantize")
+    assert_close_to_reference(y, x, mx, offsets)
+    assert torch.equal(y[sum(counts):], torch.zeros_like(y[sum(counts):]))
+
+
+@needs_kernels
+def test_auto_route_at_the_threshold():
+    """From DEQUANTIZE_ROWS rows an expert on average, "auto" takes the dequantize route, and the two routes agree
+    within a bf16 step of the output."""
+    E, I, O = 2, 32, 16
+    R = DEQUANTIZE_ROWS * E
+    assert mxfp4_route(R - 1, E, O, torch.bfloat16) == "registers"
+    assert mxfp4_route(R, E, O, torch.bfloat16) == "dequantize"
+    mx = weights(E, I, O)
+    offsets = offsets_of([R // 2 - 5, R // 2 + 5])
+    x = rows(R, I, torch.bfloat16)
+    with torch.no_grad():
+        auto = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton")
+        registers = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", route="registers")
+    assert_close_to_reference(auto, x, mx, offsets)
+    assert_close_to_reference(registers, x, mx, offsets)
+
+
+def test_route_choice():
+    big = DEQUANTIZE_ROWS * 8
+    assert mxfp4_route(big, 8, 3072, torch.bfloat16) == "dequantize"
+    assert mxfp4_route(big, 8, 3072, torch.float32) == "registers"      # fp32 activations: registers only
+    assert mxfp4_route(big, 8, 3068, torch.bfloat16) == "registers"     # O not a multiple of 8
+    assert mxfp4_route(8, 8, 3072, torch.bfloat16, "dequantize") == "dequantize"
+    assert mxfp4_route(big, 8, 3072, torch.bfloat16, "registers") == "registers"
+    with pytest.raises(ValueError, match="route must be one of"):
+        mxfp4_route(8, 8, 3072, torch.bfloat16, "fast")
+    for dtype, O in ((torch.float32, 3072), (torch.bfloat16, 3068)):
+        with pytest.raises(ValueError, match="route 'dequantize' runs torch._grouped_mm"):
+            mxfp4_route(8, 8, O, dtype, "dequantize")
+
+
+@needs_kernels
+def test_block_sizes_refused_on_the_dequantize_route():
+    mx = weights(2, 32, 16)
+    x = rows(3, 32, torch.bfloat16)
+    with pytest.raises(ValueError, match="tune the registers route"):
+        mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets_of([1, 2]), backend="triton", route="dequantize", block_m=16)
+
+
 @needs_kernels
 @pytest.mark.skipif(ON_GPU, reason="a GPU dot may flush fp32 subnormals")
 def test_scale_code_zero_is_two_to_the_minus_127():
@@ -324,7 +425,7 @@ def test_bad_inputs_are_named():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("per_expert", [1, 16, 256])
+@pytest.mark.parametrize("per_expert", [1, 16, 256, DEQUANTIZE_ROWS + 1])  # the last: the dequantize route
 @pytest.mark.parametrize("O, I", [(3072, 3584), (3584, 3072)])
 def test_k3_shapes_against_grouped_mm_on_gpu(O, I, per_expert):
     """K3's expert matmuls (8 local experts, one of them empty) against torch._grouped_mm on the dequantised bf16
@@ -342,18 +443,19 @@ def test_k3_shapes_against_grouped_mm_on_gpu(O, I, per_expert):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-def test_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("route", ["registers", "dequantize"])
+def test_cuda_graph_capture_and_replay(route):
     """Captured once, replayed with new rows and new offsets (another split of the same R rows, an expert emptied):
-    the kernel reads the offsets on the device, so the replay follows them."""
+    both routes read the offsets on the device, so the replay follows them."""
     E, I, O = 4, 96, 40
     mx = weights(E, I, O)
     offsets = offsets_of([3, 0, 17, 1])
     x = rows(21, I, torch.bfloat16)
     with torch.no_grad():
-        mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets)  # compile outside the capture
+        mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, route=route)  # compile outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets)
+            y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, route=route)
         x.copy_(rows(21, I, torch.bfloat16, seed=2))
         offsets.copy_(offsets_of([10, 5, 0, 6]))
         graph.replay()

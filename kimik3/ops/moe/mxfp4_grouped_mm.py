@@ -1,37 +1,36 @@
 """Grouped matmul over MXFP4 expert weights: ``y[r] = x[r] @ dequantize(W)[e(r)]`` for rows sorted by expert, the
-weights read packed (E2M1 codes two a byte, E8M0 scales one per 32 elements along I) and decoded in registers.
+weights read packed (E2M1 codes two a byte, E8M0 scales one per 32 elements along I) and decoded on the device.
 
 The weights are ``kimik3.quant.mx.quantize(w_EIO, "mxfp4", axis=-2)``'s: codes [E, O, I/2] (uint8, the element at
 the even I index in the low nibble) and scales [E, O, I/32] (uint8 E8M0 codes, 2^(code - 127), 255 = NaN), i.e.
 blocks along I, the reduction axis. At 4.25 bits an element they are 3.8x smaller than bf16, which is what a decode
 step's expert matmuls (a few rows an expert, bound by weight bandwidth) gain.
 
-Triton kernel (CUDA; CPU tensors under TRITON_INTERPRET=1 for the tests). Hopper has no FP4 tensor cores, so each
-program decodes its [BLOCK_N, BLOCK_K] weight tile to bf16 and multiplies with ``tl.dot`` (bf16 operands, fp32
-accumulation; fp32 activations take the tile converted to fp32 into an IEEE fp32 dot). An E2M1 nibble ``s e1 e0 m``
-is placed into a bf16 bit pattern (sign at bit 15, ``e1 e0 m`` at bits 8..6: exponent field e, top mantissa bit m):
-that bf16 is the element's value times 2^-126, the subnormal code 1 (0.5) included, so one exact bf16 multiply by
-2^126 gives the value with no select (on sm_90 it compiles to ``HMUL2.BF16_V2`` without ``.FTZ``, which keeps
-subnormals; ``test_every_code_decodes_exactly`` checks it on a GPU). The block scale 2^(code - 127) is built from
-its bf16 bits (code 0: the subnormal 2^-127; 255: NaN) and multiplied in bf16, exact (an element has at most two
-significant bits). Both multiplies are packed two elements an instruction on sm_90 (``mul.bf16x2``); the decode is
-~8.5 instructions an element there (Triton 3.6, counted in the SASS of the decode tile), most of them the int16 bit
-moves. The decoded tile is ``[BLOCK_N, BLOCK_K / 2]`` low and high nibbles joined and interleaved to ``[BLOCK_N,
-BLOCK_K]``, transposed into the dot (the compiler decodes straight into the dot operand's register layout: only the
-codes and scales change layout).
+Two routes, chosen from the shapes (``mxfp4_route``):
 
-Grouping without a host sync: the grid is a fixed number of programs from the shapes only, ``M_TILES`` row tiles x
-``cdiv(O, BLOCK_N)`` column tiles, with M_TILES = min(R, R // BLOCK_M + E + 1), a bound on the row tiles of the E
-experts plus one more group, the rows past ``offsets_E[-1]`` (if any: they are written as zeros, so the output is
-defined for a padded batch). Each program reads ``offsets_E`` (E + 1 values), computes each group's tile count and
-their running sum (``tl.cumsum``), and finds its group and row range; programs past the real tiles return at once.
-Offsets are clamped to 0..R as read (out-of-range offsets cannot make the kernel read or write outside x or y;
-the result is then meaningless, not checked: that would be a host sync). Row tiles are ordered in groups of
-``GROUP_M`` within each column tile (the weight column block stays in L2 across an expert's row tiles, the x rows
-across the column tiles of the group).
+- **registers** (decode sizes, and fp32 activations): a Triton kernel (CUDA; CPU tensors under TRITON_INTERPRET=1
+  for the tests) whose programs decode their [BLOCK_N, BLOCK_K] weight tile to bf16 in registers
+  (``mxfp4_dequantize.decode_tile``) and multiply it with ``tl.dot`` (bf16 operands, fp32 accumulation; fp32
+  activations take the tile converted to fp32 into an IEEE fp32 dot). Hopper has no FP4 tensor cores; the weight
+  bytes a step reads shrink 3.8x.
+- **dequantize** (bf16 activations, at least ``DEQUANTIZE_ROWS`` rows an expert on average): the weights decoded
+  once to bf16 (``mxfp4_dequantize``), then ``torch._grouped_mm``. Where a row tile of the registers route would
+  decode each weight tile again for every row tile, and run its dot at half the tensor cores' rate behind the
+  decode, this pays one pass over the weights in bf16 on top of the bf16 GEMM. It needs a transient bf16 copy of
+  the weights (E x O x I x 2 bytes).
 
-Shapes decide everything at launch (block sizes from R / E, O, I), so the call can be captured in a CUDA graph and
-replayed with new x, weights and offsets. Forward only.
+The registers kernel groups without a host sync: its grid is a fixed number of programs from the shapes only,
+``M_TILES`` row tiles x ``cdiv(O, BLOCK_N)`` column tiles, with M_TILES = min(R, R // BLOCK_M + E + 1), a bound on
+the row tiles of the E experts plus one more group, the rows past ``offsets_E[-1]`` (if any: they are written as
+zeros, so the output is defined for a padded batch). Each program reads ``offsets_E`` (E + 1 values), computes each
+group's tile count and their running sum (``tl.cumsum``), and finds its group and row range; programs past the real
+tiles return at once. Offsets are clamped to 0..R as read (out-of-range offsets cannot make the kernel read or write
+outside x or y; the result is then meaningless, not checked: that would be a host sync). Row tiles are ordered in
+groups of ``GROUP_M`` within each column tile (the weight column block stays in L2 across an expert's row tiles, the
+x rows across the column tiles of the group).
+
+Shapes decide everything at launch (the route and block sizes from R / E, O, I), so the call can be captured in a
+CUDA graph and replayed with new x, weights and offsets. Forward only.
 
 The torch reference, and the CPU path, is ``dequantize`` + ``grouped_mm_loop``; ``mxfp4_backend`` makes the choice
 (``glue_backend``'s: CUDA -> the kernel, CPU -> torch, ``backend=`` to force one).
@@ -46,9 +45,10 @@ import torch
 
 from kimik3.ops.glue.common import _jit, check_triton_device, describe, glue_backend, on_device, tl, triton
 from kimik3.ops.moe.grouped_mm import ExpertGroups, grouped_mm_loop
+from kimik3.ops.moe.mxfp4_dequantize import decode_tile, mxfp4_dequantize
 from kimik3.quant.mx import BLOCK_SIZE, MXTensor, dequantize
 
-__all__ = ["mxfp4_backend", "mxfp4_blocks", "mxfp4_grouped_mm", "mxfp4_grouped_mm_reference"]
+__all__ = ["mxfp4_backend", "mxfp4_blocks", "mxfp4_grouped_mm", "mxfp4_grouped_mm_reference", "mxfp4_route"]
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -62,6 +62,12 @@ _DTYPES = (torch.bfloat16, torch.float32)
 DECODE_ROWS = 16
 PREFILL_ROWS = 256
 GROUP_M = 8
+# From this many rows an expert on average (bf16 activations) the weights are decoded once and the bf16 grouped GEMM
+# runs. Estimated at K3's shapes on an H200: decoding the eight experts' 3,584 x 3,072 weights once costs about the
+# bf16 GEMM of ~250 rows an expert, and the registers route's dot runs at half rate from ~256 rows; the crossover
+# lies between 256 and 1,024 rows. ``benchmarks/mxfp4_experts.py`` times both routes at every size.
+DEQUANTIZE_ROWS = 512
+ROUTES = ("auto", "registers", "dequantize")
 
 
 def mxfp4_blocks(R: int, E: int, O: int, I: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int]:
@@ -81,6 +87,22 @@ def mxfp4_blocks(R: int, E: int, O: int, I: int, dtype: torch.dtype = torch.bflo
     block_n = max(16, min(block_n, triton.next_power_of_2(O)))
     block_k = max(32, min(block_k, triton.next_power_of_2(I)))
     return block_m, block_n, block_k, num_warps, num_stages
+
+
+def mxfp4_route(R: int, E: int, O: int, dtype: torch.dtype, route: str = "auto") -> str:
+    """"registers" or "dequantize" for ``R`` rows over ``E`` experts of ``O`` outputs and ``dtype`` activations
+    (the module docstring says what each is). "auto" takes "dequantize" for bf16 from ``DEQUANTIZE_ROWS`` rows an
+    expert on average where ``torch._grouped_mm`` takes the shape (O a multiple of 8); fp32 activations only go
+    through "registers"."""
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    fits = dtype == torch.bfloat16 and O % 8 == 0
+    if route == "dequantize" and not fits:
+        raise ValueError(f"route 'dequantize' runs torch._grouped_mm in bf16: it takes bf16 activations and O a "
+                         f"multiple of 8, got {dtype} and O = {O}")
+    if route != "auto":
+        return route
+    return "dequantize" if fits and R >= DEQUANTIZE_ROWS * max(E, 1) else "registers"
 
 
 def mxfp4_backend(x_RI: torch.Tensor, backend: str = "auto") -> str:
@@ -162,7 +184,7 @@ def mxfp4_grouped_mm_reference(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scal
 
 @torch.compiler.disable  # an opaque kernel call to torch.compile: traced, its launcher breaks on symbolic sizes
 def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor,
-                     groups_or_offsets: ExpertGroups | torch.Tensor, *, backend: str = "auto",
+                     groups_or_offsets: ExpertGroups | torch.Tensor, *, backend: str = "auto", route: str = "auto",
                      block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """``y[r] = x[r] @ dequantize(W)[e]`` for the rows r of expert e: y_RO [R, O] in x's dtype, contiguous.
@@ -172,9 +194,11 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     or its ``offsets_E`` (int32 [E], the running row counts, ``torch._grouped_mm``'s offs). Rows past
     ``offsets_E[-1]`` come out as zeros. All on one device. ``backend``: "auto" (CUDA -> the Triton kernel, CPU ->
     the torch reference), "torch" or "triton" (CPU tensors need TRITON_INTERPRET=1 set before the kernels were
-    imported). The kernel is forward only (raises when grad is enabled and x requires grad) and does no host sync;
-    ``block_m`` / ``block_n`` / ``block_k`` / ``num_warps`` / ``num_stages`` override ``mxfp4_blocks``' choice (for
-    tests and tuning: block sizes powers of two, >= 16, BLOCK_K >= 32; num_warps a power of two; num_stages >= 1).
+    imported). ``route`` (the Triton backend's): "auto" (``mxfp4_route``), "registers" or "dequantize" (bf16 x, O a
+    multiple of 8). The kernels are forward only (raise when grad is enabled and x requires grad) and do no host
+    sync; ``block_m`` / ``block_n`` / ``block_k`` / ``num_warps`` / ``num_stages`` override ``mxfp4_blocks``' choice
+    for the registers route (for tests and tuning: block sizes powers of two, >= 16, BLOCK_K >= 32; num_warps a power
+    of two; num_stages >= 1).
     """
     offsets_E = _check(x_RI, codes_EOH, scales_EOB, groups_or_offsets)
     if mxfp4_backend(x_RI, backend) == "torch":
@@ -185,6 +209,12 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     check_triton_device(x_RI, "mxfp4_grouped_mm")
     R, I = x_RI.shape
     E, O, _ = codes_EOH.shape
+    blocks = (block_m, block_n, block_k, num_warps, num_stages)
+    if mxfp4_route(R, E, O, x_RI.dtype, route) == "dequantize":
+        if any(b is not None for b in blocks):
+            raise ValueError("block_m / block_n / block_k / num_warps / num_stages tune the registers route; this call "
+                             f"takes the dequantize route ({R} rows over {E} experts): pass route='registers'")
+        return _dequantized_grouped_mm(x_RI, codes_EOH, scales_EOB, offsets_E)
     for name, given, least in (("block_m", block_m, 16), ("block_n", block_n, 16), ("block_k", block_k, 32),
                                ("num_warps", num_warps, 1)):
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < least
@@ -210,26 +240,18 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     return y_RO
 
 
-@_jit
-def _decode_tile(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Packed codes [BLOCK_N, BLOCK_K / 2] (uint8) and their E8M0 scale codes [BLOCK_N, BLOCK_K / 32] -> the
-    decoded weights [BLOCK_N, BLOCK_K] in bf16, exact (element 2j from byte j's low nibble, 2j + 1 from its high
-    one)."""
-    # Each nibble into a bf16 bit pattern: sign to bit 15, exponent and mantissa bits to bits 6..8. That bf16 is the
-    # E2M1 value times 2^-126 (E2M1's subnormal 0.5 lands on bf16's subnormal 2^-127), so * 2^126 is exact. In int16
-    # (not int32 or via fp16): the fewest instructions an element on sm_90 (~8, for Triton 3.6, from the SASS).
-    c = codes.to(tl.int16)
-    lo = (((c << 6) & 0x1C0) | ((c << 12) & -0x8000)).to(tl.bfloat16, bitcast=True)
-    hi = (((c << 2) & 0x1C0) | ((c << 8) & -0x8000)).to(tl.bfloat16, bitcast=True)
-    # 2^(code - 127) from its bf16 bits: the exponent field is the code itself, but for code 0 (2^-127, a bf16
-    # subnormal) and code 255 (NaN). Two multiplies, not one by 2^(code - 1): that overflows bf16 from code 129 up.
-    s = scales.to(tl.int16)
-    bits = tl.where(s == 0, 0x0040, s << 7)
-    bits = tl.where(s == 255, 0x7FC0, bits)
-    scale = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    two_126 = tl.full([1, 1, 1], 0x7E80, tl.int16).to(tl.bfloat16, bitcast=True)  # (a bf16 literal: interpreter)
-    w = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K // 32, 32]) * two_126
-    return tl.reshape(w * scale[:, :, None], [BLOCK_N, BLOCK_K])
+def _dequantized_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor,
+                            offsets_E: torch.Tensor) -> torch.Tensor:
+    """The dequantize route: the weights decoded to bf16 once, then ``torch._grouped_mm``. Its offsets are made
+    non-decreasing within 0..R on the device (as the registers kernel clamps what it reads: bad offsets give a
+    meaningless result, never an access outside x or y), and the rows past the last offset, which it leaves
+    unwritten, are zeroed."""
+    R = x_RI.shape[0]
+    w_EOI = mxfp4_dequantize(codes_EOH, scales_EOB)
+    offs = torch.cummax(offsets_E.clamp(0, R), 0).values.to(torch.int32)
+    y_RO = torch._grouped_mm(x_RI.contiguous(), w_EOI.transpose(1, 2), offs=offs)
+    past = torch.arange(R, device=x_RI.device) >= offs[-1]
+    return y_RO.masked_fill_(past[:, None], 0)
 
 
 @_jit
@@ -285,7 +307,7 @@ def _mxfp4_grouped_mm_kernel(
                             mask=nmask[:, None] & ((k0 // 2 + hs) < I // 2)[None, :], other=0)
             scales = tl.load(s_rows + (k0 // 32 + bs)[None, :] * s_sb,
                              mask=nmask[:, None] & ((k0 // 32 + bs) < I // 32)[None, :], other=127)
-            w = _decode_tile(codes, scales, BLOCK_N, BLOCK_K)
+            w = decode_tile(codes, scales, BLOCK_N, BLOCK_K)
             if FP32:
                 acc = tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:

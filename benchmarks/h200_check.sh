@@ -2,7 +2,8 @@
 # One device call that checks and times on the GPU (H200, torch 2.11, Triton 3.6) the KDA kernels, or the serving
 # engine, the vision encoder and the torchtitan parity; logs under $OUT:
 #
-#   bash benchmarks/h200_check.sh [quick|kernels|check|train|precision|decode|serve|http|vision|parity]
+#   bash benchmarks/h200_check.sh [quick|kernels|check|train|precision|decode|serve|http|vision|parity|quant|trainstep|
+#                                  posttrain|moonep]
 #
 # quick      the GPU tests of the kernels (tests/ops/test_kda_triton.py, test_kda_gluon.py) and kda_gpu_probe.py
 #            (one process per shape, so a fault cannot hide the cases after it)                        <= 9 min
@@ -25,6 +26,14 @@
 #            image per forward                                                                        <= 4 min
 # parity     parity_torchtitan.py, both directions, fp32 and bf16 (carry .whl and third_party/torchtitan;
 #            benchmarks/setup_torchtitan.sh)                                                          <= 9.5 min
+# quant      the MXFP4 GPU tests (both routes of the expert matmul, packed experts, QAT ops), then
+#            mxfp4_experts.py: both routes against bf16 at K3's expert shapes, 1 to 4,096 rows an expert  <= 8 min
+# trainstep  train_gpu.py: the debug preset's whole training step (CUDA graph) with torchtitan's port timed in
+#            the same run (carry .whl and third_party/torchtitan)                                      <= 9.5 min
+# posttrain  partial_rollouts.py on the GPU (lambda 1 against 0.7, the rollout engine's tokens/s in its records)
+#            on the run POST_RUN (default runs/tiny-base3-sft30; carry it)                            <= 9 min
+# moonep     the MoonEP layer's no-sync check at world size 1 (tests/parallel/test_moonep_sync.py) and moonep.py's
+#            plan() latency (--latency)                                                                <= 4 min
 #
 # Options (environment): LIMIT0 (GPU 0's kernel step, s), LIMIT_TRAIN, LIMIT_DECODE, LIMIT_SERVE_DECODE; TRAIN_SEEDS
 # (seeds 0 .. N-1, 2 by default), TRAIN_NOISE=1 (kda_train_check.py --noise), TRAIN_ARGS (more of its options, e.g.
@@ -39,7 +48,7 @@
 # steps of a mode run side by side, one GPU each.
 set -u
 MODE=${1:-kernels}
-MODES="quick|kernels|check|train|precision|decode|serve|http|vision|parity"
+MODES="quick|kernels|check|train|precision|decode|serve|http|vision|parity|quant|trainstep|posttrain|moonep"
 case "|$MODES|" in *"|$MODE|"*) ;; *) echo "usage: $0 [$MODES]" >&2; exit 2 ;; esac
 OUT=${OUT:-./h200-logs}
 mkdir -p "$OUT"
@@ -158,5 +167,17 @@ case $MODE in
   parity)
     step 0 parity_torchtitan 560 python3 benchmarks/parity_torchtitan.py --fp32-experts --force-routing \
       --port-init device --compile eager --time-budget 540 --json "$OUT/parity_torchtitan.json" ;;
+  quant)
+    step 0 quant_tests 200 python3 -m pytest -v -rf ${XDIST[*]} tests/ops/test_mxfp4_grouped_mm.py tests/quant \
+      tests/serve/test_packed_experts.py
+    step 0 mxfp4_experts 280 python3 benchmarks/mxfp4_experts.py --out "$OUT" ;;
+  trainstep)
+    step 0 train_gpu 560 python3 benchmarks/train_gpu.py --peer torchtitan --json "$OUT/train_gpu.json" ;;
+  posttrain)
+    step 0 partial_rollouts 540 python3 benchmarks/partial_rollouts.py --run "${POST_RUN:-runs/tiny-base3-sft30}" \
+      --device cuda --iterations 8 --prompts 8 --group 8 --alpha 0.6 --cap 256 --out "$OUT/partial_rollouts.json" ;;
+  moonep)
+    step 0 moonep_sync 120 python3 -m pytest -v -rf tests/parallel/test_moonep_sync.py -k cuda
+    step 0 moonep_latency 120 python3 benchmarks/moonep.py --latency --json "$OUT/moonep_latency.json" ;;
 esac
 finish

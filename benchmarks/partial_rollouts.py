@@ -1,7 +1,7 @@
 """Partial rollouts: RL iteration wall time at --partial-lambda λ against waiting for every trajectory (λ = 1),
 with a long-tailed output-length distribution, and the reward against iterations (same seeds).
 
-    python benchmarks/partial_rollouts.py --run runs/tiny-base3-sft30 --iterations 6 --lambdas 1.0 0.7
+    python benchmarks/partial_rollouts.py --run runs/tiny-base3-sft30 --iterations 6 --lambdas 1.0 0.7 [--device cuda]
 
 Both settings run in one process, their iterations interleaved (one at a time: a baton passes between the two
 ``run_rl`` loops after every iteration), so the load of a shared machine weighs on both alike.
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="where both settings' engines and updates run (cpu or cuda)")
     p.add_argument("--out", help="write the records and the summary here (JSON)")
     args = p.parse_args(argv)
     if args.iterations < 2:
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rl.run_rl(args.run, domain="general", effort="low", iterations=args.iterations, group=args.group,
                       prompts=args.prompts, lr=args.lr, partial_lambda=lam, out=out_dir, seed=args.seed,
+                      device=args.device,
                       checkpoint_every="100000s", progress=False, log=lambda s: None, on_iteration=on_iteration)
         except BaseException as error:   # reported by the main thread
             errors.append(error)

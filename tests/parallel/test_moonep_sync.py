@@ -1,4 +1,5 @@
-"""The MoonEP layer reads nothing back to the host, forward or backward (gloo ranks, CPU).
+"""The MoonEP layer reads nothing back to the host, forward or backward: counted on gloo ranks (CPU), and on a GPU
+caught by CUDA's sync debug mode at world size 1 (the last test).
 
 A CPU has no device synchronisation to catch, so every Python-level way of reading a tensor's values on the
 host is patched to count its calls (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``, ``bool()``,
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 
+from kimik3.parallel.moonep import apply_expert_parallel
 from tests.parallel.gloo import run_ranks
 from tests.parallel.test_moonep import TOKENS_PER_RANK, moe_and_inputs
 
@@ -104,3 +107,36 @@ def test_moonep_layer_reads_nothing_on_the_host(tmp_path):
         assert out["moonep.grad"].abs().sum() > 0
     assert sum(int(o["moonep.foreign"]) for o in outs) > 0   # the skewed router made MoonEP move experts
     assert sum(int(o["none.foreign"]) for o in outs) == 0
+
+
+def _cuda_sync_worker(planner: str) -> tuple[bool, str]:
+    """In a process group of one NCCL rank on one GPU: a bf16 LatentMoE under expert parallelism, warmed up once,
+    then forward + backward with CUDA's sync debug mode at "error". Returns (raised, message)."""
+    moe, x, upstream = moe_and_inputs(TOKENS_PER_RANK)
+    moe, x, upstream = (t.to("cuda", torch.bfloat16) for t in (moe, x, upstream))
+    apply_expert_parallel(moe, dist.group.WORLD, planner=planner)
+    (moe(x) * upstream).sum().backward()            # lazy initialisation (cuBLAS, Triton compiles) outside
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        (moe(x) * upstream).sum().backward()
+        return False, ""
+    except RuntimeError as error:
+        return True, str(error)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_moonep_layer_has_no_cuda_sync_at_world_size_one(tmp_path):
+    """On the GPU (the issue's check at world size 1): MoonEP's forward and backward make no host synchronisation;
+    plain EP's routing-dependent buffer size is caught by the same check (which shows it sees syncs)."""
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        moonep = _cuda_sync_worker("moonep")
+        plain = _cuda_sync_worker("none")
+    finally:
+        dist.destroy_process_group()
+    assert moonep == (False, ""), f"MoonEP synchronised with the host: {moonep[1]}"
+    assert plain[0] and "synchroniz" in plain[1], plain

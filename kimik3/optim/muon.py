@@ -88,7 +88,8 @@ class Muon(torch.optim.Optimizer):
     Args:
         params: tensors, (name, tensor) pairs, or param-group dicts (which may set any option
             below, ``split`` in particular).
-        lr: learning rate (float, >= 0). AdamW-scale values work (the update RMS is ~rms_scale*lr).
+        lr: learning rate (float, >= 0). AdamW-scale values work (the update RMS is ~rms_scale*lr). A 0-dim
+            tensor is read where it lies at every step (a CUDA-graphed step: the schedule writes it in place).
         weight_decay: decoupled decay factor (>= 0), applied as p *= 1 - lr * weight_decay.
         momentum: in [0, 1).
         nesterov: use the Nesterov look-ahead (default True).
@@ -143,8 +144,13 @@ class Muon(torch.optim.Optimizer):
         batched: list[_Entry] = []  # plain tensors, and the local shards of shard-local DTensors
         crossing: list[Crossing] = []  # sharded parameters whose blocks cross shards: distributed below
         for group in self.param_groups:
-            lr, momentum = float(group["lr"]), float(group["momentum"])
-            decay = 1.0 - lr * float(group["weight_decay"])
+            lr, momentum = group["lr"], float(group["momentum"])
+            if isinstance(lr, torch.Tensor):
+                # A learning rate held in a tensor (a CUDA-graphed step reads it where it lies, so a schedule can
+                # change it between replays): the decay factor stays a tensor too, always applied.
+                decay = 1.0 - lr.double() * float(group["weight_decay"])
+            else:
+                decay = 1.0 - float(lr) * float(group["weight_decay"])
             ns_dtype = _NS_DTYPES[_ns_dtype_name(group["ns_dtype"])]
             names = group.get("param_names") or [f"param {i}" for i in range(len(group["params"]))]
             members: list[_Entry] = []
@@ -180,11 +186,11 @@ class Muon(torch.optim.Optimizer):
             # The decay factor goes in as a CPU float64 scalar tensor: that is ``p.mul_(decay)`` on every
             # device (CUDA reads it as a scalar), whereas the float overload's CPU kernel first rounds
             # the factor to the parameters' dtype (0.998 -> 0.99609375 for bf16).
-            decay_t = torch.tensor(decay, dtype=torch.float64)
+            decay_t = decay if isinstance(decay, torch.Tensor) else torch.tensor(decay, dtype=torch.float64)
             for same in _by_device_and_dtype(members):
                 torch._foreach_lerp_([e.buf for e in same], [e.grad for e in same], 1.0 - momentum)
-                if decay != 1.0:  # x * 1.0 is x: skip the launch
-                    torch._foreach_mul_([e.param for e in same], decay_t)
+                if isinstance(decay, torch.Tensor) or decay != 1.0:  # x * 1.0 is x: skip the launch
+                    torch._foreach_mul_([e.param for e in same], decay_t.to(same[0].param.device))
             batched += members
         for chunk in _ns_chunks(batched):
             _step_chunk(chunk)
@@ -289,20 +295,28 @@ def _step_chunk(chunk: list[tuple[_Entry, int, int]]) -> None:
     ortho_BMN = ortho_BMN.to(torch.promote_types(first.param.dtype, first.ns_dtype),
                              memory_format=torch.contiguous_format).contiguous()
 
-    adds: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # alpha -> (params, updates)
+    # The update is -lr * scale * O. Keyed (lr * scale, None) for a float lr, (scale, lr) for a tensor one.
+    adds: dict[tuple[float, torch.Tensor | None], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for (e, h0, h1), piece in zip(chunk, ortho_BMN.split([h1 - h0 for _, h0, h1 in chunk]), strict=True):
         if (h0, h1) != (0, e.layout.blocks):  # a slice of an entry larger than a batch
             e.pieces.append(piece)
             if h1 < e.layout.blocks:
                 continue
             piece = torch.cat(e.pieces)
-        alpha = -float(e.group["lr"]) * float(e.group["rms_scale"]) * e.layout.lr_ratio
-        params, updates = adds.setdefault(alpha, ([], []))
+        lr = e.group["lr"]
+        scale = float(e.group["rms_scale"]) * e.layout.lr_ratio
+        key = (scale, lr) if isinstance(lr, torch.Tensor) else (float(lr) * scale, None)
+        params, updates = adds.setdefault(key, ([], []))
         params.append(e.param)
         updates.append(e.layout.from_blocks(piece, e.param.shape))
         e.direction, e.pieces = None, []
-    for alpha, (params, updates) in adds.items():
-        torch._foreach_add_(params, updates, alpha=alpha)
+    for (number, lr_t), (params, updates) in adds.items():
+        if lr_t is None:
+            torch._foreach_add_(params, updates, alpha=-number)
+        else:
+            scale = number
+            factor = (lr_t.double() * -scale).to(updates[0].device)
+            torch._foreach_add_(params, torch._foreach_mul(updates, factor))
 
 
 # --------------------------------------------------------------------------- K3 grouping

@@ -210,3 +210,33 @@ def test_empty_matrices_step():
             p.grad = torch.zeros_like(p)
         opt.step()
     assert [tuple(p.shape) for p in params] == [(0, 8), (8, 0), (0, 4, 4)]
+
+
+def test_tensor_learning_rate_is_read_at_each_step():
+    """Learning rates held in 0-dim tensors (what a CUDA-graphed step reads, the schedule writing them in place
+    between steps): the same parameters as float ones to fp32 rounding (the tensor path scales the update before
+    adding it, one more rounding), a write to the tensor taking effect at the next step, and lr 0 leaving the
+    parameters unchanged (no decay, no update)."""
+    opt, params = build("float32")
+    ref_opt, ref_params = build("float32")
+    lrs = [torch.tensor(float(g["lr"]), dtype=torch.float64) for g in opt.param_groups]
+    for group, lr in zip(opt.param_groups, lrs):
+        group["lr"] = lr
+    for step in range(3):
+        for lr, ref_group in zip(lrs, ref_opt.param_groups):
+            value = float(ref_group["lr"]) * (0.5 if step == 2 else 1.0)
+            lr.fill_(value)
+            ref_group["lr"] = value
+        set_grads(params, step)
+        set_grads(ref_params, step)
+        opt.step()
+        ref_opt.step()
+        for name, p in params.items():
+            torch.testing.assert_close(p, ref_params[name], rtol=2e-6, atol=2e-6, msg=f"step {step}: {name}")
+    before = {name: p.detach().clone() for name, p in params.items()}
+    for lr in lrs:
+        lr.zero_()
+    set_grads(params, 3)
+    opt.step()
+    for name, p in params.items():
+        assert torch.equal(p, before[name]), name

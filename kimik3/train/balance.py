@@ -368,13 +368,23 @@ class _RouterBalancer:
         if self.all_reduce is not None:
             self.all_reduce(self._buffer)
 
-    def _metrics(self, extra: dict[str, list[float]] | None = None) -> dict:
+    def _metric_values(self, change: torch.Tensor | None) -> torch.Tensor:
+        """The metrics of the counts since the last step, on the device: [L ratios, L token counts, the largest
+        bias change] (fp64; NaN change when there is none)."""
         ratios, tokens = [], []
         for index, router in enumerate(self.routers):
             loads_E = self.loads(index).double()
             ratios.append(loads_E.max() / loads_E.mean())  # NaN (0/0) for a router that saw nothing
             tokens.append(loads_E.sum() / router.top_k)
-        ratio_L, tokens_L = torch.stack(ratios).tolist(), torch.stack(tokens).tolist()  # one host sync
+        last = (change.double().reshape(1) if change is not None
+                else torch.full((1,), math.nan, dtype=torch.float64, device=self._buffer.device))
+        return torch.cat([torch.stack(ratios), torch.stack(tokens), last])
+
+    def metrics_of(self, values: torch.Tensor) -> dict:
+        """``step_on_device``'s tensor as ``step()``'s metrics dict (one host read)."""
+        values_L = values.tolist()
+        count = len(self.routers)
+        ratio_L, tokens_L, change = values_L[:count], values_L[count:2 * count], values_L[-1]
         seen = [r for r in ratio_L if not math.isnan(r)]
         metrics = {
             "load_max_over_mean": ratio_L,
@@ -382,15 +392,41 @@ class _RouterBalancer:
             "load_max_over_mean_max": max(seen) if seen else math.nan,
             "tokens": int(max(tokens_L)),
         }
-        metrics.update(extra or {})
+        if not math.isnan(change):
+            metrics["bias_update_max"] = change
         return metrics
+
+    @torch.no_grad()
+    def step(self) -> dict:
+        """All-reduce the counts, update every bias, clear; returns metrics of the tokens since the last step.
+
+        Metrics: ``load_max_over_mean`` (per router, max/mean expert load of those tokens under the
+        biases they were routed with; NaN for a router that saw none), its ``_mean`` and ``_max``
+        over routers, ``tokens`` (tokens seen, all ranks) and ``bias_update_max`` (largest
+        |new - old| bias, score units).
+        """
+        return self.metrics_of(self.step_on_device())
+
+    @torch.no_grad()
+    def step_on_device(self, apply: torch.Tensor | None = None) -> torch.Tensor:
+        """``step()`` without reading anything back to the host, so that it can be captured in a CUDA graph: the
+        biases move only where ``apply`` (a bool tensor; None: always) is true, the counts are cleared either
+        way. Returns the metrics as a tensor for ``metrics_of``."""
+        self._all_reduce()
+        values = self._metric_values(self._update_biases(apply))
+        self._clear()
+        return values
+
+    def _update_biases(self, apply: torch.Tensor | None) -> torch.Tensor:
+        """Set every router's bias from the counts, where ``apply``; returns the largest change (a tensor)."""
+        raise NotImplementedError
 
     def discard(self) -> dict:
         """Drop what was accumulated since the last step without touching any bias (no communication).
 
         Returns the local metrics of the dropped window. Use after a skipped optimizer step.
         """
-        metrics = self._metrics()
+        metrics = self.metrics_of(self._metric_values(None))
         self._clear()
         return metrics
 
@@ -484,16 +520,7 @@ class QuantileBalancer(_RouterBalancer):
         if not self.keep_scores:
             stats.drop_scores()
 
-    @torch.no_grad()
-    def step(self) -> dict:
-        """All-reduce the counts, set every bias, clear; returns metrics of the tokens since the last step.
-
-        Metrics: ``load_max_over_mean`` (per router, max/mean expert load of those tokens under the
-        biases they were routed with; NaN for a router that saw none), its ``_mean`` and ``_max``
-        over routers, ``tokens`` (tokens seen, all ranks) and ``bias_update_max`` (largest
-        |new - old| bias, score units).
-        """
-        self._all_reduce()
+    def _update_biases(self, apply: torch.Tensor | None) -> torch.Tensor:
         changes = []
         for index, router in enumerate(self.routers):
             if router.top_k >= router.num_experts:
@@ -503,15 +530,16 @@ class QuantileBalancer(_RouterBalancer):
             quantile_E = histogram_quantile(histogram_EB, low, high, router.top_k / router.num_experts)
             old_E = router.expert_bias
             seen = histogram_EB[0].sum() > 0
+            if apply is not None:
+                seen = seen & apply
             # torch.where, not an `if`, so a router that saw nothing costs no host sync.
             target_E = _centred(quantile_E).to(old_E.dtype)
             new_E = torch.where(seen, old_E + self.rate * (target_E - old_E), old_E)
             changes.append((new_E - old_E).abs().max())
             old_E.copy_(new_E)
-        change = float(torch.stack(changes).max()) if changes else 0.0
-        metrics = self._metrics({"bias_update_max": change})
-        self._clear()
-        return metrics
+        if not changes:
+            return torch.zeros((), dtype=torch.float64, device=self._buffer.device)
+        return torch.stack(changes).max()
 
     def _clear(self) -> None:
         super()._clear()
@@ -539,19 +567,18 @@ class SignBalancer(_RouterBalancer):
         self.gamma = gamma
         self._allocate([{"loads": (r.num_experts,)} for r in self.routers])
 
-    @torch.no_grad()
-    def step(self) -> dict:
-        """All-reduce the loads, nudge every bias by +-gamma, clear; metrics as ``QuantileBalancer.step``."""
-        self._all_reduce()
+    def _update_biases(self, apply: torch.Tensor | None) -> torch.Tensor:
+        """Nudge every bias by +-gamma (where ``apply``); the change reported is gamma (0 where not applied)."""
         for index, router in enumerate(self.routers):
             loads_E = self.loads(index)
             if router.top_k < router.num_experts:
                 seen = loads_E.sum() > 0
+                if apply is not None:
+                    seen = seen & apply
                 router.expert_bias.copy_(torch.where(seen, sign_update(router.expert_bias, loads_E, self.gamma)
                                                      .to(router.expert_bias.dtype), router.expert_bias))
-        metrics = self._metrics({"bias_update_max": self.gamma})
-        self._clear()
-        return metrics
+        gamma = torch.full((), self.gamma, dtype=torch.float64, device=self._buffer.device)  # a fill: capturable
+        return gamma if apply is None else gamma * apply
 
 
 __all__ = [

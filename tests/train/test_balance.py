@@ -268,6 +268,28 @@ def test_discard_clears_without_updating():
     assert int(qb.histogram(0).sum()) == 0
 
 
+@pytest.mark.parametrize("kind", ["quantile", "sign"])
+def test_step_on_device_is_step_and_apply_false_is_discard(kind):
+    """``step_on_device`` (what a CUDA-graphed training step runs) sets the biases ``step()`` sets and gives its
+    metrics through ``metrics_of``; with ``apply`` false it leaves the biases, clears the counts, and reports the
+    window with no change."""
+    def build():
+        router = random_router(8, 6, 2)
+        return router, (QuantileBalancer([router], num_bins=64) if kind == "quantile" else SignBalancer([router]))
+    x_TD = router_inputs(300, 8)
+    (router_a, a), (router_b, b), (router_c, c) = build(), build(), build()
+    for balancer in (a, b, c):
+        observed(balancer, x_TD)
+    metrics = a.step()
+    assert b.metrics_of(b.step_on_device(torch.tensor(True))) == metrics
+    assert torch.equal(router_b.expert_bias, router_a.expert_bias) and not torch.equal(router_a.expert_bias,
+                                                                                       torch.zeros(6))
+    skipped = c.metrics_of(c.step_on_device(torch.tensor(False)))
+    assert torch.equal(router_c.expert_bias, torch.zeros(6)) and int(c.loads(0).sum()) == 0
+    assert skipped["bias_update_max"] == 0.0 and skipped["tokens"] == metrics["tokens"] == 300
+    assert skipped["load_max_over_mean"] == metrics["load_max_over_mean"]
+
+
 def test_bias_never_changes_the_mixture_weights_in_a_latent_moe():
     config = K3Config.preset("tiny")
     torch.manual_seed(0)

@@ -380,9 +380,9 @@ class _RouterBalancer:
                 else torch.full((1,), math.nan, dtype=torch.float64, device=self._buffer.device))
         return torch.cat([torch.stack(ratios), torch.stack(tokens), last])
 
-    def metrics_of(self, values: torch.Tensor) -> dict:
-        """``step_on_device``'s tensor as ``step()``'s metrics dict (one host read)."""
-        values_L = values.tolist()
+    def metrics_of(self, values: torch.Tensor | Sequence[float]) -> dict:
+        """``step_on_device``'s tensor (or its values, read already) as ``step()``'s metrics dict."""
+        values_L = values.tolist() if isinstance(values, torch.Tensor) else list(values)
         count = len(self.routers)
         ratio_L, tokens_L, change = values_L[:count], values_L[count:2 * count], values_L[-1]
         seen = [r for r in ratio_L if not math.isnan(r)]

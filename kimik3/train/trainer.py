@@ -178,7 +178,11 @@ class Trainer:
                             ep_planner=args.ep_planner)
         from kimik3.optim import build_param_groups
 
-        self.optimizer = build_param_groups(self.model, lr=args.lr, weight_decay=args.weight_decay)
+        # The step replayed as a CUDA graph (train/graphed_step.py) where it can be: one CUDA device, one process,
+        # batches of fixed shapes (a multimodal batch's images vary). Its AdamW keeps its step count on the device.
+        graphed = args.cuda_graph and self.device.type == "cuda" and self.dims.world == 1 and not args.vision
+        self.optimizer = build_param_groups(self.model, lr=args.lr, weight_decay=args.weight_decay,
+                                            capturable=graphed)
         self.balancer = self._build_balancer()
         self.step = 0
         self.nonfinite_total = 0
@@ -192,6 +196,20 @@ class Trainer:
         self.run_dir = prepare_run_dir(args, self.model_config.name, self.resume_dir is not None, self.ctx, self.log)
         if self.resume_dir is not None:
             self._restore()
+        self.graphed = None
+        if graphed:
+            from kimik3.train.graphed_step import GraphedTrainStep
+
+            self.graphed = GraphedTrainStep(self)
+
+    def _step_kind(self, args: TrainArgs) -> str:
+        if self.graphed is not None:
+            return "replayed as a CUDA graph (one capture per batch shape; --no-cuda-graph: eager)"
+        if self.device.type != "cuda":
+            return f"eager on {self.device.type}"
+        reason = ("--no-cuda-graph" if not args.cuda_graph else "several processes" if self.dims.world > 1
+                  else "multimodal batches vary in shape")
+        return f"eager on cuda ({reason})"
 
     @property
     def dims(self) -> ParallelDims:
@@ -278,9 +296,9 @@ class Trainer:
     def shape_for(self, seq: int) -> tuple[int, int]:
         return self.args.batch_size or max(1, self.args.tokens_per_step // seq), seq
 
-    def _autocast(self):
+    def _autocast(self, cache_enabled: bool = True):
         if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+            return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache_enabled)
         return torch.autocast("cpu", enabled=False)
 
     def train_step(self, step: int, total: int) -> dict[str, Any]:
@@ -290,6 +308,8 @@ class Trainer:
         inputs, labels, images = self._draw(step, batch, seq)
         lr_scale = cosine_lr(step, total, 1.0, max(1, round(self.args.warmup_fraction * total)),
                              self.args.min_lr_ratio)
+        if self.graphed is not None:
+            return self.graphed.train_step(step, total, (batch, seq), inputs, labels, lr_scale)
         for group in self.optimizer.param_groups:
             group["lr"] = group["base_lr"] * lr_scale
 
@@ -467,6 +487,7 @@ class Trainer:
                 self.log(f"{line or ''}; train further with --resume {self.run_dir} --steps N")
                 self.total = self.planner.total = total = self.step
         self.log(f"data: {self.data.describe()}; unigram val loss {self.unigram:.3f}")
+        self.log(f"training step: {self._step_kind(a)}")
         metrics_path = self.run_dir / METRICS_FILE
         history: list[dict[str, Any]] = []
         recent: deque[float] = deque(maxlen=10)   # next-token losses: the bar's, the summary's, the plot's smoothing

@@ -3,7 +3,7 @@
 # engine, the vision encoder and the torchtitan parity; logs under $OUT:
 #
 #   bash benchmarks/h200_check.sh [quick|kernels|check|train|precision|decode|serve|http|vision|parity|quant|trainstep|
-#                                  posttrain|moonep]
+#                                  trainrun|posttrain|moonep]
 #
 # quick      the GPU tests of the kernels (tests/ops/test_kda_triton.py, test_kda_gluon.py) and kda_gpu_probe.py
 #            (one process per shape, so a fault cannot hide the cases after it)                        <= 9 min
@@ -30,6 +30,8 @@
 #            mxfp4_experts.py: both routes against bf16 at K3's expert shapes, 1 to 4,096 rows an expert  <= 8 min
 # trainstep  train_gpu.py: the debug preset's whole training step (CUDA graph) with torchtitan's port timed in
 #            the same run (carry .whl and third_party/torchtitan)                                      <= 9.5 min
+# trainrun   the Trainer's graphed step on the GPU (tests/train/test_graphed_step.py, test_captured_step.py), then
+#            kimik3 train on the debug preset, 4 x 4,096 tokens a step, 20 steps with the CUDA graph and without <= 9 min
 # posttrain  partial_rollouts.py on the GPU (lambda 1 against 0.7, the rollout engine's tokens/s in its records)
 #            on the run POST_RUN (default runs/tiny-base3-sft30; carry it)                            <= 9 min
 # moonep     the MoonEP layer's no-sync check at world size 1 (tests/parallel/test_moonep_sync.py) and moonep.py's
@@ -48,7 +50,7 @@
 # steps of a mode run side by side, one GPU each.
 set -u
 MODE=${1:-kernels}
-MODES="quick|kernels|check|train|precision|decode|serve|http|vision|parity|quant|trainstep|posttrain|moonep"
+MODES="quick|kernels|check|train|precision|decode|serve|http|vision|parity|quant|trainstep|trainrun|posttrain|moonep"
 case "|$MODES|" in *"|$MODE|"*) ;; *) echo "usage: $0 [$MODES]" >&2; exit 2 ;; esac
 OUT=${OUT:-./h200-logs}
 mkdir -p "$OUT"
@@ -173,6 +175,12 @@ case $MODE in
     step 0 mxfp4_experts 280 python3 benchmarks/mxfp4_experts.py --out "$OUT" ;;
   trainstep)
     step 0 train_gpu 560 python3 benchmarks/train_gpu.py --peer torchtitan --json "$OUT/train_gpu.json" ;;
+  trainrun)
+    step 0 train_graph_tests 150 python3 -m pytest -v -rf tests/train/test_graphed_step.py tests/train/test_captured_step.py
+    for GRAPH in cuda-graph no-cuda-graph; do
+      step 0 "kimik3_train_$GRAPH" 180 python3 -m kimik3 train --preset debug --device cuda --steps 20 --seq-len 4096 \
+        --batch-size 4 --checkpoint-every 1000 --no-progress --"$GRAPH" --out "/tmp/train-debug-$GRAPH"
+    done ;;
   posttrain)
     step 0 partial_rollouts 540 python3 benchmarks/partial_rollouts.py --run "${POST_RUN:-runs/tiny-base3-sft30}" \
       --device cuda --iterations 8 --prompts 8 --group 8 --alpha 0.6 --cap 256 --out "$OUT/partial_rollouts.json" ;;

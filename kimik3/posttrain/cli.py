@@ -154,19 +154,20 @@ def add_posttrain_parsers(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(func=cmd_eval_tasks)
 
-    r = sub.add_parser("rl", help="on-policy RL with verifiable rewards on one (domain, effort), rollouts on the "
-                       "serving engine (docs/posttraining.md)")
+    r = sub.add_parser("rl", help="on-policy RL with verifiable rewards on one (domain, effort) or a mixture, "
+                       "rollouts on the serving engine (docs/posttraining.md)")
     r.add_argument("--run", help="the run to improve, e.g. an SFT run (default: the newest under ./runs)")
-    r.add_argument("--domain", default="general", help="general, agents or coding")
-    r.add_argument("--effort", default="low", help="low, high or max")
+    r.add_argument("--domain", default="general",
+                   help="general, agents, coding, or all (the prompts from every domain's cell in turn)")
+    r.add_argument("--effort", default="low", help="low, high, max, or all (every effort level's cell in turn)")
     r.add_argument("--difficulty", default="standard",
                    help="standard, or easy: a level sized for a tiny model (docs/posttraining.md)")
     r.add_argument("--iterations", type=int, default=20, help="total iterations (rollouts + update)")
     r.add_argument("--group", type=int, default=8, help="completions per prompt (the advantage's group)")
     r.add_argument("--prompts", type=int, default=8, help="train prompts per iteration")
     r.add_argument("--prompt-pool", type=int, metavar="N",
-                   help="draw the prompts from a fixed set of N train tasks, pass after pass (default: fresh ones "
-                   "every iteration)")
+                   help="draw the prompts from a fixed set of N train tasks (per cell), pass after pass (default: "
+                   "fresh ones every iteration)")
     _update_options(r)
     r.add_argument("--temperature", type=float, default=1.0,
                    help="rollout temperature in (0, 2]; the update's log-probabilities are taken at the same one")

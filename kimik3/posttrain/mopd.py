@@ -85,6 +85,9 @@ def recorded_cell(teacher: Path) -> str | None:
     if not (teacher / RL_FILE).is_file():
         return None
     spec = RLSpec.read(teacher)
+    if len(spec.cells) > 1:
+        raise ValueError(f"teacher {teacher} was trained by RL on a mixture ({spec.label}, its {RL_FILE}): a teacher "
+                         "is one (domain, effort) cell's expert")
     return f"{spec.domain}:{spec.effort}"
 
 

@@ -1,10 +1,13 @@
 """On-policy RL with verifiable rewards (``kimik3 rl``): a run's model improved on the tasks of one (domain,
-effort) by rollouts on the serving engine, group-normalised advantages and a clipped policy gradient.
+effort), or of a mixture of them (``--domain all`` and / or ``--effort all``), by rollouts on the serving engine,
+group-normalised advantages and a clipped policy gradient.
 
 One iteration (``RLRun.iteration``):
 
 1. **Prompts**: P train tasks of (domain, effort[, difficulty]), a pure function of (seed, iteration): fresh ones
-   each iteration, or with ``--prompt-pool N`` the next P of a fixed set of N (an RL dataset of N problems).
+   each iteration, or with ``--prompt-pool N`` the next P of a fixed set of N (an RL dataset of N problems). On
+   a mixture of C cells, prompt k of iteration s comes from cell (s·P + k) mod C (``iteration_tasks``), as in
+   ``kimik3 mopd``, and the records add per-cell rewards and lengths (``cells``).
 2. **Sync**: the policy's weights are copied into the rollout engine's model (``rollout.RolloutEngine.sync``).
 3. **Rollouts**: G completions per prompt, sampled at ``--temperature`` (default 1) by the engine (batched,
    prefix-cached), with each token's log-probability under that tempered distribution; tool-use tasks turn by
@@ -59,12 +62,11 @@ import torch
 
 from kimik3.files import write_text_atomic
 from kimik3.posttrain.driver import POSTTRAIN_BALANCE, drive, metrics_file, open_base, policy_trainer
-from kimik3.posttrain.evaluate import score_rollouts
+from kimik3.posttrain.evaluate import expand, score_rollouts
 from kimik3.posttrain.partial import Trajectory, finish_target, partial_rollouts, trajectory_rows
 from kimik3.posttrain.policy_loss import clipped_policy_loss, group_advantages, make_batch, token_logprobs
 from kimik3.posttrain.rollout import RolloutEngine, rollout_rows
-from kimik3.posttrain.tasks import make_tasks
-from kimik3.posttrain.tasks.base import check_domain_effort
+from kimik3.posttrain.tasks import DOMAINS, EFFORTS, make_tasks
 
 RL_FILE = "rl.json"
 PLOT_FILE = "rl.png"
@@ -134,9 +136,19 @@ class RLSpec(SettingsFile):
     KEY: ClassVar[str] = "rl"
     COMMAND: ClassVar[str] = "kimik3 rl"
 
+    @property
+    def cells(self) -> list[tuple[str, str]]:
+        """The (domain, effort) cells the prompts come from: ``domain`` and ``effort`` each one name or "all"
+        (RL on the mixture of those cells)."""
+        return [(d, e) for d in expand(self.domain, DOMAINS, "domain") for e in expand(self.effort, EFFORTS, "effort")]
+
+    @property
+    def label(self) -> str:
+        return f"{self.domain}/{self.effort}"
+
     def validate(self) -> None:
-        check_domain_effort(self.domain, self.effort)
-        make_tasks(self.domain, "train", 1, 0, self.effort, self.difficulty)   # an unknown difficulty: refused
+        for domain, effort in self.cells:   # an unknown domain or effort: refused
+            make_tasks(domain, "train", 1, 0, effort, self.difficulty)   # an unknown difficulty: refused
         if self.group < 2:
             raise ValueError(f"--group must be >= 2 (advantages compare completions of one prompt), got {self.group}")
         if self.prompts < 1:
@@ -173,12 +185,15 @@ class RLSource:
     def __init__(self, spec: RLSpec, tokenizer: Any):
         self.spec, self.tokenizer = spec, tokenizer
         self.fingerprint = spec.fingerprint
-        task = make_tasks(spec.domain, "train", 1, 0, spec.effort, spec.difficulty)[0]
+        domain, effort = spec.cells[0]
+        task = make_tasks(domain, "train", 1, 0, effort, spec.difficulty)[0]
         self.sample_prompt = task.messages[-1]["content"]
 
     def describe(self) -> str:
         s = self.spec
-        return (f"RL on {s.domain}/{s.effort}" + (f" ({s.difficulty})" if s.difficulty != "standard" else "")
+        cells = s.cells
+        where = s.label if len(cells) == 1 else f"{len(cells)} cells ({', '.join(f'{d}/{e}' for d, e in cells)})"
+        return (f"RL on {where}" + (f" ({s.difficulty})" if s.difficulty != "standard" else "")
                 + f": {s.prompts} prompts x {s.group} completions per iteration")
 
     def batch_at(self, step: int, seed: int, batch_size: int, seq_len: int):
@@ -191,26 +206,50 @@ class RLSource:
 
 
 def iteration_tasks(spec: RLSpec, seed: int, iteration: int) -> list:
-    """The prompts of ``iteration``, each repeated ``group`` times (consecutively: one group per prompt): fresh train
-    tasks drawn with (seed, iteration), or with ``prompt_pool`` N the next P of a fixed set of N train tasks, taken
-    in a new seeded order on each pass over the set (a finite RL dataset, visited epoch by epoch)."""
-    if spec.prompt_pool is None:
-        tasks = make_tasks(spec.domain, "train", spec.prompts, seed * 1_000_003 + iteration, spec.effort,
-                           spec.difficulty)
-    else:
-        pool = _prompt_pool(spec.domain, spec.prompt_pool, seed, spec.effort, spec.difficulty)
-        first = iteration * spec.prompts
-        orders: dict[int, np.ndarray] = {}   # pass -> its order (an iteration spans at most two passes)
-        tasks = []
-        for k in range(first, first + spec.prompts):
-            epoch = k // len(pool)
-            if epoch not in orders:
-                orders[epoch] = np.random.default_rng([seed, epoch]).permutation(len(pool))
-            tasks.append(pool[orders[epoch][k % len(pool)]])
+    """The prompts of ``iteration``, each repeated ``group`` times (consecutively: one group per prompt). Prompt k
+    of iteration s comes from cell (s·P + k) mod C of the C cells (with one cell, every prompt), as the j-th prompt
+    that cell gives, j = (s·P + k) // C: fresh train tasks drawn with (seed, iteration), or with ``prompt_pool`` N
+    from a fixed set of N train tasks of the cell, taken in a new seeded order on each pass over the set (a finite
+    RL dataset, visited epoch by epoch)."""
+    cells = spec.cells
+    first = iteration * spec.prompts
+    wanted: dict[int, list[int]] = {}   # cell -> its prompts' numbers j, in order
+    for k in range(first, first + spec.prompts):
+        wanted.setdefault(k % len(cells), []).append(k // len(cells))
+    drawn: dict[int, list] = {}
+    for c, numbers in wanted.items():
+        domain, effort = cells[c]
+        if spec.prompt_pool is None:
+            drawn[c] = make_tasks(domain, "train", len(numbers), seed * 1_000_003 + iteration, effort,
+                                  spec.difficulty)
+        else:
+            pool = _prompt_pool(domain, spec.prompt_pool, seed, effort, spec.difficulty)
+            orders: dict[int, np.ndarray] = {}   # pass -> its order (an iteration spans at most two passes)
+            drawn[c] = []
+            for j in numbers:
+                epoch = j // len(pool)
+                if epoch not in orders:
+                    orders[epoch] = np.random.default_rng([seed, epoch]).permutation(len(pool))
+                drawn[c].append(pool[orders[epoch][j % len(pool)]])
+    taken = {c: iter(tasks) for c, tasks in drawn.items()}
+    tasks = [next(taken[k % len(cells)]) for k in range(first, first + spec.prompts)]
     return [task for task in tasks for _ in range(spec.group)]
 
 
-@functools.lru_cache(maxsize=4)
+def cell_stats(spec: RLSpec, rollouts: list, rewards: list[float]) -> dict[str, Any]:
+    """With several cells, ``{"cells": {"d:e": {"reward_mean", "completion_tokens", "rollouts"}}}`` over the cells
+    the rollouts came from (an iteration's prompts cover some cells, or all); with one cell, nothing."""
+    if len(spec.cells) == 1:
+        return {}
+    by_cell: dict[str, list[tuple[float, int]]] = {}
+    for rollout, reward in zip(rollouts, rewards, strict=True):
+        by_cell.setdefault(f"{rollout.task.domain}:{rollout.task.effort}", []).append((reward, rollout.tokens))
+    return {"cells": {cell: {"reward_mean": float(np.mean([r for r, _ in rows])),
+                             "completion_tokens": float(np.mean([t for _, t in rows])), "rollouts": len(rows)}
+                      for cell, rows in sorted(by_cell.items())}}
+
+
+@functools.lru_cache(maxsize=16)
 def _prompt_pool(domain: str, size: int, seed: int, effort: str, difficulty: str) -> tuple:
     """The fixed train tasks of ``--prompt-pool``, made once per run rather than every iteration."""
     return tuple(make_tasks(domain, "train", size, seed * 1_000_003 - 1, effort, difficulty))
@@ -260,7 +299,7 @@ class RLRun:
                       completion_tokens=float(np.mean([r.tokens for r in rollouts])),
                       zero_variance_groups=float(np.mean(groups.std(axis=1) == 0)),
                       rollout_s=stats.seconds, rollout_tokens=stats.completion_tokens,
-                      rollout_tokens_per_s=stats.tokens_per_s)
+                      rollout_tokens_per_s=stats.tokens_per_s, **cell_stats(spec, rollouts, rewards))
         update_start = time.perf_counter()
         record.update(self.update(rollouts, advantages))
         record["update_s"] = time.perf_counter() - update_start
@@ -294,7 +333,8 @@ class RLRun:
                       groups_trained=len(complete), groups_waiting=len(self.waiting),
                       reward_mean=float(np.mean(rewards)) if rewards else float("nan"),
                       accuracy=float(np.mean([r >= 1.0 for r in rewards])) if rewards else float("nan"),
-                      completion_tokens=float(np.mean([r.tokens for r in rollouts])) if rollouts else float("nan"))
+                      completion_tokens=float(np.mean([r.tokens for r in rollouts])) if rollouts else float("nan"),
+                      **cell_stats(spec, rollouts, rewards))
         advantages = group_advantages(rewards, spec.group) if rewards else []
         if rewards:
             groups = np.asarray(rewards).reshape(-1, spec.group)
@@ -481,17 +521,18 @@ def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: st
         log(f"RL on {base} into {trainer.run_dir}: {trainer.data.describe()}")
     rl = RLRun(trainer, spec, encoder, log)
     steps = trainer.args.steps
-    pending: dict[str, float] = {}
+    pending: dict[str, Any] = {}
 
     def before() -> None:   # greedy test accuracy before the first iteration
         if eval_n and trainer.step == 0:
-            pending["test_accuracy"] = _test_accuracy(rl, spec, eval_n, seed, log)
+            pending.update(_test_accuracy(rl, spec, eval_n, seed, log))
 
     def annotate(record: dict[str, Any]) -> None:
         record.update(pending)
         pending.clear()
         if trainer.step == steps and eval_n:
-            record["test_accuracy_after"] = _test_accuracy(rl, spec, eval_n, seed, log)
+            record.update({f"{key}_after": value for key, value in _test_accuracy(rl, spec, eval_n, seed,
+                                                                                    log).items()})
 
     def summary(r: dict[str, Any]) -> str:
         partial = (f"; finished {r['finished']}/{r['trajectories']}, {r['groups_trained']} groups trained, stale "
@@ -513,19 +554,28 @@ def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: st
     return records
 
 
-def _test_accuracy(rl: RLRun, spec: RLSpec, n: int, seed: int, log: Callable[[str], None]) -> float:
-    """Greedy accuracy of the current policy on ``n`` test tasks of the run's (domain, effort, difficulty)."""
+def _test_accuracy(rl: RLRun, spec: RLSpec, n: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """Greedy accuracy of the current policy on ``n`` test tasks of each of the run's cells (at its difficulty):
+    ``{"test_accuracy": the mean over cells}``, with ``"test_accuracy_cells"`` (cell "d:e" -> accuracy) when there
+    are several."""
     from kimik3.posttrain.evaluate import confidence_interval, generate_completions
 
-    tasks = make_tasks(spec.domain, "test", n, seed, spec.effort, spec.difficulty)
+    cells = spec.cells
+    tasks = [task for domain, effort in cells for task in make_tasks(domain, "test", n, seed, effort, spec.difficulty)]
     rl.engine.sync(rl.policy)
     rollouts = generate_completions(rl.engine.engine, rl.engine.encoder, tasks, temperature=0.0, seed=seed,
                                     max_tokens=spec.max_tokens)
     scores = score_rollouts(rollouts)
-    low, high = confidence_interval(scores)
-    mean = sum(scores) / len(scores)
-    log(f"test accuracy {mean:.3f} (95% CI [{low:.3f}, {high:.3f}]) on {n} {spec.domain}/{spec.effort} test tasks")
-    return mean
+    by_cell = {}
+    for c, (domain, effort) in enumerate(cells):
+        mine = scores[c * n:(c + 1) * n]
+        low, high = confidence_interval(mine)
+        by_cell[f"{domain}:{effort}"] = mean = sum(mine) / len(mine)
+        log(f"test accuracy {mean:.3f} (95% CI [{low:.3f}, {high:.3f}]) on {n} {domain}/{effort} test tasks")
+    out: dict[str, Any] = {"test_accuracy": float(np.mean(list(by_cell.values())))}
+    if len(cells) > 1:
+        out["test_accuracy_cells"] = by_cell
+    return out
 
 
-__all__ = ["RLRun", "RLSource", "RLSpec", "iteration_tasks", "plot_rl", "run_rl"]
+__all__ = ["RLRun", "RLSource", "RLSpec", "cell_stats", "iteration_tasks", "plot_rl", "run_rl"]

@@ -220,6 +220,47 @@ def test_prompt_pool_visits_a_fixed_set_pass_after_pass():
         dataclasses.replace(spec, prompt_pool=0).validate()
 
 
+def test_a_mixture_takes_its_cells_in_turn_and_one_cell_draws_as_before():
+    import dataclasses
+
+    from kimik3.posttrain.rl import RLSpec, iteration_tasks
+
+    mixed = RLSpec("runs/x", "all", "low", "easy", group=2, prompts=4)
+    assert mixed.cells == [("general", "low"), ("agents", "low"), ("coding", "low")]
+    cells = [[(t.domain, t.effort) for t in iteration_tasks(mixed, 0, i)[0::2]] for i in range(3)]
+    # prompt k of iteration s from cell (4 s + k) mod 3
+    assert [c for row in cells for c in row] == [mixed.cells[k % 3] for k in range(12)]
+    assert len({t.key for i in range(3) for t in iteration_tasks(mixed, 0, i)}) == 12     # no prompt twice
+    pooled = dataclasses.replace(mixed, prompt_pool=2)       # two prompts a cell: each cell's pair, pass after pass
+    keys = [t.key for i in range(3) for t in iteration_tasks(pooled, 0, i)[0::2]]
+    for c in range(3):
+        mine = keys[c::3]
+        assert len(set(mine)) == 2 and set(mine[:2]) == set(mine[2:4])
+    assert RLSpec("runs/x", "general", "all").cells == [("general", e) for e in ("low", "high", "max")]
+    # one cell: the prompts of the single-cell rule (fresh and pooled), so a run's prompts do not move
+    one = RLSpec("runs/x", "coding", "low", "easy", group=1, prompts=3)
+    assert [t.key for t in iteration_tasks(one, 5, 2)] == [t.key for t in make_tasks("coding", "train", 3,
+                                                                                       5 * 1_000_003 + 2, "low", "easy")]
+    with pytest.raises(ValueError, match="unknown domain 'every'"):
+        RLSpec("runs/x", "every", "low").validate()
+
+
+def test_rl_on_a_mixture_records_each_cell(base_run, tmp_path, some_reward):
+    from kimik3.posttrain.mopd import recorded_cell
+    from kimik3.posttrain.rl import run_rl
+
+    records = run_rl(base_run, domain="all", effort="low", iterations=1, group=2, prompts=3, lr=1e-2,
+                     max_tokens=8, out=tmp_path / "mix", progress=False, eval_n=2, log=lambda _: None)
+    (record,) = records
+    assert sorted(record["cells"]) == ["agents:low", "coding:low", "general:low"]
+    assert all(c["rollouts"] == 2 and c["completion_tokens"] > 0 for c in record["cells"].values())
+    assert sorted(record["test_accuracy_cells"]) == sorted(record["test_accuracy_cells_after"]) == sorted(
+        record["cells"])
+    assert record["test_accuracy"] == pytest.approx(sum(record["test_accuracy_cells"].values()) / 3)
+    with pytest.raises(ValueError, match="trained by RL on a mixture"):
+        recorded_cell(tmp_path / "mix")
+
+
 def test_easy_difficulty_and_errors():
     tasks = make_tasks("general", "test", 10, 0, "low", "easy")
     assert all(t.key.startswith("general|easy|") for t in tasks)

@@ -3,7 +3,7 @@
 # engine, the vision encoder and the torchtitan parity; logs under $OUT:
 #
 #   bash benchmarks/h200_check.sh [quick|kernels|check|train|precision|decode|serve|http|vision|parity|quant|trainstep|
-#                                  trainrun|posttrain|moonep]
+#                                  trainrun|spec|posttrain|moonep]
 #
 # quick      the GPU tests of the kernels (tests/ops/test_kda_triton.py, test_kda_gluon.py) and kda_gpu_probe.py
 #            (one process per shape, so a fault cannot hide the cases after it)                        <= 9 min
@@ -32,6 +32,8 @@
 #            the same run (carry .whl and third_party/torchtitan)                                      <= 9.5 min
 # trainrun   the Trainer's graphed step on the GPU (tests/train/test_graphed_step.py, test_captured_step.py), then
 #            kimik3 train on the debug preset, 4 x 4,096 tokens a step, 20 steps with the CUDA graph and without <= 9 min
+# spec       a target trained on the GPU for speculative decoding (kimik3 train, tiny preset, 240 s, eager step),
+#            its draft (kimik3 train-draft, 1,000 steps), then serve_speculative.py at batch 1 and 16, K = 2..5 <= 9.5 min
 # posttrain  partial_rollouts.py on the GPU (lambda 1 against 0.7, the rollout engine's tokens/s in its records)
 #            on the run POST_RUN (default runs/tiny-base3-sft30; carry it)                            <= 9 min
 # moonep     the MoonEP layer's no-sync check at world size 1 (tests/parallel/test_moonep_sync.py) and moonep.py's
@@ -50,7 +52,7 @@
 # steps of a mode run side by side, one GPU each.
 set -u
 MODE=${1:-kernels}
-MODES="quick|kernels|check|train|precision|decode|serve|http|vision|parity|quant|trainstep|trainrun|posttrain|moonep"
+MODES="quick|kernels|check|train|precision|decode|serve|http|vision|parity|quant|trainstep|trainrun|spec|posttrain|moonep"
 case "|$MODES|" in *"|$MODE|"*) ;; *) echo "usage: $0 [$MODES]" >&2; exit 2 ;; esac
 OUT=${OUT:-./h200-logs}
 mkdir -p "$OUT"
@@ -181,6 +183,13 @@ case $MODE in
       step 0 "kimik3_train_$GRAPH" 180 python3 -m kimik3 train --preset debug --device cuda --steps 20 --seq-len 4096 \
         --batch-size 4 --checkpoint-every 1000 --no-progress --"$GRAPH" --out "/tmp/train-debug-$GRAPH"
     done ;;
+  spec)
+    step 0 spec_train 300 python3 -m kimik3 train --device cuda --time-budget 240 --seq-len 512 --batch-size 32 \
+      --no-cuda-graph --no-progress --out /tmp/spec-h200
+    step 0 spec_draft 120 python3 -m kimik3 train-draft --run /tmp/spec-h200 --device cuda --steps 1000 --batch 32 \
+      --no-progress
+    step 0 serve_speculative 150 python3 benchmarks/serve_speculative.py --run /tmp/spec-h200 --batches 1,16 \
+      --tokens 2,3,4,5 --requests 8 --json "$OUT/serve_speculative.json" ;;
   posttrain)
     step 0 partial_rollouts 540 python3 benchmarks/partial_rollouts.py --run "${POST_RUN:-runs/tiny-base3-sft30}" \
       --device cuda --iterations 8 --prompts 8 --group 8 --alpha 0.6 --cap 256 --out "$OUT/partial_rollouts.json" ;;

@@ -254,6 +254,9 @@ def test_dequantize_kernel_strided_codes_and_bad_inputs():
     codes = torch.zeros(2, 24, 64, dtype=torch.uint8, device=DEV)
     codes[:, :, ::2] = mx.codes
     assert_same_bf16(mxfp4_dequantize(codes[:, :, ::2], mx.scales.transpose(1, 2).contiguous().transpose(1, 2)), mx)
+    shifted = torch.zeros(mx.codes.numel() + 1, dtype=torch.uint8, device=DEV)
+    shifted[1:] = mx.codes.flatten()                      # the bytes not 4-aligned: read as words after a copy
+    assert_same_bf16(mxfp4_dequantize(shifted[1:].view(mx.codes.shape), mx.scales), mx)
     for args, match in (((mx.codes[0], mx.scales), "codes_EOH must be a 3-D uint8"),
                         ((mx.codes, mx.scales.float()), "scales_EOB must be a 3-D uint8"),
                         ((mx.codes[:, :, :8], mx.scales), "multiple of 32"),
@@ -381,7 +384,7 @@ def test_blocks_at_k3_shapes():
         assert mxfp4_blocks(16 * 8, 8, O, I)[:3] == (16, 64, 128)
         assert mxfp4_blocks(64 * 8, 8, O, I)[:3] == (64, 64, 128)
         assert mxfp4_blocks(128 * 8, 8, O, I) == (128, 128, 64, 8, 3)
-        assert mxfp4_blocks(2048 * 8, 8, O, I) == (256, 128, 64, 8, 3)
+        assert mxfp4_blocks(2048 * 8, 8, O, I) == (256, 128, 64, 8, 2)
     assert mxfp4_blocks(3, 2, 24, 32)[:3] == (16, 32, 32)  # clipped to small O and I
     assert mxfp4_blocks(2048 * 8, 8, 3072, 3584, torch.float32) == (32, 64, 32, 4, 2)
 

@@ -1,5 +1,5 @@
 """MXFP4 expert weights decoded to bf16 on the GPU: ``mxfp4_dequantize(codes_EOH, scales_EOB)`` -> w_EOI, and the
-tile decode (``decode_tile``) that both it and ``mxfp4_grouped_mm``'s kernel run in registers.
+tile decode (``decode_words``) that both it and ``mxfp4_grouped_mm``'s kernel run in registers.
 
 The weights are ``kimik3.quant.mx.quantize(w_EIO, "mxfp4", axis=-2)``'s: codes [E, O, I/2] (uint8, the element at the
 even I index in the low nibble) and scales [E, O, I/32] (uint8 E8M0 codes, 2^(code - 127), 255 = NaN). The output is
@@ -27,28 +27,49 @@ import torch
 from kimik3.ops.glue.common import _jit, check_triton_device, describe, on_device, tl, triton
 from kimik3.quant.mx import BLOCK_SIZE
 
-__all__ = ["decode_tile", "mxfp4_dequantize"]
+__all__ = ["as_words", "decode_words", "mxfp4_dequantize", "permute_words"]
 
 # A program's tile: 64 weight rows x 256 elements (128 code bytes a row: four 32-byte sectors), 4 warps.
 BLOCK_N, BLOCK_K, NUM_WARPS = 64, 256, 4
 
 
 @_jit
-def decode_tile(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Packed codes [BLOCK_N, BLOCK_K / 2] (uint8) and their E8M0 scale codes [BLOCK_N, BLOCK_K / 32] -> the
-    decoded weights [BLOCK_N, BLOCK_K] in bf16, exact (element 2j from byte j's low nibble, 2j + 1 from its high
-    one).
+def _halves(pair):
+    """An int32 holding two bf16 bit patterns -> (the low one, the high one) as bf16."""
+    return (pair.to(tl.int16).to(tl.bfloat16, bitcast=True),
+            (pair >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
 
-    An E2M1 nibble ``s e1 e0 m`` is placed into a bf16 bit pattern (sign at bit 15, ``e1 e0 m`` at bits 8..6:
-    exponent field e, top mantissa bit m): that bf16 is the element's value times 2^-126, the subnormal code 1 (0.5)
-    included, so one exact bf16 multiply by 2^126 gives the value with no select (on sm_90 it compiles to
-    ``HMUL2.BF16_V2`` without ``.FTZ``, which keeps subnormals). The block scale 2^(code - 127) is built from its
-    bf16 bits and multiplied in bf16, exact (an element has at most two significant bits)."""
-    # In int16 (not int32 or via fp16): the fewest instructions an element on sm_90 (~8, for Triton 3.6, from the
-    # SASS).
-    c = codes.to(tl.int16)
-    lo = (((c << 6) & 0x1C0) | ((c << 12) & -0x8000)).to(tl.bfloat16, bitcast=True)
-    hi = (((c << 2) & 0x1C0) | ((c << 8) & -0x8000)).to(tl.bfloat16, bitcast=True)
+
+@_jit
+def permute_words(t, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """[ROWS, COLS] with each run of 8 columns reordered by reversing the 3 bits of its index (column 8j + f <->
+    8j + rev3(f)): the order ``decode_words`` gives the elements in, and back (the permutation is its own inverse).
+    A register-level reshuffle."""
+    return tl.reshape(tl.permute(tl.reshape(t, [ROWS, COLS // 8, 2, 2, 2]), [0, 1, 4, 3, 2]), [ROWS, COLS])
+
+
+@_jit
+def decode_words(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed codes as int32 words [BLOCK_N, BLOCK_K / 8] (eight E2M1 nibbles a word: element 8j + q in nibble q,
+    i.e. the uint8 codes read four at a time, little-endian) and their E8M0 scale codes [BLOCK_N, BLOCK_K / 32]
+    -> the decoded weights [BLOCK_N, BLOCK_K] in bf16, exact, with column 8j + f holding element 8j + rev3(f)
+    (``permute_words`` puts them in order; a matmul can permute its other operand instead).
+
+    A nibble ``s e1 e0 m`` is placed into a bf16 bit pattern (sign at bit 15, ``e1 e0 m`` at bits 8..6: exponent
+    field e, top mantissa bit m): that bf16 is the element's value times 2^-126, the subnormal code 1 (0.5)
+    included, so one exact bf16 multiply by 2^126 gives the value with no select (on sm_90 ``HMUL2.BF16_V2``
+    without ``.FTZ``, which keeps subnormals). Two nibbles four apart (q and q + 4) sit 16 bits apart in the word,
+    so one shift-and-mask of the int32 word places both into the two bf16 halves of an int32 at once: four such
+    pairs a word, about two integer instructions an element where a nibble at a time takes six. The block scale
+    2^(code - 127) is built from its bf16 bits (code 0: the subnormal 2^-127; 255: NaN) and multiplied in bf16,
+    exact (an element has at most two significant bits)."""
+    # (w << 6): nibbles 0 and 4's e1 e0 m to bits 6..8 of each half; (w << 12): their signs to bits 15 and 31.
+    a_lo, a_hi = _halves(((words << 6) & 0x01C001C0) | ((words << 12) & -0x7FFF8000))   # 0x80008000 as int32
+    b_lo, b_hi = _halves(((words << 2) & 0x01C001C0) | ((words << 8) & -0x7FFF8000))   # nibbles 1 and 5
+    c_lo, c_hi = _halves(((words >> 2) & 0x01C001C0) | ((words << 4) & -0x7FFF8000))   # nibbles 2 and 6
+    d_lo, d_hi = _halves(((words >> 6) & 0x01C001C0) | (words & -0x7FFF8000))          # nibbles 3 and 7
+    # join's new axis is the last: [.., q0, q1, q2] holds nibble q0 + 2 q1 + 4 q2 at flat index 4 q0 + 2 q1 + q2.
+    t = tl.join(tl.join(tl.join(a_lo, b_lo), tl.join(c_lo, d_lo)), tl.join(tl.join(a_hi, b_hi), tl.join(c_hi, d_hi)))
     # 2^(code - 127) from its bf16 bits: the exponent field is the code itself, but for code 0 (2^-127, a bf16
     # subnormal) and code 255 (NaN). Two multiplies, not one by 2^(code - 1): that overflows bf16 from code 129 up.
     s = scales.to(tl.int16)
@@ -56,8 +77,16 @@ def decode_tile(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     bits = tl.where(s == 255, 0x7FC0, bits)
     scale = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     two_126 = tl.full([1, 1, 1], 0x7E80, tl.int16).to(tl.bfloat16, bitcast=True)  # (a bf16 literal: interpreter)
-    w = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K // 32, 32]) * two_126
+    w = tl.reshape(t, [BLOCK_N, BLOCK_K // 32, 32]) * two_126   # a word's 8 elements lie in one 32-element block
     return tl.reshape(w * scale[:, :, None], [BLOCK_N, BLOCK_K])
+
+
+def as_words(codes_EOH: torch.Tensor) -> torch.Tensor:
+    """The uint8 codes [E, O, H] as int32 words [E, O, H/4] (a view; a fresh contiguous copy first when the bytes
+    of a row are not contiguous and 4-byte aligned). H is a multiple of 16 for MXFP4 (I a multiple of 32)."""
+    if codes_EOH.stride(-1) != 1 or codes_EOH.storage_offset() % 4 or any(s % 4 for s in codes_EOH.stride()[:-1]):
+        codes_EOH = codes_EOH.clone(memory_format=torch.contiguous_format)
+    return codes_EOH.view(torch.int32)
 
 
 def _check(codes_EOH: torch.Tensor, scales_EOB: torch.Tensor) -> None:
@@ -86,32 +115,33 @@ def mxfp4_dequantize(codes_EOH: torch.Tensor, scales_EOB: torch.Tensor) -> torch
     w_EOI = torch.empty(E, O, I, dtype=torch.bfloat16, device=codes_EOH.device)
     if E * O == 0:
         return w_EOI
+    words = as_words(codes_EOH)
     block_n = max(16, min(BLOCK_N, triton.next_power_of_2(O)))
     block_k = max(32, min(BLOCK_K, triton.next_power_of_2(I)))
     grid = (triton.cdiv(I, block_k), triton.cdiv(O, block_n), E)
     with on_device(codes_EOH.device):
         _mxfp4_dequantize_kernel[grid](
-            codes_EOH, *codes_EOH.stride(), scales_EOB, *scales_EOB.stride(), w_EOI, O, I=I,
+            words, *words.stride()[:2], scales_EOB, *scales_EOB.stride(), w_EOI, O, I=I,
             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS,
         )
     return w_EOI
 
 
 @_jit
-def _mxfp4_dequantize_kernel(c_ptr, s_ce, s_co, s_ch, sc_ptr, s_se, s_so, s_sb, w_ptr, O,
+def _mxfp4_dequantize_kernel(c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb, w_ptr, O,
                              I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (K tile, N tile, expert): w[e, cols, ks] decoded from its codes and scales."""
+    """Program (K tile, N tile, expert): w[e, cols, ks] decoded from its code words and scales."""
     pid_k, pid_n, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = cols < O
-    hs = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    ws = pid_k * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
     bs = pid_k * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
     ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
-    codes = tl.load(c_ptr + e64 * s_ce + cols.to(tl.int64)[:, None] * s_co + hs[None, :] * s_ch,
-                    mask=nmask[:, None] & (hs < I // 2)[None, :], other=0)
+    words = tl.load(c_ptr + e64 * s_ce + cols.to(tl.int64)[:, None] * s_co + ws[None, :],
+                    mask=nmask[:, None] & (ws < I // 8)[None, :], other=0)
     scales = tl.load(sc_ptr + e64 * s_se + cols.to(tl.int64)[:, None] * s_so + bs[None, :] * s_sb,
                      mask=nmask[:, None] & (bs < I // 32)[None, :], other=127)
-    w = decode_tile(codes, scales, BLOCK_N, BLOCK_K)
+    w = permute_words(decode_words(words, scales, BLOCK_N, BLOCK_K), BLOCK_N, BLOCK_K)
     tl.store(w_ptr + (e64 * O + cols.to(tl.int64)[:, None]) * I + ks[None, :], w,
              mask=nmask[:, None] & (ks < I)[None, :])

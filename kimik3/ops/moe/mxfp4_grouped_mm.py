@@ -10,7 +10,9 @@ Two routes, chosen from the shapes (``mxfp4_route``):
 
 - **registers** (decode sizes, and fp32 activations): a Triton kernel (CUDA; CPU tensors under TRITON_INTERPRET=1
   for the tests) whose programs decode their [BLOCK_N, BLOCK_K] weight tile to bf16 in registers
-  (``mxfp4_dequantize.decode_tile``) and multiply it with ``tl.dot`` (bf16 operands, fp32 accumulation; fp32
+  (``mxfp4_dequantize.decode_words``: the codes read as int32 words, two elements placed by one integer operation,
+  the tile's columns in a bit-reversed order within each 8 that x's tile is put in too) and multiply it with
+  ``tl.dot`` (bf16 operands, fp32 accumulation; fp32
   activations take the tile converted to fp32 into an IEEE fp32 dot). Hopper has no FP4 tensor cores; the weight
   bytes a step reads shrink 3.8x.
 - **dequantize** (bf16 activations, at least ``DEQUANTIZE_ROWS`` rows an expert on average): the weights decoded
@@ -45,7 +47,7 @@ import torch
 
 from kimik3.ops.glue.common import _jit, check_triton_device, describe, glue_backend, on_device, tl, triton
 from kimik3.ops.moe.grouped_mm import ExpertGroups, grouped_mm_loop
-from kimik3.ops.moe.mxfp4_dequantize import decode_tile, mxfp4_dequantize
+from kimik3.ops.moe.mxfp4_dequantize import as_words, decode_words, mxfp4_dequantize, permute_words
 from kimik3.quant.mx import BLOCK_SIZE, MXTensor, dequantize
 
 __all__ = ["mxfp4_backend", "mxfp4_blocks", "mxfp4_grouped_mm", "mxfp4_grouped_mm_reference", "mxfp4_route"]
@@ -56,9 +58,9 @@ _DTYPES = (torch.bfloat16, torch.float32)
 # tl.dot takes) to PREFILL_ROWS. Decode (up to 64 rows an expert, one row tile each): BLOCK_N = 64 (K3's O = 3072
 # over 8 local experts gives 384 programs at one row an expert) and BLOCK_K = 128 (64 code bytes a weight row a step:
 # two full 32-byte sectors), 4 warps. From 65 rows: BLOCK_N = 128, BLOCK_K = 64 at 8 warps, as a bf16 GEMM on
-# Hopper; BLOCK_M = 256 from 129 rows, because every row tile decodes its weight tiles again: on sm_90 the decode
-# issues ~2.3e-3 warp instructions a multiply-add at 128 x 128 tiles (about the tensor cores' time for the tile),
-# ~1.3e-3 at 256 x 128 (241 registers, no spills). Counted in the SASS (Triton 3.6), not measured.
+# Hopper; BLOCK_M = 256 from 129 rows, because every row tile decodes its weight tiles again (half the decode a
+# multiply-add of 128-row tiles), with 2 pipeline stages (3 spill 16 bytes; 255 registers a thread either way). Counted
+# in the SASS of an offline sm_90 compile (Triton 3.6), not timed.
 DECODE_ROWS = 16
 PREFILL_ROWS = 256
 GROUP_M = 8
@@ -79,7 +81,7 @@ def mxfp4_blocks(R: int, E: int, O: int, I: int, dtype: torch.dtype = torch.bflo
     while block_m < PREFILL_ROWS and block_m < rows:
         block_m *= 2
     if block_m >= 128:
-        block_n, block_k, num_warps, num_stages = 128, 64, 8, 3
+        block_n, block_k, num_warps, num_stages = 128, 64, 8, 3 if block_m < 256 else 2
     else:
         block_n, block_k, num_warps, num_stages = 64, 128, 4, 4
     if dtype == torch.float32:
@@ -229,10 +231,11 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
         return y_RO
     m_tiles = min(R, R // bm + E + 1)
     grid = (m_tiles * triton.cdiv(O, bn),)
+    words = as_words(codes_EOH)
     with on_device(x_RI.device):
         _mxfp4_grouped_mm_kernel[grid](
             x_RI, x_RI.stride(0), x_RI.stride(1),
-            codes_EOH, *codes_EOH.stride(), scales_EOB, *scales_EOB.stride(),
+            words, *words.stride()[:2], scales_EOB, *scales_EOB.stride(),
             offsets_E, y_RO, R, O, E, m_tiles,
             I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(E + 1), GROUP_M=GROUP_M,
             FP32=x_RI.dtype == torch.float32, num_warps=warps, num_stages=stages,
@@ -256,7 +259,7 @@ def _dequantized_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_
 
 @_jit
 def _mxfp4_grouped_mm_kernel(
-    x_ptr, s_xr, s_xi, c_ptr, s_ce, s_co, s_ch, sc_ptr, s_se, s_so, s_sb,
+    x_ptr, s_xr, s_xi, c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb,
     off_ptr, y_ptr, R, O, E, M_TILES,
     I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr, FP32: tl.constexpr,
@@ -295,7 +298,7 @@ def _mxfp4_grouped_mm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if e < E:
         ks = tl.arange(0, BLOCK_K)
-        hs = tl.arange(0, BLOCK_K // 2)
+        ws = tl.arange(0, BLOCK_K // 8)
         bs = tl.arange(0, BLOCK_K // 32)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * s_xr
         c_rows = c_ptr + e.to(tl.int64) * s_ce + cols.to(tl.int64)[:, None] * s_co
@@ -303,11 +306,13 @@ def _mxfp4_grouped_mm_kernel(
         for k0 in range(0, I, BLOCK_K):
             kmask = (k0 + ks) < I
             x = tl.load(x_rows + (k0 + ks)[None, :] * s_xi, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            codes = tl.load(c_rows + (k0 // 2 + hs)[None, :] * s_ch,
-                            mask=nmask[:, None] & ((k0 // 2 + hs) < I // 2)[None, :], other=0)
+            # The decoded tile's columns come in decode_words' order: x's are put in the same one.
+            x = permute_words(x, BLOCK_M, BLOCK_K)
+            words = tl.load(c_rows + (k0 // 8 + ws)[None, :],
+                            mask=nmask[:, None] & ((k0 // 8 + ws) < I // 8)[None, :], other=0)
             scales = tl.load(s_rows + (k0 // 32 + bs)[None, :] * s_sb,
                              mask=nmask[:, None] & ((k0 // 32 + bs) < I // 32)[None, :], other=127)
-            w = decode_tile(codes, scales, BLOCK_N, BLOCK_K)
+            w = decode_words(words, scales, BLOCK_N, BLOCK_K)
             if FP32:
                 acc = tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One device call that checks and times on the GPU (H200, torch 2.11, Triton 3.6) the KDA kernels, or the serving
-# engine, the vision encoder and the torchtitan parity; logs under $OUT:
+# One device call that checks and times on the GPU (H200, torch 2.11, Triton 3.6) one part or several: the KDA
+# kernels, the serving engine, the vision encoder, the torchtitan parity, training, MXFP4 experts, speculative
+# decoding, post-training, MoonEP; logs under $OUT:
 #
-#   bash benchmarks/h200_check.sh [quick|kernels|check|train|precision|decode|serve|http|vision|parity|quant|trainstep|
-#                                  trainrun|spec|posttrain|moonep]
+#   bash benchmarks/h200_check.sh [MODE ...]   (one of quick|kernels|check|train|precision|decode|serve|http|
+#                                              vision|parity|quant|trainstep|trainrun|spec|posttrain|moonep; several
+#                                              run one after the other in the same call)
 #
 # quick      the GPU tests of the kernels (tests/ops/test_kda_triton.py, test_kda_gluon.py) and kda_gpu_probe.py
 #            (one process per shape, so a fault cannot hide the cases after it)                        <= 9 min
@@ -51,9 +53,11 @@
 # status is a line of $OUT/rc.txt, and the exit status is non-zero if any step failed. With two or more GPUs the
 # steps of a mode run side by side, one GPU each.
 set -u
-MODE=${1:-kernels}
 MODES="quick|kernels|check|train|precision|decode|serve|http|vision|parity|quant|trainstep|trainrun|spec|posttrain|moonep"
-case "|$MODES|" in *"|$MODE|"*) ;; *) echo "usage: $0 [$MODES]" >&2; exit 2 ;; esac
+if [ $# -eq 0 ]; then set -- kernels; fi
+for MODE in "$@"; do
+  case "|$MODES|" in *"|$MODE|"*) ;; *) echo "usage: $0 [MODE ...], MODE one of $MODES" >&2; exit 2 ;; esac
+done
 OUT=${OUT:-./h200-logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -129,6 +133,7 @@ decode_step() {  # the decode section (ours and fla) on GPU 0
 }
 TESTS="python3 -m pytest -v -rf ${XDIST[*]} tests/ops/test_kda_triton.py tests/ops/test_kda_gluon.py"
 TRAIN="python3 benchmarks/kda_train_check.py --steps 30 --seeds ${TRAIN_SEEDS:-2}${TRAIN_NOISE:+ --noise}${TRAIN_ARGS:+ $TRAIN_ARGS}"
+for MODE in "$@"; do   # several modes: one after the other, in one call (mind the call's 10 minutes)
 case $MODE in
   quick)  # one GPU: both in one call's 10 minutes, so shorter limits
     if [ "$GPUS" -ge 2 ]; then LIMITS=(540 300); else LIMITS=(330 200); fi
@@ -197,4 +202,5 @@ case $MODE in
     step 0 moonep_sync 120 python3 -m pytest -v -rf tests/parallel/test_moonep_sync.py -k cuda
     step 0 moonep_latency 120 python3 benchmarks/moonep.py --latency --json "$OUT/moonep_latency.json" ;;
 esac
+done
 finish

@@ -4,8 +4,9 @@ Eagerly, a K3 step issues thousands of kernels from Python and the autograd engi
 longer to issue them than the GPU to run them. On one CUDA device and one process the Trainer's step (forward under
 bf16 autocast, backward, gradient clipping, the optimizer step, the router balancer's bias update) is therefore one
 function without host reads, ``GraphedTrainStep._step``, captured by ``CapturedStep`` for each batch shape and
-replayed; the host reads the step's numbers (losses, gradient norm, balancer metrics) once, after the replay. Several
-processes, multimodal batches (their image shapes vary) and ``--no-cuda-graph`` run the Trainer's eager step.
+replayed; the host reads the step's numbers (losses, gradient norm, balancer metrics) once, after the replay. A
+process group (torchrun, ``--nproc``, even of one rank), multimodal batches (their image shapes vary) and
+``--no-cuda-graph`` run the Trainer's eager step.
 
 What capture asks for, and what it changes against the eager step:
 

@@ -178,9 +178,11 @@ class Trainer:
                             ep_planner=args.ep_planner)
         from kimik3.optim import build_param_groups
 
-        # The step replayed as a CUDA graph (train/graphed_step.py) where it can be: one CUDA device, one process,
-        # batches of fixed shapes (a multimodal batch's images vary). Its AdamW keeps its step count on the device.
-        graphed = args.cuda_graph and self.device.type == "cuda" and self.dims.world == 1 and not args.vision
+        # The step replayed as a CUDA graph (train/graphed_step.py) where it can be: one CUDA device in one process
+        # (not a process group, even of one rank: its model is wrapped for FSDP), batches of fixed shapes (a
+        # multimodal batch's images vary). Its AdamW keeps its step count on the device.
+        graphed = (args.cuda_graph and self.device.type == "cuda" and type(self.ctx) is ParallelContext
+                   and not args.vision)
         self.optimizer = build_param_groups(self.model, lr=args.lr, weight_decay=args.weight_decay,
                                             capturable=graphed)
         self.balancer = self._build_balancer()
@@ -207,8 +209,8 @@ class Trainer:
             return "replayed as a CUDA graph (one capture per batch shape; --no-cuda-graph: eager)"
         if self.device.type != "cuda":
             return f"eager on {self.device.type}"
-        reason = ("--no-cuda-graph" if not args.cuda_graph else "several processes" if self.dims.world > 1
-                  else "multimodal batches vary in shape")
+        reason = ("--no-cuda-graph" if not args.cuda_graph else "a process group" if type(self.ctx) is not
+                  ParallelContext else "multimodal batches vary in shape")
         return f"eager on cuda ({reason})"
 
     @property

@@ -68,10 +68,12 @@ class GraphedTrainStep:
         if not finite:
             trainer.nonfinite_total += 1
         record: dict[str, Any] = {"step": step, "total_steps": total, "seq_len": seq, "batch_size": batch,
-                                  "lr": trainer.args.lr * lr_scale, "grad_norm": numbers["grad_norm"],
-                                  "loss": numbers["loss"], "tokens_per_s": batch * seq / elapsed,
-                                  "step_time_s": elapsed, "elapsed_s": budget._now() - trainer.started,
-                                  "skipped": not finite, "nonfinite_total": trainer.nonfinite_total}
+                                  "lr": trainer.args.lr * lr_scale, "loss": numbers["loss"],
+                                  "tokens_per_s": batch * seq / elapsed, "step_time_s": elapsed,
+                                  "elapsed_s": budget._now() - trainer.started, "skipped": not finite,
+                                  "nonfinite_total": trainer.nonfinite_total}
+        if finite:   # as the eager step records it: a skipped step has no gradient norm
+            record["grad_norm"] = numbers["grad_norm"]
         if self.split_losses:
             record.update(main_loss=numbers["main_loss"], mtp_loss=numbers["mtp_loss"])
         load = balance.get("load_max_over_mean_mean")

@@ -70,6 +70,7 @@ from kimik3.posttrain.tasks import DOMAINS, EFFORTS, make_tasks
 
 RL_FILE = "rl.json"
 PLOT_FILE = "rl.png"
+CELL_SALT = 7919   # added to the task seed per cell index of a mixture
 RECIPE = "rl-grpo-clip-v1"
 
 
@@ -219,11 +220,12 @@ def iteration_tasks(spec: RLSpec, seed: int, iteration: int) -> list:
     drawn: dict[int, list] = {}
     for c, numbers in wanted.items():
         domain, effort = cells[c]
+        salt = CELL_SALT * c    # two efforts of one domain draw different problems (the first cell: none)
         if spec.prompt_pool is None:
-            drawn[c] = make_tasks(domain, "train", len(numbers), seed * 1_000_003 + iteration, effort,
+            drawn[c] = make_tasks(domain, "train", len(numbers), seed * 1_000_003 + iteration + salt, effort,
                                   spec.difficulty)
         else:
-            pool = _prompt_pool(domain, spec.prompt_pool, seed, effort, spec.difficulty)
+            pool = _prompt_pool(domain, spec.prompt_pool, seed, effort, spec.difficulty, salt)
             orders: dict[int, np.ndarray] = {}   # pass -> its order (an iteration spans at most two passes)
             drawn[c] = []
             for j in numbers:
@@ -250,9 +252,9 @@ def cell_stats(spec: RLSpec, rollouts: list, rewards: list[float]) -> dict[str, 
 
 
 @functools.lru_cache(maxsize=16)
-def _prompt_pool(domain: str, size: int, seed: int, effort: str, difficulty: str) -> tuple:
+def _prompt_pool(domain: str, size: int, seed: int, effort: str, difficulty: str, salt: int = 0) -> tuple:
     """The fixed train tasks of ``--prompt-pool``, made once per run rather than every iteration."""
-    return tuple(make_tasks(domain, "train", size, seed * 1_000_003 - 1, effort, difficulty))
+    return tuple(make_tasks(domain, "train", size, seed * 1_000_003 - 1 + salt, effort, difficulty))
 
 
 class RLRun:

@@ -236,11 +236,14 @@ def test_a_mixture_takes_its_cells_in_turn_and_one_cell_draws_as_before():
     for c in range(3):
         mine = keys[c::3]
         assert len(set(mine)) == 2 and set(mine[:2]) == set(mine[2:4])
-    assert RLSpec("runs/x", "general", "all").cells == [("general", e) for e in ("low", "high", "max")]
+    efforts = RLSpec("runs/x", "general", "all", "easy", group=1, prompts=3)
+    assert efforts.cells == [("general", e) for e in ("low", "high", "max")]
+    problems = [t.key.split("|", 2)[-1] for t in iteration_tasks(efforts, 0, 0)]
+    assert len(set(problems)) == 3                                  # the efforts of one domain: other problems
     # one cell: the prompts of the single-cell rule (fresh and pooled), so a run's prompts do not move
     one = RLSpec("runs/x", "coding", "low", "easy", group=1, prompts=3)
-    assert [t.key for t in iteration_tasks(one, 5, 2)] == [t.key for t in make_tasks("coding", "train", 3,
-                                                                                       5 * 1_000_003 + 2, "low", "easy")]
+    expected = make_tasks("coding", "train", 3, 5 * 1_000_003 + 2, "low", "easy")
+    assert [t.key for t in iteration_tasks(one, 5, 2)] == [t.key for t in expected]
     with pytest.raises(ValueError, match="unknown domain 'every'"):
         RLSpec("runs/x", "every", "low").validate()
 

@@ -12,9 +12,8 @@ Two routes, chosen from the shapes (``mxfp4_route``):
   for the tests) whose programs decode their [BLOCK_N, BLOCK_K] weight tile to bf16 in registers
   (``mxfp4_dequantize.decode_words``: the codes read as int32 words, two elements placed by one integer operation,
   the tile's columns in a bit-reversed order within each 8 that x's tile is put in too) and multiply it with
-  ``tl.dot`` (bf16 operands, fp32 accumulation; fp32
-  activations take the tile converted to fp32 into an IEEE fp32 dot). Hopper has no FP4 tensor cores; the weight
-  bytes a step reads shrink 3.8x.
+  ``tl.dot`` (bf16 operands, fp32 accumulation; fp32 activations take the tile converted to fp32 into an IEEE fp32
+  dot). Hopper has no FP4 tensor cores; the weight bytes a step reads shrink 3.8x.
 - **dequantize** (bf16 activations, at least ``DEQUANTIZE_ROWS`` rows an expert on average): the weights decoded
   once to bf16 (``mxfp4_dequantize``), then ``torch._grouped_mm``. Where a row tile of the registers route would
   decode each weight tile again for every row tile, and run its dot at half the tensor cores' rate behind the
@@ -59,8 +58,8 @@ _DTYPES = (torch.bfloat16, torch.float32)
 # over 8 local experts gives 384 programs at one row an expert) and BLOCK_K = 128 (64 code bytes a weight row a step:
 # two full 32-byte sectors), 4 warps. From 65 rows: BLOCK_N = 128, BLOCK_K = 64 at 8 warps, as a bf16 GEMM on
 # Hopper; BLOCK_M = 256 from 129 rows, because every row tile decodes its weight tiles again (half the decode a
-# multiply-add of 128-row tiles), with 2 pipeline stages (3 spill 16 bytes; 255 registers a thread either way). Counted
-# in the SASS of an offline sm_90 compile (Triton 3.6), not timed.
+# multiply-add of 128-row tiles), with 2 pipeline stages (3 stages spill 16 bytes; 255 registers a thread either
+# way). Counted in the SASS of an offline sm_90 compile (Triton 3.6), not timed.
 DECODE_ROWS = 16
 PREFILL_ROWS = 256
 GROUP_M = 8

@@ -36,7 +36,8 @@ def test_train_and_test_never_share_a_problem(domain):
 def test_references_score_one_and_state_the_effort_budget(domain, effort):
     for task in make_tasks(domain, "test", 4, seed=0, effort=effort) + make_tasks(domain, "train", 4, 1, effort):
         assert task.domain == domain and task.effort == effort
-        assert task.messages[0]["role"] == "system" and f"{EFFORT_BUDGETS[effort]} tokens" in task.messages[0]["content"]
+        system = task.messages[0]
+        assert system["role"] == "system" and f"{EFFORT_BUDGETS[effort]} tokens" in system["content"]
         assert task.score(task.reference_completion()) == 1.0, task.to_json()
         reasoning = re.search(f"{THINK_OPEN}(.*){THINK_CLOSE}", task.reference[0]["content"], re.S).group(1)
         assert len(reasoning.encode()) <= EFFORT_BUDGETS[effort]   # a byte-level token is at least one byte

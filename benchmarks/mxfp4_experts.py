@@ -12,8 +12,9 @@ RMS error under 1e-3, and every element within 2^-7 of its reference plus 1e-3 o
 not timed), then times both routes and bf16 (``triton.testing.do_bench`` medians) and prints ms, the time of the
 weights' decode alone, the route ``mxfp4_route`` takes at that size, the bf16 / MXFP4 time ratio for that route
 (above 1: MXFP4 is faster), TFLOP/s, the weight bytes of each form and the weight bandwidth they imply (bytes /
-time). ``--blocks`` overrides the registers kernel's tile sizes (and warps and pipeline stages), for tuning. GPU only: without CUDA it exits with
-a message (``--help`` works anywhere). Writes ``mxfp4_experts.json`` under ``--out`` when given.
+time). ``--blocks`` overrides the registers kernel's tile sizes (and warps and pipeline stages), for tuning. GPU
+only: without CUDA it exits with a message (``--help`` works anywhere). Writes ``mxfp4_experts.json`` under
+``--out`` when given.
 """
 
 from __future__ import annotations

@@ -240,3 +240,18 @@ def test_tensor_learning_rate_is_read_at_each_step():
     opt.step()
     for name, p in params.items():
         assert torch.equal(p, before[name]), name
+
+
+def test_a_step_with_tensor_learning_rates_reads_nothing_on_the_host():
+    """Muon's step with tensor learning rates (what a CUDA graph captures) reads no tensor value back to the host;
+    counted on the CPU as tests/parallel/test_moonep_sync.py counts reads."""
+    from tests.parallel.test_moonep_sync import HostReads
+
+    opt, params = build("float32")
+    for group in opt.param_groups:
+        group["lr"] = torch.tensor(float(group["lr"]))
+    for step in range(2):     # the first step creates the momentum buffers
+        set_grads(params, step)
+        with HostReads() as reads:
+            opt.step()
+        assert reads.seen == [], (step, reads.seen)

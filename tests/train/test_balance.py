@@ -290,6 +290,26 @@ def test_step_on_device_is_step_and_apply_false_is_discard(kind):
     assert skipped["load_max_over_mean"] == metrics["load_max_over_mean"]
 
 
+@pytest.mark.parametrize("kind", ["quantile", "sign"])
+def test_observe_and_step_on_device_read_nothing_on_the_host(kind):
+    """What a CUDA graph captures of a balancer (``observe``, ``step_on_device``) reads no tensor value back to the
+    host (a read would be a synchronisation the capture refuses); counted on the CPU as
+    tests/parallel/test_moonep_sync.py counts them. ``metrics_of`` is the step's one read, after the replay."""
+    from tests.parallel.test_moonep_sync import HostReads
+
+    router = random_router(8, 6, 2)
+    balancer = QuantileBalancer([router], num_bins=64) if kind == "quantile" else SignBalancer([router])
+    x_TD = router_inputs(200, 8)
+    with RoutingRecord() as record:
+        router(x_TD)
+    stats = record.stats([router])
+    with HostReads() as reads:
+        balancer.observe(stats)
+        values = balancer.step_on_device(torch.tensor(True))
+    assert reads.seen == [], reads.seen
+    assert balancer.metrics_of(values)["tokens"] == 200
+
+
 def test_bias_never_changes_the_mixture_weights_in_a_latent_moe():
     config = K3Config.preset("tiny")
     torch.manual_seed(0)

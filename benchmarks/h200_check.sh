@@ -197,7 +197,7 @@ case $MODE in
       --tokens 2,3,4,5 --requests 8 --json "$OUT/serve_speculative.json" ;;
   posttrain)
     step 0 partial_rollouts 540 python3 benchmarks/partial_rollouts.py --run "${POST_RUN:-runs/tiny-base3-sft30}" \
-      --device cuda --iterations 8 --prompts 8 --group 8 --alpha 0.6 --cap 256 --out "$OUT/partial_rollouts.json" ;;
+      --device cuda --iterations 16 --prompts 8 --group 4 --alpha 0.6 --cap 1024 --out "$OUT/partial_rollouts.json" ;;
   moonep)
     step 0 moonep_sync 120 python3 -m pytest -v -rf tests/parallel/test_moonep_sync.py -k cuda
     step 0 moonep_latency 120 python3 benchmarks/moonep.py --latency --json "$OUT/moonep_latency.json" ;;

@@ -416,6 +416,11 @@ class RLRun:
         parts = {"tokens": 0, "clipped": 0.0, "kl": 0.0, "ratio": 0.0, "dev": 0.0, "stale": 0, "truncated": 0.0,
                  "stale_reg": 0.0}
         loss_sum = 0.0
+        # Micro-batches of rows of like lengths (each is cut to its longest row): one long completion no longer pads
+        # a whole micro-batch of short ones. The minibatch, hence the step's gradient, is the same set of rows.
+        mask = batch.mask[torch.as_tensor(rows)]
+        ends = mask.shape[1] - mask.flip(1).int().argmax(1)
+        rows = np.asarray(rows)[torch.argsort(ends, stable=True).numpy()]
         for start in range(0, len(rows), spec.micro_batch):
             index = torch.as_tensor(rows[start:start + spec.micro_batch])
             micro = batch.rows(index).to(device)

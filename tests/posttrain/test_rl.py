@@ -3,6 +3,7 @@
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -345,3 +346,46 @@ def test_a_groups_copies_of_a_prompt_restore_it_from_the_prefix_cache(base_run, 
         results.append([r.token_ids for r in rollouts])
     assert results[0] == results[1]
     assert hits[0] == 0 and hits[1] >= 6        # the three copies of each of the two prompts
+
+
+def test_micro_batches_group_rows_of_like_lengths_and_keep_the_gradient(base_run):
+    """An update's minibatch is cut into micro-batches of like lengths (each padded only to its own longest row);
+    the accumulated gradient is the one of the whole minibatch in one forward."""
+    from types import SimpleNamespace
+
+    from kimik3.model.k3 import K3ForCausalLM
+    from kimik3.posttrain.policy_loss import make_batch
+    from kimik3.posttrain.rl import RLRun
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [40, 3, 25, 4, 38, 5]                       # long and short completions interleaved
+    prompts = [torch.randint(1, 600, (6,), generator=gen).tolist() for _ in lengths]
+    completions = [torch.randint(1, 600, (n,), generator=gen).tolist() for n in lengths]
+    logprobs = [[-1.0] * n for n in lengths]
+    batch = make_batch(prompts, completions, logprobs, [1.0, -0.5, 0.3, -1.0, 0.7, 0.2])
+    policy = K3ForCausalLM.from_pretrained(base_run, dtype=torch.float32)
+    widths = []
+    forward = policy.forward
+
+    def recording(input_ids, *args, **kwargs):
+        widths.append(input_ids.shape[1])
+        return forward(input_ids, *args, **kwargs)
+
+    def grads(micro_batch):
+        policy.zero_grad(set_to_none=True)
+        trainer = SimpleNamespace(args=SimpleNamespace(grad_clip=1e9), device=torch.device("cpu"), balancer=None,
+                                  _autocast=lambda: torch.autocast("cpu", enabled=False))
+        spec = SimpleNamespace(micro_batch=micro_batch, temperature=1.0, clip=0.2, kl_coef=0.0, stale_coef=0.1,
+                               stale_ratio_cap=3.0)
+        run = SimpleNamespace(trainer=trainer, spec=spec, policy=policy, reference=None)
+        _, parts, finite = RLRun._minibatch(run, batch, np.arange(len(lengths)))
+        assert finite and parts["tokens"] == sum(lengths)
+        return [p.grad.clone() for p in policy.parameters() if p.grad is not None]
+
+    policy.forward = recording
+    whole = grads(len(lengths))
+    widths.clear()
+    cut = grads(2)
+    assert widths == [6 + 4 - 1, 6 + 25 - 1, 6 + 40 - 1]   # (3, 4), (5, 25), (38, 40): each to its longest row
+    for a, b in zip(whole, cut, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)

@@ -52,7 +52,7 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -416,13 +416,7 @@ class RLRun:
         parts = {"tokens": 0, "clipped": 0.0, "kl": 0.0, "ratio": 0.0, "dev": 0.0, "stale": 0, "truncated": 0.0,
                  "stale_reg": 0.0}
         loss_sum = 0.0
-        # Micro-batches of rows of like lengths (each is cut to its longest row): one long completion no longer pads
-        # a whole micro-batch of short ones. The minibatch, hence the step's gradient, is the same set of rows.
-        mask = batch.mask[torch.as_tensor(rows)]
-        ends = mask.shape[1] - mask.flip(1).int().argmax(1)
-        rows = np.asarray(rows)[torch.argsort(ends, stable=True).numpy()]
-        for start in range(0, len(rows), spec.micro_batch):
-            index = torch.as_tensor(rows[start:start + spec.micro_batch])
+        for index in _micro_batches(batch, rows, spec.micro_batch):
             micro = batch.rows(index).to(device)
             with trainer._autocast():
                 out = self.policy(micro.input_ids)
@@ -451,6 +445,25 @@ class RLRun:
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.policy.parameters() if p.grad is not None], trainer.args.grad_clip)
         return loss_sum, parts, bool(torch.isfinite(grad_norm))
+
+
+def _micro_batches(batch: Any, rows: Sequence[int], micro_batch: int) -> list[torch.Tensor]:
+    """A minibatch's rows cut into micro-batches of rows of like lengths (each micro-batch is padded only to its
+    longest row, ``Batch.rows``): sorted by length, a micro-batch takes at most ``micro_batch`` rows and at most the
+    padded tokens ``micro_batch`` rows of the minibatch's mean length would, so that a long completion is not paired
+    with many short ones (one row always fits). The minibatch, hence the step's gradient, is the same set of rows."""
+    mask = batch.mask[torch.as_tensor(rows)]
+    ends = (mask.shape[1] - mask.flip(1).int().argmax(1)).tolist()   # each row's length up to its last target
+    order = sorted(range(len(ends)), key=ends.__getitem__)
+    budget = micro_batch * sum(ends) / len(ends)
+    out, current = [], []
+    for i in order:
+        if current and (len(current) == micro_batch or (len(current) + 1) * ends[i] > budget):
+            out.append(torch.as_tensor([rows[j] for j in current]))
+            current = []
+        current.append(i)
+    out.append(torch.as_tensor([rows[j] for j in current]))
+    return out
 
 
 def plot_rl(metrics_path: Path, out_path: Path) -> Path | None:

@@ -349,8 +349,8 @@ def test_a_groups_copies_of_a_prompt_restore_it_from_the_prefix_cache(base_run, 
 
 
 def test_micro_batches_group_rows_of_like_lengths_and_keep_the_gradient(base_run):
-    """An update's minibatch is cut into micro-batches of like lengths (each padded only to its own longest row);
-    the accumulated gradient is the one of the whole minibatch in one forward."""
+    """An update's minibatch is cut into micro-batches of like lengths (each padded only to its own longest row,
+    within a padded-token budget); the accumulated gradient does not depend on the cut."""
     from types import SimpleNamespace
 
     from kimik3.model.k3 import K3ForCausalLM
@@ -384,8 +384,12 @@ def test_micro_batches_group_rows_of_like_lengths_and_keep_the_gradient(base_run
 
     policy.forward = recording
     whole = grads(len(lengths))
+    # rows end at 6 + length - 1 = 45, 8, 30, 9, 43, 10 (mean 24.2); six rows' budget 145 padded tokens: the four
+    # shortest (4 x 30 = 120), then the two longest (2 x 45)
+    assert widths == [30, 45]
     widths.clear()
     cut = grads(2)
-    assert widths == [6 + 4 - 1, 6 + 25 - 1, 6 + 40 - 1]   # (3, 4), (5, 25), (38, 40): each to its longest row
+    # two rows a micro-batch at most, and at most 2 x 24.2 = 48 padded tokens: only the two shortest pair up
+    assert widths == [9, 10, 30, 43, 45]
     for a, b in zip(whole, cut, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)

@@ -560,7 +560,8 @@ def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: st
         return (f"iteration {r['step']}: reward {r['reward_mean']:.3f} accuracy {r['accuracy']:.3f} length "
                 f"{r['completion_tokens']:.0f} clip {r['clip_fraction']:.3f} kl {r['kl']:.4f} rollouts "
                 f"{r['rollout_tokens_per_s']:,.0f} tok/s ({r['rollout_s']:.1f} s), update {r['update_s']:.1f} s"
-                + partial)
+                + partial + "".join(f"; {cell} reward {c['reward_mean']:.3f} length {c['completion_tokens']:.0f}"
+                                    for cell, c in r.get("cells", {}).items()))
 
     records = drive(trainer, rl, summary=summary, progress=progress, log=log, on_iteration=on_iteration,
                     before=before, annotate=annotate)

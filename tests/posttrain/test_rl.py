@@ -253,8 +253,10 @@ def test_rl_on_a_mixture_records_each_cell(base_run, tmp_path, some_reward):
     from kimik3.posttrain.mopd import recorded_cell
     from kimik3.posttrain.rl import run_rl
 
+    lines = []
     records = run_rl(base_run, domain="all", effort="low", iterations=1, group=2, prompts=3, lr=1e-2,
-                     max_tokens=8, out=tmp_path / "mix", progress=False, eval_n=2, log=lambda _: None)
+                     max_tokens=8, out=tmp_path / "mix", progress=False, eval_n=2, log=lines.append)
+    assert any("iteration 0:" in line and "; coding:low reward" in line for line in lines), lines
     (record,) = records
     assert sorted(record["cells"]) == ["agents:low", "coding:low", "general:low"]
     assert all(c["rollouts"] == 2 and c["completion_tokens"] > 0 for c in record["cells"].values())

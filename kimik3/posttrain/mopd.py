@@ -53,7 +53,8 @@ import torch
 from kimik3.posttrain.driver import POSTTRAIN_BALANCE, drive, metrics_file, open_base, policy_trainer
 from kimik3.posttrain.evaluate import score_rollouts
 from kimik3.posttrain.policy_loss import group_advantages, make_batch, token_logprobs
-from kimik3.posttrain.rl import RL_FILE, RLRun, RLSource, RLSpec, SettingsFile, check_update_settings
+from kimik3.posttrain.rl import (RL_FILE, RLRun, RLSource, RLSpec, SettingsFile, check_update_settings,
+                                 spread_over_cells)
 from kimik3.posttrain.rollout import rollout_rows
 from kimik3.posttrain.tasks import make_tasks
 from kimik3.posttrain.tasks.base import check_domain_effort
@@ -207,21 +208,13 @@ class MOPDSource(RLSource):
 
 def iteration_tasks(spec: MOPDSpec, seed: int, iteration: int) -> tuple[list, list[int]]:
     """The tasks of ``iteration`` (each repeated ``group`` times, consecutively) and each one's teacher index."""
-    counts = [0] * len(spec.cells)
-    order = [(iteration * spec.prompts + k) % len(spec.cells) for k in range(spec.prompts)]
-    for c in order:
-        counts[c] += 1
-    drawn = {}
-    for c, n in enumerate(counts):
-        if n:
-            domain, effort = spec.cells[c].split(":")
-            drawn[c] = iter(make_tasks(domain, "train", n, seed * 1_000_003 + iteration, effort, spec.difficulty))
-    tasks, cells = [], []
-    for c in order:
-        task = next(drawn[c])
-        tasks += [task] * spec.group
-        cells += [c] * spec.group
-    return tasks, cells
+    def draw(c: int, numbers: list[int]) -> list:
+        domain, effort = spec.cells[c].split(":")
+        return make_tasks(domain, "train", len(numbers), seed * 1_000_003 + iteration, effort, spec.difficulty)
+
+    drawn = spread_over_cells(len(spec.cells), iteration * spec.prompts, spec.prompts, draw)
+    return ([task for task, _ in drawn for _ in range(spec.group)],
+            [c for _, c in drawn for _ in range(spec.group)])
 
 
 class MOPDRun(RLRun):

@@ -206,36 +206,42 @@ class RLSource:
         return RLSource(self.spec, tokenizer)
 
 
+def spread_over_cells(cells: int, first: int, prompts: int, draw: Callable[[int, list[int]], Sequence]) -> list:
+    """(task, cell index) for prompts ``first .. first + prompts - 1`` of a run over ``cells`` cells: prompt k comes
+    from cell k mod C as the j-th prompt that cell gives, j = k // C. ``draw(c, numbers)`` returns cell c's tasks for
+    its prompt numbers j (in order), one call per cell present."""
+    wanted: dict[int, list[int]] = {}   # cell -> its prompts' numbers j, in order
+    for k in range(first, first + prompts):
+        wanted.setdefault(k % cells, []).append(k // cells)
+    taken = {c: iter(draw(c, numbers)) for c, numbers in wanted.items()}
+    return [(next(taken[k % cells]), k % cells) for k in range(first, first + prompts)]
+
+
 def iteration_tasks(spec: RLSpec, seed: int, iteration: int) -> list:
     """The prompts of ``iteration``, each repeated ``group`` times (consecutively: one group per prompt). Prompt k
-    of iteration s comes from cell (s·P + k) mod C of the C cells (with one cell, every prompt), as the j-th prompt
-    that cell gives, j = (s·P + k) // C: fresh train tasks drawn with (seed, iteration), or with ``prompt_pool`` N
-    from a fixed set of N train tasks of the cell, taken in a new seeded order on each pass over the set (a finite
-    RL dataset, visited epoch by epoch)."""
+    of iteration s comes from cell (s·P + k) mod C of the C cells (with one cell, every prompt; ``spread_over_cells``):
+    fresh train tasks drawn with (seed, iteration), or with ``prompt_pool`` N from a fixed set of N train tasks of
+    the cell, taken in a new seeded order on each pass over the set (a finite RL dataset, visited epoch by epoch)."""
     cells = spec.cells
-    first = iteration * spec.prompts
-    wanted: dict[int, list[int]] = {}   # cell -> its prompts' numbers j, in order
-    for k in range(first, first + spec.prompts):
-        wanted.setdefault(k % len(cells), []).append(k // len(cells))
-    drawn: dict[int, list] = {}
-    for c, numbers in wanted.items():
+
+    def draw(c: int, numbers: list[int]) -> list:
         domain, effort = cells[c]
         salt = CELL_SALT * c    # two efforts of one domain draw different problems (the first cell: none)
         if spec.prompt_pool is None:
-            drawn[c] = make_tasks(domain, "train", len(numbers), seed * 1_000_003 + iteration + salt, effort,
-                                  spec.difficulty)
-        else:
-            pool = _prompt_pool(domain, spec.prompt_pool, seed, effort, spec.difficulty, salt)
-            orders: dict[int, np.ndarray] = {}   # pass -> its order (an iteration spans at most two passes)
-            drawn[c] = []
-            for j in numbers:
-                epoch = j // len(pool)
-                if epoch not in orders:
-                    orders[epoch] = np.random.default_rng([seed, epoch]).permutation(len(pool))
-                drawn[c].append(pool[orders[epoch][j % len(pool)]])
-    taken = {c: iter(tasks) for c, tasks in drawn.items()}
-    tasks = [next(taken[k % len(cells)]) for k in range(first, first + spec.prompts)]
-    return [task for task in tasks for _ in range(spec.group)]
+            return make_tasks(domain, "train", len(numbers), seed * 1_000_003 + iteration + salt, effort,
+                              spec.difficulty)
+        pool = _prompt_pool(domain, spec.prompt_pool, seed, effort, spec.difficulty, salt)
+        orders: dict[int, np.ndarray] = {}   # pass -> its order (an iteration spans at most two passes)
+        tasks = []
+        for j in numbers:
+            epoch = j // len(pool)
+            if epoch not in orders:
+                orders[epoch] = np.random.default_rng([seed, epoch]).permutation(len(pool))
+            tasks.append(pool[orders[epoch][j % len(pool)]])
+        return tasks
+
+    return [task for task, _ in spread_over_cells(len(cells), iteration * spec.prompts, spec.prompts, draw)
+            for _ in range(spec.group)]
 
 
 def cell_stats(spec: RLSpec, rollouts: list, rewards: list[float]) -> dict[str, Any]:
@@ -599,4 +605,4 @@ def _test_accuracy(rl: RLRun, spec: RLSpec, n: int, seed: int, log: Callable[[st
     return out
 
 
-__all__ = ["RLRun", "RLSource", "RLSpec", "cell_stats", "iteration_tasks", "plot_rl", "run_rl"]
+__all__ = ["RLRun", "RLSource", "RLSpec", "cell_stats", "iteration_tasks", "plot_rl", "run_rl", "spread_over_cells"]

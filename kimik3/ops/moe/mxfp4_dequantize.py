@@ -22,12 +22,14 @@ code bytes a row, B = I/32 scale blocks a row.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kimik3.ops.glue.common import _jit, check_triton_device, describe, on_device, tl, triton
 from kimik3.quant.mx import BLOCK_SIZE
 
-__all__ = ["as_words", "decode_words", "mxfp4_dequantize", "permute_words"]
+__all__ = ["as_words", "check_mxfp4_weight", "decode_words", "mxfp4_dequantize", "permute_words"]
 
 # A program's tile: 64 weight rows x 256 elements (128 code bytes a row: four 32-byte sectors), 4 warps.
 BLOCK_N, BLOCK_K, NUM_WARPS = 64, 256, 4
@@ -89,15 +91,22 @@ def as_words(codes_EOH: torch.Tensor) -> torch.Tensor:
     return codes_EOH.view(torch.int32)
 
 
-def _check(codes_EOH: torch.Tensor, scales_EOB: torch.Tensor) -> None:
-    for name, t in (("codes_EOH", codes_EOH), ("scales_EOB", scales_EOB)):
-        if not isinstance(t, torch.Tensor) or t.ndim != 3 or t.dtype != torch.uint8:
-            raise ValueError(f"{name} must be a 3-D uint8 tensor, got "
-                             f"{describe(t) if isinstance(t, torch.Tensor) else type(t).__name__}")
+def check_mxfp4_weight(codes_EOH: Any, scales_EOB: Any, I: int | None = None) -> None:
+    """ValueError naming the problem unless ``codes_EOH`` [E, O, I/2] and ``scales_EOB`` [E, O, I/32] are an MXFP4
+    weight's uint8 codes and scales on one device, I a positive multiple of 32 (``I``: the in features the codes
+    must have, e.g. the activations')."""
+    for name, t, what in (("codes_EOH", codes_EOH, "[E, O, I/2] (packed E2M1 codes)"),
+                          ("scales_EOB", scales_EOB, "[E, O, I/32] (E8M0 codes)")):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.ndim != 3 or t.dtype != torch.uint8:
+            raise ValueError(f"{name} must be a 3-D uint8 tensor {what}, got {describe(t)}")
     E, O, H = codes_EOH.shape
-    if H < 1 or (2 * H) % BLOCK_SIZE:
+    if I is None and (H < 1 or (2 * H) % BLOCK_SIZE):
         raise ValueError(f"codes_EOH [E, O, I/2] has {H} bytes a row: MXFP4 needs I = 2 x that a positive multiple of "
                          f"{BLOCK_SIZE}")
+    if I is not None and H * 2 != I:
+        raise ValueError(f"codes_EOH [E, O, I/2] has {H} bytes a row, but x_RI has I = {I} features (I/2 = {I // 2})")
     if scales_EOB.shape != (E, O, 2 * H // BLOCK_SIZE):
         raise ValueError(f"scales_EOB must be [E, O, I/32] = {(E, O, 2 * H // BLOCK_SIZE)}, got {describe(scales_EOB)}")
     if scales_EOB.device != codes_EOH.device:
@@ -108,7 +117,7 @@ def mxfp4_dequantize(codes_EOH: torch.Tensor, scales_EOB: torch.Tensor) -> torch
     """The MXFP4 weight (codes [E, O, I/2], scales [E, O, I/32], uint8, blocks along I) decoded: w_EOI [E, O, I]
     bf16, contiguous; ``.transpose(1, 2)`` is the [E, I, O] weight. The Triton kernel: CUDA tensors, or CPU ones
     under TRITON_INTERPRET=1. No host sync."""
-    _check(codes_EOH, scales_EOB)
+    check_mxfp4_weight(codes_EOH, scales_EOB)
     check_triton_device(codes_EOH, "mxfp4_dequantize")
     E, O, H = codes_EOH.shape
     I = 2 * H

@@ -46,7 +46,8 @@ import torch
 
 from kimik3.ops.glue.common import _jit, check_triton_device, describe, glue_backend, on_device, tl, triton
 from kimik3.ops.moe.grouped_mm import ExpertGroups, grouped_mm_loop
-from kimik3.ops.moe.mxfp4_dequantize import as_words, decode_words, mxfp4_dequantize, permute_words
+from kimik3.ops.moe.mxfp4_dequantize import (as_words, check_mxfp4_weight, decode_words, mxfp4_dequantize,
+                                              permute_words)
 from kimik3.quant.mx import BLOCK_SIZE, MXTensor, dequantize
 
 __all__ = ["mxfp4_backend", "mxfp4_blocks", "mxfp4_grouped_mm", "mxfp4_grouped_mm_reference", "mxfp4_route"]
@@ -134,33 +135,21 @@ def _offsets(groups, E: int, device: torch.device) -> torch.Tensor:
 
 def _check(x_RI, codes_EOH, scales_EOB, groups) -> torch.Tensor:
     """Validates the arguments; returns the offsets tensor."""
-    named = {"x_RI": x_RI, "codes_EOH": codes_EOH, "scales_EOB": scales_EOB}
-    for name, t in named.items():
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if not isinstance(x_RI, torch.Tensor):
+        raise ValueError(f"x_RI must be a tensor, got {type(x_RI).__name__}")
     if x_RI.ndim != 2:
         raise ValueError(f"x_RI must be 2-D [R, I], got {describe(x_RI)}")
     if x_RI.dtype not in _DTYPES:
         raise ValueError(f"x_RI must be bf16 or fp32, got {x_RI.dtype}")
-    if codes_EOH.ndim != 3 or codes_EOH.dtype != torch.uint8:
-        raise ValueError(f"codes_EOH must be a 3-D uint8 tensor [E, O, I/2] (packed E2M1 codes), got "
-                         f"{describe(codes_EOH)}")
-    if scales_EOB.ndim != 3 or scales_EOB.dtype != torch.uint8:
-        raise ValueError(f"scales_EOB must be a 3-D uint8 tensor [E, O, I/32] (E8M0 codes), got "
-                         f"{describe(scales_EOB)}")
-    R, I = x_RI.shape
-    E, O, H = codes_EOH.shape
+    I = x_RI.shape[1]
     if I < BLOCK_SIZE or I % BLOCK_SIZE:
         raise ValueError(f"x_RI [R, I] has I = {I}: MXFP4 weights need I a positive multiple of {BLOCK_SIZE}")
+    check_mxfp4_weight(codes_EOH, scales_EOB, I)
+    E, O, _ = codes_EOH.shape
     if E < 1 or O < 1:
         raise ValueError(f"codes_EOH [E, O, I/2] needs E, O >= 1, got {tuple(codes_EOH.shape)}")
-    if H * 2 != I:
-        raise ValueError(f"codes_EOH [E, O, I/2] has {H} bytes a row, but x_RI has I = {I} features (I/2 = {I // 2})")
-    if scales_EOB.shape != (E, O, I // BLOCK_SIZE):
-        raise ValueError(f"scales_EOB must be [E, O, I/32] = {(E, O, I // BLOCK_SIZE)}, got {describe(scales_EOB)}")
-    for name, t in named.items():
-        if t.device != x_RI.device:
-            raise ValueError(f"{name} is on {t.device} but x_RI on {x_RI.device}")
+    if codes_EOH.device != x_RI.device:
+        raise ValueError(f"codes_EOH is on {codes_EOH.device} but x_RI on {x_RI.device}")
     return _offsets(groups, E, x_RI.device)
 
 

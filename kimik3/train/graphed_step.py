@@ -59,7 +59,6 @@ class GraphedTrainStep:
                    lr_scale: float) -> dict[str, Any]:
         """``Trainer.train_step``'s record of one step (one process: the losses are the global ones)."""
         trainer = self.trainer
-        batch, seq = shape
         start = budget._now()
         numbers, balance = self(inputs, labels, lr_scale)
         elapsed = max(budget._now() - start, 1e-9)
@@ -67,18 +66,11 @@ class GraphedTrainStep:
         finite = bool(numbers["finite"])
         if not finite:
             trainer.nonfinite_total += 1
-        record: dict[str, Any] = {"step": step, "total_steps": total, "seq_len": seq, "batch_size": batch,
-                                  "lr": trainer.args.lr * lr_scale, "loss": numbers["loss"],
-                                  "tokens_per_s": batch * seq / elapsed, "step_time_s": elapsed,
-                                  "elapsed_s": budget._now() - trainer.started, "skipped": not finite,
-                                  "nonfinite_total": trainer.nonfinite_total}
-        if finite:   # as the eager step records it: a skipped step has no gradient norm
-            record["grad_norm"] = numbers["grad_norm"]
-        if self.split_losses:
-            record.update(main_loss=numbers["main_loss"], mtp_loss=numbers["mtp_loss"])
         load = balance.get("load_max_over_mean_mean")
-        record["expert_load_max_over_mean"] = load if load is not None and not math.isnan(load) else None
-        return record
+        return trainer.step_record(step, total, shape, lr_scale, elapsed, numbers["loss"], finite,
+                                   numbers["grad_norm"] if finite else None,   # a skipped step: none, as eagerly
+                                   (numbers["main_loss"], numbers["mtp_loss"]) if self.split_losses else None,
+                                   load if load is not None and not math.isnan(load) else None)
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor, lr_scale: float) -> tuple[dict[str, float], dict]:
         for group in self.trainer.optimizer.param_groups:

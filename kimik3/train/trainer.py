@@ -321,15 +321,13 @@ class Trainer:
         if self.balancer is not None:
             self.balancer.observe(out.routing)   # bins the scores, then drops them before backward
         loss = out.loss
-        record: dict[str, Any] = {"step": step, "total_steps": total, "seq_len": seq, "batch_size": batch,
-                                  "lr": self.args.lr * lr_scale}
         global_loss = self.ctx.global_loss(loss.detach())  # one verdict for every rank
         finite = bool(torch.isfinite(global_loss))
+        grad_norm = None
         if finite:
             self.ctx.backward_loss(loss).backward()
-            grad_norm = self.ctx.clip_grad_norm(self.model.parameters(), self.args.grad_clip)
-            finite = bool(torch.isfinite(grad_norm))
-            record["grad_norm"] = float(grad_norm)
+            grad_norm = float(self.ctx.clip_grad_norm(self.model.parameters(), self.args.grad_clip))
+            finite = math.isfinite(grad_norm)
         self.fwd_bwd_s = budget._now() - start   # (synchronised by the loss's and the norm's reads)
         if finite:
             self.optimizer.step()
@@ -339,15 +337,30 @@ class Trainer:
             balance = self.balancer.discard() if self.balancer is not None else {}
         self.optimizer.zero_grad(set_to_none=True)
         elapsed = max(budget._now() - start, 1e-9)
-
-        record.update(loss=float(global_loss), tokens_per_s=batch * seq / elapsed, step_time_s=elapsed,
-                      elapsed_s=budget._now() - self.started,
-                      skipped=not finite, nonfinite_total=self.nonfinite_total)
+        split = None
         if out.main_loss is not None and out.mtp_loss is not None:
-            record.update(main_loss=float(self.ctx.global_loss(out.main_loss.detach())),
-                          mtp_loss=float(self.ctx.global_loss(out.mtp_loss.detach())))
-        record["expert_load_max_over_mean"] = (balance["load_max_over_mean_mean"] if "load_max_over_mean_mean"
-                                               in balance else routing_imbalance(getattr(out, "routing", ())))
+            split = (float(self.ctx.global_loss(out.main_loss.detach())),
+                     float(self.ctx.global_loss(out.mtp_loss.detach())))
+        load = (balance["load_max_over_mean_mean"] if "load_max_over_mean_mean" in balance
+                else routing_imbalance(getattr(out, "routing", ())))
+        return self.step_record(step, total, (batch, seq), lr_scale, elapsed, float(global_loss), finite, grad_norm,
+                                split, load)
+
+    def step_record(self, step: int, total: int, shape: tuple[int, int], lr_scale: float, elapsed: float,
+                    loss: float, finite: bool, grad_norm: float | None, split: tuple[float, float] | None,
+                    load: float | None) -> dict[str, Any]:
+        """A step's line of metrics.jsonl (what the progress bar, the plot and the summary read): ``grad_norm``
+        None when the step did not get that far, ``split`` the (main, MTP) losses when the model reports them."""
+        batch, seq = shape
+        record: dict[str, Any] = {"step": step, "total_steps": total, "seq_len": seq, "batch_size": batch,
+                                  "lr": self.args.lr * lr_scale}
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm
+        record.update(loss=loss, tokens_per_s=batch * seq / elapsed, step_time_s=elapsed,
+                      elapsed_s=budget._now() - self.started, skipped=not finite, nonfinite_total=self.nonfinite_total)
+        if split is not None:
+            record.update(main_loss=split[0], mtp_loss=split[1])
+        record["expert_load_max_over_mean"] = load
         return record
 
     def _draw(self, step: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:

@@ -295,8 +295,8 @@ def _step_chunk(chunk: list[tuple[_Entry, int, int]]) -> None:
     ortho_BMN = ortho_BMN.to(torch.promote_types(first.param.dtype, first.ns_dtype),
                              memory_format=torch.contiguous_format).contiguous()
 
-    # The update is -lr * scale * O. Keyed (lr * scale, None) for a float lr, (scale, lr) for a tensor one.
-    adds: dict[tuple[float, torch.Tensor | None], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    # The update is -lr * rms_scale * lr_ratio * O: keyed by (lr, rms_scale, lr_ratio), lr a float or a 0-dim tensor.
+    adds: dict[tuple[float | torch.Tensor, float, float], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for (e, h0, h1), piece in zip(chunk, ortho_BMN.split([h1 - h0 for _, h0, h1 in chunk]), strict=True):
         if (h0, h1) != (0, e.layout.blocks):  # a slice of an entry larger than a batch
             e.pieces.append(piece)
@@ -304,19 +304,17 @@ def _step_chunk(chunk: list[tuple[_Entry, int, int]]) -> None:
                 continue
             piece = torch.cat(e.pieces)
         lr = e.group["lr"]
-        scale = float(e.group["rms_scale"]) * e.layout.lr_ratio
-        key = (scale, lr) if isinstance(lr, torch.Tensor) else (float(lr) * scale, None)
+        key = (lr if isinstance(lr, torch.Tensor) else float(lr), float(e.group["rms_scale"]), e.layout.lr_ratio)
         params, updates = adds.setdefault(key, ([], []))
         params.append(e.param)
         updates.append(e.layout.from_blocks(piece, e.param.shape))
         e.direction, e.pieces = None, []
-    for (number, lr_t), (params, updates) in adds.items():
-        if lr_t is None:
-            torch._foreach_add_(params, updates, alpha=-number)
-        else:
-            scale = number
-            factor = (lr_t.double() * -scale).to(updates[0].device)
+    for (lr, rms_scale, lr_ratio), (params, updates) in adds.items():
+        if isinstance(lr, torch.Tensor):
+            factor = (lr.double() * -rms_scale * lr_ratio).to(updates[0].device)
             torch._foreach_add_(params, torch._foreach_mul(updates, factor))
+        else:
+            torch._foreach_add_(params, updates, alpha=-lr * rms_scale * lr_ratio)
 
 
 # --------------------------------------------------------------------------- K3 grouping

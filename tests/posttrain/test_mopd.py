@@ -13,6 +13,7 @@ from kimik3.model.k3 import K3ForCausalLM
 from kimik3.posttrain.mopd import MOPDRun, MOPDSpec, iteration_tasks, opd_rewards, resolve_teachers, run_mopd
 from kimik3.posttrain.policy_loss import clipped_policy_loss, make_batch, token_logprobs
 from kimik3.posttrain.rl import RLSpec
+from kimik3.posttrain.rl import iteration_tasks as rl_iteration_tasks
 
 
 def test_reward_is_the_clipped_stop_gradient_log_ratio():
@@ -72,6 +73,18 @@ def test_each_prompt_is_scored_by_its_cells_teacher_only():
                 want = token_logprobs(teacher, batch.input_ids[i:i + 1], batch.targets[i:i + 1])[0]
                 m = batch.mask[i]
                 assert torch.allclose(lp[i][m], want[m])
+
+
+def test_mopd_draws_the_problems_rl_on_the_mixture_draws():
+    """MOPD and RL on the same cells (``--domain all --effort all``) see the same prompts in the same order, so their
+    comparison is over the same problems; two efforts of one domain draw different problems."""
+    rl = RLSpec("student", "all", "all", prompts=12, group=2)
+    spec = MOPDSpec("student", ["t"] * 9, [f"{d}:{e}" for d, e in rl.cells], prompts=12, group=2)
+    for iteration in (0, 3):
+        tasks, cells = iteration_tasks(spec, seed=5, iteration=iteration)
+        assert [t.messages for t in tasks] == [t.messages for t in rl_iteration_tasks(rl, 5, iteration)]
+    first, _ = iteration_tasks(MOPDSpec("s", ["t", "t"], ["general:low", "general:high"], prompts=2, group=1), 0, 0)
+    assert first[0].key != first[1].key
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call that checks and times on the GPU (H200, torch 2.11, Triton 3.6) one part or several: the KDA
 # kernels, the serving engine, the vision encoder, the torchtitan parity, training, MXFP4 experts, speculative
-# decoding, post-training, MoonEP; logs under $OUT:
+# decoding, post-training, MoonEP, torch.compile; logs under $OUT:
 #
 #   bash benchmarks/h200_check.sh [MODE ...]   (one of quick|kernels|check|train|precision|decode|serve|http|
-#                                              vision|parity|quant|trainstep|trainrun|spec|posttrain|moonep; several
-#                                              run one after the other in the same call)
+#                                              vision|parity|quant|trainstep|trainrun|spec|posttrain|moonep|compile;
+#                                              several run one after the other in the same call)
 #
 # quick      the GPU tests of the kernels (tests/ops/test_kda_triton.py, test_kda_gluon.py) and kda_gpu_probe.py
 #            (one process per shape, so a fault cannot hide the cases after it)                        <= 9 min
@@ -40,6 +40,8 @@
 #            on the run POST_RUN (default runs/tiny-base3-sft30; carry it)                            <= 9 min
 # moonep     the MoonEP layer's no-sync check at world size 1 (tests/parallel/test_moonep_sync.py) and moonep.py's
 #            plan() latency (--latency)                                                                <= 4 min
+# compile    compile_probe.py: torch.compile's graph breaks in each kind of block of the debug preset, and its forward
+#            + backward with every block compiled against eager                                       <= 5 min
 #
 # Options (environment): LIMIT0 (GPU 0's kernel step, s), LIMIT_TRAIN, LIMIT_DECODE, LIMIT_SERVE_DECODE; TRAIN_SEEDS
 # (seeds 0 .. N-1, 2 by default), TRAIN_NOISE=1 (kda_train_check.py --noise), TRAIN_ARGS (more of its options, e.g.
@@ -53,7 +55,7 @@
 # status is a line of $OUT/rc.txt, and the exit status is non-zero if any step failed. With two or more GPUs the
 # steps of a mode run side by side, one GPU each.
 set -u
-MODES="quick|kernels|check|train|precision|decode|serve|http|vision|parity|quant|trainstep|trainrun|spec|posttrain|moonep"
+MODES="quick|kernels|check|train|precision|decode|serve|http|vision|parity|quant|trainstep|trainrun|spec|posttrain|moonep|compile"
 if [ $# -eq 0 ]; then set -- kernels; fi
 for MODE in "$@"; do
   case "|$MODES|" in *"|$MODE|"*) ;; *) echo "usage: $0 [MODE ...], MODE one of $MODES" >&2; exit 2 ;; esac
@@ -201,6 +203,8 @@ case $MODE in
   moonep)
     step 0 moonep_sync 120 python3 -m pytest -v -rf tests/parallel/test_moonep_sync.py -k cuda
     step 0 moonep_latency 120 python3 benchmarks/moonep.py --latency --json "$OUT/moonep_latency.json" ;;
+  compile)
+    step 0 compile_probe 300 python3 benchmarks/compile_probe.py --json "$OUT/compile_probe.json" ;;
 esac
 done
 finish

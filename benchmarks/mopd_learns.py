@@ -1,13 +1,18 @@
-"""Does MOPD distil? Each teacher's greedy test score in its own (domain, effort) cell against the student's, before
-and after `kimik3 mopd` from those teachers.
+"""Does MOPD distil, and in fewer updates than RL on the mixture? Each teacher's greedy test score in its own
+(domain, effort) cell against the student's, before and after `kimik3 mopd` from those teachers, stage by stage.
 
-    python benchmarks/mopd_learns.py --student runs/sft-easyall --teachers runs/rl-general runs/rl-agents \\
-        runs/rl-coding --difficulty easy --iterations 20 --n 100 --out mopd.json
+    python benchmarks/mopd_learns.py --student runs/sft9 --teachers runs/t-general-low ... runs/t-coding-max \\
+        --difficulty easy --stages 25,50,100 --against-rl --n 150 --out mopd.json
 
-Every model is scored greedily on the same ``--n`` test tasks of each cell (test seed 0). Reported per cell: the
-teacher's score, the student's before and after (Wilson 95% intervals), the student-to-teacher ratio after (the
-issue's target is >= 0.9 in every cell), the paired gain of the student over the MOPD run, and the mean completion
-tokens of teacher and student (how the effort levels change length). Writes ``--out`` (JSON) with every figure.
+Every model is scored greedily on the same ``--n`` test tasks of each cell (test seed 0). ``--stages``: the
+cumulative iteration counts after which the student is scored (the run continued between them; default one stage,
+``--iterations``). ``--against-rl``: the same stages of ``kimik3 rl`` on the mixture of the teachers' cells
+(``--domain``/``--effort`` each one name or all: the cells must be such a product) from the same student, with the
+same prompts, group, learning rate and seed: the issue's "fewer student updates than RL from scratch on the
+mixture". Reported per cell and stage: the student's score (Wilson 95% interval), its ratio to the teacher (the
+target is >= 0.9 in every cell), the paired gain over the start, the mean completion tokens (how the effort levels
+change length); per method, the first stage at which every cell reached 0.9 of its teacher (0: the student
+already had). Writes ``--out`` (JSON) with every figure, after each stage.
 """
 
 from __future__ import annotations
@@ -21,8 +26,29 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # run from a checkout that is not installed
 
 from rl_learns import accuracy_line, paired_difference  # noqa: E402
+
+TARGET = 0.9   # the student's score over its teacher's, in every cell
+
+
+def mixture_of(cells: list[str]) -> tuple[str, str]:
+    """(--domain, --effort) of ``kimik3 rl`` whose cells are exactly ``cells``, each one name or "all"; ValueError
+    when the cells are not such a product."""
+    from kimik3.posttrain.tasks import DOMAINS, EFFORTS
+
+    def one_or_all(names: set[str]) -> str:
+        return next(iter(names)) if len(names) == 1 else "all"
+
+    domain = one_or_all({c.split(":")[0] for c in cells})
+    effort = one_or_all({c.split(":")[1] for c in cells})
+    product = [f"{d}:{e}" for d in (DOMAINS if domain == "all" else [domain])
+               for e in (EFFORTS if effort == "all" else [effort])]
+    if sorted(product) != sorted(cells):
+        raise ValueError(f"--against-rl: the teachers' cells {sorted(cells)} are not one domain or all x one effort "
+                         f"or all, which is what kimik3 rl trains on")
+    return domain, effort
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,66 +58,112 @@ def main(argv: list[str] | None = None) -> int:
                         "with --teacher-cells)")
     parser.add_argument("--teacher-cells", help="each teacher's domain:effort, in the --teachers order")
     parser.add_argument("--difficulty", default="easy")
-    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--iterations", type=int, default=20, help="one stage of this many (without --stages)")
+    parser.add_argument("--stages", help="cumulative iteration counts to score the student after, e.g. 25,50,100")
+    parser.add_argument("--against-rl", action="store_true",
+                        help="also RL on the mixture of the teachers' cells from the student, the same stages")
     parser.add_argument("--prompts", type=int, default=9)
     parser.add_argument("--group", type=int, default=2)
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--r-max", type=float, default=2.0)
-    parser.add_argument("--seed", type=int, default=0, help="MOPD's prompts and sampling")
+    parser.add_argument("--seed", type=int, default=0, help="the prompts and sampling of MOPD (and RL)")
     parser.add_argument("--n", type=int, default=100, help="test tasks per cell (the same for every model)")
-    parser.add_argument("--work", help="where the student run goes (default: a temporary directory, removed)")
+    parser.add_argument("--work", help="where the student runs go (default: a temporary directory, removed)")
     parser.add_argument("--out", help="write the figures to this JSON file")
     args = parser.parse_args(argv)
+    stages = [int(s) for s in args.stages.split(",")] if args.stages else [args.iterations]
+    if not stages or stages != sorted(set(stages)) or stages[0] < 1:
+        parser.error(f"--stages must be increasing positive iteration counts, got {args.stages}")
 
     from kimik3.posttrain.evaluate import evaluate
     from kimik3.posttrain.mopd import parse_cells, resolve_teachers, run_mopd
+    from kimik3.posttrain.rl import run_rl
 
     cells = resolve_teachers(args.teachers, parse_cells(args.teacher_cells))
+    mixture = mixture_of(cells) if args.against_rl else None   # refused before any model is scored
 
     def score(run: Path, cell: str):
         domain, effort = cell.split(":")
         return evaluate(run, domain, effort, args.n, seed=0, difficulty=args.difficulty)
 
-    def line(name: str, scores: list[float]) -> str:
-        return accuracy_line(name, scores, width=18)
-
     results: dict = {"student": args.student, "teachers": dict(zip(cells, args.teachers)), "n": args.n,
-                     "settings": {k: getattr(args, k) for k in ("difficulty", "iterations", "prompts", "group", "lr",
-                                                                "r_max", "seed")}, "cells": {}}
+                     "stages": stages, "target": TARGET,
+                     "settings": {k: getattr(args, k) for k in ("difficulty", "prompts", "group", "lr", "r_max",
+                                                                "seed")},
+                     "cells": {}, "methods": {}}
+
+    def save() -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+
     before = {}
     for cell, teacher in zip(cells, args.teachers):
         teacher_result, start = score(Path(teacher), cell), score(Path(args.student), cell)
         before[cell] = start
         results["cells"][cell] = {"teacher": teacher_result.scores, "teacher_tokens": teacher_result.mean_tokens,
                                   "student_before": start.scores, "student_before_tokens": start.mean_tokens}
+        teacher_mean = sum(teacher_result.scores) / args.n
+        ratio = (sum(start.scores) / args.n) / teacher_mean if teacher_mean else float("nan")
+        results["cells"][cell]["student_before_ratio"] = ratio
         print(f"{cell} ({args.difficulty}), {args.n} test tasks, greedy", flush=True)
-        print(line("  teacher", teacher_result.scores) + f"  {teacher_result.mean_tokens:.0f} tokens", flush=True)
-        print(line("  student before", start.scores) + f"  {start.mean_tokens:.0f} tokens", flush=True)
+        print(accuracy_line("  teacher", teacher_result.scores, 18) + f"  {teacher_result.mean_tokens:.0f} tokens",
+              flush=True)
+        print(accuracy_line("  student before", start.scores, 18) + f"  {start.mean_tokens:.0f} tokens; {ratio:.2f} "
+              f"of the teacher", flush=True)
+    results["start_at_target"] = all(results["cells"][c]["student_before_ratio"] >= TARGET for c in cells)
+    save()
+
+    def train(method: str, out: Path, iterations: int, first: bool) -> list[dict]:
+        common = dict(iterations=iterations, prompts=args.prompts, group=args.group, lr=args.lr, seed=args.seed,
+                      progress=False, log=lambda _: None)
+        if not first:
+            return (run_mopd if method == "mopd" else run_rl)(resume=out, **common)
+        if method == "mopd":
+            return run_mopd(args.student, teachers=args.teachers, teacher_cells=cells, r_max=args.r_max,
+                            difficulty=args.difficulty, out=out, **common)
+        return run_rl(args.student, domain=mixture[0], effort=mixture[1], difficulty=args.difficulty, out=out,
+                      **common)
+
+    methods = ["mopd"] + (["rl_mixture"] if args.against_rl else [])
     with (contextlib.nullcontext(args.work) if args.work else tempfile.TemporaryDirectory()) as work_dir:
-        out = Path(work_dir) / f"mopd-seed{args.seed}"
-        began = time.perf_counter()
-        records = run_mopd(args.student, teachers=args.teachers, teacher_cells=cells, r_max=args.r_max,
-                           iterations=args.iterations, prompts=args.prompts, group=args.group, lr=args.lr,
-                           difficulty=args.difficulty, out=out, seed=args.seed, progress=False, log=lambda _: None)
-        results["wall_s"] = time.perf_counter() - began
-        results["kl_to_teacher"] = [r["kl_to_teacher"] for r in records]
-        print(f"MOPD: {args.iterations} iterations in {results['wall_s']:.0f} s; KL to the teachers "
-              f"{records[0]['kl_to_teacher']:.3f} -> {records[-1]['kl_to_teacher']:.3f}", flush=True)
-        for cell in cells:
-            after = score(out, cell)
-            entry = results["cells"][cell]
-            teacher_mean = sum(entry["teacher"]) / len(entry["teacher"])
-            after_mean = sum(after.scores) / len(after.scores)
-            gain = paired_difference(after.scores, before[cell].scores)
-            ratio = after_mean / teacher_mean if teacher_mean else float("nan")
-            entry.update(student_after=after.scores, student_after_tokens=after.mean_tokens, gain=gain,
-                         ratio_to_teacher=ratio)
-            print(line(f"{cell} student after", after.scores) + f"  {after.mean_tokens:.0f} tokens; "
-                  f"{ratio:.2f} of the teacher; paired gain {gain[0]:+.3f} [{gain[1]:+.3f}, {gain[2]:+.3f}]",
-                  flush=True)
-        results["dir"] = str(out) if args.work else None
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        for method in methods:
+            out = Path(work_dir) / f"{method}-seed{args.seed}"
+            summary = results["methods"][method] = {"dir": str(out) if args.work else None, "stages": [],
+                                                    "first_stage_at_target": 0 if results["start_at_target"]
+                                                    else None}
+            elapsed = 0.0
+            for index, iterations in enumerate(stages):
+                began = time.perf_counter()
+                records = train(method, out, iterations, first=index == 0)
+                elapsed += time.perf_counter() - began
+                stage = {"iterations": iterations, "wall_s": elapsed}
+                if method == "mopd":
+                    stage["kl_to_teacher"] = [r["kl_to_teacher"] for r in records]
+                print(f"{method}: {iterations} iterations ({elapsed:.0f} s of training)"
+                      + (f"; KL to the teachers {records[0]['kl_to_teacher']:.3f} -> "
+                         f"{records[-1]['kl_to_teacher']:.3f} this stage" if method == "mopd" else ""), flush=True)
+                for cell in cells:
+                    after = score(out, cell)
+                    entry = results["cells"][cell]
+                    teacher_mean = sum(entry["teacher"]) / args.n
+                    after_mean = sum(after.scores) / args.n
+                    gain = paired_difference(after.scores, before[cell].scores)
+                    ratio = after_mean / teacher_mean if teacher_mean else float("nan")
+                    entry.setdefault(method, {})[str(iterations)] = {
+                        "scores": after.scores, "tokens": after.mean_tokens, "gain": gain, "ratio_to_teacher": ratio}
+                    print(accuracy_line(f"  {cell}", after.scores, 18) + f"  {after.mean_tokens:.0f} tokens; "
+                          f"{ratio:.2f} of the teacher; paired gain {gain[0]:+.3f} [{gain[1]:+.3f}, {gain[2]:+.3f}]",
+                          flush=True)
+                at_target = all(results["cells"][c][method][str(iterations)]["ratio_to_teacher"] >= TARGET
+                                for c in cells)
+                stage["every_cell_at_target"] = at_target
+                summary["stages"].append(stage)
+                if at_target and summary["first_stage_at_target"] is None:
+                    summary["first_stage_at_target"] = iterations
+                save()
+            print(f"{method}: every cell at {TARGET} of its teacher first after "
+                  f"{summary['first_stage_at_target'] or 'none of the stages'}", flush=True)
+    save()
     return 0
 
 

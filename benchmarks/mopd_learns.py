@@ -2,17 +2,17 @@
 (domain, effort) cell against the student's, before and after `kimik3 mopd` from those teachers, stage by stage.
 
     python benchmarks/mopd_learns.py --student runs/sft9 --teachers runs/t-general-low ... runs/t-coding-max \\
-        --difficulty easy --stages 25,50,100 --against-rl --n 150 --out mopd.json
+        --difficulty easy --stages 25,50,100 --methods mopd rl_mixture --n 150 --out mopd.json
 
 Every model is scored greedily on the same ``--n`` test tasks of each cell (test seed 0). ``--stages``: the
 cumulative iteration counts after which the student is scored (the run continued between them; default one stage,
-``--iterations``). ``--against-rl``: the same stages of ``kimik3 rl`` on the mixture of the teachers' cells
-(``--domain``/``--effort`` each one name or all: the cells must be such a product) from the same student, with the
-same prompts, group, learning rate and seed: the issue's "fewer student updates than RL from scratch on the
-mixture". Reported per cell and stage: the student's score (Wilson 95% interval), its ratio to the teacher (the
-target is >= 0.9 in every cell), the paired gain over the start, the mean completion tokens (how the effort levels
-change length); per method, the first stage at which every cell reached 0.9 of its teacher (0: the student
-already had). Writes ``--out`` (JSON) with every figure, after each stage.
+``--iterations``). ``--methods mopd rl_mixture``: also the same stages of ``kimik3 rl`` on the mixture of the
+teachers' cells (``--domain``/``--effort`` each one name or all: the cells must be such a product) from the same
+student, with the same prompts, group, learning rate and seed: the issue's "fewer student updates than RL from
+scratch on the mixture". Reported per cell and stage: the student's score (Wilson 95% interval), its ratio to the
+teacher (the target is >= 0.9 in every cell), the paired gain over the start, the mean completion tokens (how the
+effort levels change length); per method, the first stage at which every cell reached 0.9 of its teacher (0: the
+student already had). Writes ``--out`` (JSON) with every figure, after each stage.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def mixture_of(cells: list[str]) -> tuple[str, str]:
     product = [f"{d}:{e}" for d in (DOMAINS if domain == "all" else [domain])
                for e in (EFFORTS if effort == "all" else [effort])]
     if sorted(product) != sorted(cells):
-        raise ValueError(f"--against-rl: the teachers' cells {sorted(cells)} are not one domain or all x one effort "
+        raise ValueError(f"rl_mixture: the teachers' cells {sorted(cells)} are not one domain or all x one effort "
                          f"or all, which is what kimik3 rl trains on")
     return domain, effort
 
@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--difficulty", default="easy")
     parser.add_argument("--iterations", type=int, default=20, help="one stage of this many (without --stages)")
     parser.add_argument("--stages", help="cumulative iteration counts to score the student after, e.g. 25,50,100")
-    parser.add_argument("--against-rl", action="store_true",
-                        help="also RL on the mixture of the teachers' cells from the student, the same stages")
+    parser.add_argument("--methods", nargs="+", choices=["mopd", "rl_mixture"], default=["mopd"],
+                        help="mopd, and/or rl_mixture: RL on the mixture of the teachers' cells from the student")
     parser.add_argument("--prompts", type=int, default=9)
     parser.add_argument("--group", type=int, default=2)
     parser.add_argument("--lr", type=float, default=5e-5)
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from kimik3.posttrain.rl import run_rl
 
     cells = resolve_teachers(args.teachers, parse_cells(args.teacher_cells))
-    mixture = mixture_of(cells) if args.against_rl else None   # refused before any model is scored
+    mixture = mixture_of(cells) if "rl_mixture" in args.methods else None   # refused before any model is scored
 
     def score(run: Path, cell: str):
         domain, effort = cell.split(":")
@@ -124,9 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_rl(args.student, domain=mixture[0], effort=mixture[1], difficulty=args.difficulty, out=out,
                       **common)
 
-    methods = ["mopd"] + (["rl_mixture"] if args.against_rl else [])
     with (contextlib.nullcontext(args.work) if args.work else tempfile.TemporaryDirectory()) as work_dir:
-        for method in methods:
+        for method in args.methods:
             out = Path(work_dir) / f"{method}-seed{args.seed}"
             summary = results["methods"][method] = {"dir": str(out) if args.work else None, "stages": [],
                                                     "first_stage_at_target": 0 if results["start_at_target"]

@@ -81,7 +81,7 @@ def test_mopd_draws_the_problems_rl_on_the_mixture_draws():
     rl = RLSpec("student", "all", "all", prompts=12, group=2)
     spec = MOPDSpec("student", ["t"] * 9, [f"{d}:{e}" for d, e in rl.cells], prompts=12, group=2)
     for iteration in (0, 3):
-        tasks, cells = iteration_tasks(spec, seed=5, iteration=iteration)
+        tasks, _ = iteration_tasks(spec, seed=5, iteration=iteration)
         assert [t.messages for t in tasks] == [t.messages for t in rl_iteration_tasks(rl, 5, iteration)]
     first, _ = iteration_tasks(MOPDSpec("s", ["t", "t"], ["general:low", "general:high"], prompts=2, group=1), 0, 0)
     assert first[0].key != first[1].key

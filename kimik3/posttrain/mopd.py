@@ -53,8 +53,8 @@ import torch
 from kimik3.posttrain.driver import POSTTRAIN_BALANCE, drive, metrics_file, open_base, policy_trainer
 from kimik3.posttrain.evaluate import score_rollouts
 from kimik3.posttrain.policy_loss import group_advantages, make_batch, token_logprobs
-from kimik3.posttrain.rl import (CELL_SALT, RL_FILE, RLRun, RLSource, RLSpec, SettingsFile, check_update_settings,
-                                 spread_over_cells)
+from kimik3.posttrain.rl import (RL_FILE, RLRun, RLSource, RLSpec, SettingsFile, check_update_settings,
+                                 fresh_cell_tasks, spread_over_cells)
 from kimik3.posttrain.rollout import rollout_rows
 from kimik3.posttrain.tasks import make_tasks
 from kimik3.posttrain.tasks.base import check_domain_effort
@@ -210,9 +210,7 @@ def iteration_tasks(spec: MOPDSpec, seed: int, iteration: int) -> tuple[list, li
     """The tasks of ``iteration`` (each repeated ``group`` times, consecutively) and each one's teacher index."""
     def draw(c: int, numbers: list[int]) -> list:
         domain, effort = spec.cells[c].split(":")
-        salt = CELL_SALT * c    # as RL on the mixture: two efforts of one domain draw different problems
-        return make_tasks(domain, "train", len(numbers), seed * 1_000_003 + iteration + salt, effort,
-                          spec.difficulty)
+        return fresh_cell_tasks(c, domain, effort, len(numbers), seed, iteration, spec.difficulty)
 
     drawn = spread_over_cells(len(spec.cells), iteration * spec.prompts, spec.prompts, draw)
     return ([task for task, _ in drawn for _ in range(spec.group)],

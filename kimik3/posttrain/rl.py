@@ -217,6 +217,13 @@ def spread_over_cells(cells: int, first: int, prompts: int, draw: Callable[[int,
     return [(next(taken[k % cells]), k % cells) for k in range(first, first + prompts)]
 
 
+def fresh_cell_tasks(c: int, domain: str, effort: str, n: int, seed: int, iteration: int, difficulty: str) -> list:
+    """``n`` fresh train tasks of cell ``c`` (its index in the run's cells) for ``iteration``: drawn with (seed,
+    iteration) salted per cell, so that two efforts of one domain draw different problems (the first cell: no
+    salt). RL on a mixture and MOPD draw through this, so that both see the same problems."""
+    return make_tasks(domain, "train", n, seed * 1_000_003 + iteration + CELL_SALT * c, effort, difficulty)
+
+
 def iteration_tasks(spec: RLSpec, seed: int, iteration: int) -> list:
     """The prompts of ``iteration``, each repeated ``group`` times (consecutively: one group per prompt). Prompt k
     of iteration s comes from cell (s·P + k) mod C of the C cells (with one cell, every prompt; ``spread_over_cells``):
@@ -226,11 +233,9 @@ def iteration_tasks(spec: RLSpec, seed: int, iteration: int) -> list:
 
     def draw(c: int, numbers: list[int]) -> list:
         domain, effort = cells[c]
-        salt = CELL_SALT * c    # two efforts of one domain draw different problems (the first cell: none)
         if spec.prompt_pool is None:
-            return make_tasks(domain, "train", len(numbers), seed * 1_000_003 + iteration + salt, effort,
-                              spec.difficulty)
-        pool = _prompt_pool(domain, spec.prompt_pool, seed, effort, spec.difficulty, salt)
+            return fresh_cell_tasks(c, domain, effort, len(numbers), seed, iteration, spec.difficulty)
+        pool = _prompt_pool(domain, spec.prompt_pool, seed, effort, spec.difficulty, CELL_SALT * c)
         orders: dict[int, np.ndarray] = {}   # pass -> its order (an iteration spans at most two passes)
         tasks = []
         for j in numbers:
@@ -605,4 +610,5 @@ def _test_accuracy(rl: RLRun, spec: RLSpec, n: int, seed: int, log: Callable[[st
     return out
 
 
-__all__ = ["RLRun", "RLSource", "RLSpec", "cell_stats", "iteration_tasks", "plot_rl", "run_rl", "spread_over_cells"]
+__all__ = ["RLRun", "RLSource", "RLSpec", "cell_stats", "fresh_cell_tasks", "iteration_tasks", "plot_rl", "run_rl",
+           "spread_over_cells"]

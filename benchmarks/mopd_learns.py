@@ -36,16 +36,14 @@ TARGET = 0.9   # the student's score over its teacher's, in every cell
 def mixture_of(cells: list[str]) -> tuple[str, str]:
     """(--domain, --effort) of ``kimik3 rl`` whose cells are exactly ``cells``, each one name or "all"; ValueError
     when the cells are not such a product."""
-    from kimik3.posttrain.tasks import DOMAINS, EFFORTS
+    from kimik3.posttrain.rl import RLSpec
 
     def one_or_all(names: set[str]) -> str:
         return next(iter(names)) if len(names) == 1 else "all"
 
     domain = one_or_all({c.split(":")[0] for c in cells})
     effort = one_or_all({c.split(":")[1] for c in cells})
-    product = [f"{d}:{e}" for d in (DOMAINS if domain == "all" else [domain])
-               for e in (EFFORTS if effort == "all" else [effort])]
-    if sorted(product) != sorted(cells):
+    if sorted(f"{d}:{e}" for d, e in RLSpec("", domain, effort).cells) != sorted(cells):
         raise ValueError(f"rl_mixture: the teachers' cells {sorted(cells)} are not one domain or all x one effort "
                          f"or all, which is what kimik3 rl trains on")
     return domain, effort
@@ -102,10 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=1))
 
-    before = {}
     for cell, teacher in zip(cells, args.teachers):
         teacher_result, start = score(Path(teacher), cell), score(Path(args.student), cell)
-        before[cell] = start
         results["cells"][cell] = {"teacher": teacher_result.scores, "teacher_tokens": teacher_result.mean_tokens,
                                   "student_before": start.scores, "student_before_tokens": start.mean_tokens}
         ratio = ratio_to(start.scores, teacher_result.scores)
@@ -149,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 for cell in cells:
                     after = score(out, cell)
                     entry = results["cells"][cell]
-                    gain = paired_difference(after.scores, before[cell].scores)
+                    gain = paired_difference(after.scores, entry["student_before"])
                     ratio = ratio_to(after.scores, entry["teacher"])
                     entry.setdefault(method, {})[str(iterations)] = {
                         "scores": after.scores, "tokens": after.mean_tokens, "gain": gain, "ratio_to_teacher": ratio}
@@ -163,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                 if at_target and summary["first_stage_at_target"] is None:
                     summary["first_stage_at_target"] = iterations
                 save()
-            print(f"{method}: every cell at {TARGET} of its teacher first after "
-                  f"{summary['first_stage_at_target'] or 'none of the stages'}", flush=True)
-    save()
+            first = summary["first_stage_at_target"]
+            print(f"{method}: every cell at {TARGET} of its teacher "
+                  + ("after none of the stages" if first is None else f"first after {first} iterations"), flush=True)
     return 0
 
 

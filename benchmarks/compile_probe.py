@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout that is not installed
+import kimik3  # noqa: E402
 from kimik3 import K3Config, K3ForCausalLM  # noqa: E402
 
 
@@ -32,11 +33,16 @@ def first_line(error: object) -> str:
     return (f"{lines[0]} {lines[1]}" if lines[0].endswith(":") else lines[0])[:300]
 
 
+PACKAGE = Path(kimik3.__file__).resolve().parent
+
+
 def where(reason: object) -> str:
-    """file:line of the innermost frame of our code where a graph break happened."""
+    """file:line (relative to the package) of the innermost frame in the kimik3 package where a graph break
+    happened."""
     for frame in reversed(getattr(reason, "user_stack", None) or []):
-        if "kimik3" in frame.filename:
-            return f"{frame.filename.split('kimik3/', 1)[-1]}:{frame.lineno} ({frame.line.strip()[:80]})"
+        path = Path(frame.filename).resolve()
+        if path.is_relative_to(PACKAGE):
+            return f"{path.relative_to(PACKAGE)}:{frame.lineno} ({(frame.line or '').strip()[:80]})"
     return "?"
 
 

@@ -36,8 +36,9 @@
 #            kimik3 train on the debug preset, 4 x 4,096 tokens a step, 20 steps with the CUDA graph and without <= 9 min
 # spec       a target trained on the GPU for speculative decoding (kimik3 train, tiny preset, 240 s, eager step),
 #            its draft (kimik3 train-draft, 1,000 steps), then serve_speculative.py at batch 1 and 16, K = 2..5 <= 9.5 min
-# posttrain  partial_rollouts.py on the GPU (lambda 1 against 0.7, the rollout engine's tokens/s in its records)
-#            on the run POST_RUN (default runs/tiny-base3-sft30; carry it)                            <= 9 min
+# posttrain  the rollout engine's GPU test (bf16 weights synced from the fp32 policy), then partial_rollouts.py on
+#            the GPU (lambda 1 against 0.7, the rollout engine's tokens/s in its records) on the run POST_RUN
+#            (default runs/tiny-base3-sft30; carry it, its model files without the checkpoints)          <= 9 min
 # moonep     the MoonEP layer's no-sync check at world size 1 (tests/parallel/test_moonep_sync.py) and moonep.py's
 #            plan() latency (--latency)                                                                <= 4 min
 # compile    compile_probe.py: torch.compile's graph breaks in each kind of block of the debug preset, and its forward
@@ -198,7 +199,8 @@ case $MODE in
     step 0 serve_speculative 150 python3 benchmarks/serve_speculative.py --run /tmp/spec-h200 --batches 1,16 \
       --tokens 2,3,4,5 --requests 8 --json "$OUT/serve_speculative.json" ;;
   posttrain)
-    step 0 partial_rollouts 540 python3 benchmarks/partial_rollouts.py --run "${POST_RUN:-runs/tiny-base3-sft30}" \
+    step 0 rollout_cuda_test 60 python3 -m pytest -v -rf tests/posttrain/test_rl.py -k cuda
+    step 0 partial_rollouts 480 python3 benchmarks/partial_rollouts.py --run "${POST_RUN:-runs/tiny-base3-sft30}" \
       --device cuda --iterations 16 --prompts 8 --group 4 --alpha 0.6 --cap 1024 --out "$OUT/partial_rollouts.json" ;;
   moonep)
     step 0 moonep_sync 120 python3 -m pytest -v -rf tests/parallel/test_moonep_sync.py -k cuda

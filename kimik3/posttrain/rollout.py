@@ -3,7 +3,8 @@
 **The engine's model.** The ``LLMEngine`` cannot serve the trained module itself: its model runner packs each
 layer's projection weights into one buffer (``pack_projections``) and, under QAT, replaces the routed experts'
 full-precision parameters by MXFP4 codes + scales (``pack_mxfp4``), after which the module cannot train. So the
-engine holds a model of its own (``RolloutEngine``), built once with the policy's config, dtype and device.
+engine holds a model of its own (``RolloutEngine``), built once with the policy's config and device, in the dtype
+the policy computes in (``rollout_dtype``: bf16 on CUDA, where the policy trains under bf16 autocast).
 
 **Synchronisation** (``RolloutEngine.sync``, once per iteration, before the rollouts): every parameter and buffer
 of the policy is copied in place into the engine's model (``load_state_dict`` copies into the existing tensors,
@@ -45,6 +46,14 @@ class RolloutStats:
         return self.completion_tokens / max(self.seconds, 1e-9)
 
 
+def rollout_dtype(parameter: torch.Tensor) -> torch.dtype:
+    """The dtype of the engine's model for a policy whose parameters look like ``parameter``: bf16 on CUDA, where
+    the policy trains in fp32 under bf16 autocast (its matmuls already see bf16 weights) and where the engine's
+    captured graphs need the bf16 MoE path (the fp32 grouped matmul loops over experts with a host read); the
+    policy's own dtype elsewhere (the CPU computes in fp32)."""
+    return torch.bfloat16 if parameter.is_cuda and parameter.dtype == torch.float32 else parameter.dtype
+
+
 class RolloutEngine:
     """An ``LLMEngine`` on a model of its own, kept equal to the policy's weights by ``sync``."""
 
@@ -56,7 +65,7 @@ class RolloutEngine:
         from kimik3.tokenizer import EOS
 
         first = next(policy.parameters())
-        self.model = K3ForCausalLM(policy.config, device=first.device, dtype=first.dtype)
+        self.model = K3ForCausalLM(policy.config, device=first.device, dtype=rollout_dtype(first))
         self.model.load_state_dict(policy.state_dict())
         self.engine = LLMEngine(self.model, tokenizer, EngineConfig(max_running=max_running, max_waiting=max_waiting),
                                 model_name="rl-policy", eos_token_id=tokenizer.token_to_id(EOS))

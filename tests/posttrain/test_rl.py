@@ -114,6 +114,35 @@ def test_ratio_is_one_on_policy_and_the_engine_serves_the_synced_weights(base_ru
         fresh.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_engine_serves_the_fp32_policy_in_bf16_with_graphs(base_run, policy_parts):
+    """On CUDA the policy trains in fp32 under bf16 autocast; the engine holds bf16 weights (its captured graphs
+    take the bf16 MoE path) kept equal to the policy's by sync, and its log-probabilities are the policy's
+    under autocast up to bf16 rounding."""
+    from kimik3.posttrain.rollout import rollout_dtype
+
+    tokenizer, encoder = policy_parts
+    policy = K3ForCausalLM.from_pretrained(base_run, device="cuda", dtype=torch.float32)
+    assert rollout_dtype(next(policy.parameters())) == torch.bfloat16
+    rollout = RolloutEngine(policy, tokenizer, encoder)
+    try:
+        assert rollout.model.dtype == torch.bfloat16
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        rollout.sync(policy)
+        for name, held in rollout.model.state_dict().items():
+            source = policy.state_dict()[name]
+            assert torch.equal(held, source.to(held.dtype)), name
+        rollouts = _rollouts(rollout)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            new, old = _recomputed(policy, rollouts)
+        gap = (new - old).abs()
+        assert new.numel() > 20 and gap.mean() < 0.05 and gap.max() < 0.5
+    finally:
+        rollout.close()
+
+
 def test_qat_stays_on_in_rollouts(base_run, policy_parts, tmp_path):
     """With MXFP4 experts the engine serves them packed; after a sync its log-probabilities are the fake-quantised
     policy's."""

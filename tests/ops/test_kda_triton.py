@@ -426,6 +426,78 @@ def test_fused_preactivations(monkeypatch, case):
 
 
 # --------------------------------------------------------------------------
+# the custom operators (kimik3/ops/kda/autograd.py) and torch.compile
+# --------------------------------------------------------------------------
+
+
+def _fused_layer_inputs(T=20, dtype=torch.float32, N=1):
+    """K3's layer call: raw q, k, gate input z and beta logit, with the gate, L2 norms and sigmoid fused."""
+    gen = torch.Generator().manual_seed(5)
+    H, K, V = 1, 16, 16
+    xs = [torch.randn(1, T, H, K, generator=gen), torch.randn(1, T, H, K, generator=gen),
+          torch.randn(1, T, H, V, generator=gen), torch.randn(1, T, H, K, generator=gen),
+          torch.randn(1, T, H, generator=gen)]
+    xs = [x.to(dtype) for x in xs] + [torch.rand(H, generator=gen), 0.5 * torch.randn(H, K, generator=gen),
+                                      0.5 * torch.randn(N, H, K, V, generator=gen)]
+    return [x.to(DEV).requires_grad_() for x in xs]
+
+
+FUSED = dict(lower_bound=G_MIN, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+             use_beta_sigmoid_in_kernel=True)
+
+
+@pytest.mark.parametrize("case", ["fused", "plain", "varlen"])
+def test_custom_ops_pass_opcheck(case):
+    """Both operators' schemas, fake implementations (shapes and dtypes of every output, the intermediates
+    included), autograd registration and tracing as torch.library.opcheck checks them."""
+    import kimik3.ops.kda.autograd  # noqa: F401  (registers the operators)
+
+    q, k, v, z, b, a_log, dtb, h0 = _fused_layer_inputs(N=3 if case == "varlen" else 1)
+    cu = cu_seqlens([1, 0, 19], DEV) if case == "varlen" else None
+    flags = (True, True, True) if case != "plain" else (False, False, False)
+    if case == "plain":
+        z = (-torch.rand_like(z.detach()) * 4).requires_grad_()
+        b = torch.sigmoid(b.detach()).requires_grad_()
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor")
+    args = (q, k, v, z, b, h0, a_log if flags[0] else None, dtb if flags[0] else None, cu, 0.25, True, G_MIN,
+            *flags, True)
+    torch.library.opcheck(torch.ops.kimik3.kda_chunk_fwd.default, args, test_utils=tests)
+    out = torch.ops.kimik3.kda_chunk_fwd(*args)
+    aux = [x.detach() for x in out[2:]]
+    grads = [torch.randn_like(out[0]), torch.randn_like(out[1])]
+    plain = [x.detach() for x in (q, k, v, z, b, h0)] + ([a_log.detach(), dtb.detach()] if flags[0] else [None] * 2)
+    bwd_args = (*grads, aux, *plain, cu, 0.25, G_MIN, *flags, 0b11111111 if flags[0] else 0b00111111)
+    torch.library.opcheck(torch.ops.kimik3.kda_chunk_bwd.default, bwd_args, test_utils=tests[:1] + tests[2:])
+
+
+def test_compile_traces_a_kda_call_in_one_graph_with_eager_results():
+    """torch.compile (fullgraph: a graph break fails) of a function around K3's fused KDA call gives eager's output
+    and gradients bit for bit (the operators run the same kernels; the graph only orders the calls)."""
+    from kimik3.ops.kda.autograd import chunk_kda_triton
+
+    def f(q, k, v, z, b, a_log, dtb, h0):
+        o, s = chunk_kda_triton(q * 1.5, k, v, z, b, initial_state=h0, output_final_state=True, A_log=a_log,
+                                dt_bias=dtb, g_min=G_MIN, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                                use_beta_sigmoid_in_kernel=True)
+        return (o.float().square()).sum() + s.sin().sum()
+
+    xs = _fused_layer_inputs(T=70)
+    explained = torch._dynamo.explain(f)(*xs)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    results = []
+    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        inputs = fresh(xs)
+        loss = fn(*inputs)
+        results.append([loss, *torch.autograd.grad(loss, inputs)])
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)
+    with torch.no_grad():   # a forward without gradients keeps no intermediates
+        out = torch.ops.kimik3.kda_chunk_fwd(*xs[:5], xs[7], xs[5], xs[6], None, 0.25, False, G_MIN, True, True,
+                                             True, False)
+    assert len(out) == 1
+
+
+# --------------------------------------------------------------------------
 # decode kernel vs recurrent_kda_step
 # --------------------------------------------------------------------------
 

@@ -183,14 +183,10 @@ class Muon(torch.optim.Optimizer):
                     # every block lies whole in every shard: stepped here, no exchange
                     p, grad, buf, layout = p.to_local(), grad.to_local(), buf.to_local(), local_layout
                 members.append(_Entry(p, grad, buf, layout, group, ns_dtype))
-            # The decay factor goes in as a CPU float64 scalar tensor: that is ``p.mul_(decay)`` on every
-            # device (CUDA reads it as a scalar), whereas the float overload's CPU kernel first rounds
-            # the factor to the parameters' dtype (0.998 -> 0.99609375 for bf16).
-            decay_t = decay if isinstance(decay, torch.Tensor) else torch.tensor(decay, dtype=torch.float64)
             for same in _by_device_and_dtype(members):
                 torch._foreach_lerp_([e.buf for e in same], [e.grad for e in same], 1.0 - momentum)
                 if isinstance(decay, torch.Tensor) or decay != 1.0:  # x * 1.0 is x: skip the launch
-                    torch._foreach_mul_([e.param for e in same], decay_t.to(same[0].param.device))
+                    torch._foreach_mul_([e.param for e in same], _decay_factor(decay, same[0].param.device))
             batched += members
         for chunk in _ns_chunks(batched):
             _step_chunk(chunk)
@@ -212,6 +208,16 @@ class _Entry:
     ns_dtype: torch.dtype
     direction: torch.Tensor | None = None
     pieces: list[torch.Tensor] = field(default_factory=list)
+
+
+def _decay_factor(decay: float | torch.Tensor, device: torch.device) -> float | torch.Tensor:
+    """The factor ``p.mul_(decay)`` takes on ``device``: a tensor as it is; a float as a CPU float64 scalar tensor
+    on the CPU, where the float overload's kernel first rounds the factor to the parameters' dtype (0.998 ->
+    0.99609375 for bf16), and as the float itself elsewhere (CUDA multiplies by it in fp32 either way, and the
+    copy of a host tensor cannot be captured in a CUDA graph)."""
+    if isinstance(decay, torch.Tensor):
+        return decay.to(device)
+    return torch.tensor(decay, dtype=torch.float64) if device.type == "cpu" else decay
 
 
 def _by_device_and_dtype(entries: list[_Entry]) -> Iterator[list[_Entry]]:

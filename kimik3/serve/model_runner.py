@@ -42,6 +42,7 @@ from kimik3.model.cache import K3Cache
 from kimik3.model.draft import EagleDraft
 from kimik3.model.k3 import K3ForCausalLM
 from kimik3.model.sampling import apply_penalties
+from kimik3.ops.mla.paged_decode import check_paged_mla_widths
 from kimik3.serve.cache_manager import CacheManager
 from kimik3.serve.memory import EngineConfig
 from kimik3.serve.paged_cache import PagedLatentView, batch_cache
@@ -112,6 +113,8 @@ class ModelRunner:
         # Decode batches and prefill chunks are padded to a size on a GPU, with graphs or without; on the CPU they
         # run as they are.
         on_gpu = self.device.type == "cuda"
+        if on_gpu and model.config.mla_layer_indices:
+            check_paged_mla_widths(model.config.mla.kv_lora_rank, model.config.mla.qk_rope_head_dim)
         self.buckets = graph_buckets(config.max_running) if on_gpu else []
         self.prefill_sizes = prefill_sizes(min(config.prefill_chunk, max_context)) if on_gpu else []
         if on_gpu and not config.enforce_eager:

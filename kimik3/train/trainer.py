@@ -425,9 +425,13 @@ class Trainer:
 
     def _time_the_parts(self) -> StepCosts:
         """Planning timings, the priors of the cost model: one forward+backward at the shape of each
-        context stage (after one to warm up), one batch of the evaluation and a short sample. Nothing
-        is trained (the gradients are dropped, the balancer sees nothing)."""
-        def timed(run: Callable[[], Any]) -> float:
+        context stage (after one to warm up), one batch of the evaluation and a short sample (each after one
+        untimed call: on a GPU the first call of a shape compiles and autotunes its kernels, which can take
+        longer than the whole run's evaluations, and the sample's estimate is scaled 20-fold). Nothing is
+        trained (the gradients are dropped, the balancer sees nothing)."""
+        def timed(run: Callable[[], Any], warm_up: bool = False) -> float:
+            if warm_up:
+                run()
             start = budget._now()
             run()
             if self.device.type == "cuda":
@@ -462,8 +466,8 @@ class Trainer:
                 self.model(window.to(self.device), labels=target.to(self.device))
             self.model.train()
 
-        eval_s = timed(eval_batch) * math.ceil(inputs.shape[0] / 4)
-        sample_s = timed(lambda: self.sample(self.data.sample_prompt, max_new_tokens=4)) * 80 / 4
+        eval_s = timed(eval_batch, warm_up=True) * math.ceil(inputs.shape[0] / 4)
+        sample_s = timed(lambda: self.sample(self.data.sample_prompt, max_new_tokens=4), warm_up=True) * 80 / 4
         fwd_bwd_s = [by_seq[seq] for seq in seqs]
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         save_s = 0.1 + 3 * weights / 200e6   # weights and two optimizer moments at ~200 MB/s, until measured

@@ -294,3 +294,13 @@ def test_gpu_cuda_graph_replay_follows_lengths_and_tables():
             ref = dense_reference(ql, qs, pool, tables, lengths, scale)
             assert rel_rms(ref, out.cpu()) < TOL[torch.bfloat16]
             assert math.isfinite(float(out.float().abs().sum()))
+
+
+def test_the_engine_refuses_widths_the_cuda_kernel_cannot_take_naming_the_field():
+    from kimik3.ops.mla.paged_decode import check_paged_mla_widths
+
+    check_paged_mla_widths(16, 64)
+    with pytest.raises(ValueError, match="mla.qk_rope_head_dim to be a power of two >= 16, got 8"):
+        check_paged_mla_widths(16, 8)
+    with pytest.raises(ValueError, match="mla.kv_lora_rank .* got 48"):
+        check_paged_mla_widths(48, 16)

@@ -119,10 +119,13 @@ def test_on_cuda_the_engine_serves_the_fp32_policy_in_bf16_with_graphs(base_run,
     """On CUDA the policy trains in fp32 under bf16 autocast; the engine holds bf16 weights (its captured graphs
     take the bf16 MoE path) kept equal to the policy's by sync, and its log-probabilities are the policy's
     under autocast up to bf16 rounding."""
+    from kimik3.config.schema import K3Config
     from kimik3.posttrain.rollout import rollout_dtype
 
     tokenizer, encoder = policy_parts
-    policy = K3ForCausalLM.from_pretrained(base_run, device="cuda", dtype=torch.float32)
+    spec = K3ForCausalLM.from_pretrained(base_run).config.to_dict()
+    spec["mla"].update(qk_rope_head_dim=16)   # the widths the CUDA decode kernel takes
+    policy = K3ForCausalLM(K3Config.from_dict(spec), device="cuda", dtype=torch.float32, seed=0)
     assert rollout_dtype(next(policy.parameters())) == torch.bfloat16
     rollout = RolloutEngine(policy, tokenizer, encoder)
     try:

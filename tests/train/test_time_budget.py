@@ -250,6 +250,35 @@ def test_a_machine_that_slows_down_after_the_freeze_stops_early_rather_than_over
     assert any("nothing to do" in line for line in log) and len(records(tmp_path / "slower")) == len(history)
 
 
+def test_a_first_call_that_compiles_does_not_inflate_the_plans_estimates(small_config_path, code_corpus, tmp_path,
+                                                                        clock):
+    """On a GPU the first evaluation batch and the first sample compile their kernels (here 20 s each: the end of
+    the run, a full evaluation and an 80-token sample scaled from them, would look like minutes); the planning
+    times a second call, so the run fills its budget instead of stopping at once."""
+    budget_s = 120.0
+    costs = Costs(clock, 0.5, 0.5)
+    trainer = costs.slow_optimizer(Trainer(budget_args(small_config_path, code_corpus, tmp_path / "run", budget_s),
+                                           model_factory=costs.factory, log=[].append))
+    real_sample, real_forward = trainer.sample, trainer.model.forward
+    first = {"sample": True, "eval": True}
+
+    def sample(*args, **kwargs):
+        clock.spend(20.0 if first["sample"] else 0.01)
+        first["sample"] = False
+        return real_sample(*args, **kwargs)
+
+    def forward(*args, **kwargs):   # the planning's evaluation batch: the first forward in eval mode
+        if not trainer.model.training and first["eval"]:
+            clock.spend(20.0)
+            first["eval"] = False
+        return real_forward(*args, **kwargs)
+
+    trainer.sample, trainer.model.forward = sample, forward
+    summary = trainer.run()
+    assert 0.85 * budget_s <= clock.t <= budget_s, clock.t
+    assert summary.steps >= 60, summary.steps
+
+
 def test_steps_runs_exactly_n_steps_whatever_the_budget(small_config_path, code_corpus, tmp_path, clock):
     log: list[str] = []
     costs = Costs(clock, 1.0, 10.0)

@@ -110,6 +110,15 @@ def _check_kernel_widths(C: int, R: int) -> None:
             raise ValueError(f"the Triton kernel needs {name} to be a power of two >= 16, got {d}")
 
 
+def check_paged_mla_widths(kv_lora_rank: int, qk_rope_head_dim: int) -> None:
+    """Refuse, naming the configuration's fields, an MLA the Triton decode kernel cannot take (the serving engine
+    checks this on CUDA before it captures anything)."""
+    for name, d in (("mla.kv_lora_rank", kv_lora_rank), ("mla.qk_rope_head_dim", qk_rope_head_dim)):
+        if d < 16 or d & (d - 1):
+            raise ValueError(f"the paged MLA decode kernel (CUDA) needs {name} to be a power of two >= 16, got {d}: "
+                             f"serve this model on the CPU or change its configuration")
+
+
 def _interpreted() -> bool:
     """Whether this module's kernels run under Triton's interpreter (decided when they were decorated, i.e. when
     TRITON_INTERPRET=1 was set before this module was imported)."""

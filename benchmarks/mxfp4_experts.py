@@ -43,8 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--blocks", default=None,
                    help="BLOCK_M,BLOCK_N,BLOCK_K[,NUM_WARPS,NUM_STAGES] for the kernel (default: mxfp4_blocks')")
     p.add_argument("--split-k", default="1,2,3,4,6,8",
-                   help="reduction splits of the registers kernel to time at up to 256 rows an expert "
-                        "(comma-separated; default 1,2,3,4,6,8; the split mxfp4_split_k picks is timed as the route)")
+                   help="reduction splits of the registers kernel to time where the registers route is the one "
+                        "taken (comma-separated; default 1,2,3,4,6,8; the split mxfp4_split_k picks is timed as the "
+                        "route)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms (default 25)")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms (default 100)")
     p.add_argument("--out", default=None, help="directory for mxfp4_experts.json")
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
                     if ok:
                         times[route] = (bench(run, args.warmup, args.rep), err)
                 splits = {}
-                if "registers" in times and tokens <= 256:   # the registers kernel at each reduction split
+                if "registers" in times and auto == "registers":   # its kernel at each reduction split
                     for k in args.split_k:
                         splits[k] = bench(lambda: mxfp4_grouped_mm(x, codes, scales, groups, route="registers",
                                                                    split_k=k, **args.blocks),

@@ -266,6 +266,21 @@ def test_dequantize_kernel_strided_codes_and_bad_inputs():
             mxfp4_dequantize(*args)
 
 
+@needs_kernels
+def test_dequantize_kernel_writes_into_a_transposed_out():
+    """``out=`` the [E, O, I] transpose of a row-major [E, I, O] buffer (what the dequantize route decodes into):
+    the same bits, nothing written outside it; a wrong ``out`` is named."""
+    E, I, O = 3, 96, 40
+    mx = weights(E, I, O)
+    buf = torch.full((E + 1, I, O), 7.0, dtype=torch.bfloat16, device=DEV)
+    w = mxfp4_dequantize(mx.codes, mx.scales, out=buf[:E].transpose(1, 2))
+    assert w.data_ptr() == buf.data_ptr()
+    assert_same_bf16(buf[:E].transpose(1, 2).contiguous(), mx)
+    assert torch.equal(buf[E], torch.full_like(buf[E], 7.0))
+    with pytest.raises(ValueError, match=r"out must be a bf16 tensor \[E, O, I\]"):
+        mxfp4_dequantize(mx.codes, mx.scales, out=buf[:E])
+
+
 # (E, I, O, rows an expert): the dequantize route, with empty experts and rows past the last offset
 ROUTE_CASES = [(4, 96, 40, [3, 0, 17, 1], 2), (3, 64, 16, [0, 5, 0], 0), (2, 32, 8, [40, 9], 7)]
 

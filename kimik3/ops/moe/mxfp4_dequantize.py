@@ -113,15 +113,24 @@ def check_mxfp4_weight(codes_EOH: Any, scales_EOB: Any, I: int | None = None) ->
         raise ValueError(f"scales_EOB is on {scales_EOB.device} but codes_EOH on {codes_EOH.device}")
 
 
-def mxfp4_dequantize(codes_EOH: torch.Tensor, scales_EOB: torch.Tensor) -> torch.Tensor:
+def mxfp4_dequantize(codes_EOH: torch.Tensor, scales_EOB: torch.Tensor, out: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """The MXFP4 weight (codes [E, O, I/2], scales [E, O, I/32], uint8, blocks along I) decoded: w_EOI [E, O, I]
-    bf16, contiguous; ``.transpose(1, 2)`` is the [E, I, O] weight. The Triton kernel: CUDA tensors, or CPU ones
-    under TRITON_INTERPRET=1. No host sync."""
+    bf16, contiguous; ``.transpose(1, 2)`` is the [E, I, O] weight. ``out``: a bf16 [E, O, I] tensor of any strides
+    to write into instead (e.g. the transpose of an [E, I, O] buffer: the row-major weight a bf16 GEMM reads
+    fastest), returned. The Triton kernel: CUDA tensors, or CPU ones under TRITON_INTERPRET=1. No host sync."""
     check_mxfp4_weight(codes_EOH, scales_EOB)
     check_triton_device(codes_EOH, "mxfp4_dequantize")
     E, O, H = codes_EOH.shape
     I = 2 * H
-    w_EOI = torch.empty(E, O, I, dtype=torch.bfloat16, device=codes_EOH.device)
+    if out is None:
+        w_EOI = torch.empty(E, O, I, dtype=torch.bfloat16, device=codes_EOH.device)
+    elif not isinstance(out, torch.Tensor) or out.shape != (E, O, I) or out.dtype != torch.bfloat16 \
+            or out.device != codes_EOH.device:
+        raise ValueError(f"out must be a bf16 tensor [E, O, I] = {(E, O, I)} on {codes_EOH.device}, got "
+                         f"{describe(out)}")
+    else:
+        w_EOI = out
     if E * O == 0:
         return w_EOI
     words = as_words(codes_EOH)
@@ -130,16 +139,17 @@ def mxfp4_dequantize(codes_EOH: torch.Tensor, scales_EOB: torch.Tensor) -> torch
     grid = (triton.cdiv(I, block_k), triton.cdiv(O, block_n), E)
     with on_device(codes_EOH.device):
         _mxfp4_dequantize_kernel[grid](
-            words, *words.stride()[:2], scales_EOB, *scales_EOB.stride(), w_EOI, O, I=I,
+            words, *words.stride()[:2], scales_EOB, *scales_EOB.stride(), w_EOI, *w_EOI.stride(), O, I=I,
             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS,
         )
     return w_EOI
 
 
 @_jit
-def _mxfp4_dequantize_kernel(c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb, w_ptr, O,
+def _mxfp4_dequantize_kernel(c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb, w_ptr, s_we, s_wo, s_wi, O,
                              I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (K tile, N tile, expert): w[e, cols, ks] decoded from its code words and scales."""
+    """Program (K tile, N tile, expert): w[e, cols, ks] decoded from its code words and scales (w at any strides:
+    Triton specialises a unit stride, and a store along O is made coalesced through shared memory)."""
     pid_k, pid_n, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = cols < O
@@ -152,5 +162,5 @@ def _mxfp4_dequantize_kernel(c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb, w_ptr,
     scales = tl.load(sc_ptr + e64 * s_se + cols.to(tl.int64)[:, None] * s_so + bs[None, :] * s_sb,
                      mask=nmask[:, None] & (bs < I // 32)[None, :], other=127)
     w = permute_words(decode_words(words, scales, BLOCK_N, BLOCK_K), BLOCK_N, BLOCK_K)
-    tl.store(w_ptr + (e64 * O + cols.to(tl.int64)[:, None]) * I + ks[None, :], w,
+    tl.store(w_ptr + e64 * s_we + cols.to(tl.int64)[:, None] * s_wo + ks.to(tl.int64)[None, :] * s_wi, w,
              mask=nmask[:, None] & (ks < I)[None, :])

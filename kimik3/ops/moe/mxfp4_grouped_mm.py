@@ -66,10 +66,9 @@ DECODE_ROWS = 16
 PREFILL_ROWS = 256
 GROUP_M = 8
 # From this many rows an expert on average (bf16 activations) the weights are decoded once and the bf16 grouped GEMM
-# runs. Estimated at K3's shapes on an H200: decoding the eight experts' 3,584 x 3,072 weights once costs about the
-# bf16 GEMM of ~250 rows an expert, and the registers route's dot runs at half rate from ~256 rows; the crossover
-# lies between 256 and 1,024 rows. ``benchmarks/mxfp4_experts.py`` times both routes at every size.
-DEQUANTIZE_ROWS = 512
+# runs. Timed at K3's shapes over 8 experts on an H100 (``benchmarks/mxfp4_experts.py``): at 64 rows an expert the
+# registers route took 0.15-0.16 ms against the dequantize route's 0.19, at 256 rows 0.38-0.44 ms against 0.21-0.22.
+DEQUANTIZE_ROWS = 128
 ROUTES = ("auto", "registers", "dequantize")
 SPLIT_K = 1   # the registers route's default reduction splits (``mxfp4_split_k``)
 
@@ -251,16 +250,19 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
 
 def _dequantized_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor,
                             offsets_E: torch.Tensor) -> torch.Tensor:
-    """The dequantize route: the weights decoded to bf16 once, then ``torch._grouped_mm``. Its offsets are made
-    non-decreasing within 0..R on the device (as the registers kernel clamps what it reads: bad offsets give a
-    meaningless result, never an access outside x or y), and the rows past the last offset, which it leaves
-    unwritten, are zeroed."""
+    """The dequantize route: the weights decoded to bf16 once, into a row-major [E + 1, I, O] buffer (the layout of
+    a bf16 model's expert weights), then ``torch._grouped_mm``. The extra expert is zeros and owns the rows past
+    the last offset, which thus come out as zeros without a pass over y. The offsets are made non-decreasing within
+    0..R on the device (as the registers kernel clamps what it reads: bad offsets give a meaningless result, never
+    an access outside x or y)."""
     R = x_RI.shape[0]
-    w_EOI = mxfp4_dequantize(codes_EOH, scales_EOB)
-    offs = torch.cummax(offsets_E.clamp(0, R), 0).values.to(torch.int32)
-    y_RO = torch._grouped_mm(x_RI.contiguous(), w_EOI.transpose(1, 2), offs=offs)
-    past = torch.arange(R, device=x_RI.device) >= offs[-1]
-    return y_RO.masked_fill_(past[:, None], 0)
+    E, O, H = codes_EOH.shape
+    w_EIO = torch.empty(E + 1, 2 * H, O, dtype=torch.bfloat16, device=x_RI.device)
+    w_EIO[E].zero_()
+    mxfp4_dequantize(codes_EOH, scales_EOB, out=w_EIO[:E].transpose(1, 2))
+    offs = torch.cat([torch.cummax(offsets_E.clamp(0, R), 0).values,
+                      torch.full((1,), R, dtype=offsets_E.dtype, device=x_RI.device)]).to(torch.int32)
+    return torch._grouped_mm(x_RI.contiguous(), w_EIO, offs=offs)
 
 
 @_jit

@@ -29,6 +29,8 @@ Legend: B batch, T tokens, N entries, D width, R = B * T rows (all leading dims)
 
 from __future__ import annotations
 
+import functools
+
 from typing import Sequence
 
 import torch
@@ -131,24 +133,43 @@ def attnres_mix_backward(entries, key_norm_weight: torch.Tensor, query: torch.Te
     """Grads of the mix: (entries' grads, key_norm_weight's grad, query's grad), in their dtypes and shapes (a
     list for listed entries, one tensor [..., N, D] for a stacked one). grad_out: [..., D] like the output. Two
     launches; ``programs`` caps G (``common.row_chunks``)."""
+    dx, dkw, dq = _grads_in_one(entries, key_norm_weight, query, eps, grad_out, programs)
+    return _split_entry_grads(dx, entries), dkw, dq
+
+
+def _grads_in_one(entries, key_norm_weight, query, eps, grad_out, programs=None):
+    """(dx, d key_norm_weight, d query) with the entries' grads in one tensor: [..., N, D] when the entries come
+    stacked or of mixed dtypes (then in the promoted dtype), [N, ..., D] otherwise (``_split_entry_grads`` makes
+    them the entries')."""
     xs, s_rows, s_entry, N, stacked, shape, dtype, eps = _prepare(entries, key_norm_weight, query, eps)
     if not isinstance(grad_out, torch.Tensor) or grad_out.shape != shape:
         raise ValueError(f"grad_out must have the output's shape {tuple(shape)}, got {describe(grad_out)}")
     if grad_out.device != xs[0].device:
         raise ValueError(f"grad_out is on {grad_out.device} but the entries on {xs[0].device}")
     g = rows_2d(grad_out)
-    if len({x.dtype for x in xs} | {g.dtype}) > 1:
+    if _mixed_dtypes(entries, grad_out):
         # The backward picks each tile's pointer (an entry's or g's) at run time, so they share one element type:
         # otherwise the entries and g are stacked in the promoted dtype (exact), the grads cast back (the same
         # rounding of the same fp32 / fp64 values).
         x = torch.stack([*(xs[0].unbind(1) if stacked else xs), g], dim=1)
         xs, s_rows, s_entry, stacked, g = (x,), (x.stride(0),), x.stride(1), True, x[:, N]
-    dxs, dkw, dq = _backward(xs, s_rows, s_entry, N, stacked, shape, key_norm_weight, query, eps, g, programs)
+    dx, dkw, dq = _backward(xs, s_rows, s_entry, N, stacked, shape, key_norm_weight, query, eps, g, programs)
+    return dx.view(*shape[:-1], N, shape[-1]) if stacked else dx.view(N, *shape), dkw, dq
+
+
+def _mixed_dtypes(entries, grad_out) -> bool:
+    listed = [entries] if isinstance(entries, torch.Tensor) else list(entries)
+    return len({x.dtype for x in listed} | {grad_out.dtype}) > 1
+
+
+def _split_entry_grads(dx: torch.Tensor, entries):
+    """``_grads_in_one``'s dx as the entries' grads: one tensor for a stacked input, else a list of views (or,
+    from a mixed-dtype stack, of copies cast to each entry's dtype)."""
     if isinstance(entries, torch.Tensor):
-        return dxs[0].view(entries.shape).to(entries.dtype), dkw, dq
-    if stacked:  # stacked here from a list: hand each entry its slice (in the stack's dtype, cast back)
-        return [d.to(e.dtype) for d, e in zip(dxs[0].view(*shape[:-1], N, shape[-1]).unbind(-2), entries)], dkw, dq
-    return [d.view(shape) for d in dxs], dkw, dq
+        return dx.to(entries.dtype)
+    if dx.shape[0] == len(entries) and dx.dtype == entries[0].dtype and dx.shape[1:] == entries[0].shape:
+        return list(dx.unbind(0))
+    return [d.to(e.dtype) for d, e in zip(dx.unbind(-2), entries)]
 
 
 def _bwd_blocks(R: int, D: int) -> tuple[int, int, int]:
@@ -187,30 +208,54 @@ def _backward(xs, s_rows, s_entry, N, stacked, shape, kw, q, eps, g, programs):
                 num_warps=num_warps,
             )
     dkw, dq = reduce_partials(partial, kw, q, f64, **WIDE_REDUCE)
-    return (dx,) if stacked else tuple(dx.unbind(0)), dkw, dq
+    return dx, dkw, dq
 
 
-class _AttnResMixFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, kw, q, eps, stacked_input, *entries):
-        src = entries[0] if stacked_input else list(entries)
-        xs, s_rows, s_entry, N, stacked, shape, dtype, eps = _prepare(src, kw, q, eps)
-        ctx.save_for_backward(kw, q, *entries)
-        ctx.eps, ctx.stacked_input = eps, stacked_input
-        return _forward(xs, s_rows, s_entry, N, stacked, shape, dtype, kw, q, eps)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # the backward kernels build no graph: no double backward
-    def backward(ctx, grad_out):
-        kw, q, *entries = ctx.saved_tensors
-        src = entries[0] if ctx.stacked_input else entries
-        dentries, dkw, dq = attnres_mix_backward(src, kw, q, ctx.eps, grad_out)
-        if ctx.stacked_input:
-            dentries = [dentries]
-        return (dkw, dq, None, None, *dentries)
+@torch.library.custom_op("kimik3::attnres_mix", mutates_args=())
+def _attnres_mix_op(entries: list[torch.Tensor], stacked: bool, key_norm_weight: torch.Tensor, query: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+    """``entries``: the N entries, or (``stacked``) one tensor [..., N, D]."""
+    return attnres_mix_forward(entries[0] if stacked else entries, key_norm_weight, query, eps)
 
 
-@torch.compiler.disable  # an opaque kernel call to torch.compile: traced, its launcher breaks on symbolic sizes
+@_attnres_mix_op.register_fake
+def _(entries, stacked, key_norm_weight, query, eps):
+    shape = entries[0].shape[:-2] + entries[0].shape[-1:] if stacked else entries[0].shape
+    return entries[-1].new_empty(shape)
+
+
+@torch.library.custom_op("kimik3::attnres_mix_backward", mutates_args=())
+def _attnres_mix_backward_op(entries: list[torch.Tensor], stacked: bool, key_norm_weight: torch.Tensor,
+                             query: torch.Tensor, eps: float, grad_out: torch.Tensor) -> list[torch.Tensor]:
+    """[the entries' grads in one tensor (``_grads_in_one``), key_norm_weight's grad, query's grad]."""
+    return list(_grads_in_one(entries[0] if stacked else entries, key_norm_weight, query, eps, grad_out))
+
+
+@_attnres_mix_backward_op.register_fake
+def _(entries, stacked, key_norm_weight, query, eps, grad_out):
+    N, shape = (entries[0].shape[-2] if stacked else len(entries)), grad_out.shape
+    empties = [torch.empty_like(key_norm_weight), torch.empty_like(query)]
+    if not _mixed_dtypes(entries[0] if stacked else entries, grad_out):
+        return [entries[0].new_empty((*shape[:-1], N, shape[-1]) if stacked else (N, *shape))] + empties
+    promoted = functools.reduce(torch.promote_types, [x.dtype for x in entries] + [grad_out.dtype])
+    return [grad_out.new_empty((*shape[:-1], N, shape[-1]), dtype=promoted)] + empties
+
+
+def _setup_grads(ctx, inputs, output) -> None:
+    entries, ctx.stacked, kw, q, ctx.eps = inputs
+    ctx.save_for_backward(kw, q, *entries)
+
+
+def _grads(ctx, grad_out):
+    kw, q, *entries = ctx.saved_tensors
+    dx, dkw, dq = _attnres_mix_backward_op(entries, ctx.stacked, kw, q, ctx.eps, grad_out)
+    dentries = [_split_entry_grads(dx, entries[0])] if ctx.stacked else _split_entry_grads(dx, entries)
+    return dentries, None, dkw, dq, None
+
+
+_attnres_mix_op.register_autograd(_grads, setup_context=_setup_grads)
+
+
 def attnres_mix(entries: Sequence[torch.Tensor] | torch.Tensor, key_norm_weight: torch.Tensor,
                 query: torch.Tensor, eps: float) -> torch.Tensor:
     """The AttnRes mix of ``entries`` in the Triton kernels, differentiable -> [..., D] in the last entry's dtype.
@@ -219,17 +264,17 @@ def attnres_mix(entries: Sequence[torch.Tensor] | torch.Tensor, key_norm_weight:
     and its grad comes back in it), or one stacked tensor [..., N, D] (as ``torch.stack(entries, -2)``).
     key_norm_weight, query: [D], any float dtype (grads in their dtypes). eps: a Python float. All math in fp32
     (fp64 when any input is fp64). CUDA tensors, or CPU tensors under TRITON_INTERPRET=1 (no dispatch here:
-    ``glue_backend`` and ``AttnResMix`` choose). Forward: one launch; backward: two.
+    ``glue_backend`` and ``AttnResMix`` choose). Forward: one launch; backward: two. A custom operator
+    (``kimik3::attnres_mix``): torch.compile traces around it.
     """
-    if isinstance(entries, torch.Tensor):
-        if not needs_grad(entries, key_norm_weight, query):
-            return attnres_mix_forward(entries, key_norm_weight, query, eps)
-        return _AttnResMixFn.apply(key_norm_weight, query, eps, True, entries)
-    if not isinstance(entries, (list, tuple)):
+    stacked = isinstance(entries, torch.Tensor)
+    if not stacked and not isinstance(entries, (list, tuple)):
         raise ValueError(f"entries must be a list of tensors or one stacked tensor, got {describe(entries)}")
-    if not needs_grad(*entries, key_norm_weight, query):
+    listed = [entries] if stacked else list(entries)
+    if not needs_grad(*listed, key_norm_weight, query):
         return attnres_mix_forward(entries, key_norm_weight, query, eps)
-    return _AttnResMixFn.apply(key_norm_weight, query, eps, False, *entries)
+    eps = _prepare(entries, key_norm_weight, query, eps)[-1]   # the errors named here, not inside the operator
+    return _attnres_mix_op(listed, stacked, key_norm_weight, query, eps)
 
 
 @_jit

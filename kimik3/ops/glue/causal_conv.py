@@ -247,25 +247,51 @@ def causal_conv_backward(
     return d_x, d_ws, d_state
 
 
-class _CausalConvFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_BTC, state_BCW, cu_seqlens, activation, *weights):
-        y, final = causal_conv_forward(x_BTC, weights, state_BCW, cu_seqlens, activation)
-        ctx.save_for_backward(x_BTC, state_BCW, cu_seqlens, *weights)
-        ctx.activation = activation
-        ctx.mark_non_differentiable(final)
-        return y, final
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # the backward kernels build no graph: no double backward
-    def backward(ctx, grad_y, _grad_final):
-        x_BTC, state_BCW, cu_seqlens, *weights = ctx.saved_tensors
-        d_x, d_ws, d_state = causal_conv_backward(grad_y, x_BTC, tuple(weights), state_BCW, cu_seqlens,
-                                                  ctx.activation)
-        return d_x, d_state, None, None, *d_ws
+@torch.library.custom_op("kimik3::causal_conv", mutates_args=())
+def _causal_conv_op(x_BTC: torch.Tensor, weights: list[torch.Tensor], state_BCW: torch.Tensor | None,
+                    cu_seqlens: torch.Tensor | None, activation: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return causal_conv_forward(x_BTC, weights, state_BCW, cu_seqlens, activation)
 
 
-@torch.compiler.disable  # an opaque kernel call to torch.compile: traced, its launcher breaks on symbolic sizes
+@_causal_conv_op.register_fake
+def _(x_BTC, weights, state_BCW, cu_seqlens, activation):
+    B, T, C = x_BTC.shape
+    final_dtype = state_BCW.dtype if state_BCW is not None else x_BTC.dtype
+    return x_BTC.new_empty((B, T, C)), x_BTC.new_empty((B, C, weights[0].shape[1] - 1), dtype=final_dtype)
+
+
+@torch.library.custom_op("kimik3::causal_conv_backward", mutates_args=())
+def _causal_conv_backward_op(grad_y: torch.Tensor, x_BTC: torch.Tensor, weights: list[torch.Tensor],
+                             state_BCW: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                             activation: bool) -> list[torch.Tensor]:
+    """[d_x, the weights' grads, d_state when there is a state]."""
+    d_x, d_ws, d_state = causal_conv_backward(grad_y, x_BTC, weights, state_BCW, cu_seqlens, activation)
+    return [d_x, *d_ws] + ([d_state] if d_state is not None else [])
+
+
+@_causal_conv_backward_op.register_fake
+def _(grad_y, x_BTC, weights, state_BCW, cu_seqlens, activation):
+    return [x_BTC.new_empty(x_BTC.shape)] + [w.new_empty(w.shape) for w in weights] + (
+        [state_BCW.new_empty(state_BCW.shape)] if state_BCW is not None else [])
+
+
+def _setup_grads(ctx, inputs, output) -> None:
+    x_BTC, weights, state_BCW, cu_seqlens, ctx.activation = inputs
+    ctx.weights = len(weights)
+    ctx.save_for_backward(x_BTC, state_BCW, cu_seqlens, *weights)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _grads(ctx, grad_y, _grad_final):
+    x_BTC, state_BCW, cu_seqlens, *weights = ctx.saved_tensors
+    grads = _causal_conv_backward_op(grad_y, x_BTC, weights, state_BCW, cu_seqlens, ctx.activation)
+    d_state = grads[1 + ctx.weights] if state_BCW is not None else None
+    return grads[0], list(grads[1:1 + ctx.weights]), d_state, None, None
+
+
+_causal_conv_op.register_autograd(_grads, setup_context=_setup_grads)
+
+
 def causal_conv(
     x_BTC: torch.Tensor,
     weights: Sequence[torch.Tensor] | torch.Tensor,
@@ -294,13 +320,15 @@ def causal_conv(
         final_state is not differentiable (marked so: a loss through it gets no gradient); grads of x, the
         weights and the state come in their dtypes.
 
-    CUDA tensors, or CPU tensors under TRITON_INTERPRET=1. Forward: one launch; backward: three.
+    CUDA tensors, or CPU tensors under TRITON_INTERPRET=1. Forward: one launch; backward: three. A custom operator
+    (``kimik3::causal_conv``): torch.compile traces around it.
     """
     if isinstance(weights, torch.Tensor):
         weights = (weights,)
     if not needs_grad(x_BTC, state_BCW, *weights):
         return causal_conv_forward(x_BTC, weights, state_BCW, cu_seqlens, activation)
-    return _CausalConvFn.apply(x_BTC, state_BCW, cu_seqlens, bool(activation), *weights)
+    weights = _check(x_BTC, weights, state_BCW, cu_seqlens, "causal_conv")   # the errors named here
+    return _causal_conv_op(x_BTC, list(weights), state_BCW, cu_seqlens, bool(activation))
 
 
 @_jit

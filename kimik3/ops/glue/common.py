@@ -65,7 +65,7 @@ def needs_grad(*tensors) -> bool:
 def interpreted() -> bool:
     """Whether the glue kernels run under Triton's interpreter (decided when they were decorated, i.e. when
     TRITON_INTERPRET=1 was set before this package was imported)."""
-    return triton is not None and type(_reduce_partials_kernel).__name__ == "InterpretedFunction"
+    return _INTERPRETED
 
 
 def check_triton_device(x: torch.Tensor, what: str) -> None:
@@ -276,3 +276,7 @@ def _reduce_partials_kernel(
         tl.store(out_b_ptr + cols, (total * a).to(out_b_ptr.dtype.element_ty), mask=cmask)
     else:
         tl.store(out_a_ptr + cols, total.to(out_a_ptr.dtype.element_ty), mask=cmask)
+
+
+# Read once: a module constant is what torch.compile traces through (it cannot take the type of a Triton kernel).
+_INTERPRETED = triton is not None and type(_reduce_partials_kernel).__name__ == "InterpretedFunction"

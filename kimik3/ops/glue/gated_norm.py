@@ -151,23 +151,41 @@ def gated_rms_norm_backward(o: torch.Tensor, gate: torch.Tensor, weight: torch.T
     return d_o, d_gate, reduce_partials(partial, weight, None, f64)
 
 
-class _GatedRMSNormFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, o, gate, weight, eps, out_dtype):
-        out = gated_rms_norm_forward(o, gate, weight, eps, out_dtype)
-        ctx.save_for_backward(o, gate, weight)
-        ctx.eps = eps
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # the backward kernels build no graph: no double backward
-    def backward(ctx, grad_out):
-        o, gate, weight = ctx.saved_tensors
-        d_o, d_gate, d_w = gated_rms_norm_backward(o, gate, weight, ctx.eps, grad_out)
-        return d_o, d_gate, d_w, None, None
+@torch.library.custom_op("kimik3::gated_rms_norm", mutates_args=())
+def _gated_rms_norm_op(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    return gated_rms_norm_forward(o, gate, weight, eps, out_dtype)
 
 
-@torch.compiler.disable  # an opaque kernel call to torch.compile: traced, its launcher breaks on symbolic sizes
+@_gated_rms_norm_op.register_fake
+def _(o, gate, weight, eps, out_dtype):
+    return o.new_empty(o.shape, dtype=out_dtype)
+
+
+@torch.library.custom_op("kimik3::gated_rms_norm_backward", mutates_args=())
+def _gated_rms_norm_backward_op(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                                grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return gated_rms_norm_backward(o, gate, weight, eps, grad_out)
+
+
+@_gated_rms_norm_backward_op.register_fake
+def _(o, gate, weight, eps, grad_out):
+    return o.new_empty(o.shape), gate.new_empty(gate.shape), torch.empty_like(weight)
+
+
+def _setup_grads(ctx, inputs, output) -> None:
+    o, gate, weight, ctx.eps, _ = inputs
+    ctx.save_for_backward(o, gate, weight)
+
+
+def _grads(ctx, grad_out):
+    o, gate, weight = ctx.saved_tensors
+    return (*_gated_rms_norm_backward_op(o, gate, weight, ctx.eps, grad_out), None, None)
+
+
+_gated_rms_norm_op.register_autograd(_grads, setup_context=_setup_grads)
+
+
 def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """KDA's output gated norm in the Triton kernels, differentiable -> o's shape [..., H, V] in ``out_dtype``.
@@ -177,11 +195,13 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     Strides: see the module docstring (unit stride along V and leading dims that merge: read in place; else one
     copy). weight: [V], any float dtype. eps: a Python float. out_dtype: default the gate's dtype. Grads of o, gate
     and weight in their dtypes and shapes. Math in fp32 (fp64 when an input is fp64). CUDA tensors, or CPU tensors
-    under TRITON_INTERPRET=1. Forward: one launch; backward: two.
+    under TRITON_INTERPRET=1. Forward: one launch; backward: two. A custom operator (``kimik3::gated_rms_norm``):
+    torch.compile traces around it.
     """
     if not needs_grad(o, gate, weight):
         return gated_rms_norm_forward(o, gate, weight, eps, out_dtype)
-    return _GatedRMSNormFn.apply(o, gate, weight, eps, out_dtype)
+    _check(o, gate, weight, eps, out_dtype)   # the errors named here, not inside the operator
+    return _gated_rms_norm_op(o, gate, weight, check_eps(eps), gate.dtype if out_dtype is None else out_dtype)
 
 
 @_jit

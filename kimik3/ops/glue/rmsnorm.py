@@ -99,34 +99,51 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, eps: float, grad_y:
     return dx.view(x.shape), reduce_partials(partial, weight, None, f64, **WIDE_REDUCE)
 
 
-class _RMSNormFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        y = rms_norm_forward(x, weight, eps)
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return y
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # the backward kernels build no graph: no double backward
-    def backward(ctx, grad_y):
-        x, weight = ctx.saved_tensors
-        dx, dw = rms_norm_backward(x, weight, ctx.eps, grad_y)
-        return dx, dw, None
+@torch.library.custom_op("kimik3::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm_forward(x, weight, eps)
 
 
-@torch.compiler.disable  # an opaque kernel call to torch.compile: traced, its launcher breaks on symbolic sizes
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("kimik3::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                          grad_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_backward(x, weight, eps, grad_y)
+
+
+@_rms_norm_backward_op.register_fake
+def _(x, weight, eps, grad_y):
+    return x.new_empty(x.shape), torch.empty_like(weight)
+
+
+def _setup_grads(ctx, inputs, output) -> None:
+    x, weight, ctx.eps = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _grads(ctx, grad_y):
+    x, weight = ctx.saved_tensors
+    return (*_rms_norm_backward_op(x, weight, ctx.eps, grad_y), None)
+
+
+_rms_norm_op.register_autograd(_grads, setup_context=_setup_grads)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim in the Triton kernels, differentiable -> [..., D] in x's dtype.
 
     x: [..., D] fp32, bf16, fp16 or fp64, any strides. weight: [D], any float dtype (its grad in it). eps: a
     Python float. Math in fp32 (fp64 when x or weight is fp64). CUDA tensors, or CPU tensors under
     TRITON_INTERPRET=1 (no dispatch here: ``glue_backend`` and ``RMSNorm`` choose). Forward: one launch;
-    backward: two.
+    backward: two. A custom operator (``kimik3::rms_norm``): torch.compile traces around it.
     """
     if not needs_grad(x, weight):
         return rms_norm_forward(x, weight, eps)
-    return _RMSNormFn.apply(x, weight, eps)
+    return _rms_norm_op(x, weight, check_eps(eps))
 
 
 @_jit

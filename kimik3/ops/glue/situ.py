@@ -148,23 +148,48 @@ def situ_glu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tens
     return d_gate, d_up, d_w
 
 
-class _SituGLUFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate, up, row_weight, out_dtype):
-        out = situ_glu_forward(gate, up, row_weight, out_dtype)
-        ctx.save_for_backward(gate, up, row_weight)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # the backward kernel builds no graph: no double backward
-    def backward(ctx, grad_out):
-        gate, up, row_weight = ctx.saved_tensors
-        d_gate, d_up, d_w = situ_glu_backward(grad_out, gate, up, row_weight,
-                                              row_weight_grad=ctx.needs_input_grad[2])
-        return d_gate, d_up, d_w, None
+@torch.library.custom_op("kimik3::situ_glu", mutates_args=())
+def _situ_glu_op(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    return situ_glu_forward(gate, up, row_weight, out_dtype)
 
 
-@torch.compiler.disable  # an opaque kernel call to torch.compile: traced, its launcher breaks on symbolic sizes
+@_situ_glu_op.register_fake
+def _(gate, up, row_weight, out_dtype):
+    return gate.new_empty(gate.shape, dtype=out_dtype)
+
+
+@torch.library.custom_op("kimik3::situ_glu_backward", mutates_args=())
+def _situ_glu_backward_op(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                          row_weight: torch.Tensor | None, row_weight_grad: bool) -> list[torch.Tensor]:
+    """[d_gate, d_up] and d_row_weight when asked for."""
+    d_gate, d_up, d_w = situ_glu_backward(grad_out, gate, up, row_weight, row_weight_grad=row_weight_grad)
+    return [d_gate, d_up] + ([d_w] if d_w is not None else [])
+
+
+@_situ_glu_backward_op.register_fake
+def _(grad_out, gate, up, row_weight, row_weight_grad):
+    out = [gate.new_empty(gate.shape), up.new_empty(up.shape)]
+    if row_weight is not None and row_weight_grad:
+        out.append(row_weight.new_empty((gate.numel() // max(gate.shape[-1], 1) if gate.ndim else 1,)))
+    return out
+
+
+def _setup_grads(ctx, inputs, output) -> None:
+    gate, up, row_weight, _ = inputs
+    ctx.save_for_backward(gate, up, row_weight)
+
+
+def _grads(ctx, grad_out):
+    gate, up, row_weight = ctx.saved_tensors
+    want_w = row_weight is not None and ctx.needs_input_grad[2]
+    grads = _situ_glu_backward_op(grad_out, gate, up, row_weight, want_w)
+    return grads[0], grads[1], grads[2] if want_w else None, None
+
+
+_situ_glu_op.register_autograd(_grads, setup_context=_setup_grads)
+
+
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None = None,
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """SiTU-GLU in the Triton kernels, differentiable -> gate's shape [..., F] in ``out_dtype``.
@@ -175,11 +200,14 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | No
     row_weight: None, or [R] (R = prod of the leading dims), any float dtype and stride. out_dtype: default gate's
     dtype. Grads of gate, up and row_weight in their dtypes and shapes. Math in fp32 (fp64 when an input is fp64).
     CUDA tensors, or CPU tensors under TRITON_INTERPRET=1 (no dispatch here: ``glue_backend`` chooses). Forward:
-    one launch; backward: one.
+    one launch; backward: one. A custom operator (``kimik3::situ_glu``): torch.compile traces around it.
     """
     if not needs_grad(gate, up, row_weight):
         return situ_glu_forward(gate, up, row_weight, out_dtype)
-    return _SituGLUFn.apply(gate, up, row_weight, out_dtype)
+    _check(gate, up, row_weight)   # the errors named here, not inside the operator
+    if out_dtype is not None and out_dtype not in _FLOATS:
+        raise ValueError(f"out_dtype must be None or a floating dtype (fp32, bf16, fp16 or fp64), got {out_dtype!r}")
+    return _situ_glu_op(gate, up, row_weight, gate.dtype if out_dtype is None else out_dtype)
 
 
 @_jit

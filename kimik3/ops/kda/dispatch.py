@@ -36,8 +36,11 @@ _min_items = {"items": GLUON_MIN_ITEMS, "scan": GLUON_SCAN_MIN_ITEMS}  # what th
 PREACT_INSIDE_MAX_K = 128
 
 
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None   # read once: torch.compile traces a constant
+
+
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_FOUND
 
 
 @functools.lru_cache(maxsize=None)

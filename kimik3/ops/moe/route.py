@@ -136,31 +136,45 @@ def sigmoid_topk_backward(grad_TK: torch.Tensor, scores_TK: torch.Tensor, ids_TK
     return out.scatter_(1, ids_TK, dlogit_TK)
 
 
-class _SigmoidTopK(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits_TE, bias_E, top_k, route_scale):
-        weights_TK, ids_TK, cutoff_T, counts_E, scores_TK = _select(
-            logits_TE, bias_E, top_k, route_scale, want_scores=ctx.needs_input_grad[0])
-        ctx.num_experts, ctx.route_scale = logits_TE.shape[1], float(route_scale)
-        ctx.save_for_backward(scores_TK, ids_TK)
-        ctx.mark_non_differentiable(ids_TK, cutoff_T, counts_E)
-        return weights_TK, ids_TK, cutoff_T, counts_E
+@torch.library.custom_op("kimik3::sigmoid_topk", mutates_args=())
+def _sigmoid_topk_op(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
+                     route_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weights_TK, ids_TK, cutoff_T, counts_E, the chosen scores_TK the backward reads)."""
+    return _select(logits_TE, bias_E, top_k, route_scale, want_scores=True)
 
-    @staticmethod
-    def backward(ctx, grad_TK, _grad_ids, _grad_cutoff, _grad_counts):
-        scores_TK, ids_TK = ctx.saved_tensors
-        grad_TE = None
-        if ctx.needs_input_grad[0]:
-            grad_TE = sigmoid_topk_backward(grad_TK, scores_TK, ids_TK, ctx.num_experts, ctx.route_scale)
-        return grad_TE, None, None, None
+
+@_sigmoid_topk_op.register_fake
+def _(logits_TE, bias_E, top_k, route_scale):
+    T, E = logits_TE.shape
+    rows_k = logits_TE.new_empty((T, top_k))
+    return (rows_k, logits_TE.new_empty((T, top_k), dtype=torch.int64), logits_TE.new_empty((T,)),
+            logits_TE.new_empty((E,), dtype=torch.int64), torch.empty_like(rows_k))
+
+
+def _setup_grads(ctx, inputs, output) -> None:
+    logits_TE, _, _, route_scale = inputs
+    _, ids_TK, cutoff_T, counts_E, scores_TK = output
+    ctx.num_experts, ctx.route_scale = logits_TE.shape[1], float(route_scale)
+    ctx.save_for_backward(scores_TK, ids_TK)
+    ctx.mark_non_differentiable(ids_TK, cutoff_T, counts_E, scores_TK)
+
+
+def _grads(ctx, grad_TK, _grad_ids, _grad_cutoff, _grad_counts, _grad_scores):
+    scores_TK, ids_TK = ctx.saved_tensors
+    return sigmoid_topk_backward(grad_TK, scores_TK, ids_TK, ctx.num_experts, ctx.route_scale), None, None, None
+
+
+_sigmoid_topk_op.register_autograd(_grads, setup_context=_setup_grads)
 
 
 def sigmoid_topk(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, route_scale: float):
     """``sigmoid_topk_forward`` with autograd: the weights are differentiable w.r.t. the logits (the bias only
-    selects; ids, cutoff and counts carry no gradient). Returns (weights_TK, ids_TK, cutoff_T, counts_E)."""
+    selects; ids, cutoff and counts carry no gradient). Returns (weights_TK, ids_TK, cutoff_T, counts_E). A custom
+    operator (``kimik3::sigmoid_topk``): torch.compile traces around it."""
     if not needs_grad(logits_TE):
         return sigmoid_topk_forward(logits_TE, bias_E, top_k, route_scale)
-    return _SigmoidTopK.apply(logits_TE, bias_E, top_k, route_scale)
+    _, _, route_scale = _check(logits_TE, bias_E, top_k, route_scale)   # the errors named here
+    return _sigmoid_topk_op(logits_TE, bias_E, top_k, route_scale)[:4]
 
 
 @_jit

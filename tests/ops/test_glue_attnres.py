@@ -147,6 +147,18 @@ def test_mixed_entry_dtypes_bf16_params_and_strided_entries():
 
 
 @needs_kernels
+def test_mixed_dtypes_with_as_many_rows_as_entries():
+    """Three entries of 3 rows, the first fp32 and the rest bf16: the entries' grads come back from the [R, N, D]
+    stack of the promoted dtype, whose shape is also an [N, R, D] one and whose dtype is the first entry's; each
+    entry must still get its own rows."""
+    D = 24
+    mix = make_mix(D)
+    entries = [*make_entries(1, (3,), D, torch.float32), *make_entries(2, (3,), D, torch.bfloat16, seed=9)]
+    grad = torch.randn(3, D, generator=torch.Generator().manual_seed(8)).to(DEV, torch.bfloat16)
+    check_kernel_against_module(mix, entries, grad, torch.bfloat16)
+
+
+@needs_kernels
 def test_no_rows():
     mix = make_mix(8)
     entries = make_entries(2, (0, 5), 8, torch.float32)

@@ -134,7 +134,7 @@ def attnres_mix_backward(entries, key_norm_weight: torch.Tensor, query: torch.Te
     list for listed entries, one tensor [..., N, D] for a stacked one). grad_out: [..., D] like the output. Two
     launches; ``programs`` caps G (``common.row_chunks``)."""
     dx, dkw, dq = _grads_in_one(entries, key_norm_weight, query, eps, grad_out, programs)
-    return _split_entry_grads(dx, entries), dkw, dq
+    return _split_entry_grads(dx, entries, _mixed_dtypes(entries, grad_out)), dkw, dq
 
 
 def _grads_in_one(entries, key_norm_weight, query, eps, grad_out, programs=None):
@@ -162,12 +162,13 @@ def _mixed_dtypes(entries, grad_out) -> bool:
     return len({x.dtype for x in listed} | {grad_out.dtype}) > 1
 
 
-def _split_entry_grads(dx: torch.Tensor, entries):
-    """``_grads_in_one``'s dx as the entries' grads: one tensor for a stacked input, else a list of views (or,
-    from a mixed-dtype stack, of copies cast to each entry's dtype)."""
+def _split_entry_grads(dx: torch.Tensor, entries, mixed: bool):
+    """``_grads_in_one``'s dx as the entries' grads: one tensor for a stacked input, else a list of views of its
+    [N, ..., D] form, or (``mixed``: the entries and the output's grad of several dtypes) copies of the slices of
+    its [..., N, D] form cast to each entry's dtype."""
     if isinstance(entries, torch.Tensor):
         return dx.to(entries.dtype)
-    if dx.shape[0] == len(entries) and dx.dtype == entries[0].dtype and dx.shape[1:] == entries[0].shape:
+    if not mixed:
         return list(dx.unbind(0))
     return [d.to(e.dtype) for d, e in zip(dx.unbind(-2), entries)]
 
@@ -249,7 +250,10 @@ def _setup_grads(ctx, inputs, output) -> None:
 def _grads(ctx, grad_out):
     kw, q, *entries = ctx.saved_tensors
     dx, dkw, dq = _attnres_mix_backward_op(entries, ctx.stacked, kw, q, ctx.eps, grad_out)
-    dentries = [_split_entry_grads(dx, entries[0])] if ctx.stacked else _split_entry_grads(dx, entries)
+    if ctx.stacked:
+        dentries = [_split_entry_grads(dx, entries[0], True)]
+    else:
+        dentries = _split_entry_grads(dx, entries, _mixed_dtypes(entries, grad_out))
     return dentries, None, dkw, dq, None
 
 

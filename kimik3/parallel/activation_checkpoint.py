@@ -11,11 +11,10 @@ Modes (``apply_activation_checkpointing(model, mode)``, ``kimik3 train --activat
   with ``selective_policy``). Kept: the outputs of matmuls (mm, addmm, bmm, grouped mm), of the fused
   scaled-dot-product attention kernels and of the router's top-k (``COMPUTE_OPS``), when run with grad
   mode on; the outputs of expert parallelism's collectives (``COMM_OPS``, not sent again); device ->
-  host copies (no second wait on the device). Ops run with grad mode off are otherwise recomputed: they
-  are the insides of an ``autograd.Function`` (our Triton / Gluon kernels, the torch chunked KDA), whose
-  outputs are written by kernel launches or in-place updates that a cached copy would not follow, so
-  such a function re-runs whole, as under ``"full"`` (none of our kernels is a registered torch op
-  whose output the policy could keep).
+  host copies (no second wait on the device). Everything else is recomputed: the Triton / Gluon kernels
+  (custom operators, ``kimik3::...``, not in ``COMPUTE_OPS``: each re-runs whole, as under ``"full"``) and
+  the insides of the torch chunked KDA's ``autograd.Function`` (run with grad mode off, written by
+  in-place updates that a cached copy would not follow).
 - ``"every:N"``: blocks 0, N, 2N, ... (the MTP block counted after the last layer) are checkpointed
   whole, the others not.
 

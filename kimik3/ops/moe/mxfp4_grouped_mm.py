@@ -50,8 +50,7 @@ from kimik3.ops.moe.mxfp4_dequantize import (as_words, check_mxfp4_weight, decod
                                               permute_words)
 from kimik3.quant.mx import BLOCK_SIZE, MXTensor, dequantize
 
-__all__ = ["mxfp4_backend", "mxfp4_blocks", "mxfp4_grouped_mm", "mxfp4_grouped_mm_reference", "mxfp4_route",
-           "mxfp4_split_k"]
+__all__ = ["mxfp4_backend", "mxfp4_blocks", "mxfp4_grouped_mm", "mxfp4_grouped_mm_reference", "mxfp4_route"]
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -70,7 +69,6 @@ GROUP_M = 8
 # registers route took 0.15-0.16 ms against the dequantize route's 0.19, at 256 rows 0.38-0.44 ms against 0.21-0.22.
 DEQUANTIZE_ROWS = 128
 ROUTES = ("auto", "registers", "dequantize")
-SPLIT_K = 1   # the registers route's default reduction splits (``mxfp4_split_k``)
 
 
 def mxfp4_blocks(R: int, E: int, O: int, I: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int]:
@@ -90,13 +88,6 @@ def mxfp4_blocks(R: int, E: int, O: int, I: int, dtype: torch.dtype = torch.bflo
     block_n = max(16, min(block_n, triton.next_power_of_2(O)))
     block_k = max(32, min(block_k, triton.next_power_of_2(I)))
     return block_m, block_n, block_k, num_warps, num_stages
-
-
-def mxfp4_split_k(R: int, E: int, O: int, I: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    """The registers route's reduction splits: how many programs share one output tile's walk over I, their fp32
-    partial sums added after the kernel. More programs keep more weight loads in flight where the grid is small
-    (decode: one row tile an expert)."""
-    return SPLIT_K
 
 
 def mxfp4_route(R: int, E: int, O: int, dtype: torch.dtype, route: str = "auto") -> str:
@@ -197,7 +188,8 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     multiple of 8). The kernels are forward only (raise when grad is enabled and x requires grad) and do no host
     sync; ``block_m`` / ``block_n`` / ``block_k`` / ``num_warps`` / ``num_stages`` override ``mxfp4_blocks``' choice
     for the registers route (for tests and tuning: block sizes powers of two, >= 16, BLOCK_K >= 32; num_warps a power
-    of two; num_stages >= 1), and ``split_k`` its number of reduction splits (``mxfp4_split_k``'s choice by default).
+    of two; num_stages >= 1), and ``split_k`` its number of reduction splits (default 1: one program walks all of
+    I; with more, each walks a share and their fp32 partial sums are added after the kernel, in a fixed order).
     """
     offsets_E = _check(x_RI, codes_EOH, scales_EOB, groups_or_offsets)
     if mxfp4_backend(x_RI, backend) == "torch":
@@ -224,7 +216,7 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
             raise ValueError(f"{name} must be an int >= 1, got {given!r}")
     bm, bn, bk, warps, stages = mxfp4_blocks(R, E, O, I, x_RI.dtype)
     bm, bn, bk, warps, stages = block_m or bm, block_n or bn, block_k or bk, num_warps or warps, num_stages or stages
-    splits = split_k or mxfp4_split_k(R, E, O, I, x_RI.dtype)
+    splits = split_k or 1
     y_RO = torch.empty(R, O, dtype=x_RI.dtype, device=x_RI.device)
     if R == 0:
         return y_RO

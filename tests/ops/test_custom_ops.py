@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kimik3.ops.glue import attnres_mix, rms_norm
+from kimik3.ops.glue.attnres import MAX_ENTRIES
 from kimik3.ops.glue.causal_conv import causal_conv
 from kimik3.ops.glue.gated_norm import gated_rms_norm
 from kimik3.ops.glue.situ import situ_glu
@@ -38,12 +39,17 @@ def _cases():
     kw, q = _inputs((24,), (24,), seed=4)
     cx, cw1, cw2, cstate = _inputs((1, 9, 12), (8, 4), (4, 4), (1, 12, 3), seed=5)
     logits, = _inputs((6, 8), seed=6)
+    many = _inputs(*[(3, 24)] * (MAX_ENTRIES + 1), seed=7)
+    half, = _inputs((3, 24), dtype=torch.bfloat16, seed=8)
     bias = torch.zeros(8, device=DEV)
     return [
         ("rms_norm", lambda x, w: rms_norm(x, w, 1e-5), [x, w]),
         ("gated_rms_norm", lambda o, gate, gw: gated_rms_norm(o, gate, gw, 1e-5, torch.bfloat16), [o, gate, gw]),
         ("situ_glu", lambda g, u, rw: situ_glu(g, u, rw), [g, u, rw]),
         ("attnres_mix", lambda a, b, c, kw, q: attnres_mix([a, b, c], kw, q, 1e-6), [*entries, kw, q]),
+        # more entries than the kernel's pointer tuple, and entries of two dtypes: the backward reads them stacked
+        ("attnres_mix:many", lambda kw, q, *es: attnres_mix(list(es), kw, q, 1e-6), [kw, q, *many]),
+        ("attnres_mix:mixed", lambda a, b, kw, q: attnres_mix([a, b], kw, q, 1e-6), [entries[0], half, kw, q]),
         ("causal_conv", lambda x, w1, w2, s: causal_conv(x, (w1, w2), s)[0], [cx, cw1, cw2, cstate]),
         ("sigmoid_topk", lambda lg: sigmoid_topk(lg, bias, 3, 2.5)[0], [logits]),
     ]
@@ -53,6 +59,7 @@ def _cases():
 @pytest.mark.parametrize("name", [c[0] for c in _cases()])
 def test_the_operators_pass_opcheck(name):
     _, fn, inputs = next(c for c in _cases() if c[0] == name)
+    name = name.split(":")[0]   # the operator's
     calls = []
     real = torch.library.opcheck
 

@@ -134,13 +134,13 @@ def attnres_mix_backward(entries, key_norm_weight: torch.Tensor, query: torch.Te
     list for listed entries, one tensor [..., N, D] for a stacked one). grad_out: [..., D] like the output. Two
     launches; ``programs`` caps G (``common.row_chunks``)."""
     dx, dkw, dq = _grads_in_one(entries, key_norm_weight, query, eps, grad_out, programs)
-    return _split_entry_grads(dx, entries, _mixed_dtypes(entries, grad_out)), dkw, dq
+    return _split_entry_grads(dx, entries, _stacked_grads(entries, grad_out)), dkw, dq
 
 
 def _grads_in_one(entries, key_norm_weight, query, eps, grad_out, programs=None):
-    """(dx, d key_norm_weight, d query) with the entries' grads in one tensor: [..., N, D] when the entries come
-    stacked or of mixed dtypes (then in the promoted dtype), [N, ..., D] otherwise (``_split_entry_grads`` makes
-    them the entries')."""
+    """(dx, d key_norm_weight, d query) with the entries' grads in one tensor: [..., N, D] in the entries' and
+    grad_out's promoted dtype where the kernel read them stacked (``_stacked_grads``), else [N, ..., D]
+    (``_split_entry_grads`` makes them the entries')."""
     xs, s_rows, s_entry, N, stacked, shape, dtype, eps = _prepare(entries, key_norm_weight, query, eps)
     if not isinstance(grad_out, torch.Tensor) or grad_out.shape != shape:
         raise ValueError(f"grad_out must have the output's shape {tuple(shape)}, got {describe(grad_out)}")
@@ -162,13 +162,18 @@ def _mixed_dtypes(entries, grad_out) -> bool:
     return len({x.dtype for x in listed} | {grad_out.dtype}) > 1
 
 
-def _split_entry_grads(dx: torch.Tensor, entries, mixed: bool):
-    """``_grads_in_one``'s dx as the entries' grads: one tensor for a stacked input, else a list of views of its
-    [N, ..., D] form, or (``mixed``: the entries and the output's grad of several dtypes) copies of the slices of
-    its [..., N, D] form cast to each entry's dtype."""
+def _stacked_grads(entries, grad_out) -> bool:
+    """Whether the backward reads the entries as one stacked tensor, and so returns their grads as [..., N, D]: a
+    stacked input, more entries than the pointer tuple takes, or entries and grad_out of several dtypes."""
+    return isinstance(entries, torch.Tensor) or len(entries) > MAX_ENTRIES or _mixed_dtypes(entries, grad_out)
+
+
+def _split_entry_grads(dx: torch.Tensor, entries, stacked: bool):
+    """``_grads_in_one``'s dx as the entries' grads: one tensor for a stacked input; for listed ones, the views of
+    its [N, ..., D] form, or (``stacked``) its [..., N, D] form's slices cast to each entry's dtype."""
     if isinstance(entries, torch.Tensor):
         return dx.to(entries.dtype)
-    if not mixed:
+    if not stacked:
         return list(dx.unbind(0))
     return [d.to(e.dtype) for d, e in zip(dx.unbind(-2), entries)]
 
@@ -236,8 +241,8 @@ def _attnres_mix_backward_op(entries: list[torch.Tensor], stacked: bool, key_nor
 def _(entries, stacked, key_norm_weight, query, eps, grad_out):
     N, shape = (entries[0].shape[-2] if stacked else len(entries)), grad_out.shape
     empties = [torch.empty_like(key_norm_weight), torch.empty_like(query)]
-    if not _mixed_dtypes(entries[0] if stacked else entries, grad_out):
-        return [entries[0].new_empty((*shape[:-1], N, shape[-1]) if stacked else (N, *shape))] + empties
+    if not _stacked_grads(entries[0] if stacked else entries, grad_out):
+        return [entries[0].new_empty((N, *shape))] + empties
     promoted = functools.reduce(torch.promote_types, [x.dtype for x in entries] + [grad_out.dtype])
     return [grad_out.new_empty((*shape[:-1], N, shape[-1]), dtype=promoted)] + empties
 
@@ -253,7 +258,7 @@ def _grads(ctx, grad_out):
     if ctx.stacked:
         dentries = [_split_entry_grads(dx, entries[0], True)]
     else:
-        dentries = _split_entry_grads(dx, entries, _mixed_dtypes(entries, grad_out))
+        dentries = _split_entry_grads(dx, entries, _stacked_grads(entries, grad_out))
     return dentries, None, dkw, dq, None
 
 

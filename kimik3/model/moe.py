@@ -22,11 +22,16 @@ of the model and returns it on its output (``K3Output.routing``), so balancing a
 the statistics of the forward they ran, and nothing stays behind on the modules. The record is
 found through a context variable rather than passed down, because the blocks between the model
 and its routers take no such argument; recomputation in backward (activation checkpointing) runs
-after the record closed, and inside ``routing_discarded``, so each token is counted once.
+after the record closed, and inside ``routing_discarded``, so each token is counted once. A router hands
+its statistics to ``_report_routing``, which torch.compile runs after a compiled block's graph (a
+reorderable logging function, given tensors only: the router is named by a key), so that reading the
+record makes no graph break and the routers of all blocks share one compiled graph.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar, Token
@@ -105,6 +110,27 @@ class RoutingRecord:
 _OPEN_RECORD: ContextVar[RoutingRecord | None] = ContextVar("kimik3_routing_record", default=None)
 
 
+# Routers by their record key (``Router._record_key``): the report gets tensors, not modules.
+_ROUTERS: weakref.WeakValueDictionary[int, "Router"] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+def _report_routing(key: torch.Tensor, loads_E: torch.Tensor, scores_TE: torch.Tensor | None,
+                    cutoff_T: torch.Tensor | None, ids_TK: torch.Tensor | None) -> None:
+    """One router call's statistics to the open ``RoutingRecord``, if any (``key``: the router's CPU key)."""
+    record = _OPEN_RECORD.get()
+    if record is None:
+        return
+    stats = RoutingStats(loads_E)
+    if scores_TE is not None:
+        stats.scores_TE, stats.cutoff_T, stats.ids_TK = scores_TE, cutoff_T, ids_TK
+    record.add(_ROUTERS[int(key)], stats)
+
+
+# A compiled block calls it after its graph, with the graph's tensors (no graph break, no guard on the record).
+torch._dynamo.config.reorderable_logging_functions.add(_report_routing)
+
+
 def routing_recorded() -> bool:
     """Whether a ``RoutingRecord`` is open: router calls made now report to it."""
     return _OPEN_RECORD.get() is not None
@@ -142,6 +168,18 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         # Set by Quantile Balancing: training-mode calls also report their scores, cutoffs and choices.
         self.record_scores = False
+        self._new_record_key()
+
+    def _new_record_key(self) -> None:
+        """This router's key for ``_report_routing``: a CPU tensor (a plain attribute, so not moved with the model
+        nor saved with it), unique to this instance."""
+        key = next(_KEYS)
+        self._record_key = torch.tensor(key, device="cpu")
+        _ROUTERS[key] = self
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._new_record_key()   # a copy (copy.deepcopy, pickle) reports as a router of its own
 
     def optimizer_rules(self) -> list[tuple[str, ParamRule]]:
         # The router gate [E, D] is a real linear map of the hidden state, and torchtitan's
@@ -162,13 +200,10 @@ class Router(nn.Module):
                                                                   self.route_scale)
         else:
             weights_TK, ids_TK, cutoff_T, counts_E = self._select(logits_TE)
-        record = _OPEN_RECORD.get()
-        if record is not None:
-            stats = RoutingStats(counts_E)
-            if self.record_scores and self.training:
-                stats.cutoff_T, stats.ids_TK = cutoff_T, ids_TK
-                stats.scores_TE = torch.sigmoid(logits_TE.detach())
-            record.add(self, stats)
+        if self.record_scores and self.training:
+            _report_routing(self._record_key, counts_E, torch.sigmoid(logits_TE.detach()), cutoff_T, ids_TK)
+        else:
+            _report_routing(self._record_key, counts_E, None, None, None)
         return weights_TK, ids_TK, counts_E
 
     def _select(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

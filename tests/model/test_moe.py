@@ -89,6 +89,36 @@ def test_routing_record_scope_merges_calls_and_keeps_scores_for_training_only():
     assert record.stats([router])[0].scores_TE is None
 
 
+def test_compiled_routers_report_to_the_record_in_one_graph_without_recompiling():
+    """Routers compiled with fullgraph=True (the record's context variable is read by the report torch.compile runs
+    after the graph): three routers of one code share one graph across steps (a recompilation fails), each step's
+    record gets each router's loads and scores, as eagerly; a deep copy reports as a router of its own."""
+    import copy
+
+    torch.manual_seed(0)
+    routers = [Router(dim=8, num_experts=6, top_k=2) for _ in range(3)]
+    for router in routers:
+        router.record_scores = True
+    compiled = [torch.compile(r, backend="aot_eager", fullgraph=True) for r in routers]
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(3):
+            x = torch.randn(10, 8, requires_grad=True)
+            with RoutingRecord() as record:
+                outs = [c(x) for c in compiled]
+            with RoutingRecord() as eager:
+                expected = [r(x) for r in routers]
+            for got, want, (weights, ids, counts) in zip(record.stats(routers), eager.stats(routers), outs):
+                assert torch.equal(got.loads_E, want.loads_E) and torch.equal(got.loads_E, counts)
+                assert torch.equal(got.ids_TK, ids) and torch.equal(got.cutoff_T, want.cutoff_T)
+                torch.testing.assert_close(got.scores_TE, want.scores_TE)
+            assert all(torch.equal(o[0], e[0]) for o, e in zip(outs, expected))
+    twin = copy.deepcopy(routers[0])
+    with RoutingRecord() as record:
+        twin(x)
+    assert record.stats([routers[0]]) == (None,) and record.stats([twin])[0].loads_E.sum() == 20
+
+
 def test_latent_moe_equals_per_token_reference():
     config, moe = _moe()
     x = torch.randn(2, 7, config.dim)

@@ -4,7 +4,8 @@
 # decoding, post-training, MoonEP, torch.compile; logs under $OUT:
 #
 #   bash benchmarks/h200_check.sh [MODE ...]   (one of quick|kernels|check|train|precision|decode|serve|http|
-#                                              vision|parity|quant|trainstep|trainrun|spec|posttrain|moonep|compile;
+#                                              vision|parity|quant|trainstep|trainrun|spec|posttrain|moonep|compile|
+#                                              glue;
 #                                              several run one after the other in the same call)
 #
 # quick      the GPU tests of the kernels (tests/ops/test_kda_triton.py, test_kda_gluon.py) and kda_gpu_probe.py
@@ -43,6 +44,8 @@
 #            plan() latency (--latency)                                                                <= 4 min
 # compile    compile_probe.py: torch.compile's graph breaks in each kind of block of the debug preset, and its forward
 #            + backward with every block compiled against eager                                       <= 5 min
+# glue       the GPU tests of the training path's other kernels (the glue kernels, the router's top-k, their custom
+#            operators under opcheck and torch.compile, the MoE kernels) and of the captured training steps <= 4 min
 #
 # Options (environment): LIMIT0 (GPU 0's kernel step, s), LIMIT_TRAIN, LIMIT_DECODE, LIMIT_SERVE_DECODE; TRAIN_SEEDS
 # (seeds 0 .. N-1, 2 by default), TRAIN_NOISE=1 (kda_train_check.py --noise), TRAIN_ARGS (more of its options, e.g.
@@ -56,7 +59,7 @@
 # status is a line of $OUT/rc.txt, and the exit status is non-zero if any step failed. With two or more GPUs the
 # steps of a mode run side by side, one GPU each.
 set -u
-MODES="quick|kernels|check|train|precision|decode|serve|http|vision|parity|quant|trainstep|trainrun|spec|posttrain|moonep|compile"
+MODES="quick|kernels|check|train|precision|decode|serve|http|vision|parity|quant|trainstep|trainrun|spec|posttrain|moonep|compile|glue"
 if [ $# -eq 0 ]; then set -- kernels; fi
 for MODE in "$@"; do
   case "|$MODES|" in *"|$MODE|"*) ;; *) echo "usage: $0 [MODE ...], MODE one of $MODES" >&2; exit 2 ;; esac
@@ -207,6 +210,10 @@ case $MODE in
     step 0 moonep_latency 120 python3 benchmarks/moonep.py --latency --json "$OUT/moonep_latency.json" ;;
   compile)
     step 0 compile_probe 300 python3 benchmarks/compile_probe.py --json "$OUT/compile_probe.json" ;;
+  glue)
+    step 0 glue_tests 240 python3 -m pytest -v -rf ${XDIST[*]} tests/ops/test_custom_ops.py tests/ops/test_glue_*.py \
+      tests/ops/test_moe_route.py tests/ops/test_moe_small_batch.py tests/ops/test_moe_permute.py \
+      tests/train/test_captured_step.py tests/train/test_graphed_step.py ;;
 esac
 done
 finish

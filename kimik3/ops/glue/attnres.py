@@ -282,8 +282,7 @@ def attnres_mix(entries: Sequence[torch.Tensor] | torch.Tensor, key_norm_weight:
     listed = [entries] if stacked else list(entries)
     if not needs_grad(*listed, key_norm_weight, query):
         return attnres_mix_forward(entries, key_norm_weight, query, eps)
-    eps = _prepare(entries, key_norm_weight, query, eps)[-1]   # the errors named here, not inside the operator
-    return _attnres_mix_op(listed, stacked, key_norm_weight, query, eps)
+    return _attnres_mix_op(listed, stacked, key_norm_weight, query, check_eps(eps))   # (it checks the rest)
 
 
 @_jit

@@ -200,7 +200,7 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     """
     if not needs_grad(o, gate, weight):
         return gated_rms_norm_forward(o, gate, weight, eps, out_dtype)
-    _check(o, gate, weight, eps, out_dtype)   # the errors named here, not inside the operator
+    # (the operator's forward checks the rest)
     return _gated_rms_norm_op(o, gate, weight, check_eps(eps), gate.dtype if out_dtype is None else out_dtype)
 
 

@@ -204,9 +204,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | No
     """
     if not needs_grad(gate, up, row_weight):
         return situ_glu_forward(gate, up, row_weight, out_dtype)
-    _check(gate, up, row_weight)   # the errors named here, not inside the operator
-    if out_dtype is not None and out_dtype not in _FLOATS:
-        raise ValueError(f"out_dtype must be None or a floating dtype (fp32, bf16, fp16 or fp64), got {out_dtype!r}")
+    # (the operator's forward checks its inputs)
     return _situ_glu_op(gate, up, row_weight, gate.dtype if out_dtype is None else out_dtype)
 
 

@@ -29,8 +29,6 @@ __all__ = ["chunk_kda_triton"]
 
 # the forward's intermediates the backward reads (besides the kernel's q, k, beta)
 _AUX = ("G", "aqk", "tinv", "w", "u", "qg", "kg", "eg", "h", "vn")
-# the differentiable inputs, in the order of the backward operator's ``need`` bits and outputs
-_INPUTS = ("q", "k", "v", "g", "beta", "h0", "A_log", "dt_bias")
 
 
 def _aux_shapes(q: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, NT, use_l2: bool,
@@ -92,7 +90,8 @@ def _bwd(do: torch.Tensor, dht: Optional[torch.Tensor], aux: Sequence[torch.Tens
          A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
          scale: float, g_min: float, use_gate: bool, use_l2: bool, use_beta_sigmoid: bool,
          need: int) -> list[torch.Tensor]:
-    """The gradients of the inputs whose bit is set in ``need`` (bit i: ``_INPUTS[i]``), in that order."""
+    """The gradients of the inputs whose bit is set in ``need`` (bits 0-7: q, k, v, g, beta, h0, A_log, dt_bias), in
+    that order."""
     B, T = q.shape[:2]
     plan = make_plan(B, T, cu_seqlens, q.device)
     saved = dict(zip(_AUX, aux))

@@ -104,9 +104,14 @@ def _describe(x) -> str:
     return type(x).__name__
 
 
+def _kernel_width_ok(d: int) -> bool:
+    """Whether the Triton kernel takes a latent (C) or rope-slice (R) width of ``d``: a power of two >= 16."""
+    return d >= 16 and not d & (d - 1)
+
+
 def _check_kernel_widths(C: int, R: int) -> None:
     for name, d in (("C (q_latent_BHC's last dim)", C), ("R (q_slice_BHR's last dim)", R)):
-        if d < 16 or d & (d - 1):
+        if not _kernel_width_ok(d):
             raise ValueError(f"the Triton kernel needs {name} to be a power of two >= 16, got {d}")
 
 
@@ -114,7 +119,7 @@ def check_paged_mla_widths(kv_lora_rank: int, qk_rope_head_dim: int) -> None:
     """Refuse, naming the configuration's fields, an MLA the Triton decode kernel cannot take (the serving engine
     checks this on CUDA before it captures anything)."""
     for name, d in (("mla.kv_lora_rank", kv_lora_rank), ("mla.qk_rope_head_dim", qk_rope_head_dim)):
-        if d < 16 or d & (d - 1):
+        if not _kernel_width_ok(d):
             raise ValueError(f"the paged MLA decode kernel (CUDA) needs {name} to be a power of two >= 16, got {d}: "
                              f"serve this model on the CPU or change its configuration")
 

@@ -65,8 +65,9 @@ DECODE_ROWS = 16
 PREFILL_ROWS = 256
 GROUP_M = 8
 # From this many rows an expert on average (bf16 activations) the weights are decoded once and the bf16 grouped GEMM
-# runs. Timed at K3's shapes over 8 experts on an H100 (``benchmarks/mxfp4_experts.py``): at 64 rows an expert the
-# registers route took 0.15-0.16 ms against the dequantize route's 0.19, at 256 rows 0.38-0.44 ms against 0.21-0.22.
+# runs: where the two routes cross at K3's shapes. Below it the registers route's single pass over the codes wins;
+# above it, decoding every weight tile again for each row tile costs more than one decode pass plus the bf16 GEMM
+# (``benchmarks/mxfp4_experts.py`` times both; the figures are in benchmarks/NOTES-quant.md).
 DEQUANTIZE_ROWS = 128
 ROUTES = ("auto", "registers", "dequantize")
 

@@ -3,9 +3,9 @@
 ``FakeEngine`` implements ``EngineLike`` with a real (tiny, trained in memory) byte-level BPE, and
 "generates" by echoing the prompt's tokens in a loop: token i of the reply is ``prompt_ids[i % n]``.
 So the output text is predictable, stop strings and ``<|endoftext|>`` (put id 0 in the prompt) can
-be provoked on purpose (``ignore_eos`` echoes past it), and sampling parameters are accepted but
-ignored, except ``logprobs``: each token then carries the deterministic ``fake_logprobs`` (the token
-itself the likeliest, as a greedy pick would be). It keeps the bookkeeping
+be provoked on purpose (``ignore_eos`` echoes past it, ``min_tokens`` until then), and sampling
+parameters are accepted but ignored, except ``logprobs``: each token then carries the deterministic
+``fake_logprobs`` (the token itself the likeliest, as a greedy pick would be). It keeps the bookkeeping
 tests assert on: ``allocated`` cache blocks of live requests (must return to 0 after aborts and
 disconnects), admission with ``capacity`` running + ``queue_limit`` waiting, and a toy prefix
 cache (longest common prefix with earlier sequences) that fills ``Usage.cached_tokens``. Setting
@@ -198,7 +198,8 @@ class FakeEngine:
             token = prompt[i % n]
             out.append(token)
             self._grow(state, n + len(out))
-            if (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
+            if i >= params.min_tokens and ((token == self.eos_token_id and not params.ignore_eos)
+                                           or token in params.stop_token_ids):
                 # Release the text held back while it could have started a stop string, as the engine does.
                 yield final(token, self.tokenizer.decode(out[:-1])[sent:], "stop")
                 return

@@ -47,7 +47,7 @@ from kimik3.serve.cache_manager import CacheManager
 from kimik3.serve.memory import EngineConfig
 from kimik3.serve.paged_cache import PagedLatentView, batch_cache
 from kimik3.serve.piecewise import PiecewiseGraph
-from kimik3.serve.sampler import SamplingBatch, logprob_logits, sample, token_logprobs
+from kimik3.serve.sampler import SamplingBatch, held_end_tokens, logprob_logits, sample, token_logprobs
 from kimik3.serve.sequence import Sequence
 from kimik3.serve.speculative import Speculator
 
@@ -85,8 +85,9 @@ def prefill_sizes(chunk: int) -> list[int]:
 
 class ModelRunner:
     def __init__(self, model: K3ForCausalLM, cache: CacheManager, config: EngineConfig, max_context: int,
-                 draft: EagleDraft | None = None):
+                 draft: EagleDraft | None = None, eos_token_id: int | None = None):
         self.model = model
+        self.eos_token_id = eos_token_id     # held back with the stop tokens until a request's min_tokens
         # The forward every step calls. A multimodal model's own forward counts its placeholders on the host (a
         # synchronisation no CUDA graph can capture) and refuses placeholders without pixels; here images enter
         # as prefill embeddings (``serve/multimodal.py``), so the text model's forward runs for both kinds.
@@ -325,13 +326,16 @@ class ModelRunner:
         """The next token of every sequence, drawn on the device as its request asks; one host transfer."""
         params = [seq.request.params for seq in seqs]
         logits = logits_BV
-        if any(p.penalized for p in params):
+        held = [held_end_tokens(seq, self.eos_token_id) for seq in seqs]
+        if any(p.penalized for p in params) or any(held):
             logits = logits_BV.to(torch.float32, copy=True)
             for row, (seq, p) in enumerate(zip(seqs, params)):
                 if p.penalized:
                     ids = torch.tensor(seq.tokens, dtype=torch.long, device=logits.device)
                     logits[row] = apply_penalties(logits[row], ids[:seq.prompt_len], ids[seq.prompt_len:],
                                                   p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+                if held[row]:
+                    logits[row, held[row]] = float("-inf")
         batch = SamplingBatch.build(params, [seq.generator for seq in seqs], logits.device)
         tokens_B = sample(logits, batch)
         if batch.max_logprobs is None:

@@ -111,6 +111,7 @@ class _Body(BaseModel):
     repetition_penalty: float | None = None   # extension (vLLM's)
     min_p: float | None = None                # extension (vLLM's)
     ignore_eos: bool | None = None            # extension (vLLM's)
+    min_tokens: int | None = None             # extension (vLLM's)
     seed: int | None = None
     stop: Any = Field(default=None, validate_default=True)   # -> list[str]
     stream: bool | None = False
@@ -208,6 +209,7 @@ def sampling_params(body: _Body, max_tokens: int, stop: list[str], logprobs: int
             top_p=defaults.top_p if body.top_p is None else body.top_p,
             top_k=defaults.top_k if body.top_k is None else body.top_k, seed=_seed(body.seed, i), stop=stop,
             logprobs=logprobs, ignore_eos=bool(body.ignore_eos), stop_token_ids=list(stop_token_ids or []),
+            min_tokens=body.min_tokens or 0,
             **{name: getattr(body, name) for name in PENALTIES if getattr(body, name) is not None})
             for i in range(body.choices)]
     except ValueError as err:

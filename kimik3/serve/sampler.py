@@ -93,6 +93,16 @@ class SamplingBatch:
             any_unseeded=len(seeded) < len(sampled))
 
 
+def held_end_tokens(seq: Any, eos_token_id: int | None) -> list[int]:
+    """The token ids ``seq`` may not draw next: the end-of-sequence and stop tokens while it has generated fewer
+    than its request's ``min_tokens`` (empty otherwise)."""
+    params = seq.request.params
+    if seq.generated >= params.min_tokens:
+        return []
+    ends = [] if eos_token_id is None or params.ignore_eos else [eos_token_id]
+    return ends + [t for t in params.stop_token_ids if t not in ends]
+
+
 def sample(logits_BV: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """One token id per row of ``logits_BV`` [B, V] (after penalties), int64 [B] on the logits' device.
 

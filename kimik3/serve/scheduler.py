@@ -69,7 +69,7 @@ class EngineCore:
         self.image_rule = ImageRule.of(model.config)   # None: a text-only model, which refuses images
         self.layout = plan_cache(model.config, config, model.dtype)
         self.cache = CacheManager(model.config, config, self.layout, model.dtype, model.device)
-        self.runner = ModelRunner(model, self.cache, config, self.max_context, draft)
+        self.runner = ModelRunner(model, self.cache, config, self.max_context, draft, eos_token_id)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._counters = EngineStats()

@@ -46,10 +46,11 @@ from kimik3.serve.spec_verify import verify_greedy, verify_sampled
 
 
 def eligible(seq: Sequence) -> bool:
-    """Whether a sequence decodes speculatively: penalties depend on every emitted token, and log-probabilities
-    are reported per token, so those requests decode one token at a time."""
+    """Whether a sequence decodes speculatively: penalties depend on every emitted token, log-probabilities are
+    reported per token, and the end tokens are held back until ``min_tokens``, so those requests decode one token at
+    a time (the last only until its minimum is reached)."""
     params = seq.request.params
-    return not params.penalized and params.logprobs is None
+    return not params.penalized and params.logprobs is None and seq.generated >= params.min_tokens
 
 
 @dataclass

@@ -53,6 +53,10 @@ class SamplingParams:
     # samples at a temperature other than 1 (vLLM's processed_logprobs). Needs temperature > 0.
     logprobs_mode: str = "raw"
     ignore_eos: bool = False             # keep generating past the end-of-sequence token (vLLM's; benchmarks)
+    # The end-of-sequence token and ``stop_token_ids`` cannot be drawn before this many tokens (vLLM's): their
+    # logits are masked in the distribution sampled from (what "processed" log-probabilities describe). Stop
+    # strings still end the output.
+    min_tokens: int = 0
 
     @property
     def penalized(self) -> bool:
@@ -61,6 +65,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
+                or not 0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], got "
+                             f"{self.min_tokens!r}")
         check_sampling(self.temperature, self.top_p, self.top_k, max_temperature=MAX_TEMPERATURE)
         check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.min_p)
         if self.seed is not None and not (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):

@@ -303,3 +303,33 @@ def test_stop_token_ids_end_the_output_like_eos(serve_model, serve_tokenizer):
             SamplingParams(stop_token_ids=[-1])
     finally:
         engine.close()
+
+
+def test_min_tokens_hold_back_the_end_tokens(serve_model, serve_tokenizer):
+    """With ``min_tokens`` the stop tokens (and EOS) cannot be drawn before that many tokens: greedy decoding that
+    would stop at its first token instead picks the next likeliest until the minimum, then may stop; the held-back
+    rows' log-probabilities stay the raw model's."""
+    engine = make_engine(serve_model, serve_tokenizer)
+    try:
+        prompt = prompts(1, 30, seed=5)[0]
+        greedy = dict(max_tokens=10, **GREEDY)
+        ids, _ = engine.complete(prompt, SamplingParams(**greedy), request_id="free")
+        stop = [ids[0]]
+        stopped, _ = engine.complete(prompt, SamplingParams(**greedy, stop_token_ids=stop), request_id="s0")
+        assert stopped == ids[:1]
+        events = list(engine.generate_blocking(GenerationRequest(
+            "held", prompt, SamplingParams(**greedy, stop_token_ids=stop, min_tokens=4, logprobs=0))))
+        held = [e.token_id for e in events if e.token_id is not None]
+        assert len(held) >= 5 and stop[0] not in held[:4], held
+        if stop[0] in held:                     # once the minimum is reached the stop token ends the output again
+            assert held.index(stop[0]) == len(held) - 1 and events[-1].finish_reason == "stop"
+        # the first token is the model's second choice, its raw log-probability below the (held) first choice's
+        lps = [e.logprob for e in events if e.token_id is not None]
+        free = list(engine.generate_blocking(GenerationRequest("free-lp", prompt, SamplingParams(**greedy,
+                                                                                                logprobs=0))))
+        assert held[0] != ids[0] and lps[0] < free[0].logprob
+        for bad in (-1, 11, True):
+            with pytest.raises(ValueError, match="min_tokens"):
+                SamplingParams(max_tokens=10, min_tokens=bad)
+    finally:
+        engine.close()

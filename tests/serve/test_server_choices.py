@@ -343,6 +343,19 @@ def test_ignore_eos(serve):
     assert resp.choices[0].finish_reason == "length" and srv.engine.requests[-1].params.ignore_eos
 
 
+def test_min_tokens(serve):
+    """``min_tokens`` (vLLM's extension) holds the end back: the echo passes the EOS at token 3 and stops at the
+    next one, token 6; more than max_tokens is the client's error, naming the field."""
+    srv = serve()
+    eos = srv.engine.eos_token_id
+    body = {"model": MODEL, "prompt": [70, 71, eos], "max_tokens": 10}
+    response = srv.post("/v1/completions", body | {"min_tokens": 4}).json()
+    assert response["choices"][0]["finish_reason"] == "stop" and response["usage"]["completion_tokens"] == 6
+    assert srv.engine.requests[-1].params.min_tokens == 4
+    error = srv.post("/v1/completions", body | {"min_tokens": 11})
+    assert error.status_code == 400 and "min_tokens" in error.json()["error"]["message"]
+
+
 # -- failures and disconnects ----------------------------------------------------------------------------
 def test_one_choice_failing_ends_the_request(serve):
     srv = serve(FailingChoiceEngine(token_delay=0.01))

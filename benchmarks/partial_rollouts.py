@@ -7,18 +7,22 @@ Both settings run in one process, their iterations interleaved (one at a time: a
 ``run_rl`` loops after every iteration), so the load of a shared machine weighs on both alike. The means leave out
 each setting's first iteration (kernel compilation and the engine's graph captures).
 
-**The long tail** is imposed: each trajectory's per-turn token budget is drawn from a Pareto distribution,
-``min(cap, ceil(min_tokens * U^(-1/alpha)))`` with U a hash of (iteration, index) (the same budgets in both
-settings), because the tiny model's own lengths are not long-tailed.
+**The long tail** is imposed, because the tiny model's own lengths are not long-tailed (it ends most turns within
+a few dozen tokens): each trajectory's turn is exactly ``min(cap, ceil(min_tokens * U^(-1/alpha)))`` tokens long,
+a Pareto law with U a hash of (iteration, index) (the same lengths in both settings). The turn's budget is that
+length and the engine's ``min_tokens`` holds its end tokens back until then, so every trajectory runs its whole
+budget. (The end tokens' probability is masked out of the distribution sampled from, as vLLM's ``min_tokens``
+does; the update's importance ratios see the unmasked policy. A benchmark of time, not of learning.)
 
-**The reward is a proxy** (``--target``): exp(-|completion tokens - target| / target), a signal the learner can
-move at tiny scale, where the tasks' verifiers score every completion 0 (docs/posttraining.md). It is not a task
-score.
+**The reward is a proxy**: the share of digits among the completion's characters, a signal the learner can move
+at tiny scale, where the tasks' verifiers score every completion 0 (docs/posttraining.md), and that does not
+depend on the imposed lengths. It is not a task score.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -38,6 +42,11 @@ def budget_of(step: int, index: int, min_tokens: int, alpha: float, cap: int) ->
     return int(min(cap, math.ceil(min_tokens * u ** (-1.0 / alpha))))
 
 
+def digit_share(text: str) -> float:
+    """The proxy reward: the fraction of ``text``'s characters that are decimal digits (0 for an empty text)."""
+    return sum(c.isdigit() for c in text) / len(text) if text else 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True, help="an SFT (or base) run")
@@ -48,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-tokens", type=int, default=8, help="the Pareto budget's scale")
     p.add_argument("--alpha", type=float, default=1.0, help="the Pareto budget's shape (smaller: longer tail)")
     p.add_argument("--cap", type=int, default=160, help="the largest budget")
-    p.add_argument("--target", type=int, default=12, help="the proxy reward's target length")
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -59,14 +67,21 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--iterations must be >= 2")
     torch.set_num_threads(args.threads)
 
+    import kimik3.posttrain.partial as partial
     import kimik3.posttrain.rl as rl
 
     class BenchRun(rl.RLRun):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             self.budget = lambda step, index: budget_of(step, index, args.min_tokens, args.alpha, args.cap)
-            self.rewards = lambda rollouts: [math.exp(-abs(r.tokens - args.target) / args.target) for r in rollouts]
+            self.rewards = lambda rollouts: [digit_share(r.completion) for r in rollouts]
 
+    def exact_length(*a, **k):   # a turn runs its whole remaining budget
+        params = plain_sampling(*a, **k)
+        return dataclasses.replace(params, min_tokens=params.max_tokens)
+
+    plain_sampling = partial.sampling_for
+    partial.sampling_for = exact_length
     rl.RLRun = BenchRun
     records: dict[float, list[dict]] = {lam: [] for lam in args.lambdas}
     turns = {lam: threading.Event() for lam in args.lambdas}

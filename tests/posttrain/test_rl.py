@@ -64,9 +64,10 @@ def _rollouts(engine, n=3, seed=1, temperature=1.0):
 def _recomputed(policy, rollouts, temperature=1.0):
     prompts, completions, logprobs, _ = rollout_rows(rollouts, [1.0] * len(rollouts))
     batch = make_batch(prompts, completions, logprobs, [1.0] * len(prompts))
+    device = next(policy.parameters()).device
     with torch.no_grad():
-        new = token_logprobs(policy.eval(), batch.input_ids, batch.targets, temperature)
-    return new[batch.mask], batch.old[batch.mask]
+        new = token_logprobs(policy.eval(), batch.input_ids.to(device), batch.targets.to(device), temperature)
+    return new.float().cpu()[batch.mask], batch.old[batch.mask]
 
 
 def test_rollouts_at_a_temperature_carry_the_tempered_log_probabilities(base_run, policy_parts):

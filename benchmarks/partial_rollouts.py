@@ -11,8 +11,10 @@ each setting's first iteration (kernel compilation and the engine's graph captur
 a few dozen tokens): each trajectory's turn is exactly ``min(cap, ceil(min_tokens * U^(-1/alpha)))`` tokens long,
 a Pareto law with U a hash of (iteration, index) (the same lengths in both settings). The turn's budget is that
 length and the engine's ``min_tokens`` holds its end tokens back until then, so every trajectory runs its whole
-budget. (The end tokens' probability is masked out of the distribution sampled from, as vLLM's ``min_tokens``
-does; the update's importance ratios see the unmasked policy. A benchmark of time, not of learning.)
+budget. The end tokens' probability is masked out of the distribution sampled from (as vLLM's ``min_tokens``
+does), so the rollouts record each token's log-probability under the unmasked policy (``logprobs_mode="raw"``,
+at RL's default temperature 1): the update's importance ratios then measure only how far the policy moved since
+the token was sampled, which is what the staleness correction is for, not the imposed mask.
 
 **The reward is a proxy**: the share of digits among the completion's characters, a signal the learner can move
 at tiny scale, where the tasks' verifiers score every completion 0 (docs/posttraining.md), and that does not
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def exact_length(*a, **k):   # a turn runs its whole remaining budget
         params = plain_sampling(*a, **k)
-        return dataclasses.replace(params, min_tokens=params.max_tokens)
+        return dataclasses.replace(params, min_tokens=params.max_tokens, logprobs_mode="raw")
 
     plain_sampling = partial.sampling_for
     partial.sampling_for = exact_length

@@ -42,9 +42,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shapes", default="gate_up,down", help=f"which matmuls, comma-separated, of {sorted(SHAPES)}")
     p.add_argument("--blocks", default=None,
                    help="BLOCK_M,BLOCK_N,BLOCK_K[,NUM_WARPS,NUM_STAGES] for the kernel (default: mxfp4_blocks')")
-    p.add_argument("--split-k", default="1,2,3,4,6,8",
-                   help="reduction splits of the registers kernel to time where the registers route is the one "
-                        "taken (comma-separated; default 1,2,3,4,6,8; the route itself is timed at its default, 1)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms (default 25)")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms (default 100)")
     p.add_argument("--out", default=None, help="directory for mxfp4_experts.json")
@@ -53,12 +50,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.tokens = [int(t) for t in args.tokens.split(",")]
     except ValueError:
         p.error(f"--tokens takes comma-separated integers, got {args.tokens!r}")
-    try:
-        args.split_k = [int(k) for k in args.split_k.split(",")] if args.split_k else []
-    except ValueError:
-        p.error(f"--split-k takes comma-separated integers, got {args.split_k!r}")
-    if any(k < 1 for k in args.split_k):
-        p.error("--split-k values must be >= 1")
     args.shapes = args.shapes.split(",")
     unknown = [s for s in args.shapes if s not in SHAPES]
     if unknown:
@@ -134,12 +125,6 @@ def main(argv=None) -> int:
                     report.verdict(f"{case}:{route}:matches_bf16", ok, f"rel_rms {err:.2e}")
                     if ok:
                         times[route] = (bench(run, args.warmup, args.rep), err)
-                splits = {}
-                if "registers" in times and auto == "registers":   # its kernel at each reduction split
-                    for k in args.split_k:   # one split is the route's own call, timed above
-                        splits[k] = times["registers"][0] if k == 1 else bench(
-                            lambda: mxfp4_grouped_mm(x, codes, scales, groups, route="registers", split_k=k,
-                                                     **args.blocks), args.warmup, args.rep)
                 if auto not in times:
                     continue
                 ms_bf16 = bench(run_bf16, args.warmup, args.rep)
@@ -155,7 +140,7 @@ def main(argv=None) -> int:
                    "mxfp4_tflops": flops / ms_mx / 1e9, "bf16_tflops": flops / ms_bf16 / 1e9,
                    "weight_bytes_mxfp4": bytes_mx, "weight_bytes_bf16": bytes_bf16,
                    "mxfp4_weight_gbps": bytes_mx / ms_mx / 1e6, "bf16_weight_gbps": bytes_bf16 / ms_bf16 / 1e6,
-                   "rel_rms": err, "registers_ms_by_split": splits}
+                   "rel_rms": err}
             report.results["table"].append(row)
 
             def ms(v):
@@ -166,9 +151,6 @@ def main(argv=None) -> int:
                 f"{row['ratio_bf16_over_mxfp4']:>6.2f} {row['mxfp4_tflops']:>8.1f} {row['bf16_tflops']:>8.1f} "
                 f"{bytes_mx / 2 ** 20:>7.1f}MB {bytes_bf16 / 2 ** 20:>7.1f}MB {row['mxfp4_weight_gbps']:>10.0f} "
                 f"{row['bf16_weight_gbps']:>9.0f}")
-            if splits:
-                log(f"{'':>8} registers by split_k (the route's default: 1): "
-                    + ", ".join(f"{k}: {v:.4f} ms ({ms_bf16 / v:.2f}x)" for k, v in splits.items()))
         codes = scales = w_deq = mx = x = y = ref = run = None  # this shape's tensors freed before the next one's
         if cuda:
             torch.cuda.empty_cache()

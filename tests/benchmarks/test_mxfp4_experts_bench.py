@@ -32,8 +32,7 @@ def test_mxfp4_experts_bench_checks_and_times_both_routes(tmp_path, monkeypatch)
     monkeypatch.setattr(bench, "SHAPES", {"gate_up": (64, 32), "down": (32, 64)})
     from kimik3.ops.moe.mxfp4_grouped_mm import DEQUANTIZE_ROWS
 
-    assert bench.main(["--experts", "2", "--tokens", f"1,{DEQUANTIZE_ROWS}", "--split-k", "1,2", "--out",
-                       str(tmp_path)]) == 0
+    assert bench.main(["--experts", "2", "--tokens", f"1,{DEQUANTIZE_ROWS}", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "mxfp4_experts.json").read_text())
     assert data["fail"] == [] and len(data["pass"]) == 2 * 2 * 2     # shapes x sizes x routes
     rows = {(r["shape"], r["tokens_per_expert"]): r for r in data["table"]}
@@ -42,7 +41,4 @@ def test_mxfp4_experts_bench_checks_and_times_both_routes(tmp_path, monkeypatch)
         assert r["route"] == ("dequantize" if tokens == DEQUANTIZE_ROWS else "registers")
         assert r["registers_ms"] == r["dequantize_ms"] == r["bf16_ms"] == r["mxfp4_ms"] == 0.5
         assert r["weight_bytes_bf16"] / r["weight_bytes_mxfp4"] == 16 / 4.25
-        assert r["registers_ms_by_split"] == ({"1": 0.5, "2": 0.5} if tokens == 1 else {})   # decode sizes only
-    # per shape: the decode, then 3 per size, and at 1 row an expert the registers kernel at 2 splits (1 split is
-    # the route's own timing, not repeated)
-    assert len(calls) == 2 * (1 + 2 * 3 + 1)
+    assert len(calls) == 2 * (1 + 2 * 3)                               # per shape: the decode, then 3 per size

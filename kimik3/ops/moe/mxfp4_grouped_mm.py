@@ -176,8 +176,7 @@ def mxfp4_grouped_mm_reference(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scal
 def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor,
                      groups_or_offsets: ExpertGroups | torch.Tensor, *, backend: str = "auto", route: str = "auto",
                      block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None,
-                     split_k: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """``y[r] = x[r] @ dequantize(W)[e]`` for the rows r of expert e: y_RO [R, O] in x's dtype, contiguous.
 
     x_RI [R, I] bf16 or fp32, rows sorted by expert; codes_EOH [E, O, I/2] and scales_EOB [E, O, I/32] uint8, the
@@ -189,8 +188,7 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     multiple of 8). The kernels are forward only (raise when grad is enabled and x requires grad) and do no host
     sync; ``block_m`` / ``block_n`` / ``block_k`` / ``num_warps`` / ``num_stages`` override ``mxfp4_blocks``' choice
     for the registers route (for tests and tuning: block sizes powers of two, >= 16, BLOCK_K >= 32; num_warps a power
-    of two; num_stages >= 1), and ``split_k`` its number of reduction splits (default 1: one program walks all of
-    I; with more, each walks a share and their fp32 partial sums are added after the kernel, in a fixed order).
+    of two; num_stages >= 1).
     """
     offsets_E = _check(x_RI, codes_EOH, scales_EOB, groups_or_offsets)
     if mxfp4_backend(x_RI, backend) == "torch":
@@ -201,43 +199,35 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     check_triton_device(x_RI, "mxfp4_grouped_mm")
     R, I = x_RI.shape
     E, O, _ = codes_EOH.shape
-    blocks = (block_m, block_n, block_k, num_warps, num_stages, split_k)
+    blocks = (block_m, block_n, block_k, num_warps, num_stages)
     if mxfp4_route(R, E, O, x_RI.dtype, route) == "dequantize":
         if any(b is not None for b in blocks):
-            raise ValueError("block_m / block_n / block_k / num_warps / num_stages / split_k tune the registers route; "
-                             f"this call takes the dequantize route ({R} rows over {E} experts): use route='registers'")
+            raise ValueError("block_m / block_n / block_k / num_warps / num_stages tune the registers route; this call "
+                             f"takes the dequantize route ({R} rows over {E} experts): pass route='registers'")
         return _dequantized_grouped_mm(x_RI, codes_EOH, scales_EOB, offsets_E)
     for name, given, least in (("block_m", block_m, 16), ("block_n", block_n, 16), ("block_k", block_k, 32),
                                ("num_warps", num_warps, 1)):
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < least
                                   or given & (given - 1)):
             raise ValueError(f"{name} must be a power of two >= {least}, got {given!r}")
-    for name, given in (("num_stages", num_stages), ("split_k", split_k)):
-        if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 1):
-            raise ValueError(f"{name} must be an int >= 1, got {given!r}")
+    if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1):
+        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
     bm, bn, bk, warps, stages = mxfp4_blocks(R, E, O, I, x_RI.dtype)
     bm, bn, bk, warps, stages = block_m or bm, block_n or bn, block_k or bk, num_warps or warps, num_stages or stages
-    splits = split_k or 1
     y_RO = torch.empty(R, O, dtype=x_RI.dtype, device=x_RI.device)
     if R == 0:
         return y_RO
-    # Each split reduces a whole number of BLOCK_K steps of I; no split is left empty.
-    k_split = triton.cdiv(triton.cdiv(I, bk), splits) * bk
-    splits = triton.cdiv(I, k_split)
-    out = y_RO if splits == 1 else torch.empty(splits, R, O, dtype=torch.float32, device=x_RI.device)
     m_tiles = min(R, R // bm + E + 1)
-    grid = (m_tiles * triton.cdiv(O, bn), splits)
+    grid = (m_tiles * triton.cdiv(O, bn),)
     words = as_words(codes_EOH)
     with on_device(x_RI.device):
         _mxfp4_grouped_mm_kernel[grid](
             x_RI, x_RI.stride(0), x_RI.stride(1),
             words, *words.stride()[:2], scales_EOB, *scales_EOB.stride(),
-            offsets_E, out, R, O, E, m_tiles,
-            I=I, K_SPLIT=k_split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(E + 1),
-            GROUP_M=GROUP_M, FP32=x_RI.dtype == torch.float32, num_warps=warps, num_stages=stages,
+            offsets_E, y_RO, R, O, E, m_tiles,
+            I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(E + 1), GROUP_M=GROUP_M,
+            FP32=x_RI.dtype == torch.float32, num_warps=warps, num_stages=stages,
         )
-    if splits > 1:   # the splits' fp32 partial sums, added in a fixed order (the same result on every run)
-        torch.sum(out, 0, out=y_RO) if x_RI.dtype == torch.float32 else y_RO.copy_(out.sum(0))
     return y_RO
 
 
@@ -262,15 +252,13 @@ def _dequantized_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_
 def _mxfp4_grouped_mm_kernel(
     x_ptr, s_xr, s_xi, c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb,
     off_ptr, y_ptr, R, O, E, M_TILES,
-    I: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, FP32: tl.constexpr,
+    I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr, FP32: tl.constexpr,
 ):
-    """Program (row tile, column tile, split s): y[rows, cols] = x[rows, I_s] @ dequantize(W[e])[I_s, cols] for the
-    expert e whose rows the tile covers and I_s = [s K_SPLIT, (s + 1) K_SPLIT) (fp32 accumulator, stored in y's
-    dtype; with several splits y is the fp32 partial sums [splits, R, O], split s at y + s R O); zeros for a tile
-    of the group past offsets[E - 1]; nothing for a program past the real tiles."""
+    """Program (row tile, column tile): y[rows, cols] = x[rows] @ dequantize(W[e])[:, cols] for the expert e whose
+    rows the tile covers (fp32 accumulator, stored in y's dtype); zeros for a tile of the group past
+    offsets[E - 1]; nothing for a program past the real tiles."""
     pid = tl.program_id(0)
-    split = tl.program_id(1)
     n_tiles = tl.cdiv(O, BLOCK_N)
     per_group = GROUP_M * n_tiles
     first_m = (pid // per_group) * GROUP_M
@@ -306,8 +294,7 @@ def _mxfp4_grouped_mm_kernel(
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * s_xr
         c_rows = c_ptr + e.to(tl.int64) * s_ce + cols.to(tl.int64)[:, None] * s_co
         s_rows = sc_ptr + e.to(tl.int64) * s_se + cols.to(tl.int64)[:, None] * s_so
-        for step in range(0, K_SPLIT // BLOCK_K):   # the last split's steps past I load nothing (masked)
-            k0 = split * K_SPLIT + step * BLOCK_K
+        for k0 in range(0, I, BLOCK_K):
             kmask = (k0 + ks) < I
             x = tl.load(x_rows + (k0 + ks)[None, :] * s_xi, mask=rmask[:, None] & kmask[None, :], other=0.0)
             # The decoded tile's columns come in decode_words' order: x's are put in the same one.
@@ -321,6 +308,5 @@ def _mxfp4_grouped_mm_kernel(
                 acc = tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, tl.trans(w), acc)
-    y_ptr += split.to(tl.int64) * R * O
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * O + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=rmask[:, None] & nmask[None, :])

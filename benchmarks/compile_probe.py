@@ -5,10 +5,10 @@
 For each kind of block (mixer x FFN) the first such block of the model goes through ``torch._dynamo.explain`` on a
 training-shaped input (the forward; AOTAutograd traces the backward with it): its graph count, graph breaks and
 their reasons with where in our code they happen (deduplicated). Then the whole model's forward + backward (no
-optimizer) is timed eagerly and with every block compiled (``nn.Module.compile``, inductor's defaults; the first
-compiled step's time reported apart), from the same weights on the same batch, with the two losses. A trace or a
-compile that fails is reported (its first line) and the probe goes on. Defaults: the ``debug`` preset in bf16 on
-CUDA at 4 x 4,096 tokens; on the CPU the ``tiny`` preset in fp32 at 4 x 256.
+optimizer) is timed eagerly and with every block compiled (``kimik3.parallel.compile``, what ``kimik3 train
+--compile`` does; the first compiled step's time reported apart), from the same weights on the same batch, with
+the two losses. A trace or a compile that fails is reported (its first line) and the probe goes on. Defaults:
+the ``debug`` preset in bf16 on CUDA at 4 x 4,096 tokens; on the CPU the ``tiny`` preset in fp32 at 4 x 256.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout that is not installed
 import kimik3  # noqa: E402
 from kimik3 import K3Config, K3ForCausalLM  # noqa: E402
+from kimik3.parallel.compile import apply_compile  # noqa: E402
 
 
 def first_line(error: object) -> str:
@@ -141,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     first, eager, loss = time_steps(model, ids, args.steps)
     result["eager"] = {"first_s": first, "ms_per_step": eager * 1e3, "loss": loss}
     print(f"eager: {eager * 1e3:.1f} ms forward + backward (first {first:.1f} s), loss {loss:.6f}", flush=True)
-    for block in model.layers:
-        block.compile()
+    apply_compile(model)
     try:
         first, compiled, loss = time_steps(model, ids, args.steps)
         result["compiled_blocks"] = {"first_s": first, "ms_per_step": compiled * 1e3, "loss": loss,

@@ -33,8 +33,9 @@
 #            mxfp4_experts.py: both routes against bf16 at K3's expert shapes, 1 to 4,096 rows an expert  <= 8 min
 # trainstep  train_gpu.py: the debug preset's whole training step (CUDA graph) with torchtitan's port timed in
 #            the same run (carry .whl and third_party/torchtitan)                                      <= 9.5 min
-# trainrun   the Trainer's graphed step on the GPU (tests/train/test_graphed_step.py, test_captured_step.py), then
-#            kimik3 train on the debug preset, 4 x 4,096 tokens a step, 20 steps with the CUDA graph and without <= 9 min
+# trainrun   the Trainer's graphed step and compiled blocks on the GPU (tests/train/test_graphed_step.py,
+#            test_captured_step.py, test_compiled_blocks.py), then kimik3 train on the debug preset, 4 x 4,096 tokens
+#            a step, 20 steps: CUDA graph + compiled blocks (the default), the graph alone, neither     <= 10 min
 # spec       a target trained on the GPU for speculative decoding (kimik3 train, tiny preset, 240 s, eager step),
 #            its draft (kimik3 train-draft, 1,000 steps), then serve_speculative.py at batch 1 and 16, K = 2..5 <= 9.5 min
 # posttrain  the rollout engine's GPU test (bf16 weights synced from the fp32 policy), then partial_rollouts.py on
@@ -189,10 +190,13 @@ case $MODE in
   trainstep)
     step 0 train_gpu 560 python3 benchmarks/train_gpu.py --peer torchtitan --json "$OUT/train_gpu.json" ;;
   trainrun)
-    step 0 train_graph_tests 150 python3 -m pytest -v -rf tests/train/test_graphed_step.py tests/train/test_captured_step.py
-    for GRAPH in cuda-graph no-cuda-graph; do
-      step 0 "kimik3_train_$GRAPH" 180 python3 -m kimik3 train --preset debug --device cuda --steps 20 --seq-len 4096 \
-        --batch-size 4 --checkpoint-every 1000 --no-progress --"$GRAPH" --out "/tmp/train-debug-$GRAPH"
+    step 0 train_graph_tests 150 python3 -m pytest -v -rf tests/train/test_graphed_step.py tests/train/test_captured_step.py \
+      tests/train/test_compiled_blocks.py
+    for STEP_KIND in cuda-graph:compile cuda-graph:no-compile no-cuda-graph:no-compile; do
+      GRAPH=${STEP_KIND%:*} BLOCKS=${STEP_KIND#*:}
+      step 0 "kimik3_train_${GRAPH}_$BLOCKS" 150 python3 -m kimik3 train --preset debug --device cuda --steps 20 \
+        --seq-len 4096 --batch-size 4 --checkpoint-every 1000 --no-progress --"$GRAPH" --"$BLOCKS" \
+        --out "/tmp/train-debug-$GRAPH-$BLOCKS"
     done ;;
   spec)
     step 0 spec_train 300 python3 -m kimik3 train --device cuda --time-budget 240 --seq-len 512 --batch-size 32 \

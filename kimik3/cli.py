@@ -87,7 +87,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     train_args = TrainArgs(
         preset=args.preset, config_path=args.config, data=args.data, steps=args.steps,
         time_budget_s=args.time_budget, out=args.out, seed=args.seed, seq_len=args.seq_len,
-        batch_size=args.batch_size, lr=args.lr, device=args.device, cuda_graph=args.cuda_graph,
+        batch_size=args.batch_size, lr=args.lr, device=args.device, cuda_graph=args.cuda_graph, compile=args.compile,
         balance=args.balance, qb_rate=args.qb_rate, ep_planner=args.ep_planner, checkpoint_every=args.checkpoint_every,
         checkpoint_async=args.checkpoint_async, qat=args.qat,
         progress=not args.no_progress, vision=args.vision or args.vision_blank, vision_blank=args.vision_blank,
@@ -365,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")
     t.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                    help="on one CUDA device and process, replay the training step as a CUDA graph (default on)")
+    t.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile each block (default: on for a CUDA device in one process; CUDA only)")
     t.add_argument("--balance", default="quantile", choices=["quantile", "sign", "none"],
                    help="router-bias balancing: Quantile Balancing (K3), DeepSeek-V3 sign update, or none")
     t.add_argument("--qb-rate", type=float, default=1.0,

@@ -45,6 +45,7 @@ class TrainArgs:
     grad_clip: float = 1.0
     device: str = "cpu"
     cuda_graph: bool = True           # on one CUDA device and process: the step replayed as a CUDA graph
+    compile: bool | None = None       # torch.compile each block (CUDA only); None: on for one CUDA process
     eval_every: int = 25
     eval_windows: int = 16
     checkpoint_every: int | str | None = None  # steps (100) or a duration ("30s", "2m"); None: every 60 s

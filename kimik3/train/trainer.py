@@ -176,6 +176,7 @@ class Trainer:
         self.model.train()
         self.ctx.wrap_model(self.model, activation_checkpointing=self.activation_checkpointing,
                             ep_planner=args.ep_planner)
+        self.compiled = self._compile_blocks(args)
         from kimik3.optim import build_param_groups
 
         # The step replayed as a CUDA graph (train/graphed_step.py) where it can be: one CUDA device in one process
@@ -204,14 +205,37 @@ class Trainer:
 
             self.graphed = GraphedTrainStep(self)
 
+    def _compile_blocks(self, args: TrainArgs) -> bool:
+        """torch.compile every block (``parallel/compile.py``) where asked, by default on a CUDA device in one
+        process. The CPU's blocks run the chunked torch KDA, whose in-place writes through views AOTAutograd
+        refuses to trace."""
+        one_process = type(self.ctx) is ParallelContext
+        if args.compile is None:
+            wanted = self.device.type == "cuda" and one_process
+        elif args.compile and not one_process:
+            raise ValueError("--compile compiles the blocks of a one-process run; a process group's model is "
+                             "wrapped for FSDP / expert parallelism, which compiled blocks are not tested under: "
+                             "drop --compile")
+        elif args.compile and self.device.type != "cuda":
+            raise ValueError("--compile needs --device cuda: on the CPU the blocks run the chunked torch KDA, whose "
+                             "in-place writes through views torch.compile cannot trace; drop --compile")
+        else:
+            wanted = args.compile
+        if wanted:
+            from kimik3.parallel.compile import apply_compile
+
+            apply_compile(self.model)
+        return wanted
+
     def _step_kind(self, args: TrainArgs) -> str:
+        blocks = ", blocks compiled (--no-compile: eager)" if self.compiled else ""
         if self.graphed is not None:
-            return "replayed as a CUDA graph (one capture per batch shape; --no-cuda-graph: eager)"
+            return f"replayed as a CUDA graph (one capture per batch shape; --no-cuda-graph: eager){blocks}"
         if self.device.type != "cuda":
-            return f"eager on {self.device.type}"
+            return f"eager on {self.device.type}{blocks}"
         reason = ("--no-cuda-graph" if not args.cuda_graph else "a process group" if type(self.ctx) is not
                   ParallelContext else "multimodal batches vary in shape")
-        return f"eager on cuda ({reason})"
+        return f"eager on cuda ({reason}){blocks}"
 
     @property
     def dims(self) -> ParallelDims:
@@ -638,8 +662,11 @@ class Trainer:
         ids = torch.tensor([self.tokenizer.encode(prompt).ids], device=self.device)
         eos = self.tokenizer.token_to_id(EOS)
         generator = torch.Generator(device=self.device).manual_seed(self.args.seed)
-        out = self.model.generate(ids, max_new_tokens, temperature=0.8, top_p=0.95, eos_token_id=eos,
-                                  generator=generator)
+        # Decoding calls the blocks with a cache, a token at a time: compiled blocks (--compile) would compile
+        # again for those calls, for one short sample; they run their eager code instead.
+        with torch.compiler.set_stance("force_eager"):
+            out = self.model.generate(ids, max_new_tokens, temperature=0.8, top_p=0.95, eos_token_id=eos,
+                                      generator=generator)
         return self.tokenizer.decode(out[0, ids.shape[1]:].tolist())
 
 

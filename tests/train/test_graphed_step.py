@@ -84,14 +84,17 @@ def test_a_run_through_the_graphed_step_writes_and_resumes(small_config_path, co
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kimik3_train_on_cuda_replays_a_graph_with_the_eager_losses(small_config_path, code_corpus, tmp_path):
-    """On a GPU: the Trainer takes the graphed step by default, captures it (three warm-up steps, then replays),
-    and its losses follow the eager step's (--no-cuda-graph) within bf16 autocast's run-to-run spread."""
+    """On a GPU: the Trainer takes the graphed step with compiled blocks by default, captures it (three warm-up
+    steps, then replays), and its losses follow the eager step's (--no-cuda-graph --no-compile), and the graphed
+    step's without compiling, within bf16 autocast's run-to-run spread."""
     runs = {}
-    for cuda_graph in (True, False):
-        trainer = Trainer(small_args(small_config_path, code_corpus, tmp_path / f"graph-{cuda_graph}", steps=8,
-                                     device="cuda", cuda_graph=cuda_graph, seq_len=64), log=lambda _: None)
-        assert (trainer.graphed is not None) == cuda_graph
-        runs[cuda_graph] = [r["loss"] for r in trainer.run().history]
+    for cuda_graph, compile in ((True, None), (True, False), (False, False)):
+        trainer = Trainer(small_args(small_config_path, code_corpus, tmp_path / f"graph-{cuda_graph}-{compile}",
+                                     steps=8, device="cuda", cuda_graph=cuda_graph, compile=compile, seq_len=64),
+                          log=lambda _: None)
+        assert (trainer.graphed is not None) == cuda_graph and trainer.compiled == (compile is None)
+        runs[cuda_graph, compile] = [r["loss"] for r in trainer.run().history]
         if cuda_graph:
             assert trainer.graphed.captured is not None and trainer.graphed.captured.captured
-    assert runs[True] == pytest.approx(runs[False], rel=2e-2)
+    assert runs[True, None] == pytest.approx(runs[False, False], rel=2e-2)
+    assert runs[True, False] == pytest.approx(runs[False, False], rel=2e-2)

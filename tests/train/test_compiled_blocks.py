@@ -1,0 +1,59 @@
+"""``kimik3.parallel.compile`` (tested here, beside the Trainer's fixtures) and ``kimik3 train --compile``: compiled
+blocks give the eager forward and gradients (on a GPU: the CPU's torch KDA does not compile); the default compiles
+on a CUDA device in one process only; the CPU and a process group refuse an explicit --compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kimik3.parallel.compile import apply_compile
+from kimik3.parallel.context import ParallelContext
+from kimik3.train.trainer import Trainer
+from tests.train.small_run import small_args
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_blocks_give_the_eager_forward_and_grads(small_config_path):
+    from kimik3 import K3Config, K3ForCausalLM
+
+    config = K3Config.from_json(small_config_path.read_text())
+    eager = K3ForCausalLM(config, device="cuda", seed=0).train()
+    compiled = K3ForCausalLM(config, device="cuda", seed=0).train()
+    assert apply_compile(compiled) == config.num_layers
+    ids = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    losses = []
+    for model in (eager, compiled):
+        out = model(ids[:, :-1], labels=ids[:, 1:])
+        out.loss.backward()
+        losses.append(float(out.loss))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_a_model_without_blocks_is_refused():
+    with pytest.raises(ValueError, match="no blocks to compile"):
+        apply_compile(nn.Linear(2, 2))
+
+
+def test_where_the_trainer_compiles(small_config_path, code_corpus, tmp_path):
+    """Off by default on the CPU; asked for there, refused before any work, naming why; asked for under a process
+    group (any context but the one-process one), refused; that context's default is off."""
+
+    class Grouped(ParallelContext):
+        pass
+
+    cpu = torch.device("cpu")
+    trainer = Trainer(small_args(small_config_path, code_corpus, tmp_path / "default"), log=lambda _: None)
+    assert not trainer.compiled and "blocks compiled" not in trainer._step_kind(trainer.args)
+    with pytest.raises(ValueError, match="--compile needs --device cuda"):
+        Trainer(small_args(small_config_path, code_corpus, tmp_path / "cpu", compile=True), log=lambda _: None)
+    with pytest.raises(ValueError, match="--compile compiles the blocks of a one-process run"):
+        Trainer(small_args(small_config_path, code_corpus, tmp_path / "g", compile=True),
+                context=Grouped(cpu), log=lambda _: None)
+    trainer = Trainer(small_args(small_config_path, code_corpus, tmp_path / "auto"), context=Grouped(cpu),
+                      log=lambda _: None)
+    assert not trainer.compiled

@@ -27,8 +27,9 @@ kept across iterations: it would be the old weights' state, and keeping it needs
 **Training** uses finished trajectories only, and only whole groups: the group-normalised advantage compares the
 G completions of one prompt, so the finished members of a group wait until its last member finishes, then the
 group is scored and trained on. A token sampled by an older policy version than the one being updated is
-**stale**; ``policy_loss.clipped_policy_loss`` corrects it (see there: a truncated importance ratio and a
-staleness-weighted squared log-ratio regulariser, both against the token's rollout-time log-probability).
+**stale**; ``policy_loss.clipped_policy_loss`` corrects it (see there: the clip taken around the policy before
+the update, a truncated importance weight from the sampling policy to it, and a staleness-weighted squared
+log-ratio regulariser to the token's rollout-time log-probability).
 """
 
 from __future__ import annotations

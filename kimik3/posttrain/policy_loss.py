@@ -18,21 +18,25 @@ to the reference model when ``kl_coef > 0``. The loss is the mean over the compl
 token weighs the same, whatever its completion's length); prompt and tool-result tokens take no loss.
 
 **Stale tokens** (partial rollouts, ``partial.py``): a token sampled by a policy ``s >= 1`` versions older than
-the one being updated ("staleness" s) has ``old`` = that older policy's log-probability, so its ratio starts the
-update away from 1. Seed §6 asks that "the update absorbs the staleness with per-token regularisation"; on stale
-tokens only (s > 0; fresh tokens keep exactly the loss above, so ``--partial-lambda 1`` changes nothing)::
+the one being updated ("staleness" s) has ``old`` = that older policy's log-probability. Clipping its ratio to
+``old`` would zero its gradient wherever the policy has already moved past 1 +- eps since it was sampled, which
+after a few iterations of learning is most stale tokens. So, on stale tokens only (s > 0; fresh tokens keep
+exactly the loss above, so ``--partial-lambda 1`` changes nothing), the trust region is taken around the
+**proximal** policy ``prox``: the policy being updated as it was at the start of this update (log-probabilities
+from a no-grad forward), the decoupled objective of Hilton et al. 2021, "Batch size-invariance for policy
+optimization"; the step from the sampling policy to the proximal one is an importance weight, truncated::
 
-    loss_t = -min(min(ratio_t, C) * A, clip(ratio_t, 1 - eps, 1 + eps) * A) + stale_coef * s_t * (new_t - old_t)^2 / 2
+    w_t     = min(exp(prox_t - old_t), C)                       (no gradient)
+    r_t     = exp(new_t - prox_t)
+    loss_t  = -w_t * min(r_t * A, clip(r_t, 1 - eps, 1 + eps) * A) + stale_coef * s_t * (new_t - old_t)^2 / 2
 
-* the **truncated ratio** min(ratio, C) (C = ``ratio_cap`` > 1 + eps, default 3) bounds what a stale token can
-  contribute: with A > 0 the clip already holds ratios above 1 + eps; with A < 0 the unclipped branch ratio * A
-  is the one kept above 1 + eps and grows without bound, which truncation at C stops (the "dual clip" of Ye et
-  al. 2020, whose C = 3 is the default);
+* the **truncated weight** (C = ``ratio_cap`` > 1 + eps, default 3, the "dual clip" value of Ye et al. 2020)
+  bounds what a token the sampling policy found unlikely can contribute;
 * the **regulariser** (new - old)^2 / 2 is the "k2" estimator of KL(behaviour || policy) at the sampled token (the
-  squared log-ratio penalty of Kimi k1.5's mirror-descent objective), weighted by the token's staleness: the
-  older the policy that sampled it, the more the update is held near what that policy did, where the
-  importance-weighted estimate is least reliable. Its gradient (new - old) * grad(new) is bounded by the
-  log-ratio, unlike the k3 estimator's (ratio - 1).
+  squared log-ratio penalty of Kimi k1.5's mirror-descent objective), weighted by the token's staleness: seed §6's
+  "per-token regularisation": the older the policy that sampled it, the more the update is held near what that
+  policy did, where the importance-weighted estimate is least reliable. Its gradient (new - old) * grad(new) is
+  bounded by the log-ratio, unlike the k3 estimator's (ratio - 1).
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ class Batch:
     (token t + 1, what position t predicts), ``mask`` [N, T] (True where ``targets`` is a completion token),
     ``old`` [N, T] (the rollout's log-probability of each target), ``advantages`` [N] (one per row) or [N, T] (one
     per token, as on-policy distillation's dense reward gives); ``staleness`` [N, T] (policy
-    versions between the one that sampled each target and the one being updated; None: all fresh)."""
+    versions between the one that sampled each target and the one being updated; None: all fresh); ``prox`` [N, T]
+    (the updated policy's log-probability of each target before the update: the stale tokens' trust region)."""
 
     input_ids: torch.Tensor
     targets: torch.Tensor
@@ -75,19 +80,20 @@ class Batch:
     old: torch.Tensor
     advantages: torch.Tensor
     staleness: torch.Tensor | None = None
+    prox: torch.Tensor | None = None
 
-    FIELDS = ("input_ids", "targets", "mask", "old", "advantages", "staleness")
+    FIELDS = ("input_ids", "targets", "mask", "old", "advantages", "staleness", "prox")
 
     def rows(self, index: slice) -> "Batch":
         cut = int(self.mask[index].any(0).nonzero().max()) + 1 if bool(self.mask[index].any()) else 1
         advantages = self.advantages[index]
         return Batch(self.input_ids[index, :cut], self.targets[index, :cut], self.mask[index, :cut],
                      self.old[index, :cut], advantages[:, :cut] if advantages.dim() == 2 else advantages,
-                     None if self.staleness is None else self.staleness[index, :cut])
+                     *(None if t is None else t[index, :cut] for t in (self.staleness, self.prox)))
 
     def to(self, device: torch.device) -> "Batch":
         return Batch(*(None if t is None else t.to(device) for t in (self.input_ids, self.targets, self.mask, self.old,
-                                                                     self.advantages, self.staleness)))
+                                                                     self.advantages, self.staleness, self.prox)))
 
 
 def make_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
@@ -139,19 +145,20 @@ class LossParts:
     ratio_sum: float          # sum over the completion tokens of the importance ratio
     ratio_max_dev: float      # max |ratio - 1| over the completion tokens
     stale: int = 0            # completion tokens sampled by an older policy (staleness > 0)
-    truncated: float = 0.0    # stale tokens whose ratio the cap C held
+    truncated: float = 0.0    # stale tokens whose weight exp(prox - old) the cap C held
     stale_reg: float = 0.0    # sum over the stale tokens of the staleness-weighted regulariser
 
 
 def clipped_policy_loss(new: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                         clip: float, ref: torch.Tensor | None = None, kl_coef: float = 0.0,
                         normaliser: int | None = None, staleness: torch.Tensor | None = None,
-                        stale_coef: float = 0.0, ratio_cap: float = 3.0) -> LossParts:
+                        stale_coef: float = 0.0, ratio_cap: float = 3.0, prox: torch.Tensor | None = None) -> LossParts:
     """The clipped surrogate over the ``mask``ed tokens (see the module notes): new/old/ref [N, T], advantages
     [N] (one per row) or [N, T] (one per token). ``normaliser``: the token count the sum is divided by (default:
     this batch's; a micro-batch of a larger update passes the update's, so its gradients add up to the whole batch's
-    mean). ``staleness`` [N, T]: the stale-token correction (truncation at ``ratio_cap``, regulariser weighted by
-    ``stale_coef``) where > 0."""
+    mean). ``staleness`` [N, T]: where > 0, the stale-token objective: the trust region around ``prox`` [N, T]
+    (required then), the weight exp(prox - old) truncated at ``ratio_cap``, the regulariser weighted by
+    ``stale_coef``."""
     if staleness is not None and ratio_cap <= 1 + clip:
         raise ValueError(f"the stale ratio cap must exceed 1 + clip = {1 + clip}, got {ratio_cap}")
     mask_f = mask.float()
@@ -161,16 +168,24 @@ def clipped_policy_loss(new: torch.Tensor, old: torch.Tensor, advantages: torch.
     adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(new.dtype)
     stale = (staleness > 0) & mask if staleness is not None else None
     stale_tokens = int(stale.sum()) if stale is not None else 0
-    unclipped = torch.where(stale, ratio.clamp(max=ratio_cap), ratio) if stale_tokens else ratio
-    surrogate = torch.minimum(unclipped * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
-    per_token = -surrogate
+    trust = ratio                                # the ratio the clip holds: to old (fresh) or to prox (stale)
+    weight = None
+    if stale_tokens:
+        if prox is None:
+            raise ValueError("stale tokens need the proximal log-probabilities (prox): the updated policy's before "
+                             "the update")
+        stale_f = stale.float()
+        trust = torch.where(stale, torch.exp((new - prox) * stale_f), ratio)
+        weight = torch.where(stale, torch.exp((prox - old) * stale_f).clamp(max=ratio_cap), 1.0).detach()
+    surrogate = torch.minimum(trust * adv, trust.clamp(1 - clip, 1 + clip) * adv)
+    per_token = -surrogate if weight is None else -weight * surrogate
     truncated = reg_sum = 0.0
     if stale_tokens:
-        log_ratio = (new - old) * stale.float()
+        log_ratio = (new - old) * stale_f
         reg = stale_coef * staleness * 0.5 * log_ratio.square()
         per_token = per_token + reg
         with torch.no_grad():
-            truncated = float((stale & (ratio > ratio_cap)).sum())
+            truncated = float((stale & (torch.exp((prox - old) * stale_f) > ratio_cap)).sum())
             reg_sum = float(reg.detach().sum())
     kl_sum = 0.0
     if ref is not None and kl_coef > 0:
@@ -180,7 +195,7 @@ def clipped_policy_loss(new: torch.Tensor, old: torch.Tensor, advantages: torch.
         kl_sum = float((kl.detach() * mask_f).sum())
     loss = (per_token * mask_f).sum() / divide
     with torch.no_grad():
-        held = ((ratio * adv) > (ratio.clamp(1 - clip, 1 + clip) * adv)) & mask
+        held = ((trust * adv) > (trust.clamp(1 - clip, 1 + clip) * adv)) & mask
         deviation = float(((ratio - 1).abs() * mask_f).max()) if tokens else 0.0
     return LossParts(loss, tokens, float(held.sum()), kl_sum, float((ratio.detach() * mask_f).sum()), deviation,
                      stale_tokens, truncated, reg_sum)

@@ -40,7 +40,8 @@ prompts the uninterrupted one would have used.
 by the previous one first, then its P x G new ones, and stops generating once ceil(λ·N) of those N have finished;
 the rest are paused (their tokens so far kept with their rollout log-probabilities and the policy version of each
 token). Only whole groups of finished trajectories are scored and trained on; their tokens sampled by older
-weights get the stale-token correction of ``policy_loss.clipped_policy_loss``. λ = 1 is the plain loop above.
+weights get the stale-token objective of ``policy_loss.clipped_policy_loss``, whose trust region is the policy as
+it was before the update (one more forward of the rows, without gradient). λ = 1 is the plain loop above.
 A ``--resume``d run starts with an empty queue (paused trajectories are not checkpointed).
 """
 
@@ -382,6 +383,8 @@ class RLRun:
             return out
         if batch is None:
             batch = make_batch(prompts, completions, logprobs, advs, staleness=staleness)
+        if batch.staleness is not None and bool((batch.staleness > 0).any()):
+            batch.prox = self._proximal(batch)
         # Each epoch visits every row once, in minibatches of a fresh random order; the first is on-policy.
         shuffle = torch.Generator().manual_seed(trainer.args.seed + trainer.step)
         chunks = [chunk for _ in range(spec.epochs)
@@ -419,6 +422,20 @@ class RLRun:
                        stale_reg=totals["stale_reg"] / tokens)
         return out
 
+    def _proximal(self, batch) -> torch.Tensor:
+        """The policy's log-probability of every target before this update's first step ([N, T], no gradient, in
+        the update's micro-batches): the trust region of the stale tokens' objective (``policy_loss``)."""
+        trainer, spec = self.trainer, self.spec
+        prox = torch.zeros_like(batch.old)
+        with torch.no_grad():
+            for index in _micro_batches(batch, range(len(batch.input_ids)), spec.micro_batch):
+                micro = batch.rows(index).to(trainer.device)
+                with trainer._autocast():
+                    logits = self.policy(micro.input_ids).logits
+                lp = torch.log_softmax(logits.float() / spec.temperature, dim=-1)
+                prox[index, :lp.shape[1]] = lp.gather(-1, micro.targets.unsqueeze(-1)).squeeze(-1).cpu()
+        return prox
+
     def _minibatch(self, batch, rows) -> tuple[float, dict[str, float], bool]:
         """Forward and backward of one minibatch (micro-batches accumulating), clipped gradient norm."""
         trainer, spec = self.trainer, self.spec
@@ -440,7 +457,8 @@ class RLRun:
                 with torch.no_grad(), trainer._autocast():
                     ref = token_logprobs(self.reference, micro.input_ids, micro.targets, spec.temperature)
             result = clipped_policy_loss(new, micro.old, micro.advantages, micro.mask, spec.clip, ref, spec.kl_coef,
-                                         normaliser, micro.staleness, spec.stale_coef, spec.stale_ratio_cap)
+                                         normaliser, micro.staleness, spec.stale_coef, spec.stale_ratio_cap,
+                                         micro.prox)
             if not torch.isfinite(result.loss):
                 return float("nan"), parts, False
             result.loss.backward()

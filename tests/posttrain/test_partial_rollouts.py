@@ -135,30 +135,36 @@ def test_tool_use_trajectory_pauses_between_turns_and_resumes_its_next_turn(enco
 
 
 def test_stale_correction_matches_a_hand_computation():
+    """Stale tokens: the clip around prox (the policy before the update), the weight exp(prox - old) truncated at C,
+    the staleness-weighted regulariser to old; the fresh token keeps the plain clipped ratio to old."""
     clip, cap, coef = 0.2, 3.0, 0.1
-    logr = [0.0, math.log(1.5), math.log(4.0), math.log(0.5), 0.7]
-    new = torch.tensor([logr], requires_grad=True)
+    new = torch.tensor([[0.0, math.log(1.5), math.log(4.0), math.log(0.5), 0.7]], requires_grad=True)
     old = torch.zeros(1, 5)
+    prox = torch.tensor([[0.0, math.log(1.4), math.log(4.0 / 0.7), math.log(0.5), 0.0]])
     mask = torch.tensor([[True, True, True, True, False]])
     stale = torch.tensor([[0.0, 2.0, 1.0, 3.0, 5.0]])
+    weights = [1.0, 1.4, 3.0, 0.5]          # exp(prox - old), the third truncated at C
+    trust = [1.0, 1.5 / 1.4, 0.7, 1.0]      # exp(new - prox) (the fresh token's: exp(new - old))
+    with pytest.raises(ValueError, match="proximal"):
+        clipped_policy_loss(new, old, torch.tensor([1.0]), mask, clip, staleness=stale, stale_coef=coef,
+                            ratio_cap=cap)
     for a in (1.0, -1.0):
         parts = clipped_policy_loss(new, old, torch.tensor([a]), mask, clip, staleness=stale, stale_coef=coef,
-                                    ratio_cap=cap)
-        ratios = [1.0, 1.5, 4.0, 0.5]
-        if a > 0:   # min(min(r, C), clip(r)): 1, 1.2, 1.2, 0.5
-            surrogate = [1.0, 1.2, 1.2, 0.5]
-        else:       # -max(min(r, C), clip(r)): the fresh token untouched, r = 4 held at C = 3
-            surrogate = [-1.0, -1.5, -3.0, -0.8]
-        reg = [0.0] + [coef * s * 0.5 * math.log(r) ** 2 for s, r in zip([2, 1, 3], ratios[1:])]
-        expected = (-sum(surrogate) + sum(reg)) / 4
+                                    ratio_cap=cap, prox=prox)
+        held = [min(r * a, min(max(r, 1 - clip), 1 + clip) * a) for r in trust]   # 0.7 is held at 0.8 for A < 0
+        reg = [0.0] + [coef * s * 0.5 * math.log(r) ** 2 for s, r in zip([2, 1, 3], [1.5, 4.0, 0.5])]
+        expected = (-sum(w * h for w, h in zip(weights, held)) + sum(reg)) / 4
         assert float(parts.loss.detach()) == pytest.approx(expected, rel=1e-6)
         assert parts.stale == 3 and parts.truncated == 1.0 and parts.stale_reg == pytest.approx(sum(reg), rel=1e-6)
-    # Gradient (A = -1): the truncated token gets only the regulariser's coef * s * log r; the fresh token -A r.
+        assert parts.clipped == (1.0 if a < 0 else 0.0)
+    # Gradient (A = -1): -w * A * r where the clip does not hold, plus the regulariser's coef * s * log(new / old);
+    # the held token gets the regulariser's alone.
     parts.loss.backward()
     grad = new.grad[0].tolist()
-    assert grad[2] == pytest.approx(coef * 1 * math.log(4.0) / 4, rel=1e-5)
     assert grad[0] == pytest.approx(1.0 / 4, rel=1e-5) and grad[4] == 0.0
     assert grad[1] == pytest.approx((1.5 + coef * 2 * math.log(1.5)) / 4, rel=1e-5)
+    assert grad[2] == pytest.approx(coef * 1 * math.log(4.0) / 4, rel=1e-5)
+    assert grad[3] == pytest.approx((0.5 + coef * 3 * math.log(0.5)) / 4, rel=1e-5)
 
 
 def test_lambda_one_leaves_the_loss_and_the_fingerprint_unchanged():

@@ -428,3 +428,27 @@ def test_micro_batches_group_rows_of_like_lengths_and_keep_the_gradient(base_run
     assert widths == [9, 10, 30, 43, 45]
     for a, b in zip(whole, cut, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_the_proximal_log_probabilities_are_the_policys_before_the_update(base_run):
+    """A batch with stale tokens gets ``prox``: the policy's log-probability of each completion token, computed in
+    the update's micro-batches (rows of several lengths) before its first step, equal to one plain forward's."""
+    from types import SimpleNamespace
+
+    from kimik3.model.k3 import K3ForCausalLM
+    from kimik3.posttrain.policy_loss import make_batch, token_logprobs
+    from kimik3.posttrain.rl import RLRun
+
+    gen = torch.Generator().manual_seed(1)
+    lengths = [30, 2, 17, 5]
+    prompts = [torch.randint(1, 600, (5,), generator=gen).tolist() for _ in lengths]
+    completions = [torch.randint(1, 600, (n,), generator=gen).tolist() for n in lengths]
+    batch = make_batch(prompts, completions, [[-1.0] * n for n in lengths], [1.0, -1.0, 0.5, -0.5],
+                       staleness=[[1] * n for n in lengths])
+    policy = K3ForCausalLM.from_pretrained(base_run, dtype=torch.float32).train()
+    trainer = SimpleNamespace(device=torch.device("cpu"), _autocast=lambda: torch.autocast("cpu", enabled=False))
+    run = SimpleNamespace(trainer=trainer, spec=SimpleNamespace(micro_batch=2, temperature=0.7), policy=policy)
+    prox = RLRun._proximal(run, batch)
+    with torch.no_grad():
+        expected = token_logprobs(policy, batch.input_ids, batch.targets, 0.7)
+    torch.testing.assert_close(prox[batch.mask], expected[batch.mask], rtol=1e-4, atol=1e-5)

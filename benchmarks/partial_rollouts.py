@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alpha", type=float, default=1.0, help="the Pareto budget's shape (smaller: longer tail)")
     p.add_argument("--cap", type=int, default=160, help="the largest budget")
     p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--stale-coef", type=float, default=0.1, help="kimik3 rl --stale-coef (the stale regulariser)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="where both settings' engines and updates run (cpu or cuda)")
@@ -100,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             rl.run_rl(args.run, domain="general", effort="low", iterations=args.iterations, group=args.group,
-                      prompts=args.prompts, lr=args.lr, partial_lambda=lam, out=out_dir, seed=args.seed,
-                      device=args.device,
-                      checkpoint_every="100000s", progress=False, log=lambda s: None, on_iteration=on_iteration)
+                      prompts=args.prompts, lr=args.lr, partial_lambda=lam, stale_coef=args.stale_coef, out=out_dir,
+                      seed=args.seed, device=args.device, checkpoint_every="100000s", progress=False,
+                      log=lambda s: None, on_iteration=on_iteration)
         except BaseException as error:   # reported by the main thread
             errors.append(error)
             done[lam].set()

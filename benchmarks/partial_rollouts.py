@@ -18,7 +18,10 @@ the token was sampled, which is what the staleness correction is for, not the im
 
 **The reward is a proxy**: the share of digits among the completion's characters, a signal the learner can move
 at tiny scale, where the tasks' verifiers score every completion 0 (docs/posttraining.md), and that does not
-depend on the imposed lengths. It is not a task score.
+depend on the imposed lengths. It is not a task score. An iteration's ``reward_mean`` is over the groups it
+trained, which under partial rollouts were sampled over several earlier iterations, so it lags the policy; every
+``--eval-every`` iterations (outside the timed iteration) each setting's current policy also samples the same
+held-out prompts afresh, at their own lengths: ``fresh_reward``, the policies compared at equal steps.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+
+HELD_OUT_ITERATION = 1_000_000   # the fresh-sample reward's prompts: an iteration no run reaches
 
 
 def budget_of(step: int, index: int, min_tokens: int, alpha: float, cap: int) -> int:
@@ -61,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cap", type=int, default=160, help="the largest budget")
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--stale-coef", type=float, default=0.1, help="kimik3 rl --stale-coef (the stale regulariser)")
+    p.add_argument("--eval-every", type=int, default=4, help="iterations between fresh-sample rewards (0: none)")
+    p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts of a fresh-sample reward")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="where both settings' engines and updates run (cpu or cuda)")
@@ -73,11 +81,22 @@ def main(argv: list[str] | None = None) -> int:
     import kimik3.posttrain.partial as partial
     import kimik3.posttrain.rl as rl
 
+    held_out = dataclasses.replace(rl.RLSpec(args.run, "general", "low"), prompts=args.eval_prompts, group=1)
+    runs: dict[float, rl.RLRun] = {}
+
     class BenchRun(rl.RLRun):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             self.budget = lambda step, index: budget_of(step, index, args.min_tokens, args.alpha, args.cap)
             self.rewards = lambda rollouts: [digit_share(r.completion) for r in rollouts]
+            runs[self.spec.partial_lambda] = self
+
+        def fresh_reward(self) -> float:
+            """The current policy's mean proxy reward on the held-out prompts, sampled now (same seed each time)."""
+            self.engine.sync(self.policy)
+            tasks = rl.iteration_tasks(held_out, args.seed, HELD_OUT_ITERATION)
+            rollouts, _ = self.engine.rollouts(tasks, seed=args.seed)
+            return float(np.mean([digit_share(r.completion) for r in rollouts]))
 
     def exact_length(*a, **k):   # a turn runs its whole remaining budget
         params = plain_sampling(*a, **k)
@@ -93,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def worker(lam: float, out_dir: Path) -> None:
         def on_iteration(record: dict) -> None:
+            if args.eval_every and (len(records[lam]) + 1) % args.eval_every == 0:
+                record["fresh_reward"] = runs[lam].fresh_reward()
             records[lam].append(record)
             done[lam].set()
             if len(records[lam]) < args.iterations:
@@ -141,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                             first_iteration_s=recs[0]["iteration_s"], total_s=float(np.sum(times)),
                             tokens=int(sum(r["rollout_tokens"] for r in timed)),
                             rewards=[r["reward_mean"] for r in recs],
+                            fresh_rewards={r["step"]: r["fresh_reward"] for r in recs if "fresh_reward" in r},
                             stale_token_fraction=[r.get("stale_token_fraction", 0.0) for r in recs])
     base, partial = args.lambdas
     ratio = summary[partial]["mean_iteration_s"] / summary[base]["mean_iteration_s"]
@@ -149,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
           f"λ={partial} {summary[partial]['mean_iteration_s']:.2f} s: {100 * (1 - ratio):.0f}% lower (ratio "
           f"{ratio:.2f}); rollouts {summary[base]['mean_rollout_s']:.2f} / {summary[partial]['mean_rollout_s']:.2f} s, "
           f"updates {summary[base]['mean_update_s']:.2f} / {summary[partial]['mean_update_s']:.2f} s")
+    for lam in args.lambdas:
+        if summary[lam]["fresh_rewards"]:
+            print(f"fresh-sample reward, λ={lam}: " + ", ".join(f"iteration {k}: {v:.3f}" for k, v in
+                                                                 summary[lam]["fresh_rewards"].items()))
     if args.out:
         from kimik3.files import write_text_atomic
 

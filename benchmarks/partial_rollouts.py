@@ -1,7 +1,10 @@
 """Partial rollouts: RL iteration wall time at --partial-lambda λ against waiting for every trajectory (λ = 1),
 with a long-tailed output-length distribution, and the reward against iterations (same seeds).
 
-    python benchmarks/partial_rollouts.py --run runs/tiny-base3-sft30 --iterations 6 --lambdas 1.0 0.7 [--device cuda]
+    python benchmarks/partial_rollouts.py --run RUN [--seed S] [--device cuda]
+
+(RUN: an SFT run, e.g. ``kimik3 train`` then ``kimik3 sft --steps 30``; the defaults are BENCHMARKS.md's settings:
+24 iterations of 8 prompts x 4, lengths Pareto with shape 0.6 capped at 1,024, λ = 1 against 0.7.)
 
 Both settings run in one process, their iterations interleaved (one at a time: a baton passes between the two
 ``run_rl`` loops after every iteration), so the load of a shared machine weighs on both alike. The means leave out
@@ -58,17 +61,17 @@ def digit_share(text: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True, help="an SFT (or base) run")
-    p.add_argument("--iterations", type=int, default=6)
+    p.add_argument("--iterations", type=int, default=24)
     p.add_argument("--lambdas", type=float, nargs=2, default=[1.0, 0.7], metavar=("BASE", "PARTIAL"))
-    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--min-tokens", type=int, default=8, help="the Pareto budget's scale")
-    p.add_argument("--alpha", type=float, default=1.0, help="the Pareto budget's shape (smaller: longer tail)")
-    p.add_argument("--cap", type=int, default=160, help="the largest budget")
+    p.add_argument("--alpha", type=float, default=0.6, help="the Pareto budget's shape (smaller: longer tail)")
+    p.add_argument("--cap", type=int, default=1024, help="the largest budget (the max effort's reasoning budget)")
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--stale-coef", type=float, default=0.1, help="kimik3 rl --stale-coef (the stale regulariser)")
     p.add_argument("--eval-every", type=int, default=4, help="iterations between fresh-sample rewards (0: none)")
-    p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts of a fresh-sample reward")
+    p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts of a fresh-sample reward")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="where both settings' engines and updates run (cpu or cuda)")

@@ -50,7 +50,8 @@ def policy_trainer(base: Path, config: Any, source: Any, *, iterations: int, out
     args = TrainArgs(config_path=str(base / "config.json"), steps=iterations, out=out, seed=seed, lr=lr,
                      weight_decay=0.0, device=device, checkpoint_every=checkpoint_every,
                      qat=config.moe.expert_quant, progress=progress, warmup_fraction=0.0, min_lr_ratio=1.0,
-                     balance=balance, cuda_graph=False)   # RL updates are their own, not the Trainer's step
+                     balance=balance, cuda_graph=False,   # RL updates are their own, not the Trainer's step
+                     compile=False)   # their micro-batches vary in shape: compiled blocks would compile per shape
 
     def from_base(cfg: Any, dev: torch.device, _seed: int) -> torch.nn.Module:
         return K3ForCausalLM.from_pretrained(base, device=dev, dtype=torch.float32)

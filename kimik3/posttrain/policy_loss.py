@@ -176,7 +176,8 @@ def clipped_policy_loss(new: torch.Tensor, old: torch.Tensor, advantages: torch.
                              "the update")
         stale_f = stale.float()
         trust = torch.where(stale, torch.exp((new - prox) * stale_f), ratio)
-        weight = torch.where(stale, torch.exp((prox - old) * stale_f).clamp(max=ratio_cap), 1.0).detach()
+        behaviour = torch.exp((prox - old) * stale_f).detach()   # the sampling policy to prox, before truncation
+        weight = torch.where(stale, behaviour.clamp(max=ratio_cap), 1.0)
     surrogate = torch.minimum(trust * adv, trust.clamp(1 - clip, 1 + clip) * adv)
     per_token = -surrogate if weight is None else -weight * surrogate
     truncated = reg_sum = 0.0
@@ -185,7 +186,7 @@ def clipped_policy_loss(new: torch.Tensor, old: torch.Tensor, advantages: torch.
         reg = stale_coef * staleness * 0.5 * log_ratio.square()
         per_token = per_token + reg
         with torch.no_grad():
-            truncated = float((stale & (torch.exp((prox - old) * stale_f) > ratio_cap)).sum())
+            truncated = float((stale & (behaviour > ratio_cap)).sum())
             reg_sum = float(reg.detach().sum())
     kl_sum = 0.0
     if ref is not None and kl_coef > 0:

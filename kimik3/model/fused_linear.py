@@ -48,7 +48,8 @@ def _packed(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
 def concat_weight(linears: Sequence[nn.Linear]) -> torch.Tensor:
     """The projections' weights stacked along the output features: [sum N_i, D]."""
     weights = [lin.weight for lin in linears]
-    if not (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
+    # (under torch.compile: the cat, which traces; the storage inspection of ``_packed`` would break the graph)
+    if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
         packed = _packed(weights)
         if packed is not None:
             return packed

@@ -311,8 +311,11 @@ class RoutedExperts(nn.Module):
         return expert_input(x_RI) if self.quant is not None else x_RI
 
     def _few_rows(self, x_TL: torch.Tensor, rows: int) -> bool:
-        """Whether the rows go through ``routed_experts_small``: CUDA, inference (nothing needs a gradient), at
-        most ``SMALL_BATCH_MAX_ROWS`` (token, expert) rows; otherwise the sorted rows and grouped matmuls."""
+        """Whether the rows go through ``routed_experts_small``: CUDA, eager inference (nothing needs a gradient,
+        torch.compile not tracing: it is a direct Triton launch), at most ``SMALL_BATCH_MAX_ROWS`` (token, expert)
+        rows; otherwise the sorted rows and grouped matmuls."""
+        if torch.compiler.is_compiling():
+            return False
         needs_grad = torch.is_grad_enabled() and (x_TL.requires_grad or self.w_gate_ELF.requires_grad)
         return glue_backend(x_TL) == "triton" and not needs_grad and rows <= SMALL_BATCH_MAX_ROWS
 

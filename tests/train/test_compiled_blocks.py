@@ -32,6 +32,27 @@ def test_compiled_blocks_give_the_eager_forward_and_grads(small_config_path):
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         if a.grad is not None:
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=name)
+    # the Trainer's validation: no grad, another shape (a recompile with symbolic sizes), few rows an expert
+    for shape in ((1, 48), (3, 17)):
+        short = torch.randint(0, config.vocab_size, shape, generator=torch.Generator().manual_seed(2)).cuda()
+        with torch.no_grad():
+            logits = [model.eval()(short).logits for model in (eager, compiled)]
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-3, atol=1e-4)
+
+
+def test_a_compiled_ffn_without_grad_is_one_graph():
+    """Under torch.compile the fused projection concatenates its weights (no storage inspection, which would break
+    the graph) and the glue ops go through their custom operators, with or without grad."""
+    from kimik3.model.ffn import GLUFeedForward
+    from kimik3.model.fused_linear import pack_projections
+
+    torch.manual_seed(0)
+    ffn = GLUFeedForward(16, 24)
+    assert pack_projections(ffn) == 1
+    x = torch.randn(2, 5, 16)
+    compiled = torch.compile(ffn, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), ffn(x))
 
 
 def test_a_model_without_blocks_is_refused():

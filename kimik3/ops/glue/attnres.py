@@ -53,7 +53,7 @@ from kimik3.ops.glue.common import (
     rows_2d,
     tl,
     triton,
-    needs_grad,
+    through_operator,
 )
 
 __all__ = ["MAX_ENTRIES", "attnres_mix", "attnres_mix_backward", "attnres_mix_forward"]
@@ -280,7 +280,7 @@ def attnres_mix(entries: Sequence[torch.Tensor] | torch.Tensor, key_norm_weight:
     if not stacked and not isinstance(entries, (list, tuple)):
         raise ValueError(f"entries must be a list of tensors or one stacked tensor, got {describe(entries)}")
     listed = [entries] if stacked else list(entries)
-    if not needs_grad(*listed, key_norm_weight, query):
+    if not through_operator(*listed, key_norm_weight, query):
         return attnres_mix_forward(entries, key_norm_weight, query, eps)
     return _attnres_mix_op(listed, stacked, key_norm_weight, query, check_eps(eps))   # (it checks the rest)
 

@@ -63,7 +63,7 @@ from kimik3.ops.glue.common import (
     on_device,
     tl,
     triton,
-    needs_grad,
+    through_operator,
     MAX_CONV_WEIGHTS,
     check_conv_weights,
     sum_partials,
@@ -325,7 +325,7 @@ def causal_conv(
     """
     if isinstance(weights, torch.Tensor):
         weights = (weights,)
-    if not needs_grad(x_BTC, state_BCW, *weights):
+    if not through_operator(x_BTC, state_BCW, *weights):
         return causal_conv_forward(x_BTC, weights, state_BCW, cu_seqlens, activation)
     weights = _check(x_BTC, weights, state_BCW, cu_seqlens, "causal_conv")   # the errors named here
     return _causal_conv_op(x_BTC, list(weights), state_BCW, cu_seqlens, bool(activation))

@@ -56,9 +56,12 @@ def glue_backend(x: torch.Tensor, backend: str = "auto", max_width: int = MAX_WI
     return choice
 
 
-def needs_grad(*tensors) -> bool:
-    """Whether autograd must record an op on these inputs. When not (inference), the ops call their forward
-    kernel directly: the same launch, without an autograd node's host overhead."""
+def through_operator(*tensors) -> bool:
+    """Whether an op on these inputs goes through its custom operator: when autograd must record it, and whenever
+    torch.compile traces (a direct Triton launch does not trace with symbolic sizes). Otherwise (eager inference)
+    the ops call their forward kernel directly: the same launch, without the operator's host overhead."""
+    if torch.compiler.is_compiling():
+        return True
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 

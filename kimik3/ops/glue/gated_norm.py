@@ -48,7 +48,7 @@ from kimik3.ops.glue.common import (
     reduce_partials,
     tl,
     triton,
-    needs_grad,
+    through_operator,
 )
 
 __all__ = ["gated_rms_norm", "gated_rms_norm_backward", "gated_rms_norm_forward"]
@@ -198,7 +198,7 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     under TRITON_INTERPRET=1. Forward: one launch; backward: two. A custom operator (``kimik3::gated_rms_norm``):
     torch.compile traces around it.
     """
-    if not needs_grad(o, gate, weight):
+    if not through_operator(o, gate, weight):
         return gated_rms_norm_forward(o, gate, weight, eps, out_dtype)
     # (the operator's forward checks the rest)
     return _gated_rms_norm_op(o, gate, weight, check_eps(eps), gate.dtype if out_dtype is None else out_dtype)

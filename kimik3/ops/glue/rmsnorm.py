@@ -38,7 +38,7 @@ from kimik3.ops.glue.common import (
     rows_2d,
     tl,
     triton,
-    needs_grad,
+    through_operator,
 )
 
 __all__ = ["rms_norm", "rms_norm_backward", "rms_norm_forward"]
@@ -141,7 +141,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     TRITON_INTERPRET=1 (no dispatch here: ``glue_backend`` and ``RMSNorm`` choose). Forward: one launch;
     backward: two. A custom operator (``kimik3::rms_norm``): torch.compile traces around it.
     """
-    if not needs_grad(x, weight):
+    if not through_operator(x, weight):
         return rms_norm_forward(x, weight, eps)
     return _rms_norm_op(x, weight, check_eps(eps))
 

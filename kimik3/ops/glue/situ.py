@@ -47,7 +47,7 @@ from kimik3.ops.glue.common import (
     rows_2d,
     tl,
     triton,
-    needs_grad,
+    through_operator,
 )
 
 __all__ = ["situ_glu", "situ_glu_backward", "situ_glu_forward"]
@@ -202,7 +202,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | No
     CUDA tensors, or CPU tensors under TRITON_INTERPRET=1 (no dispatch here: ``glue_backend`` chooses). Forward:
     one launch; backward: one. A custom operator (``kimik3::situ_glu``): torch.compile traces around it.
     """
-    if not needs_grad(gate, up, row_weight):
+    if not through_operator(gate, up, row_weight):
         return situ_glu_forward(gate, up, row_weight, out_dtype)
     # (the operator's forward checks its inputs)
     return _situ_glu_op(gate, up, row_weight, gate.dtype if out_dtype is None else out_dtype)

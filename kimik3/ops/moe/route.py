@@ -37,7 +37,7 @@ import math
 import torch
 
 from kimik3.ops.glue.common import (_jit, blocks, check_triton_device, describe, glue_backend, interpreted,
-                                    needs_grad, on_device, tl,
+                                    through_operator, on_device, tl,
                                     triton)
 
 try:
@@ -171,7 +171,7 @@ def sigmoid_topk(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, rout
     """``sigmoid_topk_forward`` with autograd: the weights are differentiable w.r.t. the logits (the bias only
     selects; ids, cutoff and counts carry no gradient). Returns (weights_TK, ids_TK, cutoff_T, counts_E). A custom
     operator (``kimik3::sigmoid_topk``): torch.compile traces around it."""
-    if not needs_grad(logits_TE):
+    if not through_operator(logits_TE):
         return sigmoid_topk_forward(logits_TE, bias_E, top_k, route_scale)
     _, _, route_scale = _check(logits_TE, bias_E, top_k, route_scale)   # the errors named here
     return _sigmoid_topk_op(logits_TE, bias_E, top_k, route_scale)[:4]

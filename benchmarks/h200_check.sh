@@ -190,7 +190,7 @@ case $MODE in
   trainstep)
     step 0 train_gpu 560 python3 benchmarks/train_gpu.py --peer torchtitan --json "$OUT/train_gpu.json" ;;
   trainrun)
-    step 0 train_graph_tests 150 python3 -m pytest -v -rf tests/train/test_graphed_step.py tests/train/test_captured_step.py \
+    step 0 train_graph_tests 270 python3 -m pytest -v -rf tests/train/test_graphed_step.py tests/train/test_captured_step.py \
       tests/train/test_compiled_blocks.py
     for STEP_KIND in cuda-graph:compile cuda-graph:no-compile no-cuda-graph:no-compile; do
       GRAPH=${STEP_KIND%:*} BLOCKS=${STEP_KIND#*:}

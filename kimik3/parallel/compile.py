@@ -15,6 +15,7 @@ being a per-module wrapper, before a CUDA-graph capture of the whole step: the f
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 __all__ = ["apply_compile"]
@@ -25,6 +26,11 @@ def apply_compile(model: nn.Module) -> int:
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise ValueError(f"{type(model).__name__} has no blocks to compile (no non-empty `layers` ModuleList)")
+    # Dynamo keys a block's compiled code on the block's Python attributes (its mixer's type, its spec), so blocks
+    # of several kinds, each at the training and validation shapes, with and without grad, are separate entries of
+    # one code object (the Block's forward): the default limit of 8 would leave the rest eager. Room for each
+    # layer to be its own kind in four modes.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(layers))
     for block in layers:
         block.compile()
     return len(layers)

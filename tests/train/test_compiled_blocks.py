@@ -14,13 +14,20 @@ from kimik3.train.trainer import Trainer
 from tests.train.small_run import small_args
 
 
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_blocks_give_the_eager_forward_and_grads(small_config_path):
+    """In bf16 (the GPU's default): where inductor fuses, intermediates stay fp32 instead of rounding to bf16
+    between ops, so each tensor is compared as a whole, within a few of bf16's epsilon (3.9e-3)."""
     from kimik3 import K3Config, K3ForCausalLM
 
     config = K3Config.from_json(small_config_path.read_text())
     eager = K3ForCausalLM(config, device="cuda", seed=0).train()
     compiled = K3ForCausalLM(config, device="cuda", seed=0).train()
+    assert eager.embed.weight.dtype == torch.bfloat16
     assert apply_compile(compiled) == config.num_layers
     ids = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
     losses = []
@@ -29,15 +36,15 @@ def test_compiled_blocks_give_the_eager_forward_and_grads(small_config_path):
         out.loss.backward()
         losses.append(float(out.loss))
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
-    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
-        if a.grad is not None:
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=name)
+    errors = {name: _relative_error(b.grad, a.grad)
+              for (name, a), b in zip(eager.named_parameters(), compiled.parameters()) if a.grad is not None}
+    assert len(errors) > 10 and max(errors.values()) < 1.5e-2, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
     # the Trainer's validation: no grad, another shape (a recompile with symbolic sizes), few rows an expert
     for shape in ((1, 48), (3, 17)):
         short = torch.randint(0, config.vocab_size, shape, generator=torch.Generator().manual_seed(2)).cuda()
         with torch.no_grad():
             logits = [model.eval()(short).logits for model in (eager, compiled)]
-        torch.testing.assert_close(logits[1], logits[0], rtol=1e-3, atol=1e-4)
+        assert _relative_error(logits[1], logits[0]) < 1e-2, shape
 
 
 def test_a_compiled_ffn_without_grad_is_one_graph():

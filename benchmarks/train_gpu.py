@@ -11,9 +11,10 @@ model's parameters in bf16 as ``kimik3 train --device cuda`` holds them (fp32 is
 ``--optimizer adamw`` is fused AdamW over every parameter (how torchtitan's parity loop trains); ``muon`` is
 K3's own optimizer (per-head Muon + AdamW, ``kimik3.optim.build_param_groups``).
 
-By default the step (forward, backward, optimizer) is replayed as one CUDA graph after three eager steps
-(``kimik3.train.captured_step.CapturedStep``; ``--no-cuda-graph`` times it eagerly): eagerly the host issues the
-~5,000 kernels of a step more slowly than the GPU runs them. ``--check-eager N`` runs N steps both ways from the
+By default each block is compiled (``--no-compile``: eager blocks) and the step (forward, backward, optimizer) is
+replayed as one CUDA graph after three eager steps (``kimik3.train.captured_step.CapturedStep``;
+``--no-cuda-graph`` times it eagerly): eagerly the host issues the ~5,000 kernels of a step more slowly than the GPU
+runs them. Both as ``kimik3 train --device cuda`` runs by default. ``--check-eager N`` runs N steps both ways from the
 same weights on the same batches and prints the losses side by side.
 
 MFU counts 6 x active parameters per token (``kimik3.config.params.param_counts``: routed experts at
@@ -52,6 +53,7 @@ from kimik3.config.params import param_counts  # noqa: E402
 from kimik3.optim.muon import build_param_groups  # noqa: E402
 from kimik3.model.k3 import check_token_ids  # noqa: E402
 from kimik3.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
+from kimik3.parallel.compile import apply_compile  # noqa: E402
 from kimik3.train.captured_step import CapturedStep  # noqa: E402
 
 
@@ -63,9 +65,12 @@ def make_optimizer(model: K3ForCausalLM, kind: str, capturable: bool) -> torch.o
 
 
 def build_model(config: K3Config, args) -> tuple[K3ForCausalLM, torch.optim.Optimizer]:
-    """The model from seed 0 on the GPU in bf16, checkpointing applied, and its optimizer."""
+    """The model from seed 0 on the GPU in bf16, checkpointing applied, its blocks compiled (as ``kimik3 train``
+    does by default), and its optimizer."""
     model = K3ForCausalLM(config, seed=0).to("cuda").cast(torch.bfloat16).train()
     apply_activation_checkpointing(model, args.activation_checkpointing)
+    if args.compile:
+        apply_compile(model)
     return model, make_optimizer(model, args.optimizer, capturable=args.cuda_graph)
 
 
@@ -265,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the port's FlexAttention compile: inductor defaults, or its own max-autotune")
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                         help="replay the step as one CUDA graph after 3 eager steps (kimik3.train.captured_step)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="compile each block (kimik3.parallel.compile, kimik3 train's default on a GPU); the "
+                             "first step of each shape compiles (tens of seconds), inside the warm-up")
     parser.add_argument("--check-eager", type=int, metavar="STEPS",
                         help="instead of timing: STEPS steps eagerly (twice) and with the CUDA graph from the same "
                              "start, their losses compared")
@@ -332,12 +340,14 @@ def main(argv: list[str] | None = None) -> int:
            "mfu": 6 * active * tokens / seconds / (args.peak_tflops * 1e12),
            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "cuda_graph": args.cuda_graph,
+           "compile": args.compile,
            "losses": losses}
     print(f"{out['device']}, torch {out['torch']}, {args.preset} ({active / 1e6:.1f}M active), {args.optimizer}, "
           f"activation checkpointing {args.activation_checkpointing}, {args.batch} x {args.seq_len} tokens: "
           f"{out['ms_per_step']:.1f} ms/step, {out['tokens_per_s']:,.0f} tokens/s, MFU {out['mfu']:.1%}, "
           f"peak {out['peak_memory_gib']:.1f} GiB ({out['peak_reserved_gib']:.1f} reserved), "
-          f"{'CUDA graph' if args.cuda_graph else 'eager'}, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+          f"{'CUDA graph' if args.cuda_graph else 'eager'}{', blocks compiled' if args.compile else ''}, "
+          f"loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
     if args.profile:
         prof = out["profile"] = profile_step(step, args.trace)
         print(f"one step under the profiler: {prof['wall_ms']:.1f} ms wall, host done issuing at "

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cap", type=int, default=1024, help="the largest budget (the max effort's reasoning budget)")
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--stale-coef", type=float, default=0.1, help="kimik3 rl --stale-coef (the stale regulariser)")
+    p.add_argument("--stale-limit", type=int, help="kimik3 rl --stale-limit (versions; default none)")
     p.add_argument("--eval-every", type=int, default=4, help="iterations between fresh-sample rewards (0: none)")
     p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts of a fresh-sample reward")
     p.add_argument("--seed", type=int, default=0)
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             rl.run_rl(args.run, domain="general", effort="low", iterations=args.iterations, group=args.group,
-                      prompts=args.prompts, lr=args.lr, partial_lambda=lam, stale_coef=args.stale_coef, out=out_dir,
+                      prompts=args.prompts, lr=args.lr, partial_lambda=lam, stale_coef=args.stale_coef,
+                      stale_limit=args.stale_limit, out=out_dir,
                       seed=args.seed, device=args.device, checkpoint_every="100000s", progress=False,
                       log=lambda s: None, on_iteration=on_iteration)
         except BaseException as error:   # reported by the main thread

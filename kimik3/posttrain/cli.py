@@ -36,7 +36,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
            minibatches=args.minibatches, micro_batch=args.micro_batch, max_tokens=args.max_tokens,
            temperature=args.temperature, epochs=args.epochs, prompt_pool=args.prompt_pool,
            partial_lambda=args.partial_lambda,
-           stale_coef=args.stale_coef, stale_ratio_cap=args.stale_ratio_cap,
+           stale_coef=args.stale_coef, stale_ratio_cap=args.stale_ratio_cap, stale_limit=args.stale_limit,
            out=args.out, resume=args.resume, seed=args.seed, device=args.device, balance=args.balance,
            checkpoint_every=args.checkpoint_every, eval_n=args.eval_n, progress=not args.no_progress)
     return 0
@@ -183,6 +183,9 @@ def add_posttrain_parsers(sub: argparse._SubParsersAction) -> None:
                    help="partial rollouts: weight of the staleness-weighted squared log-ratio on stale tokens")
     r.add_argument("--stale-ratio-cap", type=float, default=3.0,
                    help="partial rollouts: truncation of stale tokens' importance ratio (> 1 + --clip)")
+    r.add_argument("--stale-limit", type=int, metavar="K",
+                   help="partial rollouts: tokens sampled more than K policy versions before the updated one are "
+                   "context only, out of the loss (default: every token trained)")
     r.add_argument("--out", help="the new run directory (default: <run>-rl-<domain>-<effort>; use --resume)")
     r.add_argument("--resume", help="continue this RL run (its base run and settings are in its rl.json) up to "
                    "--iterations")

@@ -160,6 +160,7 @@ class MOPDSpec(SettingsFile):
     partial_lambda: ClassVar[float] = 1.0
     stale_coef: ClassVar[float] = 0.0
     stale_ratio_cap: ClassVar[float] = 3.0
+    stale_limit: ClassVar[int | None] = None
 
     @property
     def base_run(self) -> str:

@@ -41,8 +41,9 @@ by the previous one first, then its P x G new ones, and stops generating once ce
 the rest are paused (their tokens so far kept with their rollout log-probabilities and the policy version of each
 token). Only whole groups of finished trajectories are scored and trained on; their tokens sampled by older
 weights get the stale-token objective of ``policy_loss.clipped_policy_loss``, whose trust region is the policy as
-it was before the update (one more forward of the rows, without gradient). λ = 1 is the plain loop above.
-A ``--resume``d run starts with an empty queue (paused trajectories are not checkpointed).
+it was before the update (one more forward of the rows, without gradient); ``--stale-limit K`` keeps tokens more
+than K versions stale as context only, out of the loss. λ = 1 is the plain loop above. A ``--resume``d run starts
+with an empty queue (paused trajectories are not checkpointed).
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ class RLSpec(SettingsFile):
     partial_lambda: float = 1.0       # stop an iteration's rollouts once this fraction finished (1: wait for all)
     stale_coef: float = 0.1           # weight of the staleness-weighted regulariser on stale tokens
     stale_ratio_cap: float = 3.0      # truncation C of stale tokens' importance ratio
+    stale_limit: int | None = None    # tokens more versions stale than this are context only (None: all trained)
 
     FILE: ClassVar[str] = RL_FILE
     KEY: ClassVar[str] = "rl"
@@ -165,15 +167,18 @@ class RLSpec(SettingsFile):
             raise ValueError(f"--stale-coef must be >= 0, got {self.stale_coef}")
         if self.stale_ratio_cap <= 1 + self.clip:
             raise ValueError(f"--stale-ratio-cap must exceed 1 + --clip = {1 + self.clip}, got {self.stale_ratio_cap}")
+        if self.stale_limit is not None and self.stale_limit < 0:
+            raise ValueError(f"--stale-limit must be >= 0 policy versions, got {self.stale_limit}")
 
     @property
     def fingerprint(self) -> str:
         fields = dataclasses.asdict(self)
         if self.partial_lambda == 1.0:       # the plain loop: the partial settings change nothing (nor old runs' hash)
-            for name in ("partial_lambda", "stale_coef", "stale_ratio_cap"):
+            for name in ("partial_lambda", "stale_coef", "stale_ratio_cap", "stale_limit"):
                 fields.pop(name)
-        for name, default in (("epochs", 1), ("prompt_pool", None)):   # at its default: hashed as rl.json lacking it
-            if fields[name] == default:
+        # a setting at its default: hashed as an rl.json lacking it
+        for name, default in (("epochs", 1), ("prompt_pool", None), ("stale_limit", None)):
+            if name in fields and fields[name] == default:
                 fields.pop(name)
         return hashlib.sha256(json.dumps([RECIPE, fields], sort_keys=True).encode()).hexdigest()
 
@@ -374,15 +379,19 @@ class RLRun:
             prompts, completions, logprobs, advs = rollout_rows(rollouts, advantages)
             staleness = None
         else:
-            prompts, completions, logprobs, staleness, advs = rows
+            prompts, completions, logprobs, staleness, advs = self._within_stale_limit(*rows)
         out = {"loss": 0.0, "skipped": False, "optimizer_steps": 0, "clip_fraction": 0.0, "kl": 0.0,
                "ratio_mean": 1.0, "ratio_max_dev": 0.0, "trained_tokens": 0}
         if staleness is not None:
             out.update(stale_tokens=0, stale_truncated=0.0, stale_reg=0.0)
+            if spec.stale_limit is not None:
+                out["stale_limited"] = sum(s > spec.stale_limit for row in staleness for s in row)
         if not prompts:
             return out
         if batch is None:
             batch = make_batch(prompts, completions, logprobs, advs, staleness=staleness)
+            if spec.stale_limit is not None:   # the too-stale tokens stay in the rows as context, out of the loss
+                batch.mask &= batch.staleness <= spec.stale_limit
         if batch.staleness is not None and bool((batch.staleness > 0).any()):
             batch.prox = self._proximal(batch)
         # Each epoch visits every row once, in minibatches of a fresh random order; the first is on-policy.
@@ -421,6 +430,15 @@ class RLRun:
             out.update(stale_tokens=totals["stale"], stale_truncated=totals["truncated"],
                        stale_reg=totals["stale_reg"] / tokens)
         return out
+
+    def _within_stale_limit(self, prompts, completions, logprobs, staleness, advs) -> tuple:
+        """The training rows without those whose every token is more than ``--stale-limit`` versions stale (the
+        rows' other too-stale tokens are masked out of the loss in ``update``)."""
+        limit = self.spec.stale_limit
+        if limit is None:
+            return prompts, completions, logprobs, staleness, advs
+        keep = [i for i, row in enumerate(staleness) if min(row) <= limit]
+        return tuple([column[i] for i in keep] for column in (prompts, completions, logprobs, staleness, advs))
 
     def _proximal(self, batch) -> torch.Tensor:
         """The policy's log-probability of every target before this update's first step ([N, T], no gradient, in
@@ -532,7 +550,8 @@ def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: st
            kl_coef: float = 0.0, clip: float = 0.2, minibatches: int = 2, micro_batch: int = 16,
            max_tokens: int | None = None, temperature: float = 1.0, epochs: int = 1, prompt_pool: int | None = None,
            partial_lambda: float = 1.0,
-           stale_coef: float = 0.1, stale_ratio_cap: float = 3.0, out: str | Path | None = None,
+           stale_coef: float = 0.1, stale_ratio_cap: float = 3.0, stale_limit: int | None = None,
+           out: str | Path | None = None,
            resume: str | Path | None = None,
            seed: int = 0, device: str = "cpu", balance: str = POSTTRAIN_BALANCE,
            checkpoint_every: str | None = None, eval_n: int = 0, progress: bool = True,
@@ -557,7 +576,7 @@ def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: st
                       micro_batch, temperature=temperature, max_tokens=max_tokens, epochs=epochs,
                       prompt_pool=prompt_pool,
                       partial_lambda=partial_lambda,
-                      stale_coef=stale_coef, stale_ratio_cap=stale_ratio_cap)
+                      stale_coef=stale_coef, stale_ratio_cap=stale_ratio_cap, stale_limit=stale_limit)
     spec.validate()
     base = Path(spec.base_run)
     config, tokenizer, encoder = open_base(base)

@@ -182,7 +182,7 @@ def test_lambda_one_leaves_the_loss_and_the_fingerprint_unchanged():
     # The fingerprint of an rl.json written before the partial settings, epochs and prompt pools existed (a --resume
     # must still match).
     fields = {k: v for k, v in dataclasses.asdict(spec).items()
-              if k not in ("partial_lambda", "stale_coef", "stale_ratio_cap", "epochs", "prompt_pool")}
+              if k not in ("partial_lambda", "stale_coef", "stale_ratio_cap", "stale_limit", "epochs", "prompt_pool")}
     assert spec.fingerprint == hashlib.sha256(json.dumps([RECIPE, fields], sort_keys=True).encode()).hexdigest()
     assert RLSpec("run", "general", "low", stale_coef=5.0).fingerprint == spec.fingerprint    # λ = 1: ignored
     assert RLSpec("run", "general", "low", partial_lambda=0.7).fingerprint != spec.fingerprint
@@ -215,3 +215,23 @@ def test_rl_with_partial_rollouts_trains_only_whole_finished_groups(base_run, tm
     for before, after in zip(records, records[1:]):
         assert after["resumed"] == before["paused"]
     assert records[0]["stale_token_fraction"] == 0.0 and records[0]["max_staleness"] == 0
+
+
+def test_stale_limit_keeps_too_stale_tokens_out_of_the_loss(base_run, tmp_path, some_reward):
+    """--stale-limit 0: every stale token is context only (none reaches the loss), counted as limited; the same
+    run without the limit trains on stale tokens. A negative limit is refused."""
+    runs = {}
+    for name, extra in (("limited", ["--stale-limit", "0"]), ("unlimited", [])):
+        out = tmp_path / name
+        assert main(["rl", "--run", str(base_run), "--out", str(out), "--iterations", "4", "--group", "2",
+                     "--prompts", "3", "--max-tokens", "12", "--partial-lambda", "0.5", "--lr", "1e-2",
+                     "--checkpoint-every", "100", "--no-progress", *extra]) == 0
+        runs[name] = _records(out)
+    assert json.loads((tmp_path / "limited" / "rl.json").read_text())["rl"]["stale_limit"] == 0
+    assert all(r["stale_tokens"] == 0 for r in runs["limited"])
+    assert sum(r["stale_limited"] for r in runs["limited"]) > 0
+    assert sum(r["stale_tokens"] for r in runs["unlimited"]) > 0 and "stale_limited" not in runs["unlimited"][0]
+    with pytest.raises(ValueError, match="--stale-limit must be >= 0"):
+        RLSpec("run", "general", "low", partial_lambda=0.5, stale_limit=-1).validate()
+    assert RLSpec("run", "general", "low", partial_lambda=0.5, stale_limit=2).fingerprint != \
+        RLSpec("run", "general", "low", partial_lambda=0.5).fingerprint

@@ -15,8 +15,9 @@ One iteration (``MOPDRun.iteration``):
    log-probability of every sampled token; minus the student's rollout log-probability (the behaviour policy's,
    the same weights as the update's first minibatch), clipped to [-R_max, R_max]. The reward is a constant of the
    update (stop-gradient): it is computed before the update from the rollout's numbers, never from the graph.
-4. **Update**: ``RLRun.update`` with the rewards as **per-token advantages** (no group normalisation: the reward is
-   already a centred, per-token signal) through the same clipped surrogate (``policy_loss.clipped_policy_loss``).
+4. **Update**: ``PolicyUpdate.update`` (``RLRun``'s) with the rewards as **per-token advantages** (no group
+   normalisation: the reward is already a centred, per-token signal) through the same clipped surrogate
+   (``policy_loss.clipped_policy_loss``).
    At ratio 1 the gradient is -E_t[r_t ∇ log π_θ(y_t)], a per-token estimate of the gradient of the reverse KL
    KL(π_θ || π_teacher) (the future tokens' terms dropped, as in on-policy distillation); the clip bounds R_max
    keep a token the student finds very unlikely under the teacher (log-ratio -30, say) from dominating a batch.

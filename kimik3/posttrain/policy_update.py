@@ -4,7 +4,7 @@ An iteration's rows (one per completion, or per assistant turn with partial roll
 ``minibatches`` per epoch; each minibatch is one optimizer step, its rows cut into micro-batches of like lengths
 whose gradients accumulate. The loss is ``policy_loss.clipped_policy_loss`` (clipped ratio to the rollout's
 log-probabilities, optional KL to a reference, the stale-token objective with partial rollouts). Stale rows first
-get the policy's own log-probabilities before the first step (``proximal``): the stale tokens' trust region.
+get the policy's own log-probabilities before the first step (``_proximal``): the stale tokens' trust region.
 
 ``RLRun`` (``rl.py``) inherits it, and ``MOPDRun`` (``mopd.py``) through ``RLRun``. What it reads of them:
 ``trainer`` (model, optimizer, balancer, device, autocast, seed and step), ``spec`` (clip, kl_coef, minibatches,

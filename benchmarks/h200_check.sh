@@ -35,7 +35,8 @@
 #            the same run (carry .whl and third_party/torchtitan)                                      <= 9.5 min
 # trainrun   the Trainer's graphed step and compiled blocks on the GPU (tests/train/test_graphed_step.py,
 #            test_captured_step.py, test_compiled_blocks.py), then kimik3 train on the debug preset, 4 x 4,096 tokens
-#            a step, 20 steps: CUDA graph + compiled blocks (the default), the graph alone, neither     <= 10 min
+#            a step, 20 steps: CUDA graph + compiled blocks (the default), the graph alone, neither; then
+#            train_gpu.py (the step: MFU, peak memory) with and without compiled blocks        <= 10 min
 # spec       a target trained on the GPU for speculative decoding (kimik3 train, tiny preset, 240 s, eager step),
 #            its draft (kimik3 train-draft, 1,000 steps), then serve_speculative.py at batch 1 and 16, K = 2..5 <= 9.5 min
 # posttrain  the rollout engine's GPU test (bf16 weights synced from the fp32 policy), then partial_rollouts.py on
@@ -197,6 +198,9 @@ case $MODE in
       step 0 "kimik3_train_${GRAPH}_$BLOCKS" 150 python3 -m kimik3 train --preset debug --device cuda --steps 20 \
         --seq-len 4096 --batch-size 4 --checkpoint-every 1000 --no-progress --"$GRAPH" --"$BLOCKS" \
         --out "/tmp/train-debug-$GRAPH-$BLOCKS"
+    done
+    for BLOCKS in compile no-compile; do
+      step 0 "train_gpu_$BLOCKS" 120 python3 benchmarks/train_gpu.py --"$BLOCKS" --json "$OUT/train_gpu_$BLOCKS.json"
     done ;;
   spec)
     step 0 spec_train 300 python3 -m kimik3 train --device cuda --time-budget 240 --seq-len 512 --batch-size 32 \

@@ -1,7 +1,8 @@
 """Fitting a training run to its time budget: what the parts of a run cost (``StepCosts``) and the plan of how
 many steps fit (``BudgetPlanner``), re-planned from the measured steps until ``FREEZE_FRACTION`` of the budget is
-used, then fixed, with a last-resort early stop. ``kimik3.train.trainer`` runs the plan; the cosine schedule, its
-warmup and the context stages read the planned total.
+used, then fixed, with a last-resort early stop; and the Trainer's side of it (``BudgetedRun``: the timed passes,
+the first plan, the resumed plan, the re-planning after each step). ``kimik3.train.trainer`` runs the plan; the
+cosine schedule, its warmup and the context stages read the planned total.
 """
 
 from __future__ import annotations
@@ -9,11 +10,12 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from kimik3.optim.schedule import ContextStage, stage_at, stage_start
 from kimik3.train.checkpoint_clock import CheckpointClock
@@ -235,3 +237,109 @@ class BudgetPlanner:
 
     def state(self, used: float) -> dict[str, Any]:
         return {"total": self.total, "frozen": self.frozen, "used_s": used, "costs": self.costs.state()}
+
+
+class BudgetedRun:
+    """The Trainer's side of the plan (``Trainer`` inherits it): its first plan from timed passes of the run's own
+    shapes, the plan of a checkpoint resumed from, and the re-planning after each step. What it reads of the
+    Trainer: ``args``, ``saved_plan``, ``cost_stages``, ``stages``, ``clock``, ``created``, ``step``, ``ctx``,
+    ``model``, ``data``, ``device``, ``log`` / ``say``, and its ``shape_for``, ``_draw``, ``_autocast`` and
+    ``sample``; it sets ``planner`` and ``total``."""
+
+    def plan_steps(self) -> int:
+        """The run's number of steps: ``--steps``, the plan of the checkpoint resumed from, or as many as
+        fit the time budget by this machine's timings (``_time_the_parts``). A budgeted run keeps
+        re-planning from its measured steps (``BudgetPlanner``)."""
+        a = self.args
+        if a.steps is not None:
+            return a.steps
+        if self.saved_plan is not None:
+            return self._continue_plan(self.saved_plan)
+        costs = self._time_the_parts()
+        planner = BudgetPlanner(a.time_budget_s, self.cost_stages, a.eval_every, self.clock, costs,
+                                origin=self.created)
+        total = max(self.step + FIRST_PLAN_MIN, planner.best_total(self.step, planner.used()))
+        planner.total = total = self.ctx.broadcast_int(total)  # every rank runs rank 0's plan
+        self.planner = planner
+        self.log(f"planning {total} steps (~{planner.per_step(self.step, total):.2f} s each) to fit the "
+                 f"{a.time_budget_s:.0f} s budget; re-planned from the measured steps until "
+                 f"{FREEZE_FRACTION:.0%} of it is used")
+        return total
+
+    def _continue_plan(self, plan: dict[str, Any]) -> int:
+        a = self.args
+        costs = StepCosts.from_state(plan["costs"])
+        if len(costs.prior_fwd_bwd) != len(self.cost_stages):   # cannot happen with the run's own args
+            costs = StepCosts([costs.prior_fwd_bwd[0]] * len(self.cost_stages), costs.prior["other"],
+                              costs.prior["eval"], costs.prior["save"], costs.tail_s)
+        self.planner = BudgetPlanner(a.time_budget_s, self.cost_stages, a.eval_every, self.clock, costs,
+                                     total=int(plan["total"]), frozen=bool(plan["frozen"]),
+                                     used_before=float(plan["used_s"]), origin=self.created)
+        state = "fixed" if self.planner.frozen else f"re-planned until {FREEZE_FRACTION:.0%} of the budget is used"
+        self.log(f"time budget: {self.planner.used_before:.0f} s of {a.time_budget_s:.0f} s used at the checkpoint; "
+                 f"{self.planner.total} steps planned ({state})")
+        return self.planner.total
+
+    def _time_the_parts(self) -> StepCosts:
+        """Planning timings, the priors of the cost model: one forward+backward at the shape of each
+        context stage (after one to warm up), one batch of the evaluation and a short sample (each after one
+        untimed call: on a GPU the first call of a shape compiles and autotunes its kernels, which can take
+        longer than the whole run's evaluations, and the sample's estimate is scaled 20-fold). Nothing is
+        trained (the gradients are dropped, the balancer sees nothing)."""
+        def timed(run: Callable[[], Any], warm_up: bool = False) -> float:
+            if warm_up:
+                run()
+            start = _now()
+            run()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return _now() - start
+
+        def fwd_bwd(seq: int) -> None:
+            batch, seq = self.shape_for(seq)
+            inputs, labels, images = self._draw(0, batch, seq)
+            with self._autocast():
+                self.model(inputs, labels=labels, **images).loss.backward()
+
+        seqs = [stage.seq_len for stage in self.cost_stages]
+        fwd_bwd(seqs[0])   # warm-up
+        by_seq: dict[int, float] = {}
+        for seq in seqs:
+            if seq not in by_seq:
+                by_seq[seq] = timed(lambda: fwd_bwd(seq))
+        for seq, seconds in list(by_seq.items()):   # one timing each: again, where other work may have slowed it
+            if seconds > 1.5 * min(by_seq.values()):
+                by_seq[seq] = min(seconds, timed(lambda: fwd_bwd(seq)))
+        self.model.zero_grad(set_to_none=True)
+
+        inputs, labels = self.data.eval_windows(self.args.seq_len or self.stages[-1].seq_len,
+                                                self.args.eval_windows)
+        window, target = self.ctx.shard_sequence(inputs[:4], labels[:4])
+
+        @torch.no_grad()
+        def eval_batch() -> None:
+            self.model.eval()
+            with self._autocast():
+                self.model(window.to(self.device), labels=target.to(self.device))
+            self.model.train()
+
+        eval_s = timed(eval_batch, warm_up=True) * math.ceil(inputs.shape[0] / 4)
+        sample_s = timed(lambda: self.sample(self.data.sample_prompt, max_new_tokens=4), warm_up=True) * 80 / 4
+        fwd_bwd_s = [by_seq[seq] for seq in seqs]
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        save_s = 0.1 + 3 * weights / 200e6   # weights and two optimizer moments at ~200 MB/s, until measured
+        return StepCosts(fwd_bwd_s, 0.15 * fwd_bwd_s[0], eval_s, save_s, sample_s + PLOT_S)
+
+    def _replan(self, total: int, progress, first_step: int) -> int:
+        """After a step of a budgeted run: rank 0's planner re-plans, fixes the plan or stops the run."""
+        planner = self.planner
+        change = planner.decide(self.step, total, planner.used(), self.step - first_step)
+        code = self.ctx.broadcast_int(2 * change.total + int(change.frozen))   # rank 0's decision for every rank
+        planner.total, planner.frozen = code // 2, bool(code % 2)
+        for line in change.lines:
+            self.say(line)
+        if planner.total != total:
+            progress.total = planner.total
+            progress.refresh()
+        self.total = planner.total
+        return planner.total

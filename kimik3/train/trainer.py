@@ -65,7 +65,7 @@ from kimik3.train.checkpoint import (
     adopt_checkpoint,
     save_checkpoint,
 )
-from kimik3.train.budget import FIRST_PLAN_MIN, FREEZE_FRACTION, PLOT_S, BudgetPlanner, StepCosts
+from kimik3.train.budget import BudgetedRun, BudgetPlanner
 from kimik3.train.checkpoint_clock import DEFAULT_CHECKPOINT_EVERY, CheckpointClock, parse_checkpoint_every
 from kimik3.train.dcp_checkpoint import load_run_checkpoint, save_dcp_checkpoint
 from kimik3.train.run_dir import METRICS_FILE, prepare_run_dir, resume_point, truncate_metrics
@@ -103,7 +103,7 @@ def routing_imbalance(routing: tuple[RoutingStats | None, ...]) -> float | None:
     return float(np.mean(values)) if values else None
 
 
-class Trainer:
+class Trainer(BudgetedRun):
     """Builds everything from ``TrainArgs`` and runs the loop (``run()``).
 
     ``parallel``: the parallel degrees of a distributed run (default: dp = world size); ``context``
@@ -411,105 +411,6 @@ class Trainer:
             losses.append(float(self.ctx.global_loss(loss)))
         self.model.train(was_training)
         return float(np.mean(losses))
-
-    # ------------------------------------------------------------------ planning the budget
-    def plan_steps(self) -> int:
-        """The run's number of steps: ``--steps``, the plan of the checkpoint resumed from, or as many as
-        fit the time budget by this machine's timings (``_time_the_parts``). A budgeted run keeps
-        re-planning from its measured steps (``BudgetPlanner``)."""
-        a = self.args
-        if a.steps is not None:
-            return a.steps
-        if self.saved_plan is not None:
-            return self._continue_plan(self.saved_plan)
-        costs = self._time_the_parts()
-        planner = BudgetPlanner(a.time_budget_s, self.cost_stages, a.eval_every, self.clock, costs,
-                                origin=self.created)
-        total = max(self.step + FIRST_PLAN_MIN, planner.best_total(self.step, planner.used()))
-        planner.total = total = self.ctx.broadcast_int(total)  # every rank runs rank 0's plan
-        self.planner = planner
-        self.log(f"planning {total} steps (~{planner.per_step(self.step, total):.2f} s each) to fit the "
-                 f"{a.time_budget_s:.0f} s budget; re-planned from the measured steps until "
-                 f"{FREEZE_FRACTION:.0%} of it is used")
-        return total
-
-    def _continue_plan(self, plan: dict[str, Any]) -> int:
-        a = self.args
-        costs = StepCosts.from_state(plan["costs"])
-        if len(costs.prior_fwd_bwd) != len(self.cost_stages):   # cannot happen with the run's own args
-            costs = StepCosts([costs.prior_fwd_bwd[0]] * len(self.cost_stages), costs.prior["other"],
-                              costs.prior["eval"], costs.prior["save"], costs.tail_s)
-        self.planner = BudgetPlanner(a.time_budget_s, self.cost_stages, a.eval_every, self.clock, costs,
-                                     total=int(plan["total"]), frozen=bool(plan["frozen"]),
-                                     used_before=float(plan["used_s"]), origin=self.created)
-        state = "fixed" if self.planner.frozen else f"re-planned until {FREEZE_FRACTION:.0%} of the budget is used"
-        self.log(f"time budget: {self.planner.used_before:.0f} s of {a.time_budget_s:.0f} s used at the checkpoint; "
-                 f"{self.planner.total} steps planned ({state})")
-        return self.planner.total
-
-    def _time_the_parts(self) -> StepCosts:
-        """Planning timings, the priors of the cost model: one forward+backward at the shape of each
-        context stage (after one to warm up), one batch of the evaluation and a short sample (each after one
-        untimed call: on a GPU the first call of a shape compiles and autotunes its kernels, which can take
-        longer than the whole run's evaluations, and the sample's estimate is scaled 20-fold). Nothing is
-        trained (the gradients are dropped, the balancer sees nothing)."""
-        def timed(run: Callable[[], Any], warm_up: bool = False) -> float:
-            if warm_up:
-                run()
-            start = budget._now()
-            run()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            return budget._now() - start
-
-        def fwd_bwd(seq: int) -> None:
-            batch, seq = self.shape_for(seq)
-            inputs, labels, images = self._draw(0, batch, seq)
-            with self._autocast():
-                self.model(inputs, labels=labels, **images).loss.backward()
-
-        seqs = [stage.seq_len for stage in self.cost_stages]
-        fwd_bwd(seqs[0])   # warm-up
-        by_seq: dict[int, float] = {}
-        for seq in seqs:
-            if seq not in by_seq:
-                by_seq[seq] = timed(lambda: fwd_bwd(seq))
-        for seq, seconds in list(by_seq.items()):   # one timing each: again, where other work may have slowed it
-            if seconds > 1.5 * min(by_seq.values()):
-                by_seq[seq] = min(seconds, timed(lambda: fwd_bwd(seq)))
-        self.model.zero_grad(set_to_none=True)
-
-        inputs, labels = self.data.eval_windows(self.args.seq_len or self.stages[-1].seq_len,
-                                                self.args.eval_windows)
-        window, target = self.ctx.shard_sequence(inputs[:4], labels[:4])
-
-        @torch.no_grad()
-        def eval_batch() -> None:
-            self.model.eval()
-            with self._autocast():
-                self.model(window.to(self.device), labels=target.to(self.device))
-            self.model.train()
-
-        eval_s = timed(eval_batch, warm_up=True) * math.ceil(inputs.shape[0] / 4)
-        sample_s = timed(lambda: self.sample(self.data.sample_prompt, max_new_tokens=4), warm_up=True) * 80 / 4
-        fwd_bwd_s = [by_seq[seq] for seq in seqs]
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        save_s = 0.1 + 3 * weights / 200e6   # weights and two optimizer moments at ~200 MB/s, until measured
-        return StepCosts(fwd_bwd_s, 0.15 * fwd_bwd_s[0], eval_s, save_s, sample_s + PLOT_S)
-
-    def _replan(self, total: int, progress, first_step: int) -> int:
-        """After a step of a budgeted run: rank 0's planner re-plans, fixes the plan or stops the run."""
-        planner = self.planner
-        change = planner.decide(self.step, total, planner.used(), self.step - first_step)
-        code = self.ctx.broadcast_int(2 * change.total + int(change.frozen))   # rank 0's decision for every rank
-        planner.total, planner.frozen = code // 2, bool(code % 2)
-        for line in change.lines:
-            self.say(line)
-        if planner.total != total:
-            progress.total = planner.total
-            progress.refresh()
-        self.total = planner.total
-        return planner.total
 
     # ------------------------------------------------------------------ the loop
     def run(self, on_step: Callable[[dict[str, Any]], None] | None = None) -> RunSummary:

@@ -48,6 +48,7 @@ from kimik3.model.fused_linear import project
 from kimik3.model.norm import RMSNorm
 from kimik3.model.param_rules import ParamRule, muon
 from kimik3.ops.glue import glue_backend
+from kimik3.ops.glue.common import through_operator
 from kimik3.ops.moe import (SMALL_BATCH_MAX_ROWS, ExpertGroups, from_expert_rows, grouped_mm, inverse_permutation,
                             mxfp4_grouped_mm, route_backend, routed_experts_small, sigmoid_topk, to_expert_rows)
 from kimik3.ops.precision import no_autocast
@@ -311,13 +312,11 @@ class RoutedExperts(nn.Module):
         return expert_input(x_RI) if self.quant is not None else x_RI
 
     def _few_rows(self, x_TL: torch.Tensor, rows: int) -> bool:
-        """Whether the rows go through ``routed_experts_small``: CUDA, eager inference (nothing needs a gradient,
-        torch.compile not tracing: it is a direct Triton launch), at most ``SMALL_BATCH_MAX_ROWS`` (token, expert)
-        rows; otherwise the sorted rows and grouped matmuls."""
-        if torch.compiler.is_compiling():
-            return False
-        needs_grad = torch.is_grad_enabled() and (x_TL.requires_grad or self.w_gate_ELF.requires_grad)
-        return glue_backend(x_TL) == "triton" and not needs_grad and rows <= SMALL_BATCH_MAX_ROWS
+        """Whether the rows go through ``routed_experts_small``: CUDA, eager inference (a direct Triton launch, as
+        the glue ops make where ``through_operator`` says no: nothing needs a gradient, torch.compile not tracing),
+        at most ``SMALL_BATCH_MAX_ROWS`` (token, expert) rows; otherwise the sorted rows and grouped matmuls."""
+        return (glue_backend(x_TL) == "triton" and not through_operator(x_TL, self.w_gate_ELF)
+                and rows <= SMALL_BATCH_MAX_ROWS)
 
 
 class LatentMoE(nn.Module):

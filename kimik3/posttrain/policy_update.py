@@ -113,9 +113,8 @@ class PolicyUpdate:
             for index in _micro_batches(batch, range(len(batch.input_ids)), spec.micro_batch):
                 micro = batch.rows(index).to(trainer.device)
                 with trainer._autocast():
-                    logits = self.policy(micro.input_ids).logits
-                lp = torch.log_softmax(logits.float() / spec.temperature, dim=-1)
-                prox[index, :lp.shape[1]] = lp.gather(-1, micro.targets.unsqueeze(-1)).squeeze(-1).cpu()
+                    lp = token_logprobs(self.policy, micro.input_ids, micro.targets, spec.temperature)
+                prox[index, :lp.shape[1]] = lp.cpu()
         return prox
 
     def _minibatch(self, batch, rows) -> tuple[float, dict[str, float], bool]:

@@ -43,18 +43,19 @@ class PolicyUpdate:
             prompts, completions, logprobs, advs = rollout_rows(rollouts, advantages)
             staleness = None
         else:
-            prompts, completions, logprobs, staleness, advs = self._within_stale_limit(*rows)
+            prompts, completions, logprobs, staleness, advs = rows
         out = {"loss": 0.0, "skipped": False, "optimizer_steps": 0, "clip_fraction": 0.0, "kl": 0.0,
                "ratio_mean": 1.0, "ratio_max_dev": 0.0, "trained_tokens": 0}
         if staleness is not None:
             out.update(stale_tokens=0, stale_truncated=0.0, stale_reg=0.0)
-            if spec.stale_limit is not None:
-                out["stale_limited"] = sum(s > spec.stale_limit for row in staleness for s in row)
+        if rows is not None and spec.stale_limit is not None:
+            out["stale_limited"] = sum(s > spec.stale_limit for row in staleness for s in row)
+            prompts, completions, logprobs, staleness, advs = self._within_stale_limit(*rows)
         if not prompts:
             return out
         if batch is None:
             batch = make_batch(prompts, completions, logprobs, advs, staleness=staleness)
-            if spec.stale_limit is not None:   # the too-stale tokens stay in the rows as context, out of the loss
+            if rows is not None and spec.stale_limit is not None:   # too-stale tokens: context, out of the loss
                 batch.mask &= batch.staleness <= spec.stale_limit
         if batch.staleness is not None and bool((batch.staleness > 0).any()):
             batch.prox = self._proximal(batch)
@@ -98,10 +99,7 @@ class PolicyUpdate:
     def _within_stale_limit(self, prompts, completions, logprobs, staleness, advs) -> tuple:
         """The training rows without those whose every token is more than ``--stale-limit`` versions stale (the
         rows' other too-stale tokens are masked out of the loss in ``update``)."""
-        limit = self.spec.stale_limit
-        if limit is None:
-            return prompts, completions, logprobs, staleness, advs
-        keep = [i for i, row in enumerate(staleness) if min(row) <= limit]
+        keep = [i for i, row in enumerate(staleness) if min(row) <= self.spec.stale_limit]
         return tuple([column[i] for i in keep] for column in (prompts, completions, logprobs, staleness, advs))
 
     def _proximal(self, batch) -> torch.Tensor:

@@ -231,6 +231,12 @@ def test_stale_limit_keeps_too_stale_tokens_out_of_the_loss(base_run, tmp_path, 
     assert all(r["stale_tokens"] == 0 for r in runs["limited"])
     assert sum(r["stale_limited"] for r in runs["limited"]) > 0
     assert sum(r["stale_tokens"] for r in runs["unlimited"]) > 0 and "stale_limited" not in runs["unlimited"][0]
+    # Without partial rollouts nothing is stale: the limit changes nothing and counts nothing.
+    plain = tmp_path / "plain"
+    assert main(["rl", "--run", str(base_run), "--out", str(plain), "--iterations", "1", "--group", "2",
+                 "--prompts", "2", "--max-tokens", "8", "--stale-limit", "0", "--checkpoint-every", "100",
+                 "--no-progress"]) == 0
+    assert "stale_limited" not in _records(plain)[0]
     with pytest.raises(ValueError, match="--stale-limit must be >= 0"):
         RLSpec("run", "general", "low", partial_lambda=0.5, stale_limit=-1).validate()
     assert RLSpec("run", "general", "low", partial_lambda=0.5, stale_limit=2).fingerprint != \

@@ -20,25 +20,33 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_blocks_give_the_eager_forward_and_grads(small_config_path):
-    """In bf16 (the GPU's default): where inductor fuses, intermediates stay fp32 instead of rounding to bf16
-    between ops, so each tensor is compared as a whole, within a few of bf16's epsilon (3.9e-3)."""
+    """In bf16 (the GPU's default) against an fp32 copy of the same weights: where inductor fuses, intermediates stay
+    fp32 instead of rounding to bf16 between ops, so the compiled gradients are not the eager ones bit for bit. Each
+    gradient, as a whole tensor, is within a few of bf16's epsilon (3.9e-3) of the fp32 one, or no further from it
+    than twice the eager bf16 gradient is: a sum that cancels over tokens (the AttnRes pseudo-queries' at their zero
+    start) is inexact in bf16 whichever way it is computed."""
     from kimik3 import K3Config, K3ForCausalLM
 
     config = K3Config.from_json(small_config_path.read_text())
     eager = K3ForCausalLM(config, device="cuda", seed=0).train()
     compiled = K3ForCausalLM(config, device="cuda", seed=0).train()
+    reference = K3ForCausalLM(config, device="cuda", dtype=torch.float32, seed=0).train()
+    reference.load_state_dict({name: value.float() for name, value in eager.state_dict().items()})
     assert eager.embed.weight.dtype == torch.bfloat16
     assert apply_compile(compiled) == config.num_layers
     ids = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
     losses = []
-    for model in (eager, compiled):
+    for model in (eager, compiled, reference):
         out = model(ids[:, :-1], labels=ids[:, 1:])
         out.loss.backward()
         losses.append(float(out.loss))
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
-    errors = {name: _relative_error(b.grad, a.grad)
-              for (name, a), b in zip(eager.named_parameters(), compiled.parameters()) if a.grad is not None}
-    assert len(errors) > 10 and max(errors.values()) < 1.5e-2, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+    rows = [(name, _relative_error(b.grad, r.grad), _relative_error(a.grad, r.grad))
+            for (name, a), b, r in zip(eager.named_parameters(), compiled.parameters(), reference.parameters())
+            if a.grad is not None]
+    assert len(rows) > 10
+    worse = [row for row in rows if row[1] > max(2 * row[2], 1.5e-2)]
+    assert not worse, worse[:5]
     # the Trainer's validation: no grad, another shape (a recompile with symbolic sizes), few rows an expert
     for shape in ((1, 48), (3, 17)):
         short = torch.randint(0, config.vocab_size, shape, generator=torch.Generator().manual_seed(2)).cuda()

@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout that is not installed
+from kimik3.cli import checkpoint_mode_arg  # noqa: E402
 from kimik3 import K3Config, K3ForCausalLM  # noqa: E402
 from kimik3.config.params import param_counts  # noqa: E402
 from kimik3.optim.muon import build_param_groups  # noqa: E402
@@ -259,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int,
                         help="untimed steps first (default 5 with the CUDA graph, else 3; 1 with --find-max-seq-len)")
     parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
-    parser.add_argument("--activation-checkpointing", choices=["none", "full", "selective"], default="none",
-                        help="what a step recomputes in backward (kimik3.parallel.activation_checkpoint)")
+    parser.add_argument("--activation-checkpointing", type=checkpoint_mode_arg, default="none",
+                        help="what a step recomputes in backward: none, full, selective or every:N "
+                             "(kimik3.parallel.activation_checkpoint)")
     parser.add_argument("--find-max-seq-len", action="store_true",
                         help="batch 1, double the length from --seq-len until a step runs out of memory")
     parser.add_argument("--seq-len-limit", type=int, default=1 << 21, help="--find-max-seq-len stops past this")
@@ -323,10 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.batch * args.seq_len
 
     losses = []
+    # from the first step: a CUDA graph allocates its activations at capture (a warm-up step), not in replays
+    torch.cuda.reset_peak_memory_stats()
     for _ in range(args.warmup):
         losses.append(float(step()))
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
@@ -339,13 +342,13 @@ def main(argv: list[str] | None = None) -> int:
            "ms_per_step": seconds * 1e3, "tokens_per_s": tokens / seconds,
            "mfu": 6 * active * tokens / seconds / (args.peak_tflops * 1e12),
            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-           "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "cuda_graph": args.cuda_graph,
+           "reserved_gib": torch.cuda.memory_reserved() / 2**30, "cuda_graph": args.cuda_graph,
            "compile": args.compile,
            "losses": losses}
     print(f"{out['device']}, torch {out['torch']}, {args.preset} ({active / 1e6:.1f}M active), {args.optimizer}, "
           f"activation checkpointing {args.activation_checkpointing}, {args.batch} x {args.seq_len} tokens: "
           f"{out['ms_per_step']:.1f} ms/step, {out['tokens_per_s']:,.0f} tokens/s, MFU {out['mfu']:.1%}, "
-          f"peak {out['peak_memory_gib']:.1f} GiB ({out['peak_reserved_gib']:.1f} reserved), "
+          f"peak {out['peak_memory_gib']:.1f} GiB allocated, {out['reserved_gib']:.1f} GiB reserved after, "
           f"{'CUDA graph' if args.cuda_graph else 'eager'}{', blocks compiled' if args.compile else ''}, "
           f"loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
     if args.profile:

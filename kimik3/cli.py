@@ -225,7 +225,7 @@ def _check_generate_options(args: argparse.Namespace) -> None:
     check_device(args.device)
 
 
-def _checkpoint_mode(text: str) -> str:
+def checkpoint_mode_arg(text: str) -> str:
     """``--activation-checkpointing``'s value, checked (``kimik3.parallel.activation_checkpoint.parse_mode``)."""
     from kimik3.parallel.activation_checkpoint import checkpoint_mode
 
@@ -400,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--cp", type=int, default=1, help="context-parallel degree (world = dp x cp)")
     t.add_argument("--ep-planner", default="moonep", choices=["moonep", "none"],
                    help="expert placement under --ep: MoonEP perfect balance, or every expert on its owner")
-    t.add_argument("--activation-checkpointing", default="none", type=_checkpoint_mode,
+    t.add_argument("--activation-checkpointing", default="none", type=checkpoint_mode_arg,
                    metavar="{none,full,selective,every:N}",
                    help="what a training step recomputes in backward instead of keeping: nothing (none), every "
                         "block whole (full), the cheap ops between the matmuls and attention of every block "

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = records[lam][-1]
                 print(f"λ={lam} iteration {step}: {r['iteration_s']:.2f} s (rollouts {r['rollout_s']:.2f} s, "
                       f"{r['rollout_tokens']} tokens), reward {r['reward_mean']:.3f}"
-                      + (f", finished {r['finished']}/{r['trajectories']}, groups trained {r['groups_trained']}, "
+                      + (f", finished {r['finished']}/{r['trajectories']}, trained {r['trained']}, "
                          f"stale tokens {r['stale_token_fraction']:.2f}" if "finished" in r else ""), flush=True)
         for thread in threads.values():
             thread.join(timeout=60)

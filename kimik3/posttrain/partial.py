@@ -24,9 +24,12 @@ paused prefix is prefilled again under the new weights, one chunked forward rath
 decode; members of a group share their prompt's prefix through the cache. The engine's KDA/MLA state is not
 kept across iterations: it would be the old weights' state, and keeping it needs hooks in ``kimik3/serve``.
 
-**Training** uses finished trajectories only, and only whole groups: the group-normalised advantage compares the
-G completions of one prompt, so the finished members of a group wait until its last member finishes, then the
-group is scored and trained on. A token sampled by an older policy version than the one being updated is
+**Training** uses finished trajectories only, each trained once, as soon as its group gives it a baseline
+(``FinishedGroups``): the group-normalised advantage compares the completions of one prompt, normalised over the
+members finished so far once there are two or more with different rewards. A group whose members all finish in
+one iteration is scored exactly as without partial rollouts; the early finishers of a group with a long member are
+trained while their tokens are fresh instead of waiting, stale, for the last one, which is compared with all G
+when it finishes. A token sampled by an older policy version than the one being updated is
 **stale**; ``policy_loss.clipped_policy_loss`` corrects it (see there: the clip taken around the policy before
 the update, a truncated importance weight from the sampling policy to it, and a staleness-weighted squared
 log-ratio regulariser to the token's rollout-time log-probability).
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kimik3.posttrain.evaluate import ANSWER_TOKENS, Rollout, sampling_for
+from kimik3.posttrain.policy_loss import group_advantages
 from kimik3.posttrain.tasks import EFFORT_BUDGETS, Task
 from kimik3.serve.chat import ChatEncoder
 
@@ -202,6 +206,61 @@ def partial_rollouts(engine: Any, encoder: ChatEncoder, trajectories: Sequence[T
     return PartialStats(time.perf_counter() - start, tokens, finished, len(paused), resumed, target)
 
 
+class FinishedGroups:
+    """The finished members of groups not yet complete: their rewards, and which of them wait for a baseline.
+
+    ``add`` takes an iteration's newly finished trajectories with their rewards and returns those to train now
+    with their advantages: in every group touched, the untrained finished members are normalised over all its
+    finished members' rewards (mean and population std, as ``policy_loss.group_advantages``) once there are two or
+    more of them and their rewards differ, or once the group is complete (G finished; a zero-variance complete group
+    trains with advantage 0, i.e. not at all). Otherwise they wait for the group's next finisher."""
+
+    def __init__(self, group: int):
+        self.group = group
+        self.rewards: dict[tuple[int, int], dict[int, float]] = {}
+        self.untrained: dict[tuple[int, int], list[Trajectory]] = {}
+
+    def add(self, finished: Sequence[Trajectory], rewards: Sequence[float]) -> tuple[list[Trajectory], list[float],
+                                                                                       list[float], int]:
+        """(trajectories to train, their rewards, their advantages, groups completed by this call)."""
+        if len(finished) != len(rewards):
+            raise ValueError(f"{len(finished)} trajectories with {len(rewards)} rewards")
+        touched: list[tuple[int, int]] = []
+        for t, reward in zip(finished, rewards):
+            if not t.finished:
+                raise ValueError("only finished trajectories are scored")
+            known = self.rewards.setdefault(t.group, {})
+            if t.member in known:
+                raise ValueError(f"member {t.member} of group {t.group} finished twice")
+            known[t.member] = float(reward)
+            self.untrained.setdefault(t.group, []).append(t)
+            if t.group not in touched:
+                touched.append(t.group)
+        train, train_rewards, advantages, completed = [], [], [], 0
+        for key in sorted(touched):
+            known = self.rewards[key]
+            if len(known) > self.group:
+                raise ValueError(f"group {key} has {len(known)} finished members, more than --group {self.group}")
+            order = sorted(known)
+            normalised = dict(zip(order, group_advantages([known[m] for m in order], len(order)), strict=True))
+            complete = len(known) == self.group
+            if not complete and not any(normalised.values()):
+                continue                        # no baseline yet (one member, or all alike): wait for the next
+            for t in sorted(self.untrained.pop(key), key=lambda t: t.member):
+                train.append(t)
+                train_rewards.append(known[t.member])
+                advantages.append(normalised[t.member])
+            if complete:
+                completed += 1
+                del self.rewards[key]
+        return train, train_rewards, advantages, completed
+
+    @property
+    def waiting(self) -> int:
+        """Groups with a finished member and an unfinished one."""
+        return len(self.rewards)
+
+
 def trajectory_rows(trajectories: Sequence[Trajectory], advantages: Sequence[float],
                     current_version: int) -> tuple[list, list, list, list, list]:
     """(prompts, completions, logprobs, staleness, advantages) of the training rows of finished trajectories:
@@ -231,4 +290,4 @@ def trajectory_rows(trajectories: Sequence[Trajectory], advantages: Sequence[flo
     return prompts, completions, logprobs, staleness, advs
 
 
-__all__ = ["PartialStats", "Trajectory", "finish_target", "partial_rollouts", "trajectory_rows"]
+__all__ = ["FinishedGroups", "PartialStats", "Trajectory", "finish_target", "partial_rollouts", "trajectory_rows"]

@@ -39,11 +39,12 @@ prompts the uninterrupted one would have used.
 **Partial rollouts** (``--partial-lambda λ < 1``, ``partial.py``): an iteration rolls out the trajectories paused
 by the previous one first, then its P x G new ones, and stops generating once ceil(λ·N) of those N have finished;
 the rest are paused (their tokens so far kept with their rollout log-probabilities and the policy version of each
-token). Only whole groups of finished trajectories are scored and trained on; their tokens sampled by older
-weights get the stale-token objective of ``policy_loss.clipped_policy_loss``, whose trust region is the policy as
-it was before the update (one more forward of the rows, without gradient); ``--stale-limit K`` keeps tokens more
-than K versions stale as context only, out of the loss. λ = 1 is the plain loop above. A ``--resume``d run starts
-with an empty queue (paused trajectories are not checkpointed).
+token). A finished trajectory is trained once, as soon as its group has a baseline for it (its advantage normalised
+over the group's members finished so far, ``partial.FinishedGroups``); its tokens sampled by older weights get
+the stale-token objective of ``policy_loss.clipped_policy_loss``, whose trust region is the policy as it was before
+the update (one more forward of the rows, without gradient); ``--stale-limit K`` keeps tokens more than K versions
+stale as context only, out of the loss. λ = 1 is the plain loop above. A ``--resume``d run starts with an empty
+queue (paused trajectories and waiting early finishers are not checkpointed).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ import numpy as np
 from kimik3.files import write_text_atomic
 from kimik3.posttrain.driver import POSTTRAIN_BALANCE, drive, metrics_file, open_base, policy_trainer
 from kimik3.posttrain.evaluate import expand, score_rollouts
-from kimik3.posttrain.partial import Trajectory, finish_target, partial_rollouts, trajectory_rows
+from kimik3.posttrain.partial import (FinishedGroups, Trajectory, finish_target, partial_rollouts,
+                                     trajectory_rows)
 from kimik3.posttrain.policy_loss import group_advantages
 from kimik3.posttrain.policy_update import PolicyUpdate
 from kimik3.posttrain.rollout import RolloutEngine
@@ -285,7 +287,7 @@ class RLRun(PolicyUpdate):
         self.engine = RolloutEngine(self.policy, trainer.tokenizer, encoder,
                                     max_running=min(256, math.ceil(spec.prompts * spec.group / spec.partial_lambda)))
         self.paused: list[Trajectory] = []                          # resumed first next iteration
-        self.waiting: dict[tuple[int, int], list[Trajectory]] = {}  # finished members of groups not yet complete
+        self.finished = FinishedGroups(spec.group)                  # finished members of groups not yet complete
         self.rewards: Callable[[list], list[float]] = score_rollouts   # the rollouts' rewards, in order
         # (iteration, index in the iteration's P x G) -> that trajectory's per-turn token budget; None: spec's.
         self.budget: Callable[[int, int], int | None] | None = None
@@ -329,7 +331,8 @@ class RLRun(PolicyUpdate):
 
     def _partial_iteration(self, step: int, record: dict[str, Any], start: float, progress: bool) -> dict[str, Any]:
         """An iteration with partial rollouts (module notes): resumed trajectories first, then P x G new ones;
-        generation stops at ceil(λ·N) finished; whole groups of finished trajectories are trained on."""
+        generation stops at ceil(λ·N) finished; finished trajectories are trained once their group gives them a
+        baseline (``FinishedGroups``)."""
         trainer, spec = self.trainer, self.spec
         seed = trainer.args.seed
         new = [Trajectory(task, (step, k // spec.group), k % spec.group,
@@ -340,25 +343,18 @@ class RLRun(PolicyUpdate):
         stats = partial_rollouts(self.engine.engine, self.engine.encoder, batch, spec.partial_lambda, version=step,
                                  seed=(seed * 1_000_003 + step) * 65_536, temperature=spec.temperature)
         self.paused = [t for t in batch if not t.finished]
-        for t in batch:
-            if t.finished:
-                self.waiting.setdefault(t.group, []).append(t)
-        complete = sorted(key for key, members in self.waiting.items() if len(members) == spec.group)
-        trained = [t for key in complete for t in sorted(self.waiting.pop(key), key=lambda t: t.member)]
+        finished = [t for t in batch if t.finished]
+        trained, rewards, advantages, completed = self.finished.add(
+            finished, self.rewards([t.rollout for t in finished]))
         rollouts = [t.rollout for t in trained]
-        rewards = self.rewards(rollouts)
         record.update(rollout_s=stats.seconds, rollout_tokens=stats.completion_tokens,
                       rollout_tokens_per_s=stats.tokens_per_s, trajectories=len(batch), resumed=stats.resumed,
                       finished=stats.finished, paused=stats.paused, finish_target=stats.target,
-                      groups_trained=len(complete), groups_waiting=len(self.waiting),
+                      trained=len(trained), groups_completed=completed, groups_waiting=self.finished.waiting,
                       reward_mean=float(np.mean(rewards)) if rewards else float("nan"),
                       accuracy=float(np.mean([r >= 1.0 for r in rewards])) if rewards else float("nan"),
                       completion_tokens=float(np.mean([r.tokens for r in rollouts])) if rollouts else float("nan"),
                       **cell_stats(spec, rollouts, rewards))
-        advantages = group_advantages(rewards, spec.group) if rewards else []
-        if rewards:
-            groups = np.asarray(rewards).reshape(-1, spec.group)
-            record["zero_variance_groups"] = float(np.mean(groups.std(axis=1) == 0))
         versions = [v for t in trained for v in t.token_versions()]
         record["stale_token_fraction"] = float(np.mean([v < step for v in versions])) if versions else 0.0
         record["max_staleness"] = int(step - min(versions)) if versions else 0
@@ -460,7 +456,7 @@ def run_rl(run: str | Path | None = None, *, domain: str = "general", effort: st
                                                                                     log).items()})
 
     def summary(r: dict[str, Any]) -> str:
-        partial = (f"; finished {r['finished']}/{r['trajectories']}, {r['groups_trained']} groups trained, stale "
+        partial = (f"; finished {r['finished']}/{r['trajectories']}, {r['trained']} trained, stale "
                    f"tokens {r['stale_token_fraction']:.2f}" if "finished" in r else "")
         return (f"iteration {r['step']}: reward {r['reward_mean']:.3f} accuracy {r['accuracy']:.3f} length "
                 f"{r['completion_tokens']:.0f} clip {r['clip_fraction']:.3f} kl {r['kl']:.4f} rollouts "

@@ -1,5 +1,5 @@
 """Partial rollouts (`kimik3 rl --partial-lambda`): the pause rule, resuming, staleness, the stale-token correction,
-only finished groups trained, and λ = 1 unchanged."""
+finished trajectories trained once their group gives them a baseline, and λ = 1 unchanged."""
 
 import dataclasses
 import hashlib
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kimik3.cli import main
-from kimik3.posttrain.partial import Trajectory, finish_target, partial_rollouts, trajectory_rows
-from kimik3.posttrain.policy_loss import clipped_policy_loss, make_batch
+from kimik3.posttrain.partial import FinishedGroups, Trajectory, finish_target, partial_rollouts, trajectory_rows
+from kimik3.posttrain.policy_loss import clipped_policy_loss, group_advantages, make_batch
 from kimik3.posttrain.rl import RECIPE, RLSpec
 from kimik3.posttrain.tasks import Task, make_tasks
 from kimik3.serve.chat import ChatEncoder, load_chat_template
@@ -134,6 +134,54 @@ def test_tool_use_trajectory_pauses_between_turns_and_resumes_its_next_turn(enco
         == agent.rollout.prompt_ids[0]
 
 
+def _finished_members(group, members):
+    task = make_tasks("general", "train", 1, 0, "low")[0]
+    out = [Trajectory(task, group, m, 8) for m in members]
+    for t in out:
+        t.finished = True
+    return out
+
+
+def test_finished_members_train_once_their_group_gives_a_baseline():
+    """Normalised over the members finished so far (two or more, rewards not all alike); a lone or uniform early
+    finisher waits; the last member is compared with all G; a group finished at once is scored as group_advantages
+    scores it; each member is trained once."""
+    book = FinishedGroups(4)
+    a, b, c, d = _finished_members((0, 0), range(4))
+    train, rewards, advs, completed = book.add([a, b], [1.0, 0.0])
+    assert train == [a, b] and rewards == [1.0, 0.0] and advs == pytest.approx([1.0, -1.0], rel=1e-5)
+    assert completed == 0 and book.waiting == 1
+    train, _, advs, _ = book.add([c], [1.0])            # normalised over {1, 0, 1}
+    assert train == [c] and advs == pytest.approx([(1 - 2 / 3) / math.sqrt(2 / 9)], rel=1e-5)
+    train, _, advs, completed = book.add([d], [0.0])    # over all four: mean 0.5, std 0.5
+    assert train == [d] and advs == pytest.approx([-1.0], rel=1e-5) and completed == 1 and book.waiting == 0
+
+    e, f, g, h = _finished_members((1, 3), range(4))
+    assert book.add([f], [1.0])[0] == [] and book.add([h], [1.0])[0] == []   # one, then two alike: no baseline
+    train, _, advs, _ = book.add([e], [0.0])
+    assert [t.member for t in train] == [0, 1, 3] and advs[0] < 0 < advs[1] == advs[2]
+    train, _, advs, completed = book.add([g], [1.0])
+    assert train == [g] and completed == 1
+
+    rewards = [0.2, 0.9, 0.4, 0.4]
+    at_once = _finished_members((2, 0), [2, 0, 3, 1])
+    train, got, advs, completed = book.add(at_once, [rewards[t.member] for t in at_once])
+    assert [t.member for t in train] == [0, 1, 2, 3] and got == rewards and completed == 1
+    assert advs == group_advantages(rewards, 4)
+    alike = _finished_members((3, 0), range(4))
+    train, _, advs, completed = book.add(alike, [1.0] * 4)    # complete, zero variance: advantage 0 (no rows)
+    assert len(train) == 4 and advs == [0.0] * 4 and completed == 1 and book.waiting == 0
+
+    with pytest.raises(ValueError, match="finished twice"):
+        book.add(_finished_members((4, 0), [1, 1]), [0.0, 1.0])
+    with pytest.raises(ValueError, match="2 trajectories with 1 rewards"):
+        book.add(_finished_members((5, 0), [0, 1]), [0.0])
+    unfinished = _finished_members((6, 0), [0])
+    unfinished[0].finished = False
+    with pytest.raises(ValueError, match="only finished"):
+        book.add(unfinished, [0.0])
+
+
 def test_stale_correction_matches_a_hand_computation():
     """Stale tokens: the clip around prox (the policy before the update), the weight exp(prox - old) truncated at C,
     the staleness-weighted regulariser to old; the fresh token keeps the plain clipped ratio to old."""
@@ -198,12 +246,12 @@ def some_reward(monkeypatch):
                         lambda self, completion, reasoning_tokens=None: float(len(completion) % 2 == 0))
 
 
-def test_rl_with_partial_rollouts_trains_only_whole_finished_groups(base_run, tmp_path, some_reward, capsys):
+def test_rl_with_partial_rollouts_trains_finished_trajectories(base_run, tmp_path, some_reward, capsys):
     out = tmp_path / "rl"
     assert main(["rl", "--run", str(base_run), "--out", str(out), "--iterations", "3", "--group", "2", "--prompts",
                  "3", "--max-tokens", "12", "--partial-lambda", "0.5", "--lr", "1e-2", "--checkpoint-every", "100",
                  "--no-progress"]) == 0
-    assert "groups trained" in capsys.readouterr().out
+    assert " trained, stale tokens" in capsys.readouterr().out
     records = _records(out)
     assert json.loads((out / "rl.json").read_text())["rl"]["partial_lambda"] == 0.5
     assert records[0]["resumed"] == 0 and records[0]["trajectories"] == 6

@@ -225,22 +225,21 @@ class FinishedGroups:
         """(trajectories to train, their rewards, their advantages, groups completed by this call)."""
         if len(finished) != len(rewards):
             raise ValueError(f"{len(finished)} trajectories with {len(rewards)} rewards")
-        touched: list[tuple[int, int]] = []
-        for t, reward in zip(finished, rewards):
+        seen = set()
+        for t in finished:                      # checked whole before anything is recorded
             if not t.finished:
                 raise ValueError("only finished trajectories are scored")
-            known = self.rewards.setdefault(t.group, {})
-            if t.member in known:
+            if not 0 <= t.member < self.group:
+                raise ValueError(f"member {t.member} of group {t.group}: a group has {self.group} members")
+            if (t.group, t.member) in seen or t.member in self.rewards.get(t.group, ()):
                 raise ValueError(f"member {t.member} of group {t.group} finished twice")
-            known[t.member] = float(reward)
+            seen.add((t.group, t.member))
+        for t, reward in zip(finished, rewards):
+            self.rewards.setdefault(t.group, {})[t.member] = float(reward)
             self.untrained.setdefault(t.group, []).append(t)
-            if t.group not in touched:
-                touched.append(t.group)
         train, train_rewards, advantages, completed = [], [], [], 0
-        for key in sorted(touched):
+        for key in sorted({t.group for t in finished}):
             known = self.rewards[key]
-            if len(known) > self.group:
-                raise ValueError(f"group {key} has {len(known)} finished members, more than --group {self.group}")
             order = sorted(known)
             normalised = dict(zip(order, group_advantages([known[m] for m in order], len(order)), strict=True))
             complete = len(known) == self.group

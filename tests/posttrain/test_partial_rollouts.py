@@ -174,6 +174,12 @@ def test_finished_members_train_once_their_group_gives_a_baseline():
 
     with pytest.raises(ValueError, match="finished twice"):
         book.add(_finished_members((4, 0), [1, 1]), [0.0, 1.0])
+    assert book.add(_finished_members((7, 0), [0]), [1.0])[0] == [] and book.waiting == 1
+    with pytest.raises(ValueError, match="finished twice"):
+        book.add(_finished_members((4, 1), [0]) + _finished_members((7, 0), [0]), [0.0, 1.0])
+    assert book.waiting == 1                                  # refused whole: nothing of it recorded
+    with pytest.raises(ValueError, match="a group has 4 members"):
+        book.add(_finished_members((4, 0), [4]), [0.0])
     with pytest.raises(ValueError, match="2 trajectories with 1 rewards"):
         book.add(_finished_members((5, 0), [0, 1]), [0.0])
     unfinished = _finished_members((6, 0), [0])
@@ -263,6 +269,9 @@ def test_rl_with_partial_rollouts_trains_finished_trajectories(base_run, tmp_pat
     for before, after in zip(records, records[1:]):
         assert after["resumed"] == before["paused"]
     assert records[0]["stale_token_fraction"] == 0.0 and records[0]["max_staleness"] == 0
+    # Each finished trajectory is trained at most once, and never before it finished.
+    assert 0 < sum(r["trained"] for r in records) <= sum(r["finished"] for r in records)
+    assert all(r["trained"] <= sum(q["finished"] for q in records[:i + 1]) for i, r in enumerate(records))
 
 
 def test_stale_limit_keeps_too_stale_tokens_out_of_the_loss(base_run, tmp_path, some_reward):

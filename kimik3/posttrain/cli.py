@@ -185,7 +185,8 @@ def add_posttrain_parsers(sub: argparse._SubParsersAction) -> None:
                    help="partial rollouts: truncation of stale tokens' importance ratio (> 1 + --clip)")
     r.add_argument("--stale-limit", type=int, metavar="K",
                    help="partial rollouts: tokens sampled more than K policy versions before the updated one are "
-                   "context only, out of the loss (default: every token trained)")
+                   "context only, out of the loss (default: every token trained; 0 keeps λ = 0.7's reward curve level "
+                   "with λ = 1's at the default lr, docs/posttraining.md)")
     r.add_argument("--out", help="the new run directory (default: <run>-rl-<domain>-<effort>; use --resume)")
     r.add_argument("--resume", help="continue this RL run (its base run and settings are in its rl.json) up to "
                    "--iterations")

@@ -49,9 +49,15 @@ class AttnResMix(nn.Module):
         if glue_backend(entries[-1], self.backend) == "triton":
             return attnres_mix(entries, self.key_norm_weight, self.query, self.eps)
         with no_autocast(entries[-1].device):  # the whole mix in fp32, as released
-            values_BTND = torch.stack(entries, dim=-2).float()
-            keys_BTND = values_BTND * torch.rsqrt(values_BTND.square().mean(-1, keepdim=True) + self.eps)
-            scores_BTN = keys_BTND @ (self.key_norm_weight.float() * self.query.float())
+            # Entry by entry, no [B, T, N, D] stack: score_n = rsqrt(mean(v_n²) + eps) · (v_n · w⊙q) is keys_n · w⊙q
+            # with the norm's scalar taken out of the dot product, and the mixture is N scaled adds (a batched
+            # [1, N] @ [N, D] product runs as a loop of tiny matmuls on the CPU, several times slower).
+            wq_D = self.key_norm_weight.float() * self.query.float()
+            values = [entry.float() for entry in entries]
+            scores_BTN = torch.stack([(v_BTD @ wq_D) * torch.rsqrt(v_BTD.square().mean(-1) + self.eps)
+                                      for v_BTD in values], dim=-1)
             probs_BTN = torch.softmax(scores_BTN, dim=-1)
-            mixed_BTD = (probs_BTN.unsqueeze(-2) @ values_BTND).squeeze(-2)
+            mixed_BTD = values[0] * probs_BTN[..., 0:1]
+            for n in range(1, len(values)):
+                mixed_BTD = mixed_BTD + values[n] * probs_BTN[..., n:n + 1]
         return mixed_BTD.to(entries[-1].dtype)

@@ -287,7 +287,7 @@ class RLRun(PolicyUpdate):
         self.engine = RolloutEngine(self.policy, trainer.tokenizer, encoder,
                                     max_running=min(256, math.ceil(spec.prompts * spec.group / spec.partial_lambda)))
         self.paused: list[Trajectory] = []                          # resumed first next iteration
-        self.finished = FinishedGroups(spec.group)                  # finished members of groups not yet complete
+        self.finished_groups = FinishedGroups(spec.group)           # finished members of groups not yet complete
         self.rewards: Callable[[list], list[float]] = score_rollouts   # the rollouts' rewards, in order
         # (iteration, index in the iteration's P x G) -> that trajectory's per-turn token budget; None: spec's.
         self.budget: Callable[[int, int], int | None] | None = None
@@ -344,13 +344,13 @@ class RLRun(PolicyUpdate):
                                  seed=(seed * 1_000_003 + step) * 65_536, temperature=spec.temperature)
         self.paused = [t for t in batch if not t.finished]
         finished = [t for t in batch if t.finished]
-        trained, rewards, advantages, completed = self.finished.add(
+        trained, rewards, advantages, completed = self.finished_groups.add(
             finished, self.rewards([t.rollout for t in finished]))
         rollouts = [t.rollout for t in trained]
         record.update(rollout_s=stats.seconds, rollout_tokens=stats.completion_tokens,
                       rollout_tokens_per_s=stats.tokens_per_s, trajectories=len(batch), resumed=stats.resumed,
                       finished=stats.finished, paused=stats.paused, finish_target=stats.target,
-                      trained=len(trained), groups_completed=completed, groups_waiting=self.finished.waiting,
+                      trained=len(trained), groups_completed=completed, groups_waiting=self.finished_groups.waiting,
                       reward_mean=float(np.mean(rewards)) if rewards else float("nan"),
                       accuracy=float(np.mean([r >= 1.0 for r in rewards])) if rewards else float("nan"),
                       completion_tokens=float(np.mean([r.tokens for r in rollouts])) if rollouts else float("nan"),

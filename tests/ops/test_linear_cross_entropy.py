@@ -180,8 +180,9 @@ def test_gradcheck_fp64():
 
 def test_default_chunk_tokens():
     assert default_chunk_tokens(163_840, "cuda") == 2048          # 1.34 GB of fp32 logits
-    assert default_chunk_tokens(163_840, "cpu") == 64
-    assert default_chunk_tokens(4096, "cpu") == 4096
+    assert default_chunk_tokens(163_840, "cpu") == 64             # the floor (4 MiB would hold 6 rows)
+    assert default_chunk_tokens(4096, "cpu") == 256               # 4 MiB of fp32 logits
+    assert default_chunk_tokens(8, "cpu") == 1 << 17
     assert default_chunk_tokens(10 ** 12, "cuda") == 1
     for vocab in (1, 1000, 32_000, 163_840, 200_000):   # a power of two of tokens, fp32 logits in (1, 2] GiB
         chunk = default_chunk_tokens(vocab, "cuda")
@@ -281,6 +282,7 @@ def _grads(model):
 @pytest.mark.parametrize("tied", [False, True])
 def test_k3_loss_and_grads_equal_the_old_formula(tied, monkeypatch):
     monkeypatch.setattr(lce_module, "CPU_CHUNK_BYTES", 16 * 4 * 4096)   # 16-token chunks: several a call
+    monkeypatch.setattr(lce_module, "CPU_MIN_CHUNK_TOKENS", 1)
     config = dataclasses.replace(K3Config.preset("tiny"), tie_embeddings=tied)
     model = K3ForCausalLM(config, seed=0).train()
     gen = torch.Generator().manual_seed(1)

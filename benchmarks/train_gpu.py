@@ -48,8 +48,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout that is not installed
-from kimik3.cli import checkpoint_mode_arg  # noqa: E402
 from kimik3 import K3Config, K3ForCausalLM  # noqa: E402
+from kimik3.cli import checkpoint_mode_arg  # noqa: E402
 from kimik3.config.params import param_counts  # noqa: E402
 from kimik3.optim.muon import build_param_groups  # noqa: E402
 from kimik3.model.k3 import check_token_ids  # noqa: E402

@@ -30,9 +30,9 @@ __all__ = ["default_chunk_tokens", "linear_cross_entropy", "linear_cross_entropy
 
 # The fp32 logits of one chunk stay within this: on a GPU 1 to 2 GiB (C is a power of two, so the usual power-of-two
 # token counts split evenly; V = 163,840 gives C = 2,048: 1.34 GB fp32, 11 matmul passes fewer than C = 128 would
-# need for dW), large enough for full-speed matmuls; on the CPU a core's L2 cache, so that the softmax's passes over
-# the chunk stay in cache (the tiny preset's V = 4,096 at 4,096 tokens: 57 ms a call with C = 256, 94 ms with the
-# whole batch as one chunk), but at least CPU_MIN_CHUNK_TOKENS rows, each chunk reading the whole head.
+# need for dW), large enough for full-speed matmuls; on the CPU about a core's L2 cache, so that the softmax's
+# several passes over a chunk stay in cache instead of each going to memory, but at least CPU_MIN_CHUNK_TOKENS rows,
+# as each chunk reads the whole head.
 GPU_CHUNK_BYTES = 2 << 30
 CPU_CHUNK_BYTES = 4 << 20
 CPU_MIN_CHUNK_TOKENS = 64

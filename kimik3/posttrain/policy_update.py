@@ -48,15 +48,16 @@ class PolicyUpdate:
                "ratio_mean": 1.0, "ratio_max_dev": 0.0, "trained_tokens": 0}
         if staleness is not None:
             out.update(stale_tokens=0, stale_truncated=0.0, stale_reg=0.0)
-        if rows is not None and spec.stale_limit is not None:
-            out["stale_limited"] = sum(s > spec.stale_limit for row in staleness for s in row)
+        limit = spec.stale_limit if rows is not None else None   # only rows with staleness have a limit to apply
+        if limit is not None:
+            out["stale_limited"] = sum(s > limit for row in staleness for s in row)
             prompts, completions, logprobs, staleness, advs = self._within_stale_limit(*rows)
         if not prompts:
             return out
         if batch is None:
             batch = make_batch(prompts, completions, logprobs, advs, staleness=staleness)
-            if rows is not None and spec.stale_limit is not None:   # too-stale tokens: context, out of the loss
-                batch.mask &= batch.staleness <= spec.stale_limit
+            if limit is not None:               # too-stale tokens: context, out of the loss
+                batch.mask &= batch.staleness <= limit
         if batch.staleness is not None and bool((batch.staleness > 0).any()):
             batch.prox = self._proximal(batch)
         # Each epoch visits every row once, in minibatches of a fresh random order; the first is on-policy.

@@ -58,7 +58,8 @@ class PolicyUpdate:
             batch = make_batch(prompts, completions, logprobs, advs, staleness=staleness)
             if limit is not None:               # too-stale tokens: context, out of the loss
                 batch.mask &= batch.staleness <= limit
-        if batch.staleness is not None and bool((batch.staleness > 0).any()):
+        # The proximal pass is for stale tokens in the loss: none when the stale limit keeps them all as context.
+        if batch.staleness is not None and bool(((batch.staleness > 0) & batch.mask).any()):
             batch.prox = self._proximal(batch)
         # Each epoch visits every row once, in minibatches of a fresh random order; the first is on-policy.
         shuffle = torch.Generator().manual_seed(trainer.args.seed + trainer.step)

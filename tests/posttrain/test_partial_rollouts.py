@@ -274,16 +274,25 @@ def test_rl_with_partial_rollouts_trains_finished_trajectories(base_run, tmp_pat
     assert all(r["trained"] <= sum(q["finished"] for q in records[:i + 1]) for i, r in enumerate(records))
 
 
-def test_stale_limit_keeps_too_stale_tokens_out_of_the_loss(base_run, tmp_path, some_reward):
-    """--stale-limit 0: every stale token is context only (none reaches the loss), counted as limited; the same
-    run without the limit trains on stale tokens. A negative limit is refused."""
-    runs = {}
+def test_stale_limit_keeps_too_stale_tokens_out_of_the_loss(base_run, tmp_path, some_reward, monkeypatch):
+    """--stale-limit 0: every stale token is context only (none reaches the loss), counted as limited, and no
+    proximal pass runs (it serves only stale tokens in the loss); the same run without the limit trains on stale
+    tokens, after a proximal pass. A negative limit is refused."""
+    from kimik3.posttrain.policy_update import PolicyUpdate
+
+    proximal = PolicyUpdate._proximal
+    passes = []
+    monkeypatch.setattr(PolicyUpdate, "_proximal", lambda self, batch: passes.append(1) or proximal(self, batch))
+    runs, proximal_passes = {}, {}
     for name, extra in (("limited", ["--stale-limit", "0"]), ("unlimited", [])):
+        passes.clear()
         out = tmp_path / name
         assert main(["rl", "--run", str(base_run), "--out", str(out), "--iterations", "4", "--group", "2",
                      "--prompts", "3", "--max-tokens", "12", "--partial-lambda", "0.5", "--lr", "1e-2",
                      "--checkpoint-every", "100", "--no-progress", *extra]) == 0
         runs[name] = _records(out)
+        proximal_passes[name] = len(passes)
+    assert proximal_passes["limited"] == 0 and proximal_passes["unlimited"] > 0
     assert json.loads((tmp_path / "limited" / "rl.json").read_text())["rl"]["stale_limit"] == 0
     assert all(r["stale_tokens"] == 0 for r in runs["limited"])
     assert sum(r["stale_limited"] for r in runs["limited"]) > 0

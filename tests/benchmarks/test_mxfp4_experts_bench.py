@@ -1,6 +1,7 @@
 """Smoke test of benchmarks/mxfp4_experts.py (MXFP4 expert matmuls against bf16, run on an H200): the whole script on
 the CPU at small shapes, the kernels under the Triton interpreter and one call per timing, checking the JSON it
-writes: both routes checked and timed at every size, and the route ``mxfp4_route`` takes recorded as the row's."""
+writes: the registers and dequantize routes checked and timed at every size, the gemv route at decode sizes, and the
+route ``mxfp4_route`` takes recorded as the row's."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "mxfp4_experts.py"
 
 
 @needs_kernels
-def test_mxfp4_experts_bench_checks_and_times_both_routes(tmp_path, monkeypatch):
+def test_mxfp4_experts_bench_checks_and_times_the_routes(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("mxfp4_experts_under_test", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -34,11 +35,12 @@ def test_mxfp4_experts_bench_checks_and_times_both_routes(tmp_path, monkeypatch)
 
     assert bench.main(["--experts", "2", "--tokens", f"1,{DEQUANTIZE_ROWS}", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "mxfp4_experts.json").read_text())
-    assert data["fail"] == [] and len(data["pass"]) == 2 * 2 * 2     # shapes x sizes x routes
+    assert data["fail"] == [] and len(data["pass"]) == 2 * (3 + 2)   # shapes x (gemv too at 1 row an expert)
     rows = {(r["shape"], r["tokens_per_expert"]): r for r in data["table"]}
     assert set(rows) == {(s, t) for s in ("gate_up", "down") for t in (1, DEQUANTIZE_ROWS)}
     for (shape, tokens), r in rows.items():
-        assert r["route"] == ("dequantize" if tokens == DEQUANTIZE_ROWS else "registers")
+        assert r["route"] == ("dequantize" if tokens == DEQUANTIZE_ROWS else "gemv")
         assert r["registers_ms"] == r["dequantize_ms"] == r["bf16_ms"] == r["mxfp4_ms"] == 0.5
+        assert r["gemv_ms"] == (0.5 if tokens == 1 else None)
         assert r["weight_bytes_bf16"] / r["weight_bytes_mxfp4"] == 16 / 4.25
-    assert len(calls) == 2 * (1 + 2 * 3)                               # per shape: the decode, then 3 per size
+    assert len(calls) == 2 * (1 + 4 + 3)               # per shape: the decode, then 3 routes + bf16, 2 routes + bf16

@@ -28,7 +28,8 @@ import torch
 from kimik3.ops.moe.grouped_mm import ExpertGroups
 from kimik3.quant.mx import MXTensor, dequantize, quantize
 from kimik3.ops.moe.mxfp4_dequantize import mxfp4_dequantize
-from kimik3.ops.moe.mxfp4_grouped_mm import DEQUANTIZE_ROWS, mxfp4_backend, mxfp4_blocks, mxfp4_grouped_mm, mxfp4_route
+from kimik3.ops.moe.mxfp4_grouped_mm import (DEQUANTIZE_ROWS, gemv_blocks, mxfp4_backend, mxfp4_blocks,
+                                              mxfp4_grouped_mm, mxfp4_route)
 from tests.kernel_testing import DEV, HAS_KERNELS, interpreter_setup, needs_kernels, ON_GPU  # noqa: F401 (interpreter_setup: autouse)
 
 FP32_EPS = 2.0 ** -24
@@ -166,6 +167,36 @@ def test_default_blocks_and_expert_groups(counts):
     assert_close_to_reference(y, x, mx, groups.offsets_E)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("E, I, O, counts, extra", [
+    (4, 96, 40, [3, 0, 17, 1], 2),       # empty middle expert; partial N and K tiles (96 of 128); rows past the end
+    (3, 288, 16, [0, 2, 0], 0),          # empty first and last; two K tiles, the second partial (288 = 256 + 32)
+    (2, 32, 24, [1, 1], 1),              # one K block; O over two column tiles
+])
+def test_gemv_route_matches_the_reference(E, I, O, counts, extra, dtype):
+    mx = weights(E, I, O)
+    offsets = offsets_of(counts)
+    x = rows(sum(counts) + extra, I, dtype)
+    with torch.no_grad():
+        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", route="gemv")
+    assert_close_to_reference(y, x, mx, offsets)
+    assert torch.equal(y[sum(counts):], torch.zeros_like(y[sum(counts):]))
+
+
+@needs_kernels
+def test_gemv_route_with_offsets_out_of_range_stays_in_bounds():
+    """Offsets past R, negative or decreasing give a meaningless result but no access outside x, the weights or y
+    (every load and store is bounds-checked under the interpreter)."""
+    mx = weights(3, 64, 16)
+    x = rows(4, 64, torch.bfloat16)
+    for counts in ([9, -3, 2], [-5, 0, 1]):
+        with torch.no_grad():
+            y = mxfp4_grouped_mm(x, mx.codes, mx.scales, torch.tensor(counts, dtype=torch.int32, device=DEV),
+                                 backend="triton", route="gemv")
+        assert y.shape == (4, 16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_path_matches_the_reference(dtype):
     mx = weights(4, 96, 40)
@@ -206,8 +237,9 @@ def every_code_weight(E, I, O, scale_codes):
 
 
 @needs_kernels
+@pytest.mark.parametrize("route", ["registers", "gemv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_code_decodes_exactly(dtype):
+def test_every_code_decodes_exactly(dtype, route):
     """One-hot rows (x = I x I identity for each of 2 experts): y is W's rows, bit for bit, for every byte value and
     scale codes 100..163 (values 2^-27 .. 2^36 times the element)."""
     E, I, O = 2, 64, 16
@@ -215,7 +247,8 @@ def test_every_code_decodes_exactly(dtype):
     x = torch.eye(I, device=DEV, dtype=dtype).repeat(E, 1)
     offsets = offsets_of([I] * E)
     with torch.no_grad():
-        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", block_m=16, block_n=16, block_k=64)
+        blocks = dict(block_m=16, block_n=16, block_k=64) if route == "registers" else {}
+        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", route=route, **blocks)
     w = dequantize(mx)
     assert torch.equal(y.float(), torch.cat(list(w.to(dtype).float())))
 
@@ -316,6 +349,10 @@ def test_auto_route_at_the_threshold():
 
 
 def test_route_choice():
+    for dtype in (torch.bfloat16, torch.float32):
+        assert mxfp4_route(8, 8, 3072, dtype) == "gemv"                 # at most one row an expert: gemv
+        assert mxfp4_route(9, 8, 3072, dtype) == "registers"
+    assert mxfp4_route(1000, 8, 3072, torch.bfloat16, "gemv") == "gemv"
     big = DEQUANTIZE_ROWS * 8
     assert mxfp4_route(big, 8, 3072, torch.bfloat16) == "dequantize"
     assert mxfp4_route(big, 8, 3072, torch.float32) == "registers"      # fp32 activations: registers only
@@ -330,25 +367,28 @@ def test_route_choice():
 
 
 @needs_kernels
-def test_block_sizes_refused_on_the_dequantize_route():
+def test_block_sizes_refused_on_the_other_routes():
     mx = weights(2, 32, 16)
     x = rows(3, 32, torch.bfloat16)
-    with pytest.raises(ValueError, match="tune the registers route"):
-        mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets_of([1, 2]), backend="triton", route="dequantize", block_m=16)
+    for route in ("dequantize", "gemv"):
+        with pytest.raises(ValueError, match=f"tune the registers route; this call takes the {route} route"):
+            mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets_of([1, 2]), backend="triton", route=route, block_m=16)
 
 
 @needs_kernels
 @pytest.mark.skipif(ON_GPU, reason="a GPU dot may flush fp32 subnormals")
-def test_scale_code_zero_is_two_to_the_minus_127():
+@pytest.mark.parametrize("route", ["registers", "gemv"])
+def test_scale_code_zero_is_two_to_the_minus_127(route):
     E, I, O = 1, 32, 16
     mx = every_code_weight(E, I, O, torch.zeros(E, O, 1))
     x = torch.eye(I, device=DEV)
-    y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets_of([I]), backend="triton")
+    y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets_of([I]), backend="triton", route=route)
     assert torch.equal(y, dequantize(mx)[0]) and bool((y != 0).any())
 
 
 @needs_kernels
-def test_nan_scale_poisons_its_column_of_its_expert():
+@pytest.mark.parametrize("route", ["registers", "gemv"])
+def test_nan_scale_poisons_its_column_of_its_expert(route):
     E, I, O = 2, 64, 16
     mx = weights(E, I, O)
     mx.scales[1, 3, 1] = 255
@@ -356,7 +396,7 @@ def test_nan_scale_poisons_its_column_of_its_expert():
     offsets = offsets_of([2, 3])
     x = rows(5, I, torch.bfloat16).abs() + 0.125
     with torch.no_grad():
-        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton")
+        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", route=route)
     nan = torch.zeros(5, O, dtype=torch.bool, device=DEV)
     nan[2:, 3] = True
     assert torch.equal(y.isnan(), nan)
@@ -364,8 +404,8 @@ def test_nan_scale_poisons_its_column_of_its_expert():
 
 
 @needs_kernels
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_strided_inputs(backend):
+@pytest.mark.parametrize("backend, route", [("triton", "registers"), ("triton", "gemv"), ("torch", "auto")])
+def test_strided_inputs(backend, route):
     E, I, O = 2, 64, 24
     mx = weights(E, I, O)
     offsets = offsets_of([3, 2])
@@ -377,8 +417,8 @@ def test_strided_inputs(backend):
     scales = mx.scales.transpose(1, 2).contiguous().transpose(1, 2)
     with torch.no_grad():
         for xi in (x, x_col):
-            y = mxfp4_grouped_mm(xi, codes[:, :, ::2], scales, offsets, backend=backend, block_m=16, block_n=32,
-                                 block_k=32)
+            blocks = dict(block_m=16, block_n=32, block_k=32) if route == "registers" else {}
+            y = mxfp4_grouped_mm(xi, codes[:, :, ::2], scales, offsets, backend=backend, route=route, **blocks)
             assert_close_to_reference(y, xi, mx, offsets)
 
 
@@ -393,15 +433,18 @@ def test_backend_choice():
 
 @needs_kernels
 def test_blocks_at_k3_shapes():
-    """K3's expert matmuls over 8 local experts: one 16-row tile an expert at decode, 256 x 128 x 64 at prefill."""
+    """K3's expert matmuls over 8 local experts: one 16-row tile an expert at decode, 256 x 128 x 64 at prefill; the
+    gemv route's 16 x 256 tiles."""
     for O, I in ((3072, 3584), (3584, 3072)):
-        assert mxfp4_blocks(8, 8, O, I) == (16, 64, 128, 4, 4)
+        assert mxfp4_blocks(8, 8, O, I) == (16, 64, 128, 4, 1)
+        assert gemv_blocks(O, I) == (16, 256, 4)
         assert mxfp4_blocks(16 * 8, 8, O, I)[:3] == (16, 64, 128)
         assert mxfp4_blocks(64 * 8, 8, O, I)[:3] == (64, 64, 128)
         assert mxfp4_blocks(128 * 8, 8, O, I) == (128, 128, 64, 8, 3)
         assert mxfp4_blocks(2048 * 8, 8, O, I) == (256, 128, 64, 8, 2)
     assert mxfp4_blocks(3, 2, 24, 32)[:3] == (16, 32, 32)  # clipped to small O and I
-    assert mxfp4_blocks(2048 * 8, 8, 3072, 3584, torch.float32) == (32, 64, 32, 4, 2)
+    assert mxfp4_blocks(2048 * 8, 8, 3072, 3584, torch.float32) == (32, 64, 32, 4, 1)
+    assert gemv_blocks(8, 64) == (16, 64, 4)
 
 
 @needs_kernels

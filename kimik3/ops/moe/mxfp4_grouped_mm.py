@@ -6,8 +6,14 @@ the even I index in the low nibble) and scales [E, O, I/32] (uint8 E8M0 codes, 2
 blocks along I, the reduction axis. At 4.25 bits an element they are 3.8x smaller than bf16, which is what a decode
 step's expert matmuls (a few rows an expert, bound by weight bandwidth) gain.
 
-Two routes, chosen from the shapes (``mxfp4_route``):
+Three routes, chosen from the shapes (``mxfp4_route``):
 
+- **gemv** (at most one row an expert on average: a decode step's experts): a Triton kernel whose program takes
+  one row and a [BLOCK_N] column tile of its expert, decodes [BLOCK_N, BLOCK_K] weight tiles in registers as the
+  registers route does, and multiplies them with the row on the CUDA cores (fp32 products summed per column once,
+  after the loop). No tile of rows is padded to tl.dot's 16, and the small column tiles give many programs, each
+  with the next iteration's codes already in flight (loaded one iteration ahead): what a weight-bandwidth-bound
+  step needs. Rows that share an expert each read its weights (from L2 after the first).
 - **registers** (decode sizes, and fp32 activations): a Triton kernel (CUDA; CPU tensors under TRITON_INTERPRET=1
   for the tests) whose programs decode their [BLOCK_N, BLOCK_K] weight tile to bf16 in registers
   (``mxfp4_dequantize.decode_words``: the codes read as int32 words, two elements placed by one integer operation,
@@ -20,12 +26,17 @@ Two routes, chosen from the shapes (``mxfp4_route``):
   decode, this pays one pass over the weights in bf16 on top of the bf16 GEMM. It needs a transient bf16 copy of
   the weights (E x O x I x 2 bytes).
 
+Both kernels load a weight tile's codes and scales one iteration ahead of their decode (in registers: Triton's
+pipeliner stages only a dot's direct operands, and these go through the decode first), so a program always has a
+tile's bytes in flight.
+
 The registers kernel groups without a host sync: its grid is a fixed number of programs from the shapes only,
 ``M_TILES`` row tiles x ``cdiv(O, BLOCK_N)`` column tiles, with M_TILES = min(R, R // BLOCK_M + E + 1), a bound on
 the row tiles of the E experts plus one more group, the rows past ``offsets_E[-1]`` (if any: they are written as
 zeros, so the output is defined for a padded batch). Each program reads ``offsets_E`` (E + 1 values), computes each
 group's tile count and their running sum (``tl.cumsum``), and finds its group and row range; programs past the real
-tiles return at once. Offsets are clamped to 0..R as read (out-of-range offsets cannot make the kernel read or write
+tiles return at once. The gemv kernel's program finds its row's expert by counting the offsets at or below the
+row. Offsets are clamped to 0..R as read (out-of-range offsets cannot make the kernel read or write
 outside x or y; the result is then meaningless, not checked: that would be a host sync). Row tiles are ordered in
 groups of ``GROUP_M`` within each column tile (the weight column block stays in L2 across an expert's row tiles, the
 x rows across the column tiles of the group).
@@ -50,17 +61,18 @@ from kimik3.ops.moe.mxfp4_dequantize import (as_words, check_mxfp4_weight, decod
                                               permute_words)
 from kimik3.quant.mx import BLOCK_SIZE, MXTensor, dequantize
 
-__all__ = ["mxfp4_backend", "mxfp4_blocks", "mxfp4_grouped_mm", "mxfp4_grouped_mm_reference", "mxfp4_route"]
+__all__ = ["gemv_blocks", "mxfp4_backend", "mxfp4_blocks", "mxfp4_grouped_mm", "mxfp4_grouped_mm_reference",
+           "mxfp4_route"]
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
 # Block sizes by the mean rows an expert (R / E): BLOCK_M its next power of two, from DECODE_ROWS (the smallest tile
 # tl.dot takes) to PREFILL_ROWS. Decode (up to 64 rows an expert, one row tile each): BLOCK_N = 64 (K3's O = 3072
 # over 8 local experts gives 384 programs at one row an expert) and BLOCK_K = 128 (64 code bytes a weight row a step:
-# two full 32-byte sectors), 4 warps. From 65 rows: BLOCK_N = 128, BLOCK_K = 64 at 8 warps, as a bf16 GEMM on
-# Hopper; BLOCK_M = 256 from 129 rows, because every row tile decodes its weight tiles again (half the decode a
-# multiply-add of 128-row tiles), with 2 pipeline stages (3 stages spill 16 bytes; 255 registers a thread either
-# way). Counted in the SASS of an offline sm_90 compile (Triton 3.6), not timed.
+# two full 32-byte sectors), 4 warps, one stage (the codes are prefetched by hand). From 65 rows: BLOCK_N = 128,
+# BLOCK_K = 64 at 8 warps, as a bf16 GEMM on Hopper; BLOCK_M = 256 from 129 rows, because every row tile decodes its
+# weight tiles again (half the decode a multiply-add of 128-row tiles), with 2 pipeline stages (3 stages spill 16
+# bytes; 255 registers a thread either way). Counted in the SASS of an offline sm_90 compile (Triton 3.6), not timed.
 DECODE_ROWS = 16
 PREFILL_ROWS = 256
 GROUP_M = 8
@@ -69,7 +81,12 @@ GROUP_M = 8
 # above it, decoding every weight tile again for each row tile costs more than one decode pass plus the bf16 GEMM
 # (``benchmarks/mxfp4_experts.py`` times both; the figures are in benchmarks/NOTES-quant.md).
 DEQUANTIZE_ROWS = 128
-ROUTES = ("auto", "registers", "dequantize")
+# The gemv route's tile: 16 weight rows x 256 elements (128 code bytes a row: four 32-byte sectors) over 4 warps, 16
+# code bytes a thread an iteration; K3's O = 3072 over 8 local experts gives 1,536 programs at one row an expert. The
+# fastest of a sweep of column tiles 16-128, 128-512 elements, 2-8 warps, 1-3 stages, with and without the prefetch
+# and unrolled (benchmarks/NOTES-quant.md).
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 16, 256, 4
+ROUTES = ("auto", "gemv", "registers", "dequantize")
 
 
 def mxfp4_blocks(R: int, E: int, O: int, I: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int]:
@@ -83,19 +100,25 @@ def mxfp4_blocks(R: int, E: int, O: int, I: int, dtype: torch.dtype = torch.bflo
     if block_m >= 128:
         block_n, block_k, num_warps, num_stages = 128, 64, 8, 3 if block_m < 256 else 2
     else:
-        block_n, block_k, num_warps, num_stages = 64, 128, 4, 4
+        block_n, block_k, num_warps, num_stages = 64, 128, 4, 1
     if dtype == torch.float32:
-        block_m, block_n, block_k, num_warps, num_stages = min(block_m, 32), min(block_n, 64), 32, 4, 2
+        block_m, block_n, block_k, num_warps, num_stages = min(block_m, 32), min(block_n, 64), 32, 4, 1
     block_n = max(16, min(block_n, triton.next_power_of_2(O)))
     block_k = max(32, min(block_k, triton.next_power_of_2(I)))
     return block_m, block_n, block_k, num_warps, num_stages
 
 
+def gemv_blocks(O: int, I: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the gemv route: ``GEMV_*`` clipped to small O and I."""
+    return (max(16, min(GEMV_BLOCK_N, triton.next_power_of_2(O))),
+            max(32, min(GEMV_BLOCK_K, triton.next_power_of_2(I))), GEMV_WARPS)
+
+
 def mxfp4_route(R: int, E: int, O: int, dtype: torch.dtype, route: str = "auto") -> str:
-    """"registers" or "dequantize" for ``R`` rows over ``E`` experts of ``O`` outputs and ``dtype`` activations
-    (the module docstring says what each is). "auto" takes "dequantize" for bf16 from ``DEQUANTIZE_ROWS`` rows an
-    expert on average where ``torch._grouped_mm`` takes the shape (O a multiple of 8); fp32 activations only go
-    through "registers"."""
+    """"gemv", "registers" or "dequantize" for ``R`` rows over ``E`` experts of ``O`` outputs and ``dtype``
+    activations (the module docstring says what each is). "auto" takes "gemv" up to one row an expert on average
+    (R <= E), "dequantize" for bf16 from ``DEQUANTIZE_ROWS`` rows an expert on average where ``torch._grouped_mm``
+    takes the shape (O a multiple of 8), "registers" between; fp32 activations never go through "dequantize"."""
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     fits = dtype == torch.bfloat16 and O % 8 == 0
@@ -104,6 +127,8 @@ def mxfp4_route(R: int, E: int, O: int, dtype: torch.dtype, route: str = "auto")
                          f"multiple of 8, got {dtype} and O = {O}")
     if route != "auto":
         return route
+    if R <= E:
+        return "gemv"
     return "dequantize" if fits and R >= DEQUANTIZE_ROWS * max(E, 1) else "registers"
 
 
@@ -200,11 +225,14 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     R, I = x_RI.shape
     E, O, _ = codes_EOH.shape
     blocks = (block_m, block_n, block_k, num_warps, num_stages)
-    if mxfp4_route(R, E, O, x_RI.dtype, route) == "dequantize":
-        if any(b is not None for b in blocks):
-            raise ValueError("block_m / block_n / block_k / num_warps / num_stages tune the registers route; this call "
-                             f"takes the dequantize route ({R} rows over {E} experts): pass route='registers'")
+    chosen = mxfp4_route(R, E, O, x_RI.dtype, route)
+    if chosen != "registers" and any(b is not None for b in blocks):
+        raise ValueError("block_m / block_n / block_k / num_warps / num_stages tune the registers route; this call "
+                         f"takes the {chosen} route ({R} rows over {E} experts): pass route='registers'")
+    if chosen == "dequantize":
         return _dequantized_grouped_mm(x_RI, codes_EOH, scales_EOB, offsets_E)
+    if chosen == "gemv":
+        return _gemv(x_RI, codes_EOH, scales_EOB, offsets_E)
     for name, given, least in (("block_m", block_m, 16), ("block_n", block_n, 16), ("block_k", block_k, 32),
                                ("num_warps", num_warps, 1)):
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < least
@@ -231,6 +259,27 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     return y_RO
 
 
+def _gemv(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor,
+          offsets_E: torch.Tensor) -> torch.Tensor:
+    """The gemv route: a program per (row, column tile)."""
+    R, I = x_RI.shape
+    E, O, _ = codes_EOH.shape
+    y_RO = torch.empty(R, O, dtype=x_RI.dtype, device=x_RI.device)
+    if R == 0:
+        return y_RO
+    block_n, block_k, warps = gemv_blocks(O, I)
+    words = as_words(codes_EOH)
+    with on_device(x_RI.device):
+        _mxfp4_gemv_kernel[(R * triton.cdiv(O, block_n),)](
+            x_RI, x_RI.stride(0), x_RI.stride(1),
+            words, *words.stride()[:2], scales_EOB, *scales_EOB.stride(),
+            offsets_E, y_RO, R, O, E,
+            I=I, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E),
+            num_warps=warps, num_stages=1,
+        )
+    return y_RO
+
+
 def _dequantized_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor,
                             offsets_E: torch.Tensor) -> torch.Tensor:
     """The dequantize route: the weights decoded to bf16 once, into a row-major [E + 1, I, O] buffer (the layout of
@@ -246,6 +295,17 @@ def _dequantized_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_
     offs = torch.cat([torch.cummax(offsets_E.clamp(0, R), 0).values,
                       torch.full((1,), R, dtype=offsets_E.dtype, device=x_RI.device)]).to(torch.int32)
     return torch._grouped_mm(x_RI.contiguous(), w_EIO, offs=offs)
+
+
+@_jit
+def _load_codes(c_rows, s_rows, s_sb, nmask, k0, I: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K / 8] code words and [BLOCK_N, BLOCK_K / 32] scale codes of the weight tile at k0 (rows
+    ``c_rows`` / ``s_rows``; masked past I and past O, scale 127 = 1 there)."""
+    ws = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    bs = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    words = tl.load(c_rows + ws[None, :], mask=nmask[:, None] & (ws < I // 8)[None, :], other=0)
+    scales = tl.load(s_rows + bs[None, :] * s_sb, mask=nmask[:, None] & (bs < I // 32)[None, :], other=127)
+    return words, scales
 
 
 @_jit
@@ -289,24 +349,59 @@ def _mxfp4_grouped_mm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if e < E:
         ks = tl.arange(0, BLOCK_K)
-        ws = tl.arange(0, BLOCK_K // 8)
-        bs = tl.arange(0, BLOCK_K // 32)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * s_xr
         c_rows = c_ptr + e.to(tl.int64) * s_ce + cols.to(tl.int64)[:, None] * s_co
         s_rows = sc_ptr + e.to(tl.int64) * s_se + cols.to(tl.int64)[:, None] * s_so
+        words, scales = _load_codes(c_rows, s_rows, s_sb, nmask, 0, I, BLOCK_K)
         for k0 in range(0, I, BLOCK_K):
+            # The next tile's codes first (past the end: masked, no traffic), so that they are in flight while
+            # this one decodes.
+            next_words, next_scales = _load_codes(c_rows, s_rows, s_sb, nmask, k0 + BLOCK_K, I, BLOCK_K)
             kmask = (k0 + ks) < I
             x = tl.load(x_rows + (k0 + ks)[None, :] * s_xi, mask=rmask[:, None] & kmask[None, :], other=0.0)
             # The decoded tile's columns come in decode_words' order: x's are put in the same one.
             x = permute_words(x, BLOCK_M, BLOCK_K)
-            words = tl.load(c_rows + (k0 // 8 + ws)[None, :],
-                            mask=nmask[:, None] & ((k0 // 8 + ws) < I // 8)[None, :], other=0)
-            scales = tl.load(s_rows + (k0 // 32 + bs)[None, :] * s_sb,
-                             mask=nmask[:, None] & ((k0 // 32 + bs) < I // 32)[None, :], other=127)
             w = decode_words(words, scales, BLOCK_N, BLOCK_K)
             if FP32:
                 acc = tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, tl.trans(w), acc)
+            words, scales = next_words, next_scales
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * O + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=rmask[:, None] & nmask[None, :])
+
+
+@_jit
+def _mxfp4_gemv_kernel(
+    x_ptr, s_xr, s_xi, c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb,
+    off_ptr, y_ptr, R, O, E,
+    I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Program (row r, column tile): y[r, cols] = x[r] @ dequantize(W[e])[:, cols] for r's expert e, the number of
+    offsets (clamped to 0..R) at or below r; zeros for a row past offsets[E - 1]. The products in fp32, summed along
+    the tile's K per column once after the loop."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(O, BLOCK_N)
+    r = pid // n_tiles
+    pid_n = pid % n_tiles
+    g = tl.arange(0, BLOCK_E)
+    ends = tl.load(off_ptr + g, mask=g < E, other=R)
+    ends = tl.minimum(tl.maximum(ends, 0), R)
+    e = tl.sum(((ends <= r) & (g < E)).to(tl.int32), 0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = cols < O
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if e < E:
+        ks = tl.arange(0, BLOCK_K)
+        x_row = x_ptr + r.to(tl.int64) * s_xr
+        c_rows = c_ptr + e.to(tl.int64) * s_ce + cols.to(tl.int64)[:, None] * s_co
+        s_rows = sc_ptr + e.to(tl.int64) * s_se + cols.to(tl.int64)[:, None] * s_so
+        words, scales = _load_codes(c_rows, s_rows, s_sb, nmask, 0, I, BLOCK_K)
+        for k0 in range(0, I, BLOCK_K):
+            next_words, next_scales = _load_codes(c_rows, s_rows, s_sb, nmask, k0 + BLOCK_K, I, BLOCK_K)
+            x = tl.load(x_row + (k0 + ks)[None, :] * s_xi, mask=((k0 + ks) < I)[None, :], other=0.0)
+            x = permute_words(x, 1, BLOCK_K)
+            w = decode_words(words, scales, BLOCK_N, BLOCK_K)
+            acc += w.to(tl.float32) * x.to(tl.float32)
+            words, scales = next_words, next_scales
+    tl.store(y_ptr + r.to(tl.int64) * O + cols, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=nmask)

@@ -18,13 +18,13 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kimik3.config.schema import K3Config
 from kimik3.model.cache import KDAState
 from kimik3.model.conv import apply_short_conv, conv_state_at, short_conv_step
 from kimik3.model.fused_linear import project
+from kimik3.model.norm import rms_norm_torch
 from kimik3.model.param_rules import ParamRule, adamw, muon
 from kimik3.ops.glue import gated_rms_norm, glue_backend
 from kimik3.ops.kda import chunk_kda, kda_decode
@@ -43,7 +43,7 @@ def gated_output_norm(o_BTHV: torch.Tensor, gate_BTHV: torch.Tensor, weight_V: t
     ``backend``: as ``glue_backend``."""
     if glue_backend(o_BTHV, backend) == "triton":
         return gated_rms_norm(o_BTHV, gate_BTHV, weight_V, eps, out_dtype)
-    normed = F.rms_norm(o_BTHV.float(), (o_BTHV.shape[-1],), weight_V.float(), eps)
+    normed = rms_norm_torch(o_BTHV, weight_V, eps, torch.float32)
     return (normed * torch.sigmoid(gate_BTHV.float())).to(out_dtype)
 
 

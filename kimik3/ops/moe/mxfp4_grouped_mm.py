@@ -209,8 +209,8 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     or its ``offsets_E`` (int32 [E], the running row counts, ``torch._grouped_mm``'s offs). Rows past
     ``offsets_E[-1]`` come out as zeros. All on one device. ``backend``: "auto" (CUDA -> the Triton kernel, CPU ->
     the torch reference), "torch" or "triton" (CPU tensors need TRITON_INTERPRET=1 set before the kernels were
-    imported). ``route`` (the Triton backend's): "auto" (``mxfp4_route``), "registers" or "dequantize" (bf16 x, O a
-    multiple of 8). The kernels are forward only (raise when grad is enabled and x requires grad) and do no host
+    imported). ``route`` (the Triton backend's): "auto" (``mxfp4_route``), "gemv", "registers" or "dequantize" (bf16
+    x, O a multiple of 8). The kernels are forward only (raise when grad is enabled and x requires grad) and do no host
     sync; ``block_m`` / ``block_n`` / ``block_k`` / ``num_warps`` / ``num_stages`` override ``mxfp4_blocks``' choice
     for the registers route (for tests and tuning: block sizes powers of two, >= 16, BLOCK_K >= 32; num_warps a power
     of two; num_stages >= 1).

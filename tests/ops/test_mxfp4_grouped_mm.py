@@ -168,23 +168,6 @@ def test_default_blocks_and_expert_groups(counts):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("E, I, O, counts, extra", [
-    (4, 96, 40, [3, 0, 17, 1], 2),       # empty middle expert; partial N and K tiles (96 of 128); rows past the end
-    (3, 288, 16, [0, 2, 0], 0),          # empty first and last; two K tiles, the second partial (288 = 256 + 32)
-    (2, 32, 24, [1, 1], 1),              # one K block; O over two column tiles
-])
-def test_gemv_route_matches_the_reference(E, I, O, counts, extra, dtype):
-    mx = weights(E, I, O)
-    offsets = offsets_of(counts)
-    x = rows(sum(counts) + extra, I, dtype)
-    with torch.no_grad():
-        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", route="gemv")
-    assert_close_to_reference(y, x, mx, offsets)
-    assert torch.equal(y[sum(counts):], torch.zeros_like(y[sum(counts):]))
-
-
-@needs_kernels
 def test_gemv_route_with_offsets_out_of_range_stays_in_bounds():
     """Offsets past R, negative or decreasing give a meaningless result but no access outside x, the weights or y
     (every load and store is bounds-checked under the interpreter)."""
@@ -314,18 +297,23 @@ def test_dequantize_kernel_writes_into_a_transposed_out():
         mxfp4_dequantize(mx.codes, mx.scales, out=buf[:E])
 
 
-# (E, I, O, rows an expert): the dequantize route, with empty experts and rows past the last offset
-ROUTE_CASES = [(4, 96, 40, [3, 0, 17, 1], 2), (3, 64, 16, [0, 5, 0], 0), (2, 32, 8, [40, 9], 7)]
+# (E, I, O, rows an expert, rows past the last offset), with empty experts. The dequantize route (bf16 only):
+DEQUANTIZE_CASES = [(4, 96, 40, [3, 0, 17, 1], 2), (3, 64, 16, [0, 5, 0], 0), (2, 32, 8, [40, 9], 7)]
+# the gemv route (fp32 and bf16): partial N and K tiles (96 of 128); two K tiles, the second partial (288 = 256 +
+# 32); one K block and O over two column tiles
+GEMV_CASES = [(4, 96, 40, [3, 0, 17, 1], 2), (3, 288, 16, [0, 2, 0], 0), (2, 32, 24, [1, 1], 1)]
 
 
 @needs_kernels
-@pytest.mark.parametrize("E, I, O, counts, extra", ROUTE_CASES)
-def test_dequantize_route_matches_the_reference(E, I, O, counts, extra):
+@pytest.mark.parametrize("route, dtype, E, I, O, counts, extra",
+                         [("dequantize", torch.bfloat16, *case) for case in DEQUANTIZE_CASES]
+                         + [("gemv", dtype, *case) for case in GEMV_CASES for dtype in (torch.float32, torch.bfloat16)])
+def test_route_matches_the_reference(route, dtype, E, I, O, counts, extra):
     mx = weights(E, I, O)
     offsets = offsets_of(counts)
-    x = rows(sum(counts) + extra, I, torch.bfloat16)
+    x = rows(sum(counts) + extra, I, dtype)
     with torch.no_grad():
-        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", route="dequantize")
+        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", route=route)
     assert_close_to_reference(y, x, mx, offsets)
     assert torch.equal(y[sum(counts):], torch.zeros_like(y[sum(counts):]))
 

@@ -1,4 +1,4 @@
-"""MXFP4 routed-expert matmuls on the GPU: ``mxfp4_grouped_mm`` (packed E2M1 codes + E8M0 scales) on both its
+"""MXFP4 routed-expert matmuls on the GPU: ``mxfp4_grouped_mm`` (packed E2M1 codes + E8M0 scales) on each of its
 routes, against bf16 ``torch._grouped_mm`` at K3's expert shapes.
 
     python benchmarks/mxfp4_experts.py [--experts 8] [--tokens 1,4,16,64,256,512,1024,2048,4096] [--out DIR]

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
 
     from kimik3.ops.moe import ExpertGroups, mxfp4_grouped_mm
     from kimik3.ops.moe.mxfp4_dequantize import mxfp4_dequantize
-    from kimik3.ops.moe.mxfp4_grouped_mm import mxfp4_blocks, mxfp4_route
+    from kimik3.ops.moe.mxfp4_grouped_mm import gemv_blocks, mxfp4_blocks, mxfp4_route
     from kimik3.quant.mx import dequantize, quantize
 
     report = Report(table=[])
@@ -134,9 +134,12 @@ def main(argv=None) -> int:
                 ms_bf16 = bench(run_bf16, args.warmup, args.rep)
             ms_mx, err = times[auto]
             flops = 2.0 * R * I * O
-            chosen = mxfp4_blocks(R, E, O, I)
-            blocks = [args.blocks.get(n, v) for n, v in
-                      zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), chosen)]
+            if auto == "gemv":      # its tiles: one row, gemv_blocks' columns and K, one stage
+                block_n, block_k, warps = gemv_blocks(O, I)
+                blocks = [1, block_n, block_k, warps, 1]
+            else:
+                blocks = [args.blocks.get(n, v) for n, v in
+                          zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), mxfp4_blocks(R, E, O, I))]
             row = {"shape": name, "I": I, "O": O, "experts": E, "tokens_per_expert": tokens, "rows": R,
                    "blocks": blocks, "route": auto, "gemv_ms": times.get("gemv", (None,))[0],
                    "registers_ms": times.get("registers", (None,))[0],

@@ -31,7 +31,7 @@ def test_mxfp4_experts_bench_checks_and_times_the_routes(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "bench", once)
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "SHAPES", {"gate_up": (64, 32), "down": (32, 64)})
-    from kimik3.ops.moe.mxfp4_grouped_mm import DEQUANTIZE_ROWS
+    from kimik3.ops.moe.mxfp4_grouped_mm import DEQUANTIZE_ROWS, mxfp4_blocks
 
     assert bench.main(["--experts", "2", "--tokens", f"1,{DEQUANTIZE_ROWS}", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "mxfp4_experts.json").read_text())
@@ -42,5 +42,7 @@ def test_mxfp4_experts_bench_checks_and_times_the_routes(tmp_path, monkeypatch):
         assert r["route"] == ("dequantize" if tokens == DEQUANTIZE_ROWS else "gemv")
         assert r["registers_ms"] == r["dequantize_ms"] == r["bf16_ms"] == r["mxfp4_ms"] == 0.5
         assert r["gemv_ms"] == (0.5 if tokens == 1 else None)
+        registers_m = mxfp4_blocks(2 * tokens, 2, r["O"], r["I"])[0]
+        assert r["blocks"][0] == (1 if tokens == 1 else registers_m)      # the gemv route's one row, or BLOCK_M
         assert r["weight_bytes_bf16"] / r["weight_bytes_mxfp4"] == 16 / 4.25
     assert len(calls) == 2 * (1 + 4 + 3)               # per shape: the decode, then 3 routes + bf16, 2 routes + bf16

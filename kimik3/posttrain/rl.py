@@ -42,9 +42,10 @@ the rest are paused (their tokens so far kept with their rollout log-probabiliti
 token). A finished trajectory is trained once, as soon as its group has a baseline for it (its advantage normalised
 over the group's members finished so far, ``partial.FinishedGroups``); its tokens sampled by older weights get
 the stale-token objective of ``policy_loss.clipped_policy_loss``, whose trust region is the policy as it was before
-the update (one more forward of the rows, without gradient); ``--stale-limit K`` keeps tokens more than K versions
-stale as context only, out of the loss. λ = 1 is the plain loop above. A ``--resume``d run starts with an empty
-queue (paused trajectories and waiting early finishers are not checkpointed).
+the update (one more forward of the rows, without gradient, when a stale token is in the loss); ``--stale-limit K``
+keeps tokens more than K versions stale as context only, out of the loss. λ = 1 is the plain loop above. A
+``--resume``d run starts with an empty queue (paused trajectories and waiting early finishers are not
+checkpointed).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 # Without CUDA, Triton kernels can only run under the interpreter, and Triton decides that when a
@@ -31,3 +32,12 @@ def pytest_terminal_summary(terminalreporter):
     if _started and not os.environ.get("PYTEST_XDIST_WORKER"):
         elapsed = time.monotonic() - _started[0]
         terminalreporter.write_line(f"test suite wall time: {elapsed:.0f} s ({elapsed / 60:.1f} min)")
+
+
+@pytest.fixture(autouse=True)
+def _subnormals_restored():
+    """Each test starts with subnormal floats kept, as a fresh process has them: ``kimik3 train`` on the CPU (and
+    the draft trainer) flush them process-wide for speed, which would leak into later tests on the same worker
+    (the MXFP4 decode under the interpreter computes through bf16 subnormals, value x 2^-126)."""
+    torch.set_flush_denormal(False)
+    yield

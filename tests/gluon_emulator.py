@@ -8,7 +8,10 @@ Triton's interpreter runs ``tl`` kernels:
 - tensors are whole tiles (layouts are accepted and ignored: they decide where values live, not what they are);
   ``gl.load`` / ``gl.store`` check every masked-in lane against the bounds of the tensor behind the pointer;
 - shared memory is a tensor that starts as NaN (integers: a sentinel), so a tile read before it is written shows;
-- ``warpgroup_mma`` multiplies in fp32, with fp32 operands rounded to tf32 as the tensor cores round them;
+- ``warpgroup_mma`` and ``mma_v2`` multiply in fp32, with fp32 operands rounded to tf32 as the tensor cores round
+  them;
+- ``inline_asm_elementwise`` runs the PTX snippets our kernels use (``ASM``: each emulated by torch operations with
+  the instructions' rounding); any other raises;
 - mbarriers keep Hopper's phase rule: a phase completes when its expected arrivals and transaction bytes are all
   in; ``wait(bar, parity)`` returns once the phase of that parity is complete (a fresh barrier's "previous" phase,
   parity 1, counts as complete). A TMA load lands in shared memory only when a wait sees its phase complete, so
@@ -41,13 +44,13 @@ import torch
 from triton.experimental import gluon  # noqa: F401  (the language modules below need it imported)
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonJITFunction
-from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia import ampere, hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier as gl_mbarrier
 from triton.experimental.gluon.language.nvidia.hopper import tma as gl_tma
 from triton.language.core import constexpr
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int64": torch.int64,
-           "int32": torch.int32, "int1": torch.bool, "int8": torch.int8, "uint8": torch.uint8}
+           "int32": torch.int32, "int16": torch.int16, "int1": torch.bool, "int8": torch.int8, "uint8": torch.uint8}
 
 
 class GluonDeadlock(RuntimeError):
@@ -80,8 +83,13 @@ class Tile:
     dtype = property(lambda self: self.t.dtype)
     shape = property(lambda self: list(self.t.shape))
 
-    def to(self, dtype, **_):
-        return Tile(self.t.to(_torch_dtype(dtype)))
+    def to(self, dtype, bitcast=False, **_):
+        dt = _torch_dtype(dtype)
+        if _val(bitcast):  # the same bits as another type of the same width
+            if dt.itemsize != self.t.dtype.itemsize:
+                raise ValueError(f"gluon emulator: bitcast {self.t.dtype} -> {dt} changes the width")
+            return Tile(self.t.view(dt))
+        return Tile(self.t.to(dt))
 
     def __index__(self):
         return int(self.t)
@@ -129,8 +137,20 @@ Tile.__neg__ = lambda self: Tile(-self.t)
 Tile.__invert__ = lambda self: Tile(~self.t)
 
 
+def _span(t: torch.Tensor) -> torch.Tensor:
+    """A flat view of the memory a strided tensor spans, from its first element to its last (itself when
+    contiguous): what a kernel given its pointer and strides addresses."""
+    if t.is_contiguous():
+        return t
+    if any(st < 0 for st in t.stride()):
+        raise ValueError("gluon emulator: negative strides")
+    n = 0 if t.numel() == 0 else 1 + sum((size - 1) * st for size, st in zip(t.shape, t.stride()))
+    return t.as_strided((n,), (1,))
+
+
 class Pointer:
-    """A pointer argument (a flat view of a torch tensor) plus element offsets, a scalar or a tile of them."""
+    """A pointer argument (a flat view of the memory a torch tensor spans) plus element offsets, a scalar or a
+    tile of them."""
 
     def __init__(self, base: torch.Tensor, name: str, offset=0):
         self.base, self.name, self.offset = base, name, offset
@@ -357,12 +377,56 @@ def _mma(a, b, acc, use_acc=True, is_async=False, **_):
     return Tile(prod + _val(acc).float() if _val(use_acc) else prod)
 
 
+def _mma_v2(a, b, acc, input_precision=None, **_):
+    return Tile(_tf32(_val(a)) @ _tf32(_val(b)) + _val(acc).float())
+
+
 def _mma_wait(num_outstanding=0, deps=None, **_):
     """``warpgroup_mma_wait``: the products are done already (``_mma`` computes at issue); returns the dependencies
     as Gluon does, one alone or several as a tuple."""
     if deps is None:
         raise ValueError("warpgroup_mma_wait deps must be given")
     return deps[0] if len(deps) == 1 else tuple(deps)
+
+
+def _bf16x2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int32 tensor's two bf16 halves (low, high) as fp32."""
+    lo = (x & 0xFFFF).to(torch.int16).view(torch.bfloat16).float()
+    hi = (x >> 16).to(torch.int16).view(torch.bfloat16).float()
+    return lo, hi
+
+
+def _pack_bf16x2(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """fp32 halves rounded to bf16 (nearest even) and packed into an int32, low half first."""
+    lo16 = lo.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    hi16 = hi.to(torch.bfloat16).view(torch.int16).to(torch.int32)
+    return lo16 | (hi16 << 16)
+
+
+def _mul_bf16x2(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``mul.rn.bf16x2``: each half's product rounded to bf16 (an fp32 product of two bf16 is exact)."""
+    a_lo, a_hi = _bf16x2(a)
+    b_lo, b_hi = _bf16x2(b)
+    return _pack_bf16x2(a_lo * b_lo, a_hi * b_hi)
+
+
+_TWO_126_X2 = torch.tensor(0x7E807E80, dtype=torch.int32)  # 2^126 in both bf16 halves
+
+
+# The inline PTX the kernels use -> its torch emulation (operands as torch tensors, in the asm's order).
+ASM = {
+    "mul.rn.bf16x2 $0, $1, $2;": _mul_bf16x2,
+    "{ .reg .b32 c, t; mov.b32 c, 0x7E807E80; mul.rn.bf16x2 t, $1, c; mul.rn.bf16x2 $0, t, $2; }":
+        lambda a, b: _mul_bf16x2(_mul_bf16x2(a, _TWO_126_X2), b),
+}
+
+
+def _inline_asm(asm, constraints, args, dtype, is_pure=True, pack=1, **_):
+    asm = _val(asm)
+    if asm not in ASM:
+        raise NotImplementedError(f"gluon emulator: inline asm {asm!r} (known: tests/gluon_emulator.py ASM)")
+    ts = torch.broadcast_tensors(*[torch.as_tensor(_val(a)) for a in args])
+    return Tile(ASM[asm](*ts).to(_torch_dtype(dtype)))
 
 
 def _shared_alloc(dtype, shape, layout=None, value=None, **_):
@@ -459,6 +523,12 @@ def _patched(machine: _Machine, fn_globals: dict):
         "atomic_add": _atomic_add,
         "expand_dims": lambda x, axis, **_: Tile(_val(x).unsqueeze(int(_val(axis)))),
         "convert_layout": lambda x, layout=None, **_: x,
+        "join": lambda a, b, **_: Tile(torch.stack(torch.broadcast_tensors(torch.as_tensor(_val(a)),
+                                                                           torch.as_tensor(_val(b))), -1)),
+        "reshape": lambda x, shape, **_: Tile(_val(x).reshape([int(_val(d)) for d in shape])),
+        "broadcast": lambda a, b, **_: tuple(Tile(t) for t in torch.broadcast_tensors(torch.as_tensor(_val(a)),
+                                                                                      torch.as_tensor(_val(b)))),
+        "inline_asm_elementwise": _inline_asm,
         "permute": lambda x, *dims, **_: Tile(_val(x).permute(*[int(_val(d)) for d in
                                                                  (dims[0] if len(dims) == 1 else dims)])),
         "exp": _unwrapped(torch.exp),
@@ -486,12 +556,12 @@ def _patched(machine: _Machine, fn_globals: dict):
     put(gl_tma, "async_copy_global_to_shared", machine.tma_load)
     put(gl_tma, "async_copy_shared_to_global", machine.tma_store)
     put(gl_tma, "store_wait", machine.store_wait)
-    for obj in (hopper, fn_globals):
-        for name, value in (("fence_async_shared", lambda *a, **k: None), ("warpgroup_mma", _mma),
-                            ("warpgroup_mma_wait", _mma_wait)):
-            if isinstance(obj, dict) and name not in obj:
-                continue
-            put(obj, name, value)
+    tensor_core = {"fence_async_shared": lambda *a, **k: None, "warpgroup_mma": _mma,
+                   "warpgroup_mma_wait": _mma_wait, "mma_v2": _mma_v2}
+    for obj in (hopper, ampere, fn_globals):  # the modules, and the names a kernel imported from them
+        for name, value in tensor_core.items():
+            if name in (obj if isinstance(obj, dict) else vars(obj)):
+                put(obj, name, value)
     unwrapped: set[int] = set()
 
     def plain_globals(g: dict) -> None:  # module-level gl.constexpr values as the plain values jit code sees
@@ -524,8 +594,8 @@ _LOCK = threading.Lock()  # one emulated launch at a time: the language modules 
 
 def emulate(kernel: GluonJITFunction, grid, *args, timeout: float = 60.0, **kwargs) -> None:
     """Run ``kernel[grid](*args, **kwargs)`` on the CPU, its programs one after another (see the module docstring).
-    Tensor arguments are pointers; TMA descriptors (``TensorDescriptor``) are used as they are; everything else
-    passes through."""
+    Tensor arguments (CPU, any non-negative strides) are pointers to the memory they span; TMA descriptors
+    (``TensorDescriptor``) are used as they are; everything else passes through."""
     if not isinstance(kernel, GluonJITFunction):
         raise TypeError(f"emulate takes a @gluon.jit kernel, got {type(kernel).__name__}")
     grid = tuple(int(g) for g in grid) if isinstance(grid, (tuple, list)) else (int(grid),)
@@ -535,11 +605,11 @@ def emulate(kernel: GluonJITFunction, grid, *args, timeout: float = 60.0, **kwar
     for option in ("maxnreg", "num_stages", "num_ctas"):  # launch options, not kernel parameters
         kwargs.pop(option, None)
     names = kernel.arg_names
-    wrapped = [Pointer(a, names[i] if i < len(names) else f"arg{i}") if isinstance(a, torch.Tensor) else a
-               for i, a in enumerate(args)]
     for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and (a.device.type != "cpu" or not a.is_contiguous()):
-            raise ValueError(f"gluon emulator: pointer arguments must be contiguous CPU tensors ({names[i]} is not)")
+        if isinstance(a, torch.Tensor) and a.device.type != "cpu":
+            raise ValueError(f"gluon emulator: pointer arguments must be CPU tensors ({names[i]} is not)")
+    wrapped = [Pointer(_span(a), names[i] if i < len(names) else f"arg{i}") if isinstance(a, torch.Tensor) else a
+               for i, a in enumerate(args)]
     machine = _Machine(timeout)
     machine.grid = grid
     with _LOCK, _patched(machine, kernel.fn.__globals__), torch.no_grad():  # (a kernel records no autograd)

@@ -19,6 +19,7 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: E402
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 from tests.gluon_emulator import GluonDeadlock, emulate, last_json_line, run_without_interpreter  # noqa: E402
@@ -212,6 +213,83 @@ def test_a_two_operand_reduction():
     assert torch.equal(y[1], x.amax(1))
 
 
+@gluon.jit
+def _pairs_kernel(a_ptr, b_ptr, y_ptr, s_ar, ASM: gl.constexpr):
+    """y[r, :] = the int32 words of a's strided rows r, each times b's in bf16x2 (``ASM``), split into their halves
+    (join, then reshape): y [4, 16] bf16 from a, b [4, 8] int32."""
+    BL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+    r = gl.arange(0, 4, layout=gl.SliceLayout(1, BL))
+    c = gl.arange(0, 8, layout=gl.SliceLayout(0, BL))
+    a = gl.load(a_ptr + gl.expand_dims(r * s_ar, 1) + gl.expand_dims(c, 0))
+    b = gl.load(b_ptr + gl.expand_dims(r * 8, 1) + gl.expand_dims(c, 0))
+    p = gl.inline_asm_elementwise(ASM, "=r,r,r", [a, b], dtype=gl.int32, is_pure=True, pack=1)
+    halves = gl.join(p.to(gl.int16).to(gl.bfloat16, bitcast=True), (p >> 16).to(gl.int16).to(gl.bfloat16,
+                                                                                          bitcast=True))
+    y = gl.reshape(halves, [4, 16])
+    YL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0])
+    gl.store(y_ptr + gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, YL)) * 16, 1)
+             + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, YL)), 0), gl.convert_layout(y, YL))
+
+
+def _bf16_words(t: torch.Tensor) -> torch.Tensor:
+    """A bf16 [..., 2n] tensor's bits as int32 words [..., n] (element 2i in the low half)."""
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("asm, scale", [("mul.rn.bf16x2 $0, $1, $2;", 1.0), (
+    "{ .reg .b32 c, t; mov.b32 c, 0x7E807E80; mul.rn.bf16x2 t, $1, c; mul.rn.bf16x2 $0, t, $2; }", 2.0 ** 126)])
+def test_bf16x2_multiplies_round_each_half(asm, scale):
+    """The bf16x2 multiply snippets: each half rounded to bf16 (nearest even), after the 2^126 step where there
+    is one; a strided pointer reads the rows it spans; join puts the low half first."""
+    gen = torch.Generator().manual_seed(0)
+    a_wide = torch.randn(4, 24, generator=gen).to(torch.bfloat16)                # rows of 24: stride 12 words
+    a = a_wide[:, :16]
+    if scale != 1.0:
+        a = (a.float() * 2.0 ** -126).to(torch.bfloat16)                        # exact: subnormals kept
+        a_wide[:, :16] = a
+    b = (1 + torch.rand(4, 16, generator=gen)).to(torch.bfloat16)
+    y = torch.zeros(4, 16, dtype=torch.bfloat16)
+    words = a_wide.view(torch.int32)                                            # [4, 12], rows' first 8 words used
+    emulate(_pairs_kernel, (1,), words[:, :8], _bf16_words(b), y, words.stride(0), ASM=asm)
+    ref = ((a.float() * scale).to(torch.bfloat16).float() * b.float()).to(torch.bfloat16)
+    assert torch.equal(y.view(torch.int16), ref.view(torch.int16))
+    truncated = ((a.float() * scale).to(torch.bfloat16).float() * b.float()).view(torch.int32) >> 16
+    assert not torch.equal(ref.view(torch.int16).to(torch.int32), truncated)   # the rounding is what is checked
+
+
+def test_an_unknown_asm_or_a_bitcast_across_widths_is_refused():
+    w = torch.zeros(4, 8, dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="inline asm"):
+        emulate(_pairs_kernel, (1,), w, w, torch.zeros(4, 16, dtype=torch.bfloat16), 8, ASM="add.s32 $0, $1, $2;")
+
+
+@gluon.jit
+def _mma_v2_kernel(a_ptr, b_ptr, y_ptr):
+    """y [16, 8] fp32 = a [16, 32] @ b [32, 8] (bf16) on ``mma_v2``, accumulated onto 1."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    BL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0])
+    ra = gl.arange(0, 16, layout=gl.SliceLayout(1, BL))
+    ka = gl.arange(0, 32, layout=gl.SliceLayout(0, BL))
+    a = gl.load(a_ptr + gl.expand_dims(ra * 32, 1) + gl.expand_dims(ka, 0))
+    kb = gl.arange(0, 32, layout=gl.SliceLayout(1, BL))
+    cb = gl.arange(0, 8, layout=gl.SliceLayout(0, BL))
+    b = gl.load(b_ptr + gl.expand_dims(kb * 8, 1) + gl.expand_dims(cb, 0))
+    acc = gl.full([16, 8], 1.0, gl.float32, layout=MMA)
+    acc = mma_v2(gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)),
+                 gl.convert_layout(b, gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)), acc)
+    gl.store(y_ptr + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(1, MMA)) * 8, 1)
+             + gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, MMA)), 0), acc)
+
+
+def test_mma_v2_multiplies_in_fp32():
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(16, 32, generator=gen).to(torch.bfloat16)
+    b = torch.randn(32, 8, generator=gen).to(torch.bfloat16)
+    y = torch.zeros(16, 8)
+    emulate(_mma_v2_kernel, (1,), a, b, y)
+    torch.testing.assert_close(y, a.float() @ b.float() + 1, rtol=1e-6, atol=1e-6)
+
+
 def _compile_for_sm90() -> list:
     """Compile the kernels for sm_90 (``benchmarks/kda_sm90_report.Sm90Compiler``): ptxas's rows."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
@@ -225,6 +303,11 @@ def _compile_for_sm90() -> list:
              dict(NB=2, SKEW=0, num_warps=4), (1,))
     compiler(_grid_kernel, [torch.zeros(3, 2, 8, dtype=torch.int32)], dict(num_warps=1), (2, 3))
     compiler(_two_reductions_kernel, [x, torch.zeros(2, 64)], dict(num_warps=4), (1,))
+    words = torch.zeros(4, 8, dtype=torch.int32)
+    compiler(_pairs_kernel, [words, words, torch.zeros(4, 16, dtype=torch.bfloat16), 8],
+             dict(ASM="mul.rn.bf16x2 $0, $1, $2;", num_warps=1), (1,))
+    compiler(_mma_v2_kernel, [_rows(16).bfloat16()[:, :32].contiguous(), torch.zeros(32, 8, dtype=torch.bfloat16),
+                              torch.zeros(16, 8)], dict(num_warps=1), (1,))
     return compiler.rows
 
 
@@ -232,7 +315,7 @@ def test_the_kernels_compile_for_sm90(tmp_path):
     """In a process of its own, without the interpreter the test session switches on and with an empty Triton
     cache: the kernels compile, without spilling."""
     rows = last_json_line(run_without_interpreter(["-m", "tests.test_gluon_emulator"], tmp_path))
-    assert len(rows) == 4 and all(r["spill_store_bytes"] == 0 for r in rows), rows
+    assert len(rows) == 6 and all(r["spill_store_bytes"] == 0 for r in rows), rows
 
 
 if __name__ == "__main__":

@@ -3,19 +3,20 @@ routes, against bf16 ``torch._grouped_mm`` at K3's expert shapes.
 
     python benchmarks/mxfp4_experts.py [--experts 8] [--tokens 1,4,16,64,256,512,1024,2048,4096] [--out DIR]
 
-K3's routed experts are SiTU-GLU FFNs, latent 3584 -> hidden 3072 -> 3584: the gate and up matmuls [in 3584, out
-3072] (each; timed as one) and the down matmul [in 3072, out 3584]. Per shape and tokens an expert (every one of the
-E local experts gets that many rows: 1..64 is decode, 2048 and 4096 prefill), the script first checks each route's
-output (gemv, up to ``GEMV_TOKENS`` rows an expert: a program per row, the weights decoded in registers and
+K3's routed experts are SiTU-GLU FFNs, latent 3584 -> hidden 3072 -> 3584: the gate and up matmuls [in 3584, out 3072]
+(each; timed as one) and the down matmul [in 3072, out 3584]. Per shape and tokens an expert (every one of the E local
+experts gets that many rows: 1..64 is decode, 2048 and 4096 prefill), the script first checks each route's output
+(mma, on a GPU that runs it and up to ``MMA_TOKENS`` rows an expert: the weights decoded into the tensor cores'
+operand registers; gemv, up to ``GEMV_TOKENS`` rows an expert: a program per row, the weights decoded in registers and
 multiplied on the CUDA cores; registers: the weights decoded in the matmul's registers; dequantize: decoded once to
-bf16, then ``torch._grouped_mm``) against ``torch._grouped_mm`` on the dequantised bf16 weights (the same
-products: relative RMS error under 1e-3, and every element within 2^-7 of its reference plus 1e-3 of the largest; a
-case that fails is not timed), then times the routes and bf16 (``triton.testing.do_bench`` medians) and prints ms,
-the time of the weights' decode alone, the route ``mxfp4_route`` takes at that size, the bf16 / MXFP4 time ratio
-for that route (above 1: MXFP4 is faster), TFLOP/s, the weight bytes of each form and the weight bandwidth they
-imply (bytes / time). ``--blocks`` overrides the registers kernel's tile sizes (and warps and pipeline stages), for
-tuning. GPU only: without CUDA it exits with a message (``--help`` works anywhere). Writes ``mxfp4_experts.json``
-under ``--out`` when given.
+bf16, then ``torch._grouped_mm``) against ``torch._grouped_mm`` on the dequantised bf16 weights (the same products:
+relative RMS error under 1e-3, and every element within 2^-7 of its reference plus 1e-3 of the largest; a case that
+fails is not timed), then times the routes and bf16 (``triton.testing.do_bench`` medians) and prints ms, the time of
+the weights' decode alone, the route ``mxfp4_route`` takes at that size, the bf16 / MXFP4 time ratio for that route
+(above 1: MXFP4 is faster), TFLOP/s, the weight bytes of each form and the weight bandwidth they imply (bytes / time).
+``--blocks`` overrides the registers kernel's tile sizes (and warps and pipeline stages), for tuning. GPU only:
+without CUDA it exits with a message (``--help`` works anywhere). Writes ``mxfp4_experts.json`` under ``--out`` when
+given.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ SHAPES = {"gate_up": (3584, 3072), "down": (3072, 3584)}  # name -> (in I, out O
 DEVICE = "cuda"  # a smoke test of the script's logic may set "cpu" (the kernel then needs TRITON_INTERPRET=1)
 REL_RMS_MAX = 1e-3
 GEMV_TOKENS = 16  # the gemv route re-reads an expert's weights for each of its rows: timed up to this many
+MMA_TOKENS = 512  # the mma route takes 32 rows a pass over the weights: timed up to this many (past its crossover)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,7 +85,8 @@ def main(argv=None) -> int:
 
     from kimik3.ops.moe import ExpertGroups, mxfp4_grouped_mm
     from kimik3.ops.moe.mxfp4_dequantize import mxfp4_dequantize
-    from kimik3.ops.moe.mxfp4_grouped_mm import gemv_blocks, mxfp4_blocks, mxfp4_route
+    from kimik3.ops.moe.mxfp4_grouped_mm import gemv_blocks, mma_available, mxfp4_blocks, mxfp4_route
+    from kimik3.ops.moe.mxfp4_mma import MMA_STEPS, MMA_WARPS, mma_rows_per_pass
     from kimik3.quant.mx import dequantize, quantize
 
     report = Report(table=[])
@@ -92,7 +95,9 @@ def main(argv=None) -> int:
     cuda = dev.type == "cuda"
     E = args.experts
     log(f"{torch.cuda.get_device_name(dev) if cuda else dev}, torch {torch.__version__}, E = {E} local experts")
-    log(f"{'shape':>8} {'tok/exp':>7} {'rows':>6} {'M,N,K,warps,stages':>20} {'gemv ms':>8} {'regs ms':>8} "
+    mma = mma_available(dev)
+    log(f"{'shape':>8} {'tok/exp':>7} {'rows':>6} {'M,N,K,warps,stages':>20} {'mma ms':>8} {'gemv ms':>8} "
+        f"{'regs ms':>8} "
         f"{'deq ms':>8} {'(decode)':>8} {'route':>10} {'bf16 ms':>8} {'ratio':>6} {'mxfp4 TF':>8} {'bf16 TF':>8} "
         f"{'W mxfp4':>9} {'W bf16':>9} {'mxfp4 GB/s':>10} {'bf16 GB/s':>9}")
     for name in args.shapes:
@@ -112,14 +117,15 @@ def main(argv=None) -> int:
             R = E * tokens
             x = torch.randn(R, I, device=dev, generator=gen).to(torch.bfloat16)
             groups = ExpertGroups.of(torch.full((E,), tokens, device=dev))
-            auto = mxfp4_route(R, E, O, x.dtype)
+            auto = mxfp4_route(R, E, O, x.dtype, mma=mma)
             times = {}
             with torch.inference_mode():
                 run_bf16 = lambda: torch._grouped_mm(x, w_deq, offs=groups.offsets_E)  # noqa: E731
                 ref = run_bf16().float()
                 bound = ref.abs() * 2.0 ** -7 + 1e-3 * ref.abs().max()
-                for route in ("gemv", "registers", "dequantize"):
-                    if route == "gemv" and tokens > GEMV_TOKENS:
+                for route in ("mma", "gemv", "registers", "dequantize"):
+                    if (route == "gemv" and tokens > GEMV_TOKENS) or (route == "mma" and (not mma
+                                                                                           or tokens > MMA_TOKENS)):
                         continue
                     extra = args.blocks if route == "registers" else {}
                     run = lambda: mxfp4_grouped_mm(x, codes, scales, groups, route=route, **extra)  # noqa: E731
@@ -134,14 +140,17 @@ def main(argv=None) -> int:
                 ms_bf16 = bench(run_bf16, args.warmup, args.rep)
             ms_mx, err = times[auto]
             flops = 2.0 * R * I * O
-            if auto == "gemv":      # its tiles: one row, gemv_blocks' columns and K, one stage
+            if auto == "mma":       # its tiles: 8 x RN rows a pass, 16 x warps columns, 128 x steps K
+                blocks = [8 * mma_rows_per_pass(R, E), 16 * MMA_WARPS, 128 * MMA_STEPS, MMA_WARPS, 1]
+            elif auto == "gemv":    # its tiles: one row, gemv_blocks' columns and K, one stage
                 block_n, block_k, warps = gemv_blocks(O, I)
                 blocks = [1, block_n, block_k, warps, 1]
             else:
                 blocks = [args.blocks.get(n, v) for n, v in
                           zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), mxfp4_blocks(R, E, O, I))]
             row = {"shape": name, "I": I, "O": O, "experts": E, "tokens_per_expert": tokens, "rows": R,
-                   "blocks": blocks, "route": auto, "gemv_ms": times.get("gemv", (None,))[0],
+                   "blocks": blocks, "route": auto, "mma_ms": times.get("mma", (None,))[0],
+                   "gemv_ms": times.get("gemv", (None,))[0],
                    "registers_ms": times.get("registers", (None,))[0],
                    "dequantize_ms": times.get("dequantize", (None,))[0], "dequantize_weights_ms": ms_decode,
                    "mxfp4_ms": ms_mx, "bf16_ms": ms_bf16, "ratio_bf16_over_mxfp4": ms_bf16 / ms_mx,
@@ -154,7 +163,8 @@ def main(argv=None) -> int:
             def ms(v):
                 return f"{v:.4f}" if v is not None else "-"
 
-            log(f"{name:>8} {tokens:>7} {R:>6} {','.join(map(str, blocks)):>20} {ms(row['gemv_ms']):>8} "
+            log(f"{name:>8} {tokens:>7} {R:>6} {','.join(map(str, blocks)):>20} {ms(row['mma_ms']):>8} "
+                f"{ms(row['gemv_ms']):>8} "
                 f"{ms(row['registers_ms']):>8} {ms(row['dequantize_ms']):>8} {ms_decode:>8.4f} {auto:>10} "
                 f"{ms_bf16:>8.4f} "
                 f"{row['ratio_bf16_over_mxfp4']:>6.2f} {row['mxfp4_tflops']:>8.1f} {row['bf16_tflops']:>8.1f} "

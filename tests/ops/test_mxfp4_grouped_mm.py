@@ -28,7 +28,7 @@ import torch
 from kimik3.ops.moe.grouped_mm import ExpertGroups
 from kimik3.quant.mx import MXTensor, dequantize, quantize
 from kimik3.ops.moe.mxfp4_dequantize import mxfp4_dequantize
-from kimik3.ops.moe.mxfp4_grouped_mm import (DEQUANTIZE_ROWS, gemv_blocks, mxfp4_backend, mxfp4_blocks,
+from kimik3.ops.moe.mxfp4_grouped_mm import (DEQUANTIZE_ROWS, MMA_ROWS, gemv_blocks, mxfp4_backend, mxfp4_blocks,
                                               mxfp4_grouped_mm, mxfp4_route)
 from tests.kernel_testing import DEV, HAS_KERNELS, interpreter_setup, needs_kernels, ON_GPU  # noqa: F401 (interpreter_setup: autouse)
 
@@ -352,6 +352,26 @@ def test_route_choice():
     for dtype, O in ((torch.float32, 3072), (torch.bfloat16, 3068)):
         with pytest.raises(ValueError, match="route 'dequantize' runs torch._grouped_mm"):
             mxfp4_route(8, 8, O, dtype, "dequantize")
+    # where the mma kernel runs: bf16 up to MMA_ROWS rows an expert, whatever O
+    assert mxfp4_route(8, 8, 3072, torch.bfloat16, mma=True) == "mma"
+    assert mxfp4_route(MMA_ROWS * 8, 8, 3068, torch.bfloat16, mma=True) == "mma"
+    assert mxfp4_route(MMA_ROWS * 8 + 1, 8, 3072, torch.bfloat16, mma=True) == "registers"
+    assert mxfp4_route(8, 8, 3072, torch.float32, mma=True) == "gemv"
+    assert mxfp4_route(big, 8, 3072, torch.bfloat16, "mma", mma=True) == "mma"
+    for dtype, mma in ((torch.float32, True), (torch.bfloat16, False)):
+        with pytest.raises(ValueError, match="route 'mma' multiplies bf16 activations"):
+            mxfp4_route(8, 8, 3072, dtype, "mma", mma=mma)
+
+
+def test_mma_route_refused_where_it_cannot_run():
+    mx = weights(2, 32, 16)
+    if not ON_GPU:
+        with pytest.raises(ValueError, match="route 'mma'"):
+            mxfp4_grouped_mm(rows(3, 32, torch.bfloat16), mx.codes, mx.scales, offsets_of([1, 2]), backend="triton",
+                             route="mma")
+    with pytest.raises(ValueError, match="route 'mma'"):
+        mxfp4_grouped_mm(rows(3, 32, torch.float32), mx.codes, mx.scales, offsets_of([1, 2]), backend="triton",
+                         route="mma")
 
 
 @needs_kernels
@@ -474,7 +494,8 @@ def test_bad_inputs_are_named():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("per_expert", [1, 16, 256, DEQUANTIZE_ROWS + 1])  # the last: the dequantize route
+@pytest.mark.parametrize("per_expert", [1, 4, 16, 64, 256, DEQUANTIZE_ROWS + 1])  # mma where it runs, to 16;
+                                                                                    # registers; dequantize
 @pytest.mark.parametrize("O, I", [(3072, 3584), (3584, 3072)])
 def test_k3_shapes_against_grouped_mm_on_gpu(O, I, per_expert):
     """K3's expert matmuls (8 local experts, one of them empty) against torch._grouped_mm on the dequantised bf16
@@ -492,7 +513,7 @@ def test_k3_shapes_against_grouped_mm_on_gpu(O, I, per_expert):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("route", ["registers", "dequantize"])
+@pytest.mark.parametrize("route", ["mma", "registers", "dequantize"])
 def test_cuda_graph_capture_and_replay(route):
     """Captured once, replayed with new rows and new offsets (another split of the same R rows, an expert emptied):
     both routes read the offsets on the device, so the replay follows them."""

@@ -6,8 +6,11 @@ the even I index in the low nibble) and scales [E, O, I/32] (uint8 E8M0 codes, 2
 blocks along I, the reduction axis. At 4.25 bits an element they are 3.8x smaller than bf16, which is what a decode
 step's expert matmuls (a few rows an expert, bound by weight bandwidth) gain.
 
-Three routes, chosen from the shapes (``mxfp4_route``):
+Four routes, chosen from the shapes and the device (``mxfp4_route``):
 
+- **mma** (bf16 activations, decode sizes, Hopper): a Gluon kernel that decodes the weights straight into the
+  tensor cores' operand registers and multiplies y^T = W x^T on ``mma.sync`` (kimik3/ops/moe/mxfp4_mma.py says
+  how); ~3.5 instructions a weight element where the kernels below take ~6-7.
 - **gemv** (at most one row an expert on average: a decode step's experts): a Triton kernel whose program takes
   one row and a [BLOCK_N] column tile of its expert, decodes [BLOCK_N, BLOCK_K] weight tiles in registers as the
   registers route does, and multiplies them with the row on the CUDA cores (fp32 products summed per column once,
@@ -61,8 +64,8 @@ from kimik3.ops.moe.mxfp4_dequantize import (as_words, check_mxfp4_weight, decod
                                               permute_words)
 from kimik3.quant.mx import BLOCK_SIZE, MXTensor, dequantize
 
-__all__ = ["gemv_blocks", "mxfp4_backend", "mxfp4_blocks", "mxfp4_grouped_mm", "mxfp4_grouped_mm_reference",
-           "mxfp4_route"]
+__all__ = ["gemv_blocks", "mma_available", "mxfp4_backend", "mxfp4_blocks", "mxfp4_grouped_mm",
+           "mxfp4_grouped_mm_reference", "mxfp4_route"]
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -86,7 +89,12 @@ DEQUANTIZE_ROWS = 128
 # fastest of a sweep of column tiles 16-128, 128-512 elements, 2-8 warps, 1-3 stages, with and without the prefetch
 # and unrolled (benchmarks/NOTES-quant.md).
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 16, 256, 4
-ROUTES = ("auto", "gemv", "registers", "dequantize")
+# Up to this many rows an expert on average (bf16 activations, a device ``mma_available`` says yes to) the mma route
+# runs: the weights decoded into the tensor cores' operand registers (``mxfp4_mma``). Its time is flat from 1 to 16
+# rows (one pass over the weights for 8 or 16 rows); at 64 (two passes of 32) the registers route is faster
+# (benchmarks/mxfp4_experts.py, NOTES-quant.md).
+MMA_ROWS = 16
+ROUTES = ("auto", "mma", "gemv", "registers", "dequantize")
 
 
 def mxfp4_blocks(R: int, E: int, O: int, I: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int]:
@@ -114,19 +122,36 @@ def gemv_blocks(O: int, I: int) -> tuple[int, int, int]:
             max(32, min(GEMV_BLOCK_K, triton.next_power_of_2(I))), GEMV_WARPS)
 
 
-def mxfp4_route(R: int, E: int, O: int, dtype: torch.dtype, route: str = "auto") -> str:
-    """"gemv", "registers" or "dequantize" for ``R`` rows over ``E`` experts of ``O`` outputs and ``dtype``
-    activations (the module docstring says what each is). "auto" takes "gemv" up to one row an expert on average
-    (R <= E), "dequantize" for bf16 from ``DEQUANTIZE_ROWS`` rows an expert on average where ``torch._grouped_mm``
-    takes the shape (O a multiple of 8), "registers" between; fp32 activations never go through "dequantize"."""
+def mma_available(device: torch.device) -> bool:
+    """Whether the mma route can run on ``device``: a CUDA GPU of compute capability 9.0 or more (its bf16x2
+    multiplies) and a Triton with Gluon."""
+    if device.type != "cuda" or triton is None or torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    from kimik3.ops.kda.dispatch import gluon_available
+
+    return gluon_available()
+
+
+def mxfp4_route(R: int, E: int, O: int, dtype: torch.dtype, route: str = "auto", mma: bool = False) -> str:
+    """"mma", "gemv", "registers" or "dequantize" for ``R`` rows over ``E`` experts of ``O`` outputs and ``dtype``
+    activations (the module docstring says what each is); ``mma``: whether the device runs the mma route
+    (``mma_available``). "auto" takes "mma" for bf16 up to ``MMA_ROWS`` rows an expert on average where it runs,
+    else "gemv" up to one row an expert (R <= E); "dequantize" for bf16 from ``DEQUANTIZE_ROWS`` rows an expert on
+    average where ``torch._grouped_mm`` takes the shape (O a multiple of 8); "registers" between and for fp32
+    activations, which never go through "mma" or "dequantize"."""
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     fits = dtype == torch.bfloat16 and O % 8 == 0
     if route == "dequantize" and not fits:
         raise ValueError(f"route 'dequantize' runs torch._grouped_mm in bf16: it takes bf16 activations and O a "
                          f"multiple of 8, got {dtype} and O = {O}")
+    if route == "mma" and (dtype != torch.bfloat16 or not mma):
+        raise ValueError(f"route 'mma' multiplies bf16 activations on a CUDA GPU of compute capability >= 9.0 with "
+                         f"a Triton that has Gluon: got {dtype}{'' if mma else ' on a device without it'}")
     if route != "auto":
         return route
+    if mma and dtype == torch.bfloat16 and R <= MMA_ROWS * max(E, 1):
+        return "mma"
     if R <= E:
         return "gemv"
     return "dequantize" if fits and R >= DEQUANTIZE_ROWS * max(E, 1) else "registers"
@@ -209,11 +234,11 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     or its ``offsets_E`` (int32 [E], the running row counts, ``torch._grouped_mm``'s offs). Rows past
     ``offsets_E[-1]`` come out as zeros. All on one device. ``backend``: "auto" (CUDA -> the Triton kernel, CPU ->
     the torch reference), "torch" or "triton" (CPU tensors need TRITON_INTERPRET=1 set before the kernels were
-    imported). ``route`` (the Triton backend's): "auto" (``mxfp4_route``), "gemv", "registers" or "dequantize" (bf16
-    x, O a multiple of 8). The kernels are forward only (raise when grad is enabled and x requires grad) and do no host
-    sync; ``block_m`` / ``block_n`` / ``block_k`` / ``num_warps`` / ``num_stages`` override ``mxfp4_blocks``' choice
-    for the registers route (for tests and tuning: block sizes powers of two, >= 16, BLOCK_K >= 32; num_warps a power
-    of two; num_stages >= 1).
+    imported). ``route`` (the Triton backend's): "auto" (``mxfp4_route``), "mma" (bf16 x on a CUDA GPU of compute
+    capability >= 9.0), "gemv", "registers" or "dequantize" (bf16 x, O a multiple of 8). The kernels are forward
+    only (raise when grad is enabled and x requires grad) and do no host sync; ``block_m`` / ``block_n`` /
+    ``block_k`` / ``num_warps`` / ``num_stages`` override ``mxfp4_blocks``' choice for the registers route (for tests
+    and tuning: block sizes powers of two, >= 16, BLOCK_K >= 32; num_warps a power of two; num_stages >= 1).
     """
     offsets_E = _check(x_RI, codes_EOH, scales_EOB, groups_or_offsets)
     if mxfp4_backend(x_RI, backend) == "torch":
@@ -225,12 +250,16 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     R, I = x_RI.shape
     E, O, _ = codes_EOH.shape
     blocks = (block_m, block_n, block_k, num_warps, num_stages)
-    chosen = mxfp4_route(R, E, O, x_RI.dtype, route)
+    chosen = mxfp4_route(R, E, O, x_RI.dtype, route, mma_available(x_RI.device))
     if chosen != "registers" and any(b is not None for b in blocks):
         raise ValueError("block_m / block_n / block_k / num_warps / num_stages tune the registers route; this call "
                          f"takes the {chosen} route ({R} rows over {E} experts): pass route='registers'")
     if chosen == "dequantize":
         return _dequantized_grouped_mm(x_RI, codes_EOH, scales_EOB, offsets_E)
+    if chosen == "mma":
+        from kimik3.ops.moe.mxfp4_mma import mxfp4_mma  # (Gluon: imported only where it runs)
+
+        return mxfp4_mma(x_RI, codes_EOH, scales_EOB, offsets_E)
     if chosen == "gemv":
         return _gemv(x_RI, codes_EOH, scales_EOB, offsets_E)
     for name, given, least in (("block_m", block_m, 16), ("block_n", block_n, 16), ("block_k", block_k, 32),

@@ -28,6 +28,12 @@ import time
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # --help works anywhere; the timings need CUDA (and so triton)
+    triton = tl = None
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SHAPES = {"gate_up": (3584, 3072), "down": (3072, 3584)}  # name -> (in I, out O)
@@ -75,6 +81,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def read_all(t: torch.Tensor) -> torch.Tensor:
+    """Reads every byte of a contiguous tensor once (a Triton kernel XOR-ing its 32-bit words, 32 KB a program, one
+    word out a program): the floor of any kernel that must read those bytes, launch and ramp included."""
+    words = t.reshape(-1).view(torch.int32) if t.numel() * t.element_size() % 4 == 0 else t.reshape(-1)
+    n = words.numel()
+    out = torch.empty(triton.cdiv(n, _READ_BLOCK * _READ_ITERS), dtype=words.dtype, device=t.device)
+    _read_kernel[(out.numel(),)](words, out, n, BLOCK=_READ_BLOCK, ITERS=_READ_ITERS, num_warps=8)
+    return out
+
+
+_READ_BLOCK, _READ_ITERS = 1024, 8  # the fastest of 1,024-4,096 x 4-8 on an H100 (NOTES-quant.md)
+
+if triton is not None:
+    @triton.jit
+    def _read_kernel(w_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK * ITERS + tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=w_ptr.dtype.element_ty)
+        for i in range(ITERS):
+            acc ^= tl.load(w_ptr + offs + i * BLOCK, mask=offs + i * BLOCK < n, other=0)
+        tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, 0))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -112,6 +140,10 @@ def main(argv=None) -> int:
         w_EIO = None
         with torch.inference_mode():
             ms_decode = bench(lambda: mxfp4_dequantize(codes, scales), args.warmup, args.rep)
+            ms_read_mx, ms_read_bf16 = (bench(lambda t=t: read_all(t), args.warmup, args.rep) for t in (codes, w_deq))
+        log(f"{name}: reading the weights alone (no decode, no product): MXFP4 codes {ms_read_mx:.4f} ms, bf16 "
+            f"{ms_read_bf16:.4f} ms -> at most {ms_read_bf16 / ms_read_mx:.2f}x from the bytes at this size")
+        report.results.setdefault("read_floor", {})[name] = {"codes_ms": ms_read_mx, "bf16_ms": ms_read_bf16}
         for tokens in args.tokens:
             case = f"{name}:{tokens}"
             R = E * tokens

@@ -1,7 +1,7 @@
 """Smoke test of benchmarks/mxfp4_experts.py (MXFP4 expert matmuls against bf16, run on an H200): the whole script on
 the CPU at small shapes, the kernels under the Triton interpreter and one call per timing, checking the JSON it
 writes: the registers and dequantize routes checked and timed at every size, the gemv route at decode sizes, and the
-route ``mxfp4_route`` takes recorded as the row's."""
+route ``mxfp4_route`` takes recorded as the row's, and the read floor (the weights read alone) per shape."""
 
 from __future__ import annotations
 
@@ -45,4 +45,6 @@ def test_mxfp4_experts_bench_checks_and_times_the_routes(tmp_path, monkeypatch):
         registers_m = mxfp4_blocks(2 * tokens, 2, r["O"], r["I"])[0]
         assert r["blocks"][0] == (1 if tokens == 1 else registers_m)      # the gemv route's one row, or BLOCK_M
         assert r["weight_bytes_bf16"] / r["weight_bytes_mxfp4"] == 16 / 4.25
-    assert len(calls) == 2 * (1 + 4 + 3)               # per shape: the decode, then 3 routes + bf16, 2 routes + bf16
+    assert len(calls) == 2 * (1 + 2 + 4 + 3)   # per shape: the decode, the two reads, 3 routes + bf16, 2 routes + bf16
+    assert set(data["read_floor"]) == {"gate_up", "down"}
+    assert all(v == {"codes_ms": 0.5, "bf16_ms": 0.5} for v in data["read_floor"].values())

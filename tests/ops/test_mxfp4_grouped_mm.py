@@ -28,8 +28,8 @@ import torch
 from kimik3.ops.moe.grouped_mm import ExpertGroups
 from kimik3.quant.mx import MXTensor, dequantize, quantize
 from kimik3.ops.moe.mxfp4_dequantize import mxfp4_dequantize
-from kimik3.ops.moe.mxfp4_grouped_mm import (DEQUANTIZE_ROWS, MMA_ROWS, gemv_blocks, mxfp4_backend, mxfp4_blocks,
-                                              mxfp4_grouped_mm, mxfp4_route)
+from kimik3.ops.moe.mxfp4_grouped_mm import (DEQUANTIZE_ROWS, MMA_ROWS, gemv_blocks, mma_available, mxfp4_backend,
+                                              mxfp4_blocks, mxfp4_grouped_mm, mxfp4_route)
 from tests.kernel_testing import DEV, HAS_KERNELS, interpreter_setup, needs_kernels, ON_GPU  # noqa: F401 (interpreter_setup: autouse)
 
 FP32_EPS = 2.0 ** -24
@@ -361,6 +361,23 @@ def test_route_choice():
     for dtype, mma in ((torch.float32, True), (torch.bfloat16, False)):
         with pytest.raises(ValueError, match="route 'mma' multiplies bf16 activations"):
             mxfp4_route(8, 8, 3072, dtype, "mma", mma=mma)
+
+
+def test_mma_available_asks_for_hopper_and_gluon(monkeypatch):
+    import importlib
+
+    from kimik3.ops.kda import dispatch
+
+    module = importlib.import_module("kimik3.ops.moe.mxfp4_grouped_mm")  # (the package exports the function)
+
+    assert not mma_available(torch.device("cpu"))
+    for capability, gluon, expected in (((9, 0), True, True), ((10, 0), True, True), ((8, 0), True, False),
+                                        ((9, 0), False, False)):
+        module._mma_available.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        monkeypatch.setattr(dispatch, "gluon_available", lambda g=gluon: g)
+        assert mma_available(torch.device("cuda", 0)) is expected, (capability, gluon)
+    module._mma_available.cache_clear()
 
 
 def test_mma_route_refused_where_it_cannot_run():

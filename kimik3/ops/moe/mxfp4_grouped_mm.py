@@ -56,6 +56,8 @@ bytes a row, B = I / 32 scale blocks a row.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kimik3.ops.glue.common import _jit, check_triton_device, describe, glue_backend, on_device, tl, triton
@@ -124,8 +126,14 @@ def gemv_blocks(O: int, I: int) -> tuple[int, int, int]:
 
 def mma_available(device: torch.device) -> bool:
     """Whether the mma route can run on ``device``: a CUDA GPU of compute capability 9.0 or more (its bf16x2
-    multiplies) and a Triton with Gluon."""
-    if device.type != "cuda" or triton is None or torch.cuda.get_device_capability(device) < (9, 0):
+    multiplies) and a Triton with Gluon. Cached per device (the decode path asks on every call)."""
+    return device.type == "cuda" and _mma_available(device.index if device.index is not None else
+                                                    torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _mma_available(index: int) -> bool:
+    if triton is None or torch.cuda.get_device_capability(index) < (9, 0):
         return False
     from kimik3.ops.kda.dispatch import gluon_available
 

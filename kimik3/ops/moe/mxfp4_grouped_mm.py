@@ -10,7 +10,7 @@ Four routes, chosen from the shapes and the device (``mxfp4_route``):
 
 - **mma** (bf16 activations, decode sizes, Hopper): a Gluon kernel that decodes the weights straight into the
   tensor cores' operand registers and multiplies y^T = W x^T on ``mma.sync`` (kimik3/ops/moe/mxfp4_mma.py says
-  how); ~3.5 instructions a weight element where the kernels below take ~6-7.
+  how); ~4 instructions a weight element where the kernels below take ~6-7.
 - **gemv** (at most one row an expert on average: a decode step's experts): a Triton kernel whose program takes
   one row and a [BLOCK_N] column tile of its expert, decodes [BLOCK_N, BLOCK_K] weight tiles in registers as the
   registers route does, and multiplies them with the row on the CUDA cores (fp32 products summed per column once,
@@ -44,8 +44,9 @@ outside x or y; the result is then meaningless, not checked: that would be a hos
 groups of ``GROUP_M`` within each column tile (the weight column block stays in L2 across an expert's row tiles, the
 x rows across the column tiles of the group).
 
-Shapes decide everything at launch (the route and block sizes from R / E, O, I), so the call can be captured in a
-CUDA graph and replayed with new x, weights and offsets. Forward only.
+Shapes and the device decide everything at launch (the route and block sizes from R / E, O, I and the GPU's
+compute capability), so the call can be captured in a CUDA graph and replayed with new x, weights and offsets.
+Forward only.
 
 The torch reference, and the CPU path, is ``dequantize`` + ``grouped_mm_loop``; ``mxfp4_backend`` makes the choice
 (``glue_backend``'s: CUDA -> the kernel, CPU -> torch, ``backend=`` to force one).

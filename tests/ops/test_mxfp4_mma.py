@@ -22,10 +22,12 @@ import sys
 import pytest
 import torch
 
-from kimik3.ops.moe import mxfp4_mma as mma
-from kimik3.quant.mx import dequantize
-from tests.kernel_testing import ON_GPU
-from tests.ops.test_mxfp4_grouped_mm import (assert_close_to_reference,
+pytest.importorskip("triton.experimental.gluon")
+
+from kimik3.ops.moe import mxfp4_mma as mma  # noqa: E402
+from kimik3.quant.mx import dequantize  # noqa: E402
+from tests.kernel_testing import ON_GPU  # noqa: E402
+from tests.ops.test_mxfp4_grouped_mm import (assert_close_to_reference,  # noqa: E402
                                              check_nan_scale_poisons_its_column_of_its_expert, every_code_weight,
                                              offsets_of, rows, weights)
 

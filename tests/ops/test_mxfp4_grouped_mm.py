@@ -363,6 +363,7 @@ def test_route_choice():
             mxfp4_route(8, 8, 3072, dtype, "mma", mma=mma)
 
 
+@needs_kernels
 def test_mma_available_asks_for_hopper_and_gluon(monkeypatch):
     import importlib
 
@@ -380,6 +381,7 @@ def test_mma_available_asks_for_hopper_and_gluon(monkeypatch):
     module._mma_available.cache_clear()
 
 
+@needs_kernels
 def test_mma_route_refused_where_it_cannot_run():
     mx = weights(2, 32, 16)
     if not ON_GPU:

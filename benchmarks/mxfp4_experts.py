@@ -114,7 +114,6 @@ def main(argv=None) -> int:
     from kimik3.ops.moe import ExpertGroups, mxfp4_grouped_mm
     from kimik3.ops.moe.mxfp4_dequantize import mxfp4_dequantize
     from kimik3.ops.moe.mxfp4_grouped_mm import gemv_blocks, mma_available, mxfp4_blocks, mxfp4_route
-    from kimik3.ops.moe.mxfp4_mma import MMA_STEPS, MMA_WARPS, mma_rows_per_pass
     from kimik3.quant.mx import dequantize, quantize
 
     report = Report(table=[])
@@ -173,6 +172,8 @@ def main(argv=None) -> int:
             ms_mx, err = times[auto]
             flops = 2.0 * R * I * O
             if auto == "mma":       # its tiles: 8 x RN rows a pass, 16 x warps columns, 128 x steps K
+                from kimik3.ops.moe.mxfp4_mma import MMA_STEPS, MMA_WARPS, mma_rows_per_pass  # (Gluon: where it runs)
+
                 blocks = [8 * mma_rows_per_pass(R, E), 16 * MMA_WARPS, 128 * MMA_STEPS, MMA_WARPS, 1]
             elif auto == "gemv":    # its tiles: one row, gemv_blocks' columns and K, one stage
                 block_n, block_k, warps = gemv_blocks(O, I)

@@ -29,9 +29,9 @@ Four routes, chosen from the shapes and the device (``mxfp4_route``):
   decode, this pays one pass over the weights in bf16 on top of the bf16 GEMM. It needs a transient bf16 copy of
   the weights (E x O x I x 2 bytes).
 
-Both kernels load a weight tile's codes and scales one iteration ahead of their decode (in registers: Triton's
-pipeliner stages only a dot's direct operands, and these go through the decode first), so a program always has a
-tile's bytes in flight.
+The gemv and registers kernels (and the mma one) load a weight tile's codes and scales one iteration ahead of their
+decode (in registers: Triton's pipeliner stages only a dot's direct operands, and these go through the decode
+first), so a program always has a tile's bytes in flight.
 
 The registers kernel groups without a host sync: its grid is a fixed number of programs from the shapes only,
 ``M_TILES`` row tiles x ``cdiv(O, BLOCK_N)`` column tiles, with M_TILES = min(R, R // BLOCK_M + E + 1), a bound on

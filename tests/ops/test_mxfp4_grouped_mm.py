@@ -167,17 +167,22 @@ def test_default_blocks_and_expert_groups(counts):
     assert_close_to_reference(y, x, mx, groups.offsets_E)
 
 
-@needs_kernels
-def test_gemv_route_with_offsets_out_of_range_stays_in_bounds():
-    """Offsets past R, negative or decreasing give a meaningless result but no access outside x, the weights or y
-    (every load and store is bounds-checked under the interpreter)."""
+def check_offsets_out_of_range_stay_in_bounds(matmul):
+    """``matmul(x, mx, offsets) -> y`` with offsets past R, negative or decreasing: a meaningless result but no
+    access outside x, the weights or y (every load and store is bounds-checked, under the interpreter or the Gluon
+    emulator)."""
     mx = weights(3, 64, 16)
     x = rows(4, 64, torch.bfloat16)
     for counts in ([9, -3, 2], [-5, 0, 1]):
         with torch.no_grad():
-            y = mxfp4_grouped_mm(x, mx.codes, mx.scales, torch.tensor(counts, dtype=torch.int32, device=DEV),
-                                 backend="triton", route="gemv")
+            y = matmul(x, mx, torch.tensor(counts, dtype=torch.int32, device=DEV))
         assert y.shape == (4, 16)
+
+
+@needs_kernels
+def test_gemv_route_with_offsets_out_of_range_stays_in_bounds():
+    check_offsets_out_of_range_stay_in_bounds(
+        lambda x, mx, offsets: mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", route="gemv"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,5 +1,6 @@
 """What the benchmark scripts share: printed lines, PASS / FAIL verdicts collected into one results dict,
-sections that report their own failure and let the run go on, relative errors, and do_bench medians.
+sections that report their own failure and let the run go on, relative errors, do_bench medians, and a call captured
+as a CUDA graph to time it without its host overhead.
 
 A script makes one ``Report`` and binds its ``verdict`` and ``section`` at module level, so each script (and
 each fresh copy a smoke test loads) keeps its own results.
@@ -31,6 +32,21 @@ def bench(fn, warmup: int = 5, rep: int = 30) -> float:
     import triton
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def graphed(fn):
+    """``fn`` captured once as a CUDA graph (after a run on a side stream, where its kernels compile and its
+    workspaces are made): returns the graph's replay, which launches the same kernels with no Python or launch
+    overhead between them, as the serving engine's decode graphs do. The graph's outputs stay in its pool."""
+    from kimik3.cuda_graph import warm_up
+
+    side = torch.cuda.Stream()
+    warm_up(torch.device("cuda", torch.cuda.current_device()), side, fn)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        fn()
+    torch.cuda.synchronize()
+    return graph.replay
 
 
 class Report:

@@ -11,7 +11,10 @@ operand registers; gemv, up to ``GEMV_TOKENS`` rows an expert: a program per row
 multiplied on the CUDA cores; registers: the weights decoded in the matmul's registers; dequantize: decoded once to
 bf16, then ``torch._grouped_mm``) against ``torch._grouped_mm`` on the dequantised bf16 weights (the same products:
 relative RMS error under 1e-3, and every element within 2^-7 of its reference plus 1e-3 of the largest; a case that
-fails is not timed), then times the routes and bf16 (``triton.testing.do_bench`` medians) and prints ms, the time of
+fails is not timed), then times the routes and bf16 (``triton.testing.do_bench`` medians of a CUDA graph's replay of
+the call, as the engine decodes: at decode sizes a call's host work, its checks and launches from Python, lasts about
+as long as its kernels, and timing it from Python measured the host's speed; ``--eager`` times the calls as
+launched) and prints ms, the time of
 the weights' decode alone, the route ``mxfp4_route`` takes at that size, the bf16 / MXFP4 time ratio for that route
 (above 1: MXFP4 is faster), TFLOP/s, the weight bytes of each form and the weight bandwidth they imply (bytes / time).
 ``--blocks`` overrides the registers kernel's tile sizes (and warps and pipeline stages), for tuning. GPU only:
@@ -54,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="BLOCK_M,BLOCK_N,BLOCK_K[,NUM_WARPS,NUM_STAGES] for the kernel (default: mxfp4_blocks')")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms (default 25)")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms (default 100)")
+    p.add_argument("--eager", action="store_true",
+                   help="time each call as launched from Python (default: its CUDA graph's replay)")
     p.add_argument("--out", default=None, help="directory for mxfp4_experts.json")
     args = p.parse_args(argv)
     try:
@@ -109,7 +114,7 @@ def main(argv=None) -> int:
         print("mxfp4_experts.py times CUDA kernels: no CUDA device here (nothing run)", file=sys.stderr)
         return 2
 
-    from harness import Report, bench, log, rel
+    from harness import Report, bench, graphed, log, rel
 
     from kimik3.ops.moe import ExpertGroups, mxfp4_grouped_mm
     from kimik3.ops.moe.mxfp4_dequantize import mxfp4_dequantize
@@ -123,6 +128,17 @@ def main(argv=None) -> int:
     E = args.experts
     log(f"{torch.cuda.get_device_name(dev) if cuda else dev}, torch {torch.__version__}, E = {E} local experts")
     mma = mma_available(dev)
+    graphs = cuda and not args.eager
+
+    def timed(fn) -> float:
+        if graphs:
+            try:
+                fn = graphed(fn)
+            except RuntimeError as err:   # said, and timed as launched: a capture failure is a finding, not a stop
+                log(f"CUDA graph capture failed ({str(err).splitlines()[0][:200]}): this call timed as launched")
+        return bench(fn, args.warmup, args.rep)
+
+    log(f"times: do_bench medians of {'each call replayed from a CUDA graph' if graphs else 'each call as launched'}")
     log(f"{'shape':>8} {'tok/exp':>7} {'rows':>6} {'M,N,K,warps,stages':>20} {'mma ms':>8} {'gemv ms':>8} "
         f"{'regs ms':>8} "
         f"{'deq ms':>8} {'(decode)':>8} {'route':>10} {'bf16 ms':>8} {'ratio':>6} {'mxfp4 TF':>8} {'bf16 TF':>8} "
@@ -138,8 +154,8 @@ def main(argv=None) -> int:
         bytes_bf16 = w_deq.numel() * 2
         w_EIO = None
         with torch.inference_mode():
-            ms_decode = bench(lambda: mxfp4_dequantize(codes, scales), args.warmup, args.rep)
-            ms_read_mx, ms_read_bf16 = (bench(lambda t=t: read_all(t), args.warmup, args.rep) for t in (codes, w_deq))
+            ms_decode = timed(lambda: mxfp4_dequantize(codes, scales))
+            ms_read_mx, ms_read_bf16 = (timed(lambda t=t: read_all(t)) for t in (codes, w_deq))
         log(f"{name}: reading the weights alone (no decode, no product): MXFP4 codes {ms_read_mx:.4f} ms, bf16 "
             f"{ms_read_bf16:.4f} ms -> at most {ms_read_bf16 / ms_read_mx:.2f}x from the bytes at this size")
         report.results.setdefault("read_floor", {})[name] = {"codes_ms": ms_read_mx, "bf16_ms": ms_read_bf16}
@@ -165,10 +181,10 @@ def main(argv=None) -> int:
                     ok = err < REL_RMS_MAX and bool(((y - ref).abs() <= bound).all())
                     report.verdict(f"{case}:{route}:matches_bf16", ok, f"rel_rms {err:.2e}")
                     if ok:
-                        times[route] = (bench(run, args.warmup, args.rep), err)
+                        times[route] = (timed(run), err)
                 if auto not in times:
                     continue
-                ms_bf16 = bench(run_bf16, args.warmup, args.rep)
+                ms_bf16 = timed(run_bf16)
             ms_mx, err = times[auto]
             flops = 2.0 * R * I * O
             if auto == "mma":       # its tiles: 8 x RN rows a pass, 16 x warps columns, 128 x steps K

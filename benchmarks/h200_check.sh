@@ -40,7 +40,7 @@
 # spec       a target trained on the GPU for speculative decoding (kimik3 train, tiny preset, 240 s, eager step),
 #            its draft (kimik3 train-draft, 1,000 steps), then serve_speculative.py at batch 1 and 16, K = 2..5 <= 9.5 min
 # specdebug  the same on the debug preset: kimik3 train (390 s, CUDA graph, blocks eager), a draft of 300 steps,
-#            serve_speculative.py at batch 1 (K = 2, 3, 4) and 16 (K = 2, 3)                           <= 10 min
+#            serve_speculative.py at batch 1 (K = 2, 3, 4; with --profile) and 16 (K = 2, 3)          <= 10 min
 # posttrain  the rollout engine's GPU test (bf16 weights synced from the fp32 policy), then partial_rollouts.py on
 #            the GPU (lambda 1 against 0.7, the rollout engine's tokens/s in its records) on the run POST_RUN
 #            (default runs/tiny-base3-sft30; carry it, its model files without the checkpoints)          <= 9 min
@@ -217,7 +217,7 @@ case $MODE in
     step 0 specdebug_draft 150 python3 -m kimik3 train-draft --run /tmp/specdebug --device cuda --steps 300 --batch 16 \
       --no-progress
     step 0 specdebug_serve1 120 python3 benchmarks/serve_speculative.py --run /tmp/specdebug --batches 1 --tokens 2,3,4 \
-      --requests 8 --memory-mb 2048 --json "$OUT/specdebug_batch1.json"
+      --requests 8 --memory-mb 2048 --profile --json "$OUT/specdebug_batch1.json"
     step 0 specdebug_serve16 100 python3 benchmarks/serve_speculative.py --run /tmp/specdebug --batches 16 --tokens 2,3 \
       --requests 16 --memory-mb 2048 --json "$OUT/specdebug_batch16.json" ;;
   posttrain)

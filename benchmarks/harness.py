@@ -1,6 +1,6 @@
 """What the benchmark scripts share: printed lines, PASS / FAIL verdicts collected into one results dict,
-sections that report their own failure and let the run go on, relative errors, do_bench medians, and a call captured
-as a CUDA graph to time it without its host overhead.
+sections that report their own failure and let the run go on, relative errors, do_bench medians, a call captured
+as a CUDA graph to time it without its host overhead, and a profiler's CUDA kernels as a table.
 
 A script makes one ``Report`` and binds its ``verdict`` and ``section`` at module level, so each script (and
 each fresh copy a smoke test loads) keeps its own results.
@@ -47,6 +47,33 @@ def graphed(fn):
         fn()
     torch.cuda.synchronize()
     return graph.replay
+
+
+def kernel_rows(prof, steps: int, top: int = 25) -> dict:
+    """The CUDA kernels of ``steps`` profiled steps, per step: total launches and time, the ``top`` kernels by
+    time and by launch count, and every kernel by time ("all"). A profile without CUDA activity (a CPU run) gives
+    its aten operators by self time instead."""
+    rows, cpu_rows = [], []
+    for event in prof.key_averages():
+        cuda_us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
+        if cuda_us and event.device_type.name == "CUDA":
+            rows.append((event.key[:90], cuda_us / steps, event.count // steps))
+        elif event.key.startswith("aten::") and event.self_cpu_time_total:
+            cpu_rows.append((event.key[:90], event.self_cpu_time_total / steps, event.count // steps))
+    rows = rows or cpu_rows
+    by_time = sorted(rows, key=lambda row: -row[1])
+    return {"launches": sum(r[2] for r in rows), "us": sum(r[1] for r in rows), "by_time": by_time[:top],
+            "by_count": sorted(rows, key=lambda row: -row[2])[:top], "all": by_time}
+
+
+def print_kernels(title: str, table: dict) -> None:
+    print(f"{title}: {table['launches']} kernel launches, {table['us'] / 1e3:.2f} ms of kernel time")
+    for sync in table.get("host_syncs", []):
+        print(f"  host sync: {sync}")
+    for key in ("by_time", "by_count"):
+        print(f"| kernel ({key.replace('_', ' ')}) | us | launches |\n|---|---|---|")
+        for name, us, count in table[key]:
+            print(f"| {name} | {us:.1f} | {count} |")
 
 
 class Report:

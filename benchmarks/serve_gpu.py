@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import kernel_rows, print_kernels  # noqa: E402
 from make_serve_run import make_run  # noqa: E402
 
 from kimik3.model.k3 import K3ForCausalLM  # noqa: E402
@@ -201,19 +202,6 @@ def profile_step(core: EngineCore, prompt_len: int) -> list[tuple[str, float, in
     return kernel_rows(prof, 5)
 
 
-def kernel_rows(prof, steps: int, top: int = 25) -> dict:
-    """The CUDA kernels of ``steps`` profiled steps, per step: total launches and time, the ``top`` kernels by
-    time and by launch count."""
-    rows = []
-    for event in prof.key_averages():
-        cuda_us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
-        if cuda_us and event.device_type.name == "CUDA":
-            rows.append((event.key[:90], cuda_us / steps, event.count // steps))
-    return {"launches": sum(r[2] for r in rows), "us": sum(r[1] for r in rows),
-            "by_time": sorted(rows, key=lambda row: -row[1])[:top],
-            "by_count": sorted(rows, key=lambda row: -row[2])[:top]}
-
-
 def profile_prefill(core: EngineCore, length: int) -> dict:
     """The CUDA kernels of one ``length``-token prefill (one chunk when the engine's chunk allows)."""
     from torch.profiler import ProfilerActivity, profile
@@ -235,16 +223,6 @@ def profile_prefill(core: EngineCore, length: int) -> dict:
             torch.cuda.set_sync_debug_mode("default")
     table["host_syncs"] = [str(w.message)[:160] + f" ({Path(w.filename).name}:{w.lineno})" for w in caught]
     return table
-
-
-def print_kernels(title: str, table: dict) -> None:
-    print(f"{title}: {table['launches']} kernel launches, {table['us'] / 1e3:.2f} ms of kernel time")
-    for sync in table.get("host_syncs", []):
-        print(f"  host sync: {sync}")
-    for key in ("by_time", "by_count"):
-        print(f"| kernel ({key.replace('_', ' ')}) | us | launches |\n|---|---|---|")
-        for name, us, count in table[key]:
-            print(f"| {name} | {us:.1f} | {count} |")
 
 
 def main(argv: list[str] | None = None) -> int:

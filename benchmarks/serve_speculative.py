@@ -11,7 +11,10 @@ batch B and every K (0 = no speculation, the peer), a fresh engine core is built
 the tokens emitted in steps that ran no prefill chunk, over those steps' wall time. Reported per (B, K): tokens/s,
 the ratio to K = 0, tokens emitted per sequence and verification, the acceptance rate per chain position, the
 draft's share of the step time, and whether every request's tokens equal the K = 0 tokens (greedy speculation is
-lossless in exact arithmetic; in bf16 a differently shaped forward can flip a near-tie argmax).
+lossless in exact arithmetic; in bf16 a differently shaped forward can flip a near-tie argmax). ``--profile`` adds,
+per K, the kernels of five mid-decode steps of one request (batch 1; on the CPU, the aten operators): launches and
+kernel time a step, and the kernels whose time a step differs most from K = 0's, to read off where a speculative
+step's extra time goes.
 """
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ from pathlib import Path
 
 import torch
 
-from kimik3.model.draft import EagleDraft
-from kimik3.model.k3 import K3ForCausalLM
-from kimik3.serve.memory import EngineConfig
-from kimik3.serve.scheduler import EngineCore
-from kimik3.serve.types import GenerationRequest, SamplingParams
-from kimik3.tokenizer import EOS, load_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import kernel_rows  # noqa: E402
+
+from kimik3.model.draft import EagleDraft  # noqa: E402
+from kimik3.model.k3 import K3ForCausalLM  # noqa: E402
+from kimik3.serve.memory import EngineConfig  # noqa: E402
+from kimik3.serve.scheduler import EngineCore  # noqa: E402
+from kimik3.serve.types import GenerationRequest, SamplingParams  # noqa: E402
+from kimik3.tokenizer import EOS, load_tokenizer  # noqa: E402
 
 
 def held_out_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
@@ -94,11 +100,54 @@ def run_case(model, draft, tokenizer, eos, prompts, K: int, args) -> dict:
             stats = speculator.stats
             row.update(mean_emitted=stats.mean_emitted, acceptance=stats.acceptance, draft_share=stats.draft_share)
         rows[batch] = row
+    if args.profile:
+        rows["profile"] = profile_steps(core, prompts[0], args.max_tokens)
     core = None   # the engine's pools and graphs go before the next case's
     gc.collect()
     if model.device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def profile_steps(core: EngineCore, prompt: list[int], max_tokens: int, steps: int = 5) -> dict:
+    """The kernels of ``steps`` decode steps of one greedy request alone, after its prefill and three more steps
+    (``harness.kernel_rows``, per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = core.runner.device.type == "cuda"
+    core.add(GenerationRequest("profile", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                 ignore_eos=True)), lambda event: None)
+    while core.waiting or any(seq.prefilling for seq in core.running):
+        core.step()
+    for _ in range(3):
+        core.step()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            core.step()
+        if cuda:
+            torch.cuda.synchronize()
+    if not core.has_work():
+        raise RuntimeError(f"the profiled request ended within {steps + 3} steps: raise --max-tokens")
+    core.abort("profile")
+    while core.has_work():
+        core.step()
+    return kernel_rows(prof, steps)
+
+
+def print_profiles(results: dict, top: int = 20) -> None:
+    """Launches and kernel time a step per K, then the ``top`` kernels whose time a step differs most from K = 0's."""
+    ks = [K for K in results if "profile" in results[K]]
+    print("\nkernels a step at batch 1 (one request, five mid-decode steps): "
+          + "; ".join(f"K = {K}: {results[K]['profile']['launches']} launches, "
+                      f"{results[K]['profile']['us'] / 1e3:.3f} ms" for K in ks))
+    times = {K: {name: us for name, us, _ in results[K]["profile"]["all"]} for K in ks}
+    names = {name for K in ks for name in times[K]}
+    spread = sorted(names, key=lambda n: -max(abs(times[K].get(n, 0.0) - times[0].get(n, 0.0)) for K in ks))
+    print("| kernel | " + " | ".join(f"K = {K} us" for K in ks) + " |\n|---|" + "---:|" * len(ks))
+    for name in spread[:top]:
+        print(f"| {name} | " + " | ".join(f"{times[K].get(name, 0.0):.1f}" for K in ks) + " |")
 
 
 def main(argv=None) -> int:
@@ -115,6 +164,8 @@ def main(argv=None) -> int:
                         help="the model's dtype (default: bf16 on cuda, fp32 on cpu)")
     parser.add_argument("--memory-mb", type=int, default=512, help="the engine's cache budget")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (both sides)")
+    parser.add_argument("--profile", action="store_true",
+                        help="per K, the kernels of five decode steps of one request (see the module notes)")
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -153,8 +204,13 @@ def main(argv=None) -> int:
                            "mean_emitted": row.get("mean_emitted", 1.0), "acceptance": row.get("acceptance", []),
                            "draft_share": row.get("draft_share", 0.0), "same_tokens": same,
                            "all_same": matching == len(base["outputs"])})
+    profiles = {}
+    if args.profile:
+        print_profiles(results)
+        profiles = {K: results[K]["profile"] for K in results}
     if args.json:
-        Path(args.json).write_text(json.dumps({"run": str(run), "device": args.device, "rows": report}, indent=1))
+        Path(args.json).write_text(json.dumps({"run": str(run), "device": args.device, "rows": report,
+                                               "profiles": profiles}, indent=1))
     return 0 if all(r["all_same"] for r in report) else 1
 
 

@@ -18,6 +18,9 @@ Triton's interpreter runs ``tl`` kernels:
   a tile read without waiting is stale; a TMA store reads its shared buffer only at its own partition's
   ``store_wait`` (or the kernel's end), so a buffer reused before the store has drained corrupts the result, as
   on the GPU;
+- Ampere's ``async_copy`` (cp.async): a copy reads global memory when issued (masked-off lanes: zeros) and lands
+  in shared memory only when ``wait_group`` retires its committed group, so a tile read before its wait is stale
+  and a wait that leaves too many groups in flight shows;
 - ``gl.warp_specialize`` runs each partition in its own thread; a wait that could never complete (the kernel
   would hang on the GPU) raises ``GluonDeadlock`` after ``timeout`` seconds;
 - like a GPU launch, a kernel records no autograd: its arguments may require grad (a launch from inside an
@@ -233,6 +236,8 @@ class _Machine:
         self.cond = threading.Condition()
         self.barriers: dict[int, _Barrier] = {}
         self.stores: dict[int, list[Callable[[], None]]] = {}  # per thread: a partition waits for its own stores
+        self.copies: list[Callable[[], None]] = []             # cp.async copies issued, not yet committed
+        self.groups: list[list[Callable[[], None]]] = []       # committed cp.async groups, oldest first
 
     def barrier(self, bar: Shared) -> _Barrier:
         key = bar.t.data_ptr()
@@ -336,6 +341,27 @@ class _Machine:
                 self.stores[owner] = mine[cut:]
         for d in drain:
             d()
+
+
+    # Ampere cp.async -------------------------------------------------------
+    def cp_async(self, smem, pointer, mask=None, **_):
+        value = _load(pointer, mask, 0).t
+
+        def land(dst=smem.t, value=value):
+            dst.copy_(value.to(dst.dtype))
+        self.copies.append(land)
+
+    def commit_group(self, **_):
+        self.groups.append(self.copies)
+        self.copies = []
+
+    def wait_group(self, num_outstanding=0, **_):
+        keep = int(_val(num_outstanding))
+        cut = max(len(self.groups) - keep, 0)
+        for group in self.groups[:cut]:
+            for land in group:
+                land()
+        self.groups = self.groups[cut:]
 
 
 def _load(ptr: Pointer, mask=None, other=None, **_):
@@ -556,6 +582,9 @@ def _patched(machine: _Machine, fn_globals: dict):
     put(gl_tma, "async_copy_global_to_shared", machine.tma_load)
     put(gl_tma, "async_copy_shared_to_global", machine.tma_store)
     put(gl_tma, "store_wait", machine.store_wait)
+    put(ampere.async_copy, "async_copy_global_to_shared", machine.cp_async)
+    put(ampere.async_copy, "commit_group", machine.commit_group)
+    put(ampere.async_copy, "wait_group", machine.wait_group)
     tensor_core = {"fence_async_shared": lambda *a, **k: None, "warpgroup_mma": _mma,
                    "warpgroup_mma_wait": _mma_wait, "mma_v2": _mma_v2}
     for obj in (hopper, ampere, fn_globals):  # the modules, and the names a kernel imported from them
@@ -616,6 +645,7 @@ def emulate(kernel: GluonJITFunction, grid, *args, timeout: float = 60.0, **kwar
         for pid in itertools.product(*(range(g) for g in reversed(grid))):
             machine.pid = tuple(reversed(pid))  # axis 0 fastest, as the GPU numbers programs
             machine.barriers.clear()
+            machine.copies, machine.groups = [], []   # a program's cp.async copies are its own
             kernel.fn(*wrapped, **kwargs)
             machine.store_wait(0, everyone=True)  # a kernel's outstanding TMA stores complete when it exits
 

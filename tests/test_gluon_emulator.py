@@ -1,8 +1,8 @@
 """The Gluon emulator (tests/gluon_emulator.py) on small kernels written for it: what it computes, and that it
-refuses what would fail or hang on the GPU -- a tile read before its TMA load was waited for, an mbarrier whose
-expected bytes never arrive, a producer waiting on the wrong phase, a store outside its tensor. The kernels are
-also compiled for sm_90 (``python -m tests.test_gluon_emulator``, in a process without the interpreter), so what
-the emulator runs is Gluon that the GPU compiler accepts."""
+refuses what would fail or hang on the GPU -- a tile read before its TMA load or cp.async group was waited for,
+an mbarrier whose expected bytes never arrive, a producer waiting on the wrong phase, a store outside its tensor.
+The kernels are also compiled for sm_90 (``python -m tests.test_gluon_emulator``, in a process without the
+interpreter), so what the emulator runs is Gluon that the GPU compiler accepts."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: E402
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E402
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 from tests.gluon_emulator import GluonDeadlock, emulate, last_json_line, run_without_interpreter  # noqa: E402
@@ -290,6 +290,38 @@ def test_mma_v2_multiplies_in_fp32():
     torch.testing.assert_close(y, a.float() @ b.float() + 1, rtol=1e-6, atol=1e-6)
 
 
+@gluon.jit
+def _cp_async_ring_kernel(x_ptr, y_ptr, n, S: gl.constexpr, WAIT: gl.constexpr):
+    """y[i] = x[i] * 2 for the rows i < n of x [rows, 32] (int32), each row staged through an S-slot ring of shared
+    memory by cp.async, S - 1 rows in flight; ``WAIT`` groups left in flight at each read (S - 1 is right)."""
+    BL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
+    SM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    ring = gl.allocate_shared_memory(gl.int32, [S, 4, 8], SM)
+    r = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, BL)), 1)
+    c = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, BL)), 0)
+    for s in gl.static_range(S - 1):
+        async_copy.async_copy_global_to_shared(ring.index(s), x_ptr + s * 32 + r * 8 + c, mask=s < n)
+        async_copy.commit_group()
+    for i in range(n):
+        nxt = i + S - 1
+        async_copy.async_copy_global_to_shared(ring.index(nxt % S), x_ptr + nxt * 32 + r * 8 + c, mask=nxt < n)
+        async_copy.commit_group()
+        async_copy.wait_group(WAIT)
+        gl.store(y_ptr + i * 32 + r * 8 + c, ring.index(i % S).load(BL) * 2)
+    async_copy.wait_group(0)
+
+
+@pytest.mark.parametrize("S", [2, 3])
+def test_cp_async_lands_at_its_wait_group(S):
+    x = torch.arange(5 * 32, dtype=torch.int32).reshape(5, 32) - 70
+    y = torch.zeros_like(x)
+    emulate(_cp_async_ring_kernel, (1,), x, y, 5, S=S, WAIT=S - 1)
+    assert torch.equal(y, x * 2)
+    y.zero_()   # one more group left in flight at each read: the row read is not there yet
+    emulate(_cp_async_ring_kernel, (1,), x, y, 5, S=S, WAIT=S)
+    assert not torch.equal(y, x * 2)
+
+
 def _compile_for_sm90() -> list:
     """Compile the kernels for sm_90 (``benchmarks/kda_sm90_report.Sm90Compiler``): ptxas's rows."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
@@ -308,6 +340,8 @@ def _compile_for_sm90() -> list:
              dict(ASM="mul.rn.bf16x2 $0, $1, $2;", num_warps=1), (1,))
     compiler(_mma_v2_kernel, [_rows(16).bfloat16()[:, :32].contiguous(), torch.zeros(32, 8, dtype=torch.bfloat16),
                               torch.zeros(16, 8)], dict(num_warps=1), (1,))
+    compiler(_cp_async_ring_kernel, [torch.zeros(5, 32, dtype=torch.int32), torch.zeros(5, 32, dtype=torch.int32), 5],
+             dict(S=3, WAIT=2, num_warps=1), (1,))
     return compiler.rows
 
 
@@ -315,7 +349,7 @@ def test_the_kernels_compile_for_sm90(tmp_path):
     """In a process of its own, without the interpreter the test session switches on and with an empty Triton
     cache: the kernels compile, without spilling."""
     rows = last_json_line(run_without_interpreter(["-m", "tests.test_gluon_emulator"], tmp_path))
-    assert len(rows) == 6 and all(r["spill_store_bytes"] == 0 for r in rows), rows
+    assert len(rows) == 7 and all(r["spill_store_bytes"] == 0 for r in rows), rows
 
 
 if __name__ == "__main__":

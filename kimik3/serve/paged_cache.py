@@ -186,10 +186,15 @@ class StatePool:
         heads, head_dim = config.kda.num_heads, config.kda_head_dim
         kda_layers = config.num_layers - len(config.mla_layer_indices)
         rows = num_slots + 1
-        self.conv = [torch.zeros(rows, 3 * heads * head_dim, config.kda.conv_kernel - 1,
-                                 dtype=dtype, device=device) for _ in range(kda_layers)]
-        self.recurrent = [torch.zeros(rows, heads, head_dim, head_dim, dtype=torch.float32, device=device)
-                          for _ in range(kda_layers)]
+        # Every layer's rows in one tensor per kind, so that a slot's copy, zeroing or commit is one operation over
+        # all layers (not two a layer); ``conv`` and ``recurrent`` are the per-layer views the model reads (indexed,
+        # not ``unbind``'s views, which refuse in-place writes under autograd).
+        self.conv_LPCW = torch.zeros(kda_layers, rows, 3 * heads * head_dim, config.kda.conv_kernel - 1,
+                                     dtype=dtype, device=device)
+        self.recurrent_LPHKV = torch.zeros(kda_layers, rows, heads, head_dim, head_dim, dtype=torch.float32,
+                                           device=device)
+        self.conv = [self.conv_LPCW[i] for i in range(kda_layers)]
+        self.recurrent = [self.recurrent_LPHKV[i] for i in range(kda_layers)]
         self._free = list(range(num_slots - 1, -1, -1))
         self.num_slots = num_slots
 
@@ -216,14 +221,12 @@ class StatePool:
         self._free.append(slot)
 
     def zero(self, slot: int) -> None:
-        for conv, rec in zip(self.conv, self.recurrent):
-            conv[slot].zero_()
-            rec[slot].zero_()
+        self.conv_LPCW[:, slot].zero_()
+        self.recurrent_LPHKV[:, slot].zero_()
 
     def copy(self, src: int, dst: int) -> None:
-        for conv, rec in zip(self.conv, self.recurrent):
-            conv[dst] = conv[src]
-            rec[dst] = rec[src]
+        self.conv_LPCW[:, dst] = self.conv_LPCW[:, src]
+        self.recurrent_LPHKV[:, dst] = self.recurrent_LPHKV[:, src]
 
     def view(self, slots_B: torch.Tensor, valid_B: torch.Tensor | None = None,
              steps: "StepStates | None" = None) -> list[KDAState]:
@@ -238,26 +241,27 @@ class StatePool:
 
     def commit_steps(self, slots_B: torch.Tensor, index_B: torch.Tensor, steps: "StepStates") -> None:
         """After a verification: row b's state becomes the one it had after token ``index_B[b]`` (its last accepted
-        token), for every KDA layer. Device ops only (no host read)."""
+        token), for every KDA layer. Device ops only (no host read): a gather and a scatter per kind."""
         rows_B = torch.arange(len(slots_B), device=slots_B.device)
-        for conv, rec, (steps_rec, steps_conv) in zip(self.conv, self.recurrent, steps.layers(len(slots_B))):
-            rec[slots_B] = steps_rec[index_B, rows_B]
-            conv[slots_B] = steps_conv[index_B, rows_B]
+        steps_rec, steps_conv = steps.stacked(len(slots_B))
+        self.recurrent_LPHKV[:, slots_B] = steps_rec[:, index_B, rows_B]
+        self.conv_LPCW[:, slots_B] = steps_conv[:, index_B, rows_B]
 
 
 class StepStates:
     """Per KDA layer, the states of up to ``rows`` sequences after each of ``tokens`` tokens of a speculative
     verification: what lets the engine keep the state after the last accepted token. A batch of B rows sees each
     layer's buffers as contiguous [T, B, H, K, V] (recurrent) and [T, B, C, W-1] (conv inputs) views of the same
-    memory (a verification's kernel writes them whole)."""
+    memory (a verification's kernel writes them whole); every layer's lie in one tensor per kind, as the pool's."""
 
     def __init__(self, pool: StatePool, tokens: int, rows: int):
         self.tokens = tokens
         self.rows = rows
-        self.recurrent = [torch.empty(tokens * rows, *rec.shape[1:], dtype=rec.dtype, device=rec.device)
-                          for rec in pool.recurrent]
-        self.conv = [torch.empty(tokens * rows, *conv.shape[1:], dtype=conv.dtype, device=conv.device)
-                     for conv in pool.conv]
+        rec, conv = pool.recurrent_LPHKV, pool.conv_LPCW
+        self.recurrent_LXHKV = torch.empty(rec.shape[0], tokens * rows, *rec.shape[2:], dtype=rec.dtype,
+                                           device=rec.device)
+        self.conv_LXCW = torch.empty(conv.shape[0], tokens * rows, *conv.shape[2:], dtype=conv.dtype,
+                                     device=conv.device)
 
     @staticmethod
     def nbytes(config: K3Config, dtype: torch.dtype, tokens: int, rows: int) -> int:
@@ -265,12 +269,17 @@ class StepStates:
 
     def layers(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (recurrent, conv) buffers for a batch of ``batch`` rows."""
+        rec_LTB, conv_LTB = self.stacked(batch)
+        return [(rec_LTB[i], conv_LTB[i]) for i in range(rec_LTB.shape[0])]
+
+    def stacked(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's buffers for a batch of ``batch`` rows: [L, T, B, H, K, V] and [L, T, B, C, W-1]."""
         if batch > self.rows:
             raise ValueError(f"a verification of {batch} rows exceeds the {self.rows} step rows")
         used = self.tokens * batch
-        return [(rec[:used].view(self.tokens, batch, *rec.shape[1:]),
-                 conv[:used].view(self.tokens, batch, *conv.shape[1:]))
-                for rec, conv in zip(self.recurrent, self.conv)]
+        rec, conv = self.recurrent_LXHKV, self.conv_LXCW
+        return (rec[:, :used].view(rec.shape[0], self.tokens, batch, *rec.shape[2:]),
+                conv[:, :used].view(conv.shape[0], self.tokens, batch, *conv.shape[2:]))
 
 
 def batch_cache(config: K3Config, latents: LatentPool, states: StatePool, slots_B: torch.Tensor,

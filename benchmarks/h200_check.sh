@@ -4,8 +4,8 @@
 # decoding, post-training, MoonEP, torch.compile; logs under $OUT:
 #
 #   bash benchmarks/h200_check.sh [MODE ...]   (one of quick|kernels|check|train|precision|decode|serve|http|
-#                                              vision|parity|quant|trainstep|trainrun|spec|specdebug|posttrain|
-#                                              moonep|compile|glue;
+#                                              vision|parity|quant|trainstep|trainrun|spec|specdebug|
+#                                              specprofile|posttrain|moonep|compile|glue;
 #                                              several run one after the other in the same call)
 #
 # quick      the GPU tests of the kernels (tests/ops/test_kda_triton.py, test_kda_gluon.py) and kda_gpu_probe.py
@@ -41,6 +41,9 @@
 #            its draft (kimik3 train-draft, 1,000 steps), then serve_speculative.py at batch 1 and 16, K = 2..5 <= 9.5 min
 # specdebug  the same on the debug preset: kimik3 train (390 s, CUDA graph, blocks eager), a draft of 300 steps,
 #            serve_speculative.py at batch 1 (K = 2, 3, 4; with --profile) and 16 (K = 2, 3)          <= 10 min
+# specprofile where a speculative step's time goes on the debug preset, without training: random weights
+#            (make_serve_run.py), a draft grown in one step, serve_speculative.py --profile at batch 1, K = 1, 3
+#            (the step costs do not depend on the weights; the acceptance is meaningless)              <= 5 min
 # posttrain  the rollout engine's GPU test (bf16 weights synced from the fp32 policy), then partial_rollouts.py on
 #            the GPU (lambda 1 against 0.7, the rollout engine's tokens/s in its records) on the run POST_RUN
 #            (default runs/tiny-base3-sft30; carry it, its model files without the checkpoints)          <= 9 min
@@ -63,7 +66,7 @@
 # status is a line of $OUT/rc.txt, and the exit status is non-zero if any step failed. With two or more GPUs the
 # steps of a mode run side by side, one GPU each.
 set -u
-MODES="quick|kernels|check|train|precision|decode|serve|http|vision|parity|quant|trainstep|trainrun|spec|specdebug|posttrain|moonep|compile|glue"
+MODES="quick|kernels|check|train|precision|decode|serve|http|vision|parity|quant|trainstep|trainrun|spec|specdebug|specprofile|posttrain|moonep|compile|glue"
 if [ $# -eq 0 ]; then set -- kernels; fi
 for MODE in "$@"; do
   case "|$MODES|" in *"|$MODE|"*) ;; *) echo "usage: $0 [MODE ...], MODE one of $MODES" >&2; exit 2 ;; esac
@@ -220,6 +223,12 @@ case $MODE in
       --requests 8 --memory-mb 2048 --profile --json "$OUT/specdebug_batch1.json"
     step 0 specdebug_serve16 100 python3 benchmarks/serve_speculative.py --run /tmp/specdebug --batches 16 --tokens 2,3 \
       --requests 16 --memory-mb 2048 --json "$OUT/specdebug_batch16.json" ;;
+  specprofile)
+    step 0 specprofile_run 120 python3 benchmarks/make_serve_run.py --out /tmp/specprofile
+    step 0 specprofile_draft 120 python3 -m kimik3 train-draft --run /tmp/specprofile --device cuda --steps 1 \
+      --held-out 2 --no-progress
+    step 0 specprofile_serve 240 python3 benchmarks/serve_speculative.py --run /tmp/specprofile --batches 1 \
+      --tokens 1,3 --requests 1 --max-tokens 64 --memory-mb 2048 --profile --json "$OUT/specprofile.json" ;;
   posttrain)
     step 0 rollout_cuda_test 60 python3 -m pytest -v -rf tests/posttrain/test_rl.py -k cuda
     step 0 partial_rollouts 480 python3 benchmarks/partial_rollouts.py --run "${POST_RUN:-runs/tiny-base3-sft30}" \

@@ -14,9 +14,9 @@ relative RMS error under 1e-3, and every element within 2^-7 of its reference pl
 fails is not timed), then times the routes and bf16 (``triton.testing.do_bench`` medians of a CUDA graph's replay of
 the call, as the engine decodes: at decode sizes a call's host work, its checks and launches from Python, lasts about
 as long as its kernels, and timing it from Python measured the host's speed; ``--eager`` times the calls as
-launched) and prints ms, the time of
-the weights' decode alone, the route ``mxfp4_route`` takes at that size, the bf16 / MXFP4 time ratio for that route
-(above 1: MXFP4 is faster), TFLOP/s, the weight bytes of each form and the weight bandwidth they imply (bytes / time).
+launched) and prints ms, the time of the weights' decode alone, the route ``mxfp4_route`` takes at that size, the
+bf16 / MXFP4 time ratio for that route (above 1: MXFP4 is faster), TFLOP/s, the weight bytes of each form and the
+weight bandwidth they imply (bytes / time).
 ``--blocks`` overrides the registers kernel's tile sizes (and warps and pipeline stages), for tuning. GPU only:
 without CUDA it exits with a message (``--help`` works anywhere). Writes ``mxfp4_experts.json`` under ``--out`` when
 given.

@@ -120,7 +120,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     check_device(args.device)
     train_draft(DraftArgs(run=args.run, loss=args.loss, steps=args.steps, ttt=args.ttt, lr=args.lr, batch=args.batch,
                           seq_len=args.seq_len, device=args.device, seed=args.seed, held_out=args.held_out,
-                          data=args.data, progress=not args.no_progress))
+                          data=args.data, draft_vocab=args.draft_vocab or None, progress=not args.no_progress))
     return 0
 
 
@@ -422,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--held-out", type=int, default=32,
                    help="held-out sequences (the run's validation split) for the final acceptance figures")
     d.add_argument("--data", help="corpus to train on (default: the one the run trained on, from its run.json)")
+    d.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="a reduced vocabulary: the draft proposes only the N most frequent token ids of its training "
+                        "data, through a head of its own (EAGLE-3's; 0: the target's whole vocabulary and head)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_train_draft)
 

@@ -17,8 +17,14 @@ all that says where it is).
 
 ``EagleDraft.from_mtp`` starts from a trained MTP module with ``fuse`` = [0 | 0 | I]: the first step is then
 exactly the MTP module (which was trained on the final hidden state), and draft training
-(``kimik3.train.draft``) takes it from there. The embedding and the head stay the target's (frozen, not stored
-with the draft).
+(``kimik3.train.draft``) takes it from there. The embedding stays the target's (frozen, not stored with the draft);
+so does the head, unless the draft has a reduced vocabulary.
+
+**Reduced vocabulary** (EAGLE-3's): a draft given ``vocab_ids`` (N target token ids, e.g. the N most frequent in
+its training data) has a head of its own over those ids, initialised from the target head's rows and trained with
+the draft. A drafted token costs an N-row head instead of the target's V rows (at K3's width and V = 163,840 the
+target head is 2.35 GB of bf16 read per drafted token); the draft proposes only those ids, which keeps the
+verification lossless (any proposal distribution does; a sampled row's q is zero outside them).
 
 Files: ``draft.safetensors`` (the draft's own weights) and ``draft.json`` (its feature layers, the loss it was
 trained with, a summary of training) in the run directory.
@@ -54,7 +60,7 @@ def default_feature_layers(config: K3Config) -> tuple[int, int]:
 
 class EagleDraft(nn.Module):
     def __init__(self, config: K3Config, feature_layers: tuple[int, ...] | None = None,
-                 layer: MTPModule | None = None):
+                 layer: MTPModule | None = None, vocab: int | None = None):
         super().__init__()
         self.config = config
         self.feature_layers = tuple(feature_layers if feature_layers is not None else default_feature_layers(config))
@@ -65,22 +71,44 @@ class EagleDraft(nn.Module):
         width = (len(self.feature_layers) + 1) * config.dim
         self.fuse = nn.Linear(width, config.dim, bias=False)
         self.layer = layer if layer is not None else MTPModule(config)
+        if vocab is not None and not 1 <= vocab <= config.vocab_size:
+            raise ValueError(f"a draft vocabulary of {vocab} ids: 1 to the model's {config.vocab_size} expected")
+        # The reduced vocabulary: its target ids (ascending) and the head over them; None: the target's head.
+        self.register_buffer("vocab_ids", None if vocab is None else torch.zeros(vocab, dtype=torch.long))
+        self.head = None if vocab is None else nn.Linear(config.dim, vocab, bias=False)
 
     @classmethod
-    def from_mtp(cls, model: nn.Module, feature_layers: tuple[int, ...] | None = None) -> "EagleDraft":
+    def from_mtp(cls, model: nn.Module, feature_layers: tuple[int, ...] | None = None,
+                 vocab_ids: torch.Tensor | None = None) -> "EagleDraft":
         """A draft initialised from ``model``'s MTP module (which it must have), in the model's dtype and device;
-        ``fuse`` passes the final hidden state through, so the first step equals the MTP module."""
+        ``fuse`` passes the final hidden state through, so the first step equals the MTP module. ``vocab_ids``:
+        a reduced vocabulary (distinct target ids), its head initialised from the target head's rows."""
         if getattr(model, "mtp", None) is None:
             raise ValueError("the model has no MTP module (mtp.num_modules = 0): there is nothing to grow a draft "
                              "from; train with the MTP module on")
         weight = model.head_weight
-        draft = cls(model.config, feature_layers, layer=copy.deepcopy(model.mtp))   # the MTP module's dtypes too
+        ids = None if vocab_ids is None else check_vocab_ids(vocab_ids, model.config.vocab_size).to(weight.device)
+        draft = cls(model.config, feature_layers, layer=copy.deepcopy(model.mtp),   # the MTP module's dtypes too
+                    vocab=None if ids is None else len(ids))
         draft.fuse.to(device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             dim = model.config.dim
             draft.fuse.weight.zero_()
             draft.fuse.weight[:, -dim:] = torch.eye(dim, dtype=weight.dtype, device=weight.device)
+            if ids is not None:
+                draft.vocab_ids = ids.clone()
+                draft.head.to(device=weight.device, dtype=weight.dtype)
+                draft.head.weight.copy_(weight[ids])
         return draft
+
+    def logits(self, model: nn.Module, normed: torch.Tensor) -> torch.Tensor:
+        """The draft's logits of a step's normalised output: [..., V] through the target's head, or [..., N] over
+        the reduced vocabulary (index i is target id ``vocab_ids[i]``: ``target_ids``)."""
+        return model.head(normed) if self.head is None else self.head(normed)
+
+    def target_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Indices into ``logits``' last axis -> target token ids."""
+        return index if self.vocab_ids is None else self.vocab_ids[index]
 
     def fuse_features(self, features: list[torch.Tensor]) -> torch.Tensor:
         """The target's features at some positions (``K3Output.features`` from ``features_at=feature_layers``:
@@ -103,7 +131,8 @@ class EagleDraft(nn.Module):
         run = Path(run_dir)
         tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
         atomic_write(run / DRAFT_WEIGHTS, lambda tmp: save_file(tensors, str(tmp)))
-        record = {"feature_layers": list(self.feature_layers), **(meta or {})}
+        record = {"feature_layers": list(self.feature_layers),
+                  "vocab": None if self.vocab_ids is None else len(self.vocab_ids), **(meta or {})}
         write_text_atomic(run / DRAFT_META, json.dumps(record, indent=2) + "\n")
 
     @classmethod
@@ -118,7 +147,13 @@ class EagleDraft(nn.Module):
         layers = meta.get("feature_layers")
         if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
             raise ValueError(f"{run / DRAFT_META}: 'feature_layers' must be a list of layer indices, got {layers!r}")
-        draft = cls.from_mtp(model, tuple(layers))   # the shapes, dtypes and device; the values come from the file
+        vocab = meta.get("vocab")
+        if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int)
+                                  or not 1 <= vocab <= model.config.vocab_size):
+            raise ValueError(f"{run / DRAFT_META}: 'vocab' must be null or 1 to {model.config.vocab_size} ids, got "
+                             f"{vocab!r}")
+        # The shapes, dtypes and device; the values come from the file.
+        draft = cls.from_mtp(model, tuple(layers), None if vocab is None else torch.arange(vocab))
         tensors = load_file(str(run / DRAFT_WEIGHTS), device=str(model.head_weight.device))
         expected = draft.state_dict()
         missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
@@ -129,5 +164,22 @@ class EagleDraft(nn.Module):
             if tuple(tensors[name].shape) != tuple(ref.shape):
                 raise ValueError(f"{run / DRAFT_WEIGHTS}: {name!r} has shape {tuple(tensors[name].shape)}, the "
                                  f"model's draft needs {tuple(ref.shape)}")
+        if vocab is not None:
+            check_vocab_ids(tensors["vocab_ids"], model.config.vocab_size, f"{run / DRAFT_WEIGHTS}: ")
         draft.load_state_dict(tensors)   # copies into the draft's tensors, keeping their dtypes
         return draft
+
+
+def check_vocab_ids(ids: torch.Tensor, vocab_size: int, where: str = "") -> torch.Tensor:
+    """``ids`` as a draft vocabulary: a 1-D integer tensor of distinct ids in 0..vocab_size-1, ascending (else
+    ValueError, prefixed by ``where``); returned as int64."""
+    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"{where}a draft vocabulary is a non-empty 1-D tensor of integer ids, got "
+                         f"{ids.dtype} {tuple(ids.shape)}")
+    ids = ids.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"{where}draft vocabulary ids must lie in 0..{vocab_size - 1}, got {int(ids.min())}.."
+                         f"{int(ids.max())}")
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError(f"{where}draft vocabulary ids must be distinct and ascending")
+    return ids

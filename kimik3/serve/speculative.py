@@ -4,7 +4,8 @@ Legend: B = sequences in the step, K = drafted tokens per step, V = vocabulary, 
 
 A speculating sequence with ``c`` tokens in the target's cache (its last token x_c not yet fed) runs, per step:
 
-1. The draft chain (``kimik3.model.draft``). The draft's own MLA latents live in one more layer of the latent pool,
+1. The draft chain (``kimik3.model.draft``; with a reduced vocabulary its head covers N target ids, which are all
+   it proposes). The draft's own MLA latents live in one more layer of the latent pool,
    under the sequence's block tables; its position s holds the pair (target features at s, token s + 1). The m
    pairs the last step left pending (m = the tokens it emitted; 1 after the prompt) run first, as one m-token
    forward (padded to K + 1) whose last real output gives the first draft d_1; each later draft d_k is one more
@@ -271,13 +272,13 @@ class Speculator:
         normed_BD = normed_BTD[rows_B, pending_B - 1]
         drafts, probs = [], []
         for k in range(self.tokens):
-            logits_BV = model.head(normed_BD)
+            logits_BN = draft.logits(model, normed_BD)   # N: the draft's vocabulary (the target's V, or reduced)
             if sampling is None or sampling.all_greedy:
-                token_B = logits_BV.argmax(dim=-1)
+                token_B = draft.target_ids(logits_BN.argmax(dim=-1))
             else:
-                probs_BV = probabilities(logits_BV, sampling)
-                probs.append(probs_BV.clone())
-                token_B = draw(probs_BV, logits_BV, sampling)
+                probs_BN = probabilities(logits_BN, sampling)
+                probs.append(self._over_target_vocabulary(probs_BN))
+                token_B = draft.target_ids(draw(probs_BN, logits_BN, sampling))
             drafts.append(token_B)
             if k == self.tokens - 1:
                 break
@@ -285,6 +286,14 @@ class Speculator:
             feature_B1D, normed_B1D = draft(feature_B1D, model.embed(token_B[:, None]), view)
             normed_BD = normed_B1D[:, 0]
         return torch.stack(drafts, dim=1), torch.stack(probs, dim=1) if probs else None
+
+    def _over_target_vocabulary(self, probs_BN: torch.Tensor) -> torch.Tensor:
+        """The draft's distributions [B, N] as the verification compares them, over the target's vocabulary [B, V]
+        (zero outside a reduced vocabulary); a copy either way (``draw`` overwrites its input)."""
+        ids = self.draft.vocab_ids
+        if ids is None:
+            return probs_BN.clone()
+        return probs_BN.new_zeros(probs_BN.shape[0], self.model.config.vocab_size).index_copy_(1, ids, probs_BN)
 
     def _verify_sampled(self, seqs: list[Sequence], drafts_BK: torch.Tensor, draft_probs_BKV: torch.Tensor | None,
                         logits_BTV: torch.Tensor, tokens_BT: torch.Tensor, counts_B: torch.Tensor) -> None:

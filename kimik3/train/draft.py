@@ -6,7 +6,9 @@ One run: the target (``K3ForCausalLM.from_pretrained``, frozen, eval) and its to
 its MTP module (``EagleDraft.from_mtp``) -> windows of the corpus the run trained on (its ``run.json``; the
 embedded stdlib corpus when it names none) -> per step, one target forward for the features and the soft targets,
 K draft steps unrolled (``kimik3.train.draft_ttt``), the mean of their ``lk`` or ``kl`` loss, AdamW on the draft
-alone (the embedding and the head stay the target's, frozen) -> the held-out acceptance per chain position ->
+alone (the embedding and the head stay the target's, frozen; with ``--draft-vocab N`` the draft has a head of its
+own over the N most frequent ids of its training data, trained with it) -> the held-out acceptance per chain
+position ->
 ``draft.safetensors`` + ``draft.json`` (``EagleDraft.save``), ``draft_metrics.jsonl`` and ``draft_loss.png`` in
 the run directory.
 
@@ -55,6 +57,7 @@ class DraftArgs:
     seed: int = 0
     held_out: int = 32           # held-out sequences of seq_len tokens for the final acceptance figures
     data: str | None = None      # None: the corpus the run trained on (run.json), else the embedded stdlib one
+    draft_vocab: int | None = None   # a reduced vocabulary of this many ids (None: the target's whole vocabulary)
     weight_decay: float = 0.0
     warmup_fraction: float = 0.05
     grad_clip: float = 1.0
@@ -72,6 +75,10 @@ class DraftArgs:
                              "steps needs that many tokens after its start")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if self.draft_vocab is not None and (isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int)
+                                             or self.draft_vocab < 1):
+            raise ValueError(f"--draft-vocab must be an integer >= 1 (0 on the command line: the whole vocabulary), "
+                             f"got {self.draft_vocab!r}")
 
 
 @dataclass(slots=True)
@@ -165,6 +172,17 @@ def load_draft_data(run_dir: Path, tokenizer: Any, args: DraftArgs) -> DraftData
                                          f"({train_ids.shape[0]:,} tokens), {len(val_docs)} held-out")
 
 
+def frequent_ids(ids: np.ndarray, count: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """(the ``count`` most frequent token ids of ``ids``, ascending (ties: the lower id); the share of ``ids``'s
+    tokens they cover). ValueError when ``count`` exceeds ``vocab_size``."""
+    if count > vocab_size:
+        raise ValueError(f"--draft-vocab {count} exceeds the model's vocabulary of {vocab_size}")
+    counts = np.bincount(ids, minlength=vocab_size)[:vocab_size]
+    order = np.lexsort((np.arange(vocab_size), -counts))[:count]
+    chosen = np.sort(order)
+    return torch.from_numpy(chosen.astype(np.int64)), float(counts[chosen].sum() / max(1, ids.shape[0]))
+
+
 def _enough(docs: list, tokens: int) -> list:
     """The first documents of ``docs`` that hold about ``tokens`` tokens (all of them if they hold fewer)."""
     kept, chars = [], 0
@@ -197,11 +215,16 @@ def train_draft(args: DraftArgs, *, target: tuple[torch.nn.Module, Any] | None =
         torch.set_flush_denormal(True)   # subnormal floats take a slow path on x86 (as in kimik3 train)
     model, tokenizer = target if target is not None else load_target(run, args.device)
     torch.manual_seed(args.seed)
-    draft = EagleDraft.from_mtp(model)
-    draft.train()
     data = data if data is not None else load_draft_data(run, tokenizer, args)
+    vocab_ids, coverage = (None, 1.0) if args.draft_vocab is None else frequent_ids(
+        data.train_ids, args.draft_vocab, model.config.vocab_size)
+    draft = EagleDraft.from_mtp(model, vocab_ids=vocab_ids)
+    draft.train()
+    vocab = ("the target's head" if vocab_ids is None else f"a head over the {len(vocab_ids):,} most frequent ids "
+             f"({coverage:.1%} of the training tokens)")
     log(f"draft: {sum(p.numel() for p in draft.parameters()):,} parameters grown from the MTP module of {run}, "
-        f"features of layers {list(draft.feature_layers)} + the final hidden state; data: {data.description}")
+        f"features of layers {list(draft.feature_layers)} + the final hidden state, {vocab}; data: "
+        f"{data.description}")
     autocast = _autocast(device)
     held_ids, _ = eval_windows(data.val_ids, args.seq_len, args.held_out)
     held_ids = held_ids.to(device)
@@ -237,6 +260,7 @@ def train_draft(args: DraftArgs, *, target: tuple[torch.nn.Module, Any] | None =
     tail = history[-10:]
     meta = {"loss": args.loss, "steps": args.steps, "ttt": args.ttt, "lr": args.lr, "batch": args.batch,
             "seq_len": args.seq_len, "seed": args.seed, "data": data.description,
+            "vocab_coverage": round(coverage, 5),
             "final_train_loss": round(float(np.mean([r["loss"] for r in tail])), 5), "train_time_s": round(train_s, 1),
             "held_out": after.as_dict(), "held_out_init": before.as_dict()}
     if save:
@@ -318,5 +342,5 @@ def plot_draft(metrics_path: Path, out_path: Path) -> Path | None:
     return draw_figure(out_path, "the draft's loss plot", 2, draw)
 
 
-__all__ = ["DRAFT_METRICS", "DRAFT_PLOT", "DraftArgs", "DraftData", "DraftResult", "check_run", "load_draft_data",
-           "load_target", "plot_draft", "run_data_path", "train_draft"]
+__all__ = ["DRAFT_METRICS", "DRAFT_PLOT", "DraftArgs", "DraftData", "DraftResult", "check_run", "frequent_ids",
+           "load_draft_data", "load_target", "plot_draft", "run_data_path", "train_draft"]

@@ -14,6 +14,11 @@ the data's tokens only enter as the inputs x. Step k at chain start t has a targ
 later positions are computed (the tensors keep their [B, T] shape, so the steps' latents line up) but left out of
 the loss and of the metrics.
 
+A draft with a reduced vocabulary S (``EagleDraft.vocab_ids``) is compared with the target's distribution on S:
+the acceptance (and the LK loss) is sum_{x in S} min(p(x), q(x)) with p the target's full softmax, what decoding
+accepts; the KL loss compares q with p renormalised over S (KL against p itself is infinite when p has mass
+outside S).
+
 Attention inside the draft's MLA block is what decoding does (``ChainCache``): the draft's cache holds step 1's
 latents of every position the target has verified, and a chain appends its own. So a query of step k at chain
 start t sees the step-1 latents of positions s <= t, plus the latents of steps 2..k of its own chain (the EAGLE-3
@@ -84,8 +89,8 @@ def target_pass(model: nn.Module, draft: EagleDraft, input_ids: torch.Tensor) ->
 
 def unroll(model: nn.Module, draft: EagleDraft, target: TargetPass, input_ids: torch.Tensor,
            steps: int) -> list[torch.Tensor]:
-    """The draft's logits of steps 1..K over their valid chain starts: step k's is [B, T-k, V] (chain start t
-    predicts x_{t+k+1}; compare with ``target.logits[:, k:]``)."""
+    """The draft's logits of steps 1..K over their valid chain starts: step k's is [B, T-k, V] ([B, T-k, N] for a
+    reduced vocabulary; chain start t predicts x_{t+k+1}; compare with ``target.logits[:, k:]``)."""
     length = input_ids.shape[1]
     if not 1 <= steps < length:
         raise ValueError(f"{steps} draft steps need sequences longer than that, got {length} tokens")
@@ -94,8 +99,26 @@ def unroll(model: nn.Module, draft: EagleDraft, target: TargetPass, input_ids: t
     logits = []
     for k in range(1, steps + 1):
         feature, normed = draft(feature, model.embed(shifted(input_ids, k)), cache)
-        logits.append(model.head(normed[:, :length - k]))
+        logits.append(draft.logits(model, normed[:, :length - k]))
     return logits
+
+
+def against_target(draft: EagleDraft, draft_logits: torch.Tensor, reference: torch.Tensor, loss: str | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the acceptance sum_x min(p, q) per position, without gradient; ``loss``'s value or None) of a step's draft
+    logits against the target's logits ``reference`` [..., V] (see the module notes for a reduced vocabulary)."""
+    if draft.vocab_ids is None:
+        target, kl_target, is_logits = reference, reference, True
+    else:   # p on the draft's ids (not renormalised) for the acceptance; renormalised there for the KL
+        target = torch.softmax(reference.float(), dim=-1)[..., draft.vocab_ids]
+        kl_target, is_logits = reference[..., draft.vocab_ids], False
+    with torch.no_grad():
+        rate = acceptance_rate(draft_logits, target, target_is_logits=is_logits)
+    if loss is None:
+        return rate, None
+    if loss == "kl":
+        return rate, kl_loss(draft_logits, kl_target)
+    return rate, lk_loss(draft_logits, target, target_is_logits=is_logits)
 
 
 def ttt_loss(model: nn.Module, draft: EagleDraft, target: TargetPass, input_ids: torch.Tensor, steps: int,
@@ -105,10 +128,9 @@ def ttt_loss(model: nn.Module, draft: EagleDraft, target: TargetPass, input_ids:
         raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {loss!r}")
     per_step, rates = [], []
     for k, draft_logits in enumerate(unroll(model, draft, target, input_ids, steps), start=1):
-        reference = target.logits[:, k:]
-        per_step.append(LOSSES[loss](draft_logits, reference))
-        with torch.no_grad():
-            rates.append(float(acceptance_rate(draft_logits, reference).mean()))
+        rate, value = against_target(draft, draft_logits, target.logits[:, k:], loss)
+        per_step.append(value)
+        rates.append(float(rate.detach().mean()))
     total = torch.stack(per_step).mean()
     return total, [float(x.detach()) for x in per_step], rates
 
@@ -167,13 +189,14 @@ def chain_metrics(model: nn.Module, draft: EagleDraft, input_ids: torch.Tensor, 
                 chains = unroll(model, draft, target, ids, steps)
             for k, draft_logits in enumerate(chains, start=1):
                 reference = target.logits[:, k:]
-                accepted[k - 1] += float(acceptance_rate(draft_logits, reference).double().sum())
-                matched[k - 1] += float((draft_logits.argmax(-1) == reference.argmax(-1)).double().sum())
+                accepted[k - 1] += float(against_target(draft, draft_logits, reference)[0].double().sum())
+                guess = draft.target_ids(draft_logits.argmax(-1))
+                matched[k - 1] += float((guess == reference.argmax(-1)).double().sum())
                 counts[k - 1] += reference.shape[0] * reference.shape[1]
     finally:
         draft.train(was_training)
     return ChainMetrics((accepted / counts).tolist(), (matched / counts).tolist(), int(counts[0]))
 
 
-__all__ = ["LOSSES", "ChainCache", "ChainMetrics", "TargetPass", "chain_mask", "chain_metrics", "shifted",
-           "target_pass", "ttt_loss", "unroll"]
+__all__ = ["LOSSES", "ChainCache", "ChainMetrics", "TargetPass", "against_target", "chain_mask", "chain_metrics",
+           "shifted", "target_pass", "ttt_loss", "unroll"]

@@ -82,6 +82,44 @@ def test_greedy_speculation_gives_the_plain_tokens(serve_model, serve_tokenizer,
         assert stats.steps > 0 and stats.proposed == [stats.steps] * K
 
 
+def _spy_proposals(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Record what ``Speculator._propose`` returns: (drafts [B, K], draft distributions [B, K, V] or None)."""
+    seen = []
+    propose = Speculator._propose
+
+    def spy(self, seqs, inputs, sampling):
+        drafts, probs = propose(self, seqs, inputs, sampling)
+        seen.append((drafts.clone(), None if probs is None else probs.clone()))
+        return drafts, probs
+    monkeypatch.setattr(Speculator, "_propose", spy)
+    return seen
+
+
+def test_a_reduced_vocabulary_draft_proposes_only_its_ids_and_stays_lossless(serve_model, serve_tokenizer,
+                                                                            monkeypatch):
+    """A draft over every third id (EAGLE-3's reduced vocabulary): greedy output equals plain decoding; sampled rows
+    draw their drafts from a distribution over the target's vocabulary that is zero outside the draft's ids."""
+    ids = torch.arange(0, serve_model.config.vocab_size, 3)
+    small = EagleDraft.from_mtp(serve_model, vocab_ids=ids)
+    requests = _mixed_requests()
+    plain = _run(EngineCore(serve_model, serve_tokenizer, _config(0, checkpoints=8)), requests)
+    seen = _spy_proposals(monkeypatch)
+    core = EngineCore(serve_model, serve_tokenizer, _config(3, checkpoints=8), draft=small)
+    assert _run(core, requests) == plain
+    assert seen and all(bool(torch.isin(drafts, ids).all()) for drafts, _ in seen)
+
+    seen.clear()
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True, top_k=5, seed=3)
+    _run(EngineCore(serve_model, serve_tokenizer, _config(2), draft=small), [([7, 11, 13], sampled)])
+    outside = torch.ones(serve_model.config.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    for drafts, probs in seen:
+        assert probs is not None and probs.shape[-1] == serve_model.config.vocab_size
+        torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:-1]))
+        assert bool((probs[..., outside] == 0).all()) and bool(torch.isin(drafts, ids).all())
+        assert bool((probs.gather(-1, drafts[..., None]) > 0).all())   # each draft drawn where q has mass
+
+
 class _Oracle(Speculator):
     """Proposes the plain greedy continuation with every draft wrong with probability ``wrong`` (seeded)."""
 

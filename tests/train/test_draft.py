@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,8 +16,11 @@ from kimik3.model.cache import MLAState
 from kimik3.model.draft import DRAFT_META, DRAFT_WEIGHTS, EagleDraft
 from kimik3.model.k3 import K3ForCausalLM
 from kimik3.train.data import Document
-from kimik3.train.draft import DRAFT_METRICS, DRAFT_PLOT, DraftArgs, DraftData, load_target, train_draft
-from kimik3.train.draft_ttt import ChainCache, ChainMetrics, chain_mask, target_pass, ttt_loss, unroll
+from kimik3.train.draft import (DRAFT_METRICS, DRAFT_PLOT, DraftArgs, DraftData, frequent_ids, load_target,
+                                train_draft)
+from kimik3.train.draft_ttt import (ChainCache, ChainMetrics, against_target, chain_mask, chain_metrics, target_pass,
+                                    ttt_loss, unroll)
+from kimik3.train.lk_loss import acceptance_rate
 from kimik3.train.tokenizer import encode_documents, train_tokenizer
 from tests.train.small_run import small_config
 
@@ -134,6 +138,93 @@ def test_a_few_steps_reduce_the_loss(loss):
     assert model.head_weight.equal(head_before)
 
 
+# ------------------------------------------------------------------------------------------- reduced vocabulary
+def test_a_reduced_vocabulary_head_starts_as_the_target_heads_rows():
+    """A draft over N ids: its logits are the target head's logits at those ids (index i is id vocab_ids[i]), and
+    its acceptance is sum over those ids of min(p, q) with p the target's full softmax: the full-vocabulary draft's
+    figure when q puts the same mass on the ids and none elsewhere."""
+    model = _model()
+    ids = torch.tensor([0, 3, 4, 9, 17, 60])
+    full, small = EagleDraft.from_mtp(model), EagleDraft.from_mtp(model, vocab_ids=ids)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(5))
+    target = target_pass(model, full, tokens)
+    logits_full = unroll(model, full, target, tokens, 2)
+    logits_small = unroll(model, small, target, tokens, 2)
+    for a, b in zip(logits_full, logits_small):
+        assert b.shape[-1] == len(ids)
+        torch.testing.assert_close(b, a[..., ids], rtol=1e-5, atol=1e-5)
+    assert small.target_ids(torch.tensor([0, 5])).tolist() == [0, 60]
+    reference = target.logits[:, 1:]
+    rate, _ = against_target(small, logits_small[0], reference)
+    masked = torch.full_like(logits_full[0], float("-inf"))
+    masked[..., ids] = logits_full[0][..., ids]
+    torch.testing.assert_close(rate, acceptance_rate(masked, reference), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["lk", "kl"])
+def test_a_reduced_vocabulary_draft_trains_and_its_metrics_count_target_ids(loss, monkeypatch):
+    """TTT steps lower the loss of a reduced-vocabulary draft (finite for KL: p renormalised over the ids), its
+    own head gets gradients and the target's does not; greedy match compares target ids."""
+    model = _model()
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+    draft = EagleDraft.from_mtp(model, vocab_ids=torch.arange(64) * 2)   # index i is id 2i
+    draft.train()
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-2)
+    target = target_pass(model, draft, tokens)
+    losses = []
+    for _ in range(6):
+        total, _, rates = ttt_loss(model, draft, target, tokens, 3, loss)
+        assert torch.isfinite(total) and all(0 <= r <= 1 for r in rates)
+        total.backward()
+        assert draft.head.weight.grad is not None and model.head_weight.grad is None
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(total.detach()))
+    # LK cannot go below -log of the target's mass on the ids (the acceptance's ceiling); KL's floor is 0.
+    mass = torch.softmax(target.logits, -1)[..., draft.vocab_ids].sum(-1)
+    floor = float(-mass.log().mean()) if loss == "lk" else 0.0
+    assert losses[-1] - floor < 0.8 * (losses[0] - floor), (losses, floor)
+    # A draft whose logits are the target's own on its ids: its greedy guess is right exactly where the target's
+    # argmax is one of its (even) ids, which only a comparison of target ids (not of indices) counts.
+    monkeypatch.setattr("kimik3.train.draft_ttt.unroll", lambda m, d, t, i, k: [
+        t.logits[:, j:][..., d.vocab_ids] for j in range(1, k + 1)])
+    evens = EagleDraft.from_mtp(model, vocab_ids=torch.arange(model.config.vocab_size // 2) * 2)
+    metrics = chain_metrics(model, evens, tokens, 1)
+    expected = (target.logits[:, 1:].argmax(-1) % 2 == 0).double().mean()
+    assert metrics.greedy[0] == pytest.approx(float(expected)) and 0 < float(expected) < 1
+
+
+def test_reduced_vocabulary_files_and_errors(tmp_path):
+    model = _model()
+    draft = EagleDraft.from_mtp(model, vocab_ids=torch.tensor([2, 5, 7]))
+    draft.save(tmp_path, {"loss": "lk"})
+    assert json.loads((tmp_path / DRAFT_META).read_text())["vocab"] == 3
+    loaded = EagleDraft.load(tmp_path, model)
+    assert loaded.vocab_ids.tolist() == [2, 5, 7] and loaded.head.weight.equal(draft.head.weight)
+    for bad, match in ((torch.tensor([5, 2]), "ascending"), (torch.tensor([1, 1]), "ascending"),
+                       (torch.tensor([-1, 3]), "0.."), (torch.tensor([model.config.vocab_size]), "0.."),
+                       (torch.tensor([0.5]), "integer")):
+        with pytest.raises(ValueError, match=match):
+            EagleDraft.from_mtp(model, vocab_ids=bad)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(tmp_path / DRAFT_WEIGHTS))
+    tensors["vocab_ids"] = torch.tensor([7, 5, 2])
+    save_file(tensors, str(tmp_path / DRAFT_WEIGHTS))
+    with pytest.raises(ValueError, match="ascending"):
+        EagleDraft.load(tmp_path, model)
+
+
+def test_frequent_ids_pick_the_most_frequent_and_cover_their_share():
+    ids = np.array([5, 5, 5, 1, 1, 9, 9, 9, 9, 2])
+    chosen, coverage = frequent_ids(ids, 2, 16)
+    assert chosen.tolist() == [5, 9] and coverage == pytest.approx(0.7)
+    chosen, _ = frequent_ids(ids, 5, 16)
+    assert chosen.tolist() == [0, 1, 2, 5, 9]   # ties (count 0): the lower ids
+    with pytest.raises(ValueError, match="exceeds"):
+        frequent_ids(ids, 17, 16)
+
+
 # ---------------------------------------------------------------------------------------------------- runs
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, code_corpus):
@@ -218,5 +309,16 @@ def test_cli_train_draft_end_to_end(tiny_run, capsys):
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tiny_run / DRAFT_PLOT).is_file()
 
+    assert main(["train-draft", "--run", str(tiny_run), "--steps", "2", "--ttt", "2", "--batch", "2",
+                 "--seq-len", "20", "--held-out", "2", "--draft-vocab", "50", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "a head over the 50 most frequent ids" in out
+    meta = json.loads((tiny_run / DRAFT_META).read_text())
+    assert meta["vocab"] == 50 and 0 < meta["vocab_coverage"] <= 1
+    model, _ = load_target(tiny_run)
+    assert len(EagleDraft.load(tiny_run, model).vocab_ids) == 50
+
     assert main(["train-draft", "--run", str(tiny_run / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main(["train-draft", "--run", str(tiny_run), "--draft-vocab", "-3"]) == 2
+    assert "--draft-vocab" in capsys.readouterr().err

@@ -8,9 +8,8 @@ embedded stdlib corpus when it names none) -> per step, one target forward for t
 K draft steps unrolled (``kimik3.train.draft_ttt``), the mean of their ``lk`` or ``kl`` loss, AdamW on the draft
 alone (the embedding and the head stay the target's, frozen; with ``--draft-vocab N`` the draft has a head of its
 own over the N most frequent ids of its training data, trained with it) -> the held-out acceptance per chain
-position ->
-``draft.safetensors`` + ``draft.json`` (``EagleDraft.save``), ``draft_metrics.jsonl`` and ``draft_loss.png`` in
-the run directory.
+position -> ``draft.safetensors`` + ``draft.json`` (``EagleDraft.save``), ``draft_metrics.jsonl`` and
+``draft_loss.png`` in the run directory.
 
 The batch of step s is a pure function of (seed, s) (``loader.batch_at``), so two drafts trained with the same
 seed and steps, one per loss, see the same windows (``benchmarks/draft_lk_vs_kl.py``).

@@ -44,7 +44,8 @@
 #            with --profile) and 16 (K = 2, 3)                                                          <= 10 min
 # specprofile where a speculative step's time goes on the debug preset, without training: random weights
 #            (make_serve_run.py), a draft grown in one step, serve_speculative.py --profile at batch 1, K = 1, 3
-#            (the step costs do not depend on the weights; the acceptance is meaningless)              <= 5 min
+#            (the step costs do not depend on the weights; the acceptance is meaningless; SPEC_DRAFT_VOCAB as
+#            in specdebug)                                                                            <= 5 min
 # posttrain  the rollout engine's GPU test (bf16 weights synced from the fp32 policy), then partial_rollouts.py on
 #            the GPU (lambda 1 against 0.7, the rollout engine's tokens/s in its records) on the run POST_RUN
 #            (default runs/tiny-base3-sft30; carry it, its model files without the checkpoints)          <= 9 min
@@ -227,7 +228,7 @@ case $MODE in
   specprofile)
     step 0 specprofile_run 120 python3 benchmarks/make_serve_run.py --out /tmp/specprofile
     step 0 specprofile_draft 120 python3 -m kimik3 train-draft --run /tmp/specprofile --device cuda --steps 1 \
-      --held-out 2 --no-progress
+      --held-out 2 --draft-vocab "${SPEC_DRAFT_VOCAB:-0}" --no-progress
     step 0 specprofile_serve 240 python3 benchmarks/serve_speculative.py --run /tmp/specprofile --batches 1 \
       --tokens 1,3 --requests 1 --max-tokens 64 --memory-mb 2048 --profile --json "$OUT/specprofile.json" ;;
   posttrain)

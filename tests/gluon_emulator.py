@@ -342,7 +342,6 @@ class _Machine:
         for d in drain:
             d()
 
-
     # Ampere cp.async -------------------------------------------------------
     def cp_async(self, smem, pointer, mask=None, **_):
         value = _load(pointer, mask, 0).t

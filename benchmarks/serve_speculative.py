@@ -179,7 +179,9 @@ def main(argv=None) -> int:
     prompts = held_out_prompts(tokenizer, max(max(1, args.requests // b) * b for b in args.batches),
                                args.prompt_len)
     meta = json.loads((run / "draft.json").read_text())
-    print(f"{run}: {model.config.name}, {args.device}, draft trained with loss {meta.get('loss', '?')}; "
+    vocab = meta.get("vocab")
+    print(f"{run}: {model.config.name}, {args.device}, draft trained with loss {meta.get('loss', '?')}, "
+          f"{'the target head' if vocab is None else f'its own head over {vocab:,} ids'}; "
           f"{args.prompt_len}-token prompts, {args.max_tokens} new tokens, greedy"
           f"{', eager' if args.enforce_eager else ''}, {model.dtype}", flush=True)
     results = {0: run_case(model, draft, tokenizer, eos, prompts, 0, args)}

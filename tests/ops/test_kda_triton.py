@@ -542,7 +542,7 @@ def test_decode_vs_step(fused, K, V):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("K,V,T", [(16, 16, 3), (24, 40, 1)])
+@pytest.mark.parametrize("K,V,T", [(16, 16, 3), (24, 40, 1), (128, 128, 2)])   # 128: the debug and K3 head size
 def test_verify_kernel_matches_token_by_token_decode(fused, K, V, T):
     """kda_verify (a speculative verification: T tokens a row, each state recorded, the pool untouched) against
     kda_decode's torch path run token by token on a copy of the pool; the torch verify path as well."""

@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # k3.DEVICE, k3.load_fla and k3.load_fla_decode are read through the module: a CPU smoke test replaces them there
 import kda_k3 as k3  # noqa: E402
-from harness import Report, bench, log, rel  # noqa: E402  (a smoke test replaces bench here)
+from harness import Report, bench, graphed, log, rel  # noqa: E402  (a smoke test replaces bench here)
 from kda_k3 import G_MIN, fla_k3, grad_step, k3_inputs, naive_k3, ours_k3, sync, torch_k3  # noqa: E402
 
 REPORT = Report(timings={})
@@ -295,17 +295,7 @@ def host_split(fn) -> dict:
     sync()
     out = {"enqueue_ms": sorted(enq)[len(enq) // 2], "eager_ms": bench(fn), "graph_ms": None}
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        sync()
-        out["graph_ms"] = bench(graph.replay)
-        del graph
+        out["graph_ms"] = bench(graphed(fn))
     except Exception as exc:  # noqa: BLE001  (reported, not counted as a failure: a measurement)
         log(f"CUDA graph capture failed: {exc!r}"[:300])
     return out

@@ -131,8 +131,6 @@ def profile_steps(core: EngineCore, prompt: list[int], max_tokens: int, steps: i
     if not core.has_work():
         raise RuntimeError(f"the profiled request ended within {steps + 3} steps: raise --max-tokens")
     core.abort("profile")
-    while core.has_work():
-        core.step()
     return kernel_rows(prof, steps)
 
 

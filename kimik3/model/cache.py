@@ -93,17 +93,18 @@ class KDAState:
       place (one-token steps read and write each state once, through ``short_conv_step`` and
       ``kimik3.ops.kda.kda_decode``).
 
-    A KDA layer reads and writes its state only through ``conv_inputs``/``set_conv``/``conv_step_in_place`` and
-    ``recurrent``/``set_recurrent``/``advance_in_place``, so it never needs to know which way it is held.
+    Outside a verification (below: pooled states only), a KDA layer reads and writes its state only through
+    ``conv_inputs``/``set_conv``/``conv_step_in_place`` and ``recurrent``/``set_recurrent``/``advance_in_place``,
+    so it never needs to know which way it is held.
 
     ``valid_B`` (optional, a device tensor [B]): how many of a multi-token forward's tokens are real in each row;
     the rest pad the chunk to a fixed size (the serving engine's prefill graphs), and the layer leaves the state
     as the real tokens leave it.
 
     ``steps_TBHKV`` / ``steps_conv_TBCW`` (optional, pooled states only): a verification forward of speculative
-    decoding. The layer then writes each row's state after every token t there ([T, B, ...]) and leaves the pool
-    as it was, so that the engine can keep the state after the last accepted token and drop the rejected ones
-    (``kimik3.serve.paged_cache.StatePool.commit_steps``).
+    decoding. The layer then reads the pools and ``slots_B`` directly, writes each row's state after every token t
+    there ([T, B, ...]) and leaves the pool as it was, so that the engine can keep the state after the last
+    accepted token and drop the rejected ones (``kimik3.serve.paged_cache.StatePool.commit_steps``).
     """
 
     conv_BCW: torch.Tensor | None

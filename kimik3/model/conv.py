@@ -10,8 +10,9 @@ same code serves prefill (T tokens) and chunked prefill (T tokens after a state)
 ``short_conv`` is the reference. What the KDA layer calls picks the Triton kernels on CUDA (``glue_backend``),
 which compute in fp32 and read the layer's three weights and strided inputs in place:
 - ``apply_short_conv``: T tokens (prefill, training; ``kimik3.ops.glue.causal_conv``, differentiable);
-- ``short_conv_step``: one token (decode) over states held as rows of a pool, updated in place
-  (``kimik3.ops.glue.short_conv``).
+- ``short_conv_step``: one token (decode) over states held as rows of a pool, updated in place;
+- ``short_conv_steps``: a speculative verification's T tokens from pooled states, the state after every token
+  recorded and the pool left as it is (both ``kimik3.ops.glue.short_conv``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from kimik3.model.packing import positions_in_sequence
 from kimik3.ops.glue import causal_conv, glue_backend, short_conv_decode
+from kimik3.ops.glue import short_conv_steps as short_conv_steps_fused
 
 
 def short_conv(
@@ -108,3 +110,22 @@ def short_conv_step(x_BC: torch.Tensor, weights: Sequence[torch.Tensor], pool_PC
     y_B1C, state_BCW = short_conv(x_BC[:, None], weight_CW, pool_PCW[rows_B])
     pool_PCW[rows_B] = state_BCW.to(pool_PCW.dtype)
     return y_B1C[:, 0]
+
+
+def short_conv_steps(x_BTC: torch.Tensor, weights: Sequence[torch.Tensor], pool_PCW: torch.Tensor,
+                     rows_B: torch.Tensor, steps_TBCW: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """T tokens of ``short_conv`` (+ SiLU) for B sequences continuing the states in rows ``rows_B`` of ``pool_PCW``
+    [P, C, W-1], which are not written: the state after token t goes to ``steps_TBCW[t]`` [B, C, W-1] instead (in
+    its dtype), as T calls of ``short_conv_step`` would leave the pool after each.
+
+    x_BTC [B, T, C]; ``weights``: [C_i, W] kernels whose rows stack to C. Returns y [B, T, C] in x's dtype.
+    ``backend``: as ``glue_backend``."""
+    if glue_backend(x_BTC, backend) == "triton":
+        return short_conv_steps_fused(x_BTC, tuple(weights), pool_PCW, rows_B, steps_TBCW)
+    width = weights[0].shape[1]
+    state_BCW = pool_PCW[rows_B]
+    y_BTC, _ = short_conv(x_BTC, torch.cat(list(weights)).to(x_BTC.dtype), state_BCW)
+    # The state after token t: the last W-1 of [the pooled inputs, x_0 .. x_t].
+    history_BCX = torch.cat([state_BCW, x_BTC.transpose(1, 2).to(state_BCW.dtype)], dim=2)
+    steps_TBCW.copy_(history_BCX.unfold(2, width - 1, 1)[:, :, 1:].permute(2, 0, 1, 3))
+    return y_BTC

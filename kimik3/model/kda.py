@@ -22,7 +22,7 @@ from torch import nn
 
 from kimik3.config.schema import K3Config
 from kimik3.model.cache import KDAState
-from kimik3.model.conv import apply_short_conv, conv_state_at, short_conv_step
+from kimik3.model.conv import apply_short_conv, conv_state_at, short_conv_step, short_conv_steps
 from kimik3.model.fused_linear import project
 from kimik3.model.norm import rms_norm_torch
 from kimik3.model.param_rules import ParamRule, adamw, muon
@@ -191,17 +191,12 @@ class KDA(nn.Module):
     def _stepwise(self, state: KDAState, qkv_BTC: torch.Tensor, forget_a_BTR: torch.Tensor,
                   beta_logit_BTH: torch.Tensor) -> torch.Tensor:
         """A verification forward (``KDAState.stepwise``): the row's T tokens continue its pooled state, and the
-        state after each token is recorded (conv inputs and recurrent state) instead of written back. The conv runs
-        over the T tokens at once from the pooled conv inputs, whose windows after each token are slices of the
-        same inputs; the recurrence walks the tokens in ``kda_verify`` (one kernel on CUDA). Returns o [B, T, H, V].
+        state after each token is recorded (conv inputs and recurrent state) instead of written back: the conv in
+        ``short_conv_steps``, the recurrence in ``kda_verify`` (one kernel each on CUDA). Returns o [B, T, H, V].
         """
         heads, head_dim = self.num_heads, self.head_dim
-        width = self.q_conv.shape[1]
-        conv_in_BCW = state.conv_inputs()
-        conv_BTC, _ = apply_short_conv(qkv_BTC, (self.q_conv, self.k_conv, self.v_conv), conv_in_BCW)
-        # The conv inputs after token t: the last W-1 of [the pooled inputs, x_0 .. x_t].
-        history_BCX = torch.cat([conv_in_BCW, qkv_BTC.transpose(1, 2).to(conv_in_BCW.dtype)], dim=2)
-        state.steps_conv_TBCW.copy_(history_BCX.unfold(2, width - 1, 1)[:, :, 1:].permute(2, 0, 1, 3))
+        conv_BTC = short_conv_steps(qkv_BTC, (self.q_conv, self.k_conv, self.v_conv), state.conv_pool_PCW,
+                                    state.slots_B, state.steps_conv_TBCW)
         q_BTHK, k_BTHK, v_BTHV = (x.unflatten(-1, (heads, head_dim)) for x in conv_BTC.chunk(3, dim=-1))
         raw_gate_BTHK = self.forget_b(forget_a_BTR).unflatten(-1, (heads, head_dim))
         return kda_verify(q_BTHK, k_BTHK, v_BTHV, raw_gate_BTHK, beta_logit_BTH, state.pool_PHKV, state.slots_B,

@@ -1,5 +1,7 @@
 """Tests of the pooled decode step of KDA's short conv (kimik3/ops/glue/short_conv.py) against its reference,
-``short_conv`` at T = 1 on the gathered pool rows (computed in fp32), its new states written back to those rows.
+``short_conv`` at T = 1 on the gathered pool rows (computed in fp32), its new states written back to those rows;
+and of its verification form (``short_conv_steps``: T tokens, every token's state recorded, the pool untouched)
+against T reference steps in a row and against the model's torch path (``kimik3.model.conv.short_conv_steps``).
 
 Three weights (q, k, v) of 64 and 48 channels, two, and one; W = 4, 3 and 2; B = 1 and 5 with distinct slots in a
 pool of 8 rows; padding rows (slot -1) that must leave every live row but the batch's alone; x a column slice of a
@@ -19,7 +21,8 @@ import pytest
 import torch
 
 from kimik3.model.conv import short_conv
-from kimik3.ops.glue.short_conv import short_conv_decode
+from kimik3.model.conv import short_conv_steps as short_conv_steps_torch
+from kimik3.ops.glue.short_conv import short_conv_decode, short_conv_steps
 from tests.numerics import rel_rms
 from tests.kernel_testing import BF16_ULP, DEV, HAS_KERNELS, interpreter_setup, needs_kernels, ON_GPU  # noqa: F401 (interpreter_setup: autouse)
 
@@ -201,3 +204,93 @@ def test_cuda_graph_capture_and_replay():
     live = slots >= 0
     assert_y(y[live], y_ref[live], "replayed y")
     assert torch.equal(pool[:P - 1], pool_ref[:P - 1])
+
+
+STEPS_CASES = [  # x, weights, pool dtypes; channel splits; W; B; T
+    (BF16, BF16, BF16, (48, 48, 48), 4, 3, 4),
+    (BF16, F32, F32, (70, 50), 3, 2, 5),     # a pool wider than x: the earlier tokens kept in fp32
+    (F32, F32, BF16, (64, 64, 64), 4, 1, 2),  # a narrower pool: the earlier tokens rounded as a decode step does
+    (F32, F32, F32, (144,), 2, 4, 1),
+    (F64, F64, F64, (24, 24, 24), 4, 2, 3),
+]
+
+
+def steps_reference(x, weights, pool, slots):
+    """(y [B, T, C], steps [T, B, C, W-1]): T reference decode steps in a row on a copy of the pool."""
+    pool = pool.clone()
+    ys, steps = [], []
+    for t in range(x.shape[1]):
+        y, pool = reference(x[:, t], weights, pool, slots)
+        ys.append(y)
+        steps.append(pool[slots])
+    return torch.stack(ys, dim=1), torch.stack(steps)
+
+
+@needs_kernels
+@pytest.mark.parametrize("x_dtype,w_dtype,pool_dtype,splits,W,B,T", STEPS_CASES)
+def test_steps_match_decode_steps_in_a_row(x_dtype, w_dtype, pool_dtype, splits, W, B, T):
+    # The verification's tokens computed as T decode steps compute them; the pool only read.
+    gen = torch.Generator().manual_seed(7)
+    _, weights, pool = make_inputs(B, splits, W, x_dtype, w_dtype, pool_dtype, seed=8)
+    x = torch.randn(B, T, sum(splits), generator=gen).to(DEV, x_dtype)
+    slots = torch.tensor([5, 0, 3, 1][:B], device=DEV)
+    y_ref, steps_ref = steps_reference(x, weights, pool, slots)
+    before = pool.clone()
+    steps = torch.full((T, B, sum(splits), W - 1), float("nan"), dtype=pool_dtype, device=DEV)
+    with torch.no_grad():
+        y = short_conv_steps(x, weights, pool, slots, steps)
+    assert torch.equal(pool, before)
+    assert torch.equal(steps, steps_ref)   # copies of inputs: exact
+    for t in range(T):
+        assert_y(y[:, t].contiguous(), y_ref[:, t], f"y at token {t}")
+    # The model's torch path (the CPU's) records the same states and the same y within the dtype's rounding.
+    steps_torch = torch.full_like(steps, float("nan"))
+    with torch.no_grad():
+        y_torch = short_conv_steps_torch(x, weights, pool, slots, steps_torch, backend="torch")
+    assert torch.equal(steps_torch, steps_ref)
+    tol = 1e-12 if x_dtype == F64 else 1e-5 if x_dtype == F32 and pool_dtype != BF16 else 1e-2
+    assert rel_rms(y_ref.double(), y_torch.double()) < tol
+
+
+@needs_kernels
+def test_steps_strided_x_padding_rows_and_empty():
+    # x a column slice of a wider [B, T, 3C] projection; a padding row (slot -1) reads the scratch row and writes
+    # only its own steps; no tokens and no rows launch nothing.
+    B, T, splits, W = 3, 3, (64, 64, 64), 4
+    C = sum(splits)
+    _, weights, pool = make_inputs(B, splits, W, BF16, F32, BF16, seed=9)
+    wide = torch.randn(B, T, 3 * C, generator=torch.Generator().manual_seed(10)).to(DEV, BF16)
+    x = wide[..., C:2 * C]
+    slots = torch.tensor([4, -1, 2], device=DEV)
+    y_ref, steps_ref = steps_reference(x, weights, pool, slots)
+    steps = torch.zeros(T, B, C, W - 1, dtype=BF16, device=DEV)
+    with torch.no_grad():
+        y = short_conv_steps(x, weights, pool, slots, steps)
+    assert torch.equal(steps, steps_ref)
+    assert_y(y[[0, 2]].contiguous(), y_ref[[0, 2]])
+    with torch.no_grad():
+        assert short_conv_steps(x[:0], weights, pool, slots[:0], steps[:, :0]).shape == (0, T, C)
+        assert short_conv_steps(x[:, :0], weights, pool, slots, steps[:0]).shape == (B, 0, C)
+
+
+@needs_kernels
+def test_steps_bad_inputs_are_named():
+    B, T, W = 2, 3, 4
+    _, ws, pool = make_inputs(B, (8, 8, 8), W, F32, F32, F32)
+    x = torch.randn(B, T, 24, device=DEV)
+    slots = torch.tensor([0, 1], device=DEV)
+    steps = torch.zeros(T, B, 24, W - 1, device=DEV)
+    cases = [
+        ((x[:, 0], ws, pool, slots, steps), r"x_BTC must be a floating tensor \[B, T, C\]"),
+        ((x, ws, pool, slots[:1], steps), "x_BTC has B = 2 rows"),
+        ((x, ws, pool, slots, steps[:2]), r"steps_TBCW must be .* \[3, 2, 24, 3\]"),
+        ((x, ws, pool, slots, steps.transpose(0, 1).contiguous().transpose(0, 1)), "steps_TBCW must be a contig"),
+        ((x, ws, pool, slots, steps.long()), "steps_TBCW must be a contiguous floating"),
+        ((x, ws, pool, slots, steps.to("meta")), "steps_TBCW is on meta"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            with torch.no_grad():
+                short_conv_steps(*args)
+    with pytest.raises(RuntimeError, match="short_conv_steps is forward only"):
+        short_conv_steps(x.requires_grad_(), ws, pool, slots, steps)

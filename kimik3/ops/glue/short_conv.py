@@ -194,6 +194,26 @@ def short_conv_steps(
 
 
 @_jit
+def _program(slots_ptr, P, C, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+    """This program's sequence b, channels (and their mask), kernel columns j and pool row."""
+    b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    j = tl.arange(0, BLOCK_W)
+    slot = tl.load(slots_ptr + b)
+    row = tl.where(slot < 0, slot + P, slot)  # torch's negative indexing: -1 is the scratch row P-1
+    return b, cols, cols < C, j, row
+
+
+@_jit
+def _conv_out(w, e, ACT: tl.constexpr):
+    """act(e . w) per channel: the row-wise dot of the extended rows with the taps, SiLU when ACT."""
+    acc = tl.sum(w * e, axis=1)
+    if ACT:
+        acc = acc / (1.0 + tl.exp(-acc))
+    return acc
+
+
+@_jit
 def _conv_weights(ws, s_wr, s_wc, starts, cols, j, NUM_W: tl.constexpr, W: tl.constexpr, BLOCK_C: tl.constexpr,
                   BLOCK_W: tl.constexpr, ct: tl.constexpr):
     """The kernel's taps [BLOCK_C, BLOCK_W] for channels ``cols`` (zero beyond W): weight i holds channels
@@ -215,12 +235,7 @@ def _short_conv_steps_kernel(
     """Program (sequence b, channel block): for t < T, e_t[:, j] = input W-1-j tokens before x_t (from the pool
     before x_0); y[b, t] = act(e_t . w), steps[t, b] = e_t[:, 1:]. The pool is only read."""
     ct = tl.float64 if F64 else tl.float32
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    j = tl.arange(0, BLOCK_W)
-    slot = tl.load(slots_ptr + b)
-    row = tl.where(slot < 0, slot + P, slot)  # torch's negative indexing: -1 is the scratch row P-1
+    b, cols, cmask, j, row = _program(slots_ptr, P, C, BLOCK_C, BLOCK_W)
     w = _conv_weights(ws, s_wr, s_wc, starts, cols, j, NUM_W, W, BLOCK_C, BLOCK_W, ct)
     for t in tl.static_range(T):
         pos = t + j                        # e_t's columns in [pool row (W-1 inputs), x_0 .. x_{T-1}]
@@ -233,9 +248,7 @@ def _short_conv_steps_kernel(
         # the current token as it comes, the earlier ones as a decode step stores them in the pool
         x_held = x.to(pool_ptr.dtype.element_ty).to(ct)
         e = tl.where(in_pool[None, :], s, tl.where((j == W - 1)[None, :], x.to(ct), x_held))
-        acc = tl.sum(w * e, axis=1)
-        if ACT:
-            acc = acc / (1.0 + tl.exp(-acc))
+        acc = _conv_out(w, e, ACT)
         tl.store(y_ptr + (b * T + t) * C + cols, acc.to(y_ptr.dtype.element_ty), mask=cmask)
         step_row = steps_ptr + ((t * B + b) * C + cols[:, None]) * (W - 1)
         tl.store(step_row + (j - 1)[None, :], e.to(steps_ptr.dtype.element_ty),
@@ -251,20 +264,13 @@ def _short_conv_decode_kernel(
     """Program (sequence b, channel block): e = [pool[row, c, :], x[b, c]] [BLOCK_C, W]; y[b, c] = act(e . w[c]),
     pool[row, c, :] = e[:, 1:]. Weight i holds channels [starts[i], starts[i+1])."""
     ct = tl.float64 if F64 else tl.float32
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    j = tl.arange(0, BLOCK_W)
-    slot = tl.load(slots_ptr + b)
-    row = tl.where(slot < 0, slot + P, slot)  # torch's negative indexing: -1 is the scratch row P-1
+    b, cols, cmask, j, row = _program(slots_ptr, P, C, BLOCK_C, BLOCK_W)
     cell = pool_ptr + row * C * (W - 1) + cols[:, None] * (W - 1) + j[None, :]  # &pool[row, c, j]
     s = tl.load(cell, mask=cmask[:, None] & (j < W - 1)[None, :], other=0.0).to(ct)
     x = tl.load(x_ptr + b * s_xb + cols * s_xc, mask=cmask, other=0.0).to(ct)
     e = tl.where((j == W - 1)[None, :], x[:, None], s)
     w = _conv_weights(ws, s_wr, s_wc, starts, cols, j, NUM_W, W, BLOCK_C, BLOCK_W, ct)
-    acc = tl.sum(w * e, axis=1)
-    if ACT:
-        acc = acc / (1.0 + tl.exp(-acc))
+    acc = _conv_out(w, e, ACT)
     tl.store(y_ptr + b * C + cols, acc.to(y_ptr.dtype.element_ty), mask=cmask)
     # e[:, j] is stored at column j-1, which another thread of this program may hold in s: every read of the row
     # must be done before any write.

@@ -157,6 +157,17 @@ def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
+def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    """x @ w.T in fp32 [T, E]. bf16 x and w on CUDA outside autograd (serving): one cuBLAS GEMM that accumulates
+    and writes fp32 (``torch.mm``'s ``out_dtype``; a product of two bf16 values is exact in fp32, so this is the
+    fp32 product of the upcast operands up to summation order), instead of upcasting both (two copy kernels, and at
+    K3's width 26 MB written a layer) before an fp32 GEMM. Otherwise: upcast, then the fp32 GEMM."""
+    if (x_TD.is_cuda and x_TD.ndim == 2 and x_TD.dtype == torch.bfloat16 and w_ED.dtype == torch.bfloat16
+            and not (torch.is_grad_enabled() and (x_TD.requires_grad or w_ED.requires_grad))):
+        return torch.mm(x_TD, w_ED.t(), out_dtype=torch.float32)
+    return F.linear(x_TD.float(), w_ED.float())
+
+
 class Router(nn.Module):
     """Sigmoid top-k router with a selection-only per-expert bias (a persistent fp32 buffer)."""
 
@@ -194,7 +205,7 @@ class Router(nn.Module):
         """Returns fp32 mixture weights [T, K], int64 expert ids [T, K] and each expert's load (int64 [E], the
         rows it got); reports the call's ``RoutingStats`` to the open ``RoutingRecord``, if any."""
         with no_autocast(x_TD.device):  # router logits in fp32, as released
-            logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+            logits_TE = router_logits(x_TD, self.gate.weight)
         if route_backend(logits_TE) == "triton":
             # One kernel: sigmoid, the biased top-(k+1), the normalised weights and the loads.
             weights_TK, ids_TK, cutoff_T, counts_E = sigmoid_topk(logits_TE, self.expert_bias, self.top_k,

@@ -3,7 +3,7 @@ import torch
 
 from kimik3 import K3Config
 from kimik3.model.ffn import situ_glu
-from kimik3.model.moe import LatentMoE, Router, RoutingRecord
+from kimik3.model.moe import LatentMoE, Router, RoutingRecord, router_logits
 from kimik3.ops.moe import grouped_mm, grouped_mm_loop
 
 
@@ -172,3 +172,23 @@ def test_grouped_mm_rejects_bad_shapes():
         grouped_mm(torch.randn(4, 3), torch.randn(2, 5, 2), torch.tensor([2, 2]))
     with pytest.raises(ValueError, match="counts sum"):
         grouped_mm(torch.randn(4, 5), torch.randn(2, 5, 2), torch.tensor([2, 1]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 4, 33])
+def test_router_logits_in_one_bf16_gemm_equal_the_upcast_fp32_gemm(tokens):
+    # Serving's bf16 router: fp32 logits from one GEMM over the bf16 operands, against the upcast operands' fp32
+    # GEMM (the same exact products; only the summation order may differ), and the same experts chosen.
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 1024, generator=gen).cuda().bfloat16()
+    w = (0.05 * torch.randn(32, 1024, generator=gen)).cuda().bfloat16()
+    with torch.no_grad():
+        got = router_logits(x, w)
+    ref = x.float() @ w.float().t()
+    assert got.dtype == torch.float32 and got.shape == (tokens, 32)
+    assert ((got - ref).abs() <= 1e-5 * ref.abs().max()).all()
+    assert torch.equal(got.topk(4).indices, ref.topk(4).indices)
+    # Under autograd (training) the upcast path runs and the gradient reaches the weight.
+    w.requires_grad_(True)
+    router_logits(x, w).sum().backward()
+    assert w.grad is not None and w.grad.dtype == torch.bfloat16

@@ -8,8 +8,8 @@ path; elementwise within a bf16 step of the loop reference plus one step of its 
 element rounded the other way). Also: the loops over several L chunks, F blocks and F chunks (small blocks), the
 default blocks, an expert named twice by a token and a token naming one expert K times (each occurrence counts),
 ids outside 0..E-1 (they contribute nothing and read no weights), strided inputs, weights of another dtype than x
-(rounded to x's as read), no tokens and K = 0, the block choice at K3's shapes, the input checks and, on a GPU,
-a CUDA-graph replay.
+(rounded to x's as read), no tokens and K = 0, the block choice at K3's and the debug preset's shapes, the input
+checks and, on a GPU, a CUDA-graph replay.
 
 Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set by tests/conftest.py), with the
 interpreter's bf16 made the GPU's and every load and store bounds-checked (tests/triton_bounds.py). The interpreter
@@ -46,9 +46,10 @@ def fast_blocks(monkeypatch):
 
 
 def set_blocks(monkeypatch, gate_l, gate_f, down_l, down_tile, target):
-    for name, value in [("GATE_BLOCK_L", gate_l), ("GATE_BLOCK_F", gate_f), ("DOWN_BLOCK_L_MIN", down_l[0]),
-                        ("DOWN_BLOCK_L_MAX", down_l[1]), ("DOWN_TILE_ELEMS", down_tile),
-                        ("DOWN_TARGET_PROGRAMS", target)]:
+    """Fixed gate blocks [gate_l, gate_f]; the down kernel's L block range and tile; the grid's target."""
+    for name, value in [("GATE_BLOCK_F_MAX", gate_f), ("GATE_BLOCK_F_MIN", gate_f),
+                        ("GATE_TILE_ELEMS", gate_l * gate_f), ("DOWN_BLOCK_L_MIN", down_l[0]),
+                        ("DOWN_BLOCK_L_MAX", down_l[1]), ("DOWN_TILE_ELEMS", down_tile), ("TARGET_PROGRAMS", target)]:
         monkeypatch.setattr(small_batch, name, value)
 
 
@@ -141,7 +142,7 @@ def test_loops_over_several_blocks(monkeypatch, E, L, F, K, dtype):
     # L chunks of 16 (L = 48: 3 whole, L = 33: 2 and a 1-wide tail), F blocks of 16 (F = 40: 3, F = 17: 2), and
     # the down kernel's L blocks of 8 and F chunks of 16: every loop runs several steps, every mask has a tail.
     set_blocks(monkeypatch, gate_l=16, gate_f=16, down_l=(8, 8), down_tile=128, target=1)
-    assert small_batch._blocks(2, L, F) == (16, 16, 8, 16)
+    assert small_batch._blocks(2, 2 * K, L, F) == (16, 16, 8, 16)
     args = inputs(E, L, F, K, 2, dtype, seed=20)
     with torch.no_grad():
         check(routed_experts_small(*args), args)
@@ -150,18 +151,22 @@ def test_loops_over_several_blocks(monkeypatch, E, L, F, K, dtype):
 @needs_kernels
 def test_default_blocks():
     E, L, F, K = SHAPES[1]
-    assert small_batch._blocks(2, L, F) == (64, 64, 16, 128)  # F = 100: two F blocks; L = 64: four L blocks
+    # F = 100: four F blocks of 32 (the grid is short of programs); L = 64: four L blocks, F in one chunk
+    assert small_batch._blocks(2, 2 * K, L, F) == (64, 32, 16, 128)
     args = inputs(E, L, F, K, 2, torch.bfloat16, seed=21)
     with torch.no_grad():
         check(routed_experts_small(*args), args)
 
 
 @needs_kernels
-def test_blocks_at_k3_shapes():
+def test_blocks_at_k3_and_debug_shapes():
     L, F = 3584, 3072
-    assert small_batch._blocks(1, L, F) == (64, 64, 16, 256)  # 224 programs in the down kernel
-    assert small_batch._blocks(4, L, F) == (64, 64, 32, 128)  # 448
-    assert small_batch._blocks(64, L, F) == (64, 64, 64, 64)
+    assert small_batch._blocks(1, 16, L, F) == (64, 64, 16, 512)  # 768 gate programs, 224 down
+    assert small_batch._blocks(4, 64, L, F) == (64, 64, 32, 256)  # 448 down
+    assert small_batch._blocks(64, 1024, L, F) == (64, 64, 64, 128)
+    # The debug preset's experts (L 512, F 384, top-4) at one token: 48 gate programs of [128, 32], 32 down of
+    # [512, 16] (the grid stays short of the target: the blocks stop at their minimums)
+    assert small_batch._blocks(1, 4, 512, 384) == (128, 32, 16, 512)
     assert isinstance(SMALL_BATCH_MAX_ROWS, int) and SMALL_BATCH_MAX_ROWS >= 64
 
 

@@ -42,29 +42,39 @@ __all__ = ["SMALL_BATCH_MAX_ROWS", "routed_experts_small"]
 # once for all its rows. A suggestion for the caller, to be tuned on a GPU: nothing here enforces it.
 SMALL_BATCH_MAX_ROWS = 256
 
-# Kernel 1 (gate and up): a program's F block, and the L chunk of one loop step. A [64, 64] tile per matrix: a row
-# segment of 64 elements is a whole 128-byte line in bf16, and K3's F = 3072 gives 48 F blocks, so one token's 16
-# rows already make 768 programs (several per SM). Two fp32 accumulators of 32 values a thread at 4 warps.
-GATE_BLOCK_F = 64
-GATE_BLOCK_L = 64
-# Kernel 2 (down): the L block (the grid's second axis) is halved from the max down to the min while the grid has
-# fewer than DOWN_TARGET_PROGRAMS programs: at one token K3's L = 3584 gives 56 programs at 64, 224 at 16 (an
-# H200 has 132 SMs). The F chunk of one loop step fills DOWN_TILE_ELEMS elements (32 a thread at 4 warps).
+# Both kernels are bound by how many weight bytes are in flight, so their blocks are chosen to give the grid at
+# least TARGET_PROGRAMS programs (an H100 / H200 has 132 SMs) and each program a large tile (a loop step's loads).
+# Kernel 1 (gate and up): a program's F block, halved from GATE_BLOCK_F_MAX to GATE_BLOCK_F_MIN while the grid is
+# short of the target, and the L chunk of one loop step filling GATE_TILE_ELEMS. K3's F = 3072 gives 48 F blocks
+# of 64, so one token's 16 rows make 768 programs at [64, 64] tiles (a 64-element row segment is a whole 128-byte
+# line in bf16); the debug preset's 4 rows of F = 384 make 48 programs at [128, 32] (8.6 us against 12.0 at
+# [64, 64] on an H100).
+GATE_BLOCK_F_MAX = 64
+GATE_BLOCK_F_MIN = 32
+GATE_TILE_ELEMS = 4096
+# Kernel 2 (down): the L block (the grid's second axis) is halved from the max down to the min while the grid is
+# short of the target: at one token K3's L = 3584 gives 56 programs at 64, 224 at 16. The F chunk of one loop step
+# fills DOWN_TILE_ELEMS elements (64 a thread at 4 warps): at L block 16, F chunks of 512 took one token's down
+# projection from 474 to 179 us at K3's shape (16 experts) and from 17.3 to 6.6 us at the debug preset's, against
+# chunks of 256 (an H100 sweep, benchmarks/NOTES-serve.md).
 DOWN_BLOCK_L_MAX = 64
 DOWN_BLOCK_L_MIN = 16
-DOWN_TARGET_PROGRAMS = 256
-DOWN_TILE_ELEMS = 4096
+DOWN_TILE_ELEMS = 8192
+TARGET_PROGRAMS = 256
 NUM_WARPS = 4
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _blocks(T: int, L: int, F: int) -> tuple[int, int, int, int]:
-    """(gate BLOCK_L, gate BLOCK_F, down BLOCK_L, down BLOCK_F) from the shapes only (see the constants above)."""
-    gate_l = min(GATE_BLOCK_L, triton.next_power_of_2(L))
-    gate_f = min(GATE_BLOCK_F, triton.next_power_of_2(F))
+def _blocks(T: int, R: int, L: int, F: int) -> tuple[int, int, int, int]:
+    """(gate BLOCK_L, gate BLOCK_F, down BLOCK_L, down BLOCK_F) for T tokens of R routed rows, from the shapes only
+    (see the constants above)."""
+    gate_f = min(GATE_BLOCK_F_MAX, triton.next_power_of_2(F))
+    while gate_f > GATE_BLOCK_F_MIN and R * triton.cdiv(F, gate_f) < TARGET_PROGRAMS:
+        gate_f //= 2
+    gate_l = min(triton.next_power_of_2(L), GATE_TILE_ELEMS // gate_f)
     down_l = min(DOWN_BLOCK_L_MAX, triton.next_power_of_2(L))
-    while down_l > DOWN_BLOCK_L_MIN and T * triton.cdiv(L, down_l) < DOWN_TARGET_PROGRAMS:
+    while down_l > DOWN_BLOCK_L_MIN and T * triton.cdiv(L, down_l) < TARGET_PROGRAMS:
         down_l //= 2
     down_f = max(1, min(triton.next_power_of_2(F), DOWN_TILE_ELEMS // down_l))
     return gate_l, gate_f, down_l, down_f
@@ -128,7 +138,7 @@ def routed_experts_small(x_TL: torch.Tensor, weights_TK: torch.Tensor, ids_TK: t
         return torch.zeros(T, L, dtype=x_TL.dtype, device=dev)
     hidden_RF = torch.empty(T * K, F, dtype=x_TL.dtype, device=dev)
     y_TL = torch.empty(T, L, dtype=x_TL.dtype, device=dev)
-    gate_l, gate_f, down_l, down_f = _blocks(T, L, F)
+    gate_l, gate_f, down_l, down_f = _blocks(T, T * K, L, F)
     with on_device(dev):
         _gate_up_kernel[(T * K, triton.cdiv(F, gate_f))](
             x_TL, x_TL.stride(0), x_TL.stride(1),

@@ -43,20 +43,19 @@ __all__ = ["SMALL_BATCH_MAX_ROWS", "routed_experts_small"]
 SMALL_BATCH_MAX_ROWS = 256
 
 # Both kernels are bound by how many weight bytes are in flight, so their blocks are chosen to give the grid at
-# least TARGET_PROGRAMS programs (an H100 / H200 has 132 SMs) and each program a large tile (a loop step's loads).
+# least TARGET_PROGRAMS programs (an H100 / H200 has 132 SMs) and each program a large tile (a loop step's loads;
+# the H100 sweep that chose these is in benchmarks/NOTES-serve.md).
 # Kernel 1 (gate and up): a program's F block, halved from GATE_BLOCK_F_MAX to GATE_BLOCK_F_MIN while the grid is
 # short of the target, and the L chunk of one loop step filling GATE_TILE_ELEMS. K3's F = 3072 gives 48 F blocks
 # of 64, so one token's 16 rows make 768 programs at [64, 64] tiles (a 64-element row segment is a whole 128-byte
-# line in bf16); the debug preset's 4 rows of F = 384 make 48 programs at [128, 32] (8.6 us against 12.0 at
-# [64, 64] on an H100).
+# line in bf16); the debug preset's 4 rows of F = 384 make 48 programs at [128, 32] tiles instead of 24.
 GATE_BLOCK_F_MAX = 64
 GATE_BLOCK_F_MIN = 32
 GATE_TILE_ELEMS = 4096
 # Kernel 2 (down): the L block (the grid's second axis) is halved from the max down to the min while the grid is
 # short of the target: at one token K3's L = 3584 gives 56 programs at 64, 224 at 16. The F chunk of one loop step
-# fills DOWN_TILE_ELEMS elements (64 a thread at 4 warps): at L block 16, F chunks of 512 took one token's down
-# projection from 474 to 179 us at K3's shape (16 experts) and from 17.3 to 6.6 us at the debug preset's, against
-# chunks of 256 (an H100 sweep, benchmarks/NOTES-serve.md).
+# fills DOWN_TILE_ELEMS elements (64 a thread at 4 warps): [512, 16] tiles at L blocks of 16, which keep twice the
+# bytes of [256, 16] in flight a program when the grid cannot grow.
 DOWN_BLOCK_L_MAX = 64
 DOWN_BLOCK_L_MIN = 16
 DOWN_TILE_ELEMS = 8192

@@ -15,7 +15,9 @@ RMSNorm, the model then behaves as the plain PreNorm residual model with the sam
 the norms' eps): ``tests/model/test_attnres.py`` checks this.
 
 On CUDA the mix runs as one fused Triton kernel (``kimik3.ops.glue.attnres``: same fp32 math, no stack, one launch
-forward, two backward); the torch code below is its reference and the CPU path (``glue_backend`` chooses).
+forward, two backward); the torch code below is its reference and the CPU path (``glue_backend`` chooses). A
+block reads every mix through an RMSNorm: ``mixed_and_normed`` runs the pair as one kernel where nothing needs a
+gradient (serving, evaluation).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kimik3.ops.glue import attnres_mix, glue_backend
+from kimik3.model.norm import RMSNorm
+from kimik3.ops.glue import attnres_mix, attnres_mix_norm, glue_backend
 from kimik3.ops.precision import no_autocast
 from kimik3.model.param_rules import ParamRule, adamw
 
@@ -61,3 +64,17 @@ class AttnResMix(nn.Module):
             for n in range(1, len(values)):
                 mixed_BTD = mixed_BTD + values[n] * probs_BTN[..., n:n + 1]
         return mixed_BTD.to(entries[-1].dtype)
+
+
+def mixed_and_normed(mix: AttnResMix, norm: RMSNorm, entries: list[torch.Tensor]) -> torch.Tensor:
+    """``norm(mix(entries))``. Where both would run their Triton kernels, nothing needs a gradient and torch.compile
+    is not tracing (a decode step, an evaluation), in one kernel (``attnres_mix_norm``: the same math and rounding,
+    one launch instead of two); otherwise the two modules in turn."""
+    last = entries[-1]
+    fused = (not torch.compiler.is_compiling()
+             and glue_backend(last, mix.backend) == "triton" and glue_backend(last, norm.backend) == "triton"
+             and not (torch.is_grad_enabled() and any(t.requires_grad for t in (*entries, *mix.parameters(),
+                                                                                  norm.weight))))
+    if fused:
+        return attnres_mix_norm(entries, mix.key_norm_weight, mix.query, mix.eps, norm.weight, norm.eps)
+    return norm(mix(entries))

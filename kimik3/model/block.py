@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kimik3.config.schema import K3Config, LayerSpec
-from kimik3.model.attnres import AttnResMix
+from kimik3.model.attnres import AttnResMix, mixed_and_normed
 from kimik3.model.cache import KDAState, LatentCache
 from kimik3.model.ffn import GLUFeedForward
 from kimik3.model.kda import KDA
@@ -45,10 +45,13 @@ class K3Block(nn.Module):
             return stream + self.ffn(self.ffn_norm(stream)), entries
 
         prefix = stream
-        x = self.mixer_mix(entries + [prefix]) if entries else prefix
+        if entries:
+            x = mixed_and_normed(self.mixer_mix, self.mixer_norm, entries + [prefix])
+        else:
+            x = self.mixer_norm(prefix)
         if self.spec.opens_block:
             entries = entries + [prefix]
-        h = self.mixer(self.mixer_norm(x), state, cu_seqlens)
+        h = self.mixer(x, state, cu_seqlens)
         prefix = h if self.spec.opens_block else prefix + h
-        h = self.ffn(self.ffn_norm(self.ffn_mix(entries + [prefix])))
+        h = self.ffn(mixed_and_normed(self.ffn_mix, self.ffn_norm, entries + [prefix]))
         return prefix + h, entries

@@ -2,7 +2,9 @@
 forward and every gradient (entries, key norm weight, query), fp32 and bf16, N = 1, 2, 5 entries, widths that are not
 powers of two (96, 200), 1, 3 and 130 rows (several row blocks, and several a backward program with a partial last
 one); the stacked-tensor input, a list longer than the pointer tuple, mixed entry dtypes, bf16 parameters, strided
-entries, no rows, fp64 gradcheck, the backend choice, and the input checks.
+entries, no rows, fp64 gradcheck, the backend choice, and the input checks. The mix with its RMSNorm in one kernel
+(``attnres_mix_norm``, forward only) against the two kernels and the torch modules, and the block's choice of it
+(``mixed_and_normed``).
 
 Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set by tests/conftest.py), with the
 interpreter's bf16 made the GPU's (``interpreter_bf16_fix``) and every load and store bounds-checked, the tensors
@@ -19,8 +21,10 @@ import types
 import pytest
 import torch
 
-from kimik3.model.attnres import AttnResMix
-from kimik3.ops.glue import MAX_ENTRIES, MAX_WIDTH, attnres_mix, attnres_mix_backward, attnres_mix_forward, glue_backend
+from kimik3.model.attnres import AttnResMix, mixed_and_normed
+from kimik3.model.norm import RMSNorm
+from kimik3.ops.glue import (MAX_ENTRIES, MAX_WIDTH, attnres_mix, attnres_mix_backward, attnres_mix_forward,
+                             attnres_mix_norm, glue_backend, rms_norm)
 from tests.numerics import rel_rms
 from tests.kernel_testing import BF16_ULP, DEV, HAS_KERNELS, interpreter_setup, needs_kernels, ON_GPU  # noqa: F401 (interpreter_setup: autouse)
 
@@ -326,3 +330,73 @@ def test_cuda_graph_capture_and_replay():
         mix.backend = "torch"
         ref = mix(entries)
     assert_matches(out, ref, torch.bfloat16, "replayed out")
+
+
+def make_norm(D, seed=5, dtype=torch.float32) -> RMSNorm:
+    norm = RMSNorm(D)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(D, generator=torch.Generator().manual_seed(seed)))
+    return norm.to(device=DEV, dtype=dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("N,lead,D", [(1, (3,), 96), (3, (2, 5), 200), (5, (130,), 64)])
+def test_mix_with_its_norm_in_one_kernel(dtype, N, lead, D):
+    # The fused forward against the mix kernel then the norm kernel (the same fp32 math and the same rounding of
+    # the mix to the entries' dtype between them: equal up to the reduction order), and against the torch modules.
+    mix, norm = make_mix(D, seed=N, dtype=dtype), make_norm(D, dtype=dtype)
+    entries = [e.detach() for e in make_entries(N, lead, D, dtype, seed=N + 1)]
+    with torch.no_grad():
+        got = attnres_mix_norm(entries, mix.key_norm_weight, mix.query, mix.eps, norm.weight, norm.eps)
+        two = rms_norm(attnres_mix_forward(entries, mix.key_norm_weight, mix.query, mix.eps), norm.weight, norm.eps)
+        mix.backend = norm.backend = "torch"
+        ref = norm(mix(entries))
+    assert got.shape == (*lead, D) and got.dtype == dtype
+    if ON_GPU:
+        assert_matches(got, two, dtype, "fused against the two kernels")
+    else:
+        assert torch.equal(got, two)
+    assert_matches(got, ref, dtype, "fused against the torch modules")
+
+
+@needs_kernels
+def test_mix_with_its_norm_stacked_and_checked():
+    D = 48
+    mix, norm = make_mix(D), make_norm(D)
+    entries = [e.detach() for e in make_entries(3, (4,), D, torch.float32)]
+    with torch.no_grad():
+        listed = attnres_mix_norm(entries, mix.key_norm_weight, mix.query, mix.eps, norm.weight, norm.eps)
+        stacked = attnres_mix_norm(torch.stack(entries, -2), mix.key_norm_weight, mix.query, mix.eps, norm.weight,
+                                   norm.eps)
+        assert torch.equal(listed, stacked)
+        with pytest.raises(ValueError, match=r"norm_weight must be a 1-D tensor \[D=48\]"):
+            attnres_mix_norm(entries, mix.key_norm_weight, mix.query, mix.eps, norm.weight[:40], norm.eps)
+        with pytest.raises(ValueError, match="eps must be a finite Python number"):
+            attnres_mix_norm(entries, mix.key_norm_weight, mix.query, mix.eps, norm.weight, -1.0)
+    with pytest.raises(RuntimeError, match="attnres_mix_norm is forward only"):
+        attnres_mix_norm(entries, mix.key_norm_weight, mix.query, mix.eps, norm.weight, norm.eps)
+
+
+@needs_kernels
+def test_the_block_fuses_the_pair_only_without_gradients(monkeypatch):
+    # mixed_and_normed: the fused kernel under no_grad when both modules take the kernels; the two modules when a
+    # gradient is needed (training) or either module keeps its torch code.
+    import kimik3.model.attnres as attnres_module
+    calls = []
+    real = attnres_module.attnres_mix_norm
+    monkeypatch.setattr(attnres_module, "attnres_mix_norm", lambda *a: calls.append(1) or real(*a))
+    D = 64
+    mix, norm = make_mix(D), make_norm(D)
+    mix.backend = norm.backend = "triton"
+    entries = [e.detach() for e in make_entries(2, (3,), D, torch.float32)]
+    with torch.no_grad():
+        fused = mixed_and_normed(mix, norm, entries)
+    assert calls == [1]
+    separate = mixed_and_normed(mix, norm, entries)   # grad mode on and the parameters require grad
+    assert calls == [1] and separate.requires_grad
+    assert_matches(fused, separate.detach(), torch.float32, "fused against the modules' kernels")
+    norm.backend = "torch"
+    with torch.no_grad():
+        mixed_and_normed(mix, norm, entries)
+    assert calls == [1]

@@ -21,6 +21,10 @@ Backward, per row, with g = dL/dout:  dp_n = g . v_n,  ds_n = p_n (dp_n - sum_m 
     dv_n = p_n g + ds_n r_n (w - s_n r_n v_n / D),   dw = sum over rows and n of ds_n r_n v_n,
     d key_norm_weight = dw * query,  d query = dw * key_norm_weight.
 
+``attnres_mix_norm`` is the forward with the RMSNorm that always follows a block's mix fused in (the mix rounded to
+the last entry's dtype, then normalised in fp32 and scaled by the norm's weight, as ``RMSNorm(mix(entries))``
+computes it): one launch instead of two for the mixes of a decode step, forward only.
+
 Shapes decide everything at launch (no host sync): a decode step that calls it can be captured in a CUDA graph.
 The torch reference, and the CPU path, is ``AttnResMix``'s own code; ``glue_backend`` makes the choice.
 
@@ -56,7 +60,7 @@ from kimik3.ops.glue.common import (
     through_operator,
 )
 
-__all__ = ["MAX_ENTRIES", "attnres_mix", "attnres_mix_backward", "attnres_mix_forward"]
+__all__ = ["MAX_ENTRIES", "attnres_mix", "attnres_mix_backward", "attnres_mix_forward", "attnres_mix_norm"]
 
 # Entries passed as separate pointers (one kernel specialisation per count); K3 mixes at most 9 (the embedding, 7
 # block summaries, the last block's partial sum), the debug preset 3. Longer lists are stacked into one tensor first.
@@ -112,18 +116,36 @@ def attnres_mix_forward(entries, key_norm_weight: torch.Tensor, query: torch.Ten
     return _forward(xs, s_rows, s_entry, N, stacked, shape, dtype, key_norm_weight, query, eps)
 
 
-def _forward(xs, s_rows, s_entry, N, stacked, shape, dtype, kw, q, eps):
+def attnres_mix_norm(entries, key_norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
+                     norm_weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """``RMSNorm(mix)``: the mix of ``entries`` (arguments as ``attnres_mix``) rounded to the last entry's dtype,
+    then ``x / sqrt(mean(x^2) + norm_eps) * norm_weight`` in fp32 (fp64 when any input is), stored in that dtype:
+    [..., D], in one launch. Forward only (inference): refused while grad mode is on and an input requires grad."""
+    xs, s_rows, s_entry, N, stacked, shape, dtype, eps = _prepare(entries, key_norm_weight, query, eps)
+    check_param(norm_weight, shape[-1], xs[0].device, "norm_weight")
+    norm_eps = check_eps(norm_eps)
+    listed = [entries] if isinstance(entries, torch.Tensor) else list(entries)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (*listed, key_norm_weight, query, norm_weight)):
+        raise RuntimeError("attnres_mix_norm is forward only (inference, no autograd): an input requires grad while "
+                           "grad mode is on; call it under torch.no_grad() or torch.inference_mode()")
+    return _forward(xs, s_rows, s_entry, N, stacked, shape, dtype, key_norm_weight, query, eps,
+                    (norm_weight, norm_eps))
+
+
+def _forward(xs, s_rows, s_entry, N, stacked, shape, dtype, kw, q, eps, norm=None):
+    """The forward launch; ``norm``: (weight, eps) of an RMSNorm applied to the mix in the same kernel, or None."""
     R, D = xs[0].shape[0], shape[-1]
     out = torch.empty(R, D, dtype=dtype, device=xs[0].device)
     if R == 0:
         return out.view(shape)
     kw, q = kw.contiguous(), q.contiguous()
+    nw, norm_eps = (norm[0].contiguous(), norm[1]) if norm is not None else (kw, 0.0)
     block_r, block_d, num_warps = blocks(R, D)
     with on_device(out.device):
         _attnres_fwd_kernel[(triton.cdiv(R, block_r),)](
-            xs, s_rows, s_entry, kw, q, out, R, D, eps,
-            N=N, STACKED=stacked, BLOCK_R=block_r, BLOCK_D=block_d, F64=compute_f64(*xs, kw, q),
-            num_warps=num_warps,
+            xs, s_rows, s_entry, kw, q, nw, out, R, D, eps, norm_eps,
+            N=N, STACKED=stacked, NORM=norm is not None, BLOCK_R=block_r, BLOCK_D=block_d,
+            F64=compute_f64(*xs, kw, q, nw), num_warps=num_warps,
         )
     return out.view(shape)
 
@@ -296,10 +318,12 @@ def _entry_ptrs(xs, s_rows, s_entry, n: tl.constexpr, rows64, cols, STACKED: tl.
 
 @_jit
 def _attnres_fwd_kernel(
-    xs, s_rows, s_entry, kw_ptr, q_ptr, out_ptr, R, D, eps,
-    N: tl.constexpr, STACKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, F64: tl.constexpr,
+    xs, s_rows, s_entry, kw_ptr, q_ptr, nw_ptr, out_ptr, R, D, eps, norm_eps,
+    N: tl.constexpr, STACKED: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    F64: tl.constexpr,
 ):
-    """Program (row block): out[rows] = sum_n softmax_n(s)_n v_n, one read of each entry (online softmax)."""
+    """Program (row block): out[rows] = sum_n softmax_n(s)_n v_n, one read of each entry (online softmax); with
+    NORM, RMSNorm(out) with weight nw, out first rounded to the output's dtype (as a separate norm would read it)."""
     ct = tl.float64 if F64 else tl.float32
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
@@ -321,6 +345,11 @@ def _attnres_fwd_kernel(
         acc = acc * alpha[:, None] + e[:, None] * v
         m = m_new
     out = acc / lsum[:, None]
+    if NORM:
+        x = out.to(out_ptr.dtype.element_ty).to(ct)
+        nw = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(ct)
+        r = tl.rsqrt(tl.sum(x * x, axis=1) / D + norm_eps)
+        out = (x * r[:, None]) * nw[None, :]
     tl.store(out_ptr + rows64[:, None] * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -50,9 +50,8 @@ _TILE_ELEMS = 512  # a program's [BLOCK_C, BLOCK_W] tile: 4 elements a thread at
 def _check(x_BC, weights, pool_PCW, slots_B, out_dtype, name="short_conv_decode") -> tuple[torch.Tensor, ...]:
     """Checks the arguments (shapes, dtypes, devices only); returns the weights as a tuple. ``x_BC``: [B, C], or
     [B, T, C] for ``short_conv_steps`` (named x_BTC)."""
-    x_name = "x_BC" if name == "short_conv_decode" else "x_BTC"
-    if not isinstance(x_BC, torch.Tensor) or x_BC.ndim != len(x_name) - 2 or x_BC.dtype not in _FLOATS:
-        shape = "[B, C]" if x_name == "x_BC" else "[B, T, C]"
+    x_name, ndim, shape = ("x_BC", 2, "[B, C]") if name == "short_conv_decode" else ("x_BTC", 3, "[B, T, C]")
+    if not isinstance(x_BC, torch.Tensor) or x_BC.ndim != ndim or x_BC.dtype not in _FLOATS:
         raise ValueError(f"{x_name} must be a floating tensor {shape} (fp32, bf16, fp16 or fp64), got "
                          f"{describe(x_BC)}")
     B, C = x_BC.shape[0], x_BC.shape[-1]
@@ -65,7 +64,8 @@ def _check(x_BC, weights, pool_PCW, slots_B, out_dtype, name="short_conv_decode"
         raise ValueError(f"pool_PCW must be [P >= 1, C={C}, W-1={W - 1}] (W = {W} from the weights), got "
                          f"{tuple(pool_PCW.shape)}")
     if not pool_PCW.is_contiguous():
-        raise ValueError(f"pool_PCW must be contiguous (it is updated in place), got strides {pool_PCW.stride()}")
+        raise ValueError(f"pool_PCW must be contiguous (the kernels address its rows as [C, W-1] blocks), got "
+                         f"strides {pool_PCW.stride()}")
     if pool_PCW.device != device:
         raise ValueError(f"pool_PCW is on {pool_PCW.device} but {x_name} on {device}")
     if not isinstance(slots_B, torch.Tensor) or slots_B.ndim != 1 or slots_B.dtype != torch.int64:

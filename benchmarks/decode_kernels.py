@@ -27,23 +27,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import bench, log, rel  # noqa: E402
+from harness import bench, graphed, log, rel  # noqa: E402
 
 
 def graph_time_us(launch, layers: int) -> float:
-    """us a launch: ``launch(i)`` for i < layers captured as one CUDA graph (after a warm run on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(layers):
-            launch(i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(layers):
-            launch(i)
-    return bench(graph.replay, warmup=10, rep=100) * 1e3 / layers
+    """us a launch: ``launch(i)`` for i < layers captured as one CUDA graph (``harness.graphed``), replayed."""
+    return bench(graphed(lambda: [launch(i) for i in range(layers)]), warmup=10, rep=100) * 1e3 / layers
 
 
 def report(name: str, times: dict[str, float], default: str, failed: list[str]) -> dict:
@@ -109,6 +98,8 @@ def moe(name: str, T: int, K: int, E: int, L: int, F: int, layers: int) -> dict:
 
 def kda(name: str, B: int, H: int, K: int, T: int, layers: int) -> dict:
     """The decode kernel (T = 0) or the verify kernel over T tokens, over V blocks and warps."""
+    import triton
+
     from kimik3.ops.kda import decode_kernel as dk
 
     dev, bf16, V = "cuda", torch.bfloat16, K
@@ -127,7 +118,7 @@ def kda(name: str, B: int, H: int, K: int, T: int, layers: int) -> dict:
         if T == 0:   # the pool is advanced in place: a fresh copy for the check, the timing does not care
             return dk.launch_decode(q, k, v, g, beta, pools[i], slots, A_log=a_log, dt_bias=dt_bias, **pre,
                                     block_v=block_v, num_warps=warps)
-        dk._verify_kernel[(-(-V // block_v), B * H)](
+        dk._verify_kernel[(triton.cdiv(V, block_v), B * H)](
             q, k, v, g, beta, pools[i], slots, steps, o, a_log, dt_bias, q.stride(0), k.stride(0), v.stride(0),
             g.stride(0), beta.stride(0), B, H, K ** -0.5, -5.0, T=T, K=K, V=V, BK=K, BV=block_v,
             USE_GATE=True, USE_L2=True, USE_BETA_SIG=True, EPS=dk.L2_EPS, num_warps=warps)

@@ -49,8 +49,9 @@ from kimik3.model.norm import RMSNorm
 from kimik3.model.param_rules import ParamRule, muon
 from kimik3.ops.glue import glue_backend
 from kimik3.ops.glue.common import through_operator
-from kimik3.ops.moe import (SMALL_BATCH_MAX_ROWS, ExpertGroups, from_expert_rows, grouped_mm, inverse_permutation,
-                            mxfp4_grouped_mm, route_backend, routed_experts_small, sigmoid_topk, to_expert_rows)
+from kimik3.ops.moe import (SMALL_BATCH_MAX_ROWS, ExpertGroups, from_expert_rows, grouped_mm, grouped_mm_on_device,
+                            inverse_permutation, mxfp4_grouped_mm, route_backend, routed_experts_small, sigmoid_topk,
+                            to_expert_rows)
 from kimik3.ops.precision import no_autocast
 from kimik3.quant.mx import MXTensor, quantize
 from kimik3.quant.qat import expert_input, expert_weight
@@ -325,9 +326,11 @@ class RoutedExperts(nn.Module):
     def _few_rows(self, x_TL: torch.Tensor, rows: int) -> bool:
         """Whether the rows go through ``routed_experts_small``: CUDA, eager inference (a direct Triton launch, as
         the glue ops make where ``through_operator`` says no: nothing needs a gradient, torch.compile not tracing),
-        at most ``SMALL_BATCH_MAX_ROWS`` (token, expert) rows; otherwise the sorted rows and grouped matmuls."""
+        and either at most ``SMALL_BATCH_MAX_ROWS`` (token, expert) rows or a dtype ``grouped_mm`` can only loop over
+        on the host (fp32: the loop reads the group sizes, which a serving CUDA graph cannot capture; these kernels
+        take any number of rows without a sync). Otherwise the sorted rows and grouped matmuls."""
         return (glue_backend(x_TL) == "triton" and not through_operator(x_TL, self.w_gate_ELF)
-                and rows <= SMALL_BATCH_MAX_ROWS)
+                and (rows <= SMALL_BATCH_MAX_ROWS or not grouped_mm_on_device(x_TL, self.w_gate_ELF)))
 
 
 class LatentMoE(nn.Module):

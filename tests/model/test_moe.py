@@ -192,3 +192,24 @@ def test_router_logits_in_one_bf16_gemm_equal_the_upcast_fp32_gemm(tokens):
     w.requires_grad_(True)
     router_logits(x, w).sum().backward()
     assert w.grad is not None and w.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp32_moe_with_many_rows_captures_in_a_cuda_graph():
+    # An fp32 engine (greedy-identity checks) captures prefill chunks of hundreds of tokens: grouped_mm's fp32 route
+    # loops over the experts on the host, so these rows take the unsorted kernels, which need no sync.
+    from kimik3.ops.moe import SMALL_BATCH_MAX_ROWS
+
+    config, moe = _moe()
+    tokens = SMALL_BATCH_MAX_ROWS // config.moe.top_k + 9
+    x = torch.randn(tokens, config.dim, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = moe(x)
+        gpu = moe.cuda()
+        static = x.cuda()
+        gpu(static)   # the kernels compiled outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gpu(static)
+        graph.replay()
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)

@@ -95,13 +95,16 @@ def _decode_kernel(
 
 def _default_blocks(BK: int, V: int, BH: int):
     BVF = max(16, triton.next_power_of_2(V))
-    # Enough programs to fill the card at small batch; 8 KB-32 KB of state per program; 64-column blocks at 4 warps
-    # from 1024 (sequence, head) pairs (the H200 sweeps in benchmarks/NOTES-kda.md).
-    BV = min(BVF, 32 if BH < 1024 else 64)
+    # Below 1024 (sequence, head) pairs the card is short of programs: 16-column blocks at one warp give the most of
+    # them and were fastest for both kernels at every such shape swept (debug and K3 heads, batch 1-16, verify at
+    # T = 2 and 4: benchmarks/decode_kernels.py, NOTES-serve.md). From 1024 pairs, 64-column blocks at 4 warps (the
+    # H200 sweeps in benchmarks/NOTES-kda.md), halved while the state block is over 8,192 elements.
+    if BH < 1024:
+        return 16, 1
+    BV = min(BVF, 64)
     while BK * BV > 8192 and BV > 16:
         BV //= 2
-    num_warps = 4
-    return BV, num_warps
+    return BV, 4
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,9 @@ def grouped_mm_loop(x_RI: torch.Tensor, w_EIO: torch.Tensor, counts_E: torch.Ten
     return torch.cat(outs)
 
 
-def _fused_ok(x_RI: torch.Tensor, w_EIO: torch.Tensor) -> bool:
+def grouped_mm_on_device(x_RI: torch.Tensor, w_EIO: torch.Tensor) -> bool:
+    """Whether ``grouped_mm`` runs as ``torch._grouped_mm`` on these operands (bf16 on CUDA, 16-byte aligned rows);
+    otherwise it is ``grouped_mm_loop``, which reads the group sizes on the host (no CUDA graph can capture it)."""
     return (
         x_RI.is_cuda and hasattr(torch, "_grouped_mm") and x_RI.dtype == torch.bfloat16
         and w_EIO.dtype == torch.bfloat16
@@ -71,7 +73,7 @@ def grouped_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, groups: ExpertGroups | t
     """
     if not isinstance(groups, ExpertGroups):
         groups = ExpertGroups.of(groups)
-    if _fused_ok(x_RI, w_EIO):
+    if grouped_mm_on_device(x_RI, w_EIO):
         _check(x_RI, w_EIO, groups.counts_E)
         return torch._grouped_mm(x_RI, w_EIO, offs=groups.offsets_E)
     return grouped_mm_loop(x_RI, w_EIO, groups.counts_E)

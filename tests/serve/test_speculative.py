@@ -156,6 +156,70 @@ def test_every_accepted_length_keeps_the_cache_lossless(serve_model, serve_token
     assert stats.mean_emitted > 1.5
 
 
+class _RecordingOracle(_Oracle):
+    """Runs the real draft chain and records what it proposed (with the sequence as it stood), but hands the
+    verification the oracle's drafts, so that every accepted length occurs and the next step's pending pairs vary."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.records = []
+
+    def _propose(self, seqs, inputs, sampling):
+        real, _ = Speculator._propose(self, seqs, inputs, sampling)
+        for seq, row in zip(seqs, real.tolist()):
+            self.records.append((list(seq.tokens), seq.computed, seq.spec_pending, row))
+        return super()._propose(seqs, inputs, sampling)
+
+
+def _trained_chain(model, draft, tokens: list[int], computed: int, K: int) -> list[int]:
+    """The K drafts the training-time test (``kimik3.train.draft_ttt``) computes for the chain that starts at the
+    last cached position: the target over the whole sequence at once, the draft's steps over every position with
+    ``ChainCache``, the chain's later steps fed its own drafts."""
+    from kimik3.train.draft_ttt import ChainCache, shifted, target_pass
+
+    ids = torch.tensor([tokens[:computed + 1]])
+    t = computed - 1   # the pair (features of the last cached token, the token not yet fed)
+    feature = draft.fuse_features(target_pass(model, draft, ids).features)
+    cache, inputs, drafts = ChainCache(), shifted(ids, 1), []
+    for k in range(1, K + 1):
+        feature, normed = draft(feature, model.embed(inputs), cache)
+        drafts.append(int(draft.target_ids(draft.logits(model, normed[:, t]).argmax(-1))))
+        inputs = shifted(ids, k + 1)
+        inputs[:, t] = drafts[-1]
+    return drafts
+
+
+def test_the_engine_drafts_what_the_draft_was_trained_to(serve_model, serve_tokenizer, monkeypatch):
+    """The engine's draft chain (paged latents, pending pairs from the last verification, one step at a time)
+    proposes what the training-time test's chain proposes for the same sequence. Every feature the draft fuses
+    carries weight (``from_mtp`` starts the lower ones at zero), and an oracle picks what is verified so that the
+    pending pairs number 1 to K + 1."""
+    K = 3
+    draft = EagleDraft.from_mtp(serve_model)
+    with torch.no_grad():
+        draft.fuse.weight.add_(0.05 * torch.randn(draft.fuse.weight.shape, generator=torch.Generator().manual_seed(4)))
+    greedy = SamplingParams(max_tokens=28, temperature=0, ignore_eos=True)
+    requests = [(p, greedy) for p in _prompts((6, 29), seed=5)]
+    plain = _run(EngineCore(serve_model, serve_tokenizer, _config(0)), requests)
+    made = []
+    import kimik3.serve.model_runner as model_runner
+
+    def speculator(runner, d, k):
+        made.append(_RecordingOracle(runner, d, k, continuations=plain, wrong=0.3))
+        return made[-1]
+    monkeypatch.setattr(model_runner, "Speculator", speculator)
+    core = EngineCore(serve_model, serve_tokenizer, _config(K), draft=draft)
+    assert _run(core, requests) == plain
+    records = made[0].records
+    assert len(records) > 10 and all(len(tokens) == computed + 1 for tokens, computed, _, _ in records)
+    assert {m for _, _, m, _ in records} == set(range(1, K + 2))   # every count of pending pairs occurred
+    with torch.no_grad():
+        mismatched = [(computed, row, _trained_chain(serve_model, draft, tokens, computed, K))
+                      for tokens, computed, _, row in records]
+    mismatched = [m for m in mismatched if m[1] != m[2]]
+    assert not mismatched, mismatched[:3]
+
+
 def test_speculating_sequences_leave_decode_checkpoints(serve_model, serve_tokenizer, draft, monkeypatch):
     """A step of several tokens that lands on a hash boundary offers the prefix cache a checkpoint there, as plain
     decoding does: a follow-up turn (prompt + reply) then restores past the first prompt."""

@@ -66,6 +66,39 @@ def kernel_rows(prof, steps: int, top: int = 25) -> dict:
             "by_count": sorted(rows, key=lambda row: -row[2])[:top], "all": by_time}
 
 
+def idle_split(intervals: list[tuple[float, float]], long_gap_us: float = 5.0) -> dict:
+    """Where a device timeline's time goes between its first start and last end, from the (start, end) intervals
+    in us of its kernels and copies (one stream): busy time, the short gaps (below ``long_gap_us``: a graph's
+    launches back to back) and the long ones (the device waiting for the host), with their counts."""
+    spans = sorted(intervals)
+    out = {"span_us": 0.0, "busy_us": 0.0, "short_gaps_us": 0.0, "short_gaps": 0, "long_gaps_us": 0.0,
+           "long_gaps": 0}
+    if not spans:
+        return out
+    out["span_us"] = max(end for _, end in spans) - spans[0][0]
+    reach = spans[0][0]
+    for start, end in spans:
+        gap = start - reach
+        if gap > 0:
+            kind = "long" if gap >= long_gap_us else "short"
+            out[f"{kind}_gaps_us"] += gap
+            out[f"{kind}_gaps"] += 1
+        out["busy_us"] += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return out
+
+
+def device_timeline(prof, steps: int, wall_s: float) -> dict:
+    """``idle_split`` of a profile's CUDA kernels and copies, per step, with the host's wall time a step: what a
+    graphed step's wall time holds besides its kernels (their gaps in the graph, the device idle between replays)."""
+    intervals = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
+    split = idle_split(intervals)
+    per_step = {key: value / steps for key, value in split.items()}
+    per_step["wall_us"] = wall_s * 1e6 / steps
+    return per_step
+
+
 def print_kernels(title: str, table: dict) -> None:
     print(f"{title}: {table['launches']} kernel launches, {table['us'] / 1e3:.2f} ms of kernel time")
     for sync in table.get("host_syncs", []):

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import kernel_rows  # noqa: E402
+from harness import device_timeline, kernel_rows  # noqa: E402
 
 from kimik3.model.draft import EagleDraft  # noqa: E402
 from kimik3.model.k3 import K3ForCausalLM  # noqa: E402
@@ -111,7 +111,7 @@ def run_case(model, draft, tokenizer, eos, prompts, K: int, args) -> dict:
 
 def profile_steps(core: EngineCore, prompt: list[int], max_tokens: int, steps: int = 5) -> dict:
     """The kernels of ``steps`` decode steps of one greedy request alone, after its prefill and three more steps
-    (``harness.kernel_rows``, per step)."""
+    (``harness.kernel_rows``, per step), and on CUDA where the steps' wall time goes (``harness.device_timeline``)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = core.runner.device.type == "cuda"
@@ -124,14 +124,19 @@ def profile_steps(core: EngineCore, prompt: list[int], max_tokens: int, steps: i
     if cuda:
         torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
         for _ in range(steps):
             core.step()
         if cuda:
             torch.cuda.synchronize()
+        wall_s = time.perf_counter() - start
     if not core.has_work():
         raise RuntimeError(f"the profiled request ended within {steps + 3} steps: raise --max-tokens")
     core.abort("profile")
-    return kernel_rows(prof, steps)
+    table = kernel_rows(prof, steps)
+    if cuda:
+        table["timeline"] = device_timeline(prof, steps, wall_s)
+    return table
 
 
 def print_profiles(results: dict, top: int = 20) -> None:
@@ -140,6 +145,13 @@ def print_profiles(results: dict, top: int = 20) -> None:
     print("\nkernels a step at batch 1 (one request, five mid-decode steps): "
           + "; ".join(f"K = {K}: {results[K]['profile']['launches']} launches, "
                       f"{results[K]['profile']['us'] / 1e3:.3f} ms" for K in ks))
+    for K in ks:
+        line = results[K]["profile"].get("timeline")
+        if line:
+            print(f"  K = {K}, a step: wall {line['wall_us']:.0f} us = kernels and copies {line['busy_us']:.0f} + "
+                  f"{line['short_gaps']:.0f} gaps under 5 us {line['short_gaps_us']:.0f} + {line['long_gaps']:.1f} "
+                  f"longer gaps {line['long_gaps_us']:.0f} + before the first kernel and after the last "
+                  f"{line['wall_us'] - line['span_us']:.0f}")
     times = {K: {name: us for name, us, _ in results[K]["profile"]["all"]} for K in ks}
     names = {name for K in ks for name in times[K]}
     spread = sorted(names, key=lambda n: -max(abs(times[K].get(n, 0.0) - times[0].get(n, 0.0)) for K in ks))

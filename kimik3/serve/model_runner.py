@@ -387,7 +387,7 @@ class _PrefillGraph:
         self._runner._prefill_row(seq, end, self.size, out=self._host_np)
         self._static.copy_(self._host, non_blocking=True)
         self._copied.record()
-        for view in self._views:   # the eager regions' shapes: this row's cached length
-            view.max_length = seq.computed
+        for view in self._views:   # the eager regions run again: this row's cached length, fresh index tensors
+            view.index.reset(seq.computed)
         with torch.no_grad():
             return self.graph.replay()

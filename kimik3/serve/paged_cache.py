@@ -104,55 +104,120 @@ class LatentPool:
             pool[dst, :tokens] = pool[src, :tokens]
 
     def view(self, layer: int, tables_BN: torch.Tensor, lengths_B: torch.Tensor,
-             max_length: int | None = None, multi_token: bool = False) -> "PagedLatentView":
-        return PagedLatentView(self.tensors[layer], tables_BN, lengths_B, max_length, multi_token)
+             max_length: int | None = None, multi_token: bool = False,
+             index: "PagedIndex | None" = None) -> "PagedLatentView":
+        """Layer ``layer``'s view for one forward; ``index``: the forward's ``PagedIndex``, shared by its layers
+        (None: one of its own, from the same tables and lengths)."""
+        index = index if index is not None else PagedIndex(tables_BN, lengths_B, self.block_size, max_length)
+        return PagedLatentView(self.tensors[layer], index, multi_token)
+
+
+class PagedIndex:
+    """Where one forward's tokens lie in the paged pools: the slots its new tokens are written to, the slots of the
+    keys each row attends to, and the per-token block tables and lengths of the multi-token attention. Every MLA
+    layer of a forward shares the rows' block tables, cached lengths and block size, so the index arithmetic runs
+    once a forward and the layers reuse its tensors (each is made on first use, inside a CUDA graph's capture as
+    well: the graph replays it once).
+
+    ``tables_BN``: the rows' block tables padded to a common width with any valid block id (padding is never read
+    unmasked); ``lengths_B``: the tokens each row already holds; ``max_length``: their largest value when the
+    caller knows it on the host (else ``max_length()`` reads it back: a synchronisation)."""
+
+    def __init__(self, tables_BN: torch.Tensor, lengths_B: torch.Tensor, block_size: int,
+                 max_length: int | None = None):
+        self.tables_BN = tables_BN
+        self.lengths_B = lengths_B
+        self.block_size = block_size
+        self._max_length = max_length
+        self._memo: dict[tuple, object] = {}
+
+    def reset(self, max_length: int | None = None) -> None:
+        """Forget the index tensors, for a new forward over the same (updated in place) tables and lengths: a
+        piecewise prefill graph's eager regions, which run again at each replay."""
+        self._max_length = max_length
+        self._memo.clear()
+
+    def max_length(self) -> int:
+        if self._max_length is None:
+            self._max_length = int(self.lengths_B.max())
+        return self._max_length
+
+    def _once(self, key: tuple, make):
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def slots(self, positions_BX: torch.Tensor) -> torch.Tensor:
+        """Flat pool rows (block * P + offset) of the positions [B, X] of each row."""
+        blocks = torch.gather(self.tables_BN, 1, positions_BX // self.block_size)
+        return blocks * self.block_size + positions_BX % self.block_size
+
+    def positions(self, length: int) -> torch.Tensor:
+        """[B, T]: the positions of each row's ``length`` new tokens."""
+        return self._once(("positions", length), lambda: self.lengths_B[:, None] + torch.arange(
+            length, device=self.lengths_B.device)[None, :])
+
+    def new_slots(self, length: int) -> torch.Tensor:
+        """[B T]: the flat pool rows the new tokens are written to."""
+        return self._once(("new", length), lambda: self.slots(self.positions(length)).flatten())
+
+    def key_slots(self, total: int) -> torch.Tensor:
+        """[B total]: the flat pool rows of each row's first ``total`` positions."""
+        keys = torch.arange(total, device=self.lengths_B.device)
+        return self._once(("keys", total), lambda: self.slots(keys[None, :].expand(len(self.lengths_B), -1))
+                          .flatten())
+
+    def token_rows(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables [B T, N], lengths [B T]) for attention with each new token a row of its own, attending to
+        its row's latents up to and including its own. On the CPU the tables are cut to the longest row (the torch
+        path gathers whole tables; there are no graphs there)."""
+        def make():
+            tables = self.tables_BN
+            if not tables.is_cuda:
+                tables = tables[:, :(self.max_length() + length - 1) // self.block_size + 1]
+            if length > 1:
+                tables = tables.repeat_interleave(length, dim=0)
+            return tables, (self.positions(length) + 1).flatten()
+        return self._once(("rows", length), make)
 
 
 class PagedLatentView:
-    """One MLA layer's cache for one forward of B rows that already hold ``lengths_B`` tokens.
+    """One MLA layer's cache for one forward of B rows (``PagedIndex``: their block tables and cached lengths).
 
-    ``tables_BN`` are the rows' block tables padded to a common width with any valid block id
-    (padding is never read unmasked). ``max_length``: ``lengths_B``'s largest value when the caller knows it on
-    the host (else ``attend`` reads it back: a synchronisation). ``multi_token``: the forward's T tokens of a row
-    go through ``decode_absorbed`` together (a speculative verification or draft step), each attending to the
-    row's cache and the tokens before it."""
+    ``multi_token``: the forward's T tokens of a row go through ``decode_absorbed`` together (a speculative
+    verification or draft step), each attending to the row's cache and the tokens before it."""
 
-    def __init__(self, pool_NPC: torch.Tensor, tables_BN: torch.Tensor, lengths_B: torch.Tensor,
-                 max_length: int | None = None, multi_token: bool = False):
+    def __init__(self, pool_NPC: torch.Tensor, index: PagedIndex, multi_token: bool = False):
+        if index.block_size != pool_NPC.shape[1]:
+            raise ValueError(f"the index is for blocks of {index.block_size} tokens, the pool's hold "
+                             f"{pool_NPC.shape[1]}")
         self.pool_NPC = pool_NPC
-        self.tables_BN = tables_BN
-        self.lengths_B = lengths_B
-        self.max_length = max_length
+        self.index = index
         self.multi_token = multi_token
+
+    @property
+    def lengths_B(self) -> torch.Tensor:
+        return self.index.lengths_B
 
     # The MLA layer's cached attention (shaped by ``max_length``) runs outside a prefill's piecewise CUDA graphs.
     eager_region = staticmethod(eager_region)
 
-    def _max_length(self) -> int:
-        return self.max_length if self.max_length is not None else int(self.lengths_B.max())
-
-    def _slots(self, positions_BX: torch.Tensor) -> torch.Tensor:
-        block_size = self.pool_NPC.shape[1]
-        blocks = torch.gather(self.tables_BN, 1, positions_BX // block_size)
-        return blocks * block_size + positions_BX % block_size
-
     def attend(self, kv_BTC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length, width = kv_BTC.shape
-        device = kv_BTC.device
+        index = self.index
         flat = self.pool_NPC.view(-1, width)
-        new_BT = self.lengths_B[:, None] + torch.arange(length, device=device)[None, :]
-        flat[self._slots(new_BT).flatten()] = kv_BTC.reshape(-1, width).to(flat.dtype)
+        flat[index.new_slots(length)] = kv_BTC.reshape(-1, width).to(flat.dtype)
 
-        longest = self._max_length()
+        longest = index.max_length()
         total = longest + length
-        keys_S = torch.arange(total, device=device)
-        capacity = self.tables_BN.shape[1] * self.pool_NPC.shape[1]
+        capacity = index.tables_BN.shape[1] * self.pool_NPC.shape[1]
         if total > capacity:
             raise ValueError(f"paged MLA cache: {total} tokens exceed the block tables' {capacity}")
-        kv_BSC = flat[self._slots(keys_S[None, :].expand(batch, -1)).flatten()].view(batch, total, width)
+        kv_BSC = flat[index.key_slots(total)].view(batch, total, width)
         if batch == 1:   # one row: causal after its cached tokens (a fresh prefill: plain causal)
             return kv_BSC, None if longest == 0 else offset_causal(length, total)
-        mask_BTS = keys_S[None, None, :] <= new_BT[:, :, None]   # causal and inside the row's length
+        keys_S = torch.arange(total, device=kv_BTC.device)
+        mask_BTS = keys_S[None, None, :] <= index.positions(length)[:, :, None]   # causal, inside the row's length
         return kv_BSC, mask_BTS[:, None]
 
     def decode_absorbed(self, kv_BTC: torch.Tensor, q_latent_BTHC: torch.Tensor, q_slice_BTHR: torch.Tensor,
@@ -165,15 +230,10 @@ class PagedLatentView:
         if length != 1 and not self.multi_token:
             raise ValueError(f"decode_absorbed takes one token per row, got {length} (a multi_token view takes more)")
         flat = self.pool_NPC.view(-1, width)
-        positions_BT = self.lengths_B[:, None] + torch.arange(length, device=kv_BTC.device)[None, :]
-        flat[self._slots(positions_BT).flatten()] = kv_BTC.reshape(-1, width).to(flat.dtype)
-        tables_BN = self.tables_BN
-        if not tables_BN.is_cuda:   # the CPU path gathers whole tables: trim them to the longest row (no graphs here)
-            tables_BN = tables_BN[:, :(self._max_length() + length - 1) // self.pool_NPC.shape[1] + 1]
-        if length > 1:
-            tables_BN = tables_BN.repeat_interleave(length, dim=0)
-        out_XHC = paged_mla_decode(q_latent_BTHC.flatten(0, 1), q_slice_BTHR.flatten(0, 1), self.pool_NPC, tables_BN,
-                                   (positions_BT + 1).flatten(), scale)
+        flat[self.index.new_slots(length)] = kv_BTC.reshape(-1, width).to(flat.dtype)
+        tables_XN, lengths_X = self.index.token_rows(length)
+        out_XHC = paged_mla_decode(q_latent_BTHC.flatten(0, 1), q_slice_BTHR.flatten(0, 1), self.pool_NPC, tables_XN,
+                                   lengths_X, scale)
         return out_XHC.unflatten(0, (batch, length))
 
 
@@ -290,11 +350,13 @@ def batch_cache(config: K3Config, latents: LatentPool, states: StatePool, slots_
     the real tokens of each row of a padded chunk (the rest is padding; ``KDAState.valid_B``). ``steps``: a
     speculative verification (every row's T tokens through the one-token paths, each KDA state recorded)."""
     kda_states = states.view(slots_B, valid_B, steps)
+    index = PagedIndex(tables_BN, lengths_B, latents.block_size, max_length)   # shared by the MLA layers
     layers: list = []
     mla_index = kda_index = 0
     for spec in config.layer_plan():
         if spec.mixer == "mla":
-            layers.append(latents.view(mla_index, tables_BN, lengths_B, max_length, multi_token=steps is not None))
+            layers.append(latents.view(mla_index, tables_BN, lengths_B, max_length, multi_token=steps is not None,
+                                       index=index))
             mla_index += 1
         else:
             layers.append(kda_states[kda_index])

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kimik3.model.cache import MLAState
-from kimik3.serve.paged_cache import BlockAllocator, LatentPool, PagedLatentView
+from kimik3.serve.paged_cache import BlockAllocator, LatentPool, PagedIndex
 
 
 def test_allocator_refcounts_and_reuse():
@@ -31,13 +31,13 @@ def test_paged_view_matches_contiguous_cache_for_ragged_rows():
     contiguous = [MLAState(torch.zeros(1, 16, width)) for _ in rows]
     # prefill each row alone (B=1 views), then one batched decode step
     for r, kv in enumerate(rows):
-        view = PagedLatentView(pool.tensors[0], tables[r:r + 1], torch.tensor([0]))
+        view = pool.view(0, tables[r:r + 1], torch.tensor([0]))
         got, mask = view.attend(kv)
         want, _ = contiguous[r].attend(kv)
         torch.testing.assert_close(got, want)
         assert mask is None
     new = torch.randn(2, 1, width)
-    view = PagedLatentView(pool.tensors[0], tables, torch.tensor([9, 3]))
+    view = pool.view(0, tables, torch.tensor([9, 3]))
     got, mask = view.attend(new)
     assert got.shape == (2, 10, width) and mask.shape == (2, 1, 1, 10)
     for r in range(2):
@@ -58,8 +58,8 @@ def test_one_row_chunk_after_cached_tokens_is_offset_causal():
     pool = LatentPool(1, num_blocks=6, block_size=4, width=width, dtype=torch.float32, device="cpu")
     tables = torch.tensor([[4, 0, 3]])
     first, second = torch.randn(1, 6, width), torch.randn(1, 5, width)
-    PagedLatentView(pool.tensors[0], tables, torch.tensor([0])).attend(first)
-    got, mask = PagedLatentView(pool.tensors[0], tables, torch.tensor([6]), max_length=6).attend(second)
+    pool.view(0, tables, torch.tensor([0])).attend(first)
+    got, mask = pool.view(0, tables, torch.tensor([6]), max_length=6).attend(second)
     torch.testing.assert_close(got, torch.cat([first, second], dim=1))
     assert isinstance(mask, CausalBias) and (mask.seq_len_q, mask.seq_len_kv) == (5, 11)
     want = torch.arange(11)[None, :] <= torch.arange(5)[:, None] + 6
@@ -76,3 +76,36 @@ def test_copy_prefix_is_copy_on_write():
         assert t[2, 3].abs().sum() == 0
         t[2, 0] = -1
         assert t[0, 0, 0] == 0
+
+
+def test_layers_of_one_forward_share_the_index_and_a_reset_recomputes_it():
+    """Two MLA layers of a forward through one ``PagedIndex``: the same results as each with its own index, the
+    index tensors made once; after the lengths change in place, ``reset`` makes them anew (a prefill graph's
+    eager regions, replayed for another row)."""
+    torch.manual_seed(1)
+    width, block = 3, 4
+    shared_pool = LatentPool(2, num_blocks=8, block_size=block, width=width, dtype=torch.float32, device="cpu")
+    own_pool = LatentPool(2, num_blocks=8, block_size=block, width=width, dtype=torch.float32, device="cpu")
+    tables, lengths = torch.tensor([[3, 1, 6], [0, 5, 2]]), torch.tensor([5, 2])
+    index = PagedIndex(tables, lengths, block)
+    made = []
+    slots = index.slots
+
+    def counted(positions):
+        made.append(positions.shape)
+        return slots(positions)
+    index.slots = counted
+    for t_own, t_shared in zip(own_pool.tensors, shared_pool.tensors):   # the same cached latents in both
+        t_shared.copy_(torch.randn(t_shared.shape))
+        t_own.copy_(t_shared)
+    new = torch.randn(2, 2, 1, width)
+    for layer in range(2):
+        got, got_mask = shared_pool.view(layer, tables, lengths, index=index).attend(new[layer])
+        want, want_mask = own_pool.view(layer, tables, lengths).attend(new[layer])
+        torch.testing.assert_close(got, want)
+        assert torch.equal(got_mask, want_mask)
+    assert len(made) == 2   # the new tokens' slots and the keys' slots, once for both layers
+    lengths += 1            # in place, as a replayed graph's static inputs change
+    index.reset()
+    shared_pool.view(0, tables, lengths, index=index).attend(new[0])
+    assert len(made) == 4 and int(index.positions(1)[0, 0]) == 6

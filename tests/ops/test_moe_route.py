@@ -268,3 +268,21 @@ def test_cuda_graph_capture_and_replay():
         logits.copy_(make_inputs(8, 896, seed=13)[0])
         graph.replay()
     assert_selection(got, reference(logits, bias, 16, 1.0))
+
+
+@needs_kernels
+@pytest.mark.parametrize("T", [1, 65])   # one program (the counts stored whole) and several (atomic adds)
+def test_every_output_is_written_whole(monkeypatch, T):
+    # The outputs start as torch.empty (the counts too, when one program holds every row): poisoned here, so an
+    # element the kernel leaves unwritten shows.
+    empty = torch.empty
+
+    def poisoned(*shape, **kw):
+        out = empty(*shape, **kw)
+        return out.fill_(-7 if not out.is_floating_point() else float("nan"))
+    monkeypatch.setattr(torch, "empty", poisoned)
+    logits, bias = make_inputs(T, 33, seed=T)
+    got = sigmoid_topk_forward(logits, bias, 5, 1.0)
+    monkeypatch.undo()
+    assert_selection(got, reference(logits, bias, 5, 1.0))
+    assert int(got[3].sum()) == 5 * T

@@ -9,10 +9,11 @@ Given the fp32 router logits [T, E] (the fp32 GEMM stays outside) and the select
     counts[e] = how many rows chose e
 
 One program holds a block of whole rows (the next power of two of E) in registers and takes the top-(K+1) by K+1
-rounds of a row max (the lowest index among the maxima wins, and leaves the candidates); the loads are integer
-atomic adds, deterministic. Torch's unfused form is ~10 launches (sigmoid, add, topk, gather, sum, div, mul, the
-cutoff's slice, a zero-fill and a scatter-add); here it is the zero-fill of the counts and this kernel. A NaN biased
-score ranks above every number, as in ``torch.topk``.
+rounds of a row max (the lowest index among the maxima wins, and leaves the candidates); the loads are stored
+whole when one program holds every row (a decode step's few tokens), else added into zeroed counts by integer
+atomics, deterministic either way. Torch's unfused form is ~10 launches (sigmoid, add, topk, gather, sum, div,
+mul, the cutoff's slice, a zero-fill and a scatter-add); here it is this kernel, after the counts' zero-fill when
+there are several programs. A NaN biased score ranks above every number, as in ``torch.topk``.
 
 On a GPU the sigmoid is ``1 / (1 + exp(-x))`` with libdevice's exp and a correctly rounded division, the formula
 torch's CUDA sigmoid evaluates, so that the cutoffs sit on the scores ``torch.sigmoid`` gives. The interpreter
@@ -95,19 +96,22 @@ def _select(logits_TE, bias_E, top_k, route_scale, want_scores: bool):
     weights_TK = torch.empty(T, top_k, dtype=dt, device=dev)
     ids_TK = torch.empty(T, top_k, dtype=torch.int64, device=dev)
     cutoff_T = torch.empty(T, dtype=dt, device=dev)
-    counts_E = torch.zeros(E, dtype=torch.int64, device=dev)
     scores_TK = torch.empty(T, top_k, dtype=dt, device=dev) if want_scores else None
-    if T > 0:
-        block_t, block_e, num_warps = blocks(T, E)
-        with on_device(dev):
-            _sigmoid_topk_kernel[(triton.cdiv(T, block_t),)](
-                logits_TE, bias_E, weights_TK, ids_TK, cutoff_T, counts_E,
-                scores_TK if want_scores else weights_TK,
-                T, E, logits_TE.stride(0), route_scale,
-                K=top_k, CUTOFF=top_k < E, SCORES=want_scores, LIBDEVICE=not interpreted(),
-                F64=dt == torch.float64, BLOCK_T=block_t, BLOCK_E=block_e,
-                BLOCK_K=triton.next_power_of_2(top_k), num_warps=num_warps,
-            )
+    if T == 0:
+        return weights_TK, ids_TK, cutoff_T, torch.zeros(E, dtype=torch.int64, device=dev), scores_TK
+    block_t, block_e, num_warps = blocks(T, E)
+    programs = triton.cdiv(T, block_t)
+    # One program (a decode step's few tokens) writes the whole counts; several add theirs into zeroed ones.
+    counts_E = (torch.empty if programs == 1 else torch.zeros)(E, dtype=torch.int64, device=dev)
+    with on_device(dev):
+        _sigmoid_topk_kernel[(programs,)](
+            logits_TE, bias_E, weights_TK, ids_TK, cutoff_T, counts_E,
+            scores_TK if want_scores else weights_TK,
+            T, E, logits_TE.stride(0), route_scale,
+            K=top_k, CUTOFF=top_k < E, SCORES=want_scores, LIBDEVICE=not interpreted(),
+            F64=dt == torch.float64, BLOCK_T=block_t, BLOCK_E=block_e,
+            BLOCK_K=triton.next_power_of_2(top_k), ONE_PROGRAM=programs == 1, num_warps=num_warps,
+        )
     return weights_TK, ids_TK, cutoff_T, counts_E, scores_TK
 
 
@@ -116,8 +120,8 @@ def sigmoid_topk_forward(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: i
 
     logits_TE [T, E] fp32 (fp64 is taken too, computed in fp64: for gradcheck); bias_E [E] floating, on the same
     device; top_k in 1..E; route_scale a Python number (it enters the kernel as fp32, also for fp64 logits).
-    weights and cutoff come in the logits' dtype, ids best first. One kernel launch and the counts' zero-fill; no
-    host sync.
+    weights and cutoff come in the logits' dtype, ids best first. One kernel launch (and the counts' zero-fill when
+    the rows take several programs); no host sync.
     """
     weights_TK, ids_TK, cutoff_T, counts_E, _ = _select(logits_TE, bias_E, top_k, route_scale, want_scores=False)
     return weights_TK, ids_TK, cutoff_T, counts_E
@@ -199,11 +203,11 @@ def _sigmoid_topk_kernel(
     logits_ptr, bias_ptr, w_ptr, ids_ptr, cut_ptr, counts_ptr, s_ptr,
     T, E, stride_t, route_scale,
     K: tl.constexpr, CUTOFF: tl.constexpr, SCORES: tl.constexpr, LIBDEVICE: tl.constexpr, F64: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PROGRAM: tl.constexpr,
 ):
     """Program (block of BLOCK_T rows): scores, the top-K (and the (K+1)-th) by rounds of a row max, the normalised
-    weights [T, K], ids [T, K] (int64), cutoff [T], the chosen scores [T, K] (with SCORES) and the counts (atomic
-    adds into the zeroed counts [E])."""
+    weights [T, K], ids [T, K] (int64), cutoff [T], the chosen scores [T, K] (with SCORES) and the counts [E]:
+    stored whole by a lone program (ONE_PROGRAM), else atomic adds into zeroed counts."""
     ct = tl.float64 if F64 else tl.float32
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
@@ -224,12 +228,15 @@ def _sigmoid_topk_kernel(
     kcols = tl.arange(0, BLOCK_K)
     ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     chosen = tl.zeros([BLOCK_T, BLOCK_K], dtype=ct)
+    taken = tl.zeros([BLOCK_E], dtype=tl.int64)   # rows of this block that chose each expert
     for r in range(K):
         idx, hit = _take_max(key, avail, cols, BLOCK_E)
         slot = kcols[None, :] == r
         ids = tl.where(slot, idx[:, None], ids)
         chosen = tl.where(slot, tl.sum(tl.where(hit, s, 0.0), axis=1)[:, None], chosen)
         avail = avail & (cols[None, :] != idx[:, None])
+        if ONE_PROGRAM:
+            taken += tl.sum((hit & rmask[:, None]).to(tl.int64), axis=0)
     if CUTOFF:  # K < E: one more round for the (K+1)-th biased score
         _, hit = _take_max(key, avail, cols, BLOCK_E)
         cut = tl.sum(tl.where(hit, biased, 0.0), axis=1)
@@ -245,4 +252,7 @@ def _sigmoid_topk_kernel(
     if SCORES:
         tl.store(s_ptr + offs, chosen.to(s_ptr.dtype.element_ty), mask=omask)
     tl.store(cut_ptr + rows, cut.to(cut_ptr.dtype.element_ty), mask=rmask)
-    tl.atomic_add(counts_ptr + ids, tl.full([BLOCK_T, BLOCK_K], 1, tl.int64), mask=omask, sem="relaxed")
+    if ONE_PROGRAM:
+        tl.store(counts_ptr + cols, taken, mask=cmask)
+    else:
+        tl.atomic_add(counts_ptr + ids, tl.full([BLOCK_T, BLOCK_K], 1, tl.int64), mask=omask, sem="relaxed")

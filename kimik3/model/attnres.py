@@ -66,15 +66,31 @@ class AttnResMix(nn.Module):
         return mixed_BTD.to(entries[-1].dtype)
 
 
+def _one_kernel(mix: AttnResMix, norm: RMSNorm, tensors: list[torch.Tensor]) -> bool:
+    """Whether ``attnres_mix_norm`` takes the mix and its norm: both modules would run their Triton kernels, nothing
+    needs a gradient and torch.compile is not tracing (a decode step, an evaluation)."""
+    last = tensors[-1]
+    return (not torch.compiler.is_compiling()
+            and glue_backend(last, mix.backend) == "triton" and glue_backend(last, norm.backend) == "triton"
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *mix.parameters(),
+                                                                                 norm.weight))))
+
+
 def mixed_and_normed(mix: AttnResMix, norm: RMSNorm, entries: list[torch.Tensor]) -> torch.Tensor:
-    """``norm(mix(entries))``. Where both would run their Triton kernels, nothing needs a gradient and torch.compile
-    is not tracing (a decode step, an evaluation), in one kernel (``attnres_mix_norm``: the same math and rounding,
-    one launch instead of two); otherwise the two modules in turn."""
-    last = entries[-1]
-    fused = (not torch.compiler.is_compiling()
-             and glue_backend(last, mix.backend) == "triton" and glue_backend(last, norm.backend) == "triton"
-             and not (torch.is_grad_enabled() and any(t.requires_grad for t in (*entries, *mix.parameters(),
-                                                                                  norm.weight))))
-    if fused:
+    """``norm(mix(entries))``: in one kernel where ``_one_kernel`` says so (``attnres_mix_norm``: the same math and
+    rounding, one launch instead of two); otherwise the two modules in turn."""
+    if _one_kernel(mix, norm, entries):
         return attnres_mix_norm(entries, mix.key_norm_weight, mix.query, mix.eps, norm.weight, norm.eps)
     return norm(mix(entries))
+
+
+def added_mixed_and_normed(mix: AttnResMix, norm: RMSNorm, entries: list[torch.Tensor], prefix: torch.Tensor,
+                           h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``norm(mix(entries + [prefix + h]))``, ``prefix + h``): a block's running sum taking a sublayer's output,
+    then the mix that reads it. In one kernel where ``_one_kernel`` says so and the two share shape and dtype (the
+    add rounded as torch's); otherwise the add and ``mixed_and_normed``."""
+    if prefix.shape == h.shape and prefix.dtype == h.dtype and _one_kernel(mix, norm, [*entries, h, prefix]):
+        return attnres_mix_norm(entries + [prefix], mix.key_norm_weight, mix.query, mix.eps, norm.weight, norm.eps,
+                                addend=h)
+    total = prefix + h
+    return mixed_and_normed(mix, norm, entries + [total]), total

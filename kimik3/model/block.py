@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kimik3.config.schema import K3Config, LayerSpec
-from kimik3.model.attnres import AttnResMix, mixed_and_normed
+from kimik3.model.attnres import AttnResMix, added_mixed_and_normed, mixed_and_normed
 from kimik3.model.cache import KDAState, LatentCache
 from kimik3.model.ffn import GLUFeedForward
 from kimik3.model.kda import KDA
@@ -52,6 +52,10 @@ class K3Block(nn.Module):
         if self.spec.opens_block:
             entries = entries + [prefix]
         h = self.mixer(x, state, cu_seqlens)
-        prefix = h if self.spec.opens_block else prefix + h
-        h = self.ffn(mixed_and_normed(self.ffn_mix, self.ffn_norm, entries + [prefix]))
+        if self.spec.opens_block:
+            prefix = h
+            x = mixed_and_normed(self.ffn_mix, self.ffn_norm, entries + [prefix])
+        else:
+            x, prefix = added_mixed_and_normed(self.ffn_mix, self.ffn_norm, entries, prefix, h)
+        h = self.ffn(x)
         return prefix + h, entries

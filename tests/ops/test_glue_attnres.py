@@ -21,7 +21,7 @@ import types
 import pytest
 import torch
 
-from kimik3.model.attnres import AttnResMix, mixed_and_normed
+from kimik3.model.attnres import AttnResMix, added_mixed_and_normed, mixed_and_normed
 from kimik3.model.norm import RMSNorm
 from kimik3.ops.glue import (MAX_ENTRIES, MAX_WIDTH, attnres_mix, attnres_mix_backward, attnres_mix_forward,
                              attnres_mix_norm, glue_backend, rms_norm)
@@ -361,6 +361,75 @@ def test_mix_with_its_norm_in_one_kernel(dtype, N, lead, D):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("N,lead,D", [(1, (3,), 96), (3, (2, 5), 200)])
+def test_mix_with_its_norm_after_the_add_in_one_kernel(dtype, N, lead, D):
+    # The running sum's add in the same launch: its sum rounded as torch's add (bit-equal), then the mix and the
+    # norm as the kernel without it computes them from that sum. The addend a column slice (rows strided).
+    mix, norm = make_mix(D, seed=N, dtype=dtype), make_norm(D, dtype=dtype)
+    entries = [e.detach() for e in make_entries(N, lead, D, dtype, seed=N + 3)]
+    wide = torch.randn(*lead, D + 7, generator=torch.Generator().manual_seed(N)).to(device=DEV, dtype=dtype)
+    h = wide[..., 3:3 + D]
+    with torch.no_grad():
+        got, total = attnres_mix_norm(entries, mix.key_norm_weight, mix.query, mix.eps, norm.weight, norm.eps,
+                                      addend=h)
+        want_total = entries[-1] + h
+        want = attnres_mix_norm(entries[:-1] + [want_total], mix.key_norm_weight, mix.query, mix.eps, norm.weight,
+                                norm.eps)
+    assert torch.equal(total, want_total) and torch.equal(got, want)
+
+
+@needs_kernels
+def test_mix_with_its_norm_after_the_add_checked_and_beyond_the_pointer_tuple():
+    from kimik3.ops.glue.attnres import MAX_ENTRIES
+
+    D = 32
+    mix, norm = make_mix(D), make_norm(D)
+    entries = [e.detach() for e in make_entries(MAX_ENTRIES + 1, (2,), D, torch.float32)]
+    h = torch.randn(2, D, generator=torch.Generator().manual_seed(9)).to(DEV)
+    args = (mix.key_norm_weight, mix.query, mix.eps, norm.weight, norm.eps)
+    with torch.no_grad():
+        got, total = attnres_mix_norm(entries, *args, addend=h)   # stacked: the sum made first
+        assert torch.equal(total, entries[-1] + h)
+        assert torch.equal(got, attnres_mix_norm(entries[:-1] + [total], *args))
+        with pytest.raises(ValueError, match="addend must match the last entry"):
+            attnres_mix_norm(entries[:3], *args, addend=h[:1])
+        with pytest.raises(ValueError, match="addend must match the last entry"):
+            attnres_mix_norm(entries[:3], *args, addend=h.double())
+        with pytest.raises(ValueError, match="not a stacked tensor"):
+            attnres_mix_norm(torch.stack(entries[:3], -2), *args, addend=h)
+    with pytest.raises(RuntimeError, match="forward only"):
+        attnres_mix_norm(entries[:3], *args, addend=h.requires_grad_())
+
+
+@needs_kernels
+def test_the_block_fuses_the_add_with_the_pair_only_without_gradients(monkeypatch):
+    # added_mixed_and_normed: one kernel for the add, the mix and the norm under no_grad when the modules take the
+    # kernels; the add and the two modules when a gradient is needed or a module keeps its torch code.
+    import kimik3.model.attnres as attnres_module
+    calls = []
+    real = attnres_module.attnres_mix_norm
+    monkeypatch.setattr(attnres_module, "attnres_mix_norm",
+                        lambda *a, **kw: calls.append(sorted(kw)) or real(*a, **kw))
+    D = 64
+    mix, norm = make_mix(D), make_norm(D)
+    mix.backend = norm.backend = "triton"
+    entries = [e.detach() for e in make_entries(3, (3,), D, torch.float32)]
+    prefix, h = entries[-1], torch.randn(3, D, generator=torch.Generator().manual_seed(4)).to(DEV)
+    with torch.no_grad():
+        fused, total = added_mixed_and_normed(mix, norm, entries[:-1], prefix, h)
+    assert calls == [["addend"]]
+    separate, separate_total = added_mixed_and_normed(mix, norm, entries[:-1], prefix, h)   # parameters need grad
+    assert calls == [["addend"]] and separate.requires_grad
+    assert torch.equal(total, separate_total)
+    assert_matches(fused, separate.detach(), torch.float32, "fused against the add and the modules' kernels")
+    norm.backend = "torch"
+    with torch.no_grad():
+        _, total = added_mixed_and_normed(mix, norm, entries[:-1], prefix, h)
+    assert calls == [["addend"]] and torch.equal(total, prefix + h)
+
+
+@needs_kernels
 def test_mix_with_its_norm_stacked_and_checked():
     D = 48
     mix, norm = make_mix(D), make_norm(D)
@@ -400,3 +469,32 @@ def test_the_block_fuses_the_pair_only_without_gradients(monkeypatch):
     with torch.no_grad():
         mixed_and_normed(mix, norm, entries)
     assert calls == [1]
+
+
+@needs_kernels
+def test_a_models_forward_with_the_fused_adds_equals_the_torch_modules(monkeypatch):
+    # The tiny model with its AttnRes mixes and RMSNorms on the kernels, under no_grad: every block that does not
+    # open an AttnRes block takes its running sum's add, the FFN's mix and its norm in one launch
+    # (``added_mixed_and_normed``); against the torch modules.
+    import kimik3.model.attnres as attnres_module
+    from kimik3 import K3Config, K3ForCausalLM
+
+    added = []
+    real = attnres_module.attnres_mix_norm
+    monkeypatch.setattr(attnres_module, "attnres_mix_norm",
+                        lambda *a, **kw: added.append("addend" in kw) or real(*a, **kw))
+
+    config = K3Config.preset("tiny")
+    model = K3ForCausalLM(config, seed=0).to(DEV).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0)).to(DEV)
+
+    def forward(backend):
+        for module in model.modules():
+            if isinstance(module, (AttnResMix, RMSNorm)):
+                module.backend = backend
+        with torch.no_grad():
+            return model(ids).logits
+
+    got, ref = forward("triton"), forward("torch")
+    assert rel_rms(ref, got) < 1e-5, rel_rms(ref, got)
+    assert added.count(True) == sum(not spec.opens_block for spec in config.layer_plan()) > 0

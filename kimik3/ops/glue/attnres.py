@@ -23,7 +23,9 @@ Backward, per row, with g = dL/dout:  dp_n = g . v_n,  ds_n = p_n (dp_n - sum_m 
 
 ``attnres_mix_norm`` is the forward with the RMSNorm that always follows a block's mix fused in (the mix rounded to
 the last entry's dtype, then normalised in fp32 and scaled by the norm's weight, as ``RMSNorm(mix(entries))``
-computes it): one launch instead of two for the mixes of a decode step, forward only.
+computes it): one launch instead of two for the mixes of a decode step, forward only. With an ``addend`` it also
+takes the add that makes the last entry (a block's running sum plus a sublayer's output, rounded as torch's add)
+and returns that sum: one launch instead of three.
 
 Shapes decide everything at launch (no host sync): a decode step that calls it can be captured in a CUDA graph.
 The torch reference, and the CPU path, is ``AttnResMix``'s own code; ``glue_backend`` makes the choice.
@@ -117,37 +119,57 @@ def attnres_mix_forward(entries, key_norm_weight: torch.Tensor, query: torch.Ten
 
 
 def attnres_mix_norm(entries, key_norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
-                     norm_weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
+                     norm_weight: torch.Tensor, norm_eps: float, addend: torch.Tensor | None = None):
     """``RMSNorm(mix)``: the mix of ``entries`` (arguments as ``attnres_mix``) rounded to the last entry's dtype,
     then ``x / sqrt(mean(x^2) + norm_eps) * norm_weight`` in fp32 (fp64 when any input is), stored in that dtype:
-    [..., D], in one launch. Forward only (inference): refused while grad mode is on and an input requires grad."""
+    [..., D], in one launch. Forward only (inference): refused while grad mode is on and an input requires grad.
+
+    ``addend`` (the last entry's shape and dtype): the last entry is ``entries[-1] + addend`` (rounded to its dtype,
+    as torch's add rounds), computed in the same launch; returns (the normalised mix, that sum)."""
+    listed = [entries] if isinstance(entries, torch.Tensor) else list(entries)
+    if addend is not None:
+        if isinstance(entries, torch.Tensor):
+            raise ValueError("attnres_mix_norm: an addend goes with a list of entries (its last one), not a stacked "
+                             "tensor")
+        last = listed[-1]
+        check_float(addend, "addend")
+        if addend.shape != last.shape or addend.dtype != last.dtype or addend.device != last.device:
+            raise ValueError(f"addend must match the last entry ({tuple(last.shape)}, {last.dtype}, {last.device}), "
+                             f"got {tuple(addend.shape)}, {addend.dtype}, {addend.device}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (*listed, key_norm_weight, query, norm_weight,
+                                                                  *([addend] if addend is not None else []))):
+        raise RuntimeError("attnres_mix_norm is forward only (inference, no autograd): an input requires grad while "
+                           "grad mode is on; call it under torch.no_grad() or torch.inference_mode()")
+    if addend is not None and len(listed) > MAX_ENTRIES:   # stacked below: the sum made first
+        total = listed[-1] + addend
+        return attnres_mix_norm(listed[:-1] + [total], key_norm_weight, query, eps, norm_weight, norm_eps), total
     xs, s_rows, s_entry, N, stacked, shape, dtype, eps = _prepare(entries, key_norm_weight, query, eps)
     check_param(norm_weight, shape[-1], xs[0].device, "norm_weight")
     norm_eps = check_eps(norm_eps)
-    listed = [entries] if isinstance(entries, torch.Tensor) else list(entries)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (*listed, key_norm_weight, query, norm_weight)):
-        raise RuntimeError("attnres_mix_norm is forward only (inference, no autograd): an input requires grad while "
-                           "grad mode is on; call it under torch.no_grad() or torch.inference_mode()")
     return _forward(xs, s_rows, s_entry, N, stacked, shape, dtype, key_norm_weight, query, eps,
-                    (norm_weight, norm_eps))
+                    (norm_weight, norm_eps), None if addend is None else rows_2d(addend))
 
 
-def _forward(xs, s_rows, s_entry, N, stacked, shape, dtype, kw, q, eps, norm=None):
-    """The forward launch; ``norm``: (weight, eps) of an RMSNorm applied to the mix in the same kernel, or None."""
+def _forward(xs, s_rows, s_entry, N, stacked, shape, dtype, kw, q, eps, norm=None, addend=None):
+    """The forward launch; ``norm``: (weight, eps) of an RMSNorm applied to the mix in the same kernel, or None;
+    ``addend`` [R, D]: added to the last entry in the kernel, the sum returned too: (out, sum)."""
     R, D = xs[0].shape[0], shape[-1]
     out = torch.empty(R, D, dtype=dtype, device=xs[0].device)
-    if R == 0:
+    total = torch.empty(R, D, dtype=dtype, device=xs[0].device) if addend is not None else None
+    if R > 0:
+        kw, q = kw.contiguous(), q.contiguous()
+        nw, norm_eps = (norm[0].contiguous(), norm[1]) if norm is not None else (kw, 0.0)
+        a, s_a = (addend, addend.stride(0)) if addend is not None else (out, 0)
+        block_r, block_d, num_warps = blocks(R, D)
+        with on_device(out.device):
+            _attnres_fwd_kernel[(triton.cdiv(R, block_r),)](
+                xs, s_rows, s_entry, kw, q, nw, out, a, s_a, total if total is not None else out, R, D, eps,
+                norm_eps, N=N, STACKED=stacked, NORM=norm is not None, ADD=addend is not None, BLOCK_R=block_r,
+                BLOCK_D=block_d, F64=compute_f64(*xs, kw, q, nw), num_warps=num_warps,
+            )
+    if total is None:
         return out.view(shape)
-    kw, q = kw.contiguous(), q.contiguous()
-    nw, norm_eps = (norm[0].contiguous(), norm[1]) if norm is not None else (kw, 0.0)
-    block_r, block_d, num_warps = blocks(R, D)
-    with on_device(out.device):
-        _attnres_fwd_kernel[(triton.cdiv(R, block_r),)](
-            xs, s_rows, s_entry, kw, q, nw, out, R, D, eps, norm_eps,
-            N=N, STACKED=stacked, NORM=norm is not None, BLOCK_R=block_r, BLOCK_D=block_d,
-            F64=compute_f64(*xs, kw, q, nw), num_warps=num_warps,
-        )
-    return out.view(shape)
+    return out.view(shape), total.view(shape)
 
 
 def attnres_mix_backward(entries, key_norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
@@ -318,12 +340,13 @@ def _entry_ptrs(xs, s_rows, s_entry, n: tl.constexpr, rows64, cols, STACKED: tl.
 
 @_jit
 def _attnres_fwd_kernel(
-    xs, s_rows, s_entry, kw_ptr, q_ptr, nw_ptr, out_ptr, R, D, eps, norm_eps,
-    N: tl.constexpr, STACKED: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    F64: tl.constexpr,
+    xs, s_rows, s_entry, kw_ptr, q_ptr, nw_ptr, out_ptr, a_ptr, s_a, sum_ptr, R, D, eps, norm_eps,
+    N: tl.constexpr, STACKED: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr, F64: tl.constexpr,
 ):
     """Program (row block): out[rows] = sum_n softmax_n(s)_n v_n, one read of each entry (online softmax); with
-    NORM, RMSNorm(out) with weight nw, out first rounded to the output's dtype (as a separate norm would read it)."""
+    NORM, RMSNorm(out) with weight nw, out first rounded to the output's dtype (as a separate norm would read it);
+    with ADD, the last entry is v + a, rounded to the sum's dtype and stored there (as a separate add)."""
     ct = tl.float64 if F64 else tl.float32
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
@@ -336,6 +359,11 @@ def _attnres_fwd_kernel(
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=ct)
     for n in tl.static_range(N):
         v = tl.load(_entry_ptrs(xs, s_rows, s_entry, n, rows64, cols, STACKED), mask=mask, other=0.0).to(ct)
+        if ADD and n == N - 1:
+            a = tl.load(a_ptr + rows64[:, None] * s_a + cols[None, :], mask=mask, other=0.0).to(ct)
+            v = (v + a).to(sum_ptr.dtype.element_ty)
+            tl.store(sum_ptr + rows64[:, None] * D + cols[None, :], v, mask=mask)
+            v = v.to(ct)
         r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
         s = tl.sum((v * r[:, None]) * w[None, :], axis=1)  # keys first, then the dot (the module's order)
         m_new = tl.maximum(m, s)

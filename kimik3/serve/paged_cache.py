@@ -163,9 +163,10 @@ class PagedIndex:
 
     def key_slots(self, total: int) -> torch.Tensor:
         """[B total]: the flat pool rows of each row's first ``total`` positions."""
-        keys = torch.arange(total, device=self.lengths_B.device)
-        return self._once(("keys", total), lambda: self.slots(keys[None, :].expand(len(self.lengths_B), -1))
-                          .flatten())
+        def make():
+            keys = torch.arange(total, device=self.lengths_B.device)
+            return self.slots(keys[None, :].expand(len(self.lengths_B), -1)).flatten()
+        return self._once(("keys", total), make)
 
     def token_rows(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block tables [B T, N], lengths [B T]) for attention with each new token a row of its own, attending to
@@ -194,10 +195,6 @@ class PagedLatentView:
         self.pool_NPC = pool_NPC
         self.index = index
         self.multi_token = multi_token
-
-    @property
-    def lengths_B(self) -> torch.Tensor:
-        return self.index.lengths_B
 
     # The MLA layer's cached attention (shaped by ``max_length``) runs outside a prefill's piecewise CUDA graphs.
     eager_region = staticmethod(eager_region)

@@ -11,6 +11,7 @@ B = sequences in a step, T = new tokens per sequence, S = tokens attended, Z = K
 - ``PagedLatentView`` is what one MLA layer sees during one forward: it scatters the new latents
   into their slots and gathers, per row, every latent up to that row's length, with a mask that
   hides padding and the future. Rows of a decode batch have different lengths; that is the point.
+  The slots themselves (``PagedIndex``) are computed once a forward and shared by its MLA layers.
 - Both pools keep one spare row past the rows they hand out (``LatentPool.scratch_block``, and
   the state pool's last row, slot -1): the padding rows of a decode batch replayed as a CUDA graph at a larger
   bucket write there, never into a live sequence's cache.

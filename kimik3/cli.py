@@ -120,7 +120,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     check_device(args.device)
     train_draft(DraftArgs(run=args.run, loss=args.loss, steps=args.steps, ttt=args.ttt, lr=args.lr, batch=args.batch,
                           seq_len=args.seq_len, device=args.device, seed=args.seed, held_out=args.held_out,
-                          data=args.data, draft_vocab=args.draft_vocab or None, progress=not args.no_progress))
+                          data=args.data, draft_vocab=args.draft_vocab or None, regenerate=args.regenerate,
+                          progress=not args.no_progress))
     return 0
 
 
@@ -425,6 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="a reduced vocabulary: the draft proposes only the N most frequent token ids of its training "
                         "data, through a head of its own (EAGLE-3's; 0: the target's whole vocabulary and head)")
+    d.add_argument("--regenerate", type=int, default=0, metavar="P",
+                   help="train (and measure held-out) on the target's own text: each window keeps its first P tokens "
+                        "and the target continues it greedily (EAGLE-3 regenerates its data; greedy serving feeds the "
+                        "draft such text); 0: the corpus as written")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_train_draft)
 

@@ -9,7 +9,8 @@ K draft steps unrolled (``kimik3.train.draft_ttt``), the mean of their ``lk`` or
 alone (the embedding and the head stay the target's, frozen; with ``--draft-vocab N`` the draft has a head of its
 own over the N most frequent ids of its training data, trained with it) -> the held-out acceptance per chain
 position -> ``draft.safetensors`` + ``draft.json`` (``EagleDraft.save``), ``draft_metrics.jsonl`` and
-``draft_loss.png`` in the run directory.
+``draft_loss.png`` in the run directory. With ``--regenerate P`` the windows (training and held-out) keep their
+first P tokens and the target writes the rest greedily before training starts (``draft_regen``).
 
 The batch of step s is a pure function of (seed, s) (``loader.batch_at``), so two drafts trained with the same
 seed and steps, one per loss, see the same windows (``benchmarks/draft_lk_vs_kl.py``).
@@ -31,6 +32,7 @@ import torch
 from kimik3.files import write_text_atomic
 from kimik3.model.draft import DRAFT_META, DRAFT_WEIGHTS, EagleDraft
 from kimik3.optim.schedule import cosine_lr
+from kimik3.train.draft_regen import regenerate
 from kimik3.train.draft_ttt import LOSSES, ChainMetrics, chain_metrics, target_pass, ttt_loss
 from kimik3.train.loader import batch_at, eval_windows
 
@@ -57,6 +59,7 @@ class DraftArgs:
     held_out: int = 32           # held-out sequences of seq_len tokens for the final acceptance figures
     data: str | None = None      # None: the corpus the run trained on (run.json), else the embedded stdlib one
     draft_vocab: int | None = None   # a reduced vocabulary of this many ids (None: the target's whole vocabulary)
+    regenerate: int = 0          # keep this many tokens of each window, the target writes the rest (0: the corpus)
     weight_decay: float = 0.0
     warmup_fraction: float = 0.05
     grad_clip: float = 1.0
@@ -74,6 +77,10 @@ class DraftArgs:
                              "steps needs that many tokens after its start")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if isinstance(self.regenerate, bool) or not isinstance(self.regenerate, int) or not (
+                0 <= self.regenerate < self.seq_len):
+            raise ValueError(f"--regenerate must keep 0 (off) to {self.seq_len - 1} tokens of each --seq-len "
+                             f"{self.seq_len} window, got {self.regenerate!r}")
         if self.draft_vocab is not None and (isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int)
                                              or self.draft_vocab < 1):
             raise ValueError(f"--draft-vocab must be an integer >= 1 (0 on the command line: the whole vocabulary), "
@@ -215,17 +222,22 @@ def train_draft(args: DraftArgs, *, target: tuple[torch.nn.Module, Any] | None =
     model, tokenizer = target if target is not None else load_target(run, args.device)
     torch.manual_seed(args.seed)
     data = data if data is not None else load_draft_data(run, tokenizer, args)
+    held_ids, _ = eval_windows(data.val_ids, args.seq_len, args.held_out)
+    windows = None   # the steps' batches, when the target writes them
+    if args.regenerate:
+        windows, held_ids = _regenerated(model, data.train_ids, held_ids, args, log)
+    vocab_source = windows.numpy().ravel() if windows is not None else data.train_ids
     vocab_ids, coverage = (None, 1.0) if args.draft_vocab is None else frequent_ids(
-        data.train_ids, args.draft_vocab, model.config.vocab_size)
+        vocab_source, args.draft_vocab, model.config.vocab_size)
     draft = EagleDraft.from_mtp(model, vocab_ids=vocab_ids)
     draft.train()
     vocab = ("the target's head" if vocab_ids is None else f"a head over the {len(vocab_ids):,} most frequent ids "
              f"({coverage:.1%} of the training tokens)")
+    written = f", continued by the target after {args.regenerate} tokens" if args.regenerate else ""
     log(f"draft: {sum(p.numel() for p in draft.parameters()):,} parameters grown from the MTP module of {run}, "
         f"features of layers {list(draft.feature_layers)} + the final hidden state, {vocab}; data: "
-        f"{data.description}")
+        f"{data.description}{written}")
     autocast = _autocast(device)
-    held_ids, _ = eval_windows(data.val_ids, args.seq_len, args.held_out)
     held_ids = held_ids.to(device)
     before = chain_metrics(model, draft, held_ids, args.ttt, args.batch, autocast)
     log(f"held-out before training: {before.describe()}")
@@ -241,7 +253,9 @@ def train_draft(args: DraftArgs, *, target: tuple[torch.nn.Module, Any] | None =
     try:
         with open(metrics_path, "a") if save else _Discard() as metrics_file:
             for step in range(args.steps):
-                record = _train_step(model, draft, optimizer, data.train_ids, step, args, warmup, autocast, device)
+                inputs = (windows[step * args.batch:(step + 1) * args.batch] if windows is not None
+                          else batch_at(data.train_ids, step, args.seed, args.batch, args.seq_len)[0])
+                record = _train_step(model, draft, optimizer, inputs, step, args, warmup, autocast, device)
                 record["elapsed_s"] = time.monotonic() - started
                 history.append(record)
                 metrics_file.write(json.dumps(record) + "\n")
@@ -258,7 +272,8 @@ def train_draft(args: DraftArgs, *, target: tuple[torch.nn.Module, Any] | None =
     log(f"held-out after {args.steps} steps ({args.loss} loss, {train_s:.0f} s): {after.describe()}")
     tail = history[-10:]
     meta = {"loss": args.loss, "steps": args.steps, "ttt": args.ttt, "lr": args.lr, "batch": args.batch,
-            "seq_len": args.seq_len, "seed": args.seed, "data": data.description,
+            "seq_len": args.seq_len, "seed": args.seed, "data": data.description + written,
+            "regenerate": args.regenerate,
             "vocab_coverage": round(coverage, 5),
             "final_train_loss": round(float(np.mean([r["loss"] for r in tail])), 5), "train_time_s": round(train_s, 1),
             "held_out": after.as_dict(), "held_out_init": before.as_dict()}
@@ -270,9 +285,25 @@ def train_draft(args: DraftArgs, *, target: tuple[torch.nn.Module, Any] | None =
     return DraftResult(draft, after, before, history, meta)
 
 
-def _train_step(model, draft: EagleDraft, optimizer, stream: np.ndarray, step: int, args: DraftArgs,
+def _regenerated(model, stream: np.ndarray, held_ids: torch.Tensor, args: DraftArgs,
+                 log: Callable[[str], None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(every step's batch [steps x batch, T], the held-out windows [N, T]) with their tokens after the first
+    ``args.regenerate`` written by the target (``draft_regen``), the windows the corpus would have given."""
+    from tqdm import tqdm
+
+    windows = torch.cat([batch_at(stream, step, args.seed, args.batch, args.seq_len)[0] for step in range(args.steps)])
+    started = time.monotonic()
+    with tqdm(total=len(windows) + len(held_ids), disable=not args.progress, unit="window", dynamic_ncols=True,
+              desc="regenerate") as bar:
+        windows = regenerate(model, windows, args.regenerate, advance=bar.update)
+        held_ids = regenerate(model, held_ids, args.regenerate, advance=bar.update)
+    log(f"regenerated {len(windows):,} training and {len(held_ids)} held-out windows: the target's greedy "
+        f"continuation after their first {args.regenerate} tokens ({time.monotonic() - started:.0f} s)")
+    return windows, held_ids
+
+
+def _train_step(model, draft: EagleDraft, optimizer, inputs: torch.Tensor, step: int, args: DraftArgs,
                 warmup: int, autocast, device: torch.device) -> dict[str, Any]:
-    inputs, _ = batch_at(stream, step, args.seed, args.batch, args.seq_len)
     inputs = inputs.to(device)
     lr = cosine_lr(step, args.steps, args.lr, warmup)
     for group in optimizer.param_groups:

@@ -21,6 +21,7 @@ from kimik3.train.draft import (DRAFT_METRICS, DRAFT_PLOT, DraftArgs, DraftData,
 from kimik3.train.draft_ttt import (ChainCache, ChainMetrics, against_target, chain_mask, chain_metrics, target_pass,
                                     ttt_loss, unroll)
 from kimik3.train.lk_loss import acceptance_rate
+from kimik3.train.loader import batch_at
 from kimik3.train.tokenizer import encode_documents, train_tokenizer
 from tests.train.small_run import small_config
 
@@ -272,6 +273,49 @@ def test_same_seed_same_batches_for_both_losses(tiny_run):
                      save=False, log=lambda _: None)
     assert lk.history[0]["acceptance"] == pytest.approx(kl.history[0]["acceptance"])
     assert lk.held_out_init.acceptance == pytest.approx(kl.held_out_init.acceptance)
+
+
+def test_regenerate_keeps_the_prompt_and_writes_the_targets_greedy_text():
+    from kimik3.train.draft_regen import regenerate
+
+    model = _model()
+    windows = torch.randint(0, model.config.vocab_size, (5, 12), generator=torch.Generator().manual_seed(3))
+    seen = []
+    out = regenerate(model, windows, 4, rows=2, advance=seen.append)
+    assert seen == [2, 2, 1] and out.shape == windows.shape and torch.equal(out[:, :4], windows[:, :4])
+    assert torch.equal(out, model.generate(windows[:, :4], 8))   # several calls of 2 rows: the same as one of 5
+    assert not torch.equal(out, windows)
+    for bad in (0, 12, True):
+        with pytest.raises(ValueError, match="prompt tokens"):
+            regenerate(model, windows, bad)
+    with pytest.raises(ValueError, match="int64"):
+        regenerate(model, windows.int(), 4)
+
+
+def test_a_draft_trains_on_its_targets_regenerated_text(tiny_run, monkeypatch):
+    """--regenerate P: every step's batch is the corpus window with its tokens after P written by the target, as
+    are the held-out windows, and the reduced vocabulary is counted over that text."""
+    import kimik3.train.draft as draft_module
+
+    model, tokenizer = load_target(tiny_run)
+    ids = encode_documents(tokenizer, [Document("a", "def f(x):\n    return x + 1\n" * 200)])
+    seen = []
+    step = draft_module._train_step
+    monkeypatch.setattr(draft_module, "_train_step", lambda m, d, o, inputs, *a: seen.append(inputs) or step(
+        m, d, o, inputs, *a))
+    lines = []
+    result = train_draft(_args(tiny_run, steps=2, regenerate=5, draft_vocab=40), target=(model, tokenizer),
+                         data=DraftData(ids, ids, "test"), save=False, log=lines.append)
+    for s, inputs in enumerate(seen):
+        corpus = batch_at(ids, s, 0, 2, 24)[0]
+        assert torch.equal(inputs[:, :5], corpus[:, :5])
+        assert torch.equal(inputs, model.generate(corpus[:, :5], 19))
+    assert result.meta["regenerate"] == 5 and "continued by the target after 5 tokens" in result.meta["data"]
+    assert any("regenerated 4 training and 2 held-out windows" in line for line in lines)
+    counted, _ = frequent_ids(torch.cat(seen).numpy().ravel(), 40, model.config.vocab_size)
+    assert torch.equal(result.draft.vocab_ids.cpu(), counted)
+    with pytest.raises(ValueError, match="--regenerate"):
+        train_draft(_args(tiny_run, regenerate=24))
 
 
 def test_errors_for_missing_files_and_no_mtp(tmp_path, tiny_run):

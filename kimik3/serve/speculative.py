@@ -81,7 +81,8 @@ class SpecStats:
 
     @property
     def acceptance(self) -> list[float]:
-        """Per chain position k, the share of sequences whose draft k was accepted (after 1..k-1 were)."""
+        """Per chain position k, the share of verified rows whose drafts 1..k were all accepted (not conditional on
+        1..k-1: position k's rate given the earlier ones is ``acceptance[k] / acceptance[k - 1]``)."""
         return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
 
     @property

@@ -117,8 +117,11 @@ def check_run(run_dir: str | Path) -> Path:
     if not has_weights(run):
         missing.append("model.safetensors")
     if missing:
+        # A run's files are links into its newest checkpoint: deleting checkpoints/ leaves them dangling.
+        gone = [f"{name} -> {(run / name).readlink()}" for name in missing if (run / name).is_symlink()]
         raise FileNotFoundError(f"{run} is not a complete run: {', '.join(missing)} missing (a run written by "
-                                "`kimik3 train` holds config.json, model.safetensors and tokenizer.json)")
+                                "`kimik3 train` holds config.json, model.safetensors and tokenizer.json)"
+                                + (f"; links to files that are gone: {', '.join(gone)}" if gone else ""))
     return run
 
 

@@ -326,6 +326,9 @@ def test_errors_for_missing_files_and_no_mtp(tmp_path, tiny_run):
     (partial / "config.json").write_text((tiny_run / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match="tokenizer.json, model.safetensors missing"):
         train_draft(_args(partial))
+    (partial / "tokenizer.json").symlink_to("checkpoint/tokenizer.json")   # its checkpoint deleted
+    with pytest.raises(FileNotFoundError, match="links to files that are gone: tokenizer.json -> checkpoint/"):
+        train_draft(_args(partial))
 
     no_mtp = tmp_path / "no-mtp"
     config = dataclasses.replace(small_config(), mtp=dataclasses.replace(small_config().mtp, num_modules=0))

@@ -13,6 +13,8 @@ from numbers import Integral, Real
 
 import torch
 
+from kimik3.ops.sampling import row_argmax
+
 # Temperatures below this sample greedily: dividing logits by a tiny temperature overflows to inf
 # (softmax then yields NaN) long before it differs from the argmax. vLLM uses the same cut.
 GREEDY_BELOW = 1e-5
@@ -92,7 +94,7 @@ def sample_next_token(logits_BV: torch.Tensor, temperature: float = 0.0, top_k: 
     check_sampling(temperature, top_p, top_k)
     check_penalties(min_p=min_p)
     if temperature < GREEDY_BELOW:
-        return logits_BV.argmax(dim=-1)
+        return row_argmax(logits_BV)
     logits = logits_BV.float() / temperature
     if min_p > 0.0:
         # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p)

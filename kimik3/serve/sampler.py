@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kimik3.model.sampling import GREEDY_BELOW
+from kimik3.ops.sampling import row_argmax
 from kimik3.serve.types import SamplingParams
 
 __all__ = ["SamplingBatch", "draw", "probabilities", "sample", "token_logprobs"]
@@ -109,7 +110,7 @@ def sample(logits_BV: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     Only ``batch``'s host flags choose which ops run; nothing here waits for the device.
     """
     if batch.all_greedy:
-        return logits_BV.argmax(dim=-1)
+        return row_argmax(logits_BV)
     return draw(probabilities(logits_BV, batch), logits_BV, batch)
 
 
@@ -123,9 +124,9 @@ def probabilities(logits_BV: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 def draw(probs_BV: torch.Tensor, logits_BV: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """One token per row from ``probs_BV`` (``probabilities``; overwritten), the argmax of ``logits_BV`` for the
     greedy rows: int64 [B]."""
-    tokens = probs_BV.div_(_exponential_noise(probs_BV, batch)).argmax(dim=-1)
+    tokens = row_argmax(probs_BV.div_(_exponential_noise(probs_BV, batch)))
     if batch.any_greedy:
-        tokens = torch.where(batch.greedy_B, logits_BV.argmax(dim=-1), tokens)
+        tokens = torch.where(batch.greedy_B, row_argmax(logits_BV), tokens)
     return tokens
 
 

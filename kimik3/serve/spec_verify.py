@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from kimik3.ops.sampling import row_argmax
+
 
 def _check(draft_BK: torch.Tensor, target_BKV: torch.Tensor, draft_probs_BKV: torch.Tensor | None = None) -> None:
     if draft_BK.ndim != 2 or target_BKV.ndim != 3:
@@ -50,7 +52,7 @@ def verify_greedy(draft_BK: torch.Tensor, target_logits_BKV: torch.Tensor) -> tu
     """Greedy verification: the drafts agreeing with the target's argmax, then its argmax at the first mismatch
     (or after the last draft)."""
     _check(draft_BK, target_logits_BKV)
-    best_BK1 = target_logits_BKV.argmax(-1)
+    best_BK1 = row_argmax(target_logits_BKV)
     n_B = _accepted_prefix(draft_BK == best_BK1[:, :-1])
     return _emit(draft_BK, n_B, best_BK1.gather(1, n_B[:, None])[:, 0])
 

@@ -40,6 +40,7 @@ from kimik3.cuda_graph import warm_up
 from kimik3.model.draft import EagleDraft
 from kimik3.model.fused_linear import pack_projections
 from kimik3.model.sampling import GREEDY_BELOW
+from kimik3.ops.sampling import row_argmax
 from kimik3.serve.paged_cache import StepStates, batch_cache
 from kimik3.serve.sampler import SamplingBatch, draw, probabilities
 from kimik3.serve.sequence import Sequence
@@ -275,7 +276,7 @@ class Speculator:
         for k in range(self.tokens):
             logits_BN = draft.logits(model, normed_BD)   # N: the draft's vocabulary (the target's V, or reduced)
             if sampling is None or sampling.all_greedy:
-                token_B = draft.target_ids(logits_BN.argmax(dim=-1))
+                token_B = draft.target_ids(row_argmax(logits_BN))
             else:
                 probs_BN = probabilities(logits_BN, sampling)
                 probs.append(self._over_target_vocabulary(probs_BN))

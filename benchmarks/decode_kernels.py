@@ -1,6 +1,7 @@
 """The decode step's small kernels, configuration by configuration: the MoE's few-token experts
-(``kimik3.ops.moe.small_batch``: the gate kernel's F block x L chunk, the down kernel's L block x F chunk, warps) and
-KDA's decode and verify kernels (``kimik3.ops.kda.decode_kernel``: V block, warps).
+(``kimik3.ops.moe.small_batch``: the gate kernel's F block x L chunk, the down kernel's L block x F chunk, warps),
+KDA's decode and verify kernels (``kimik3.ops.kda.decode_kernel``: V block, warps), and the argmax over vocabulary
+rows (``kimik3.ops.sampling.row_argmax``'s chunk against ``torch.argmax``, which is then the peer).
 
 Each configuration is timed as a CUDA graph of back-to-back launches over distinct weights or states, one set a
 layer, as a decode step meets them (from DRAM, not from L2 after the previous launch): the graph's
@@ -9,9 +10,10 @@ checked against the default's first (the same math in another tiling: bf16 withi
 
 Shapes: the debug preset's experts (top-4 of 32, L 512, F 384, 23 layers) at 1 and 4 tokens and K3's (top-16 of 64
 loaded, L 3,584, F 3,072, 2 weight sets of 1 GB a matrix) at 1 token; KDA with the debug preset's heads (16 x 64,
-18 layers) at batch 1, 4 and 16, and K3's (96 x 128, 4 layers) at batch 1; verification at T = 4 (and 2 at batch 1).
+18 layers) at batch 1, 4 and 16, and K3's (96 x 128, 4 layers) at batch 1; verification at T = 4 (and 2 at batch 1);
+the argmax over 1, 4, 16 and 64 rows of 163,840 bf16 logits and over a 32,768-id draft head's row.
 
-    python benchmarks/decode_kernels.py [--parts moe,kda] [--json OUT]
+    python benchmarks/decode_kernels.py [--parts moe,kda,argmax] [--json OUT]
 
 CUDA only.
 """
@@ -136,9 +138,30 @@ def kda(name: str, B: int, H: int, K: int, T: int, layers: int) -> dict:
     return report(name, times, f"BV{block_v0} w{warps0}", failed)
 
 
+def argmax(name: str, rows: int, V: int, layers: int = 8) -> dict:
+    """``row_argmax`` at several chunk sizes against ``torch.argmax`` (each checked equal to it first)."""
+    import triton
+
+    from kimik3.ops.sampling import argmax as am
+
+    logits = [torch.randn(rows, V, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    ref = logits[0].argmax(-1)
+    times = {"torch.argmax": graph_time_us(lambda i: logits[i].argmax(-1), layers)}
+    failed = []
+    for chunk in (1024, 2048, 4096, 8192):
+        if triton.cdiv(V, chunk) > am.MAX_CHUNKS:
+            continue
+        if not torch.equal(am.row_argmax(logits[0], backend="triton", chunk=chunk), ref):
+            failed.append(f"chunk {chunk}")
+        times[f"chunk {chunk}"] = graph_time_us(lambda i, c=chunk: am.row_argmax(logits[i], backend="triton", chunk=c),
+                                                layers)
+    default = "torch.argmax" if am.argmax_backend(logits[0]) == "torch" else f"chunk {am.CHUNK}"
+    return report(name, times, default, failed)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="moe,kda", help="moe, kda or both (default)")
+    parser.add_argument("--parts", default="moe,kda,argmax", help="some of moe, kda, argmax (default: all)")
     parser.add_argument("--json", default=None, help="write every configuration's time here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -158,6 +181,10 @@ def main(argv=None) -> int:
         results["kda verify debug B1 T2"] = kda("kda verify debug B1 T2", 1, 16, 64, 2, 18)
         results["kda decode k3 B1"] = kda("kda decode k3 B1", 1, 96, 128, 0, 4)
         results["kda verify k3 B1 T4"] = kda("kda verify k3 B1 T4", 1, 96, 128, 4, 4)
+    if "argmax" in parts:
+        for rows in (1, 4, 16, 64):
+            results[f"argmax {rows} x 163840"] = argmax(f"argmax {rows} x 163840", rows, 163_840)
+        results["argmax 1 x 32768"] = argmax("argmax 1 x 32768", 1, 32_768)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 1 if any(r.get("failed") or any(v.get("failed") for v in r.values() if isinstance(v, dict))

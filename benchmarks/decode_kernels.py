@@ -1,7 +1,8 @@
 """The decode step's small kernels, configuration by configuration: the MoE's few-token experts
 (``kimik3.ops.moe.small_batch``: the gate kernel's F block x L chunk, the down kernel's L block x F chunk, warps),
-KDA's decode and verify kernels (``kimik3.ops.kda.decode_kernel``: V block, warps), and the argmax over vocabulary
-rows (``kimik3.ops.sampling.row_argmax``'s chunk against ``torch.argmax``, which is then the peer).
+KDA's decode and verify kernels (``kimik3.ops.kda.decode_kernel``: V block, warps), the AttnRes mix with its norm
+(``kimik3.ops.glue.attnres``: warps), and the argmax over vocabulary rows (``kimik3.ops.sampling.row_argmax``'s
+chunk against ``torch.argmax``, which is then the peer).
 
 Each configuration is timed as a CUDA graph of back-to-back launches over distinct weights or states, one set a
 layer, as a decode step meets them (from DRAM, not from L2 after the previous launch): the graph's
@@ -11,9 +12,10 @@ checked against the default's first (the same math in another tiling: bf16 withi
 Shapes: the debug preset's experts (top-4 of 32, L 512, F 384, 23 layers) at 1 and 4 tokens and K3's (top-16 of 64
 loaded, L 3,584, F 3,072, 2 weight sets of 1 GB a matrix) at 1 token; KDA with the debug preset's heads (16 x 64,
 18 layers) at batch 1, 4 and 16, and K3's (96 x 128, 4 layers) at batch 1; verification at T = 4 (and 2 at batch 1);
-the argmax over 1, 4, 16 and 64 rows of 163,840 bf16 logits and over a 32,768-id draft head's row.
+the mix + norm of 2 to 4 entries of D = 1,024 at 1, 4 and 16 rows (48 a debug step); the argmax over 1, 4, 16 and 64
+rows of 163,840 bf16 logits and over a 32,768-id draft head's row.
 
-    python benchmarks/decode_kernels.py [--parts moe,kda,argmax] [--json OUT]
+    python benchmarks/decode_kernels.py [--parts moe,kda,attnres,argmax] [--json OUT]
 
 CUDA only.
 """
@@ -138,6 +140,35 @@ def kda(name: str, B: int, H: int, K: int, T: int, layers: int) -> dict:
     return report(name, times, f"BV{block_v0} w{warps0}", failed)
 
 
+def attnres(name: str, R: int, N: int, D: int = 1024, layers: int = 48) -> dict:
+    """``attnres_mix_norm``'s kernel (with its norm) over warps, each checked against the default's output."""
+    import triton
+
+    from kimik3.ops.glue import attnres as ar
+    from kimik3.ops.glue.common import blocks
+
+    dev, bf16 = "cuda", torch.bfloat16
+    sets = [[torch.randn(R, D, device=dev, dtype=bf16) for _ in range(N)] for _ in range(layers)]
+    kw, q, nw = (torch.rand(D, device=dev) + 0.5 for _ in range(3))
+    out = torch.empty(R, D, device=dev, dtype=bf16)
+    block_r, block_d, warps0 = blocks(R, D)
+
+    def run(i, warps):
+        xs = tuple(sets[i])
+        ar._attnres_fwd_kernel[(triton.cdiv(R, block_r),)](
+            xs, tuple(x.stride(0) for x in xs), 0, kw, q, nw, out, out, 0, out, R, D, 1e-6, 1e-6, N=N,
+            STACKED=False, NORM=True, ADD=False, BLOCK_R=block_r, BLOCK_D=block_d, F64=False, num_warps=warps)
+        return out
+
+    ref = run(0, warps0).clone()
+    times, failed = {}, []
+    for warps in (1, 2, 4, 8, 16):
+        if rel(ref, run(0, warps)) > 1e-2:
+            failed.append(f"w{warps}")
+        times[f"w{warps}"] = graph_time_us(lambda i, w=warps: run(i, w), layers)
+    return report(name, times, f"w{warps0}", failed)
+
+
 def argmax(name: str, rows: int, V: int, layers: int = 8) -> dict:
     """``row_argmax`` at several chunk sizes against ``torch.argmax`` (each checked equal to it first)."""
     import triton
@@ -161,7 +192,8 @@ def argmax(name: str, rows: int, V: int, layers: int = 8) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="moe,kda,argmax", help="some of moe, kda, argmax (default: all)")
+    parser.add_argument("--parts", default="moe,kda,attnres,argmax",
+                        help="some of moe, kda, attnres, argmax (default: all)")
     parser.add_argument("--json", default=None, help="write every configuration's time here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -181,6 +213,10 @@ def main(argv=None) -> int:
         results["kda verify debug B1 T2"] = kda("kda verify debug B1 T2", 1, 16, 64, 2, 18)
         results["kda decode k3 B1"] = kda("kda decode k3 B1", 1, 96, 128, 0, 4)
         results["kda verify k3 B1 T4"] = kda("kda verify k3 B1 T4", 1, 96, 128, 4, 4)
+    if "attnres" in parts:
+        for R in (1, 4, 16):
+            for N in (2, 4):
+                results[f"attnres mix+norm R{R} N{N}"] = attnres(f"attnres mix+norm R{R} N{N}", R, N)
     if "argmax" in parts:
         for rows in (1, 4, 16, 64):
             results[f"argmax {rows} x 163840"] = argmax(f"argmax {rows} x 163840", rows, 163_840)

@@ -32,7 +32,7 @@ import torch
 
 from kimik3.config.schema import K3Config
 from kimik3.model.cache import K3Cache, KDAState, offset_causal
-from kimik3.ops.mla import paged_mla_decode
+from kimik3.ops.mla import paged_mla_backend, paged_mla_decode, paged_store
 from kimik3.serve.piecewise import eager_region
 
 
@@ -169,17 +169,15 @@ class PagedIndex:
             return self.slots(keys[None, :].expand(len(self.lengths_B), -1)).flatten()
         return self._once(("keys", total), make)
 
-    def token_rows(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block tables [B T, N], lengths [B T]) for attention with each new token a row of its own, attending to
-        its row's latents up to and including its own. On the CPU the tables are cut to the longest row (the torch
-        path gathers whole tables; there are no graphs there)."""
+    def attention_rows(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables [B, N], the first new token's attended count [B]) for ``paged_mla_decode`` with
+        ``tokens_per_row = length`` (each new token attends to its row's latents up to and including its own). On the
+        CPU the tables are cut to the longest row (the torch path gathers whole tables; there are no graphs there)."""
         def make():
             tables = self.tables_BN
             if not tables.is_cuda:
                 tables = tables[:, :(self.max_length() + length - 1) // self.block_size + 1]
-            if length > 1:
-                tables = tables.repeat_interleave(length, dim=0)
-            return tables, (self.positions(length) + 1).flatten()
+            return tables, self.lengths_B + 1
         return self._once(("rows", length), make)
 
 
@@ -220,18 +218,22 @@ class PagedLatentView:
 
     def decode_absorbed(self, kv_BTC: torch.Tensor, q_latent_BTHC: torch.Tensor, q_slice_BTHR: torch.Tensor,
                         scale: float) -> torch.Tensor:
-        """Store the T new latents of every row, then attend each token to its row's latents up to and including
-        its own, where they lie in the pool (``kimik3.ops.mla.paged_mla_decode``, the B x T tokens as rows that
-        share their row's block table). T is 1 unless the view is ``multi_token``. Nothing here reads a value back
-        to the host, so a step through it can be replayed as a CUDA graph. Returns [B, T, H, C]."""
+        """Store the T new latents of every row (``kimik3.ops.mla.paged_store`` on CUDA), then attend each token to
+        its row's latents up to and including its own, where they lie in the pool (``kimik3.ops.mla.paged_mla_decode``
+        with the row's T tokens as queries sharing its block table). T is 1 unless the view is ``multi_token``.
+        Nothing here reads a value back to the host, so a step through it can be replayed as a CUDA graph. Returns
+        [B, T, H, C]."""
         batch, length, width = kv_BTC.shape
         if length != 1 and not self.multi_token:
             raise ValueError(f"decode_absorbed takes one token per row, got {length} (a multi_token view takes more)")
-        flat = self.pool_NPC.view(-1, width)
-        flat[self.index.new_slots(length)] = kv_BTC.reshape(-1, width).to(flat.dtype)
-        tables_XN, lengths_X = self.index.token_rows(length)
-        out_XHC = paged_mla_decode(q_latent_BTHC.flatten(0, 1), q_slice_BTHR.flatten(0, 1), self.pool_NPC, tables_XN,
-                                   lengths_X, scale)
+        index = self.index
+        if paged_mla_backend(kv_BTC) == "triton":   # one kernel finds each token's slot as it writes the latent
+            paged_store(self.pool_NPC, kv_BTC, index.tables_BN, index.lengths_B)
+        else:
+            self.pool_NPC.view(-1, width)[index.new_slots(length)] = kv_BTC.reshape(-1, width).to(self.pool_NPC.dtype)
+        tables_BN, first_B = index.attention_rows(length)
+        out_XHC = paged_mla_decode(q_latent_BTHC.flatten(0, 1), q_slice_BTHR.flatten(0, 1), self.pool_NPC, tables_BN,
+                                   first_B, scale, tokens_per_row=length)
         return out_XHC.unflatten(0, (batch, length))
 
 

@@ -128,6 +128,35 @@ def test_kernel_matches_references(case):
 
 
 @needs_kernels
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_several_tokens_a_row_equal_their_rows_repeated(backend, splits):
+    # A verification's T = 3 queries of each row through one table row and one length (token t attends to
+    # lengths[b] + t tokens), against the same queries with the tables repeated and the lengths counted on.
+    B, T, H, C, R, P, M = 3, 3, 4, 32, 16, 8, 4
+    ql, qs, pool, tables, _ = make_inputs(B * T, H, C, R, P, M, [0] * (B * T), torch.bfloat16, seed=4)
+    tables = tables[:B].clone()
+    ids = torch.randperm(pool.shape[0], generator=torch.Generator().manual_seed(1))[:B * M].view(B, M)
+    tables.copy_(ids.to(tables.device))
+    first = torch.tensor([1, 9, 20], device=pool.device)   # the first token's count; the last attends 22 of 32
+    scale = (C + R) ** -0.5
+    kw = {"num_splits": splits} if backend == "triton" else {}
+    got = paged_mla_decode(ql, qs, pool, tables, first, scale, tokens_per_row=T, backend=backend, **kw)
+    rows_tables = tables.repeat_interleave(T, dim=0)
+    rows_lengths = (first[:, None] + torch.arange(T, device=first.device)).flatten()
+    want = dense_reference(ql, qs, pool, rows_tables, rows_lengths, scale)
+    assert got.shape == (B * T, H, C)
+    assert rel_rms(want, got.cpu()) < TOL[torch.bfloat16]
+    if backend == "triton":
+        one_by_one = paged_mla_decode(ql, qs, pool, rows_tables, rows_lengths, scale, backend="triton", **kw)
+        assert torch.equal(got, one_by_one)
+    with pytest.raises(ValueError, match="whole number of rows of 2 tokens"):
+        paged_mla_decode(ql, qs, pool, tables, first, scale, tokens_per_row=2, backend=backend)
+    with pytest.raises(ValueError, match="tables_BM must be a 2-D tensor"):
+        paged_mla_decode(ql, qs, pool, rows_tables, first, scale, tokens_per_row=T, backend=backend)
+
+
+@needs_kernels
 def test_kernel_strided_inputs_and_int32_indices():
     """Any strides: q as transposed views, the pool a slice of wider storage, int32 table and lengths taken as
     strided views; one launch with splits (and the same without)."""

@@ -3,6 +3,8 @@ import torch
 
 from kimik3.model.cache import MLAState
 from kimik3.serve.paged_cache import BlockAllocator, LatentPool, PagedIndex
+from tests.kernel_testing import DEV, HAS_KERNELS, interpreter_setup  # noqa: F401 (interpreter_setup: autouse)
+from tests.numerics import rel_rms
 
 
 def test_allocator_refcounts_and_reuse():
@@ -109,3 +111,37 @@ def test_layers_of_one_forward_share_the_index_and_a_reset_recomputes_it():
     index.reset()
     shared_pool.view(0, tables, lengths, index=index).attend(new[0])
     assert len(made) == 4 and int(index.positions(1)[0, 0]) == 6
+
+
+@pytest.mark.skipif(not HAS_KERNELS, reason="needs triton, and CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_decode_absorbed_on_the_kernels_equals_the_torch_path(monkeypatch, tokens):
+    """A decode step (T = 1) and a verification (T = 3, ``multi_token``) through ``decode_absorbed``: the CUDA route
+    (``paged_store`` finding each slot as it writes, ``paged_mla_decode`` with the row's tokens as queries of one
+    table row) against the torch route (the shared index's slots, the torch attention), pools and outputs."""
+    import importlib
+
+    import kimik3.serve.paged_cache as paged_cache
+
+    # The modules (the package exports functions of the same names).
+    paged_decode = importlib.import_module("kimik3.ops.mla.paged_decode")
+    paged_store_module = importlib.import_module("kimik3.ops.mla.paged_store")
+
+    gen = torch.Generator().manual_seed(tokens)
+    B, H, C, R, P = 2, 4, 32, 16, 4
+    pools = [LatentPool(1, num_blocks=12, block_size=P, width=C + R, dtype=torch.float32, device=DEV)
+             for _ in range(2)]
+    pools[1].tensors[0].copy_(pools[0].tensors[0].copy_(torch.randn(13, P, C + R, generator=gen)))
+    tables = torch.tensor([[3, 7, 1, 9], [0, 5, 11, 2]], device=DEV)
+    lengths = torch.tensor([6, 3], device=DEV)
+    kv = torch.randn(B, tokens, C + R, generator=gen).to(DEV)
+    q_latent = torch.randn(B, tokens, H, C, generator=gen).to(DEV)
+    q_slice = torch.randn(B, tokens, H, R, generator=gen).to(DEV)
+    outs = []
+    for pool, route in zip(pools, ("triton", "torch")):
+        for module in (paged_decode, paged_store_module, paged_cache):
+            monkeypatch.setattr(module, "paged_mla_backend", lambda x, backend="auto", r=route: r)
+        view = pool.view(0, tables, lengths, multi_token=True)
+        outs.append(view.decode_absorbed(kv, q_latent, q_slice, (C + R) ** -0.5))
+    assert torch.equal(pools[0].tensors[0], pools[1].tensors[0])
+    assert rel_rms(outs[1], outs[0]) < 1e-5

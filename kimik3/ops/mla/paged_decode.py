@@ -61,14 +61,20 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _INTS = (torch.int32, torch.int64)
 
 
-def check_paged_mla_inputs(q_latent_BHC, q_slice_BHR, pool_NPW, tables_BM, lengths_B, scale) -> None:
+def check_paged_mla_inputs(q_latent_BHC, q_slice_BHR, pool_NPW, tables_BM, lengths_B, scale,
+                           tokens_per_row: int = 1) -> None:
     """Raise ValueError naming the first malformed argument. Shapes, dtypes and devices only: nothing here reads a
     tensor's values (that would be a host sync)."""
     if not isinstance(q_latent_BHC, torch.Tensor) or q_latent_BHC.ndim != 3:
         raise ValueError(f"q_latent_BHC must be a 3-D tensor [B, H, C], got {_describe(q_latent_BHC)}")
-    B, H, C = q_latent_BHC.shape
-    if not isinstance(q_slice_BHR, torch.Tensor) or q_slice_BHR.ndim != 3 or tuple(q_slice_BHR.shape[:2]) != (B, H):
-        raise ValueError(f"q_slice_BHR must be a 3-D tensor [B={B}, H={H}, R], got {_describe(q_slice_BHR)}")
+    X, H, C = q_latent_BHC.shape
+    if isinstance(tokens_per_row, bool) or not isinstance(tokens_per_row, int) or tokens_per_row < 1:
+        raise ValueError(f"tokens_per_row must be an int >= 1, got {tokens_per_row!r}")
+    if X % tokens_per_row:
+        raise ValueError(f"{X} query rows are not a whole number of rows of {tokens_per_row} tokens")
+    B = X // tokens_per_row
+    if not isinstance(q_slice_BHR, torch.Tensor) or q_slice_BHR.ndim != 3 or tuple(q_slice_BHR.shape[:2]) != (X, H):
+        raise ValueError(f"q_slice_BHR must be a 3-D tensor [{X}, H={H}, R], got {_describe(q_slice_BHR)}")
     R = q_slice_BHR.shape[2]
     if q_latent_BHC.dtype not in _FLOATS:
         raise ValueError(f"q_latent_BHC must be float32, bfloat16 or float16, got {q_latent_BHC.dtype}")
@@ -152,12 +158,16 @@ def paged_mla_backend(q_latent_BHC: torch.Tensor, backend: str = "auto") -> str:
 
 def paged_mla_decode_torch(
     q_latent_BHC: torch.Tensor, q_slice_BHR: torch.Tensor, pool_NPW: torch.Tensor, tables_BM: torch.Tensor,
-    lengths_B: torch.Tensor, scale: float,
+    lengths_B: torch.Tensor, scale: float, tokens_per_row: int = 1,
 ) -> torch.Tensor:
     """``paged_mla_decode`` in plain torch, all in fp32: gathers the M x P slots of every row's table, masks the
     slots at or past the row's length (their table entries are never used: padding may hold any value), softmax.
     Returns [B, H, C] in q_latent's dtype; rows of length 0 give zeros."""
-    check_paged_mla_inputs(q_latent_BHC, q_slice_BHR, pool_NPW, tables_BM, lengths_B, scale)
+    check_paged_mla_inputs(q_latent_BHC, q_slice_BHR, pool_NPW, tables_BM, lengths_B, scale, tokens_per_row)
+    if tokens_per_row > 1:   # each query its own row: its table, and its length counted on from the first's
+        T = tokens_per_row
+        tables_BM = tables_BM.repeat_interleave(T, dim=0)
+        lengths_B = (lengths_B[:, None] + torch.arange(T, device=lengths_B.device)).flatten()
     C = q_latent_BHC.shape[2]
     R = q_slice_BHR.shape[2]
     P = pool_NPW.shape[1]
@@ -204,13 +214,13 @@ def _default_blocks(H: int, C: int) -> tuple[int, int, int]:
 
 def launch_paged_mla_decode(
     q_latent_BHC: torch.Tensor, q_slice_BHR: torch.Tensor, pool_NPW: torch.Tensor, tables_BM: torch.Tensor,
-    lengths_B: torch.Tensor, scale: float, *, num_splits: int | None = None, block_h: int | None = None,
-    block_s: int | None = None, num_warps: int | None = None,
+    lengths_B: torch.Tensor, scale: float, *, tokens_per_row: int = 1, num_splits: int | None = None,
+    block_h: int | None = None, block_s: int | None = None, num_warps: int | None = None,
 ) -> torch.Tensor:
     """``paged_mla_decode`` in the Triton kernels (no dispatch: the tensors must be on CUDA, or on the CPU under the
     interpreter). num_splits, block_h, block_s (powers of two >= 16), num_warps override the heuristics
     (``default_num_splits``, ``_default_blocks``); num_splits 1 is the single-pass kernel, more adds the combine."""
-    check_paged_mla_inputs(q_latent_BHC, q_slice_BHR, pool_NPW, tables_BM, lengths_B, scale)
+    check_paged_mla_inputs(q_latent_BHC, q_slice_BHR, pool_NPW, tables_BM, lengths_B, scale, tokens_per_row)
     if triton is None:
         raise RuntimeError("launch_paged_mla_decode needs triton, which is not installed")
     if not pool_NPW.is_cuda and not _interpreted():
@@ -247,7 +257,7 @@ def launch_paged_mla_decode(
     with _on_device(pool_NPW.device):
         _paged_mla_kernel[(B, head_blocks, num_splits)](
             ql, qs, pool_NPW, tables_BM, lengths_B, dest, lse_BHS,
-            H, M, P, float(scale) * LOG2E,
+            H, M, P, tokens_per_row, float(scale) * LOG2E,
             *ql.stride(), *qs.stride(), *pool_NPW.stride(), *tables_BM.stride(), lengths_B.stride(0), *dest_strides,
             C=C, R=R, BLOCK_H=bh, BLOCK_S=bs, NUM_SPLITS=num_splits, DOT_F32=dot_f32, INTERPRET=_interpreted(),
             num_warps=nw, num_stages=2,
@@ -270,7 +280,8 @@ def _on_device(device: torch.device):
 @torch.compiler.disable   # an opaque kernel call to torch.compile: traced, its launcher breaks on symbolic sizes
 def paged_mla_decode(
     q_latent_BHC: torch.Tensor, q_slice_BHR: torch.Tensor, pool_NPW: torch.Tensor, tables_BM: torch.Tensor,
-    lengths_B: torch.Tensor, scale: float, *, backend: str = "auto", num_splits: int | None = None,
+    lengths_B: torch.Tensor, scale: float, *, tokens_per_row: int = 1, backend: str = "auto",
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """One decode token's absorbed MLA attention for B rows over the paged latent pool -> out_BHC [B, H, C].
 
@@ -285,13 +296,18 @@ def paged_mla_decode(
     Output in q_latent's dtype; scores, softmax and accumulation in fp32. 16-bit q and pool of the same dtype feed
     the dots in that dtype (the probabilities too, rounded as in ``GatedMLA._absorbed``); other mixes run fp32 dots.
 
+    tokens_per_row T: several queries of one row (a speculative verification's T tokens): q holds B x T rows, row
+    b's token t at b * T + t; tables_BM and lengths_B have B rows, and token t attends to lengths_B[b] + t tokens
+    (each token to its row's latents up to its own, with lengths_B[b] counting the first token's).
+
     backend: see ``paged_mla_backend`` ("auto": the Triton kernel on CUDA, the torch reference elsewhere).
     num_splits: the Triton path's sequence splits (None: ``default_num_splits``). No host syncs on any path.
     """
     if paged_mla_backend(q_latent_BHC, backend) == "torch":
-        return paged_mla_decode_torch(q_latent_BHC, q_slice_BHR, pool_NPW, tables_BM, lengths_B, scale)
+        return paged_mla_decode_torch(q_latent_BHC, q_slice_BHR, pool_NPW, tables_BM, lengths_B, scale,
+                                      tokens_per_row)
     return launch_paged_mla_decode(q_latent_BHC, q_slice_BHR, pool_NPW, tables_BM, lengths_B, scale,
-                                   num_splits=num_splits)
+                                   tokens_per_row=tokens_per_row, num_splits=num_splits)
 
 
 @_jit
@@ -333,16 +349,17 @@ def _attend_tile(
 @_jit
 def _paged_mla_kernel(
     ql_ptr, qs_ptr, pool_ptr, tab_ptr, len_ptr, out_ptr, lse_ptr,
-    H, M, P, qk_scale,
+    H, M, P, T, qk_scale,
     s_qlb, s_qlh, s_qlc, s_qsb, s_qsh, s_qsr,
     s_pn, s_pp, s_pw, s_tb, s_tm, s_len,
     s_ob, s_oh, s_os,
     C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Program (row b, head block, split): attends heads [hb * BLOCK_H, +BLOCK_H) of row b to the split's share of
-    the row's tokens. NUM_SPLITS == 1: writes out[b, h] (q's dtype). Else writes the normalised partial output
-    (fp32) to out_ptr [B, H, NUM_SPLITS, C] and its log2-sum-exp (-inf when the split is empty) to lse_ptr."""
+    """Program (query b, head block, split): attends heads [hb * BLOCK_H, +BLOCK_H) of query b (token b % T of table
+    row b // T) to the split's share of its tokens. NUM_SPLITS == 1: writes out[b, h] (q's dtype). Else writes the
+    normalised partial output (fp32) to out_ptr [B, H, NUM_SPLITS, C] and its log2-sum-exp (-inf when the split is
+    empty) to lse_ptr."""
     b = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -363,7 +380,8 @@ def _paged_mla_kernel(
 
     # This split's tokens: an equal share of the row's length, in whole tiles (split from the device-side length,
     # so short rows do not leave most splits idle while one does all the work).
-    length = tl.load(len_ptr + b * s_len).to(tl.int32)
+    row = b // T
+    length = tl.load(len_ptr + row * s_len).to(tl.int32) + (b - row * T).to(tl.int32)
     length = tl.minimum(tl.maximum(length, 0), M * P)
     chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_S) * BLOCK_S
     start = sp * chunk
@@ -378,13 +396,13 @@ def _paged_mla_kernel(
         s0 = start
         while s0 < end:
             m_i, l_i, acc = _attend_tile(
-                s0, end, m_i, l_i, acc, ql, qs, pool_ptr, tab_ptr, b, P, qk_scale, s_pn, s_pp, s_pw, s_tb, s_tm,
+                s0, end, m_i, l_i, acc, ql, qs, pool_ptr, tab_ptr, row, P, qk_scale, s_pn, s_pp, s_pw, s_tb, s_tm,
                 C, R, BLOCK_S, DOT_F32)
             s0 += BLOCK_S
     else:
         for s0 in range(start, end, BLOCK_S):
             m_i, l_i, acc = _attend_tile(
-                s0, end, m_i, l_i, acc, ql, qs, pool_ptr, tab_ptr, b, P, qk_scale, s_pn, s_pp, s_pw, s_tb, s_tm,
+                s0, end, m_i, l_i, acc, ql, qs, pool_ptr, tab_ptr, row, P, qk_scale, s_pn, s_pp, s_pw, s_tb, s_tm,
                 C, R, BLOCK_S, DOT_F32)
 
     has = l_i > 0.0  # False: the row (or this split) has no token

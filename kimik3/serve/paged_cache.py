@@ -114,11 +114,11 @@ class LatentPool:
 
 
 class PagedIndex:
-    """Where one forward's tokens lie in the paged pools: the slots its new tokens are written to, the slots of the
-    keys each row attends to, and the per-token block tables and lengths of the multi-token attention. Every MLA
-    layer of a forward shares the rows' block tables, cached lengths and block size, so the index arithmetic runs
-    once a forward and the layers reuse its tensors (each is made on first use, inside a CUDA graph's capture as
-    well: the graph replays it once).
+    """Where one forward's tokens lie in the paged pools: the slots its new tokens are written to (the CPU's decode
+    and every prefill; on CUDA a decode step's ``paged_store`` finds them itself), the slots of the keys each row
+    attends to, and the tables and first-token lengths of the absorbed attention. Every MLA layer of a forward shares
+    the rows' block tables, cached lengths and block size, so the index arithmetic runs once a forward and the layers
+    reuse its tensors (each is made on first use, inside a CUDA graph's capture as well: the graph replays it once).
 
     ``tables_BN``: the rows' block tables padded to a common width with any valid block id (padding is never read
     unmasked); ``lengths_B``: the tokens each row already holds; ``max_length``: their largest value when the

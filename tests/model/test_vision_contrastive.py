@@ -65,8 +65,9 @@ def test_the_loss_falls_on_a_tiny_batch():
     pixels, grid, ids, groups = collate(scenes, vocab, model.text.max_len)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses = []
-    # ~60 steps on the plateau at log 6 (every embedding alike) before the images separate.
-    for _ in range(150):
+    # ~60 steps on the plateau at log 6 (every embedding alike) before the images separate; the steps after it are
+    # enough whatever the thread count (the reduction order moves the plateau's end by a few steps).
+    for _ in range(200):
         loss = model(pixels, grid, ids, groups)
         optimizer.zero_grad()
         loss.backward()

@@ -9,12 +9,13 @@ batch B and every K (0 = no speculation, the peer), a fresh engine core is built
 ``--enforce-eager``), warmed on one request, then rounds of B concurrent greedy requests (``ignore_eos``,
 ``--max-tokens`` new tokens, new prompts each round, ``--requests`` in all) run to the end. Decode tokens/s counts
 the tokens emitted in steps that ran no prefill chunk, over those steps' wall time. Reported per (B, K): tokens/s,
-the ratio to K = 0, tokens emitted per sequence and verification, the acceptance rate per chain position, the
+the ratio to K = 0, tokens emitted per sequence and verification, per chain position k the share of verifications
+that accepted drafts 1..k and that share over the one through k - 1 (position k's rate given the earlier ones), the
 draft's share of the step time, and whether every request's tokens equal the K = 0 tokens (greedy speculation is
 lossless in exact arithmetic; in bf16 a differently shaped forward can flip a near-tie argmax). ``--profile`` adds,
 per K, the kernels of five mid-decode steps of one request (batch 1; on the CPU, the aten operators): launches and
-kernel time a step, and the kernels whose time a step differs most from K = 0's, to read off where a speculative
-step's extra time goes.
+kernel time a step, the kernels whose time a step differs most from K = 0's, to read off where a speculative
+step's extra time goes, and on CUDA a step's wall time split into kernels, their gaps and the device's idle time.
 """
 
 from __future__ import annotations
@@ -197,9 +198,9 @@ def main(argv=None) -> int:
     results = {0: run_case(model, draft, tokenizer, eos, prompts, 0, args)}
     for K in ks:
         results[K] = run_case(model, draft, tokenizer, eos, prompts, K, args)
-    print("\n| batch | K | decode tok/s | vs K=0 | tokens / verification | acceptance by position | draft share "
-          "| requests with the K=0 tokens |")
-    print("|---:|---:|---:|---:|---:|---|---:|---|")
+    print("\n| batch | K | decode tok/s | vs K=0 | tokens / verification | accepted through position k "
+          "| given k - 1 | draft share | requests with the K=0 tokens |")
+    print("|---:|---:|---:|---:|---:|---|---|---:|---|")
     report = []
     for batch in args.batches:
         base = results[0][batch]
@@ -207,9 +208,11 @@ def main(argv=None) -> int:
             row = results[K][batch]
             matching = sum(row["outputs"][i] == base["outputs"][i] for i in base["outputs"])
             same = f"{matching}/{len(base['outputs'])}"
-            accept = ", ".join(f"{a:.2f}" for a in row.get("acceptance", []))
+            through = row.get("acceptance", [])
+            accept = ", ".join(f"{a:.2f}" for a in through)
+            given = ", ".join(f"{a / b:.2f}" if b else "-" for a, b in zip(through, [1.0] + through[:-1]))
             print(f"| {batch} | {K} | {row['tokens_per_s']:,.1f} | {row['tokens_per_s'] / base['tokens_per_s']:.2f}x "
-                  f"| {row.get('mean_emitted', 1.0):.2f} | {accept or '-'} | "
+                  f"| {row.get('mean_emitted', 1.0):.2f} | {accept or '-'} | {given or '-'} | "
                   f"{row.get('draft_share', 0.0):.2f} | {same} |")
             report.append({"batch": batch, "K": K, "tokens_per_s": row["tokens_per_s"],
                            "ratio": row["tokens_per_s"] / base["tokens_per_s"],

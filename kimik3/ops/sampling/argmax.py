@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kimik3.ops.glue.common import _jit, check_triton_device, describe, on_device, tl, triton
+from kimik3.ops.glue.common import _jit, describe, glue_backend, on_device, tl, triton
 
 __all__ = ["CHUNK", "MIN_WIDTH", "argmax_backend", "row_argmax"]
 
@@ -28,21 +28,17 @@ _KERNEL_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def argmax_backend(x: torch.Tensor, backend: str = "auto") -> str:
-    """"triton" or "torch" for ``row_argmax`` of ``x`` [..., V]. "auto": the kernels for CUDA tensors (triton
-    installed) whose rows are at least MIN_WIDTH long and at most CHUNK x MAX_CHUNKS; "triton" forces them (CUDA, or
-    CPU under TRITON_INTERPRET=1)."""
-    choice = (backend or "auto").lower()
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    if choice == "auto":
-        ok = (x.is_cuda and triton is not None and x.ndim >= 1 and x.dtype in _KERNEL_FLOATS
-              and MIN_WIDTH <= x.shape[-1] <= CHUNK * MAX_CHUNKS)
-        return "triton" if ok else "torch"
-    if choice == "triton":
-        check_triton_device(x, "row_argmax")
-        if x.dtype not in _KERNEL_FLOATS:   # compared in fp32: fp64 values could tie there
-            raise ValueError(f"row_argmax's kernels take fp32, bf16 or fp16 rows, got {x.dtype}")
-    return choice
+    """"triton" or "torch" for ``row_argmax`` of ``x`` [..., V]: ``glue_backend``'s choice with rows of at most
+    CHUNK x MAX_CHUNKS, and under "auto" only fp32 / bf16 / fp16 rows of at least MIN_WIDTH; "triton" forces the
+    kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    if glue_backend(x, backend, max_width=CHUNK * MAX_CHUNKS) == "torch":
+        return "torch"
+    auto = (backend or "auto").lower() == "auto"
+    if x.dtype not in _KERNEL_FLOATS:   # compared in fp32: fp64 values could tie there
+        if auto:
+            return "torch"
+        raise ValueError(f"row_argmax's kernels take fp32, bf16 or fp16 rows, got {x.dtype}")
+    return "torch" if auto and x.shape[-1] < MIN_WIDTH else "triton"
 
 
 def row_argmax(x: torch.Tensor, backend: str = "auto", chunk: int | None = None) -> torch.Tensor:

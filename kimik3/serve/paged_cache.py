@@ -32,7 +32,7 @@ import torch
 
 from kimik3.config.schema import K3Config
 from kimik3.model.cache import K3Cache, KDAState, offset_causal
-from kimik3.ops.mla import paged_mla_backend, paged_mla_decode, paged_store
+from kimik3.ops.mla import paged_mla_backend, paged_mla_decode, paged_slots, paged_store
 from kimik3.serve.piecewise import eager_region
 
 
@@ -150,8 +150,7 @@ class PagedIndex:
 
     def slots(self, positions_BX: torch.Tensor) -> torch.Tensor:
         """Flat pool rows (block * P + offset) of the positions [B, X] of each row."""
-        blocks = torch.gather(self.tables_BN, 1, positions_BX // self.block_size)
-        return blocks * self.block_size + positions_BX % self.block_size
+        return paged_slots(self.tables_BN, positions_BX, self.block_size)
 
     def positions(self, length: int) -> torch.Tensor:
         """[B, T]: the positions of each row's ``length`` new tokens."""

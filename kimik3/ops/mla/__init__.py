@@ -9,7 +9,7 @@ from kimik3.ops.mla.paged_decode import (
     paged_mla_decode,
     paged_mla_decode_torch,
 )
-from kimik3.ops.mla.paged_store import paged_store, paged_store_torch
+from kimik3.ops.mla.paged_store import paged_slots, paged_store, paged_store_torch
 
 __all__ = [
     "check_paged_mla_inputs",
@@ -18,6 +18,7 @@ __all__ = [
     "paged_mla_backend",
     "paged_mla_decode",
     "paged_mla_decode_torch",
+    "paged_slots",
     "paged_store",
     "paged_store_torch",
 ]

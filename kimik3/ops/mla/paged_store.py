@@ -16,7 +16,7 @@ import torch
 
 from kimik3.ops.mla.paged_decode import _INTS, _describe, _interpreted, _jit, _on_device, paged_mla_backend, tl, triton
 
-__all__ = ["paged_store", "paged_store_torch"]
+__all__ = ["paged_slots", "paged_store", "paged_store_torch"]
 
 
 def _check(pool_NPW, kv_BTW, tables_BM, lengths_B) -> None:
@@ -35,14 +35,20 @@ def _check(pool_NPW, kv_BTW, tables_BM, lengths_B) -> None:
             raise ValueError(f"{name} is on {x.device} but pool_NPW on {pool_NPW.device}")
 
 
+def paged_slots(tables_BM: torch.Tensor, positions_BX: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat pool rows (block x P + offset) of positions [B, X] of each row: ``pool.view(-1, W)``'s row index."""
+    blocks_BX = torch.gather(tables_BM, 1, positions_BX // block_size)
+    return blocks_BX * block_size + positions_BX % block_size
+
+
 def paged_store_torch(pool_NPW: torch.Tensor, kv_BTW: torch.Tensor, tables_BM: torch.Tensor,
                       lengths_B: torch.Tensor) -> None:
     """``paged_store`` with torch ops: every token's slot, then one scatter."""
     _check(pool_NPW, kv_BTW, tables_BM, lengths_B)
     P = pool_NPW.shape[1]
     positions_BT = lengths_B[:, None] + torch.arange(kv_BTW.shape[1], device=kv_BTW.device)[None, :]
-    blocks_BT = torch.gather(tables_BM, 1, positions_BT // P)
-    pool_NPW[blocks_BT.flatten(), (positions_BT % P).flatten()] = kv_BTW.flatten(0, 1).to(pool_NPW.dtype)
+    slots_X = paged_slots(tables_BM, positions_BT, P).flatten()
+    pool_NPW[slots_X // P, slots_X % P] = kv_BTW.flatten(0, 1).to(pool_NPW.dtype)
 
 
 def paged_store(pool_NPW: torch.Tensor, kv_BTW: torch.Tensor, tables_BM: torch.Tensor, lengths_B: torch.Tensor,

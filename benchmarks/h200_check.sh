@@ -39,11 +39,11 @@
 #            train_gpu.py (the step: MFU, peak memory) with and without compiled blocks        <= 10 min
 # spec       a target trained on the GPU for speculative decoding (kimik3 train, tiny preset, 240 s, eager step),
 #            its draft (kimik3 train-draft, 1,000 steps), then serve_speculative.py at batch 1 and 16, K = 2..5 <= 9.5 min
-# specdebug  the same on the debug preset: kimik3 train (SPEC_TRAIN s, 390 by default; CUDA graph, blocks eager; on
-#            SPEC_DATA when set, e.g. the device's torch package: a corpus the run cannot memorise), a draft of
-#            SPEC_DRAFT_STEPS steps (300; SPEC_DRAFT_VOCAB=N: with a reduced vocabulary of N ids), serve_speculative.py
-#            at batch 1 (K = 2, 3, 4; with --profile) and 16 (K = 2, 3); SPEC_FP32=1 adds greedy identity in fp32
-#            (batch 1, K = 3) on the same run (SPEC_TRAIN=300 with 300 draft steps fits one 10-minute call)  <= 10 min
+# specdebug  the same on the debug preset: kimik3 train (SPEC_TRAIN s, 300 by default; CUDA graph, blocks eager) on
+#            SPEC_DATA (default: the device's torch package, a corpus the run cannot memorise), a draft of
+#            SPEC_DRAFT_STEPS steps (300) with its own head over SPEC_DRAFT_VOCAB ids (32,768; 0: the whole
+#            vocabulary), serve_speculative.py at batch 1 and 16, K = 1..4, 16 requests, then greedy identity in fp32
+#            (batch 1 and 16, K = 2 and 4); SPEC_PROFILE=1 adds the batch-1 kernel profile (K = 2, 3, 4)  <= 10 min
 # specprofile where a speculative step's time goes on the debug preset, without training: random weights
 #            (make_serve_run.py), a draft grown in one step, serve_speculative.py --profile at batch 1, K = 1, 3
 #            (the step costs do not depend on the weights; the acceptance is meaningless; SPEC_DRAFT_VOCAB as
@@ -219,25 +219,25 @@ case $MODE in
     step 0 serve_speculative 150 python3 benchmarks/serve_speculative.py --run /tmp/spec-h200 --batches 1,16 \
       --tokens 2,3,4,5 --requests 8 --json "$OUT/serve_speculative.json" ;;
   specdebug)
-    SPEC_DATA_ARGS=()
-    if [ -n "${SPEC_DATA:-}" ]; then SPEC_DATA_ARGS=(--data "$SPEC_DATA"); fi
-    step 0 specdebug_train $((${SPEC_TRAIN:-390} + 40)) python3 -m kimik3 train --preset debug --device cuda \
-      --time-budget "${SPEC_TRAIN:-390}" --seq-len 512 \
-      --batch-size 32 --no-compile --no-progress --out /tmp/specdebug "${SPEC_DATA_ARGS[@]}"
+    SPEC_DATA=${SPEC_DATA:-$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))")}
+    step 0 specdebug_train $((${SPEC_TRAIN:-300} + 40)) python3 -m kimik3 train --preset debug --device cuda \
+      --time-budget "${SPEC_TRAIN:-300}" --seq-len 512 --batch-size 32 --no-compile --no-progress \
+      --data "$SPEC_DATA" --out /tmp/specdebug
     step 0 specdebug_draft $((${SPEC_DRAFT_STEPS:-300} / 6 + 100)) python3 -m kimik3 train-draft --run /tmp/specdebug \
-      --device cuda --steps "${SPEC_DRAFT_STEPS:-300}" --batch 16 --draft-vocab "${SPEC_DRAFT_VOCAB:-0}" --no-progress
-    step 0 specdebug_serve1 120 python3 benchmarks/serve_speculative.py --run /tmp/specdebug --batches 1 --tokens 2,3,4 \
-      --requests 8 --memory-mb 2048 --profile --json "$OUT/specdebug_batch1.json"
-    step 0 specdebug_serve16 100 python3 benchmarks/serve_speculative.py --run /tmp/specdebug --batches 16 --tokens 2,3 \
-      --requests 16 --memory-mb 2048 --json "$OUT/specdebug_batch16.json"
-    if [ "${SPEC_FP32:-0}" = 1 ]; then
-      step 0 specdebug_fp32 150 python3 benchmarks/serve_speculative.py --run /tmp/specdebug --batches 1 --tokens 3 \
-        --requests 4 --max-tokens 48 --dtype float32 --memory-mb 4096 --json "$OUT/specdebug_fp32.json"
+      --device cuda --steps "${SPEC_DRAFT_STEPS:-300}" --batch 16 --draft-vocab "${SPEC_DRAFT_VOCAB:-32768}" \
+      --no-progress
+    step 0 specdebug_serve 150 python3 benchmarks/serve_speculative.py --run /tmp/specdebug --batches 1,16 \
+      --tokens 1,2,3,4 --requests 16 --memory-mb 2048 --json "$OUT/specdebug_serve.json"
+    step 0 specdebug_fp32 150 python3 benchmarks/serve_speculative.py --run /tmp/specdebug --batches 1,16 \
+      --tokens 2,4 --requests 16 --max-tokens 48 --dtype float32 --memory-mb 4096 --json "$OUT/specdebug_fp32.json"
+    if [ "${SPEC_PROFILE:-0}" = 1 ]; then
+      step 0 specdebug_profile 120 python3 benchmarks/serve_speculative.py --run /tmp/specdebug --batches 1 \
+        --tokens 2,3,4 --requests 8 --memory-mb 2048 --profile --json "$OUT/specdebug_profile.json"
     fi ;;
   specprofile)
     step 0 specprofile_run 120 python3 benchmarks/make_serve_run.py --out /tmp/specprofile
     step 0 specprofile_draft 120 python3 -m kimik3 train-draft --run /tmp/specprofile --device cuda --steps 1 \
-      --held-out 2 --draft-vocab "${SPEC_DRAFT_VOCAB:-0}" --no-progress
+      --held-out 2 --draft-vocab "${SPEC_DRAFT_VOCAB:-32768}" --no-progress
     step 0 specprofile_serve 240 python3 benchmarks/serve_speculative.py --run /tmp/specprofile --batches 1 \
       --tokens 1,3 --requests 1 --max-tokens 64 --memory-mb 2048 --profile --json "$OUT/specprofile.json" ;;
   posttrain)

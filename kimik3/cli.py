@@ -236,6 +236,19 @@ def checkpoint_mode_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def draft_vocab_arg(text: str) -> int | str:
+    """``--draft-vocab``'s value: "auto" or a count of ids (0: the target's whole vocabulary)."""
+    if text == "auto":
+        return text
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a count of token ids >= 0, got {text!r}")
+    return count
+
+
 def check_device(name: str) -> None:
     """Refuse a --device that is not one, or a CUDA device that torch cannot see, before anything is loaded."""
     import torch
@@ -423,9 +436,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--held-out", type=int, default=32,
                    help="held-out sequences (the run's validation split) for the final acceptance figures")
     d.add_argument("--data", help="corpus to train on (default: the one the run trained on, from its run.json)")
-    d.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+    d.add_argument("--draft-vocab", type=draft_vocab_arg, default="auto", metavar="N",
                    help="a reduced vocabulary: the draft proposes only the N most frequent token ids of its training "
-                        "data, through a head of its own (EAGLE-3's; 0: the target's whole vocabulary and head)")
+                        "data, through a head of its own (EAGLE-3's; 0: the target's whole vocabulary and head; "
+                        "default auto: 32768 when the target's vocabulary exceeds 65536, else 0)")
     d.add_argument("--regenerate", type=int, default=0, metavar="P",
                    help="train (and measure held-out) on the target's own text: each window keeps its first P tokens "
                         "and the target continues it greedily (EAGLE-3 regenerates its data; greedy serving feeds the "

@@ -16,8 +16,8 @@ from kimik3.model.cache import MLAState
 from kimik3.model.draft import DRAFT_META, DRAFT_WEIGHTS, EagleDraft
 from kimik3.model.k3 import K3ForCausalLM
 from kimik3.train.data import Document
-from kimik3.train.draft import (DRAFT_METRICS, DRAFT_PLOT, DraftArgs, DraftData, frequent_ids, load_target,
-                                train_draft)
+from kimik3.train.draft import (DRAFT_METRICS, DRAFT_PLOT, DraftArgs, DraftData, draft_vocab_for, frequent_ids,
+                                load_target, train_draft)
 from kimik3.train.draft_ttt import (ChainCache, ChainMetrics, against_target, chain_mask, chain_metrics, target_pass,
                                     ttt_loss, unroll)
 from kimik3.train.lk_loss import acceptance_rate
@@ -226,6 +226,16 @@ def test_frequent_ids_pick_the_most_frequent_and_cover_their_share():
         frequent_ids(ids, 17, 16)
 
 
+def test_the_automatic_draft_head_is_reduced_only_for_a_large_vocabulary():
+    assert draft_vocab_for("auto", 163_840) == 32_768     # the debug and full presets
+    assert draft_vocab_for("auto", 65_536) is None         # at most twice the reduced head: the target's own
+    assert draft_vocab_for("auto", 4_096) is None          # the tiny preset
+    assert draft_vocab_for(None, 163_840) is None and draft_vocab_for(1_000, 4_096) == 1_000
+    DraftArgs(run="r", draft_vocab="auto").validate()
+    with pytest.raises(ValueError, match="'auto' or an integer"):
+        DraftArgs(run="r", draft_vocab="many").validate()
+
+
 # ---------------------------------------------------------------------------------------------------- runs
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, code_corpus):
@@ -367,5 +377,7 @@ def test_cli_train_draft_end_to_end(tiny_run, capsys):
 
     assert main(["train-draft", "--run", str(tiny_run / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert main(["train-draft", "--run", str(tiny_run), "--draft-vocab", "-3"]) == 2
-    assert "--draft-vocab" in capsys.readouterr().err
+    for bad in ("-3", "many"):   # refused while parsing, as argparse refuses a bad value (exit status 2)
+        with pytest.raises(SystemExit) as refused:
+            main(["train-draft", "--run", str(tiny_run), "--draft-vocab", bad])
+        assert refused.value.code == 2 and "--draft-vocab" in capsys.readouterr().err

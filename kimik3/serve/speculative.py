@@ -16,7 +16,8 @@ A speculating sequence with ``c`` tokens in the target's cache (its last token x
    layers walk each row's tokens from the pooled state and record the state after each, leaving the pool as it
    was (``KDAState.stepwise``, ``kimik3.ops.kda.verify``, ``StepStates``).
 3. Acceptance (``kimik3.serve.spec_verify``): greedy rows keep the drafts that match the target's argmax; sampled
-   rows the standard rejection rule against the target's distributions under the same options. n accepted drafts
+   rows the standard rejection rule against the target's distributions under the same options (a row's end tokens
+   held back at the positions before its ``min_tokens``, as the sampler holds them). n accepted drafts
    emit n + 1 tokens.
 4. The cache keeps what was accepted: every KDA state becomes the one recorded after token n
    (``StatePool.commit_steps``); MLA latents past the accepted tokens stay where they were written, past the
@@ -42,17 +43,19 @@ from kimik3.model.fused_linear import pack_projections
 from kimik3.model.sampling import GREEDY_BELOW
 from kimik3.ops.sampling import row_argmax
 from kimik3.serve.paged_cache import StepStates, batch_cache
-from kimik3.serve.sampler import SamplingBatch, draw, probabilities
+from kimik3.serve.sampler import SamplingBatch, draw, held_end_tokens, probabilities
 from kimik3.serve.sequence import Sequence
 from kimik3.serve.spec_verify import verify_greedy, verify_sampled
 
 
 def eligible(seq: Sequence) -> bool:
-    """Whether a sequence decodes speculatively: penalties depend on every emitted token, log-probabilities are
-    reported per token, and the end tokens are held back until ``min_tokens``, so those requests decode one token at
-    a time (the last only until its minimum is reached)."""
+    """Whether a sequence decodes speculatively: penalties depend on every emitted token and log-probabilities are
+    reported per token, so those requests decode one token at a time, for their whole life (a sequence that
+    switched would leave its draft without the features of the tokens decoded in between). ``min_tokens`` does not
+    stop speculation: the verification holds the end tokens back at the positions before the minimum, as the
+    sampler does."""
     params = seq.request.params
-    return not params.penalized and params.logprobs is None and seq.generated >= params.min_tokens
+    return not params.penalized and params.logprobs is None
 
 
 @dataclass
@@ -150,7 +153,8 @@ class Speculator:
         graphs of its bucket when there are some; otherwise the same work runs eagerly."""
         greedy = all(seq.request.params.temperature < GREEDY_BELOW for seq in seqs)
         bucket = next((b for b in self.buckets if b >= len(seqs)), None)
-        if greedy and bucket is not None:
+        held = [held_end_tokens(seq, self.runner.eos_token_id) for seq in seqs]
+        if greedy and bucket is not None and not any(held):
             out_BT = self._replay(seqs, bucket)
         else:
             start = time.perf_counter()
@@ -159,7 +163,7 @@ class Speculator:
                 [s.request.params for s in seqs], [s.generator for s in seqs], self.runner.device)
             drafts_BK, draft_probs_BKV = self._propose(seqs, inputs, sampling)
             drafted = time.perf_counter()
-            out_BT = self._verify(seqs, inputs, drafts_BK, draft_probs_BKV, sampling)
+            out_BT = self._verify(seqs, inputs, drafts_BK, draft_probs_BKV, sampling, held)
             self.stats.draft_seconds += drafted - start
             self.stats.verify_seconds += time.perf_counter() - drafted
         host = out_BT.tolist()   # the step's one synchronisation
@@ -175,17 +179,20 @@ class Speculator:
                 inputs[:, K + 3].contiguous(), inputs[:, K + 4:].contiguous())
 
     def _verify(self, seqs: list[Sequence] | None, inputs: torch.Tensor, drafts_BK: torch.Tensor,
-                draft_probs_BKV: torch.Tensor | None, sampling: SamplingBatch | None) -> torch.Tensor:
+                draft_probs_BKV: torch.Tensor | None, sampling: SamplingBatch | None,
+                held: list[list[int]] | None = None) -> torch.Tensor:
         """The target's forward over [x_c, drafts], acceptance, and the cache kept to match: [B, K + 2] int64, each
-        row's emitted count then its tokens."""
+        row's emitted count then its tokens. ``held``: each row's end tokens held back until its ``min_tokens``
+        (``held_end_tokens``), if any."""
         model, cache = self.model, self.runner.cache
         last_BT, slots_B, computed_B, pending_B, tables_BW = self._fields(inputs)
         kv = batch_cache(model.config, cache.latents, cache.states, slots_B, tables_BW, computed_B, steps=self.steps)
         ids_BT = torch.cat([last_BT.gather(1, (pending_B - 1)[:, None]), drafts_BK], dim=1)
         out = self.runner.lm(ids_BT, cache=kv, features_at=self.feature_layers)
-        tokens_BT, counts_B = verify_greedy(drafts_BK, out.logits)
+        logits_BTV = out.logits if not held or not any(held) else _hold_back(out.logits, seqs, held)
+        tokens_BT, counts_B = verify_greedy(drafts_BK, logits_BTV)
         if sampling is not None:
-            self._verify_sampled(seqs, drafts_BK, draft_probs_BKV, out.logits, tokens_BT, counts_B)
+            self._verify_sampled(seqs, drafts_BK, draft_probs_BKV, logits_BTV, tokens_BT, counts_B)
         cache.states.commit_steps(slots_B, counts_B - 1, self.steps)
         self.pending[slots_B] = self.draft.fuse_features(out.features)
         return torch.cat([counts_B[:, None], tokens_BT], dim=1)
@@ -316,3 +323,14 @@ class Speculator:
             sampled_T, sampled_n = verify_sampled(drafts_BK[index], draft_probs_BKV[index], target_BTV[index],
                                                   generator)
             tokens_BT[index], counts_B[index] = sampled_T, sampled_n
+
+
+def _hold_back(logits_BTV: torch.Tensor, seqs: list[Sequence], held: list[list[int]]) -> torch.Tensor:
+    """The verification's logits with each row's held end tokens at -inf at the positions that emit a token before
+    its ``min_tokens`` (position j emits the row's token number ``generated + j``), as the sampler masks them in
+    plain decoding; a copy."""
+    logits_BTV = logits_BTV.clone()
+    for b, (seq, ids) in enumerate(zip(seqs, held)):
+        if ids:
+            logits_BTV[b, :seq.request.params.min_tokens - seq.generated, ids] = float("-inf")
+    return logits_BTV

@@ -171,6 +171,45 @@ class _RecordingOracle(_Oracle):
         return super()._propose(seqs, inputs, sampling)
 
 
+def test_min_tokens_requests_speculate_from_their_first_token_and_hold_the_end_back(serve_model, serve_tokenizer,
+                                                                                    draft, monkeypatch):
+    """A request with ``min_tokens`` speculates from its first decode step: the verification holds its stop tokens
+    back at the positions before the minimum, as plain decoding's sampler does, so the output is plain decoding's
+    even when the drafts propose a held token that the target's argmax would accept."""
+    greedy = dict(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = _prompts((30, 12, 50), seed=5)
+    free = _run(EngineCore(serve_model, serve_tokenizer, _config(0)), [(p, SamplingParams(**greedy)) for p in prompts])
+    # Each request's stop token is its free continuation's second token, held back until four tokens are out.
+    requests = [(p, SamplingParams(**greedy, stop_token_ids=[free[str(i)][1]], min_tokens=4))
+                for i, p in enumerate(prompts)]
+    plain = _run(EngineCore(serve_model, serve_tokenizer, _config(0)), requests)
+    assert all(out[:2] != free[str(i)][:2] for i, out in plain.items())   # the stop token was held back at 1
+    K = 3
+    core = EngineCore(serve_model, serve_tokenizer, _config(K), draft=draft)
+    assert _run(core, requests) == plain
+    import kimik3.serve.model_runner as model_runner
+
+    made = []
+
+    def oracle(runner, d, k):   # proposes the free continuation: the held stop token at position 1
+        made.append(_RecordingOracle(runner, d, k, continuations=free, wrong=0.0))
+        return made[-1]
+    monkeypatch.setattr(model_runner, "Speculator", oracle)
+    core = EngineCore(serve_model, serve_tokenizer, _config(K), draft=draft)
+    assert _run(core, requests) == plain
+    # The first request speculated from its first decode step (the prefill emits token 1), its drafts then the
+    # free continuation's: the held stop token first.
+    assert min(len(tokens) - 30 for tokens, *_ in made[0].records if tokens[:30] == prompts[0]) == 1
+
+    # Sampled rows (top_k = 1: one outcome) through the rejection rule, drafts drawn near the target's unmasked
+    # distribution, so that they often propose the held stop token.
+    sampled = [(p, SamplingParams(max_tokens=8, temperature=1.0, top_k=1, ignore_eos=True, min_tokens=4,
+                                  stop_token_ids=params.stop_token_ids)) for p, params in requests]
+    plain = _run(EngineCore(serve_model, serve_tokenizer, _config(0)), sampled)
+    monkeypatch.setattr(model_runner, "Speculator", _NearTarget)
+    assert _run(EngineCore(serve_model, serve_tokenizer, _config(2), draft=draft), sampled) == plain
+
+
 def _trained_chain(model, draft, tokens: list[int], computed: int, K: int) -> list[int]:
     """The K drafts the training-time test (``kimik3.train.draft_ttt``) computes for the chain that starts at the
     last cached position: the target over the whole sequence at once, the draft's steps over every position with

@@ -58,8 +58,7 @@ class DraftArgs:
     seed: int = 0
     held_out: int = 32           # held-out sequences of seq_len tokens for the final acceptance figures
     data: str | None = None      # None: the corpus the run trained on (run.json), else the embedded stdlib one
-    draft_vocab: int | str | None = "auto"   # a head over this many ids; None: the target's; "auto": see
-    #                                        draft_vocab_for
+    draft_vocab: int | str | None = "auto"   # the draft's own head over this many ids (None: the target's head)
     regenerate: int = 0          # keep this many tokens of each window, the target writes the rest (0: the corpus)
     weight_decay: float = 0.0
     warmup_fraction: float = 0.05

@@ -191,7 +191,7 @@ def test_min_tokens_requests_speculate_from_their_first_token_and_hold_the_end_b
 
     made = []
 
-    def oracle(runner, d, k):   # proposes the free continuation: the held stop token at position 1
+    def oracle(runner, d, k):   # proposes the free continuation: its stop token first, where it is held
         made.append(_RecordingOracle(runner, d, k, continuations=free, wrong=0.0))
         return made[-1]
     monkeypatch.setattr(model_runner, "Speculator", oracle)

@@ -15,9 +15,10 @@ RMSNorm, the model then behaves as the plain PreNorm residual model with the sam
 the norms' eps): ``tests/model/test_attnres.py`` checks this.
 
 On CUDA the mix runs as one fused Triton kernel (``kimik3.ops.glue.attnres``: same fp32 math, no stack, one launch
-forward, two backward); the torch code below is its reference and the CPU path (``glue_backend`` chooses). A
-block reads every mix through an RMSNorm: ``mixed_and_normed`` runs the pair as one kernel where nothing needs a
-gradient (serving, evaluation).
+forward, two backward); elsewhere ``attnres_mix_torch``, torch ops with a hand-written backward (``glue_backend``
+chooses). ``attnres_mix_reference``, the formula in plain autograd, is the reference of both (tests). A block reads
+every mix through an RMSNorm: ``mixed_and_normed`` runs the pair as one kernel where nothing needs a gradient
+(serving, evaluation).
 """
 
 from __future__ import annotations
@@ -51,19 +52,90 @@ class AttnResMix(nn.Module):
         """entries: N tensors [..., D] -> their mixture [..., D] in the entries' dtype."""
         if glue_backend(entries[-1], self.backend) == "triton":
             return attnres_mix(entries, self.key_norm_weight, self.query, self.eps)
-        with no_autocast(entries[-1].device):  # the whole mix in fp32, as released
-            # Entry by entry, no [B, T, N, D] stack: score_n = rsqrt(mean(v_n²) + eps) · (v_n · w⊙q) is keys_n · w⊙q
-            # with the norm's scalar taken out of the dot product, and the mixture is N scaled adds (a batched
-            # [1, N] @ [N, D] product runs as a loop of tiny matmuls on the CPU, several times slower).
-            wq_D = self.key_norm_weight.float() * self.query.float()
-            values = [entry.float() for entry in entries]
-            scores_BTN = torch.stack([(v_BTD @ wq_D) * torch.rsqrt(v_BTD.square().mean(-1) + self.eps)
-                                      for v_BTD in values], dim=-1)
-            probs_BTN = torch.softmax(scores_BTN, dim=-1)
-            mixed_BTD = values[0] * probs_BTN[..., 0:1]
-            for n in range(1, len(values)):
-                mixed_BTD = mixed_BTD + values[n] * probs_BTN[..., n:n + 1]
-        return mixed_BTD.to(entries[-1].dtype)
+        return attnres_mix_torch(entries, self.key_norm_weight, self.query, self.eps)
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp32, as released; fp64 when any input is fp64 (gradient checks)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def attnres_mix_reference(entries: list[torch.Tensor], key_norm_weight: torch.Tensor, query: torch.Tensor,
+                          eps: float) -> torch.Tensor:
+    """The mix as the formula reads, through autograd: the reference of ``attnres_mix_torch`` and of the Triton
+    kernels (tests). Entry by entry, no [B, T, N, D] stack: score_n = rsqrt(mean(v_n²) + eps) · (v_n · w⊙q) is
+    keys_n · w⊙q with the norm's scalar taken out of the dot product; the mixture is N scaled adds."""
+    ct = _compute_dtype(key_norm_weight, query, *entries)
+    with no_autocast(entries[-1].device):
+        wq_D = key_norm_weight.to(ct) * query.to(ct)
+        values = [entry.to(ct) for entry in entries]
+        scores_BTN = torch.stack([(v_BTD @ wq_D) * torch.rsqrt(v_BTD.square().mean(-1) + eps)
+                                  for v_BTD in values], dim=-1)
+        probs_BTN = torch.softmax(scores_BTN, dim=-1)
+        mixed_BTD = values[0] * probs_BTN[..., 0:1]
+        for n in range(1, len(values)):
+            mixed_BTD = mixed_BTD + values[n] * probs_BTN[..., n:n + 1]
+    return mixed_BTD.to(entries[-1].dtype)
+
+
+def attnres_mix_torch(entries: list[torch.Tensor], key_norm_weight: torch.Tensor, query: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+    """``attnres_mix_reference``'s values and gradients (fp32, fp64 when an input is fp64; the output in the last
+    entry's dtype), differentiable through a hand-written backward: autograd through the formula keeps and walks
+    about ten full-size intermediates an entry; this saves the entries and [..., N] statistics, reads each entry
+    three times forward (its dot with w⊙q, its norm, its share of the mixture) and writes its grad in three passes:
+
+        dp_n = g · v_n,   ds_n = p_n (dp_n - Σ_m p_m dp_m),   dv_n = p_n g + (ds_n r_n) w - (ds_n a_n r_n³ / D) v_n,
+        dw = Σ_rows,n ds_n r_n v_n,   d key_norm_weight = dw ⊙ query,   d query = dw ⊙ key_norm_weight,
+
+    with a_n = v_n · w and r_n = rsqrt(mean(v_n²) + eps) (the kernel's backward, ``kimik3.ops.glue.attnres``)."""
+    return _AttnResMixTorch.apply(key_norm_weight, query, float(eps), *entries)
+
+
+class _AttnResMixTorch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, key_norm_weight, query, eps, *entries):
+        ct = _compute_dtype(key_norm_weight, query, *entries)
+        D = entries[-1].shape[-1]
+        wq_D = key_norm_weight.to(ct) * query.to(ct)
+        values = [entry.to(ct).reshape(-1, D) for entry in entries]
+        a_RN = torch.stack([v_RD @ wq_D for v_RD in values], dim=-1)
+        r_RN = torch.stack([torch.linalg.vector_norm(v_RD, dim=-1) for v_RD in values], dim=-1)
+        r_RN = r_RN.square_().div_(D).add_(eps).rsqrt_()
+        p_RN = torch.softmax(a_RN * r_RN, dim=-1)
+        mixed_RD = values[0] * p_RN[:, 0:1]
+        for n in range(1, len(values)):
+            mixed_RD.addcmul_(values[n], p_RN[:, n:n + 1])
+        ctx.save_for_backward(key_norm_weight, query, a_RN, r_RN, p_RN, *entries)
+        return mixed_RD.reshape(entries[-1].shape).to(entries[-1].dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        key_norm_weight, query, a_RN, r_RN, p_RN, *entries = ctx.saved_tensors
+        ct, D = a_RN.dtype, grad_out.shape[-1]
+        g_RD = grad_out.to(ct).reshape(-1, D)
+        values = [entry.to(ct).reshape(-1, D) for entry in entries]
+        dp_RN = torch.stack([torch.linalg.vecdot(g_RD, v_RD) for v_RD in values], dim=-1)
+        ds_RN = p_RN * (dp_RN - (p_RN * dp_RN).sum(-1, keepdim=True))
+        dsr_RN = ds_RN * r_RN                      # dL/d(v_n · w) per row
+        grads = []
+        wq_D = key_norm_weight.to(ct) * query.to(ct)
+        for n, (entry, v_RD) in enumerate(zip(entries, values)):
+            if not ctx.needs_input_grad[3 + n]:
+                grads.append(None)
+                continue
+            dv_RD = g_RD * p_RN[:, n:n + 1]
+            dv_RD.addr_(dsr_RN[:, n], wq_D)
+            dv_RD.addcmul_(v_RD, (dsr_RN[:, n] * a_RN[:, n] * r_RN[:, n].square() / D)[:, None], value=-1)
+            grads.append(dv_RD.reshape(entry.shape).to(entry.dtype))
+        grad_knw = grad_query = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            dw_D = sum(v_RD.t() @ dsr_RN[:, n] for n, v_RD in enumerate(values))
+            if ctx.needs_input_grad[0]:
+                grad_knw = (dw_D * query.to(ct)).to(key_norm_weight.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_query = (dw_D * key_norm_weight.to(ct)).to(query.dtype)
+        return grad_knw, grad_query, None, *grads
 
 
 def _one_kernel(mix: AttnResMix, norm: RMSNorm, tensors: list[torch.Tensor]) -> bool:

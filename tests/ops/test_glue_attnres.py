@@ -1,4 +1,4 @@
-"""Tests of the fused AttnRes mix (kimik3/ops/glue/attnres.py) against its reference, ``AttnResMix``'s torch code:
+"""Tests of the fused AttnRes mix (kimik3/ops/glue/attnres.py) against its reference, ``attnres_mix_reference``:
 forward and every gradient (entries, key norm weight, query), fp32 and bf16, N = 1, 2, 5 entries, widths that are not
 powers of two (96, 200), 1, 3 and 130 rows (several row blocks, and several a backward program with a partial last
 one); the stacked-tensor input, a list longer than the pointer tuple, mixed entry dtypes, bf16 parameters, strided
@@ -21,7 +21,7 @@ import types
 import pytest
 import torch
 
-from kimik3.model.attnres import AttnResMix, added_mixed_and_normed, mixed_and_normed
+from kimik3.model.attnres import AttnResMix, added_mixed_and_normed, attnres_mix_reference, mixed_and_normed
 from kimik3.model.norm import RMSNorm
 from kimik3.ops.glue import (MAX_ENTRIES, MAX_WIDTH, attnres_mix, attnres_mix_backward, attnres_mix_forward,
                              attnres_mix_norm, glue_backend, rms_norm)
@@ -47,9 +47,9 @@ def make_entries(N, lead, D, dtype, seed=1):
 
 
 def reference(mix, entries, grad):
-    """Output and grads (entries..., key norm weight, query) of the module's torch code."""
-    mix.backend = "torch"
-    out = mix(entries)
+    """Output and grads (entries..., key norm weight, query) of the formula through autograd
+    (``attnres_mix_reference``)."""
+    out = attnres_mix_reference(entries, mix.key_norm_weight, mix.query, mix.eps)
     return [out, *torch.autograd.grad(out, [*entries, mix.key_norm_weight, mix.query], grad)]
 
 

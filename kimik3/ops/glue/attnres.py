@@ -28,7 +28,8 @@ takes the add that makes the last entry (a block's running sum plus a sublayer's
 and returns that sum: one launch instead of three.
 
 Shapes decide everything at launch (no host sync): a decode step that calls it can be captured in a CUDA graph.
-The torch reference, and the CPU path, is ``AttnResMix``'s own code; ``glue_backend`` makes the choice.
+The reference is ``kimik3.model.attnres.attnres_mix_reference`` (the formula through autograd); the CPU path is
+``attnres_mix_torch`` there (the same backward by hand in torch ops); ``glue_backend`` makes the choice.
 
 Legend: B batch, T tokens, N entries, D width, R = B * T rows (all leading dims), G backward programs.
 """

@@ -179,14 +179,17 @@ def _forward(h_ND, w_VD, labels_N, ignore_index, reduction, chunk, cdt, use_trit
 
 def _chunk_torch(z_CV, target_C, valid_C, row_scale_C, acc):
     """The chunk's loss terms [C] (acc dtype) and, with ``row_scale_C``, dL/dz in z's dtype (torch ops, in place on
-    the acc-dtype copy of z)."""
+    the acc-dtype copy of z). Five passes over the chunk and no temporary of its size: the max, exp(z - max) in
+    place, its sum (lse = max + log sum), then softmax * s as exp(z - max) * (s / sum) (s = 0 on ignored rows), and
+    -s at the target; ``torch.logsumexp`` alone would make and walk a chunk-sized temporary."""
     logits = z_CV.to(acc)   # the matmul's buffer itself when it is already fp32: ours to overwrite
-    lse_C = torch.logsumexp(logits, dim=1)
-    loss_C = torch.where(valid_C, lse_C - logits.gather(1, target_C[:, None]).squeeze(1), 0.0)
+    max_C1 = logits.amax(1, keepdim=True)
+    target_z_C = logits.gather(1, target_C[:, None]).squeeze(1)
+    sum_C = logits.sub_(max_C1).exp_().sum(1)
+    loss_C = torch.where(valid_C, max_C1.squeeze(1) + sum_C.log() - target_z_C, 0.0)
     if row_scale_C is None:
         return loss_C, None
-    # exp(z - lse + log s) = softmax * s in two passes (s = 0: exp(-inf) = 0 on ignored rows), then -s at the target.
-    logits.sub_((lse_C - row_scale_C.log())[:, None]).exp_()
+    logits.mul_((row_scale_C / sum_C)[:, None])
     logits.scatter_add_(1, target_C[:, None], -row_scale_C[:, None])
     return loss_C, logits.to(z_CV.dtype)
 

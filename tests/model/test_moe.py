@@ -167,6 +167,29 @@ def test_grouped_mm_paths_agree(counts):
         torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_grouped_mm_loop_gives_only_the_grads_asked_and_handles_no_rows():
+    """The loop's hand-written backward: the input's grad alone, the weights' alone (an expert without rows gets
+    zeros), and no rows at all."""
+    torch.manual_seed(1)
+    counts_E = torch.tensor([2, 0, 3])
+    x, w = torch.randn(5, 6), torch.randn(3, 6, 4)
+    grad = torch.randn(5, 4)
+    expert_of_row = torch.repeat_interleave(torch.arange(3), counts_E)
+    for needs_x, needs_w in ((True, False), (False, True)):
+        xi, wi = x.clone().requires_grad_(needs_x), w.clone().requires_grad_(needs_w)
+        wrt = [t for t in (xi, wi) if t.requires_grad]
+        got = torch.autograd.grad(grouped_mm_loop(xi, wi, counts_E), wrt, grad)
+        ref = torch.autograd.grad(torch.einsum("ri,rio->ro", xi, wi[expert_of_row]), wrt, grad)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        if needs_w:
+            assert torch.equal(got[0][1], torch.zeros(6, 4))
+    empty = grouped_mm_loop(torch.randn(0, 6, requires_grad=True), w.requires_grad_(), torch.zeros(3, dtype=torch.long))
+    assert empty.shape == (0, 4)
+    empty.sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w))
+
+
 def test_grouped_mm_rejects_bad_shapes():
     with pytest.raises(ValueError, match="features"):
         grouped_mm(torch.randn(4, 3), torch.randn(2, 5, 2), torch.tensor([2, 2]))

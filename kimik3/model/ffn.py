@@ -5,8 +5,9 @@ SiTU-GLU(g, u) = [b1·tanh(g/b1) ⊙ sigmoid(g)] ⊙ [b2·tanh(u/b2)], with b1 =
 local response without its unbounded outliers.
 
 The activation is computed in fp32 and cast back (``situ_glu_cast``): on CUDA one Triton kernel
-(``kimik3.ops.glue.situ``, optionally times a per-row weight: the MoE mixture weights), elsewhere the torch code
-below, its reference. The FFN's gate and up projections run as one matmul (``model/fused_linear.py``).
+(``kimik3.ops.glue.situ``, optionally times a per-row weight: the MoE mixture weights), elsewhere torch ops with
+a hand-written backward over row chunks (``situ_glu_chunked``). ``situ_glu`` below is the reference of both. The
+FFN's gate and up projections run as one matmul (``model/fused_linear.py``).
 """
 
 from __future__ import annotations
@@ -34,10 +35,88 @@ def situ_glu_cast(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor
     leading dims) when given, cast to ``out_dtype`` (default: gate's). ``backend``: as ``glue_backend``."""
     if glue_backend(gate, backend) == "triton":
         return situ_glu_fused(gate, up, row_weight, out_dtype)
+    return situ_glu_chunked(gate, up, row_weight, out_dtype)
+
+
+def situ_glu_reference(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None = None,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``situ_glu_cast`` as the formula reads, through autograd (the tests' reference)."""
     hidden = situ_glu(gate.float(), up.float())
     if row_weight is not None:
-        hidden = hidden * row_weight[:, None]
+        hidden = hidden * row_weight.reshape(*gate.shape[:-1], 1)
     return hidden.to(out_dtype or gate.dtype)
+
+
+# Rows a chunk: about 1 MB of fp32 a tensor, so that a chunk's temporaries stay in a CPU core's L2 cache (timed on
+# the tiny preset's MoE rows [8,192, 128]: 2,048-row chunks 4.3-4.7 ms forward + backward, 8,192 rows (unchunked)
+# 8.8-9.4 ms, autograd through the formula 7.3-8.4 ms).
+CHUNK_ELEMENTS = 1 << 18
+
+
+def situ_glu_chunked(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None = None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``situ_glu_reference``'s values and gradients, computed a chunk of rows at a time with a hand-written
+    backward. With t = tanh(gate / 4), s = sigmoid(gate), v = tanh(up / 25) (saved) and out = 100 t s v w:
+
+        d up = g 100 w t s (1 - v^2) / 25,   d gate = g 100 w v s ((1 - t^2) / 4 + t (1 - s)),
+        d w = 100 sum_f g t s v."""
+    return _SituGLUChunked.apply(gate, up, row_weight, out_dtype or gate.dtype)
+
+
+class _SituGLUChunked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, row_weight, out_dtype):
+        shape, F = gate.shape, gate.shape[-1]
+        gate_RF, up_RF = gate.reshape(-1, F), up.reshape(-1, F)
+        w_R = row_weight.reshape(-1).float() if row_weight is not None else None
+        R = gate_RF.shape[0]
+        out = torch.empty(R, F, dtype=out_dtype, device=gate.device)
+        t, s, v = (torch.empty(R, F, dtype=torch.float32, device=gate.device) for _ in range(3))
+        for rows in _row_chunks(R, F):
+            g = gate_RF[rows].float()
+            torch.tanh(g / SITU_BETA_GATE, out=t[rows])
+            torch.sigmoid(g, out=s[rows])
+            torch.tanh(up_RF[rows].float() / SITU_BETA_UP, out=v[rows])
+            h = (t[rows] * s[rows]).mul_(v[rows])
+            out[rows] = h.mul_(w_R[rows, None] * (SITU_BETA_GATE * SITU_BETA_UP) if w_R is not None
+                               else SITU_BETA_GATE * SITU_BETA_UP)
+        ctx.save_for_backward(t, s, v, w_R)
+        ctx.meta = shape, gate.dtype, up.dtype, (row_weight.shape, row_weight.dtype) if row_weight is not None \
+            else None
+        return out.reshape(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        t, s, v, w_R = ctx.saved_tensors
+        shape, gate_dtype, up_dtype, w_meta = ctx.meta
+        R, F = t.shape
+        need_gate, need_up, need_w = ctx.needs_input_grad[:3]
+        grad_RF = grad.reshape(R, F)
+        d_gate = torch.empty(R, F, dtype=gate_dtype, device=t.device) if need_gate else None
+        d_up = torch.empty(R, F, dtype=up_dtype, device=t.device) if need_up else None
+        d_w = torch.empty(R, dtype=torch.float32, device=t.device) if need_w else None
+        scale = SITU_BETA_GATE * SITU_BETA_UP
+        for rows in _row_chunks(R, F):
+            g = grad_RF[rows].float()
+            ts = t[rows] * s[rows]
+            if need_w:
+                torch.linalg.vecdot(g, ts * v[rows], out=d_w[rows])
+                d_w[rows] *= scale
+            gw = g * (w_R[rows, None] * scale) if w_R is not None else g * scale
+            if need_up:   # gw t s (1 - v^2) / 25
+                d_up[rows] = torch.addcmul(torch.ones_like(ts), v[rows], v[rows], value=-1).mul_(ts).mul_(gw) \
+                    .div_(SITU_BETA_UP)
+            if need_gate:   # gw v s ((1 - t^2) / 4 + t - t s)
+                inner = torch.addcmul(torch.ones_like(ts), t[rows], t[rows], value=-1).div_(SITU_BETA_GATE)
+                d_gate[rows] = inner.add_(t[rows]).sub_(ts).mul_(s[rows]).mul_(v[rows]).mul_(gw)
+        return (d_gate.reshape(shape) if need_gate else None, d_up.reshape(shape) if need_up else None,
+                d_w.reshape(w_meta[0]).to(w_meta[1]) if need_w else None, None)
+
+
+def _row_chunks(R: int, F: int):
+    step = max(1, CHUNK_ELEMENTS // max(1, F))
+    for start in range(0, R, step):
+        yield slice(start, min(R, start + step))
 
 
 class GLUFeedForward(nn.Module):

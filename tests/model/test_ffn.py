@@ -1,7 +1,10 @@
+import pytest
 import torch
 import torch.nn.functional as F
 
-from kimik3.model.ffn import GLUFeedForward, situ_glu
+import kimik3.model.ffn as ffn_module
+from kimik3.model.ffn import GLUFeedForward, situ_glu, situ_glu_cast, situ_glu_chunked, situ_glu_reference
+from tests.numerics import rel_rms
 
 
 def test_situ_glu_is_bounded_by_100():
@@ -35,3 +38,39 @@ def test_glu_feed_forward_shape_and_fp32_activation():
     assert y.shape == x.shape
     ref = ffn.w_down(situ_glu(ffn.w_gate(x), ffn.w_up(x)))
     torch.testing.assert_close(y, ref)
+
+
+@pytest.mark.parametrize("shape, weighted", [((37, 16), True), ((3, 5, 24), False), ((0, 8), True), ((7, 8), True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunked_situ_glu_matches_the_formula_through_autograd(shape, weighted, dtype, monkeypatch):
+    """``situ_glu_chunked`` (the CPU path: row chunks, a hand-written backward) against ``situ_glu_reference``: the
+    output and the gate, up and row-weight grads, over several chunks with a partial last (the chunk made small),
+    leading dims, no rows, bf16 inputs (fp32 math, each grad in its input's dtype); gates and ups large enough to
+    saturate the tanh."""
+    monkeypatch.setattr(ffn_module, "CHUNK_ELEMENTS", 64)
+    gen = torch.Generator().manual_seed(0)
+    gate = (3 * torch.randn(*shape, generator=gen)).to(dtype).requires_grad_()
+    up = (30 * torch.randn(*shape, generator=gen)).to(dtype).requires_grad_()
+    rows = gate.numel() // shape[-1]
+    weight = torch.rand(rows, generator=gen).requires_grad_() if weighted else None
+    grad = torch.randn(*shape, generator=gen).to(dtype)
+    wrt = [gate, up] + ([weight] if weighted else [])
+    results = []
+    for fn in (situ_glu_chunked, situ_glu_reference):
+        out = fn(gate, up, weight, None)
+        results.append([out, *torch.autograd.grad(out, wrt, grad)])
+    for i, (got, ref) in enumerate(zip(*results)):
+        assert got.shape == ref.shape and got.dtype == ref.dtype, i
+        if ref.numel() and ref.dtype == torch.bfloat16:   # the same fp32 values rounded once: a bf16 step at most
+            assert bool(((got.double() - ref.double()).abs() <= ref.double().abs() * 2 ** -7 + 1e-30).all()), i
+        elif ref.numel():
+            assert rel_rms(ref, got) < 1e-6, (i, rel_rms(ref, got))
+
+
+def test_situ_glu_cast_takes_the_chunked_path_off_cuda_and_computes_only_the_grads_asked():
+    gate, up, weight = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8), torch.rand(4)
+    out = situ_glu_cast(gate, up, weight)
+    assert type(out.grad_fn).__name__ == "_SituGLUChunkedBackward"
+    (d_gate,) = torch.autograd.grad(out, [gate], torch.ones(4, 8))   # up and the weight need none
+    (ref,) = torch.autograd.grad(situ_glu_reference(gate, up, weight), [gate], torch.ones(4, 8))
+    torch.testing.assert_close(d_gate, ref)

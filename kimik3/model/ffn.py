@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from kimik3.model.fused_linear import project
+from kimik3.model.row_chunks import row_chunks
 from kimik3.ops.glue import glue_backend, situ_glu_fused
 
 SITU_BETA_GATE = 4.0
@@ -47,16 +48,11 @@ def situ_glu_reference(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.T
     return hidden.to(out_dtype or gate.dtype)
 
 
-# Rows a chunk: about 1 MB of fp32 a tensor, so that a chunk's temporaries stay in a CPU core's L2 cache (timed on
-# the tiny preset's MoE rows [8,192, 128]: 2,048-row chunks 4.3-4.7 ms forward + backward, 8,192 rows (unchunked)
-# 8.8-9.4 ms, autograd through the formula 7.3-8.4 ms).
-CHUNK_ELEMENTS = 1 << 18
-
-
 def situ_glu_chunked(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None = None,
                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``situ_glu_reference``'s values and gradients, computed a chunk of rows at a time with a hand-written
-    backward. With t = tanh(gate / 4), s = sigmoid(gate), v = tanh(up / 25) (saved) and out = 100 t s v w:
+    """``situ_glu_reference``'s values and gradients, computed a chunk of rows at a time (``row_chunks``: a
+    chunk's passes stay in a core's cache) with a hand-written backward. With t = tanh(gate / 4),
+    s = sigmoid(gate), v = tanh(up / 25) (saved) and out = 100 t s v w:
 
         d up = g 100 w t s (1 - v^2) / 25,   d gate = g 100 w v s ((1 - t^2) / 4 + t (1 - s)),
         d w = 100 sum_f g t s v."""
@@ -72,7 +68,7 @@ class _SituGLUChunked(torch.autograd.Function):
         R = gate_RF.shape[0]
         out = torch.empty(R, F, dtype=out_dtype, device=gate.device)
         t, s, v = (torch.empty(R, F, dtype=torch.float32, device=gate.device) for _ in range(3))
-        for rows in _row_chunks(R, F):
+        for rows in row_chunks(R, F):
             g = gate_RF[rows].float()
             torch.tanh(g / SITU_BETA_GATE, out=t[rows])
             torch.sigmoid(g, out=s[rows])
@@ -96,7 +92,7 @@ class _SituGLUChunked(torch.autograd.Function):
         d_up = torch.empty(R, F, dtype=up_dtype, device=t.device) if need_up else None
         d_w = torch.empty(R, dtype=torch.float32, device=t.device) if need_w else None
         scale = SITU_BETA_GATE * SITU_BETA_UP
-        for rows in _row_chunks(R, F):
+        for rows in row_chunks(R, F):
             g = grad_RF[rows].float()
             ts = t[rows] * s[rows]
             if need_w:
@@ -113,10 +109,6 @@ class _SituGLUChunked(torch.autograd.Function):
                 d_w.reshape(w_meta[0]).to(w_meta[1]) if need_w else None, None)
 
 
-def _row_chunks(R: int, F: int):
-    step = max(1, CHUNK_ELEMENTS // max(1, F))
-    for start in range(0, R, step):
-        yield slice(start, min(R, start + step))
 
 
 class GLUFeedForward(nn.Module):

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kimik3.model.ffn as ffn_module
+import kimik3.model.row_chunks as row_chunks_module
 from kimik3.model.ffn import GLUFeedForward, situ_glu, situ_glu_cast, situ_glu_chunked, situ_glu_reference
 from tests.numerics import rel_rms
 
@@ -47,7 +47,7 @@ def test_the_chunked_situ_glu_matches_the_formula_through_autograd(shape, weight
     output and the gate, up and row-weight grads, over several chunks with a partial last (the chunk made small),
     leading dims, no rows, bf16 inputs (fp32 math, each grad in its input's dtype); gates and ups large enough to
     saturate the tanh."""
-    monkeypatch.setattr(ffn_module, "CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(row_chunks_module, "CHUNK_ELEMENTS", 64)
     gen = torch.Generator().manual_seed(0)
     gate = (3 * torch.randn(*shape, generator=gen)).to(dtype).requires_grad_()
     up = (30 * torch.randn(*shape, generator=gen)).to(dtype).requires_grad_()

@@ -95,6 +95,11 @@ def attnres_mix_torch(entries: list[torch.Tensor], key_norm_weight: torch.Tensor
 class _AttnResMixTorch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, key_norm_weight, query, eps, *entries):
+        with no_autocast(entries[-1].device):   # the whole mix in fp32, as released
+            return _AttnResMixTorch._forward(ctx, key_norm_weight, query, eps, entries)
+
+    @staticmethod
+    def _forward(ctx, key_norm_weight, query, eps, entries):
         ct = _compute_dtype(key_norm_weight, query, *entries)
         D = entries[-1].shape[-1]
         wq_D = key_norm_weight.to(ct) * query.to(ct)
@@ -111,6 +116,11 @@ class _AttnResMixTorch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with no_autocast(grad_out.device):
+            return _AttnResMixTorch._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         key_norm_weight, query, a_RN, r_RN, p_RN, *entries = ctx.saved_tensors
         ct, D = a_RN.dtype, grad_out.shape[-1]
         g_RD = grad_out.to(ct).reshape(-1, D)

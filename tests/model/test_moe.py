@@ -188,6 +188,13 @@ def test_grouped_mm_loop_gives_only_the_grads_asked_and_handles_no_rows():
     assert empty.shape == (0, 4)
     empty.sum().backward()
     assert torch.equal(w.grad, torch.zeros_like(w))
+    # Under autocast the products run in its dtype, as a matmul would; the grads come back in the inputs' dtype.
+    xa, wa = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = grouped_mm_loop(xa, wa, counts_E)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert xa.grad.dtype == wa.grad.dtype == torch.float32
 
 
 def test_grouped_mm_rejects_bad_shapes():

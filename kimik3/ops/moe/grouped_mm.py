@@ -50,6 +50,10 @@ def grouped_mm_loop(x_RI: torch.Tensor, w_EIO: torch.Tensor, counts_E: torch.Ten
     counts = counts_E.tolist()
     if sum(counts) != x_RI.shape[0]:
         raise ValueError(f"grouped_mm: counts sum to {sum(counts)} but x has {x_RI.shape[0]} rows")
+    device = x_RI.device.type
+    if torch.is_autocast_enabled(device):   # the products in autocast's dtype, as a matmul under it would run
+        dtype = torch.get_autocast_dtype(device)
+        x_RI, w_EIO = x_RI.to(dtype), w_EIO.to(dtype)
     return _GroupedMMLoop.apply(x_RI, w_EIO, counts)
 
 

@@ -55,7 +55,13 @@ def situ_glu_chunked(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Ten
     s = sigmoid(gate), v = tanh(up / 25) (saved) and out = 100 t s v w:
 
         d up = g 100 w t s (1 - v^2) / 25,   d gate = g 100 w v s ((1 - t^2) / 4 + t (1 - s)),
-        d w = 100 sum_f g t s v."""
+        d w = 100 sum_f g t s v.
+
+    Without a gradient to compute (inference) it is the formula itself: the Function's saved tensors would be
+    written for nothing."""
+    inputs = (gate, up) if row_weight is None else (gate, up, row_weight)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+        return situ_glu_reference(gate, up, row_weight, out_dtype)
     return _SituGLUChunked.apply(gate, up, row_weight, out_dtype or gate.dtype)
 
 

@@ -74,3 +74,5 @@ def test_situ_glu_cast_takes_the_chunked_path_off_cuda_and_computes_only_the_gra
     (d_gate,) = torch.autograd.grad(out, [gate], torch.ones(4, 8))   # up and the weight need none
     (ref,) = torch.autograd.grad(situ_glu_reference(gate, up, weight), [gate], torch.ones(4, 8))
     torch.testing.assert_close(d_gate, ref)
+    with torch.no_grad():   # inference: the formula, no saved tensors
+        assert torch.equal(situ_glu_cast(gate, up, weight), situ_glu_reference(gate, up, weight))

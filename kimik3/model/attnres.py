@@ -28,6 +28,7 @@ from torch import nn
 
 from kimik3.model.norm import RMSNorm
 from kimik3.ops.glue import attnres_mix, attnres_mix_norm, glue_backend
+from kimik3.ops.glue.common import compute_f64
 from kimik3.ops.precision import no_autocast
 from kimik3.model.param_rules import ParamRule, adamw
 
@@ -57,7 +58,7 @@ class AttnResMix(nn.Module):
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """fp32, as released; fp64 when any input is fp64 (gradient checks)."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return torch.float64 if compute_f64(*tensors) else torch.float32
 
 
 def attnres_mix_reference(entries: list[torch.Tensor], key_norm_weight: torch.Tensor, query: torch.Tensor,

@@ -98,9 +98,8 @@ class _ShortConvTorch(torch.autograd.Function):
         pre = x_BTC * weight_CW[:, width - 1]
         for lag in range(1, width):
             tap = x_ext[:, width - 1 - lag: width - 1 - lag + length]
-            pre.addcmul_(tap if masks is None else tap * masks[lag], weight_CW[:, width - 1 - lag])
-        ctx.save_for_backward(x_ext, weight_CW, pre if activation else None,
-                              *(masks[1:] if masks is not None else ()))
+            pre.addcmul_(tap if masks is None else tap * masks[lag - 1], weight_CW[:, width - 1 - lag])
+        ctx.save_for_backward(x_ext, weight_CW, pre if activation else None, *(masks or ()))
         ctx.activation, ctx.state_dtype = activation, state_BCW.dtype
         new_state = x_ext[:, x_ext.shape[1] - (width - 1):].transpose(1, 2).contiguous()
         return (F.silu(pre) if activation else pre), new_state
@@ -130,12 +129,12 @@ class _ShortConvTorch(torch.autograd.Function):
 
 
 def _lag_masks(cu_seqlens, length, width, dtype) -> list[torch.Tensor] | None:
-    """For packed sequences, per lag l (index l; 0 unused) the [1, T, 1] mask of the tokens whose input l steps back
-    lies in their own sequence; None without packing."""
+    """For packed sequences, per lag l = 1 .. W-1 (index l - 1) the [1, T, 1] mask of the tokens whose input l steps
+    back lies in their own sequence; None without packing."""
     if cu_seqlens is None:
         return None
     pos = positions_in_sequence(cu_seqlens, length)
-    return [None] + [(pos >= lag).to(dtype)[None, :, None] for lag in range(1, width)]
+    return [(pos >= lag).to(dtype)[None, :, None] for lag in range(1, width)]
 
 
 def apply_short_conv(x_BTC: torch.Tensor, weights: Sequence[torch.Tensor], state_BCW: torch.Tensor | None = None,

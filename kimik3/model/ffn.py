@@ -6,8 +6,8 @@ local response without its unbounded outliers.
 
 The activation is computed in fp32 and cast back (``situ_glu_cast``): on CUDA one Triton kernel
 (``kimik3.ops.glue.situ``, optionally times a per-row weight: the MoE mixture weights), elsewhere torch ops with
-a hand-written backward over row chunks (``situ_glu_chunked``). ``situ_glu`` below is the reference of both. The
-FFN's gate and up projections run as one matmul (``model/fused_linear.py``).
+a hand-written backward over row chunks (``situ_glu_chunked``). ``situ_glu_reference`` (``situ_glu`` through
+autograd) is the reference of both. The FFN's gate and up projections run as one matmul (``model/fused_linear.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from kimik3.ops.glue import glue_backend, situ_glu_fused
 
 SITU_BETA_GATE = 4.0
 SITU_BETA_UP = 25.0
+SITU_BOUND = SITU_BETA_GATE * SITU_BETA_UP   # |out| < 100: the product of the two tanh scales
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor,
@@ -80,8 +81,7 @@ class _SituGLUChunked(torch.autograd.Function):
             torch.sigmoid(g, out=s[rows])
             torch.tanh(up_RF[rows].float() / SITU_BETA_UP, out=v[rows])
             h = (t[rows] * s[rows]).mul_(v[rows])
-            out[rows] = h.mul_(w_R[rows, None] * (SITU_BETA_GATE * SITU_BETA_UP) if w_R is not None
-                               else SITU_BETA_GATE * SITU_BETA_UP)
+            out[rows] = h.mul_(w_R[rows, None] * SITU_BOUND if w_R is not None else SITU_BOUND)
         ctx.save_for_backward(t, s, v, w_R)
         ctx.meta = shape, gate.dtype, up.dtype, (row_weight.shape, row_weight.dtype) if row_weight is not None \
             else None
@@ -97,14 +97,13 @@ class _SituGLUChunked(torch.autograd.Function):
         d_gate = torch.empty(R, F, dtype=gate_dtype, device=t.device) if need_gate else None
         d_up = torch.empty(R, F, dtype=up_dtype, device=t.device) if need_up else None
         d_w = torch.empty(R, dtype=torch.float32, device=t.device) if need_w else None
-        scale = SITU_BETA_GATE * SITU_BETA_UP
         for rows in row_chunks(R, F):
             g = grad_RF[rows].float()
             ts = t[rows] * s[rows]
             if need_w:
                 torch.linalg.vecdot(g, ts * v[rows], out=d_w[rows])
-                d_w[rows] *= scale
-            gw = g * (w_R[rows, None] * scale) if w_R is not None else g * scale
+                d_w[rows] *= SITU_BOUND
+            gw = g * (w_R[rows, None] * SITU_BOUND) if w_R is not None else g * SITU_BOUND
             if need_up:   # gw t s (1 - v^2) / 25
                 d_up[rows] = torch.addcmul(torch.ones_like(ts), v[rows], v[rows], value=-1).mul_(ts).mul_(gw) \
                     .div_(SITU_BETA_UP)
@@ -113,8 +112,6 @@ class _SituGLUChunked(torch.autograd.Function):
                 d_gate[rows] = inner.add_(t[rows]).sub_(ts).mul_(s[rows]).mul_(v[rows]).mul_(gw)
         return (d_gate.reshape(shape) if need_gate else None, d_up.reshape(shape) if need_up else None,
                 d_w.reshape(w_meta[0]).to(w_meta[1]) if need_w else None, None)
-
-
 
 
 class GLUFeedForward(nn.Module):

@@ -2,9 +2,8 @@
 (SiTU-GLU's) walks them a chunk at a time, so that the passes over a chunk, and the temporaries between them, stay
 in a core's L2 cache instead of going to memory once a pass.
 
-About 1 MB of fp32 a chunk (a core's L2 is 2 MB on the machine this was timed on): the size that timed best for
-SiTU-GLU's forward + backward on the tiny preset's MoE rows, about twice as fast as whole tensors there
-(benchmarks/NOTES-train.md).
+About 1 MB of fp32 a chunk: room in a core's L2 for a chunk and the few temporaries its passes make (the sizes
+tried: benchmarks/NOTES-train.md).
 """
 
 from __future__ import annotations

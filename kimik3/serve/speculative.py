@@ -154,7 +154,8 @@ class Speculator:
         greedy = all(seq.request.params.temperature < GREEDY_BELOW for seq in seqs)
         bucket = next((b for b in self.buckets if b >= len(seqs)), None)
         held = [held_end_tokens(seq, self.runner.eos_token_id) for seq in seqs]
-        if greedy and bucket is not None and not any(held):
+        held = held if any(held) else None
+        if greedy and bucket is not None and held is None:
             out_BT = self._replay(seqs, bucket)
         else:
             start = time.perf_counter()
@@ -183,13 +184,13 @@ class Speculator:
                 held: list[list[int]] | None = None) -> torch.Tensor:
         """The target's forward over [x_c, drafts], acceptance, and the cache kept to match: [B, K + 2] int64, each
         row's emitted count then its tokens. ``held``: each row's end tokens held back until its ``min_tokens``
-        (``held_end_tokens``), if any."""
+        (``held_end_tokens``), None when no row holds any."""
         model, cache = self.model, self.runner.cache
         last_BT, slots_B, computed_B, pending_B, tables_BW = self._fields(inputs)
         kv = batch_cache(model.config, cache.latents, cache.states, slots_B, tables_BW, computed_B, steps=self.steps)
         ids_BT = torch.cat([last_BT.gather(1, (pending_B - 1)[:, None]), drafts_BK], dim=1)
         out = self.runner.lm(ids_BT, cache=kv, features_at=self.feature_layers)
-        logits_BTV = out.logits if not held or not any(held) else _hold_back(out.logits, seqs, held)
+        logits_BTV = out.logits if held is None else _hold_back(out.logits, seqs, held)
         tokens_BT, counts_B = verify_greedy(drafts_BK, logits_BTV)
         if sampling is not None:
             self._verify_sampled(seqs, drafts_BK, draft_probs_BKV, logits_BTV, tokens_BT, counts_B)

@@ -3,9 +3,9 @@
 Legend: R = rows (tokens x top-k, sorted by expert), E = experts, I = in features, O = out features.
 
 On CUDA this is ``torch._grouped_mm`` (one kernel for all experts). Elsewhere it is a loop over the
-non-empty groups with a hand-written backward (``grouped_mm_loop``): on CPU a loop measured faster than
-``torch._grouped_mm`` (7.1 ms vs 5.4 ms at R=4096, 32 experts, 256x128, torch 2.13), whose CPU backward also
-rejects the expanded gradients that ``.sum()`` produces. Both are tested against a per-row reference.
+non-empty groups with a hand-written backward (``grouped_mm_loop``): on CPU a loop is faster than
+``torch._grouped_mm`` (benchmarks/NOTES-train.md), whose CPU backward also rejects the expanded gradients that
+``.sum()`` produces. Both are tested against a per-row reference.
 """
 
 from __future__ import annotations

@@ -472,15 +472,16 @@ def test_backend_choice():
 
 @needs_kernels
 def test_blocks_at_k3_shapes():
-    """K3's expert matmuls over 8 local experts: one 16-row tile an expert at decode, 256 x 128 x 64 at prefill; the
-    gemv route's 16 x 256 tiles."""
+    """K3's expert matmuls: one row tile an expert up to 64 rows (64 weight columns a tile over 8 local experts, 128
+    over 112), 128 x 128 x 64 from 65 rows; the gemv route's 16 x 256 tiles."""
     for O, I in ((3072, 3584), (3584, 3072)):
-        assert mxfp4_blocks(8, 8, O, I) == (16, 64, 128, 4, 1)
+        assert mxfp4_blocks(8, 8, O, I) == (16, 64, 64, 4, 1)
         assert gemv_blocks(O, I) == (16, 256, 4)
-        assert mxfp4_blocks(16 * 8, 8, O, I)[:3] == (16, 64, 128)
-        assert mxfp4_blocks(64 * 8, 8, O, I)[:3] == (64, 64, 128)
-        assert mxfp4_blocks(128 * 8, 8, O, I) == (128, 128, 64, 8, 3)
-        assert mxfp4_blocks(2048 * 8, 8, O, I) == (256, 128, 64, 8, 2)
+        assert mxfp4_blocks(32 * 8, 8, O, I) == (32, 64, 64, 4, 1)
+        assert mxfp4_blocks(64 * 8, 8, O, I) == (64, 64, 64, 4, 1)
+        assert mxfp4_blocks(32 * 112, 112, O, I) == (32, 128, 64, 4, 1)    # K3 on 8 GPUs: a wide grid
+        assert mxfp4_blocks(128 * 8, 8, O, I) == (128, 128, 64, 4, 1)
+        assert mxfp4_blocks(2048 * 8, 8, O, I) == (128, 128, 64, 4, 1)
     assert mxfp4_blocks(3, 2, 24, 32)[:3] == (16, 32, 32)  # clipped to small O and I
     assert mxfp4_blocks(2048 * 8, 8, 3072, 3584, torch.float32) == (32, 64, 32, 4, 1)
     assert gemv_blocks(8, 64) == (16, 64, 4)

@@ -17,12 +17,14 @@ Four routes, chosen from the shapes and the device (``mxfp4_route``):
   after the loop). No tile of rows is padded to tl.dot's 16, and the small column tiles give many programs, each
   with the next iteration's codes already in flight (loaded one iteration ahead): what a weight-bandwidth-bound
   step needs. Rows that share an expert each read its weights (from L2 after the first).
-- **registers** (decode sizes, and fp32 activations): a Triton kernel (CUDA; CPU tensors under TRITON_INTERPRET=1
-  for the tests) whose programs decode their [BLOCK_N, BLOCK_K] weight tile to bf16 in registers
-  (``mxfp4_dequantize.decode_words``: the codes read as int32 words, two elements placed by one integer operation,
-  the tile's columns in a bit-reversed order within each 8 that x's tile is put in too) and multiply it with
-  ``tl.dot`` (bf16 operands, fp32 accumulation; fp32 activations take the tile converted to fp32 into an IEEE fp32
-  dot). Hopper has no FP4 tensor cores; the weight bytes a step reads shrink 3.8x.
+- **registers** (from the mma route's rows up to ``DEQUANTIZE_ROWS``, and fp32 activations): a Triton kernel (CUDA;
+  CPU tensors under TRITON_INTERPRET=1 for the tests) whose programs decode their [BLOCK_N, BLOCK_K] weight tile to
+  bf16 in registers (``mxfp4_dequantize.decode_words``: the codes read as int32 words, two elements placed by one
+  integer operation, the tile's columns in a bit-reversed order within each 8 that x's tile is put in too) and
+  multiply it as ``tl.dot``'s A operand, y^T = W x^T (bf16 operands, fp32 accumulation; fp32 activations take the
+  tile converted to fp32 into an IEEE fp32 dot). On Hopper that operand goes to wgmma from registers, and x's rows are
+  the instruction's N (8 to 256), so a few rows an expert waste no tile. Hopper has no FP4 tensor cores; the weight
+  bytes a step reads shrink 3.8x.
 - **dequantize** (bf16 activations, at least ``DEQUANTIZE_ROWS`` rows an expert on average): the weights decoded
   once to bf16 (``mxfp4_dequantize``), then ``torch._grouped_mm``. Where a row tile of the registers route would
   decode each weight tile again for every row tile, and run its dot at half the tensor cores' rate behind the
@@ -73,20 +75,22 @@ __all__ = ["gemv_blocks", "mma_available", "mxfp4_backend", "mxfp4_blocks", "mxf
 _DTYPES = (torch.bfloat16, torch.float32)
 
 # Block sizes by the mean rows an expert (R / E): BLOCK_M its next power of two, from DECODE_ROWS (the smallest tile
-# tl.dot takes) to PREFILL_ROWS. Decode (up to 64 rows an expert, one row tile each): BLOCK_N = 64 (K3's O = 3072
-# over 8 local experts gives 384 programs at one row an expert) and BLOCK_K = 128 (64 code bytes a weight row a step:
-# two full 32-byte sectors), 4 warps, one stage (the codes are prefetched by hand). From 65 rows: BLOCK_N = 128,
-# BLOCK_K = 64 at 8 warps, as a bf16 GEMM on Hopper; BLOCK_M = 256 from 129 rows, because every row tile decodes its
-# weight tiles again (half the decode a multiply-add of 128-row tiles), with 2 pipeline stages (3 stages spill 16
-# bytes; 255 registers a thread either way). Counted in the SASS of an offline sm_90 compile (Triton 3.6), not timed.
+# tl.dot takes) to PREFILL_ROWS. The kernel multiplies y^T = W x^T, so the decoded weight tile is the dot's A operand,
+# which Hopper's wgmma takes from registers, and the rows of x its N. Up to 64 rows an expert: BLOCK_K = 64, 4 warps,
+# one stage (the codes are prefetched by hand) and BLOCK_N = 128 where that still gives WIDE_GRID programs (K3's
+# 112 local experts on 8 GPUs), else 64 (8 experts: 128 would leave an H100's SMs with ~1.5 programs each). From 65
+# rows: 128 x 128 x 64 at 4 warps. The fastest of a sweep at 8 and 112 experts, 16-512 rows an expert, 4 and 8
+# warps, BLOCK_N 64-256, BLOCK_K 32-128 (benchmarks/NOTES-quant.md).
 DECODE_ROWS = 16
-PREFILL_ROWS = 256
+PREFILL_ROWS = 128
+WIDE_GRID = 1024
 GROUP_M = 8
 # From this many rows an expert on average (bf16 activations) the weights are decoded once and the bf16 grouped GEMM
-# runs: where the two routes cross at K3's shapes. Below it the registers route's single pass over the codes wins;
-# above it, decoding every weight tile again for each row tile costs more than one decode pass plus the bf16 GEMM
-# (``benchmarks/mxfp4_experts.py`` times both; the figures are in benchmarks/NOTES-quant.md).
-DEQUANTIZE_ROWS = 128
+# runs. Below it the registers route's single pass over the codes wins; above it, decoding every weight tile again
+# for each row tile costs more than one decode pass plus the bf16 GEMM. At K3's shapes the registers route was
+# faster at 256 rows an expert and slower at 512, with 8 and with 112 experts (``benchmarks/mxfp4_experts.py`` times
+# both; the figures are in benchmarks/NOTES-quant.md).
+DEQUANTIZE_ROWS = 320
 # The gemv route's tile: 16 weight rows x 256 elements (128 code bytes a row: four 32-byte sectors) over 4 warps, 16
 # code bytes a thread an iteration; K3's O = 3072 over 8 local experts gives 1,536 programs at one row an expert. The
 # fastest of a sweep of column tiles 16-128, 128-512 elements, 2-8 warps, 1-3 stages, with and without the prefetch
@@ -108,10 +112,8 @@ def mxfp4_blocks(R: int, E: int, O: int, I: int, dtype: torch.dtype = torch.bflo
     block_m = DECODE_ROWS
     while block_m < PREFILL_ROWS and block_m < rows:
         block_m *= 2
-    if block_m >= 128:
-        block_n, block_k, num_warps, num_stages = 128, 64, 8, 3 if block_m < 256 else 2
-    else:
-        block_n, block_k, num_warps, num_stages = 64, 128, 4, 1
+    wide = block_m > 64 or max(E, 1) * triton.cdiv(O, 128) >= WIDE_GRID
+    block_n, block_k, num_warps, num_stages = 128 if wide else 64, 64, 4, 1
     if dtype == torch.float32:
         block_m, block_n, block_k, num_warps, num_stages = min(block_m, 32), min(block_n, 64), 32, 4, 1
     block_n = max(16, min(block_n, triton.next_power_of_2(O)))
@@ -384,7 +386,7 @@ def _mxfp4_grouped_mm_kernel(
     rmask = rows < row_end
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = cols < O
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)   # y^T's tile: the decoded weights are the dot's A
     if e < E:
         ks = tl.arange(0, BLOCK_K)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * s_xr
@@ -401,11 +403,11 @@ def _mxfp4_grouped_mm_kernel(
             x = permute_words(x, BLOCK_M, BLOCK_K)
             w = decode_words(words, scales, BLOCK_N, BLOCK_K)
             if FP32:
-                acc = tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+                acc = tl.dot(w.to(tl.float32), tl.trans(x), acc, input_precision="ieee")
             else:
-                acc = tl.dot(x, tl.trans(w), acc)
+                acc = tl.dot(w, tl.trans(x), acc)
             words, scales = next_words, next_scales
-    tl.store(y_ptr + rows.to(tl.int64)[:, None] * O + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * O + cols[None, :], tl.trans(acc).to(y_ptr.dtype.element_ty),
              mask=rmask[:, None] & nmask[None, :])
 
 

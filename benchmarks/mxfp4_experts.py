@@ -43,7 +43,7 @@ SHAPES = {"gate_up": (3584, 3072), "down": (3072, 3584)}  # name -> (in I, out O
 DEVICE = "cuda"  # a smoke test of the script's logic may set "cpu" (the kernel then needs TRITON_INTERPRET=1)
 REL_RMS_MAX = 1e-3
 GEMV_TOKENS = 16  # the gemv route re-reads an expert's weights for each of its rows: timed up to this many
-MMA_TOKENS = 512  # the mma route takes 32 rows a pass over the weights: timed up to this many (past its crossover)
+MMA_TOKENS = 512  # the mma route takes up to 64 rows a pass over the weights: timed up to this many (past its crossover)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -187,10 +187,11 @@ def main(argv=None) -> int:
                 ms_bf16 = timed(run_bf16)
             ms_mx, err = times[auto]
             flops = 2.0 * R * I * O
-            if auto == "mma":       # its tiles: 8 x RN rows a pass, 16 x warps columns, 128 x steps K
-                from kimik3.ops.moe.mxfp4_mma import MMA_STEPS, MMA_WARPS, mma_rows_per_pass  # (Gluon: where it runs)
+            if auto == "mma":       # its tiles: rows a pass, 16 x warps columns, 128 x steps K
+                from kimik3.ops.moe.mxfp4_mma import mma_tile  # (Gluon: where it runs)
 
-                blocks = [8 * mma_rows_per_pass(R, E), 16 * MMA_WARPS, 128 * MMA_STEPS, MMA_WARPS, 1]
+                _, per_pass, warps, steps = mma_tile(R, E)
+                blocks = [per_pass, 16 * warps, 128 * steps, warps, 1]
             elif auto == "gemv":    # its tiles: one row, gemv_blocks' columns and K, one stage
                 block_n, block_k, warps = gemv_blocks(O, I)
                 blocks = [1, block_n, block_k, warps, 1]

@@ -153,7 +153,8 @@ def test_kernel_matches_the_reference(E, I, O, counts, bm, bn, bk, dtype):
     offsets = offsets_of(counts)
     x = rows(sum(counts), I, dtype)
     with torch.no_grad():
-        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", block_m=bm, block_n=bn, block_k=bk)
+        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", route="registers", block_m=bm,
+                             block_n=bn, block_k=bk)
     assert_close_to_reference(y, x, mx, offsets)
 
 
@@ -516,7 +517,7 @@ def test_bad_inputs_are_named():
     for kw, match in (({"block_m": 24}, "block_m must be a power of two"), ({"block_k": 16}, "block_k"),
                       ({"block_n": 8}, "block_n"), ({"num_warps": 3}, "num_warps"), ({"num_stages": 0}, "num_stages")):
         with pytest.raises(ValueError, match=match):
-            mxfp4_grouped_mm(x, c, s, off, backend="triton", **kw)
+            mxfp4_grouped_mm(x, c, s, off, backend="triton", route="registers", **kw)
     with pytest.raises(ValueError, match="non-decreasing"):
         mxfp4_grouped_mm(x, c, s, offsets_of([2, -1]), backend="torch")
     with pytest.raises(ValueError, match="non-decreasing"):

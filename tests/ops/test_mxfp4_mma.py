@@ -48,18 +48,20 @@ def run(x, mx_or_codes, scales=None, offsets=None):
 
 @pytest.fixture(params=[(4, 1), (1, 2)], ids=["4warps", "1warp-2steps"])
 def tiles(request, monkeypatch):
-    """The kernel's tile (warps: 16 weight columns each; 128-element K steps a loop iteration)."""
+    """The mma.sync form's tile (warps: 16 weight columns each; 128-element K steps a loop iteration)."""
     warps, steps = request.param
     monkeypatch.setattr(mma, "MMA_WARPS", warps)
     monkeypatch.setattr(mma, "MMA_STEPS", steps)
     return warps, steps
 
 
-# (E, I, O, rows an expert)
+# (E, I, O, rows an expert): the mma.sync form up to SYNC_ROWS rows an expert on average, wgmma above
 CASES = [
-    (4, 96, 40, [3, 0, 17, 1]),       # empty middle expert; 17 rows: 3 passes of 8; partial K step and column tile
-    (3, 416, 16, [0, 5, 0]),          # empty first and last; 3 full K steps and a partial one
-    (2, 256, 72, [40, 9]),            # 40 rows: RN = 4 (32 rows a pass), two passes
+    (4, 96, 40, [3, 0, 17, 1]),       # mma.sync: empty middle expert; 17 rows: 3 passes of 8; partial K step and tile
+    (3, 416, 16, [0, 5, 0]),          # mma.sync: empty first and last; 3 full K steps and a partial one
+    (2, 256, 72, [40, 9]),            # wgmma, 32 rows a pass (25 on average): two passes of 40; partial column tile
+    (2, 160, 24, [12, 20]),           # wgmma, 16 rows a pass: two passes of 20; partial K step
+    (2, 128, 136, [70, 60]),          # wgmma, 64 rows a pass, 8 warps: two passes of 70; partial 128-column tile
 ]
 
 
@@ -73,13 +75,23 @@ def test_mma_matches_the_reference(E, I, O, counts, tiles):
     assert torch.equal(y[sum(counts):], torch.zeros_like(y[sum(counts):]))
 
 
-def test_rows_a_pass():
-    assert [mma.mma_rows_per_pass(R, 8) for R in (0, 8, 9 * 8, 16 * 8, 17 * 8, 64 * 8, 4096)] == [1, 1, 2, 2, 4, 4, 4]
-    assert mma.mma_rows_per_pass(5, 0) == 1
+def test_tile_by_rows_an_expert():
+    sync = (False, 8, mma.MMA_WARPS, mma.MMA_STEPS)
+    assert [mma.mma_tile(R, 8) for R in (0, 8, 8 * 8)] == [sync] * 3
+    assert [mma.mma_tile(R, 8) for R in (8 * 8 + 1, 16 * 8, 16 * 8 + 1, 32 * 8, 33 * 8, 64 * 8, 4096)] == [
+        (True, 16, 4, 1), (True, 16, 4, 1), (True, 32, 4, 1), (True, 32, 4, 1), (True, 64, 8, 1), (True, 64, 8, 1),
+        (True, 64, 8, 1)]
+    assert mma.mma_tile(5, 0) == (False, 8, mma.MMA_WARPS, mma.MMA_STEPS)
 
 
-def test_every_code_decodes_exactly(tiles):
-    """One-hot rows: y is W's rows bit for bit, for every byte value and scale codes 100..163."""
+@pytest.mark.parametrize("form, warps, steps", [("mma.sync", 4, 1), ("mma.sync", 1, 2), ("wgmma", 0, 0)])
+def test_every_code_decodes_exactly(form, warps, steps, monkeypatch):
+    """One-hot rows (128 an expert: the wgmma form, or mma.sync in two of its tiles where told to take them): y is
+    W's rows bit for bit, for every byte value and scale codes 100..163."""
+    if form == "mma.sync":
+        monkeypatch.setattr(mma, "SYNC_ROWS", 1 << 20)
+        monkeypatch.setattr(mma, "MMA_WARPS", warps)
+        monkeypatch.setattr(mma, "MMA_STEPS", steps)
     E, I, O = 2, 128, 16
     mx = every_code_weight(E, I, O, torch.arange(100, 100 + E * O * 4).reshape(E, O, 4) % 64 + 100)
     x = torch.eye(I, device=DEV, dtype=torch.bfloat16).repeat(E, 1)
@@ -115,20 +127,22 @@ def test_no_rows():
     assert y.shape == (0, 16) and y.dtype == torch.bfloat16
 
 
-# (rows a pass RN, K steps C, warps) the kernel is compiled in: every RN, the default tile and the tests' others
-COMPILE_CONFIGS = [(rn, mma.MMA_STEPS, mma.MMA_WARPS) for rn in (1, 2, 4)] + [(1, 2, 1), (1, 1, 1)]
+# (rows an expert, K steps, warps of the mma.sync form) the kernel is compiled in: both forms at every rows a pass,
+# the mma.sync form also in the tests' other tiles
+COMPILE_CONFIGS = [(8, mma.MMA_STEPS, mma.MMA_WARPS), (8, 2, 1), (8, 1, 1), (16, 0, 0), (32, 0, 0), (64, 0, 0)]
 
 
-def test_mma_kernel_compiles_for_sm90_without_shared_memory(tmp_path):
+def test_mma_kernel_compiles_for_sm90(tmp_path):
     """In a process of its own, without the interpreter and with an empty Triton cache: the kernel compiles for
-    sm_90 in each configuration (so its layout conversions are trivial: asserted at compile time), with no shared
-    memory and no spills."""
+    sm_90 in each configuration (so its layout conversions are trivial: asserted at compile time), with no spills;
+    the mma.sync form uses no shared memory, the wgmma form two buffers of x's tile."""
     from tests.gluon_emulator import last_json_line, run_without_interpreter
 
     rows_ = last_json_line(run_without_interpreter(["-m", "tests.ops.test_mxfp4_mma"], tmp_path))
     assert len(rows_) == len(COMPILE_CONFIGS)
-    for row in rows_:
-        assert row["shared_bytes"] == 0, row
+    for (per_expert, _, _), row in zip(COMPILE_CONFIGS, rows_):
+        wgmma, per_pass, _, steps = mma.mma_tile(8 * per_expert, 8)
+        assert row["shared_bytes"] == (2 * per_pass * 128 * steps * 2 if wgmma else 0), row
         assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, row
         assert row["registers"] <= 255, row
 
@@ -142,11 +156,11 @@ if __name__ == "__main__":  # the compile step of the test above
     E, I, O = 8, 3584, 3072
     codes = torch.zeros(E, O, I // 2, dtype=torch.uint8)
     scales = torch.zeros(E, O, I // 32, dtype=torch.uint8)
-    for rn, steps, warps in COMPILE_CONFIGS:
-        mma.MMA_WARPS, mma.MMA_STEPS = warps, steps
-        R = E * 8 * rn
+    for per_expert, steps, warps in COMPILE_CONFIGS:
+        mma.MMA_WARPS, mma.MMA_STEPS = warps or mma.MMA_WARPS, steps or mma.MMA_STEPS
+        R = E * per_expert
         mma.mxfp4_mma(torch.zeros(R, I, dtype=torch.bfloat16), codes, scales,
-                      torch.full((E,), 8 * rn, dtype=torch.int32).cumsum(0).int(),
+                      torch.full((E,), per_expert, dtype=torch.int32).cumsum(0).int(),
                       launcher=lambda kernel, grid, *a, **kw: compiler(kernel, list(a), kw, grid))
     print(json.dumps([{k: row[k] for k in ("kernel", "registers", "num_warps", "shared_bytes", "spill_store_bytes",
                                            "spill_load_bytes")} for row in compiler.rows]))

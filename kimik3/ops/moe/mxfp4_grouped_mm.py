@@ -9,8 +9,9 @@ step's expert matmuls (a few rows an expert, bound by weight bandwidth) gain.
 Four routes, chosen from the shapes and the device (``mxfp4_route``):
 
 - **mma** (bf16 activations, decode sizes, Hopper): a Gluon kernel that decodes the weights straight into the
-  tensor cores' operand registers and multiplies y^T = W x^T on ``mma.sync`` (kimik3/ops/moe/mxfp4_mma.py says
-  how); ~4 instructions a weight element where the kernels below take ~6-7.
+  tensor cores' operand registers and multiplies y^T = W x^T on ``mma.sync`` up to 8 rows an expert, on ``wgmma``
+  (x's rows staged in shared memory) from 9 to 64 (kimik3/ops/moe/mxfp4_mma.py says how); ~4 instructions a weight
+  element where the kernels below take ~6-7.
 - **gemv** (at most one row an expert on average: a decode step's experts): a Triton kernel whose program takes
   one row and a [BLOCK_N] column tile of its expert, decodes [BLOCK_N, BLOCK_K] weight tiles in registers as the
   registers route does, and multiplies them with the row on the CUDA cores (fp32 products summed per column once,
@@ -97,10 +98,9 @@ DEQUANTIZE_ROWS = 320
 # and unrolled (benchmarks/NOTES-quant.md).
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 16, 256, 4
 # Up to this many rows an expert on average (bf16 activations, a device ``mma_available`` says yes to) the mma route
-# runs: the weights decoded into the tensor cores' operand registers (``mxfp4_mma``). Its time is flat from 1 to 16
-# rows (one pass over the weights for 8 or 16 rows); at 64 (two passes of 32) the registers route is faster
-# (benchmarks/mxfp4_experts.py, NOTES-quant.md).
-MMA_ROWS = 16
+# runs: the weights decoded into the tensor cores' operand registers (``mxfp4_mma``, whose wgmma form takes up to 64
+# rows a pass). From 65 rows the registers route is faster (benchmarks/mxfp4_experts.py, NOTES-quant.md).
+MMA_ROWS = 64
 ROUTES = ("auto", "mma", "gemv", "registers", "dequantize")
 
 

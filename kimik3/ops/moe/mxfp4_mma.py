@@ -1,5 +1,6 @@
 """The MXFP4 grouped matmul's route for decode sizes on Hopper: the weights decoded straight into the tensor cores'
-operand registers (a Gluon kernel, ``mma.sync`` m16n8k16 through ``mma_v2``).
+operand registers (a Gluon kernel in two forms: ``mma.sync`` m16n8k16 through ``mma_v2`` for a few rows an expert,
+``wgmma`` with its A operand in registers from 9 to 64).
 
 ``mxfp4_grouped_mm``'s other kernels multiply on the CUDA cores (gemv) or hand ``tl.dot`` a decoded tile, which
 Triton moves through shared memory into the operand layout; either way a weight element costs ~6-7 instructions
@@ -24,13 +25,20 @@ and by the block scale (``mul.rn.bf16x2``, two elements each), and an eighth of 
 weight columns x 16 K, eight elements a thread). The codes of the next K step are loaded before the current one is
 decoded (registers double-buffered), so a program always has bytes in flight.
 
-Programs: (expert, 16 x ``num_warps`` weight columns), expert-major; each takes its expert's rows 8 x ``RN`` at a
-time (the weights re-read from L2 for each further pass), and the group past ``offsets_E[E - 1]`` writes its rows
-as zeros. Offsets are clamped to 0..R as read (bad offsets cannot make the kernel read or write outside x, the
-weights or y). No host sync: the grid is fixed by the shapes.
+The wgmma form (``warpgroup_mma``, m64nNk16 a warpgroup of 4 warps) takes the same A fragments: a warp's slice of
+its warpgroup's 64 weight columns is laid out as mma.sync's, so the decode is unchanged. Its B is x's tile of BR rows
+(N = 16, 32 or 64) renumbered the same way in registers and stored once a step into shared memory (two buffers, so
+that a warpgroup still reading one step's tile is not overwritten by the next), where every warp of the program
+reads it: mma.sync's x fragments are loaded by every warp and take registers per row, which stops paying past 8
+rows a pass.
 
-Tests: tests/ops/test_mxfp4_mma.py runs the kernel through tests/gluon_emulator.py on the CPU (Gluon does not run
-under the Triton interpreter) and compiles it for sm_90, checking the layouts are trivial and nothing spills.
+Programs: (expert, 16 x ``num_warps`` weight columns), expert-major; each takes its expert's rows BR at a time (8
+for mma.sync; the weights re-read from L2 for each further pass), and the group past ``offsets_E[E - 1]`` writes
+its rows as zeros. Offsets are clamped to 0..R as read (bad offsets cannot make the kernel read or write outside x,
+the weights or y). No host sync: the grid is fixed by the shapes.
+
+Tests: tests/ops/test_mxfp4_mma.py runs both forms through tests/gluon_emulator.py on the CPU (Gluon does not run
+under the Triton interpreter) and compiles them for sm_90, checking the layouts are trivial and nothing spills.
 
 Legend: R rows (sorted by expert), E experts, I in features (the reduction axis), O out features.
 """
@@ -41,30 +49,41 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from kimik3.ops.glue.common import on_device, triton
 from kimik3.ops.moe.mxfp4_dequantize import as_words
 
-__all__ = ["MMA_WARPS", "MMA_STEPS", "mma_rows_per_pass", "mxfp4_mma"]
+__all__ = ["MMA_STEPS", "MMA_WARPS", "SYNC_ROWS", "WGMMA_ROWS", "mma_tile", "mxfp4_mma"]
 
-# A program: 16 weight columns a warp, 4 warps (K3's O = 3072 over 8 local experts: 384 programs), K steps of
-# 128 elements x MMA_STEPS (two: 32 code bytes a weight column in flight a thread; faster than one at one row an
-# expert, H100).
+# The mma.sync form: 16 weight columns a warp, 4 warps (K3's O = 3072 over 8 local experts: 384 programs), K steps
+# of 128 elements x MMA_STEPS (two: 32 code bytes a weight column in flight a thread; faster than one at one row an
+# expert, H100), 8 rows of x a pass.
 MMA_WARPS = 4
 MMA_STEPS = 2
+# Up to SYNC_ROWS rows an expert on average the mma.sync form runs; above, the wgmma form, with the rows a pass the
+# mean rows' next power of two from 16 to WGMMA_ROWS, one warpgroup (64 weight columns a program) up to 32 rows and
+# two (128 columns) at 64: every program reads its rows of x from L2 once a step, and at 64 rows that read is four
+# times its codes' bytes with 64 columns (benchmarks/NOTES-quant.md has the sweep at 8 and 112 experts).
+SYNC_ROWS = 8
+WGMMA_ROWS = 64
 # 2^126 in both bf16 halves, then the scale: the pair decode gives value x 2^-126, and 2^126 x 2^(code - 127) as one
 # factor would overflow bf16 from code 129 up.
 _SCALE_ASM = gl.constexpr("{ .reg .b32 c, t; mov.b32 c, 0x7E807E80; mul.rn.bf16x2 t, $1, c; mul.rn.bf16x2 $0, t, $2; }")
 
 
-def mma_rows_per_pass(R: int, E: int) -> int:
-    """RN, the kernel's rows a pass over the weights in units of 8: the mean rows an expert rounded up to 8, at most
-    32 (more rows an expert take more passes)."""
+def mma_tile(R: int, E: int) -> tuple[bool, int, int, int]:
+    """(wgmma, rows a pass, warps, K steps of 128 a loop iteration) for ``R`` rows over ``E`` experts: the mma.sync
+    form (8 rows a pass, ``MMA_WARPS`` and ``MMA_STEPS``) up to ``SYNC_ROWS`` rows an expert on average, else the
+    wgmma form (see the constants above). More rows an expert than a pass take more passes (the weights re-read from
+    L2)."""
     rows = -(-R // max(E, 1))
-    rn = 1
-    while rn < 4 and 8 * rn < rows:
-        rn *= 2
-    return rn
+    if rows <= SYNC_ROWS:
+        return False, 8, MMA_WARPS, MMA_STEPS
+    per_pass = 16
+    while per_pass < WGMMA_ROWS and per_pass < rows:
+        per_pass *= 2
+    return True, per_pass, 8 if per_pass >= 64 else 4, 1
 
 
 def mxfp4_mma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor, offsets_E: torch.Tensor,
@@ -81,10 +100,11 @@ def mxfp4_mma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Ten
     if x_RI.stride(1) != 1:
         x_RI = x_RI.contiguous()
     words = as_words(codes_EOH)
-    grid = ((E + 1) * triton.cdiv(O, 16 * MMA_WARPS),)
+    wgmma, per_pass, warps, steps = mma_tile(R, E)
+    grid = ((E + 1) * triton.cdiv(O, 16 * warps),)
     args = (x_RI, x_RI.stride(0), words, words.stride(0), words.stride(1), scales_EOB, scales_EOB.stride(0),
             scales_EOB.stride(1), scales_EOB.stride(2), offsets_E, y_RO, R, O, E)
-    kwargs = dict(I=I, RN=mma_rows_per_pass(R, E), C=MMA_STEPS, num_warps=MMA_WARPS)
+    kwargs = dict(I=I, BR=per_pass, C=steps, WG=wgmma, num_warps=warps)
     if launcher is not None:
         launcher(_mxfp4_mma_kernel, grid, *args, **kwargs)
         return y_RO
@@ -94,14 +114,25 @@ def mxfp4_mma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Ten
 
 
 @gluon.constexpr_function
-def _x_layout(RN, C, W):
-    """x's tile [8 RN, C, 4, 32] as B's fragment wants it: the lane (l, t) holds elements 128 c + 32 t + 0..31 of
-    rows l + 8 j in registers; every warp the same (B is shared by the warps, each with its own weight columns)."""
+def _acc_layout(WG, BR, W):
+    """The accumulator [16 W, BR]: wgmma's (a warpgroup of 4 warps a 64-column slab) or mma.sync's."""
+    if WG:
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BR, 16])
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
+
+
+@gluon.constexpr_function
+def _x_layout(WG, BR, C, W):
+    """x's tile [BR, C, 4, 32]. mma.sync (BR = 8): as B's fragment wants it, the lane (l, t) holding elements
+    128 c + 32 t + 0..31 of row l in registers, every warp the same (B is shared by the warps, each with its own
+    weight columns). wgmma: rows over the lanes and warps, 8 consecutive elements a load, for one store into
+    shared memory."""
+    if WG:
+        return gl.BlockedLayout([1, 1, 1, 8], [8, 1, 4, 1], [W, 1, 1, 1], [3, 2, 1, 0])
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 1 << i] for i in range(5)] + [[0, 1 << i, 0, 0] for i in range(C.bit_length() - 1)]
-        + [[8 << i, 0, 0, 0] for i in range(RN.bit_length() - 1)],
+        reg_bases=[[0, 0, 0, 1 << i] for i in range(5)] + [[0, 1 << i, 0, 0] for i in range(C.bit_length() - 1)],
         lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
-        warp_bases=[[0, 0, 0, 0]] * (W.bit_length() - 1), block_bases=[], shape=[8 * RN, C, 4, 32])
+        warp_bases=[[0, 0, 0, 0]] * (W.bit_length() - 1), block_bases=[], shape=[BR, C, 4, 32])
 
 
 @gluon.jit
@@ -124,23 +155,22 @@ def _decode_pair(words, q: gl.constexpr, scale2):
 
 @gluon.jit
 def _mxfp4_mma_kernel(x_ptr, s_xr, c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E,
-                      I: gl.constexpr, RN: gl.constexpr, C: gl.constexpr, num_warps: gl.constexpr):
+                      I: gl.constexpr, BR: gl.constexpr, C: gl.constexpr, WG: gl.constexpr,
+                      num_warps: gl.constexpr):
     """Program (expert e, column tile): y[rows of e, cols] = x[rows of e] @ dequantize(W[e])[:, cols], in passes
-    of 8 RN rows, the fp32 accumulator [cols, rows] stored in bf16; zeros for the group e = E (the rows past
-    offsets[E - 1])."""
+    of BR rows, the fp32 accumulator [cols, rows] stored in bf16; zeros for the group e = E (the rows past
+    offsets[E - 1]). WG: wgmma, with x's tile staged in shared memory as B; else mma.sync, x in registers."""
     W: gl.constexpr = num_warps
     BM: gl.constexpr = 16 * W          # weight columns: the MMA's M
-    BR: gl.constexpr = 8 * RN          # rows of x a pass: the MMA's N
     BK: gl.constexpr = 128 * C         # a K step
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
+    MMA: gl.constexpr = _acc_layout(WG, BR, W)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     # Code words [W, 2, 8, C, 4, 4]: weight column 16 wp + 8 r + l, word 16 c + 4 t + w of the K step (elements
     # 128 c + 32 t + 8 w + 0..7); lanes (l, t), four words a thread.
     WL: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 1, 4], [1, 1, 8, 1, 4, 1], [W, 1, 1, 1, 1, 1],
                                         [5, 4, 3, 2, 1, 0])
     SL: gl.constexpr = gl.SliceLayout(5, WL)     # scale codes [W, 2, 8, C, 4]: block 4 c + t
-    XL: gl.constexpr = _x_layout(RN, C, W)
+    XL: gl.constexpr = _x_layout(WG, BR, C, W)
 
     pid = gl.program_id(0)
     n_tiles = (O + BM - 1) // BM
@@ -183,6 +213,9 @@ def _mxfp4_mma_kernel(x_ptr, s_xr, c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb, 
         + gl.expand_dims(gl.expand_dims(gl.expand_dims(xj, 0), 1), 2)
     x_r = gl.expand_dims(gl.expand_dims(gl.expand_dims(xr, 1), 2), 3)
 
+    if WG:
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BR, BK],
+                                           gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16))
     out_cols = pid_n * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     out_rows = gl.arange(0, BR, layout=gl.SliceLayout(0, MMA))
     for r0 in range(start, end, BR):
@@ -200,8 +233,15 @@ def _mxfp4_mma_kernel(x_ptr, s_xr, c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb, 
 
             # x, renumbered: element 128 c + 32 t + 8 w + 4 h + q is MMA k index h + 2 t + 8 q + 32 w + 128 c
             x = gl.load(x_rows + (k0 + x_k), mask=x_live & (k0 + x_k < I), other=0.0)
-            x = gl.permute(gl.reshape(x, [BR, C, 4, 4, 2, 4]), [1, 3, 5, 2, 4, 0])     # [C, w, q, t, h, BR]
-            b = gl.convert_layout(gl.reshape(x, [BK, BR]), B_L, assert_trivial=True)
+            if WG:
+                # [BR, C, w, q, t, h] into one of two buffers (a warpgroup may still read the other's last step)
+                x = gl.permute(gl.reshape(x, [BR, C, 4, 4, 2, 4]), [0, 1, 3, 5, 2, 4])
+                x_buf = x_smem.index((k0 // BK) % 2)
+                x_buf.store(gl.reshape(x, [BR, BK]))
+                fence_async_shared()
+            else:
+                x = gl.permute(gl.reshape(x, [BR, C, 4, 4, 2, 4]), [1, 3, 5, 2, 4, 0])     # [C, w, q, t, h, BR]
+                b = gl.convert_layout(gl.reshape(x, [BK, BR]), gl.DotOperandLayout(1, MMA, 2), assert_trivial=True)
 
             # 2^(code - 127) from its bf16 bits, in both halves of an int32 (code 0: the subnormal 2^-127; 255: NaN)
             s = scodes.to(gl.int32)
@@ -213,7 +253,10 @@ def _mxfp4_mma_kernel(x_ptr, s_xr, c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb, 
             # [W, 2, 8, C, t, w, h, q0, q1] -> [W, 2, 8, C, w, q1, q0, t, h]: the same renumbering
             p = gl.permute(p, [0, 1, 2, 3, 5, 8, 7, 4, 6])
             a = gl.convert_layout(gl.reshape(p, [BM, BK]), A_L, assert_trivial=True)
-            acc = mma_v2(a, b, acc)
+            if WG:
+                acc = warpgroup_mma(a, x_buf.permute((1, 0)), acc)
+            else:
+                acc = mma_v2(a, b, acc)
             words = next_words
             scodes = next_scodes
         rows = r0 + out_rows

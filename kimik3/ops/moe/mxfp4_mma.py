@@ -27,10 +27,10 @@ decoded (registers double-buffered), so a program always has bytes in flight.
 
 The wgmma form (``warpgroup_mma``, m64nNk16 a warpgroup of 4 warps) takes the same A fragments: a warp's slice of
 its warpgroup's 64 weight columns is laid out as mma.sync's, so the decode is unchanged. Its B is x's tile of BR rows
-(N = 16, 32 or 64) renumbered the same way in registers and stored once a step into shared memory (two buffers, so
-that a warpgroup still reading one step's tile is not overwritten by the next), where every warp of the program
-reads it: mma.sync's x fragments are loaded by every warp and take registers per row, which stops paying past 8
-rows a pass.
+(N = 16, 32 or 64) renumbered the same way in registers and stored once a step into shared memory, where every warp
+of the program reads it (the compiler puts a CTA barrier before the store, which the last step's wgmma has read, and
+one before the wgmma; the wgmma is waited on in the step): mma.sync's x fragments are loaded by every warp and take
+registers per row, which stops paying past 8 rows a pass.
 
 Programs: (expert, 16 x ``num_warps`` weight columns), expert-major; each takes its expert's rows BR at a time (8
 for mma.sync; the weights re-read from L2 for each further pass), and the group past ``offsets_E[E - 1]`` writes
@@ -214,7 +214,7 @@ def _mxfp4_mma_kernel(x_ptr, s_xr, c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb, 
     x_r = gl.expand_dims(gl.expand_dims(gl.expand_dims(xr, 1), 2), 3)
 
     if WG:
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BR, BK],
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [BR, BK],
                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16))
     out_cols = pid_n * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     out_rows = gl.arange(0, BR, layout=gl.SliceLayout(0, MMA))
@@ -234,10 +234,8 @@ def _mxfp4_mma_kernel(x_ptr, s_xr, c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb, 
             # x, renumbered: element 128 c + 32 t + 8 w + 4 h + q is MMA k index h + 2 t + 8 q + 32 w + 128 c
             x = gl.load(x_rows + (k0 + x_k), mask=x_live & (k0 + x_k < I), other=0.0)
             if WG:
-                # [BR, C, w, q, t, h] into one of two buffers (a warpgroup may still read the other's last step)
-                x = gl.permute(gl.reshape(x, [BR, C, 4, 4, 2, 4]), [0, 1, 3, 5, 2, 4])
-                x_buf = x_smem.index((k0 // BK) % 2)
-                x_buf.store(gl.reshape(x, [BR, BK]))
+                x = gl.permute(gl.reshape(x, [BR, C, 4, 4, 2, 4]), [0, 1, 3, 5, 2, 4])     # [BR, C, w, q, t, h]
+                x_smem.store(gl.reshape(x, [BR, BK]))
                 fence_async_shared()
             else:
                 x = gl.permute(gl.reshape(x, [BR, C, 4, 4, 2, 4]), [1, 3, 5, 2, 4, 0])     # [C, w, q, t, h, BR]
@@ -254,7 +252,7 @@ def _mxfp4_mma_kernel(x_ptr, s_xr, c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb, 
             p = gl.permute(p, [0, 1, 2, 3, 5, 8, 7, 4, 6])
             a = gl.convert_layout(gl.reshape(p, [BM, BK]), A_L, assert_trivial=True)
             if WG:
-                acc = warpgroup_mma(a, x_buf.permute((1, 0)), acc)
+                acc = warpgroup_mma(a, x_smem.permute((1, 0)), acc)
             else:
                 acc = mma_v2(a, b, acc)
             words = next_words

@@ -1,11 +1,11 @@
 """MXFP4 routed-expert matmuls on the GPU: ``mxfp4_grouped_mm`` (packed E2M1 codes + E8M0 scales) on each of its
 routes, against bf16 ``torch._grouped_mm`` at K3's expert shapes.
 
-    python benchmarks/mxfp4_experts.py [--experts 8] [--tokens 1,4,16,64,256,512,1024,2048,4096] [--out DIR]
+    python benchmarks/mxfp4_experts.py [--experts 112] [--tokens 1,4,8,16,32,64,128,256,512,2048] [--out DIR]
 
 K3's routed experts are SiTU-GLU FFNs, latent 3584 -> hidden 3072 -> 3584: the gate and up matmuls [in 3584, out 3072]
 (each; timed as one) and the down matmul [in 3072, out 3584]. Per shape and tokens an expert (every one of the E local
-experts gets that many rows: 1..64 is decode, 2048 and 4096 prefill), the script first checks each route's output
+experts gets that many rows: 1..64 is decode, 2048 and more prefill), the script first checks each route's output
 (mma, on a GPU that runs it and up to ``MMA_TOKENS`` rows an expert: the weights decoded into the tensor cores'
 operand registers; gemv, up to ``GEMV_TOKENS`` rows an expert: a program per row, the weights decoded in registers and
 multiplied on the CUDA cores; registers: the weights decoded in the matmul's registers; dequantize: decoded once to
@@ -48,10 +48,11 @@ MMA_TOKENS = 512  # the mma route takes up to 64 rows a pass over the weights: t
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--experts", type=int, default=8, help="local experts E (default 8)")
-    p.add_argument("--tokens", default="1,4,16,64,256,512,1024,2048,4096",
-                   help="rows an expert, comma-separated (default: decode 1,4,16,64, the routes' crossover "
-                        "256,512,1024, prefill 2048,4096)")
+    p.add_argument("--experts", type=int, default=112,
+                   help="local experts E (default 112: K3's 896 routed experts served on 8 GPUs; 14 on 64)")
+    p.add_argument("--tokens", default="1,4,8,16,32,64,128,256,512,2048",
+                   help="rows an expert, comma-separated (default: decode 1-64, the routes' crossovers 128-512, "
+                        "prefill 2048)")
     p.add_argument("--shapes", default="gate_up,down", help=f"which matmuls, comma-separated, of {sorted(SHAPES)}")
     p.add_argument("--blocks", default=None,
                    help="BLOCK_M,BLOCK_N,BLOCK_K[,NUM_WARPS,NUM_STAGES] for the kernel (default: mxfp4_blocks')")

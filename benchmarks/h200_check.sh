@@ -29,7 +29,7 @@
 #            image per forward                                                                        <= 4 min
 # parity     parity_torchtitan.py, both directions, fp32 and bf16 (carry .whl and third_party/torchtitan;
 #            benchmarks/setup_torchtitan.sh)                                                          <= 9.5 min
-# quant      the MXFP4 GPU tests (both routes of the expert matmul, packed experts, QAT ops), then
+# quant      the MXFP4 GPU tests (the expert matmul's routes, packed experts, QAT ops), then
 #            mxfp4_experts.py: every route against bf16 at K3's expert shapes, 112 local experts, 1 to 2,048 rows  <= 8 min
 # trainstep  train_gpu.py: the debug preset's whole training step (CUDA graph) with torchtitan's port timed in
 #            the same run (carry .whl and third_party/torchtitan)                                      <= 9.5 min

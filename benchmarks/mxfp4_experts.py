@@ -43,7 +43,7 @@ SHAPES = {"gate_up": (3584, 3072), "down": (3072, 3584)}  # name -> (in I, out O
 DEVICE = "cuda"  # a smoke test of the script's logic may set "cpu" (the kernel then needs TRITON_INTERPRET=1)
 REL_RMS_MAX = 1e-3
 GEMV_TOKENS = 16  # the gemv route re-reads an expert's weights for each of its rows: timed up to this many
-MMA_TOKENS = 512  # the mma route takes up to 64 rows a pass over the weights: timed up to this many (past its crossover)
+MMA_TOKENS = 512  # the mma route takes up to 64 rows a pass over the weights: timed up to this many (past it)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -527,8 +527,8 @@ def test_bad_inputs_are_named():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("per_expert", [1, 4, 16, 64, 256, DEQUANTIZE_ROWS + 1])  # mma where it runs, to 16;
-                                                                                    # registers; dequantize
+# mma where it runs (mma.sync to 8 rows an expert, wgmma at 16, 32, 64 rows a pass); registers; dequantize
+@pytest.mark.parametrize("per_expert", [1, 4, 16, 32, 64, 256, DEQUANTIZE_ROWS + 1])
 @pytest.mark.parametrize("O, I", [(3072, 3584), (3584, 3072)])
 def test_k3_shapes_against_grouped_mm_on_gpu(O, I, per_expert):
     """K3's expert matmuls (8 local experts, one of them empty) against torch._grouped_mm on the dequantised bf16

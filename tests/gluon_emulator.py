@@ -206,6 +206,9 @@ class Shared:
     def slice(self, start, length, dim=0):
         return Shared(self.t.narrow(int(_val(dim)), int(_val(start)), int(_val(length))), self.layout)
 
+    def reshape(self, shape):  # a view of the same elements in another shape (row-major)
+        return Shared(self.t.view([int(_val(x)) for x in shape]), self.layout)
+
     def _reinterpret(self, dtype, shape, layout=None, **_):  # the same bytes as another dtype and shape (row-major)
         shape = [int(_val(x)) for x in shape]
         assert self.t.is_contiguous() and self.t.numel() * self.t.element_size() == math.prod(shape) * \
@@ -548,6 +551,7 @@ def _patched(machine: _Machine, fn_globals: dict):
         "atomic_add": _atomic_add,
         "expand_dims": lambda x, axis, **_: Tile(_val(x).unsqueeze(int(_val(axis)))),
         "convert_layout": lambda x, layout=None, **_: x,
+        "split": lambda a, **_: (Tile(_val(a)[..., 0]), Tile(_val(a)[..., 1])),
         "join": lambda a, b, **_: Tile(torch.stack(torch.broadcast_tensors(torch.as_tensor(_val(a)),
                                                                            torch.as_tensor(_val(b))), -1)),
         "reshape": lambda x, shape, **_: Tile(_val(x).reshape([int(_val(d)) for d in shape])),

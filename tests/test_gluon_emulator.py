@@ -322,6 +322,31 @@ def test_cp_async_lands_at_its_wait_group(S):
     assert not torch.equal(y, x * 2)
 
 
+@gluon.jit
+def _split_reshape_kernel(x_ptr, lo_ptr, hi_ptr):
+    """x [4, 8] through shared memory, read back as [4, 4, 2] (a reshaped view), split into its even and odd
+    columns."""
+    BL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 2], [4, 4, 2], [1, 1, 1], [2, 1, 0])
+    r = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, BL)), 1)
+    c = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, BL)), 0)
+    smem = gl.allocate_shared_memory(gl.int32, [4, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    smem.store(gl.load(x_ptr + r * 8 + c))
+    lo, hi = gl.split(smem.reshape([4, 4, 2]).load(L3))
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    r2 = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, L2)), 1)
+    c2 = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L2)), 0)
+    gl.store(lo_ptr + r2 * 4 + c2, lo)
+    gl.store(hi_ptr + r2 * 4 + c2, hi)
+
+
+def test_shared_reshape_and_split():
+    x = torch.arange(32, dtype=torch.int32).reshape(4, 8) * 3 - 7
+    lo, hi = torch.zeros(4, 4, dtype=torch.int32), torch.zeros(4, 4, dtype=torch.int32)
+    emulate(_split_reshape_kernel, (1,), x, lo, hi)
+    assert torch.equal(lo, x[:, 0::2]) and torch.equal(hi, x[:, 1::2])
+
+
 def _compile_for_sm90() -> list:
     """Compile the kernels for sm_90 (``benchmarks/kda_sm90_report.Sm90Compiler``): ptxas's rows."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
@@ -342,6 +367,8 @@ def _compile_for_sm90() -> list:
                               torch.zeros(16, 8)], dict(num_warps=1), (1,))
     compiler(_cp_async_ring_kernel, [torch.zeros(5, 32, dtype=torch.int32), torch.zeros(5, 32, dtype=torch.int32), 5],
              dict(S=3, WAIT=2, num_warps=1), (1,))
+    compiler(_split_reshape_kernel, [torch.zeros(4, 8, dtype=torch.int32)] + [torch.zeros(4, 4, dtype=torch.int32)] * 2,
+             dict(num_warps=1), (1,))
     return compiler.rows
 
 
@@ -349,7 +376,7 @@ def test_the_kernels_compile_for_sm90(tmp_path):
     """In a process of its own, without the interpreter the test session switches on and with an empty Triton
     cache: the kernels compile, without spilling."""
     rows = last_json_line(run_without_interpreter(["-m", "tests.test_gluon_emulator"], tmp_path))
-    assert len(rows) == 7 and all(r["spill_store_bytes"] == 0 for r in rows), rows
+    assert len(rows) == 8 and all(r["spill_store_bytes"] == 0 for r in rows), rows
 
 
 if __name__ == "__main__":

@@ -88,9 +88,9 @@ WIDE_GRID = 1024
 GROUP_M = 8
 # From this many rows an expert on average (bf16 activations) the weights are decoded once and the bf16 grouped GEMM
 # runs. Below it the registers route's single pass over the codes wins; above it, decoding every weight tile again
-# for each row tile costs more than one decode pass plus the bf16 GEMM. At K3's shapes the registers route was
-# faster at 256 rows an expert and slower at 512, with 8 and with 112 experts (``benchmarks/mxfp4_experts.py`` times
-# both; the figures are in benchmarks/NOTES-quant.md).
+# for each row tile costs more than one decode pass plus the bf16 GEMM. At K3's shapes the two were level at 256 rows
+# an expert (either faster, by call) and the registers route slower at 512, with 8 and with 112 experts
+# (``benchmarks/mxfp4_experts.py`` times both; the figures are in benchmarks/NOTES-quant.md).
 DEQUANTIZE_ROWS = 320
 # The gemv route's tile: 16 weight rows x 256 elements (128 code bytes a row: four 32-byte sectors) over 4 warps, 16
 # code bytes a thread an iteration; K3's O = 3072 over 8 local experts gives 1,536 programs at one row an expert. The

@@ -119,7 +119,8 @@ def main(argv=None) -> int:
 
     from kimik3.ops.moe import ExpertGroups, mxfp4_grouped_mm
     from kimik3.ops.moe.mxfp4_dequantize import mxfp4_dequantize
-    from kimik3.ops.moe.mxfp4_grouped_mm import gemv_blocks, mma_available, mxfp4_blocks, mxfp4_route
+    from kimik3.ops.moe.mxfp4_grouped_mm import (gemv_blocks, mma_available, mxfp4_blocks, mxfp4_route,
+                                                 wgmma_available)
     from kimik3.quant.mx import dequantize, quantize
 
     report = Report(table=[])
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
     cuda = dev.type == "cuda"
     E = args.experts
     log(f"{torch.cuda.get_device_name(dev) if cuda else dev}, torch {torch.__version__}, E = {E} local experts")
-    mma = mma_available(dev)
+    mma, wgmma = mma_available(dev), wgmma_available(dev)
     graphs = cuda and not args.eager
 
     def timed(fn) -> float:
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
             R = E * tokens
             x = torch.randn(R, I, device=dev, generator=gen).to(torch.bfloat16)
             groups = ExpertGroups.of(torch.full((E,), tokens, device=dev))
-            auto = mxfp4_route(R, E, O, x.dtype, mma=mma)
+            auto = mxfp4_route(R, E, O, x.dtype, mma=mma, wgmma=wgmma)
             times = {}
             with torch.inference_mode():
                 run_bf16 = lambda: torch._grouped_mm(x, w_deq, offs=groups.offsets_E)  # noqa: E731
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
             if auto == "mma":       # its tiles: rows a pass, 16 x warps columns, 128 x steps K
                 from kimik3.ops.moe.mxfp4_mma import mma_tile  # (Gluon: where it runs)
 
-                _, per_pass, warps, steps = mma_tile(R, E)
+                _, per_pass, warps, steps = mma_tile(R, E, wgmma)
                 blocks = [per_pass, 16 * warps, 128 * steps, warps, 1]
             elif auto == "gemv":    # its tiles: one row, gemv_blocks' columns and K, one stage
                 block_n, block_k, warps = gemv_blocks(O, I)

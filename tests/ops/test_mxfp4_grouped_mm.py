@@ -28,8 +28,9 @@ import torch
 from kimik3.ops.moe.grouped_mm import ExpertGroups
 from kimik3.quant.mx import MXTensor, dequantize, quantize
 from kimik3.ops.moe.mxfp4_dequantize import mxfp4_dequantize
-from kimik3.ops.moe.mxfp4_grouped_mm import (DEQUANTIZE_ROWS, MMA_ROWS, gemv_blocks, mma_available, mxfp4_backend,
-                                              mxfp4_blocks, mxfp4_grouped_mm, mxfp4_route)
+from kimik3.ops.moe.mxfp4_grouped_mm import (DEQUANTIZE_ROWS, MMA_ROWS, SYNC_ROWS, gemv_blocks, mma_available,
+                                              mxfp4_backend, mxfp4_blocks, mxfp4_grouped_mm, mxfp4_route,
+                                              wgmma_available)
 from tests.kernel_testing import DEV, HAS_KERNELS, interpreter_setup, needs_kernels, ON_GPU  # noqa: F401 (interpreter_setup: autouse)
 
 FP32_EPS = 2.0 ** -24
@@ -358,10 +359,13 @@ def test_route_choice():
     for dtype, O in ((torch.float32, 3072), (torch.bfloat16, 3068)):
         with pytest.raises(ValueError, match="route 'dequantize' runs torch._grouped_mm"):
             mxfp4_route(8, 8, O, dtype, "dequantize")
-    # where the mma kernel runs: bf16 up to MMA_ROWS rows an expert, whatever O
+    # where the mma kernel runs: bf16 up to MMA_ROWS rows an expert with its wgmma form (Hopper), SYNC_ROWS without,
+    # whatever O
     assert mxfp4_route(8, 8, 3072, torch.bfloat16, mma=True) == "mma"
-    assert mxfp4_route(MMA_ROWS * 8, 8, 3068, torch.bfloat16, mma=True) == "mma"
-    assert mxfp4_route(MMA_ROWS * 8 + 1, 8, 3072, torch.bfloat16, mma=True) == "registers"
+    assert mxfp4_route(MMA_ROWS * 8, 8, 3068, torch.bfloat16, mma=True, wgmma=True) == "mma"
+    assert mxfp4_route(MMA_ROWS * 8 + 1, 8, 3072, torch.bfloat16, mma=True, wgmma=True) == "registers"
+    assert mxfp4_route(SYNC_ROWS * 8, 8, 3072, torch.bfloat16, mma=True) == "mma"
+    assert mxfp4_route(SYNC_ROWS * 8 + 1, 8, 3072, torch.bfloat16, mma=True) == "registers"
     assert mxfp4_route(8, 8, 3072, torch.float32, mma=True) == "gemv"
     assert mxfp4_route(big, 8, 3072, torch.bfloat16, "mma", mma=True) == "mma"
     for dtype, mma in ((torch.float32, True), (torch.bfloat16, False)):
@@ -370,20 +374,21 @@ def test_route_choice():
 
 
 @needs_kernels
-def test_mma_available_asks_for_hopper_and_gluon(monkeypatch):
+def test_mma_available_asks_for_sm90_and_gluon_wgmma_for_hopper(monkeypatch):
     import importlib
 
     from kimik3.ops.kda import dispatch
 
     module = importlib.import_module("kimik3.ops.moe.mxfp4_grouped_mm")  # (the package exports the function)
 
-    assert not mma_available(torch.device("cpu"))
-    for capability, gluon, expected in (((9, 0), True, True), ((10, 0), True, True), ((8, 0), True, False),
-                                        ((9, 0), False, False)):
+    assert not mma_available(torch.device("cpu")) and not wgmma_available(torch.device("cpu"))
+    for capability, gluon, expected, wgmma in (((9, 0), True, True, True), ((10, 0), True, True, False),
+                                               ((8, 0), True, False, False), ((9, 0), False, False, False)):
         module._mma_available.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
         monkeypatch.setattr(dispatch, "gluon_available", lambda g=gluon: g)
         assert mma_available(torch.device("cuda", 0)) is expected, (capability, gluon)
+        assert wgmma_available(torch.device("cuda", 0)) is wgmma, (capability, gluon)
     module._mma_available.cache_clear()
 
 

@@ -35,15 +35,16 @@ from tests.ops.test_mxfp4_grouped_mm import (assert_close_to_reference,  # noqa:
 DEV = "cuda" if ON_GPU else "cpu"
 
 
-def run(x, mx_or_codes, scales=None, offsets=None):
-    """The mma route on this machine: the GPU, or the emulator on the CPU."""
+def run(x, mx_or_codes, scales=None, offsets=None, wgmma=True):
+    """The mma route on this machine: the GPU, or the emulator on the CPU (``wgmma``: whether its wgmma form may
+    run)."""
     codes = mx_or_codes.codes if scales is None else mx_or_codes
     scales = mx_or_codes.scales if scales is None else scales
     if ON_GPU:
-        return mma.mxfp4_mma(x, codes, scales, offsets)
+        return mma.mxfp4_mma(x, codes, scales, offsets, wgmma=wgmma)
     from tests.gluon_emulator import emulate
 
-    return mma.mxfp4_mma(x, codes, scales, offsets, launcher=emulate)
+    return mma.mxfp4_mma(x, codes, scales, offsets, wgmma=wgmma, launcher=emulate)
 
 
 @pytest.fixture(params=[(4, 1), (1, 2)], ids=["4warps", "1warp-2steps"])
@@ -73,6 +74,16 @@ def test_mma_matches_the_reference(E, I, O, counts, tiles):
     y = run(x, mx, offsets=offsets)
     assert_close_to_reference(y, x, mx, offsets)
     assert torch.equal(y[sum(counts):], torch.zeros_like(y[sum(counts):]))
+
+
+def test_without_wgmma_the_sync_form_takes_every_size():
+    """Where the device has no wgmma (after Hopper), 25 rows an expert run on mma.sync in passes of 8."""
+    E, I, O, counts = 2, 256, 72, [40, 9]
+    assert mma.mma_tile(sum(counts), E, wgmma=False) == (False, 8, mma.MMA_WARPS, mma.MMA_STEPS)
+    mx = weights(E, I, O)
+    offsets = offsets_of(counts)
+    x = rows(sum(counts), I, torch.bfloat16)
+    assert_close_to_reference(run(x, mx, offsets=offsets, wgmma=False), x, mx, offsets)
 
 
 def test_tile_by_rows_an_expert():

@@ -10,8 +10,8 @@ Four routes, chosen from the shapes and the device (``mxfp4_route``):
 
 - **mma** (bf16 activations, decode sizes, Hopper): a Gluon kernel that decodes the weights straight into the
   tensor cores' operand registers and multiplies y^T = W x^T on ``mma.sync`` up to 8 rows an expert, on ``wgmma``
-  (x's rows staged in shared memory) from 9 to 64 (kimik3/ops/moe/mxfp4_mma.py says how); ~4 instructions a weight
-  element where the kernels below take ~6-7.
+  (x's rows staged in shared memory) from 9 to 64 on Hopper (kimik3/ops/moe/mxfp4_mma.py says how); ~4
+  instructions a weight element where the kernels below take ~6-7.
 - **gemv** (at most one row an expert on average: a decode step's experts): a Triton kernel whose program takes
   one row and a [BLOCK_N] column tile of its expert, decodes [BLOCK_N, BLOCK_K] weight tiles in registers as the
   registers route does, and multiplies them with the row on the CUDA cores (fp32 products summed per column once,
@@ -71,7 +71,7 @@ from kimik3.ops.moe.mxfp4_dequantize import (as_words, check_mxfp4_weight, decod
 from kimik3.quant.mx import BLOCK_SIZE, MXTensor, dequantize
 
 __all__ = ["gemv_blocks", "mma_available", "mxfp4_backend", "mxfp4_blocks", "mxfp4_grouped_mm",
-           "mxfp4_grouped_mm_reference", "mxfp4_route"]
+           "mxfp4_grouped_mm_reference", "mxfp4_route", "wgmma_available"]
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -98,8 +98,11 @@ DEQUANTIZE_ROWS = 320
 # and unrolled (benchmarks/NOTES-quant.md).
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 16, 256, 4
 # Up to this many rows an expert on average (bf16 activations, a device ``mma_available`` says yes to) the mma route
-# runs: the weights decoded into the tensor cores' operand registers (``mxfp4_mma``, whose wgmma form takes up to 64
-# rows a pass). From 65 rows the registers route is faster (benchmarks/mxfp4_experts.py, NOTES-quant.md).
+# runs: the weights decoded into the tensor cores' operand registers (``mxfp4_mma``): its mma.sync form up to
+# SYNC_ROWS (8 rows a pass), its wgmma form above, up to MMA_ROWS (16-64 rows a pass; Hopper only,
+# ``wgmma_available``: elsewhere the mma route stops at SYNC_ROWS). From 65 rows the registers route is faster
+# (benchmarks/mxfp4_experts.py, NOTES-quant.md).
+SYNC_ROWS = 8
 MMA_ROWS = 64
 ROUTES = ("auto", "mma", "gemv", "registers", "dequantize")
 
@@ -143,10 +146,21 @@ def _mma_available(index: int) -> bool:
     return gluon_available()
 
 
-def mxfp4_route(R: int, E: int, O: int, dtype: torch.dtype, route: str = "auto", mma: bool = False) -> str:
+def wgmma_available(device: torch.device) -> bool:
+    """Whether the mma route's wgmma form can run on ``device``: ``mma_available`` on a Hopper GPU (compute
+    capability 9.x; wgmma is not an instruction of later architectures, whose mma route keeps to mma.sync)."""
+    if not mma_available(device):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def mxfp4_route(R: int, E: int, O: int, dtype: torch.dtype, route: str = "auto", mma: bool = False,
+                wgmma: bool = False) -> str:
     """"mma", "gemv", "registers" or "dequantize" for ``R`` rows over ``E`` experts of ``O`` outputs and ``dtype``
     activations (the module docstring says what each is); ``mma``: whether the device runs the mma route
-    (``mma_available``). "auto" takes "mma" for bf16 up to ``MMA_ROWS`` rows an expert on average where it runs,
+    (``mma_available``), ``wgmma``: its wgmma form (``wgmma_available``). "auto" takes "mma" for bf16 up to
+    ``MMA_ROWS`` rows an expert on average where the wgmma form runs (``SYNC_ROWS`` where only mma.sync does),
     else "gemv" up to one row an expert (R <= E); "dequantize" for bf16 from ``DEQUANTIZE_ROWS`` rows an expert on
     average where ``torch._grouped_mm`` takes the shape (O a multiple of 8); "registers" between and for fp32
     activations, which never go through "mma" or "dequantize"."""
@@ -161,7 +175,7 @@ def mxfp4_route(R: int, E: int, O: int, dtype: torch.dtype, route: str = "auto",
                          f"a Triton that has Gluon: got {dtype}{'' if mma else ' on a device without it'}")
     if route != "auto":
         return route
-    if mma and dtype == torch.bfloat16 and R <= MMA_ROWS * max(E, 1):
+    if mma and dtype == torch.bfloat16 and R <= (MMA_ROWS if wgmma else SYNC_ROWS) * max(E, 1):
         return "mma"
     if R <= E:
         return "gemv"
@@ -261,7 +275,8 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     R, I = x_RI.shape
     E, O, _ = codes_EOH.shape
     blocks = (block_m, block_n, block_k, num_warps, num_stages)
-    chosen = mxfp4_route(R, E, O, x_RI.dtype, route, mma_available(x_RI.device))
+    wgmma = wgmma_available(x_RI.device)
+    chosen = mxfp4_route(R, E, O, x_RI.dtype, route, mma_available(x_RI.device), wgmma)
     if chosen != "registers" and any(b is not None for b in blocks):
         raise ValueError("block_m / block_n / block_k / num_warps / num_stages tune the registers route; this call "
                          f"takes the {chosen} route ({R} rows over {E} experts): pass route='registers'")
@@ -270,7 +285,7 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     if chosen == "mma":
         from kimik3.ops.moe.mxfp4_mma import mxfp4_mma  # (Gluon: imported only where it runs)
 
-        return mxfp4_mma(x_RI, codes_EOH, scales_EOB, offsets_E)
+        return mxfp4_mma(x_RI, codes_EOH, scales_EOB, offsets_E, wgmma=wgmma)
     if chosen == "gemv":
         return _gemv(x_RI, codes_EOH, scales_EOB, offsets_E)
     for name, given, least in (("block_m", block_m, 16), ("block_n", block_n, 16), ("block_k", block_k, 32),

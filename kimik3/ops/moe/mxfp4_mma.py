@@ -53,45 +53,45 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from kimik3.ops.glue.common import on_device, triton
 from kimik3.ops.moe.mxfp4_dequantize import as_words
+from kimik3.ops.moe.mxfp4_grouped_mm import MMA_ROWS, SYNC_ROWS
 
-__all__ = ["MMA_STEPS", "MMA_WARPS", "SYNC_ROWS", "WGMMA_ROWS", "mma_tile", "mxfp4_mma"]
+__all__ = ["MMA_STEPS", "MMA_WARPS", "mma_tile", "mxfp4_mma"]
 
 # The mma.sync form: 16 weight columns a warp, 4 warps (K3's O = 3072 over 8 local experts: 384 programs), K steps
 # of 128 elements x MMA_STEPS (two: 32 code bytes a weight column in flight a thread; faster than one at one row an
 # expert, H100), 8 rows of x a pass.
 MMA_WARPS = 4
 MMA_STEPS = 2
-# Up to SYNC_ROWS rows an expert on average the mma.sync form runs; above, the wgmma form, with the rows a pass the
-# mean rows' next power of two from 16 to WGMMA_ROWS, one warpgroup (64 weight columns a program) up to 32 rows and
-# two (128 columns) at 64: every program reads its rows of x from L2 once a step, and at 64 rows that read is four
-# times its codes' bytes with 64 columns (benchmarks/NOTES-quant.md has the sweep at 8 and 112 experts).
-SYNC_ROWS = 8
-WGMMA_ROWS = 64
+# Up to SYNC_ROWS rows an expert on average the mma.sync form runs (mxfp4_grouped_mm's route policy); above, on
+# Hopper, the wgmma form, with the rows a pass the mean rows' next power of two from 16 to MMA_ROWS, one warpgroup
+# (64 weight columns a program) up to 32 rows and two (128 columns) at 64: every program reads its rows of x from L2
+# once a step, and at 64 rows that read is four times its codes' bytes with 64 columns (benchmarks/NOTES-quant.md
+# has the sweep at 8 and 112 experts).
 # 2^126 in both bf16 halves, then the scale: the pair decode gives value x 2^-126, and 2^126 x 2^(code - 127) as one
 # factor would overflow bf16 from code 129 up.
 _SCALE_ASM = gl.constexpr("{ .reg .b32 c, t; mov.b32 c, 0x7E807E80; mul.rn.bf16x2 t, $1, c; mul.rn.bf16x2 $0, t, $2; }")
 
 
-def mma_tile(R: int, E: int) -> tuple[bool, int, int, int]:
+def mma_tile(R: int, E: int, wgmma: bool = True) -> tuple[bool, int, int, int]:
     """(wgmma, rows a pass, warps, K steps of 128 a loop iteration) for ``R`` rows over ``E`` experts: the mma.sync
-    form (8 rows a pass, ``MMA_WARPS`` and ``MMA_STEPS``) up to ``SYNC_ROWS`` rows an expert on average, else the
-    wgmma form (see the constants above). More rows an expert than a pass take more passes (the weights re-read from
-    L2)."""
+    form (8 rows a pass, ``MMA_WARPS`` and ``MMA_STEPS``) up to ``SYNC_ROWS`` rows an expert on average or where the
+    device has no wgmma (``wgmma`` False), else the wgmma form (see the constants above). More rows an expert than a
+    pass take more passes (the weights re-read from L2)."""
     rows = -(-R // max(E, 1))
-    if rows <= SYNC_ROWS:
+    if rows <= SYNC_ROWS or not wgmma:
         return False, 8, MMA_WARPS, MMA_STEPS
     per_pass = 16
-    while per_pass < WGMMA_ROWS and per_pass < rows:
+    while per_pass < MMA_ROWS and per_pass < rows:
         per_pass *= 2
     return True, per_pass, 8 if per_pass >= 64 else 4, 1
 
 
 def mxfp4_mma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor, offsets_E: torch.Tensor,
-              *, launcher=None) -> torch.Tensor:
+              *, wgmma: bool = True, launcher=None) -> torch.Tensor:
     """y_RO [R, O] bf16 = each expert's rows of x_RI (bf16, sorted by expert) times its dequantised MXFP4 weight.
     The arguments are ``mxfp4_grouped_mm``'s, already checked; a CUDA device of compute capability >= 9.0.
-    ``launcher``: how to launch the kernel (``launcher(kernel, grid, *args, **kwargs)``; the tests' emulator), by
-    default on the GPU."""
+    ``wgmma``: whether the wgmma form may run (Hopper: ``mxfp4_grouped_mm.wgmma_available``). ``launcher``: how to
+    launch the kernel (``launcher(kernel, grid, *args, **kwargs)``; the tests' emulator), by default on the GPU."""
     R, I = x_RI.shape
     E, O, _ = codes_EOH.shape
     y_RO = torch.empty(R, O, dtype=torch.bfloat16, device=x_RI.device)
@@ -100,7 +100,7 @@ def mxfp4_mma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Ten
     if x_RI.stride(1) != 1:
         x_RI = x_RI.contiguous()
     words = as_words(codes_EOH)
-    wgmma, per_pass, warps, steps = mma_tile(R, E)
+    wgmma, per_pass, warps, steps = mma_tile(R, E, wgmma)
     grid = ((E + 1) * triton.cdiv(O, 16 * warps),)
     args = (x_RI, x_RI.stride(0), words, words.stride(0), words.stride(1), scales_EOB, scales_EOB.stride(0),
             scales_EOB.stride(1), scales_EOB.stride(2), offsets_E, y_RO, R, O, E)

@@ -385,11 +385,13 @@ def test_mma_available_asks_for_sm90_and_gluon_wgmma_for_hopper(monkeypatch):
     for capability, gluon, expected, wgmma in (((9, 0), True, True, True), ((10, 0), True, True, False),
                                                ((8, 0), True, False, False), ((9, 0), False, False, False)):
         module._mma_available.cache_clear()
+        module._wgmma_available.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
         monkeypatch.setattr(dispatch, "gluon_available", lambda g=gluon: g)
         assert mma_available(torch.device("cuda", 0)) is expected, (capability, gluon)
         assert wgmma_available(torch.device("cuda", 0)) is wgmma, (capability, gluon)
     module._mma_available.cache_clear()
+    module._wgmma_available.cache_clear()
 
 
 @needs_kernels

@@ -148,11 +148,15 @@ def _mma_available(index: int) -> bool:
 
 def wgmma_available(device: torch.device) -> bool:
     """Whether the mma route's wgmma form can run on ``device``: ``mma_available`` on a Hopper GPU (compute
-    capability 9.x; wgmma is not an instruction of later architectures, whose mma route keeps to mma.sync)."""
-    if not mma_available(device):
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index)[0] == 9
+    capability 9.x; wgmma is not an instruction of later architectures, whose mma route keeps to mma.sync). Cached
+    per device, as ``mma_available``."""
+    return device.type == "cuda" and _wgmma_available(device.index if device.index is not None else
+                                                      torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _wgmma_available(index: int) -> bool:
+    return _mma_available(index) and torch.cuda.get_device_capability(index)[0] == 9
 
 
 def mxfp4_route(R: int, E: int, O: int, dtype: torch.dtype, route: str = "auto", mma: bool = False,

@@ -49,12 +49,12 @@ def short_conv(
     state_BCW = _checked_state(x_BTC, weight_CW, state_BCW, cu_seqlens)
     length, width = x_BTC.shape[1], weight_CW.shape[1]
     x_ext = torch.cat([state_BCW.transpose(1, 2).to(x_BTC.dtype), x_BTC], dim=1)  # [B, W-1+T, C]
-    pos = positions_in_sequence(cu_seqlens, length) if cu_seqlens is not None else None
+    masks = _lag_masks(cu_seqlens, length, width, x_BTC.dtype)
     y = x_BTC * weight_CW[:, width - 1]
     for lag in range(1, width):
         term = x_ext[:, width - 1 - lag: width - 1 - lag + length] * weight_CW[:, width - 1 - lag]
-        if pos is not None:  # tokens lag steps back belong to another sequence
-            term = term * (pos >= lag).to(term.dtype)[None, :, None]
+        if masks is not None:  # tokens lag steps back belong to another sequence
+            term = term * masks[lag - 1]
         y = y + term
     new_state = x_ext[:, x_ext.shape[1] - (width - 1):].transpose(1, 2)
     if activation:

@@ -189,11 +189,15 @@ def main(argv=None) -> int:
                 ms_bf16 = timed(run_bf16)
             ms_mx, err = times[auto]
             flops = 2.0 * R * I * O
-            if auto == "mma":       # its tiles: rows a pass, 16 x warps columns, 128 x steps K
-                from kimik3.ops.moe.mxfp4_mma import mma_tile  # (Gluon: where it runs)
+            if auto == "mma" and wgmma:   # rows a pass, 128 columns, 128 K, 12 warps, ring slots
+                from kimik3.ops.moe.mxfp4_wgmma import wgmma_tile  # (Gluon: where it runs)
 
-                _, per_pass, warps, steps = mma_tile(R, E, wgmma)
-                blocks = [per_pass, 16 * warps, 128 * steps, warps, 1]
+                per_pass, slots = wgmma_tile(R, E)
+                blocks = [per_pass, 128, 128, 12, slots]
+            elif auto == "mma":     # mma.sync: 8 rows a pass, 16 x warps columns, 128 x steps K
+                from kimik3.ops.moe.mxfp4_mma import MMA_STEPS, MMA_WARPS
+
+                blocks = [8, 16 * MMA_WARPS, 128 * MMA_STEPS, MMA_WARPS, 1]
             elif auto == "gemv":    # its tiles: one row, gemv_blocks' columns and K, one stage
                 block_n, block_k, warps = gemv_blocks(O, I)
                 blocks = [1, block_n, block_k, warps, 1]

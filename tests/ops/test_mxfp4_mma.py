@@ -1,5 +1,5 @@
-"""Tests of the MXFP4 grouped matmul's mma route (kimik3/ops/moe/mxfp4_mma.py, a Gluon kernel) against
-``dequantize`` + a per-expert fp32 matmul.
+"""Tests of the MXFP4 grouped matmul's mma.sync kernel (kimik3/ops/moe/mxfp4_mma.py, a Gluon kernel: the mma route
+on GPUs without wgmma) against ``dequantize`` + a per-expert fp32 matmul.
 
 Gluon does not run under the Triton interpreter: on the CPU the kernel runs through tests/gluon_emulator.py (every
 load and store bounds-checked, the inline PTX and ``mma_v2`` emulated with the GPU's rounding), and a compile for
@@ -7,7 +7,7 @@ sm_90 in its own process checks what the emulator cannot: that the kernel's layo
 are asserted in the kernel: a compile error otherwise), that it uses no shared memory and spills nothing. On a GPU
 the same cases run on the device.
 
-Cases: experts empty first, in the middle and last; more rows an expert than a pass (several passes); partial
+Cases: experts empty first, in the middle and last; more rows an expert than a pass of 8 (several passes); partial
 column tiles (O not a multiple of the tile) and partial K steps (I a multiple of 32, not of 128); several K steps;
 every tile width (warps) and K step; rows past offsets[-1] (zeros); every E2M1 code under many scale codes (the
 decode bit for bit); scale code 255 (NaN); strided inputs; offsets out of range (in bounds).
@@ -35,16 +35,15 @@ from tests.ops.test_mxfp4_grouped_mm import (assert_close_to_reference,  # noqa:
 DEV = "cuda" if ON_GPU else "cpu"
 
 
-def run(x, mx_or_codes, scales=None, offsets=None, wgmma=True):
-    """The mma route on this machine: the GPU, or the emulator on the CPU (``wgmma``: whether its wgmma form may
-    run)."""
+def run(x, mx_or_codes, scales=None, offsets=None):
+    """The kernel on this machine: the GPU, or the emulator on the CPU."""
     codes = mx_or_codes.codes if scales is None else mx_or_codes
     scales = mx_or_codes.scales if scales is None else scales
     if ON_GPU:
-        return mma.mxfp4_mma(x, codes, scales, offsets, wgmma=wgmma)
+        return mma.mxfp4_mma(x, codes, scales, offsets)
     from tests.gluon_emulator import emulate
 
-    return mma.mxfp4_mma(x, codes, scales, offsets, wgmma=wgmma, launcher=emulate)
+    return mma.mxfp4_mma(x, codes, scales, offsets, launcher=emulate)
 
 
 @pytest.fixture(params=[(4, 1), (1, 2)], ids=["4warps", "1warp-2steps"])
@@ -56,13 +55,11 @@ def tiles(request, monkeypatch):
     return warps, steps
 
 
-# (E, I, O, rows an expert): the mma.sync form up to SYNC_ROWS rows an expert on average, wgmma above
+# (E, I, O, rows an expert)
 CASES = [
-    (4, 96, 40, [3, 0, 17, 1]),       # mma.sync: empty middle expert; 17 rows: 3 passes of 8; partial K step and tile
-    (3, 416, 16, [0, 5, 0]),          # mma.sync: empty first and last; 3 full K steps and a partial one
-    (2, 256, 72, [40, 9]),            # wgmma, 32 rows a pass (25 on average): two passes of 40; partial column tile
-    (2, 160, 24, [12, 20]),           # wgmma, 16 rows a pass: two passes of 20; partial K step
-    (2, 128, 136, [70, 60]),          # wgmma, 64 rows a pass, 8 warps: two passes of 70; partial 128-column tile
+    (4, 96, 40, [3, 0, 17, 1]),       # empty middle expert; 17 rows: 3 passes of 8; partial K step and tile
+    (3, 416, 16, [0, 5, 0]),          # empty first and last; 3 full K steps and a partial one
+    (2, 160, 24, [12, 20]),           # two and three passes; partial K step
 ]
 
 
@@ -76,33 +73,12 @@ def test_mma_matches_the_reference(E, I, O, counts, tiles):
     assert torch.equal(y[sum(counts):], torch.zeros_like(y[sum(counts):]))
 
 
-def test_without_wgmma_the_sync_form_takes_every_size():
-    """Where the device has no wgmma (after Hopper), 25 rows an expert run on mma.sync in passes of 8."""
-    E, I, O, counts = 2, 256, 72, [40, 9]
-    assert mma.mma_tile(sum(counts), E, wgmma=False) == (False, 8, mma.MMA_WARPS, mma.MMA_STEPS)
-    mx = weights(E, I, O)
-    offsets = offsets_of(counts)
-    x = rows(sum(counts), I, torch.bfloat16)
-    assert_close_to_reference(run(x, mx, offsets=offsets, wgmma=False), x, mx, offsets)
-
-
-def test_tile_by_rows_an_expert():
-    sync = (False, 8, mma.MMA_WARPS, mma.MMA_STEPS)
-    assert [mma.mma_tile(R, 8) for R in (0, 8, 8 * 8)] == [sync] * 3
-    assert [mma.mma_tile(R, 8) for R in (8 * 8 + 1, 16 * 8, 16 * 8 + 1, 32 * 8, 33 * 8, 64 * 8, 4096)] == [
-        (True, 16, 4, 1), (True, 16, 4, 1), (True, 32, 4, 1), (True, 32, 4, 1), (True, 64, 8, 1), (True, 64, 8, 1),
-        (True, 64, 8, 1)]
-    assert mma.mma_tile(5, 0) == (False, 8, mma.MMA_WARPS, mma.MMA_STEPS)
-
-
-@pytest.mark.parametrize("form, warps, steps", [("mma.sync", 4, 1), ("mma.sync", 1, 2), ("wgmma", 0, 0)])
-def test_every_code_decodes_exactly(form, warps, steps, monkeypatch):
-    """One-hot rows (128 an expert: the wgmma form, or mma.sync in two of its tiles where told to take them): y is
-    W's rows bit for bit, for every byte value and scale codes 100..163."""
-    if form == "mma.sync":
-        monkeypatch.setattr(mma, "SYNC_ROWS", 1 << 20)
-        monkeypatch.setattr(mma, "MMA_WARPS", warps)
-        monkeypatch.setattr(mma, "MMA_STEPS", steps)
+@pytest.mark.parametrize("warps, steps", [(4, 1), (1, 2)])
+def test_every_code_decodes_exactly(warps, steps, monkeypatch):
+    """One-hot rows (128 an expert: 16 passes): y is W's rows bit for bit, for every byte value and scale codes
+    100..163."""
+    monkeypatch.setattr(mma, "MMA_WARPS", warps)
+    monkeypatch.setattr(mma, "MMA_STEPS", steps)
     E, I, O = 2, 128, 16
     mx = every_code_weight(E, I, O, torch.arange(100, 100 + E * O * 4).reshape(E, O, 4) % 64 + 100)
     x = torch.eye(I, device=DEV, dtype=torch.bfloat16).repeat(E, 1)
@@ -138,22 +114,20 @@ def test_no_rows():
     assert y.shape == (0, 16) and y.dtype == torch.bfloat16
 
 
-# (rows an expert, K steps, warps of the mma.sync form) the kernel is compiled in: both forms at every rows a pass,
-# the mma.sync form also in the tests' other tiles
-COMPILE_CONFIGS = [(8, mma.MMA_STEPS, mma.MMA_WARPS), (8, 2, 1), (8, 1, 1), (16, 0, 0), (32, 0, 0), (64, 0, 0)]
+# (K steps, warps) the kernel is compiled in: the default tile and the tests' others
+COMPILE_CONFIGS = [(mma.MMA_STEPS, mma.MMA_WARPS), (2, 1), (1, 1)]
 
 
 def test_mma_kernel_compiles_for_sm90(tmp_path):
     """In a process of its own, without the interpreter and with an empty Triton cache: the kernel compiles for
-    sm_90 in each configuration (so its layout conversions are trivial: asserted at compile time), with no spills;
-    the mma.sync form uses no shared memory, the wgmma form one tile of x."""
+    sm_90 in each configuration (so its layout conversions are trivial: asserted at compile time), with no spills
+    and no shared memory."""
     from tests.gluon_emulator import last_json_line, run_without_interpreter
 
     rows_ = last_json_line(run_without_interpreter(["-m", "tests.ops.test_mxfp4_mma"], tmp_path))
     assert len(rows_) == len(COMPILE_CONFIGS)
-    for (per_expert, _, _), row in zip(COMPILE_CONFIGS, rows_):
-        wgmma, per_pass, _, steps = mma.mma_tile(8 * per_expert, 8)
-        assert row["shared_bytes"] == (per_pass * 128 * steps * 2 if wgmma else 0), row
+    for row in rows_:
+        assert row["shared_bytes"] == 0, row
         assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, row
         assert row["registers"] <= 255, row
 
@@ -167,11 +141,10 @@ if __name__ == "__main__":  # the compile step of the test above
     E, I, O = 8, 3584, 3072
     codes = torch.zeros(E, O, I // 2, dtype=torch.uint8)
     scales = torch.zeros(E, O, I // 32, dtype=torch.uint8)
-    for per_expert, steps, warps in COMPILE_CONFIGS:
-        mma.MMA_WARPS, mma.MMA_STEPS = warps or mma.MMA_WARPS, steps or mma.MMA_STEPS
-        R = E * per_expert
-        mma.mxfp4_mma(torch.zeros(R, I, dtype=torch.bfloat16), codes, scales,
-                      torch.full((E,), per_expert, dtype=torch.int32).cumsum(0).int(),
+    for steps, warps in COMPILE_CONFIGS:
+        mma.MMA_WARPS, mma.MMA_STEPS = warps, steps
+        mma.mxfp4_mma(torch.zeros(E * 8, I, dtype=torch.bfloat16), codes, scales,
+                      torch.full((E,), 8, dtype=torch.int32).cumsum(0).int(),
                       launcher=lambda kernel, grid, *a, **kw: compiler(kernel, list(a), kw, grid))
     print(json.dumps([{k: row[k] for k in ("kernel", "registers", "num_warps", "shared_bytes", "spill_store_bytes",
                                            "spill_load_bytes")} for row in compiler.rows]))

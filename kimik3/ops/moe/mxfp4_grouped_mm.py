@@ -8,9 +8,10 @@ step's expert matmuls (a few rows an expert, bound by weight bandwidth) gain.
 
 Four routes, chosen from the shapes and the device (``mxfp4_route``):
 
-- **mma** (bf16 activations, decode sizes, Hopper): a Gluon kernel that decodes the weights straight into the
-  tensor cores' operand registers and multiplies y^T = W x^T on ``mma.sync`` up to 8 rows an expert, on ``wgmma``
-  (x's rows staged in shared memory) from 9 to 64 on Hopper (kimik3/ops/moe/mxfp4_mma.py says how); ~4
+- **mma** (bf16 activations, decode sizes, compute capability >= 9.0): Gluon kernels that decode the weights
+  straight into the tensor cores' operand registers and multiply y^T = W x^T: on Hopper up to 64 rows an expert
+  with ``wgmma``, warp-specialised, x's tiles and the codes streamed into shared memory by TMA
+  (kimik3/ops/moe/mxfp4_wgmma.py); on later GPUs up to 8 rows an expert on ``mma.sync`` (mxfp4_mma.py); ~4
   instructions a weight element where the kernels below take ~6-7.
 - **gemv** (at most one row an expert on average: a decode step's experts): a Triton kernel whose program takes
   one row and a [BLOCK_N] column tile of its expert, decodes [BLOCK_N, BLOCK_K] weight tiles in registers as the
@@ -98,10 +99,9 @@ DEQUANTIZE_ROWS = 320
 # and unrolled (benchmarks/NOTES-quant.md).
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 16, 256, 4
 # Up to this many rows an expert on average (bf16 activations, a device ``mma_available`` says yes to) the mma route
-# runs: the weights decoded into the tensor cores' operand registers (``mxfp4_mma``): its mma.sync form up to
-# SYNC_ROWS (8 rows a pass), its wgmma form above, up to MMA_ROWS (16-64 rows a pass; Hopper only,
-# ``wgmma_available``: elsewhere the mma route stops at SYNC_ROWS). From 65 rows the registers route is faster
-# (benchmarks/mxfp4_experts.py, NOTES-quant.md).
+# runs: the weights decoded into the tensor cores' operand registers. On Hopper (``wgmma_available``) up to MMA_ROWS,
+# by ``mxfp4_wgmma`` (warp-specialised, wgmma); elsewhere up to SYNC_ROWS, by ``mxfp4_mma`` (mma.sync, 8 rows a
+# pass). Above, the registers route is faster (benchmarks/mxfp4_experts.py, NOTES-quant.md).
 SYNC_ROWS = 8
 MMA_ROWS = 64
 ROUTES = ("auto", "mma", "gemv", "registers", "dequantize")
@@ -147,7 +147,7 @@ def _mma_available(index: int) -> bool:
 
 
 def wgmma_available(device: torch.device) -> bool:
-    """Whether the mma route's wgmma form can run on ``device``: ``mma_available`` on a Hopper GPU (compute
+    """Whether the mma route runs ``mxfp4_wgmma`` on ``device``: ``mma_available`` on a Hopper GPU (compute
     capability 9.x; wgmma is not an instruction of later architectures, whose mma route keeps to mma.sync). Cached
     per device, as ``mma_available``."""
     return device.type == "cuda" and _wgmma_available(device.index if device.index is not None else
@@ -163,8 +163,8 @@ def mxfp4_route(R: int, E: int, O: int, dtype: torch.dtype, route: str = "auto",
                 wgmma: bool = False) -> str:
     """"mma", "gemv", "registers" or "dequantize" for ``R`` rows over ``E`` experts of ``O`` outputs and ``dtype``
     activations (the module docstring says what each is); ``mma``: whether the device runs the mma route
-    (``mma_available``), ``wgmma``: its wgmma form (``wgmma_available``). "auto" takes "mma" for bf16 up to
-    ``MMA_ROWS`` rows an expert on average where the wgmma form runs (``SYNC_ROWS`` where only mma.sync does),
+    (``mma_available``), ``wgmma``: with ``mxfp4_wgmma`` (``wgmma_available``). "auto" takes "mma" for bf16 up to
+    ``MMA_ROWS`` rows an expert on average where ``mxfp4_wgmma`` runs (``SYNC_ROWS`` where only mma.sync does),
     else "gemv" up to one row an expert (R <= E); "dequantize" for bf16 from ``DEQUANTIZE_ROWS`` rows an expert on
     average where ``torch._grouped_mm`` takes the shape (O a multiple of 8); "registers" between and for fp32
     activations, which never go through "mma" or "dequantize"."""
@@ -286,10 +286,14 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
                          f"takes the {chosen} route ({R} rows over {E} experts): pass route='registers'")
     if chosen == "dequantize":
         return _dequantized_grouped_mm(x_RI, codes_EOH, scales_EOB, offsets_E)
-    if chosen == "mma":
-        from kimik3.ops.moe.mxfp4_mma import mxfp4_mma  # (Gluon: imported only where it runs)
+    if chosen == "mma" and wgmma:
+        from kimik3.ops.moe.mxfp4_wgmma import mxfp4_wgmma  # (Gluon: imported only where it runs)
 
-        return mxfp4_mma(x_RI, codes_EOH, scales_EOB, offsets_E, wgmma=wgmma)
+        return mxfp4_wgmma(x_RI, codes_EOH, scales_EOB, offsets_E)
+    if chosen == "mma":
+        from kimik3.ops.moe.mxfp4_mma import mxfp4_mma
+
+        return mxfp4_mma(x_RI, codes_EOH, scales_EOB, offsets_E)
     if chosen == "gemv":
         return _gemv(x_RI, codes_EOH, scales_EOB, offsets_E)
     for name, given, least in (("block_m", block_m, 16), ("block_n", block_n, 16), ("block_k", block_k, 32),

@@ -1,6 +1,6 @@
-"""The MXFP4 grouped matmul's route for decode sizes on Hopper: the weights decoded straight into the tensor cores'
-operand registers (a Gluon kernel in two forms: ``mma.sync`` m16n8k16 through ``mma_v2`` for a few rows an expert,
-``wgmma`` with its A operand in registers from 9 to 64).
+"""The MXFP4 grouped matmul's route for decode sizes on a GPU without wgmma: the weights decoded straight into the
+tensor cores' operand registers of ``mma.sync`` m16n8k16 (a Gluon kernel through ``mma_v2``), a few rows an expert.
+On Hopper ``mxfp4_wgmma`` takes these sizes with the same decode.
 
 ``mxfp4_grouped_mm``'s other kernels multiply on the CUDA cores (gemv) or hand ``tl.dot`` a decoded tile, which
 Triton moves through shared memory into the operand layout; either way a weight element costs ~6-7 instructions
@@ -11,9 +11,9 @@ a decode step has a few rows an expert). The layouts are chosen so that nothing 
 - A thread of a warp owns, for weight columns ``l`` and ``l + 8`` (l = lane / 4), the 32 elements of its quarter
   t = lane % 4 of every 128-element K step, i.e. 16 consecutive code bytes a column (one 128-bit load), as A's
   fragment wants them once K is renumbered within the step: the element at k = 32 t + 8 w + 4 h + q (word w of the
-  thread's four, nibble q + 4 h of the word) is given the MMA's k index h + 2 t + 8 q + 32 w. The pair decode of
-  ``mxfp4_dequantize.decode_words`` places nibbles q and q + 4 of a word into the two bf16 halves of an int32: the
-  halves are then MMA k indices k and k + 1, which is what one A register holds.
+  thread's four, nibble q + 4 h of the word) is given the MMA's k index h + 2 t + 8 q + 32 w. The pair decode
+  (``decode_pair``) places nibbles q and q + 4 of a word into the two bf16 halves of an int32: the halves are then
+  MMA k indices k and k + 1, which is what one A register holds.
 - B's fragment under the same renumbering: the thread with t and row l holds x[l, 32 t ... 32 t + 31] of each
   step, 32 consecutive elements in memory (four 128-bit loads), renumbered in registers only.
 - The renumbering is reshapes and permutes of the loaded tiles whose layouts Gluon checks to be trivial
@@ -25,20 +25,13 @@ and by the block scale (``mul.rn.bf16x2``, two elements each), and an eighth of 
 weight columns x 16 K, eight elements a thread). The codes of the next K step are loaded before the current one is
 decoded (registers double-buffered), so a program always has bytes in flight.
 
-The wgmma form (``warpgroup_mma``, m64nNk16 a warpgroup of 4 warps) takes the same A fragments: a warp's slice of
-its warpgroup's 64 weight columns is laid out as mma.sync's, so the decode is unchanged. Its B is x's tile of BR rows
-(N = 16, 32 or 64) renumbered the same way in registers and stored once a step into shared memory, where every warp
-of the program reads it (the compiler puts a CTA barrier before the store, which the last step's wgmma has read, and
-one before the wgmma; the wgmma is waited on in the step): mma.sync's x fragments are loaded by every warp and take
-registers per row, which stops paying past 8 rows a pass.
-
-Programs: (expert, 16 x ``num_warps`` weight columns), expert-major; each takes its expert's rows BR at a time (8
-for mma.sync; the weights re-read from L2 for each further pass), and the group past ``offsets_E[E - 1]`` writes
+Programs: (expert, 16 x ``num_warps`` weight columns), expert-major; each takes its expert's rows 8 at a time (the
+weights re-read from L2 for each further pass), and the group past ``offsets_E[E - 1]`` writes
 its rows as zeros. Offsets are clamped to 0..R as read (bad offsets cannot make the kernel read or write outside x,
 the weights or y). No host sync: the grid is fixed by the shapes.
 
-Tests: tests/ops/test_mxfp4_mma.py runs both forms through tests/gluon_emulator.py on the CPU (Gluon does not run
-under the Triton interpreter) and compiles them for sm_90, checking the layouts are trivial and nothing spills.
+Tests: tests/ops/test_mxfp4_mma.py runs the kernel through tests/gluon_emulator.py on the CPU (Gluon does not run
+under the Triton interpreter) and compiles it for sm_90, checking the layouts are trivial and nothing spills.
 
 Legend: R rows (sorted by expert), E experts, I in features (the reduction axis), O out features.
 """
@@ -49,49 +42,28 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from kimik3.ops.glue.common import on_device, triton
 from kimik3.ops.moe.mxfp4_dequantize import as_words
-from kimik3.ops.moe.mxfp4_grouped_mm import MMA_ROWS, SYNC_ROWS
 
-__all__ = ["MMA_STEPS", "MMA_WARPS", "mma_tile", "mxfp4_mma"]
+__all__ = ["MMA_STEPS", "MMA_WARPS", "decode_pair", "mxfp4_mma", "scale_bits"]
 
-# The mma.sync form: 16 weight columns a warp, 4 warps (K3's O = 3072 over 8 local experts: 384 programs), K steps
-# of 128 elements x MMA_STEPS (two: 32 code bytes a weight column in flight a thread; faster than one at one row an
-# expert, H100), 8 rows of x a pass.
+# 16 weight columns a warp, 4 warps (K3's O = 3072 over 8 local experts: 384 programs), K steps of 128 elements x
+# MMA_STEPS (two: 32 code bytes a weight column in flight a thread; faster than one at one row an expert, H100), 8
+# rows of x a pass.
 MMA_WARPS = 4
 MMA_STEPS = 2
-# Up to SYNC_ROWS rows an expert on average the mma.sync form runs (mxfp4_grouped_mm's route policy); above, on
-# Hopper, the wgmma form, with the rows a pass the mean rows' next power of two from 16 to MMA_ROWS, one warpgroup
-# (64 weight columns a program) up to 32 rows and two (128 columns) at 64: every program reads its rows of x from L2
-# once a step, and at 64 rows that read is four times its codes' bytes with 64 columns (benchmarks/NOTES-quant.md
-# has the sweep at 8 and 112 experts).
 # 2^126 in both bf16 halves, then the scale: the pair decode gives value x 2^-126, and 2^126 x 2^(code - 127) as one
 # factor would overflow bf16 from code 129 up.
 _SCALE_ASM = gl.constexpr("{ .reg .b32 c, t; mov.b32 c, 0x7E807E80; mul.rn.bf16x2 t, $1, c; mul.rn.bf16x2 $0, t, $2; }")
 
 
-def mma_tile(R: int, E: int, wgmma: bool = True) -> tuple[bool, int, int, int]:
-    """(wgmma, rows a pass, warps, K steps of 128 a loop iteration) for ``R`` rows over ``E`` experts: the mma.sync
-    form (8 rows a pass, ``MMA_WARPS`` and ``MMA_STEPS``) up to ``SYNC_ROWS`` rows an expert on average or where the
-    device has no wgmma (``wgmma`` False), else the wgmma form (see the constants above). More rows an expert than a
-    pass take more passes (the weights re-read from L2)."""
-    rows = -(-R // max(E, 1))
-    if rows <= SYNC_ROWS or not wgmma:
-        return False, 8, MMA_WARPS, MMA_STEPS
-    per_pass = 16
-    while per_pass < MMA_ROWS and per_pass < rows:
-        per_pass *= 2
-    return True, per_pass, 8 if per_pass >= 64 else 4, 1
-
-
 def mxfp4_mma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor, offsets_E: torch.Tensor,
-              *, wgmma: bool = True, launcher=None) -> torch.Tensor:
+              *, launcher=None) -> torch.Tensor:
     """y_RO [R, O] bf16 = each expert's rows of x_RI (bf16, sorted by expert) times its dequantised MXFP4 weight.
     The arguments are ``mxfp4_grouped_mm``'s, already checked; a CUDA device of compute capability >= 9.0.
-    ``wgmma``: whether the wgmma form may run (Hopper: ``mxfp4_grouped_mm.wgmma_available``). ``launcher``: how to
-    launch the kernel (``launcher(kernel, grid, *args, **kwargs)``; the tests' emulator), by default on the GPU."""
+    ``launcher``: how to launch the kernel (``launcher(kernel, grid, *args, **kwargs)``; the tests' emulator), by
+    default on the GPU."""
     R, I = x_RI.shape
     E, O, _ = codes_EOH.shape
     y_RO = torch.empty(R, O, dtype=torch.bfloat16, device=x_RI.device)
@@ -100,11 +72,10 @@ def mxfp4_mma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Ten
     if x_RI.stride(1) != 1:
         x_RI = x_RI.contiguous()
     words = as_words(codes_EOH)
-    wgmma, per_pass, warps, steps = mma_tile(R, E, wgmma)
-    grid = ((E + 1) * triton.cdiv(O, 16 * warps),)
+    grid = ((E + 1) * triton.cdiv(O, 16 * MMA_WARPS),)
     args = (x_RI, x_RI.stride(0), words, words.stride(0), words.stride(1), scales_EOB, scales_EOB.stride(0),
             scales_EOB.stride(1), scales_EOB.stride(2), offsets_E, y_RO, R, O, E)
-    kwargs = dict(I=I, BR=per_pass, C=steps, WG=wgmma, num_warps=warps)
+    kwargs = dict(I=I, C=MMA_STEPS, num_warps=MMA_WARPS)
     if launcher is not None:
         launcher(_mxfp4_mma_kernel, grid, *args, **kwargs)
         return y_RO
@@ -114,31 +85,20 @@ def mxfp4_mma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Ten
 
 
 @gluon.constexpr_function
-def _acc_layout(WG, BR, W):
-    """The accumulator [16 W, BR]: wgmma's (a warpgroup of 4 warps a 64-column slab) or mma.sync's."""
-    if WG:
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BR, 16])
-    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
-
-
-@gluon.constexpr_function
-def _x_layout(WG, BR, C, W):
-    """x's tile [BR, C, 4, 32]. mma.sync (BR = 8): as B's fragment wants it, the lane (l, t) holding elements
-    128 c + 32 t + 0..31 of row l in registers, every warp the same (B is shared by the warps, each with its own
-    weight columns). wgmma: rows over the lanes and warps, 8 consecutive elements a load, for one store into
-    shared memory."""
-    if WG:
-        return gl.BlockedLayout([1, 1, 1, 8], [8, 1, 4, 1], [W, 1, 1, 1], [3, 2, 1, 0])
+def _x_layout(C, W):
+    """x's tile [8, C, 4, 32] as B's fragment wants it: the lane (l, t) holding elements 128 c + 32 t + 0..31 of row
+    l in registers, every warp the same (B is shared by the warps, each with its own weight columns)."""
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 0, 1 << i] for i in range(5)] + [[0, 1 << i, 0, 0] for i in range(C.bit_length() - 1)],
         lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
-        warp_bases=[[0, 0, 0, 0]] * (W.bit_length() - 1), block_bases=[], shape=[BR, C, 4, 32])
+        warp_bases=[[0, 0, 0, 0]] * (W.bit_length() - 1), block_bases=[], shape=[8, C, 4, 32])
 
 
 @gluon.jit
-def _decode_pair(words, q: gl.constexpr, scale2):
+def decode_pair(words, q: gl.constexpr, scale2):
     """Nibbles q and q + 4 of each int32 word decoded into the two bf16 halves of an int32, times their block scale
-    (scale2: the scale's bf16 bits in both halves), split into a trailing axis of 2 (low half first)."""
+    (scale2: the scale's bf16 bits in both halves, ``scale_bits``), split into a trailing axis of 2 (low half
+    first)."""
     # (w << 6 - 4q): the nibbles' e1 e0 m to bits 6..8 of each half; (w << 12 - 4q): their signs to bits 15, 31
     if q == 0:
         pair = ((words << 6) & 0x01C001C0) | ((words << 12) & -0x7FFF8000)   # 0x80008000 as int32
@@ -154,23 +114,32 @@ def _decode_pair(words, q: gl.constexpr, scale2):
 
 
 @gluon.jit
+def scale_bits(scodes):
+    """E8M0 scale codes -> 2^(code - 127)'s bf16 bits in both halves of an int32 (code 0: the subnormal 2^-127;
+    255: NaN)."""
+    s = scodes.to(gl.int32)
+    bits = gl.where(s == 0, 0x0040, s << 7)
+    bits = gl.where(s == 255, 0x7FC0, bits)
+    return bits | (bits << 16)
+
+
+@gluon.jit
 def _mxfp4_mma_kernel(x_ptr, s_xr, c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E,
-                      I: gl.constexpr, BR: gl.constexpr, C: gl.constexpr, WG: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      I: gl.constexpr, C: gl.constexpr, num_warps: gl.constexpr):
     """Program (expert e, column tile): y[rows of e, cols] = x[rows of e] @ dequantize(W[e])[:, cols], in passes
-    of BR rows, the fp32 accumulator [cols, rows] stored in bf16; zeros for the group e = E (the rows past
-    offsets[E - 1]). WG: wgmma, with x's tile staged in shared memory as B; else mma.sync, x in registers."""
+    of 8 rows, the fp32 accumulator [cols, rows] stored in bf16; zeros for the group e = E (the rows past
+    offsets[E - 1])."""
     W: gl.constexpr = num_warps
     BM: gl.constexpr = 16 * W          # weight columns: the MMA's M
     BK: gl.constexpr = 128 * C         # a K step
-    MMA: gl.constexpr = _acc_layout(WG, BR, W)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     # Code words [W, 2, 8, C, 4, 4]: weight column 16 wp + 8 r + l, word 16 c + 4 t + w of the K step (elements
     # 128 c + 32 t + 8 w + 0..7); lanes (l, t), four words a thread.
     WL: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 1, 4], [1, 1, 8, 1, 4, 1], [W, 1, 1, 1, 1, 1],
                                         [5, 4, 3, 2, 1, 0])
     SL: gl.constexpr = gl.SliceLayout(5, WL)     # scale codes [W, 2, 8, C, 4]: block 4 c + t
-    XL: gl.constexpr = _x_layout(WG, BR, C, W)
+    XL: gl.constexpr = _x_layout(C, W)
 
     pid = gl.program_id(0)
     n_tiles = (O + BM - 1) // BM
@@ -203,8 +172,8 @@ def _mxfp4_mma_kernel(x_ptr, s_xr, c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb, 
     word_ix = gl.expand_dims(blocks * 4, 5) \
         + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(wb, 0), 1), 2), 3), 4)
 
-    # x's rows [BR, 1, 1, 1] and the K step's elements [1, C, 4, 32]
-    xr = gl.arange(0, BR, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
+    # x's rows [8, 1, 1, 1] and the K step's elements [1, C, 4, 32]
+    xr = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
     xc = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
     xt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, XL))))
     xj = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XL))))
@@ -213,15 +182,12 @@ def _mxfp4_mma_kernel(x_ptr, s_xr, c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb, 
         + gl.expand_dims(gl.expand_dims(gl.expand_dims(xj, 0), 1), 2)
     x_r = gl.expand_dims(gl.expand_dims(gl.expand_dims(xr, 1), 2), 3)
 
-    if WG:
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [BR, BK],
-                                           gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16))
     out_cols = pid_n * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
-    out_rows = gl.arange(0, BR, layout=gl.SliceLayout(0, MMA))
-    for r0 in range(start, end, BR):
+    out_rows = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    for r0 in range(start, end, 8):
         x_rows = x_ptr + (r0 + x_r).to(gl.int64) * s_xr
         x_live = (r0 + x_r) < end
-        acc = gl.zeros([BM, BR], gl.float32, layout=MMA)
+        acc = gl.zeros([BM, 8], gl.float32, layout=MMA)
         words = gl.load(c_cols + word_ix, mask=c_live & (word_ix < I // 8), other=0)
         scodes = gl.load(s_cols + blocks * s_sb, mask=live & (blocks < I // 32), other=127)
         for k0 in range(0, I, BK):
@@ -233,28 +199,16 @@ def _mxfp4_mma_kernel(x_ptr, s_xr, c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb, 
 
             # x, renumbered: element 128 c + 32 t + 8 w + 4 h + q is MMA k index h + 2 t + 8 q + 32 w + 128 c
             x = gl.load(x_rows + (k0 + x_k), mask=x_live & (k0 + x_k < I), other=0.0)
-            if WG:
-                x = gl.permute(gl.reshape(x, [BR, C, 4, 4, 2, 4]), [0, 1, 3, 5, 2, 4])     # [BR, C, w, q, t, h]
-                x_smem.store(gl.reshape(x, [BR, BK]))
-                fence_async_shared()
-            else:
-                x = gl.permute(gl.reshape(x, [BR, C, 4, 4, 2, 4]), [1, 3, 5, 2, 4, 0])     # [C, w, q, t, h, BR]
-                b = gl.convert_layout(gl.reshape(x, [BK, BR]), gl.DotOperandLayout(1, MMA, 2), assert_trivial=True)
+            x = gl.permute(gl.reshape(x, [8, C, 4, 4, 2, 4]), [1, 3, 5, 2, 4, 0])     # [C, w, q, t, h, 8]
+            b = gl.convert_layout(gl.reshape(x, [BK, 8]), gl.DotOperandLayout(1, MMA, 2), assert_trivial=True)
 
-            # 2^(code - 127) from its bf16 bits, in both halves of an int32 (code 0: the subnormal 2^-127; 255: NaN)
-            s = scodes.to(gl.int32)
-            bits = gl.where(s == 0, 0x0040, s << 7)
-            bits = gl.where(s == 255, 0x7FC0, bits)
-            scale2 = gl.broadcast(gl.expand_dims(bits | (bits << 16), 5), words)[0]
-            p = gl.join(gl.join(_decode_pair(words, 0, scale2), _decode_pair(words, 1, scale2)),
-                        gl.join(_decode_pair(words, 2, scale2), _decode_pair(words, 3, scale2)))
+            scale2 = gl.broadcast(gl.expand_dims(scale_bits(scodes), 5), words)[0]
+            p = gl.join(gl.join(decode_pair(words, 0, scale2), decode_pair(words, 1, scale2)),
+                        gl.join(decode_pair(words, 2, scale2), decode_pair(words, 3, scale2)))
             # [W, 2, 8, C, t, w, h, q0, q1] -> [W, 2, 8, C, w, q1, q0, t, h]: the same renumbering
             p = gl.permute(p, [0, 1, 2, 3, 5, 8, 7, 4, 6])
             a = gl.convert_layout(gl.reshape(p, [BM, BK]), A_L, assert_trivial=True)
-            if WG:
-                acc = warpgroup_mma(a, x_smem.permute((1, 0)), acc)
-            else:
-                acc = mma_v2(a, b, acc)
+            acc = mma_v2(a, b, acc)
             words = next_words
             scodes = next_scodes
         rows = r0 + out_rows

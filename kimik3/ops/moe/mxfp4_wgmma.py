@@ -1,0 +1,271 @@
+"""The MXFP4 grouped matmul's route for decode sizes on Hopper: a warp-specialised Gluon kernel that streams x's
+tiles and the weight codes into shared memory by TMA while its consumer warpgroups decode the codes straight into
+``wgmma``'s A registers and multiply, y^T = W x^T per expert (up to 64 rows an expert).
+
+The decode is mma.sync's (``mxfp4_mma``): a thread of a warp owns, for weight columns ``l`` and ``l + 8`` of its
+16, the 32 elements of its quarter t = lane % 4 of every 128-element K step, i.e. 16 consecutive code bytes a
+column, and ``decode_pair`` turns nibbles q and q + 4 of its word w into the A registers of MMA k indices
+h + 2 t + 8 q + 32 w (h = 0, 1), for the element at k = 32 t + 8 w + 4 h + q. So the MMA multiplies the weights with
+K renumbered within each 128-element step, and x must be renumbered the same way: ``renumber_k`` writes
+x[:, 128 c + 32 t + 8 w + 4 h + q] to column 128 c + h + 2 t + 8 q + 32 w of a padded copy (zeros past I) in one
+pass over x, a few percent of the matmul (x has R x I elements, the weights E x O x I). Stored so, x reaches shared
+memory by TMA with no registers, and every program reads it in the MMA's order.
+
+A program takes (expert e, 128 weight columns) and its expert's rows in passes of BR (8, 16, 32 or 64; each further
+pass re-reads the codes from L2):
+
+- a 1-warp loader partition fills an S-slot ring, per (pass, 128-element K step): x's tile as two [BR, 64] TMA boxes
+  (wgmma's B, 128-byte swizzle) and the step's code words, one [128, 16] int32 box (its rows are the program's
+  weight columns: a thread's 16 bytes are one 128-bit shared load), on the slot's "ready" barrier;
+- two consumer partitions (one warpgroup each, 64 weight columns) wait for the slot, load their code words, decode
+  each half of the K step into A registers and issue its wgmma (the second half decodes while the first
+  multiplies), wait, and hand the slot back on its "empty" barrier (both arrivals free it). Each consumer loads its
+  columns' scale codes from global one K step ahead (one byte a column a step: under TMA's 16-byte minimum box).
+
+The partitions drift apart by up to S steps, so one warpgroup's decode overlaps another's tensor work and the
+copies of the next steps. Two programs fit an SM (``maxnreg`` 80 over 12 warps: the consumers at 112 and 104
+registers, the loader's warpgroup at 24; 41-74 KB of shared memory). Against one 8-warp partition that stages x
+itself (x loaded from L2 and renumbered in registers in the step that uses it), this is 1.2-1.4x faster at 16-64
+rows an expert with 112 experts (benchmarks/NOTES-quant.md).
+
+The group past ``offsets_E[E - 1]`` writes its rows as zeros. Offsets are clamped to 0..R as read. No host sync: the
+grid is fixed by the shapes. Tests: tests/ops/test_mxfp4_wgmma.py runs the kernel through tests/gluon_emulator.py
+on the CPU and compiles it for sm_90; ``renumber_k`` runs under TRITON_INTERPRET=1 there.
+
+Legend: R rows (sorted by expert), E experts, I in features (the reduction axis), O out features, S ring slots, BR
+rows a pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from kimik3.ops.glue.common import _jit, on_device, tl, triton
+from kimik3.ops.moe.mxfp4_mma import decode_pair, scale_bits
+
+__all__ = ["mxfp4_wgmma", "renumber_k", "wgmma_tile"]
+
+# Two consumer warpgroups (128 weight columns a program: every program reads its x tiles from L2, so wider programs
+# read less of it) and two programs an SM: the kernel's 12 warps at ``maxnreg`` 80, the second consumer raised to
+# WGMMA_REGS, the loader's warpgroup lowered to 24, the first consumer left the rest (112: no spills at 64 rows a
+# pass, where 96 spilled).
+WGMMA_MAXNREG = 80
+WGMMA_REGS = gl.constexpr(104)
+_LOADER_REGS = gl.constexpr(24)
+# Ring slots by rows a pass (benchmarks/NOTES-quant.md has the sweep at 8, 14 and 112 experts).
+WGMMA_SLOTS = {8: 4, 16: 4, 32: 4, 64: 3}
+# renumber_k's tile: 16 rows x 256 elements, 4 warps.
+RENUMBER_ROWS, RENUMBER_STEPS, RENUMBER_WARPS = 16, 2, 4
+
+
+def wgmma_tile(R: int, E: int) -> tuple[int, int]:
+    """(rows a pass BR, ring slots S) for ``R`` rows over ``E`` experts: BR the mean rows' next power of two from 8
+    to 64. More rows an expert than a pass take more passes."""
+    rows = -(-R // max(E, 1))
+    per_pass = 8
+    while per_pass < 64 and per_pass < rows:
+        per_pass *= 2
+    return per_pass, WGMMA_SLOTS[per_pass]
+
+
+def renumber_k(x_RI: torch.Tensor) -> torch.Tensor:
+    """x [R, I] -> [R, cdiv(I, 128) x 128], each 128-element step in the MMA's k order (the module docstring):
+    out[:, 128 c + h + 2 t + 8 q + 32 w] = x[:, 128 c + 32 t + 8 w + 4 h + q], zeros past I. Any strides."""
+    R, I = x_RI.shape
+    I_pad = triton.cdiv(I, 128) * 128
+    out = torch.empty(R, I_pad, dtype=x_RI.dtype, device=x_RI.device)
+    if R == 0:
+        return out
+    grid = (triton.cdiv(R, RENUMBER_ROWS), triton.cdiv(I_pad, 128 * RENUMBER_STEPS))
+    with on_device(x_RI.device):
+        _renumber_k_kernel[grid](x_RI, x_RI.stride(0), x_RI.stride(1), out, R, I, I_pad, BLOCK_R=RENUMBER_ROWS,
+                                 C=RENUMBER_STEPS, num_warps=RENUMBER_WARPS)
+    return out
+
+
+@_jit
+def _renumber_k_kernel(x_ptr, s_xr, s_xi, y_ptr, R, I, I_pad, BLOCK_R: tl.constexpr, C: tl.constexpr):
+    """A [BLOCK_R, 128 C] tile loaded in x's order, its axes [t, w, h, q] of each step permuted to [w, q, t, h] in
+    registers, stored contiguous."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    k = tl.program_id(1) * 128 * C + tl.arange(0, 128 * C)[None, :]
+    rows = r.to(tl.int64)
+    v = tl.load(x_ptr + rows * s_xr + k.to(tl.int64) * s_xi, mask=(r < R) & (k < I), other=0.0)
+    v = tl.reshape(tl.permute(tl.reshape(v, [BLOCK_R, C, 4, 4, 2, 4]), [0, 1, 3, 5, 2, 4]), [BLOCK_R, 128 * C])
+    tl.store(y_ptr + rows * I_pad + k, v, mask=(r < R) & (k < I_pad))
+
+
+def mxfp4_wgmma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor, offsets_E: torch.Tensor,
+                *, launcher=None) -> torch.Tensor:
+    """y_RO [R, O] bf16 = each expert's rows of x_RI (bf16, sorted by expert) times its dequantised MXFP4 weight.
+    The arguments are ``mxfp4_grouped_mm``'s, already checked; a Hopper GPU (``wgmma_available``). ``launcher``:
+    how to launch the Gluon kernel (``launcher(kernel, grid, *args, **kwargs)``; the tests' emulator), by default on
+    the GPU."""
+    R, I = x_RI.shape
+    E, O, H = codes_EOH.shape
+    y_RO = torch.empty(R, O, dtype=torch.bfloat16, device=x_RI.device)
+    if R == 0:
+        return y_RO
+    per_pass, slots = wgmma_tile(R, E)
+    block_o = 128
+    x_k = renumber_k(x_RI)
+    # TMA wants 16-byte aligned rows and base: the codes as one [E O, I / 8] int32 matrix
+    if not codes_EOH.is_contiguous() or codes_EOH.data_ptr() % 16:
+        codes_EOH = codes_EOH.clone(memory_format=torch.contiguous_format)
+    words = codes_EOH.view(torch.int32).view(E * O, H // 4)
+    x_d = TensorDescriptor(x_k, list(x_k.shape), list(x_k.stride()), [per_pass, 64],
+                           gl.NVMMASharedLayout.get_default_for([per_pass, 64], gl.bfloat16))
+    c_d = TensorDescriptor(words, list(words.shape), list(words.stride()), [block_o, 16],
+                           gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+    grid = ((E + 1) * triton.cdiv(O, block_o),)
+    args = (x_d, c_d, scales_EOB, scales_EOB.stride(0), scales_EOB.stride(1), scales_EOB.stride(2), offsets_E, y_RO,
+            R, O, E)
+    kwargs = dict(I=I, BR=per_pass, S=slots, num_warps=4, maxnreg=WGMMA_MAXNREG)
+    if launcher is not None:
+        launcher(_mxfp4_wgmma_kernel, grid, *args, **kwargs)
+        return y_RO
+    with on_device(x_RI.device):
+        _mxfp4_wgmma_kernel[grid](*args, **kwargs)
+    return y_RO
+
+
+@gluon.jit
+def _program(off_ptr, R, O, E, BMC: gl.constexpr):
+    """This program's expert e, column tile, and its rows start..end (clamped to 0..R; e = E: the rows past the
+    last offset)."""
+    pid = gl.program_id(0)
+    n_tiles = (O + BMC - 1) // BMC
+    e = pid // n_tiles
+    start = gl.load(off_ptr + e - 1, mask=e > 0, other=0)
+    end = gl.load(off_ptr + e, mask=e < E, other=R)
+    start = gl.minimum(gl.maximum(start, 0), R)
+    end = gl.minimum(gl.maximum(end, start), R)
+    return e, pid % n_tiles, start, end
+
+
+@gluon.jit
+def _loader(ready, empty, xs, cs, x_d, c_d, off_ptr, R, O, E, I: gl.constexpr, BR: gl.constexpr,
+            BMC: gl.constexpr, S: gl.constexpr):
+    """The loader partition: per pass and K step, once the consumers have freed the slot, x's tile (two 64-column
+    boxes) and the step's code words of the program's columns."""
+    e, pid_n, start, end = _program(off_ptr, R, O, E, BMC)
+    NK: gl.constexpr = (I + 127) // 128
+    if e < E:
+        i = 0
+        for r0 in range(start, end, BR):
+            for k in range(NK):
+                slot = i % S
+                mbarrier.wait(empty.index(slot), ((i // S) & 1) ^ 1)   # a fresh slot's previous phase counts as done
+                bar = ready.index(slot)
+                mbarrier.expect(bar, BR * 128 * 2 + BMC * 64)
+                tma.async_copy_global_to_shared(x_d, [r0, k * 128], bar, xs.index(2 * slot))
+                tma.async_copy_global_to_shared(x_d, [r0, k * 128 + 64], bar, xs.index(2 * slot + 1))
+                tma.async_copy_global_to_shared(c_d, [e * O + pid_n * BMC, k * 16], bar, cs.index(slot))
+                i += 1
+
+
+@gluon.constexpr_function
+def _words_layout():
+    """A warpgroup's code words of a K step [64, 16] as the decode wants them in registers: weight column
+    16 wp + 8 r + l, word 4 t + w to warp wp, register r and w, lane (l, t)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 16])
+
+
+@gluon.jit
+def _decode_half(words, scale2, A_L: gl.constexpr):
+    """Code words [4, 2, 8, t, w'] (w = 2 half + w') and their scales' bf16 bits (both halves of an int32) ->
+    the A operand [64, 64] of the half's MMA k indices h + 2 t + 8 q + 32 w'."""
+    p = gl.join(gl.join(decode_pair(words, 0, scale2), decode_pair(words, 1, scale2)),
+                gl.join(decode_pair(words, 2, scale2), decode_pair(words, 3, scale2)))
+    # [W, 2, 8, t, w', h, q0, q1] -> [W, 2, 8, w', q1, q0, t, h]: rows the columns, k = 32 w' + 8 q + 2 t + h
+    p = gl.permute(p, [0, 1, 2, 4, 7, 6, 3, 5])
+    return gl.convert_layout(gl.reshape(p, [64, 64]), A_L, assert_trivial=True)
+
+
+@gluon.jit
+def _consumer(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I: gl.constexpr,
+              BR: gl.constexpr, BMC: gl.constexpr, S: gl.constexpr, CI: gl.constexpr):
+    """Consumer partition CI (one warpgroup): weight columns 64 CI ... 64 CI + 63 of the program's BMC, every pass,
+    the fp32 accumulator [64, BR] stored in bf16."""
+    e, pid_n, start, end = _program(off_ptr, R, O, E, BMC)
+    NK: gl.constexpr = (I + 127) // 128
+    NB: gl.constexpr = I // 32
+    col0 = pid_n * BMC + CI * 64
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BR, 16])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    # code words [4, 2, 8, 4 (t), 4 (w)]: weight column 16 wp + 8 r + l, word 4 t + w of the step
+    WL: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 4], [1, 1, 8, 4, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    CL: gl.constexpr = _words_layout()
+    SL: gl.constexpr = gl.SliceLayout(4, WL)   # scale codes [4, 2, 8, 4 (t)]: block 4 k + t
+    L3: gl.constexpr = gl.SliceLayout(3, SL)
+    wp = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    r2 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    l8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    cols = col0 + gl.expand_dims(gl.expand_dims(wp * 16, 1), 2) \
+        + gl.expand_dims(gl.expand_dims(r2 * 8, 0), 2) + gl.expand_dims(gl.expand_dims(l8, 0), 1)
+    cols = gl.expand_dims(cols, 3)
+    tb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, SL))))
+    tb = gl.expand_dims(gl.expand_dims(gl.expand_dims(tb, 0), 1), 2)
+    live = (cols < O) & (e < E)
+    s_ptrs = sc_ptr + e.to(gl.int64) * s_se + cols.to(gl.int64) * s_so + tb * s_sb
+
+    out_cols = col0 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    out_rows = gl.arange(0, BR, layout=gl.SliceLayout(0, MMA))
+    n_k = gl.minimum(E - e, 1) * NK      # the group past the last offset: no K steps, its rows come out 0
+    i = 0
+    for r0 in range(start, end, BR):
+        acc = gl.zeros([64, BR], gl.float32, layout=MMA)
+        scodes = gl.load(s_ptrs, mask=live & (tb < NB), other=127)
+        for k in range(n_k):
+            k_next = (k + 1) % NK                  # the next step's scales (the first step's again after the last)
+            next_scodes = gl.load(s_ptrs + k_next * 4 * s_sb, mask=live & (k_next * 4 + tb < NB), other=127)
+            slot = i % S
+            mbarrier.wait(ready.index(slot), (i // S) & 1)
+            words = gl.convert_layout(gl.reshape(cs.index(slot).slice(CI * 64, 64).load(CL), [4, 2, 8, 4, 4]), WL,
+                                      assert_trivial=True)
+            scale2 = gl.broadcast(gl.expand_dims(scale_bits(scodes), 4), words)[0]
+            # the K step's halves: words w = 0, 1 (MMA k 0..63) and w = 2, 3
+            w0, w1 = gl.split(gl.permute(gl.reshape(words, [4, 2, 8, 4, 2, 2]), [0, 1, 2, 3, 5, 4]))
+            s0, s1 = gl.split(gl.permute(gl.reshape(scale2, [4, 2, 8, 4, 2, 2]), [0, 1, 2, 3, 5, 4]))
+            a0 = _decode_half(w0, s0, A_L)
+            acc = warpgroup_mma(a0, xs.index(2 * slot).permute((1, 0)), acc, is_async=True)
+            a1 = _decode_half(w1, s1, A_L)
+            acc = warpgroup_mma(a1, xs.index(2 * slot + 1).permute((1, 0)), acc, is_async=True)
+            acc, a0, a1 = warpgroup_mma_wait(0, deps=[acc, a0, a1])
+            gl.thread_barrier()                       # the warpgroup's reads of the slot are done before it is freed
+            mbarrier.arrive(empty.index(slot), count=1)
+            scodes = next_scodes
+            i += 1
+        rows = r0 + out_rows
+        gl.store(y_ptr + gl.expand_dims(rows.to(gl.int64) * O, 0) + gl.expand_dims(out_cols, 1),
+                 acc.to(gl.bfloat16), mask=gl.expand_dims(rows < end, 0) & gl.expand_dims(out_cols < O, 1))
+
+
+@gluon.jit
+def _mxfp4_wgmma_kernel(x_d, c_d, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I: gl.constexpr,
+                        BR: gl.constexpr, S: gl.constexpr, num_warps: gl.constexpr):
+    """Program (expert e, 128 weight columns): the ring, its barriers, and the partitions (two consumer warpgroups,
+    the first in the kernel's own 4 warps, and the loader). x_d: TMA descriptor of ``renumber_k``'s x in [BR, 64]
+    boxes; c_d: of the code words as [E O, I / 8] int32 in [128, 16] boxes."""
+    BMC: gl.constexpr = 128
+    xs = gl.allocate_shared_memory(gl.bfloat16, [2 * S, BR, 64], x_d.layout)
+    cs = gl.allocate_shared_memory(gl.int32, [S, BMC, 16], c_d.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(S):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)     # both consumers hand a slot back
+    gl.warp_specialize([
+        (_consumer, (ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I, BR, BMC, S, 0)),
+        (_consumer, (ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I, BR, BMC, S, 1)),
+        (_loader, (ready, empty, xs, cs, x_d, c_d, off_ptr, R, O, E, I, BR, BMC, S)),
+    ], [4, 1], [WGMMA_REGS, _LOADER_REGS])
+    for s in gl.static_range(S):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))

@@ -1,0 +1,173 @@
+"""Tests of the MXFP4 grouped matmul's Hopper kernel (kimik3/ops/moe/mxfp4_wgmma.py: a warp-specialised Gluon
+kernel, and ``renumber_k``, the Triton kernel that writes x in the MMA's k order) against ``dequantize`` + a
+per-expert fp32 matmul.
+
+Gluon does not run under the Triton interpreter: on the CPU the kernel runs through tests/gluon_emulator.py (each
+partition in a thread of its own, the TMA copies and mbarriers with Hopper's rules, every load and store
+bounds-checked, the inline PTX and wgmma emulated with the GPU's rounding) while ``renumber_k`` runs under
+TRITON_INTERPRET=1; a compile for sm_90 in its own process checks what the emulator cannot: that the layout
+conversions are trivial (asserted in the kernel), that nothing spills within the register budget that lets two
+programs share an SM, and the ring's shared memory. On a Hopper GPU the same cases run on the device.
+
+Cases: every rows a pass (8, 16, 32, 64); more rows an expert than a pass (several passes); empty experts first, in
+the middle and last; partial column tiles (O not a multiple of 128) and partial K steps (I a multiple of 32, not of
+128); rows past offsets[-1] (zeros); every E2M1 code under many scale codes (the decode bit for bit); scale code 255
+(NaN); strided inputs; offsets out of range (in bounds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from kimik3.ops.moe import mxfp4_wgmma as wg  # noqa: E402
+from kimik3.ops.moe.mxfp4_grouped_mm import wgmma_available  # noqa: E402
+from kimik3.quant.mx import dequantize  # noqa: E402
+from tests.kernel_testing import ON_GPU, interpreter_setup, needs_kernels  # noqa: E402,F401
+from tests.ops.test_mxfp4_grouped_mm import (assert_close_to_reference,  # noqa: E402
+                                             check_nan_scale_poisons_its_column_of_its_expert,
+                                             check_offsets_out_of_range_stay_in_bounds, every_code_weight,
+                                             offsets_of, rows, weights)
+
+DEV = "cuda" if ON_GPU else "cpu"
+pytestmark = [needs_kernels, pytest.mark.skipif(ON_GPU and not wgmma_available(torch.device("cuda")),
+                                                reason="mxfp4_wgmma runs on Hopper")]
+
+
+def run(x, mx_or_codes, scales=None, offsets=None):
+    """The kernel on this machine: the GPU, or the emulator on the CPU."""
+    codes = mx_or_codes.codes if scales is None else mx_or_codes
+    scales = mx_or_codes.scales if scales is None else scales
+    if ON_GPU:
+        return wg.mxfp4_wgmma(x, codes, scales, offsets)
+    torch.set_flush_denormal(False)   # (the emulator's bf16 products keep subnormals, as the GPU's)
+    from tests.gluon_emulator import emulate
+
+    return wg.mxfp4_wgmma(x, codes, scales, offsets, launcher=emulate)
+
+
+# (E, I, O, rows an expert): rows a pass the mean's next power of two from 8 to 64
+CASES = [
+    (4, 96, 40, [3, 0, 7, 1]),          # 8 a pass: empty middle expert; one partial K step; partial column tile
+    (3, 416, 16, [0, 20, 0]),           # 8 a pass (7 on average), 3 passes of 20; empty first and last; 3 steps + 32
+    (3, 160, 24, [0, 20, 5]),           # 16 a pass: two passes of 20; partial K step
+    (2, 256, 72, [40, 9]),              # 32 a pass (25 on average): two passes of 40; partial column tile
+    (2, 384, 136, [70, 60]),            # 64 a pass: two passes of 70; 3 K steps; two column tiles, the second partial
+]
+
+
+@pytest.mark.parametrize("E, I, O, counts", CASES)
+def test_matches_the_reference(E, I, O, counts):
+    mx = weights(E, I, O)
+    offsets = offsets_of(counts)
+    x = rows(sum(counts) + 3, I, torch.bfloat16)          # 3 rows past the last offset: zeros
+    y = run(x, mx, offsets=offsets)
+    assert_close_to_reference(y, x, mx, offsets)
+    assert torch.equal(y[sum(counts):], torch.zeros_like(y[sum(counts):]))
+
+
+def test_tile_by_rows_an_expert():
+    assert [wg.wgmma_tile(R, 8)[0] for R in (0, 8, 8 * 8, 8 * 8 + 1, 16 * 8, 16 * 8 + 1, 32 * 8, 33 * 8, 64 * 8,
+                                             4096)] == [8, 8, 8, 16, 16, 32, 32, 64, 64, 64]
+    assert wg.wgmma_tile(5, 0)[0] == 8
+    assert all(wg.wgmma_tile(R, 1)[1] >= 2 for R in (8, 16, 32, 64))
+
+
+def test_every_code_decodes_exactly():
+    """One-hot rows (128 an expert: two passes of 64): y is W's rows bit for bit, for every byte value and scale
+    codes 100..163."""
+    E, I, O = 2, 128, 16
+    mx = every_code_weight(E, I, O, torch.arange(100, 100 + E * O * 4).reshape(E, O, 4) % 64 + 100)
+    x = torch.eye(I, device=DEV, dtype=torch.bfloat16).repeat(E, 1)
+    y = run(x, mx, offsets=offsets_of([I] * E))
+    assert torch.equal(y.float(), torch.cat(list(dequantize(mx).to(torch.bfloat16).float())))
+
+
+def test_nan_scale_poisons_its_column_of_its_expert():
+    check_nan_scale_poisons_its_column_of_its_expert(lambda x, mx, offsets: run(x, mx, offsets=offsets))
+
+
+def test_strided_inputs():
+    """x with a row stride and column-major; codes with a stride along the bytes (copied for TMA); scales
+    transposed in memory."""
+    E, I, O = 2, 64, 24
+    mx = weights(E, I, O)
+    offsets = offsets_of([3, 2])
+    x = rows(5, I + 32, torch.bfloat16)[:, 16:16 + I]
+    x_col = rows(5, I, torch.bfloat16).t().contiguous().t()
+    codes = torch.zeros(E, O, I, dtype=torch.uint8, device=DEV)
+    codes[:, :, ::2] = mx.codes
+    scales = mx.scales.transpose(1, 2).contiguous().transpose(1, 2)
+    for xi in (x, x_col):
+        assert_close_to_reference(run(xi, codes[:, :, ::2], scales, offsets), xi, mx, offsets)
+
+
+def test_offsets_out_of_range_stay_in_bounds():
+    check_offsets_out_of_range_stay_in_bounds(lambda x, mx, offsets: run(x, mx, offsets=offsets))
+
+
+def test_no_rows():
+    mx = weights(3, 32, 16)
+    y = run(rows(0, 32, torch.bfloat16), mx, offsets=offsets_of([0, 0, 0]))
+    assert y.shape == (0, 16) and y.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("R, I", [(1, 32), (17, 96), (33, 384), (5, 416)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_renumber_k(R, I, strided):
+    """Each 128-element step in the MMA's k order, zeros past I, against the permutation written out in torch."""
+    x = rows(R, I + 64, torch.bfloat16)[:, 8:8 + I] if strided else rows(R, I, torch.bfloat16)
+    out = wg.renumber_k(x)
+    steps = -(-I // 128)
+    padded = torch.zeros(R, steps * 128, dtype=x.dtype, device=x.device)
+    padded[:, :I] = x
+    k = torch.arange(128, device=x.device)         # MMA k = h + 2 t + 8 q + 32 w -> element 32 t + 8 w + 4 h + q
+    h, t, q, w = k % 2, (k // 2) % 4, (k // 8) % 4, k // 32
+    source = (torch.arange(steps, device=x.device)[:, None] * 128 + (32 * t + 8 * w + 4 * h + q)).flatten()
+    assert out.shape == (R, steps * 128)
+    assert torch.equal(out, padded[:, source])
+
+
+# (rows an expert) the kernel is compiled in: every rows a pass
+COMPILE_ROWS = [8, 16, 32, 64]
+
+
+def test_wgmma_kernel_compiles_for_sm90(tmp_path):
+    """In a process of its own, without the interpreter and with an empty Triton cache: the kernel compiles for
+    sm_90 at every rows a pass (so its layout conversions are trivial: asserted at compile time), within
+    ``WGMMA_MAXNREG`` registers (two programs an SM) and without spills; its shared memory is the ring."""
+    from tests.gluon_emulator import last_json_line, run_without_interpreter
+
+    rows_ = last_json_line(run_without_interpreter(["-m", "tests.ops.test_mxfp4_wgmma"], tmp_path))
+    assert len(rows_) == len(COMPILE_ROWS)
+    for per_expert, row in zip(COMPILE_ROWS, rows_):
+        per_pass, slots = wg.wgmma_tile(8 * per_expert, 8)
+        ring = slots * (per_pass * 128 * 2 + 128 * 64)
+        assert ring <= row["shared_bytes"] <= ring + 1024, row      # (+ the barriers)
+        assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, row
+        assert row["registers"] <= wg.WGMMA_MAXNREG and row["num_warps"] == 12, row
+
+
+if __name__ == "__main__":  # the compile step of the test above
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    from kda_sm90_report import Sm90Compiler
+
+    compiler = Sm90Compiler()
+    E, I, O = 8, 3584, 3072
+    codes = torch.zeros(E, O, I // 2, dtype=torch.uint8)
+    scales = torch.zeros(E, O, I // 32, dtype=torch.uint8)
+    wg.renumber_k = lambda x: x        # (a Triton launch: not what is compiled here)
+    for per_expert in COMPILE_ROWS:
+        R = E * per_expert
+        wg.mxfp4_wgmma(torch.zeros(R, I, dtype=torch.bfloat16), codes, scales,
+                       torch.full((E,), per_expert, dtype=torch.int32).cumsum(0).int(),
+                       launcher=lambda kernel, grid, *a, **kw: compiler(kernel, list(a), kw, grid))
+    print(json.dumps([{k: row[k] for k in ("kernel", "registers", "num_warps", "shared_bytes", "spill_store_bytes",
+                                           "spill_load_bytes")} for row in compiler.rows]))

@@ -426,6 +426,31 @@ def test_scale_code_zero_is_two_to_the_minus_127(route):
     assert torch.equal(y, dequantize(mx)[0]) and bool((y != 0).any())
 
 
+def check_every_code_decodes_exactly(matmul):
+    """``matmul(x, codes, scales, offsets) -> y`` (bf16) on one-hot rows, 128 an expert: y is W's rows bit for bit,
+    for every byte value and scale codes 100..163."""
+    E, I, O = 2, 128, 16
+    mx = every_code_weight(E, I, O, torch.arange(100, 100 + E * O * 4).reshape(E, O, 4) % 64 + 100)
+    x = torch.eye(I, device=DEV, dtype=torch.bfloat16).repeat(E, 1)
+    y = matmul(x, mx.codes, mx.scales, offsets_of([I] * E))
+    assert torch.equal(y.float(), torch.cat(list(dequantize(mx).to(torch.bfloat16).float())))
+
+
+def check_strided_inputs(matmul):
+    """``matmul(x, codes, scales, offsets) -> y`` (bf16) with x strided by rows and column-major, codes strided
+    along the bytes, scales transposed in memory."""
+    E, I, O = 2, 64, 24
+    mx = weights(E, I, O)
+    offsets = offsets_of([3, 2])
+    x = rows(5, I + 32, torch.bfloat16)[:, 16:16 + I]
+    x_col = rows(5, I, torch.bfloat16).t().contiguous().t()
+    codes = torch.zeros(E, O, I, dtype=torch.uint8, device=DEV)
+    codes[:, :, ::2] = mx.codes
+    scales = mx.scales.transpose(1, 2).contiguous().transpose(1, 2)
+    for xi in (x, x_col):
+        assert_close_to_reference(matmul(xi, codes[:, :, ::2], scales, offsets), xi, mx, offsets)
+
+
 def check_nan_scale_poisons_its_column_of_its_expert(matmul):
     """``matmul(x, mx, offsets) -> y`` with scale code 255 (NaN) in one block of expert 1's column 3: NaN exactly
     in that column of that expert's rows, every other element close to the reference."""

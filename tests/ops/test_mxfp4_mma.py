@@ -25,11 +25,11 @@ import torch
 pytest.importorskip("triton.experimental.gluon")
 
 from kimik3.ops.moe import mxfp4_mma as mma  # noqa: E402
-from kimik3.quant.mx import dequantize  # noqa: E402
 from tests.kernel_testing import ON_GPU  # noqa: E402
 from tests.ops.test_mxfp4_grouped_mm import (assert_close_to_reference,  # noqa: E402
+                                             check_every_code_decodes_exactly,
                                              check_nan_scale_poisons_its_column_of_its_expert,
-                                             check_offsets_out_of_range_stay_in_bounds, every_code_weight,
+                                             check_offsets_out_of_range_stay_in_bounds, check_strided_inputs,
                                              offsets_of, rows, weights)
 
 DEV = "cuda" if ON_GPU else "cpu"
@@ -75,15 +75,10 @@ def test_mma_matches_the_reference(E, I, O, counts, tiles):
 
 @pytest.mark.parametrize("warps, steps", [(4, 1), (1, 2)])
 def test_every_code_decodes_exactly(warps, steps, monkeypatch):
-    """One-hot rows (128 an expert: 16 passes): y is W's rows bit for bit, for every byte value and scale codes
-    100..163."""
+    """One-hot rows, 128 an expert (16 passes of 8), in two tiles: y is W's rows bit for bit."""
     monkeypatch.setattr(mma, "MMA_WARPS", warps)
     monkeypatch.setattr(mma, "MMA_STEPS", steps)
-    E, I, O = 2, 128, 16
-    mx = every_code_weight(E, I, O, torch.arange(100, 100 + E * O * 4).reshape(E, O, 4) % 64 + 100)
-    x = torch.eye(I, device=DEV, dtype=torch.bfloat16).repeat(E, 1)
-    y = run(x, mx, offsets=offsets_of([I] * E))
-    assert torch.equal(y.float(), torch.cat(list(dequantize(mx).to(torch.bfloat16).float())))
+    check_every_code_decodes_exactly(run)
 
 
 def test_nan_scale_poisons_its_column_of_its_expert():
@@ -91,17 +86,7 @@ def test_nan_scale_poisons_its_column_of_its_expert():
 
 
 def test_strided_inputs():
-    E, I, O = 2, 64, 24
-    mx = weights(E, I, O)
-    offsets = offsets_of([3, 2])
-    x = rows(5, I + 32, torch.bfloat16)[:, 16:16 + I]      # row stride I + 32
-    x_col = rows(5, I, torch.bfloat16).t().contiguous().t()  # column-major
-    codes = torch.zeros(E, O, I, dtype=torch.uint8, device=DEV)
-    codes[:, :, ::2] = mx.codes                           # stride 2 along the code bytes
-    scales = mx.scales.transpose(1, 2).contiguous().transpose(1, 2)
-    for xi in (x, x_col):
-        y = run(xi, codes[:, :, ::2], scales, offsets)
-        assert_close_to_reference(y, xi, mx, offsets)
+    check_strided_inputs(run)
 
 
 def test_offsets_out_of_range_stay_in_bounds():

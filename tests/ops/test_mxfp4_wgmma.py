@@ -28,11 +28,11 @@ pytest.importorskip("triton.experimental.gluon")
 
 from kimik3.ops.moe import mxfp4_wgmma as wg  # noqa: E402
 from kimik3.ops.moe.mxfp4_grouped_mm import wgmma_available  # noqa: E402
-from kimik3.quant.mx import dequantize  # noqa: E402
 from tests.kernel_testing import ON_GPU, interpreter_setup, needs_kernels  # noqa: E402,F401
 from tests.ops.test_mxfp4_grouped_mm import (assert_close_to_reference,  # noqa: E402
+                                             check_every_code_decodes_exactly,
                                              check_nan_scale_poisons_its_column_of_its_expert,
-                                             check_offsets_out_of_range_stay_in_bounds, every_code_weight,
+                                             check_offsets_out_of_range_stay_in_bounds, check_strided_inputs,
                                              offsets_of, rows, weights)
 
 DEV = "cuda" if ON_GPU else "cpu"
@@ -80,13 +80,8 @@ def test_tile_by_rows_an_expert():
 
 
 def test_every_code_decodes_exactly():
-    """One-hot rows (128 an expert: two passes of 64): y is W's rows bit for bit, for every byte value and scale
-    codes 100..163."""
-    E, I, O = 2, 128, 16
-    mx = every_code_weight(E, I, O, torch.arange(100, 100 + E * O * 4).reshape(E, O, 4) % 64 + 100)
-    x = torch.eye(I, device=DEV, dtype=torch.bfloat16).repeat(E, 1)
-    y = run(x, mx, offsets=offsets_of([I] * E))
-    assert torch.equal(y.float(), torch.cat(list(dequantize(mx).to(torch.bfloat16).float())))
+    """One-hot rows, 128 an expert (two passes of 64): y is W's rows bit for bit."""
+    check_every_code_decodes_exactly(run)
 
 
 def test_nan_scale_poisons_its_column_of_its_expert():
@@ -94,18 +89,7 @@ def test_nan_scale_poisons_its_column_of_its_expert():
 
 
 def test_strided_inputs():
-    """x with a row stride and column-major; codes with a stride along the bytes (copied for TMA); scales
-    transposed in memory."""
-    E, I, O = 2, 64, 24
-    mx = weights(E, I, O)
-    offsets = offsets_of([3, 2])
-    x = rows(5, I + 32, torch.bfloat16)[:, 16:16 + I]
-    x_col = rows(5, I, torch.bfloat16).t().contiguous().t()
-    codes = torch.zeros(E, O, I, dtype=torch.uint8, device=DEV)
-    codes[:, :, ::2] = mx.codes
-    scales = mx.scales.transpose(1, 2).contiguous().transpose(1, 2)
-    for xi in (x, x_col):
-        assert_close_to_reference(run(xi, codes[:, :, ::2], scales, offsets), xi, mx, offsets)
+    check_strided_inputs(run)
 
 
 def test_offsets_out_of_range_stay_in_bounds():

@@ -53,6 +53,7 @@ __all__ = ["mxfp4_wgmma", "renumber_k", "wgmma_tile"]
 # read less of it) and two programs an SM: the kernel's 12 warps at ``maxnreg`` 80, the second consumer raised to
 # WGMMA_REGS, the loader's warpgroup lowered to 24, the first consumer left the rest (112: no spills at 64 rows a
 # pass, where 96 spilled).
+WGMMA_COLUMNS = 128
 WGMMA_MAXNREG = 80
 WGMMA_REGS = gl.constexpr(104)
 _LOADER_REGS = gl.constexpr(24)
@@ -111,7 +112,6 @@ def mxfp4_wgmma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.T
     if R == 0:
         return y_RO
     per_pass, slots = wgmma_tile(R, E)
-    block_o = 128
     x_k = renumber_k(x_RI)
     # TMA wants 16-byte aligned rows and base: the codes as one [E O, I / 8] int32 matrix
     if not codes_EOH.is_contiguous() or codes_EOH.data_ptr() % 16:
@@ -119,12 +119,12 @@ def mxfp4_wgmma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.T
     words = codes_EOH.view(torch.int32).view(E * O, H // 4)
     x_d = TensorDescriptor(x_k, list(x_k.shape), list(x_k.stride()), [per_pass, 64],
                            gl.NVMMASharedLayout.get_default_for([per_pass, 64], gl.bfloat16))
-    c_d = TensorDescriptor(words, list(words.shape), list(words.stride()), [block_o, 16],
+    c_d = TensorDescriptor(words, list(words.shape), list(words.stride()), [WGMMA_COLUMNS, 16],
                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
-    grid = ((E + 1) * triton.cdiv(O, block_o),)
+    grid = ((E + 1) * triton.cdiv(O, WGMMA_COLUMNS),)
     args = (x_d, c_d, scales_EOB, scales_EOB.stride(0), scales_EOB.stride(1), scales_EOB.stride(2), offsets_E, y_RO,
             R, O, E)
-    kwargs = dict(I=I, BR=per_pass, S=slots, num_warps=4, maxnreg=WGMMA_MAXNREG)
+    kwargs = dict(I=I, BR=per_pass, BMC=WGMMA_COLUMNS, S=slots, num_warps=4, maxnreg=WGMMA_MAXNREG)
     if launcher is not None:
         launcher(_mxfp4_wgmma_kernel, grid, *args, **kwargs)
         return y_RO
@@ -249,11 +249,10 @@ def _consumer(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R,
 
 @gluon.jit
 def _mxfp4_wgmma_kernel(x_d, c_d, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I: gl.constexpr,
-                        BR: gl.constexpr, S: gl.constexpr, num_warps: gl.constexpr):
-    """Program (expert e, 128 weight columns): the ring, its barriers, and the partitions (two consumer warpgroups,
-    the first in the kernel's own 4 warps, and the loader). x_d: TMA descriptor of ``renumber_k``'s x in [BR, 64]
-    boxes; c_d: of the code words as [E O, I / 8] int32 in [128, 16] boxes."""
-    BMC: gl.constexpr = 128
+                        BR: gl.constexpr, BMC: gl.constexpr, S: gl.constexpr, num_warps: gl.constexpr):
+    """Program (expert e, BMC = 128 weight columns): the ring, its barriers, and the partitions (two consumer
+    warpgroups, the first in the kernel's own 4 warps, and the loader). x_d: TMA descriptor of ``renumber_k``'s x in
+    [BR, 64] boxes; c_d: of the code words as [E O, I / 8] int32 in [BMC, 16] boxes."""
     xs = gl.allocate_shared_memory(gl.bfloat16, [2 * S, BR, 64], x_d.layout)
     cs = gl.allocate_shared_memory(gl.int32, [S, BMC, 16], c_d.layout)
     ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())

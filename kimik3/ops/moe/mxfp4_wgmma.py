@@ -8,8 +8,8 @@ column, and ``decode_pair`` turns nibbles q and q + 4 of its word w into the A r
 h + 2 t + 8 q + 32 w (h = 0, 1), for the element at k = 32 t + 8 w + 4 h + q. So the MMA multiplies the weights with
 K renumbered within each 128-element step, and x must be renumbered the same way: ``renumber_k`` writes
 x[:, 128 c + 32 t + 8 w + 4 h + q] to column 128 c + h + 2 t + 8 q + 32 w of a padded copy (zeros past I) in one
-pass over x, a few percent of the matmul (x has R x I elements, the weights E x O x I). Stored so, x reaches shared
-memory by TMA with no registers, and every program reads it in the MMA's order.
+pass over x, as long as a copy of x (2% of the call at one row an expert, 10% at 64, with 112 experts). Stored so,
+x reaches shared memory by TMA with no registers, and every program reads it in the MMA's order.
 
 A program takes (expert e, 128 weight columns) and its expert's rows in passes of BR (8, 16, 32 or 64; each further
 pass re-reads the codes from L2):
@@ -25,8 +25,8 @@ pass re-reads the codes from L2):
 The partitions drift apart by up to S steps, so one warpgroup's decode overlaps another's tensor work and the
 copies of the next steps. Two programs fit an SM (``maxnreg`` 80 over 12 warps: the consumers at 112 and 104
 registers, the loader's warpgroup at 24; 41-74 KB of shared memory). Against one 8-warp partition that stages x
-itself (x loaded from L2 and renumbered in registers in the step that uses it), this is 1.2-1.4x faster at 16-64
-rows an expert with 112 experts (benchmarks/NOTES-quant.md).
+itself (x loaded from L2 and renumbered in registers in the step that uses it), this is 1.27-1.35x faster at
+16-64 rows an expert with 112 experts, and 1.11-1.22x faster than mma.sync at 1-8 (benchmarks/NOTES-quant.md).
 
 The group past ``offsets_E[E - 1]`` writes its rows as zeros. Offsets are clamped to 0..R as read. No host sync: the
 grid is fixed by the shapes. Tests: tests/ops/test_mxfp4_wgmma.py runs the kernel through tests/gluon_emulator.py

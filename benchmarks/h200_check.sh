@@ -194,7 +194,8 @@ case $MODE in
     step 0 parity_torchtitan 560 python3 benchmarks/parity_torchtitan.py --fp32-experts --force-routing \
       --port-init device --compile eager --time-budget 540 --json "$OUT/parity_torchtitan.json" ;;
   quant)
-    step 0 quant_tests 200 python3 -m pytest -v -rf ${XDIST[*]} tests/ops/test_mxfp4_grouped_mm.py tests/ops/test_mxfp4_mma.py tests/quant \
+    step 0 quant_tests 200 python3 -m pytest -v -rf ${XDIST[*]} tests/ops/test_mxfp4_grouped_mm.py tests/ops/test_mxfp4_wgmma.py \
+      tests/ops/test_mxfp4_mma.py tests/quant \
       tests/serve/test_packed_experts.py
     step 0 mxfp4_experts 280 python3 benchmarks/mxfp4_experts.py --out "$OUT" ;;
   trainstep)

@@ -189,11 +189,11 @@ def main(argv=None) -> int:
                 ms_bf16 = timed(run_bf16)
             ms_mx, err = times[auto]
             flops = 2.0 * R * I * O
-            if auto == "mma" and wgmma:   # rows a pass, 128 columns, 128 K, 12 warps, ring slots
-                from kimik3.ops.moe.mxfp4_wgmma import wgmma_tile  # (Gluon: where it runs)
+            if auto == "mma" and wgmma:   # rows a pass, columns a program, 128 K, 12 warps, ring slots
+                from kimik3.ops.moe.mxfp4_wgmma import WGMMA_COLUMNS, wgmma_tile  # (Gluon: where it runs)
 
                 per_pass, slots = wgmma_tile(R, E)
-                blocks = [per_pass, 128, 128, 12, slots]
+                blocks = [per_pass, WGMMA_COLUMNS, 128, 12, slots]
             elif auto == "mma":     # mma.sync: 8 rows a pass, 16 x warps columns, 128 x steps K
                 from kimik3.ops.moe.mxfp4_mma import MMA_STEPS, MMA_WARPS
 

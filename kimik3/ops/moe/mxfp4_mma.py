@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from kimik3.ops.glue.common import on_device, triton
 from kimik3.ops.moe.mxfp4_dequantize import as_words
 
-__all__ = ["MMA_STEPS", "MMA_WARPS", "decode_pair", "mxfp4_mma", "scale_bits"]
+__all__ = ["MMA_STEPS", "MMA_WARPS", "decode_pair", "expert_tile", "mxfp4_mma", "scale_bits"]
 
 # 16 weight columns a warp, 4 warps (K3's O = 3072 over 8 local experts: 384 programs), K steps of 128 elements x
 # MMA_STEPS (two: 32 code bytes a weight column in flight a thread; faster than one at one row an expert, H100), 8
@@ -114,6 +114,21 @@ def decode_pair(words, q: gl.constexpr, scale2):
 
 
 @gluon.jit
+def expert_tile(off_ptr, R, O, E, BM: gl.constexpr):
+    """This program's expert e, its tile of BM weight columns, and the expert's rows start..end: programs are
+    (expert, column tile), expert-major, over E + 1 groups (e = E: the rows past the last offset); the offsets are
+    clamped to 0..R as read."""
+    pid = gl.program_id(0)
+    n_tiles = (O + BM - 1) // BM
+    e = pid // n_tiles
+    start = gl.load(off_ptr + e - 1, mask=e > 0, other=0)
+    end = gl.load(off_ptr + e, mask=e < E, other=R)
+    start = gl.minimum(gl.maximum(start, 0), R)
+    end = gl.minimum(gl.maximum(end, start), R)
+    return e, pid % n_tiles, start, end
+
+
+@gluon.jit
 def scale_bits(scodes):
     """E8M0 scale codes -> 2^(code - 127)'s bf16 bits in both halves of an int32 (code 0: the subnormal 2^-127;
     255: NaN)."""
@@ -141,14 +156,7 @@ def _mxfp4_mma_kernel(x_ptr, s_xr, c_ptr, s_ce, s_co, sc_ptr, s_se, s_so, s_sb, 
     SL: gl.constexpr = gl.SliceLayout(5, WL)     # scale codes [W, 2, 8, C, 4]: block 4 c + t
     XL: gl.constexpr = _x_layout(C, W)
 
-    pid = gl.program_id(0)
-    n_tiles = (O + BM - 1) // BM
-    e = pid // n_tiles
-    pid_n = pid % n_tiles
-    start = gl.load(off_ptr + e - 1, mask=e > 0, other=0)
-    end = gl.load(off_ptr + e, mask=e < E, other=R)
-    start = gl.minimum(gl.maximum(start, 0), R)
-    end = gl.minimum(gl.maximum(end, start), R)
+    e, pid_n, start, end = expert_tile(off_ptr, R, O, E, BM)
 
     # the weight columns [W, 2, 8] -> the scale pointers [W, 2, 8, 1, 1] and the code pointers [W, 2, 8, 1, 1, 1]
     L3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, SL))

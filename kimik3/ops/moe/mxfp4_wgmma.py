@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kimik3.ops.glue.common import _jit, on_device, tl, triton
-from kimik3.ops.moe.mxfp4_mma import decode_pair, scale_bits
+from kimik3.ops.moe.mxfp4_mma import decode_pair, expert_tile, scale_bits
 
 __all__ = ["mxfp4_wgmma", "renumber_k", "wgmma_tile"]
 
@@ -134,25 +134,11 @@ def mxfp4_wgmma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.T
 
 
 @gluon.jit
-def _program(off_ptr, R, O, E, BMC: gl.constexpr):
-    """This program's expert e, column tile, and its rows start..end (clamped to 0..R; e = E: the rows past the
-    last offset)."""
-    pid = gl.program_id(0)
-    n_tiles = (O + BMC - 1) // BMC
-    e = pid // n_tiles
-    start = gl.load(off_ptr + e - 1, mask=e > 0, other=0)
-    end = gl.load(off_ptr + e, mask=e < E, other=R)
-    start = gl.minimum(gl.maximum(start, 0), R)
-    end = gl.minimum(gl.maximum(end, start), R)
-    return e, pid % n_tiles, start, end
-
-
-@gluon.jit
 def _loader(ready, empty, xs, cs, x_d, c_d, off_ptr, R, O, E, I: gl.constexpr, BR: gl.constexpr,
             BMC: gl.constexpr, S: gl.constexpr):
     """The loader partition: per pass and K step, once the consumers have freed the slot, x's tile (two 64-column
     boxes) and the step's code words of the program's columns."""
-    e, pid_n, start, end = _program(off_ptr, R, O, E, BMC)
+    e, pid_n, start, end = expert_tile(off_ptr, R, O, E, BMC)
     NK: gl.constexpr = (I + 127) // 128
     if e < E:
         i = 0
@@ -193,7 +179,7 @@ def _consumer(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R,
               BR: gl.constexpr, BMC: gl.constexpr, S: gl.constexpr, CI: gl.constexpr):
     """Consumer partition CI (one warpgroup): weight columns 64 CI ... 64 CI + 63 of the program's BMC, every pass,
     the fp32 accumulator [64, BR] stored in bf16."""
-    e, pid_n, start, end = _program(off_ptr, R, O, E, BMC)
+    e, pid_n, start, end = expert_tile(off_ptr, R, O, E, BMC)
     NK: gl.constexpr = (I + 127) // 128
     NB: gl.constexpr = I // 32
     col0 = pid_n * BMC + CI * 64

@@ -596,12 +596,14 @@ def _patched(machine: _Machine, fn_globals: dict):
                 put(obj, name, value)
     unwrapped: set[int] = set()
 
-    def plain_globals(g: dict) -> None:  # module-level gl.constexpr values as the plain values jit code sees
-        if id(g) not in unwrapped:
+    def plain_globals(g: dict) -> None:  # module-level gl.constexpr values as the plain values jit code sees, and
+        if id(g) not in unwrapped:        # the tensor-core names a called function's module imported
             unwrapped.add(id(g))
             for name, value in list(g.items()):
                 if isinstance(value, constexpr):
                     put(g, name, value.value)
+                elif name in tensor_core:
+                    put(g, name, tensor_core[name])
 
     def call(self, *a, **k):
         plain_globals(self.fn.__globals__)

@@ -29,8 +29,8 @@ from kimik3.ops.moe.grouped_mm import ExpertGroups
 from kimik3.quant.mx import MXTensor, dequantize, quantize
 from kimik3.ops.moe.mxfp4_dequantize import mxfp4_dequantize
 from kimik3.ops.moe.mxfp4_grouped_mm import (DEQUANTIZE_ROWS, MMA_ROWS, SYNC_ROWS, gemv_blocks, mma_available,
-                                              mxfp4_backend, mxfp4_blocks, mxfp4_grouped_mm, mxfp4_route,
-                                              wgmma_available)
+                                              mxfp4_backend, mxfp4_blocks, mxfp4_grouped_mm, mxfp4_mma_order,
+                                              mxfp4_route, wgmma_available)
 from tests.kernel_testing import DEV, HAS_KERNELS, interpreter_setup, needs_kernels, ON_GPU  # noqa: F401 (interpreter_setup: autouse)
 
 FP32_EPS = 2.0 ** -24
@@ -404,6 +404,32 @@ def test_mma_route_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="route 'mma'"):
         mxfp4_grouped_mm(rows(3, 32, torch.float32), mx.codes, mx.scales, offsets_of([1, 2]), backend="triton",
                          route="mma")
+
+
+@needs_kernels
+def test_mma_order_refused_where_the_wgmma_kernel_does_not_run():
+    """x in the MMA's order is the wgmma kernel's alone: elsewhere (the CPU, fp32, the registers route, too many rows
+    an expert) the call says so; a width other than whole 128-element steps, or a strided x, is named too."""
+    from kimik3.ops.moe.mxfp8_rows import mma_k_order_reference
+
+    mx = weights(2, 96, 16)
+    x = mma_k_order_reference(rows(3, 96, torch.bfloat16)).contiguous()
+    refused = [dict(route="registers"), dict(backend="torch")]
+    if not wgmma_available(x.device):
+        refused.append({})
+    for kwargs in refused:
+        with pytest.raises(ValueError, match="read by the wgmma kernel only"):
+            mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets_of([1, 2]), mma_order=True, **kwargs)
+    with pytest.raises(ValueError, match="read by the wgmma kernel only"):
+        mxfp4_grouped_mm(x.float(), mx.codes, mx.scales, offsets_of([1, 2]), mma_order=True)
+    many = mma_k_order_reference(rows(300, 96, torch.bfloat16)).contiguous()
+    with pytest.raises(ValueError, match="read by the wgmma kernel only"):
+        mxfp4_grouped_mm(many, mx.codes, mx.scales, offsets_of([150, 300]), mma_order=True)
+    with pytest.raises(ValueError, match="width 128"):
+        mxfp4_grouped_mm(x[:, :96], mx.codes, mx.scales, offsets_of([1, 2]), mma_order=True)
+    with pytest.raises(ValueError, match="contiguous"):
+        mxfp4_grouped_mm(torch.cat([x, x], 1)[:, :128], mx.codes, mx.scales, offsets_of([1, 2]), mma_order=True)
+    assert not mxfp4_mma_order(3, 2, torch.bfloat16, torch.device("cpu"))
 
 
 @needs_kernels

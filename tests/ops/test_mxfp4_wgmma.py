@@ -1,11 +1,11 @@
 """Tests of the MXFP4 grouped matmul's Hopper kernel (kimik3/ops/moe/mxfp4_wgmma.py: a warp-specialised Gluon
-kernel, and ``renumber_k``, the Triton kernel that writes x in the MMA's k order) against ``dequantize`` + a
-per-expert fp32 matmul.
+kernel) against ``dequantize`` + a per-expert fp32 matmul, on x as given (renumbered by ``renumber_k``) and on x
+already in the MMA's k order.
 
 Gluon does not run under the Triton interpreter: on the CPU the kernel runs through tests/gluon_emulator.py (each
 partition in a thread of its own, the TMA copies and mbarriers with Hopper's rules, every load and store
-bounds-checked, the inline PTX and wgmma emulated with the GPU's rounding) while ``renumber_k`` runs under
-TRITON_INTERPRET=1; a compile for sm_90 in its own process checks what the emulator cannot: that the layout
+bounds-checked, the inline PTX and wgmma emulated with the GPU's rounding; ``renumber_k``, a Triton kernel, runs
+under TRITON_INTERPRET=1); a compile for sm_90 in its own process checks what the emulator cannot: that the layout
 conversions are trivial (asserted in the kernel), that nothing spills within the register budget that lets two
 programs share an SM, and the ring's shared memory. On a Hopper GPU the same cases run on the device.
 
@@ -40,16 +40,16 @@ pytestmark = [needs_kernels, pytest.mark.skipif(ON_GPU and not wgmma_available(t
                                                 reason="mxfp4_wgmma runs on Hopper")]
 
 
-def run(x, mx_or_codes, scales=None, offsets=None):
+def run(x, mx_or_codes, scales=None, offsets=None, mma_order=False):
     """The kernel on this machine: the GPU, or the emulator on the CPU."""
     codes = mx_or_codes.codes if scales is None else mx_or_codes
     scales = mx_or_codes.scales if scales is None else scales
     if ON_GPU:
-        return wg.mxfp4_wgmma(x, codes, scales, offsets)
+        return wg.mxfp4_wgmma(x, codes, scales, offsets, mma_order=mma_order)
     torch.set_flush_denormal(False)   # (the emulator's bf16 products keep subnormals, as the GPU's)
     from tests.gluon_emulator import emulate
 
-    return wg.mxfp4_wgmma(x, codes, scales, offsets, launcher=emulate)
+    return wg.mxfp4_wgmma(x, codes, scales, offsets, mma_order=mma_order, launcher=emulate)
 
 
 # (E, I, O, rows an expert): rows a pass the mean's next power of two from 8 to 64
@@ -70,6 +70,18 @@ def test_matches_the_reference(E, I, O, counts):
     y = run(x, mx, offsets=offsets)
     assert_close_to_reference(y, x, mx, offsets)
     assert torch.equal(y[sum(counts):], torch.zeros_like(y[sum(counts):]))
+
+
+@pytest.mark.parametrize("E, I, O, counts", [CASES[0], CASES[4]])
+def test_x_in_the_mma_order(E, I, O, counts):
+    """x given as ``mxfp8_rows`` writes it (each step permuted, padded to whole steps): the same products."""
+    from kimik3.ops.moe.mxfp8_rows import mma_k_order_reference
+
+    mx = weights(E, I, O)
+    offsets = offsets_of(counts)
+    x = rows(sum(counts), I, torch.bfloat16)
+    y = run(mma_k_order_reference(x).contiguous(), mx, offsets=offsets, mma_order=True)
+    assert_close_to_reference(y, x, mx, offsets)
 
 
 def test_tile_by_rows_an_expert():
@@ -100,22 +112,6 @@ def test_no_rows():
     mx = weights(3, 32, 16)
     y = run(rows(0, 32, torch.bfloat16), mx, offsets=offsets_of([0, 0, 0]))
     assert y.shape == (0, 16) and y.dtype == torch.bfloat16
-
-
-@pytest.mark.parametrize("R, I", [(1, 32), (17, 96), (33, 384), (5, 416)])
-@pytest.mark.parametrize("strided", [False, True])
-def test_renumber_k(R, I, strided):
-    """Each 128-element step in the MMA's k order, zeros past I, against the permutation written out in torch."""
-    x = rows(R, I + 64, torch.bfloat16)[:, 8:8 + I] if strided else rows(R, I, torch.bfloat16)
-    out = wg.renumber_k(x)
-    steps = -(-I // 128)
-    padded = torch.zeros(R, steps * 128, dtype=x.dtype, device=x.device)
-    padded[:, :I] = x
-    k = torch.arange(128, device=x.device)         # MMA k = h + 2 t + 8 q + 32 w -> element 32 t + 8 w + 4 h + q
-    h, t, q, w = k % 2, (k // 2) % 4, (k // 8) % 4, k // 32
-    source = (torch.arange(steps, device=x.device)[:, None] * 128 + (32 * t + 8 * w + 4 * h + q)).flatten()
-    assert out.shape == (R, steps * 128)
-    assert torch.equal(out, padded[:, source])
 
 
 # (rows an expert) the kernel is compiled in: every rows a pass

@@ -12,7 +12,8 @@ def interpreter_bf16_fix() -> None:
     - np.matmul's the raw integers in tl.dot: such operands are converted to fp32 first (exact: bf16 -> fp32 is
       lossless);
     - rounds fp32 -> bf16 toward zero in ``.to(tl.bfloat16)``, where the GPU rounds to nearest even (1 + 3 * 2^-9
-      becomes 1, not 1 + 2^-7): the cast goes through torch's round-to-nearest-even conversion instead.
+      becomes 1, not 1 + 2^-7): the cast goes through torch's round-to-nearest-even conversion instead;
+    - flushes (or garbles) bf16 subnormals in ``.to(tl.float32)``: the cast widens the bits instead (exact).
     """
     import numpy as np
     import triton.language as tl
@@ -36,6 +37,9 @@ def interpreter_bf16_fix() -> None:
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
             x = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
             return interp.TensorHandle(x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar == tl.float32:
+            bits = np.ascontiguousarray(src.data).view(np.uint16).astype(np.uint32) << 16
+            return interp.TensorHandle(bits.view(np.float32), tl.float32)
         return orig_cast(self, src, dst_type)
 
     builder_cls.create_dot, builder_cls.cast_impl = create_dot, cast_impl

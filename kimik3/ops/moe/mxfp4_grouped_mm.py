@@ -72,7 +72,7 @@ from kimik3.ops.moe.mxfp4_dequantize import (as_words, check_mxfp4_weight, decod
 from kimik3.quant.mx import BLOCK_SIZE, MXTensor, dequantize
 
 __all__ = ["gemv_blocks", "mma_available", "mxfp4_backend", "mxfp4_blocks", "mxfp4_grouped_mm",
-           "mxfp4_grouped_mm_reference", "mxfp4_route", "wgmma_available"]
+           "mxfp4_grouped_mm_reference", "mxfp4_mma_order", "mxfp4_route", "wgmma_available"]
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -251,11 +251,20 @@ def mxfp4_grouped_mm_reference(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scal
     return y
 
 
+def mxfp4_mma_order(R: int, E: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``mxfp4_grouped_mm`` (backend and route "auto") on ``R`` rows of ``dtype`` on ``device`` over ``E``
+    experts reads them in the MMA's k order (``mxfp4_wgmma``: bf16 at decode sizes on a Hopper GPU): then a caller
+    that makes the rows can write them so (``kimik3.ops.moe.mxfp8_rows``) and pass ``mma_order=True``, saving the
+    kernel a pass over x."""
+    return wgmma_available(device) and mxfp4_route(R, E, 8, dtype, mma=True, wgmma=True) == "mma"
+
+
 @torch.compiler.disable  # an opaque kernel call to torch.compile: traced, its launcher breaks on symbolic sizes
 def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor,
                      groups_or_offsets: ExpertGroups | torch.Tensor, *, backend: str = "auto", route: str = "auto",
-                     block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                     mma_order: bool = False, block_m: int | None = None, block_n: int | None = None,
+                     block_k: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None) -> torch.Tensor:
     """``y[r] = x[r] @ dequantize(W)[e]`` for the rows r of expert e: y_RO [R, O] in x's dtype, contiguous.
 
     x_RI [R, I] bf16 or fp32, rows sorted by expert; codes_EOH [E, O, I/2] and scales_EOB [E, O, I/32] uint8, the
@@ -268,7 +277,11 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     only (raise when grad is enabled and x requires grad) and do no host sync; ``block_m`` / ``block_n`` /
     ``block_k`` / ``num_warps`` / ``num_stages`` override ``mxfp4_blocks``' choice for the registers route (for tests
     and tuning: block sizes powers of two, >= 16, BLOCK_K >= 32; num_warps a power of two; num_stages >= 1).
+    ``mma_order``: x_RI is [R, mma_width(I)] in the MMA's k order (``mxfp8_rows``; contiguous), for a call that
+    takes ``mxfp4_wgmma`` (``mxfp4_mma_order`` says when; any other raises).
     """
+    if mma_order:
+        return _mma_ordered(x_RI, codes_EOH, scales_EOB, groups_or_offsets, backend, route)
     offsets_E = _check(x_RI, codes_EOH, scales_EOB, groups_or_offsets)
     if mxfp4_backend(x_RI, backend) == "torch":
         return mxfp4_grouped_mm_reference(x_RI, codes_EOH, scales_EOB, offsets_E)
@@ -320,6 +333,35 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
             FP32=x_RI.dtype == torch.float32, num_warps=warps, num_stages=stages,
         )
     return y_RO
+
+
+def _mma_ordered(x_RI, codes_EOH, scales_EOB, groups_or_offsets, backend: str, route: str) -> torch.Tensor:
+    """``mxfp4_grouped_mm`` on x already in the MMA's k order: checked, then ``mxfp4_wgmma`` as it stands."""
+    from kimik3.ops.moe.mxfp8_rows import mma_width
+
+    if not isinstance(x_RI, torch.Tensor) or x_RI.ndim != 2:
+        raise ValueError(f"x_RI must be 2-D [R, I padded], got {describe(x_RI)}")
+    if not isinstance(codes_EOH, torch.Tensor) or codes_EOH.ndim != 3:
+        raise ValueError(f"codes_EOH must be 3-D [E, O, I/2], got {describe(codes_EOH)}")
+    I = 2 * codes_EOH.shape[2]
+    if x_RI.shape[1] != mma_width(I):
+        raise ValueError(f"x_RI in the MMA's order has whole 128-element steps of the weights' I = {I}: width "
+                         f"{mma_width(I)}, got {describe(x_RI)}")
+    if not x_RI.is_contiguous() or x_RI.data_ptr() % 16:
+        raise ValueError("x_RI in the MMA's order is read by TMA: it must be contiguous, its base 16-byte aligned")
+    offsets_E = _check(x_RI[:, :I], codes_EOH, scales_EOB, groups_or_offsets)
+    if (route not in ("auto", "mma") or mxfp4_backend(x_RI, backend) == "torch"
+            or not mxfp4_mma_order(x_RI.shape[0], codes_EOH.shape[0], x_RI.dtype, x_RI.device)):
+        raise ValueError(f"mma_order=True: x in the MMA's order is read by the wgmma kernel only (bf16 on a Hopper "
+                         f"GPU, at most {MMA_ROWS} rows an expert on average, route 'auto' or 'mma'); this call has "
+                         f"{x_RI.dtype} on {x_RI.device}, {x_RI.shape[0]} rows over {codes_EOH.shape[0]} experts, "
+                         f"route {route!r}")
+    if torch.is_grad_enabled() and x_RI.requires_grad:
+        raise RuntimeError("mxfp4_grouped_mm's kernel is forward only (inference): call it under torch.no_grad() or "
+                           "torch.inference_mode()")
+    from kimik3.ops.moe.mxfp4_wgmma import mxfp4_wgmma
+
+    return mxfp4_wgmma(x_RI, codes_EOH, scales_EOB, offsets_E, mma_order=True)
 
 
 def _gemv(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor,

@@ -6,10 +6,12 @@ The decode is mma.sync's (``mxfp4_mma``): a thread of a warp owns, for weight co
 16, the 32 elements of its quarter t = lane % 4 of every 128-element K step, i.e. 16 consecutive code bytes a
 column, and ``decode_pair`` turns nibbles q and q + 4 of its word w into the A registers of MMA k indices
 h + 2 t + 8 q + 32 w (h = 0, 1), for the element at k = 32 t + 8 w + 4 h + q. So the MMA multiplies the weights with
-K renumbered within each 128-element step, and x must be renumbered the same way: ``renumber_k`` writes
-x[:, 128 c + 32 t + 8 w + 4 h + q] to column 128 c + h + 2 t + 8 q + 32 w of a padded copy (zeros past I) in one
-pass over x, as long as a copy of x (2% of the call at one row an expert, 10% at 64, with 112 experts). Stored so,
-x reaches shared memory by TMA with no registers, and every program reads it in the MMA's order.
+K renumbered within each 128-element step, and x must be renumbered the same way: x[:, 128 c + 32 t + 8 w + 4 h + q]
+at column 128 c + h + 2 t + 8 q + 32 w of a copy padded to whole steps (zeros past I). The packed MoE's rows are
+written so where they are made (``mxfp8_rows``: the gathered rows and the SiTU-GLU output, fake-quantised to MXFP8
+in the same pass); other rows go through ``renumber_k`` first (one pass, as long as a copy of x: 2% of the call at
+one row an expert, 10% at 64, with 112 experts). Stored so, x reaches shared memory by TMA with no registers, and
+every program reads it in the MMA's order.
 
 A program takes (expert e, 128 weight columns) and its expert's rows in passes of BR (8, 16, 32 or 64; each further
 pass re-reads the codes from L2):
@@ -30,7 +32,7 @@ itself (x loaded from L2 and renumbered in registers in the step that uses it), 
 
 The group past ``offsets_E[E - 1]`` writes its rows as zeros. Offsets are clamped to 0..R as read. No host sync: the
 grid is fixed by the shapes. Tests: tests/ops/test_mxfp4_wgmma.py runs the kernel through tests/gluon_emulator.py
-on the CPU and compiles it for sm_90; ``renumber_k`` runs under TRITON_INTERPRET=1 there.
+on the CPU and compiles it for sm_90.
 
 Legend: R rows (sorted by expert), E experts, I in features (the reduction axis), O out features, S ring slots, BR
 rows a pass.
@@ -44,10 +46,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kimik3.ops.glue.common import _jit, on_device, tl, triton
+from kimik3.ops.glue.common import on_device, triton
 from kimik3.ops.moe.mxfp4_mma import decode_pair, expert_tile, scale_bits
+from kimik3.ops.moe.mxfp8_rows import renumber_k
 
-__all__ = ["mxfp4_wgmma", "renumber_k", "wgmma_tile"]
+__all__ = ["mxfp4_wgmma", "wgmma_tile"]
 
 # Two consumer warpgroups (128 weight columns a program: every program reads its x tiles from L2, so wider programs
 # read less of it) and two programs an SM: the kernel's 12 warps at ``maxnreg`` 80, the second consumer raised to
@@ -59,8 +62,6 @@ WGMMA_REGS = gl.constexpr(104)
 _LOADER_REGS = gl.constexpr(24)
 # Ring slots by rows a pass (benchmarks/NOTES-quant.md has the sweep at 8, 14 and 112 experts).
 WGMMA_SLOTS = {8: 4, 16: 4, 32: 4, 64: 3}
-# renumber_k's tile: 16 rows x 256 elements, 4 warps.
-RENUMBER_ROWS, RENUMBER_STEPS, RENUMBER_WARPS = 16, 2, 4
 
 
 def wgmma_tile(R: int, E: int) -> tuple[int, int]:
@@ -73,46 +74,22 @@ def wgmma_tile(R: int, E: int) -> tuple[int, int]:
     return per_pass, WGMMA_SLOTS[per_pass]
 
 
-def renumber_k(x_RI: torch.Tensor) -> torch.Tensor:
-    """x [R, I] -> [R, cdiv(I, 128) x 128], each 128-element step in the MMA's k order (the module docstring):
-    out[:, 128 c + h + 2 t + 8 q + 32 w] = x[:, 128 c + 32 t + 8 w + 4 h + q], zeros past I. Any strides."""
-    R, I = x_RI.shape
-    I_pad = triton.cdiv(I, 128) * 128
-    out = torch.empty(R, I_pad, dtype=x_RI.dtype, device=x_RI.device)
-    if R == 0:
-        return out
-    grid = (triton.cdiv(R, RENUMBER_ROWS), triton.cdiv(I_pad, 128 * RENUMBER_STEPS))
-    with on_device(x_RI.device):
-        _renumber_k_kernel[grid](x_RI, x_RI.stride(0), x_RI.stride(1), out, R, I, I_pad, BLOCK_R=RENUMBER_ROWS,
-                                 C=RENUMBER_STEPS, num_warps=RENUMBER_WARPS)
-    return out
-
-
-@_jit
-def _renumber_k_kernel(x_ptr, s_xr, s_xi, y_ptr, R, I, I_pad, BLOCK_R: tl.constexpr, C: tl.constexpr):
-    """A [BLOCK_R, 128 C] tile loaded in x's order, its axes [t, w, h, q] of each step permuted to [w, q, t, h] in
-    registers, stored contiguous."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
-    k = tl.program_id(1) * 128 * C + tl.arange(0, 128 * C)[None, :]
-    rows = r.to(tl.int64)
-    v = tl.load(x_ptr + rows * s_xr + k.to(tl.int64) * s_xi, mask=(r < R) & (k < I), other=0.0)
-    v = tl.reshape(tl.permute(tl.reshape(v, [BLOCK_R, C, 4, 4, 2, 4]), [0, 1, 3, 5, 2, 4]), [BLOCK_R, 128 * C])
-    tl.store(y_ptr + rows * I_pad + k, v, mask=(r < R) & (k < I_pad))
-
-
 def mxfp4_wgmma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor, offsets_E: torch.Tensor,
-                *, launcher=None) -> torch.Tensor:
+                *, mma_order: bool = False, launcher=None) -> torch.Tensor:
     """y_RO [R, O] bf16 = each expert's rows of x_RI (bf16, sorted by expert) times its dequantised MXFP4 weight.
-    The arguments are ``mxfp4_grouped_mm``'s, already checked; a Hopper GPU (``wgmma_available``). ``launcher``:
-    how to launch the Gluon kernel (``launcher(kernel, grid, *args, **kwargs)``; the tests' emulator), by default on
-    the GPU."""
-    R, I = x_RI.shape
+    The arguments are ``mxfp4_grouped_mm``'s, already checked; a Hopper GPU (``wgmma_available``). ``mma_order``:
+    x_RI is [R, mma_width(I)] in the MMA's k order already (``mxfp8_rows``; contiguous, its base 16-byte aligned),
+    else ``renumber_k`` writes it so.
+    ``launcher``: how to launch the Gluon kernel (``launcher(kernel, grid, *args, **kwargs)``; the tests'
+    emulator), by default on the GPU."""
+    R = x_RI.shape[0]
     E, O, H = codes_EOH.shape
+    I = 2 * H
     y_RO = torch.empty(R, O, dtype=torch.bfloat16, device=x_RI.device)
     if R == 0:
         return y_RO
     per_pass, slots = wgmma_tile(R, E)
-    x_k = renumber_k(x_RI)
+    x_k = x_RI if mma_order else renumber_k(x_RI)     # (contiguous, 16-byte aligned: as TMA reads it)
     # TMA wants 16-byte aligned rows and base: the codes as one [E O, I / 8] int32 matrix
     if not codes_EOH.is_contiguous() or codes_EOH.data_ptr() % 16:
         codes_EOH = codes_EOH.clone(memory_format=torch.contiguous_format)

@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms (default 100)")
     p.add_argument("--eager", action="store_true",
                    help="time each call as launched from Python (default: its CUDA graph's replay)")
+    p.add_argument("--layer", action="store_true",
+                   help="also time the whole expert FFN (rows gathered, gate and up, SiTU-GLU, down) packed against "
+                        "bf16, at each --tokens up to 64")
     p.add_argument("--out", default=None, help="directory for mxfp4_experts.json")
     args = p.parse_args(argv)
     try:
@@ -229,7 +232,83 @@ def main(argv=None) -> int:
         codes = scales = w_deq = mx = x = y = ref = run = None  # this shape's tensors freed before the next one's
         if cuda:
             torch.cuda.empty_cache()
+    if args.layer:
+        layer_table(args, report, timed, [t for t in args.tokens if t <= 64])
     return report.finish(t0, args.out, "mxfp4_experts.json")
+
+
+def layer_table(args, report, timed, tokens_list) -> None:
+    """The expert FFN of a packed layer from the token rows to the down matmul's output, as ``RoutedExperts``
+    serves it, against bf16 at the same shapes: packed = ``expert_rows_mxfp8`` (rows gathered and fake-quantised
+    to MXFP8, in the Hopper kernel's k order where it runs), gate and up as one MXFP4 matmul of 2F columns,
+    ``situ_glu_mxfp8``, the down matmul; bf16 = the gather, one ``torch._grouped_mm`` of 2F columns, the SiTU-GLU
+    kernel, the down ``torch._grouped_mm``. Also timed: the packed layer unfused (the gather, ``fake_quantize`` in
+    torch, two MXFP4 matmuls that each renumber x, the SiTU-GLU and ``fake_quantize`` again). Each token is one row
+    (rows = E x tokens an expert, routed in a random order)."""
+    from harness import log, rel
+
+    from kimik3.model.ffn import situ_glu_cast
+    from kimik3.ops.glue import situ_glu_fused
+    from kimik3.ops.moe import ExpertGroups, mxfp4_grouped_mm
+    from kimik3.ops.moe.mxfp4_grouped_mm import mxfp4_mma_order
+    from kimik3.ops.moe.mxfp8_rows import expert_rows_mxfp8, situ_glu_mxfp8
+    from kimik3.quant.mx import dequantize, fake_quantize, quantize
+
+    dev = torch.device(DEVICE)
+    E = args.experts
+    (L, F), _ = SHAPES["gate_up"], SHAPES["down"]
+    gen = torch.Generator(device=dev).manual_seed(1)
+    packed = {}
+    for name, (I, O) in (("gate_up", (L, 2 * F)), ("down", (F, L))):
+        w = (torch.randn(E, I, O, device=dev, generator=gen) / I ** 0.5).to(torch.bfloat16)
+        packed[name] = quantize(w, "mxfp4", axis=-2)
+        w = None
+    w_gu, w_down = (dequantize(packed[n], torch.bfloat16).contiguous() for n in ("gate_up", "down"))
+    gu, down = packed["gate_up"], packed["down"]
+    log(f"\nexpert FFN {L} -> {F} -> {L}, {E} experts: packed MXFP4 (fused producers) against bf16; ms")
+    log(f"{'tok/exp':>7} {'rows':>6} {'mma order':>9} {'bf16 ms':>8} {'mxfp4 ms':>8} {'ratio':>6} {'unfused ms':>10} "
+        f"{'ratio':>6} {'rel err':>8}")
+    for tokens in tokens_list:
+        R = E * tokens
+        x_TL = torch.randn(R, L, device=dev, generator=gen).to(torch.bfloat16)
+        order_R = torch.randperm(R, device=dev, generator=gen)
+        w_R = torch.rand(R, device=dev, generator=gen)
+        groups = ExpertGroups.of(torch.full((E,), tokens, device=dev))
+        mma = mxfp4_mma_order(R, E, torch.bfloat16, dev)
+
+        def bf16():
+            gate_up = torch._grouped_mm(x_TL.index_select(0, order_R), w_gu, offs=groups.offsets_E)
+            hidden = situ_glu_fused(gate_up[:, :F], gate_up[:, F:], w_R, torch.bfloat16)
+            return torch._grouped_mm(hidden, w_down, offs=groups.offsets_E)
+
+        def mxfp4():
+            x_RL = expert_rows_mxfp8(x_TL, order_R, 1, mma_order=mma)
+            gate_up = mxfp4_grouped_mm(x_RL, gu.codes, gu.scales, groups, mma_order=mma)
+            hidden = situ_glu_mxfp8(gate_up[:, :F], gate_up[:, F:], w_R, mma_order=mma)
+            return mxfp4_grouped_mm(hidden, down.codes, down.scales, groups, mma_order=mma)
+
+        def unfused():
+            x_RL = fake_quantize(x_TL.index_select(0, order_R), "mxfp8_e4m3")
+            gate = mxfp4_grouped_mm(x_RL, gu.codes[:, :F], gu.scales[:, :F], groups)
+            up = mxfp4_grouped_mm(x_RL, gu.codes[:, F:], gu.scales[:, F:], groups)
+            hidden = fake_quantize(situ_glu_cast(gate, up, w_R, torch.bfloat16), "mxfp8_e4m3")
+            return mxfp4_grouped_mm(hidden, down.codes, down.scales, groups)
+
+        with torch.inference_mode():
+            y, y_unfused, y_bf16 = mxfp4(), unfused(), bf16()
+            # (the same values but for the matmuls' bf16 rounding, which may differ between one call of 2F columns
+            # and two of F on the CPU's reference; the GPU kernels' columns do not depend on the call's width)
+            diff = rel(y_unfused.float(), y.float())
+            report.verdict(f"layer:{tokens}:fused_matches_unfused", diff <= (0 if dev.type == "cuda" else 1e-2),
+                           f"rel_rms {diff:.2e}")
+            err = rel(y_bf16.float(), y.float())
+            ms_bf16, ms_mx, ms_unfused = timed(bf16), timed(mxfp4), timed(unfused)
+        row = {"experts": E, "tokens_per_expert": tokens, "rows": R, "mma_order": mma, "bf16_ms": ms_bf16,
+               "mxfp4_ms": ms_mx, "mxfp4_unfused_ms": ms_unfused, "ratio_bf16_over_mxfp4": ms_bf16 / ms_mx,
+               "ratio_bf16_over_unfused": ms_bf16 / ms_unfused, "rel_err_vs_bf16": err}
+        report.results.setdefault("layer", []).append(row)
+        log(f"{tokens:>7} {R:>6} {str(mma):>9} {ms_bf16:>8.4f} {ms_mx:>8.4f} {ms_bf16 / ms_mx:>6.2f} "
+            f"{ms_unfused:>10.4f} {ms_bf16 / ms_unfused:>6.2f} {err:>8.2e}")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ record makes no graph break and the routers of all blocks share one compiled gra
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 from collections.abc import Iterator, Sequence
@@ -52,6 +53,8 @@ from kimik3.ops.glue.common import through_operator
 from kimik3.ops.moe import (SMALL_BATCH_MAX_ROWS, ExpertGroups, from_expert_rows, grouped_mm, grouped_mm_on_device,
                             inverse_permutation, mxfp4_grouped_mm, route_backend, routed_experts_small, sigmoid_topk,
                             to_expert_rows)
+from kimik3.ops.moe.mxfp4_grouped_mm import mxfp4_mma_order
+from kimik3.ops.moe.mxfp8_rows import expert_rows_mxfp8, situ_glu_mxfp8
 from kimik3.ops.precision import no_autocast
 from kimik3.quant.mx import MXTensor, quantize
 from kimik3.quant.qat import expert_input, expert_weight
@@ -245,6 +248,7 @@ class RoutedExperts(nn.Module):
         # (``kimik3.quant.qat``), in training and in every later forward alike.
         self.quant = quant
         self.packed: dict[str, MXTensor] | None = None   # ``pack_mxfp4``: the weights as codes + scales
+        self.packed_gate_up: MXTensor | None = None   # gate and up packed as one [E, L, 2F] (``packed``'s are views)
 
     def optimizer_rules(self) -> list[tuple[str, ParamRule]]:
         # Stored [E, in, out] (x @ W); orthogonalisation and the max(m, n) scale do not care
@@ -256,6 +260,8 @@ class RoutedExperts(nn.Module):
                 counts_E: torch.Tensor | None = None) -> torch.Tensor:
         """Weighted sum over each token's experts: [T, L] -> [T, L]. ``counts_E``: the rows of each expert in
         ``ids_TK`` when the router counted them already."""
+        if self.packed is not None:
+            return self._packed_forward(x_TL, weights_TK, ids_TK, counts_E)
         num_tokens, top_k = ids_TK.shape
         if self.quant is None and self._few_rows(x_TL, num_tokens * top_k):
             # Serving decode: two kernels, no sort (each (token, expert) row reads its expert's weights).
@@ -267,14 +273,36 @@ class RoutedExperts(nn.Module):
         groups = ExpertGroups.of(expert_counts(flat_ids_R, num_experts) if counts_E is None else counts_E)
 
         x_RL = self._input(to_expert_rows(x_TL, order_R, inverse_R, top_k))
-        gate_RF = self._matmul(x_RL, "w_gate_ELF", groups)
-        up_RF = self._matmul(x_RL, "w_up_ELF", groups)
+        w_gate, w_up = (self._weight(getattr(self, n), x_RL.dtype) for n in ("w_gate_ELF", "w_up_ELF"))
+        gate_RF, up_RF = grouped_mm(x_RL, w_gate, groups), grouped_mm(x_RL, w_up, groups)
         # Mixture weights applied after the experts, in fp32, as released.
         hidden_RF = self._input(situ_glu_cast(gate_RF, up_RF, weights_TK.flatten()[order_R], x_RL.dtype))
-        y_RL = self._matmul(hidden_RF, "w_down_EFL", groups)
+        y_RL = grouped_mm(hidden_RF, self._weight(self.w_down_EFL, x_RL.dtype), groups)
         # Back to token order, then each token's K rows summed by one reduction (accumulated in fp32): the same
         # result on every run, unlike an atomic scatter-add, so a decode replayed as a graph matches it eagerly.
         return from_expert_rows(y_RL, order_R, inverse_R, top_k).sum(1)
+
+    @torch.compiler.disable   # (inference on packed weights: direct kernel launches, opaque to torch.compile)
+    def _packed_forward(self, x_TL: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
+                        counts_E: torch.Tensor | None) -> torch.Tensor:
+        """``forward`` on the packed MXFP4 weights, the fake-quantised forward's values: the rows gathered and
+        fake-quantised to MXFP8 in one kernel, gate and up as one matmul of 2F columns, the SiTU-GLU and the down
+        matmul's MXFP8 input in one kernel. Where the matmuls run the Hopper kernel (``mxfp4_mma_order``) both
+        inputs are written in its k order, so it reads them as they are."""
+        num_tokens, top_k = ids_TK.shape
+        num_experts, _, hidden = self.w_gate_ELF.shape
+        flat_ids_R = ids_TK.flatten()
+        order_R = torch.argsort(flat_ids_R, stable=True)
+        groups = ExpertGroups.of(expert_counts(flat_ids_R, num_experts) if counts_E is None else counts_E)
+        backend = glue_backend(x_TL)
+        mma = mxfp4_mma_order(flat_ids_R.numel(), num_experts, x_TL.dtype, x_TL.device)
+        gate_up, down = self.packed_gate_up, self.packed["w_down_EFL"]
+        x_RL = expert_rows_mxfp8(x_TL, order_R, top_k, mma_order=mma, backend=backend)
+        gate_up_R2F = mxfp4_grouped_mm(x_RL, gate_up.codes, gate_up.scales, groups, mma_order=mma)
+        hidden_RF = situ_glu_mxfp8(gate_up_R2F[:, :hidden], gate_up_R2F[:, hidden:], weights_TK.flatten()[order_R],
+                                   mma_order=mma, backend=backend)
+        y_RL = mxfp4_grouped_mm(hidden_RF, down.codes, down.scales, groups, mma_order=mma)
+        return from_expert_rows(y_RL, order_R, inverse_permutation(order_R), top_k).sum(1)
 
     EXPERT_WEIGHTS = ("w_gate_ELF", "w_up_ELF", "w_down_EFL")
 
@@ -305,15 +333,27 @@ class RoutedExperts(nn.Module):
             self._parameters.pop(name, None)
             # The shape stays readable (the expert count, the widths); the values live in ``packed``.
             object.__setattr__(self, name, torch.empty(weight.shape, dtype=weight.dtype, device="meta"))
-        self.packed = dict(packed)
+        gate, up = packed["w_gate_ELF"], packed["w_up_ELF"]
+        E, L, F = gate.shape
+        self._hold_packed(MXTensor(torch.cat([gate.codes, up.codes], 1), torch.cat([gate.scales, up.scales], 1),
+                                   "mxfp4", gate.block_size, axis=1, shape=(E, L, 2 * F)), packed["w_down_EFL"])
 
-    def _matmul(self, x_RI: torch.Tensor, name: str, groups: ExpertGroups) -> torch.Tensor:
-        """One expert matmul over the sorted rows: on the packed MXFP4 weight when packed, else on the weight as
-        ``_weight`` gives it."""
-        if self.packed is not None:
-            mx = self.packed[name]
-            return mxfp4_grouped_mm(x_RI, mx.codes, mx.scales, groups)
-        return grouped_mm(x_RI, self._weight(getattr(self, name), x_RI.dtype), groups)
+    def move_packed(self, device: torch.device) -> None:
+        """The packed weights onto ``device`` (gate and up stay one tensor)."""
+        gate_up, down = self.packed_gate_up, self.packed["w_down_EFL"]
+        self._hold_packed(*(dataclasses.replace(mx, codes=mx.codes.to(device), scales=mx.scales.to(device))
+                            for mx in (gate_up, down)))
+
+    def _hold_packed(self, gate_up: MXTensor, down: MXTensor) -> None:
+        """``packed_gate_up`` and ``packed``, whose gate and up are views of its two halves (written through them,
+        e.g. by a rollout's weight update, the matmul sees the change)."""
+        E, L, F2 = gate_up.shape
+        F = F2 // 2
+        self.packed_gate_up = gate_up
+        self.packed = {name: MXTensor(gate_up.codes[:, cols], gate_up.scales[:, cols], "mxfp4", gate_up.block_size,
+                                      axis=1, shape=(E, L, F))
+                       for name, cols in (("w_gate_ELF", slice(0, F)), ("w_up_ELF", slice(F, F2)))}
+        self.packed["w_down_EFL"] = down
 
     def _weight(self, w_EIO: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """An expert weight as the matmuls take it: in ``dtype``, MXFP4 values under ``quant``."""

@@ -91,5 +91,4 @@ def move_packed_experts(model: nn.Module, device: torch.device) -> None:
     """The packed expert weights of ``model`` onto ``device``."""
     for _, module in _expert_layers(model):
         if module.packed is not None:
-            for mx in module.packed.values():
-                mx.codes, mx.scales = mx.codes.to(device), mx.scales.to(device)
+            module.move_packed(device)

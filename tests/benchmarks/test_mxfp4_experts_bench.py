@@ -48,3 +48,25 @@ def test_mxfp4_experts_bench_checks_and_times_the_routes(tmp_path, monkeypatch):
     assert len(calls) == 2 * (1 + 2 + 4 + 3)   # per shape: the decode, the two reads, 3 routes + bf16, 2 routes + bf16
     assert set(data["read_floor"]) == {"gate_up", "down"}
     assert all(v == {"codes_ms": 0.5, "bf16_ms": 0.5} for v in data["read_floor"].values())
+
+
+@needs_kernels
+def test_mxfp4_experts_bench_times_the_layer(tmp_path, monkeypatch):
+    """``--layer``: the packed expert FFN (fused producers) against bf16 and against its unfused form, whose values
+    it must equal, at each tokens an expert up to 64."""
+    spec = importlib.util.spec_from_file_location("mxfp4_experts_layer_under_test", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    import harness
+
+    monkeypatch.setattr(harness, "bench", lambda fn, warmup=0, rep=0: (fn(), 0.5)[1])
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "SHAPES", {"gate_up": (64, 32), "down": (32, 64)})
+    assert bench.main(["--experts", "2", "--tokens", "1,3,100", "--shapes", "down", "--layer",
+                       "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "mxfp4_experts.json").read_text())
+    assert [r["tokens_per_expert"] for r in data["layer"]] == [1, 3]          # (100 rows an expert: not decode)
+    assert {f"layer:{t}:fused_matches_unfused" for t in (1, 3)} <= set(data["pass"]) and data["fail"] == []
+    for r in data["layer"]:
+        assert r["mma_order"] is False and r["bf16_ms"] == r["mxfp4_ms"] == r["mxfp4_unfused_ms"] == 0.5
+        assert 0 < r["rel_err_vs_bf16"] < 0.1       # MXFP8 inputs against bf16 ones

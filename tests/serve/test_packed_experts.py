@@ -64,3 +64,29 @@ def test_packing_needs_quantisation_aware_experts_and_then_matches_them():
         module.pack_mxfp4()
         packed = module(x, weights, ids)
     torch.testing.assert_close(packed, fake, rtol=1e-6, atol=1e-6)
+
+
+def test_gate_and_up_are_held_as_one_matmul_and_written_through_their_views():
+    """The packed gate and up weights are views of one [E, L, 2F] tensor (one matmul reads both); a weight update
+    written into them (a rollout's) is what the next forward multiplies; moving keeps them one tensor."""
+    torch.manual_seed(1)
+    module = RoutedExperts(4, 64, 32, quant="mxfp4")
+    other = RoutedExperts(4, 64, 32, quant="mxfp4")
+    for w in [*module.parameters(), *other.parameters()]:
+        torch.nn.init.normal_(w, std=0.5)
+    x, ids, weights = torch.randn(7, 64), torch.randint(0, 4, (7, 2)), torch.rand(7, 2)
+    with torch.no_grad():
+        expected = other(x, weights, ids)
+        module.pack_mxfp4()
+        other.pack_mxfp4()
+        module.move_packed(torch.device("cpu"))
+        fused = module.packed_gate_up
+        assert fused.shape == (4, 64, 64) and fused.codes.shape == (4, 64, 32)
+        for name, half in (("w_gate_ELF", 0), ("w_up_ELF", 1)):
+            view = module.packed[name]
+            assert view.shape == (4, 64, 32)
+            assert view.codes.data_ptr() == fused.codes[:, 32 * half].data_ptr()
+        for name, mx in other.packed.items():
+            module.packed[name].codes.copy_(mx.codes)
+            module.packed[name].scales.copy_(mx.scales)
+        torch.testing.assert_close(module(x, weights, ids), expected, rtol=0, atol=0)

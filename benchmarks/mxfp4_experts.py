@@ -192,11 +192,12 @@ def main(argv=None) -> int:
                 ms_bf16 = timed(run_bf16)
             ms_mx, err = times[auto]
             flops = 2.0 * R * I * O
-            if auto == "mma" and wgmma:   # rows a pass, columns a program, 128 K, 12 warps, ring slots
+            if auto == "mma" and wgmma:   # rows a pass, columns a program, 128 K, warps, ring slots
                 from kimik3.ops.moe.mxfp4_wgmma import WGMMA_COLUMNS, wgmma_tile  # (Gluon: where it runs)
 
-                per_pass, slots = wgmma_tile(R, E)
-                blocks = [per_pass, WGMMA_COLUMNS, 128, 12, slots]
+                sms = torch.cuda.get_device_properties(dev).multi_processor_count
+                per_pass, slots, consumers = wgmma_tile(R, E, O, sms)
+                blocks = [per_pass, consumers * WGMMA_COLUMNS, 128, 4 * consumers + 4, slots]
             elif auto == "mma":     # mma.sync: 8 rows a pass, 16 x warps columns, 128 x steps K
                 from kimik3.ops.moe.mxfp4_mma import MMA_STEPS, MMA_WARPS
 
@@ -252,19 +253,23 @@ def layer_table(args, report, timed, tokens_list) -> None:
     from kimik3.ops.moe import ExpertGroups, mxfp4_grouped_mm
     from kimik3.ops.moe.mxfp4_grouped_mm import mxfp4_mma_order
     from kimik3.ops.moe.mxfp8_rows import expert_rows_mxfp8, situ_glu_mxfp8
-    from kimik3.quant.mx import dequantize, fake_quantize, quantize
+    from kimik3.quant.mx import MXTensor, dequantize, fake_quantize, quantize
 
     dev = torch.device(DEVICE)
     E = args.experts
     (L, F), _ = SHAPES["gate_up"], SHAPES["down"]
     gen = torch.Generator(device=dev).manual_seed(1)
-    packed = {}
+    packed, bf16_weights = {}, {}
     for name, (I, O) in (("gate_up", (L, 2 * F)), ("down", (F, L))):
-        w = (torch.randn(E, I, O, device=dev, generator=gen) / I ** 0.5).to(torch.bfloat16)
-        packed[name] = quantize(w, "mxfp4", axis=-2)
-        w = None
-    w_gu, w_down = (dequantize(packed[n], torch.bfloat16).contiguous() for n in ("gate_up", "down"))
-    gu, down = packed["gate_up"], packed["down"]
+        parts = []
+        for e0 in range(0, E, 8):      # (8 experts at a time: quantize's fp32 temporaries of 112 would not fit)
+            w = (torch.randn(min(8, E - e0), I, O, device=dev, generator=gen) / I ** 0.5).to(torch.bfloat16)
+            parts.append(quantize(w, "mxfp4", axis=-2))
+        packed[name] = MXTensor(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), "mxfp4",
+                                parts[0].block_size, axis=1, shape=(E, I, O))
+        bf16_weights[name] = torch.cat([dequantize(p, torch.bfloat16) for p in parts])
+        parts = w = None
+    (w_gu, w_down), (gu, down) = bf16_weights.values(), packed.values()
     log(f"\nexpert FFN {L} -> {F} -> {L}, {E} experts: packed MXFP4 (fused producers) against bf16; ms")
     log(f"{'tok/exp':>7} {'rows':>6} {'mma order':>9} {'bf16 ms':>8} {'mxfp4 ms':>8} {'ratio':>6} {'unfused ms':>10} "
         f"{'ratio':>6} {'rel err':>8}")

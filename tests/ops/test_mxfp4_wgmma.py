@@ -62,8 +62,16 @@ CASES = [
 ]
 
 
+@pytest.fixture(params=[1, 2], ids=["64-columns", "128-columns"])
+def consumers(request, monkeypatch):
+    """The consumer warpgroups a program (``wgmma_tile``'s choice, forced through its waves threshold)."""
+    monkeypatch.setattr(wg, "WGMMA_WAVES", 10 ** 9 if request.param == 1 else 0)
+    monkeypatch.setattr(wg, "WGMMA_WIDE", 10 ** 9)
+    return request.param
+
+
 @pytest.mark.parametrize("E, I, O, counts", CASES)
-def test_matches_the_reference(E, I, O, counts):
+def test_matches_the_reference(E, I, O, counts, consumers):
     mx = weights(E, I, O)
     offsets = offsets_of(counts)
     x = rows(sum(counts) + 3, I, torch.bfloat16)          # 3 rows past the last offset: zeros
@@ -73,7 +81,7 @@ def test_matches_the_reference(E, I, O, counts):
 
 
 @pytest.mark.parametrize("E, I, O, counts", [CASES[0], CASES[4]])
-def test_x_in_the_mma_order(E, I, O, counts):
+def test_x_in_the_mma_order(E, I, O, counts, consumers):
     """x given as ``mxfp8_rows`` writes it (each step permuted, padded to whole steps): the same products."""
     from kimik3.ops.moe.mxfp8_rows import mma_k_order_reference
 
@@ -84,11 +92,15 @@ def test_x_in_the_mma_order(E, I, O, counts):
     assert_close_to_reference(y, x, mx, offsets)
 
 
-def test_tile_by_rows_an_expert():
+def test_tile_by_rows_an_expert_and_by_the_grid():
     assert [wg.wgmma_tile(R, 8)[0] for R in (0, 8, 8 * 8, 8 * 8 + 1, 16 * 8, 16 * 8 + 1, 32 * 8, 33 * 8, 64 * 8,
                                              4096)] == [8, 8, 8, 16, 16, 32, 32, 64, 64, 64]
     assert wg.wgmma_tile(5, 0)[0] == 8
     assert all(wg.wgmma_tile(R, 1)[1] >= 2 for R in (8, 16, 32, 64))
+    # K3's 896 experts over 8 GPUs (112 local) take 128 columns a program, over 64 (14 local) 64 columns; gate and
+    # up as one matmul of 2 x 3072 columns 64
+    assert [wg.wgmma_tile(112, E, O, 132)[2] for E, O in ((112, 3072), (112, 3584), (14, 3072), (14, 3584),
+                                                          (112, 6144))] == [2, 2, 1, 1, 1]
 
 
 def test_every_code_decodes_exactly():
@@ -120,18 +132,22 @@ COMPILE_ROWS = [8, 16, 32, 64]
 
 def test_wgmma_kernel_compiles_for_sm90(tmp_path):
     """In a process of its own, without the interpreter and with an empty Triton cache: the kernel compiles for
-    sm_90 at every rows a pass (so its layout conversions are trivial: asserted at compile time), within
-    ``WGMMA_MAXNREG`` registers (two programs an SM) and without spills; its shared memory is the ring."""
+    sm_90 at every rows a pass, with one consumer warpgroup and with two (so its layout conversions are trivial:
+    asserted at compile time), within ``WGMMA_MAXNREG`` registers and without spills; its shared memory is the
+    ring, small enough for three programs an SM with one consumer and two with two (as many as the registers
+    allow)."""
     from tests.gluon_emulator import last_json_line, run_without_interpreter
 
     rows_ = last_json_line(run_without_interpreter(["-m", "tests.ops.test_mxfp4_wgmma"], tmp_path))
-    assert len(rows_) == len(COMPILE_ROWS)
-    for per_expert, row in zip(COMPILE_ROWS, rows_):
-        per_pass, slots = wg.wgmma_tile(8 * per_expert, 8)
-        ring = slots * (per_pass * 128 * 2 + 128 * 64)
+    assert len(rows_) == 2 * len(COMPILE_ROWS)
+    for (consumers, per_expert), row in zip([(c, r) for c in (1, 2) for r in COMPILE_ROWS], rows_):
+        per_pass, slots, _ = wg.wgmma_tile(8 * per_expert, 8)
+        ring = slots * (per_pass * 128 * 2 + consumers * wg.WGMMA_COLUMNS * 64)
         assert ring <= row["shared_bytes"] <= ring + 1024, row      # (+ the barriers)
+        assert row["shared_bytes"] <= 227 * 1024 // (4 - consumers), row
         assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, row
-        assert row["registers"] <= wg.WGMMA_MAXNREG and row["num_warps"] == 12, row
+        assert row["registers"] <= wg.WGMMA_MAXNREG and row["num_warps"] == 4 * consumers + 4, row
+        assert row["num_warps"] * 32 * row["registers"] * (4 - consumers) <= 65536, row
 
 
 if __name__ == "__main__":  # the compile step of the test above
@@ -143,11 +159,12 @@ if __name__ == "__main__":  # the compile step of the test above
     E, I, O = 8, 3584, 3072
     codes = torch.zeros(E, O, I // 2, dtype=torch.uint8)
     scales = torch.zeros(E, O, I // 32, dtype=torch.uint8)
-    wg.renumber_k = lambda x: x        # (a Triton launch: not what is compiled here)
-    for per_expert in COMPILE_ROWS:
-        R = E * per_expert
-        wg.mxfp4_wgmma(torch.zeros(R, I, dtype=torch.bfloat16), codes, scales,
-                       torch.full((E,), per_expert, dtype=torch.int32).cumsum(0).int(),
-                       launcher=lambda kernel, grid, *a, **kw: compiler(kernel, list(a), kw, grid))
+    for consumers in (1, 2):
+        wg.WGMMA_WAVES, wg.WGMMA_WIDE = (10 ** 9 if consumers == 1 else 0), 10 ** 9
+        for per_expert in COMPILE_ROWS:
+            R = E * per_expert
+            wg.mxfp4_wgmma(torch.zeros(R, I, dtype=torch.bfloat16), codes, scales,
+                           torch.full((E,), per_expert, dtype=torch.int32).cumsum(0).int(), mma_order=True,
+                           launcher=lambda kernel, grid, *a, **kw: compiler(kernel, list(a), kw, grid))
     print(json.dumps([{k: row[k] for k in ("kernel", "registers", "num_warps", "shared_bytes", "spill_store_bytes",
                                            "spill_load_bytes")} for row in compiler.rows]))

@@ -13,22 +13,24 @@ in the same pass); other rows go through ``renumber_k`` first (one pass, as long
 one row an expert, 10% at 64, with 112 experts). Stored so, x reaches shared memory by TMA with no registers, and
 every program reads it in the MMA's order.
 
-A program takes (expert e, 128 weight columns) and its expert's rows in passes of BR (8, 16, 32 or 64; each further
-pass re-reads the codes from L2):
+A program takes (expert e, 64 NC weight columns) and its expert's rows in passes of BR (8, 16, 32 or 64; each
+further pass re-reads the codes from L2):
 
 - a 1-warp loader partition fills an S-slot ring, per (pass, 128-element K step): x's tile as two [BR, 64] TMA boxes
-  (wgmma's B, 128-byte swizzle) and the step's code words, one [128, 16] int32 box (its rows are the program's
+  (wgmma's B, 128-byte swizzle) and the step's code words, one [64 NC, 16] int32 box (its rows are the program's
   weight columns: a thread's 16 bytes are one 128-bit shared load), on the slot's "ready" barrier;
-- two consumer partitions (one warpgroup each, 64 weight columns) wait for the slot, load their code words, decode
+- NC consumer partitions (one warpgroup each, 64 weight columns) wait for the slot, load their code words, decode
   each half of the K step into A registers and issue its wgmma (the second half decodes while the first
-  multiplies), wait, and hand the slot back on its "empty" barrier (both arrivals free it). Each consumer loads its
+  multiplies), wait, and hand the slot back on its "empty" barrier (NC arrivals free it). Each consumer loads its
   columns' scale codes from global one K step ahead (one byte a column a step: under TMA's 16-byte minimum box).
 
 The partitions drift apart by up to S steps, so one warpgroup's decode overlaps another's tensor work and the
-copies of the next steps. Two programs fit an SM (``maxnreg`` 80 over 12 warps: the consumers at 112 and 104
-registers, the loader's warpgroup at 24; 41-74 KB of shared memory). Against one 8-warp partition that stages x
-itself (x loaded from L2 and renumbered in registers in the step that uses it), this is 1.27-1.35x faster at
-16-64 rows an expert with 112 experts, and 1.11-1.22x faster than mma.sync at 1-8 (benchmarks/NOTES-quant.md).
+copies of the next steps. NC is 2 (two programs an SM: ``maxnreg`` 80 over 12 warps, the consumers at 112 and 104
+registers, the loader's warpgroup at 24; 41-74 KB of shared memory) or, for small grids and the wide gate-and-up
+matmul, 1 (three programs an SM: 8 warps, the consumer at 136; ``wgmma_tile`` says when). Against one 8-warp
+partition that stages x itself (x loaded from L2 and renumbered in registers in the step that uses it), the NC = 2
+form is 1.27-1.35x faster at 16-64 rows an expert with 112 experts, and 1.11-1.22x faster than mma.sync at 1-8
+(benchmarks/NOTES-quant.md).
 
 The group past ``offsets_E[E - 1]`` writes its rows as zeros. Offsets are clamped to 0..R as read. No host sync: the
 grid is fixed by the shapes. Tests: tests/ops/test_mxfp4_wgmma.py runs the kernel through tests/gluon_emulator.py
@@ -46,32 +48,42 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kimik3.ops.glue.common import on_device, triton
+from kimik3.ops.glue.common import _sm_count, on_device, triton
 from kimik3.ops.moe.mxfp4_mma import decode_pair, expert_tile, scale_bits
 from kimik3.ops.moe.mxfp8_rows import renumber_k
 
 __all__ = ["mxfp4_wgmma", "wgmma_tile"]
 
-# Two consumer warpgroups (128 weight columns a program: every program reads its x tiles from L2, so wider programs
-# read less of it) and two programs an SM: the kernel's 12 warps at ``maxnreg`` 80, the second consumer raised to
-# WGMMA_REGS, the loader's warpgroup lowered to 24, the first consumer left the rest (112: no spills at 64 rows a
-# pass, where 96 spilled).
-WGMMA_COLUMNS = 128
+# A program: NC consumer warpgroups of 64 weight columns each and a loader warp. Two (128 columns: every program
+# reads its x tiles from L2, so wider programs read less of it) with two programs an SM, the kernel's 12 warps at
+# ``maxnreg`` 80, the second consumer raised to WGMMA_REGS, the loader's warpgroup lowered to 24, the first consumer
+# left the rest (112: no spills at 64 rows a pass, where 96 spilled). One (64 columns) with three programs an SM (8
+# warps at 80: the consumer gets 136) where two a program would leave too few programs for the SMs to stay busy to
+# the end, fewer than WGMMA_WAVES x 2 an SM (K3's 14 local experts on 64 GPUs: 1.4-2.7 such waves a matmul, 5-17%
+# slower than with 64 columns a program; 112 experts: 10-21 waves, 1-4% faster), and for matmuls of at least
+# WGMMA_WIDE columns (the packed layer's gate and up as one of 2 x 3072: 2-10% faster at 32-64 rows an expert with
+# 14 to 112 experts, within 2% at 1-8; benchmarks/NOTES-quant.md).
+WGMMA_COLUMNS = 64
 WGMMA_MAXNREG = 80
+WGMMA_WAVES = 4
+WGMMA_WIDE = 4096
 WGMMA_REGS = gl.constexpr(104)
 _LOADER_REGS = gl.constexpr(24)
 # Ring slots by rows a pass (benchmarks/NOTES-quant.md has the sweep at 8, 14 and 112 experts).
 WGMMA_SLOTS = {8: 4, 16: 4, 32: 4, 64: 3}
 
 
-def wgmma_tile(R: int, E: int) -> tuple[int, int]:
-    """(rows a pass BR, ring slots S) for ``R`` rows over ``E`` experts: BR the mean rows' next power of two from 8
-    to 64. More rows an expert than a pass take more passes."""
+def wgmma_tile(R: int, E: int, O: int = 0, sms: int = 132) -> tuple[int, int, int]:
+    """(rows a pass BR, ring slots S, consumer warpgroups NC) for ``R`` rows over ``E`` experts of ``O`` outputs on
+    a GPU of ``sms`` SMs: BR the mean rows' next power of two from 8 to 64 (more rows an expert than a pass take
+    more passes); NC 2 (128 weight columns a program) unless that grid is under ``WGMMA_WAVES`` waves of two programs
+    an SM or O is at least ``WGMMA_WIDE``, then 1."""
     rows = -(-R // max(E, 1))
     per_pass = 8
     while per_pass < 64 and per_pass < rows:
         per_pass *= 2
-    return per_pass, WGMMA_SLOTS[per_pass]
+    programs = (E + 1) * -(-O // (2 * WGMMA_COLUMNS))
+    return per_pass, WGMMA_SLOTS[per_pass], 2 if programs >= WGMMA_WAVES * 2 * sms and O < WGMMA_WIDE else 1
 
 
 def mxfp4_wgmma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor, offsets_E: torch.Tensor,
@@ -88,7 +100,10 @@ def mxfp4_wgmma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.T
     y_RO = torch.empty(R, O, dtype=torch.bfloat16, device=x_RI.device)
     if R == 0:
         return y_RO
-    per_pass, slots = wgmma_tile(R, E)
+    sms = _sm_count(x_RI.device.index if x_RI.device.index is not None else torch.cuda.current_device()) \
+        if x_RI.is_cuda else 2
+    per_pass, slots, consumers = wgmma_tile(R, E, O, sms)
+    columns = consumers * WGMMA_COLUMNS
     x_k = x_RI if mma_order else renumber_k(x_RI)     # (contiguous, 16-byte aligned: as TMA reads it)
     # TMA wants 16-byte aligned rows and base: the codes as one [E O, I / 8] int32 matrix
     if not codes_EOH.is_contiguous() or codes_EOH.data_ptr() % 16:
@@ -96,12 +111,12 @@ def mxfp4_wgmma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.T
     words = codes_EOH.view(torch.int32).view(E * O, H // 4)
     x_d = TensorDescriptor(x_k, list(x_k.shape), list(x_k.stride()), [per_pass, 64],
                            gl.NVMMASharedLayout.get_default_for([per_pass, 64], gl.bfloat16))
-    c_d = TensorDescriptor(words, list(words.shape), list(words.stride()), [WGMMA_COLUMNS, 16],
+    c_d = TensorDescriptor(words, list(words.shape), list(words.stride()), [columns, 16],
                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
-    grid = ((E + 1) * triton.cdiv(O, WGMMA_COLUMNS),)
+    grid = ((E + 1) * triton.cdiv(O, columns),)
     args = (x_d, c_d, scales_EOB, scales_EOB.stride(0), scales_EOB.stride(1), scales_EOB.stride(2), offsets_E, y_RO,
             R, O, E)
-    kwargs = dict(I=I, BR=per_pass, BMC=WGMMA_COLUMNS, S=slots, num_warps=4, maxnreg=WGMMA_MAXNREG)
+    kwargs = dict(I=I, BR=per_pass, BMC=columns, S=slots, NC=consumers, num_warps=4, maxnreg=WGMMA_MAXNREG)
     if launcher is not None:
         launcher(_mxfp4_wgmma_kernel, grid, *args, **kwargs)
         return y_RO
@@ -212,22 +227,29 @@ def _consumer(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R,
 
 @gluon.jit
 def _mxfp4_wgmma_kernel(x_d, c_d, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I: gl.constexpr,
-                        BR: gl.constexpr, BMC: gl.constexpr, S: gl.constexpr, num_warps: gl.constexpr):
-    """Program (expert e, BMC = 128 weight columns): the ring, its barriers, and the partitions (two consumer
-    warpgroups, the first in the kernel's own 4 warps, and the loader). x_d: TMA descriptor of ``renumber_k``'s x in
-    [BR, 64] boxes; c_d: of the code words as [E O, I / 8] int32 in [BMC, 16] boxes."""
+                        BR: gl.constexpr, BMC: gl.constexpr, S: gl.constexpr, NC: gl.constexpr,
+                        num_warps: gl.constexpr):
+    """Program (expert e, BMC = 64 NC weight columns): the ring, its barriers, and the partitions (NC consumer
+    warpgroups, the first in the kernel's own 4 warps, and the loader). x_d: TMA descriptor of x in the MMA's k
+    order in [BR, 64] boxes; c_d: of the code words as [E O, I / 8] int32 in [BMC, 16] boxes."""
     xs = gl.allocate_shared_memory(gl.bfloat16, [2 * S, BR, 64], x_d.layout)
     cs = gl.allocate_shared_memory(gl.int32, [S, BMC, 16], c_d.layout)
     ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(S):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)     # both consumers hand a slot back
-    gl.warp_specialize([
-        (_consumer, (ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I, BR, BMC, S, 0)),
-        (_consumer, (ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I, BR, BMC, S, 1)),
-        (_loader, (ready, empty, xs, cs, x_d, c_d, off_ptr, R, O, E, I, BR, BMC, S)),
-    ], [4, 1], [WGMMA_REGS, _LOADER_REGS])
+        mbarrier.init(empty.index(s), count=NC)     # every consumer hands a slot back
+    if NC == 1:
+        gl.warp_specialize([
+            (_consumer, (ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I, BR, BMC, S, 0)),
+            (_loader, (ready, empty, xs, cs, x_d, c_d, off_ptr, R, O, E, I, BR, BMC, S)),
+        ], [1], [_LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I, BR, BMC, S, 0)),
+            (_consumer, (ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I, BR, BMC, S, 1)),
+            (_loader, (ready, empty, xs, cs, x_d, c_d, off_ptr, R, O, E, I, BR, BMC, S)),
+        ], [4, 1], [WGMMA_REGS, _LOADER_REGS])
     for s in gl.static_range(S):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))

@@ -289,7 +289,7 @@ class RoutedExperts(nn.Module):
         fake-quantised to MXFP8 in one kernel, gate and up as one matmul of 2F columns, the SiTU-GLU and the down
         matmul's MXFP8 input in one kernel. Where the matmuls run the Hopper kernel (``mxfp4_mma_order``) both
         inputs are written in its k order, so it reads them as they are."""
-        num_tokens, top_k = ids_TK.shape
+        top_k = ids_TK.shape[1]
         num_experts, _, hidden = self.w_gate_ELF.shape
         flat_ids_R = ids_TK.flatten()
         order_R = torch.argsort(flat_ids_R, stable=True)

@@ -26,8 +26,8 @@ further pass re-reads the codes from L2):
 
 The partitions drift apart by up to S steps, so one warpgroup's decode overlaps another's tensor work and the
 copies of the next steps. NC is 2 (two programs an SM: ``maxnreg`` 80 over 12 warps, the consumers at 112 and 104
-registers, the loader's warpgroup at 24; 41-74 KB of shared memory) or, for small grids and the wide gate-and-up
-matmul, 1 (three programs an SM: 8 warps, the consumer at 136; ``wgmma_tile`` says when). Against one 8-warp
+registers, the loader's warpgroup at 24; 41-74 KB of shared memory) or, for small grids, 1 (three programs an SM:
+8 warps, the consumer at 136; ``wgmma_tile`` says when). Against one 8-warp
 partition that stages x itself (x loaded from L2 and renumbered in registers in the step that uses it), the NC = 2
 form is 1.27-1.35x faster at 16-64 rows an expert with 112 experts, and 1.11-1.22x faster than mma.sync at 1-8
 (benchmarks/NOTES-quant.md).
@@ -60,13 +60,10 @@ __all__ = ["mxfp4_wgmma", "wgmma_tile"]
 # left the rest (112: no spills at 64 rows a pass, where 96 spilled). One (64 columns) with three programs an SM (8
 # warps at 80: the consumer gets 136) where two a program would leave too few programs for the SMs to stay busy to
 # the end, fewer than WGMMA_WAVES x 2 an SM (K3's 14 local experts on 64 GPUs: 1.4-2.7 such waves a matmul, 5-17%
-# slower than with 64 columns a program; 112 experts: 10-21 waves, 1-4% faster), and for matmuls of at least
-# WGMMA_WIDE columns (the packed layer's gate and up as one of 2 x 3072: 2-10% faster at 32-64 rows an expert with
-# 14 to 112 experts, within 2% at 1-8; benchmarks/NOTES-quant.md).
+# slower than with 64 columns a program; 112 experts: 10-21 waves, 1-4% faster; benchmarks/NOTES-quant.md).
 WGMMA_COLUMNS = 64
 WGMMA_MAXNREG = 80
 WGMMA_WAVES = 4
-WGMMA_WIDE = 4096
 WGMMA_REGS = gl.constexpr(104)
 _LOADER_REGS = gl.constexpr(24)
 # Ring slots by rows a pass (benchmarks/NOTES-quant.md has the sweep at 8, 14 and 112 experts).
@@ -77,13 +74,13 @@ def wgmma_tile(R: int, E: int, O: int = 0, sms: int = 132) -> tuple[int, int, in
     """(rows a pass BR, ring slots S, consumer warpgroups NC) for ``R`` rows over ``E`` experts of ``O`` outputs on
     a GPU of ``sms`` SMs: BR the mean rows' next power of two from 8 to 64 (more rows an expert than a pass take
     more passes); NC 2 (128 weight columns a program) unless that grid is under ``WGMMA_WAVES`` waves of two programs
-    an SM or O is at least ``WGMMA_WIDE``, then 1."""
+    an SM, then 1."""
     rows = -(-R // max(E, 1))
     per_pass = 8
     while per_pass < 64 and per_pass < rows:
         per_pass *= 2
     programs = (E + 1) * -(-O // (2 * WGMMA_COLUMNS))
-    return per_pass, WGMMA_SLOTS[per_pass], 2 if programs >= WGMMA_WAVES * 2 * sms and O < WGMMA_WIDE else 1
+    return per_pass, WGMMA_SLOTS[per_pass], 2 if programs >= WGMMA_WAVES * 2 * sms else 1
 
 
 def mxfp4_wgmma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor, offsets_E: torch.Tensor,

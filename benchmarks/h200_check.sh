@@ -195,9 +195,10 @@ case $MODE in
       --port-init device --compile eager --time-budget 540 --json "$OUT/parity_torchtitan.json" ;;
   quant)
     step 0 quant_tests 200 python3 -m pytest -v -rf ${XDIST[*]} tests/ops/test_mxfp4_grouped_mm.py tests/ops/test_mxfp4_wgmma.py \
-      tests/ops/test_mxfp4_mma.py tests/quant \
+      tests/ops/test_mxfp4_mma.py tests/ops/test_mxfp8_rows.py tests/quant \
       tests/serve/test_packed_experts.py
-    step 0 mxfp4_experts 280 python3 benchmarks/mxfp4_experts.py --out "$OUT" ;;
+    step 0 mxfp4_experts 280 python3 benchmarks/mxfp4_experts.py --tokens 1,4,8,16,32,64,128,256,512,2048 --layer \
+      --out "$OUT" ;;
   trainstep)
     step 0 train_gpu 560 python3 benchmarks/train_gpu.py --peer torchtitan --json "$OUT/train_gpu.json" ;;
   trainrun)

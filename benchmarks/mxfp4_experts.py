@@ -1,7 +1,8 @@
 """MXFP4 routed-expert matmuls on the GPU: ``mxfp4_grouped_mm`` (packed E2M1 codes + E8M0 scales) on each of its
 routes, against bf16 ``torch._grouped_mm`` at K3's expert shapes.
 
-    python benchmarks/mxfp4_experts.py [--experts 112] [--tokens 1,4,8,16,32,64,128,256,512,2048] [--out DIR]
+    python benchmarks/mxfp4_experts.py [--experts 112] [--tokens 1,4,8,16,32,64,128,256,512,2048] [--layer]
+                                       [--out DIR]
 
 K3's routed experts are SiTU-GLU FFNs, latent 3584 -> hidden 3072 -> 3584: the gate and up matmuls [in 3584, out 3072]
 (each; timed as one) and the down matmul [in 3072, out 3584]. Per shape and tokens an expert (every one of the E local
@@ -17,6 +18,8 @@ as long as its kernels, and timing it from Python measured the host's speed; ``-
 launched) and prints ms, the time of the weights' decode alone, the route ``mxfp4_route`` takes at that size, the
 bf16 / MXFP4 time ratio for that route (above 1: MXFP4 is faster), TFLOP/s, the weight bytes of each form and the
 weight bandwidth they imply (bytes / time).
+``--layer`` also times the packed expert layer as ``RoutedExperts`` serves it (``layer_table``: the rows gathered
+and quantised to MXFP8, gate and up as one matmul, the SiTU-GLU, down) against bf16 and against its unfused form.
 ``--blocks`` overrides the registers kernel's tile sizes (and warps and pipeline stages), for tuning. GPU only:
 without CUDA it exits with a message (``--help`` works anywhere). Writes ``mxfp4_experts.json`` under ``--out`` when
 given.

@@ -285,24 +285,31 @@ class RoutedExperts(nn.Module):
     @torch.compiler.disable   # (inference on packed weights: direct kernel launches, opaque to torch.compile)
     def _packed_forward(self, x_TL: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
                         counts_E: torch.Tensor | None) -> torch.Tensor:
-        """``forward`` on the packed MXFP4 weights, the fake-quantised forward's values: the rows gathered and
-        fake-quantised to MXFP8 in one kernel, gate and up as one matmul of 2F columns, the SiTU-GLU and the down
-        matmul's MXFP8 input in one kernel. Where the matmuls run the Hopper kernel (``mxfp4_mma_order``) both
-        inputs are written in its k order, so it reads them as they are."""
+        """``forward`` on the packed MXFP4 weights, the fake-quantised forward's values: gate and up as one matmul
+        of 2F columns; with the kernels (CUDA) the rows gathered and fake-quantised to MXFP8 in one, the SiTU-GLU
+        and the down matmul's MXFP8 input in one, both written in the Hopper kernel's k order where that kernel
+        runs (``mxfp4_mma_order``), so it reads them as they are; on the CPU the same values by torch ops."""
         top_k = ids_TK.shape[1]
         num_experts, _, hidden = self.w_gate_ELF.shape
         flat_ids_R = ids_TK.flatten()
         order_R = torch.argsort(flat_ids_R, stable=True)
         groups = ExpertGroups.of(expert_counts(flat_ids_R, num_experts) if counts_E is None else counts_E)
-        backend = glue_backend(x_TL)
+        inverse_R = inverse_permutation(order_R)
+        kernels = glue_backend(x_TL) == "triton"
         mma = mxfp4_mma_order(flat_ids_R.numel(), num_experts, x_TL.dtype, x_TL.device)
         gate_up, down = self.packed_gate_up, self.packed["w_down_EFL"]
-        x_RL = expert_rows_mxfp8(x_TL, order_R, top_k, mma_order=mma, backend=backend)
+        if kernels:
+            x_RL = expert_rows_mxfp8(x_TL, order_R, top_k, mma_order=mma)
+        else:
+            x_RL = expert_input(to_expert_rows(x_TL, order_R, inverse_R, top_k))
         gate_up_R2F = mxfp4_grouped_mm(x_RL, gate_up.codes, gate_up.scales, groups, mma_order=mma)
-        hidden_RF = situ_glu_mxfp8(gate_up_R2F[:, :hidden], gate_up_R2F[:, hidden:], weights_TK.flatten()[order_R],
-                                   mma_order=mma, backend=backend)
+        gate_RF, up_RF, row_weight_R = gate_up_R2F[:, :hidden], gate_up_R2F[:, hidden:], weights_TK.flatten()[order_R]
+        if kernels:
+            hidden_RF = situ_glu_mxfp8(gate_RF, up_RF, row_weight_R, mma_order=mma)
+        else:
+            hidden_RF = expert_input(situ_glu_cast(gate_RF, up_RF, row_weight_R, x_TL.dtype))
         y_RL = mxfp4_grouped_mm(hidden_RF, down.codes, down.scales, groups, mma_order=mma)
-        return from_expert_rows(y_RL, order_R, inverse_permutation(order_R), top_k).sum(1)
+        return from_expert_rows(y_RL, order_R, inverse_R, top_k).sum(1)
 
     EXPERT_WEIGHTS = ("w_gate_ELF", "w_up_ELF", "w_down_EFL")
 

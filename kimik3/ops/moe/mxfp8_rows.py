@@ -28,11 +28,10 @@ import torch
 
 from kimik3.ops.glue.common import _jit, check_triton_device, describe, on_device, tl, triton
 from kimik3.ops.glue.situ import _sigmoid_parts, _tanh_sech2
-from kimik3.quant.mx import BLOCK_SIZE, fake_quantize
+from kimik3.quant.mx import BLOCK_SIZE
 
 __all__ = ["MMA_STEP", "expert_rows_mxfp8", "mma_k_order_reference", "mma_width", "renumber_k", "situ_glu_mxfp8"]
 
-INPUT_FORMAT = "mxfp8_e4m3"
 MMA_STEP = 128     # the K step whose elements the MMA order permutes
 # A program's tile: 16 rows x 2 steps (256 elements), 4 warps (renumber_k at x.clone()'s speed, H100).
 BLOCK_R, STEPS, WARPS = 16, 2, 4
@@ -40,7 +39,7 @@ BLOCK_R, STEPS, WARPS = 16, 2, 4
 
 def mma_width(I: int) -> int:
     """The width of rows of width ``I`` written in the MMA's order: whole 128-element steps."""
-    return triton.cdiv(I, MMA_STEP) * MMA_STEP if triton is not None else -(-I // MMA_STEP) * MMA_STEP
+    return -(-I // MMA_STEP) * MMA_STEP
 
 
 def mma_k_order_reference(x_RI: torch.Tensor) -> torch.Tensor:
@@ -80,12 +79,12 @@ def renumber_k(x_RI: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def expert_rows_mxfp8(x_TI: torch.Tensor, order_R: torch.Tensor, top_k: int, *, mma_order: bool = False,
-                      backend: str = "triton") -> torch.Tensor:
+def expert_rows_mxfp8(x_TI: torch.Tensor, order_R: torch.Tensor, top_k: int, *,
+                      mma_order: bool = False) -> torch.Tensor:
     """Rows ``expert_input(x_TI[order_R // top_k])`` [R, I] in x's dtype, or [R, mma_width(I)] in the MMA's order
-    with ``mma_order``. x_TI [T, I] (I a multiple of 32, any strides); order_R: int64 or int32 [R = T top_k], the
-    flat (token, slot) index of each row. ``backend``: "triton" (one kernel; CUDA, or CPU under TRITON_INTERPRET=1)
-    or "torch" (the unfused ops)."""
+    with ``mma_order``, in one kernel (CUDA, or CPU under TRITON_INTERPRET=1). x_TI [T, I] bf16 or fp32 (I a
+    multiple of 32, any strides); order_R: int64 or int32 [R = T top_k], the flat (token, slot) index of each
+    row."""
     _check_rows(x_TI, "x_TI")
     if not isinstance(order_R, torch.Tensor) or order_R.ndim != 1 or order_R.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"order_R must be a 1-D int32 or int64 tensor, got {describe(order_R)}")
@@ -93,11 +92,6 @@ def expert_rows_mxfp8(x_TI: torch.Tensor, order_R: torch.Tensor, top_k: int, *, 
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
     if order_R.device != x_TI.device:
         raise ValueError(f"order_R is on {order_R.device} but x_TI on {x_TI.device}")
-    if backend == "torch":
-        rows = fake_quantize(x_TI.index_select(0, torch.div(order_R, top_k, rounding_mode="floor")), INPUT_FORMAT)
-        return mma_k_order_reference(rows) if mma_order else rows
-    if backend != "triton":
-        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
     check_triton_device(x_TI, "expert_rows_mxfp8")
     R, I = order_R.shape[0], x_TI.shape[1]
     out = torch.empty(R, mma_width(I) if mma_order else I, dtype=x_TI.dtype, device=x_TI.device)
@@ -112,11 +106,11 @@ def expert_rows_mxfp8(x_TI: torch.Tensor, order_R: torch.Tensor, top_k: int, *, 
 
 
 def situ_glu_mxfp8(gate_RF: torch.Tensor, up_RF: torch.Tensor, row_weight_R: torch.Tensor, *,
-                   mma_order: bool = False, backend: str = "triton") -> torch.Tensor:
+                   mma_order: bool = False) -> torch.Tensor:
     """``expert_input(situ_glu_cast(gate, up, row_weight))`` [R, F] in gate's dtype, or [R, mma_width(F)] in the
-    MMA's order with ``mma_order``: the down matmul's rows. gate_RF, up_RF [R, F] (F a multiple of 32, unit stride
-    along F: the two halves of one [R, 2F] output are read in place); row_weight_R fp32 [R] (any stride).
-    ``backend``: "triton" (one kernel) or "torch" (``situ_glu_cast`` and ``fake_quantize``)."""
+    MMA's order with ``mma_order``, in one kernel: the down matmul's rows. gate_RF, up_RF [R, F] bf16 or fp32 (F a
+    multiple of 32, unit stride along F: the two halves of one [R, 2F] output are read in place); row_weight_R
+    [R] (any float dtype and stride; fp32 as the MoE gives it)."""
     _check_rows(gate_RF, "gate_RF")
     if not isinstance(up_RF, torch.Tensor) or up_RF.shape != gate_RF.shape or up_RF.dtype != gate_RF.dtype:
         raise ValueError(f"up_RF must match gate_RF {tuple(gate_RF.shape)} {gate_RF.dtype}, got {describe(up_RF)}")
@@ -126,13 +120,6 @@ def situ_glu_mxfp8(gate_RF: torch.Tensor, up_RF: torch.Tensor, row_weight_R: tor
     if len({gate_RF.device, up_RF.device, row_weight_R.device}) != 1:
         raise ValueError(f"gate_RF, up_RF and row_weight_R must share a device, got {gate_RF.device}, "
                          f"{up_RF.device} and {row_weight_R.device}")
-    if backend == "torch":
-        from kimik3.model.ffn import situ_glu_cast
-
-        rows = fake_quantize(situ_glu_cast(gate_RF, up_RF, row_weight_R, gate_RF.dtype), INPUT_FORMAT)
-        return mma_k_order_reference(rows) if mma_order else rows
-    if backend != "triton":
-        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
     check_triton_device(gate_RF, "situ_glu_mxfp8")
     if gate_RF.stride(1) != 1 or up_RF.stride(1) != 1:
         gate_RF, up_RF = gate_RF.contiguous(), up_RF.contiguous()

@@ -69,6 +69,7 @@ from kimik3.ops.glue.common import _jit, check_triton_device, describe, glue_bac
 from kimik3.ops.moe.grouped_mm import ExpertGroups, grouped_mm_loop
 from kimik3.ops.moe.mxfp4_dequantize import (as_words, check_mxfp4_weight, decode_words, mxfp4_dequantize,
                                               permute_words)
+from kimik3.ops.moe.mxfp8_rows import mma_width
 from kimik3.quant.mx import BLOCK_SIZE, MXTensor, dequantize
 
 __all__ = ["gemv_blocks", "mma_available", "mxfp4_backend", "mxfp4_blocks", "mxfp4_grouped_mm",
@@ -337,8 +338,6 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
 
 def _mma_ordered(x_RI, codes_EOH, scales_EOB, groups_or_offsets, backend: str, route: str) -> torch.Tensor:
     """``mxfp4_grouped_mm`` on x already in the MMA's k order: checked, then ``mxfp4_wgmma`` as it stands."""
-    from kimik3.ops.moe.mxfp8_rows import mma_width
-
     if not isinstance(x_RI, torch.Tensor) or x_RI.ndim != 2:
         raise ValueError(f"x_RI must be 2-D [R, I padded], got {describe(x_RI)}")
     if not isinstance(codes_EOH, torch.Tensor) or codes_EOH.ndim != 3:

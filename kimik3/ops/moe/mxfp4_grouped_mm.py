@@ -281,16 +281,22 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     ``mma_order``: x_RI is [R, mma_width(I)] in the MMA's k order (``mxfp8_rows``; contiguous), for a call that
     takes ``mxfp4_wgmma`` (``mxfp4_mma_order`` says when; any other raises).
     """
-    if mma_order:
-        return _mma_ordered(x_RI, codes_EOH, scales_EOB, groups_or_offsets, backend, route)
-    offsets_E = _check(x_RI, codes_EOH, scales_EOB, groups_or_offsets)
-    if mxfp4_backend(x_RI, backend) == "torch":
+    offsets_E = _check(_mma_ordered_rows(x_RI, codes_EOH) if mma_order else x_RI, codes_EOH, scales_EOB,
+                       groups_or_offsets)
+    torch_backend = mxfp4_backend(x_RI, backend) == "torch"
+    if mma_order and (route not in ("auto", "mma") or torch_backend
+                      or not mxfp4_mma_order(x_RI.shape[0], codes_EOH.shape[0], x_RI.dtype, x_RI.device)):
+        raise ValueError(f"mma_order=True: x in the MMA's order is read by the wgmma kernel only (bf16 on a Hopper "
+                         f"GPU, at most {MMA_ROWS} rows an expert on average, route 'auto' or 'mma'); this call has "
+                         f"{x_RI.dtype} on {x_RI.device}, {x_RI.shape[0]} rows over {codes_EOH.shape[0]} experts, "
+                         f"route {route!r}")
+    if torch_backend:
         return mxfp4_grouped_mm_reference(x_RI, codes_EOH, scales_EOB, offsets_E)
     if torch.is_grad_enabled() and x_RI.requires_grad:
         raise RuntimeError("mxfp4_grouped_mm's kernel is forward only (inference): call it under torch.no_grad() or "
                            "torch.inference_mode(), or use backend='torch'")
     check_triton_device(x_RI, "mxfp4_grouped_mm")
-    R, I = x_RI.shape
+    R, I = x_RI.shape[0], 2 * codes_EOH.shape[2]
     E, O, _ = codes_EOH.shape
     blocks = (block_m, block_n, block_k, num_warps, num_stages)
     wgmma = wgmma_available(x_RI.device)
@@ -303,7 +309,7 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     if chosen == "mma" and wgmma:
         from kimik3.ops.moe.mxfp4_wgmma import mxfp4_wgmma  # (Gluon: imported only where it runs)
 
-        return mxfp4_wgmma(x_RI, codes_EOH, scales_EOB, offsets_E)
+        return mxfp4_wgmma(x_RI, codes_EOH, scales_EOB, offsets_E, mma_order=mma_order)
     if chosen == "mma":
         from kimik3.ops.moe.mxfp4_mma import mxfp4_mma
 
@@ -336,8 +342,9 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     return y_RO
 
 
-def _mma_ordered(x_RI, codes_EOH, scales_EOB, groups_or_offsets, backend: str, route: str) -> torch.Tensor:
-    """``mxfp4_grouped_mm`` on x already in the MMA's k order: checked, then ``mxfp4_wgmma`` as it stands."""
+def _mma_ordered_rows(x_RI, codes_EOH) -> torch.Tensor:
+    """x in the MMA's k order, checked for what the wgmma kernel's TMA reads (whole 128-element steps of the
+    weights' I, contiguous, a 16-byte aligned base), as the [R, I] view the other checks take."""
     if not isinstance(x_RI, torch.Tensor) or x_RI.ndim != 2:
         raise ValueError(f"x_RI must be 2-D [R, I padded], got {describe(x_RI)}")
     if not isinstance(codes_EOH, torch.Tensor) or codes_EOH.ndim != 3:
@@ -348,19 +355,7 @@ def _mma_ordered(x_RI, codes_EOH, scales_EOB, groups_or_offsets, backend: str, r
                          f"{mma_width(I)}, got {describe(x_RI)}")
     if not x_RI.is_contiguous() or x_RI.data_ptr() % 16:
         raise ValueError("x_RI in the MMA's order is read by TMA: it must be contiguous, its base 16-byte aligned")
-    offsets_E = _check(x_RI[:, :I], codes_EOH, scales_EOB, groups_or_offsets)
-    if (route not in ("auto", "mma") or mxfp4_backend(x_RI, backend) == "torch"
-            or not mxfp4_mma_order(x_RI.shape[0], codes_EOH.shape[0], x_RI.dtype, x_RI.device)):
-        raise ValueError(f"mma_order=True: x in the MMA's order is read by the wgmma kernel only (bf16 on a Hopper "
-                         f"GPU, at most {MMA_ROWS} rows an expert on average, route 'auto' or 'mma'); this call has "
-                         f"{x_RI.dtype} on {x_RI.device}, {x_RI.shape[0]} rows over {codes_EOH.shape[0]} experts, "
-                         f"route {route!r}")
-    if torch.is_grad_enabled() and x_RI.requires_grad:
-        raise RuntimeError("mxfp4_grouped_mm's kernel is forward only (inference): call it under torch.no_grad() or "
-                           "torch.inference_mode()")
-    from kimik3.ops.moe.mxfp4_wgmma import mxfp4_wgmma
-
-    return mxfp4_wgmma(x_RI, codes_EOH, scales_EOB, offsets_E, mma_order=True)
+    return x_RI[:, :I]
 
 
 def _gemv(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor,

@@ -266,12 +266,7 @@ class RoutedExperts(nn.Module):
         if self.quant is None and self._few_rows(x_TL, num_tokens * top_k):
             # Serving decode: two kernels, no sort (each (token, expert) row reads its expert's weights).
             return routed_experts_small(x_TL, weights_TK, ids_TK, self.w_gate_ELF, self.w_up_ELF, self.w_down_EFL)
-        num_experts = self.w_gate_ELF.shape[0]
-        flat_ids_R = ids_TK.flatten()
-        order_R = torch.argsort(flat_ids_R, stable=True)
-        inverse_R = inverse_permutation(order_R)
-        groups = ExpertGroups.of(expert_counts(flat_ids_R, num_experts) if counts_E is None else counts_E)
-
+        order_R, inverse_R, groups = self._sort_rows(ids_TK, counts_E)
         x_RL = self._input(to_expert_rows(x_TL, order_R, inverse_R, top_k))
         w_gate, w_up = (self._weight(getattr(self, n), x_RL.dtype) for n in ("w_gate_ELF", "w_up_ELF"))
         gate_RF, up_RF = grouped_mm(x_RL, w_gate, groups), grouped_mm(x_RL, w_up, groups)
@@ -282,6 +277,14 @@ class RoutedExperts(nn.Module):
         # result on every run, unlike an atomic scatter-add, so a decode replayed as a graph matches it eagerly.
         return from_expert_rows(y_RL, order_R, inverse_R, top_k).sum(1)
 
+    def _sort_rows(self, ids_TK: torch.Tensor, counts_E: torch.Tensor | None):
+        """The (token, slot) rows sorted by expert: ``order_R`` (each row's flat (token, slot) index), its inverse,
+        and the experts' ``ExpertGroups`` (from ``counts_E`` when the router counted them)."""
+        flat_ids_R = ids_TK.flatten()
+        order_R = torch.argsort(flat_ids_R, stable=True)
+        counts_E = expert_counts(flat_ids_R, self.w_gate_ELF.shape[0]) if counts_E is None else counts_E
+        return order_R, inverse_permutation(order_R), ExpertGroups.of(counts_E)
+
     @torch.compiler.disable   # (inference on packed weights: direct kernel launches, opaque to torch.compile)
     def _packed_forward(self, x_TL: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
                         counts_E: torch.Tensor | None) -> torch.Tensor:
@@ -291,12 +294,9 @@ class RoutedExperts(nn.Module):
         runs (``mxfp4_mma_order``), so it reads them as they are; on the CPU the same values by torch ops."""
         top_k = ids_TK.shape[1]
         num_experts, _, hidden = self.w_gate_ELF.shape
-        flat_ids_R = ids_TK.flatten()
-        order_R = torch.argsort(flat_ids_R, stable=True)
-        groups = ExpertGroups.of(expert_counts(flat_ids_R, num_experts) if counts_E is None else counts_E)
-        inverse_R = inverse_permutation(order_R)
+        order_R, inverse_R, groups = self._sort_rows(ids_TK, counts_E)
         kernels = glue_backend(x_TL) == "triton"
-        mma = mxfp4_mma_order(flat_ids_R.numel(), num_experts, x_TL.dtype, x_TL.device)
+        mma = mxfp4_mma_order(order_R.numel(), num_experts, x_TL.dtype, x_TL.device)
         gate_up, down = self.packed_gate_up, self.packed["w_down_EFL"]
         if kernels:
             x_RL = expert_rows_mxfp8(x_TL, order_R, top_k, mma_order=mma)

@@ -260,7 +260,7 @@ def layer_table(args, report, timed, tokens_list) -> None:
 
     dev = torch.device(DEVICE)
     E = args.experts
-    (L, F), _ = SHAPES["gate_up"], SHAPES["down"]
+    L, F = SHAPES["gate_up"]
     gen = torch.Generator(device=dev).manual_seed(1)
     packed, bf16_weights = {}, {}
     for name, (I, O) in (("gate_up", (L, 2 * F)), ("down", (F, L))):

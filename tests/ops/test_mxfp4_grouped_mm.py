@@ -452,11 +452,13 @@ def test_scale_code_zero_is_two_to_the_minus_127(route):
     assert torch.equal(y, dequantize(mx)[0]) and bool((y != 0).any())
 
 
-def check_every_code_decodes_exactly(matmul):
+def check_every_code_decodes_exactly(matmul, O=16, scale_codes=None):
     """``matmul(x, codes, scales, offsets) -> y`` (bf16) on one-hot rows, 128 an expert: y is W's rows bit for bit,
-    for every byte value and scale codes 100..163."""
-    E, I, O = 2, 128, 16
-    mx = every_code_weight(E, I, O, torch.arange(100, 100 + E * O * 4).reshape(E, O, 4) % 64 + 100)
+    for every byte value and the scale codes ``scale_codes`` [2 O 4] (default 100..163)."""
+    E, I = 2, 128
+    if scale_codes is None:
+        scale_codes = torch.arange(100, 100 + E * O * 4) % 64 + 100
+    mx = every_code_weight(E, I, O, scale_codes.reshape(E, O, 4))
     x = torch.eye(I, device=DEV, dtype=torch.bfloat16).repeat(E, 1)
     y = matmul(x, mx.codes, mx.scales, offsets_of([I] * E))
     assert torch.equal(y.float(), torch.cat(list(dequantize(mx).to(torch.bfloat16).float())))

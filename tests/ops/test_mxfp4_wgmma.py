@@ -102,8 +102,23 @@ def test_tile_by_rows_an_expert_and_by_the_grid():
 
 
 def test_every_code_decodes_exactly():
-    """One-hot rows, 128 an expert (two passes of 64): y is W's rows bit for bit."""
+    """One-hot rows, 128 an expert (two passes of 64): y is W's rows bit for bit, with scale codes up to 163 (the
+    decode's two multiplies) and with codes 2..128 only (one, 2^126 folded into the scale; from 2 up every value is
+    a normal bf16, which the tensor cores take as it is)."""
     check_every_code_decodes_exactly(run)
+    check_every_code_decodes_exactly(run, O=24, scale_codes=torch.arange(2 * 24 * 4) % 127 + 2)
+
+
+def test_one_large_scale_code_takes_its_warpgroup_to_the_two_multiplies(consumers):
+    """A scale code over 128 in one block of one weight column: its 64 columns (and only they, where a program has
+    two consumer warpgroups) decode with two multiplies; every column stays exact against the reference."""
+    E, I, O = 2, 256, 136
+    mx = weights(E, I, O)
+    mx.scales.clamp_(max=128)
+    mx.scales[1, 70, 3] = 131
+    offsets = offsets_of([9, 40])
+    x = rows(49, I, torch.bfloat16)
+    assert_close_to_reference(run(x, mx, offsets=offsets), x, mx, offsets)
 
 
 def test_nan_scale_poisons_its_column_of_its_expert():

@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from kimik3.ops.glue.common import on_device, triton
 from kimik3.ops.moe.mxfp4_dequantize import as_words
 
-__all__ = ["MMA_STEPS", "MMA_WARPS", "decode_pair", "expert_tile", "mxfp4_mma", "scale_bits"]
+__all__ = ["FOLD_MAX_CODE", "MMA_STEPS", "MMA_WARPS", "decode_pair", "expert_tile", "mxfp4_mma", "scale_bits"]
 
 # 16 weight columns a warp, 4 warps (K3's O = 3072 over 8 local experts: 384 programs), K steps of 128 elements x
 # MMA_STEPS (two: 32 code bytes a weight column in flight a thread; faster than one at one row an expert, H100), 8
@@ -54,8 +54,11 @@ __all__ = ["MMA_STEPS", "MMA_WARPS", "decode_pair", "expert_tile", "mxfp4_mma", 
 MMA_WARPS = 4
 MMA_STEPS = 2
 # 2^126 in both bf16 halves, then the scale: the pair decode gives value x 2^-126, and 2^126 x 2^(code - 127) as one
-# factor would overflow bf16 from code 129 up.
+# factor would overflow bf16 from code 129 up. Where no scale code is over 128, one multiply by that factor
+# (``scale_bits(FOLD=True)``) gives the same bits: both round the same exact product once.
 _SCALE_ASM = gl.constexpr("{ .reg .b32 c, t; mov.b32 c, 0x7E807E80; mul.rn.bf16x2 t, $1, c; mul.rn.bf16x2 $0, t, $2; }")
+_FOLDED_SCALE_ASM = gl.constexpr("mul.rn.bf16x2 $0, $1, $2;")
+FOLD_MAX_CODE = gl.constexpr(128)
 
 
 def mxfp4_mma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor, offsets_E: torch.Tensor,
@@ -95,10 +98,10 @@ def _x_layout(C, W):
 
 
 @gluon.jit
-def decode_pair(words, q: gl.constexpr, scale2):
+def decode_pair(words, q: gl.constexpr, scale2, FOLD: gl.constexpr = False):
     """Nibbles q and q + 4 of each int32 word decoded into the two bf16 halves of an int32, times their block scale
-    (scale2: the scale's bf16 bits in both halves, ``scale_bits``), split into a trailing axis of 2 (low half
-    first)."""
+    (scale2: the scale's bf16 bits in both halves, ``scale_bits`` with the same ``FOLD``), split into a trailing axis
+    of 2 (low half first)."""
     # (w << 6 - 4q): the nibbles' e1 e0 m to bits 6..8 of each half; (w << 12 - 4q): their signs to bits 15, 31
     if q == 0:
         pair = ((words << 6) & 0x01C001C0) | ((words << 12) & -0x7FFF8000)   # 0x80008000 as int32
@@ -108,7 +111,8 @@ def decode_pair(words, q: gl.constexpr, scale2):
         pair = ((words >> 2) & 0x01C001C0) | ((words << 4) & -0x7FFF8000)
     else:
         pair = ((words >> 6) & 0x01C001C0) | (words & -0x7FFF8000)
-    pair = gl.inline_asm_elementwise(_SCALE_ASM, "=r,r,r", [pair, scale2], dtype=gl.int32, is_pure=True, pack=1)
+    pair = gl.inline_asm_elementwise(_FOLDED_SCALE_ASM if FOLD else _SCALE_ASM, "=r,r,r", [pair, scale2],
+                                     dtype=gl.int32, is_pure=True, pack=1)
     return gl.join(pair.to(gl.int16).to(gl.bfloat16, bitcast=True),
                    (pair >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True))
 
@@ -129,12 +133,15 @@ def expert_tile(off_ptr, R, O, E, BM: gl.constexpr):
 
 
 @gluon.jit
-def scale_bits(scodes):
+def scale_bits(scodes, FOLD: gl.constexpr = False):
     """E8M0 scale codes -> 2^(code - 127)'s bf16 bits in both halves of an int32 (code 0: the subnormal 2^-127;
-    255: NaN)."""
+    255: NaN); ``FOLD``: 2^126 x 2^(code - 127), for codes up to ``FOLD_MAX_CODE`` only."""
     s = scodes.to(gl.int32)
-    bits = gl.where(s == 0, 0x0040, s << 7)
-    bits = gl.where(s == 255, 0x7FC0, bits)
+    if FOLD:
+        bits = (s + 126) << 7
+    else:
+        bits = gl.where(s == 0, 0x0040, s << 7)
+        bits = gl.where(s == 255, 0x7FC0, bits)
     return bits | (bits << 16)
 
 

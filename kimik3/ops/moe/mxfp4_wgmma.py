@@ -24,6 +24,12 @@ further pass re-reads the codes from L2):
   multiplies), wait, and hand the slot back on its "empty" barrier (NC arrivals free it). Each consumer loads its
   columns' scale codes from global one K step ahead (one byte a column a step: under TMA's 16-byte minimum box).
 
+The decode is issue-bound alongside the tensor cores at 32-64 rows a pass (~270 instructions a thread a K step, six
+for each pair of elements: two shifts, two logic operations, two multiplies). Each consumer first reads the largest
+scale code of its 64 columns (the bytes its K steps read next, so they then come from L2): up to 128, the two
+multiplies of a pair (by 2^126, then by the scale) are one, by 2^126 x the scale, a bf16 as long as the code is at
+most 128 (blocks of |w| < 16: trained weights' blocks), with the same bits; otherwise the warpgroup takes the two.
+
 The partitions drift apart by up to S steps, so one warpgroup's decode overlaps another's tensor work and the
 copies of the next steps. NC is 2 (two programs an SM: ``maxnreg`` 80 over 12 warps, the consumers at 112 and 104
 registers, the loader's warpgroup at 24; 41-74 KB of shared memory) or, for small grids, 1 (three programs an SM:
@@ -49,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kimik3.ops.glue.common import _sm_count, on_device, triton
-from kimik3.ops.moe.mxfp4_mma import decode_pair, expert_tile, scale_bits
+from kimik3.ops.moe.mxfp4_mma import FOLD_MAX_CODE, decode_pair, expert_tile, scale_bits
 from kimik3.ops.moe.mxfp8_rows import renumber_k
 
 __all__ = ["mxfp4_wgmma", "wgmma_tile"]
@@ -153,25 +159,54 @@ def _words_layout():
 
 
 @gluon.jit
-def _decode_half(words, scale2, A_L: gl.constexpr):
-    """Code words [4, 2, 8, t, w'] (w = 2 half + w') and their scales' bf16 bits (both halves of an int32) ->
-    the A operand [64, 64] of the half's MMA k indices h + 2 t + 8 q + 32 w'."""
-    p = gl.join(gl.join(decode_pair(words, 0, scale2), decode_pair(words, 1, scale2)),
-                gl.join(decode_pair(words, 2, scale2), decode_pair(words, 3, scale2)))
+def _decode_half(words, scale2, A_L: gl.constexpr, FOLD: gl.constexpr):
+    """Code words [4, 2, 8, t, w'] (w = 2 half + w') and their scales' bf16 bits (both halves of an int32,
+    ``scale_bits`` with the same ``FOLD``) -> the A operand [64, 64] of the half's MMA k indices
+    h + 2 t + 8 q + 32 w'."""
+    p = gl.join(gl.join(decode_pair(words, 0, scale2, FOLD), decode_pair(words, 1, scale2, FOLD)),
+                gl.join(decode_pair(words, 2, scale2, FOLD), decode_pair(words, 3, scale2, FOLD)))
     # [W, 2, 8, t, w', h, q0, q1] -> [W, 2, 8, w', q1, q0, t, h]: rows the columns, k = 32 w' + 8 q + 2 t + h
     p = gl.permute(p, [0, 1, 2, 4, 7, 6, 3, 5])
     return gl.convert_layout(gl.reshape(p, [64, 64]), A_L, assert_trivial=True)
 
 
 @gluon.jit
+def _max_scale_code(sc_ptr, s_se, s_so, s_sb, e, col0, O, E, NB: gl.constexpr):
+    """The largest scale code of expert e's weight columns col0 ... col0 + 63 (0 for the group past the last
+    offset), one warpgroup's scalar: the bytes its K steps read next, so they come from L2 there."""
+    BL: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
+    c = col0 + gl.arange(0, 64, layout=gl.SliceLayout(1, BL))
+    b = gl.arange(0, 32, layout=gl.SliceLayout(0, BL))
+    live = gl.expand_dims((c < O) & (e < E), 1)
+    ptrs = sc_ptr + e.to(gl.int64) * s_se + gl.expand_dims(c.to(gl.int64) * s_so, 1) + gl.expand_dims(b * s_sb, 0)
+    top = gl.zeros([64, 32], gl.int32, layout=BL)
+    for b0 in gl.static_range(0, NB, 32):
+        codes = gl.load(ptrs + b0 * s_sb, mask=live & gl.expand_dims(b0 + b < NB, 0), other=0)
+        top = gl.maximum(top, codes.to(gl.int32))
+    return gl.max(gl.max(top, axis=1), axis=0)
+
+
+@gluon.jit
 def _consumer(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I: gl.constexpr,
               BR: gl.constexpr, BMC: gl.constexpr, S: gl.constexpr, CI: gl.constexpr):
-    """Consumer partition CI (one warpgroup): weight columns 64 CI ... 64 CI + 63 of the program's BMC, every pass,
-    the fp32 accumulator [64, BR] stored in bf16."""
+    """Consumer partition CI (one warpgroup): weight columns 64 CI ... 64 CI + 63 of the program's BMC, every pass.
+    The decode's two multiplies a pair become one where none of these columns' scale codes is over FOLD_MAX_CODE
+    (``scale_bits``; blocks of |w| >= 16 have more, which trained weights rarely do)."""
     e, pid_n, start, end = expert_tile(off_ptr, R, O, E, BMC)
+    col0 = pid_n * BMC + CI * 64
+    if _max_scale_code(sc_ptr, s_se, s_so, s_sb, e, col0, O, E, I // 32) <= FOLD_MAX_CODE:
+        _passes(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, y_ptr, e, col0, start, end, O, E, I, BR, S, CI, True)
+    else:
+        _passes(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, y_ptr, e, col0, start, end, O, E, I, BR, S, CI, False)
+
+
+@gluon.jit
+def _passes(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, y_ptr, e, col0, start, end, O, E, I: gl.constexpr,
+            BR: gl.constexpr, S: gl.constexpr, CI: gl.constexpr, FOLD: gl.constexpr):
+    """Consumer CI's passes over rows start..end: the ring's K steps decoded and multiplied, the fp32 accumulator
+    [64, BR] stored in bf16."""
     NK: gl.constexpr = (I + 127) // 128
     NB: gl.constexpr = I // 32
-    col0 = pid_n * BMC + CI * 64
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BR, 16])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     # code words [4, 2, 8, 4 (t), 4 (w)]: weight column 16 wp + 8 r + l, word 4 t + w of the step
@@ -204,13 +239,13 @@ def _consumer(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R,
             mbarrier.wait(ready.index(slot), (i // S) & 1)
             words = gl.convert_layout(gl.reshape(cs.index(slot).slice(CI * 64, 64).load(CL), [4, 2, 8, 4, 4]), WL,
                                       assert_trivial=True)
-            scale2 = gl.broadcast(gl.expand_dims(scale_bits(scodes), 4), words)[0]
+            scale2 = gl.broadcast(gl.expand_dims(scale_bits(scodes, FOLD), 4), words)[0]
             # the K step's halves: words w = 0, 1 (MMA k 0..63) and w = 2, 3
             w0, w1 = gl.split(gl.permute(gl.reshape(words, [4, 2, 8, 4, 2, 2]), [0, 1, 2, 3, 5, 4]))
             s0, s1 = gl.split(gl.permute(gl.reshape(scale2, [4, 2, 8, 4, 2, 2]), [0, 1, 2, 3, 5, 4]))
-            a0 = _decode_half(w0, s0, A_L)
+            a0 = _decode_half(w0, s0, A_L, FOLD)
             acc = warpgroup_mma(a0, xs.index(2 * slot).permute((1, 0)), acc, is_async=True)
-            a1 = _decode_half(w1, s1, A_L)
+            a1 = _decode_half(w1, s1, A_L, FOLD)
             acc = warpgroup_mma(a1, xs.index(2 * slot + 1).permute((1, 0)), acc, is_async=True)
             acc, a0, a1 = warpgroup_mma_wait(0, deps=[acc, a0, a1])
             gl.thread_barrier()                       # the warpgroup's reads of the slot are done before it is freed

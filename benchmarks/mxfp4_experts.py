@@ -16,8 +16,10 @@ fails is not timed), then times the routes and bf16 (``triton.testing.do_bench``
 the call, as the engine decodes: at decode sizes a call's host work, its checks and launches from Python, lasts about
 as long as its kernels, and timing it from Python measured the host's speed; ``--eager`` times the calls as
 launched) and prints ms, the time of the weights' decode alone, the route ``mxfp4_route`` takes at that size, the
-bf16 / MXFP4 time ratio for that route (above 1: MXFP4 is faster), TFLOP/s, the weight bytes of each form and the
-weight bandwidth they imply (bytes / time).
+bf16 / MXFP4 time ratio for that route (above 1: MXFP4 is faster), where the Hopper kernel runs the mma route also on
+x already in its k order ("ordered": as the packed layer's producers write x, so without ``renumber_k``'s pass; checked
+equal to the mma route bit for bit) and its ratio, TFLOP/s, the weight bytes of each form and the weight bandwidth
+they imply (bytes / time).
 ``--layer`` also times the packed expert layer as ``RoutedExperts`` serves it (``layer_table``: the rows gathered
 and quantised to MXFP8, gate and up as one matmul, the SiTU-GLU, down) against bf16 and against its unfused form.
 ``--blocks`` overrides the registers kernel's tile sizes (and warps and pipeline stages), for tuning. GPU only:
@@ -125,8 +127,9 @@ def main(argv=None) -> int:
 
     from kimik3.ops.moe import ExpertGroups, mxfp4_grouped_mm
     from kimik3.ops.moe.mxfp4_dequantize import mxfp4_dequantize
-    from kimik3.ops.moe.mxfp4_grouped_mm import (gemv_blocks, mma_available, mxfp4_blocks, mxfp4_route,
-                                                 wgmma_available)
+    from kimik3.ops.moe.mxfp4_grouped_mm import (gemv_blocks, mma_available, mxfp4_blocks, mxfp4_mma_order,
+                                                 mxfp4_route, wgmma_available)
+    from kimik3.ops.moe.mxfp8_rows import renumber_k
     from kimik3.quant.mx import dequantize, quantize
 
     report = Report(table=[])
@@ -149,7 +152,8 @@ def main(argv=None) -> int:
     log(f"times: do_bench medians of {'each call replayed from a CUDA graph' if graphs else 'each call as launched'}")
     log(f"{'shape':>8} {'tok/exp':>7} {'rows':>6} {'M,N,K,warps,stages':>20} {'mma ms':>8} {'gemv ms':>8} "
         f"{'regs ms':>8} "
-        f"{'deq ms':>8} {'(decode)':>8} {'route':>10} {'bf16 ms':>8} {'ratio':>6} {'mxfp4 TF':>8} {'bf16 TF':>8} "
+        f"{'deq ms':>8} {'(decode)':>8} {'route':>10} {'bf16 ms':>8} {'ratio':>6} {'ordered':>8} {'ratio':>6} "
+        f"{'mxfp4 TF':>8} {'bf16 TF':>8} "
         f"{'W mxfp4':>9} {'W bf16':>9} {'mxfp4 GB/s':>10} {'bf16 GB/s':>9}")
     for name in args.shapes:
         I, O = SHAPES[name]
@@ -193,6 +197,15 @@ def main(argv=None) -> int:
                 if auto not in times:
                     continue
                 ms_bf16 = timed(run_bf16)
+                ms_ordered = None
+                if auto == "mma" and mxfp4_mma_order(R, E, x.dtype, dev):
+                    # x as the packed layer's producers write it (the Hopper kernel's k order): no renumber_k inside
+                    x_k = renumber_k(x)
+                    run = lambda: mxfp4_grouped_mm(x_k, codes, scales, groups, mma_order=True)  # noqa: E731
+                    same = torch.equal(run(), mxfp4_grouped_mm(x, codes, scales, groups, route="mma"))
+                    report.verdict(f"{case}:mma_ordered:equals_mma", same, "bit for bit" if same else "differs")
+                    if same:
+                        ms_ordered = timed(run)
             ms_mx, err = times[auto]
             flops = 2.0 * R * I * O
             if auto == "mma" and wgmma:   # rows a pass, columns a program, 128 K, warps, ring slots
@@ -216,6 +229,8 @@ def main(argv=None) -> int:
                    "gemv_ms": times.get("gemv", (None,))[0],
                    "registers_ms": times.get("registers", (None,))[0],
                    "dequantize_ms": times.get("dequantize", (None,))[0], "dequantize_weights_ms": ms_decode,
+                   "mma_ordered_ms": ms_ordered,
+                   "ratio_bf16_over_mma_ordered": ms_bf16 / ms_ordered if ms_ordered else None,
                    "mxfp4_ms": ms_mx, "bf16_ms": ms_bf16, "ratio_bf16_over_mxfp4": ms_bf16 / ms_mx,
                    "mxfp4_tflops": flops / ms_mx / 1e9, "bf16_tflops": flops / ms_bf16 / 1e9,
                    "weight_bytes_mxfp4": bytes_mx, "weight_bytes_bf16": bytes_bf16,
@@ -230,7 +245,9 @@ def main(argv=None) -> int:
                 f"{ms(row['gemv_ms']):>8} "
                 f"{ms(row['registers_ms']):>8} {ms(row['dequantize_ms']):>8} {ms_decode:>8.4f} {auto:>10} "
                 f"{ms_bf16:>8.4f} "
-                f"{row['ratio_bf16_over_mxfp4']:>6.2f} {row['mxfp4_tflops']:>8.1f} {row['bf16_tflops']:>8.1f} "
+                f"{row['ratio_bf16_over_mxfp4']:>6.2f} {ms(ms_ordered):>8} "
+                f"{(f'{ms_bf16 / ms_ordered:.2f}' if ms_ordered else '-'):>6} "
+                f"{row['mxfp4_tflops']:>8.1f} {row['bf16_tflops']:>8.1f} "
                 f"{bytes_mx / 2 ** 20:>7.1f}MB {bytes_bf16 / 2 ** 20:>7.1f}MB {row['mxfp4_weight_gbps']:>10.0f} "
                 f"{row['bf16_weight_gbps']:>9.0f}")
         codes = scales = w_deq = mx = x = y = ref = run = None  # this shape's tensors freed before the next one's

@@ -281,7 +281,7 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     ``mma_order``: x_RI is [R, mma_width(I)] in the MMA's k order (``mxfp8_rows``; contiguous), for a call that
     takes ``mxfp4_wgmma`` (``mxfp4_mma_order`` says when; any other raises).
     """
-    offsets_E = _check(_mma_ordered_rows(x_RI, codes_EOH) if mma_order else x_RI, codes_EOH, scales_EOB,
+    offsets_E = _check(_mma_ordered_rows(x_RI, codes_EOH, scales_EOB) if mma_order else x_RI, codes_EOH, scales_EOB,
                        groups_or_offsets)
     torch_backend = mxfp4_backend(x_RI, backend) == "torch"
     if mma_order and (route not in ("auto", "mma") or torch_backend
@@ -342,13 +342,12 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     return y_RO
 
 
-def _mma_ordered_rows(x_RI, codes_EOH) -> torch.Tensor:
+def _mma_ordered_rows(x_RI, codes_EOH, scales_EOB) -> torch.Tensor:
     """x in the MMA's k order, checked for what the wgmma kernel's TMA reads (whole 128-element steps of the
     weights' I, contiguous, a 16-byte aligned base), as the [R, I] view the other checks take."""
     if not isinstance(x_RI, torch.Tensor) or x_RI.ndim != 2:
         raise ValueError(f"x_RI must be 2-D [R, I padded], got {describe(x_RI)}")
-    if not isinstance(codes_EOH, torch.Tensor) or codes_EOH.ndim != 3:
-        raise ValueError(f"codes_EOH must be 3-D [E, O, I/2], got {describe(codes_EOH)}")
+    check_mxfp4_weight(codes_EOH, scales_EOB)       # (its I, which the padded width follows)
     I = 2 * codes_EOH.shape[2]
     if x_RI.shape[1] != mma_width(I):
         raise ValueError(f"x_RI in the MMA's order has whole 128-element steps of the weights' I = {I}: width "

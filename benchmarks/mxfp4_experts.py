@@ -30,6 +30,7 @@ given.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -130,6 +131,7 @@ def main(argv=None) -> int:
     from kimik3.ops.moe.mxfp4_grouped_mm import (gemv_blocks, mma_available, mxfp4_blocks, mxfp4_mma_order,
                                                  mxfp4_route, wgmma_available)
     from kimik3.ops.moe.mxfp8_rows import renumber_k
+    from kimik3.quant.kernel_order import to_kernel_order
     from kimik3.quant.mx import dequantize, quantize
 
     report = Report(table=[])
@@ -159,14 +161,14 @@ def main(argv=None) -> int:
         I, O = SHAPES[name]
         gen = torch.Generator(device=dev).manual_seed(0)
         w_EIO = (torch.randn(E, I, O, device=dev, generator=gen) / I ** 0.5).to(torch.bfloat16)
-        mx = quantize(w_EIO, "mxfp4", axis=-2)
-        codes, scales = mx.codes.contiguous(), mx.scales.contiguous()
+        mx = to_kernel_order(quantize(w_EIO, "mxfp4", axis=-2))
+        codes, scales = mx.codes, mx.scales
         w_deq = dequantize(mx, torch.bfloat16).contiguous()
         bytes_mx = codes.numel() + scales.numel()
         bytes_bf16 = w_deq.numel() * 2
         w_EIO = None
         with torch.inference_mode():
-            ms_decode = timed(lambda: mxfp4_dequantize(codes, scales))
+            ms_decode = timed(lambda: mxfp4_dequantize(mx))
             ms_read_mx, ms_read_bf16 = (timed(lambda t=t: read_all(t)) for t in (codes, w_deq))
         log(f"{name}: reading the weights alone (no decode, no product): MXFP4 codes {ms_read_mx:.4f} ms, bf16 "
             f"{ms_read_bf16:.4f} ms -> at most {ms_read_bf16 / ms_read_mx:.2f}x from the bytes at this size")
@@ -187,7 +189,7 @@ def main(argv=None) -> int:
                                                                                            or tokens > MMA_TOKENS)):
                         continue
                     extra = args.blocks if route == "registers" else {}
-                    run = lambda: mxfp4_grouped_mm(x, codes, scales, groups, route=route, **extra)  # noqa: E731
+                    run = lambda: mxfp4_grouped_mm(x, mx, groups, route=route, **extra)  # noqa: E731
                     y = run().float()
                     if route == "mma":
                         y_mma = y      # (what x in the MMA's order must give, below)
@@ -203,7 +205,7 @@ def main(argv=None) -> int:
                 if auto == "mma" and mxfp4_mma_order(R, E, x.dtype, dev):
                     # x as the packed layer's producers write it (the Hopper kernel's k order): no renumber_k inside
                     x_k = renumber_k(x)
-                    run = lambda: mxfp4_grouped_mm(x_k, codes, scales, groups, mma_order=True)  # noqa: E731
+                    run = lambda: mxfp4_grouped_mm(x_k, mx, groups, mma_order=True)  # noqa: E731
                     same = torch.equal(run().float(), y_mma)
                     report.verdict(f"{case}:mma_ordered:equals_mma", same, "bit for bit" if same else "differs")
                     if same:
@@ -276,6 +278,7 @@ def layer_table(args, report, timed, tokens_list) -> None:
     from kimik3.ops.moe import ExpertGroups, mxfp4_grouped_mm
     from kimik3.ops.moe.mxfp4_grouped_mm import mxfp4_mma_order
     from kimik3.ops.moe.mxfp8_rows import expert_rows_mxfp8, situ_glu_mxfp8
+    from kimik3.quant.kernel_order import to_kernel_order
     from kimik3.quant.mx import MXTensor, dequantize, fake_quantize, quantize
 
     dev = torch.device(DEVICE)
@@ -288,11 +291,14 @@ def layer_table(args, report, timed, tokens_list) -> None:
         for e0 in range(0, E, 8):      # (8 experts at a time: quantize's fp32 temporaries of 112 would not fit)
             w = (torch.randn(min(8, E - e0), I, O, device=dev, generator=gen) / I ** 0.5).to(torch.bfloat16)
             parts.append(quantize(w, "mxfp4", axis=-2))
-        packed[name] = MXTensor(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), "mxfp4",
-                                parts[0].block_size, axis=1, shape=(E, I, O))
+        packed[name] = to_kernel_order(MXTensor(torch.cat([p.codes for p in parts]),
+                                                torch.cat([p.scales for p in parts]), "mxfp4", parts[0].block_size,
+                                                axis=1, shape=(E, I, O)))
         bf16_weights[name] = torch.cat([dequantize(p, torch.bfloat16) for p in parts])
         parts = w = None
     (w_gu, w_down), (gu, down) = bf16_weights.values(), packed.values()
+    gate_half, up_half = (dataclasses.replace(gu, codes=gu.codes[:, cols], scales=gu.scales[:, cols], shape=(E, L, F))
+                          for cols in (slice(0, F), slice(F, 2 * F)))
     log(f"\nexpert FFN {L} -> {F} -> {L}, {E} experts: packed MXFP4 (fused producers) against bf16; ms")
     log(f"{'tok/exp':>7} {'rows':>6} {'mma order':>9} {'bf16 ms':>8} {'mxfp4 ms':>8} {'ratio':>6} {'unfused ms':>10} "
         f"{'ratio':>6} {'rel err':>8}")
@@ -311,16 +317,16 @@ def layer_table(args, report, timed, tokens_list) -> None:
 
         def mxfp4():
             x_RL = expert_rows_mxfp8(x_TL, order_R, 1, mma_order=mma)
-            gate_up = mxfp4_grouped_mm(x_RL, gu.codes, gu.scales, groups, mma_order=mma)
+            gate_up = mxfp4_grouped_mm(x_RL, gu, groups, mma_order=mma)
             hidden = situ_glu_mxfp8(gate_up[:, :F], gate_up[:, F:], w_R, mma_order=mma)
-            return mxfp4_grouped_mm(hidden, down.codes, down.scales, groups, mma_order=mma)
+            return mxfp4_grouped_mm(hidden, down, groups, mma_order=mma)
 
         def unfused():
             x_RL = fake_quantize(x_TL.index_select(0, order_R), "mxfp8_e4m3")
-            gate = mxfp4_grouped_mm(x_RL, gu.codes[:, :F], gu.scales[:, :F], groups)
-            up = mxfp4_grouped_mm(x_RL, gu.codes[:, F:], gu.scales[:, F:], groups)
+            gate = mxfp4_grouped_mm(x_RL, gate_half, groups)
+            up = mxfp4_grouped_mm(x_RL, up_half, groups)
             hidden = fake_quantize(situ_glu_cast(gate, up, w_R, torch.bfloat16), "mxfp8_e4m3")
-            return mxfp4_grouped_mm(hidden, down.codes, down.scales, groups)
+            return mxfp4_grouped_mm(hidden, down, groups)
 
         with torch.inference_mode():
             y, y_unfused, y_bf16 = mxfp4(), unfused(), bf16()

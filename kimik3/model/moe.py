@@ -56,6 +56,7 @@ from kimik3.ops.moe import (SMALL_BATCH_MAX_ROWS, ExpertGroups, from_expert_rows
 from kimik3.ops.moe.mxfp4_grouped_mm import mxfp4_mma_order
 from kimik3.ops.moe.mxfp8_rows import expert_rows_mxfp8, situ_glu_mxfp8
 from kimik3.ops.precision import no_autocast
+from kimik3.quant.kernel_order import to_kernel_order
 from kimik3.quant.mx import MXTensor, quantize
 from kimik3.quant.qat import expert_input, expert_weight
 
@@ -302,13 +303,13 @@ class RoutedExperts(nn.Module):
             x_RL = expert_rows_mxfp8(x_TL, order_R, top_k, mma_order=mma)
         else:
             x_RL = expert_input(to_expert_rows(x_TL, order_R, inverse_R, top_k))
-        gate_up_R2F = mxfp4_grouped_mm(x_RL, gate_up.codes, gate_up.scales, groups, mma_order=mma)
+        gate_up_R2F = mxfp4_grouped_mm(x_RL, gate_up, groups, mma_order=mma)
         gate_RF, up_RF, row_weight_R = gate_up_R2F[:, :hidden], gate_up_R2F[:, hidden:], weights_TK.flatten()[order_R]
         if kernels:
             hidden_RF = situ_glu_mxfp8(gate_RF, up_RF, row_weight_R, mma_order=mma)
         else:
             hidden_RF = expert_input(situ_glu_cast(gate_RF, up_RF, row_weight_R, x_TL.dtype))
-        y_RL = mxfp4_grouped_mm(hidden_RF, down.codes, down.scales, groups, mma_order=mma)
+        y_RL = mxfp4_grouped_mm(hidden_RF, down, groups, mma_order=mma)
         return from_expert_rows(y_RL, order_R, inverse_R, top_k).sum(1)
 
     EXPERT_WEIGHTS = ("w_gate_ELF", "w_up_ELF", "w_down_EFL")
@@ -329,7 +330,8 @@ class RoutedExperts(nn.Module):
 
     def use_packed(self, packed: dict[str, MXTensor]) -> None:
         """Take ``packed`` (``quantize(w, "mxfp4", axis=-2)`` of each expert weight, e.g. read from a checkpoint
-        written with packed experts) as the weights, dropping the full-precision parameters."""
+        written with packed experts) as the weights, dropping the full-precision parameters. They are held with
+        their codes in kernel order (``kimik3.quant.kernel_order``: what the GPU kernels read)."""
         if set(packed) != set(self.EXPERT_WEIGHTS):
             raise ValueError(f"packed expert weights must be {self.EXPERT_WEIGHTS}, got {sorted(packed)}")
         for name in self.EXPERT_WEIGHTS:
@@ -340,10 +342,10 @@ class RoutedExperts(nn.Module):
             self._parameters.pop(name, None)
             # The shape stays readable (the expert count, the widths); the values live in ``packed``.
             object.__setattr__(self, name, torch.empty(weight.shape, dtype=weight.dtype, device="meta"))
-        gate, up = packed["w_gate_ELF"], packed["w_up_ELF"]
+        gate, up, down = (to_kernel_order(packed[name]) for name in self.EXPERT_WEIGHTS)
         E, L, F = gate.shape
         self._hold_packed(MXTensor(torch.cat([gate.codes, up.codes], 1), torch.cat([gate.scales, up.scales], 1),
-                                   "mxfp4", gate.block_size, axis=1, shape=(E, L, 2 * F)), packed["w_down_EFL"])
+                                   "mxfp4", gate.block_size, axis=1, shape=(E, L, 2 * F), order="kernel"), down)
 
     def move_packed(self, device: torch.device) -> None:
         """The packed weights onto ``device`` (gate and up stay one tensor)."""
@@ -358,7 +360,7 @@ class RoutedExperts(nn.Module):
         F = F2 // 2
         self.packed_gate_up = gate_up
         self.packed = {name: MXTensor(gate_up.codes[:, cols], gate_up.scales[:, cols], "mxfp4", gate_up.block_size,
-                                      axis=1, shape=(E, L, F))
+                                      axis=1, shape=(E, L, F), order=gate_up.order)
                        for name, cols in (("w_gate_ELF", slice(0, F)), ("w_up_ELF", slice(F, F2)))}
         self.packed["w_down_EFL"] = down
 

@@ -75,6 +75,7 @@ class RolloutEngine:
     @torch.no_grad()
     def sync(self, policy: torch.nn.Module) -> None:
         """Copy ``policy``'s weights into the engine's model, in place, and drop the prefix cache."""
+        from kimik3.quant.kernel_order import to_order
         from kimik3.quant.mx import quantize
 
         engine = self.engine
@@ -95,8 +96,9 @@ class RolloutEngine:
                                    f"{sorted(unexpected)}")
             for name, module in quantised.items():
                 for weight in module.EXPERT_WEIGHTS:
-                    fresh = quantize(state[f"{name}.{weight}" if name else weight].float(), "mxfp4", axis=-2)
                     held = module.packed[weight]
+                    fresh = to_order(quantize(state[f"{name}.{weight}" if name else weight].float(), "mxfp4",
+                                              axis=-2), held.order)
                     held.codes.copy_(fresh.codes)
                     held.scales.copy_(fresh.scales)
             core.prefix_cache.clear()

@@ -74,7 +74,9 @@ def element_format(fmt: str) -> ElementFormat:
 @dataclass
 class MXTensor:
     """Quantised form of a tensor: ``codes`` (uint8; for MXFP4 two elements a byte along the blocked axis, moved
-    last), ``scales`` (uint8 E8M0 codes, [..., blocks]), and what decoding needs to restore the shape."""
+    last), ``scales`` (uint8 E8M0 codes, [..., blocks]), and what decoding needs to restore the shape. ``order``:
+    how MXFP4 codes lie in their bytes, "ocp" (the specification's, ``quantize``'s) or "kernel" (the bits of each
+    32-bit word rearranged for the GPU kernels: ``kimik3.quant.kernel_order``)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -82,6 +84,7 @@ class MXTensor:
     block_size: int
     axis: int
     shape: tuple[int, ...]
+    order: str = "ocp"
 
     @property
     def nbytes(self) -> int:
@@ -186,9 +189,13 @@ def quantize(x: torch.Tensor, fmt: str = "mxfp4", block_size: int = BLOCK_SIZE, 
 
 
 def dequantize(mx: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The tensor ``mx`` encodes, in ``dtype``."""
+    """The tensor ``mx`` encodes, in ``dtype`` (MXFP4 codes in either order)."""
     elem = element_format(mx.fmt)
     codes = mx.codes
+    if mx.order != "ocp":
+        from kimik3.quant.kernel_order import to_ocp_order   # (it builds on this module)
+
+        codes = to_ocp_order(mx).codes
     if elem.bits == 4:
         codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
     p = _decode(codes, elem).reshape(*codes.shape[:-1], -1, mx.block_size)

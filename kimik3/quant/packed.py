@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kimik3.quant.kernel_order import to_ocp_order
 from kimik3.quant.mx import BLOCK_SIZE, MXTensor, quantize
 
 CODES, SCALES = ".mxfp4_codes", ".mxfp4_scales"
@@ -48,6 +49,7 @@ def packed_expert_tensors(model: nn.Module, pack: bool) -> tuple[dict[str, torch
             packed = {w: quantize(getattr(module, w).detach().float(), "mxfp4", axis=-2) for w in module.EXPERT_WEIGHTS}
             replaced.update(f"{name}.{w}" for w in module.EXPERT_WEIGHTS)
         for w, mx in packed.items():
+            mx = to_ocp_order(mx)     # (a layer holds its codes in kernel order; files keep the specification's)
             out[f"{name}.{w}{CODES}"] = mx.codes.detach().to("cpu").contiguous()
             out[f"{name}.{w}{SCALES}"] = mx.scales.detach().to("cpu").contiguous()
     return out, replaced

@@ -22,10 +22,13 @@ Legend: R rows (sorted by expert), E experts, I in features, O out features.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kimik3.ops.moe.grouped_mm import ExpertGroups
+from kimik3.quant.kernel_order import to_kernel_order, to_ocp_order, to_order
 from kimik3.quant.mx import MXTensor, dequantize, quantize
 from kimik3.ops.moe.mxfp4_dequantize import mxfp4_dequantize
 from kimik3.ops.moe.mxfp4_grouped_mm import (DEQUANTIZE_ROWS, MMA_ROWS, SYNC_ROWS, gemv_blocks, mma_available,
@@ -88,12 +91,12 @@ def nan_filled_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", filled)
 
 
-def weights(E, I, O, seed=0):
-    """An MXFP4 weight [E, I, O] (blocks along I): N(0, 1) with a per-column spread of 2^-3..2^3, so that the
-    blocks take several scale codes."""
+def weights(E, I, O, seed=0, order="kernel"):
+    """An MXFP4 weight [E, I, O] (blocks along I), its codes in ``order``: N(0, 1) with a per-column spread of
+    2^-3..2^3, so that the blocks take several scale codes."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(E, I, O, generator=gen) * torch.exp2(torch.randint(-3, 4, (E, 1, O), generator=gen).float())
-    return quantize(w.to(DEV), "mxfp4", axis=-2)
+    return to_order(quantize(w.to(DEV), "mxfp4", axis=-2), order)
 
 
 def rows(R, I, dtype, seed=1):
@@ -129,8 +132,17 @@ def assert_close_to_reference(y, x_RI, mx, offsets):
 
 
 def _abs(mx):
-    """The MX weight of |W|: the sign bits (3 and 7 of each byte) cleared."""
-    return MXTensor(mx.codes & 0x77, mx.scales, mx.fmt, mx.block_size, mx.axis, mx.shape)
+    """The MX weight of |W|: the sign bits (3 and 7 of each byte in the OCP order) cleared."""
+    ocp = to_ocp_order(mx)
+    return dataclasses.replace(ocp, codes=ocp.codes & 0x77)
+
+
+def weight_of(codes, scales):
+    """The MXFP4 weight [E, I, O] of kernel-order ``codes`` [E, O, I/2] and ``scales`` (any strides; malformed ones
+    too: the shape is read off the codes where they have one)."""
+    three_d = isinstance(codes, torch.Tensor) and codes.ndim == 3
+    shape = (codes.shape[0], 2 * codes.shape[2], codes.shape[1]) if three_d else ()
+    return MXTensor(codes, scales, "mxfp4", 32, 1, shape, order="kernel")
 
 
 def offsets_of(counts):
@@ -154,7 +166,7 @@ def test_kernel_matches_the_reference(E, I, O, counts, bm, bn, bk, dtype):
     offsets = offsets_of(counts)
     x = rows(sum(counts), I, dtype)
     with torch.no_grad():
-        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", route="registers", block_m=bm,
+        y = mxfp4_grouped_mm(x, mx, offsets, backend="triton", route="registers", block_m=bm,
                              block_n=bn, block_k=bk)
     assert_close_to_reference(y, x, mx, offsets)
 
@@ -165,7 +177,7 @@ def test_default_blocks_and_expert_groups(counts):
     mx = weights(2, 64, 24)
     groups = ExpertGroups.of(torch.tensor(counts, device=DEV))
     x = rows(sum(counts), 64, torch.bfloat16)
-    y = mxfp4_grouped_mm(x, mx.codes, mx.scales, groups, backend="triton")
+    y = mxfp4_grouped_mm(x, mx, groups, backend="triton")
     assert_close_to_reference(y, x, mx, groups.offsets_E)
 
 
@@ -184,7 +196,7 @@ def check_offsets_out_of_range_stay_in_bounds(matmul):
 @needs_kernels
 def test_gemv_route_with_offsets_out_of_range_stays_in_bounds():
     check_offsets_out_of_range_stay_in_bounds(
-        lambda x, mx, offsets: mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", route="gemv"))
+        lambda x, mx, offsets: mxfp4_grouped_mm(x, mx, offsets, backend="triton", route="gemv"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -192,10 +204,10 @@ def test_torch_path_matches_the_reference(dtype):
     mx = weights(4, 96, 40)
     offsets = offsets_of([3, 0, 17, 1])
     x = rows(21, 96, dtype)
-    y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="torch")
+    y = mxfp4_grouped_mm(x, mx, offsets, backend="torch")
     assert_close_to_reference(y, x, mx, offsets)
     if DEV == "cpu":
-        assert torch.equal(mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets), y)  # auto: the torch path on CPU
+        assert torch.equal(mxfp4_grouped_mm(x, mx, offsets), y)  # auto: the torch path on CPU
 
 
 @needs_kernels
@@ -205,7 +217,7 @@ def test_rows_past_the_last_offset_are_zero(backend):
     offsets = offsets_of([2, 0, 3])
     x = rows(9, 32, torch.float32)
     with torch.no_grad():
-        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend=backend, block_m=16, block_n=16, block_k=32)
+        y = mxfp4_grouped_mm(x, mx, offsets, backend=backend, block_m=16, block_n=16, block_k=32)
     assert_close_to_reference(y, x, mx, offsets)
     assert torch.equal(y[5:], torch.zeros_like(y[5:]))
 
@@ -215,15 +227,15 @@ def test_rows_past_the_last_offset_are_zero(backend):
 def test_no_rows(backend):
     mx = weights(3, 32, 16)
     x = rows(0, 32, torch.bfloat16)
-    y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets_of([0, 0, 0]), backend=backend)
+    y = mxfp4_grouped_mm(x, mx, offsets_of([0, 0, 0]), backend=backend)
     assert y.shape == (0, 16) and y.dtype == torch.bfloat16
 
 
 def every_code_weight(E, I, O, scale_codes):
-    """codes [E, O, I/2] walking every byte value (so every E2M1 code in both nibbles), the given scale codes
-    [E, O, I/32]."""
+    """codes [E, O, I/2] walking every byte value in the OCP order (so every E2M1 code in both nibbles), the given
+    scale codes [E, O, I/32]; in kernel order."""
     codes = (torch.arange(E * O * (I // 2)) * 7 % 256).to(torch.uint8).reshape(E, O, I // 2)
-    return MXTensor(codes.to(DEV), scale_codes.to(DEV, torch.uint8), "mxfp4", 32, 1, (E, I, O))
+    return to_kernel_order(MXTensor(codes.to(DEV), scale_codes.to(DEV, torch.uint8), "mxfp4", 32, 1, (E, I, O)))
 
 
 @needs_kernels
@@ -238,7 +250,7 @@ def test_every_code_decodes_exactly(dtype, route):
     offsets = offsets_of([I] * E)
     with torch.no_grad():
         blocks = dict(block_m=16, block_n=16, block_k=64) if route == "registers" else {}
-        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", route=route, **blocks)
+        y = mxfp4_grouped_mm(x, mx, offsets, backend="triton", route=route, **blocks)
     w = dequantize(mx)
     assert torch.equal(y.float(), torch.cat(list(w.to(dtype).float())))
 
@@ -254,7 +266,7 @@ def assert_same_bf16(w_EOI, mx):
 @needs_kernels
 @pytest.mark.parametrize("E, I, O", [(3, 96, 40), (1, 32, 16), (2, 288, 72)])  # partial K and N tiles; one block;
 def test_dequantize_kernel_is_bit_exact(E, I, O):                             # two K tiles, the second partial
-    assert_same_bf16(mxfp4_dequantize(weights(E, I, O).codes, weights(E, I, O).scales), weights(E, I, O))
+    assert_same_bf16(mxfp4_dequantize(weights(E, I, O)), weights(E, I, O))
 
 
 @needs_kernels
@@ -266,7 +278,7 @@ def test_dequantize_kernel_every_code_and_scale():
     scales = torch.arange(100, 100 + E * O * 2).reshape(E, O, 2) % 61 + 100
     scales[0, :4, 0] = torch.tensor([0, 1, 254, 255])
     mx = every_code_weight(E, I, O, scales)
-    w = mxfp4_dequantize(mx.codes, mx.scales)
+    w = mxfp4_dequantize(mx)
     assert_same_bf16(w, mx)
     assert bool(w.isinf().any()) and bool(w.isnan().any()) and bool(((w != 0) & (w.abs() < 2.0 ** -126)).any())
 
@@ -276,17 +288,20 @@ def test_dequantize_kernel_strided_codes_and_bad_inputs():
     mx = weights(2, 64, 24)
     codes = torch.zeros(2, 24, 64, dtype=torch.uint8, device=DEV)
     codes[:, :, ::2] = mx.codes
-    assert_same_bf16(mxfp4_dequantize(codes[:, :, ::2], mx.scales.transpose(1, 2).contiguous().transpose(1, 2)), mx)
+    strided = weight_of(codes[:, :, ::2], mx.scales.transpose(1, 2).contiguous().transpose(1, 2))
+    assert_same_bf16(mxfp4_dequantize(strided), mx)
     shifted = torch.zeros(mx.codes.numel() + 1, dtype=torch.uint8, device=DEV)
     shifted[1:] = mx.codes.flatten()                      # the bytes not 4-aligned: read as words after a copy
-    assert_same_bf16(mxfp4_dequantize(shifted[1:].view(mx.codes.shape), mx.scales), mx)
-    for args, match in (((mx.codes[0], mx.scales), "codes_EOH must be a 3-D uint8"),
-                        ((mx.codes, mx.scales.float()), "scales_EOB must be a 3-D uint8"),
-                        ((mx.codes[:, :, :8], mx.scales), "multiple of 32"),
-                        ((mx.codes, mx.scales[:, :, :1]), r"scales_EOB must be \[E, O, I/32\]"),
-                        ((mx.codes, mx.scales.to("meta")), "scales_EOB is on meta")):
+    assert_same_bf16(mxfp4_dequantize(weight_of(shifted[1:].view(mx.codes.shape), mx.scales)), mx)
+    for w, match in ((mx.codes, "must be an MXTensor"),
+                     (to_ocp_order(mx), "in 'ocp' order; the GPU kernels read them in kernel order"),
+                     (weight_of(mx.codes[0], mx.scales), "codes must be a 3-D uint8"),
+                     (weight_of(mx.codes, mx.scales.float()), "scales must be a 3-D uint8"),
+                     (weight_of(mx.codes[:, :, :8], mx.scales), "multiple of 32"),
+                     (weight_of(mx.codes, mx.scales[:, :, :1]), r"scales must be \[E, O, I/32\]"),
+                     (weight_of(mx.codes, mx.scales.to("meta")), "scales are on meta")):
         with pytest.raises(ValueError, match=match):
-            mxfp4_dequantize(*args)
+            mxfp4_dequantize(w)
 
 
 @needs_kernels
@@ -296,12 +311,12 @@ def test_dequantize_kernel_writes_into_a_transposed_out():
     E, I, O = 3, 96, 40
     mx = weights(E, I, O)
     buf = torch.full((E + 1, I, O), 7.0, dtype=torch.bfloat16, device=DEV)
-    w = mxfp4_dequantize(mx.codes, mx.scales, out=buf[:E].transpose(1, 2))
+    w = mxfp4_dequantize(mx, out=buf[:E].transpose(1, 2))
     assert w.data_ptr() == buf.data_ptr()
     assert_same_bf16(buf[:E].transpose(1, 2).contiguous(), mx)
     assert torch.equal(buf[E], torch.full_like(buf[E], 7.0))
     with pytest.raises(ValueError, match=r"out must be a bf16 tensor \[E, O, I\]"):
-        mxfp4_dequantize(mx.codes, mx.scales, out=buf[:E])
+        mxfp4_dequantize(mx, out=buf[:E])
 
 
 # (E, I, O, rows an expert, rows past the last offset), with empty experts. The dequantize route (bf16 only):
@@ -320,7 +335,7 @@ def test_route_matches_the_reference(route, dtype, E, I, O, counts, extra):
     offsets = offsets_of(counts)
     x = rows(sum(counts) + extra, I, dtype)
     with torch.no_grad():
-        y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", route=route)
+        y = mxfp4_grouped_mm(x, mx, offsets, backend="triton", route=route)
     assert_close_to_reference(y, x, mx, offsets)
     assert torch.equal(y[sum(counts):], torch.zeros_like(y[sum(counts):]))
 
@@ -337,8 +352,8 @@ def test_auto_route_at_the_threshold():
     offsets = offsets_of([R // 2 - 5, R // 2 + 5])
     x = rows(R, I, torch.bfloat16)
     with torch.no_grad():
-        auto = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton")
-        registers = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", route="registers")
+        auto = mxfp4_grouped_mm(x, mx, offsets, backend="triton")
+        registers = mxfp4_grouped_mm(x, mx, offsets, backend="triton", route="registers")
     assert_close_to_reference(auto, x, mx, offsets)
     assert_close_to_reference(registers, x, mx, offsets)
 
@@ -399,11 +414,9 @@ def test_mma_route_refused_where_it_cannot_run():
     mx = weights(2, 32, 16)
     if not ON_GPU:
         with pytest.raises(ValueError, match="route 'mma'"):
-            mxfp4_grouped_mm(rows(3, 32, torch.bfloat16), mx.codes, mx.scales, offsets_of([1, 2]), backend="triton",
-                             route="mma")
+            mxfp4_grouped_mm(rows(3, 32, torch.bfloat16), mx, offsets_of([1, 2]), backend="triton", route="mma")
     with pytest.raises(ValueError, match="route 'mma'"):
-        mxfp4_grouped_mm(rows(3, 32, torch.float32), mx.codes, mx.scales, offsets_of([1, 2]), backend="triton",
-                         route="mma")
+        mxfp4_grouped_mm(rows(3, 32, torch.float32), mx, offsets_of([1, 2]), backend="triton", route="mma")
 
 
 @needs_kernels
@@ -419,16 +432,16 @@ def test_mma_order_refused_where_the_wgmma_kernel_does_not_run():
         refused.append({})
     for kwargs in refused:
         with pytest.raises(ValueError, match="read by the wgmma kernel only"):
-            mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets_of([1, 2]), mma_order=True, **kwargs)
+            mxfp4_grouped_mm(x, mx, offsets_of([1, 2]), mma_order=True, **kwargs)
     with pytest.raises(ValueError, match="read by the wgmma kernel only"):
-        mxfp4_grouped_mm(x.float(), mx.codes, mx.scales, offsets_of([1, 2]), mma_order=True)
+        mxfp4_grouped_mm(x.float(), mx, offsets_of([1, 2]), mma_order=True)
     many = mma_k_order_reference(rows(300, 96, torch.bfloat16)).contiguous()
     with pytest.raises(ValueError, match="read by the wgmma kernel only"):
-        mxfp4_grouped_mm(many, mx.codes, mx.scales, offsets_of([150, 300]), mma_order=True)
+        mxfp4_grouped_mm(many, mx, offsets_of([150, 300]), mma_order=True)
     with pytest.raises(ValueError, match="width 128"):
-        mxfp4_grouped_mm(x[:, :96], mx.codes, mx.scales, offsets_of([1, 2]), mma_order=True)
+        mxfp4_grouped_mm(x[:, :96], mx, offsets_of([1, 2]), mma_order=True)
     with pytest.raises(ValueError, match="contiguous"):
-        mxfp4_grouped_mm(torch.cat([x, x], 1)[:, :128], mx.codes, mx.scales, offsets_of([1, 2]), mma_order=True)
+        mxfp4_grouped_mm(torch.cat([x, x], 1)[:, :128], mx, offsets_of([1, 2]), mma_order=True)
     assert not mxfp4_mma_order(3, 2, torch.bfloat16, torch.device("cpu"))
 
 
@@ -438,7 +451,7 @@ def test_block_sizes_refused_on_the_other_routes():
     x = rows(3, 32, torch.bfloat16)
     for route in ("dequantize", "gemv"):
         with pytest.raises(ValueError, match=f"tune the registers route; this call takes the {route} route"):
-            mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets_of([1, 2]), backend="triton", route=route, block_m=16)
+            mxfp4_grouped_mm(x, mx, offsets_of([1, 2]), backend="triton", route=route, block_m=16)
 
 
 @needs_kernels
@@ -448,13 +461,13 @@ def test_scale_code_zero_is_two_to_the_minus_127(route):
     E, I, O = 1, 32, 16
     mx = every_code_weight(E, I, O, torch.zeros(E, O, 1))
     x = torch.eye(I, device=DEV)
-    y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets_of([I]), backend="triton", route=route)
+    y = mxfp4_grouped_mm(x, mx, offsets_of([I]), backend="triton", route=route)
     assert torch.equal(y, dequantize(mx)[0]) and bool((y != 0).any())
 
 
 def check_every_code_decodes_exactly(matmul, O=16, scale_codes=None):
-    """``matmul(x, codes, scales, offsets) -> y`` (bf16) on one-hot rows, 128 an expert: y is W's rows bit for bit,
-    for every byte value and the scale codes ``scale_codes`` [2 O 4] (default 100..163)."""
+    """``matmul(x, codes, scales, offsets) -> y`` (bf16; codes in kernel order) on one-hot rows, 128 an expert: y is
+    W's rows bit for bit, for every byte value and the scale codes ``scale_codes`` [2 O 4] (default 100..163)."""
     E, I = 2, 128
     if scale_codes is None:
         scale_codes = torch.arange(100, 100 + E * O * 4) % 64 + 100
@@ -465,8 +478,8 @@ def check_every_code_decodes_exactly(matmul, O=16, scale_codes=None):
 
 
 def check_strided_inputs(matmul):
-    """``matmul(x, codes, scales, offsets) -> y`` (bf16) with x strided by rows and column-major, codes strided
-    along the bytes, scales transposed in memory."""
+    """``matmul(x, codes, scales, offsets) -> y`` (bf16; codes in kernel order) with x strided by rows and
+    column-major, codes strided along the bytes, scales transposed in memory."""
     E, I, O = 2, 64, 24
     mx = weights(E, I, O)
     offsets = offsets_of([3, 2])
@@ -483,9 +496,10 @@ def check_nan_scale_poisons_its_column_of_its_expert(matmul):
     """``matmul(x, mx, offsets) -> y`` with scale code 255 (NaN) in one block of expert 1's column 3: NaN exactly
     in that column of that expert's rows, every other element close to the reference."""
     E, I, O = 2, 64, 16
-    mx = weights(E, I, O)
+    mx = weights(E, I, O, order="ocp")
     mx.scales[1, 3, 1] = 255
     mx.codes[1, 3, 16:] = 0x22  # elements 1.0: an infinite scale would give +inf here, not NaN
+    mx = to_kernel_order(mx)
     offsets = offsets_of([2, 3])
     x = rows(5, I, torch.bfloat16).abs() + 0.125
     with torch.no_grad():
@@ -500,7 +514,7 @@ def check_nan_scale_poisons_its_column_of_its_expert(matmul):
 @pytest.mark.parametrize("route", ["registers", "gemv"])
 def test_nan_scale_poisons_its_column_of_its_expert(route):
     check_nan_scale_poisons_its_column_of_its_expert(
-        lambda x, mx, offsets: mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, backend="triton", route=route))
+        lambda x, mx, offsets: mxfp4_grouped_mm(x, mx, offsets, backend="triton", route=route))
 
 
 @needs_kernels
@@ -518,7 +532,8 @@ def test_strided_inputs(backend, route):
     with torch.no_grad():
         for xi in (x, x_col):
             blocks = dict(block_m=16, block_n=32, block_k=32) if route == "registers" else {}
-            y = mxfp4_grouped_mm(xi, codes[:, :, ::2], scales, offsets, backend=backend, route=route, **blocks)
+            y = mxfp4_grouped_mm(xi, weight_of(codes[:, :, ::2], scales), offsets, backend=backend, route=route,
+                                 **blocks)
             assert_close_to_reference(y, xi, mx, offsets)
 
 
@@ -556,20 +571,24 @@ def test_bad_inputs_are_named():
     off = offsets_of([1, 2])
     c, s = mx.codes, mx.scales
     bad = [
-        ((x[0], c, s, off), "x_RI must be 2-D"),
-        ((x.half(), c, s, off), "x_RI must be bf16 or fp32"),
-        ((x, c.to(torch.int8), s, off), "codes_EOH must be a 3-D uint8"),
-        ((x, c[0], s, off), "codes_EOH must be a 3-D uint8"),
-        ((x, c, s.float(), off), "scales_EOB must be a 3-D uint8"),
-        ((x[:, :48], c[:, :, :24], s, off), "multiple of 32"),
-        ((x, c[:, :, :16], s, off), "bytes a row"),
-        ((x, c, s[:, :, :1], off), r"scales_EOB must be \[E, O, I/32\]"),
-        ((x, c, s[:, :8], off), r"scales_EOB must be \[E, O, I/32\]"),
-        ((x, c, s, off.long()), "must be int32"),
-        ((x, c, s, off[:1]), r"must be 1-D \[E=2\]"),
-        ((x, c, s, [1, 3]), "groups must be ExpertGroups"),
-        ((x, "codes", s, off), "codes_EOH must be a tensor"),
-        ((x, c, s.to("meta"), off), "scales_EOB is on meta"),
+        ((x[0], mx, off), "x_RI must be 2-D"),
+        ((x.half(), mx, off), "x_RI must be bf16 or fp32"),
+        ((x, c, off), "the weight must be an MXTensor"),
+        ((x, dataclasses.replace(mx, fmt="mxfp8_e4m3"), off), "the weight must be MXFP4"),
+        ((x, dataclasses.replace(mx, order="ocp_le"), off), "code order must be one of"),
+        ((x, weight_of(c.to(torch.int8), s), off), "codes must be a 3-D uint8"),
+        ((x, weight_of(c[0], s), off), "codes must be a 3-D uint8"),
+        ((x, weight_of(c, s.float()), off), "scales must be a 3-D uint8"),
+        ((x[:, :48], weight_of(c[:, :, :24], s), off), "multiple of 32"),
+        ((x, weight_of(c[:, :, :16], s), off), "bytes a row"),
+        ((x, dataclasses.replace(mx, axis=2), off), "blocked along I"),
+        ((x, weight_of(c, s[:, :, :1]), off), r"scales must be \[E, O, I/32\]"),
+        ((x, weight_of(c, s[:, :8]), off), r"scales must be \[E, O, I/32\]"),
+        ((x, mx, off.long()), "must be int32"),
+        ((x, mx, off[:1]), r"must be 1-D \[E=2\]"),
+        ((x, mx, [1, 3]), "groups must be ExpertGroups"),
+        ((x, weight_of("codes", s), off), "codes must be a tensor"),
+        ((x, weight_of(c, s.to("meta")), off), "scales are on meta"),
     ]
     for args, match in bad:
         with pytest.raises(ValueError, match=match):
@@ -577,13 +596,15 @@ def test_bad_inputs_are_named():
     for kw, match in (({"block_m": 24}, "block_m must be a power of two"), ({"block_k": 16}, "block_k"),
                       ({"block_n": 8}, "block_n"), ({"num_warps": 3}, "num_warps"), ({"num_stages": 0}, "num_stages")):
         with pytest.raises(ValueError, match=match):
-            mxfp4_grouped_mm(x, c, s, off, backend="triton", route="registers", **kw)
+            mxfp4_grouped_mm(x, mx, off, backend="triton", route="registers", **kw)
+    with pytest.raises(ValueError, match="the GPU kernels read them in kernel order"):
+        mxfp4_grouped_mm(x, to_ocp_order(mx), off, backend="triton")
     with pytest.raises(ValueError, match="non-decreasing"):
-        mxfp4_grouped_mm(x, c, s, offsets_of([2, -1]), backend="torch")
+        mxfp4_grouped_mm(x, mx, offsets_of([2, -1]), backend="torch")
     with pytest.raises(ValueError, match="non-decreasing"):
-        mxfp4_grouped_mm(x, c, s, offsets_of([2, 2]) + 2, backend="torch")
+        mxfp4_grouped_mm(x, mx, offsets_of([2, 2]) + 2, backend="torch")
     with pytest.raises(RuntimeError, match="forward only"):
-        mxfp4_grouped_mm(x.clone().requires_grad_(), c, s, off, backend="triton")
+        mxfp4_grouped_mm(x.clone().requires_grad_(), mx, off, backend="triton")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
@@ -600,7 +621,7 @@ def test_k3_shapes_against_grouped_mm_on_gpu(O, I, per_expert):
     groups = ExpertGroups.of(counts.to(DEV))
     x = rows(int(counts.sum()), I, torch.bfloat16)
     w = dequantize(mx, torch.bfloat16)
-    y = mxfp4_grouped_mm(x, mx.codes, mx.scales, groups)
+    y = mxfp4_grouped_mm(x, mx, groups)
     ref = torch._grouped_mm(x, w, offs=groups.offsets_E).float()
     assert ((y.float() - ref).abs() <= ref.abs() * 2.0 ** -7 + 1e-3 * ref.abs().max()).all()
 
@@ -615,10 +636,10 @@ def test_cuda_graph_capture_and_replay(route):
     offsets = offsets_of([3, 0, 17, 1])
     x = rows(21, I, torch.bfloat16)
     with torch.no_grad():
-        mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, route=route)  # compile outside the capture
+        mxfp4_grouped_mm(x, mx, offsets, route=route)  # compile outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            y = mxfp4_grouped_mm(x, mx.codes, mx.scales, offsets, route=route)
+            y = mxfp4_grouped_mm(x, mx, offsets, route=route)
         x.copy_(rows(21, I, torch.bfloat16, seed=2))
         offsets.copy_(offsets_of([10, 5, 0, 6]))
         graph.replay()

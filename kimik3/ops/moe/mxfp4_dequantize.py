@@ -1,11 +1,12 @@
-"""MXFP4 expert weights decoded to bf16 on the GPU: ``mxfp4_dequantize(codes_EOH, scales_EOB)`` -> w_EOI, and the
-tile decode (``decode_words``) that both it and ``mxfp4_grouped_mm``'s kernel run in registers.
+"""MXFP4 expert weights decoded to bf16 on the GPU: ``mxfp4_dequantize(w)`` -> w_EOI, and the tile decode
+(``decode_words``) that both it and ``mxfp4_grouped_mm``'s kernels run in registers.
 
-The weights are ``kimik3.quant.mx.quantize(w_EIO, "mxfp4", axis=-2)``'s: codes [E, O, I/2] (uint8, the element at the
-even I index in the low nibble) and scales [E, O, I/32] (uint8 E8M0 codes, 2^(code - 127), 255 = NaN). The output is
-[E, O, I] bf16, contiguous: ``w_EOI.transpose(1, 2)`` is the [E, I, O] weight that ``torch._grouped_mm`` takes (its
-column-major form), equal bit for bit to ``dequantize(mx, torch.bfloat16)`` (every MXFP4 value times a power of two
-is exact in bf16, but for products past bf16's range, which saturate to inf there as here).
+The weights are ``to_kernel_order(quantize(w_EIO, "mxfp4", axis=-2))``: codes [E, O, I/2] (uint8, two elements a
+byte, each 32-bit word's bits in kernel order: ``kimik3.quant.kernel_order``) and scales [E, O, I/32] (uint8 E8M0
+codes, 2^(code - 127), 255 = NaN), i.e. blocks along I, the reduction axis. The output is [E, O, I] bf16,
+contiguous: ``w_EOI.transpose(1, 2)`` is the [E, I, O] weight that ``torch._grouped_mm`` takes (its column-major
+form), equal bit for bit to ``dequantize(w, torch.bfloat16)`` (every MXFP4 value times a power of two is exact in
+bf16, but for products past bf16's range, which saturate to inf there as here).
 
 What it is for: at prefill sizes (hundreds of rows an expert) a matmul that decodes its weight tiles in registers
 decodes each of them once per row tile, and its bf16 dot runs at half the tensor cores' rate behind the decode
@@ -27,7 +28,8 @@ from typing import Any
 import torch
 
 from kimik3.ops.glue.common import _jit, check_triton_device, describe, on_device, tl, triton
-from kimik3.quant.mx import BLOCK_SIZE
+from kimik3.quant.kernel_order import ORDERS
+from kimik3.quant.mx import BLOCK_SIZE, MXTensor
 
 __all__ = ["as_words", "check_mxfp4_weight", "decode_words", "mxfp4_dequantize", "permute_words"]
 
@@ -52,24 +54,22 @@ def permute_words(t, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 @_jit
 def decode_words(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Packed codes as int32 words [BLOCK_N, BLOCK_K / 8] (eight E2M1 nibbles a word: element 8j + q in nibble q,
-    i.e. the uint8 codes read four at a time, little-endian) and their E8M0 scale codes [BLOCK_N, BLOCK_K / 32]
-    -> the decoded weights [BLOCK_N, BLOCK_K] in bf16, exact, with column 8j + f holding element 8j + rev3(f)
+    """Packed codes as int32 words [BLOCK_N, BLOCK_K / 8] in kernel order (eight E2M1 codes a word, elements 8j ...
+    8j + 7 of the row: ``kimik3.quant.kernel_order``) and their E8M0 scale codes [BLOCK_N, BLOCK_K / 32] -> the
+    decoded weights [BLOCK_N, BLOCK_K] in bf16, exact, with column 8j + f holding element 8j + rev3(f)
     (``permute_words`` puts them in order; a matmul can permute its other operand instead).
 
-    A nibble ``s e1 e0 m`` is placed into a bf16 bit pattern (sign at bit 15, ``e1 e0 m`` at bits 8..6: exponent
-    field e, top mantissa bit m): that bf16 is the element's value times 2^-126, the subnormal code 1 (0.5)
-    included, so one exact bf16 multiply by 2^126 gives the value with no select (on sm_90 ``HMUL2.BF16_V2``
-    without ``.FTZ``, which keeps subnormals). Two nibbles four apart (q and q + 4) sit 16 bits apart in the word,
-    so one shift-and-mask of the int32 word places both into the two bf16 halves of an int32 at once: four such
-    pairs a word, about two integer instructions an element where a nibble at a time takes six. The block scale
+    Elements n and n + 4 of a word decode as a pair into the two bf16 halves of an int32: each element's sign at bit
+    15 of its half and its ``e1 e0 m`` at bits 8..6 (exponent field e, top mantissa bit m). That bf16 is the
+    element's value times 2^-126, the subnormal code 1 (0.5) included, so one exact bf16 multiply by 2^126 gives the
+    value with no select (on sm_90 ``HMUL2.BF16_V2`` without ``.FTZ``, which keeps subnormals). Kernel order puts a
+    pair's eight bits there with at most two shifts and two logic operations (``decode_pair_bits``). The block scale
     2^(code - 127) is built from its bf16 bits (code 0: the subnormal 2^-127; 255: NaN) and multiplied in bf16,
     exact (an element has at most two significant bits)."""
-    # (w << 6): nibbles 0 and 4's e1 e0 m to bits 6..8 of each half; (w << 12): their signs to bits 15 and 31.
-    a_lo, a_hi = _halves(((words << 6) & 0x01C001C0) | ((words << 12) & -0x7FFF8000))   # 0x80008000 as int32
-    b_lo, b_hi = _halves(((words << 2) & 0x01C001C0) | ((words << 8) & -0x7FFF8000))   # nibbles 1 and 5
-    c_lo, c_hi = _halves(((words >> 2) & 0x01C001C0) | ((words << 4) & -0x7FFF8000))   # nibbles 2 and 6
-    d_lo, d_hi = _halves(((words >> 6) & 0x01C001C0) | (words & -0x7FFF8000))          # nibbles 3 and 7
+    a_lo, a_hi = _halves(decode_pair_bits(words, 0))
+    b_lo, b_hi = _halves(decode_pair_bits(words, 1))
+    c_lo, c_hi = _halves(decode_pair_bits(words, 2))
+    d_lo, d_hi = _halves(decode_pair_bits(words, 3))
     # join's new axis is the last: [.., q0, q1, q2] holds nibble q0 + 2 q1 + 4 q2 at flat index 4 q0 + 2 q1 + q2.
     t = tl.join(tl.join(tl.join(a_lo, b_lo), tl.join(c_lo, d_lo)), tl.join(tl.join(a_hi, b_hi), tl.join(c_hi, d_hi)))
     # 2^(code - 127) from its bf16 bits: the exponent field is the code itself, but for code 0 (2^-127, a bf16
@@ -83,6 +83,23 @@ def decode_words(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     return tl.reshape(w * scale[:, :, None], [BLOCK_N, BLOCK_K])
 
 
+@_jit
+def decode_pair_bits(words, q: tl.constexpr):
+    """Elements q and q + 4 of each kernel-order int32 word placed into the two bf16 halves of an int32 (sign at bits
+    15 / 31, ``e1 e0 m`` at 8..6 / 24..22: value x 2^-126): the bits ``kimik3.quant.kernel_order.KERNEL_BITS``
+    gives them moved by one AND, a shift, two shifts or a rotation (ptxas makes the last a funnel shift). Also the
+    Gluon kernels' (``mxfp4_mma.decode_pair``)."""
+    if q == 0:
+        pair = words & -0x7E3F7E40                                               # 0x81C081C0 as int32
+    elif q == 1:
+        pair = (words << 6) & -0x7E3F7E40
+    elif q == 2:
+        pair = ((words << 4) & -0x7E7F7E80) | ((words >> 4) & 0x00400040)        # 0x81808180: all but m, then m
+    else:
+        pair = ((words << 10) | ((words >> 22) & 0x3FF)) & -0x7E3F7E40            # rotated left by 10
+    return pair
+
+
 def as_words(codes_EOH: torch.Tensor) -> torch.Tensor:
     """The uint8 codes [E, O, H] as int32 words [E, O, H/4] (a view; a fresh contiguous copy first when the bytes
     of a row are not contiguous and 4-byte aligned). H is a multiple of 16 for MXFP4 (I a multiple of 32)."""
@@ -91,35 +108,51 @@ def as_words(codes_EOH: torch.Tensor) -> torch.Tensor:
     return codes_EOH.view(torch.int32)
 
 
-def check_mxfp4_weight(codes_EOH: Any, scales_EOB: Any, I: int | None = None) -> None:
-    """ValueError naming the problem unless ``codes_EOH`` [E, O, I/2] and ``scales_EOB`` [E, O, I/32] are an MXFP4
-    weight's uint8 codes and scales on one device, I a positive multiple of 32 (``I``: the in features the codes
-    must have, e.g. the activations')."""
-    for name, t, what in (("codes_EOH", codes_EOH, "[E, O, I/2] (packed E2M1 codes)"),
-                          ("scales_EOB", scales_EOB, "[E, O, I/32] (E8M0 codes)")):
+def check_mxfp4_weight(w: Any, I: int | None = None, order: str | None = None) -> None:
+    """ValueError naming the problem unless ``w`` is an MXFP4 ``MXTensor`` of expert weights [E, I, O] blocked along
+    I (codes [E, O, I/2] and scales [E, O, I/32], uint8, on one device; I a positive multiple of 32). ``I``: the in
+    features it must have (e.g. the activations'); ``order``: the code order it must be in."""
+    if not isinstance(w, MXTensor):
+        raise ValueError(f"the weight must be an MXTensor (kimik3.quant.quantize(w_EIO, 'mxfp4', axis=-2)), got "
+                         f"{type(w).__name__}")
+    if w.fmt != "mxfp4" or w.block_size != BLOCK_SIZE:
+        raise ValueError(f"the weight must be MXFP4 in blocks of {BLOCK_SIZE}, got {w.fmt} in blocks of "
+                         f"{w.block_size}")
+    if w.order not in ORDERS or (order is not None and w.order != order):
+        raise ValueError(f"the weight's codes are in {w.order!r} order; the GPU kernels read them in kernel order: "
+                         f"convert once with kimik3.quant.to_kernel_order(w)" if order == "kernel" else
+                         f"the weight's code order must be one of {ORDERS}, got {w.order!r}")
+    codes_EOH, scales_EOB = w.codes, w.scales
+    for name, t, what in (("codes", codes_EOH, "[E, O, I/2] (packed E2M1 codes)"),
+                          ("scales", scales_EOB, "[E, O, I/32] (E8M0 codes)")):
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+            raise ValueError(f"the weight's {name} must be a tensor, got {type(t).__name__}")
         if t.ndim != 3 or t.dtype != torch.uint8:
-            raise ValueError(f"{name} must be a 3-D uint8 tensor {what}, got {describe(t)}")
+            raise ValueError(f"the weight's {name} must be a 3-D uint8 tensor {what}, got {describe(t)}")
     E, O, H = codes_EOH.shape
+    if w.axis % 3 != 1 or tuple(w.shape) != (E, 2 * H, O):
+        raise ValueError(f"the weight must be [E, I, O] blocked along I (axis 1, quantize(w_EIO, 'mxfp4', axis=-2)): "
+                         f"its codes are {tuple(codes_EOH.shape)} and it says shape {tuple(w.shape)}, axis {w.axis}")
     if I is None and (H < 1 or (2 * H) % BLOCK_SIZE):
-        raise ValueError(f"codes_EOH [E, O, I/2] has {H} bytes a row: MXFP4 needs I = 2 x that a positive multiple of "
-                         f"{BLOCK_SIZE}")
+        raise ValueError(f"the weight's codes [E, O, I/2] have {H} bytes a row: MXFP4 needs I = 2 x that a positive "
+                         f"multiple of {BLOCK_SIZE}")
     if I is not None and H * 2 != I:
-        raise ValueError(f"codes_EOH [E, O, I/2] has {H} bytes a row, but x_RI has I = {I} features (I/2 = {I // 2})")
+        raise ValueError(f"the weight's codes [E, O, I/2] have {H} bytes a row, but x_RI has I = {I} features "
+                         f"(I/2 = {I // 2})")
     if scales_EOB.shape != (E, O, 2 * H // BLOCK_SIZE):
-        raise ValueError(f"scales_EOB must be [E, O, I/32] = {(E, O, 2 * H // BLOCK_SIZE)}, got {describe(scales_EOB)}")
+        raise ValueError(f"the weight's scales must be [E, O, I/32] = {(E, O, 2 * H // BLOCK_SIZE)}, got "
+                         f"{describe(scales_EOB)}")
     if scales_EOB.device != codes_EOH.device:
-        raise ValueError(f"scales_EOB is on {scales_EOB.device} but codes_EOH on {codes_EOH.device}")
+        raise ValueError(f"the weight's scales are on {scales_EOB.device} but its codes on {codes_EOH.device}")
 
 
-def mxfp4_dequantize(codes_EOH: torch.Tensor, scales_EOB: torch.Tensor, out: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-    """The MXFP4 weight (codes [E, O, I/2], scales [E, O, I/32], uint8, blocks along I) decoded: w_EOI [E, O, I]
-    bf16, contiguous; ``.transpose(1, 2)`` is the [E, I, O] weight. ``out``: a bf16 [E, O, I] tensor of any strides
-    to write into instead (e.g. the transpose of an [E, I, O] buffer: the row-major weight a bf16 GEMM reads
-    fastest), returned. The Triton kernel: CUDA tensors, or CPU ones under TRITON_INTERPRET=1. No host sync."""
-    check_mxfp4_weight(codes_EOH, scales_EOB)
+def mxfp4_dequantize(w: MXTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The MXFP4 weight ``w`` [E, I, O] (blocks along I, codes in kernel order) decoded: w_EOI [E, O, I] bf16,
+    contiguous; ``.transpose(1, 2)`` is the [E, I, O] weight. ``out``: a bf16 [E, O, I] tensor of any strides to
+    write into instead (e.g. the transpose of an [E, I, O] buffer: the row-major weight a bf16 GEMM reads fastest),
+    returned. The Triton kernel: CUDA tensors, or CPU ones under TRITON_INTERPRET=1. No host sync."""
+    check_mxfp4_weight(w, order="kernel")
+    codes_EOH, scales_EOB = w.codes, w.scales
     check_triton_device(codes_EOH, "mxfp4_dequantize")
     E, O, H = codes_EOH.shape
     I = 2 * H

@@ -1,9 +1,10 @@
 """Grouped matmul over MXFP4 expert weights: ``y[r] = x[r] @ dequantize(W)[e(r)]`` for rows sorted by expert, the
 weights read packed (E2M1 codes two a byte, E8M0 scales one per 32 elements along I) and decoded on the device.
 
-The weights are ``kimik3.quant.mx.quantize(w_EIO, "mxfp4", axis=-2)``'s: codes [E, O, I/2] (uint8, the element at
-the even I index in the low nibble) and scales [E, O, I/32] (uint8 E8M0 codes, 2^(code - 127), 255 = NaN), i.e.
-blocks along I, the reduction axis. At 4.25 bits an element they are 3.8x smaller than bf16, which is what a decode
+The weight is an ``MXTensor``, ``to_kernel_order(quantize(w_EIO, "mxfp4", axis=-2))``: codes [E, O, I/2] (uint8,
+two elements a byte, each 32-bit word's bits in kernel order, ``kimik3.quant.kernel_order``, which the kernels decode
+in nine integer operations a word of eight) and scales [E, O, I/32] (uint8 E8M0 codes, 2^(code - 127), 255 = NaN),
+i.e. blocks along I, the reduction axis. At 4.25 bits an element they are 3.8x smaller than bf16, which is what a decode
 step's expert matmuls (a few rows an expert, bound by weight bandwidth) gain.
 
 Four routes, chosen from the shapes and the device (``mxfp4_route``):
@@ -21,8 +22,8 @@ Four routes, chosen from the shapes and the device (``mxfp4_route``):
   step needs. Rows that share an expert each read its weights (from L2 after the first).
 - **registers** (from the mma route's rows up to ``DEQUANTIZE_ROWS``, and fp32 activations): a Triton kernel (CUDA;
   CPU tensors under TRITON_INTERPRET=1 for the tests) whose programs decode their [BLOCK_N, BLOCK_K] weight tile to
-  bf16 in registers (``mxfp4_dequantize.decode_words``: the codes read as int32 words, two elements placed by one
-  integer operation, the tile's columns in a bit-reversed order within each 8 that x's tile is put in too) and
+  bf16 in registers (``mxfp4_dequantize.decode_words``: the codes read as int32 words, two elements placed by one to
+  four integer operations, the tile's columns in a bit-reversed order within each 8 that x's tile is put in too) and
   multiply it as ``tl.dot``'s A operand, y^T = W x^T (bf16 operands, fp32 accumulation; fp32 activations take the
   tile converted to fp32 into an IEEE fp32 dot). On Hopper that operand goes to wgmma from registers, and x's rows are
   the instruction's N (8 to 256), so a few rows an expert waste no tile. Hopper has no FP4 tensor cores; the weight
@@ -213,8 +214,8 @@ def _offsets(groups, E: int, device: torch.device) -> torch.Tensor:
     return offsets_E
 
 
-def _check(x_RI, codes_EOH, scales_EOB, groups) -> torch.Tensor:
-    """Validates the arguments; returns the offsets tensor."""
+def _check(x_RI, w, groups) -> torch.Tensor:
+    """Validates the arguments (the weight's code order is the route's to check); returns the offsets tensor."""
     if not isinstance(x_RI, torch.Tensor):
         raise ValueError(f"x_RI must be a tensor, got {type(x_RI).__name__}")
     if x_RI.ndim != 2:
@@ -224,29 +225,27 @@ def _check(x_RI, codes_EOH, scales_EOB, groups) -> torch.Tensor:
     I = x_RI.shape[1]
     if I < BLOCK_SIZE or I % BLOCK_SIZE:
         raise ValueError(f"x_RI [R, I] has I = {I}: MXFP4 weights need I a positive multiple of {BLOCK_SIZE}")
-    check_mxfp4_weight(codes_EOH, scales_EOB, I)
-    E, O, _ = codes_EOH.shape
+    check_mxfp4_weight(w, I)
+    E, O, _ = w.codes.shape
     if E < 1 or O < 1:
-        raise ValueError(f"codes_EOH [E, O, I/2] needs E, O >= 1, got {tuple(codes_EOH.shape)}")
-    if codes_EOH.device != x_RI.device:
-        raise ValueError(f"codes_EOH is on {codes_EOH.device} but x_RI on {x_RI.device}")
+        raise ValueError(f"the weight's codes [E, O, I/2] need E, O >= 1, got {tuple(w.codes.shape)}")
+    if w.codes.device != x_RI.device:
+        raise ValueError(f"the weight is on {w.codes.device} but x_RI on {x_RI.device}")
     return _offsets(groups, E, x_RI.device)
 
 
-def mxfp4_grouped_mm_reference(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor,
-                               offsets_E: torch.Tensor) -> torch.Tensor:
-    """The torch reference (and CPU path): the weights dequantised to x's dtype, then ``grouped_mm_loop`` over the
-    rows up to ``offsets_E[-1]``; rows past it are zeros, as the kernel writes them. Reads the offsets on the host
-    (a sync on CUDA); raises when they decrease or pass R."""
+def mxfp4_grouped_mm_reference(x_RI: torch.Tensor, w: MXTensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """The torch reference (and CPU path): the weight ``w`` (either code order) dequantised to x's dtype, then
+    ``grouped_mm_loop`` over the rows up to ``offsets_E[-1]``; rows past it are zeros, as the kernel writes them.
+    Reads the offsets on the host (a sync on CUDA); raises when they decrease or pass R."""
     R, I = x_RI.shape
-    E, O, _ = codes_EOH.shape
+    E, O, _ = w.codes.shape
     ends = offsets_E.tolist()
     starts = [0] + ends[:-1]
     if any(b < a for a, b in zip(starts, ends)) or ends[-1] > R:
         raise ValueError(f"offsets_E must be non-decreasing running row counts in 0..R={R}, got {ends}")
-    w = dequantize(MXTensor(codes_EOH, scales_EOB, "mxfp4", BLOCK_SIZE, 1, (E, I, O)), dtype=x_RI.dtype)
     counts_E = torch.tensor([b - a for a, b in zip(starts, ends)], dtype=torch.int64)
-    y = grouped_mm_loop(x_RI[:ends[-1]], w, counts_E)
+    y = grouped_mm_loop(x_RI[:ends[-1]], dequantize(w, dtype=x_RI.dtype), counts_E)
     if ends[-1] < R:
         y = torch.cat([y, y.new_zeros(R - ends[-1], O)])
     return y
@@ -261,15 +260,16 @@ def mxfp4_mma_order(R: int, E: int, dtype: torch.dtype, device: torch.device) ->
 
 
 @torch.compiler.disable  # an opaque kernel call to torch.compile: traced, its launcher breaks on symbolic sizes
-def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor,
-                     groups_or_offsets: ExpertGroups | torch.Tensor, *, backend: str = "auto", route: str = "auto",
+def mxfp4_grouped_mm(x_RI: torch.Tensor, w: MXTensor, groups_or_offsets: ExpertGroups | torch.Tensor, *,
+                     backend: str = "auto", route: str = "auto",
                      mma_order: bool = False, block_m: int | None = None, block_n: int | None = None,
                      block_k: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None) -> torch.Tensor:
     """``y[r] = x[r] @ dequantize(W)[e]`` for the rows r of expert e: y_RO [R, O] in x's dtype, contiguous.
 
-    x_RI [R, I] bf16 or fp32, rows sorted by expert; codes_EOH [E, O, I/2] and scales_EOB [E, O, I/32] uint8, the
-    MXFP4 weight ``quantize(w_EIO, "mxfp4", axis=-2)`` (I a multiple of 32); groups_or_offsets: ``ExpertGroups``
+    x_RI [R, I] bf16 or fp32, rows sorted by expert; w the MXFP4 weight [E, I, O] (I a multiple of 32) as
+    ``to_kernel_order(quantize(w_EIO, "mxfp4", axis=-2))``: codes [E, O, I/2] and scales [E, O, I/32], the codes in
+    kernel order for the Triton backend (the torch one takes either order); groups_or_offsets: ``ExpertGroups``
     or its ``offsets_E`` (int32 [E], the running row counts, ``torch._grouped_mm``'s offs). Rows past
     ``offsets_E[-1]`` come out as zeros. All on one device. ``backend``: "auto" (CUDA -> the Triton kernel, CPU ->
     the torch reference), "torch" or "triton" (CPU tensors need TRITON_INTERPRET=1 set before the kernels were
@@ -281,8 +281,8 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     ``mma_order``: x_RI is [R, mma_width(I)] in the MMA's k order (``mxfp8_rows``; contiguous), for a call that
     takes ``mxfp4_wgmma`` (``mxfp4_mma_order`` says when; any other raises).
     """
-    offsets_E = _check(_mma_ordered_rows(x_RI, codes_EOH, scales_EOB) if mma_order else x_RI, codes_EOH, scales_EOB,
-                       groups_or_offsets)
+    offsets_E = _check(_mma_ordered_rows(x_RI, w) if mma_order else x_RI, w, groups_or_offsets)
+    codes_EOH, scales_EOB = w.codes, w.scales
     torch_backend = mxfp4_backend(x_RI, backend) == "torch"
     if mma_order and (route not in ("auto", "mma") or torch_backend
                       or not mxfp4_mma_order(x_RI.shape[0], codes_EOH.shape[0], x_RI.dtype, x_RI.device)):
@@ -291,7 +291,8 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
                          f"{x_RI.dtype} on {x_RI.device}, {x_RI.shape[0]} rows over {codes_EOH.shape[0]} experts, "
                          f"route {route!r}")
     if torch_backend:
-        return mxfp4_grouped_mm_reference(x_RI, codes_EOH, scales_EOB, offsets_E)
+        return mxfp4_grouped_mm_reference(x_RI, w, offsets_E)
+    check_mxfp4_weight(w, order="kernel")
     if torch.is_grad_enabled() and x_RI.requires_grad:
         raise RuntimeError("mxfp4_grouped_mm's kernel is forward only (inference): call it under torch.no_grad() or "
                            "torch.inference_mode(), or use backend='torch'")
@@ -305,7 +306,7 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
         raise ValueError("block_m / block_n / block_k / num_warps / num_stages tune the registers route; this call "
                          f"takes the {chosen} route ({R} rows over {E} experts): pass route='registers'")
     if chosen == "dequantize":
-        return _dequantized_grouped_mm(x_RI, codes_EOH, scales_EOB, offsets_E)
+        return _dequantized_grouped_mm(x_RI, w, offsets_E)
     if chosen == "mma" and wgmma:
         from kimik3.ops.moe.mxfp4_wgmma import mxfp4_wgmma  # (Gluon: imported only where it runs)
 
@@ -342,13 +343,13 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: to
     return y_RO
 
 
-def _mma_ordered_rows(x_RI, codes_EOH, scales_EOB) -> torch.Tensor:
+def _mma_ordered_rows(x_RI, w) -> torch.Tensor:
     """x in the MMA's k order, checked for what the wgmma kernel's TMA reads (whole 128-element steps of the
     weights' I, contiguous, a 16-byte aligned base), as the [R, I] view the other checks take."""
     if not isinstance(x_RI, torch.Tensor) or x_RI.ndim != 2:
         raise ValueError(f"x_RI must be 2-D [R, I padded], got {describe(x_RI)}")
-    check_mxfp4_weight(codes_EOH, scales_EOB)       # (its I, which the padded width follows)
-    I = 2 * codes_EOH.shape[2]
+    check_mxfp4_weight(w)       # (its I, which the padded width follows)
+    I = 2 * w.codes.shape[2]
     if x_RI.shape[1] != mma_width(I):
         raise ValueError(f"x_RI in the MMA's order has whole 128-element steps of the weights' I = {I}: width "
                          f"{mma_width(I)}, got {describe(x_RI)}")
@@ -378,18 +379,17 @@ def _gemv(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor,
     return y_RO
 
 
-def _dequantized_grouped_mm(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor,
-                            offsets_E: torch.Tensor) -> torch.Tensor:
+def _dequantized_grouped_mm(x_RI: torch.Tensor, w: MXTensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """The dequantize route: the weights decoded to bf16 once, into a row-major [E + 1, I, O] buffer (the layout of
     a bf16 model's expert weights), then ``torch._grouped_mm``. The extra expert is zeros and owns the rows past
     the last offset, which thus come out as zeros without a pass over y. The offsets are made non-decreasing within
     0..R on the device (as the registers kernel clamps what it reads: bad offsets give a meaningless result, never
     an access outside x or y)."""
     R = x_RI.shape[0]
-    E, O, H = codes_EOH.shape
+    E, O, H = w.codes.shape
     w_EIO = torch.empty(E + 1, 2 * H, O, dtype=torch.bfloat16, device=x_RI.device)
     w_EIO[E].zero_()
-    mxfp4_dequantize(codes_EOH, scales_EOB, out=w_EIO[:E].transpose(1, 2))
+    mxfp4_dequantize(w, out=w_EIO[:E].transpose(1, 2))
     offs = torch.cat([torch.cummax(offsets_E.clamp(0, R), 0).values,
                       torch.full((1,), R, dtype=offsets_E.dtype, device=x_RI.device)]).to(torch.int32)
     return torch._grouped_mm(x_RI.contiguous(), w_EIO, offs=offs)

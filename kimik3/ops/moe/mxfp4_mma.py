@@ -11,19 +11,20 @@ a decode step has a few rows an expert). The layouts are chosen so that nothing 
 - A thread of a warp owns, for weight columns ``l`` and ``l + 8`` (l = lane / 4), the 32 elements of its quarter
   t = lane % 4 of every 128-element K step, i.e. 16 consecutive code bytes a column (one 128-bit load), as A's
   fragment wants them once K is renumbered within the step: the element at k = 32 t + 8 w + 4 h + q (word w of the
-  thread's four, nibble q + 4 h of the word) is given the MMA's k index h + 2 t + 8 q + 32 w. The pair decode
-  (``decode_pair``) places nibbles q and q + 4 of a word into the two bf16 halves of an int32: the halves are then
+  thread's four, element q + 4 h of the word) is given the MMA's k index h + 2 t + 8 q + 32 w. The pair decode
+  (``decode_pair``) places elements q and q + 4 of a word into the two bf16 halves of an int32: the halves are then
   MMA k indices k and k + 1, which is what one A register holds.
 - B's fragment under the same renumbering: the thread with t and row l holds x[l, 32 t ... 32 t + 31] of each
   step, 32 consecutive elements in memory (four 128-bit loads), renumbered in registers only.
 - The renumbering is reshapes and permutes of the loaded tiles whose layouts Gluon checks to be trivial
   (``convert_layout(assert_trivial=True)``): no shared memory, no shuffles.
 
-A weight element then costs ~4 instructions (sm_90 SASS, against ~7 in the gemv route): two shifts and two logic
-operations for a pair of elements, the exact bf16 multiplies by 2^126 (the pair decode gives the value times 2^-126)
-and by the block scale (``mul.rn.bf16x2``, two elements each), and an eighth of an ``HMMA`` (an m16n8k16 takes 16
-weight columns x 16 K, eight elements a thread). The codes of the next K step are loaded before the current one is
-decoded (registers double-buffered), so a program always has bytes in flight.
+A weight element then costs ~3 instructions (sm_90 SASS, against ~7 in the gemv route): nine integer operations
+for a word's four pairs of elements (the codes in kernel order: ``kimik3.quant.kernel_order``), the exact bf16
+multiplies by 2^126 (the pair decode gives the value times 2^-126) and by the block scale (``mul.rn.bf16x2``, two
+elements each), and an eighth of an ``HMMA`` (an m16n8k16 takes 16 weight columns x 16 K, eight elements a
+thread). The codes of the next K step are loaded
+before the current one is decoded (registers double-buffered), so a program always has bytes in flight.
 
 Programs: (expert, 16 x ``num_warps`` weight columns), expert-major; each takes its expert's rows 8 at a time (the
 weights re-read from L2 for each further pass), and the group past ``offsets_E[E - 1]`` writes
@@ -44,7 +45,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from kimik3.ops.glue.common import on_device, triton
-from kimik3.ops.moe.mxfp4_dequantize import as_words
+from kimik3.ops.moe.mxfp4_dequantize import as_words, decode_pair_bits
 
 __all__ = ["FOLD_MAX_CODE", "MMA_STEPS", "MMA_WARPS", "decode_pair", "expert_tile", "mxfp4_mma", "scale_bits"]
 
@@ -99,18 +100,11 @@ def _x_layout(C, W):
 
 @gluon.jit
 def decode_pair(words, q: gl.constexpr, scale2, FOLD: gl.constexpr = False):
-    """Nibbles q and q + 4 of each int32 word decoded into the two bf16 halves of an int32, times their block scale
+    """Elements q and q + 4 of each int32 word in kernel order (placed by ``mxfp4_dequantize.decode_pair_bits``, the
+    Triton kernels' too) decoded into the two bf16 halves of an int32, times their block scale
     (scale2: the scale's bf16 bits in both halves, ``scale_bits`` with the same ``FOLD``), split into a trailing axis
     of 2 (low half first)."""
-    # (w << 6 - 4q): the nibbles' e1 e0 m to bits 6..8 of each half; (w << 12 - 4q): their signs to bits 15, 31
-    if q == 0:
-        pair = ((words << 6) & 0x01C001C0) | ((words << 12) & -0x7FFF8000)   # 0x80008000 as int32
-    elif q == 1:
-        pair = ((words << 2) & 0x01C001C0) | ((words << 8) & -0x7FFF8000)
-    elif q == 2:
-        pair = ((words >> 2) & 0x01C001C0) | ((words << 4) & -0x7FFF8000)
-    else:
-        pair = ((words >> 6) & 0x01C001C0) | (words & -0x7FFF8000)
+    pair = decode_pair_bits(words, q)
     pair = gl.inline_asm_elementwise(_FOLDED_SCALE_ASM if FOLD else _SCALE_ASM, "=r,r,r", [pair, scale2],
                                      dtype=gl.int32, is_pure=True, pack=1)
     return gl.join(pair.to(gl.int16).to(gl.bfloat16, bitcast=True),

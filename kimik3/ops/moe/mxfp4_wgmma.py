@@ -24,10 +24,12 @@ further pass re-reads the codes from L2):
   multiplies), wait, and hand the slot back on its "empty" barrier (NC arrivals free it). Each consumer loads its
   columns' scale codes from global one K step ahead (one byte a column a step: under TMA's 16-byte minimum box).
 
-The decode is issue-bound alongside the tensor cores at 32-64 rows a pass, so its instructions are few: the codes in
-kernel order (``kimik3.quant.kernel_order``: a word's four pairs of elements out in nine integer operations, where
+The decode's instructions compete with the tensor cores' issue at 32-64 rows a pass, so they are kept few: the codes
+in kernel order (``kimik3.quant.kernel_order``: a word's four pairs of elements out in nine integer operations, where
 the OCP order takes fifteen) and one multiply a pair, 179 instructions a thread a K step at 64 rows (sm_90 SASS, the
-loop with the wgmmas, loads and barriers; 227 in the OCP order). Each consumer first reads the largest
+loop with the wgmmas, loads and barriers; 227 in the OCP order). With them cut, the decode no longer sets the pace
+there (without its multiply the kernel is 1-3% faster): the tensor cores at this tile, the shared memory and the
+steps' synchronisation do (benchmarks/NOTES-quant.md). Each consumer first reads the largest
 scale code of its 64 columns (the bytes its K steps read next, so they then come from L2): up to 128, the two
 multiplies of a pair (by 2^126, then by the scale) are one, by 2^126 x the scale, a bf16 as long as the code is at
 most 128 (blocks of |w| < 16: trained weights' blocks), with the same bits; otherwise the warpgroup takes the two.

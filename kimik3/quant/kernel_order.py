@@ -37,49 +37,50 @@ KERNEL_BITS = (
 )
 
 
-def _moves(forward: bool) -> list[tuple[int, int]]:
-    """The permutation as (source mask, left shift) groups: the bits that move by the same distance."""
-    groups: dict[int, int] = {}
+def _tables(forward: bool) -> torch.Tensor:
+    """The permutation as two lookup tables [2, 65536] int32: what each value of a word's low and high 16 bits
+    becomes (OR the two to convert a word)."""
+    dst = {}
     for n, bits in enumerate(KERNEL_BITS):
         for b, kernel in enumerate(bits):
             ocp = 4 * n + b
-            src, dst = (ocp, kernel) if forward else (kernel, ocp)
-            groups[dst - src] = groups.get(dst - src, 0) | (1 << src)
-    return sorted((mask, shift) for shift, mask in groups.items())
+            dst[ocp if forward else kernel] = kernel if forward else ocp
+    value = torch.arange(1 << 16, dtype=torch.int64)
+    out = torch.zeros(2, 1 << 16, dtype=torch.int64)
+    for half in range(2):
+        for bit in range(16):
+            out[half] |= ((value >> bit) & 1) << dst[16 * half + bit]
+    return (out - ((out >> 31) << 32)).to(torch.int32)
 
 
-_TO_KERNEL, _TO_OCP = _moves(True), _moves(False)
+_TABLES = {True: _tables(True), False: _tables(False)}
+_CHUNK = 1 << 22     # words converted at a time (bounds the temporaries at a few tens of MB)
 
 
-_CHUNK = 1 << 22     # words converted at a time (bounds the int64 temporaries at a few tens of MB)
-
-
-def _permute(codes: torch.Tensor, moves: list[tuple[int, int]]) -> torch.Tensor:
+def _permute(codes: torch.Tensor, forward: bool) -> torch.Tensor:
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.ndim == 0 or codes.shape[-1] % 4:
         raise ValueError(f"MXFP4 codes must be uint8 with a multiple of 4 bytes along the last axis (whole 32-bit "
                          f"words), got {getattr(codes, 'dtype', type(codes).__name__)} "
                          f"{tuple(getattr(codes, 'shape', ()))}")
+    low, high = _TABLES[forward].to(codes.device)
     out = codes.contiguous().clone()
-    flat = out.view(torch.int32).view(-1)
-    for start in range(0, flat.numel(), _CHUNK):
-        words = flat[start:start + _CHUNK].to(torch.int64) & 0xFFFFFFFF
-        moved = torch.zeros_like(words)
-        for mask, shift in moves:
-            part = words & mask
-            moved |= part << shift if shift >= 0 else part >> -shift
-        flat[start:start + _CHUNK] = (moved - ((moved >> 31) << 32)).to(torch.int32)
+    words = out.view(torch.int32).view(-1)
+    halves = out.view(torch.int16).view(-1, 2)
+    for start in range(0, words.numel(), _CHUNK):
+        h = halves[start:start + _CHUNK].to(torch.int32) & 0xFFFF
+        words[start:start + _CHUNK] = low[h[:, 0]] | high[h[:, 1]]
     return out
 
 
 def kernel_codes(codes: torch.Tensor) -> torch.Tensor:
     """OCP-order MXFP4 codes (uint8 [..., H], H a multiple of 4) -> the same elements in kernel order (a new
     contiguous tensor of the same shape)."""
-    return _permute(codes, _TO_KERNEL)
+    return _permute(codes, True)
 
 
 def ocp_codes(codes: torch.Tensor) -> torch.Tensor:
     """Kernel-order MXFP4 codes -> OCP order (``kernel_codes``' inverse)."""
-    return _permute(codes, _TO_OCP)
+    return _permute(codes, False)
 
 
 def to_kernel_order(mx: MXTensor) -> MXTensor:

@@ -206,6 +206,7 @@ def test_torch_path_matches_the_reference(dtype):
     x = rows(21, 96, dtype)
     y = mxfp4_grouped_mm(x, mx, offsets, backend="torch")
     assert_close_to_reference(y, x, mx, offsets)
+    assert torch.equal(mxfp4_grouped_mm(x, to_ocp_order(mx), offsets, backend="torch"), y)   # either code order
     if DEV == "cpu":
         assert torch.equal(mxfp4_grouped_mm(x, mx, offsets), y)  # auto: the torch path on CPU
 

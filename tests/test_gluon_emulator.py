@@ -369,9 +369,12 @@ def test_a_triton_helper_runs_on_the_tiles():
     x[2, 5] = float("nan")
     x[3, 40] = float("inf")
     x[4, :32] = torch.linspace(-1, 1, 32) * 2.0 ** -12    # elements far below the block's top: subnormal results
+    x[4, 0] = 1.0
+    x[5, :32] = torch.linspace(1, 500, 32)                 # the top, 500 under a scale of 1: saturates to 448
     y = torch.empty_like(x)
     emulate(_triton_helper_kernel, (1,), x, y, num_warps=4)
     ref = fake_quantize(x, "mxfp8_e4m3")
+    assert ref[5, 31] == 448 and bool(((ref[4, :32] != 0) & (ref[4, :32].abs() < 2.0 ** -14)).any())  # 2^-6 x 2^-8
     assert torch.equal(y.isnan(), ref.isnan()) and bool(ref.isnan().any())
     assert torch.equal(y.nan_to_num(0.0).view(torch.int32), ref.nan_to_num(0.0).view(torch.int32))
 

@@ -55,10 +55,6 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier as gl_mbar
 from triton.experimental.gluon.language.nvidia.hopper import tma as gl_tma
 from triton.language.core import constexpr
 
-# ``tl`` operations that Triton helpers called from a Gluon kernel may use, emulated as their ``gl`` namesakes.
-_TL_SHARED = ("arange", "zeros", "full", "expand_dims", "split", "join", "reshape", "broadcast", "permute", "exp",
-              "exp2", "log", "sqrt", "rsqrt", "abs", "where", "maximum", "minimum", "sum", "max", "static_range")
-
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int64": torch.int64,
            "int32": torch.int32, "int16": torch.int16, "int1": torch.bool, "int8": torch.int8, "uint8": torch.uint8}
 
@@ -590,7 +586,7 @@ def _patched(machine: _Machine, fn_globals: dict):
     }
     for name, op in ops.items():
         put(gl, name, op)
-        if name in _TL_SHARED:       # the same operations in ``tl``, for the Triton helpers a kernel calls
+        if hasattr(tl, name):        # the same operations in ``tl``, for the Triton helpers a kernel calls
             put(tl, name, op)
     for name in ("init", "invalidate", "expect", "arrive", "wait"):
         put(gl_mbarrier, name, getattr(machine, name))

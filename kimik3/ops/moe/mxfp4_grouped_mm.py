@@ -214,8 +214,12 @@ def _offsets(groups, E: int, device: torch.device) -> torch.Tensor:
     return offsets_E
 
 
-def _check(x_RI, w, groups) -> torch.Tensor:
-    """Validates the arguments (the weight's code order is the route's to check); returns the offsets tensor."""
+def _check(x_RI, w, groups, mma_order: bool = False) -> torch.Tensor:
+    """Validates the arguments (the weight's code order is the route's to check; with ``mma_order``, x_RI as
+    ``_mma_ordered_rows`` wants it); returns the offsets tensor."""
+    if mma_order:
+        check_mxfp4_weight(w)       # (its I, which the padded width follows)
+        x_RI = _mma_ordered_rows(x_RI, w)
     if not isinstance(x_RI, torch.Tensor):
         raise ValueError(f"x_RI must be a tensor, got {type(x_RI).__name__}")
     if x_RI.ndim != 2:
@@ -225,7 +229,8 @@ def _check(x_RI, w, groups) -> torch.Tensor:
     I = x_RI.shape[1]
     if I < BLOCK_SIZE or I % BLOCK_SIZE:
         raise ValueError(f"x_RI [R, I] has I = {I}: MXFP4 weights need I a positive multiple of {BLOCK_SIZE}")
-    check_mxfp4_weight(w, I)
+    if not mma_order:               # (x in the MMA's order has the weight's I by construction)
+        check_mxfp4_weight(w, I)
     E, O, _ = w.codes.shape
     if E < 1 or O < 1:
         raise ValueError(f"the weight's codes [E, O, I/2] need E, O >= 1, got {tuple(w.codes.shape)}")
@@ -281,7 +286,7 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, w: MXTensor, groups_or_offsets: ExpertG
     ``mma_order``: x_RI is [R, mma_width(I)] in the MMA's k order (``mxfp8_rows``; contiguous), for a call that
     takes ``mxfp4_wgmma`` (``mxfp4_mma_order`` says when; any other raises).
     """
-    offsets_E = _check(_mma_ordered_rows(x_RI, w) if mma_order else x_RI, w, groups_or_offsets)
+    offsets_E = _check(x_RI, w, groups_or_offsets, mma_order)
     codes_EOH, scales_EOB = w.codes, w.scales
     torch_backend = mxfp4_backend(x_RI, backend) == "torch"
     if mma_order and (route not in ("auto", "mma") or torch_backend
@@ -344,12 +349,11 @@ def mxfp4_grouped_mm(x_RI: torch.Tensor, w: MXTensor, groups_or_offsets: ExpertG
     return y_RO
 
 
-def _mma_ordered_rows(x_RI, w) -> torch.Tensor:
+def _mma_ordered_rows(x_RI, w: MXTensor) -> torch.Tensor:
     """x in the MMA's k order, checked for what the wgmma kernel's TMA reads (whole 128-element steps of the
-    weights' I, contiguous, a 16-byte aligned base), as the [R, I] view the other checks take."""
+    weights' I, contiguous, a 16-byte aligned base), as the [R, I] view the other checks take (w checked already)."""
     if not isinstance(x_RI, torch.Tensor) or x_RI.ndim != 2:
         raise ValueError(f"x_RI must be 2-D [R, I padded], got {describe(x_RI)}")
-    check_mxfp4_weight(w)       # (its I, which the padded width follows)
     I = 2 * w.codes.shape[2]
     if x_RI.shape[1] != mma_width(I):
         raise ValueError(f"x_RI in the MMA's order has whole 128-element steps of the weights' I = {I}: width "

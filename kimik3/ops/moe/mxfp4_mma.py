@@ -23,8 +23,8 @@ A weight element then costs ~3 instructions (sm_90 SASS, against ~7 in the gemv 
 for a word's four pairs of elements (the codes in kernel order: ``kimik3.quant.kernel_order``), the exact bf16
 multiplies by 2^126 (the pair decode gives the value times 2^-126) and by the block scale (``mul.rn.bf16x2``, two
 elements each), and an eighth of an ``HMMA`` (an m16n8k16 takes 16 weight columns x 16 K, eight elements a
-thread). The codes of the next K step are loaded
-before the current one is decoded (registers double-buffered), so a program always has bytes in flight.
+thread). The codes of the next K step are loaded before the current one is decoded (registers double-buffered), so
+a program always has bytes in flight.
 
 Programs: (expert, 16 x ``num_warps`` weight columns), expert-major; each takes its expert's rows 8 at a time (the
 weights re-read from L2 for each further pass), and the group past ``offsets_E[E - 1]`` writes

@@ -30,7 +30,8 @@
 # parity     parity_torchtitan.py, both directions, fp32 and bf16 (carry .whl and third_party/torchtitan;
 #            benchmarks/setup_torchtitan.sh)                                                          <= 9.5 min
 # quant      the MXFP4 GPU tests (the expert matmul's routes, packed experts, QAT ops), then
-#            mxfp4_experts.py: every route against bf16 at K3's expert shapes, 112 local experts, 1 to 2,048 rows  <= 8 min
+#            mxfp4_experts.py: every route against bf16 at K3's expert shapes, 112 local experts, 1 to 2,048 rows,
+#            and the layer again with the rows spread over the experts at random                     <= 9.5 min
 # trainstep  train_gpu.py: the debug preset's whole training step (CUDA graph) with torchtitan's port timed in
 #            the same run (carry .whl and third_party/torchtitan)                                      <= 9.5 min
 # trainrun   the Trainer's graphed step and compiled blocks on the GPU (tests/train/test_graphed_step.py,
@@ -198,7 +199,9 @@ case $MODE in
       tests/ops/test_mxfp4_mma.py tests/ops/test_mxfp8_rows.py tests/quant \
       tests/serve/test_packed_experts.py
     step 0 mxfp4_experts 280 python3 benchmarks/mxfp4_experts.py --tokens 1,4,8,16,32,64,128,256,512,2048 --layer \
-      --out "$OUT" ;;
+      --out "$OUT"
+    step 0 mxfp4_layer_random 100 python3 benchmarks/mxfp4_experts.py --tokens 8,32,64 --shapes down --layer \
+      --routing random --out "$OUT/random" ;;
   trainstep)
     step 0 train_gpu 560 python3 benchmarks/train_gpu.py --peer torchtitan --json "$OUT/train_gpu.json" ;;
   trainrun)

@@ -2,7 +2,7 @@
 routes, against bf16 ``torch._grouped_mm`` at K3's expert shapes.
 
     python benchmarks/mxfp4_experts.py [--experts 112] [--tokens 1,4,8,16,32,64,128,256,512,2048] [--layer]
-                                       [--out DIR]
+                                       [--routing uniform|random] [--out DIR]
 
 K3's routed experts are SiTU-GLU FFNs, latent 3584 -> hidden 3072 -> 3584: the gate and up matmuls [in 3584, out 3072]
 (each; timed as one) and the down matmul [in 3072, out 3584]. Per shape and tokens an expert (every one of the E local
@@ -21,7 +21,9 @@ x already in its k order ("ordered": as the packed layer's producers write x, so
 equal to the mma route bit for bit) and its ratio, TFLOP/s, the weight bytes of each form and the weight bandwidth
 they imply (bytes / time).
 ``--layer`` also times the packed expert layer as ``RoutedExperts`` serves it (``layer_table``: the rows gathered
-and quantised to MXFP8, gate and up as one matmul, the SiTU-GLU, down) against bf16 and against its unfused form.
+and quantised to MXFP8, gate and up as one matmul, the SiTU-GLU, down) against bf16 and against its unfused form;
+``--routing random`` spreads its rows over the experts at random, as a balanced router does, instead of exactly
+``--tokens`` each (an expert past a pass's rows takes a second pass over its weights).
 ``--blocks`` overrides the registers kernel's tile sizes (and warps and pipeline stages), for tuning. GPU only:
 without CUDA it exits with a message (``--help`` works anywhere). Writes ``mxfp4_experts.json`` under ``--out`` when
 given.
@@ -69,6 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layer", action="store_true",
                    help="also time the whole expert FFN (rows gathered, gate and up, SiTU-GLU, down) packed against "
                         "bf16, at each --tokens up to 64")
+    p.add_argument("--routing", choices=("uniform", "random"), default="uniform",
+                   help="--layer's rows an expert: uniform (every expert exactly --tokens; default) or random (each "
+                        "of the E x tokens rows sent to an expert drawn uniformly: a balanced router's spread, about "
+                        "sqrt(tokens) either side)")
     p.add_argument("--out", default=None, help="directory for mxfp4_experts.json")
     args = p.parse_args(argv)
     try:
@@ -270,7 +276,8 @@ def layer_table(args, report, timed, tokens_list) -> None:
     ``situ_glu_mxfp8``, the down matmul; bf16 = the gather, one ``torch._grouped_mm`` of 2F columns, the SiTU-GLU
     kernel, the down ``torch._grouped_mm``. Also timed: the packed layer unfused (the gather, ``fake_quantize`` in
     torch, two MXFP4 matmuls that each renumber x, the SiTU-GLU and ``fake_quantize`` again). Each token is one row
-    (rows = E x tokens an expert, routed in a random order)."""
+    (rows = E x tokens an expert, routed in a random order); ``--routing random`` spreads them over the experts at
+    random (the same counts for every form timed)."""
     from harness import log, rel
 
     from kimik3.model.ffn import situ_glu_cast
@@ -299,15 +306,21 @@ def layer_table(args, report, timed, tokens_list) -> None:
     (w_gu, w_down), (gu, down) = bf16_weights.values(), packed.values()
     gate_half, up_half = (dataclasses.replace(gu, codes=gu.codes[:, cols], scales=gu.scales[:, cols], shape=(E, L, F))
                           for cols in (slice(0, F), slice(F, 2 * F)))
-    log(f"\nexpert FFN {L} -> {F} -> {L}, {E} experts: packed MXFP4 (fused producers) against bf16; ms")
-    log(f"{'tok/exp':>7} {'rows':>6} {'mma order':>9} {'bf16 ms':>8} {'mxfp4 ms':>8} {'ratio':>6} {'unfused ms':>10} "
-        f"{'ratio':>6} {'rel err':>8}")
+    log(f"\nexpert FFN {L} -> {F} -> {L}, {E} experts: packed MXFP4 (fused producers) against bf16; ms; "
+        f"{args.routing} routing")
+    log(f"{'tok/exp':>7} {'rows':>6} {'min,max':>9} {'mma order':>9} {'bf16 ms':>8} {'mxfp4 ms':>8} {'ratio':>6} "
+        f"{'unfused ms':>10} {'ratio':>6} {'rel err':>8}")
     for tokens in tokens_list:
         R = E * tokens
         x_TL = torch.randn(R, L, device=dev, generator=gen).to(torch.bfloat16)
         order_R = torch.randperm(R, device=dev, generator=gen)
         w_R = torch.rand(R, device=dev, generator=gen)
-        groups = ExpertGroups.of(torch.full((E,), tokens, device=dev))
+        if args.routing == "random":
+            counts_E = torch.bincount(torch.randint(0, E, (R,), device=dev, generator=gen), minlength=E)
+        else:
+            counts_E = torch.full((E,), tokens, device=dev)
+        groups = ExpertGroups.of(counts_E)
+        spread = (int(counts_E.min()), int(counts_E.max()))
         mma = mxfp4_mma_order(R, E, torch.bfloat16, dev)
 
         def bf16():
@@ -331,17 +344,20 @@ def layer_table(args, report, timed, tokens_list) -> None:
         with torch.inference_mode():
             y, y_unfused, y_bf16 = mxfp4(), unfused(), bf16()
             # (the same values but for the matmuls' bf16 rounding, which may differ between one call of 2F columns
-            # and two of F on the CPU's reference; the GPU kernels' columns do not depend on the call's width)
+            # and two of F on the CPU's reference, and then move an MXFP8 block's scale, all its 32 elements; the
+            # GPU kernels' columns do not depend on the call's width)
             diff = rel(y_unfused.float(), y.float())
-            report.verdict(f"layer:{tokens}:fused_matches_unfused", diff <= (0 if dev.type == "cuda" else 1e-2),
+            report.verdict(f"layer:{tokens}:fused_matches_unfused", diff <= (0 if dev.type == "cuda" else 5e-2),
                            f"rel_rms {diff:.2e}")
             err = rel(y_bf16.float(), y.float())
             ms_bf16, ms_mx, ms_unfused = timed(bf16), timed(mxfp4), timed(unfused)
-        row = {"experts": E, "tokens_per_expert": tokens, "rows": R, "mma_order": mma, "bf16_ms": ms_bf16,
+        row = {"experts": E, "tokens_per_expert": tokens, "rows": R, "routing": args.routing,
+               "rows_an_expert_min_max": spread, "mma_order": mma, "bf16_ms": ms_bf16,
                "mxfp4_ms": ms_mx, "mxfp4_unfused_ms": ms_unfused, "ratio_bf16_over_mxfp4": ms_bf16 / ms_mx,
                "ratio_bf16_over_unfused": ms_bf16 / ms_unfused, "rel_err_vs_bf16": err}
         report.results.setdefault("layer", []).append(row)
-        log(f"{tokens:>7} {R:>6} {str(mma):>9} {ms_bf16:>8.4f} {ms_mx:>8.4f} {ms_bf16 / ms_mx:>6.2f} "
+        log(f"{tokens:>7} {R:>6} {'%d,%d' % spread:>9} {str(mma):>9} {ms_bf16:>8.4f} {ms_mx:>8.4f} "
+            f"{ms_bf16 / ms_mx:>6.2f} "
             f"{ms_unfused:>10.4f} {ms_bf16 / ms_unfused:>6.2f} {err:>8.2e}")
 
 

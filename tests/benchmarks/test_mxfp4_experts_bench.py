@@ -9,6 +9,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.kernel_testing import needs_kernels
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "mxfp4_experts.py"
@@ -51,9 +53,10 @@ def test_mxfp4_experts_bench_checks_and_times_the_routes(tmp_path, monkeypatch):
 
 
 @needs_kernels
-def test_mxfp4_experts_bench_times_the_layer(tmp_path, monkeypatch):
+@pytest.mark.parametrize("routing", ["uniform", "random"])
+def test_mxfp4_experts_bench_times_the_layer(tmp_path, monkeypatch, routing):
     """``--layer``: the packed expert FFN (fused producers) against bf16 and against its unfused form, whose values
-    it must equal, at each tokens an expert up to 64."""
+    it must equal, at each tokens an expert up to 64; with ``--routing random`` the rows spread over the experts."""
     spec = importlib.util.spec_from_file_location("mxfp4_experts_layer_under_test", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -62,11 +65,15 @@ def test_mxfp4_experts_bench_times_the_layer(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "bench", lambda fn, warmup=0, rep=0: (fn(), 0.5)[1])
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "SHAPES", {"gate_up": (64, 32), "down": (32, 64)})
-    assert bench.main(["--experts", "2", "--tokens", "1,3,100", "--shapes", "down", "--layer",
+    assert bench.main(["--experts", "2", "--tokens", "1,3,100", "--shapes", "down", "--layer", "--routing", routing,
                        "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "mxfp4_experts.json").read_text())
     assert [r["tokens_per_expert"] for r in data["layer"]] == [1, 3]          # (100 rows an expert: not decode)
     assert {f"layer:{t}:fused_matches_unfused" for t in (1, 3)} <= set(data["pass"]) and data["fail"] == []
     for r in data["layer"]:
+        low, high = r["rows_an_expert_min_max"]       # (two experts: their counts add up to the rows)
+        assert r["routing"] == routing and low + high == r["rows"] and 0 <= low <= high, r
+        if routing == "uniform":
+            assert low == high == r["tokens_per_expert"], r
         assert r["mma_order"] is False and r["bf16_ms"] == r["mxfp4_ms"] == r["mxfp4_unfused_ms"] == 0.5
         assert 0 < r["rel_err_vs_bf16"] < 0.1       # MXFP8 inputs against bf16 ones

@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import pytest
@@ -9,6 +10,13 @@ import torch
 # every kernel compiled-only).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Under the interpreter, bf16 casts and dots as the GPU computes them, for every test alike: the fix is
+# process-wide, so applied by one test module's setup it would also reach whichever modules a worker runs after it.
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+    from kimik3.ops.kda.interpreter import interpreter_bf16_fix
+
+    interpreter_bf16_fix()
 
 # CI gives 2 cores and runs 2 xdist workers: one intra-op thread each avoids oversubscription,
 # which makes the many small ops in these tests spin-wait and run several times slower.

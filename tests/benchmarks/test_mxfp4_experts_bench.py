@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kernel_testing import interpreter_setup, needs_kernels  # noqa: F401 (the interpreter's bf16 casts)
+from tests.kernel_testing import interpreter_setup, needs_kernels  # noqa: F401 (its kernels bounds-checked)
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "mxfp4_experts.py"
 

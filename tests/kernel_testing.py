@@ -26,11 +26,9 @@ BF16_ULP = 2.0 ** -7  # a bf16 value's spacing, relative to the value, is at mos
 @pytest.fixture(autouse=True, scope="module")
 def interpreter_setup():
     checked = contextlib.nullcontext()
-    if HAS_KERNELS and not ON_GPU:
-        from kimik3.ops.kda.interpreter import interpreter_bf16_fix
+    if HAS_KERNELS and not ON_GPU:       # (tests/conftest.py makes the interpreter's bf16 the GPU's)
         from tests.triton_bounds import bounds_checked
 
-        interpreter_bf16_fix()  # the interpreter's bf16 casts are not the GPU's (Triton 3.6)
         checked = bounds_checked()
     with checked:
         yield

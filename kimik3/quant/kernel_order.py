@@ -63,7 +63,7 @@ def _permute(codes: torch.Tensor, forward: bool) -> torch.Tensor:
                          f"words), got {getattr(codes, 'dtype', type(codes).__name__)} "
                          f"{tuple(getattr(codes, 'shape', ()))}")
     low, high = _TABLES[forward].to(codes.device)
-    out = codes.contiguous().clone()
+    out = codes.clone(memory_format=torch.contiguous_format)    # (one copy, contiguous, to convert in place)
     words = out.view(torch.int32).view(-1)
     halves = out.view(torch.int16).view(-1, 2)
     for start in range(0, words.numel(), _CHUNK):

@@ -56,10 +56,7 @@ def _interpreter_setup():
     from tests.triton_bounds import bounds_checked
 
     checked = contextlib.nullcontext()
-    if not ON_GPU:
-        from kimik3.ops.kda.interpreter import interpreter_bf16_fix
-
-        interpreter_bf16_fix()  # the interpreter's bf16 dots and casts are not the GPU's (Triton 3.6)
+    if not ON_GPU:       # (tests/conftest.py makes the interpreter's bf16 the GPU's)
         checked = bounds_checked()  # every kernel launch in this file: no lane outside its tensors
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -70,8 +67,9 @@ def _interpreter_setup():
 
 @pytest.mark.skipif(ON_GPU, reason="checks the interpreter's bf16 patch (CPU only)")
 def test_interpreter_rounds_to_bf16_as_the_gpu_does():
-    """``interpreter_bf16_fix`` (on for every test here): fp32 -> bf16 in a kernel rounds to nearest even, as the
-    GPU and torch do (Triton 3.6's interpreter alone truncates: 1 + 3 * 2^-9 became 1), ties and negatives too."""
+    """``interpreter_bf16_fix`` (on for every test: tests/conftest.py): fp32 -> bf16 in a kernel rounds to nearest
+    even, as the GPU and torch do (Triton 3.6's interpreter alone truncates: 1 + 3 * 2^-9 became 1), ties and
+    negatives too."""
     import triton.language as tl
 
     @triton.jit

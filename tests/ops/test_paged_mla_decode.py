@@ -46,11 +46,9 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 6e-3, torch.float16: 2e-3}
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter_setup():
     checked = contextlib.nullcontext()
-    if HAS_KERNELS and not ON_GPU:
-        from kimik3.ops.kda.interpreter import interpreter_bf16_fix
+    if HAS_KERNELS and not ON_GPU:       # (tests/conftest.py makes the interpreter's bf16 the GPU's)
         from tests.triton_bounds import bounds_checked
 
-        interpreter_bf16_fix()  # the interpreter's bf16 dots and casts are not the GPU's (Triton 3.6)
         checked = bounds_checked()  # no lane of any launch here outside its tensors
     with checked:
         yield

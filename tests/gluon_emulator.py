@@ -21,8 +21,6 @@ Triton's interpreter runs ``tl`` kernels:
 - Ampere's ``async_copy`` (cp.async): a copy reads global memory when issued (masked-off lanes: zeros) and lands
   in shared memory only when ``wait_group`` retires its committed group, so a tile read before its wait is stale
   and a wait that leaves too many groups in flight shows;
-- a ``@triton.jit`` helper the kernel calls (under TRITON_INTERPRET=1, as the tests run) runs its body on the same
-  tiles, its ``tl`` operations emulated as their ``gl`` namesakes (the GPU compiler accepts such calls too);
 - ``gl.warp_specialize`` runs each partition in its own thread; a wait that could never complete (the kernel
   would hang on the GPU) raises ``GluonDeadlock`` after ``timeout`` seconds;
 - like a GPU launch, a kernel records no autograd: its arguments may require grad (a launch from inside an
@@ -45,7 +43,6 @@ import threading
 from typing import Any, Callable
 
 import torch
-import triton.language as tl
 
 from triton.experimental import gluon  # noqa: F401  (the language modules below need it imported)
 from triton.experimental.gluon import language as gl
@@ -99,9 +96,6 @@ class Tile:
 
     def __index__(self):
         return int(self.t)
-
-    def __getitem__(self, index):  # slices and None (new axes), as ``x[:, None]`` in jit code
-        return Tile(self.t[index])
 
     def __bool__(self):
         return bool(self.t)
@@ -586,8 +580,6 @@ def _patched(machine: _Machine, fn_globals: dict):
     }
     for name, op in ops.items():
         put(gl, name, op)
-        if hasattr(tl, name):        # the same operations in ``tl``, for the Triton helpers a kernel calls
-            put(tl, name, op)
     for name in ("init", "invalidate", "expect", "arrive", "wait"):
         put(gl_mbarrier, name, getattr(machine, name))
     put(gl_tma, "async_copy_global_to_shared", machine.tma_load)

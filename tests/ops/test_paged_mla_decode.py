@@ -14,10 +14,7 @@ Legend: B rows, H heads, C latent width, R slice width, W = C + R, N pool blocks
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import math
-import os
 
 import pytest
 import torch
@@ -30,28 +27,15 @@ from kimik3.ops.mla import (
     paged_mla_decode,
     paged_mla_decode_torch,
 )
+from tests.kernel_testing import (DEV, HAS_KERNELS, ON_GPU, interpreter_setup,  # noqa: F401 (interpreter_setup: autouse)
+                                  needs_kernels)
 from tests.numerics import rel_rms
 
-ON_GPU = torch.cuda.is_available()
-DEV = "cuda" if ON_GPU else "cpu"
-HAS_KERNELS = importlib.util.find_spec("triton") is not None and (ON_GPU or os.environ.get("TRITON_INTERPRET") == "1")
-needs_kernels = pytest.mark.skipif(not HAS_KERNELS, reason="needs triton, and CUDA or TRITON_INTERPRET=1")
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 
 # rel_rms against the fp64 dense reference. bf16: the output's rounding alone is ~1.6e-3, and the kernel's
 # probabilities enter the second dot in bf16 (as in GatedMLA._absorbed); the interpreter's cases measure ~1.8e-3.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 6e-3, torch.float16: 2e-3}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_setup():
-    checked = contextlib.nullcontext()
-    if HAS_KERNELS and not ON_GPU:       # (tests/conftest.py makes the interpreter's bf16 the GPU's)
-        from tests.triton_bounds import bounds_checked
-
-        checked = bounds_checked()  # no lane of any launch here outside its tensors
-    with checked:
-        yield
 
 
 def make_inputs(B, H, C, R, P, M, lengths, dtype=torch.float32, q_dtype=None, seed=0, device=DEV):

@@ -52,13 +52,14 @@ def run(x, mx_or_codes, scales=None, offsets=None, mma_order=False):
     return wg.mxfp4_wgmma(x, codes, scales, offsets, mma_order=mma_order, launcher=emulate)
 
 
-# (E, I, O, rows an expert): rows a pass the mean's next power of two from 8 to 64
+# (E, I, O, rows an expert): rows a pass the next power of two of twice the mean, from 8 to 64
 CASES = [
     (4, 96, 40, [3, 0, 7, 1]),          # 8 a pass: empty middle expert; one partial K step; partial column tile
-    (3, 416, 16, [0, 20, 0]),           # 8 a pass (7 on average), 3 passes of 20; empty first and last; 3 steps + 32
-    (3, 160, 24, [0, 20, 5]),           # 16 a pass: two passes of 20; partial K step
-    (2, 256, 72, [40, 9]),              # 32 a pass (25 on average): two passes of 40; partial column tile
-    (2, 384, 136, [70, 60]),            # 64 a pass: two passes of 70; 3 K steps; two column tiles, the second partial
+    (5, 416, 16, [0, 20, 0, 0, 0]),     # 8 a pass (4 on average), 3 passes of 20; empty first and last; 3 steps + 32
+    (3, 160, 24, [0, 20, 4]),           # 16 a pass (8 on average): two passes of 20; partial K step
+    (3, 256, 72, [40, 2, 3]),           # 32 a pass (15 on average): two passes of 40; partial column tile
+    (3, 384, 136, [70, 0, 20]),         # 64 a pass: two passes of 70; 3 K steps; two column tiles, the second partial
+    (2, 160, 72, [130, 70]),            # 64 a pass (the most): three passes of 130; partial K step
 ]
 
 
@@ -92,10 +93,10 @@ def test_x_in_the_mma_order(E, I, O, counts, consumers):
 
 
 def test_tile_by_rows_an_expert_and_by_the_grid():
-    assert [wg.wgmma_tile(R, 8)[0] for R in (0, 8, 8 * 8, 8 * 8 + 1, 16 * 8, 16 * 8 + 1, 32 * 8, 33 * 8, 64 * 8,
+    assert [wg.wgmma_tile(R, 8)[0] for R in (0, 8, 4 * 8, 4 * 8 + 1, 8 * 8, 8 * 8 + 1, 16 * 8, 16 * 8 + 1, 32 * 8,
                                              4096)] == [8, 8, 8, 16, 16, 32, 32, 64, 64, 64]
-    assert wg.wgmma_tile(5, 0)[0] == 8
-    assert all(wg.wgmma_tile(R, 1)[1] >= 2 for R in (8, 16, 32, 64))
+    assert wg.wgmma_tile(4, 0)[0] == 8 and wg.wgmma_tile(5, 0)[0] == 16
+    assert all(wg.wgmma_tile(R, 1)[1] >= 2 for R in (4, 8, 16, 32))
     # K3's 896 experts over 8 GPUs (112 local) take 128 columns a program, over 64 (14 local) 64 columns
     assert [wg.wgmma_tile(112, E, O, 132)[2] for E, O in ((112, 3072), (112, 3584), (112, 6144), (14, 3072),
                                                           (14, 3584), (14, 6144))] == [2, 2, 2, 1, 1, 1]
@@ -140,8 +141,8 @@ def test_no_rows():
     assert y.shape == (0, 16) and y.dtype == torch.bfloat16
 
 
-# (rows an expert) the kernel is compiled in: every rows a pass
-COMPILE_ROWS = [8, 16, 32, 64]
+# (rows an expert) the kernel is compiled in: every rows a pass (twice as many)
+COMPILE_ROWS = [4, 8, 16, 32]
 
 
 def test_wgmma_kernel_compiles_for_sm90(tmp_path):

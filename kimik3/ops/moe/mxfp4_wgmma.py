@@ -82,10 +82,11 @@ WGMMA_SLOTS = {8: 4, 16: 4, 32: 4, 64: 3}
 
 def wgmma_tile(R: int, E: int, O: int = 0, sms: int = 132) -> tuple[int, int, int]:
     """(rows a pass BR, ring slots S, consumer warpgroups NC) for ``R`` rows over ``E`` experts of ``O`` outputs on
-    a GPU of ``sms`` SMs: BR the mean rows' next power of two from 8 to 64 (more rows an expert than a pass take
-    more passes); NC 2 (128 weight columns a program) unless that grid is under ``WGMMA_WAVES`` waves of two programs
+    a GPU of ``sms`` SMs: BR the next power of two from 8 to 64 of twice the mean rows an expert (a router spreads
+    rows unevenly, and an expert past a pass's rows takes another pass over all its weights, which costs more than a
+    wider pass); NC 2 (128 weight columns a program) unless that grid is under ``WGMMA_WAVES`` waves of two programs
     an SM, then 1."""
-    rows = -(-R // max(E, 1))
+    rows = 2 * -(-R // max(E, 1))
     per_pass = 8
     while per_pass < 64 and per_pass < rows:
         per_pass *= 2

@@ -141,7 +141,7 @@ def test_no_rows():
     assert y.shape == (0, 16) and y.dtype == torch.bfloat16
 
 
-# (rows an expert) the kernel is compiled in: every rows a pass (twice as many)
+# (rows an expert) the kernel is compiled in: every rows a pass (twice these rows)
 COMPILE_ROWS = [4, 8, 16, 32]
 
 

@@ -27,6 +27,7 @@ import torch
 from kimik3.model.pretrained import has_weights
 from tests.corpus import write_code_corpus
 from tests.parallel.gloo import run_ranks
+from tests.train.small_run import small_config
 
 RTOL = 1e-4
 
@@ -278,16 +279,15 @@ def test_the_single_process_context_changes_nothing():
 
 # ---------------------------------------------------------------------------- Muon under FSDP2
 def _muon_case(rank, world):
-    """One Muon + AdamW step on a tiny model sharded with FSDP2, from the same full gradients."""
+    """One Muon + AdamW step on the small test model sharded with FSDP2, from the same full gradients."""
     from torch.distributed.tensor import distribute_tensor
 
-    from kimik3.config.schema import K3Config
     from kimik3.model.k3 import K3ForCausalLM
     from kimik3.optim import build_param_groups
     from kimik3.parallel.fsdp import apply_fsdp
     from kimik3.parallel.mesh import ParallelDims, build_mesh, fsdp_mesh
 
-    model = K3ForCausalLM(K3Config.preset("tiny"), seed=0)
+    model = K3ForCausalLM(small_config(), seed=0)
     grads = _fixed_grads(model)
     apply_fsdp(model, fsdp_mesh(build_mesh(ParallelDims(dp=world), "cpu")))
     optimizer = build_param_groups(model, lr=1e-2)
@@ -305,11 +305,10 @@ def _fixed_grads(model):
 
 def _check_muon(outs):
     """Muon under FSDP2 gives the single-process update."""
-    from kimik3.config.schema import K3Config
     from kimik3.model.k3 import K3ForCausalLM
     from kimik3.optim import build_param_groups
 
-    model = K3ForCausalLM(K3Config.preset("tiny"), seed=0)
+    model = K3ForCausalLM(small_config(), seed=0)
     grads = _fixed_grads(model)
     optimizer = build_param_groups(model, lr=1e-2)
     for _ in range(2):
@@ -415,7 +414,6 @@ def _parallelize_case(rank, world):
     from kimik3.parallel.fsdp import apply_fsdp
     from kimik3.parallel.mesh import ParallelDims, balance_group, build_mesh, fsdp_mesh
     from kimik3.train.balance import QuantileBalancer
-    from tests.train.small_run import small_config
 
     dims = ParallelDims(dp=world)
     mesh = build_mesh(dims, "cpu")
@@ -455,7 +453,6 @@ _GRADS = ("embed.weight", "layers.1.mixer.q_proj.weight", "layers.1.ffn.experts.
 def _check_parallelize(outs):
     """Activation checkpointing + FSDP2 give the single-process loss and gradients; fp32 islands."""
     from kimik3.model.k3 import K3ForCausalLM
-    from tests.train.small_run import small_config
 
     config = small_config()
     model = K3ForCausalLM(config, seed=0)

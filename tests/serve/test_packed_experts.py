@@ -27,8 +27,8 @@ def qat_model(serve_model):
 
 
 def test_the_engine_serves_packed_experts_with_the_fake_quantised_greedy_tokens(qat_model, serve_tokenizer):
-    batch = prompts(3, 19, seed=3)
-    expected = [reference(qat_model, prompt, 10) for prompt in batch]
+    batch = prompts(2, 19, seed=3)
+    expected = [reference(qat_model, prompt, 8) for prompt in batch]
     served = K3ForCausalLM(qat_model.config, device="cpu", dtype=torch.float32, seed=0).eval()
     served.load_state_dict(qat_model.state_dict())
     full_bytes = sum(p.numel() * p.element_size() for m in served.modules() if isinstance(m, RoutedExperts)
@@ -41,7 +41,7 @@ def test_the_engine_serves_packed_experts_with_the_fake_quantised_greedy_tokens(
         assert packed_bytes == sum(mx.nbytes for m in experts for mx in m.packed.values())
         assert full_bytes / packed_bytes == pytest.approx(32 / 4.25)   # fp32 weights: 32 bits vs 4.25
         for prompt, want in zip(batch, expected, strict=True):
-            tokens, _ = engine.complete(prompt, SamplingParams(max_tokens=10, temperature=0.0))
+            tokens, _ = engine.complete(prompt, SamplingParams(max_tokens=8, temperature=0.0))
             assert tokens == want
         assert_no_leak(engine)
     finally:

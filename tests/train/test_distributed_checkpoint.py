@@ -1,7 +1,7 @@
 """Sharded checkpoints through torch.distributed.checkpoint (``kimik3.train.distributed_checkpoint``).
 
-The multi-rank test trains the ``tiny`` preset (fp32, CPU) under FSDP2 on 2 gloo ranks with the
-trainer's optimizer (``build_param_groups``: Muon + AdamW in a ``MultiOptimizer``), checkpoints it
+The multi-rank test trains the small test model (``tests.train.small_run``; fp32, CPU) under FSDP2 on 2 gloo
+ranks with the trainer's optimizer (``build_param_groups``: Muon + AdamW in a ``MultiOptimizer``), checkpoints it
 after 2 steps (once synchronously, once asynchronously while training goes on) and trains 2 more
 steps. Then the checkpoint is loaded (a) by 2 fresh ranks, which must log the very same losses, and
 (b) by one plain process without a process group (DCP reshards the FSDP shards into full tensors),
@@ -36,6 +36,7 @@ from kimik3.train.checkpoint import CheckpointError
 from kimik3.train.dcp_storage import INDEX_FILE
 from kimik3.train.distributed_checkpoint import META_FILE, load_distributed, save_distributed
 from tests.parallel.gloo import run_ranks
+from tests.train.small_run import small_config
 
 LR = 3e-3
 BATCH, SEQ = 4, 32
@@ -116,7 +117,7 @@ def _fsdp(config, world):
 
 
 def _two_rank_worker(rank, world, directory):
-    config = K3Config.preset("tiny")
+    config = small_config()
     ctx, model, optimizer = _fsdp(config, world)
     before = [_train_step(model, optimizer, config, step, ctx) for step in range(2)]
     save_distributed(f"{directory}/sync", model, optimizer, 2, {"losses": before})
@@ -154,7 +155,7 @@ def test_fsdp2_checkpoint_reloads_on_two_ranks_and_in_one_process(tmp_path):
     assert json.loads((tmp_path / "sync" / META_FILE).read_text())["world_size"] == 2
 
     # (b) One process, no process group, no FSDP: the same optimizer construction and global batches.
-    config = K3Config.preset("tiny")
+    config = small_config()
     model = _model(config, seed=1)   # other weights: the load must replace them all
     optimizer = build_param_groups(model, lr=LR)
     with _pickle_banned():
@@ -217,7 +218,7 @@ def _groups(optimizer) -> dict[str, list[dict]]:
 # DCP warns of every single-process save; an async one warns from its thread, past our filter.
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_single_process_round_trip_is_exact(tmp_path):
-    config = K3Config.preset("tiny")
+    config = small_config()
     model = _model(config)
     optimizer = build_param_groups(model, lr=LR)
     _train_step(model, optimizer, config, 0)

@@ -222,7 +222,7 @@ def main(argv=None) -> int:
                 from kimik3.ops.moe.mxfp4_wgmma import WGMMA_COLUMNS, wgmma_tile  # (Gluon: where it runs)
 
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
-                per_pass, slots, consumers = wgmma_tile(R, E, O, sms)
+                per_pass, slots, consumers, _ = wgmma_tile(R, E, O, sms)
                 blocks = [per_pass, consumers * WGMMA_COLUMNS, 128, 4 * consumers + 4, slots]
             elif auto == "mma":     # mma.sync: 8 rows a pass, 16 x warps columns, 128 x steps K
                 from kimik3.ops.moe.mxfp4_mma import MMA_STEPS, MMA_WARPS

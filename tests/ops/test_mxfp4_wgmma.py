@@ -52,14 +52,19 @@ def run(x, mx_or_codes, scales=None, offsets=None, mma_order=False):
     return wg.mxfp4_wgmma(x, codes, scales, offsets, mma_order=mma_order, launcher=emulate)
 
 
-# (E, I, O, rows an expert): rows a pass the next power of two of twice the mean, from 8 to 64
+# (E, I, O, rows an expert): rows a pass BR the mean's next power of two from 8 to 64; below 64 and at a mean over
+# half of BR, an expert of more than BR rows takes passes of 2 BR
 CASES = [
-    (4, 96, 40, [3, 0, 7, 1]),          # 8 a pass: empty middle expert; one partial K step; partial column tile
-    (5, 416, 16, [0, 20, 0, 0, 0]),     # 8 a pass (4 on average), 3 passes of 20; empty first and last; 3 steps + 32
-    (3, 160, 24, [0, 20, 4]),           # 16 a pass (8 on average): two passes of 20; partial K step
-    (3, 256, 72, [40, 2, 3]),           # 32 a pass (15 on average): two passes of 40; partial column tile
-    (3, 384, 136, [70, 0, 20]),         # 64 a pass: two passes of 70; 3 K steps; two column tiles, the second partial
-    (2, 160, 72, [130, 70]),            # 64 a pass (the most): three passes of 130; partial K step
+    (4, 96, 40, [3, 0, 7, 1]),          # 8 a pass, none over: empty middle expert; one partial K step; partial
+                                        # column tile
+    (5, 416, 16, [0, 20, 0, 0, 0]),     # 8 a pass (4 on average: no wider passes): 20 in three passes of 8; empty
+                                        # first and last; 3 steps + 32
+    (3, 128, 24, [11, 0, 4]),           # 8 a pass (5 on average): 11 in one pass of 16, 4 in one of 8
+    (3, 160, 24, [0, 20, 5]),           # 16 a pass (9 on average): 20 in one pass of 32, 5 in one of 16; partial K step
+    (2, 256, 72, [40, 9]),              # 32 a pass (25 on average): 40 in one pass of 64; partial column tile
+    (3, 384, 136, [70, 0, 20]),         # 32 a pass (30 on average): 70 in two passes of 64, 20 in one of 32;
+                                        # 3 K steps; two column tiles, the second partial
+    (2, 160, 72, [130, 70]),            # 64 a pass (the most, none wider): three passes of 130; partial K step
 ]
 
 
@@ -80,7 +85,7 @@ def test_matches_the_reference(E, I, O, counts, consumers):
     assert torch.equal(y[sum(counts):], torch.zeros_like(y[sum(counts):]))
 
 
-@pytest.mark.parametrize("E, I, O, counts", [CASES[0], CASES[4]])
+@pytest.mark.parametrize("E, I, O, counts", [CASES[0], CASES[5]])
 def test_x_in_the_mma_order(E, I, O, counts, consumers):
     """x given as ``mxfp8_rows`` writes it (each step permuted, padded to whole steps): the same products."""
     from kimik3.ops.moe.mxfp8_rows import mma_k_order_reference
@@ -93,10 +98,15 @@ def test_x_in_the_mma_order(E, I, O, counts, consumers):
 
 
 def test_tile_by_rows_an_expert_and_by_the_grid():
-    assert [wg.wgmma_tile(R, 8)[0] for R in (0, 8, 4 * 8, 4 * 8 + 1, 8 * 8, 8 * 8 + 1, 16 * 8, 16 * 8 + 1, 32 * 8,
-                                             4096)] == [8, 8, 8, 16, 16, 32, 32, 64, 64, 64]
-    assert wg.wgmma_tile(4, 0)[0] == 8 and wg.wgmma_tile(5, 0)[0] == 16
-    assert all(wg.wgmma_tile(R, 1)[1] >= 2 for R in (4, 8, 16, 32))
+    sizes = (0, 8, 4 * 8, 5 * 8, 8 * 8, 8 * 8 + 1, 16 * 8, 16 * 8 + 1, 32 * 8, 32 * 8 + 1, 64 * 8, 4096)
+    assert [wg.wgmma_tile(R, 8)[0] for R in sizes] == [8, 8, 8, 8, 8, 16, 16, 32, 32, 64, 64, 64]
+    # the passes of twice the rows: below 64 a pass, where some expert can have more rows than a pass and the mean
+    # is over half a pass
+    assert [wg.wgmma_tile(R, 8)[3] for R in sizes] == [False, False, False, True, True, True, True, True, True,
+                                                       False, False, False]
+    assert wg.wgmma_tile(5, 0)[:4:3] == (8, False) and wg.wgmma_tile(9, 1)[:4:3] == (16, False)
+    assert wg.wgmma_tile(9, 2)[:4:3] == (8, True)
+    assert all(wg.wgmma_tile(R, 1)[1] >= 2 for R in (8, 16, 32, 64))
     # K3's 896 experts over 8 GPUs (112 local) take 128 columns a program, over 64 (14 local) 64 columns
     assert [wg.wgmma_tile(112, E, O, 132)[2] for E, O in ((112, 3072), (112, 3584), (112, 6144), (14, 3072),
                                                           (14, 3584), (14, 6144))] == [2, 2, 2, 1, 1, 1]
@@ -141,31 +151,50 @@ def test_no_rows():
     assert y.shape == (0, 16) and y.dtype == torch.bfloat16
 
 
-# (rows an expert) the kernel is compiled in: every rows a pass (twice these rows)
-COMPILE_ROWS = [4, 8, 16, 32]
+# (rows an expert) the kernel is compiled in: every rows a pass, 8 both without and with the passes of 16, 16 and 32
+# with the passes of twice as many; by default the smallest and the largest ring with the passes of 2 BR and the
+# largest without
+COMPILE_ROWS_ALL = [4, 8, 16, 32, 64]
+COMPILE_ROWS = [8, 32, 64]
 
 
-def test_wgmma_kernel_compiles_for_sm90(tmp_path):
-    """In a process of its own, without the interpreter and with an empty Triton cache: the kernel compiles for
-    sm_90 at every rows a pass, with one consumer warpgroup and with two (so its layout conversions are trivial:
-    asserted at compile time), within ``WGMMA_MAXNREG`` registers and without spills; its shared memory is the
-    ring, small enough for three programs an SM with one consumer and two with two (as many as the registers
-    allow)."""
-    from tests.gluon_emulator import last_json_line, run_without_interpreter
-
-    rows_ = last_json_line(run_without_interpreter(["-m", "tests.ops.test_mxfp4_wgmma"], tmp_path))
-    assert len(rows_) == 2 * len(COMPILE_ROWS)
-    for (consumers, per_expert), row in zip([(c, r) for c in (1, 2) for r in COMPILE_ROWS], rows_):
-        per_pass, slots, _ = wg.wgmma_tile(8 * per_expert, 8)
-        ring = slots * (per_pass * 128 * 2 + consumers * wg.WGMMA_COLUMNS * 64)
+def _check_compiled(rows_, per_expert_rows):
+    """Each compiled form's shared memory is the ring, small enough for three programs an SM with one consumer and
+    two with two; within ``WGMMA_MAXNREG`` registers, as many as fit those programs, and without spills."""
+    assert len(rows_) == 2 * len(per_expert_rows)
+    for (consumers, per_expert), row in zip([(c, r) for c in (1, 2) for r in per_expert_rows], rows_):
+        per_pass, slots, _, wide = wg.wgmma_tile(8 * per_expert, 8)
+        ring = slots * ((2 if wide else 1) * per_pass * 128 * 2 + consumers * wg.WGMMA_COLUMNS * 64)
         assert ring <= row["shared_bytes"] <= ring + 1024, row      # (+ the barriers)
         assert row["shared_bytes"] <= 227 * 1024 // (4 - consumers), row
-        assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, row
+        # (32 rows a pass with the passes of 64 compiled in, two consumers: one 4-byte value spills at every split of
+        # the registers; the GPU timings include it)
+        spill = 4 if (per_pass, wide, consumers) == (32, True, 2) else 0
+        assert row["spill_store_bytes"] <= spill and row["spill_load_bytes"] <= spill, row
         assert row["registers"] <= wg.WGMMA_MAXNREG and row["num_warps"] == 4 * consumers + 4, row
         assert row["num_warps"] * 32 * row["registers"] * (4 - consumers) <= 65536, row
 
 
-if __name__ == "__main__":  # the compile step of the test above
+def test_wgmma_kernel_compiles_for_sm90(tmp_path):
+    """In a process of its own, without the interpreter and with an empty Triton cache: the kernel compiles for
+    sm_90 with one consumer warpgroup and with two (so its layout conversions are trivial: asserted at compile
+    time) at ``COMPILE_ROWS`` (``_check_compiled``)."""
+    from tests.gluon_emulator import last_json_line, run_without_interpreter
+
+    _check_compiled(last_json_line(run_without_interpreter(["-m", "tests.ops.test_mxfp4_wgmma"], tmp_path)),
+                    COMPILE_ROWS)
+
+
+@pytest.mark.slow
+def test_wgmma_kernel_compiles_for_sm90_at_every_rows_a_pass(tmp_path):
+    """``test_wgmma_kernel_compiles_for_sm90`` at every rows a pass, with and without the passes of 2 BR."""
+    from tests.gluon_emulator import last_json_line, run_without_interpreter
+
+    _check_compiled(last_json_line(run_without_interpreter(["-m", "tests.ops.test_mxfp4_wgmma", "--all"], tmp_path)),
+                    COMPILE_ROWS_ALL)
+
+
+if __name__ == "__main__":  # the compile step of the two tests above
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
     sys.path.insert(0, os.path.join(root, "benchmarks"))
     from kda_sm90_report import Sm90Compiler
@@ -176,7 +205,7 @@ if __name__ == "__main__":  # the compile step of the test above
     scales = torch.zeros(E, O, I // 32, dtype=torch.uint8)
     for consumers in (1, 2):
         wg.WGMMA_WAVES = 10 ** 9 if consumers == 1 else 0
-        for per_expert in COMPILE_ROWS:
+        for per_expert in COMPILE_ROWS_ALL if "--all" in sys.argv else COMPILE_ROWS:
             R = E * per_expert
             wg.mxfp4_wgmma(torch.zeros(R, I, dtype=torch.bfloat16), codes, scales,
                            torch.full((E,), per_expert, dtype=torch.int32).cumsum(0).int(), mma_order=True,

@@ -13,8 +13,9 @@ in the same pass); other rows go through ``renumber_k`` first (one pass, as long
 one row an expert, 10% at 64, with 112 experts). Stored so, x reaches shared memory by TMA with no registers, and
 every program reads it in the MMA's order.
 
-A program takes (expert e, 64 NC weight columns) and its expert's rows in passes of BR (8, 16, 32 or 64; each
-further pass re-reads the codes from L2):
+A program takes (expert e, 64 NC weight columns) and its expert's rows in passes of BR (8, 16, 32 or 64), or,
+below 64, of 2 BR where its expert has more than BR rows (each program reads its expert's count; each further pass
+re-reads the codes from L2):
 
 - a 1-warp loader partition fills an S-slot ring, per (pass, 128-element K step): x's tile as two [BR, 64] TMA boxes
   (wgmma's B, 128-byte swizzle) and the step's code words, one [64 NC, 16] int32 box (its rows are the program's
@@ -36,8 +37,8 @@ most 128 (blocks of |w| < 16: trained weights' blocks), with the same bits; othe
 
 The partitions drift apart by up to S steps, so one warpgroup's decode overlaps another's tensor work and the
 copies of the next steps. NC is 2 (two programs an SM: ``maxnreg`` 80 over 12 warps, the consumers at 112 and 104
-registers, the loader's warpgroup at 24; 41-74 KB of shared memory) or, for small grids, 1 (three programs an SM:
-8 warps, the consumer at 136; ``wgmma_tile`` says when). Against one 8-warp
+registers, or 96 and 120 with the passes of 2 BR, the loader's warpgroup at 24; 41-74 KB of shared memory) or, for
+small grids, 1 (three programs an SM: 8 warps, the consumer at 136; ``wgmma_tile`` says when). Against one 8-warp
 partition that stages x itself (x loaded from L2 and renumbered in registers in the step that uses it), the NC = 2
 form is 1.27-1.35x faster at 16-64 rows an expert with 112 experts, and 1.11-1.22x faster than mma.sync at 1-8
 (benchmarks/NOTES-quant.md).
@@ -75,23 +76,31 @@ WGMMA_COLUMNS = 64
 WGMMA_MAXNREG = 80
 WGMMA_WAVES = 4
 WGMMA_REGS = gl.constexpr(104)
+# With the passes of 2 BR compiled in too, the second consumer at 120 and the first at 96 (at 104 / 112 the 16-row
+# form spills; the 32-row form, with the 64-row passes, spills one 4-byte value at every split).
+WGMMA_WIDE_REGS = gl.constexpr(120)
 _LOADER_REGS = gl.constexpr(24)
 # Ring slots by rows a pass (benchmarks/NOTES-quant.md has the sweep at 8, 14 and 112 experts).
 WGMMA_SLOTS = {8: 4, 16: 4, 32: 4, 64: 3}
 
 
-def wgmma_tile(R: int, E: int, O: int = 0, sms: int = 132) -> tuple[int, int, int]:
-    """(rows a pass BR, ring slots S, consumer warpgroups NC) for ``R`` rows over ``E`` experts of ``O`` outputs on
-    a GPU of ``sms`` SMs: BR the next power of two from 8 to 64 of twice the mean rows an expert (a router spreads
-    rows unevenly, and an expert past a pass's rows takes another pass over all its weights, which costs more than a
-    wider pass); NC 2 (128 weight columns a program) unless that grid is under ``WGMMA_WAVES`` waves of two programs
+def wgmma_tile(R: int, E: int, O: int = 0, sms: int = 132) -> tuple[int, int, int, bool]:
+    """(rows a pass BR, ring slots S, consumer warpgroups NC, wide) for ``R`` rows over ``E`` experts of ``O``
+    outputs on a GPU of ``sms`` SMs: BR the mean rows an expert's next power of two from 8 to 64; wide where BR is
+    under 64, some expert can have more rows than BR and the mean is over half of BR: then the experts of more than
+    BR rows take passes of 2 BR (a router spreads rows unevenly, and an expert past its pass's rows would take
+    another pass over all its weights, which costs more than a wider pass), and the ring's slots are those of 2 BR
+    (at a mean of half BR or less, the floor of 8 rows, an expert rarely has more than BR rows and the narrower ring
+    is faster); NC 2 (128 weight columns a program) unless that grid is under ``WGMMA_WAVES`` waves of two programs
     an SM, then 1."""
-    rows = 2 * -(-R // max(E, 1))
+    rows = -(-R // max(E, 1))
     per_pass = 8
     while per_pass < 64 and per_pass < rows:
         per_pass *= 2
+    wide = per_pass < 64 and R > per_pass and 2 * rows > per_pass
     programs = (E + 1) * -(-O // (2 * WGMMA_COLUMNS))
-    return per_pass, WGMMA_SLOTS[per_pass], 2 if programs >= WGMMA_WAVES * 2 * sms else 1
+    return (per_pass, WGMMA_SLOTS[2 * per_pass if wide else per_pass],
+            2 if programs >= WGMMA_WAVES * 2 * sms else 1, wide)
 
 
 def mxfp4_wgmma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.Tensor, offsets_E: torch.Tensor,
@@ -110,21 +119,23 @@ def mxfp4_wgmma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.T
         return y_RO
     sms = _sm_count(x_RI.device.index if x_RI.device.index is not None else torch.cuda.current_device()) \
         if x_RI.is_cuda else 2
-    per_pass, slots, consumers = wgmma_tile(R, E, O, sms)
+    per_pass, slots, consumers, wide = wgmma_tile(R, E, O, sms)
     columns = consumers * WGMMA_COLUMNS
     x_k = x_RI if mma_order else renumber_k(x_RI)     # (contiguous, 16-byte aligned: as TMA reads it)
     # TMA wants 16-byte aligned rows and base: the codes as one [E O, I / 8] int32 matrix
     if not codes_EOH.is_contiguous() or codes_EOH.data_ptr() % 16:
         codes_EOH = codes_EOH.clone(memory_format=torch.contiguous_format)
     words = codes_EOH.view(torch.int32).view(E * O, H // 4)
-    x_d = TensorDescriptor(x_k, list(x_k.shape), list(x_k.stride()), [per_pass, 64],
-                           gl.NVMMASharedLayout.get_default_for([per_pass, 64], gl.bfloat16))
+    x_d, xw_d = (TensorDescriptor(x_k, list(x_k.shape), list(x_k.stride()), [rows, 64],
+                                  gl.NVMMASharedLayout.get_default_for([rows, 64], gl.bfloat16))
+                 for rows in (per_pass, 2 * per_pass if wide else per_pass))
     c_d = TensorDescriptor(words, list(words.shape), list(words.stride()), [columns, 16],
                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
     grid = ((E + 1) * triton.cdiv(O, columns),)
-    args = (x_d, c_d, scales_EOB, scales_EOB.stride(0), scales_EOB.stride(1), scales_EOB.stride(2), offsets_E, y_RO,
-            R, O, E)
-    kwargs = dict(I=I, BR=per_pass, BMC=columns, S=slots, NC=consumers, num_warps=4, maxnreg=WGMMA_MAXNREG)
+    args = (x_d, xw_d, c_d, scales_EOB, scales_EOB.stride(0), scales_EOB.stride(1), scales_EOB.stride(2), offsets_E,
+            y_RO, R, O, E)
+    kwargs = dict(I=I, BR=per_pass, WIDE=wide, BMC=columns, S=slots, NC=consumers, num_warps=4,
+                  maxnreg=WGMMA_MAXNREG)
     if launcher is not None:
         launcher(_mxfp4_wgmma_kernel, grid, *args, **kwargs)
         return y_RO
@@ -134,24 +145,34 @@ def mxfp4_wgmma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.T
 
 
 @gluon.jit
-def _loader(ready, empty, xs, cs, x_d, c_d, off_ptr, R, O, E, I: gl.constexpr, BR: gl.constexpr,
-            BMC: gl.constexpr, S: gl.constexpr):
-    """The loader partition: per pass and K step, once the consumers have freed the slot, x's tile (two 64-column
-    boxes) and the step's code words of the program's columns."""
+def _loader(ready, empty, xs, cs, x_d, xw_d, c_d, off_ptr, R, O, E, I: gl.constexpr, BR: gl.constexpr,
+            WIDE: gl.constexpr, BMC: gl.constexpr, S: gl.constexpr):
+    """The loader partition: the passes of BR rows, or of 2 BR (``WIDE`` and the expert has more than BR rows)."""
     e, pid_n, start, end = expert_tile(off_ptr, R, O, E, BMC)
-    NK: gl.constexpr = (I + 127) // 128
     if e < E:
-        i = 0
-        for r0 in range(start, end, BR):
-            for k in range(NK):
-                slot = i % S
-                mbarrier.wait(empty.index(slot), ((i // S) & 1) ^ 1)   # a fresh slot's previous phase counts as done
-                bar = ready.index(slot)
-                mbarrier.expect(bar, BR * 128 * 2 + BMC * 64)
-                tma.async_copy_global_to_shared(x_d, [r0, k * 128], bar, xs.index(2 * slot))
-                tma.async_copy_global_to_shared(x_d, [r0, k * 128 + 64], bar, xs.index(2 * slot + 1))
-                tma.async_copy_global_to_shared(c_d, [e * O + pid_n * BMC, k * 16], bar, cs.index(slot))
-                i += 1
+        if WIDE and end - start > BR:
+            _load_passes(ready, empty, xs, cs, xw_d, c_d, e, pid_n, start, end, O, I, 2 * BR, BMC, S)
+        else:
+            _load_passes(ready, empty, xs, cs, x_d, c_d, e, pid_n, start, end, O, I, BR, BMC, S)
+
+
+@gluon.jit
+def _load_passes(ready, empty, xs, cs, x_d, c_d, e, pid_n, start, end, O, I: gl.constexpr, PR: gl.constexpr,
+                 BMC: gl.constexpr, S: gl.constexpr):
+    """Per pass of PR rows and K step, once the consumers have freed the slot: x's tile (two [PR, 64] boxes, into the
+    first PR rows of the slot's tiles) and the step's code words of the program's columns."""
+    NK: gl.constexpr = (I + 127) // 128
+    i = 0
+    for r0 in range(start, end, PR):
+        for k in range(NK):
+            slot = i % S
+            mbarrier.wait(empty.index(slot), ((i // S) & 1) ^ 1)   # a fresh slot's previous phase counts as done
+            bar = ready.index(slot)
+            mbarrier.expect(bar, PR * 128 * 2 + BMC * 64)
+            tma.async_copy_global_to_shared(x_d, [r0, k * 128], bar, xs.index(2 * slot).slice(0, PR))
+            tma.async_copy_global_to_shared(x_d, [r0, k * 128 + 64], bar, xs.index(2 * slot + 1).slice(0, PR))
+            tma.async_copy_global_to_shared(c_d, [e * O + pid_n * BMC, k * 16], bar, cs.index(slot))
+            i += 1
 
 
 @gluon.constexpr_function
@@ -193,16 +214,31 @@ def _max_scale_code(sc_ptr, s_se, s_so, s_sb, e, col0, O, E, NB: gl.constexpr):
 
 @gluon.jit
 def _consumer(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I: gl.constexpr,
-              BR: gl.constexpr, BMC: gl.constexpr, S: gl.constexpr, CI: gl.constexpr):
-    """Consumer partition CI (one warpgroup): weight columns 64 CI ... 64 CI + 63 of the program's BMC, every pass.
-    The decode's two multiplies a pair become one where none of these columns' scale codes is over FOLD_MAX_CODE
-    (``scale_bits``; blocks of |w| >= 16 have more, which trained weights rarely do)."""
+              BR: gl.constexpr, WIDE: gl.constexpr, BMC: gl.constexpr, S: gl.constexpr, CI: gl.constexpr):
+    """Consumer partition CI (one warpgroup): weight columns 64 CI ... 64 CI + 63 of the program's BMC, every pass
+    (of BR rows, or of 2 BR as the loader's). The decode's two multiplies a pair become one where none of these
+    columns' scale codes is over FOLD_MAX_CODE (``scale_bits``; blocks of |w| >= 16 have more, which trained weights
+    rarely do)."""
     e, pid_n, start, end = expert_tile(off_ptr, R, O, E, BMC)
     col0 = pid_n * BMC + CI * 64
     if _max_scale_code(sc_ptr, s_se, s_so, s_sb, e, col0, O, E, I // 32) <= FOLD_MAX_CODE:
-        _passes(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, y_ptr, e, col0, start, end, O, E, I, BR, S, CI, True)
+        _consumer_passes(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, y_ptr, e, col0, start, end, O, E, I, BR,
+                         WIDE, S, CI, True)
     else:
-        _passes(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, y_ptr, e, col0, start, end, O, E, I, BR, S, CI, False)
+        _consumer_passes(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, y_ptr, e, col0, start, end, O, E, I, BR,
+                         WIDE, S, CI, False)
+
+
+@gluon.jit
+def _consumer_passes(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, y_ptr, e, col0, start, end, O, E,
+                     I: gl.constexpr, BR: gl.constexpr, WIDE: gl.constexpr, S: gl.constexpr, CI: gl.constexpr,
+                     FOLD: gl.constexpr):
+    """The passes of 2 BR rows where ``WIDE`` and the expert has more than BR rows, else of BR (as the loader's)."""
+    if WIDE and end - start > BR:
+        _passes(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, y_ptr, e, col0, start, end, O, E, I, 2 * BR, S, CI,
+                FOLD)
+    else:
+        _passes(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, y_ptr, e, col0, start, end, O, E, I, BR, S, CI, FOLD)
 
 
 @gluon.jit
@@ -249,9 +285,9 @@ def _passes(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, y_ptr, e, col0, star
             w0, w1 = gl.split(gl.permute(gl.reshape(words, [4, 2, 8, 4, 2, 2]), [0, 1, 2, 3, 5, 4]))
             s0, s1 = gl.split(gl.permute(gl.reshape(scale2, [4, 2, 8, 4, 2, 2]), [0, 1, 2, 3, 5, 4]))
             a0 = _decode_half(w0, s0, A_L, FOLD)
-            acc = warpgroup_mma(a0, xs.index(2 * slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(a0, xs.index(2 * slot).slice(0, BR).permute((1, 0)), acc, is_async=True)
             a1 = _decode_half(w1, s1, A_L, FOLD)
-            acc = warpgroup_mma(a1, xs.index(2 * slot + 1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(a1, xs.index(2 * slot + 1).slice(0, BR).permute((1, 0)), acc, is_async=True)
             acc, a0, a1 = warpgroup_mma_wait(0, deps=[acc, a0, a1])
             gl.thread_barrier()                       # the warpgroup's reads of the slot are done before it is freed
             mbarrier.arrive(empty.index(slot), count=1)
@@ -263,13 +299,14 @@ def _passes(ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, y_ptr, e, col0, star
 
 
 @gluon.jit
-def _mxfp4_wgmma_kernel(x_d, c_d, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I: gl.constexpr,
-                        BR: gl.constexpr, BMC: gl.constexpr, S: gl.constexpr, NC: gl.constexpr,
+def _mxfp4_wgmma_kernel(x_d, xw_d, c_d, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I: gl.constexpr,
+                        BR: gl.constexpr, WIDE: gl.constexpr, BMC: gl.constexpr, S: gl.constexpr, NC: gl.constexpr,
                         num_warps: gl.constexpr):
     """Program (expert e, BMC = 64 NC weight columns): the ring, its barriers, and the partitions (NC consumer
     warpgroups, the first in the kernel's own 4 warps, and the loader). x_d: TMA descriptor of x in the MMA's k
-    order in [BR, 64] boxes; c_d: of the code words as [E O, I / 8] int32 in [BMC, 16] boxes."""
-    xs = gl.allocate_shared_memory(gl.bfloat16, [2 * S, BR, 64], x_d.layout)
+    order in [BR, 64] boxes, xw_d in [2 BR, 64] (``WIDE``; else x_d again); c_d: of the code words as [E O, I / 8]
+    int32 in [BMC, 16] boxes."""
+    xs = gl.allocate_shared_memory(gl.bfloat16, [2 * S, 2 * BR if WIDE else BR, 64], xw_d.layout)
     cs = gl.allocate_shared_memory(gl.int32, [S, BMC, 16], c_d.layout)
     ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
@@ -278,15 +315,18 @@ def _mxfp4_wgmma_kernel(x_d, c_d, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O
         mbarrier.init(empty.index(s), count=NC)     # every consumer hands a slot back
     if NC == 1:
         gl.warp_specialize([
-            (_consumer, (ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I, BR, BMC, S, 0)),
-            (_loader, (ready, empty, xs, cs, x_d, c_d, off_ptr, R, O, E, I, BR, BMC, S)),
+            (_consumer, (ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I, BR, WIDE, BMC, S,
+                         0)),
+            (_loader, (ready, empty, xs, cs, x_d, xw_d, c_d, off_ptr, R, O, E, I, BR, WIDE, BMC, S)),
         ], [1], [_LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I, BR, BMC, S, 0)),
-            (_consumer, (ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I, BR, BMC, S, 1)),
-            (_loader, (ready, empty, xs, cs, x_d, c_d, off_ptr, R, O, E, I, BR, BMC, S)),
-        ], [4, 1], [WGMMA_REGS, _LOADER_REGS])
+            (_consumer, (ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I, BR, WIDE, BMC, S,
+                         0)),
+            (_consumer, (ready, empty, xs, cs, sc_ptr, s_se, s_so, s_sb, off_ptr, y_ptr, R, O, E, I, BR, WIDE, BMC, S,
+                         1)),
+            (_loader, (ready, empty, xs, cs, x_d, xw_d, c_d, off_ptr, R, O, E, I, BR, WIDE, BMC, S)),
+        ], [4, 1], [WGMMA_WIDE_REGS if WIDE else WGMMA_REGS, _LOADER_REGS])
     for s in gl.static_range(S):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))

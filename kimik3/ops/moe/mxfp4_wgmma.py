@@ -13,9 +13,9 @@ in the same pass); other rows go through ``renumber_k`` first (one pass, as long
 one row an expert, 10% at 64, with 112 experts). Stored so, x reaches shared memory by TMA with no registers, and
 every program reads it in the MMA's order.
 
-A program takes (expert e, 64 NC weight columns) and its expert's rows in passes of BR (8, 16, 32 or 64), or,
-below 64, of 2 BR where its expert has more than BR rows (each program reads its expert's count; each further pass
-re-reads the codes from L2):
+A program takes (expert e, 64 NC weight columns) and its expert's rows in passes of BR (8, 16, 32 or 64), or, in
+the wide form (below 64, ``wgmma_tile`` says when), of 2 BR where its expert has more than BR rows (each program
+reads its expert's count; each further pass re-reads the codes from L2):
 
 - a 1-warp loader partition fills an S-slot ring, per (pass, 128-element K step): x's tile as two [BR, 64] TMA boxes
   (wgmma's B, 128-byte swizzle) and the step's code words, one [64 NC, 16] int32 box (its rows are the program's

@@ -10,7 +10,6 @@ also converts a single-file model.
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
@@ -49,15 +48,12 @@ def trained(tmp_path, monkeypatch):
     from tests.corpus import write_code_corpus
     from tests.train.small_run import write_small_config
 
-    monkeypatch.setenv("KIMIK3_CACHE", str(tmp_path / "cache"))   # the spawned ranks inherit it
+    monkeypatch.setenv("KIMIK3_CACHE", str(tmp_path / "cache"))   # the ranks inherit it
     (tmp_path / "corpus").mkdir()
     corpus = write_code_corpus(tmp_path / "corpus", 40)
     config = write_small_config(tmp_path)
     run = tmp_path / "run"
-    # The spawned ranks import the worker by its module's name; pytest imports this file as
-    # "interop.test_dcp_export" (tests/interop is a package, tests/ is not), a name only the importable one replaces.
-    worker = importlib.import_module("tests.interop.test_dcp_export")._worker
-    outs = run_ranks(worker, 2, tmp_path, str(config), str(corpus), str(run))
+    outs = run_ranks(_worker, 2, tmp_path, str(config), str(corpus), str(run))
     return run, outs[0]["logits"]
 
 

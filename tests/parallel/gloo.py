@@ -1,8 +1,11 @@
-"""Run a function on N gloo ranks (spawned processes) and collect what each rank returns.
+"""Run a function on N gloo ranks (forked processes) and collect what each rank returns.
 
 ``run_ranks(worker, world, tmp_path, *args)`` calls ``worker(rank, world, *args)`` in every rank
 after ``init_process_group("gloo")``; the worker returns a dict of tensors, which travels back
-through safetensors (never pickle). The worker must be a module-level function (spawn imports it).
+through safetensors (never pickle). The ranks are forked from the test process: they start with its
+imports and state (a spawned rank re-imports torch and kimik3, seconds of CPU a rank, more than most
+of these tests compute) and each runs one intra-op thread, set before any torch op (the parent's
+OpenMP threads do not survive a fork).
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ def _entry(worker: Callable, rank: int, world: int, init_file: str, out_file: st
     exit_rank()
 
 
-def run_ranks(worker: Callable, world: int, tmp_path: Path, *args, timeout: float = 300) -> list[dict[str, torch.Tensor]]:
-    ctx = mp.get_context("spawn")
+def run_ranks(worker: Callable, world: int, tmp_path: Path, *args,
+              timeout: float = 300) -> list[dict[str, torch.Tensor]]:
+    ctx = mp.get_context("fork")   # (the module docstring says why not spawn)
     init_file = tmp_path / f"init-{worker.__name__}-{world}"
     outs = [tmp_path / f"{worker.__name__}-{world}-r{rank}.safetensors" for rank in range(world)]
     procs = [ctx.Process(target=_entry, args=(worker, rank, world, str(init_file), str(outs[rank]), args))

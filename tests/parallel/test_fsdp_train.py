@@ -6,10 +6,10 @@ single-process run of 4 steps, interrupted after step 2 (checkpoint at 2) and re
 must reproduce its losses (the global batch of a step is the single-process batch; only reduction
 order differs), and checkpoints cross between the two kinds of run in both directions.
 
-Spawning ranks costs more than training this model, so one 2-rank process group runs every 2-rank
+Starting ranks costs more than training this model, so one 2-rank process group runs every 2-rank
 case in turn (each layout builds its own mesh) and one test checks them all, each case in a
 ``_check_*`` function of its own; one 4-rank group runs dp=2 x ep=2 x cp=2. (One test, not a shared
-fixture: pytest-xdist hands a module's tests to both workers, which would each spawn the group.)
+fixture: pytest-xdist hands a module's tests to both workers, which would each start the group.)
 """
 
 from __future__ import annotations

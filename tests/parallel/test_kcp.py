@@ -2,8 +2,8 @@
 
 Each worker rebuilds the same global inputs from a seed, runs its contiguous segment, and returns its
 outputs and gradients; the test process concatenates them and compares with the single-process run.
-Process start-up dominates on shared CPUs, so each spawn serves one test that checks everything it can:
-the ops on four ranks, the Triton kernels on two, the model on two.
+Starting the ranks and their process group dominates on shared CPUs, so each group serves one test that checks
+everything it can: the ops on four ranks, the Triton kernels on two, the model on two.
 """
 
 from __future__ import annotations
@@ -64,12 +64,12 @@ def unprefixed(prefix: str, outs: list[dict[str, torch.Tensor]]) -> list[dict[st
 
 
 def triton_interpreted() -> bool:
-    """Whether the spawned ranks can run the Triton kernels on CPU tensors (tests/conftest.py turns the
+    """Whether the ranks can run the Triton kernels on CPU tensors (tests/conftest.py turns the
     interpreter on without CUDA; the ranks inherit it)."""
     return importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# ------------------------------------------------------------------ workers (module level: spawned)
+# ------------------------------------------------------------------ workers
 
 
 def _kda_worker(rank, world, lengths, seed, use_h0, batch=B, backend="torch"):

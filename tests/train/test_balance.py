@@ -434,7 +434,7 @@ def _rank_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
 
 
 def test_two_gloo_ranks_equal_one_process_over_all_tokens(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork")   # as tests/parallel/gloo.py: no re-import of torch a rank
     procs = [ctx.Process(target=_rank_worker,
                          args=(rank, 2, str(tmp_path / "init"), str(tmp_path / f"r{rank}.safetensors")))
              for rank in range(2)]

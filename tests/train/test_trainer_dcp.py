@@ -1,10 +1,10 @@
 """The Trainer on 2 gloo ranks writes sharded (DCP) checkpoints, and resumes exactly from them on 2 ranks and on 1.
 
-One 2-rank group (spawning ranks costs more than training the small model) runs, with dp=2: an
-uninterrupted 4-step run, checkpointed every 2 steps, the same with its checkpoints written asynchronously,
-and the same run interrupted after step 2 then resumed on the same 2 ranks. The single-process checks then resume a copy of the interrupted run on
-1 rank, and a copy of the finished run whose newest checkpoint is damaged. (One test, not a shared
-fixture: pytest-xdist would give a module's tests to both workers, which would each spawn the group.)
+One 2-rank group (starting ranks costs more than training the small model) runs, with dp=2: an uninterrupted 4-step
+run, checkpointed every 2 steps, the same with its checkpoints written asynchronously, and the same run interrupted
+after step 2 then resumed on the same 2 ranks. The single-process checks then resume a copy of the interrupted run
+on 1 rank, and a copy of the finished run whose newest checkpoint is damaged. (One test, not a shared fixture:
+pytest-xdist would give a module's tests to both workers, which would each start the group.)
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ after ``init_process_group("gloo")``; the worker returns a dict of tensors, whic
 through safetensors (never pickle). The ranks are forked from the test process: they start with its
 imports and state (a spawned rank re-imports torch and kimik3, seconds of CPU a rank, more than most
 of these tests compute) and each runs one intra-op thread, set before any torch op (the parent's
-OpenMP threads do not survive a fork).
+OpenMP threads do not survive a fork). The ranks compute on the CPU: a forked process cannot use a
+CUDA context its parent made.
 """
 
 from __future__ import annotations

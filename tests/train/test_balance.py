@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing as mp
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from kimik3 import K3Config, K3ForCausalLM
 from kimik3.model.moe import LatentMoE, Router, RoutingRecord
@@ -25,6 +23,7 @@ from kimik3.train import (
     sign_update,
 )
 from kimik3.train.balance import accumulate_histogram, bin_range, histogram_quantile, required_bias
+from tests.parallel.gloo import run_ranks
 
 
 def skewed_scores(num_tokens: int, num_experts: int, spread: float = 1.0, seed: int = 0) -> torch.Tensor:
@@ -411,38 +410,26 @@ def test_bad_arguments():
 
 
 # ---------------------------------------------------------------------------- distributed
-def _rank_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
+def _rank_worker(rank: int, world: int, out_dir: str) -> dict[str, torch.Tensor]:
+    """(``run_ranks``) this rank's expert bias after each of 2 steps; the steps' metrics in ``out_dir/r<rank>.json``."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        router = random_router(16, 24, 3)
-        qb = QuantileBalancer([router], num_bins=400, all_reduce=dist.all_reduce)
-        biases, metrics = [], []
-        for step in range(2):
-            x_TD = router_inputs(1200, 16, seed=10 + step)
-            for chunk in x_TD.chunk(world)[rank].chunk(2):  # this rank's half, as two micro-batches
-                observed(qb, chunk)
-            metrics.append(qb.step())
-            biases.append(router.expert_bias.clone())
-        save_file({f"bias{i}": b for i, b in enumerate(biases)}, out_file)
-        with open(out_file + ".json", "w") as handle:
-            json.dump(metrics, handle)
-    finally:
-        dist.destroy_process_group()
+    router = random_router(16, 24, 3)
+    qb = QuantileBalancer([router], num_bins=400, all_reduce=dist.all_reduce)
+    biases, metrics = [], []
+    for step in range(2):
+        x_TD = router_inputs(1200, 16, seed=10 + step)
+        for chunk in x_TD.chunk(world)[rank].chunk(2):  # this rank's half, as two micro-batches
+            observed(qb, chunk)
+        metrics.append(qb.step())
+        biases.append(router.expert_bias.clone())
+    with open(f"{out_dir}/r{rank}.json", "w") as handle:
+        json.dump(metrics, handle)
+    return {f"bias{i}": b for i, b in enumerate(biases)}
 
 
 def test_two_gloo_ranks_equal_one_process_over_all_tokens(tmp_path):
-    ctx = mp.get_context("fork")   # as tests/parallel/gloo.py: no re-import of torch a rank
-    procs = [ctx.Process(target=_rank_worker,
-                         args=(rank, 2, str(tmp_path / "init"), str(tmp_path / f"r{rank}.safetensors")))
-             for rank in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    outs = run_ranks(_rank_worker, 2, tmp_path, str(tmp_path))
 
     router = random_router(16, 24, 3)
     qb = QuantileBalancer([router], num_bins=400)
@@ -451,9 +438,8 @@ def test_two_gloo_ranks_equal_one_process_over_all_tokens(tmp_path):
         observed(qb, router_inputs(1200, 16, seed=10 + step))
         single_metrics.append(qb.step())
         single_biases.append(router.expert_bias.clone())
-    for rank in range(2):
-        biases = load_file(tmp_path / f"r{rank}.safetensors")
-        metrics = json.loads((tmp_path / f"r{rank}.safetensors.json").read_text())
+    for rank, biases in enumerate(outs):
+        metrics = json.loads((tmp_path / f"r{rank}.json").read_text())
         for step in range(2):
             assert torch.equal(biases[f"bias{step}"], single_biases[step]), f"rank {rank} step {step}"
             assert metrics[step] == json.loads(json.dumps(single_metrics[step]))

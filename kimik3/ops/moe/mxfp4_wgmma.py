@@ -126,9 +126,12 @@ def mxfp4_wgmma(x_RI: torch.Tensor, codes_EOH: torch.Tensor, scales_EOB: torch.T
     if not codes_EOH.is_contiguous() or codes_EOH.data_ptr() % 16:
         codes_EOH = codes_EOH.clone(memory_format=torch.contiguous_format)
     words = codes_EOH.view(torch.int32).view(E * O, H // 4)
-    x_d, xw_d = (TensorDescriptor(x_k, list(x_k.shape), list(x_k.stride()), [rows, 64],
-                                  gl.NVMMASharedLayout.get_default_for([rows, 64], gl.bfloat16))
-                 for rows in (per_pass, 2 * per_pass if wide else per_pass))
+    def x_boxes(rows):   # x's TMA descriptor in [rows, 64] boxes
+        return TensorDescriptor(x_k, list(x_k.shape), list(x_k.stride()), [rows, 64],
+                                gl.NVMMASharedLayout.get_default_for([rows, 64], gl.bfloat16))
+
+    x_d = x_boxes(per_pass)
+    xw_d = x_boxes(2 * per_pass) if wide else x_d
     c_d = TensorDescriptor(words, list(words.shape), list(words.stride()), [columns, 16],
                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
     grid = ((E + 1) * triton.cdiv(O, columns),)

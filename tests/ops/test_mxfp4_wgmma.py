@@ -52,8 +52,8 @@ def run(x, mx_or_codes, scales=None, offsets=None, mma_order=False):
     return wg.mxfp4_wgmma(x, codes, scales, offsets, mma_order=mma_order, launcher=emulate)
 
 
-# (E, I, O, rows an expert): rows a pass BR the mean's next power of two from 8 to 64; below 64 and at a mean over
-# half of BR, an expert of more than BR rows takes passes of 2 BR
+# (E, I, O, rows an expert): rows a pass BR the mean's next power of two from 8 to 64; an expert of more than BR
+# rows takes passes of 2 BR below 64 at a mean over half of BR, and of 64 + 16 at 64 at a mean over 48
 CASES = [
     (4, 96, 40, [3, 0, 7, 1]),          # 8 a pass, none over: empty middle expert; one partial K step; partial
                                         # column tile
@@ -64,7 +64,11 @@ CASES = [
     (2, 256, 72, [40, 9]),              # 32 a pass (25 on average): 40 in one pass of 64; partial column tile
     (3, 384, 136, [70, 0, 20]),         # 32 a pass (30 on average): 70 in two passes of 64, 20 in one of 32;
                                         # 3 K steps; two column tiles, the second partial
-    (2, 160, 72, [130, 70]),            # 64 a pass (the most, none wider): three passes of 130; partial K step
+    (3, 160, 72, [70, 0, 30]),          # 64 a pass (34 on average: no wider passes): 70 in two passes of 64;
+                                        # partial K step
+    (4, 160, 72, [75, 0, 60, 62]),      # 64 a pass (50 on average): 75 in one pass of 64 + 16 (the tail's
+                                        # accumulator), 60 and 62 in one of 64; partial K step
+    (2, 160, 72, [130, 70]),            # 64 a pass (the most): 130 in two passes of 64 + 16, 70 in one
 ]
 
 
@@ -100,16 +104,18 @@ def test_x_in_the_mma_order(E, I, O, counts, consumers):
 def test_tile_by_rows_an_expert_and_by_the_grid():
     sizes = (0, 8, 4 * 8, 5 * 8, 8 * 8, 8 * 8 + 1, 16 * 8, 16 * 8 + 1, 32 * 8, 32 * 8 + 1, 64 * 8, 4096)
     assert [wg.wgmma_tile(R, 8)[0] for R in sizes] == [8, 8, 8, 8, 8, 16, 16, 32, 32, 64, 64, 64]
-    # the passes of twice the rows: below 64 a pass, where some expert can have more rows than a pass and the mean
-    # is over half a pass
+    # the wide passes (twice the rows below 64 a pass, 64 + 16 at 64), where some expert can have more rows than a
+    # pass and the mean is over half a pass (below 64) or three quarters (at 64)
     assert [wg.wgmma_tile(R, 8)[3] for R in sizes] == [False, False, False, True, True, True, True, True, True,
-                                                       False, False, False]
+                                                       False, True, True]
+    assert [wg.wgmma_tile(8 * r, 8)[3] for r in (48, 49)] == [False, True]
     assert wg.wgmma_tile(5, 0)[:4:3] == (8, False) and wg.wgmma_tile(9, 1)[:4:3] == (16, False)
     assert wg.wgmma_tile(9, 2)[:4:3] == (8, True)
     assert all(wg.wgmma_tile(R, 1)[1] >= 2 for R in (8, 16, 32, 64))
     # K3's 896 experts over 8 GPUs (112 local) take 128 columns a program, over 64 (14 local) 64 columns
     assert [wg.wgmma_tile(112, E, O, 132)[2] for E, O in ((112, 3072), (112, 3584), (112, 6144), (14, 3072),
                                                           (14, 3584), (14, 6144))] == [2, 2, 2, 1, 1, 1]
+    assert [wg.wgmma_tile(112 * r, 112, 3072, 132)[2:] for r in (40, 64)] == [(2, False), (2, True)]
 
 
 def test_every_code_decodes_exactly():
@@ -152,24 +158,38 @@ def test_no_rows():
 
 
 # (rows an expert) the kernel is compiled in: every rows a pass, 8 both without and with the passes of 16, 16 and 32
-# with the passes of twice as many; by default the smallest and the largest ring with the passes of 2 BR and the
-# largest without
-COMPILE_ROWS_ALL = [4, 8, 16, 32, 64]
-COMPILE_ROWS = [8, 32, 64]
+# with the passes of twice as many, 64 without and with the tail of 32 (40 and 64 on average); by default the
+# smallest and the largest ring with the passes of 2 BR, 64 with and without its tail
+COMPILE_ROWS_ALL = [4, 8, 16, 32, 40, 64]
+COMPILE_ROWS = [8, 32, 40, 64]
+
+
+def _compiled_tiles(per_expert_rows):
+    """``wgmma_tile``'s (BR, S, NC, wide) for 8 experts at each of ``per_expert_rows`` with one consumer and with two
+    where it allows two (as the compile step below runs them), each once."""
+    tiles = []
+    for waves in (10 ** 9, 0):
+        saved, wg.WGMMA_WAVES = wg.WGMMA_WAVES, waves
+        try:
+            tiles += [t for t in (wg.wgmma_tile(8 * r, 8, 3072, 2) for r in per_expert_rows) if t not in tiles]
+        finally:
+            wg.WGMMA_WAVES = saved
+    return tiles
 
 
 def _check_compiled(rows_, per_expert_rows):
     """Each compiled form's shared memory is the ring, small enough for three programs an SM with one consumer and
     two with two; within ``WGMMA_MAXNREG`` registers, as many as fit those programs, and without spills."""
-    assert len(rows_) == 2 * len(per_expert_rows)
-    for (consumers, per_expert), row in zip([(c, r) for c in (1, 2) for r in per_expert_rows], rows_):
-        per_pass, slots, _, wide = wg.wgmma_tile(8 * per_expert, 8)
-        ring = slots * ((2 if wide else 1) * per_pass * 128 * 2 + consumers * wg.WGMMA_COLUMNS * 64)
+    tiles = _compiled_tiles(per_expert_rows)
+    assert [tuple(row["tile"]) for row in rows_] == tiles
+    for (per_pass, slots, consumers, wide), row in zip(tiles, rows_):
+        x_rows = per_pass + (wg.WGMMA_TAIL if per_pass == 64 else per_pass) * wide
+        ring = slots * (x_rows * 128 * 2 + consumers * wg.WGMMA_COLUMNS * 64)
         assert ring <= row["shared_bytes"] <= ring + 1024, row      # (+ the barriers)
         assert row["shared_bytes"] <= 227 * 1024 // (4 - consumers), row
-        # (32 rows a pass with the passes of 64 compiled in, two consumers: one 4-byte value spills at every split of
-        # the registers; the GPU timings include it)
-        spill = 4 if (per_pass, wide, consumers) == (32, True, 2) else 0
+        # (32 rows a pass with the passes of 64 compiled in, and 64 with the passes of 64 + 16, two consumers: one
+        # 4-byte value spills at every split of the registers; the GPU timings include it)
+        spill = 4 if (per_pass, wide, consumers) in ((32, True, 2), (64, True, 2)) else 0
         assert row["spill_store_bytes"] <= spill and row["spill_load_bytes"] <= spill, row
         assert row["registers"] <= wg.WGMMA_MAXNREG and row["num_warps"] == 4 * consumers + 4, row
         assert row["num_warps"] * 32 * row["registers"] * (4 - consumers) <= 65536, row
@@ -203,12 +223,15 @@ if __name__ == "__main__":  # the compile step of the two tests above
     E, I, O = 8, 3584, 3072
     codes = torch.zeros(E, O, I // 2, dtype=torch.uint8)
     scales = torch.zeros(E, O, I // 32, dtype=torch.uint8)
-    for consumers in (1, 2):
+    tiles = []
+    for per_pass, slots, consumers, wide in _compiled_tiles(COMPILE_ROWS_ALL if "--all" in sys.argv else COMPILE_ROWS):
+        # rows an expert that give this tile, its consumers forced through the waves threshold
         wg.WGMMA_WAVES = 10 ** 9 if consumers == 1 else 0
-        for per_expert in COMPILE_ROWS_ALL if "--all" in sys.argv else COMPILE_ROWS:
-            R = E * per_expert
-            wg.mxfp4_wgmma(torch.zeros(R, I, dtype=torch.bfloat16), codes, scales,
-                           torch.full((E,), per_expert, dtype=torch.int32).cumsum(0).int(), mma_order=True,
-                           launcher=lambda kernel, grid, *a, **kw: compiler(kernel, list(a), kw, grid))
-    print(json.dumps([{k: row[k] for k in ("kernel", "registers", "num_warps", "shared_bytes", "spill_store_bytes",
-                                           "spill_load_bytes")} for row in compiler.rows]))
+        R = next(8 * r for r in range(1, 65) if wg.wgmma_tile(8 * r, E, O, 2) == (per_pass, slots, consumers, wide))
+        wg.mxfp4_wgmma(torch.zeros(R, I, dtype=torch.bfloat16), codes, scales,
+                       torch.full((E,), R // E, dtype=torch.int32).cumsum(0).int(), mma_order=True,
+                       launcher=lambda kernel, grid, *a, **kw: compiler(kernel, list(a), kw, grid))
+        tiles.append([per_pass, slots, consumers, wide])
+    print(json.dumps([{"tile": tile, **{k: row[k] for k in ("kernel", "registers", "num_warps", "shared_bytes",
+                                                            "spill_store_bytes", "spill_load_bytes")}}
+                      for tile, row in zip(tiles, compiler.rows)]))

@@ -35,6 +35,10 @@ __all__ = ["MMA_STEP", "expert_rows_mxfp8", "mma_k_order_reference", "mma_width"
 MMA_STEP = 128     # the K step whose elements the MMA order permutes
 # A program's tile: 16 rows x 2 steps (256 elements), 4 warps (renumber_k at x.clone()'s speed, H100).
 BLOCK_R, STEPS, WARPS = 16, 2, 4
+# The SiTU-GLU kernel's: 8 rows x 1 step, 4 warps. Its arithmetic is issue-bound (~100 instructions an element), so
+# smaller programs fill the SMs better, and a decode batch gets more of them (14 rows: 48 against 12 at 16 x 2):
+# 1.15-1.24x faster at 448-7,168 rows, 2.1-2.5x at 14-112 (H100, benchmarks/NOTES-quant.md).
+GLU_BLOCK_R, GLU_STEPS, GLU_WARPS = 8, 1, 4
 
 
 def mma_width(I: int) -> int:
@@ -126,12 +130,11 @@ def situ_glu_mxfp8(gate_RF: torch.Tensor, up_RF: torch.Tensor, row_weight_R: tor
     out = torch.empty(R, mma_width(F) if mma_order else F, dtype=gate_RF.dtype, device=gate_RF.device)
     if R == 0:
         return out
-    grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(out.shape[1], MMA_STEP * STEPS))
+    grid = (triton.cdiv(R, GLU_BLOCK_R), triton.cdiv(out.shape[1], MMA_STEP * GLU_STEPS))
     with on_device(gate_RF.device):
         _situ_glu_mxfp8_kernel[grid](gate_RF, gate_RF.stride(0), up_RF, up_RF.stride(0),
                                      row_weight_R, row_weight_R.stride(0), out, R, F, out.shape[1],
-                                     MMA=mma_order, BLOCK_R=BLOCK_R, C=STEPS,
-                                     num_warps=WARPS)
+                                     MMA=mma_order, BLOCK_R=GLU_BLOCK_R, C=GLU_STEPS, num_warps=GLU_WARPS)
     return out
 
 

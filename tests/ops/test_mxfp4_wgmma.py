@@ -158,7 +158,7 @@ def test_no_rows():
 
 
 # (rows an expert) the kernel is compiled in: every rows a pass, 8 both without and with the passes of 16, 16 and 32
-# with the passes of twice as many, 64 without and with the tail of 32 (40 and 64 on average); by default the
+# with the passes of twice as many, 64 without and with the tail of 16 (40 and 64 on average); by default the
 # smallest and the largest ring with the passes of 2 BR, 64 with and without its tail
 COMPILE_ROWS_ALL = [4, 8, 16, 32, 40, 64]
 COMPILE_ROWS = [8, 32, 40, 64]

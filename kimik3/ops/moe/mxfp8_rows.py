@@ -33,7 +33,8 @@ from kimik3.quant.mx import BLOCK_SIZE
 __all__ = ["MMA_STEP", "expert_rows_mxfp8", "mma_k_order_reference", "mma_width", "renumber_k", "situ_glu_mxfp8"]
 
 MMA_STEP = 128     # the K step whose elements the MMA order permutes
-# A program's tile: 16 rows x 2 steps (256 elements), 4 warps (renumber_k at x.clone()'s speed, H100).
+# The rows kernel's tile (expert_rows_mxfp8, renumber_k): 16 rows x 2 steps (256 elements), 4 warps (renumber_k at
+# x.clone()'s speed, H100).
 BLOCK_R, STEPS, WARPS = 16, 2, 4
 # The SiTU-GLU kernel's: 8 rows x 1 step, 4 warps. Its arithmetic is issue-bound (~100 instructions an element), so
 # smaller programs fill the SMs better, and a decode batch gets more of them (14 rows: 48 against 12 at 16 x 2):

@@ -31,11 +31,12 @@ The decode's instructions compete with the tensor cores' issue at 32-64 rows a p
 in kernel order (``kimik3.quant.kernel_order``: a word's four pairs of elements out in nine integer operations, where
 the OCP order takes fifteen) and one multiply a pair, 179 instructions a thread a K step at 64 rows (sm_90 SASS, the
 loop with the wgmmas, loads and barriers; 227 in the OCP order). With them cut, the decode no longer sets the pace
-there (without its multiply the kernel is 1-3% faster): the tensor cores at this tile, the shared memory and the
-steps' synchronisation do (benchmarks/NOTES-quant.md). Each consumer first reads the largest
-scale code of its 64 columns (the bytes its K steps read next, so they then come from L2): up to 128, the two
-multiplies of a pair (by 2^126, then by the scale) are one, by 2^126 x the scale, a bf16 as long as the code is at
-most 128 (blocks of |w| < 16: trained weights' blocks), with the same bits; otherwise the warpgroup takes the two.
+there (without its multiply the kernel is 1-3% faster): at 64 rows the bytes an SM has in flight toward shared memory
+do, mostly x's tiles (the ring's slots: with two instead of three the kernel is slower at three programs an SM or
+four, and shared memory holds no more; benchmarks/NOTES-quant.md). Each consumer first reads the largest scale code
+of its 64 columns (the bytes its K steps read next, so they then come from L2): up to 128, the two multiplies of a
+pair (by 2^126, then by the scale) are one, by 2^126 x the scale, a bf16 as long as the code is at most 128 (blocks
+of |w| < 16: trained weights' blocks), with the same bits; otherwise the warpgroup takes the two.
 
 The partitions drift apart by up to S steps, so one warpgroup's decode overlaps another's tensor work and the
 copies of the next steps. NC is 2 (two programs an SM: ``maxnreg`` 80 over 12 warps, the consumers at 112 and 104

@@ -101,6 +101,23 @@ def test_x_in_the_mma_order(E, I, O, counts, consumers):
     assert_close_to_reference(y, x, mx, offsets)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="K3's sizes run on the GPU (the emulator would take many minutes)")
+@pytest.mark.parametrize("routing", ["uniform", "random"])
+def test_k3_sizes_with_many_programs_an_sm(routing, consumers):
+    """K3's down matmul (3,072 -> 3,584) over 14 local experts at 64 rows an expert, every expert the same rows or
+    rows sent at random (50-76 an expert: passes of 64 + 16 for those over 64): each SM runs its full count of
+    programs, each 24 K steps around the ring, so a slot handed back while a wgmma still reads it shows here (the
+    small cases above leave the loader too little to run ahead)."""
+    E, I, O = 14, 3072, 3584
+    mx = weights(E, I, O)
+    gen = torch.Generator().manual_seed(3)
+    counts = [64] * E if routing == "uniform" else \
+        torch.bincount(torch.randint(0, E, (64 * E,), generator=gen), minlength=E).tolist()
+    offsets = offsets_of(counts)
+    x = rows(64 * E, I, torch.bfloat16)
+    assert_close_to_reference(run(x, mx, offsets=offsets), x, mx, offsets)
+
+
 def test_tile_by_rows_an_expert_and_by_the_grid():
     sizes = (0, 8, 4 * 8, 5 * 8, 8 * 8, 8 * 8 + 1, 16 * 8, 16 * 8 + 1, 32 * 8, 32 * 8 + 1, 64 * 8, 4096)
     assert [wg.wgmma_tile(R, 8)[0] for R in sizes] == [8, 8, 8, 8, 8, 16, 16, 32, 32, 64, 64, 64]

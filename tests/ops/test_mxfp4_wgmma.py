@@ -7,12 +7,14 @@ partition in a thread of its own, the TMA copies and mbarriers with Hopper's rul
 bounds-checked, the inline PTX and wgmma emulated with the GPU's rounding; ``renumber_k``, a Triton kernel, runs
 under TRITON_INTERPRET=1); a compile for sm_90 in its own process checks what the emulator cannot: that the layout
 conversions are trivial (asserted in the kernel), that nothing spills within the register budget that lets two
-programs share an SM, and the ring's shared memory. On a Hopper GPU the same cases run on the device.
+programs share an SM, and the ring's shared memory. On a Hopper GPU the same cases run on the device, and one more
+at K3's sizes: the emulator computes a wgmma when it is issued, so a ring slot handed back while a wgmma still reads
+it shows only there, with many programs an SM.
 
-Cases: every rows a pass (8, 16, 32, 64); more rows an expert than a pass (several passes); empty experts first, in
-the middle and last; partial column tiles (O not a multiple of 128) and partial K steps (I a multiple of 32, not of
-128); rows past offsets[-1] (zeros); every E2M1 code under many scale codes (the decode bit for bit); scale code 255
-(NaN); strided inputs; offsets out of range (in bounds).
+Cases: every rows a pass (8, 16, 32, 64); more rows an expert than a pass (several passes, the wider passes of 2 BR
+and of 64 + 16); empty experts first, in the middle and last; partial column tiles (O not a multiple of 128) and
+partial K steps (I a multiple of 32, not of 128); rows past offsets[-1] (zeros); every E2M1 code under many scale
+codes (the decode bit for bit); scale code 255 (NaN); strided inputs; offsets out of range (in bounds).
 """
 
 from __future__ import annotations
